@@ -1,0 +1,193 @@
+"""The hybrid cache: a static, position-indexed KV cache for attention layers and, for SSM
+layers, a conv window plus recurrent state kept through a rollback strategy.
+
+Layout (left-padded batches, as Hugging Face lays them out): column ``c`` of row ``b`` of
+every KV buffer holds the token at that column of the left-padded sequence; columns
+``< pad[b]`` are padding and always masked. ``seq_len[b]`` columns are committed. A step
+writes its tokens at columns ``seq_len[b] + j``; attention of step token j sees columns
+``pad[b] .. seq_len[b] + j``. Rolling attention back is just not advancing ``seq_len`` past
+the accepted tokens: stale columns are masked and later overwritten.
+
+SSM layers get a :class:`SSMLayerCache` that the model adapters call from the mixer:
+``conv(...)`` for the causal conv (window of W-1+T_max inputs, commit by offset) and
+``ssm(...)`` for the recurrence (through the rollback strategy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import SSMOp
+from .kernels.conv1d.naive import conv1d_commit, conv1d_verify
+from .rollback import RollbackStrategy
+
+__all__ = ["HybridCache", "SSMLayerCache"]
+
+
+class SSMLayerCache:
+    """Conv window and recurrent state of one SSM layer.
+
+    Args:
+        op: the recurrence (``specdec.kernels.OPS``). strategy: the rollback strategy.
+        batch, max_step_tokens: B and T_max (= num_speculative_tokens + 1).
+        layer: layer index (for error messages).
+    """
+
+    def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int):
+        self.op = op
+        self.strategy = strategy
+        self.layer = layer
+        self.max_step_tokens = max_step_tokens
+        self.store = strategy.new_store(batch, max_step_tokens, layer)
+        self.conv_window: torch.Tensor | None = None
+        self.conv_width = 0
+        self.params: dict = {}
+        self.step_tokens = 0  # tokens of the open step run through conv (same for the SSM store)
+
+    # --- loading ---------------------------------------------------------------------------
+    def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor, conv_width: int) -> None:
+        """Set the committed state after prefill.
+
+        Args:
+            conv_state: ``[B, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
+                for a layer without conv. ssm_state: ``[B, *S]``. conv_width: W.
+        """
+        if conv_state is not None:
+            hist = conv_width - 1
+            B, C = conv_state.shape[:2]
+            win = conv_state.new_zeros(B, C, hist + self.max_step_tokens)
+            if hist:
+                win[:, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist :]
+            self.conv_window = win
+        self.conv_width = conv_width
+        self.strategy.load(self.store, ssm_state)
+        self.step_tokens = 0
+
+    # --- called by adapters during a forward --------------------------------------------------
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]``."""
+        return conv1d_verify(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
+
+    def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
+        """Run the recurrence on this step's ``inputs`` through the rollback strategy."""
+        self.params = params
+        return self.strategy.verify(self.store, self.op, inputs, params)
+
+    def advance(self, t: int) -> None:
+        self.step_tokens += t
+
+    # --- commit / inspection ---------------------------------------------------------------
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        if self.conv_window is not None:
+            conv1d_commit(self.conv_window, num_tokens, self.conv_width)
+        self.strategy.commit(self.store, self.op, self.params, num_tokens)
+        self.step_tokens = 0
+
+    def ssm_state(self) -> torch.Tensor:
+        """Committed recurrent state ``[B, *S]`` fp32."""
+        return self.strategy.state(self.store, self.op, self.params)
+
+    def conv_state(self) -> torch.Tensor | None:
+        """Committed conv history ``[B, C, W-1]``."""
+        if self.conv_window is None:
+            return None
+        return self.conv_window[:, :, : self.conv_width - 1]
+
+
+class HybridCache:
+    """Static KV cache + SSM layer caches for one batch of sequences.
+
+    Args:
+        batch: B. max_len: KV columns (prompt + new tokens + T_max).
+        max_step_tokens: T_max. dtype, device: of the KV buffers.
+
+    Attention modules of Hugging Face models call :meth:`update` as they would on their own
+    ``Cache``; it writes the step's keys/values at each row's own columns and returns the
+    buffers up to the last column any row needs.
+    """
+
+    is_compileable = False
+
+    def __init__(self, batch: int, max_len: int, max_step_tokens: int, dtype, device):
+        self.batch = batch
+        self.max_len = max_len
+        self.max_step_tokens = max_step_tokens
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ssm: dict[int, SSMLayerCache] = {}
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.step_tokens = 0
+        self._t = 0  # tokens of the forward in flight
+
+    # --- attention KV ----------------------------------------------------------------------
+    def _buffers(self, layer_idx: int, like: torch.Tensor):
+        if layer_idx not in self.kv:
+            raise KeyError(f"attention layer {layer_idx} has no KV buffer (was prefill loaded?)")
+        return self.kv[layer_idx]
+
+    def load_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy prefill keys/values ``[B, H, L, D]`` into columns ``0..L-1``."""
+        B, H, L, _ = keys.shape
+        kbuf = keys.new_zeros(B, H, self.max_len, keys.shape[-1])
+        vbuf = values.new_zeros(B, values.shape[1], self.max_len, values.shape[-1])
+        kbuf[:, :, :L] = keys
+        vbuf[:, :, :L] = values
+        self.kv[layer_idx] = (kbuf, vbuf)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        """HF ``Cache.update``: write ``[B, H, t, D]`` at each row's step columns; return buffers."""
+        kbuf, vbuf = self._buffers(layer_idx, key_states)
+        t = key_states.shape[2]
+        cols = self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :]  # [B, t]
+        rows = torch.arange(self.batch, device=self.device)[:, None]
+        kbuf.permute(0, 2, 1, 3)[rows, cols] = key_states.permute(0, 2, 1, 3).to(kbuf.dtype)
+        vbuf.permute(0, 2, 1, 3)[rows, cols] = value_states.permute(0, 2, 1, 3).to(vbuf.dtype)
+        end = self.kv_end(t)
+        return kbuf[:, :, :end], vbuf[:, :, :end]
+
+    def kv_end(self, t: int) -> int:
+        """Number of KV columns a forward of ``t`` step tokens reads."""
+        return int(self.seq_len.max()) + self.step_tokens + t
+
+    def attention_mask(self, t: int, dtype) -> torch.Tensor:
+        """Additive mask ``[B, 1, t, end]``: step token j of row b sees ``pad[b] <= c <= seq_len[b] + offset + j``."""
+        end = self.kv_end(t)
+        cols = torch.arange(end, device=self.device)[None, None, :]
+        last = (self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :])[:, :, None]
+        visible = (cols >= self.pad[:, None, None]) & (cols <= last)
+        mask = torch.zeros(self.batch, 1, t, end, dtype=dtype, device=self.device)
+        return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+
+    def position_ids(self, t: int) -> torch.Tensor:
+        """``[B, t]`` positions of the step tokens (column minus left padding)."""
+        return self.seq_len[:, None] - self.pad[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :]
+
+    # --- HF Cache API bits that model code may query -------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.seq_len.max())
+
+    def has_previous_state(self, layer_idx=None, state_idx=None) -> bool:
+        return True
+
+    # --- step bookkeeping ------------------------------------------------------------------
+    def advance(self, t: int) -> None:
+        """Mark ``t`` more step tokens as run (called after a forward)."""
+        self.step_tokens += t
+        for layer in self.ssm.values():
+            layer.advance(t)
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        """Per row, keep the first ``num_tokens[b]`` tokens of the open step; close it."""
+        if num_tokens.shape != (self.batch,):
+            raise ValueError(f"num_tokens must have shape [{self.batch}], got {tuple(num_tokens.shape)}")
+        num_tokens = num_tokens.to(device=self.device, dtype=torch.long)
+        if bool(((num_tokens < 0) | (num_tokens > self.step_tokens)).any()):
+            raise ValueError(f"num_tokens must be in [0, {self.step_tokens}], got {num_tokens.tolist()}")
+        for layer in self.ssm.values():
+            layer.commit(num_tokens)
+        self.seq_len += num_tokens
+        self.step_tokens = 0
+        if int(self.seq_len.max()) + self.max_step_tokens > self.max_len:
+            raise ValueError("KV cache is full: raise max_len (prompt + max_new_tokens + num_speculative_tokens + 1)")

@@ -1,0 +1,114 @@
+"""SSM ops behind one small interface, so rollback strategies do not care which recurrence runs.
+
+Each op folder (``mamba2/``, ``gdn/``, ``kda/``, ``conv1d/``) holds ``naive.py``, the fp32
+torch reference that is also the CPU path. An :class:`SSMOp` bundles, for one recurrence:
+
+* ``verify(state, inputs, params, return_states)`` -> ``(y, states, replay_inputs)``: run the
+  step's T tokens from ``state`` (never modified); ``states`` is ``[B, T, *state_shape]`` when
+  asked for; ``replay_inputs`` is the dict of per-token tensors replay caches
+  (``replay_keys``), each ``[B, T, ...]``.
+* ``fold(state, replay_inputs, params, num_tokens)`` -> new state: apply the first
+  ``num_tokens[b]`` cached tokens of each row (the replay / deferred-fold primitive).
+
+``inputs`` and ``params`` are plain dicts so that adapters of different families (which
+project and gate differently) hand the same op the same names.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+
+import torch
+
+from .gdn.naive import gdn_fold, gdn_verify
+from .kda.naive import kda_fold, kda_verify
+from .mamba2.naive import mamba2_fold, mamba2_verify
+
+__all__ = ["SSMOp", "OPS", "get_op", "backend"]
+
+BACKENDS = ("torch", "triton")
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The kernel backend for ``device``: ``$SPECDEC_BACKEND`` if set, else triton on CUDA, torch on CPU.
+
+    Raises:
+        ValueError: if ``SPECDEC_BACKEND`` is set to something other than ``torch`` or ``triton``.
+    """
+    forced = os.environ.get("SPECDEC_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"SPECDEC_BACKEND={forced!r} is not a backend; use one of {BACKENDS}")
+        return forced
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return "triton" if dev.type == "cuda" else "torch"
+
+
+class SSMOp(abc.ABC):
+    """One recurrence type. Subclasses set ``name``, ``replay_keys`` and the two methods."""
+
+    name: str = ""
+    replay_keys: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def verify(self, state, inputs: dict, params: dict, return_states: bool):
+        """``(y [B,T,...], states [B,T,*S] | None, replay_inputs dict)``; ``state`` is not modified."""
+
+    @abc.abstractmethod
+    def fold(self, state, replay: dict, params: dict, num_tokens: torch.Tensor):
+        """The state after applying the first ``num_tokens[b]`` cached tokens of each row."""
+
+
+class Mamba2Op(SSMOp):
+    """Mamba-2: inputs ``x [B,T,H,P]``, ``dt [B,T,H]``, ``B``/``C [B,T,G,N]``; params ``A [H]``, ``D [H]``."""
+
+    name = "mamba2"
+    replay_keys = ("x", "dt", "B")
+
+    def verify(self, state, inputs, params, return_states):
+        y, states, _ = mamba2_verify(
+            state, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D"), return_states
+        )
+        replay = {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
+        return y, states, replay
+
+    def fold(self, state, replay, params, num_tokens):
+        return mamba2_fold(state, replay["x"], replay["dt"], params["A"], replay["B"], num_tokens)
+
+
+class GDNOp(SSMOp):
+    """Gated DeltaNet: inputs ``q, k [B,T,H,K]`` (normalised), ``v [B,T,H,V]``, ``g, beta [B,T,H]``."""
+
+    name = "gdn"
+    replay_keys = ("k", "g", "u")
+    _verify = staticmethod(gdn_verify)
+    _fold = staticmethod(gdn_fold)
+
+    def verify(self, state, inputs, params, return_states):
+        y, states, u = self._verify(
+            state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states
+        )
+        return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
+
+    def fold(self, state, replay, params, num_tokens):
+        return self._fold(state, replay["k"], replay["g"], replay["u"], num_tokens)
+
+
+class KDAOp(GDNOp):
+    """Kimi Delta Attention: as GDN but ``g [B,T,H,K]`` per channel."""
+
+    name = "kda"
+    _verify = staticmethod(kda_verify)
+    _fold = staticmethod(kda_fold)
+
+
+OPS: dict[str, SSMOp] = {op.name: op for op in (Mamba2Op(), GDNOp(), KDAOp())}
+
+
+def get_op(name: str) -> SSMOp:
+    """The op called ``name`` (one of ``OPS``). Raises ValueError for an unknown name."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown SSM op {name!r}; known: {sorted(OPS)}") from None

@@ -1,0 +1,184 @@
+"""Model adapters: how to run a Hugging Face hybrid family's steps with our cache and kernels.
+
+An adapter wraps a loaded HF causal LM and never copies its weights. It provides
+
+* :meth:`HybridAdapter.prefill`: the prompt through the model's own forward (transformers'
+  chunked kernels, or flash-linear-attention / mamba_ssm when installed), then the final
+  attention KV, conv and SSM states moved into a :class:`~specdec.cache.HybridCache`;
+* :meth:`HybridAdapter.forward`: ``t`` step tokens through the model's own decoder layers with
+  our cache: attention modules write into the static KV cache through ``cache.update``, and
+  each SSM mixer runs through the family's ``mixer_forward``, which calls the shared op
+  (``specdec.kernels``) through the rollback layer.
+
+Subclasses set ``model_types`` and implement :meth:`ssm_layers` and :meth:`mixer_forward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import HybridCache, SSMLayerCache
+from ..kernels import get_op
+from ..rollback import RollbackStrategy
+
+__all__ = ["HybridAdapter", "ADAPTERS", "register", "adapter_for", "supported_families"]
+
+ADAPTERS: dict[str, type["HybridAdapter"]] = {}
+
+
+def register(cls):
+    for mt in cls.model_types:
+        ADAPTERS[mt] = cls
+    return cls
+
+
+def supported_families() -> list[str]:
+    """``model_type`` names of the supported families."""
+    return sorted(ADAPTERS)
+
+
+def _causal_lm_parts(model):
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"expected a Hugging Face causal LM (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
+    body = getattr(model, "model", None) or getattr(model, "backbone", None)
+    head = getattr(model, "lm_head", None)
+    if body is None or head is None:
+        raise TypeError(
+            f"{type(model).__name__} is not a causal LM: it needs a decoder body (.model) and an LM head (.lm_head); "
+            "load it with AutoModelForCausalLM"
+        )
+    return body, head
+
+
+def adapter_for(model) -> "HybridAdapter":
+    """The adapter for ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face causal LM.
+        ValueError: its family is not supported (the message lists the supported ones).
+    """
+    _causal_lm_parts(model)
+    mt = getattr(model.config, "model_type", None)
+    cls = ADAPTERS.get(mt)
+    if cls is None:
+        raise ValueError(
+            f"model family {mt!r} ({type(model).__name__}) is not supported by specdec; supported model_type "
+            f"values: {', '.join(supported_families())}"
+        )
+    return cls(model)
+
+
+class HybridAdapter:
+    """Base adapter. ``model``: a loaded HF causal LM of the family."""
+
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, model):
+        self.model = model
+        self.body, self.lm_head = _causal_lm_parts(model)
+        self.config = model.config
+        self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
+
+    # --- family specifics ------------------------------------------------------------------
+    def ssm_layers(self) -> dict[int, tuple[torch.nn.Module, str]]:
+        """``{layer_idx: (mixer module, op name)}`` for every SSM layer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement ssm_layers()")
+
+    def conv_width(self, mixer) -> int:
+        return int(mixer.conv1d.weight.shape[-1])
+
+    def mixer_forward(self, mixer, hidden_states: torch.Tensor, layer: SSMLayerCache) -> torch.Tensor:
+        """The family's SSM mixer on ``hidden_states [B, t, D]`` with our conv/SSM cache."""
+        raise NotImplementedError(f"{type(self).__name__} must implement mixer_forward()")
+
+    def attention_mask_arg(self, mask: torch.Tensor):
+        """What the HF body takes as ``attention_mask`` (the per-layer-type dict of precomputed masks)."""
+        return {"full_attention": mask, "sliding_attention": mask, "linear_attention": None}
+
+    # --- shared machinery ------------------------------------------------------------------
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int, max_step_tokens: int, strategy: RollbackStrategy) -> HybridCache:
+        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device)
+        for idx, (_, op_name) in self.ssm_layers().items():
+            cache.ssm[idx] = SSMLayerCache(get_op(op_name), strategy, batch, max_step_tokens, idx)
+        return cache
+
+    @contextlib.contextmanager
+    def _patched(self, cache: HybridCache):
+        """Route each SSM mixer's forward to ``mixer_forward`` with its layer cache, for one call."""
+        patched = []
+        try:
+            for idx, (mixer, _) in self.ssm_layers().items():
+                layer = cache.ssm[idx]
+
+                def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _layer=layer, **kw):
+                    return self.mixer_forward(mod, hidden_states, _layer)
+
+                mixer.forward = types.MethodType(fwd, mixer)
+                patched.append(mixer)
+            yield
+        finally:
+            for mixer in patched:
+                del mixer.forward
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache):
+        """Run the left-padded prompt ``[B, L]`` through the model and load ``cache``.
+
+        Returns ``(logits [B, V] at the last position, last hidden state [B, D])``.
+        """
+        mask = attention_mask.to(torch.long)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        hf_cache = DynamicCache(config=self.config)
+        out = self.body(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=hf_cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[:, -1]
+        logits = self.lm_head(hidden)
+        L = input_ids.shape[1]
+        cache.pad = (L - mask.sum(-1)).to(cache.device)
+        cache.seq_len = torch.full_like(cache.pad, L)
+        ssm = self.ssm_layers()
+        for idx, hf_layer in enumerate(hf_cache.layers):
+            if idx in ssm:
+                conv = hf_layer.conv_states.get(0) if hasattr(hf_layer, "conv_states") else None
+                state = hf_layer.recurrent_states[0]
+                cache.ssm[idx].load(conv, state, self.conv_width(ssm[idx][0]))
+            elif getattr(hf_layer, "keys", None) is not None and hf_layer.keys.numel() > 0:
+                cache.load_kv(idx, hf_layer.keys, hf_layer.values)
+        return logits, hidden
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache):
+        """Run ``t`` more step tokens ``input_ids [B, t]``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
+        t = input_ids.shape[1]
+        mask = cache.attention_mask(t, self.dtype)
+        position_ids = cache.position_ids(t)
+        with self._patched(cache):
+            out = self.body(
+                input_ids=input_ids,
+                attention_mask=self.attention_mask_arg(mask),
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        cache.advance(t)
+        hidden = out.last_hidden_state
+        return self.lm_head(hidden), hidden

@@ -1,0 +1,90 @@
+"""Gated DeltaNet families: Qwen3.5 (``Qwen3_5ForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``).
+
+Both run the same GDN mixer (conv over q|k|v, per-head decay ``g = -exp(A_log) *
+softplus(a + dt_bias)``, ``beta = sigmoid(b)``, L2-normalised q and k, gated RMSNorm on the
+output); they differ only in how the input projection is laid out, which is all this module
+keeps per family. The recurrence is :mod:`specdec.kernels.gdn`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import SSMLayerCache
+from .base import HybridAdapter, register
+
+__all__ = ["Qwen35Adapter", "Qwen3NextAdapter", "gdn_core"]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # as transformers' / fla's GDN l2norm: x * rsqrt(sum(x^2) + eps)
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
+    """Shared GDN mixer body after the family's projection.
+
+    Args:
+        mixer: the HF GatedDeltaNet module (its conv1d, A_log, dt_bias, norm, out_proj are used).
+        mixed_qkv: ``[B, t, 2*key_dim + value_dim]`` conv inputs; z: ``[B, t, Hv, Dv]`` output gate;
+        b, a: ``[B, t, Hv]`` raw beta and decay projections.
+
+    Returns: ``[B, t, hidden]``.
+    """
+    B, t, _ = mixed_qkv.shape
+    x = layer.conv(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation)
+    q, k, v = torch.split(x, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q = q.reshape(B, t, -1, mixer.head_k_dim)
+    k = k.reshape(B, t, -1, mixer.head_k_dim)
+    v = v.reshape(B, t, -1, mixer.head_v_dim)
+    beta = b.sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    rep = mixer.num_v_heads // mixer.num_k_heads
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    q = _l2norm(q.float()) * (q.shape[-1] ** -0.5)
+    k = _l2norm(k.float())
+    o = layer.ssm({"q": q, "k": k, "v": v.float(), "g": g, "beta": beta.float()}, {})
+    o = o.to(mixed_qkv.dtype).reshape(-1, mixer.head_v_dim)
+    o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
+    return mixer.out_proj(o)
+
+
+class _GDNFamily(HybridAdapter):
+    def ssm_layers(self):
+        if not hasattr(self, "_ssm"):
+            self._ssm = {
+                i: (layer.linear_attn, "gdn")
+                for i, layer in enumerate(self.body.layers)
+                if getattr(layer, "linear_attn", None) is not None
+            }
+        return self._ssm
+
+
+@register
+class Qwen35Adapter(_GDNFamily):
+    """Qwen3.5 text models (``Qwen3_5ForCausalLM``): GDN + gated full attention, 3:1."""
+
+    model_types = ("qwen3_5_text", "qwen3_5")
+
+    def mixer_forward(self, mixer, hidden_states, layer):
+        B, t, _ = hidden_states.shape
+        mixed_qkv = mixer.in_proj_qkv(hidden_states)
+        z = mixer.in_proj_z(hidden_states).reshape(B, t, -1, mixer.head_v_dim)
+        return gdn_core(mixer, layer, mixed_qkv, z, mixer.in_proj_b(hidden_states), mixer.in_proj_a(hidden_states))
+
+
+@register
+class Qwen3NextAdapter(_GDNFamily):
+    """Qwen3-Next (``Qwen3NextForCausalLM``): GDN with an interleaved qkvz/ba projection, MoE MLPs."""
+
+    model_types = ("qwen3_next",)
+
+    def mixer_forward(self, mixer, hidden_states, layer):
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(
+            mixer.in_proj_qkvz(hidden_states), mixer.in_proj_ba(hidden_states)
+        )
+        mixed_qkv = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        return gdn_core(mixer, layer, mixed_qkv, z, b, a)

@@ -1,0 +1,50 @@
+"""Kimi-Linear (``KimiLinearForCausalLM``): Kimi Delta Attention layers and MLA attention (NoPE).
+
+The KDA mixer (separate q/k/v projections, causal conv over q|k|v, per-channel forget gate,
+``beta = sigmoid(b_proj)``, L2-normalised q and k, sigmoid-gated RMSNorm, o_proj) follows
+transformers' ``KimiLinearDeltaAttention``; the recurrence is :mod:`specdec.kernels.kda`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import HybridAdapter, register
+
+__all__ = ["KimiLinearAdapter"]
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # Kimi's variant: x / sqrt(sum(x^2) + eps), as transformers and fla compute it
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+@register
+class KimiLinearAdapter(HybridAdapter):
+    """Kimi-Linear hybrids."""
+
+    model_types = ("kimi_linear",)
+
+    def ssm_layers(self):
+        if not hasattr(self, "_ssm"):
+            self._ssm = {
+                i: (layer.self_attn, "kda")
+                for i, layer in enumerate(self.body.layers)
+                if getattr(layer, "block_type", None) == "linear_attention"
+            }
+        return self._ssm
+
+    def mixer_forward(self, mixer, hidden_states, layer):
+        B, t, _ = hidden_states.shape
+        shape = (B, t, -1, mixer.head_dim)
+        mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)], -1)
+        mixed = layer.conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation)
+        q, k, v = torch.split(mixed, [mixer.qkv_dim] * 3, dim=-1)
+        q = _l2norm(q.reshape(shape).float()) * (mixer.head_dim**-0.5)
+        k = _l2norm(k.reshape(shape).float())
+        g = mixer.forget_gate(hidden_states)
+        beta = torch.sigmoid(mixer.b_proj(hidden_states)).float()
+        o = layer.ssm({"q": q, "k": k, "v": v.reshape(shape).float(), "g": g.float(), "beta": beta}, {})
+        gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).view(shape)
+        o = mixer.o_norm(o.to(hidden_states.dtype), gate).reshape(B, t, -1)
+        return mixer.o_proj(o)

@@ -1,0 +1,122 @@
+"""The rollback interface: how one SSM layer reaches s^(n+1) after a speculative step.
+
+A *step* runs tokens ``[x_L, d_1 .. d_k]`` through the layer, possibly in several calls
+(``offset`` = how many step tokens earlier calls already ran; a draft model runs its drafts one
+at a time inside one step). ``commit(num_tokens)`` then makes, per row,
+``state := s^(num_tokens[b])`` (0 keeps the old state) and closes the step.
+
+Strategies (DESIGN.md, "One speculative step"):
+
+=========  ===========================================  ===========================  ================
+strategy   during verify                                commit                       extra memory
+=========  ===========================================  ===========================  ================
+snapshot   every s^(j) into a T-slot buffer             copy slot n into the state   T states
+ring       s^(j) into slot (head + j) mod R             move ``head``                R states
+replay     outputs from s^(0) + cached inputs, no state fold n cached inputs         L token inputs
+=========  ===========================================  ===========================  ================
+
+Stores are per layer; a strategy object is stateless and can be shared by all layers.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels import SSMOp
+
+__all__ = ["RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite"]
+
+
+def debug_enabled() -> bool:
+    """True when ``SPECDEC_DEBUG=1``: bounds checks on every slot index and NaN/Inf checks on commits."""
+    return os.environ.get("SPECDEC_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def check_index_bounds(name: str, idx: torch.Tensor, size: int, layer: int | None) -> None:
+    """Raise IndexError naming the row and layer when any ``idx`` is outside ``[0, size)``."""
+    bad = (idx < 0) | (idx >= size)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise IndexError(
+            f"{name} index {int(idx.flatten()[0] if idx.dim() == 0 else idx[row].flatten()[0])} outside buffer of "
+            f"{size} slots (row {row}, layer {layer})"
+        )
+
+
+def check_finite(state: torch.Tensor, layer: int | None, what: str = "committed state") -> None:
+    """Raise FloatingPointError naming the row and layer when ``state`` holds NaN or Inf."""
+    bad = ~torch.isfinite(state.reshape(state.shape[0], -1)).all(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise FloatingPointError(f"{what} of layer {layer} row {row} holds NaN or Inf")
+
+
+@dataclass
+class LayerStore:
+    """What one strategy keeps for one SSM layer. Fields are strategy-specific tensors."""
+
+    batch: int
+    max_step_tokens: int
+    layer: int | None = None
+    tensors: dict = field(default_factory=dict)
+    step_tokens: int = 0  # tokens of the open step already run (uniform over rows)
+
+
+class RollbackStrategy(abc.ABC):
+    """Interface of a rollback strategy (see the module docstring for the semantics)."""
+
+    name: str = ""
+
+    def new_store(self, batch: int, max_step_tokens: int, layer: int | None = None) -> LayerStore:
+        """A store for one layer; tensors are allocated by :meth:`load`."""
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        return LayerStore(batch=batch, max_step_tokens=max_step_tokens, layer=layer)
+
+    @abc.abstractmethod
+    def load(self, store: LayerStore, state: torch.Tensor) -> None:
+        """Set the committed state of every row (``[B, *S]``, stored fp32) and clear the step."""
+
+    @abc.abstractmethod
+    def state(self, store: LayerStore, op: SSMOp, params: dict) -> torch.Tensor:
+        """The committed state ``[B, *S]`` fp32 (a fresh tensor or a view; do not modify)."""
+
+    @abc.abstractmethod
+    def verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict) -> torch.Tensor:
+        """Run ``t`` more step tokens (inputs ``[B, t, ...]``) and return their outputs."""
+
+    @abc.abstractmethod
+    def commit(self, store: LayerStore, op: SSMOp, params: dict, num_tokens: torch.Tensor) -> None:
+        """``state := s^(num_tokens[b])`` per row; closes the step. ``num_tokens``: ``[B]`` int64."""
+
+    def reset_rows(self, store: LayerStore, op: SSMOp, params: dict, rows: torch.Tensor,
+                   state: torch.Tensor | None = None) -> None:
+        """Give ``rows`` to new sequences: their committed state becomes ``state`` (or zeros).
+
+        Other rows keep their committed state exactly; any open step is discarded.
+        """
+        full = self.state(store, op, params).clone()
+        full[rows] = 0 if state is None else state.to(full)
+        self.load(store, full)
+
+    def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
+        """Bytes this strategy keeps per layer and sequence beyond the live state (DESIGN.md table)."""
+        return 0
+
+    # shared helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _check_step(store: LayerStore, t: int) -> None:
+        if store.step_tokens + t > store.max_step_tokens:
+            raise ValueError(
+                f"step of {store.step_tokens + t} tokens exceeds this cache's {store.max_step_tokens} "
+                "(num_speculative_tokens + 1)"
+            )
+
+    @staticmethod
+    def _check_commit(store: LayerStore, num_tokens: torch.Tensor) -> None:
+        if debug_enabled():
+            check_index_bounds("commit num_tokens", num_tokens, store.step_tokens + 1, store.layer)

@@ -1,0 +1,118 @@
+"""Replay rollback: keep a checkpoint and the per-token inputs, recompute the accepted prefix.
+
+Verify computes the step's outputs from the current state and writes no state; it appends the
+step's per-token replay inputs (Mamba-2: x, dt, B; GDN/KDA: k, g and the corrected value u) to
+a per-sequence input history of length L. Commit of n tokens extends the committed history by
+n; the checkpoint absorbs the history ("fold") either at once (``deferred=False``: L = T_max)
+or only when the next step could overflow the history (``deferred=True``: L >= 3 T_max, a power
+of two), as ReplaySSM (dao-lab.ai, 2026) and FlashInfer's ``checkpointing_ssu`` do.
+
+In this torch reference the current state is materialised by folding the history before each
+verify; the Triton kernels fold in registers instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled
+
+__all__ = ["ReplayRollback"]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class ReplayRollback(RollbackStrategy):
+    """Checkpoint + input history; eager or deferred fold.
+
+    Args:
+        deferred: fold only when the history would overflow (default False: fold every commit).
+        history: history length L in tokens for deferred mode (default: the next power of two
+            >= 3 T_max); must be >= 2 T_max.
+    """
+
+    name = "replay"
+
+    def __init__(self, deferred: bool = False, history: int | None = None):
+        if history is not None and not deferred:
+            raise ValueError("history= only applies to deferred replay; pass deferred=True")
+        self.deferred = bool(deferred)
+        self.history = history
+
+    def _length(self, store: LayerStore) -> int:
+        T = store.max_step_tokens
+        if not self.deferred:
+            return T
+        L = self.history or _next_pow2(3 * T)
+        if L < 2 * T:
+            raise ValueError(f"deferred replay history {L} must be >= 2 * (num_speculative_tokens + 1) = {2 * T}")
+        return L
+
+    def load(self, store, state):
+        ckpt = state.detach().to(torch.float32).clone()
+        store.tensors["ckpt"] = ckpt
+        store.tensors["hist_len"] = torch.zeros(ckpt.shape[0], dtype=torch.long, device=ckpt.device)
+        store.tensors["hist"] = None  # allocated on first verify, when the input shapes are known
+        store.step_tokens = 0
+
+    def _hist(self, store, replay: dict):
+        hist = store.tensors["hist"]
+        if hist is None:
+            L = self._length(store)
+            hist = {k: v.new_zeros(v.shape[0], L, *v.shape[2:]) for k, v in replay.items()}
+            store.tensors["hist"] = hist
+        return hist
+
+    def state(self, store, op, params):
+        hist = store.tensors["hist"]
+        if hist is None:
+            return store.tensors["ckpt"]
+        return op.fold(store.tensors["ckpt"], hist, params, store.tensors["hist_len"])
+
+    def verify(self, store, op, inputs, params):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_step(store, t)
+        j = store.step_tokens
+        hist_len = store.tensors["hist_len"]
+        hist = store.tensors["hist"]
+        if hist is None:
+            s0 = store.tensors["ckpt"]
+        else:
+            s0 = op.fold(store.tensors["ckpt"], hist, params, hist_len + j)
+        y, _, replay = op.verify(s0, inputs, params, False)
+        hist = self._hist(store, replay)
+        L = next(iter(hist.values())).shape[1]
+        pos = hist_len[:, None] + j + torch.arange(t, device=hist_len.device)[None, :]  # [B, t]
+        if debug_enabled():
+            check_index_bounds("replay history slot", pos, L, store.layer)
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        for key, val in replay.items():
+            hist[key][rows, pos] = val.to(hist[key].dtype)
+        store.step_tokens = j + t
+        return y
+
+    def commit(self, store, op, params, num_tokens):
+        self._check_commit(store, num_tokens)
+        hist_len = store.tensors["hist_len"]
+        hist_len += num_tokens
+        hist = store.tensors["hist"]
+        if hist is not None:
+            L = next(iter(hist.values())).shape[1]
+            if self.deferred:
+                flush = hist_len + store.max_step_tokens > L
+            else:
+                flush = torch.ones_like(hist_len, dtype=torch.bool)
+            if bool(flush.any()):
+                n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
+                store.tensors["ckpt"] = op.fold(store.tensors["ckpt"], hist, params, n)
+                hist_len.masked_fill_(flush, 0)
+                # rows that keep their history keep it in place: positions [0, hist_len)
+        store.step_tokens = 0
+        if debug_enabled():
+            check_finite(self.state(store, op, params), store.layer)
+
+    def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
+        L = (self.history or _next_pow2(3 * max_step_tokens)) if self.deferred else max_step_tokens
+        return L * input_bytes_per_token

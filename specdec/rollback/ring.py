@@ -1,0 +1,74 @@
+"""Ring rollback: states live in a per-sequence ring; commit only moves the head.
+
+Slot ``head`` holds the committed state s^(0); verify writes s^(j) into slot
+``(head + j) mod R``; commit of n tokens sets ``head := (head + n) mod R``. No state is copied
+at commit. With ``R = T_max + 1`` (the default) s^(0) is never overwritten during a step, so
+committing 0 tokens and running a step in several calls (a draft model's one-token steps)
+stay exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled
+
+__all__ = ["RingRollback"]
+
+
+class RingRollback(RollbackStrategy):
+    """Ring of ``R`` states per sequence (``R >= T_max + 1``)."""
+
+    name = "ring"
+
+    def __init__(self, ring_size: int | None = None):
+        if ring_size is not None and ring_size < 2:
+            raise ValueError(f"ring_size must be >= 2, got {ring_size}")
+        self.ring_size = ring_size
+
+    def _size(self, store: LayerStore) -> int:
+        need = store.max_step_tokens + 1
+        if self.ring_size is None:
+            return need
+        if self.ring_size < need:
+            raise ValueError(f"ring_size {self.ring_size} < num_speculative_tokens + 2 = {need}")
+        return self.ring_size
+
+    def load(self, store, state):
+        state = state.detach().to(torch.float32)
+        R = self._size(store)
+        ring = state.new_zeros(state.shape[0], R, *state.shape[1:])
+        ring[:, 0] = state
+        store.tensors.update(ring=ring, head=torch.zeros(state.shape[0], dtype=torch.long, device=state.device))
+        store.step_tokens = 0
+
+    def state(self, store, op, params):
+        ring, head = store.tensors["ring"], store.tensors["head"]
+        return ring[torch.arange(ring.shape[0], device=ring.device), head]
+
+    def verify(self, store, op, inputs, params):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_step(store, t)
+        ring, head = store.tensors["ring"], store.tensors["head"]
+        R = ring.shape[1]
+        rows = torch.arange(ring.shape[0], device=ring.device)
+        j = store.step_tokens
+        s0 = ring[rows, (head + j) % R]
+        y, states, _ = op.verify(s0, inputs, params, True)
+        slots = (head[:, None] + j + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # [B, t]
+        if debug_enabled():
+            check_index_bounds("ring slot", slots, R, store.layer)
+        ring[rows[:, None], slots] = states
+        store.step_tokens = j + t
+        return y
+
+    def commit(self, store, op, params, num_tokens):
+        self._check_commit(store, num_tokens)
+        head = store.tensors["head"]
+        head.copy_((head + num_tokens) % store.tensors["ring"].shape[1])
+        store.step_tokens = 0
+        if debug_enabled():
+            check_finite(self.state(store, op, params), store.layer)
+
+    def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
+        return (max(self.ring_size or 0, max_step_tokens + 1) - 1) * state_bytes

@@ -1,0 +1,56 @@
+"""Snapshot rollback: keep every intermediate state of the step, copy the accepted one back.
+
+Verify writes s^(1..T) into a T-slot buffer; commit copies slot ``n - 1`` (the state after
+``n`` step tokens) into the live state. Simple and always exact; costs T extra states per
+layer and sequence and a state copy per step (vLLM's and SGLang's approach for Mamba layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled
+
+__all__ = ["SnapshotRollback"]
+
+
+class SnapshotRollback(RollbackStrategy):
+    """Per-token state snapshots in a ``[B, T_max, *S]`` buffer; commit copies one back."""
+
+    name = "snapshot"
+
+    def load(self, store: LayerStore, state: torch.Tensor) -> None:
+        live = state.detach().to(torch.float32).clone()
+        store.tensors["live"] = live
+        buf = store.tensors.get("buf")
+        if buf is None or buf.shape[2:] != live.shape[1:] or buf.shape[0] != live.shape[0]:
+            store.tensors["buf"] = live.new_empty(live.shape[0], store.max_step_tokens, *live.shape[1:])
+        store.step_tokens = 0
+
+    def state(self, store, op, params):
+        return store.tensors["live"]
+
+    def verify(self, store, op, inputs, params):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_step(store, t)
+        j = store.step_tokens
+        buf = store.tensors["buf"]
+        s0 = store.tensors["live"] if j == 0 else buf[:, j - 1]
+        y, states, _ = op.verify(s0, inputs, params, True)
+        buf[:, j : j + t] = states
+        store.step_tokens = j + t
+        return y
+
+    def commit(self, store, op, params, num_tokens):
+        self._check_commit(store, num_tokens)
+        live, buf = store.tensors["live"], store.tensors["buf"]
+        rows = torch.arange(live.shape[0], device=live.device)
+        picked = buf[rows, (num_tokens - 1).clamp(min=0)]
+        keep_old = (num_tokens == 0).view(-1, *([1] * (live.dim() - 1)))
+        live.copy_(torch.where(keep_old, live, picked))
+        store.step_tokens = 0
+        if debug_enabled():
+            check_finite(live, store.layer)
+
+    def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
+        return max_step_tokens * state_bytes
