@@ -50,6 +50,15 @@ class SSMOp(abc.ABC):
 
     name: str = ""
     replay_keys: tuple[str, ...] = ()
+    #: fused per-strategy kernels (Triton) or None for the torch reference. When set, the
+    #: rollback strategies call ``kernels.snapshot_verify / snapshot_commit / ring_verify /
+    #: replay_verify / replay_fold`` (signatures in :mod:`specdec.rollback`) instead of
+    #: composing ``verify`` and ``fold``.
+    kernels = None
+
+    def replay_spec(self, inputs: dict) -> dict:
+        """``{key: (per-token shape, dtype)}`` of the inputs replay caches, from a step's ``inputs``."""
+        return {k: (tuple(inputs[k].shape[2:]), torch.float32) for k in self.replay_keys}
 
     @abc.abstractmethod
     def verify(self, state, inputs: dict, params: dict, return_states: bool):
@@ -93,6 +102,14 @@ class GDNOp(SSMOp):
 
     def fold(self, state, replay, params, num_tokens):
         return self._fold(state, replay["k"], replay["g"], replay["u"], num_tokens)
+
+    def replay_spec(self, inputs):
+        f32 = torch.float32
+        return {
+            "k": (tuple(inputs["k"].shape[2:]), f32),
+            "g": (tuple(inputs["g"].shape[2:]), f32),
+            "u": (tuple(inputs["v"].shape[2:]), f32),
+        }
 
 
 class KDAOp(GDNOp):

@@ -1,6 +1,24 @@
 """Rollback strategies for SSM state: ``snapshot``, ``ring`` and ``replay`` behind one interface.
 
 ``STRATEGIES`` names them; :func:`make_strategy` turns a name (or an instance) into a strategy.
+
+Fused kernels (the Triton backend) plug in per op as ``op.kernels``, an object with these
+methods; all states fp32, all updates in place, no host synchronisation, no allocation of
+state-sized buffers. ``offset`` = step tokens run by earlier calls of the same step; inputs
+are ``[B, t, ...]`` as the op's ``verify`` takes them:
+
+* ``snapshot_verify(live [B,*S], buf [B,T_max,*S], inputs, params, offset) -> y``: start from
+  ``live`` (offset 0) or ``buf[:, offset-1]``; write s^(offset+1 .. offset+t) into
+  ``buf[:, offset : offset+t]``.
+* ``snapshot_commit(live, buf, num_tokens [B])``: ``live[b] = buf[b, n-1]`` where n > 0.
+* ``ring_verify(ring [B,R,*S], head [B], inputs, params, offset) -> y``: start from slot
+  ``(head+offset) % R``; write s^(offset+1+j) into slot ``(head+offset+1+j) % R``.
+* ``replay_verify(ckpt [B,*S], hist {key: [B,L,...]}, hist_len [B], inputs, params, offset) -> y``:
+  outputs from ``ckpt`` advanced by the first ``hist_len[b] + offset`` cached tokens; append this
+  call's replay inputs (``op.replay_spec``) at positions ``hist_len[b] + offset + j``; ``ckpt``
+  is not written.
+* ``replay_fold(ckpt, hist, params, num_tokens [B])``: ``ckpt[b]`` advanced by the first
+  ``num_tokens[b]`` cached tokens, in place.
 """
 
 from __future__ import annotations

@@ -57,11 +57,15 @@ class ReplayRollback(RollbackStrategy):
         store.tensors["hist"] = None  # allocated on first verify, when the input shapes are known
         store.step_tokens = 0
 
-    def _hist(self, store, replay: dict):
+    def _hist(self, store, op, inputs: dict):
         hist = store.tensors["hist"]
         if hist is None:
             L = self._length(store)
-            hist = {k: v.new_zeros(v.shape[0], L, *v.shape[2:]) for k, v in replay.items()}
+            like = next(iter(inputs.values()))
+            hist = {
+                key: torch.zeros(like.shape[0], L, *shape, dtype=dtype, device=like.device)
+                for key, (shape, dtype) in op.replay_spec(inputs).items()
+            }
             store.tensors["hist"] = hist
         return hist
 
@@ -75,21 +79,20 @@ class ReplayRollback(RollbackStrategy):
         t = next(iter(inputs.values())).shape[1]
         self._check_step(store, t)
         j = store.step_tokens
-        hist_len = store.tensors["hist_len"]
-        hist = store.tensors["hist"]
-        if hist is None:
-            s0 = store.tensors["ckpt"]
-        else:
-            s0 = op.fold(store.tensors["ckpt"], hist, params, hist_len + j)
-        y, _, replay = op.verify(s0, inputs, params, False)
-        hist = self._hist(store, replay)
+        hist_len, ckpt = store.tensors["hist_len"], store.tensors["ckpt"]
+        hist = self._hist(store, op, inputs)
         L = next(iter(hist.values())).shape[1]
         pos = hist_len[:, None] + j + torch.arange(t, device=hist_len.device)[None, :]  # [B, t]
         if debug_enabled():
             check_index_bounds("replay history slot", pos, L, store.layer)
-        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-        for key, val in replay.items():
-            hist[key][rows, pos] = val.to(hist[key].dtype)
+        if op.kernels is not None:
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j)
+        else:
+            s0 = op.fold(ckpt, hist, params, hist_len + j)
+            y, _, replay = op.verify(s0, inputs, params, False)
+            rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+            for key, val in replay.items():
+                hist[key][rows, pos] = val.to(hist[key].dtype)
         store.step_tokens = j + t
         return y
 
@@ -104,11 +107,14 @@ class ReplayRollback(RollbackStrategy):
                 flush = hist_len + store.max_step_tokens > L
             else:
                 flush = torch.ones_like(hist_len, dtype=torch.bool)
-            if bool(flush.any()):
-                n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
-                store.tensors["ckpt"] = op.fold(store.tensors["ckpt"], hist, params, n)
-                hist_len.masked_fill_(flush, 0)
-                # rows that keep their history keep it in place: positions [0, hist_len)
+            # rows that keep their history keep it in place (positions [0, hist_len)); rows that
+            # fold restart at 0. Eager replay folds every row every commit (no host sync needed).
+            n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
+            if op.kernels is not None:
+                op.kernels.replay_fold(store.tensors["ckpt"], hist, params, n)
+            elif not self.deferred or bool(flush.any()):
+                store.tensors["ckpt"].copy_(op.fold(store.tensors["ckpt"], hist, params, n))
+            hist_len.masked_fill_(flush, 0)
         store.step_tokens = 0
         if debug_enabled():
             check_finite(self.state(store, op, params), store.layer)

@@ -53,12 +53,15 @@ class RingRollback(RollbackStrategy):
         R = ring.shape[1]
         rows = torch.arange(ring.shape[0], device=ring.device)
         j = store.step_tokens
-        s0 = ring[rows, (head + j) % R]
-        y, states, _ = op.verify(s0, inputs, params, True)
-        slots = (head[:, None] + j + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # [B, t]
         if debug_enabled():
-            check_index_bounds("ring slot", slots, R, store.layer)
-        ring[rows[:, None], slots] = states
+            check_index_bounds("ring head", head, R, store.layer)
+        if op.kernels is not None:
+            y = op.kernels.ring_verify(ring, head, inputs, params, j)
+        else:
+            s0 = ring[rows, (head + j) % R]
+            y, states, _ = op.verify(s0, inputs, params, True)
+            slots = (head[:, None] + j + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # [B, t]
+            ring[rows[:, None], slots] = states
         store.step_tokens = j + t
         return y
 

@@ -34,20 +34,26 @@ class SnapshotRollback(RollbackStrategy):
         t = next(iter(inputs.values())).shape[1]
         self._check_step(store, t)
         j = store.step_tokens
-        buf = store.tensors["buf"]
-        s0 = store.tensors["live"] if j == 0 else buf[:, j - 1]
-        y, states, _ = op.verify(s0, inputs, params, True)
-        buf[:, j : j + t] = states
+        live, buf = store.tensors["live"], store.tensors["buf"]
+        if op.kernels is not None:
+            y = op.kernels.snapshot_verify(live, buf, inputs, params, j)
+        else:
+            s0 = live if j == 0 else buf[:, j - 1]
+            y, states, _ = op.verify(s0, inputs, params, True)
+            buf[:, j : j + t] = states
         store.step_tokens = j + t
         return y
 
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
         live, buf = store.tensors["live"], store.tensors["buf"]
-        rows = torch.arange(live.shape[0], device=live.device)
-        picked = buf[rows, (num_tokens - 1).clamp(min=0)]
-        keep_old = (num_tokens == 0).view(-1, *([1] * (live.dim() - 1)))
-        live.copy_(torch.where(keep_old, live, picked))
+        if op.kernels is not None:
+            op.kernels.snapshot_commit(live, buf, num_tokens)
+        else:
+            rows = torch.arange(live.shape[0], device=live.device)
+            picked = buf[rows, (num_tokens - 1).clamp(min=0)]
+            keep_old = (num_tokens == 0).view(-1, *([1] * (live.dim() - 1)))
+            live.copy_(torch.where(keep_old, live, picked))
         store.step_tokens = 0
         if debug_enabled():
             check_finite(live, store.layer)
