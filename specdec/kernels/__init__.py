@@ -123,9 +123,19 @@ class KDAOp(GDNOp):
 OPS: dict[str, SSMOp] = {op.name: op for op in (Mamba2Op(), GDNOp(), KDAOp())}
 
 
-def get_op(name: str) -> SSMOp:
-    """The op called ``name`` (one of ``OPS``). Raises ValueError for an unknown name."""
-    try:
+def get_op(name: str, device: torch.device | str | None = None) -> SSMOp:
+    """The op called ``name`` (one of ``OPS``) for the backend :func:`backend` picks for ``device``.
+
+    The torch backend returns the reference op; the triton backend returns the same op with
+    ``kernels`` set to the fused Triton kernels (on CPU through Triton's interpreter).
+
+    Raises:
+        ValueError: unknown op name or backend.
+    """
+    if name not in OPS:
+        raise ValueError(f"unknown SSM op {name!r}; known: {sorted(OPS)}")
+    if backend(device) == "torch":
         return OPS[name]
-    except KeyError:
-        raise ValueError(f"unknown SSM op {name!r}; known: {sorted(OPS)}") from None
+    from .triton_backend import triton_op  # lazy: sets TRITON_INTERPRET on CPU before importing triton kernels
+
+    return triton_op(name, device)

@@ -113,7 +113,7 @@ class HybridAdapter:
     def new_cache(self, batch: int, max_len: int, max_step_tokens: int, strategy: RollbackStrategy) -> HybridCache:
         cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device)
         for idx, (_, op_name) in self.ssm_layers().items():
-            cache.ssm[idx] = SSMLayerCache(get_op(op_name), strategy, batch, max_step_tokens, idx)
+            cache.ssm[idx] = SSMLayerCache(get_op(op_name, self.device), strategy, batch, max_step_tokens, idx)
         return cache
 
     @contextlib.contextmanager
