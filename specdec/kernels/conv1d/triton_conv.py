@@ -1,0 +1,202 @@
+"""Causal depthwise conv1d over a multi-token window, in Triton (verify + commit by offset).
+
+Same semantics as :mod:`specdec.kernels.conv1d.naive` (the layout follows ``causal_conv1d``'s
+``causal_conv1d_update`` from Dao-AILab/causal-conv1d, extended to a multi-token window)::
+
+    window[s, :, 0 : W-1]          committed history (the conv state)
+    window[s, :, W-1 : W-1+T_max]  this step's inputs
+
+Verify writes the call's inputs at columns ``W-1+offset ..`` and computes each token's output
+from the W columns ending at it; commit moves the history by ``num_tokens`` columns. One program
+owns one (row, block of BC channels); all T tokens of a call are one ``[BT, BC]`` register block.
+Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
+No host sync, no allocation besides the output, no autotuning (both kernels write the window
+in place): launch parameters are chosen by hand below.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import check_state_indices, next_pow2
+
+__all__ = ["conv1d_verify_triton", "conv1d_commit_triton"]
+
+# 128 channels x up to 16 tokens per program: at most 16 fp32 accumulators per thread with 4
+# warps, and B * C / 128 programs (e.g. 64 x 8192 / 128 = 4096 at batch 64 for Mamba-2).
+BLOCK_C = 128
+NUM_WARPS = 4
+
+
+@triton.jit
+def _conv1d_verify_kernel(
+    window,  # [S, C, W-1+T_max]
+    x,  # [B, T, C]
+    weight,  # [C, W]
+    bias,  # [C] (HAS_BIAS)
+    out,  # [B, T, C]
+    state_indices,  # [B] (USE_STATE_INDICES)
+    offset,
+    C,
+    stride_win_n,
+    stride_win_c,
+    stride_win_t,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    m_c = o_c < C
+    m_t = o_t < T
+    m_tc = m_t[:, None] & m_c[None, :]
+    start = W - 1 + offset  # window column of this call's first token
+    p_win = window + i_n * stride_win_n + o_c[None, :] * stride_win_c  # [1, BC]
+    p_x = x + i_b * T * C + o_c[None, :]  # [1, BC]
+
+    b_x = tl.load(p_x + o_t[:, None] * C, mask=m_tc, other=0.0)
+    tl.store(p_win + (start + o_t[:, None]) * stride_win_t, b_x.to(window.dtype.element_ty), mask=m_tc)
+
+    # token j's output reads columns offset+j .. offset+j+W-1; the columns this call writes come
+    # from x (registers would need a shift), older ones from the window: no read-after-write.
+    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        o_col = offset + o_t + w
+        m_old = o_col < start
+        b_old = tl.load(p_win + o_col[:, None] * stride_win_t, mask=m_old[:, None] & m_tc, other=0.0)
+        b_new = tl.load(p_x + (o_col - start)[:, None] * C, mask=(~m_old)[:, None] & m_tc, other=0.0)
+        b_new = b_new.to(window.dtype.element_ty)  # the value the window holds, as in the reference
+        b_val = tl.where(m_old[:, None], b_old.to(tl.float32), b_new.to(tl.float32))
+        b_w = tl.load(weight + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
+        b_acc += b_val * b_w[None, :]
+    if HAS_BIAS:
+        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        b_acc = b_acc * tl.sigmoid(b_acc)
+    tl.store(out + i_b * T * C + o_t[:, None] * C + o_c[None, :], b_acc.to(out.dtype.element_ty), mask=m_tc)
+
+
+@triton.jit
+def _conv1d_commit_kernel(
+    window,
+    num_tokens,  # [B]
+    state_indices,
+    C,
+    stride_win_n,
+    stride_win_c,
+    stride_win_t,
+    HIST: tl.constexpr,  # W - 1
+    BH: tl.constexpr,
+    BC: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+    n = tl.load(num_tokens + i_b).to(tl.int64)
+    if n <= 0:
+        return
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_h = tl.arange(0, BH)
+    m = (o_h[:, None] < HIST) & (o_c[None, :] < C)
+    p_win = window + i_n * stride_win_n + o_c[None, :] * stride_win_c + o_h[:, None] * stride_win_t
+    b_hist = tl.load(p_win + n * stride_win_t, mask=m)
+    tl.debug_barrier()  # source and destination columns overlap when n < W - 1: read all, then write
+    tl.store(p_win, b_hist, mask=m)
+
+
+def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: int = 0, state_indices=None,
+                         *, out=None):
+    """Write this call's conv inputs into the window and return the conv outputs (multi-token update).
+
+    Args:
+        window: ``[S, C, W-1+T_max]`` (any float dtype; S >= B slots), written in place at
+            columns ``W-1+offset .. W-1+offset+T-1`` of each used slot.
+        x: ``[B, T, C]`` conv inputs of step tokens ``offset .. offset+T-1`` (fp32/bf16/fp16).
+        weight: ``[C, W]`` depthwise kernel; bias: ``[C]`` or None.
+        activation: ``"silu"`` / ``"swish"`` or None.
+        offset: step tokens already written by earlier calls of this step (a Python int).
+        state_indices: ``[B]`` int32/int64 window slot per row; negative = padding (row skipped,
+            its window and outputs untouched); None = ``arange(B)``.
+        out: optional contiguous ``[B, T, C]`` output.
+
+    Returns:
+        ``[B, T, C]`` outputs in ``x.dtype`` (computed in fp32).
+
+    Raises:
+        ValueError: when the step would overflow the window, on bad shapes or an unknown activation.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; supported: 'silu', None")
+    Bsz, T, C = x.shape
+    W = weight.shape[-1]
+    if weight.shape != (C, W) or window.dim() != 3 or window.shape[1] != C:
+        raise ValueError(f"expected window [S, {C}, W-1+T_max] and weight [{C}, W]; got {tuple(window.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias must be [{C}], got {tuple(bias.shape)}")
+    if offset < 0 or W - 1 + offset + T > window.shape[-1]:
+        raise ValueError(f"conv window holds {window.shape[-1] - (W - 1)} step tokens; got offset {offset} + {T}")
+    check_state_indices(state_indices, Bsz)
+    if state_indices is None and window.shape[0] < Bsz:
+        raise ValueError(f"the window holds {window.shape[0]} rows, inputs have {Bsz}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(x.shape)} tensor, got {tuple(out.shape)}")
+    if Bsz == 0 or T == 0:
+        return out
+    x, weight = x.contiguous(), weight.contiguous()
+    _conv1d_verify_kernel[(triton.cdiv(C, BLOCK_C), Bsz)](
+        window, x, weight, bias, out, state_indices,
+        offset, C, window.stride(0), window.stride(1), window.stride(2),
+        T=T, W=W, BT=next_pow2(T), BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=activation is not None,
+        USE_STATE_INDICES=state_indices is not None,
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def conv1d_commit_triton(window: torch.Tensor, num_tokens: torch.Tensor, kernel_width: int,
+                         state_indices: torch.Tensor | None = None) -> None:
+    """Commit ``num_tokens[b]`` step tokens of each row: history := the W-1 inputs ending there.
+
+    Args:
+        window: ``[S, C, W-1+T_max]``, modified in place (columns past W-1 become stale).
+        num_tokens: ``[B]`` int32/int64 in ``[0, T_max]``; 0 leaves the row unchanged.
+        kernel_width: W.
+        state_indices: ``[B]`` window slot per row; negative = padding (skipped); None = ``arange(B)``.
+
+    Raises:
+        ValueError: on bad shapes.
+    """
+    hist = kernel_width - 1
+    Bsz = num_tokens.shape[0]
+    check_state_indices(state_indices, Bsz)
+    if state_indices is None and window.shape[0] < Bsz:
+        raise ValueError(f"the window holds {window.shape[0]} rows, num_tokens has {Bsz}")
+    if hist <= 0 or Bsz == 0:
+        return
+    C = window.shape[1]
+    _conv1d_commit_kernel[(triton.cdiv(C, BLOCK_C), Bsz)](
+        window, num_tokens, state_indices, C, window.stride(0), window.stride(1), window.stride(2),
+        HIST=hist, BH=next_pow2(hist), BC=BLOCK_C, USE_STATE_INDICES=state_indices is not None,
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,469 @@
+"""Gated delta rule (GDN, and KDA with a per-channel gate): multi-token verify, commit and replay in Triton.
+
+The recurrence is the one of :mod:`specdec.kernels.gdn.naive` (Yang, Kautz & Hatamizadeh,
+"Gated Delta Networks", ICLR 2025; per-channel decay: Kimi Team, "Kimi Linear", 2025), token
+by token as flash-linear-attention's ``fused_recurrent_gated_delta_rule`` runs it::
+
+    S <- S * exp(g_t);  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+
+One program owns one (row, head, block of BV value columns): the ``[K, BV]`` fp32 state block
+stays in registers across the step's tokens; the key dim is whole in the block because
+``S^T k`` reduces over it. One kernel serves every rollback strategy through ``MODE``:
+
+* ``OVERWRITE`` (no rollback, the benchmark floor): the final state overwrites the state.
+* ``SNAPSHOT``: s^(offset+1+j) goes to ``buf[:, offset+j]``.
+* ``RING``: start at slot ``(head+offset) % R``; s^(offset+1+j) goes to slot ``(head+offset+1+j) % R``.
+* ``REPLAY``: start at the checkpoint folded (in registers) with the first ``hist_len+offset``
+  cached ``(k, g, u)``; write no state, append this call's ``(k, g, u)`` to the history.
+
+A second kernel folds the first ``num_tokens`` cached tokens into the checkpoint (replay commit).
+States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
+None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
+none is autotuned: the kernels update state in place, and an autotuner would run them several
+times on the same state. Launch parameters are chosen by hand (:func:`_launch_config`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit
+
+__all__ = [
+    "delta_rule_update",
+    "delta_rule_snapshot_verify",
+    "delta_rule_ring_verify",
+    "delta_rule_replay_verify",
+    "delta_rule_replay_fold",
+    "DeltaRuleKernels",
+]
+
+# the strategy a step kernel is compiled for (MODE); constexpr globals so kernels may read them
+OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
+
+
+@triton.jit
+def _fold_cached(
+    b_s,
+    h_k,
+    h_g,
+    h_u,
+    n,
+    i_h,
+    o_k,
+    o_v,
+    m_k,
+    m_v,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+):
+    # b_s: [BK, BV] fp32 block; h_k / h_g / h_u point at this row's history, position 0;
+    # positions are H*K (k, per-channel g), H (per-head g) and H*V (u) elements apart.
+    # a while loop, not range(n): n is read from memory (and Triton's interpreter cannot take a
+    # tensor bound for range with numpy >= 2.4)
+    i = 0
+    while i < n:
+        b_k = tl.load(h_k + i * H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_u = tl.load(h_u + i * H * V + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if PER_CHANNEL:
+            b_g = tl.load(h_g + i * H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_s = b_s * tl.exp(b_g)[:, None] + b_k[:, None] * b_u[None, :]
+        else:
+            b_g = tl.load(h_g + i * H + i_h).to(tl.float32)
+            b_s = b_s * tl.exp(b_g) + b_k[:, None] * b_u[None, :]
+        i += 1
+    return b_s
+
+
+@triton.jit
+def _delta_rule_step_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    g,  # [B, T, H] or [B, T, H, K]
+    beta,  # [B, T, H]
+    o,  # [B, T, H, V] output
+    s_src,  # source state: [N, H, K, V] (or a ring [N, R, H, K, V])
+    s_dst,  # destination: state (OVERWRITE), buf [N, T_max, ...] (SNAPSHOT) or the ring
+    head,  # [N] ring heads (RING)
+    hist_len,  # [N] committed history lengths (REPLAY)
+    state_indices,  # [B] slot of each row, < 0 = padding (USE_STATE_INDICES)
+    h_k,  # [N, L, H, K] replay history (REPLAY)
+    h_g,  # [N, L, H] or [N, L, H, K]
+    h_u,  # [N, L, H, V]
+    offset,
+    R,
+    stride_src_n,
+    stride_src_t,
+    stride_dst_n,
+    stride_dst_t,
+    stride_hk_n,
+    stride_hg_n,
+    stride_hu_n,
+    T: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    MODE: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one state
+
+    if MODE == RING:
+        i_head = tl.load(head + i_n).to(tl.int64)
+        p_s0 = s_src + i_n * stride_src_n + ((i_head + offset) % R) * stride_src_t
+    else:
+        p_s0 = s_src + i_n * stride_src_n
+    b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+
+    if MODE == REPLAY:
+        n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
+        b_s = _fold_cached(
+            b_s, h_k + i_n * stride_hk_n, h_g + i_n * stride_hg_n, h_u + i_n * stride_hu_n,
+            n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL,
+        )
+
+    for j in tl.static_range(T):  # T <= K + 1 is small: unrolled, so input loads can be issued early
+        i_t = i_b * T + j  # token row in the flattened [B * T]
+        b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + i_t * H + i_h).to(tl.float32)
+        if PER_CHANNEL:
+            b_g = tl.load(g + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_s = b_s * tl.exp(b_g)[:, None]
+        else:
+            b_g = tl.load(g + i_t * H + i_h).to(tl.float32)
+            b_s = b_s * tl.exp(b_g)
+        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], 0)
+        tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+        if MODE == SNAPSHOT:
+            p_s = s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t
+            tl.store(p_s + o_kv, b_s, mask=m_kv)
+        elif MODE == RING:
+            p_s = s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t
+            tl.store(p_s + o_kv, b_s, mask=m_kv)
+        elif MODE == REPLAY:
+            pos = n_prev + j
+            p_u = h_u + i_n * stride_hu_n + pos * H * V + i_h * V + o_v
+            tl.store(p_u, b_u.to(h_u.dtype.element_ty), mask=m_v)
+            if i_v == 0:  # k and g are shared by every value block: one program writes them
+                p_k = h_k + i_n * stride_hk_n + pos * H * K + i_h * K + o_k
+                tl.store(p_k, b_k.to(h_k.dtype.element_ty), mask=m_k)
+                if PER_CHANNEL:
+                    p_g = h_g + i_n * stride_hg_n + pos * H * K + i_h * K + o_k
+                    tl.store(p_g, b_g.to(h_g.dtype.element_ty), mask=m_k)
+                else:
+                    tl.store(h_g + i_n * stride_hg_n + pos * H + i_h, b_g.to(h_g.dtype.element_ty))
+
+    if MODE == OVERWRITE:
+        tl.debug_barrier()  # in place: every thread has read its block before any writes back
+        tl.store(s_dst + i_n * stride_dst_n + o_kv, b_s, mask=m_kv)
+
+
+@triton.jit
+def _delta_rule_fold_kernel(
+    s,  # [N, H, K, V] checkpoint, updated in place
+    h_k,
+    h_g,
+    h_u,
+    num_tokens,  # [B]
+    state_indices,
+    stride_s_n,
+    stride_hk_n,
+    stride_hg_n,
+    stride_hu_n,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+    n = tl.load(num_tokens + i_b).to(tl.int64)
+    if n <= 0:  # nothing to fold: no state traffic (deferred replay's common case)
+        return
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_s = s + i_n * stride_s_n + i_h * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_kv, other=0.0)
+    b_s = _fold_cached(
+        b_s, h_k + i_n * stride_hk_n, h_g + i_n * stride_hg_n, h_u + i_n * stride_hu_n,
+        n, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL,
+    )
+    tl.debug_barrier()  # in place: every thread has read its block before any writes back
+    tl.store(p_s, b_s, mask=m_kv)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+
+
+def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None):
+    """Hand-picked (BK, BV, num_warps); see the module docstring for why not autotuned.
+
+    BK covers the whole key dim (the ``S^T k`` reduction runs over it). BV = 32 makes a
+    128 x 32 fp32 block (16 KiB, 32 registers per thread at 4 warps) and 4 * B * H programs;
+    when that is under ~1024 programs (small batch, < 8 per SM on an H200) BV = 16 doubles
+    the programs, because at small batch the step is latency-bound, not bandwidth-bound.
+    """
+    BK = next_pow2(K)
+    if block_v is None:
+        block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
+    BV = min(next_pow2(block_v), next_pow2(V))
+    return BK, BV, num_warps_for(BK * BV)
+
+
+def _prepare(q, k, v, g, beta, out):
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"expected q, k [B, T, H, K] and v [B, T, H, V]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if g.shape not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(f"g must be [B, T, H] (GDN) or [B, T, H, K] (KDA), got {tuple(g.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H], got {tuple(beta.shape)}")
+    if out is None:
+        out = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)
+    elif out.shape != (B, T, H, V) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [B, T, H, V] tensor, got {tuple(out.shape)}")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    return q, k, v, g, beta, out, (B, T, H, K, V), g.dim() == 4
+
+
+def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
+    N, L = hist_k.shape[:2]
+    want = {
+        "hist_k": (hist_k, (N, L, H, K)),
+        "hist_g": (hist_g, (N, L, H, K) if per_channel else (N, L, H)),
+        "hist_u": (hist_u, (N, L, H, V)),
+    }
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or not t[0].is_contiguous():
+            raise ValueError(f"{name} must be [N, L, ...] = {shape} with contiguous rows, got {tuple(t.shape)}")
+
+
+def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None,
+          state_indices=None, out=None, block_v=None, src_lead=1, dst_lead=1):
+    q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
+    check_state("source state", s_src, (H, K, V), src_lead)
+    if s_dst is not None:
+        check_state("destination state", s_dst, (H, K, V), dst_lead)
+    check_state_indices(state_indices, B)
+    if state_indices is None and s_src.shape[0] < B:
+        raise ValueError(f"the state holds {s_src.shape[0]} rows, inputs have {B}")
+    h_k = h_g = h_u = None
+    if hist is not None:
+        h_k, h_g, h_u = hist
+        _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v)
+    if B == 0 or T == 0:
+        return out
+    R = s_src.shape[1] if mode.value == RING.value else 1
+    grid = (triton.cdiv(V, BV), B * H)
+    _delta_rule_step_kernel[grid](
+        q, k, v, g, beta, out,
+        s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
+        h_k, h_g, h_u,
+        offset, R,
+        s_src.stride(0), s_src.stride(1) if src_lead > 1 else 0,
+        s_dst.stride(0) if s_dst is not None else 0, s_dst.stride(1) if (s_dst is not None and dst_lead > 1) else 0,
+        h_k.stride(0) if h_k is not None else 0,
+        h_g.stride(0) if h_g is not None else 0,
+        h_u.stride(0) if h_u is not None else 0,
+        T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
+        USE_STATE_INDICES=state_indices is not None,
+        num_warps=num_warps,
+    )
+    return out
+
+
+_COMMON_ARGS = """
+        q, k: ``[B, T, H, K]`` (q L2-normalised and scaled by ``K**-0.5``, k L2-normalised),
+            fp32/bf16/fp16; v: ``[B, T, H, V]``; g: ``[B, T, H]`` (GDN) or ``[B, T, H, K]`` (KDA)
+            log decay (<= 0); beta: ``[B, T, H]`` in (0, 1).
+        state_indices: ``[B]`` int32/int64 state slot of each row; a negative id (padding,
+            ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
+            None means row b uses slot b.
+        out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
+        block_v: override the value-block width (testing / tuning only).
+
+    Returns:
+        ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
+
+    Raises:
+        ValueError: on inconsistent shapes, non-fp32 states, or states not contiguous per row.
+"""
+
+
+def _with_common_args(fn):
+    fn.__doc__ = fn.__doc__.rstrip() + "\n" + _COMMON_ARGS.lstrip("\n")
+    return fn
+
+
+@_with_common_args
+def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, block_v=None):
+    """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
+
+    Args:
+        state: ``[N, H, K, V]`` fp32, updated in place.
+    """
+    return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, block_v=block_v)
+
+
+@_with_common_args
+def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, block_v=None):
+    """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
+
+    Args:
+        live: ``[N, H, K, V]`` fp32 committed states (read only).
+        buf: ``[N, T_max, H, K, V]`` fp32; s^(offset+1+j) is written to ``buf[:, offset+j]``,
+            other slots are not touched. Requires ``offset + T <= T_max`` (not checked on device).
+        offset: step tokens already run by earlier calls of this step (a Python int).
+    """
+    if offset < 0 or offset + q.shape[1] > buf.shape[1]:
+        raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {q.shape[1]} tokens")
+    src, src_lead = (live, 1) if offset == 0 else (buf[:, offset - 1], 1)
+    return _step(SNAPSHOT, src, buf, q, k, v, g, beta, offset=offset, state_indices=state_indices, out=out,
+                 block_v=block_v, src_lead=src_lead, dst_lead=2)
+
+
+@_with_common_args
+def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, block_v=None):
+    """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
+
+    Args:
+        ring: ``[N, R, H, K, V]`` fp32 ring of states; only the T written slots change.
+        head: ``[N]`` int32/int64 slot of each sequence's committed state (read only; the
+            commit is ``head = (head + num_tokens) % R``, done by the caller, no kernel).
+        offset: step tokens already run by earlier calls of this step; needs ``offset + T < R``
+            so the committed slot is never overwritten.
+    """
+    if offset + q.shape[1] >= ring.shape[1]:
+        raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {q.shape[1]} step states")
+    return _step(RING, ring, ring, q, k, v, g, beta, offset=offset, head=head, state_indices=state_indices,
+                 out=out, block_v=block_v, src_lead=2, dst_lead=2)
+
+
+@_with_common_args
+def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
+                             *, out=None, block_v=None):
+    """Replay verify: outputs from the checkpoint folded with the cached history; write no state.
+
+    The state before the call is ``ckpt`` advanced by the first ``hist_len[n] + offset`` cached
+    ``(k, g, u)`` of the row's history (folded in registers); this call's ``(k, g, u)`` are
+    appended at positions ``hist_len[n] + offset + j`` (u = beta (v - S^T k), the corrected value).
+
+    Args:
+        ckpt: ``[N, H, K, V]`` fp32 checkpoint (read only).
+        hist_k: ``[N, L, H, K]``; hist_g: ``[N, L, H]`` or ``[N, L, H, K]``; hist_u: ``[N, L, H, V]``
+            (any float dtype; fp32 keeps replay exact for u); requires
+            ``hist_len + offset + T <= L`` (not checked on device).
+        hist_len: ``[N]`` int committed history length per slot.
+    """
+    return _step(REPLAY, ckpt, None, q, k, v, g, beta, offset=offset, hist=(hist_k, hist_g, hist_u),
+                 hist_len=hist_len, state_indices=state_indices, out=out, block_v=block_v)
+
+
+def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices=None, *, block_v=None):
+    """Replay commit / deferred flush: ``ckpt[n]`` advanced by its first ``num_tokens[b]`` cached tokens.
+
+    Args:
+        ckpt: ``[N, H, K, V]`` fp32, updated in place (rows with ``num_tokens == 0`` are not read).
+        hist_k, hist_g, hist_u: the history of :func:`delta_rule_replay_verify`.
+        num_tokens: ``[B]`` int32/int64 in ``[0, L]``.
+        state_indices: as in :func:`delta_rule_replay_verify`.
+
+    Raises:
+        ValueError: on inconsistent shapes.
+    """
+    H, K, V = ckpt.shape[1:]
+    check_state("ckpt", ckpt, (H, K, V), 1)
+    per_channel = hist_g.dim() == 4
+    _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel)
+    B = num_tokens.shape[0]
+    check_state_indices(state_indices, B)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v)
+    if B == 0:
+        return
+    _delta_rule_fold_kernel[(triton.cdiv(V, BV), B * H)](
+        ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices,
+        ckpt.stride(0), hist_k.stride(0), hist_g.stride(0), hist_u.stride(0),
+        H=H, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel, USE_STATE_INDICES=state_indices is not None,
+        num_warps=num_warps,
+    )
+
+
+class DeltaRuleKernels:
+    """The ``op.kernels`` object of the GDN / KDA ops (contract: :mod:`specdec.rollback`).
+
+    Args:
+        per_channel: False for GDN (``g [B, T, H]``), True for KDA (``g [B, T, H, K]``); a gate
+            of the other shape raises ValueError.
+    """
+
+    def __init__(self, per_channel: bool):
+        self.per_channel = bool(per_channel)
+
+    def _unpack(self, inputs):
+        g = inputs["g"]
+        if (g.dim() == 4) != self.per_channel:
+            want = "[B, T, H, K] (KDA)" if self.per_channel else "[B, T, H] (GDN)"
+            raise ValueError(f"gate g must be {want}, got {tuple(g.shape)}")
+        return inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"]
+
+    def update(self, state, inputs, params):
+        return delta_rule_update(state, *self._unpack(inputs))
+
+    def snapshot_verify(self, live, buf, inputs, params, offset):
+        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset)
+
+    def snapshot_commit(self, live, buf, num_tokens):
+        state_copy_commit(live, buf, num_tokens)
+
+    def ring_verify(self, ring, head, inputs, params, offset):
+        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset)
+
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset):
+        return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset)
+
+    def replay_fold(self, ckpt, hist, params, num_tokens):
+        delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], num_tokens)

@@ -1,0 +1,227 @@
+"""Pieces shared by the per-op Triton kernels: launch helpers, argument checks, the state-copy commit.
+
+Nothing here allocates a state-sized buffer, reads a device value on the host or autotunes, so
+every function is safe inside CUDA-graph capture. On CPU the kernels run through Triton's
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is for testing only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "next_pow2",
+    "num_warps_for",
+    "check_state",
+    "check_state_indices",
+    "state_copy_commit",
+    "ring_commit",
+    "replay_commit_lengths",
+]
+
+#: the ``state_indices`` value of a padding row: the kernels skip it (vLLM's PAD_SLOT_ID).
+PAD_SLOT_ID = -1
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def num_warps_for(block_elems: int, max_warps: int = 4) -> int:
+    """Warps for a program whose register block has ``block_elems`` elements.
+
+    Chosen so no element is replicated across threads (``32 * num_warps <= block_elems``):
+    replicas waste registers and issue duplicate stores. (The in-place kernels also put a
+    barrier between reading a block and writing it back, so they are race-free either way.)
+    4 warps cover a 128 x 32 fp32 block with 32 registers per thread, enough to keep an
+    H100/H200 SM busy with several programs resident.
+    """
+    w = max_warps
+    while w > 1 and 32 * w > block_elems:
+        w //= 2
+    return w
+
+
+def check_state(name: str, state: torch.Tensor, inner: tuple[int, ...], lead: int) -> None:
+    """Raise ValueError unless ``state`` is fp32 with trailing dims ``inner`` laid out contiguously.
+
+    ``lead`` is the number of leading (batch / slot) dims, which may have any strides.
+    """
+    if state.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32 (SSM states are kept in fp32), got {state.dtype}")
+    if tuple(state.shape[lead:]) != tuple(inner):
+        raise ValueError(f"{name} has per-row shape {tuple(state.shape[lead:])}, expected {tuple(inner)}")
+    expect = 1
+    for size, stride in zip(reversed(state.shape[lead:]), reversed(state.stride()[lead:])):
+        if size > 1 and stride != expect:
+            raise ValueError(f"{name} must be contiguous in its per-row dims {tuple(inner)}; strides {state.stride()}")
+        expect *= size
+
+
+def check_state_indices(state_indices: torch.Tensor | None, batch: int) -> None:
+    """Raise ValueError unless ``state_indices`` is None or an integer ``[batch]`` tensor."""
+    if state_indices is None:
+        return
+    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (batch,):
+        raise ValueError(
+            f"state_indices must be an int32/int64 tensor of shape [{batch}], got "
+            f"{state_indices.dtype} {tuple(state_indices.shape)}"
+        )
+
+
+@triton.jit
+def _state_copy_commit_kernel(
+    live,
+    buf,
+    num_tokens,
+    state_indices,
+    stride_live_n,
+    stride_buf_n,
+    stride_buf_t,
+    NUMEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b.to(tl.int64)
+    n = tl.load(num_tokens + i_b).to(tl.int64)
+    if n <= 0:
+        return
+    o_s = i_c * BLOCK + tl.arange(0, BLOCK)
+    m_s = o_s < NUMEL
+    b_s = tl.load(buf + i_n * stride_buf_n + (n - 1) * stride_buf_t + o_s, mask=m_s)
+    tl.store(live + i_n * stride_live_n + o_s, b_s, mask=m_s)
+
+
+def state_copy_commit(
+    live: torch.Tensor,
+    buf: torch.Tensor,
+    num_tokens: torch.Tensor,
+    state_indices: torch.Tensor | None = None,
+) -> None:
+    """Snapshot commit: ``live[i] = buf[i, n_b - 1]`` for each row b with ``n_b > 0`` (i = slot of b).
+
+    Args:
+        live: ``[N, *S]`` fp32 live states (N >= B slots), modified in place.
+        buf: ``[N, T_max, *S]`` fp32 snapshot buffer written by a snapshot verify.
+        num_tokens: ``[B]`` int32/int64, tokens each row commits (0 keeps the live state);
+            must be <= the tokens run this step (not checked on device).
+        state_indices: ``[B]`` int slot of each row, ``-1`` (padding) skips the row; None = ``arange(B)``.
+
+    Raises:
+        ValueError: on mismatched shapes, non-fp32 states or non-contiguous per-row states.
+    """
+    inner = tuple(live.shape[1:])
+    check_state("live", live, inner, 1)
+    check_state("buf", buf, inner, 2)
+    batch = num_tokens.shape[0]
+    check_state_indices(state_indices, batch)
+    if state_indices is None and batch > live.shape[0]:
+        raise ValueError(f"num_tokens has {batch} rows but live holds {live.shape[0]}")
+    numel = live[0].numel() if live.shape[0] else 0
+    # a pure copy: 4096 fp32 (16 KiB) per program and 4 warps gives 32 elements per thread,
+    # long enough vector loads to saturate HBM with a few thousand programs at batch >= 8.
+    BLOCK = min(4096, next_pow2(numel))
+    grid = (triton.cdiv(numel, BLOCK), batch)
+    if batch == 0 or numel == 0:
+        return
+    _state_copy_commit_kernel[grid](
+        live,
+        buf,
+        num_tokens,
+        state_indices,
+        live.stride(0),
+        buf.stride(0),
+        buf.stride(1),
+        NUMEL=numel,
+        BLOCK=BLOCK,
+        USE_STATE_INDICES=state_indices is not None,
+        num_warps=num_warps_for(BLOCK),
+    )
+
+
+@triton.jit
+def _ring_commit_kernel(head, num_tokens, state_indices, R, B, BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_b = o_b < B
+    if USE_STATE_INDICES:
+        o_n = tl.load(state_indices + o_b, mask=m_b, other=-1).to(tl.int64)
+        m_b = m_b & (o_n >= 0)
+    else:
+        o_n = o_b.to(tl.int64)
+    b_n = tl.load(num_tokens + o_b, mask=m_b, other=0).to(tl.int64)
+    b_head = tl.load(head + o_n, mask=m_b, other=0).to(tl.int64)
+    tl.store(head + o_n, ((b_head + b_n) % R).to(head.dtype.element_ty), mask=m_b)
+
+
+def ring_commit(head: torch.Tensor, num_tokens: torch.Tensor, ring_size: int,
+                state_indices: torch.Tensor | None = None) -> None:
+    """Ring commit in one launch: ``head[i] = (head[i] + num_tokens[b]) % R`` (no state moves).
+
+    Args:
+        head: ``[num_slots]`` int32/int64, updated in place.
+        num_tokens: ``[B]`` int32/int64 accepted step tokens per row.
+        ring_size: R.
+        state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+    """
+    B = num_tokens.shape[0]
+    check_state_indices(state_indices, B)
+    if B == 0:
+        return
+    BLOCK = min(1024, next_pow2(B))
+    _ring_commit_kernel[(triton.cdiv(B, BLOCK),)](head, num_tokens, state_indices, ring_size, B, BLOCK=BLOCK,
+                                                  USE_STATE_INDICES=state_indices is not None,
+                                                  num_warps=num_warps_for(BLOCK))
+
+
+@triton.jit
+def _replay_commit_lengths_kernel(hist_len, num_tokens, fold_tokens, state_indices, T_MAX, L, B,
+                                  BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
+    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_b = o_b < B
+    if USE_STATE_INDICES:
+        o_n = tl.load(state_indices + o_b, mask=m_b, other=-1).to(tl.int64)
+        m_s = m_b & (o_n >= 0)
+    else:
+        o_n = o_b.to(tl.int64)
+        m_s = m_b
+    b_len = tl.load(hist_len + o_n, mask=m_s, other=0).to(tl.int64) + tl.load(num_tokens + o_b, mask=m_s, other=0)
+    b_fold = tl.where(b_len + T_MAX > L, b_len, 0)  # flush when the next step could overflow
+    tl.store(fold_tokens + o_b, b_fold.to(fold_tokens.dtype.element_ty), mask=m_b)
+    tl.store(hist_len + o_n, (b_len - b_fold).to(hist_len.dtype.element_ty), mask=m_s)
+
+
+def replay_commit_lengths(hist_len: torch.Tensor, num_tokens: torch.Tensor, fold_tokens: torch.Tensor,
+                          max_step_tokens: int, history: int, state_indices: torch.Tensor | None = None) -> None:
+    """Replay commit bookkeeping in one launch (then call the op's ``replay_fold`` with ``fold_tokens``).
+
+    Per row: ``len = hist_len + num_tokens``; the row flushes when ``len + max_step_tokens >
+    history`` (eager replay: ``history = max_step_tokens``, so every row with history flushes);
+    ``fold_tokens[b] = len`` if it flushes else 0, and ``hist_len := len - fold_tokens[b]``.
+    Equivalent to the torch ops in :class:`specdec.rollback.ReplayRollback.commit`.
+
+    Args:
+        hist_len: ``[num_slots]`` int, updated in place.
+        num_tokens: ``[B]`` int accepted step tokens per row.
+        fold_tokens: ``[B]`` int output (a preallocated buffer: CUDA-graph safe); padded rows get 0.
+        max_step_tokens: T_max = K + 1; history: L.
+        state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+    """
+    B = num_tokens.shape[0]
+    check_state_indices(state_indices, B)
+    if B == 0:
+        return
+    BLOCK = min(1024, next_pow2(B))
+    _replay_commit_lengths_kernel[(triton.cdiv(B, BLOCK),)](
+        hist_len, num_tokens, fold_tokens, state_indices, max_step_tokens, history, B, BLOCK=BLOCK,
+        USE_STATE_INDICES=state_indices is not None, num_warps=num_warps_for(BLOCK),
+    )

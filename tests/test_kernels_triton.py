@@ -1,0 +1,561 @@
+"""Triton kernels against the fp32 torch references (``naive.py``), through Triton's interpreter.
+
+Every test draws fresh random inputs (never zeros), poisons outputs with NaN first and checks
+they are fully written, and asserts that the state a call must not touch (ring slots outside
+the write set, snapshot slots past offset + t, history positions outside the append, rows whose
+``state_indices`` is the pad id, slots no row uses) stays bit-exact. Sizes are tiny: the
+interpreter runs each program in numpy.
+
+``SPECDEC_TEST_CUDA=1`` runs the same grid compiled on a GPU (and enables the real-size
+``@pytest.mark.gpu`` tests: ``SPECDEC_TEST_CUDA=1 pytest tests/test_kernels_triton.py -m "gpu or not gpu"``).
+"""
+
+import os
+
+# Must happen before triton kernels are defined (i.e. before specdec's kernel modules are imported).
+ON_CUDA = os.environ.get("SPECDEC_TEST_CUDA", "0") == "1"
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from specdec.kernels import OPS, get_op  # noqa: E402
+from specdec.kernels.conv1d.naive import conv1d_commit, conv1d_verify  # noqa: E402
+from specdec.kernels.conv1d.triton_conv import conv1d_commit_triton, conv1d_verify_triton  # noqa: E402
+from specdec.kernels.gdn import triton_step as dr  # noqa: E402
+from specdec.kernels.kda import triton_step as kda_step  # noqa: E402
+from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
+from specdec.kernels.triton_common import replay_commit_lengths, ring_commit, state_copy_commit  # noqa: E402
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}  # relative RMS; both sides compute in fp32
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def assert_close(a, ref, tol, what):
+    assert torch.isfinite(a).all(), f"{what}: not fully written (NaN/Inf left)"
+    err = rel_err(a, ref)
+    assert err < tol, f"{what}: relative RMS error {err:.2e} >= {tol:.0e}"
+
+
+def garbage(*shape, dtype=torch.float32):
+    """Random sentinel contents for memory a kernel must not touch (compared bit-exactly)."""
+    return torch.randn(*shape, dtype=dtype, device=DEVICE) * 3 + 7
+
+
+# ----------------------------------------------------------------------------------------------
+# per-op adapters: random inputs, the torch reference, and the kernel-level calls
+
+
+class DeltaCase:
+    """GDN (per-head gate) or KDA (per-channel gate) at state ``[H, K, V]``."""
+
+    def __init__(self, name, H, K, V, block):
+        self.name, self.H, self.K, self.V, self.block = name, H, K, V, block
+        self.per_channel = name == "kda"
+        self.op = OPS[name]
+        self.state_shape = (H, K, V)
+
+    def inputs(self, B, T, dtype):
+        H, K, V = self.H, self.K, self.V
+        r = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
+        q = F.normalize(r(B, T, H, K), dim=-1) * K**-0.5
+        k = F.normalize(r(B, T, H, K), dim=-1)
+        g = -F.softplus(r(B, T, H, K) if self.per_channel else r(B, T, H))
+        d = dict(q=q, k=k, v=r(B, T, H, V), g=g, beta=torch.sigmoid(r(B, T, H)))
+        return {key: t.to(dtype) for key, t in d.items()}
+
+    def args(self, inp):
+        return inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"]
+
+    def out(self, inp):
+        B, T = inp["q"].shape[:2]
+        return torch.full((B, T, self.H, self.V), float("nan"), device=DEVICE)
+
+    def update(self, state, inp, si, out):
+        return dr.delta_rule_update(state, *self.args(inp), si, out=out, block_v=self.block)
+
+    def snapshot(self, live, buf, inp, off, si, out):
+        return dr.delta_rule_snapshot_verify(live, buf, *self.args(inp), off, si, out=out, block_v=self.block)
+
+    def ring(self, ring, head, inp, off, si, out):
+        return dr.delta_rule_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_v=self.block)
+
+    def replay(self, ckpt, hist, hist_len, inp, off, si, out):
+        return dr.delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self.args(inp), off, si,
+                                           out=out, block_v=self.block)
+
+    def fold(self, ckpt, hist, n, si):
+        dr.delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], n, si, block_v=self.block)
+
+    def random_history(self, S, L):
+        H, K, V = self.H, self.K, self.V
+        g = -F.softplus(torch.randn(S, L, H, K, device=DEVICE) if self.per_channel else torch.randn(S, L, H, device=DEVICE))
+        k = F.normalize(torch.randn(S, L, H, K, device=DEVICE), dim=-1)
+        return dict(k=k, g=g, u=torch.randn(S, L, H, V, device=DEVICE) * 0.3)
+
+
+class Mamba2Case:
+    """Mamba-2 at state ``[H, P, N]`` with G groups."""
+
+    def __init__(self, H, P, N, G, block, with_D=True):
+        self.H, self.P, self.N, self.G, self.block, self.with_D = H, P, N, G, block, with_D
+        self.op = OPS["mamba2"]
+        self.state_shape = (H, P, N)
+        self.params = dict(A=-torch.exp(torch.randn(H, device=DEVICE) * 0.5),
+                           D=torch.randn(H, device=DEVICE) if with_D else None)
+
+    def inputs(self, B, T, dtype):
+        H, P, N, G = self.H, self.P, self.N, self.G
+        r = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
+        d = dict(x=r(B, T, H, P), dt=F.softplus(r(B, T, H) - 1), B=r(B, T, G, N), C=r(B, T, G, N))
+        return {key: t.to(dtype) for key, t in d.items()}
+
+    def args(self, inp):
+        return inp["x"], inp["dt"], self.params["A"], inp["B"], inp["C"], self.params["D"]
+
+    def out(self, inp):
+        B, T = inp["x"].shape[:2]
+        return torch.full((B, T, self.H, self.P), float("nan"), device=DEVICE)
+
+    def update(self, state, inp, si, out):
+        return m2.mamba2_update(state, *self.args(inp), si, out=out, block_p=self.block)
+
+    def snapshot(self, live, buf, inp, off, si, out):
+        return m2.mamba2_snapshot_verify(live, buf, *self.args(inp), off, si, out=out, block_p=self.block)
+
+    def ring(self, ring, head, inp, off, si, out):
+        return m2.mamba2_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_p=self.block)
+
+    def replay(self, ckpt, hist, hist_len, inp, off, si, out):
+        return m2.mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self.args(inp), off, si,
+                                       out=out, block_p=self.block)
+
+    def fold(self, ckpt, hist, n, si):
+        m2.mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], self.params["A"], n, si, block_p=self.block)
+
+    def random_history(self, S, L):
+        H, P, N, G = self.H, self.P, self.N, self.G
+        return dict(x=torch.randn(S, L, H, P, device=DEVICE), dt=F.softplus(torch.randn(S, L, H, device=DEVICE) - 1),
+                    B=torch.randn(S, L, G, N, device=DEVICE))
+
+
+def make_case(op, dims, block):
+    if op == "mamba2":
+        return Mamba2Case(*dims[:4], block, with_D=dims[4] if len(dims) > 4 else True)
+    H, K, V = dims
+    return DeltaCase(op, H, K, V, block)
+
+
+def cat_inputs(calls):
+    return {key: torch.cat([c[key] for c in calls], dim=1) for key in calls[0]}
+
+
+def reference(case, s0, inputs):
+    """(y, states, replay inputs) of the torch op from ``s0`` (``[B, *S]``) over all step tokens."""
+    params = getattr(case, "params", {})
+    y, states, replay = case.op.verify(s0, {k: v.float() for k, v in inputs.items()}, params, True)
+    if case.op.name == "mamba2":
+        replay = {k: inputs[k].float() for k in case.op.replay_keys}
+    return y, states, replay
+
+
+# ----------------------------------------------------------------------------------------------
+# the grid: (op, dims, block, B, per-call token counts, dtype, state_indices)
+#   dims: GDN/KDA (H, K, V); Mamba-2 (H, P, N, G). Blocks smaller than V / P (and a V, P that is
+#   not a power of two) exercise several programs per head and the masks.
+
+GRID = [
+    pytest.param("gdn", (1, 16, 16), 16, 1, (1,), torch.float32, False, id="gdn-B1-T1-H1-K16-V16"),
+    pytest.param("gdn", (2, 16, 24), 8, 2, (3,), torch.float32, False, id="gdn-B2-T3-H2-K16-V24"),
+    pytest.param("gdn", (2, 8, 16), 8, 3, (2, 2), torch.bfloat16, True, id="gdn-B3-T2+2-H2-K8-V16-bf16-si"),
+    pytest.param("gdn", (1, 16, 8), 8, 4, (1, 1, 1), torch.float32, False, id="gdn-B4-T1+1+1-H1-K16-V8"),
+    pytest.param("gdn", (2, 32, 16), 16, 6, (5,), torch.float16, False, id="gdn-B6-T5-H2-K32-V16-fp16"),
+    pytest.param("kda", (2, 16, 24), 16, 2, (3,), torch.float32, False, id="kda-B2-T3-H2-K16-V24"),
+    pytest.param("kda", (3, 16, 16), 8, 5, (2, 2), torch.float32, True, id="kda-B5-T2+2-H3-K16-V16-si"),
+    pytest.param("kda", (1, 8, 16), 8, 3, (1, 2), torch.bfloat16, True, id="kda-B3-T1+2-H1-K8-V16-bf16-si"),
+    pytest.param("mamba2", (2, 16, 16, 1), 16, 1, (2,), torch.float32, False, id="mamba2-B1-T2-H2-P16-N16-G1"),
+    pytest.param("mamba2", (4, 24, 16, 2), 8, 2, (3,), torch.float32, False, id="mamba2-B2-T3-H4-P24-N16-G2"),
+    pytest.param("mamba2", (2, 8, 16, 2), 8, 3, (2, 1), torch.bfloat16, True, id="mamba2-B3-T2+1-H2-P8-N16-G2-bf16-si"),
+    pytest.param("mamba2", (3, 16, 32, 1, False), 8, 6, (5,), torch.float32, False, id="mamba2-B6-T5-H3-P16-N32-G1-noD"),
+    pytest.param("mamba2", (4, 8, 8, 4), 8, 2, (1, 1, 2), torch.bfloat16, False, id="mamba2-B2-T1+1+2-H4-P8-N8-G4-bf16"),
+]
+
+
+def _layout(B, use_si, seed):
+    """(num_slots, state_indices [B] or None, rows that run): with indices, a permutation over B+1
+    slots (one slot unused) and the last row padded when B > 1."""
+    if not use_si:
+        return B, None, list(range(B))
+    g = torch.Generator().manual_seed(seed)
+    si = torch.randperm(B + 1, generator=g)[:B]
+    if B > 1:
+        si[-1] = -1
+    live = [b for b in range(B) if si[b] >= 0]
+    return B + 1, si.to(DEVICE), live
+
+
+def _accepted(B, T, seed):
+    """Accepted counts per row in [0, T]: 0 and T always (B > 1), all of 0..T when B > T."""
+    if B == 1:
+        return torch.full((1,), T, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    n = torch.arange(B) % (T + 1)  # every count 0..T once B > T
+    n[1] = T
+    return n[torch.randperm(B, generator=g)].to(DEVICE)
+
+
+def _slots(si, rows):
+    return [int(si[b]) if si is not None else b for b in rows]
+
+
+def _check_untouched_rows(before, after, used_slots, what):
+    for s in range(before.shape[0]):
+        if s not in used_slots:
+            assert torch.equal(before[s], after[s]), f"{what}: slot {s} (unused / pad) was modified"
+
+
+def _check_outputs(y, y_ref, rows, B, tol, what):
+    assert_close(y[rows], y_ref[rows], tol, what)
+    pad = [b for b in range(B) if b not in rows]
+    assert torch.isnan(y[pad]).all(), f"{what}: outputs of padded rows were written"
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
+def test_snapshot(op, dims, block, B, calls, dtype, use_si):
+    torch.manual_seed(1)
+    case = make_case(op, dims, block)
+    T, T_max = sum(calls), sum(calls) + 1
+    S, si, rows = _layout(B, use_si, 2)
+    slots = _slots(si, rows)
+    live = torch.randn(S, *case.state_shape, device=DEVICE)
+    buf = garbage(S, T_max, *case.state_shape)
+    live0, buf0 = live.clone(), buf.clone()
+    inps = [case.inputs(B, t, dtype) for t in calls]
+    y_ref, states_ref, _ = reference(case, live[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps))
+    off = 0
+    for inp in inps:
+        t = inp[next(iter(inp))].shape[1]
+        y = case.out(inp)
+        ret = case.snapshot(live, buf, inp, off, si, y)
+        assert ret is y
+        _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"snapshot y (offset {off})")
+        off += t
+    assert torch.equal(live, live0), "snapshot verify wrote the live state"
+    assert torch.equal(buf[:, T:], buf0[:, T:]), "snapshot verify wrote slots past offset + t"
+    _check_untouched_rows(buf0, buf, slots, "snapshot buf")
+    for b, s in zip(rows, slots):
+        assert_close(buf[s, :T], states_ref[b], TOL[dtype], f"snapshot buf row {b}")
+
+    n = _accepted(B, T, 3)
+    state_copy_commit(live, buf, n, si)
+    _check_untouched_rows(live0, live, slots, "snapshot commit")
+    for b, s in zip(rows, slots):
+        if n[b] == 0:
+            assert torch.equal(live[s], live0[s]), f"row {b}: commit of 0 tokens changed the state"
+        else:
+            assert torch.equal(live[s], buf[s, n[b] - 1]), f"row {b}: commit did not copy slot n-1"
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
+def test_ring(op, dims, block, B, calls, dtype, use_si):
+    torch.manual_seed(4)
+    case = make_case(op, dims, block)
+    T = sum(calls)
+    R = T + 2  # one spare slot, so the write set wraps and leaves a slot that must stay intact
+    S, si, rows = _layout(B, use_si, 5)
+    slots = _slots(si, rows)
+    ring = garbage(S, R, *case.state_shape)
+    head = torch.randint(0, R, (S,), device=DEVICE)
+    s0 = torch.randn(S, *case.state_shape, device=DEVICE)
+    ring[torch.arange(S), head] = s0
+    ring0, head0 = ring.clone(), head.clone()
+    inps = [case.inputs(B, t, dtype) for t in calls]
+    y_ref, states_ref, _ = reference(case, s0[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps))
+    off = 0
+    for inp in inps:
+        t = inp[next(iter(inp))].shape[1]
+        y = case.out(inp)
+        case.ring(ring, head, inp, off, si, y)
+        _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"ring y (offset {off})")
+        off += t
+    assert torch.equal(head, head0), "ring verify moved the head"
+    _check_untouched_rows(ring0, ring, slots, "ring")
+    for b, s in zip(rows, slots):
+        written = [(int(head[s]) + 1 + j) % R for j in range(T)]
+        for j, slot in enumerate(written):
+            assert_close(ring[s, slot], states_ref[b, j], TOL[dtype], f"ring row {b} token {j}")
+        for slot in set(range(R)) - set(written):
+            assert torch.equal(ring[s, slot], ring0[s, slot]), f"ring row {b}: slot {slot} outside the write set changed"
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
+def test_replay(op, dims, block, B, calls, dtype, use_si):
+    torch.manual_seed(6)
+    case = make_case(op, dims, block)
+    T = sum(calls)
+    L = 2 * T + 3
+    S, si, rows = _layout(B, use_si, 7)
+    slots = _slots(si, rows)
+    ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
+    hist = case.random_history(S, L)  # positions >= hist_len hold garbage the kernel must not read
+    hist_len = torch.randint(0, T + 2, (S,), device=DEVICE)
+    hist_len[0] = 0
+    ckpt0, hist0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
+    params = getattr(case, "params", {})
+    s0 = case.op.fold(ckpt, hist, params, hist_len)  # the state the step starts from
+    idx = si.clamp(min=0) if si is not None else slice(None)
+    inps = [case.inputs(B, t, dtype) for t in calls]
+    y_ref, states_ref, replay_ref = reference(case, s0[idx], cat_inputs(inps))
+    off = 0
+    for inp in inps:
+        t = inp[next(iter(inp))].shape[1]
+        y = case.out(inp)
+        case.replay(ckpt, hist, hist_len, inp, off, si, y)
+        _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"replay y (offset {off})")
+        off += t
+    assert torch.equal(ckpt, ckpt0), "replay verify wrote the checkpoint"
+    for key in hist:
+        _check_untouched_rows(hist0[key], hist[key], slots, f"replay hist {key}")
+        for b, s in zip(rows, slots):
+            h0 = int(hist_len[s])
+            assert torch.equal(hist[key][s, :h0], hist0[key][s, :h0]), f"row {b}: committed history {key} changed"
+            assert torch.equal(hist[key][s, h0 + T:], hist0[key][s, h0 + T:]), f"row {b}: history {key} written past the step"
+            tol = TOL[dtype] if key == "u" else 0.0  # raw inputs are stored exactly
+            got, want = hist[key][s, h0:h0 + T], replay_ref[key][b]
+            if tol:
+                assert_close(got, want, tol, f"replay hist {key} row {b}")
+            else:
+                assert torch.equal(got, want), f"row {b}: history {key} is not the step's inputs"
+
+    # commit: fold the committed history plus the accepted prefix (eager replay; deferred is the
+    # same call with n = 0 for rows that do not flush)
+    n = _accepted(B, T, 8)
+    num = torch.zeros(B, dtype=torch.long, device=DEVICE)
+    for b, s in zip(rows, slots):
+        num[b] = hist_len[s] + n[b]
+    num[0] = 0  # row 0 does not flush: its checkpoint must stay bit-exact (no state traffic)
+    ckpt_before = ckpt.clone()
+    case.fold(ckpt, hist, num, si)
+    _check_untouched_rows(ckpt_before, ckpt, slots, "replay fold")
+    for b, s in zip(rows, slots):
+        if num[b] == 0:
+            assert torch.equal(ckpt[s], ckpt_before[s]), f"row {b}: fold of 0 tokens changed the checkpoint"
+        elif n[b] == 0:
+            assert_close(ckpt[s], s0[s], TOL[dtype], f"replay fold row {b} (n = 0)")
+        else:
+            assert_close(ckpt[s], states_ref[b, n[b] - 1], TOL[dtype], f"replay fold row {b} (n = {int(n[b])})")
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", [p for p in GRID if len(p.values[4]) == 1])
+def test_update_no_rollback(op, dims, block, B, calls, dtype, use_si):
+    torch.manual_seed(9)
+    case = make_case(op, dims, block)
+    S, si, rows = _layout(B, use_si, 10)
+    slots = _slots(si, rows)
+    state = torch.randn(S, *case.state_shape, device=DEVICE)
+    state0 = state.clone()
+    inp = case.inputs(B, calls[0], dtype)
+    y_ref, states_ref, _ = reference(case, state[si.clamp(min=0) if si is not None else slice(None)], inp)
+    y = case.out(inp)
+    case.update(state, inp, si, y)
+    _check_outputs(y, y_ref, rows, B, TOL[dtype], "update y")
+    _check_untouched_rows(state0, state, slots, "update")
+    for b, s in zip(rows, slots):
+        assert_close(state[s], states_ref[b, -1], TOL[dtype], f"update state row {b}")
+
+
+@pytest.mark.parametrize("use_si", [False, True], ids=["B5", "B5-si"])
+def test_commit_bookkeeping(use_si):
+    """ring_commit and replay_commit_lengths against the torch ops of the rollback strategies."""
+    B, T_max, R, L = 5, 4, 5, 16
+    S, si, rows = _layout(B, use_si, 15)
+    slots = _slots(si, rows)
+    n = _accepted(B, T_max, 16)
+    head = torch.randint(0, R, (S,), device=DEVICE)
+    want = head.clone()
+    for b, s in zip(rows, slots):
+        want[s] = (want[s] + n[b]) % R
+    ring_commit(head, n, R, si)
+    assert torch.equal(head, want)
+    for history in (T_max, L):  # eager, deferred
+        hist_len = torch.randint(0, history - T_max + 1, (S,), device=DEVICE)
+        want_len, want_fold = hist_len.clone(), torch.zeros(B, dtype=torch.long, device=DEVICE)
+        for b, s in zip(rows, slots):
+            new = int(hist_len[s] + n[b])
+            want_fold[b] = new if new + T_max > history else 0
+            want_len[s] = new - int(want_fold[b])
+        fold = torch.full((B,), -7, dtype=torch.long, device=DEVICE)
+        replay_commit_lengths(hist_len, n, fold, T_max, history, si)
+        assert torch.equal(hist_len, want_len) and torch.equal(fold, want_fold)
+
+
+# ----------------------------------------------------------------------------------------------
+# conv1d
+
+CONV_GRID = [
+    pytest.param(1, 8, 4, 2, (1,), torch.float32, True, "silu", False, id="B1-C8-W4-T1"),
+    pytest.param(2, 40, 4, 5, (3,), torch.float32, True, "silu", False, id="B2-C40-W4-T3"),
+    pytest.param(3, 24, 3, 4, (2, 2), torch.bfloat16, False, None, True, id="B3-C24-W3-T2+2-bf16-si"),
+    pytest.param(2, 16, 2, 3, (1, 1, 1), torch.float32, True, None, False, id="B2-C16-W2-T1+1+1"),
+]
+
+
+@pytest.mark.parametrize("B,C,W,T_max,calls,dtype,bias,act,use_si", CONV_GRID)
+def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si):
+    torch.manual_seed(11)
+    S, si, rows = _layout(B, use_si, 12)
+    slots = _slots(si, rows)
+    window = torch.randn(S, C, W - 1 + T_max, device=DEVICE).to(dtype)
+    weight = torch.randn(C, W, device=DEVICE)
+    b = torch.randn(C, device=DEVICE) if bias else None
+    ref = window.clone()
+    idx = torch.tensor(slots, device=DEVICE)
+    ref_rows = ref[idx]
+    off = 0
+    for t in calls:
+        x = torch.randn(B, t, C, device=DEVICE).to(dtype)
+        y = torch.full_like(x, float("nan"))
+        before = window.clone()
+        conv1d_verify_triton(window, x, weight, b, act, off, si, out=y)
+        y_ref = conv1d_verify(ref_rows, x[rows], weight, b, act, off)
+        tol = TOL[dtype] if dtype == torch.float32 else 1e-2  # bf16 outputs are rounded to bf16
+        assert_close(y[rows].float(), y_ref.float(), tol, f"conv y (offset {off})")
+        assert torch.isnan(y[[b for b in range(B) if b not in rows]]).all(), "conv wrote outputs of padded rows"
+        _check_untouched_rows(before, window, slots, "conv window")
+        assert torch.equal(window[idx], ref_rows), "conv window differs from the reference's"
+        off += t
+    n = _accepted(B, off, 13)
+    before = window.clone()
+    conv1d_commit_triton(window, n, W, si)
+    conv1d_commit(ref_rows, n[rows], W)
+    _check_untouched_rows(before, window, slots, "conv commit")
+    assert torch.equal(window[idx, :, : W - 1], ref_rows[:, :, : W - 1]), "conv commit differs from the reference's"
+
+
+def test_conv1d_rejects_overflow():
+    window = torch.randn(1, 4, 3 + 2, device=DEVICE)
+    with pytest.raises(ValueError, match="step tokens"):
+        conv1d_verify_triton(window, torch.randn(1, 3, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), offset=0)
+    with pytest.raises(ValueError, match="activation"):
+        conv1d_verify_triton(window, torch.randn(1, 1, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), activation="gelu")
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks (no kernel launch)
+
+
+def test_rejects_bad_arguments():
+    case = DeltaCase("gdn", 1, 8, 8, None)
+    inp = case.inputs(1, 2, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        dr.delta_rule_update(torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16, device=DEVICE), *case.args(inp))
+    with pytest.raises(ValueError, match="per-row shape"):
+        dr.delta_rule_update(torch.zeros(1, 1, 8, 4, device=DEVICE), *case.args(inp))
+    with pytest.raises(ValueError, match="snapshot buffer"):
+        dr.delta_rule_snapshot_verify(torch.zeros(1, 1, 8, 8, device=DEVICE), torch.zeros(1, 2, 1, 8, 8, device=DEVICE),
+                                      *case.args(inp), 1)
+    with pytest.raises(ValueError, match="ring"):
+        dr.delta_rule_ring_verify(torch.zeros(1, 2, 1, 8, 8, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                                  *case.args(inp), 0)
+    with pytest.raises(ValueError, match="state_indices"):
+        dr.delta_rule_update(torch.zeros(1, 1, 8, 8, device=DEVICE), *case.args(inp), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="gate g"):
+        kda_step.KDAKernels().update(torch.zeros(1, 1, 8, 8, device=DEVICE), inp, {})
+    with pytest.raises(ValueError, match="groups"):
+        mc = Mamba2Case(3, 8, 8, 2, None)
+        m2.mamba2_update(torch.zeros(1, 3, 8, 8, device=DEVICE), *mc.args(mc.inputs(1, 1, torch.float32)))
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend and the rollback strategies end to end
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "mamba2"])
+def test_get_op_triton_backend(monkeypatch, name):
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    op = get_op(name, DEVICE)
+    assert type(op) is type(OPS[name]) and op.kernels is not None
+    assert OPS[name].kernels is None, "the shared reference op must stay on the torch path"
+    monkeypatch.setenv("SPECDEC_BACKEND", "torch")
+    assert get_op(name, DEVICE).kernels is None
+
+
+STRATEGY_CASES = [
+    pytest.param("gdn", "snapshot", id="gdn-snapshot"),
+    pytest.param("gdn", "ring", id="gdn-ring"),
+    pytest.param("gdn", "replay", id="gdn-replay"),
+    pytest.param("gdn", "replay_deferred", id="gdn-replay_deferred"),
+    pytest.param("kda", "replay", id="kda-replay"),
+    pytest.param("mamba2", "snapshot", id="mamba2-snapshot"),
+    pytest.param("mamba2", "replay_deferred", id="mamba2-replay_deferred"),
+]
+
+
+@pytest.mark.parametrize("name,strategy", STRATEGY_CASES)
+def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
+    """Two speculative steps (the first in two calls) through a rollback strategy: Triton == torch."""
+    from specdec.rollback import make_strategy
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    op_triton = get_op(name, DEVICE)
+    op_torch = OPS[name]
+    torch.manual_seed(14)
+    case = make_case(name, (2, 16, 8, 2) if name == "mamba2" else (2, 8, 16), None)
+    params = getattr(case, "params", {})
+    if name == "mamba2" and params["D"] is None:
+        params = {"A": params["A"]}
+    B, T_max = 2, 3
+    state = torch.randn(B, *case.state_shape, device=DEVICE)
+    stores = {}
+    for key, op in (("triton", op_triton), ("torch", op_torch)):
+        strat = make_strategy(strategy)
+        store = strat.new_store(B, T_max)
+        strat.load(store, state)
+        stores[key] = (strat, store, op)
+    for step, (calls, n) in enumerate([((1, 2), [3, 0]), ((3,), [1, 2]), ((2,), [2, 1])]):
+        inps = [case.inputs(B, t, torch.float32) for t in calls]
+        for inp in inps:
+            ys = {key: strat.verify(store, op, inp, params) for key, (strat, store, op) in stores.items()}
+            assert_close(ys["triton"], ys["torch"], 1e-5, f"step {step} outputs")
+        num = torch.tensor(n, device=DEVICE)
+        for strat, store, op in stores.values():
+            strat.commit(store, op, params, num)
+        got = stores["triton"][0].state(stores["triton"][1], op_triton, params)
+        want = stores["torch"][0].state(stores["torch"][1], op_torch, params)
+        assert_close(got, want, 1e-5, f"committed state after step {step}")
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled for a real GPU
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile one variant of each kernel for sm_90."""
+    script = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "COMPILED" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+@pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
+def test_real_size_against_reference(op):
+    """Every strategy at the benchmark's shapes (bf16 inputs, fp32 state), B = 8, K = 4."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import rollback_kernels
+
+    results = rollback_kernels.check_correctness(op, batch=8, K=4, device="cuda", tiny=False)
+    bad = [r for r in results if not r["pass"]]
+    assert not bad, bad
