@@ -20,6 +20,8 @@ if not ON_CUDA:
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # specdec without installing
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
