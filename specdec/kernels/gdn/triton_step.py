@@ -373,7 +373,8 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
     Args:
         ring: ``[N, R, H, K, V]`` fp32 ring of states; only the T written slots change.
         head: ``[N]`` int32/int64 slot of each sequence's committed state (read only; the
-            commit is ``head = (head + num_tokens) % R``, done by the caller, no kernel).
+            commit is ``head = (head + num_tokens) % R``: no state moves; one launch with
+            :func:`specdec.kernels.triton_common.ring_commit`).
         offset: step tokens already run by earlier calls of this step; needs ``offset + T < R``
             so the committed slot is never overwritten.
     """

@@ -368,7 +368,8 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
     Args:
         ring: ``[num_slots, R, H, P, N]`` fp32 ring of states; only the T written slots change.
         head: ``[num_slots]`` int32/int64 slot of the committed state (read only; the commit is
-            ``head = (head + num_tokens) % R``, done by the caller, no kernel).
+            ``head = (head + num_tokens) % R``: no state moves; one launch with
+            :func:`specdec.kernels.triton_common.ring_commit`).
         offset: step tokens already run by earlier calls of this step; needs ``offset + T < R``.
     """
     if offset + x.shape[1] >= ring.shape[1]:
