@@ -1,0 +1,45 @@
+"""specdec: exact speculative decoding for hybrid (attention + SSM) language models.
+
+Public API (DESIGN.md)::
+
+    import specdec
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=4)
+    out = sd.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    sd.last_stats  # specdec.Stats
+"""
+
+from __future__ import annotations
+
+from . import drafters, models, rollback
+from .engine import SpeculativeGenerator, Stats
+
+__all__ = ["wrap", "Stats", "SpeculativeGenerator", "drafters", "rollback", "models", "zoo", "__version__"]
+__version__ = "0.1.0"
+version = __version__
+
+
+def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4) -> SpeculativeGenerator:
+    """Wrap a loaded Hugging Face hybrid causal LM for speculative decoding.
+
+    Args:
+        model: e.g. ``Qwen3_5ForCausalLM``, ``Qwen3NextForCausalLM``, ``NemotronHForCausalLM``,
+            ``KimiLinearForCausalLM`` (weights are used in place, never copied).
+        drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
+        rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``) or an instance.
+        num_speculative_tokens: K in [1, 64].
+
+    Returns:
+        A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
+
+    Raises:
+        TypeError, ValueError: see :class:`SpeculativeGenerator`.
+    """
+    return SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens)
+
+
+def __getattr__(name):
+    if name == "zoo":  # lazy: loading the zoo module needs no weights, but keep import light
+        import importlib
+
+        return importlib.import_module(".zoo", __name__)
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

@@ -1,0 +1,428 @@
+"""The speculative loop: draft -> verify -> accept -> commit, batched with ragged acceptance.
+
+One step (DESIGN.md, "One speculative step"): for each row, the drafter proposes k_i <= K
+tokens; the target runs ``[pending, d_1 .. d_k]`` (rows padded to the batch's 1 + max k_i with
+placeholders that never reach a committed state) in one forward; acceptance picks n_i and a
+correction/bonus token c_i; the cache commits n_i + 1 tokens per row; c_i becomes pending.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .drafters import Drafter, make_drafter
+from .models import adapter_for
+from .rollback import make_strategy
+from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
+
+__all__ = ["Stats", "SpeculativeGenerator", "MAX_SPECULATIVE_TOKENS"]
+
+MAX_SPECULATIVE_TOKENS = 64
+
+# generation settings this engine does not implement: (attribute, value meaning "off")
+_UNSUPPORTED = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "penalty_alpha": None,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "min_new_tokens": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "diversity_penalty": 0.0,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "assistant_model": None,
+    "prompt_lookup_num_tokens": None,
+    "output_scores": False,
+    "output_logits": False,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "return_dict_in_generate": False,
+}
+
+
+@dataclass
+class Stats:
+    """What one ``generate()`` did. Names as Spec-Bench uses them; times in seconds.
+
+    mean_accepted_tokens: tokens committed per target forward per sequence, including the
+        bonus/correction token (plain decoding = 1.00). acceptance_rate: accepted drafts /
+        proposed drafts (0 when nothing was proposed). accept_histogram[n]: row-steps that
+        accepted n drafts. steps: target verify forwards. new_tokens: tokens generated
+        (all rows, up to and including EOS). draft_s / verify_s / rollback_s: time proposing,
+        in the target forward + acceptance, and committing state; wall_s: the whole call.
+    """
+
+    steps: int = 0
+    new_tokens: int = 0
+    mean_accepted_tokens: float = 0.0
+    acceptance_rate: float = 0.0
+    accept_histogram: list = field(default_factory=list)
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Timer:
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self):
+        if self.cuda:  # phase times need the device to be done; costs a sync per phase
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _as_id_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    if isinstance(eos, int):
+        return [eos]
+    if isinstance(eos, (list, tuple)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        return list(eos)
+    raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+
+
+class SpeculativeGenerator:
+    """Exact speculative decoding for a Hugging Face hybrid causal LM (what :func:`specdec.wrap` returns).
+
+    Args:
+        model: a loaded HF causal LM of a supported family (see ``specdec.models.supported_families()``).
+        drafter: ``"ngram"`` or a :class:`specdec.drafters.Drafter` instance.
+        rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``) or a
+            :class:`specdec.rollback.RollbackStrategy`.
+        num_speculative_tokens: K, drafts per step, 1..64.
+
+    Raises:
+        TypeError: model is not a causal LM, drafter/rollback of the wrong type, K not an int.
+        ValueError: unsupported family, unknown drafter/strategy name, K out of range, a drafter
+            whose vocabulary differs from the target's.
+    """
+
+    def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4):
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+            raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
+        if not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens}"
+            )
+        self.adapter = adapter_for(model)
+        self.model = model
+        self.drafter: Drafter = make_drafter(drafter)
+        self.strategy = make_strategy(rollback)
+        self.num_speculative_tokens = num_speculative_tokens
+        dv = self.drafter.vocab_size
+        if dv is not None and dv != self.adapter.vocab_size:
+            raise ValueError(
+                f"the drafter's vocabulary ({dv} tokens) differs from the target's ({self.adapter.vocab_size}); "
+                "speculative decoding needs the same tokenizer and vocabulary"
+            )
+        self.last_stats: Stats | None = None
+        self.last_cache = None
+
+    # ------------------------------------------------------------------------------------
+    def _resolve(self, input_ids, attention_mask, generation_config, overrides: dict):
+        from transformers import GenerationConfig
+
+        if isinstance(input_ids, list):
+            raise TypeError("input_ids must be a torch.LongTensor [batch, length], got a list; use torch.tensor(...)")
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.LongTensor [batch, length], got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, length], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token")
+        V = self.adapter.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= V)).any()):
+            raise ValueError(f"input_ids holds ids outside the vocabulary [0, {V})")
+        input_ids = input_ids.to(device=self.adapter.device, dtype=torch.long)
+
+        if generation_config is None:
+            base = getattr(self.model, "generation_config", None)
+            gc = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
+        elif isinstance(generation_config, GenerationConfig):
+            gc = GenerationConfig.from_dict(generation_config.to_dict())
+        else:
+            raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+        for key, val in overrides.items():
+            if val is not None:
+                setattr(gc, key, val)
+        for key, off in _UNSUPPORTED.items():
+            val = getattr(gc, key, off)
+            if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
+                raise ValueError(
+                    f"generation setting {key}={val!r} is not supported by specdec's generate(); supported: "
+                    "max_new_tokens/max_length, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id"
+                )
+
+        eos = _as_id_list(gc.eos_token_id)
+        pad = gc.pad_token_id
+        if attention_mask is None:
+            if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+                attention_mask = (input_ids != pad).long()
+            else:
+                attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, got {got}")
+        mask = attention_mask.to(device=input_ids.device)
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        mask = mask.long()
+        if bool((mask.sum(1) == 0).any()):
+            row = int((mask.sum(1) == 0).nonzero()[0, 0])
+            raise ValueError(f"row {row} of the batch is all padding; every row needs at least one prompt token")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError("attention_mask must be left-padded (zeros then ones in each row), as HF generate() expects for decoder-only models")
+
+        max_new = gc.max_new_tokens
+        if max_new is None:
+            max_new = (gc.max_length or 20) - input_ids.shape[1]
+        if isinstance(max_new, bool) or not isinstance(max_new, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new).__name__}")
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+
+        sampling = None
+        if gc.do_sample:
+            top_k = gc.top_k if gc.top_k else None
+            sampling = SamplingConfig(
+                temperature=gc.temperature if gc.temperature is not None else 1.0, top_k=top_k, top_p=gc.top_p
+            )
+        else:
+            if gc.temperature is not None and (not isinstance(gc.temperature, (int, float)) or gc.temperature <= 0):
+                raise ValueError(f"temperature must be > 0, got {gc.temperature!r}")
+        if pad is None:
+            pad = eos[0] if eos else 0
+        return input_ids, mask, max_new, sampling, eos, int(pad)
+
+    def _check_drafts(self, drafts, counts, B, K):
+        if not isinstance(drafts, torch.Tensor) or not isinstance(counts, torch.Tensor):
+            raise TypeError("Drafter.propose must return (draft_tokens LongTensor [B, K], num_draft_tokens LongTensor [B])")
+        if drafts.dim() != 2 or drafts.shape[0] != B:
+            raise ValueError(f"drafter returned draft_tokens of shape {tuple(drafts.shape)}; expected [{B}, {K}]")
+        if drafts.shape[1] > K:
+            raise ValueError(f"drafter returned {drafts.shape[1]} draft tokens per row; at most num_speculative_tokens={K}")
+        if counts.shape != (B,):
+            raise ValueError(f"drafter returned num_draft_tokens of shape {tuple(counts.shape)}; expected [{B}]")
+        if bool(((counts < 0) | (counts > drafts.shape[1])).any()):
+            raise ValueError(f"drafter returned num_draft_tokens outside [0, {drafts.shape[1]}]: {counts.tolist()}")
+        used = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < counts[:, None].to(drafts.device)
+        V = self.adapter.vocab_size
+        if bool((((drafts < 0) | (drafts >= V)) & used).any()):
+            raise ValueError(f"drafter proposed token ids outside the target's vocabulary [0, {V})")
+
+    def _pick_first(self, logits, sampling, generator):
+        if sampling is None:
+            return logits.argmax(-1)
+        return torch.multinomial(process_logits(logits, sampling), 1, generator=generator)[:, 0]
+
+    # ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id=None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        generation_config=None,
+        streamer=None,
+        stopping_criteria=None,
+        max_length: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Generate with speculative decoding; the output is laid out as HF ``generate()`` lays it out.
+
+        Args:
+            input_ids: ``[B, L]`` int64 left-padded prompts.
+            attention_mask: ``[B, L]`` 0/1 (default: inferred from ``pad_token_id`` as HF does, else ones).
+            max_new_tokens: new tokens per row (default from the generation config).
+            do_sample, temperature, top_k, top_p: sampling (lossless rejection sampling) or greedy.
+            eos_token_id: int or list of ints; pad_token_id: fills rows that stopped early.
+            generator: ``torch.Generator`` for reproducible sampling.
+            generation_config: a ``transformers.GenerationConfig`` (explicit arguments override it).
+            streamer: an HF streamer (batch 1), fed committed tokens in order.
+            stopping_criteria: an HF ``StoppingCriteriaList`` (checked after every committed token).
+
+        Returns:
+            ``[B, L + G]`` int64: prompts as given, then G = the longest row's new tokens; rows that
+            stopped early are padded with ``pad_token_id``. Stats of the call in ``self.last_stats``.
+
+        Raises:
+            TypeError / ValueError: bad arguments (checked before any work), unsupported settings.
+        """
+        if kwargs:
+            raise ValueError(
+                f"unsupported generate() argument(s): {sorted(kwargs)}; supported: input_ids, attention_mask, "
+                "max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, "
+                "generator, generation_config, streamer, stopping_criteria"
+            )
+        overrides = dict(
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length,
+        )
+        input_ids, mask, max_new, sampling, eos, pad = self._resolve(input_ids, attention_mask, generation_config, overrides)
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError("streamer= supports batch size 1 only, as in HF generate()")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        return self._run(input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria)
+
+    def _run(self, input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria):
+        ad = self.adapter
+        dev = input_ids.device
+        B, Lp = input_ids.shape
+        K = self.num_speculative_tokens
+        T_max = K + 1
+        stats = Stats(accept_histogram=[0] * (K + 1))
+        timer = _Timer(dev)
+        t_start = timer.now()
+        if max_new == 0:
+            self.last_stats = stats
+            return input_ids.clone()
+
+        cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
+        self.last_cache = cache
+        logits, _ = ad.prefill(input_ids, mask, cache)
+        first = self._pick_first(logits.float(), sampling, generator)
+        stats.prefill_s = timer.now() - t_start
+
+        prompt_len = mask.sum(1)
+        pads = Lp - prompt_len
+        width = Lp + max_new + T_max
+        text = torch.zeros(B, width, dtype=torch.long, device=dev)
+        cols = torch.arange(Lp, device=dev)[None, :]
+        src = (cols + pads[:, None]).clamp(max=Lp - 1)
+        text[:, :Lp] = torch.where(cols < prompt_len[:, None], input_ids.gather(1, src), torch.zeros_like(cols))
+        lengths = prompt_len.clone()
+        n_gen = torch.zeros(B, dtype=torch.long, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        rows = torch.arange(B, device=dev)
+
+        def emit(new_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            """Append up to counts[b] tokens per row, stopping rows at EOS / budget / criteria.
+
+            Returns how many tokens each row took."""
+            nonlocal finished
+            before = n_gen.clone()
+            for j in range(new_tokens.shape[1]):
+                live = (~finished) & (j < counts)
+                if not bool(live.any()):
+                    break
+                tok = new_tokens[:, j]
+                text[rows[live], lengths[live]] = tok[live]
+                lengths[live] += 1
+                n_gen[live] += 1
+                if streamer is not None and bool(live[0]):
+                    streamer.put(tok[:1].cpu())
+                done = n_gen >= max_new
+                if eos_t is not None:
+                    done |= torch.isin(tok, eos_t)
+                if stopping_criteria is not None:
+                    seqs = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
+                    done |= stopping_criteria(seqs, None).to(dev)
+                finished = finished | (live & done)
+            return n_gen - before
+
+        emit(first[:, None], torch.ones(B, dtype=torch.long, device=dev))
+        self.drafter.start(
+            target_vocab_size=ad.vocab_size, batch_size=B, device=dev, sampling=sampling,
+            generator=generator, max_length=Lp + max_new + T_max,
+        )
+        row_steps = committed = 0
+        while not bool(finished.all()):
+            t0 = timer.now()
+            drafts, counts = self.drafter.propose(text, lengths, K)
+            self._check_drafts(drafts, counts, B, K)
+            t1 = timer.now()
+            drafts = drafts.to(dev).long()
+            k = torch.minimum(counts.to(dev).long(), (max_new - n_gen - 1).clamp(min=0))
+            k = k.masked_fill(finished, 0)
+            T = 1 + int(k.max())
+            used = torch.arange(T - 1, device=dev)[None, :] < k[:, None]
+            step_drafts = torch.where(used, drafts[:, : T - 1], torch.zeros_like(drafts[:, : T - 1]))
+            pending = text[rows, lengths - 1]
+            step = torch.cat([pending[:, None], step_drafts], dim=1)
+            logits, _ = ad.forward(step, cache)
+            if sampling is None:
+                n, c = greedy_accept(logits, step_drafts, k)
+            else:
+                probs = self.drafter.draft_probs()
+                n, c = sample_accept(logits, step_drafts, k, sampling, probs, generator)
+            active = ~finished
+            new = torch.cat([step_drafts, torch.zeros_like(c)[:, None]], dim=1)
+            new[rows, n] = c
+            taken = emit(new, n + 1)
+            t2 = timer.now()
+            # commit [pending, d_1 .. d_n] -- or fewer when EOS / the budget cut the row short, so the
+            # cache always covers the row's text minus its last token
+            cache.commit(torch.minimum(taken, n + 1))
+            t3 = timer.now()
+            # stats over rows that took part in this step
+            stats.steps += 1
+            na = n[active]
+            row_steps += int(active.sum())
+            committed += int((na + 1).sum())
+            stats.proposed_tokens += int(k[active].sum())
+            stats.accepted_tokens += int(na.sum())
+            for v in na.tolist():
+                stats.accept_histogram[v] += 1
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.rollback_s += t3 - t2
+        if streamer is not None:
+            streamer.end()
+        out = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
+        stats.new_tokens = int(n_gen.sum())
+        stats.mean_accepted_tokens = committed / row_steps if row_steps else 0.0
+        stats.acceptance_rate = stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else 0.0
+        stats.wall_s = timer.now() - t_start
+        self.last_stats = stats
+        return out
+
+    @staticmethod
+    def _generated(text, prompt_len, n_gen, pad):
+        G = int(n_gen.max())
+        cols = torch.arange(G, device=text.device)[None, :]
+        src = (prompt_len[:, None] + cols).clamp(max=text.shape[1] - 1)
+        gen = text.gather(1, src)
+        return torch.where(cols < n_gen[:, None], gen, torch.full_like(gen, pad))
+
+    def __repr__(self):
+        return (
+            f"SpeculativeGenerator({type(self.model).__name__}, drafter={self.drafter!r}, "
+            f"rollback={self.strategy.name!r}, num_speculative_tokens={self.num_speculative_tokens})"
+        )

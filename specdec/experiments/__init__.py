@@ -1,0 +1,1 @@
+"""Hydra apps: the zoo recipe (train_zoo), acceptance, rollback comparison, benchmark."""
