@@ -66,6 +66,10 @@ class SSMLayerCache:
     # --- called by adapters during a forward --------------------------------------------------
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]``."""
+        if self.op.kernels is not None:  # the Triton backend: fused multi-token conv update
+            from .kernels.conv1d.triton_conv import conv1d_verify_triton
+
+            return conv1d_verify_triton(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
         return conv1d_verify(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
@@ -79,7 +83,12 @@ class SSMLayerCache:
     # --- commit / inspection ---------------------------------------------------------------
     def commit(self, num_tokens: torch.Tensor) -> None:
         if self.conv_window is not None:
-            conv1d_commit(self.conv_window, num_tokens, self.conv_width)
+            if self.op.kernels is not None:
+                from .kernels.conv1d.triton_conv import conv1d_commit_triton
+
+                conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
+            else:
+                conv1d_commit(self.conv_window, num_tokens, self.conv_width)
         self.strategy.commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
 

@@ -1,0 +1,159 @@
+"""Clear errors at the public boundary, raised before any work, and a wrapper that still works
+(and stays exact) after a rejected call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import get_model
+from test_core_exactness import hf_greedy
+from tiny_models import VOCAB, make_model, ragged_prompts
+
+import specdec
+from specdec.drafters import DraftModelDrafter, Drafter
+
+
+def test_unsupported_model_lists_families():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    with pytest.raises((ValueError, TypeError)) as err:
+        specdec.wrap(gpt2)
+    msg = str(err.value)
+    assert "gpt2" in msg or "GPT2" in msg
+
+
+def test_unsupported_family_message_lists_supported():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB))
+    if llama.config.model_type in specdec.models.supported_families():
+        pytest.skip("llama is supported")
+    with pytest.raises(ValueError, match="qwen3_5_text.*|nemotron_h"):
+        specdec.wrap(llama)
+
+
+def test_not_a_causal_lm():
+    with pytest.raises(TypeError, match="causal LM"):
+        specdec.wrap(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("K", [0, -1, 65])
+def test_K_out_of_range(K):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=K)
+
+
+def test_K_wrong_type():
+    with pytest.raises(TypeError):
+        specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=2.0)
+
+
+def test_unknown_strategy_and_drafter():
+    with pytest.raises(ValueError, match="snapshot"):
+        specdec.wrap(get_model("qwen3_5"), rollback="undo")
+    with pytest.raises(ValueError, match="ngram"):
+        specdec.wrap(get_model("qwen3_5"), drafter="eagle")
+    with pytest.raises(TypeError, match="DraftModelDrafter"):
+        specdec.wrap(get_model("qwen3_5"), drafter=get_model("qwen3_5", "small"))
+
+
+def test_draft_vocabulary_mismatch():
+    other = make_model("qwen3_5", small=True, vocab=VOCAB + 4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        specdec.wrap(get_model("qwen3_5"), drafter=DraftModelDrafter(other))
+
+
+@pytest.fixture
+def sd():
+    return specdec.wrap(get_model("kimi_linear"), drafter="ngram", rollback="replay", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        (dict(input_ids=torch.ones(2, 3)), TypeError, "integer"),
+        (dict(input_ids=torch.ones(1, 2, 3, dtype=torch.long)), ValueError, "2-D"),
+        (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), ValueError, "empty"),
+        (dict(input_ids=torch.full((1, 3), VOCAB)), ValueError, "vocabulary"),
+        (dict(input_ids=[[1, 2]]), TypeError, "LongTensor"),
+        (dict(attention_mask=torch.ones(2, 5, dtype=torch.long)), ValueError, "same shape"),
+        (dict(attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])), ValueError, "all padding"),
+        (dict(attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])), ValueError, "left-padded"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
+        (dict(do_sample=True, top_k=-2), ValueError, "top_k"),
+        (dict(do_sample=True, top_p=1.5), ValueError, "top_p"),
+        (dict(num_beams=2), ValueError, "unsupported"),
+        (dict(repetition_penalty=1.3), ValueError, "repetition_penalty"),
+        (dict(eos_token_id="x"), ValueError, "eos_token_id"),
+    ],
+)
+def test_bad_generate_arguments(sd, kwargs, exc, pattern):
+    args = dict(input_ids=torch.randint(3, VOCAB, (2, 4)), max_new_tokens=4, pad_token_id=0)
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        sd.generate(**args)
+    # the wrapper still works, exactly, after the rejected call
+    ids, mask = ragged_prompts()
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(get_model("kimi_linear"), ids, mask, 8))
+
+
+class BadDrafter(Drafter):
+    def __init__(self, what):
+        self.what = what
+
+    def propose(self, input_ids, lengths, K):
+        B = input_ids.shape[0]
+        d = torch.full((B, K), 3, dtype=torch.long)
+        c = torch.full((B,), K, dtype=torch.long)
+        if self.what == "oov":
+            d[0, 0] = VOCAB + 5
+        elif self.what == "too_many":
+            d = torch.full((B, K + 1), 3, dtype=torch.long)
+        elif self.what == "count":
+            c[0] = K + 1
+        elif self.what == "batch":
+            d = d[:1]
+        return d, c
+
+
+@pytest.mark.parametrize("what,pattern", [("oov", "vocabulary"), ("too_many", "at most"), ("count", "outside"),
+                                          ("batch", "shape")])
+def test_custom_drafter_bad_output(what, pattern):
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, drafter=BadDrafter(what), num_speculative_tokens=2)
+    ids, mask = ragged_prompts()
+    with pytest.raises(ValueError, match=pattern):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    sd.drafter = specdec.drafters.NGramDrafter()
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0),
+                       hf_greedy(model, ids, mask, 6))
+
+
+def test_generation_config_and_eos_list():
+    from transformers import GenerationConfig
+
+    model = get_model("qwen3_next")
+    ids, mask = ragged_prompts()
+    plain = hf_greedy(model, ids, mask, 12)
+    L = ids.shape[1]
+    eos = [int(plain[0, L + 2]), int(plain[2, L + 6])]
+    ref = model.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=12, do_sample=False,
+                         eos_token_id=eos, pad_token_id=1))
+    sd = specdec.wrap(model, drafter=DraftModelDrafter(get_model("qwen3_next", "perturbed")), rollback="ring",
+                      num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=12, do_sample=False,
+                      eos_token_id=eos, pad_token_id=1))
+    assert torch.equal(out, ref)
+
+
+def test_max_new_tokens_zero_and_one():
+    model = get_model("nemotron_h")
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(model)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=0), ids)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=1, pad_token_id=0),
+                       hf_greedy(model, ids, mask, 1))
