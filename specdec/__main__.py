@@ -1,0 +1,3 @@
+from specdec.experiments.app import main
+
+main()
