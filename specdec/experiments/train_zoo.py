@@ -22,7 +22,8 @@ Stages, all deterministic given the config and the Python standard library on th
    manifest's ``heldout_loss``, which ``tests/test_zoo.py`` recomputes.
 
 Run: ``python -m specdec.experiments.train_zoo [overrides]`` (Hydra; config
-``conf/train_zoo.yaml`` -> ``conf/experiment/train_zoo.yaml``).
+``conf/train_zoo.yaml`` -> ``conf/experiment/train_zoo.yaml``), or through the shared app:
+``specdec-run experiment=train_zoo [overrides]``.
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ def make_prompt_sets(tokenizer, heldout: list[tuple[str, str]], sets: Any, conti
     """Code-completion prompts from held-out files: for each set (target T tokens, count C),
     files are taken in a fixed hash order; the prompt is the file's longest line-aligned prefix
     of at most T tokens (``<bos>`` not counted; at least ``min_fill * T``), the continuation
-    the following line-aligned text of at most ``continuation_tokens`` tokens (at least a
-    quarter of that). Rows: id, set, source, prompt, continuation, prompt_tokens (with the
+    the following line-aligned text of at most ``continuation_tokens`` tokens as counted in the
+    whole file's tokenization (tokenized alone it can be a token or two longer; at least a
+    quarter of the budget). Rows: id, set, source, prompt, continuation, prompt_tokens (with the
     ``<bos>`` the tokenizer prepends), continuation_tokens."""
     backend = tokenizer.backend_tokenizer
     encs = backend.encode_batch([t for _, t in heldout], add_special_tokens=False)
@@ -453,6 +455,8 @@ def run(cfg: DictConfig) -> dict:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     device = str(cfg.device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is available (use device=cpu)")
     batch_scale = min(1.0, float(cfg.batch_scale))
