@@ -6,7 +6,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes 2 threads
+# 50x slower when another process shares the 2 cores
+torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
 from tiny_models import FAMILIES, make_model, perturbed_copy  # noqa: E402

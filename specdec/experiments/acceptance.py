@@ -88,6 +88,8 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None) -> list[dict]:
     from specdec.drafters import DraftModelDrafter, NGramDrafter
 
     device, dtype = resolve_device(cfg)
+    if device.type == "cpu" and cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
     torch.manual_seed(int(cfg.seed))
     prompts = _prompts(cfg)
     K = int(cfg.num_speculative_tokens)
