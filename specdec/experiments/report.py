@@ -74,7 +74,9 @@ def print_table(title: str, rows: list[dict]) -> None:
             table.add_column(h, justify="left" if h in keys else "right")
         for row in rows:
             table.add_row(*_cells(row, keys))
-        Console().print(table)
+        import sys
+
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
     except ImportError:  # pragma: no cover
         print(title)
         for row in rows:
