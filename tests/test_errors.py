@@ -86,7 +86,7 @@ def sd():
         (dict(do_sample=True, top_k=-2), ValueError, "top_k"),
         (dict(do_sample=True, top_p=1.5), ValueError, "top_p"),
         (dict(num_beams=2), ValueError, "unsupported"),
-        (dict(repetition_penalty=1.3), ValueError, "repetition_penalty"),
+        (dict(no_repeat_ngram_size=2), ValueError, "no_repeat_ngram_size"),
         (dict(eos_token_id="x"), ValueError, "eos_token_id"),
     ],
 )
