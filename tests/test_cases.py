@@ -175,7 +175,7 @@ def test_C7_debug_mode_catches_out_of_range_commit(monkeypatch):
     ad.forward(ids[:, :2], cache)
     with pytest.raises(ValueError, match="num_tokens must be in"):
         cache.commit(torch.tensor([0, 3, 1]))
-    with pytest.raises(IndexError, match="row 1"):
+    with pytest.raises(IndexError, match="row 1, layer 0, step"):
         layer = next(iter(cache.ssm.values()))
         layer.strategy.commit(layer.store, layer.op, layer.params, torch.tensor([0, 3, 1]))
 

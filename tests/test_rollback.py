@@ -13,7 +13,8 @@ from specdec.rollback import ReplayRollback, RingRollback, SnapshotRollback
 B = 3
 
 
-def random_inputs(op, T, g):
+def random_inputs(op, T, g, batch=B):
+    B = batch
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     if op == "mamba2":
         H, P, N, G = 4, 8, 6, 2

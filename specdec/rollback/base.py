@@ -36,23 +36,29 @@ def debug_enabled() -> bool:
     return os.environ.get("SPECDEC_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-def check_index_bounds(name: str, idx: torch.Tensor, size: int, layer: int | None) -> None:
-    """Raise IndexError naming the row and layer when any ``idx`` is outside ``[0, size)``."""
+def _where(store) -> str:
+    return f"layer {store.layer}, step {store.steps}" if store is not None else "layer ?, step ?"
+
+
+def check_index_bounds(name: str, idx: torch.Tensor, size: int, store: "LayerStore | None" = None) -> None:
+    """Raise IndexError naming the row, layer and step when any ``idx`` is outside ``[0, size)``.
+
+    ``idx`` is ``[B]`` or ``[B, ...]`` (one row per sequence).
+    """
     bad = (idx < 0) | (idx >= size)
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise IndexError(
-            f"{name} index {int(idx.flatten()[0] if idx.dim() == 0 else idx[row].flatten()[0])} outside buffer of "
-            f"{size} slots (row {row}, layer {layer})"
-        )
+        flat = bad.reshape(bad.shape[0], -1) if bad.dim() else bad.reshape(1, 1)
+        row = int(flat.any(dim=1).nonzero()[0, 0])
+        vals = idx.reshape(flat.shape)[row][flat[row]].tolist()
+        raise IndexError(f"{name} index {vals} outside a buffer of {size} slots (row {row}, {_where(store)})")
 
 
-def check_finite(state: torch.Tensor, layer: int | None, what: str = "committed state") -> None:
-    """Raise FloatingPointError naming the row and layer when ``state`` holds NaN or Inf."""
+def check_finite(state: torch.Tensor, store: "LayerStore | None" = None, what: str = "committed state") -> None:
+    """Raise FloatingPointError naming the row, layer and step when ``state [B, ...]`` holds NaN or Inf."""
     bad = ~torch.isfinite(state.reshape(state.shape[0], -1)).all(dim=1)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        raise FloatingPointError(f"{what} of layer {layer} row {row} holds NaN or Inf")
+        raise FloatingPointError(f"{what} holds NaN or Inf (row {row}, {_where(store)})")
 
 
 @dataclass
@@ -64,6 +70,7 @@ class LayerStore:
     layer: int | None = None
     tensors: dict = field(default_factory=dict)
     step_tokens: int = 0  # tokens of the open step already run (uniform over rows)
+    steps: int = 0  # commits so far (reported by debug-mode errors)
 
 
 class RollbackStrategy(abc.ABC):
@@ -118,5 +125,6 @@ class RollbackStrategy(abc.ABC):
 
     @staticmethod
     def _check_commit(store: LayerStore, num_tokens: torch.Tensor) -> None:
+        store.steps += 1
         if debug_enabled():
-            check_index_bounds("commit num_tokens", num_tokens, store.step_tokens + 1, store.layer)
+            check_index_bounds("commit num_tokens", num_tokens, store.step_tokens + 1, store)

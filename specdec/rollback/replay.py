@@ -84,7 +84,7 @@ class ReplayRollback(RollbackStrategy):
         L = next(iter(hist.values())).shape[1]
         pos = hist_len[:, None] + j + torch.arange(t, device=hist_len.device)[None, :]  # [B, t]
         if debug_enabled():
-            check_index_bounds("replay history slot", pos, L, store.layer)
+            check_index_bounds("replay history slot", pos, L, store)
         if op.kernels is not None:
             y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j)
         else:
@@ -117,7 +117,7 @@ class ReplayRollback(RollbackStrategy):
             hist_len.masked_fill_(flush, 0)
         store.step_tokens = 0
         if debug_enabled():
-            check_finite(self.state(store, op, params), store.layer)
+            check_finite(self.state(store, op, params), store)
 
     def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
         L = (self.history or _next_pow2(3 * max_step_tokens)) if self.deferred else max_step_tokens

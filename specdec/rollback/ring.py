@@ -54,13 +54,15 @@ class RingRollback(RollbackStrategy):
         rows = torch.arange(ring.shape[0], device=ring.device)
         j = store.step_tokens
         if debug_enabled():
-            check_index_bounds("ring head", head, R, store.layer)
+            check_index_bounds("ring head", head, R, store)
         if op.kernels is not None:
             y = op.kernels.ring_verify(ring, head, inputs, params, j)
         else:
             s0 = ring[rows, (head + j) % R]
             y, states, _ = op.verify(s0, inputs, params, True)
             slots = (head[:, None] + j + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # [B, t]
+            if debug_enabled():
+                check_index_bounds("ring slot", slots, R, store)
             ring[rows[:, None], slots] = states
         store.step_tokens = j + t
         return y
@@ -71,7 +73,7 @@ class RingRollback(RollbackStrategy):
         head.copy_((head + num_tokens) % store.tensors["ring"].shape[1])
         store.step_tokens = 0
         if debug_enabled():
-            check_finite(self.state(store, op, params), store.layer)
+            check_finite(self.state(store, op, params), store)
 
     def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
         return (max(self.ring_size or 0, max_step_tokens + 1) - 1) * state_bytes

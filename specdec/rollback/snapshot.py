@@ -56,7 +56,7 @@ class SnapshotRollback(RollbackStrategy):
             live.copy_(torch.where(keep_old, live, picked))
         store.step_tokens = 0
         if debug_enabled():
-            check_finite(live, store.layer)
+            check_finite(live, store)
 
     def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
         return max_step_tokens * state_bytes
