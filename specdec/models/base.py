@@ -63,7 +63,10 @@ def adapter_for(model) -> "HybridAdapter":
         TypeError: ``model`` is not a Hugging Face causal LM.
         ValueError: its family is not supported (the message lists the supported ones).
     """
-    _causal_lm_parts(model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"expected a Hugging Face causal LM (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
     mt = getattr(model.config, "model_type", None)
     cls = ADAPTERS.get(mt)
     if cls is None:
