@@ -145,7 +145,7 @@ class HybridCache:
         vbuf[:, :, :L] = values
         self.kv[layer_idx] = (kbuf, vbuf)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         """HF ``Cache.update``: write ``[B, H, t, D]`` at each row's step columns; return buffers."""
         kbuf, vbuf = self._buffers(layer_idx, key_states)
         t = key_states.shape[2]

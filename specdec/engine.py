@@ -28,32 +28,123 @@ _UNSUPPORTED = {
     "num_beam_groups": 1,
     "num_return_sequences": 1,
     "penalty_alpha": None,
-    "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
     "no_repeat_ngram_size": 0,
     "bad_words_ids": None,
     "force_words_ids": None,
-    "min_new_tokens": None,
+    "constraints": None,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "min_p": None,
+    "top_h": None,
     "diversity_penalty": 0.0,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "suppress_tokens": None,
     "begin_suppress_tokens": None,
     "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
     "guidance_scale": None,
     "watermarking_config": None,
+    "stop_strings": None,
+    "token_healing": False,
+    "dola_layers": None,
+    "prefill_chunk_size": None,
     "assistant_model": None,
     "prompt_lookup_num_tokens": None,
-    "output_scores": False,
-    "output_logits": False,
     "output_attentions": False,
     "output_hidden_states": False,
-    "return_dict_in_generate": False,
 }
+_SUPPORTED_SETTINGS = (
+    "max_new_tokens/max_length, min_new_tokens/min_length, do_sample, temperature, top_k, top_p, "
+    "repetition_penalty, eos_token_id (int or list), pad_token_id, max_time, return_dict_in_generate, "
+    "output_scores, output_logits"
+)
+
+
+def _hf_penalises_padding() -> bool:
+    """Whether the installed transformers counts left-padding ids in ``repetition_penalty``: 5.17 does
+    (the processor sees the whole padded row); newer releases (5.24) pass the padding lengths as
+    ``prompt_ignore_length`` and skip them."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        return "padding_lengths" not in inspect.getsource(GenerationMixin._get_logits_processor)
+    except (OSError, TypeError):
+        return True
+
+
+class _TargetLogitsProcessor:
+    """The logits processors of HF ``generate()`` that change the *target's* distribution, applied
+    to every verify position with that position's own prefix (so acceptance sees what HF's
+    token-by-token decoding sees):
+
+    * ``RepetitionPenaltyLogitsProcessor``: scores of tokens present in the prefix (the padded
+      prompt row as HF holds it, the generated tokens, and the step's drafts before the position)
+      are divided (positive) or multiplied (negative) by the penalty (left padding counts as
+      the installed transformers counts it, see :func:`_hf_penalises_padding`);
+    * ``MinLengthLogitsProcessor`` / ``MinNewTokensLengthLogitsProcessor``: EOS scores are -inf
+      while the prefix is shorter than ``min_length`` / has fewer than ``min_new_tokens`` new tokens.
+
+    Both are element-wise on the logits, so they commute (HF applies the penalty first).
+    """
+
+    def __init__(self, penalty, min_new_tokens, min_length, eos, input_ids, mask, vocab_size):
+        self.penalty = penalty
+        self.min_new_tokens = int(min_new_tokens or 0)
+        self.min_length = int(min_length or 0)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=input_ids.device) if eos else None
+        self.prompt_width = input_ids.shape[1]
+        self.seen = None
+        if penalty is not None:
+            B = input_ids.shape[0]
+            seen = torch.zeros(B, vocab_size + 1, dtype=torch.bool, device=input_ids.device)
+            ids = input_ids if _hf_penalises_padding() else input_ids.masked_fill(mask == 0, vocab_size)
+            self.seen = seen.scatter_(1, ids, True)[:, :vocab_size].contiguous()
+
+    @staticmethod
+    def make(penalty, min_new_tokens, min_length, eos, input_ids, mask, vocab_size):
+        eos_rule = bool(eos) and ((min_new_tokens or 0) > 0 or (min_length or 0) > 0)
+        if penalty is None and not eos_rule:
+            return None
+        if not eos_rule:
+            min_new_tokens = min_length = 0
+        return _TargetLogitsProcessor(penalty, min_new_tokens, min_length, eos, input_ids, mask, vocab_size)
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record tokens appended to ``rows`` (for the repetition penalty)."""
+        if self.seen is not None:
+            self.seen[rows, tokens] = True
+
+    def __call__(self, logits: torch.Tensor, step_tokens: torch.Tensor | None, n_gen: torch.Tensor) -> torch.Tensor:
+        """Process ``logits [B, T, V]`` of step positions 0..T-1; fp32 copy.
+
+        ``step_tokens [B, T]``: the step's tokens (the pending one, then the drafts), or None for
+        the logits after the prompt (T = 1). ``n_gen [B]``: tokens generated before the step's
+        first prediction (the pending token included).
+        """
+        out = logits.float().clone()
+        B, T, V = out.shape
+        if self.seen is not None:
+            seen = self.seen[:, None, :].expand(B, T, V).clone()
+            if step_tokens is not None and T > 1:
+                drafts = torch.nn.functional.one_hot(step_tokens[:, 1:T], V).cumsum(1) > 0  # [B, T-1, V]
+                seen[:, 1:] |= drafts
+            p = self.penalty
+            out = torch.where(seen, torch.where(out < 0, out * p, out / p), out)
+        if self.eos is not None:
+            new = n_gen[:, None] + torch.arange(T, device=out.device)[None, :]  # new tokens before the prediction
+            block = (new < self.min_new_tokens) | (self.prompt_width + new < self.min_length)
+            eos_cols = torch.zeros(V, dtype=torch.bool, device=out.device)
+            eos_cols[self.eos[self.eos < V]] = True
+            out = out.masked_fill(block[:, :, None] & eos_cols, float("-inf"))
+        return out
 
 
 @dataclass
@@ -177,8 +268,8 @@ class SpeculativeGenerator:
             val = getattr(gc, key, off)
             if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
                 raise ValueError(
-                    f"generation setting {key}={val!r} is not supported by specdec's generate(); supported: "
-                    "max_new_tokens/max_length, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id"
+                    f"unsupported generation setting {key}={val!r}: specdec's generate() supports "
+                    + _SUPPORTED_SETTINGS
                 )
 
         eos = _as_id_list(gc.eos_token_id)
@@ -220,7 +311,37 @@ class SpeculativeGenerator:
                 raise ValueError(f"temperature must be > 0, got {gc.temperature!r}")
         if pad is None:
             pad = eos[0] if eos else 0
-        return input_ids, mask, max_new, sampling, eos, int(pad)
+        opts = self._resolve_outputs(gc, input_ids, mask, eos)
+        return input_ids, mask, max_new, sampling, eos, int(pad), opts
+
+    def _resolve_outputs(self, gc, input_ids, mask, eos) -> dict:
+        """Logits processing (repetition penalty, min length) and output options of ``gc``."""
+        def count(name):
+            val = getattr(gc, name, None)
+            if val is None:
+                return 0
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+            return val
+
+        min_new, min_len = count("min_new_tokens"), count("min_length")
+        penalty = gc.repetition_penalty
+        if penalty is not None:
+            if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0:
+                raise ValueError(f"repetition_penalty must be a number > 0, got {penalty!r}")
+            penalty = None if float(penalty) == 1.0 else float(penalty)
+        max_time = gc.max_time
+        if max_time is not None and (isinstance(max_time, bool) or not isinstance(max_time, (int, float)) or max_time <= 0):
+            raise ValueError(f"max_time must be a number of seconds > 0, got {max_time!r}")
+        return {
+            "processor": _TargetLogitsProcessor.make(
+                penalty, min_new, min_len, eos, input_ids, mask, self.adapter.vocab_size
+            ),
+            "return_dict": bool(gc.return_dict_in_generate),
+            "output_scores": bool(gc.output_scores) and bool(gc.return_dict_in_generate),
+            "output_logits": bool(gc.output_logits) and bool(gc.return_dict_in_generate),
+            "max_time": max_time,
+        }
 
     def _check_drafts(self, drafts, counts, B, K):
         if not isinstance(drafts, torch.Tensor) or not isinstance(counts, torch.Tensor):
@@ -262,7 +383,7 @@ class SpeculativeGenerator:
         stopping_criteria=None,
         max_length: int | None = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ):
         """Generate with speculative decoding; the output is laid out as HF ``generate()`` lays it out.
 
         Args:
@@ -273,34 +394,76 @@ class SpeculativeGenerator:
             eos_token_id: int or list of ints; pad_token_id: fills rows that stopped early.
             generator: ``torch.Generator`` for reproducible sampling.
             generation_config: a ``transformers.GenerationConfig`` (explicit arguments override it).
-            streamer: an HF streamer (batch 1), fed committed tokens in order.
-            stopping_criteria: an HF ``StoppingCriteriaList`` (checked after every committed token).
+            streamer: an HF streamer (batch 1): as in HF, first the prompt, then the committed tokens
+                in order, then ``end()``.
+            stopping_criteria: an HF ``StoppingCriteriaList`` (or a list of criteria), checked after
+                every committed token on that row's own sequence (prompt row + its new tokens).
+            **kwargs: further ``GenerationConfig`` fields, as HF's ``generate()`` takes them:
+                ``min_new_tokens``, ``min_length``, ``repetition_penalty``, ``max_time``,
+                ``return_dict_in_generate``, ``output_scores``, ``output_logits``; any other setting that
+                changes decoding raises ``ValueError``.
 
         Returns:
             ``[B, L + G]`` int64: prompts as given, then G = the longest row's new tokens; rows that
-            stopped early are padded with ``pad_token_id``. Stats of the call in ``self.last_stats``.
+            stopped early are padded with ``pad_token_id``. With ``return_dict_in_generate=True`` a
+            ``transformers.generation.GenerateDecoderOnlyOutput`` with ``sequences`` (that tensor) and,
+            when asked, ``scores`` / ``logits`` (tuples of G ``[B, V]`` fp32 tensors: the processed
+            and the raw target scores of each new token; positions after a row stopped hold zeros).
+            Stats of the call in ``self.last_stats``.
 
         Raises:
             TypeError / ValueError: bad arguments (checked before any work), unsupported settings.
         """
-        if kwargs:
+        from transformers import GenerationConfig
+
+        config_fields = set(GenerationConfig().to_dict())
+        unknown = sorted(k for k in kwargs if k not in config_fields or k.startswith("_"))
+        if unknown:
             raise ValueError(
-                f"unsupported generate() argument(s): {sorted(kwargs)}; supported: input_ids, attention_mask, "
+                f"unsupported generate() argument(s): {unknown}; supported: input_ids, attention_mask, "
                 "max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, "
-                "generator, generation_config, streamer, stopping_criteria"
+                "generator, generation_config, streamer, stopping_criteria, and the GenerationConfig settings "
+                + _SUPPORTED_SETTINGS
             )
         overrides = dict(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length,
+            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length, **kwargs,
         )
-        input_ids, mask, max_new, sampling, eos, pad = self._resolve(input_ids, attention_mask, generation_config, overrides)
+        input_ids, mask, max_new, sampling, eos, pad, opts = self._resolve(
+            input_ids, attention_mask, generation_config, overrides
+        )
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError("streamer= supports batch size 1 only, as in HF generate()")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        return self._run(input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria)
+        stopping_criteria = self._stopping_criteria(stopping_criteria, opts["max_time"])
+        if streamer is not None:
+            streamer.put(input_ids.cpu())  # HF streams the prompt first (TextStreamer(skip_prompt=True) drops it)
+        return self._run(input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria, opts)
 
-    def _run(self, input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria):
+    @staticmethod
+    def _stopping_criteria(criteria, max_time):
+        from transformers import StoppingCriteriaList
+        from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+        if criteria is None:
+            out = StoppingCriteriaList()
+        elif isinstance(criteria, StoppingCriteriaList):
+            out = StoppingCriteriaList(list(criteria))
+        elif isinstance(criteria, (list, tuple)) and all(callable(c) for c in criteria):
+            out = StoppingCriteriaList(list(criteria))
+        elif callable(criteria):
+            out = StoppingCriteriaList([criteria])
+        else:
+            raise TypeError(
+                f"stopping_criteria must be a transformers.StoppingCriteriaList (or a list of criteria), "
+                f"got {type(criteria).__name__}"
+            )
+        if max_time is not None:
+            out.append(MaxTimeCriteria(max_time=max_time))
+        return out if len(out) else None
+
+    def _run(self, input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria, opts=None):
         ad = self.adapter
         dev = input_ids.device
         B, Lp = input_ids.shape
@@ -311,12 +474,19 @@ class SpeculativeGenerator:
         t_start = timer.now()
         if max_new == 0:
             self.last_stats = stats
-            return input_ids.clone()
+            if streamer is not None:
+                streamer.end()
+            return self._output(input_ids.clone(), opts, None, None, 0)
 
         cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
         self.last_cache = cache
         logits, _ = ad.prefill(input_ids, mask, cache)
-        first = self._pick_first(logits.float(), sampling, generator)
+        # HF logits processors that change the target's distribution (repetition penalty, min
+        # length), applied to every position with its own prefix; None when none is active
+        proc = opts["processor"] if opts else None
+        raw_first = logits.float()
+        logits = proc(raw_first[:, None], None, torch.zeros(B, dtype=torch.long, device=dev))[:, 0] if proc else raw_first
+        first = self._pick_first(logits, sampling, generator)
         stats.prefill_s = timer.now() - t_start
 
         prompt_len = mask.sum(1)
@@ -331,10 +501,29 @@ class SpeculativeGenerator:
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
         rows = torch.arange(B, device=dev)
+        # output_scores / output_logits: per row and new-token position, the scores it was chosen from
+        V = logits.shape[-1]
+        score_buf = torch.zeros(B, max_new, V, device=dev) if opts and opts["output_scores"] else None
+        logit_buf = torch.zeros(B, max_new, V, device=dev) if opts and opts["output_logits"] else None
 
-        def emit(new_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        def warped(scores):  # HF's returned scores include the sampling warpers
+            if sampling is None or score_buf is None:
+                return scores
+            flat = scores.reshape(-1, V)
+            for w in sampling.warpers():
+                flat = w(None, flat)
+            return flat.reshape(scores.shape)
+
+        # HF pads a row stopped by stopping_criteria only when it has an EOS criterion; without one the
+        # row runs on until every row has stopped, and all rows end at that step (crit_step: the new-token
+        # count at which each row's criteria first held; max_new + 1 = not yet)
+        run_on = stopping_criteria is not None and eos_t is None
+        crit_step = torch.full((B,), max_new + 1, dtype=torch.long, device=dev)
+
+        def emit(new_tokens: torch.Tensor, counts: torch.Tensor, scores=None, raw=None) -> torch.Tensor:
             """Append up to counts[b] tokens per row, stopping rows at EOS / budget / criteria.
 
+            ``scores`` / ``raw`` ``[B, >= T, V]``: processed / raw scores token j was chosen from.
             Returns how many tokens each row took."""
             nonlocal finished
             before = n_gen.clone()
@@ -344,6 +533,12 @@ class SpeculativeGenerator:
                     break
                 tok = new_tokens[:, j]
                 text[rows[live], lengths[live]] = tok[live]
+                if proc is not None:
+                    proc.add(rows[live], tok[live])
+                if score_buf is not None:
+                    score_buf[rows[live], n_gen[live]] = scores[live, j]
+                if logit_buf is not None:
+                    logit_buf[rows[live], n_gen[live]] = raw[live, j].float()
                 lengths[live] += 1
                 n_gen[live] += 1
                 if streamer is not None and bool(live[0]):
@@ -352,12 +547,17 @@ class SpeculativeGenerator:
                 if eos_t is not None:
                     done |= torch.isin(tok, eos_t)
                 if stopping_criteria is not None:
-                    seqs = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
-                    done |= stopping_criteria(seqs, None).to(dev)
+                    hit = self._criteria_per_row(stopping_criteria, input_ids, text, prompt_len, n_gen, live)
+                    if run_on:
+                        crit_step[hit & (crit_step > max_new)] = n_gen[hit & (crit_step > max_new)]
+                        if bool((crit_step <= max_new).all()):
+                            done |= n_gen >= crit_step.max()
+                    else:
+                        done |= hit
                 finished = finished | (live & done)
             return n_gen - before
 
-        emit(first[:, None], torch.ones(B, dtype=torch.long, device=dev))
+        emit(first[:, None], torch.ones(B, dtype=torch.long, device=dev), warped(logits[:, None]), raw_first[:, None])
         self.drafter.start(
             target_vocab_size=ad.vocab_size, batch_size=B, device=dev, sampling=sampling,
             generator=generator, max_length=Lp + max_new + T_max,
@@ -377,6 +577,9 @@ class SpeculativeGenerator:
             pending = text[rows, lengths - 1]
             step = torch.cat([pending[:, None], step_drafts], dim=1)
             logits, _ = ad.forward(step, cache)
+            raw = logits
+            if proc is not None:
+                logits = proc(logits, step, n_gen)
             if sampling is None:
                 n, c = greedy_accept(logits, step_drafts, k)
             else:
@@ -385,7 +588,7 @@ class SpeculativeGenerator:
             active = ~finished
             new = torch.cat([step_drafts, torch.zeros_like(c)[:, None]], dim=1)
             new[rows, n] = c
-            taken = emit(new, n + 1)
+            taken = emit(new, n + 1, warped(logits), raw)
             t2 = timer.now()
             # commit [pending, d_1 .. d_n] -- or fewer when EOS / the budget cut the row short, so the
             # cache always covers the row's text minus its last token
@@ -405,13 +608,40 @@ class SpeculativeGenerator:
             stats.rollback_s += t3 - t2
         if streamer is not None:
             streamer.end()
+        if run_on and bool((crit_step <= max_new).all()):
+            n_gen = n_gen.clamp(max=int(crit_step.max()))  # rows that ran ahead end where HF's batch stopped
         out = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
         stats.new_tokens = int(n_gen.sum())
         stats.mean_accepted_tokens = committed / row_steps if row_steps else 0.0
         stats.acceptance_rate = stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else 0.0
         stats.wall_s = timer.now() - t_start
         self.last_stats = stats
-        return out
+        return self._output(out, opts, score_buf, logit_buf, out.shape[1] - Lp)
+
+    @staticmethod
+    def _output(sequences, opts, score_buf, logit_buf, G):
+        """The tensor, or HF's ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``."""
+        if not opts or not opts["return_dict"]:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        def steps(buf):
+            return None if buf is None else tuple(buf[:, i] for i in range(G))
+
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=steps(score_buf), logits=steps(logit_buf))
+
+    @staticmethod
+    def _criteria_per_row(criteria, input_ids, text, prompt_len, n_gen, live):
+        """Stopping criteria on each live row's own sequence (its prompt row as given, then its new
+        tokens): HF checks them in lockstep on ``[B, L + s]``; here rows have their own lengths, so
+        rows are checked in groups of equal length."""
+        done = torch.zeros_like(live)
+        for s in n_gen[live].unique().tolist():
+            grp = (live & (n_gen == s)).nonzero()[:, 0]
+            idx = prompt_len[grp, None] + torch.arange(s, device=text.device)[None, :]
+            seqs = torch.cat([input_ids[grp], text[grp[:, None], idx]], dim=1)
+            done[grp] = torch.as_tensor(criteria(seqs, None), device=done.device).bool().reshape(-1)
+        return done
 
     @staticmethod
     def _generated(text, prompt_len, n_gen, pad):

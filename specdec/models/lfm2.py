@@ -1,0 +1,92 @@
+"""LFM2 (``Lfm2ForCausalLM``): gated short-convolution layers and full attention.
+
+A short-conv layer has a conv state and *no* recurrent state: ``B, C, x = in_proj(h)``,
+``y = C * conv(B * x)``, ``out_proj(y)``. Its rollback is the conv window's offset commit alone,
+so its layer cache is :class:`ConvOnlyLayerCache`: the :class:`~specdec.cache.SSMLayerCache`
+interface (``conv``, ``advance``, ``commit``, ``conv_state``) without a recurrence or a rollback
+strategy store. (No change to :mod:`specdec.cache` is needed.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import HybridCache, SSMLayerCache
+from ..kernels import get_op
+from .base import register
+from .common import FamilyAdapter
+
+__all__ = ["Lfm2Adapter", "ConvOnlyLayerCache"]
+
+
+class ConvOnlyLayerCache(SSMLayerCache):
+    """Layer cache of a conv-only layer (no recurrent state): the conv window, committed by offset.
+
+    ``op`` only selects the conv backend (its ``kernels`` attribute: Triton or torch); the
+    rollback strategy is unused.
+    """
+
+    def load(self, conv_state, ssm_state, conv_width):
+        if ssm_state is not None:
+            raise ValueError(f"layer {self.layer} is conv-only but a recurrent state was given")
+        if conv_state is None:
+            raise ValueError(f"layer {self.layer} is conv-only but has no conv state")
+        hist = conv_width - 1
+        B, C = conv_state.shape[:2]
+        win = conv_state.new_zeros(B, C, hist + self.max_step_tokens)
+        if hist:
+            win[:, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist :]
+        self.conv_window = win
+        self.conv_width = conv_width
+        self.step_tokens = 0
+
+    def ssm(self, inputs, params):
+        raise RuntimeError(f"layer {self.layer} is conv-only: it has no recurrence")
+
+    def commit(self, num_tokens):
+        if self.op.kernels is not None:
+            from ..kernels.conv1d.triton_conv import conv1d_commit_triton
+
+            conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
+        else:
+            from ..kernels.conv1d.naive import conv1d_commit
+
+            conv1d_commit(self.conv_window, num_tokens, self.conv_width)
+        self.step_tokens = 0
+
+    def ssm_state(self):
+        return None
+
+
+@register
+class Lfm2Adapter(FamilyAdapter):
+    """LFM2 hybrids (short-conv + attention)."""
+
+    model_types = ("lfm2",)
+
+    def ssm_layers(self):
+        if not hasattr(self, "_ssm"):
+            self._ssm = {
+                i: (layer.conv, "conv")
+                for i, layer in enumerate(self.body.layers)
+                if getattr(layer, "conv", None) is not None
+            }
+        return self._ssm
+
+    def conv_width(self, mixer):
+        return int(mixer.conv.weight.shape[-1])
+
+    def attention_mask_arg(self, mask):
+        return {"full_attention": mask, "conv": None}
+
+    def new_cache(self, batch, max_len, max_step_tokens, strategy):
+        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device)
+        backend = get_op("mamba2", self.device)  # only its conv backend is used
+        for idx in self.ssm_layers():
+            cache.ssm[idx] = ConvOnlyLayerCache(backend, strategy, batch, max_step_tokens, idx)
+        return cache
+
+    def mixer_forward(self, mixer, hidden_states, layer):
+        Bg, Cg, x = mixer.in_proj(hidden_states).chunk(3, dim=-1)
+        y = layer.conv(Bg * x, mixer.conv.weight.squeeze(1), mixer.conv.bias, None)
+        return mixer.out_proj(Cg * y)

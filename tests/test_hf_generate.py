@@ -1,0 +1,126 @@
+"""HF's own ``generate(assistant_model=...)`` and ``generate(prompt_lookup_num_tokens=...)`` on hybrid
+models after ``specdec.enable_hf_speculation``: exact (== HF's plain greedy output), with the
+rollback behind the cache's ``crop``; and without it HF still refuses stateful models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_model, perturbed_copy, ragged_prompts
+
+import specdec
+from specdec.hf_integration import SpeculativeCache, disable_hf_speculation
+from specdec.rollback import STRATEGIES
+
+FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
+MAX_NEW = 16
+_CACHE: dict = {}
+
+
+def setup(family):
+    """(target, draft, ids, mask, HF plain greedy reference); batch 1 (HF's assisted path)."""
+    if family not in _CACHE:
+        model = make_model(family)
+        ids, mask = ragged_prompts(batch=1)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+        draft = perturbed_copy(model, scale=0.3)
+        cfg = draft.generation_config
+        # several short assistant rounds, none cut short by the assistant's confidence
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold = 3, "constant", 0.0
+        _CACHE[family] = (model, draft, ids, mask, ref)
+    return _CACHE[family]
+
+
+def generate(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                          return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_refuses_stateful_models_without_it(family):
+    model, draft, ids, mask, _ = setup(family)
+    disable_hf_speculation(model)
+    with pytest.raises(ValueError, match="stateful"):
+        generate(model, ids, mask, assistant_model=draft)
+    with pytest.raises(ValueError, match="stateful"):
+        generate(model, ids, mask, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_assistant_model_exact(family, strategy):
+    model, draft, ids, mask, ref = setup(family)
+    specdec.enable_hf_speculation(model, rollback=strategy)
+    disable_hf_speculation(draft)  # a hybrid draft gets enabled by the target's generate()
+    out = generate(model, ids, mask, assistant_model=draft)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert isinstance(cache, SpeculativeCache)
+    assert getattr(draft, "_specdec_hf", None) is not None
+    stats = cache.crop_stats
+    assert stats["crops"] >= 3 and stats["kept_tokens"] == MAX_NEW - 1
+    assert stats["rolled_back_tokens"] > 0 or family == "nemotron_h"  # its perturbed draft may never miss
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_lookup_exact(family, strategy):
+    model, _, ids, mask, ref = setup(family)
+    specdec.enable_hf_speculation(model, rollback=strategy)
+    out = generate(model, ids, mask, prompt_lookup_num_tokens=3)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert cache.crop_stats["rolled_back_tokens"] > 0  # rejected lookups were rolled back
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_generate_unchanged(family):
+    """Without speculation HF keeps its own cache and output."""
+    model, _, ids, mask, ref = setup(family)
+    specdec.enable_hf_speculation(model)
+    out = generate(model, ids, mask)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert not isinstance(cache, SpeculativeCache)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_draft_rollback_gives_fresh_candidates(family):
+    """The assistant's cache, cropped as HF's candidate generator crops it, proposes what a fresh run
+    on the same text proposes (its SSM state after the crop is that of the kept tokens)."""
+    from transformers import GenerationConfig
+
+    _, draft, ids, mask, ref = setup(family)
+    disable_hf_speculation(draft)
+    specdec.enable_hf_speculation(draft, rollback="replay")
+    gc = GenerationConfig(do_sample=False, pad_token_id=0, is_assistant=True, return_dict_in_generate=True,
+                          num_assistant_tokens=3, assistant_confidence_threshold=0.0)
+    L = ids.shape[1]
+    text, cache = ids, None
+    for accept in (1, 0, 3, 2):  # how many of the 3 candidates the "target" keeps each round
+        kw = {"past_key_values": cache} if cache is not None else {}
+        if cache is not None:  # HF's _update_past_and_masks: keep all but the last 2 tokens of the text
+            cache.crop(-(cache.get_seq_length() - (text.shape[1] - 2)))
+        out = draft.generate(text, max_new_tokens=3, generation_config=gc, **kw)
+        cache = out.past_key_values if "past_key_values" in out else out.cache
+        fresh = draft.generate(text, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(out.sequences, fresh)
+        # the next text: the kept candidates, then a "correction" from the reference continuation
+        nxt = ref[:, text.shape[1]: text.shape[1] + 1]
+        text = torch.cat([out.sequences[:, : text.shape[1] + accept], nxt if nxt.numel() else ref[:, -1:]], dim=1)
+    assert cache.crop_stats["rolled_back_tokens"] > 0 and text.shape[1] > L + 4
+
+
+def test_pure_mamba2_is_refused():
+    model = make_model("mamba2")
+    with pytest.raises(ValueError, match="specdec.wrap"):
+        specdec.enable_hf_speculation(model)
+
+
+def test_sampling_runs():
+    model, draft, ids, mask, _ = setup("qwen3_5")
+    specdec.enable_hf_speculation(model)
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, pad_token_id=0,
+                         assistant_model=draft)
+    assert out.shape == (1, ids.shape[1] + 8)
