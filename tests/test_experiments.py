@@ -1,17 +1,29 @@
-"""The acceptance experiment (the README's main job), composed with hydra.compose and shrunk to
-a tiny CPU run on the shipped zoo: it writes results.jsonl, summary.md and the histogram plot,
-the summary's numbers equal what the JSONL records give, and every output is exact."""
+"""The experiments app (specdec-run): every experiment config composed with hydra.compose and
+shrunk to a tiny CPU run on the shipped zoo, its outputs checked (the summary's numbers are
+what the JSONL records give); a --multirun sweep ending in one combined summary; a 2-process
+accelerate run giving the same records as one process; one-line errors for bad overrides."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from specdec.experiments.app import CONF_DIR, run_experiment
-from specdec.experiments.report import summarize
+from specdec.experiments.app import CONF_DIR, one_line, run_experiment
+from specdec.experiments.config import SCHEMAS
+from specdec.experiments.report import recommend, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s", "wall_s", "process"}
+CPU = ["device=cpu", "progress=false"]
 
 
 def _cfg(overrides):
@@ -19,31 +31,257 @@ def _cfg(overrides):
         return compose(config_name="config", overrides=overrides)
 
 
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _table(summary: str, first_header: str = "model") -> tuple[list[str], list[list[str]]]:
+    """The first Markdown table of ``summary`` whose header starts with ``first_header``."""
+    lines = summary.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_header} |"))
+    head = [c.strip() for c in lines[i].strip("|").split("|")]
+    rows = []
+    for ln in lines[i + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip("|").split("|")])
+    return head, rows
+
+
+def _check_summary_matches(summary: str, records: list[dict], columns: dict[str, str], keys: list[str]):
+    """Every (title -> record field, format) cell in the summary equals the mean over the
+    records of its configuration (recomputed here from the JSONL records, not with report code)."""
+    head, rows = _table(summary)
+    assert len(rows) == len({tuple(r[k] for k in keys) for r in records})
+    titles = {"num_speculative_tokens": "K"}
+    for row in rows:
+        cell = dict(zip(head, row))
+        group = [r for r in records if all(str(r[k]) == cell[titles.get(k, k)] for k in keys)]
+        assert group, cell
+        for title, (field, fmt) in columns.items():
+            vals = [r[field] for r in group if r.get(field) is not None]
+            if fmt is None:
+                want = "yes" if all(vals) else f"{sum(map(bool, vals))}/{len(vals)}"
+            else:
+                want = fmt.format(sum(vals) / len(vals))
+            assert cell[title] == want, (title, cell[title], want)
+
+
+# ------------------------------------------------------------------------------ composition
+
+
 def test_default_config_composes():
     cfg = _cfg([])
     assert cfg.experiment.name == "acceptance"
+    assert OmegaConf.get_type(cfg) is SCHEMAS["acceptance"]
     assert [t.name for t in cfg.model.targets] == ["gdn-target", "mamba2-target", "kda-target"]
     assert list(cfg.rollback.strategies) == ["snapshot", "ring", "replay"]
     assert list(cfg.drafter.names) == ["ngram", "draft_model"]
 
 
+@pytest.mark.parametrize("experiment", sorted(SCHEMAS))
+def test_each_experiment_composes_with_its_schema(experiment):
+    cfg = _cfg([f"experiment={experiment}", "device=cpu", "seed=3", "prompts.limit=2", "num_speculative_tokens=3",
+                "max_new_tokens=5"])
+    assert cfg.experiment.name == experiment
+    assert OmegaConf.get_type(cfg) is SCHEMAS[experiment]
+    assert (cfg.device, cfg.seed, cfg.prompts.limit, cfg.num_speculative_tokens) == ("cpu", 3, 2, 3)
+    if experiment == "train_zoo":  # the zoo recipe's own keys are typed too
+        assert cfg.steps_scale == 1.0 and "gdn-target" in cfg.models
+    if experiment in ("rollback", "bench"):
+        assert [t.name for t in cfg.model.targets] == ["gdn-target"]
+        assert list(cfg.rollback.strategies) == ["snapshot", "ring", "replay", "replay_deferred"]
+
+
+def test_benchmark_shapes_compose():
+    q = _cfg(["model=qwen35-4b-shape"]).model.targets[0]
+    n = _cfg(["model=nemotronh-4b-shape"]).model.targets[0]
+    assert (q.source, q.config.layer_types.count("linear_attention"), q.config.linear_num_value_heads) == (
+        "random_shape", 24, 32)
+    assert (n.source, n.config.hybrid_override_pattern.count("M"), n.config.mamba_num_heads) == ("random_shape", 24, 112)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollback=undo", "rollback"),
+    ("num_speculative_tokens=abc", "num_speculative_tokens"),
+    ("device=tpu", "tpu"),
+    ("experiment.kernel_steps=3", "kernel_steps"),  # a rollback-experiment key under acceptance
+    ("drafter=medusa", "medusa"),  # not implemented yet: not in the group
+])
+def test_bad_override_fails_at_compose(override, match):
+    with pytest.raises(Exception, match=match) as info:
+        _cfg([override])
+    assert "\n" not in one_line(info.value)
+
+
+# ------------------------------------------------------------------------------ tiny runs
+
+
 def test_acceptance_tiny_run(tmp_path: Path):
-    cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "device=cpu",
-                "num_speculative_tokens=3", "progress=false", "experiment.warmup=false"])
+    cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "num_speculative_tokens=3",
+                "experiment.warmup=false"] + CPU)
     records = run_experiment(cfg, tmp_path)
     assert len(records) == 2 * 3  # 2 drafters x 3 strategies x 1 prompt
-    assert all(r["exact"] for r in records)
-    lines = (tmp_path / "results.jsonl").read_text().splitlines()
-    assert [json.loads(x)["rollback"] for x in lines] == [r["rollback"] for r in records]
+    assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
+    assert records[0]["config"]["num_speculative_tokens"] == 3
+    lines = _records(tmp_path / "results.jsonl")
+    assert [x["rollback"] for x in lines] == [r["rollback"] for r in records]
     assert (tmp_path / "accept_hist.png").stat().st_size > 1000
+    _check_summary_matches((tmp_path / "summary.md").read_text(), lines,
+                           {"mean accepted tokens": ("mean_accepted_tokens", "{:.2f}"),
+                            "acceptance rate": ("acceptance_rate", "{:.3f}"), "exact": ("exact", None)},
+                           ["model", "drafter", "rollback", "num_speculative_tokens"])
+    assert all(r["mean_accepted_tokens"] >= 1.0 for r in records if r["drafter"] == "draft_model")
+
+
+def test_rollback_tiny_run(tmp_path: Path):
+    cfg = _cfg(["experiment=rollback", "prompts.limit=2", "max_new_tokens=8", "experiment.batch_grid=[1,2]",
+                "experiment.k_grid=[2]", "experiment.kernel_steps=2", "experiment.kernel_warmup=1",
+                "experiment.warmup=false", "experiment.memory_budget_gib=1"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    strategies = ["snapshot", "ring", "replay", "replay_deferred"]
+    assert [(r["batch"], r["rollback"]) for r in records] == [(b, s) for b in (1, 2) for s in strategies]
+    for name in ("results.jsonl", "summary.md", "rollback_time_vs_batch.png", "speedup_vs_batch.png"):
+        assert (tmp_path / name).stat().st_size > 100, name
+    lines = _records(tmp_path / "results.jsonl")
+    for r in lines:
+        # exact: output == HF greedy, committed SSM state == HF's, kernel-level state == the reference
+        assert r["exact"] and r["state_exact"] and r["state_rows"] == r["batch"] and r["kernel_state_exact"]
+        assert r["ssm_op"] == "gdn" and r["ssm_layers"] == 6 and r["steps"] > 0
+        S, I, T, L, B = r["state_bytes"], r["input_bytes_per_token"], 3, r["ssm_layers"], r["batch"]
+        assert S == 8 * 32 * 32 * 4  # gdn-target: 8 value heads x 32 x 32, fp32
+        per_layer = {"snapshot": (T + 1) * S + 2 * S, "ring": (T + 1) * S,
+                     "replay": 2 * S + (r["mean_committed_tokens"] + 2 * T) * I,
+                     "replay_deferred": S + r["flush_rate"] * S + (r["mean_history"] + 2 * T) * I}[r["rollback"]]
+        assert r["bytes_per_step_MB"] == pytest.approx(per_layer * L * B / 1e6)
+        extra = {"snapshot": T * S, "ring": T * S, "replay": T * I, "replay_deferred": 16 * I}[r["rollback"]]
+        assert r["extra_MiB_per_seq"] == pytest.approx(extra * L / 2**20)
+        assert r["max_batch"] == (1 << 30) // (L * (S + extra))
+        parts = r["kernel_verify_us"] + r["kernel_commit_us"] + r["kernel_fold_us"]
+        assert r["ssm_ms_per_step"] == pytest.approx(parts * L / 1e3)
+        folds = r["rollback"] == "replay" or (r["rollback"] == "replay_deferred" and r["flush_rate"] > 0)
+        assert (r["kernel_fold_us"] > 0) == folds  # deferred replay folds only when its history would overflow
     summary = (tmp_path / "summary.md").read_text()
-    for row in summarize([json.loads(x) for x in lines]):
-        line = next(x for x in summary.splitlines() if f"| {row['drafter']} | {row['rollback']} |" in x)
-        assert f"{row['mean_accepted_tokens']:.2f}" in line and f"{row['acceptance_rate']:.3f}" in line
-    draft_rows = [r for r in records if r["drafter"] == "draft_model"]
-    assert all(r["mean_accepted_tokens"] >= 1.0 for r in draft_rows)
+    _check_summary_matches(summary, lines, {
+        "verify ms/step": ("e2e_verify_ms", "{:.2f}"), "commit ms/step": ("e2e_commit_ms", "{:.3f}"),
+        "layer fold us": ("kernel_fold_us", "{:.1f}"), "SSM ms/step": ("ssm_ms_per_step", "{:.3f}"),
+        "MB moved/step": ("bytes_per_step_MB", "{:.3f}"), "max batch": ("max_batch", "{:.0f}"),
+        "exact state": ("state_exact", None)}, ["model", "rollback", "batch", "num_speculative_tokens"])
+    # the recommendation: the strategy with the least SSM time per step, per grid point
+    head, rows = _table(summary.split("## Recommendation")[1])
+    assert len(rows) == 2
+    for row in rows:
+        cell = dict(zip(head, row))
+        pts = [r for r in lines if str(r["batch"]) == cell["batch"]]
+        assert cell["fastest"] == min(pts, key=lambda r: r["ssm_ms_per_step"])["rollback"]
+    assert recommend(lines)[0][0]["fastest"] == rows[0][head.index("fastest")]
 
 
-def test_bad_override_fails_cleanly():
-    with pytest.raises(Exception, match="rollback"):
-        _cfg(["rollback=undo"])
+def test_rollback_kernel_level_at_a_4b_shape(tmp_path: Path):
+    """The Qwen3.5-4B-shaped config gives the kernel-level figures without building the model."""
+    cfg = _cfg(["experiment=rollback", "model=qwen35-4b-shape", "experiment.end_to_end=false",
+                "experiment.batch_grid=[1]", "experiment.k_grid=[2]", "experiment.kernel_steps=1",
+                "experiment.kernel_warmup=0", "rollback=all"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [r["rollback"] for r in records] == ["snapshot", "ring", "replay"]
+    for r in records:
+        assert r["ssm_shape"] == "24 x gdn 32h x 128 x 128" and r["state_bytes"] == 2 << 20
+        assert r["kernel_state_exact"] and "exact" not in r
+    assert (tmp_path / "speedup_vs_batch.png").stat().st_size > 1000
+    assert "## Recommendation" in (tmp_path / "summary.md").read_text()
+
+
+def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
+    """experiment=bench on the qwen35-4b-shape entry shrunk to a tiny config (random init)."""
+    tiny = {"hidden_size": 64, "num_hidden_layers": 4, "layer_types": "[linear_attention,linear_attention,"
+            "linear_attention,full_attention]", "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "intermediate_size": 128, "vocab_size": 8192}
+    cfg = _cfg(["experiment=bench", "model=qwen35-4b-shape", "rollback=ring", "prompts.limit=2", "max_new_tokens=8",
+                "experiment.batch_grid=[1,2]", "experiment.warmup=false"] + CPU
+               + [f"model.targets.0.config.{k}={v}" for k, v in tiny.items()])
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["batch"], r["rollback"], r["exact"]) for r in records] == [(1, "ring", True), (2, "ring", True)]
+    assert (tmp_path / "speedup_vs_batch.png").stat().st_size > 1000
+    lines = _records(tmp_path / "results.jsonl")
+    _check_summary_matches((tmp_path / "summary.md").read_text(), lines, {
+        "tokens/s": ("tokens_per_s", "{:.1f}"), "speedup vs plain": ("speedup", "{:.2f}x"),
+        "ms/step": ("ms_per_step", "{:.2f}"), "exact": ("exact", None)}, ["model", "rollback", "batch"])
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def _run(args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_multirun_ends_with_one_combined_summary(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    res = _run([sys.executable, "-m", "specdec", "-m", "rollback=snapshot,replay", "model=gdn-target", "drafter=ngram",
+                "prompts.limit=1", "max_new_tokens=6", "experiment.warmup=false", f"hydra.sweep.dir={sweep}"] + CPU)
+    assert res.returncode == 0, res.stderr[-2000:]
+    jobs = [_records(sweep / j / "results.jsonl") for j in ("0", "1")]
+    combined = _records(sweep / "results.jsonl")
+    assert [r["rollback"] for r in combined] == ["snapshot", "replay"]
+    assert [r["job"] for r in combined] == ["0", "1"] and "rollback=replay" in combined[1]["overrides"]
+    assert [{k: v for k, v in r.items() if k not in ("job", "overrides")} for r in combined] == jobs[0] + jobs[1]
+    summary = (sweep / "summary.md").read_text()
+    assert summary.startswith("# Sweep: 2 jobs, 2 records")
+    _check_summary_matches(summary, combined, {"tokens/s": ("tokens_per_s", "{:.1f}"), "exact": ("exact", None),
+                                               "mean accepted tokens": ("mean_accepted_tokens", "{:.2f}")},
+                           ["model", "drafter", "rollback"])
+    assert (sweep / "accept_hist.png").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_records_of_one(tmp_path: Path):
+    """accelerate launch with 2 CPU processes: the prompts are split, the records gathered and
+    written once; without the timing fields they equal a one-process run's."""
+    args = ["experiment=acceptance", "model=gdn-target", "drafter=ngram", "rollback=replay", "prompts.limit=3",
+            "max_new_tokens=8"] + CPU
+    one = run_experiment(_cfg(args), tmp_path / "one")
+    res = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(_free_port()), "-m", "specdec"] + args + [f"hydra.run.dir={tmp_path / 'two'}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = _records(tmp_path / "two" / "results.jsonl")
+    assert sorted({r["process"] for r in two}) == [0, 1]  # both processes ran prompts
+
+    def strip(rs):
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+
+    assert strip(two) == strip(json.loads(json.dumps(one)))
+    assert len(_table((tmp_path / "two" / "summary.md").read_text())[1]) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+    ("num_speculative_tokens=0", "num_speculative_tokens must be in [1, 64], got 0"),
+])
+def test_bad_value_gives_a_one_line_error(tmp_path: Path, override, message):
+    res = _run([sys.executable, "-m", "specdec", override, f"hydra.run.dir={tmp_path}"])
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdec-run: ") and message in lines[0], res.stderr
+
+
+def test_one_line_error_texts():
+    for override, want in (("rollback=undo", r"Could not find 'rollback/undo'.*Available options in 'rollback': all, "),
+                           ("foo=1", r"Could not override 'foo'"),
+                           ("num_speculative_tokens=abc", r"could not be converted to Integer")):
+        with pytest.raises(Exception) as info:
+            _cfg([override])
+        text = one_line(info.value)
+        assert "\n" not in text and re.search(want, text), text
+    with pytest.raises(ValueError, match="unknown top-level key"):
+        run_experiment(_cfg(["+foo=1"]), Path("/nonexistent"))
+    with pytest.raises(ValueError, match="model=hf needs model.targets.0.name"):
+        run_experiment(_cfg(["model=hf", "device=cpu"]), Path("/nonexistent"))

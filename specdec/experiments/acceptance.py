@@ -6,63 +6,25 @@ the speedup over plain greedy decoding of the same model on the same prompt in t
 (transformers' ``generate()``), and whether the output equals that plain greedy output token
 for token. Results go to ``results.jsonl`` (one record per prompt and configuration),
 ``summary.md`` (the table, means over prompts) and ``accept_hist.png`` in the run folder.
+
+Several processes (``accelerate launch --multi_gpu --num_processes N -m specdec ...``): each runs
+its contiguous share of the prompts (``split``), the records are gathered on the main process
+(``records_sink``), put back in the one-process order, and written once.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .report import accept_histogram_plot, print_table, summarize, write_summary
+from .common import common_fields, make_drafter, progress_bar, write_outputs
+from .models import load_target, resolve_device
 
 __all__ = ["run", "load_target", "resolve_device"]
-
-
-def resolve_device(cfg) -> tuple[torch.device, torch.dtype]:
-    """``cfg.device`` (auto|cpu|cuda) and ``cfg.dtype`` (auto|float32|bfloat16|float16) to torch objects.
-
-    Raises: ValueError for an unknown value or cuda without a GPU.
-    """
-    dev = str(cfg.device)
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {cfg.device!r}")
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is available; use device=cpu")
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dt = str(cfg.dtype)
-    if dt == "auto":
-        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    elif dt in names:
-        dtype = names[dt]
-    else:
-        raise ValueError(f"dtype must be auto or one of {sorted(names)}; got {cfg.dtype!r}")
-    return torch.device(dev), dtype
-
-
-def load_target(spec, device, dtype):
-    """(model, tokenizer) for a ``model.targets`` entry: ``source`` zoo or hf."""
-    if spec.source == "zoo":
-        from .. import zoo
-
-        return zoo.load(spec.name, device=device, dtype=dtype)
-    if spec.source == "hf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype).to(device).eval()
-        return model, AutoTokenizer.from_pretrained(spec.name)
-    raise ValueError(f"model source must be 'zoo' or 'hf', got {spec.source!r}")
-
-
-def _prompts(cfg):
-    from .. import zoo
-
-    return zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
 
 
 def _sync(device):
@@ -72,46 +34,48 @@ def _sync(device):
 
 def _configs(cfg, target_spec):
     for drafter in cfg.drafter.names:
-        if drafter == "draft_model" and not target_spec.get("draft"):
+        if str(drafter) == "draft_model" and not target_spec.get("draft"):
             continue
         for strategy in cfg.rollback.strategies:
-            yield drafter, strategy
+            yield str(drafter), str(strategy)
 
 
-def run(cfg: DictConfig, out_dir: Path, records_sink=None) -> list[dict]:
+def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_progress: bool = True) -> list[dict]:
     """Run the experiment; returns the records (also written to ``out_dir``).
 
-    ``records_sink``: optional callable(list[dict]) -> list[dict] that gathers records across
-    processes (multi-GPU runs); the summary is written only where it returns a list.
+    ``split``: optional callable(list) -> list, this process's share of the prompts
+    (multi-process runs). ``records_sink``: optional callable(list[dict]) -> list[dict] | None
+    that gathers records across processes; outputs are written only where it returns a list
+    (the main process), and an empty list is returned elsewhere. ``show_progress``: False on
+    the processes other than the main one (one progress bar per launch).
+
+    Raises: ValueError when no target has a draft model but ``drafter=draft_model`` is asked for.
     """
     import specdec
-    from specdec.drafters import DraftModelDrafter, NGramDrafter
+
+    from .. import zoo
 
     device, dtype = resolve_device(cfg)
     if device.type == "cpu" and cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     torch.manual_seed(int(cfg.seed))
-    prompts = _prompts(cfg)
+    all_prompts = zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
+    order = {p["id"]: i for i, p in enumerate(all_prompts)}
+    prompts = split(all_prompts) if split is not None else all_prompts
     K = int(cfg.num_speculative_tokens)
     max_new = int(cfg.max_new_tokens)
     records: list[dict] = []
-    plan = []
-    for spec in cfg.model.targets:
-        for drafter, strategy in _configs(cfg, spec):
-            plan.append((spec, drafter, strategy))
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
+    plan = [(spec, d, s) for spec in cfg.model.targets for d, s in _configs(cfg, spec)]
+    if not plan:
+        raise ValueError("drafter=draft_model but no selected model has a draft model (model.targets[*].draft); "
+                         "use drafter=ngram or model=gdn-target")
     total = len(plan) * len(prompts) + len(cfg.model.targets) * len(prompts)
-    bar = tqdm(total=total, desc="acceptance", disable=not cfg.progress, unit="gen") if tqdm else None
-    loaded: dict = {}
+    bar = progress_bar(cfg, total, "acceptance", enabled=show_progress)
     for spec in cfg.model.targets:
-        model, tok = load_target(spec, device, dtype)
+        model, tok = load_target(spec, device, dtype, int(cfg.seed))
         draft = None
-        if spec.get("draft") and "draft_model" in cfg.drafter.names:
-            draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": spec.source}), device, dtype)
-        loaded[spec.name] = (model, tok, draft)
+        if spec.get("draft") and "draft_model" in [str(d) for d in cfg.drafter.names]:
+            draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
         # plain greedy decoding of the same model: the baseline and the exactness reference
         plain = {}
         for p in prompts:
@@ -125,13 +89,10 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None) -> list[dict]:
             plain[p["id"]] = (ref, time.perf_counter() - t0)
             if bar:
                 bar.update(1)
-        for s, drafter_name, strategy in plan:
+        for plan_index, (s, drafter_name, strategy) in enumerate(plan):
             if s.name != spec.name:
                 continue
-            if drafter_name == "ngram":
-                drafter = NGramDrafter(**cfg.drafter.ngram)
-            else:
-                drafter = DraftModelDrafter(draft, rollback=cfg.drafter.draft_rollback)
+            drafter = make_drafter(cfg, drafter_name, draft)
             sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
             warmed = not cfg.experiment.warmup
             for p in prompts:
@@ -149,7 +110,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None) -> list[dict]:
                 new = out.shape[1] - enc["input_ids"].shape[1]
                 records.append(
                     {
-                        "model": spec.name,
+                        **common_fields(cfg, "acceptance", spec, device, dtype),
                         "drafter": drafter_name,
                         "rollback": strategy,
                         "num_speculative_tokens": K,
@@ -169,26 +130,23 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None) -> list[dict]:
                         "verify_s": st.verify_s,
                         "rollback_s": st.rollback_s,
                         "wall_s": dt,
-                        "device": str(device),
-                        "dtype": str(dtype).replace("torch.", ""),
-                        "config": OmegaConf.to_container(cfg, resolve=True),
+                        "process": int(os.environ.get("RANK", "0")),  # which process ran it (multi-process runs)
+                        "_order": (plan_index, order[p["id"]]),
                     }
                 )
                 if bar:
                     bar.update(1)
+        del model, draft
     if bar:
         bar.close()
     if records_sink is not None:
         records = records_sink(records)
         if records is None:
             return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "results.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    rows = summarize(records, keys=("model", "drafter", "rollback"))
-    title = f"Acceptance: K={K}, {max_new} new tokens, prompt set {cfg.prompts.set} ({len(prompts)} prompts), {device}"
-    write_summary(out_dir / "summary.md", title, rows)
-    print_table(title, rows)
-    accept_histogram_plot(records, out_dir / "accept_hist.png")
+    records.sort(key=lambda r: tuple(r["_order"]))  # gathered records in the one-process order
+    for r in records:
+        del r["_order"]
+    title = (f"Acceptance: K={K}, {max_new} new tokens, prompt set {cfg.prompts.set} ({len(all_prompts)} prompts), "
+             f"{device}")
+    write_outputs(records, out_dir, title)
     return records

@@ -1,0 +1,186 @@
+"""Targets for the experiments: device/dtype resolution, model loading, SSM layer shapes.
+
+A ``model.targets`` entry names its ``source``:
+
+* ``zoo``: a shipped trained model (``specdec.zoo.load``), offline;
+* ``hf``: ``AutoModelForCausalLM.from_pretrained(name)`` (a hub id or a local folder);
+* ``random_shape``: ``model_class(config_class(**config))`` from transformers with random
+  weights: the benchmark shapes of shared/bench_models.md (``qwen35-4b-shape``,
+  ``nemotronh-4b-shape``). Speed does not depend on the weights' values; the zoo tokenizer
+  encodes the prompts (its 8192 ids fit any larger vocabulary).
+
+:func:`ssm_shape` reads the SSM layer shape from a transformers config without building the
+model, so the kernel-level rollback timing can run at a 4B model's shapes on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["resolve_device", "load_target", "build_random_shape", "SSMShape", "ssm_shape", "target_config"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(cfg) -> tuple[torch.device, torch.dtype]:
+    """``cfg.device`` (auto|cpu|cuda) and ``cfg.dtype`` (auto|float32|bfloat16|float16) to torch objects.
+
+    ``auto`` dtype is fp32 on CPU and bf16 on CUDA. Under ``accelerate launch`` / ``torchrun``
+    each process takes the GPU of its ``LOCAL_RANK``.
+
+    Raises: ValueError for an unknown value or cuda without a GPU.
+    """
+    dev = str(cfg.device)
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {cfg.device!r}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is available; use device=cpu")
+    dt = str(cfg.dtype)
+    if dt == "auto":
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    elif dt in _DTYPES:
+        dtype = _DTYPES[dt]
+    else:
+        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}; got {cfg.dtype!r}")
+    device = torch.device(dev)
+    if dev == "cuda":
+        import os
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, dtype
+
+
+def _container(x):
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(x, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(x, resolve=True)
+    return x
+
+
+def target_config(spec):
+    """The transformers config of a ``random_shape`` target (no weights built).
+
+    Raises: ValueError when ``config_class`` is missing or not a transformers class."""
+    import transformers
+
+    if not spec.get("config_class"):
+        raise ValueError(f"model {spec.name!r}: source random_shape needs config_class and model_class")
+    cls = getattr(transformers, str(spec.config_class), None)
+    if cls is None:
+        raise ValueError(f"model {spec.name!r}: transformers has no config class {spec.config_class!r}")
+    return cls(**_container(spec.get("config") or {}))
+
+
+def build_random_shape(spec, device, dtype, seed: int = 0):
+    """``(model, tokenizer)`` for a ``random_shape`` target: random init, eval mode, on ``device``."""
+    import transformers
+
+    from .. import zoo
+
+    config = target_config(spec)
+    model_cls = getattr(transformers, str(spec.model_class or ""), None)
+    if model_cls is None:
+        raise ValueError(f"model {spec.name!r}: transformers has no model class {spec.model_class!r}")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None  # random weights: no natural end of text
+    return model.eval(), zoo.load_tokenizer()
+
+
+def load_target(spec, device, dtype, seed: int = 0):
+    """``(model, tokenizer)`` for a ``model.targets`` entry (``source`` zoo, hf or random_shape).
+
+    Raises: ValueError for an unknown source or a bad random_shape entry; the loaders' errors
+    (unknown zoo name, missing HF checkpoint) pass through."""
+    source = str(spec.source)
+    if source == "zoo":
+        from .. import zoo
+
+        return zoo.load(spec.name, device=device, dtype=dtype)
+    if source == "hf":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(spec.name)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return model, tok
+    if source == "random_shape":
+        return build_random_shape(spec, device, dtype, seed)
+    raise ValueError(f"model source must be zoo, hf or random_shape; got {spec.source!r}")
+
+
+# ------------------------------------------------------------------------------ SSM shapes
+
+
+@dataclass(frozen=True)
+class SSMShape:
+    """The SSM layers of a model: op (``specdec.kernels.OPS`` key), count and per-layer shape.
+
+    Mamba-2: ``heads`` x ``head_dim`` x ``state_size``, ``n_groups`` B/C groups.
+    GDN / KDA: ``heads`` (value heads) x ``key_dim`` x ``value_dim``.
+    """
+
+    op: str
+    num_layers: int
+    heads: int
+    head_dim: int = 0
+    state_size: int = 0
+    n_groups: int = 1
+    key_dim: int = 0
+    value_dim: int = 0
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        if self.op == "mamba2":
+            return (self.heads, self.head_dim, self.state_size)
+        return (self.heads, self.key_dim, self.value_dim)
+
+    @property
+    def state_bytes(self) -> int:
+        """S: fp32 bytes of one layer's state for one sequence (the strategies keep fp32)."""
+        return 4 * math.prod(self.state_shape)
+
+    def describe(self) -> str:
+        if self.op == "mamba2":
+            return (f"{self.num_layers} x mamba2 {self.heads}h x {self.head_dim} x {self.state_size}, "
+                    f"{self.n_groups} groups")
+        return f"{self.num_layers} x {self.op} {self.heads}h x {self.key_dim} x {self.value_dim}"
+
+
+def ssm_shape(config) -> SSMShape:
+    """The SSM layer shape of a transformers config (Qwen3.5 / Qwen3-Next GDN, Nemotron-H
+    Mamba-2, Kimi-Linear KDA; a text config nested as ``text_config`` is used).
+
+    Raises: ValueError for another model type (the kernel-level timing then needs
+    ``experiment.kernel_level=false``)."""
+    config = getattr(config, "text_config", None) or config
+    mt = str(getattr(config, "model_type", ""))
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if mt.startswith("qwen3_5") or mt.startswith("qwen3_next"):
+        return SSMShape(op="gdn", num_layers=layer_types.count("linear_attention"),
+                        heads=config.linear_num_value_heads, key_dim=config.linear_key_head_dim,
+                        value_dim=config.linear_value_head_dim)
+    if mt == "kimi_linear":
+        return SSMShape(op="kda", num_layers=layer_types.count("linear_attention"),
+                        heads=config.linear_num_heads, key_dim=config.linear_head_dim,
+                        value_dim=config.linear_head_dim)
+    if mt == "nemotron_h":
+        blocks = list(getattr(config, "layers_block_type", None) or [])
+        n = sum(b in ("mamba", "linear_attention") for b in blocks)
+        if not n:
+            n = str(getattr(config, "hybrid_override_pattern", "")).count("M")
+        return SSMShape(op="mamba2", num_layers=n, heads=config.mamba_num_heads, head_dim=config.mamba_head_dim,
+                        state_size=config.ssm_state_size, n_groups=config.n_groups)
+    raise ValueError(f"kernel-level shapes are known for qwen3_5 / qwen3_next (GDN), nemotron_h (Mamba-2) and "
+                     f"kimi_linear (KDA) configs, not {mt!r}; set experiment.kernel_level=false")
