@@ -14,7 +14,10 @@ from . import drafters, models, rollback
 from .engine import SpeculativeGenerator, Stats
 from .hf_integration import enable_hf_speculation
 
-__all__ = ["wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "drafters", "rollback", "models", "zoo", "__version__"]
+__all__ = [
+    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "drafters", "rollback", "models", "zoo",
+    "__version__",
+]
 __version__ = "0.1.0"
 version = __version__
 

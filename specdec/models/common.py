@@ -67,8 +67,18 @@ class FamilyAdapter(HybridAdapter):
         return mask.masked_fill(too_old[:, None], torch.finfo(self.dtype).min)
 
     # --- body calls ---------------------------------------------------------------------------
+    def _cache_keyword(self) -> str:
+        """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers 5.24
+        renamed ``past_key_values`` / ``cache_params`` to ``cache``; the old names only warn there)."""
+        if not hasattr(self, "_cache_kw"):
+            import inspect
+
+            params = inspect.signature(self.body.forward).parameters
+            self._cache_kw = self.cache_arg if self.cache_arg in params or "cache" not in params else "cache"
+        return self._cache_kw
+
     def _call_body(self, input_ids, attention_mask, position_ids, cache):
-        kw = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True, self.cache_arg: cache}
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True, self._cache_keyword(): cache}
         if self.uses_position_ids:
             kw["position_ids"] = position_ids
         return self.body(**kw)
