@@ -293,8 +293,16 @@ class SpeculativeGenerator:
             raise ValueError("attention_mask must be left-padded (zeros then ones in each row), as HF generate() expects for decoder-only models")
 
         max_new = gc.max_new_tokens
-        if max_new is None:
-            max_new = (gc.max_length or 20) - input_ids.shape[1]
+        if max_new is None and gc.max_length is not None:
+            if gc.max_length < input_ids.shape[1]:
+                raise ValueError(
+                    f"max_length={gc.max_length} is shorter than the prompt ({input_ids.shape[1]} tokens); "
+                    "set max_new_tokens instead"
+                )
+            max_new = gc.max_length - input_ids.shape[1]
+        elif max_new is None:  # as HF: with no length set anywhere, 20 new tokens
+            max_pos = getattr(self.model.config, "max_position_embeddings", None)
+            max_new = 20 if max_pos is None else max(0, min(20, max_pos - input_ids.shape[1]))
         if isinstance(max_new, bool) or not isinstance(max_new, int):
             raise TypeError(f"max_new_tokens must be an int, got {type(max_new).__name__}")
         if max_new < 0:
