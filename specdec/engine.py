@@ -8,7 +8,9 @@ correction/bonus token c_i; the cache commits n_i + 1 tokens per row; c_i become
 
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -191,10 +193,10 @@ def _as_id_list(eos) -> list[int]:
         return []
     if isinstance(eos, torch.Tensor):
         eos = eos.flatten().tolist()
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, (list, tuple)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        return list(eos)
+    if isinstance(eos, numbers.Integral) and not isinstance(eos, bool):
+        return [int(eos)]
+    if isinstance(eos, (list, tuple)) and all(isinstance(e, numbers.Integral) and not isinstance(e, bool) for e in eos):
+        return [int(e) for e in eos]
     raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
 
 
@@ -315,8 +317,10 @@ class SpeculativeGenerator:
                 temperature=gc.temperature if gc.temperature is not None else 1.0, top_k=top_k, top_p=gc.top_p
             )
         else:
-            if gc.temperature is not None and (not isinstance(gc.temperature, (int, float)) or gc.temperature <= 0):
-                raise ValueError(f"temperature must be > 0, got {gc.temperature!r}")
+            if gc.temperature is not None and gc.temperature != 1.0:
+                # as HF: sampling settings have no effect on greedy decoding; say so rather than fail
+                warnings.warn(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)", UserWarning,
+                              stacklevel=3)
         if pad is None:
             pad = eos[0] if eos else 0
         opts = self._resolve_outputs(gc, input_ids, mask, eos)
@@ -488,7 +492,9 @@ class SpeculativeGenerator:
 
         cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
         self.last_cache = cache
-        logits, _ = ad.prefill(input_ids, mask, cache)
+        logits, hidden = ad.prefill(input_ids, mask, cache)
+        if self.drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
+            self.drafter.observe(hidden)
         # HF logits processors that change the target's distribution (repetition penalty, min
         # length), applied to every position with its own prefix; None when none is active
         proc = opts["processor"] if opts else None
@@ -584,7 +590,7 @@ class SpeculativeGenerator:
             step_drafts = torch.where(used, drafts[:, : T - 1], torch.zeros_like(drafts[:, : T - 1]))
             pending = text[rows, lengths - 1]
             step = torch.cat([pending[:, None], step_drafts], dim=1)
-            logits, _ = ad.forward(step, cache)
+            logits, hidden = ad.forward(step, cache)
             raw = logits
             if proc is not None:
                 logits = proc(logits, step, n_gen)
@@ -601,6 +607,8 @@ class SpeculativeGenerator:
             # commit [pending, d_1 .. d_n] -- or fewer when EOS / the budget cut the row short, so the
             # cache always covers the row's text minus its last token
             cache.commit(torch.minimum(taken, n + 1))
+            if self.drafter.wants_hidden_states:  # hidden state of the token whose logits gave c
+                self.drafter.observe(hidden[rows, n])
             t3 = timer.now()
             # stats over rows that took part in this step
             stats.steps += 1

@@ -41,6 +41,14 @@ class Drafter(abc.ABC):
         ``max_length`` bounds the text length (prompt + new tokens + K + 1) of any row.
         """
 
+    #: set True to receive the target's last hidden states through :meth:`observe`
+    wants_hidden_states: bool = False
+
+    def observe(self, hidden_states: torch.Tensor) -> None:
+        """With ``wants_hidden_states``: the target's final hidden state ``[B, D]`` at the position
+        whose logits chose each row's pending token (after prefill and after every commit).
+        Medusa-style heads draft from it."""
+
     def draft_probs(self) -> torch.Tensor | None:
         """``[B, K, V]`` distributions the last drafts were sampled from, or None (deterministic)."""
         return None
