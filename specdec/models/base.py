@@ -90,15 +90,15 @@ class HybridAdapter:
 
     # --- family specifics ------------------------------------------------------------------
     def ssm_layers(self) -> dict[int, tuple[torch.nn.Module, str]]:
-        """``{layer_idx: (mixer module, op name)}`` for every SSM layer."""
-        raise NotImplementedError(f"{type(self).__name__} must implement ssm_layers()")
+        """``{layer_idx: (mixer module, op name)}`` for every SSM layer (none for attention-only models)."""
+        return {}
 
     def conv_width(self, mixer) -> int:
         return int(mixer.conv1d.weight.shape[-1])
 
     def mixer_forward(self, mixer, hidden_states: torch.Tensor, layer: SSMLayerCache) -> torch.Tensor:
         """The family's SSM mixer on ``hidden_states [B, t, D]`` with our conv/SSM cache."""
-        raise NotImplementedError(f"{type(self).__name__} must implement mixer_forward()")
+        raise TypeError(f"{type(self).__name__} declares SSM layers but does not define mixer_forward()")
 
     def attention_mask_arg(self, mask: torch.Tensor):
         """What the HF body takes as ``attention_mask`` (the per-layer-type dict of precomputed masks)."""
@@ -137,51 +137,88 @@ class HybridAdapter:
             for mixer in patched:
                 del mixer.forward
 
+    #: keyword under which the decoder body takes its cache
+    cache_arg = "past_key_values"
+    #: whether the decoder body takes ``position_ids``
+    uses_position_ids = True
+
+    # --- family hooks -----------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on ``hidden [..., D]`` exactly as the family's ``ForCausalLM.forward`` applies it."""
+        return self.lm_head(hidden)
+
+    def step_attention_mask(self, cache: HybridCache, t: int):
+        """What the body takes as ``attention_mask`` for ``t`` step tokens."""
+        return self.attention_mask_arg(cache.attention_mask(t, self.dtype))
+
+    def sliding_mask(self, cache: HybridCache, t: int, window: int) -> torch.Tensor:
+        """Additive ``[B, 1, t, end]`` mask of a sliding-window layer: as the causal mask, and a step
+        token at column ``q`` sees only columns ``c > q - window`` (transformers' sliding overlay)."""
+        mask = cache.attention_mask(t, self.dtype)
+        end = mask.shape[-1]
+        cols = torch.arange(end, device=cache.device)[None, None, :]
+        q = (cache.seq_len[:, None] + cache.step_tokens + torch.arange(t, device=cache.device)[None, :])[:, :, None]
+        too_old = cols <= q - window
+        return mask.masked_fill(too_old[:, None], torch.finfo(self.dtype).min)
+
+    # --- body calls ---------------------------------------------------------------------------
+    def _cache_keyword(self) -> str:
+        """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers 5.24
+        renamed ``past_key_values`` / ``cache_params`` to ``cache``; the old names only warn there)."""
+        if not hasattr(self, "_cache_kw"):
+            import inspect
+
+            params = inspect.signature(self.body.forward).parameters
+            self._cache_kw = self.cache_arg if self.cache_arg in params or "cache" not in params else "cache"
+        return self._cache_kw
+
+    def _call_body(self, input_ids, attention_mask, position_ids, cache):
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True, self._cache_keyword(): cache}
+        if self.uses_position_ids:
+            kw["position_ids"] = position_ids
+        return self.body(**kw)
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache):
-        """Run the left-padded prompt ``[B, L]`` through the model and load ``cache``.
+        """Run the left-padded prompt ``[B, L]`` through the model's own forward (transformers'
+        chunked kernels) and load ``cache`` with every state each layer of HF's ``DynamicCache``
+        holds (attention KV, conv and recurrent state; a layer may hold both).
 
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``.
         """
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         hf_cache = DynamicCache(config=self.config)
-        out = self.body(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=hf_cache,
-            use_cache=True,
-        )
+        out = self._call_body(input_ids, mask, position_ids, hf_cache)
         hidden = out.last_hidden_state[:, -1]
-        logits = self.lm_head(hidden)
+        logits = self.logits(hidden)
         L = input_ids.shape[1]
         cache.pad = (L - mask.sum(-1)).to(cache.device)
         cache.seq_len = torch.full_like(cache.pad, L)
         ssm = self.ssm_layers()
         for idx, hf_layer in enumerate(hf_cache.layers):
             if idx in ssm:
-                conv = hf_layer.conv_states.get(0) if hasattr(hf_layer, "conv_states") else None
-                state = hf_layer.recurrent_states[0]
-                cache.ssm[idx].load(conv, state, self.conv_width(ssm[idx][0]))
-            elif getattr(hf_layer, "keys", None) is not None and hf_layer.keys.numel() > 0:
-                cache.load_kv(idx, hf_layer.keys, hf_layer.values)
+                convs = getattr(hf_layer, "conv_states", None) or {}
+                states = getattr(hf_layer, "recurrent_states", None) or {}
+                cache.ssm[idx].load(convs.get(0), states.get(0), self.conv_width(ssm[idx][0]))
+            keys = getattr(hf_layer, "keys", None)
+            if keys is not None and keys.numel() > 0:
+                values = hf_layer.values
+                if keys.shape[2] < L:  # a sliding-window layer keeps only its last columns
+                    keys = torch.cat([keys.new_zeros(*keys.shape[:2], L - keys.shape[2], keys.shape[3]), keys], 2)
+                    values = torch.cat(
+                        [values.new_zeros(*values.shape[:2], L - values.shape[2], values.shape[3]), values], 2
+                    )
+                cache.load_kv(idx, keys, values)
         return logits, hidden
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: HybridCache):
-        """Run ``t`` more step tokens ``input_ids [B, t]``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
+        """Run ``t`` more step tokens ``input_ids [B, t]`` through the model's own decoder layers with
+        ``cache``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
         t = input_ids.shape[1]
-        mask = cache.attention_mask(t, self.dtype)
-        position_ids = cache.position_ids(t)
         with self._patched(cache):
-            out = self.body(
-                input_ids=input_ids,
-                attention_mask=self.attention_mask_arg(mask),
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            out = self._call_body(input_ids, self.step_attention_mask(cache, t), cache.position_ids(t), cache)
         cache.advance(t)
         hidden = out.last_hidden_state
-        return self.lm_head(hidden), hidden
+        return self.logits(hidden), hidden
