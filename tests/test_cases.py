@@ -5,6 +5,7 @@ or from HF's own per-token decode of the accepted tokens."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_C7_fuzz_random_accept_counts_debug_mode(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_DEBUG", "1")
     model = get_model(family)
     ad = specdec.models.adapter_for(model)
-    rng = random.Random(hash((family, strategy)) % 1000)
+    rng = random.Random(zlib.crc32(f"{family}/{strategy}".encode()))  # str hash() is salted per process
     ids, mask = ragged_prompts(seed=4)
     B, K = 3, 4
     steps = 150
@@ -163,7 +164,9 @@ def test_C7_fuzz_random_accept_counts_debug_mode(family, strategy, monkeypatch):
     for idx, (state, conv) in ref.items():
         assert rel_err(cache.ssm[idx].ssm_state(), state) < 1e-4
         W = cache.ssm[idx].conv_width
-        assert rel_err(cache.ssm[idx].conv_state(), conv[:, :, -(W - 1):]) < 1e-6
+        # conv inputs are projections of the layer's input, which carries fp32 rounding from the
+        # layers below: the DESIGN.md bound (rel. err. < 1e-5) applies, not bit-equality
+        assert rel_err(cache.ssm[idx].conv_state(), conv[:, :, -(W - 1):]) < 1e-5
 
 
 def test_C7_debug_mode_catches_out_of_range_commit(monkeypatch):
