@@ -24,14 +24,13 @@ def test_unsupported_model_lists_families():
 
 
 def test_unsupported_family_message_lists_supported():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB))
-    if llama.config.model_type in specdec.models.supported_families():
-        pytest.skip("llama is supported")
-    with pytest.raises(ValueError, match="qwen3_5_text.*|nemotron_h"):
-        specdec.wrap(llama)
+    opt = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2,
+                                   vocab_size=VOCAB, word_embed_proj_dim=16))
+    assert opt.config.model_type not in specdec.models.supported_families()
+    with pytest.raises(ValueError, match="'opt'.*not supported.*qwen3_5_text"):
+        specdec.wrap(opt)
 
 
 def test_not_a_causal_lm():
