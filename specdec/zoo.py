@@ -16,6 +16,11 @@ name               class                        layers
 ``kda-target``     ``KimiLinearForCausalLM``    8: Kimi Delta Attention x 6 + MLA x 2
 =================  ===========================  ==============================================
 
+Medusa heads (``medusa_names()``), trained by ``specdec.experiments.train_medusa`` on the
+frozen target's hidden states and recorded under ``medusa`` in the manifest: ``gdn-medusa``,
+4 :class:`specdec.drafters.MedusaHeads` for ``gdn-target`` that project with its LM head (not
+stored with them; :func:`load_medusa` binds it).
+
 All share one byte-level BPE tokenizer (vocabulary 8192; ``<pad>``/``<bos>``/``<eos>`` = 0/1/2;
 encoding prepends ``<bos>``; left padding).
 
@@ -25,6 +30,7 @@ Example::
     model, tok = specdec.zoo.load("gdn-target")
     p = specdec.zoo.prompts("128", limit=1)[0]
     ids = tok(p["prompt"], return_tensors="pt").input_ids      # LongTensor [1, p["prompt_tokens"]]
+    heads = specdec.zoo.load_medusa("gdn-medusa", target=model)  # MedusaHeads bound to model's LM head
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ ZOO_DIR = Path(__file__).resolve().parent / "zoo"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 _MODELS = ("gdn-target", "gdn-draft", "mamba2-target", "kda-target")
+_MEDUSA = ("gdn-medusa",)
 _CLASSES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM")
 PROMPT_SETS = ("128", "1k", "4k")
 _PROMPT_ALIASES = {"128": "128", "1k": "1k", "4k": "4k", "1024": "1k", "4096": "4k"}
@@ -50,12 +57,17 @@ def names() -> tuple[str, ...]:
     return _MODELS
 
 
+def medusa_names() -> tuple[str, ...]:
+    """The Medusa heads ``load_medusa`` accepts: ("gdn-medusa",)."""
+    return _MEDUSA
+
+
 def _root(root: str | Path | None) -> Path:
     return Path(root) if root is not None else ZOO_DIR
 
 
 def _check_name(name: str, allow_tokenizer: bool) -> None:
-    known = _MODELS + (("tokenizer",) if allow_tokenizer else ())
+    known = _MODELS + _MEDUSA + (("tokenizer",) if allow_tokenizer else ())
     if name not in known:
         raise ValueError(f"unknown zoo name {name!r}; known names: {', '.join(known)}")
 
@@ -71,9 +83,10 @@ def manifest(root: str | Path | None = None) -> dict:
 
 
 def path(name: str, root: str | Path | None = None) -> str:
-    """Local folder of a zoo model or of the shared ``"tokenizer"``, as a string.
+    """Local folder of a zoo model, of Medusa heads or of the shared ``"tokenizer"``, as a string.
 
-    A model folder holds ``config.json``, ``generation_config.json`` and ``model.safetensors``
+    A Medusa folder holds ``config.json`` and ``medusa_heads.safetensors`` (load with
+    ``load_medusa``). A model folder holds ``config.json``, ``generation_config.json`` and ``model.safetensors``
     (bf16); load it with ``load`` (which checks its hash), or with the class in the manifest
     plus the tokenizer from ``path("tokenizer")``. Raises ValueError for an unknown name."""
     _check_name(name, allow_tokenizer=True)
@@ -106,17 +119,71 @@ def _verify(folder: Path, expected: dict[str, str], what: str, suffix: str | Non
 
 
 def verify(name: str, root: str | Path | None = None) -> None:
-    """Check the sha256 of ``name``'s files (model safetensors, or the tokenizer files) against
-    the manifest. Raises ValueError on an unknown name, a missing, extra or mismatching file."""
+    """Check the sha256 of ``name``'s files (model safetensors, Medusa heads files, or the tokenizer
+    files) against the manifest. Raises ValueError on an unknown name, a missing, extra or
+    mismatching file, or Medusa heads trained on other target weights than the zoo's."""
     _check_name(name, allow_tokenizer=True)
     man = manifest(root)
     folder = _root(root) / name
     if name == "tokenizer":
         _verify(folder, man["tokenizer"]["sha256"], "tokenizer", None)
         return
+    if name in _MEDUSA:
+        _medusa_entry(name, root)
+        _verify(folder, man["medusa"][name]["files"], name, ".safetensors")
+        return
     if name not in man.get("models", {}):
         raise ValueError(f"{name!r} is not in the zoo manifest at {_root(root)} (it lists {sorted(man.get('models', {}))})")
     _verify(folder, man["models"][name]["files"], name, ".safetensors")
+
+
+def _medusa_entry(name: str, root: str | Path | None) -> dict:
+    """The manifest entry of Medusa heads ``name``, checked against the manifest of their target:
+    heads trained on other target weights raise ValueError."""
+    man = manifest(root)
+    entry = man.get("medusa", {}).get(name)
+    if entry is None:
+        raise ValueError(f"{name!r} is not in the zoo manifest at {_root(root)} (its medusa section lists "
+                         f"{sorted(man.get('medusa', {}))}); train the heads with "
+                         "`python -m specdec experiment=train_medusa`")
+    target = entry.get("target")
+    if target not in _MODELS:
+        raise ValueError(f"{name}: manifest target {target!r} is not one of {_MODELS}")
+    target_man = man if target in man.get("models", {}) else manifest(None)
+    have = target_man.get("models", {}).get(target, {}).get("files")
+    if have != entry.get("target_files"):
+        raise ValueError(f"{name} was trained on {target} weights {entry.get('target_files')}, but the zoo's {target} "
+                         f"is {have}; retrain the heads with `python -m specdec experiment=train_medusa`")
+    return entry
+
+
+def load_medusa(name: str = "gdn-medusa", target=None, device: str | torch.device | None = None,
+                dtype: torch.dtype = torch.float32, root: str | Path | None = None):
+    """Load shipped Medusa heads (:class:`specdec.drafters.MedusaHeads`), hash-checked and bound
+    to their target's LM head, ready for ``specdec.drafters.MedusaDrafter(heads)``.
+
+    Args:
+        name: one of ``medusa_names()``.
+        target: the loaded target model (its LM head is shared with the heads; its hidden size and
+            vocabulary must match); None loads the zoo target named in the manifest (``gdn-target``).
+        device: default the target's device. dtype: the heads' parameter dtype (default fp32).
+        root: a zoo folder other than the shipped one (e.g. a recipe run's ``<out_dir>/zoo``); the
+            target comes from it when its manifest has the target, else from the shipped zoo.
+
+    Raises:
+        ValueError: unknown name; files whose sha256 differs from the manifest; heads trained on
+            other target weights than the zoo's; a target whose sizes do not fit the heads.
+    """
+    from .drafters.medusa import MedusaHeads
+
+    if name not in _MEDUSA:
+        raise ValueError(f"unknown Medusa heads {name!r}; known: {', '.join(_MEDUSA)}")
+    verify(name, root)
+    if target is None:
+        entry = _medusa_entry(name, root)
+        troot = root if entry["target"] in manifest(root).get("models", {}) else None
+        target, _ = load(entry["target"], device=device or "cpu", dtype=dtype, root=troot)
+    return MedusaHeads.from_pretrained(path(name, root), target=target, device=device, dtype=dtype)
 
 
 def load_tokenizer(root: str | Path | None = None):
@@ -135,7 +202,8 @@ def load(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     """Load a zoo model and the shared tokenizer, offline.
 
     Args:
-        name: one of ``names()``.
+        name: one of ``names()`` (or of ``medusa_names()``: then ``(heads, tokenizer)``, the heads
+            bound to their zoo target's LM head; see :func:`load_medusa`).
         device: where the model goes (``"cpu"``, ``"cuda"``, ...).
         dtype: parameter dtype; the shipped weights are bf16, upcast on load (default fp32).
         root: a zoo folder other than the shipped one (e.g. the output of a recipe run).
@@ -152,6 +220,8 @@ def load(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     import transformers
 
     _check_name(name, allow_tokenizer=False)
+    if name in _MEDUSA:
+        return load_medusa(name, device=device, dtype=dtype, root=root), load_tokenizer(root)
     verify(name, root)  # before anything is deserialised
     entry = manifest(root)["models"][name]
     cls_name = entry["class"]

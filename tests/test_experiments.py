@@ -76,7 +76,8 @@ def test_default_config_composes():
     assert OmegaConf.get_type(cfg) is SCHEMAS["acceptance"]
     assert [t.name for t in cfg.model.targets] == ["gdn-target", "mamba2-target", "kda-target"]
     assert list(cfg.rollback.strategies) == ["snapshot", "ring", "replay"]
-    assert list(cfg.drafter.names) == ["ngram", "draft_model"]
+    assert list(cfg.drafter.names) == ["ngram", "draft_model", "medusa"]
+    assert [t.get("medusa") for t in cfg.model.targets] == ["gdn-medusa", None, None]
 
 
 @pytest.mark.parametrize("experiment", sorted(SCHEMAS))
@@ -106,7 +107,7 @@ def test_benchmark_shapes_compose():
     ("num_speculative_tokens=abc", "num_speculative_tokens"),
     ("device=tpu", "tpu"),
     ("experiment.kernel_steps=3", "kernel_steps"),  # a rollback-experiment key under acceptance
-    ("drafter=medusa", "medusa"),  # not implemented yet: not in the group
+    ("drafter=eagle", "eagle"),  # not in the group
 ])
 def test_bad_override_fails_at_compose(override, match):
     with pytest.raises(Exception, match=match) as info:
@@ -121,7 +122,7 @@ def test_acceptance_tiny_run(tmp_path: Path):
     cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "num_speculative_tokens=3",
                 "experiment.warmup=false"] + CPU)
     records = run_experiment(cfg, tmp_path)
-    assert len(records) == 2 * 3  # 2 drafters x 3 strategies x 1 prompt
+    assert len(records) == 3 * 3  # 3 drafters (ngram, draft_model, medusa) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
     assert records[0]["config"]["num_speculative_tokens"] == 3
     lines = _records(tmp_path / "results.jsonl")

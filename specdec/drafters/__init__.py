@@ -1,10 +1,11 @@
-"""Drafters: n-gram (prompt lookup), a draft model, and the :class:`Drafter` base for your own."""
+"""Drafters: n-gram (prompt lookup), a draft model, Medusa heads, and the :class:`Drafter` base for your own."""
 
 from .base import Drafter
 from .draft_model import DraftModelDrafter
+from .medusa import MedusaDrafter, MedusaHeads
 from .ngram import NGramDrafter
 
-__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "make_drafter"]
+__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "make_drafter"]
 
 
 def make_drafter(drafter) -> Drafter:
@@ -20,7 +21,7 @@ def make_drafter(drafter) -> Drafter:
             return NGramDrafter()
         raise ValueError(
             f"unknown drafter {drafter!r}; use 'ngram' or an instance from specdec.drafters "
-            "(NGramDrafter, DraftModelDrafter, or your own Drafter subclass)"
+            "(NGramDrafter, DraftModelDrafter, MedusaDrafter, or your own Drafter subclass)"
         )
     raise TypeError(
         f"drafter must be 'ngram' or a specdec.drafters.Drafter instance, got {type(drafter).__name__}; "

@@ -1,5 +1,8 @@
 """The acceptance experiment: targets x drafters x rollback strategies over a prompt set.
 
+Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (chain drafting with the
+target's zoo Medusa heads, targets with ``medusa``).
+
 For every configuration and prompt it records mean accepted tokens (Spec-Bench's tokens per
 target forward, bonus included), acceptance rate, the accepted-length histogram, tokens/s,
 the speedup over plain greedy decoding of the same model on the same prompt in the same run
@@ -36,6 +39,8 @@ def _configs(cfg, target_spec):
     for drafter in cfg.drafter.names:
         if str(drafter) == "draft_model" and not target_spec.get("draft"):
             continue
+        if str(drafter) == "medusa" and not target_spec.get("medusa"):
+            continue
         for strategy in cfg.rollback.strategies:
             yield str(drafter), str(strategy)
 
@@ -49,7 +54,8 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     (the main process), and an empty list is returned elsewhere. ``show_progress``: False on
     the processes other than the main one (one progress bar per launch).
 
-    Raises: ValueError when no target has a draft model but ``drafter=draft_model`` is asked for.
+    Raises: ValueError when no selected target has what the drafters need (``drafter=draft_model``:
+    a draft model; ``drafter=medusa``: Medusa heads, ``model.targets[*].medusa``).
     """
     import specdec
 
@@ -67,15 +73,22 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     records: list[dict] = []
     plan = [(spec, d, s) for spec in cfg.model.targets for d, s in _configs(cfg, spec)]
     if not plan:
-        raise ValueError("drafter=draft_model but no selected model has a draft model (model.targets[*].draft); "
-                         "use drafter=ngram or model=gdn-target")
-    total = len(plan) * len(prompts) + len(cfg.model.targets) * len(prompts)
+        raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))} but no selected model has a draft model "
+                         "(model.targets[*].draft) or Medusa heads (model.targets[*].medusa); use drafter=ngram or "
+                         "model=gdn-target")
+    planned = {str(s.name) for s, _, _ in plan}  # targets with at least one configuration (others are skipped)
+    total = len(plan) * len(prompts) + len(planned) * len(prompts)
     bar = progress_bar(cfg, total, "acceptance", enabled=show_progress)
     for spec in cfg.model.targets:
+        if str(spec.name) not in planned:
+            continue
         model, tok = load_target(spec, device, dtype, int(cfg.seed))
         draft = None
         if spec.get("draft") and "draft_model" in [str(d) for d in cfg.drafter.names]:
             draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
+        heads = None
+        if spec.get("medusa") and "medusa" in [str(d) for d in cfg.drafter.names]:
+            heads = zoo.load_medusa(str(spec.medusa), target=model)  # bound to this target's LM head
         # plain greedy decoding of the same model: the baseline and the exactness reference
         plain = {}
         for p in prompts:
@@ -92,7 +105,12 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
         for plan_index, (s, drafter_name, strategy) in enumerate(plan):
             if s.name != spec.name:
                 continue
-            drafter = make_drafter(cfg, drafter_name, draft)
+            if drafter_name == "medusa":
+                from ..drafters import MedusaDrafter
+
+                drafter = MedusaDrafter(heads)
+            else:
+                drafter = make_drafter(cfg, drafter_name, draft)
             sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
             warmed = not cfg.experiment.warmup
             for p in prompts:
@@ -136,7 +154,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 )
                 if bar:
                     bar.update(1)
-        del model, draft
+        del model, draft, heads
     if bar:
         bar.close()
     if records_sink is not None:

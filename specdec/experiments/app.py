@@ -1,7 +1,8 @@
 """``specdec-run`` / ``python -m specdec``: the Hydra app for every experiment.
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
-comparison), ``bench`` (end-to-end speed) or ``train_zoo`` (the zoo recipe); ``model=``,
+comparison), ``bench`` (end-to-end speed), ``train_zoo`` (the zoo recipe) or ``train_medusa``
+(the Medusa heads recipe); ``model=``,
 ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
 checked against the experiment's structured config (:mod:`specdec.experiments.config`).
 
@@ -40,7 +41,7 @@ def validate(cfg: DictConfig) -> None:
     unknown = sorted(set(cfg.keys()) - schema_keys(name) - {"hydra"})
     if unknown:
         raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}")
-    if name == "train_zoo":
+    if name in ("train_zoo", "train_medusa"):
         return
     if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {cfg.num_speculative_tokens}")
@@ -71,6 +72,9 @@ def validate(cfg: DictConfig) -> None:
         if len(cfg.drafter.names) != 1:
             raise ValueError(f"experiment={name} uses one drafter; got {list(map(str, cfg.drafter.names))} "
                              "(use drafter=ngram or drafter=draft_model)")
+        if str(cfg.drafter.names[0]) == "medusa":
+            raise ValueError(f"experiment={name} supports drafter=ngram or drafter=draft_model; Medusa heads run in "
+                             "experiment=acceptance")
         if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
             raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
         if name == "bench" and int(exp.repeats) < 1:
@@ -89,7 +93,7 @@ def validate(cfg: DictConfig) -> None:
 
 def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = ()):
     """Validate ``cfg`` and run its experiment, writing into ``out_dir``; returns its records
-    (the zoo manifest for train_zoo).
+    (the zoo manifest for train_zoo, the manifest entry for train_medusa).
 
     ``overrides``: the command line's overrides; for ``experiment=rollback`` an explicit
     ``num_speculative_tokens=K`` (without ``experiment.k_grid=``) narrows the K grid to [K].
@@ -120,6 +124,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
         from .bench import run
 
         return run(cfg, out_dir)
+    if name == "train_medusa":
+        from .train_medusa import run
+
+        return run(cfg)
     from .train_zoo import run
 
     return run(cfg)

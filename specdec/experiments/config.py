@@ -22,7 +22,7 @@ from omegaconf import MISSING
 __all__ = [
     "Device", "DType", "Strategy", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
-    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig",
+    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
     "SCHEMAS", "register_configs", "schema_keys",
 ]
 
@@ -50,6 +50,7 @@ class Strategy(StrEnum):
 class DrafterName(StrEnum):
     ngram = "ngram"
     draft_model = "draft_model"
+    medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
 
 
 class Source(StrEnum):
@@ -68,7 +69,8 @@ class RecommendBy(StrEnum):
 
 @dataclass
 class TargetConfig:
-    """One target model. ``draft``: the draft model's name (same source) for ``drafter=draft_model``.
+    """One target model. ``draft``: the draft model's name (same source) for ``drafter=draft_model``;
+    ``medusa``: the zoo name of its Medusa heads (``specdec.zoo.load_medusa``) for ``drafter=medusa``.
 
     ``source: random_shape`` builds ``model_class(config_class(**config))`` with random weights;
     the zoo tokenizer encodes the prompts (its ids fit any larger vocabulary)."""
@@ -76,6 +78,7 @@ class TargetConfig:
     name: str = MISSING
     source: Source = Source.zoo
     draft: Optional[str] = None
+    medusa: Optional[str] = None
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
@@ -147,6 +150,11 @@ class TrainZooExperiment:
     name: str = "train_zoo"
 
 
+@dataclass
+class TrainMedusaExperiment:
+    name: str = "train_medusa"
+
+
 # ------------------------------------------------------------------------------ roots
 
 
@@ -210,12 +218,73 @@ class TrainZooConfig(BaseConfig):
     models: Dict[str, Any] = field(default_factory=dict)
 
 
+class LabelSource(StrEnum):
+    corpus = "corpus"  # head k at t learns the corpus token t+2+k
+    target = "target"  # self-distillation: the target's greedy token t+2+k after the corpus prefix
+
+
+@dataclass
+class MedusaCorpusConfig:
+    stdlib: Optional[str] = None
+    exclude_dirs: List[str] = field(default_factory=lambda: ["site-packages", "__pycache__", "test", "tests", "idle_test"])
+    max_file_bytes: int = 262144
+    heldout_mod: int = 10
+
+
+@dataclass
+class MedusaDataConfig:
+    tokens: int = 300_000  # training tokens whose hidden states are computed (once)
+    seq_len: int = 512
+    batch_windows: int = 8  # windows per target forward
+    pool_factor: float = 4.0  # windows are drawn from this many times more packed tokens
+
+
+@dataclass
+class MedusaHeadsConfig:
+    num_heads: int = 4
+    num_layers: int = 2
+    shared_lm_head: bool = True
+    vocab_bias: bool = True
+    lm_head_rank: int = 0
+    storage_dtype: DType = DType.float32
+
+
+@dataclass
+class MedusaTrainConfig:
+    labels: LabelSource = LabelSource.target
+    steps: int = 360
+    batch_positions: int = 1024
+    lr: float = 1.0e-2
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    log_every: int = 20
+    time_budget_s: Optional[float] = None
+
+
+@dataclass
+class TrainMedusaConfig(BaseConfig):
+    """The Medusa recipe's keys (specdec.experiments.train_medusa)."""
+
+    experiment: TrainMedusaExperiment = field(default_factory=TrainMedusaExperiment)
+    name: str = "gdn-medusa"
+    target: str = "gdn-target"
+    out_dir: Optional[str] = None
+    corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
+    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
+    heads: MedusaHeadsConfig = field(default_factory=MedusaHeadsConfig)
+    train: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
+
+
 #: experiment name -> root schema
 SCHEMAS = {
     "acceptance": AcceptanceConfig,
     "rollback": RollbackExperimentConfig,
     "bench": BenchConfig,
     "train_zoo": TrainZooConfig,
+    "train_medusa": TrainMedusaConfig,
 }
 
 

@@ -1,0 +1,400 @@
+"""Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads"): extra decoding heads on the target's final hidden state.
+
+With the target's final hidden state h_t (the position whose LM-head logits chose the pending
+token x_{t+1}), Medusa head k (0-based) predicts x_{t+2+k}. So one hidden state drafts a chain
+d_1 .. d_K = the top-1 (or a sample) of heads 0 .. K-1, with no draft forward at all.
+
+Each head is its own stack of ``num_layers`` residual SiLU blocks ``x + silu(W x + b)``
+(``W``, ``b`` zero-initialised, so a fresh block is the identity) followed by a vocabulary
+projection. The projection is either
+
+* owned (``shared_lm_head=False``, Medusa's default): one ``Linear(hidden, vocab)`` per head,
+  optionally initialised from the target's LM head (:meth:`MedusaHeads.init_from_lm_head`,
+  :meth:`MedusaHeads.from_target`); or
+* shared (``shared_lm_head=True``): every head projects with the target's own, frozen LM-head
+  weight, plus, per head, an optional vocabulary bias (``vocab_bias``) and an optional
+  low-rank correction ``B_k A_k`` of rank ``lm_head_rank`` (``B_k`` zero-initialised). The
+  target's weight is not saved with the heads (files stay small); bind it again when loading
+  (``from_pretrained(path, target=model)``).
+
+Only chain drafting is implemented: ``MedusaDrafter(heads, tree=None)``. Tree drafting (a tree
+of candidates verified in one forward through the SSM state) and Medusa's typical acceptance
+are future work (issue 5); greedy acceptance and lossless rejection sampling apply as for every
+drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..verify import process_logits
+from .base import Drafter
+
+__all__ = ["MedusaHeads", "MedusaDrafter", "ResBlock"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "medusa_heads.safetensors"
+_FORMAT = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ResBlock(nn.Module):
+    """``x + silu(linear(x))`` with the linear layer zero-initialised: the identity until trained."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+def _lm_head_weight(lm_head) -> torch.Tensor:
+    """The ``[V, D]`` weight of an LM head given as a module with ``.weight``, a tensor, or a causal LM."""
+    if isinstance(lm_head, torch.Tensor):
+        return lm_head
+    if hasattr(lm_head, "get_output_embeddings") and callable(lm_head.get_output_embeddings):
+        emb = lm_head.get_output_embeddings()
+        if emb is None:
+            raise ValueError(f"{type(lm_head).__name__} has no output embeddings (LM head)")
+        lm_head = emb
+    w = getattr(lm_head, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"expected an LM head (a module with .weight [vocab, hidden]), a tensor or a causal LM; "
+                        f"got {type(lm_head).__name__}")
+    return w
+
+
+class MedusaHeads(nn.Module):
+    """``num_heads`` Medusa heads on a target of hidden size ``hidden_size`` and vocabulary ``vocab_size``.
+
+    Args:
+        hidden_size, vocab_size: the target's final hidden size D and vocabulary V.
+        num_heads: heads; head k predicts the token k + 2 positions after the hidden state's.
+        num_layers: residual SiLU blocks per head (each head has its own).
+        shared_lm_head: project with the target's LM-head weight (frozen, not saved) instead of
+            one owned ``Linear`` per head; bind it with :meth:`init_from_lm_head`.
+        vocab_bias: a trainable ``[V]`` bias per head (zero-initialised).
+        lm_head_rank: with ``shared_lm_head``, a per-head low-rank correction of this rank to
+            the shared weight (0 = none).
+
+    ``forward(hidden [..., D]) -> logits [..., num_heads, V]``.
+
+    Raises:
+        ValueError: non-positive sizes, or ``lm_head_rank`` without ``shared_lm_head``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1, *,
+                 shared_lm_head: bool = False, vocab_bias: bool = False, lm_head_rank: int = 0):
+        super().__init__()
+        for name, val, lo in (("hidden_size", hidden_size, 1), ("vocab_size", vocab_size, 1),
+                              ("num_heads", num_heads, 1), ("num_layers", num_layers, 0),
+                              ("lm_head_rank", lm_head_rank, 0)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+                raise ValueError(f"MedusaHeads: {name} must be an int >= {lo}, got {val!r}")
+        if lm_head_rank and not shared_lm_head:
+            raise ValueError("MedusaHeads: lm_head_rank is a low-rank correction of the shared LM head; "
+                             "it needs shared_lm_head=True (owned projections are full-rank already)")
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_heads = num_heads
+        self.num_layers = num_layers
+        self.shared_lm_head = bool(shared_lm_head)
+        self.lm_head_rank = int(lm_head_rank)
+        self.has_vocab_bias = bool(vocab_bias)
+        # each head its own stack (separate instances, not one module repeated)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads)]
+        )
+        if self.shared_lm_head:
+            self.lm_heads = None
+            # the target's weight: not a parameter (frozen) and not persistent (not saved)
+            self.register_buffer("shared_weight", None, persistent=False)
+            self.vocab_bias = nn.Parameter(torch.zeros(num_heads, vocab_size)) if vocab_bias else None
+            if lm_head_rank:
+                self.lora_a = nn.Parameter(torch.randn(num_heads, lm_head_rank, hidden_size) / hidden_size**0.5)
+                self.lora_b = nn.Parameter(torch.zeros(num_heads, vocab_size, lm_head_rank))
+            else:
+                self.lora_a = self.lora_b = None
+        else:
+            self.lm_heads = nn.ModuleList(
+                [nn.Linear(hidden_size, vocab_size, bias=vocab_bias) for _ in range(num_heads)]
+            )
+            if vocab_bias:
+                for lin in self.lm_heads:
+                    nn.init.zeros_(lin.bias)
+            self.vocab_bias = self.lora_a = self.lora_b = None
+
+    # ----------------------------------------------------------------------------- config
+    def config_dict(self) -> dict:
+        return {
+            "model_type": "medusa_heads", "format": _FORMAT,
+            "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+            "num_heads": self.num_heads, "num_layers": self.num_layers,
+            "shared_lm_head": self.shared_lm_head, "vocab_bias": self.has_vocab_bias,
+            "lm_head_rank": self.lm_head_rank,
+        }
+
+    @property
+    def is_bound(self) -> bool:
+        """False while shared heads have no LM-head weight to project with."""
+        return not self.shared_lm_head or self.shared_weight is not None
+
+    def check_target(self, *, hidden_size: int | None = None, vocab_size: int | None = None) -> None:
+        """Raise ValueError when the heads do not fit a target of this hidden size / vocabulary."""
+        if hidden_size is not None and int(hidden_size) != self.hidden_size:
+            raise ValueError(
+                f"Medusa heads take hidden states of size {self.hidden_size}, but the target's final hidden state "
+                f"has size {int(hidden_size)}; the heads were made for another model (train heads for this target "
+                "with specdec.experiments.train_medusa or MedusaHeads.from_target(model))"
+            )
+        if vocab_size is not None and int(vocab_size) != self.vocab_size:
+            raise ValueError(
+                f"Medusa heads predict a vocabulary of {self.vocab_size} tokens, but the target's has {int(vocab_size)}; "
+                "the heads were made for another model or tokenizer"
+            )
+
+    # ------------------------------------------------------------------------ LM-head init
+    @torch.no_grad()
+    def init_from_lm_head(self, lm_head) -> "MedusaHeads":
+        """Initialise the vocabulary projections from the target's LM head (a module with
+        ``.weight [V, D]``, the weight tensor, or the causal LM itself); returns ``self``.
+
+        Owned projections copy the weight (and the LM head's bias when both have one); shared
+        heads keep a reference to it (frozen, not saved).
+
+        Raises: ValueError when the LM head's shape is not ``[vocab_size, hidden_size]``.
+        """
+        w = _lm_head_weight(lm_head)
+        if w.dim() != 2:
+            raise ValueError(f"LM-head weight must be 2-D [vocab, hidden], got shape {tuple(w.shape)}")
+        self.check_target(hidden_size=w.shape[1], vocab_size=w.shape[0])
+        if self.shared_lm_head:
+            ref = next(self.parameters(), None)
+            dev = ref.device if ref is not None else w.device
+            dt = ref.dtype if ref is not None else torch.float32
+            self.shared_weight = w.detach().to(device=dev, dtype=dt)
+        else:
+            bias = getattr(lm_head, "bias", None) if not isinstance(lm_head, torch.Tensor) else None
+            for lin in self.lm_heads:
+                lin.weight.copy_(w.detach().to(lin.weight.dtype))
+                if lin.bias is not None:
+                    if isinstance(bias, torch.Tensor):
+                        lin.bias.copy_(bias.detach().to(lin.bias.dtype))
+                    else:
+                        lin.bias.zero_()
+        return self
+
+    @classmethod
+    def from_target(cls, model, num_heads: int = 4, num_layers: int = 1, **kwargs) -> "MedusaHeads":
+        """Fresh heads for the HF causal LM ``model``: sizes from its LM head, projections
+        initialised from it, on its device, fp32. ``kwargs``: ``shared_lm_head``, ``vocab_bias``,
+        ``lm_head_rank``."""
+        w = _lm_head_weight(model)
+        heads = cls(int(w.shape[1]), int(w.shape[0]), num_heads, num_layers, **kwargs).to(w.device)
+        return heads.init_from_lm_head(w)
+
+    # ---------------------------------------------------------------------------- forward
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads (default all): ``[..., D] -> [..., n, V]``.
+
+        Raises: ValueError on a hidden size other than the heads', or for shared heads with no
+        LM-head weight bound."""
+        n = self.num_heads if num_heads is None else int(num_heads)
+        if not 1 <= n <= self.num_heads:
+            raise ValueError(f"num_heads must be in [1, {self.num_heads}], got {num_heads}")
+        self.check_target(hidden_size=hidden.shape[-1])
+        if not self.is_bound:
+            raise ValueError(
+                "these Medusa heads project with the target's LM head, which is not saved with them; bind it with "
+                "heads.init_from_lm_head(model.lm_head) or MedusaHeads.from_pretrained(path, target=model)"
+            )
+        lead = hidden.shape[:-1]
+        dt = self._dtype()
+        x = hidden.reshape(-1, self.hidden_size).to(dt)
+        hs = torch.stack([self.blocks[k](x) for k in range(n)], dim=1)  # [N, n, D]
+        if self.shared_lm_head:
+            logits = hs @ self.shared_weight.t()  # one matmul for every head
+            if self.vocab_bias is not None:
+                logits = logits + self.vocab_bias[:n]
+            if self.lora_a is not None:
+                z = torch.einsum("nkd,krd->nkr", hs, self.lora_a[:n])
+                logits = logits + torch.einsum("nkr,kvr->nkv", z, self.lora_b[:n])
+        else:
+            logits = torch.stack([self.lm_heads[k](hs[:, k]) for k in range(n)], dim=1)
+        return logits.reshape(*lead, n, self.vocab_size)
+
+    def _dtype(self) -> torch.dtype:
+        p = next(self.parameters(), None)
+        if p is not None:
+            return p.dtype
+        return self.shared_weight.dtype if self.shared_weight is not None else torch.float32
+
+    # ------------------------------------------------------------------------------ files
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write ``config.json`` and ``medusa_heads.safetensors`` (the trainable weights, in
+        ``dtype`` or their own) into the folder ``path``. A shared LM-head weight is not saved."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        cfg = self.config_dict()
+        cfg["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "") if state else "float32"
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, target=None, lm_head=None, device=None,
+                        dtype: torch.dtype = torch.float32) -> "MedusaHeads":
+        """Load heads saved by :meth:`save_pretrained`, in ``dtype`` on ``device`` (default: the
+        target's LM-head device, else CPU).
+
+        Heads with ``shared_lm_head`` need the target's LM head: pass ``target=`` (the HF causal
+        LM) or ``lm_head=``; without either they load unbound (call :meth:`init_from_lm_head`).
+
+        Raises:
+            FileNotFoundError: no config or weights in ``path``.
+            ValueError: a config of another kind, weights that do not match it, or a target
+                whose hidden size / vocabulary differs from the heads'.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not cfg_path.is_file() or not w_path.is_file():
+            raise FileNotFoundError(f"no Medusa heads at {path}: need {CONFIG_NAME} and {WEIGHTS_NAME}")
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("model_type") != "medusa_heads":
+            raise ValueError(f"{cfg_path} is not a Medusa heads config (model_type {cfg.get('model_type')!r})")
+        if int(cfg.get("format", 0)) > _FORMAT:
+            raise ValueError(f"{cfg_path}: format {cfg.get('format')} is newer than this specdec reads ({_FORMAT})")
+        heads = cls(int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_heads"]), int(cfg["num_layers"]),
+                    shared_lm_head=bool(cfg.get("shared_lm_head", False)), vocab_bias=bool(cfg.get("vocab_bias", False)),
+                    lm_head_rank=int(cfg.get("lm_head_rank", 0)))
+        state = load_file(str(w_path))
+        want = heads.state_dict()
+        missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+        bad = sorted(k for k in set(want) & set(state) if tuple(want[k].shape) != tuple(state[k].shape))
+        if missing or extra or bad:
+            raise ValueError(f"{w_path} does not match {cfg_path}: missing {missing}, unexpected {extra}, "
+                             f"wrong shapes {bad}")
+        heads.load_state_dict(state)
+        source = lm_head if lm_head is not None else target
+        if device is None:
+            device = _lm_head_weight(source).device if source is not None else "cpu"
+        heads = heads.to(device=device, dtype=dtype)
+        if source is not None:
+            w = _lm_head_weight(source)
+            heads.check_target(hidden_size=w.shape[1], vocab_size=w.shape[0])
+            if heads.shared_lm_head:
+                heads.init_from_lm_head(source)
+        return heads.eval()
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, num_heads={self.num_heads}, "
+                f"num_layers={self.num_layers}, shared_lm_head={self.shared_lm_head}, "
+                f"vocab_bias={self.has_vocab_bias}, lm_head_rank={self.lm_head_rank}")
+
+
+class MedusaDrafter(Drafter):
+    """Chain drafting with Medusa heads: draft j (1-based) is head j-1's top-1 on the target's
+    hidden state at the position whose logits chose the pending token (or a sample of its
+    distribution when sampling; :meth:`draft_probs` exposes those distributions, so rejection
+    sampling stays lossless). With K > num_heads only num_heads drafts are proposed.
+
+    Args:
+        heads: :class:`MedusaHeads` (on the target's device; bound when their LM head is shared).
+        tree: must be None (chain drafting). Tree drafting, a tree of candidates verified in one
+            forward, is future work and not accepted yet.
+
+    Raises:
+        TypeError: ``heads`` is not a MedusaHeads. ValueError: ``tree`` is not None; unbound
+        shared heads; and, when generation starts, heads that do not fit the target (vocabulary
+        in :meth:`start`, hidden size on the first :meth:`observe`) or are on another device.
+    """
+
+    wants_hidden_states = True
+
+    def __init__(self, heads: MedusaHeads, tree=None):
+        if not isinstance(heads, MedusaHeads):
+            raise TypeError(f"MedusaDrafter needs specdec.drafters.MedusaHeads, got {type(heads).__name__}; load them "
+                            "with MedusaHeads.from_pretrained(path, target=model)")
+        if tree is not None:
+            raise ValueError("MedusaDrafter: tree drafting is not implemented yet; use tree=None (chain drafting: "
+                             "each head's top-1)")
+        if not heads.is_bound:
+            raise ValueError("these Medusa heads share the target's LM head, which is not bound; load them with "
+                             "MedusaHeads.from_pretrained(path, target=model) or call heads.init_from_lm_head(model)")
+        self.heads = heads.eval()
+        self.tree = None
+        self._hidden = None
+        self._probs = None
+        self.sampling = None
+        self.generator = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.heads.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.heads.parameters(), None)
+        return p.device if p is not None else self.heads.shared_weight.device
+
+    def start(self, *, target_vocab_size, batch_size, device, sampling=None, generator=None, max_length=None):
+        self.heads.check_target(vocab_size=target_vocab_size)
+        if torch.device(device) != self.device:
+            raise ValueError(f"Medusa heads are on {self.device} but the target is on {torch.device(device)}; "
+                             "move them with heads.to(device)")
+        self.sampling = sampling
+        self.generator = generator
+        self._probs = None
+        # the engine may observe the prompt's hidden state before start(): keep it when it fits
+        if self._hidden is not None and self._hidden.shape[0] != batch_size:
+            self._hidden = None
+
+    def observe(self, hidden_states: torch.Tensor) -> None:
+        if hidden_states.dim() != 2:
+            raise ValueError(f"observe() takes the target's hidden states [B, D], got shape {tuple(hidden_states.shape)}")
+        self.heads.check_target(hidden_size=hidden_states.shape[-1])
+        self._hidden = hidden_states.detach()
+
+    def draft_probs(self):
+        return self._probs
+
+    @torch.no_grad()
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        if self._hidden is None:
+            raise RuntimeError("MedusaDrafter.propose() before observe(): the engine must pass the target's hidden "
+                               "state (Drafter.wants_hidden_states)")
+        B, K = input_ids.shape[0], int(num_speculative_tokens)
+        if self._hidden.shape[0] != B:
+            raise RuntimeError(f"MedusaDrafter: observed hidden states for {self._hidden.shape[0]} rows, asked to propose "
+                               f"for {B}")
+        n = min(K, self.heads.num_heads)
+        logits = self.heads(self._hidden.to(self.device), num_heads=n).float()  # [B, n, V]
+        drafts = torch.zeros(B, K, dtype=torch.long, device=input_ids.device)
+        if self.sampling is None:
+            drafts[:, :n] = logits.argmax(-1).to(drafts.device)
+            self._probs = None
+        else:
+            probs = process_logits(logits, self.sampling)  # [B, n, V]
+            tok = torch.multinomial(probs.reshape(B * n, -1), 1, generator=self.generator).reshape(B, n)
+            drafts[:, :n] = tok.to(drafts.device)
+            if n < K:  # rows never use positions past n; pad to [B, K, V]
+                probs = torch.cat([probs, probs[:, -1:].expand(B, K - n, probs.shape[-1])], dim=1)
+            self._probs = probs
+        return drafts, torch.full((B,), n, dtype=torch.long, device=input_ids.device)
+
+    def __repr__(self):
+        h = self.heads
+        return f"MedusaDrafter(num_heads={h.num_heads}, num_layers={h.num_layers}, hidden_size={h.hidden_size})"
