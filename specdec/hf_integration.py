@@ -135,14 +135,16 @@ class SpeculativeCache(Cache):
         self.open = 0
 
     def reorder_cache(self, beam_idx):
-        raise NotImplementedError("specdec's SpeculativeCache supports greedy/sampled assisted decoding, not beam search")
+        raise ValueError(
+            "specdec's SpeculativeCache supports greedy and sampled assisted decoding, not beam search (num_beams > 1)"
+        )
 
     def batch_repeat_interleave(self, repeats: int):
         if repeats != 1:
-            raise NotImplementedError("specdec's SpeculativeCache does not support num_return_sequences > 1")
+            raise ValueError("specdec's SpeculativeCache supports num_return_sequences=1 only")
 
     def batch_select_indices(self, indices):
-        raise NotImplementedError("specdec's SpeculativeCache does not support selecting batch rows")
+        raise ValueError("specdec's SpeculativeCache does not select batch rows (HF's assisted decoding is batch 1)")
 
     # --- capacity -----------------------------------------------------------------------------
     def reserve(self, max_cache_len: int) -> None:
