@@ -73,6 +73,32 @@ def check_state_indices(state_indices: torch.Tensor | None, batch: int) -> None:
         )
 
 
+def step_state_args(s_src, s_dst, inner, src_lead, dst_lead, state_indices, batch, hist=None):
+    """Checks and launch arguments shared by every op's step kernel.
+
+    Validates the source / destination states (fp32, per-row ``inner`` dims contiguous), the
+    optional ``state_indices`` and the row count, and returns the strides the kernels take:
+    ``(src_row, src_slot, dst_row, dst_slot, *hist_row_strides)`` (slot strides are 0 for states
+    without a slot dim; history strides 0 for absent histories).
+
+    Raises:
+        ValueError: on any inconsistency (see :func:`check_state`).
+    """
+    check_state("source state", s_src, inner, src_lead)
+    if s_dst is not None:
+        check_state("destination state", s_dst, inner, dst_lead)
+    check_state_indices(state_indices, batch)
+    if state_indices is None and s_src.shape[0] < batch:
+        raise ValueError(f"the state holds {s_src.shape[0]} rows, inputs have {batch}")
+    strides = (
+        s_src.stride(0),
+        s_src.stride(1) if src_lead > 1 else 0,
+        s_dst.stride(0) if s_dst is not None else 0,
+        s_dst.stride(1) if (s_dst is not None and dst_lead > 1) else 0,
+    )
+    return strides + tuple(h.stride(0) if h is not None else 0 for h in (hist or (None, None, None)))
+
+
 @triton.jit
 def _state_copy_commit_kernel(
     live,

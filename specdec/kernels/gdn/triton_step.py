@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit
+from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit, step_state_args
 
 __all__ = [
     "delta_rule_update",
@@ -284,16 +284,11 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None,
           state_indices=None, out=None, block_v=None, src_lead=1, dst_lead=1):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
-    check_state("source state", s_src, (H, K, V), src_lead)
-    if s_dst is not None:
-        check_state("destination state", s_dst, (H, K, V), dst_lead)
-    check_state_indices(state_indices, B)
-    if state_indices is None and s_src.shape[0] < B:
-        raise ValueError(f"the state holds {s_src.shape[0]} rows, inputs have {B}")
     h_k = h_g = h_u = None
     if hist is not None:
         h_k, h_g, h_u = hist
         _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
+    strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v)
     if B == 0 or T == 0:
         return out
@@ -304,11 +299,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
         h_k, h_g, h_u,
         offset, R,
-        s_src.stride(0), s_src.stride(1) if src_lead > 1 else 0,
-        s_dst.stride(0) if s_dst is not None else 0, s_dst.stride(1) if (s_dst is not None and dst_lead > 1) else 0,
-        h_k.stride(0) if h_k is not None else 0,
-        h_g.stride(0) if h_g is not None else 0,
-        h_u.stride(0) if h_u is not None else 0,
+        *strides,
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
         num_warps=num_warps,

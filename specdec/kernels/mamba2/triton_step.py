@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit
+from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit, step_state_args
 
 __all__ = [
     "mamba2_update",
@@ -277,16 +277,11 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None,
           state_indices=None, out=None, block_p=None, src_lead=1, dst_lead=1):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
-    check_state("source state", s_src, (H, P, N), src_lead)
-    if s_dst is not None:
-        check_state("destination state", s_dst, (H, P, N), dst_lead)
-    check_state_indices(state_indices, Bsz)
-    if state_indices is None and s_src.shape[0] < Bsz:
-        raise ValueError(f"the state holds {s_src.shape[0]} rows, inputs have {Bsz}")
     h_x = h_dt = h_B = None
     if hist is not None:
         h_x, h_dt, h_B = hist
         _check_hist(h_x, h_dt, h_B, H, P, G, N)
+    strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps = _launch_config(Bsz, H, P, N, block_p)
     if Bsz == 0 or T == 0:
         return out
@@ -296,11 +291,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
         h_x, h_dt, h_B,
         offset, R,
-        s_src.stride(0), s_src.stride(1) if src_lead > 1 else 0,
-        s_dst.stride(0) if s_dst is not None else 0, s_dst.stride(1) if (s_dst is not None and dst_lead > 1) else 0,
-        h_x.stride(0) if h_x is not None else 0,
-        h_dt.stride(0) if h_dt is not None else 0,
-        h_B.stride(0) if h_B is not None else 0,
+        *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
         num_warps=num_warps,
