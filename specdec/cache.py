@@ -43,14 +43,17 @@ class SSMLayerCache:
         self.conv_width = 0
         self.params: dict = {}
         self.step_tokens = 0  # tokens of the open step run through conv (same for the SSM store)
+        self.has_recurrence = True
 
     # --- loading ---------------------------------------------------------------------------
-    def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor, conv_width: int) -> None:
+    def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None, conv_width: int) -> None:
         """Set the committed state after prefill.
 
         Args:
             conv_state: ``[B, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
-                for a layer without conv. ssm_state: ``[B, *S]``. conv_width: W.
+                for a layer without conv. ssm_state: ``[B, *S]``, or None for a conv-only layer
+                (LFM2's short convs: its rollback is the conv window's offset alone).
+            conv_width: W.
         """
         if conv_state is not None:
             hist = conv_width - 1
@@ -60,7 +63,9 @@ class SSMLayerCache:
                 win[:, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist :]
             self.conv_window = win
         self.conv_width = conv_width
-        self.strategy.load(self.store, ssm_state)
+        self.has_recurrence = ssm_state is not None
+        if self.has_recurrence:
+            self.strategy.load(self.store, ssm_state)
         self.step_tokens = 0
 
     # --- called by adapters during a forward --------------------------------------------------
@@ -74,6 +79,8 @@ class SSMLayerCache:
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """Run the recurrence on this step's ``inputs`` through the rollback strategy."""
+        if not self.has_recurrence:
+            raise RuntimeError(f"layer {self.layer} is conv-only: it has no recurrence")
         self.params = params
         return self.strategy.verify(self.store, self.op, inputs, params)
 
@@ -89,11 +96,14 @@ class SSMLayerCache:
                 conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
             else:
                 conv1d_commit(self.conv_window, num_tokens, self.conv_width)
-        self.strategy.commit(self.store, self.op, self.params, num_tokens)
+        if self.has_recurrence:
+            self.strategy.commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
 
     def ssm_state(self) -> torch.Tensor:
-        """Committed recurrent state ``[B, *S]`` fp32."""
+        """Committed recurrent state ``[B, *S]`` fp32 (None for a conv-only layer)."""
+        if not self.has_recurrence:
+            return None
         return self.strategy.state(self.store, self.op, self.params)
 
     def conv_state(self) -> torch.Tensor | None:

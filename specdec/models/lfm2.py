@@ -4,12 +4,11 @@ A short-conv layer has a conv state and *no* recurrent state: ``B, C, x = in_pro
 ``y = C * conv(B * x)``, ``out_proj(y)``. Its rollback is the conv window's offset commit alone,
 so its layer cache is :class:`ConvOnlyLayerCache`: the :class:`~specdec.cache.SSMLayerCache`
 interface (``conv``, ``advance``, ``commit``, ``conv_state``) without a recurrence or a rollback
-strategy store. (No change to :mod:`specdec.cache` is needed.)
+strategy store.
 """
 
 from __future__ import annotations
 
-import torch
 
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
@@ -20,10 +19,8 @@ __all__ = ["Lfm2Adapter", "ConvOnlyLayerCache"]
 
 
 class ConvOnlyLayerCache(SSMLayerCache):
-    """Layer cache of a conv-only layer (no recurrent state): the conv window, committed by offset.
-
-    ``op`` only selects the conv backend (its ``kernels`` attribute: Triton or torch); the
-    rollback strategy is unused.
+    """Layer cache of a conv-only layer: :class:`~specdec.cache.SSMLayerCache` loaded without a
+    recurrent state (its conv window, committed by offset; ``op`` only picks the conv backend).
     """
 
     def load(self, conv_state, ssm_state, conv_width):
@@ -31,31 +28,7 @@ class ConvOnlyLayerCache(SSMLayerCache):
             raise ValueError(f"layer {self.layer} is conv-only but a recurrent state was given")
         if conv_state is None:
             raise ValueError(f"layer {self.layer} is conv-only but has no conv state")
-        hist = conv_width - 1
-        B, C = conv_state.shape[:2]
-        win = conv_state.new_zeros(B, C, hist + self.max_step_tokens)
-        if hist:
-            win[:, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist :]
-        self.conv_window = win
-        self.conv_width = conv_width
-        self.step_tokens = 0
-
-    def ssm(self, inputs, params):
-        raise RuntimeError(f"layer {self.layer} is conv-only: it has no recurrence")
-
-    def commit(self, num_tokens):
-        if self.op.kernels is not None:
-            from ..kernels.conv1d.triton_conv import conv1d_commit_triton
-
-            conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
-        else:
-            from ..kernels.conv1d.naive import conv1d_commit
-
-            conv1d_commit(self.conv_window, num_tokens, self.conv_width)
-        self.step_tokens = 0
-
-    def ssm_state(self):
-        return None
+        super().load(conv_state, None, conv_width)
 
 
 @register
