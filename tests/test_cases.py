@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import get_model
 from test_core_exactness import hf_greedy, hf_states, rel_err
-from tiny_models import FAMILIES, VOCAB, ragged_prompts
+from tiny_models import VOCAB, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter, Drafter

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import get_model
-from tiny_models import FAMILIES, VOCAB, ragged_prompts
+from tiny_models import VOCAB, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter, Drafter

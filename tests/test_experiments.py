@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from specdec.experiments.app import CONF_DIR, one_line, run_experiment
 from specdec.experiments.config import SCHEMAS
-from specdec.experiments.report import recommend, summarize
+from specdec.experiments.report import recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s", "wall_s", "process"}
