@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 version = __version__
 
 
-def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4) -> SpeculativeGenerator:
+def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4,
+         decode_path: str = "auto") -> SpeculativeGenerator:
     """Wrap a loaded Hugging Face hybrid causal LM for speculative decoding.
 
     Args:
@@ -30,7 +31,9 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
             ``KimiLinearForCausalLM`` (weights are used in place, never copied).
         drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
         rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``) or an instance.
-        num_speculative_tokens: K in [1, 64].
+        num_speculative_tokens: K in [0, 64] (0: plain decoding through the same engine, for baselines).
+        decode_path: ``"auto"`` (CUDA graphs on CUDA when the call allows, else eager), ``"eager"``,
+            ``"static"`` or ``"cuda_graph"`` (see :class:`SpeculativeGenerator`).
 
     Returns:
         A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
@@ -38,7 +41,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Raises:
         TypeError, ValueError: see :class:`SpeculativeGenerator`.
     """
-    return SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens)
+    return SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
+                                decode_path=decode_path)
 
 
 def __getattr__(name):

@@ -127,8 +127,11 @@ class HybridCache:
 
     is_compileable = False
 
-    def __init__(self, batch: int, max_len: int, max_step_tokens: int, dtype, device):
+    def __init__(self, batch: int, max_len: int, max_step_tokens: int, dtype, device, static: bool = False):
         self.batch = batch
+        #: static mode (the CUDA-graph decode path): every forward reads all ``max_len`` KV columns
+        #: (fixed shapes) and ``commit`` runs no host-side checks (no device-to-host sync)
+        self.static = bool(static)
         self.max_len = max_len
         self.max_step_tokens = max_step_tokens
         self.dtype = dtype
@@ -167,7 +170,9 @@ class HybridCache:
         return kbuf[:, :, :end], vbuf[:, :, :end]
 
     def kv_end(self, t: int) -> int:
-        """Number of KV columns a forward of ``t`` step tokens reads."""
+        """Number of KV columns a forward of ``t`` step tokens reads (all of them in static mode)."""
+        if self.static:
+            return self.max_len
         return int(self.seq_len.max()) + self.step_tokens + t
 
     def attention_mask(self, t: int, dtype) -> torch.Tensor:
@@ -191,6 +196,45 @@ class HybridCache:
         return True
 
     # --- step bookkeeping ------------------------------------------------------------------
+    def set_step_tokens(self, t: int) -> None:
+        """Set the host-side count of open-step tokens on the cache, every layer and store, without
+        running anything: after a CUDA-graph replay of a forward (``t`` = its tokens), or to
+        discard a forward that will not be committed (``t = 0``; it changed no committed state)."""
+        self.step_tokens = t
+        for layer in self.ssm.values():
+            layer.step_tokens = t
+            layer.store.step_tokens = t
+
+    def copy_from(self, other: HybridCache) -> None:
+        """Copy every committed buffer of ``other`` (same shapes, e.g. freshly prefilled) into this
+        cache's own tensors in place, so tensors a captured CUDA graph points at stay valid."""
+        if (other.batch, other.max_len, other.max_step_tokens) != (self.batch, self.max_len, self.max_step_tokens):
+            raise ValueError("copy_from needs a cache of the same batch, max_len and max_step_tokens")
+        if set(other.kv) != set(self.kv) or set(other.ssm) != set(self.ssm):
+            raise ValueError("copy_from needs a cache with the same layers")
+        for idx, (k, v) in other.kv.items():
+            self.kv[idx][0].copy_(k)
+            self.kv[idx][1].copy_(v)
+        self.pad.copy_(other.pad)
+        self.seq_len.copy_(other.seq_len)
+
+        def copy_tree(dst: dict, src: dict):
+            for key, val in src.items():
+                if val is None:  # allocated lazily (replay history): keep ours, its length is reset
+                    continue
+                if isinstance(val, dict):
+                    copy_tree(dst[key], val)
+                else:
+                    dst[key].copy_(val)
+
+        for idx, layer in other.ssm.items():
+            mine = self.ssm[idx]
+            if layer.conv_window is not None:
+                mine.conv_window.copy_(layer.conv_window)
+            mine.conv_width, mine.has_recurrence = layer.conv_width, layer.has_recurrence
+            copy_tree(mine.store.tensors, layer.store.tensors)
+        self.set_step_tokens(0)
+
     def advance(self, t: int) -> None:
         """Mark ``t`` more step tokens as run (called after a forward)."""
         self.step_tokens += t
@@ -198,7 +242,18 @@ class HybridCache:
             layer.advance(t)
 
     def commit(self, num_tokens: torch.Tensor) -> None:
-        """Per row, keep the first ``num_tokens[b]`` tokens of the open step; close it."""
+        """Per row, keep the first ``num_tokens[b]`` tokens of the open step; close it.
+
+        In static mode the bounds checks are skipped (they need the values on the host); the
+        static decode path guarantees ``0 <= num_tokens <= step tokens`` and sizes ``max_len``
+        for the whole generation.
+        """
+        if self.static:
+            for layer in self.ssm.values():
+                layer.commit(num_tokens)
+            self.seq_len += num_tokens
+            self.step_tokens = 0
+            return
         if num_tokens.shape != (self.batch,):
             raise ValueError(f"num_tokens must have shape [{self.batch}], got {tuple(num_tokens.shape)}")
         num_tokens = num_tokens.to(device=self.device, dtype=torch.long)

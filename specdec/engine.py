@@ -20,9 +20,12 @@ from .models import adapter_for
 from .rollback import make_strategy
 from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
 
-__all__ = ["Stats", "SpeculativeGenerator", "MAX_SPECULATIVE_TOKENS"]
+__all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "Stats"]
 
 MAX_SPECULATIVE_TOKENS = 64
+#: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
+#: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
+DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
 
 # generation settings this engine does not implement: (attribute, value meaning "off")
 _UNSUPPORTED = {
@@ -159,6 +162,9 @@ class Stats:
         accepted n drafts. steps: target verify forwards. new_tokens: tokens generated
         (all rows, up to and including EOS). draft_s / verify_s / rollback_s: time proposing,
         in the target forward + acceptance, and committing state; wall_s: the whole call.
+        decode_path: how the steps ran: ``"eager"`` (dynamic shapes, host-side bookkeeping),
+        ``"static"`` (fixed shapes, device-side bookkeeping, one host sync per step) or
+        ``"cuda_graph"`` (static, with the verify forward and the commit replayed as CUDA graphs).
     """
 
     steps: int = 0
@@ -173,6 +179,7 @@ class Stats:
     rollback_s: float = 0.0
     prefill_s: float = 0.0
     wall_s: float = 0.0
+    decode_path: str = "eager"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,6 +193,29 @@ class _Timer:
         if self.cuda:  # phase times need the device to be done; costs a sync per phase
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+class _StepClock:
+    """Phase marks without host syncs: CUDA events on CUDA (read once at the end), else perf_counter."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Durations between consecutive marks, in seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _as_id_list(eos) -> list[int]:
@@ -208,7 +238,12 @@ class SpeculativeGenerator:
         drafter: ``"ngram"`` or a :class:`specdec.drafters.Drafter` instance.
         rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``) or a
             :class:`specdec.rollback.RollbackStrategy`.
-        num_speculative_tokens: K, drafts per step, 1..64.
+        num_speculative_tokens: K, drafts per step, 0..64 (0 = plain decoding through the same
+            engine: one token per forward, the drafter is not called).
+        decode_path: ``"auto"`` (default: the static path with CUDA graphs on CUDA when the call
+            allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
+            The static path needs greedy or plain sampling without streamer, stopping criteria,
+            repetition penalty, min length or returned scores; forcing it with those raises.
 
     Raises:
         TypeError: model is not a causal LM, drafter/rollback of the wrong type, K not an int.
@@ -216,13 +251,19 @@ class SpeculativeGenerator:
             whose vocabulary differs from the target's.
     """
 
-    def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4):
+    def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4,
+                 decode_path: str = "auto"):
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
-        if not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens}"
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
+                f"got {num_speculative_tokens}"
             )
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
+        self.decode_path = decode_path
+        self._static: dict = {}  # shape bucket -> StaticDecoder (the most recent one is kept)
         self.adapter = adapter_for(model)
         self.model = model
         self.drafter: Drafter = make_drafter(drafter)
@@ -460,9 +501,9 @@ class SpeculativeGenerator:
 
         if criteria is None:
             out = StoppingCriteriaList()
-        elif isinstance(criteria, StoppingCriteriaList):
-            out = StoppingCriteriaList(list(criteria))
-        elif isinstance(criteria, (list, tuple)) and all(callable(c) for c in criteria):
+        elif isinstance(criteria, StoppingCriteriaList) or (
+            isinstance(criteria, (list, tuple)) and all(callable(c) for c in criteria)
+        ):
             out = StoppingCriteriaList(list(criteria))
         elif callable(criteria):
             out = StoppingCriteriaList([criteria])
@@ -489,12 +530,17 @@ class SpeculativeGenerator:
             if streamer is not None:
                 streamer.end()
             return self._output(input_ids.clone(), opts, None, None, 0)
+        path = self._pick_path(dev, streamer, stopping_criteria, opts)
+        if path != "eager":
+            return self._run_static(input_ids, mask, max_new, sampling, eos, pad, generator, opts,
+                                    cuda_graphs=path == "cuda_graph")
 
+        drafter = self.drafter if K > 0 else None  # K = 0: plain decoding, the drafter is not used
         cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
         self.last_cache = cache
         logits, hidden = ad.prefill(input_ids, mask, cache)
-        if self.drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
-            self.drafter.observe(hidden)
+        if drafter is not None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
+            drafter.observe(hidden)
         # HF logits processors that change the target's distribution (repetition penalty, min
         # length), applied to every position with its own prefix; None when none is active
         proc = opts["processor"] if opts else None
@@ -572,15 +618,20 @@ class SpeculativeGenerator:
             return n_gen - before
 
         emit(first[:, None], torch.ones(B, dtype=torch.long, device=dev), warped(logits[:, None]), raw_first[:, None])
-        self.drafter.start(
-            target_vocab_size=ad.vocab_size, batch_size=B, device=dev, sampling=sampling,
-            generator=generator, max_length=Lp + max_new + T_max,
-        )
+        if drafter is not None:
+            drafter.start(
+                target_vocab_size=ad.vocab_size, batch_size=B, device=dev, sampling=sampling,
+                generator=generator, max_length=Lp + max_new + T_max,
+            )
         row_steps = committed = 0
         while not bool(finished.all()):
             t0 = timer.now()
-            drafts, counts = self.drafter.propose(text, lengths, K)
-            self._check_drafts(drafts, counts, B, K)
+            if drafter is not None:
+                drafts, counts = drafter.propose(text, lengths, K)
+                self._check_drafts(drafts, counts, B, K)
+            else:
+                drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
+                counts = torch.zeros(B, dtype=torch.long, device=dev)
             t1 = timer.now()
             drafts = drafts.to(dev).long()
             k = torch.minimum(counts.to(dev).long(), (max_new - n_gen - 1).clamp(min=0))
@@ -597,7 +648,7 @@ class SpeculativeGenerator:
             if sampling is None:
                 n, c = greedy_accept(logits, step_drafts, k)
             else:
-                probs = self.drafter.draft_probs()
+                probs = drafter.draft_probs() if drafter is not None else None
                 n, c = sample_accept(logits, step_drafts, k, sampling, probs, generator)
             active = ~finished
             new = torch.cat([step_drafts, torch.zeros_like(c)[:, None]], dim=1)
@@ -607,8 +658,8 @@ class SpeculativeGenerator:
             # commit [pending, d_1 .. d_n] -- or fewer when EOS / the budget cut the row short, so the
             # cache always covers the row's text minus its last token
             cache.commit(torch.minimum(taken, n + 1))
-            if self.drafter.wants_hidden_states:  # hidden state of the token whose logits gave c
-                self.drafter.observe(hidden[rows, n])
+            if drafter is not None and drafter.wants_hidden_states:  # hidden state of the token whose logits gave c
+                drafter.observe(hidden[rows, n])
             t3 = timer.now()
             # stats over rows that took part in this step
             stats.steps += 1
@@ -633,6 +684,177 @@ class SpeculativeGenerator:
         stats.wall_s = timer.now() - t_start
         self.last_stats = stats
         return self._output(out, opts, score_buf, logit_buf, out.shape[1] - Lp)
+
+    def _pick_path(self, dev, streamer, stopping_criteria, opts) -> str:
+        """``"eager"``, ``"static"`` or ``"cuda_graph"`` for this call (see ``decode_path``)."""
+        blockers = []
+        if streamer is not None:
+            blockers.append("streamer")
+        if stopping_criteria is not None:
+            blockers.append("stopping_criteria / max_time")
+        if opts and opts["processor"] is not None:
+            blockers.append("repetition_penalty / min_new_tokens / min_length")
+        if opts and (opts["output_scores"] or opts["output_logits"]):
+            blockers.append("output_scores / output_logits")
+        if getattr(self.drafter, "tree", None) is not None and self.num_speculative_tokens > 0:
+            blockers.append("tree drafting")
+        want = self.decode_path
+        if want == "auto":
+            return "eager" if blockers or dev.type != "cuda" else "cuda_graph"
+        if want != "eager" and blockers:
+            raise ValueError(f"decode_path={want!r} does not support {', '.join(blockers)}; use decode_path='eager' "
+                             "or 'auto' (which picks the eager path for such calls)")
+        if want == "cuda_graph" and dev.type != "cuda":
+            raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
+        return want
+
+    def _static_decoder(self, B, T, max_len, cuda_graphs):
+        from .static import StaticDecoder
+
+        key = (B, T, max_len, cuda_graphs)
+        dec = self._static.get(key)
+        if dec is None:
+            self._static.clear()  # one bucket at a time: its buffers can be large
+            dec = self._static[key] = StaticDecoder(self.adapter, self.strategy, B, T, max_len, cuda_graphs)
+        return dec
+
+    def _run_static(self, input_ids, mask, max_new, sampling, eos, pad, generator, opts, cuda_graphs):
+        """The decode loop with fixed shapes: every step runs T = K + 1 tokens per row (rows with
+        fewer drafts carry placeholders that never reach a committed state), acceptance, EOS and
+        budget handling, the text buffer and the stats stay on the device; the only host sync per
+        step is the check whether every row has finished (merged with the drafter-output checks)."""
+        from .static import bucket_length
+
+        ad = self.adapter
+        dev = input_ids.device
+        B, Lp = input_ids.shape
+        K = self.num_speculative_tokens
+        T = K + 1
+        V = ad.vocab_size
+        drafter = self.drafter if K > 0 else None
+        clock = _StepClock(dev)
+        clock.mark()
+        dec = self._static_decoder(B, T, bucket_length(Lp + max_new + 2 * T), cuda_graphs)
+        fresh = dec.new_cache()
+        logits, hidden = ad.prefill(input_ids, mask, fresh)
+        dec.load(fresh)
+        del fresh
+        cache = dec.cache
+        self.last_cache = cache
+        if drafter is not None and drafter.wants_hidden_states:
+            drafter.observe(hidden)
+        first = self._pick_first(logits.float(), sampling, generator)
+
+        prompt_len = mask.sum(1)
+        pads = Lp - prompt_len
+        width = Lp + max_new + T
+        text = torch.zeros(B, width, dtype=torch.long, device=dev)
+        cols = torch.arange(Lp, device=dev)[None, :]
+        src = (cols + pads[:, None]).clamp(max=Lp - 1)
+        text[:, :Lp] = torch.where(cols < prompt_len[:, None], input_ids.gather(1, src), torch.zeros_like(cols))
+        rows = torch.arange(B, device=dev)
+        text[rows, prompt_len] = first
+        lengths = prompt_len + 1
+        n_gen = torch.ones(B, dtype=torch.long, device=dev)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        finished = n_gen >= max_new
+        if eos_t is not None:
+            finished |= torch.isin(first, eos_t)
+        if drafter is not None:
+            drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=sampling, generator=generator,
+                          max_length=width)
+        j_t = torch.arange(T, device=dev)[None, :]
+        j_k = j_t[:, :K]
+        hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
+        totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
+        bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
+        steps = 0
+        clock.mark()  # prefill done
+        prefill_mark = len(clock.marks) - 1
+        done = bool(finished.all())
+        while not done:
+            active = ~finished
+            clock.mark()
+            if drafter is not None:
+                drafts, counts = drafter.propose(text, lengths, K)
+                self._check_draft_shapes(drafts, counts, B, K)
+                drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
+                w = drafts.shape[1]
+                if w < K:
+                    drafts = torch.cat([drafts, drafts.new_zeros(B, K - w)], dim=1)
+                bad[0] |= ((counts < 0) | (counts > w)).any()
+                k = torch.minimum(counts.clamp(0, w), (max_new - n_gen - 1).clamp(min=0)).masked_fill(finished, 0)
+                used = j_k < k[:, None]
+                bad[1] |= (((drafts < 0) | (drafts >= V)) & used).any()
+                step_drafts = torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts))
+            else:
+                k = torch.zeros(B, dtype=torch.long, device=dev)
+                step_drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
+            clock.mark()
+            pending = text.gather(1, (lengths - 1)[:, None])
+            logits, hidden = dec.forward(torch.cat([pending, step_drafts], dim=1))
+            if sampling is None:
+                n, c = greedy_accept(logits, step_drafts, k)
+            else:
+                probs = drafter.draft_probs() if drafter is not None else None
+                n, c = sample_accept(logits, step_drafts, k, sampling, probs, generator)
+            new = torch.cat([step_drafts, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
+            take = n + 1
+            hit_eos = torch.zeros_like(finished)
+            if eos_t is not None:
+                is_eos = torch.isin(new, eos_t) & (j_t <= n[:, None])
+                first_eos = (is_eos.long().cumsum(1) == 0).sum(1)  # index of the first EOS (T if none)
+                take = torch.minimum(take, first_eos + 1)
+            take = torch.minimum(take, max_new - n_gen).masked_fill(finished, 0)
+            if eos_t is not None:
+                hit_eos = first_eos < take
+            text.scatter_(1, lengths[:, None] + j_t, new)  # columns past lengths + take are scratch
+            lengths += take
+            n_gen += take
+            finished = finished | hit_eos | (n_gen >= max_new)
+            clock.mark()
+            dec.commit(take)  # take <= n + 1: the accepted prefix, cut at EOS / the budget
+            if drafter is not None and drafter.wants_hidden_states:
+                drafter.observe(hidden[rows, n])
+            clock.mark()
+            a = active.long()
+            hist.index_add_(0, n, a)
+            totals += torch.stack([a.sum(), (k * a).sum(), (n * a).sum()])
+            steps += 1
+            flags = torch.cat([finished.all()[None], bad]).tolist()  # the step's one host sync
+            if flags[1] or flags[2]:
+                what = "num_draft_tokens outside [0, number of draft columns]" if flags[1] else \
+                    f"token ids outside the target's vocabulary [0, {V})"
+                raise ValueError(f"drafter returned {what}")
+            done = flags[0]
+        times = clock.seconds()
+        stats = Stats(accept_histogram=hist.tolist(), decode_path=dec.path)
+        row_steps, proposed, accepted = totals.tolist()
+        stats.steps = steps
+        stats.proposed_tokens, stats.accepted_tokens = proposed, accepted
+        stats.new_tokens = int(n_gen.sum())
+        stats.mean_accepted_tokens = (accepted + row_steps) / row_steps if row_steps else 0.0
+        stats.acceptance_rate = accepted / proposed if proposed else 0.0
+        stats.prefill_s = times[prefill_mark - 1]
+        phase = times[prefill_mark + 1:]  # per step: draft, verify + accept, commit, bookkeeping
+        stats.draft_s = sum(phase[0::4])
+        stats.verify_s = sum(phase[1::4])
+        stats.rollback_s = sum(phase[2::4])
+        stats.wall_s = sum(times)
+        self.last_stats = stats
+        out = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
+        return self._output(out, opts, None, None, out.shape[1] - Lp)
+
+    def _check_draft_shapes(self, drafts, counts, B, K):
+        """The host-side part of :meth:`_check_drafts` (types and shapes; no device sync)."""
+        if not isinstance(drafts, torch.Tensor) or not isinstance(counts, torch.Tensor):
+            raise TypeError("Drafter.propose must return (draft_tokens LongTensor [B, K], num_draft_tokens LongTensor [B])")
+        if drafts.dim() != 2 or drafts.shape[0] != B:
+            raise ValueError(f"drafter returned draft_tokens of shape {tuple(drafts.shape)}; expected [{B}, {K}]")
+        if drafts.shape[1] > K:
+            raise ValueError(f"drafter returned {drafts.shape[1]} draft tokens per row; at most num_speculative_tokens={K}")
+        if counts.shape != (B,):
+            raise ValueError(f"drafter returned num_draft_tokens of shape {tuple(counts.shape)}; expected [{B}]")
 
     @staticmethod
     def _output(sequences, opts, score_buf, logit_buf, G):

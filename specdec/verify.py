@@ -135,7 +135,7 @@ def sample_accept(
         n = torch.zeros(B, dtype=torch.long, device=dev)
     target = p[rows, n]  # [B, V]
     rejected = n < num_drafts
-    if bool(rejected.any()):
+    if k > 0:  # computed for every row and selected on the device: no host sync
         d_rej = draft_tokens.gather(1, n.clamp(max=max(draft_tokens.shape[1] - 1, 0))[:, None])[:, 0]
         if draft_probs is None:
             q = torch.zeros_like(target)

@@ -4,8 +4,9 @@ from .base import Drafter
 from .draft_model import DraftModelDrafter
 from .medusa import MedusaDrafter, MedusaHeads
 from .ngram import NGramDrafter
+from .oracle import OracleDrafter
 
-__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "make_drafter"]
+__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "OracleDrafter", "make_drafter"]
 
 
 def make_drafter(drafter) -> Drafter:

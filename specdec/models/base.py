@@ -113,8 +113,9 @@ class HybridAdapter:
     def dtype(self):
         return self.lm_head.weight.dtype
 
-    def new_cache(self, batch: int, max_len: int, max_step_tokens: int, strategy: RollbackStrategy) -> HybridCache:
-        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, max_step_tokens: int, strategy: RollbackStrategy,
+                  static: bool = False) -> HybridCache:
+        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device, static=static)
         for idx, (_, op_name) in self.ssm_layers().items():
             cache.ssm[idx] = SSMLayerCache(get_op(op_name, self.device), strategy, batch, max_step_tokens, idx)
         return cache

@@ -52,8 +52,8 @@ class Lfm2Adapter(FamilyAdapter):
     def attention_mask_arg(self, mask):
         return {"full_attention": mask, "conv": None}
 
-    def new_cache(self, batch, max_len, max_step_tokens, strategy):
-        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device)
+    def new_cache(self, batch, max_len, max_step_tokens, strategy, static=False):
+        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device, static=static)
         backend = get_op("mamba2", self.device)  # only its conv backend is used
         for idx in self.ssm_layers():
             cache.ssm[idx] = ConvOnlyLayerCache(backend, strategy, batch, max_step_tokens, idx)

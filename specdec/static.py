@@ -1,0 +1,118 @@
+"""The static decode path: fixed shapes, device-side bookkeeping and CUDA graphs.
+
+For one shape bucket (batch B, step tokens T = K + 1, KV columns ``max_len``) a
+:class:`StaticDecoder` keeps one :class:`~specdec.cache.HybridCache` in static mode (every
+forward reads all ``max_len`` KV columns, commit runs no host-side checks) and, on CUDA, two
+CUDA graphs captured once and replayed every step:
+
+* the target's verify forward of T tokens (all decoder layers, the SSM verify kernels of the
+  rollback strategy, the LM head) into static ``logits [B, T, V]`` / ``hidden [B, T, D]``;
+* the commit of ``num_tokens [B]`` (conv-window shift, the strategy's commit / fold, KV length).
+
+Later ``generate()`` calls of the same bucket prefill into a fresh cache and copy it into the
+static buffers (:meth:`HybridCache.copy_from`), so the graphs stay valid. Capturing follows
+PyTorch's recipe (warm-up on a side stream, then ``torch.cuda.graph``); a forward run outside
+a commit changes no committed state (it only writes step slots), so the warm-up is harmless.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .cache import HybridCache
+
+__all__ = ["StaticDecoder", "bucket_length"]
+
+
+def bucket_length(n: int, multiple: int = 256) -> int:
+    """KV columns for ``n`` needed ones, rounded up so nearby lengths share one CUDA graph."""
+    return -(-n // multiple) * multiple
+
+
+class StaticDecoder:
+    """Static cache + (optionally) CUDA graphs of the verify forward and the commit.
+
+    Args:
+        adapter: the target's :class:`~specdec.models.HybridAdapter`. strategy: rollback strategy.
+        batch, step_tokens, max_len: the bucket (B, T, KV columns).
+        cuda_graphs: capture and replay CUDA graphs (CUDA only); else run the same static calls eagerly.
+    """
+
+    def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, cuda_graphs: bool):
+        self.adapter = adapter
+        self.strategy = strategy
+        self.batch, self.step_tokens, self.max_len = batch, step_tokens, max_len
+        self.cuda_graphs = bool(cuda_graphs)
+        self.cache: HybridCache | None = None
+        self._fwd_graph = self._commit_graph = None
+        self.capture_error: str | None = None
+
+    def new_cache(self) -> HybridCache:
+        """A fresh cache of this bucket, for the prefill."""
+        return self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy, static=True)
+
+    @property
+    def path(self) -> str:
+        return "cuda_graph" if self._fwd_graph is not None else "static"
+
+    def load(self, fresh: HybridCache) -> None:
+        """Make ``fresh`` (just prefilled) the committed state: adopt it on first use (and capture
+        the graphs), else copy it into the buffers the graphs point at."""
+        if self.cache is None:
+            self.cache = fresh
+            if self.cuda_graphs:
+                self._capture()
+        else:
+            self.cache.copy_from(fresh)
+
+    # ------------------------------------------------------------------------------------
+    def _capture(self) -> None:
+        c, B, T = self.cache, self.batch, self.step_tokens
+        dev = c.device
+        self._ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self._num = torch.zeros(B, dtype=torch.long, device=dev)
+        try:
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the Triton kernels, allocates lazy buffers (replay history)
+                    self.adapter.forward(self._ids, c)
+                    c.commit(self._num)  # zero tokens: no committed state changes
+            torch.cuda.current_stream(dev).wait_stream(side)
+            fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fwd):
+                self._logits, self._hidden = self.adapter.forward(self._ids, c)
+            com = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(com, pool=fwd.pool()):
+                c.commit(self._num)
+            self._fwd_graph, self._commit_graph = fwd, com
+        except Exception as err:  # noqa: BLE001 -- any capture failure (an op that syncs on the host): run eagerly
+            self.capture_error = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"CUDA-graph capture failed ({self.capture_error}); decoding runs the static path without "
+                "graphs (slower: one kernel launch per op)", RuntimeWarning, stacklevel=3,
+            )
+            self._fwd_graph = self._commit_graph = None
+        c.set_step_tokens(0)
+
+    # ------------------------------------------------------------------------------------
+    def forward(self, step: torch.Tensor):
+        """Verify forward of ``step [B, T]``; returns ``(logits [B, T, V], hidden [B, T, D])``
+        (with graphs: the static output tensors, valid until the next call)."""
+        if self._fwd_graph is None:
+            return self.adapter.forward(step, self.cache)
+        self._ids.copy_(step)
+        self._fwd_graph.replay()
+        self.cache.set_step_tokens(self.step_tokens)
+        return self._logits, self._hidden
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        """Keep ``num_tokens [B]`` (int64, on the device, ``<= T``) tokens of the open step per row."""
+        if self._commit_graph is None:
+            self.cache.commit(num_tokens)
+            return
+        self._num.copy_(num_tokens)
+        self._commit_graph.replay()
+        self.cache.set_step_tokens(0)

@@ -1,0 +1,183 @@
+"""The static decode path (issue 7): fixed shapes, device-side bookkeeping, one host sync per
+step, CUDA graphs on CUDA. On CPU it runs the same static calls without graphs; it must give
+exactly the eager path's / HF's greedy output. Also plain decoding (K = 0) and the
+controlled-acceptance OracleDrafter the benchmarks use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import get_model
+from test_core_exactness import MAX_NEW, hf_greedy, make_drafter, reference
+from tiny_models import VOCAB
+
+import specdec
+from specdec.drafters import Drafter, OracleDrafter
+
+STRATS = ("snapshot", "ring", "replay", "replay_deferred")
+
+
+@pytest.mark.parametrize("K", [0, 2, 4])
+@pytest.mark.parametrize("strategy", STRATS)
+def test_static_greedy_exact_vs_hf(family, strategy, K):
+    ids, mask, eos, ref = reference(family)
+    sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback=strategy,
+                      num_speculative_tokens=K, decode_path="static")
+    for _ in range(2):  # the second call reuses the bucket's buffers (copy_from)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
+        st = sd.last_stats
+        assert st.decode_path == "static"
+        assert len(st.accept_histogram) == K + 1 and sum(st.accept_histogram) > 0
+        assert 1.0 <= st.mean_accepted_tokens <= K + 1
+        if K == 0:
+            assert st.mean_accepted_tokens == 1.0 and st.proposed_tokens == 0
+        gen = ref[:, ids.shape[1]:]
+        expected = sum(int((r == eos).nonzero()[0, 0]) + 1 if bool((r == eos).any()) else r.numel() for r in gen)
+        assert st.new_tokens == expected
+    assert len(sd._static) == 1
+
+
+def test_static_matches_eager_stats(family):
+    """Same tokens and the same acceptance counts as the eager loop (the bookkeeping is the same
+    computation, moved to the device)."""
+    ids, mask, eos, _ = reference(family)
+    got = {}
+    for path in ("eager", "static"):
+        sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback="ring",
+                          num_speculative_tokens=3, decode_path=path)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        st = sd.last_stats
+        got[path] = (out, st.accept_histogram, st.proposed_tokens, st.accepted_tokens, st.new_tokens)
+    assert torch.equal(got["eager"][0], got["static"][0])
+    assert got["eager"][2:] == got["static"][2:]
+    assert got["static"][1][1:] == got["eager"][1][1:]  # zero-accept counts differ only by padded rows
+
+
+def test_plain_decoding_eager_exact(family):
+    ids, mask, eos, ref = reference(family)
+    sd = specdec.wrap(get_model(family), drafter="ngram", num_speculative_tokens=0, decode_path="eager")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert sd.last_stats.mean_accepted_tokens == 1.0 and sd.last_stats.accept_histogram[0] > 0
+
+
+def test_static_bucket_reuse_with_other_prompts():
+    """A second call with other prompts of the same bucket copies into the captured buffers."""
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, drafter=make_drafter("perturbed", "qwen3_5"), rollback="replay",
+                      num_speculative_tokens=3, decode_path="static")
+    g = torch.Generator().manual_seed(5)
+    for L in (7, 9, 7):
+        ids = torch.randint(1, VOCAB, (3, L), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+        assert torch.equal(out, hf_greedy(model, ids, mask, max_new=12))
+    assert len(sd._static) == 1
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_oracle_drafter_controls_acceptance(path):
+    model = get_model("nemotron_h")
+    ids, mask = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)), None
+    ref = hf_greedy(model, ids, torch.ones_like(ids), max_new=40)
+    K = 4
+    for a, lo, hi in ((1.0, K + 1 - 0.5, K + 1), (0.0, 1.0, 1.0), (0.7, 1.5, 3.6)):
+        sd = specdec.wrap(model, drafter=OracleDrafter(ref, mask, acceptance=a, seed=3), rollback="replay",
+                          num_speculative_tokens=K, decode_path=path)
+        out = sd.generate(ids, max_new_tokens=40, pad_token_id=0)
+        assert torch.equal(out, ref)
+        st = sd.last_stats
+        assert lo <= st.mean_accepted_tokens <= hi, (a, st.mean_accepted_tokens)
+        if a == 0.0:
+            assert st.accepted_tokens == 0 and st.proposed_tokens > 0
+
+
+def test_oracle_drafter_errors():
+    with pytest.raises(ValueError, match="acceptance"):
+        OracleDrafter(torch.zeros(2, 5, dtype=torch.long), acceptance=1.5)
+    with pytest.raises(ValueError, match="2-D"):
+        OracleDrafter(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not fit"):
+        OracleDrafter(torch.zeros(2, 5, dtype=torch.long), torch.ones(3, 4))
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, drafter=OracleDrafter(torch.ones(2, 9, dtype=torch.long)), num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="reference for 2 rows"):
+        sd.generate(torch.ones(3, 4, dtype=torch.long), max_new_tokens=3)
+
+
+class _BadDrafter(Drafter):
+    def __init__(self, mode):
+        self.mode = mode
+
+    def propose(self, input_ids, lengths, K):
+        B = input_ids.shape[0]
+        toks = torch.ones(B, K, dtype=torch.long)
+        if self.mode == "oov":
+            toks[0, 0] = VOCAB + 7
+        counts = torch.full((B,), K + 1 if self.mode == "count" else K, dtype=torch.long)
+        return toks, counts
+
+
+@pytest.mark.parametrize("mode", ["oov", "count"])
+def test_static_rejects_bad_drafter_output_then_recovers(mode):
+    model = get_model("qwen3_5")
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter=_BadDrafter(mode), num_speculative_tokens=2, decode_path="static")
+    with pytest.raises(ValueError, match="vocabulary" if mode == "oov" else "num_draft_tokens"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    sd.drafter = make_drafter("perturbed", "qwen3_5")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_static_sampling_reproducible_and_top1_is_greedy():
+    model = get_model("kimi_linear")
+    ids, mask, eos, ref = reference("kimi_linear")
+    sd = specdec.wrap(model, drafter=make_drafter("perturbed", "kimi_linear"), rollback="replay",
+                      num_speculative_tokens=3, decode_path="static")
+    outs = [sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, top_k=20,
+                        generator=torch.Generator().manual_seed(11), pad_token_id=0) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    top1 = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, top_k=1, eos_token_id=eos,
+                       generator=torch.Generator().manual_seed(0), pad_token_id=0)
+    assert torch.equal(top1, ref)
+
+
+def test_decode_path_validation():
+    model = get_model("qwen3_5")
+    with pytest.raises(ValueError, match="decode_path must be one of"):
+        specdec.wrap(model, decode_path="fast")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in \\[0"):
+        specdec.wrap(model, num_speculative_tokens=-1)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        specdec.wrap(model, decode_path="cuda_graph").generate(ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match="does not support repetition_penalty"):
+        specdec.wrap(model, decode_path="static").generate(ids, max_new_tokens=2, repetition_penalty=1.2)
+    sd = specdec.wrap(model, decode_path="auto")  # auto on CPU: eager
+    sd.generate(ids, max_new_tokens=2)
+    assert sd.last_stats.decode_path == "eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", STRATS)
+def test_cuda_graph_path_exact_vs_eager(strategy):
+    """On CUDA (fp32 tiny models): CUDA-graph decoding == the eager path, token for token."""
+    for fam in ("qwen3_5", "nemotron_h", "kimi_linear"):
+        model = get_model(fam).cuda()
+        ids, mask, eos, _ = reference(fam)
+        ids, mask = ids.cuda(), mask.cuda()
+        outs = {}
+        for path in ("eager", "cuda_graph"):
+            draft = specdec.drafters.DraftModelDrafter(get_model(fam, "perturbed").cuda())
+            sd = specdec.wrap(model, drafter=draft, rollback=strategy, num_speculative_tokens=3, decode_path=path)
+            for _ in range(2):
+                outs[path] = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                         pad_token_id=0)
+            assert sd.last_stats.decode_path == path
+        assert torch.equal(outs["eager"], outs["cuda_graph"]), fam
+        get_model(fam).cpu()
+        get_model(fam, "perturbed").cpu()
