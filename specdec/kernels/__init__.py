@@ -68,6 +68,12 @@ class SSMOp(abc.ABC):
     def fold(self, state, replay: dict, params: dict, num_tokens: torch.Tensor):
         """The state after applying the first ``num_tokens[b]`` cached tokens of each row."""
 
+    def tree_verify(self, state, inputs: dict, params: dict, parents, return_states: bool):
+        """:meth:`verify` for a tree of step tokens (torch reference on every backend): token j
+        starts from token ``parents[j]``'s state (``-1``: ``state``), ``parents[j] < j``; states
+        and replay inputs are per token of the tree. See :mod:`specdec.kernels.tree_index`."""
+        raise NotImplementedError(f"SSM op {self.name!r} has no tree verify")
+
 
 class Mamba2Op(SSMOp):
     """Mamba-2: inputs ``x [B,T,H,P]``, ``dt [B,T,H]``, ``B``/``C [B,T,G,N]``; params ``A [H]``, ``D [H]``."""
@@ -81,6 +87,13 @@ class Mamba2Op(SSMOp):
         )
         replay = {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
         return y, states, replay
+
+    def tree_verify(self, state, inputs, params, parents, return_states):
+        y, states, _ = mamba2_verify(
+            state, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D"), return_states,
+            parents,
+        )
+        return y, states, {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
 
     def fold(self, state, replay, params, num_tokens):
         return mamba2_fold(state, replay["x"], replay["dt"], params["A"], replay["B"], num_tokens)
@@ -97,6 +110,12 @@ class GDNOp(SSMOp):
     def verify(self, state, inputs, params, return_states):
         y, states, u = self._verify(
             state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states
+        )
+        return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
+
+    def tree_verify(self, state, inputs, params, parents, return_states):
+        y, states, u = self._verify(
+            state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states, parents
         )
         return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
 

@@ -36,6 +36,7 @@ def delta_rule_verify(
     g: torch.Tensor,
     beta: torch.Tensor,
     return_states: bool = False,
+    parents=None,
 ):
     """Run T tokens of the (gated) delta rule from ``state`` without modifying it.
 
@@ -47,11 +48,17 @@ def delta_rule_verify(
         g: ``[B, T, H]`` (GDN, per-head) or ``[B, T, H, K]`` (KDA, per-channel) log decay (<= 0).
         beta: ``[B, T, H]`` write strength in (0, 1).
         return_states: also return every intermediate state s^(1..T).
+        parents: None (a chain) or a tree of the T tokens: token j starts from token
+            ``parents[j]``'s state after it (``-1``: from ``state``), ``parents[j] < j``
+            (:mod:`specdec.kernels.tree_index`); states and ``u`` are then per token of the tree.
 
     Returns:
         ``(o, states, u)``: outputs ``[B, T, H, V]`` fp32; ``[B, T, H, K, V]`` fp32 states
         (s^(j) at index j-1) or ``None``; corrected values ``u`` ``[B, T, H, V]`` fp32, the
         per-token input that replay caches.
+
+    Raises:
+        ValueError: ``parents`` that is not a tree in topological order.
     """
     per_channel = g.dim() == 4
     f32 = torch.float32
@@ -60,17 +67,47 @@ def delta_rule_verify(
     B, T, H, _ = k.shape
     o = q.new_empty(B, T, H, v.shape[-1])
     u = torch.empty_like(o)
+    if parents is not None:
+        return _delta_rule_tree(S, q, k, v, g, beta, per_channel, parents, o, u, return_states)
     states = S.new_empty(B, T, *S.shape[1:]) if return_states else None
     for t in range(T):
-        S = S * _decay(g[:, t], per_channel)
-        kv_mem = (S * k[:, t, :, :, None]).sum(dim=-2)
-        u_t = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        S = S + k[:, t, :, :, None] * u_t[:, :, None, :]
-        o[:, t] = (S * q[:, t, :, :, None]).sum(dim=-2)
-        u[:, t] = u_t
+        S, o[:, t], u[:, t] = _delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], per_channel)
         if states is not None:
             states[:, t] = S
     return o, states, u
+
+
+def _delta_step(S, q_t, k_t, v_t, g_t, beta_t, per_channel: bool):
+    """One token of the delta rule for a batch of states ``S [N, H, K, V]``: ``(S', o_t, u_t)``."""
+    S = S * _decay(g_t, per_channel)
+    kv_mem = (S * k_t[:, :, :, None]).sum(dim=-2)
+    u_t = (v_t - kv_mem) * beta_t[:, :, None]
+    S = S + k_t[:, :, :, None] * u_t[:, :, None, :]
+    return S, (S * q_t[:, :, :, None]).sum(dim=-2), u_t
+
+
+def _level(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[:, idx]`` with the batch and token dims merged: ``[B, n, ...] -> [B * n, ...]``."""
+    return x[:, idx].reshape(x.shape[0] * idx.numel(), *x.shape[2:])
+
+
+def _delta_rule_tree(S0, q, k, v, g, beta, per_channel, parents, o, u, return_states):
+    """Tree verify, one depth level at a time (every token of a level from its parent's state)."""
+    from ..tree_index import tree_levels
+
+    B, T = k.shape[:2]
+    if len(parents) != T:
+        raise ValueError(f"parents has {len(parents)} entries for {T} tokens")
+    slots = S0.new_empty(B, T + 1, *S0.shape[1:])  # slot 0: s^(0); slot j + 1: token j's state
+    slots[:, 0] = S0
+    for idx, par in tree_levels(parents, S0.device):
+        n = idx.numel()
+        q_l, k_l, v_l, g_l, beta_l = (_level(x, idx) for x in (q, k, v, g, beta))
+        S, o_l, u_l = _delta_step(_level(slots, par), q_l, k_l, v_l, g_l, beta_l, per_channel)
+        slots[:, idx + 1] = S.reshape(B, n, *S0.shape[1:])
+        o[:, idx] = o_l.reshape(B, n, *o.shape[2:])
+        u[:, idx] = u_l.reshape(B, n, *u.shape[2:])
+    return o, (slots[:, 1:] if return_states else None), u
 
 
 def delta_rule_fold(
@@ -101,11 +138,11 @@ def delta_rule_fold(
     return S
 
 
-def gdn_verify(state, q, k, v, g, beta, return_states=False):
+def gdn_verify(state, q, k, v, g, beta, return_states=False, parents=None):
     """Gated DeltaNet verify (per-head decay ``g [B, T, H]``); see :func:`delta_rule_verify`."""
     if g.dim() != 3:
         raise ValueError(f"GDN expects a per-head gate g of shape [B, T, H], got {tuple(g.shape)}")
-    return delta_rule_verify(state, q, k, v, g, beta, return_states)
+    return delta_rule_verify(state, q, k, v, g, beta, return_states, parents)
 
 
 def gdn_fold(state, k, g, u, num_tokens):
