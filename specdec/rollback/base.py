@@ -100,6 +100,30 @@ class RollbackStrategy(abc.ABC):
     def commit(self, store: LayerStore, op: SSMOp, params: dict, num_tokens: torch.Tensor) -> None:
         """``state := s^(num_tokens[b])`` per row; closes the step. ``num_tokens``: ``[B]`` int64."""
 
+    # tree steps (specdec.tree): a tree of step tokens in one verify, then the accepted path ------
+    def tree_verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict, parents) -> torch.Tensor:
+        """Run a tree of ``T`` step tokens (inputs ``[B, T, ...]``, topological order) as the step's
+        only forward: token j starts from token ``parents[j]``'s state (``-1``: the committed
+        state). Keeps what :meth:`compact_path` and :meth:`commit` need; returns the outputs.
+
+        Raises: ValueError when the strategy has no tree support or the step is already open."""
+        raise ValueError(f"rollback strategy {self.name!r} does not support tree verification; "
+                         "use 'snapshot', 'ring', 'replay' or 'replay_deferred'")
+
+    def compact_path(self, store: LayerStore, op: SSMOp, params: dict, path: torch.Tensor,
+                     num_tokens: torch.Tensor) -> None:
+        """After :meth:`tree_verify`: rearrange the step so that a following
+        ``commit(num_tokens)`` commits the accepted path, as if its tokens had been the step's
+        first ones. ``path [B, P]`` int64: the tree indices of row b's accepted tokens in order
+        (``path[b, 0] = 0``, the root; entries at ``i >= num_tokens[b]`` are ignored)."""
+        raise ValueError(f"rollback strategy {self.name!r} does not support tree verification")
+
+    def _check_tree_step(self, store: LayerStore, t: int) -> None:
+        if store.step_tokens:
+            raise ValueError("a tree step must be the step's only forward (this step already ran "
+                             f"{store.step_tokens} tokens)")
+        self._check_step(store, t)
+
     def reset_rows(self, store: LayerStore, op: SSMOp, params: dict, rows: torch.Tensor,
                    state: torch.Tensor | None = None) -> None:
         """Give ``rows`` to new sequences: their committed state becomes ``state`` (or zeros).

@@ -96,6 +96,38 @@ class ReplayRollback(RollbackStrategy):
         store.step_tokens = j + t
         return y
 
+    def tree_verify(self, store, op, inputs, params, parents):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_tree_step(store, t)
+        hist_len, ckpt = store.tensors["hist_len"], store.tensors["ckpt"]
+        hist = self._hist(store, op, inputs)
+        L = next(iter(hist.values())).shape[1]
+        pos = hist_len[:, None] + torch.arange(t, device=hist_len.device)[None, :]  # tree token j -> hist_len+j
+        if debug_enabled():
+            check_index_bounds("replay history slot", pos, L, store)
+        s0 = op.fold(ckpt, hist, params, hist_len)  # torch path on every backend
+        y, _, replay = op.tree_verify(s0, inputs, params, parents, False)
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        for key, val in replay.items():
+            hist[key][rows, pos] = val.to(hist[key].dtype)
+        store.step_tokens = t
+        return y
+
+    def compact_path(self, store, op, params, path, num_tokens):
+        # the path's cached inputs to history positions hist_len + 0, 1, ...: commit(n) then replays
+        # exactly the accepted tokens (path[i] >= i, gathered before any write)
+        hist = store.tensors["hist"]
+        if hist is None:
+            return
+        hist_len = store.tensors["hist_len"]
+        i = torch.arange(path.shape[1], device=path.device)[None, :]
+        keep = i < num_tokens[:, None]
+        dst = hist_len[:, None] + i
+        src = hist_len[:, None] + torch.where(keep, path, i)
+        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        for buf in hist.values():
+            buf[rows, dst] = buf[rows, src]
+
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
         hist_len = store.tensors["hist_len"]

@@ -67,6 +67,29 @@ class RingRollback(RollbackStrategy):
         store.step_tokens = j + t
         return y
 
+    def tree_verify(self, store, op, inputs, params, parents):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_tree_step(store, t)
+        ring, head = store.tensors["ring"], store.tensors["head"]
+        R = ring.shape[1]
+        rows = torch.arange(ring.shape[0], device=ring.device)
+        y, states, _ = op.tree_verify(ring[rows, head], inputs, params, parents, True)  # torch path on every backend
+        slots = (head[:, None] + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # tree token j -> head+1+j
+        ring[rows[:, None], slots] = states
+        store.step_tokens = t
+        return y
+
+    def compact_path(self, store, op, params, path, num_tokens):
+        # commit(n) moves head to head+n: put the state of the path's n-th token there (one state
+        # per row; a chain-shaped path needs no copy, the slots already match)
+        ring, head = store.tensors["ring"], store.tensors["head"]
+        R = ring.shape[1]
+        rows = torch.arange(ring.shape[0], device=ring.device)
+        last = path.gather(1, (num_tokens - 1).clamp(min=0)[:, None])[:, 0]
+        dst = (head + num_tokens) % R
+        src = torch.where(num_tokens > 0, (head + 1 + last) % R, dst)
+        ring[rows, dst] = ring[rows, src]
+
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
         head = store.tensors["head"]

@@ -44,6 +44,22 @@ class SnapshotRollback(RollbackStrategy):
         store.step_tokens = j + t
         return y
 
+    def tree_verify(self, store, op, inputs, params, parents):
+        t = next(iter(inputs.values())).shape[1]
+        self._check_tree_step(store, t)
+        live, buf = store.tensors["live"], store.tensors["buf"]
+        y, states, _ = op.tree_verify(live, inputs, params, parents, True)  # torch path on every backend
+        buf[:, :t] = states  # slot j: the state after tree token j
+        store.step_tokens = t
+        return y
+
+    def compact_path(self, store, op, params, path, num_tokens):
+        # commit(n) copies slot n-1: put the state of the path's n-th token there (one state per row)
+        buf = store.tensors["buf"]
+        rows = torch.arange(buf.shape[0], device=buf.device)
+        last = (num_tokens - 1).clamp(min=0)
+        buf[rows, last] = buf[rows, path.gather(1, last[:, None])[:, 0]]
+
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
         live, buf = store.tensors["live"], store.tensors["buf"]
