@@ -18,6 +18,7 @@ import torch
 from .drafters import Drafter, make_drafter
 from .models import adapter_for
 from .rollback import make_strategy
+from .tree import tree_for, tree_step
 from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
 
 __all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "Stats"]
@@ -536,6 +537,9 @@ class SpeculativeGenerator:
                                     cuda_graphs=path == "cuda_graph")
 
         drafter = self.drafter if K > 0 else None  # K = 0: plain decoding, the drafter is not used
+        tree = tree_for(drafter, K)  # a draft tree (Medusa): its nodes run in one forward (specdec/tree.py)
+        if tree is not None:
+            T_max = max(T_max, tree.num_nodes)
         cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
         self.last_cache = cache
         logits, hidden = ad.prefill(input_ids, mask, cache)
@@ -625,6 +629,13 @@ class SpeculativeGenerator:
             )
         row_steps = committed = 0
         while not bool(finished.all()):
+            if tree is not None:  # draft tree -> one tree forward -> longest accepted path -> commit
+                rs, cm = tree_step(ad, drafter, cache, tree, text=text, lengths=lengths, n_gen=n_gen, finished=finished,
+                                   max_new=max_new, sampling=sampling, generator=generator, proc=proc, emit=emit,
+                                   warped=warped, timer=timer, stats=stats)
+                row_steps += rs
+                committed += cm
+                continue
             t0 = timer.now()
             if drafter is not None:
                 drafts, counts = drafter.propose(text, lengths, K)

@@ -124,10 +124,8 @@ def test_size_mismatch_errors():
     sd = specdec.wrap(model, drafter=MedusaDrafter(MedusaHeads(40, 96)), rollback="replay")
     with pytest.raises(ValueError, match="hidden states of size 40, but the target's final hidden state has size 48"):
         sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
-    with pytest.raises(ValueError, match="tree drafting is not implemented"):
-        MedusaDrafter(MedusaHeads(48, 96), tree="default")
-    with pytest.raises(ValueError, match="tree drafting"):
-        MedusaDrafter(MedusaHeads(48, 96), tree=[[0], [0, 0], [1]])
+    with pytest.raises(ValueError, match="unknown draft tree"):  # tree validation: tests/test_medusa_tree.py
+        MedusaDrafter(MedusaHeads(48, 96), tree="bushy")
     with pytest.raises(TypeError, match="MedusaHeads"):
         MedusaDrafter("gdn-medusa")
     with pytest.raises(RuntimeError, match="before observe"):

@@ -18,10 +18,13 @@ projection. The projection is either
   target's weight is not saved with the heads (files stay small); bind it again when loading
   (``from_pretrained(path, target=model)``).
 
-Only chain drafting is implemented: ``MedusaDrafter(heads, tree=None)``. Tree drafting (a tree
-of candidates verified in one forward through the SSM state) and Medusa's typical acceptance
-are future work (issue 5); greedy acceptance and lossless rejection sampling apply as for every
-drafter.
+``MedusaDrafter(heads)`` drafts a chain (each head's top-1). ``MedusaDrafter(heads, tree=...)``
+drafts a tree of top-k candidates in Medusa's path format (``"default"``, ``"medusa-63"`` or a
+list of paths); the target verifies the whole tree in one forward, through attention with a tree
+mask and through every SSM layer from each node's parent state (:mod:`specdec.tree`; STree, Wu et
+al. 2025), and commits the longest accepted path. Acceptance is greedy or lossless sampling by
+default; Medusa's typical acceptance (``acceptance="typical"``) is available and documented as
+not distribution-preserving.
 """
 
 from __future__ import annotations
@@ -306,36 +309,76 @@ class MedusaHeads(nn.Module):
 
 
 class MedusaDrafter(Drafter):
-    """Chain drafting with Medusa heads: draft j (1-based) is head j-1's top-1 on the target's
-    hidden state at the position whose logits chose the pending token (or a sample of its
+    """Drafting with Medusa heads on the target's hidden state at the position whose logits chose
+    the pending token, as a chain or as a tree of candidates (Cai et al. 2024).
+
+    Chain (``tree=None``): draft j (1-based) is head j-1's top-1 (or a sample of its
     distribution when sampling; :meth:`draft_probs` exposes those distributions, so rejection
     sampling stays lossless). With K > num_heads only num_heads drafts are proposed.
 
+    Tree (``tree=...``): node ``p`` of the tree (a path of top-k ranks, Medusa's format) holds
+    head ``len(p)-1``'s rank-``p[-1]`` token; the target verifies the whole tree in one forward
+    through attention and SSM state (:mod:`specdec.tree`) and commits the longest accepted path.
+    ``num_speculative_tokens`` caps the depth (the default tree is rebuilt at that depth; other
+    trees drop deeper paths). Candidates are deterministic top-k tokens also when sampling;
+    sampling acceptance is then SpecInfer's lossless multi-candidate rejection sampling.
+
     Args:
         heads: :class:`MedusaHeads` (on the target's device; bound when their LM head is shared).
-        tree: must be None (chain drafting). Tree drafting, a tree of candidates verified in one
-            forward, is future work and not accepted yet.
+        tree: None (chain), ``"default"`` (16 nodes: the top-1 chain plus the most likely branches
+            of Medusa's ``mc_sim_7b_63``, :func:`specdec.tree.default_tree_paths`), ``"medusa-63"``
+            (Medusa's 64-node ``mc_sim_7b_63``), or a list of paths such as
+            ``[[0], [0, 0], [1], [0, 1]]`` (:func:`specdec.tree.make_tree`).
+        acceptance: ``"exact"`` (default: greedy acceptance, output equal to plain greedy decoding;
+            lossless rejection sampling when sampling) or ``"typical"``: Medusa's typical
+            acceptance, a candidate is accepted when the target gives it probability above
+            ``min(posterior_threshold, posterior_alpha * exp(-entropy))``; the correction token is
+            the argmax (greedy) or a sample of the target's distribution without the tokens below
+            that threshold. Typical acceptance is NOT distribution-preserving (and with greedy
+            decoding its output differs from plain greedy decoding); it accepts more drafts. With
+            ``tree=None`` it verifies the chain through the tree path.
+        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta (Medusa's
+            defaults 0.09 and 0.3); both in (0, 1].
+
+    Attributes:
+        tree: the :class:`specdec.tree.TreeSpec` drafted (for ``tree=None`` with typical
+            acceptance, the top-1 chain as a one-branch tree), or None (chain drafting); the
+            engine runs tree steps when it is set.
 
     Raises:
-        TypeError: ``heads`` is not a MedusaHeads. ValueError: ``tree`` is not None; unbound
-        shared heads; and, when generation starts, heads that do not fit the target (vocabulary
-        in :meth:`start`, hidden size on the first :meth:`observe`) or are on another device.
+        TypeError: ``heads`` is not a MedusaHeads. ValueError: a bad tree (see
+        :func:`specdec.tree.make_tree`), acceptance or threshold; unbound shared heads; and, when
+        generation starts, heads that do not fit the target (vocabulary in :meth:`start`, hidden
+        size on the first :meth:`observe`) or are on another device.
     """
 
     wants_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, tree=None):
+    def __init__(self, heads: MedusaHeads, tree=None, *, acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
+        from ..tree import ACCEPTANCE_MODES, TreeSpec, make_tree
+
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"MedusaDrafter needs specdec.drafters.MedusaHeads, got {type(heads).__name__}; load them "
                             "with MedusaHeads.from_pretrained(path, target=model)")
-        if tree is not None:
-            raise ValueError("MedusaDrafter: tree drafting is not implemented yet; use tree=None (chain drafting: "
-                             "each head's top-1)")
         if not heads.is_bound:
             raise ValueError("these Medusa heads share the target's LM head, which is not bound; load them with "
                              "MedusaHeads.from_pretrained(path, target=model) or call heads.init_from_lm_head(model)")
+        if acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {acceptance!r}")
+        for name, val in (("posterior_threshold", posterior_threshold), ("posterior_alpha", posterior_alpha)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val <= 1:
+                raise ValueError(f"{name} must be a number in (0, 1], got {val!r}")
         self.heads = heads.eval()
-        self.tree = None
+        self.acceptance = acceptance
+        self.posterior_threshold = float(posterior_threshold)
+        self.posterior_alpha = float(posterior_alpha)
+        if tree is not None:
+            self.tree = make_tree(tree, heads.num_heads, heads.vocab_size)
+        elif acceptance == "typical":
+            self.tree = TreeSpec([(0,) * d for d in range(1, heads.num_heads + 1)], num_heads=heads.num_heads)
+        else:
+            self.tree = None
         self._hidden = None
         self._probs = None
         self.sampling = None
@@ -373,13 +416,8 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, input_ids, lengths, num_speculative_tokens):
-        if self._hidden is None:
-            raise RuntimeError("MedusaDrafter.propose() before observe(): the engine must pass the target's hidden "
-                               "state (Drafter.wants_hidden_states)")
+        self._check_hidden(input_ids)
         B, K = input_ids.shape[0], int(num_speculative_tokens)
-        if self._hidden.shape[0] != B:
-            raise RuntimeError(f"MedusaDrafter: observed hidden states for {self._hidden.shape[0]} rows, asked to propose "
-                               f"for {B}")
         n = min(K, self.heads.num_heads)
         logits = self.heads(self._hidden.to(self.device), num_heads=n).float()  # [B, n, V]
         drafts = torch.zeros(B, K, dtype=torch.long, device=input_ids.device)
@@ -395,6 +433,36 @@ class MedusaDrafter(Drafter):
             self._probs = probs
         return drafts, torch.full((B,), n, dtype=torch.long, device=input_ids.device)
 
+    @torch.no_grad()
+    def propose_tree(self, input_ids, lengths, tree):
+        """Node tokens of ``tree`` (a :class:`specdec.tree.TreeSpec` of depth <= num_heads):
+        ``[B, N-1]`` int64, node j+1's token = the rank ``tree.paths[j][-1]`` token of head
+        ``len(tree.paths[j]) - 1`` on the observed hidden state (deterministic top-k, also when
+        sampling). ``input_ids`` / ``lengths`` as in :meth:`propose` (unused: the heads read the
+        hidden state)."""
+        hidden = self._check_hidden(input_ids)
+        if tree.max_depth > self.heads.num_heads:
+            raise ValueError(f"a tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads, these have "
+                             f"{self.heads.num_heads}")
+        logits = self.heads(hidden.to(self.device), num_heads=tree.max_depth).float()  # [B, D, V]
+        top = logits.topk(tree.max_rank + 1, dim=-1).indices  # [B, D, R]
+        tt = tree.tensors(top.device)
+        self._probs = None
+        return top[:, tt["head"], tt["rank"]].to(input_ids.device)
+
+    def _check_hidden(self, input_ids):
+        if self._hidden is None:
+            raise RuntimeError("MedusaDrafter.propose() before observe(): the engine must pass the target's hidden "
+                               "state (Drafter.wants_hidden_states)")
+        if self._hidden.shape[0] != input_ids.shape[0]:
+            raise RuntimeError(f"MedusaDrafter: observed hidden states for {self._hidden.shape[0]} rows, asked to propose "
+                               f"for {input_ids.shape[0]}")
+        return self._hidden
+
     def __repr__(self):
         h = self.heads
-        return f"MedusaDrafter(num_heads={h.num_heads}, num_layers={h.num_layers}, hidden_size={h.hidden_size})"
+        extra = f", tree={self.tree!r}" if self.tree is not None else ""
+        if self.acceptance != "exact":
+            extra += f", acceptance={self.acceptance!r}"
+        return (f"MedusaDrafter(num_heads={h.num_heads}, num_layers={h.num_layers}, hidden_size={h.hidden_size}"
+                f"{extra})")
