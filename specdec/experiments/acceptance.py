@@ -1,7 +1,8 @@
 """The acceptance experiment: targets x drafters x rollback strategies over a prompt set.
 
-Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (chain drafting with the
-target's zoo Medusa heads, targets with ``medusa``).
+Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (the target's zoo Medusa
+heads, targets with ``medusa``: chain drafting, or tree drafting with ``drafter.tree=default`` /
+``medusa-63`` / a list of paths, reported as ``medusa-tree:<tree>``).
 
 For every configuration and prompt it records mean accepted tokens (Spec-Bench's tokens per
 target forward, bonus included), acceptance rate, the accepted-length histogram, tokens/s,
@@ -105,10 +106,15 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
         for plan_index, (s, drafter_name, strategy) in enumerate(plan):
             if s.name != spec.name:
                 continue
+            label = drafter_name
             if drafter_name == "medusa":
                 from ..drafters import MedusaDrafter
 
-                drafter = MedusaDrafter(heads)
+                tree = cfg.drafter.get("tree")
+                tree = OmegaConf.to_container(tree) if OmegaConf.is_config(tree) else tree
+                drafter = MedusaDrafter(heads, tree=tree)
+                if tree is not None:  # its own row in the summary
+                    label = f"medusa-tree:{tree}" if isinstance(tree, str) else f"medusa-tree:{drafter.tree.num_nodes}"
             else:
                 drafter = make_drafter(cfg, drafter_name, draft)
             sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
@@ -129,7 +135,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 records.append(
                     {
                         **common_fields(cfg, "acceptance", spec, device, dtype),
-                        "drafter": drafter_name,
+                        "drafter": label,
                         "rollback": strategy,
                         "num_speculative_tokens": K,
                         "prompt_id": p["id"],

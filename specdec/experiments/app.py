@@ -65,6 +65,12 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError("rollback.strategies is empty")
     if not cfg.drafter.names:
         raise ValueError("drafter.names is empty")
+    tree = cfg.drafter.get("tree")
+    if tree is not None:
+        if "medusa" not in [str(d) for d in cfg.drafter.names]:
+            raise ValueError("drafter.tree is the Medusa draft tree; it needs drafter=medusa (or drafter.names with medusa)")
+        if isinstance(tree, str) and tree not in ("default", "medusa-63", "mc_sim_7b_63"):
+            raise ValueError(f"drafter.tree={tree!r}: use default, medusa-63 or a list of paths such as [[0],[0,0],[1]]")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     if name in ("rollback", "bench"):

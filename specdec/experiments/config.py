@@ -100,6 +100,9 @@ class DrafterConfig:
     names: List[DrafterName] = field(default_factory=lambda: [DrafterName.ngram])
     ngram: NGramConfig = field(default_factory=NGramConfig)
     draft_rollback: Strategy = Strategy.snapshot  # rollback of a hybrid draft model's own SSM state
+    # Medusa draft tree: null = chain drafting; a preset ("default", "medusa-63") or a list of paths
+    # in Medusa's format, e.g. [[0],[0,0],[1]] (specdec.tree.make_tree)
+    tree: Any = None
 
 
 @dataclass
