@@ -1,0 +1,186 @@
+"""Verify-step time of a Medusa draft tree against a chain of the same depth, per rollback strategy.
+
+On the qwen35-4b-shape model (shared/bench_models.md: Qwen3.5-4B shapes, random bf16 weights;
+``--layers`` keeps the first L layers of its 3 GDN : 1 attention pattern) it times, for each
+strategy and batch size, one speculative step of
+
+* ``chain``: K + 1 = 5 tokens (depth 4) on the default backend (Triton step kernels on CUDA),
+* ``chain-torch``: the same on the torch reference ops (CUDA only; the path trees take),
+* ``tree-16``: the ``"default"`` 16-node tree of depth 4 (specdec.tree.default_tree_paths),
+* ``tree-64``: Medusa's 64-node ``mc_sim_7b_63`` (depth 4),
+
+as the target's verify forward (all layers, SSM per-node state or inputs, LM head; the tree with
+its tree mask and parent-state SSM verify) and the commit of a depth-4 path (path compaction +
+the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, with
+``torch.cuda.synchronize()`` around each phase; a fresh prefilled cache per configuration.
+
+    python benchmarks/tree_verify.py --out tree_verify.md                 # GPU: qwen35-4b-shape
+    python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from specdec.experiments.models import build_random_shape  # noqa: E402
+from specdec.models import adapter_for  # noqa: E402
+from specdec.rollback import make_strategy  # noqa: E402
+from specdec.tree import commit_path, make_tree, tree_view  # noqa: E402
+
+DEPTH = 4
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "vocab_size": 8192, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+}
+
+
+def model_spec(tiny: bool, layers: int):
+    spec = OmegaConf.load(os.path.join(ROOT, "conf", "model", "qwen35-4b-shape.yaml")).targets[0]
+    cfg = OmegaConf.to_container(spec.config)
+    if tiny:
+        cfg.update(TINY)
+        layers = layers or 4
+    n = layers or int(cfg["num_hidden_layers"])
+    pattern = ["linear_attention"] * 3 + ["full_attention"]
+    cfg["num_hidden_layers"] = n
+    cfg["layer_types"] = [pattern[i % 4] for i in range(n)]
+    spec.config = cfg
+    spec.name = "tiny-qwen35" if tiny else f"qwen35-4b-shape[{n} layers]"
+    return spec
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
+    """(verify ms, commit ms, peak GiB) medians for one configuration."""
+    T = spec.num_nodes if spec is not None else DEPTH + 1
+    if variant == "chain-torch":
+        os.environ["SPECDEC_BACKEND"] = "torch"
+    try:
+        cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
+                             make_strategy(strategy))
+    finally:
+        if variant == "chain-torch":
+            os.environ.pop("SPECDEC_BACKEND", None)
+    ad.prefill(ids, mask, cache)
+    n = torch.full((batch,), DEPTH + 1, dtype=torch.long, device=device)
+    path = None
+    if spec is not None:  # commit the top-1 chain's path root -> depth 4 (node indices in BFS order)
+        index = {p: i + 1 for i, p in enumerate(spec.paths)}
+        path = torch.tensor([0] + [index[(0,) * d] for d in range(1, DEPTH + 1)], device=device).repeat(batch, 1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    verify, commit = [], []
+    for i in range(args.warmup + args.steps):
+        toks = torch.randint(0, 8192, (batch, T), generator=g).to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        if spec is not None:
+            with tree_view(ad, cache, spec):
+                ad.forward(toks, cache)
+        else:
+            ad.forward(toks, cache)
+        sync(device)
+        t1 = time.perf_counter()
+        if spec is not None:
+            commit_path(cache, path, n)
+        else:
+            cache.commit(n)
+        sync(device)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            verify.append(t1 - t0)
+            commit.append(t2 - t1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 1e3 * statistics.median(verify), 1e3 * statistics.median(commit), peak
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (CPU smoke test)")
+    ap.add_argument("--layers", type=int, default=0, help="keep the first L layers (0: all 32; tiny: 4)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--strategies", nargs="+", default=["snapshot", "ring", "replay"])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens prefilled before the steps")
+    ap.add_argument("--max-seconds", type=float, default=85.0, help="skip the remaining configurations after this")
+    ap.add_argument("--out", default=None, help="also write the Markdown table to this file")
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    start = time.perf_counter()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    mspec = model_spec(args.tiny, args.layers)
+    model, _ = build_random_shape(mspec, device, dtype)
+    ad = adapter_for(model)
+    trees = {"tree-16": make_tree("default", num_heads=DEPTH), "tree-64": make_tree("medusa-63", num_heads=DEPTH)}
+    variants = [("chain", None)] + ([("chain-torch", None)] if device.type == "cuda" else []) + list(trees.items())
+    rows, skipped = [], []
+    for strategy in args.strategies:
+        for batch in args.batch:
+            g = torch.Generator(device="cpu").manual_seed(batch)
+            ids = torch.randint(0, 8192, (batch, args.prompt), generator=g).to(device)
+            mask = torch.ones_like(ids)
+            base = None
+            for name, spec in variants:
+                if time.perf_counter() - start > args.max_seconds:
+                    skipped.append(f"{strategy}/B{batch}/{name}")
+                    continue
+                v, c, peak = run_config(ad, device, strategy, batch, name, spec, args, ids, mask)
+                base = v if name == "chain" else base
+                T = spec.num_nodes if spec is not None else DEPTH + 1
+                rows.append((strategy, batch, name, T, v, c, v / base if base else float("nan"), peak))
+                print(f"  {strategy:9s} B={batch:<3d} {name:12s} T={T:<3d} verify {v:8.2f} ms  commit {c:7.3f} ms",
+                      file=sys.stderr, flush=True)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"Tree vs chain verify step: {mspec.name}, {str(dtype).replace('torch.', '')}, {gpu}, "
+        f"{args.prompt}-token prompt, median of {args.steps} steps ({datetime.date.today()}; "
+        f"{time.perf_counter() - start:.0f} s). Depth 4 everywhere; chain = 5 tokens on the default backend, "
+        + "chain-torch / trees on the torch reference ops (tree steps always are). Peak GiB: "
+        + "torch.cuda.max_memory_allocated during the configuration, weights included.",
+        "",
+        "| strategy | batch | variant | step tokens | verify ms | commit ms | verify / chain | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s, b, name, T, v, c, r, peak in rows:
+        peak_s = "-" if math.isnan(peak) else f"{peak:.1f}"
+        lines.append(f"| {s} | {b} | {name} | {T} | {v:.2f} | {c:.3f} | {r:.2f}x | {peak_s} |")
+    if skipped:
+        lines.append("")
+        lines.append(f"Skipped after --max-seconds={args.max_seconds:g}: {', '.join(skipped)}")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
