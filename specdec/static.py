@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from .cache import HybridCache
+from .fusion import fused, fusion_enabled
 
 __all__ = ["StaticDecoder", "bucket_length"]
 
@@ -38,10 +39,14 @@ class StaticDecoder:
         adapter: the target's :class:`~specdec.models.HybridAdapter`. strategy: rollback strategy.
         batch, step_tokens, max_len: the bucket (B, T, KV columns).
         cuda_graphs: capture and replay CUDA graphs (CUDA only); else run the same static calls eagerly.
+        fuse: while capturing, run the model's norms/MLPs and our SSM input preparation through
+            ``torch.compile`` (:mod:`specdec.fusion`; default: ``SPECDEC_FUSE``, on).
     """
 
-    def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, cuda_graphs: bool):
+    def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, cuda_graphs: bool,
+                 fuse: bool | None = None):
         self.adapter = adapter
+        self.fuse = fusion_enabled() if fuse is None else bool(fuse)
         self.strategy = strategy
         self.batch, self.step_tokens, self.max_len = batch, step_tokens, max_len
         self.cuda_graphs = bool(cuda_graphs)
@@ -76,14 +81,15 @@ class StaticDecoder:
         try:
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compiles the Triton kernels, allocates lazy buffers (replay history)
-                    self.adapter.forward(self._ids, c)
-                    c.commit(self._num)  # zero tokens: no committed state changes
-            torch.cuda.current_stream(dev).wait_stream(side)
-            fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(fwd):
-                self._logits, self._hidden = self.adapter.forward(self._ids, c)
+            with fused(self.adapter.model, self.fuse):
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compiles the kernels, allocates lazy buffers (replay history)
+                        self.adapter.forward(self._ids, c)
+                        c.commit(self._num)  # zero tokens: no committed state changes
+                torch.cuda.current_stream(dev).wait_stream(side)
+                fwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(fwd):
+                    self._logits, self._hidden = self.adapter.forward(self._ids, c)
             com = torch.cuda.CUDAGraph()
             with torch.cuda.graph(com, pool=fwd.pool()):
                 c.commit(self._num)

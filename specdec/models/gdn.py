@@ -12,14 +12,29 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import SSMLayerCache
+from ..fusion import fusable
 from .base import HybridAdapter, register
 
-__all__ = ["Qwen35Adapter", "Qwen3NextAdapter", "gdn_core"]
+__all__ = ["Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # as transformers' / fla's GDN l2norm: x * rsqrt(sum(x^2) + eps)
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+@fusable
+def _gdn_inputs(q, k, v, b, a, A_log, dt_bias, rep: int):
+    """The recurrence's fp32 inputs from the conv outputs and the raw b/a projections, as
+    transformers computes them (element-wise; fused on the CUDA-graph path)."""
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    q = _l2norm(q.float()) * (q.shape[-1] ** -0.5)
+    k = _l2norm(k.float())
+    return q, k, v.float(), g, beta.float()
 
 
 def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
@@ -38,15 +53,8 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     q = q.reshape(B, t, -1, mixer.head_k_dim)
     k = k.reshape(B, t, -1, mixer.head_k_dim)
     v = v.reshape(B, t, -1, mixer.head_v_dim)
-    beta = b.sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    rep = mixer.num_v_heads // mixer.num_k_heads
-    if rep > 1:
-        q = q.repeat_interleave(rep, dim=2)
-        k = k.repeat_interleave(rep, dim=2)
-    q = _l2norm(q.float()) * (q.shape[-1] ** -0.5)
-    k = _l2norm(k.float())
-    o = layer.ssm({"q": q, "k": k, "v": v.float(), "g": g, "beta": beta.float()}, {})
+    q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias, mixer.num_v_heads // mixer.num_k_heads)
+    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {})
     o = o.to(mixed_qkv.dtype).reshape(-1, mixer.head_v_dim)
     o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
     return mixer.out_proj(o)

@@ -18,10 +18,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..fusion import fusable
 from .base import register
 from .common import FamilyAdapter
 
-__all__ = ["mamba2_core", "Mamba2Adapter", "BambaAdapter", "GraniteMoeHybridAdapter"]
+__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "mamba2_core"]
+
+
+@fusable
+def _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, heads: int, head_dim: int, groups: int, state: int):
+    """The recurrence's fp32 inputs, as transformers' decode step computes them (element-wise;
+    fused on the CUDA-graph path)."""
+    B, t = x.shape[:2]
+    dt = F.softplus(dt.float() + dt_bias.float())
+    return (x.reshape(B, t, heads, head_dim).float(), dt, Bm.reshape(B, t, groups, state).float(),
+            Cm.reshape(B, t, groups, state).float(), -torch.exp(A_log.float()), D.float())
 
 
 def mamba2_core(mixer, layer, projected: torch.Tensor):
@@ -35,17 +46,9 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     x, Bm, Cm = torch.split(
         xBC, [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size], dim=-1
     )
-    dt = F.softplus(dt.float() + mixer.dt_bias.float())
-    A = -torch.exp(mixer.A_log.float())
-    y = layer.ssm(
-        {
-            "x": x.reshape(B, t, mixer.num_heads, mixer.head_dim).float(),
-            "dt": dt,
-            "B": Bm.reshape(B, t, mixer.n_groups, mixer.ssm_state_size).float(),
-            "C": Cm.reshape(B, t, mixer.n_groups, mixer.ssm_state_size).float(),
-        },
-        {"A": A, "D": mixer.D.float()},
-    )
+    x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
+                                         mixer.head_dim, mixer.n_groups, mixer.ssm_state_size)
+    y = layer.ssm({"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D})
     return y.reshape(B, t, -1).to(projected.dtype), gate
 
 
