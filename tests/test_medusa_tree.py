@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is de
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from scipy.stats import chi2_contingency  # noqa: E402
-from tiny_models import make_model, ragged_prompts  # noqa: E402
+from tiny_models import EXTRA_FAMILIES, make_model, ragged_prompts  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import zoo  # noqa: E402
@@ -355,6 +355,20 @@ def test_oracle_tree_deep_paths_exact(family, strategy):
     assert torch.equal(out, ref)
     st = sd.last_stats
     assert st.accept_histogram[4] > 0 and st.mean_accepted_tokens > 2.5 and drafter.off_chain > 0, st
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", *EXTRA_FAMILIES, "llama"])
+def test_oracle_tree_every_family(family):
+    """Every other supported family (conv-only LFM2, parallel Falcon-H1, Zamba2's shared attention,
+    pure Mamba-2, MoE variants, an attention-only model) verifies trees exactly."""
+    model = make_model(family, seed=0)
+    ids, mask = _prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    strategy = STRATEGIES[len(family) % len(STRATEGIES)]
+    sd = specdec.wrap(model, drafter=OracleTree(_rows(ref, ids, mask), model.config.vocab_size), rollback=strategy,
+                      num_speculative_tokens=4)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), ref), strategy
+    assert sd.last_stats.mean_accepted_tokens > 2
 
 
 def test_oracle_tree_with_repetition_penalty_and_min_length():

@@ -14,6 +14,11 @@ class Drafter(abc.ABC):
 
     Only :meth:`propose` is required. The engine calls :meth:`start` once per ``generate()``
     (before the first proposal) and reads :meth:`draft_probs` after each proposal when sampling.
+
+    Tree drafting (:mod:`specdec.tree`): a drafter whose ``tree`` attribute is a
+    :class:`specdec.tree.TreeSpec` is asked instead for ``propose_tree(input_ids, lengths, tree)
+    -> [B, N-1]`` int64, the tokens of the tree's nodes 1..N-1 (``tree`` depth-limited to K);
+    the target verifies the whole tree in one forward (see :class:`MedusaDrafter`).
     """
 
     @abc.abstractmethod
