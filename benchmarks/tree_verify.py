@@ -70,14 +70,17 @@ def sync(device):
 def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
     """(verify ms, commit ms, peak GiB) medians for one configuration."""
     T = spec.num_nodes if spec is not None else DEPTH + 1
+    saved = os.environ.get("SPECDEC_BACKEND")
     if variant == "chain-torch":
         os.environ["SPECDEC_BACKEND"] = "torch"
     try:
         cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
                              make_strategy(strategy))
     finally:
-        if variant == "chain-torch":
+        if saved is None:
             os.environ.pop("SPECDEC_BACKEND", None)
+        else:
+            os.environ["SPECDEC_BACKEND"] = saved
     ad.prefill(ids, mask, cache)
     n = torch.full((batch,), DEPTH + 1, dtype=torch.long, device=device)
     path = None
@@ -126,7 +129,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens prefilled before the steps")
-    ap.add_argument("--max-seconds", type=float, default=85.0, help="skip the remaining configurations after this")
+    ap.add_argument("--max-seconds", type=float, default=75.0, help="skip the remaining configurations after this")
     ap.add_argument("--out", default=None, help="also write the Markdown table to this file")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
