@@ -99,6 +99,12 @@ def damp_residual_branches(model, factor: float) -> int:
             if name.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "down_proj") and hasattr(mod, "weight"):
                 mod.weight.mul_(factor)
                 n += 1
+        # an untied LM head gets the embedding's values (kept as its own tensor: the same bytes
+        # are read): with the near-identity residual stream each token's own row then wins by a
+        # margin of ~sqrt(hidden) over the rest, far above bf16 noise
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
+            head.weight.copy_(emb.weight)
     return n
 
 
