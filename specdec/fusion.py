@@ -66,7 +66,17 @@ def fused(model: torch.nn.Module, enabled: bool = True):
         yield
         return
     patched = []
+    # one compiled forward serves every layer of a class, but input shapes/strides differ per
+    # call site (hidden states, per-head q/k norms) and per bucket (batch, T): allow enough
+    # recompiles, or dynamo silently falls back to the unfused forward after 8 of them
+    import torch._dynamo.config as dynamo_config
+
+    limits = {k: max(getattr(dynamo_config, k), 64) for k in ("recompile_limit", "cache_size_limit")
+              if hasattr(dynamo_config, k)}
+    saved = {k: getattr(dynamo_config, k) for k in limits}
     try:
+        for k, v in limits.items():
+            setattr(dynamo_config, k, v)
         for mod in model.modules():
             if _is_fusable_module(mod):
                 cls = type(mod)
@@ -78,3 +88,5 @@ def fused(model: torch.nn.Module, enabled: bool = True):
         _ACTIVE[0] = False
         for mod in patched:
             del mod.forward
+        for k, v in saved.items():
+            setattr(dynamo_config, k, v)

@@ -180,3 +180,21 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
     assert torch.equal(outs["eager"], outs["cuda_graph"])
     get_model(fam).cpu()
     get_model(fam, "perturbed").cpu()
+
+
+def test_fused_patches_and_restores_the_model():
+    """specdec.fusion.fused swaps norm/MLP forwards only inside the block (no compile happens
+    unless they are called) and restores dynamo's recompile limit."""
+    import torch._dynamo.config as dynamo_config
+
+    from specdec.fusion import fused
+
+    model = get_model("qwen3_5")
+    norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    assert norms
+    before = dynamo_config.recompile_limit
+    with fused(model):
+        assert all("forward" in vars(m) for m in norms)
+        assert dynamo_config.recompile_limit >= 64
+    assert not any("forward" in vars(m) for m in norms)
+    assert dynamo_config.recompile_limit == before
