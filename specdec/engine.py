@@ -623,6 +623,7 @@ class SpeculativeGenerator:
 
         emit(first[:, None], torch.ones(B, dtype=torch.long, device=dev), warped(logits[:, None]), raw_first[:, None])
         if drafter is not None:
+            drafter.set_decode_path("eager")
             drafter.start(
                 target_vocab_size=ad.vocab_size, batch_size=B, device=dev, sampling=sampling,
                 generator=generator, max_length=Lp + max_new + T_max,
@@ -772,6 +773,7 @@ class SpeculativeGenerator:
         if eos_t is not None:
             finished |= torch.isin(first, eos_t)
         if drafter is not None:
+            drafter.set_decode_path(dec.path)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=sampling, generator=generator,
                           max_length=width)
         j_t = torch.arange(T, device=dev)[None, :]

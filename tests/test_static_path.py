@@ -198,3 +198,35 @@ def test_fused_patches_and_restores_the_model():
         assert dynamo_config.recompile_limit >= 64
     assert not any("forward" in vars(m) for m in norms)
     assert dynamo_config.recompile_limit == before
+
+
+@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay"])
+def test_static_draft_model_proposals_equal_eager(family, strategy):
+    """The draft model's fixed-shape proposal program (what the CUDA graph holds) proposes exactly
+    what its eager loop proposes: same output, same acceptance counts; its cache is reused by a
+    second generate() of the same bucket."""
+    ids, mask, eos, ref = reference(family)
+    got = {}
+    for path in ("eager", "static"):
+        draft = specdec.drafters.DraftModelDrafter(get_model(family, "perturbed"), rollback=strategy)
+        sd = specdec.wrap(get_model(family), drafter=draft, rollback="replay", num_speculative_tokens=3,
+                          decode_path=path)
+        for _ in range(2):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+            assert torch.equal(out, ref)
+            st = sd.last_stats
+            got.setdefault(path, []).append((st.proposed_tokens, st.accepted_tokens, st.accept_histogram[1:]))
+        assert draft.last_path == path
+    assert got["eager"] == got["static"]
+    assert got["static"][0][1] > 0  # drafts were accepted: the commit of kept prefixes ran
+
+
+@pytest.mark.parametrize("K", [1, 2, 5])
+def test_static_draft_model_every_K(K):
+    ids, mask, eos, ref = reference("nemotron_h")
+    draft = specdec.drafters.DraftModelDrafter(get_model("nemotron_h", "perturbed"), rollback="ring")
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=draft, rollback="snapshot", num_speculative_tokens=K,
+                      decode_path="static")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert draft.last_path == "static"

@@ -46,6 +46,11 @@ class Drafter(abc.ABC):
         ``max_length`` bounds the text length (prompt + new tokens + K + 1) of any row.
         """
 
+    def set_decode_path(self, path: str) -> None:
+        """Called by the engine before :meth:`start` with the call's decode path (``"eager"``,
+        ``"static"`` or ``"cuda_graph"``, see ``SpeculativeGenerator``). A drafter may switch to
+        fixed-shape, graph-captured proposals on the latter two; the default ignores it."""
+
     #: set True to receive the target's last hidden states through :meth:`observe`
     wants_hidden_states: bool = False
 

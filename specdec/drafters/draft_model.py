@@ -12,6 +12,14 @@ rollback layer as the target. Each proposal is one *step* of the draft's cache:
 
 So after a rejection the draft's proposals equal those of a fresh draft run on the accepted
 text (case C12).
+
+On the engine's static / CUDA-graph decode path (greedy), each proposal after the first is one
+fixed-shape program: commit the kept prefix, a 2-token catch-up forward committed per row
+(the engine's step semantics bound the unseen text to 1 or 2 tokens: the correction token, and
+on full acceptance the last draft too), then the K - 1 one-token forwards; on CUDA it is
+captured as one CUDA graph at the third proposal (the second runs it eagerly as the warm-up)
+and replayed from then on, with the draft cache kept for the next ``generate()`` of the same
+shape bucket.
 """
 
 from __future__ import annotations
@@ -41,10 +49,18 @@ class DraftModelDrafter(Drafter):
         self.adapter = adapter_for(draft_model)
         self.strategy = make_strategy(rollback)
         self.model = draft_model
+        self._path = "eager"
+        self._static = None  # _StaticDraft of the current shape bucket (static / CUDA-graph path)
+        #: how the last proposal ran: "eager", "static" or "cuda_graph"
+        self.last_path = "eager"
         self._reset()
+
+    def set_decode_path(self, path: str) -> None:
+        self._path = path
 
     def _reset(self):
         self.cache = None
+        self._calls = 0
         self._probs = None
         self._open = None  # [B, K-1] tokens run in the open step
         self.consumed = None
@@ -131,6 +147,9 @@ class DraftModelDrafter(Drafter):
     @torch.no_grad()
     def propose(self, input_ids, lengths, num_speculative_tokens):
         K = num_speculative_tokens
+        if self._path != "eager" and self.sampling is None:
+            return self._propose_static(input_ids, lengths, K)
+        self.last_path = "eager"
         if self.cache is not None and self.cache.max_step_tokens < K + 1:
             raise ValueError("num_speculative_tokens grew during one generate(); call start() again")
         if self.cache is None:
@@ -156,5 +175,118 @@ class DraftModelDrafter(Drafter):
         self._probs = torch.stack(probs, dim=1) if probs is not None else None
         return drafts, torch.full((B,), K, dtype=torch.long, device=input_ids.device)
 
+    # --- static / CUDA-graph path -----------------------------------------------------------
+    def _propose_static(self, input_ids, lengths, K):
+        from ..static import bucket_length
+
+        B, W = input_ids.shape
+        dev = input_ids.device
+        width = bucket_length(max(self.max_length or 0, W))
+        key = (B, K, width, self._path)
+        st = self._static
+        if self._calls == 0:
+            if st is None or st.key != key:
+                st = self._static = _StaticDraft(key, B, K, width, dev)
+            # prefill (dynamic shapes, HF's own forward) into a fresh static cache, then into st's buffers
+            lmax = int(lengths.max())
+            cols = torch.arange(lmax, device=dev)[None, :]
+            src = (cols - (lmax - lengths)[:, None]).clamp(min=0)
+            mask = (cols >= (lmax - lengths)[:, None]).long()
+            fresh = self.adapter.new_cache(B, width + 4 * (K + 1), max(K - 1, 2), self.strategy, static=True)
+            logits, _ = self.adapter.prefill(input_ids.gather(1, src) * mask, mask, fresh)
+            if st.cache is None:
+                st.cache = fresh
+            else:
+                st.cache.copy_from(fresh)
+            del fresh
+            self.cache = st.cache
+            st.consumed.copy_(lengths)
+            st.drafts[:, 0] = logits.argmax(-1)
+            self._chain(st, K)
+            self.last_path = "static"
+        else:
+            st.text[:, :W].copy_(input_ids)
+            st.lengths.copy_(lengths)
+            if st.graph is not None:
+                st.graph.replay()
+                self.last_path = "cuda_graph"
+            elif self._path == "cuda_graph" and self._calls >= 2 and not st.capture_failed:
+                self._capture(st, K)
+            else:
+                from ..fusion import fused, fusion_enabled
+
+                with fused(self.model, self._path == "cuda_graph" and fusion_enabled()):
+                    self._body(st, K)  # the second call: the graph's warm-up
+                self.last_path = "static"
+        self._calls += 1
+        return st.drafts.clone(), torch.full((B,), K, dtype=torch.long, device=dev)
+
+    def _chain(self, st, K):
+        """d_2..d_K: K - 1 one-token forwards in one open step (left open for the next commit)."""
+        for j in range(1, K):
+            logits, _ = self.adapter.forward(st.drafts[:, j - 1 : j], st.cache)
+            st.drafts[:, j] = logits[:, 0].argmax(-1)
+        if K > 1:
+            st.open.copy_(st.drafts[:, : K - 1])
+
+    def _body(self, st, K):
+        """One fixed-shape proposal on ``st``'s buffers (what the CUDA graph holds)."""
+        c, text, lengths, consumed = st.cache, st.text, st.lengths, st.consumed
+        remaining = (lengths - consumed).clamp(min=0)
+        if K > 1:  # commit the kept prefix of the open step
+            idx = (consumed[:, None] + st.j_open).clamp(max=text.shape[1] - 1)
+            same = (text.gather(1, idx) == st.open) & (st.j_open < remaining[:, None])
+            m = torch.minimum(same.long().cumprod(1).sum(1), (remaining - 1).clamp(min=0))
+            c.commit(m)
+            consumed += m
+        # catch up on the unseen text (1 or 2 tokens; 0 for a finished row) in one 2-token forward
+        r = (lengths - consumed).clamp(min=0, max=2)
+        idx = (consumed[:, None] + st.j_two).clamp(max=text.shape[1] - 1)
+        logits, _ = self.adapter.forward(text.gather(1, idx), c)
+        c.commit(r)
+        consumed += r
+        st.drafts[:, 0] = logits[st.rows, (r - 1).clamp(min=0)].argmax(-1)
+        self._chain(st, K)
+
+    def _capture(self, st, K):
+        import warnings
+
+        from ..fusion import fused, fusion_enabled
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with fused(self.model, fusion_enabled()), torch.cuda.graph(graph):
+                self._body(st, K)
+        except Exception as err:  # noqa: BLE001 -- any capture failure: keep the static path, eagerly
+            st.capture_failed = True
+            warnings.warn(f"draft model: CUDA-graph capture failed ({type(err).__name__}: {err}); its proposals run "
+                          "the static path eagerly", RuntimeWarning, stacklevel=3)
+            st.cache.set_step_tokens(max(K - 1, 0))
+            self._body(st, K)
+            self.last_path = "static"
+            return
+        st.graph = graph
+        graph.replay()  # capturing does not run the work: run this call's proposal
+        self.last_path = "cuda_graph"
+
     def __repr__(self):
         return f"DraftModelDrafter({type(self.model).__name__}, rollback={self.strategy.name!r})"
+
+
+class _StaticDraft:
+    """Buffers of the static draft path for one shape bucket (kept across ``generate()`` calls so a
+    captured graph stays valid)."""
+
+    def __init__(self, key, B, K, width, dev):
+        self.key = key
+        self.cache = None
+        self.graph = None
+        self.capture_failed = False
+        self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        self.consumed = torch.zeros(B, dtype=torch.long, device=dev)
+        self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
+        self.open = torch.zeros(B, max(K - 1, 0), dtype=torch.long, device=dev)
+        self.rows = torch.arange(B, device=dev)
+        self.j_open = torch.arange(max(K - 1, 0), device=dev)[None, :]
+        self.j_two = torch.arange(2, device=dev)[None, :]
