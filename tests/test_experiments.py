@@ -155,7 +155,7 @@ def test_rollback_tiny_run(tmp_path: Path):
                      "replay": 2 * S + (r["mean_committed_tokens"] + 2 * T) * I,
                      "replay_deferred": S + r["flush_rate"] * S + (r["mean_history"] + 2 * T) * I}[r["rollback"]]
         assert r["bytes_per_step_MB"] == pytest.approx(per_layer * L * B / 1e6)
-        extra = {"snapshot": T * S, "ring": T * S, "replay": T * I, "replay_deferred": 16 * I}[r["rollback"]]
+        extra = {"snapshot": T * S, "ring": T * S, "replay": 2 * T * I, "replay_deferred": 16 * I}[r["rollback"]]
         assert r["extra_MiB_per_seq"] == pytest.approx(extra * L / 2**20)
         assert r["max_batch"] == (1 << 30) // (L * (S + extra))
         parts = r["kernel_verify_us"] + r["kernel_commit_us"] + r["kernel_fold_us"]

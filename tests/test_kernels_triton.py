@@ -92,9 +92,12 @@ class DeltaCase:
     def ring(self, ring, head, inp, off, si, out):
         return dr.delta_rule_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_v=self.block)
 
-    def replay(self, ckpt, hist, hist_len, inp, off, si, out):
+    def replay(self, ckpt, hist, hist_len, inp, off, si, out, fused=False):
         return dr.delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self.args(inp), off, si,
-                                           out=out, block_v=self.block)
+                                           fused=fused, out=out, block_v=self.block)
+
+    def commit_fused(self, hist, hist_len, n, si):
+        dr.delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, n, si)
 
     def fold(self, ckpt, hist, n, si):
         dr.delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], n, si, block_v=self.block)
@@ -138,9 +141,12 @@ class Mamba2Case:
     def ring(self, ring, head, inp, off, si, out):
         return m2.mamba2_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_p=self.block)
 
-    def replay(self, ckpt, hist, hist_len, inp, off, si, out):
+    def replay(self, ckpt, hist, hist_len, inp, off, si, out, fused=False):
         return m2.mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self.args(inp), off, si,
-                                       out=out, block_p=self.block)
+                                       fused=fused, out=out, block_p=self.block)
+
+    def commit_fused(self, hist, hist_len, n, si):
+        m2.mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, n, si)
 
     def fold(self, ckpt, hist, n, si):
         m2.mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], self.params["A"], n, si, block_p=self.block)
@@ -356,6 +362,72 @@ def test_replay(op, dims, block, B, calls, dtype, use_si):
             assert_close(ckpt[s], s0[s], TOL[dtype], f"replay fold row {b} (n = 0)")
         else:
             assert_close(ckpt[s], states_ref[b, n[b] - 1], TOL[dtype], f"replay fold row {b} (n = {int(n[b])})")
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
+def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
+    """Fused (eager) replay: the step's first call folds the committed history into the checkpoint,
+    every call appends at T_max + offset, and the commit moves the accepted prefix to 0.. ."""
+    torch.manual_seed(16)
+    case = make_case(op, dims, block)
+    T = sum(calls)
+    T_max = T + 1  # one spare position per half: it must stay intact
+    L = 2 * T_max
+    S, si, rows = _layout(B, use_si, 17)
+    slots = _slots(si, rows)
+    ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
+    hist = case.random_history(S, L)  # positions >= hist_len (committed half) hold garbage that must not count
+    hist_len = torch.randint(0, T_max + 1, (S,), device=DEVICE)
+    hist_len[slots[0]] = 0  # a row with no committed history: its checkpoint must stay bit-exact
+    if len(slots) > 1:
+        hist_len[slots[1]] = T_max
+    ckpt0, hist0, len0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}, hist_len.clone()
+    params = getattr(case, "params", {})
+    s0 = case.op.fold(ckpt, hist, params, hist_len)  # the committed state
+    idx = si.clamp(min=0) if si is not None else slice(None)
+    inps = [case.inputs(B, t, dtype) for t in calls]
+    y_ref, states_ref, replay_ref = reference(case, s0[idx], cat_inputs(inps))
+    off = 0
+    for inp in inps:
+        t = inp[next(iter(inp))].shape[1]
+        y = case.out(inp)
+        case.replay(ckpt, hist, hist_len, inp, off, si, y, fused=True)
+        _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"fused replay y (offset {off})")
+        off += t
+    assert torch.equal(hist_len, len0), "fused replay verify wrote hist_len"
+    _check_untouched_rows(ckpt0, ckpt, slots, "fused replay ckpt")
+    for b, s in zip(rows, slots):
+        if len0[s] == 0:
+            assert torch.equal(ckpt[s], ckpt0[s]), f"row {b}: no committed history, yet the checkpoint changed"
+        else:
+            assert_close(ckpt[s], s0[s], 1e-5, f"row {b}: checkpoint after absorbing {int(len0[s])} tokens")
+    for key in hist:
+        _check_untouched_rows(hist0[key], hist[key], slots, f"fused replay hist {key}")
+        for b, s in zip(rows, slots):
+            assert torch.equal(hist[key][s, :T_max], hist0[key][s, :T_max]), f"row {b}: committed half of {key} changed"
+            assert torch.equal(hist[key][s, T_max + T:], hist0[key][s, T_max + T:]), f"row {b}: {key} written past the step"
+            got, want = hist[key][s, T_max:T_max + T], replay_ref[key][b]
+            if key == "u":
+                assert_close(got, want, TOL[dtype], f"fused replay hist u row {b}")
+            else:
+                assert torch.equal(got, want), f"row {b}: history {key} is not the step's inputs"
+
+    n = _accepted(B, T, 18)
+    ckpt1, hist1 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
+    case.commit_fused(hist, hist_len, n, si)
+    assert torch.equal(ckpt, ckpt1), "fused replay commit touched the checkpoint"
+    _check_untouched_rows(len0, hist_len, slots, "fused replay commit hist_len")
+    for key in hist:
+        _check_untouched_rows(hist1[key], hist[key], slots, f"fused replay commit {key}")
+    state = case.op.fold(ckpt, hist, params, hist_len)
+    for b, s in zip(rows, slots):
+        k = int(n[b])
+        assert int(hist_len[s]) == k, f"row {b}: hist_len {int(hist_len[s])} after committing {k}"
+        for key in hist:
+            assert torch.equal(hist[key][s, :k], hist1[key][s, T_max:T_max + k]), f"row {b}: {key} not moved"
+            assert torch.equal(hist[key][s, k:], hist1[key][s, k:]), f"row {b}: {key} written past the accepted prefix"
+        want = s0[s] if k == 0 else states_ref[b, k - 1]
+        assert_close(state[s], want, TOL[dtype], f"fused replay committed state row {b} (n = {k})")
 
 
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", [p for p in GRID if len(p.values[4]) == 1])

@@ -9,6 +9,8 @@ exits 1 on the first failure.
 
     python tests/triton_sm90_compile.py          # every variant (~1 min)
     python tests/triton_sm90_compile.py --quick  # one variant per kernel (CI)
+    python tests/triton_sm90_compile.py --quick --sass  # + each kernel's order of global loads (LDG),
+                                                        # stores (STG) and barriers (BAR) in its SASS
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 _SEEN: set = set()
 T_LONG = 5  # step tokens of the compiled variants (K = 4)
 COMPILED = []
+SASS = False
 
 
 def _compile_launch(kernel, grid, args, kwargs):
@@ -49,32 +52,46 @@ def _compile_launch(kernel, grid, args, kwargs):
     bound = dict(zip(names, args))
     num_warps = kwargs.pop("num_warps", 4)
     bound.update(kwargs)
-    signature, constexprs = {}, {}
-    for p in params:
+    # the specialisation Triton's JIT applies at a launch: 16-byte aligned pointers and integers
+    # divisible by 16 get a divisibility hint (it enables vector loads), integers equal to 1 become
+    # constants -- without it the register counts printed below differ from the real kernels'
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(params):
         val = bound[p.name]
         if p.is_constexpr or val is None:
             signature[p.name] = "constexpr"
             constexprs[p.name] = val
         elif isinstance(val, torch.Tensor):
             signature[p.name] = "*" + _DTYPES[val.dtype]
+            if val.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(val, bool):
             signature[p.name] = "i1"
         elif isinstance(val, int):
+            if val == 1:
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = 1
+                continue
             signature[p.name] = "i64" if abs(val) >= 2**31 else "i32"
+            if val % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(val, float):
             signature[p.name] = "fp32"
         else:
             raise TypeError(f"{p.name}: {type(val)}")
-    key = (kernel.fn.__name__, tuple(sorted(signature.items())), tuple(sorted((k, str(v)) for k, v in constexprs.items())), num_warps)
+    key = (kernel.fn.__name__, tuple(sorted(signature.items())), tuple(sorted((k, str(v)) for k, v in constexprs.items())),
+           tuple(sorted(attrs)), num_warps)
     if key in _SEEN:
         return
     _SEEN.add(key)
     t0 = time.time()
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     desc = ", ".join(f"{k}={v}" for k, v in constexprs.items() if v is not None and k.isupper())
     print(f"ok  {kernel.fn.__name__:28s} {desc}  warps={num_warps}  {_resource_usage(compiled)}  "
           f"{time.time() - t0:.1f}s", flush=True)
+    if SASS:
+        print(f"    sass: {_sass_summary(compiled)}", flush=True)
     COMPILED.append(key)
 
 
@@ -91,6 +108,28 @@ def _resource_usage(compiled) -> str:
     return f"regs={m.group(1)} smem={m.group(2)} local(spill)={m.group(3)}" if m else ""
 
 
+def _sass_summary(compiled) -> str:
+    """The kernel's global loads / stores and barriers in program order, runs collapsed (LDGx5 = 5 loads)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return "(no cuobjdump)"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    runs = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+        op = next((k for k in ("LDG", "STG", "BAR") if m and m.group(2).startswith(k)), None)
+        if op is None:
+            continue
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(f"{a}x{b}" if b > 1 else a for a, b in runs)
+
+
 def _intercept(kernel):
     def run(*args, grid, warmup, **kwargs):
         _compile_launch(kernel, grid, args, kwargs)
@@ -100,12 +139,14 @@ def _intercept(kernel):
 
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
-           triton_common._ring_commit_kernel, triton_common._replay_commit_lengths_kernel):
+           triton_common._ring_commit_kernel, triton_common._replay_commit_lengths_kernel,
+           triton_common._replay_commit_history_kernel):
     _intercept(_k)
 
 
 def delta_rule_variants(quick: bool):
-    B, T, H, K, V, L = 2, T_LONG, 32, 128, 128, 32
+    B, T, H, K, V = 2, T_LONG, 32, 128, 128
+    L = 2 * T  # a fused replay history (the unfused calls accept any L)
     dt = torch.bfloat16
     for per_channel in ([False] if quick else [False, True]):
         q = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dt)
@@ -124,14 +165,21 @@ def delta_rule_variants(quick: bool):
                 dr.delta_rule_snapshot_verify(s, buf, q, k, v, g, beta, 0, si, block_v=bv)
                 dr.delta_rule_ring_verify(ring, head, q, k, v, g, beta, 0, si, block_v=bv)
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, block_v=bv)
+                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=True, block_v=bv)
+                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 1,
+                                            si, fused=True, block_v=bv)  # a later call of a step
                 dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, block_v=bv)
+                dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
+        if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
+            dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
         triton_common.state_copy_commit(s, buf, hl)
         triton_common.ring_commit(head, hl, T + 1)
         triton_common.replay_commit_lengths(hl, hl, hl.clone(), T, L)
 
 
 def mamba2_variants(quick: bool):
-    B, T, H, P, G, N, L = 2, T_LONG, 128, 64, 8, 128, 32
+    B, T, H, P, G, N = 2, T_LONG, 128, 64, 8, 128
+    L = 2 * T  # a fused replay history (the unfused calls accept any L)
     dt_ = torch.bfloat16
     x = torch.randn(B, T, H, P, dtype=dt_)
     dt = torch.rand(B, T, H, dtype=dt_)
@@ -144,12 +192,22 @@ def mamba2_variants(quick: bool):
     hx, hdt, hB = torch.zeros(B, L, H, P, dtype=dt_), torch.zeros(B, L, H, dtype=dt_), torch.zeros(B, L, G, N, dtype=dt_)
     hl = torch.zeros(B, dtype=torch.long)
     for si in ([None] if quick else [None, torch.arange(B)]):
-        for d, bp in ([(D, None)] if quick else [(D, 16), (D, 32), (None, 32)]):  # the hand-picked blocks
-            m2.mamba2_update(s, x, dt, A, Bm, Cm, d, si, block_p=bp)
-            m2.mamba2_snapshot_verify(s, buf, x, dt, A, Bm, Cm, d, 0, si, block_p=bp)
-            m2.mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, d, 0, si, block_p=bp)
-            m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, block_p=bp)
+        # the two hand-picked launch configs (_launch_config): small batch (BP 16, 4 warps, all
+        # tokens prefetched) and large batch (BP 32, 8 warps, 3-token lookahead)
+        small, large = dict(block_p=16, num_warps=4, prefetch=5), dict(block_p=32, num_warps=8, prefetch=3)
+        for d, tune in ([(D, {})] if quick else [(D, small), (D, large), (None, large)]):
+            m2.mamba2_update(s, x, dt, A, Bm, Cm, d, si, **tune)
+            m2.mamba2_snapshot_verify(s, buf, x, dt, A, Bm, Cm, d, 0, si, **tune)
+            m2.mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, d, 0, si, **tune)
+            m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, **tune)
+            m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=True, **tune)
+            m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x[:, :1], dt[:, :1], A, Bm[:, :1], Cm[:, :1], d, 1, si,
+                                    fused=True, **tune)  # a later call of a step
+            bp = tune.get("block_p")
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=bp)
+            m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
+    if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
+        m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
 
 
 def conv_variants(quick: bool):
@@ -167,7 +225,10 @@ def conv_variants(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one variant per kernel")
+    ap.add_argument("--sass", action="store_true", help="print each kernel's LDG / STG / BAR order")
     args = ap.parse_args(argv)
+    global SASS
+    SASS = args.sass
     t0 = time.time()
     for fn in (delta_rule_variants, mamba2_variants, conv_variants):
         fn(args.quick)

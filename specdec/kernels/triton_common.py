@@ -20,6 +20,7 @@ __all__ = [
     "state_copy_commit",
     "ring_commit",
     "replay_commit_lengths",
+    "replay_commit_history",
 ]
 
 #: the ``state_indices`` value of a padding row: the kernels skip it (vLLM's PAD_SLOT_ID).
@@ -250,4 +251,77 @@ def replay_commit_lengths(hist_len: torch.Tensor, num_tokens: torch.Tensor, fold
     _replay_commit_lengths_kernel[(triton.cdiv(B, BLOCK),)](
         hist_len, num_tokens, fold_tokens, state_indices, max_step_tokens, history, B, BLOCK=BLOCK,
         USE_STATE_INDICES=state_indices is not None, num_warps=num_warps_for(BLOCK),
+    )
+
+
+@triton.jit
+def _move_accepted(h, o, n, E: tl.constexpr, HALF: tl.constexpr):
+    # h: one row of a [*, 2 * HALF, E] history; positions HALF + j -> j for j < n (disjoint ranges)
+    m = o < E
+    vals = ()
+    for j in tl.static_range(HALF):
+        vals = vals + (tl.load(h + (HALF + j) * E + o, mask=m & (j < n)),)
+    for j in tl.static_range(HALF):
+        tl.store(h + j * E + o, vals[j], mask=m & (j < n))
+
+
+@triton.jit
+def _replay_commit_history_kernel(hist_len, num_tokens, state_indices, h0, h1, h2, stride0, stride1, stride2,
+                                  E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, HALF: tl.constexpr,
+                                  BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
+    i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+    n = tl.load(num_tokens + i_b).to(tl.int64)
+    o = i_c * BLOCK + tl.arange(0, BLOCK)
+    _move_accepted(h0 + i_n * stride0, o, n, E0, HALF)
+    _move_accepted(h1 + i_n * stride1, o, n, E1, HALF)
+    _move_accepted(h2 + i_n * stride2, o, n, E2, HALF)
+    if i_c == 0:  # nothing in this launch reads hist_len, so one program may write it
+        tl.store(hist_len + i_n, n.to(hist_len.dtype.element_ty))
+
+
+def replay_commit_history(hist_len: torch.Tensor, hist: tuple, num_tokens: torch.Tensor,
+                          state_indices: torch.Tensor | None = None) -> None:
+    """Commit of fused replay in one launch (no state traffic): per row b with slot i, move the
+    first ``num_tokens[b]`` positions of the step's half of each history tensor (positions
+    ``T_max ..``) to positions ``0 ..`` and set ``hist_len[i] = num_tokens[b]``.
+
+    Args:
+        hist_len: ``[num_slots]`` int, written (never read: the launch needs no ordering
+            between its programs).
+        hist: three ``[num_slots, 2 * T_max, ...]`` tensors with contiguous rows (the op's
+            replay history; any dtypes).
+        num_tokens: ``[B]`` int in ``[0, T_max]`` (not checked on device).
+        state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+
+    Raises:
+        ValueError: on a history of odd length, mismatched lengths or non-contiguous rows.
+    """
+    B = num_tokens.shape[0]
+    check_state_indices(state_indices, B)
+    if len(hist) != 3:
+        raise ValueError(f"expected the three history tensors of a replay store, got {len(hist)}")
+    L = hist[0].shape[1]
+    for t in hist:
+        if t.dim() < 2 or t.shape[1] != L or not t[0].is_contiguous() or t.shape[0] != hist[0].shape[0]:
+            raise ValueError(f"history tensors must be [num_slots, L, ...] with contiguous rows and one L; got "
+                             f"{[tuple(h.shape) for h in hist]}")
+    if L % 2:
+        raise ValueError(f"a fused replay history holds 2 * T_max positions; got L = {L}")
+    if state_indices is None and B > hist_len.shape[0]:
+        raise ValueError(f"num_tokens has {B} rows but hist_len holds {hist_len.shape[0]}")
+    E = [t[0, 0].numel() for t in hist]
+    if B == 0:
+        return
+    # a copy of at most T_max x 16 KiB per program; 4 warps issue 16-byte vectors (fp32)
+    BLOCK = min(1024, next_pow2(max(E)))
+    _replay_commit_history_kernel[(triton.cdiv(max(E), BLOCK), B)](
+        hist_len, num_tokens, state_indices, *hist, *(t.stride(0) for t in hist),
+        E0=E[0], E1=E[1], E2=E[2], HALF=L // 2, BLOCK=BLOCK, USE_STATE_INDICES=state_indices is not None,
+        num_warps=num_warps_for(BLOCK),
     )

@@ -13,12 +13,19 @@ are ``[B, t, ...]`` as the op's ``verify`` takes them:
 * ``snapshot_commit(live, buf, num_tokens [B])``: ``live[b] = buf[b, n-1]`` where n > 0.
 * ``ring_verify(ring [B,R,*S], head [B], inputs, params, offset) -> y``: start from slot
   ``(head+offset) % R``; write s^(offset+1+j) into slot ``(head+offset+1+j) % R``.
+* ``ring_commit(head, num_tokens, R)`` (optional): ``head = (head + num_tokens) % R`` in one launch.
 * ``replay_verify(ckpt [B,*S], hist {key: [B,L,...]}, hist_len [B], inputs, params, offset) -> y``:
   outputs from ``ckpt`` advanced by the first ``hist_len[b] + offset`` cached tokens; append this
   call's replay inputs (``op.replay_spec``) at positions ``hist_len[b] + offset + j``; ``ckpt``
   is not written.
 * ``replay_fold(ckpt, hist, params, num_tokens [B])``: ``ckpt[b]`` advanced by the first
   ``num_tokens[b]`` cached tokens, in place.
+* optional, eager replay with the fold fused into the next verify (``L = 2 T_max``):
+  ``replay_verify(..., offset, fused=True)``: the step's first call (offset 0) folds the first
+  ``hist_len[b]`` cached tokens into ``ckpt`` in place; outputs from ``ckpt`` advanced by the
+  step's first ``offset`` tokens (positions ``T_max ..``); appends at ``T_max + offset + j``.
+  ``replay_commit(hist, hist_len, num_tokens)``: move positions ``T_max .. T_max + n - 1`` to
+  ``0 .. n - 1`` and set ``hist_len = num_tokens`` (no state traffic).
 """
 
 from __future__ import annotations

@@ -3,12 +3,18 @@
 Verify computes the step's outputs from the current state and writes no state; it appends the
 step's per-token replay inputs (Mamba-2: x, dt, B; GDN/KDA: k, g and the corrected value u) to
 a per-sequence input history of length L. Commit of n tokens extends the committed history by
-n; the checkpoint absorbs the history ("fold") either at once (``deferred=False``: L = T_max)
+n; the checkpoint absorbs the history ("fold") either at once (``deferred=False``: L = 2 T_max)
 or only when the next step could overflow the history (``deferred=True``: L >= 3 T_max, a power
 of two), as ReplaySSM (dao-lab.ai, 2026) and FlashInfer's ``checkpointing_ssu`` do.
 
-In this torch reference the current state is materialised by folding the history before each
-verify; the Triton kernels fold in registers instead.
+Between steps the committed state is always ``fold(ckpt, hist[:, :hist_len])``. In this torch
+reference it is materialised before each verify; the Triton kernels fold in registers instead.
+With fused kernels (``op.kernels.replay_commit``), eager replay runs the fold *inside the next
+verify*: the step's first verify call folds the committed history into the checkpoint in place
+(one state read + one write per step, as a plain update) and appends the step's inputs at
+positions ``T_max ..``; the commit then only moves the accepted prefix to positions ``0 ..``
+(one launch, no state traffic). A forward of such a step must be closed by a commit (commit
+zero tokens to discard it): the checkpoint already holds the step's starting state.
 """
 
 from __future__ import annotations
@@ -41,10 +47,18 @@ class ReplayRollback(RollbackStrategy):
         self.deferred = bool(deferred)
         self.history = history
 
+    def _fused(self, op) -> bool:
+        """Eager replay on fused kernels: the commit's fold runs inside the next verify."""
+        return not self.deferred and op.kernels is not None and hasattr(op.kernels, "replay_commit")
+
+    def _check_tree_step(self, store, t):
+        store.replay_fused_step = False  # a tree step runs the torch path: it commits the unfused way
+        super()._check_tree_step(store, t)
+
     def _length(self, store: LayerStore) -> int:
         T = store.max_step_tokens
         if not self.deferred:
-            return T
+            return 2 * T  # fused kernels append the step at positions T_max .. (the committed prefix stays in place)
         L = self.history or _next_pow2(3 * T)
         if L < 2 * T:
             raise ValueError(f"deferred replay history {L} must be >= 2 * (num_speculative_tokens + 1) = {2 * T}")
@@ -56,6 +70,7 @@ class ReplayRollback(RollbackStrategy):
         store.tensors["hist_len"] = torch.zeros(ckpt.shape[0], dtype=torch.long, device=ckpt.device)
         store.tensors["hist"] = None  # allocated on first verify, when the input shapes are known
         store.step_tokens = 0
+        store.replay_fused_step = False
 
     def _hist(self, store, op, inputs: dict):
         hist = store.tensors["hist"]
@@ -71,8 +86,8 @@ class ReplayRollback(RollbackStrategy):
 
     def state(self, store, op, params):
         hist = store.tensors["hist"]
-        if hist is None:
-            return store.tensors["ckpt"]
+        if hist is None or (store.step_tokens and getattr(store, "replay_fused_step", False)):
+            return store.tensors["ckpt"]  # (an open fused step: its first verify folded the history in)
         return op.fold(store.tensors["ckpt"], hist, params, store.tensors["hist_len"])
 
     def verify(self, store, op, inputs, params):
@@ -85,7 +100,10 @@ class ReplayRollback(RollbackStrategy):
         pos = hist_len[:, None] + j + torch.arange(t, device=hist_len.device)[None, :]  # [B, t]
         if debug_enabled():
             check_index_bounds("replay history slot", pos, L, store)
-        if op.kernels is not None:
+        if self._fused(op):
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j, fused=True)
+            store.replay_fused_step = True
+        elif op.kernels is not None:
             y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j)
         else:
             s0 = op.fold(ckpt, hist, params, hist_len + j)
@@ -131,6 +149,14 @@ class ReplayRollback(RollbackStrategy):
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
         hist_len = store.tensors["hist_len"]
+        if store.step_tokens and getattr(store, "replay_fused_step", False):
+            # the step's verify already folded the committed history into the checkpoint: keep the
+            # accepted prefix of the step's inputs as the new committed history (one launch)
+            op.kernels.replay_commit(store.tensors["hist"], hist_len, num_tokens)
+            store.step_tokens = 0
+            if debug_enabled():
+                check_finite(self.state(store, op, params), store)
+            return
         hist_len += num_tokens
         hist = store.tensors["hist"]
         if hist is not None:
@@ -152,5 +178,5 @@ class ReplayRollback(RollbackStrategy):
             check_finite(self.state(store, op, params), store)
 
     def extra_state_bytes(self, state_bytes, max_step_tokens, input_bytes_per_token):
-        L = (self.history or _next_pow2(3 * max_step_tokens)) if self.deferred else max_step_tokens
+        L = (self.history or _next_pow2(3 * max_step_tokens)) if self.deferred else 2 * max_step_tokens
         return L * input_bytes_per_token

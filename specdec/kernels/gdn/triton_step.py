@@ -13,10 +13,19 @@ stays in registers across the step's tokens; the key dim is whole in the block b
 * ``OVERWRITE`` (no rollback, the benchmark floor): the final state overwrites the state.
 * ``SNAPSHOT``: s^(offset+1+j) goes to ``buf[:, offset+j]``.
 * ``RING``: start at slot ``(head+offset) % R``; s^(offset+1+j) goes to slot ``(head+offset+1+j) % R``.
-* ``REPLAY``: start at the checkpoint folded (in registers) with the first ``hist_len+offset``
-  cached ``(k, g, u)``; write no state, append this call's ``(k, g, u)`` to the history.
+* ``REPLAY``: start at the checkpoint advanced by the cached ``(k, g, u)`` of the committed
+  history; write no step state, append this call's ``(k, g, u)`` to the history. Two protocols
+  (:func:`delta_rule_replay_verify`): *fused* (eager replay) folds the committed history into
+  the checkpoint in the step's first call -- the fold of the last commit fused into this verify,
+  so a step reads and writes the state once (2S, like the no-rollback update) and its commit
+  only moves the accepted tokens' inputs (:func:`delta_rule_replay_commit`); *unfused*
+  (deferred replay) folds in registers only and flushes with :func:`delta_rule_replay_fold`.
 
-A second kernel folds the first ``num_tokens`` cached tokens into the checkpoint (replay commit).
+Latency: a program requests every input it will need -- the T tokens' ``q, k, v, g, beta``, the
+cached history and the state block -- before its first arithmetic, so it waits for memory once
+rather than once per token (the per-token loads used to sit behind the ``S^T k`` reductions'
+barriers, which made the verify latency-bound at 23% of DRAM bandwidth).
+
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
 none is autotuned: the kernels update state in place, and an autotuner would run them several
@@ -29,7 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit, step_state_args
+from ..triton_common import (
+    check_state,
+    check_state_indices,
+    next_pow2,
+    num_warps_for,
+    replay_commit_history,
+    ring_commit,
+    state_copy_commit,
+    step_state_args,
+)
 
 __all__ = [
     "delta_rule_update",
@@ -37,6 +55,7 @@ __all__ = [
     "delta_rule_ring_verify",
     "delta_rule_replay_verify",
     "delta_rule_replay_fold",
+    "delta_rule_replay_commit",
     "DeltaRuleKernels",
 ]
 
@@ -45,37 +64,76 @@ OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
-def _fold_cached(
-    b_s,
-    h_k,
-    h_g,
-    h_u,
-    n,
-    i_h,
-    o_k,
-    o_v,
-    m_k,
-    m_v,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
-):
-    # b_s: [BK, BV] fp32 block; h_k / h_g / h_u point at this row's history, position 0;
-    # positions are H*K (k, per-channel g), H (per-head g) and H*V (u) elements apart.
-    # a while loop, not range(n): n is read from memory (and Triton's interpreter cannot take a
-    # tensor bound for range with numpy >= 2.4)
-    i = 0
-    while i < n:
-        b_k = tl.load(h_k + i * H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_u = tl.load(h_u + i * H * V + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+def _token_inputs(q, k, v, g, beta, i_t, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    # one token's inputs for head i_h, in their own dtype (converted to fp32 at use)
+    b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0)
+    b_beta = tl.load(beta + i_t * H + i_h)
+    if PER_CHANNEL:
+        b_g = tl.load(g + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    else:
+        b_g = tl.load(g + i_t * H + i_h)
+    return b_q, b_k, b_v, b_g, b_beta
+
+
+@triton.jit
+def _hist_item(h_k, h_g, h_u, pos, ok, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, PER_CHANNEL: tl.constexpr, MASKED: tl.constexpr):
+    # cached (k, g, u) at history position pos (h_* point at the row's position 0). MASKED: the
+    # loads are predicated on ok (no traffic for absent items); else they are issued without
+    # waiting for ok (pos must be in bounds) and absent items are zeroed afterwards.
+    if MASKED:
+        b_k = tl.load(h_k + pos * (H * K) + i_h * K + o_k, mask=m_k & ok, other=0.0)
+        b_u = tl.load(h_u + pos * (H * V) + i_h * V + o_v, mask=m_v & ok, other=0.0)
         if PER_CHANNEL:
-            b_g = tl.load(h_g + i * H * K + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_g = tl.load(h_g + pos * (H * K) + i_h * K + o_k, mask=m_k & ok, other=0.0)
+        else:
+            b_g = tl.load(h_g + pos * H + i_h, mask=ok, other=0.0)
+    else:
+        b_k = tl.load(h_k + pos * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+        b_u = tl.load(h_u + pos * (H * V) + i_h * V + o_v, mask=m_v, other=0.0)
+        if PER_CHANNEL:
+            b_g = tl.load(h_g + pos * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
+        else:
+            b_g = tl.load(h_g + pos * H + i_h)
+    return b_k, b_g, b_u
+
+
+@triton.jit
+def _fold_cached(b_s, h_k, h_g, h_u, base, cnt, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, PER_CHANNEL: tl.constexpr, NMAX: tl.constexpr, LA: tl.constexpr,
+                 MASKED: tl.constexpr):
+    # b_s: [BK, BV] fp32 block; apply the cached tokens at positions base .. base + cnt - 1
+    # (cnt <= NMAX, runtime) in order. Unrolled NMAX times with LA items of loads in flight ahead
+    # of the arithmetic (one memory round trip instead of one per token); an item i >= cnt is
+    # applied as (k, u, g) = 0, which leaves b_s bit-exact (b_s * exp(0) + 0 * 0).
+    hk = ()
+    hg = ()
+    hu = ()
+    for i in tl.static_range(LA):
+        if i < NMAX:
+            a_k, a_g, a_u = _hist_item(h_k, h_g, h_u, base + i, i < cnt, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                       PER_CHANNEL, MASKED)
+            hk = hk + (a_k,)
+            hg = hg + (a_g,)
+            hu = hu + (a_u,)
+    for i in tl.static_range(NMAX):
+        if i + LA < NMAX:
+            a_k, a_g, a_u = _hist_item(h_k, h_g, h_u, base + i + LA, i + LA < cnt, i_h, o_k, o_v, m_k, m_v, H, K,
+                                       V, PER_CHANNEL, MASKED)
+            hk = hk + (a_k,)
+            hg = hg + (a_g,)
+            hu = hu + (a_u,)
+        ok = i < cnt
+        b_k = tl.where(ok, hk[i].to(tl.float32), 0.0)
+        b_u = tl.where(ok, hu[i].to(tl.float32), 0.0)
+        b_g = tl.where(ok, hg[i].to(tl.float32), 0.0)
+        if PER_CHANNEL:
             b_s = b_s * tl.exp(b_g)[:, None] + b_k[:, None] * b_u[None, :]
         else:
-            b_g = tl.load(h_g + i * H + i_h).to(tl.float32)
             b_s = b_s * tl.exp(b_g) + b_k[:, None] * b_u[None, :]
-        i += 1
     return b_s
 
 
@@ -87,7 +145,7 @@ def _delta_rule_step_kernel(
     g,  # [B, T, H] or [B, T, H, K]
     beta,  # [B, T, H]
     o,  # [B, T, H, V] output
-    s_src,  # source state: [N, H, K, V] (or a ring [N, R, H, K, V])
+    s_src,  # source state: [N, H, K, V] (or a ring [N, R, H, K, V]); REPLAY: the checkpoint
     s_dst,  # destination: state (OVERWRITE), buf [N, T_max, ...] (SNAPSHOT) or the ring
     head,  # [N] ring heads (RING)
     hist_len,  # [N] committed history lengths (REPLAY)
@@ -113,16 +171,13 @@ def _delta_rule_step_kernel(
     MODE: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    FUSED: tl.constexpr,  # REPLAY: fused-fold protocol (module docstring)
+    FIRST: tl.constexpr,  # offset == 0
+    HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
+    PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
-            return
-    else:
-        i_n = i_b
-
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -130,31 +185,83 @@ def _delta_rule_step_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     o_kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one state
 
+    # the first PREFETCH tokens' inputs are requested before anything else (they depend on no
+    # load), so they travel together with the state block: one memory round trip, not one per token
+    tq = ()
+    tk = ()
+    tv = ()
+    tg = ()
+    tb = ()
+    for j in tl.static_range(PREFETCH):
+        if j < T:
+            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                                    PER_CHANNEL)
+            tq = tq + (a_q,)
+            tk = tk + (a_k,)
+            tv = tv + (a_v,)
+            tg = tg + (a_g,)
+            tb = tb + (a_b,)
+
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
+
     if MODE == RING:
         i_head = tl.load(head + i_n).to(tl.int64)
         p_s0 = s_src + i_n * stride_src_n + ((i_head + offset) % R) * stride_src_t
     else:
         p_s0 = s_src + i_n * stride_src_n
-    b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
 
     if MODE == REPLAY:
-        n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
-        b_s = _fold_cached(
-            b_s, h_k + i_n * stride_hk_n, h_g + i_n * stride_hg_n, h_u + i_n * stride_hu_n,
-            n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL,
-        )
+        p_hk = h_k + i_n * stride_hk_n
+        p_hg = h_g + i_n * stride_hg_n
+        p_hu = h_u + i_n * stride_hu_n
+        if FUSED:
+            if FIRST:
+                # history positions 0 .. T_max - 1 are requested with the state (addresses known
+                # up front); the committed length decides afterwards which of them count
+                n_prev = tl.load(hist_len + i_n).to(tl.int64)
+                b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+                b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, 0, n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                   PER_CHANNEL, HALF, HALF, False)
+                if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
+                    tl.debug_barrier()  # in place: every thread has read its block before any writes back
+                    tl.store(p_s0 + o_kv, b_s, mask=m_kv)
+            else:  # the checkpoint is s^(0) (the step's first call absorbed); this step's first offset tokens
+                b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+                b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, HALF, offset, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                   PER_CHANNEL, HALF, HALF, False)
+            pos0 = HALF + offset
+        else:
+            n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
+            b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+            b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, 0, n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL,
+                               HALF, 4, True)
+            pos0 = n_prev
+    else:
+        b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
 
-    for j in tl.static_range(T):  # T <= K + 1 is small: unrolled, so input loads can be issued early
+    for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
+        if j + PREFETCH < T:
+            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j + PREFETCH, i_h, o_k, o_v, m_k,
+                                                    m_v, H, K, V, PER_CHANNEL)
+            tq = tq + (a_q,)
+            tk = tk + (a_k,)
+            tv = tv + (a_v,)
+            tg = tg + (a_g,)
+            tb = tb + (a_b,)
         i_t = i_b * T + j  # token row in the flattened [B * T]
-        b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + i_t * H + i_h).to(tl.float32)
+        b_q = tq[j].to(tl.float32)
+        b_k = tk[j].to(tl.float32)
+        b_v = tv[j].to(tl.float32)
+        b_g = tg[j].to(tl.float32)
+        b_beta = tb[j].to(tl.float32)
         if PER_CHANNEL:
-            b_g = tl.load(g + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_s = b_s * tl.exp(b_g)[:, None]
         else:
-            b_g = tl.load(g + i_t * H + i_h).to(tl.float32)
             b_s = b_s * tl.exp(b_g)
         b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s = b_s + b_k[:, None] * b_u[None, :]
@@ -168,17 +275,14 @@ def _delta_rule_step_kernel(
             p_s = s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t
             tl.store(p_s + o_kv, b_s, mask=m_kv)
         elif MODE == REPLAY:
-            pos = n_prev + j
-            p_u = h_u + i_n * stride_hu_n + pos * H * V + i_h * V + o_v
-            tl.store(p_u, b_u.to(h_u.dtype.element_ty), mask=m_v)
+            pos = pos0 + j
+            tl.store(p_hu + pos * H * V + i_h * V + o_v, b_u.to(h_u.dtype.element_ty), mask=m_v)
             if i_v == 0:  # k and g are shared by every value block: one program writes them
-                p_k = h_k + i_n * stride_hk_n + pos * H * K + i_h * K + o_k
-                tl.store(p_k, b_k.to(h_k.dtype.element_ty), mask=m_k)
+                tl.store(p_hk + pos * H * K + i_h * K + o_k, tk[j].to(h_k.dtype.element_ty), mask=m_k)
                 if PER_CHANNEL:
-                    p_g = h_g + i_n * stride_hg_n + pos * H * K + i_h * K + o_k
-                    tl.store(p_g, b_g.to(h_g.dtype.element_ty), mask=m_k)
+                    tl.store(p_hg + pos * H * K + i_h * K + o_k, tg[j].to(h_g.dtype.element_ty), mask=m_k)
                 else:
-                    tl.store(h_g + i_n * stride_hg_n + pos * H + i_h, b_g.to(h_g.dtype.element_ty))
+                    tl.store(p_hg + pos * H + i_h, tg[j].to(h_g.dtype.element_ty))
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
@@ -202,6 +306,7 @@ def _delta_rule_fold_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    L: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
@@ -225,7 +330,7 @@ def _delta_rule_fold_kernel(
     b_s = tl.load(p_s, mask=m_kv, other=0.0)
     b_s = _fold_cached(
         b_s, h_k + i_n * stride_hk_n, h_g + i_n * stride_hg_n, h_u + i_n * stride_hu_n,
-        n, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL,
+        0, n, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL, L, 4, True,
     )
     tl.debug_barrier()  # in place: every thread has read its block before any writes back
     tl.store(p_s, b_s, mask=m_kv)
@@ -235,19 +340,30 @@ def _delta_rule_fold_kernel(
 # launch
 
 
-def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None):
+def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = None, num_warps: int | None = None):
     """Hand-picked (BK, BV, num_warps); see the module docstring for why not autotuned.
 
     BK covers the whole key dim (the ``S^T k`` reduction runs over it). BV = 32 makes a
-    128 x 32 fp32 block (16 KiB, 32 registers per thread at 4 warps) and 4 * B * H programs;
-    when that is under ~1024 programs (small batch, < 8 per SM on an H200) BV = 16 doubles
-    the programs, because at small batch the step is latency-bound, not bandwidth-bound.
+    128 x 32 fp32 block (16 KiB, 32 state registers per thread at 4 warps) and 4 * B * H
+    programs; when that is under ~1024 programs (small batch, < 8 per SM on an H200) BV = 16
+    doubles the programs, because at small batch the step is latency-bound, not bandwidth-bound.
+    4 warps, not 8: with 8 the ``S^T k`` reduction spans 8 warps and, at the ~120 registers the
+    prefetched inputs need (``PREFETCH_TOKENS``), only 2 programs (32 KiB of state) fit an SM
+    instead of 4 (64 KiB in flight). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
+    timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
     """
     BK = next_pow2(K)
     if block_v is None:
         block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
     BV = min(next_pow2(block_v), next_pow2(V))
-    return BK, BV, num_warps_for(BK * BV)
+    return BK, BV, num_warps or num_warps_for(BK * BV)
+
+
+#: tokens whose inputs a program requests before its first arithmetic (all of them up to K = 4):
+#: without it every token's loads were issued only after the previous token's reduction barriers
+#: (one DRAM round trip per token, visible in the SASS); beyond 5 the registers (~170 at T = 9
+#: for fused replay) would cost occupancy, and a 5-token lookahead already covers the latency.
+PREFETCH_TOKENS = 5
 
 
 def _prepare(q, k, v, g, beta, out):
@@ -281,15 +397,24 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
             raise ValueError(f"{name} must be [N, L, ...] = {shape} with contiguous rows, got {tuple(t.shape)}")
 
 
-def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None,
-          state_indices=None, out=None, block_v=None, src_lead=1, dst_lead=1):
+def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
+          state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
     h_k = h_g = h_u = None
+    half = 1
     if hist is not None:
         h_k, h_g, h_u = hist
         _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
+        L = h_k.shape[1]
+        if fused:
+            if L % 2 or offset < 0 or offset + T > L // 2:
+                raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
+                                 f"got L = {L}, offset {offset} + {T} tokens")
+            half = L // 2
+        else:
+            half = L
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
-    BK, BV, num_warps = _launch_config(B, H, K, V, block_v)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps)
     if B == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
@@ -302,6 +427,8 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         *strides,
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
+        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
+        PREFETCH=min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
         num_warps=num_warps,
     )
     return out
@@ -315,7 +442,8 @@ _COMMON_ARGS = """
             ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
             None means row b uses slot b.
         out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
-        block_v: override the value-block width (testing / tuning only).
+        block_v, num_warps, prefetch: override the value-block width, the warps per program and
+            the tokens whose inputs are loaded ahead (testing / tuning only).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
@@ -331,17 +459,17 @@ def _with_common_args(fn):
 
 
 @_with_common_args
-def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, block_v=None):
+def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
     Args:
         state: ``[N, H, K, V]`` fp32, updated in place.
     """
-    return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, block_v=block_v)
+    return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, **tune)
 
 
 @_with_common_args
-def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, block_v=None):
+def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -354,11 +482,11 @@ def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indi
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {q.shape[1]} tokens")
     src, src_lead = (live, 1) if offset == 0 else (buf[:, offset - 1], 1)
     return _step(SNAPSHOT, src, buf, q, k, v, g, beta, offset=offset, state_indices=state_indices, out=out,
-                 block_v=block_v, src_lead=src_lead, dst_lead=2)
+                 src_lead=src_lead, dst_lead=2, **tune)
 
 
 @_with_common_args
-def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, block_v=None):
+def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -372,30 +500,57 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
     if offset + q.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {q.shape[1]} step states")
     return _step(RING, ring, ring, q, k, v, g, beta, offset=offset, head=head, state_indices=state_indices,
-                 out=out, block_v=block_v, src_lead=2, dst_lead=2)
+                 out=out, src_lead=2, dst_lead=2, **tune)
 
 
 @_with_common_args
 def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
-                             *, out=None, block_v=None):
-    """Replay verify: outputs from the checkpoint folded with the cached history; write no state.
+                             *, fused=False, out=None, **tune):
+    """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
-    The state before the call is ``ckpt`` advanced by the first ``hist_len[n] + offset`` cached
-    ``(k, g, u)`` of the row's history (folded in registers); this call's ``(k, g, u)`` are
-    appended at positions ``hist_len[n] + offset + j`` (u = beta (v - S^T k), the corrected value).
+    Both protocols start from the committed state ``ckpt[n]`` advanced by the first
+    ``hist_len[n]`` cached ``(k, g, u)`` of the slot's history (u = beta (v - S^T k), the
+    corrected value), then by this step's first ``offset`` tokens.
+
+    * ``fused=False`` (deferred replay): everything is folded in registers, ``ckpt`` is read
+      only; this call's ``(k, g, u)`` are appended at positions ``hist_len + offset + j``.
+      Requires ``hist_len + offset + T <= L`` (not checked on device). Commit:
+      :func:`specdec.kernels.triton_common.replay_commit_lengths` + :func:`delta_rule_replay_fold`.
+    * ``fused=True`` (eager replay, the fold fused into the next verify): the history has
+      ``L = 2 T_max`` positions and ``hist_len <= T_max``. The step's first call (``offset ==
+      0``) folds the committed history into ``ckpt`` in place (the one state write of the step:
+      the checkpoint becomes s^(0)); every call appends its ``(k, g, u)`` at positions
+      ``T_max + offset + j``. Commit: :func:`delta_rule_replay_commit` (moves the accepted
+      prefix to positions ``0 ..`` and sets ``hist_len``; no state traffic). Requires ``offset
+      + T <= T_max``.
 
     Args:
-        ckpt: ``[N, H, K, V]`` fp32 checkpoint (read only).
+        ckpt: ``[N, H, K, V]`` fp32 checkpoint.
         hist_k: ``[N, L, H, K]``; hist_g: ``[N, L, H]`` or ``[N, L, H, K]``; hist_u: ``[N, L, H, V]``
-            (any float dtype; fp32 keeps replay exact for u); requires
-            ``hist_len + offset + T <= L`` (not checked on device).
-        hist_len: ``[N]`` int committed history length per slot.
+            (any float dtype; fp32 keeps replay exact for u).
+        hist_len: ``[N]`` int committed history length per slot (read only).
+        fused: the protocol (above).
     """
     return _step(REPLAY, ckpt, None, q, k, v, g, beta, offset=offset, hist=(hist_k, hist_g, hist_u),
-                 hist_len=hist_len, state_indices=state_indices, out=out, block_v=block_v)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, **tune)
 
 
-def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices=None, *, block_v=None):
+def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None):
+    """Commit of fused replay (one launch, no state traffic): per row, the first ``num_tokens[b]``
+    tokens the step appended (positions ``T_max ..``) move to positions ``0 ..`` and
+    ``hist_len[n] = num_tokens[b]``; the checkpoint already holds s^(0) (the verify folded it).
+
+    Args:
+        hist_k, hist_g, hist_u: the ``L = 2 T_max`` history of :func:`delta_rule_replay_verify`.
+        hist_len: ``[N]`` int, written.
+        num_tokens: ``[B]`` int in ``[0, T_max]`` (not checked on device).
+        state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+    """
+    replay_commit_history(hist_len, (hist_k, hist_g, hist_u), num_tokens, state_indices)
+
+
+def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices=None, *, block_v=None,
+                           num_warps=None):
     """Replay commit / deferred flush: ``ckpt[n]`` advanced by its first ``num_tokens[b]`` cached tokens.
 
     Args:
@@ -413,14 +568,14 @@ def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indic
     _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel)
     B = num_tokens.shape[0]
     check_state_indices(state_indices, B)
-    BK, BV, num_warps = _launch_config(B, H, K, V, block_v)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps)
     if B == 0:
         return
     _delta_rule_fold_kernel[(triton.cdiv(V, BV), B * H)](
         ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices,
         ckpt.stride(0), hist_k.stride(0), hist_g.stride(0), hist_u.stride(0),
-        H=H, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel, USE_STATE_INDICES=state_indices is not None,
-        num_warps=num_warps,
+        H=H, K=K, V=V, BK=BK, BV=BV, L=hist_k.shape[1], PER_CHANNEL=per_channel,
+        USE_STATE_INDICES=state_indices is not None, num_warps=num_warps,
     )
 
 
@@ -454,8 +609,15 @@ class DeltaRuleKernels:
     def ring_verify(self, ring, head, inputs, params, offset):
         return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset)
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset):
-        return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset)
+    def ring_commit(self, head, num_tokens, ring_size):
+        ring_commit(head, num_tokens, ring_size)
+
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False):
+        return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
+                                        fused=fused)
+
+    def replay_commit(self, hist, hist_len, num_tokens):
+        delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens)
 
     def replay_fold(self, ckpt, hist, params, num_tokens):
         delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], num_tokens)

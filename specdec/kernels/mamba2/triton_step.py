@@ -12,10 +12,16 @@ stays in registers across the step's tokens. One kernel serves every rollback st
 * ``OVERWRITE`` (no rollback, the benchmark floor): the final state overwrites the state.
 * ``SNAPSHOT``: s^(offset+1+j) goes to ``buf[:, offset+j]``.
 * ``RING``: start at slot ``(head+offset) % R``; s^(offset+1+j) goes to slot ``(head+offset+1+j) % R``.
-* ``REPLAY``: start at the checkpoint folded (in registers) with the first ``hist_len+offset``
-  cached ``(x, dt, B)``; write no state, append this call's ``(x, dt, B)`` to the history.
+* ``REPLAY``: start at the checkpoint advanced by the cached ``(x, dt, B)`` of the committed
+  history; write no step state, append this call's ``(x, dt, B)``. Fused (eager replay): the
+  step's first call folds the committed history into the checkpoint (the last commit's fold,
+  fused into this verify: one state read + one write per step) and the commit only moves the
+  accepted tokens' inputs (:func:`mamba2_replay_commit`); unfused (deferred replay): folded in
+  registers only, flushed by :func:`mamba2_replay_fold`. See :mod:`specdec.kernels.gdn.triton_step`.
 
-A second kernel folds the first ``num_tokens`` cached tokens into the checkpoint (replay commit).
+A program requests the next tokens' inputs (``prefetch`` of them), the cached history and its
+state block before its first arithmetic, so memory latency is paid about once per program
+rather than once per token (the loads used to wait behind the previous token's barriers).
 States are fp32 ``[num_slots, H, P, N]``; inputs may be fp32/bf16/fp16 and are computed in
 fp32. No host sync, no state-sized allocation (CUDA-graph safe), no autotuning (the kernels
 update state in place; launch parameters are chosen by hand in :func:`_launch_config`).
@@ -27,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check_state, check_state_indices, next_pow2, num_warps_for, state_copy_commit, step_state_args
+from ..triton_common import (
+    check_state,
+    check_state_indices,
+    next_pow2,
+    num_warps_for,
+    replay_commit_history,
+    ring_commit,
+    state_copy_commit,
+    step_state_args,
+)
 
 __all__ = [
     "mamba2_update",
@@ -35,6 +50,7 @@ __all__ = [
     "mamba2_ring_verify",
     "mamba2_replay_verify",
     "mamba2_replay_fold",
+    "mamba2_replay_commit",
     "Mamba2Kernels",
 ]
 
@@ -43,33 +59,61 @@ OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
-def _fold_cached(
-    b_h,
-    h_x,
-    h_dt,
-    h_B,
-    n,
-    b_A,
-    i_h,
-    i_g,
-    o_p,
-    o_n,
-    m_p,
-    m_n,
-    H: tl.constexpr,
-    P: tl.constexpr,
-    N: tl.constexpr,
-    G: tl.constexpr,
-):
-    # b_h: [BP, BN] fp32; h_x / h_dt / h_B point at this row's history, position 0;
-    # positions are H*P (x), H (dt) and G*N (B) elements apart.
-    i = 0
-    while i < n:  # a while loop: n is read from memory (see gdn/triton_step.py)
-        b_x = tl.load(h_x + i * H * P + i_h * P + o_p, mask=m_p, other=0.0).to(tl.float32)
-        b_dt = tl.load(h_dt + i * H + i_h).to(tl.float32)
-        b_B = tl.load(h_B + i * G * N + i_g * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+def _token_inputs(x, dt, Bm, Cm, i_t, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr, P: tl.constexpr,
+                  N: tl.constexpr, G: tl.constexpr):
+    # one token's inputs for head i_h (group i_g), in their own dtype (converted to fp32 at use)
+    b_x = tl.load(x + (i_t * H + i_h) * P + o_p, mask=m_p, other=0.0)
+    b_dt = tl.load(dt + i_t * H + i_h)
+    b_B = tl.load(Bm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0)
+    b_C = tl.load(Cm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0)
+    return b_x, b_dt, b_B, b_C
+
+
+@triton.jit
+def _hist_item(h_x, h_dt, h_B, pos, ok, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr, P: tl.constexpr,
+               N: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
+    # cached (x, dt, B) at history position pos (h_* point at the row's position 0); MASKED as in
+    # gdn/triton_step.py: predicated loads, or loads issued at once and absent items zeroed later
+    if MASKED:
+        b_x = tl.load(h_x + pos * (H * P) + i_h * P + o_p, mask=m_p & ok, other=0.0)
+        b_dt = tl.load(h_dt + pos * H + i_h, mask=ok, other=0.0)
+        b_B = tl.load(h_B + pos * (G * N) + i_g * N + o_n, mask=m_n & ok, other=0.0)
+    else:
+        b_x = tl.load(h_x + pos * (H * P) + i_h * P + o_p, mask=m_p, other=0.0)
+        b_dt = tl.load(h_dt + pos * H + i_h)
+        b_B = tl.load(h_B + pos * (G * N) + i_g * N + o_n, mask=m_n, other=0.0)
+    return b_x, b_dt, b_B
+
+
+@triton.jit
+def _fold_cached(b_h, h_x, h_dt, h_B, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr,
+                 P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, NMAX: tl.constexpr, LA: tl.constexpr,
+                 MASKED: tl.constexpr):
+    # b_h: [BP, BN] fp32; apply the cached tokens at positions base .. base + cnt - 1 (cnt <= NMAX),
+    # unrolled with LA items of loads in flight; an absent item is (x, dt, B) = 0, which leaves b_h
+    # bit-exact (b_h * exp(0) + 0)
+    hx = ()
+    hd = ()
+    hb = ()
+    for i in tl.static_range(LA):
+        if i < NMAX:
+            a_x, a_d, a_b = _hist_item(h_x, h_dt, h_B, base + i, i < cnt, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
+                                       MASKED)
+            hx = hx + (a_x,)
+            hd = hd + (a_d,)
+            hb = hb + (a_b,)
+    for i in tl.static_range(NMAX):
+        if i + LA < NMAX:
+            a_x, a_d, a_b = _hist_item(h_x, h_dt, h_B, base + i + LA, i + LA < cnt, i_h, i_g, o_p, o_n, m_p, m_n,
+                                       H, P, N, G, MASKED)
+            hx = hx + (a_x,)
+            hd = hd + (a_d,)
+            hb = hb + (a_b,)
+        ok = i < cnt
+        b_x = tl.where(ok, hx[i].to(tl.float32), 0.0)
+        b_dt = tl.where(ok, hd[i].to(tl.float32), 0.0)
+        b_B = tl.where(ok, hb[i].to(tl.float32), 0.0)
         b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
-        i += 1
     return b_h
 
 
@@ -82,7 +126,7 @@ def _mamba2_step_kernel(
     Cm,  # [B, T, G, N]
     D,  # [H] (HAS_D)
     y,  # [B, T, H, P] output
-    s_src,  # source state: [S, H, P, N] (or a ring [S, R, H, P, N])
+    s_src,  # source state: [S, H, P, N] (or a ring [S, R, H, P, N]); REPLAY: the checkpoint
     s_dst,  # destination: state (OVERWRITE), buf [S, T_max, ...] (SNAPSHOT) or the ring
     head,  # [S] ring heads (RING)
     hist_len,  # [S] committed history lengths (REPLAY)
@@ -109,17 +153,14 @@ def _mamba2_step_kernel(
     MODE: tl.constexpr,
     HAS_D: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    FUSED: tl.constexpr,  # REPLAY: fused-fold protocol (see gdn/triton_step.py)
+    FIRST: tl.constexpr,  # offset == 0
+    HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
+    PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
 ):
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     i_g = i_h // (H // G)
-    if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
-            return
-    else:
-        i_n = i_b
-
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
     m_p = o_p < P
@@ -127,30 +168,76 @@ def _mamba2_step_kernel(
     m_pn = m_p[:, None] & m_n[None, :]
     o_pn = i_h * P * N + o_p[:, None] * N + o_n[None, :]  # offsets inside one state
 
+    # the first PREFETCH tokens' inputs are requested before anything else (they depend on no load)
+    tx = ()
+    td = ()
+    tB = ()
+    tC = ()
+    for j in tl.static_range(PREFETCH):
+        if j < T:
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G)
+            tx = tx + (a_x,)
+            td = td + (a_d,)
+            tB = tB + (a_B,)
+            tC = tC + (a_C,)
+
     b_A = tl.load(A + i_h).to(tl.float32)
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
+
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+        if i_n < 0:
+            return
+    else:
+        i_n = i_b
 
     if MODE == RING:
         i_head = tl.load(head + i_n).to(tl.int64)
         p_h0 = s_src + i_n * stride_src_n + ((i_head + offset) % R) * stride_src_t
     else:
         p_h0 = s_src + i_n * stride_src_n
-    b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
 
     if MODE == REPLAY:
-        n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
-        b_h = _fold_cached(
-            b_h, h_x + i_n * stride_hx_n, h_dt + i_n * stride_hdt_n, h_B + i_n * stride_hB_n,
-            n_prev, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
-        )
+        p_hx = h_x + i_n * stride_hx_n
+        p_hdt = h_dt + i_n * stride_hdt_n
+        p_hB = h_B + i_n * stride_hB_n
+        if FUSED:
+            if FIRST:
+                n_prev = tl.load(hist_len + i_n).to(tl.int64)
+                b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+                b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, 0, n_prev, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
+                                   HALF, HALF, False)
+                if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
+                    tl.debug_barrier()  # in place: every thread has read its block before any writes back
+                    tl.store(p_h0 + o_pn, b_h, mask=m_pn)
+            else:  # the checkpoint is s^(0) (the step's first call absorbed); this step's first offset tokens
+                b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+                b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, HALF, offset, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N,
+                                   G, HALF, HALF, False)
+            pos0 = HALF + offset
+        else:
+            n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
+            b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+            b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, 0, n_prev, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
+                               HALF, 4, True)
+            pos0 = n_prev
+    else:
+        b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
 
-    for j in tl.static_range(T):  # T <= K + 1 is small: unrolled, so input loads can be issued early
+    for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
+        if j + PREFETCH < T:
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j + PREFETCH, i_h, i_g, o_p, o_n, m_p, m_n,
+                                               H, P, N, G)
+            tx = tx + (a_x,)
+            td = td + (a_d,)
+            tB = tB + (a_B,)
+            tC = tC + (a_C,)
         i_t = i_b * T + j  # token row in the flattened [B * T]
-        b_x = tl.load(x + (i_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
-        b_dt = tl.load(dt + i_t * H + i_h).to(tl.float32)
-        b_B = tl.load(Bm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_C = tl.load(Cm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_x = tx[j].to(tl.float32)
+        b_dt = td[j].to(tl.float32)
+        b_B = tB[j].to(tl.float32)
+        b_C = tC[j].to(tl.float32)
         b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
         b_y = tl.sum(b_h * b_C[None, :], 1)
         if HAS_D:
@@ -164,14 +251,12 @@ def _mamba2_step_kernel(
             p_h = s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t
             tl.store(p_h + o_pn, b_h, mask=m_pn)
         elif MODE == REPLAY:
-            pos = n_prev + j
-            p_x = h_x + i_n * stride_hx_n + pos * H * P + i_h * P + o_p
-            tl.store(p_x, b_x.to(h_x.dtype.element_ty), mask=m_p)
+            pos = pos0 + j
+            tl.store(p_hx + pos * H * P + i_h * P + o_p, tx[j].to(h_x.dtype.element_ty), mask=m_p)
             if i_p == 0:  # dt is per head, B per group: one program of each writes them
-                tl.store(h_dt + i_n * stride_hdt_n + pos * H + i_h, b_dt.to(h_dt.dtype.element_ty))
+                tl.store(p_hdt + pos * H + i_h, td[j].to(h_dt.dtype.element_ty))
                 if i_h % (H // G) == 0:
-                    p_B = h_B + i_n * stride_hB_n + pos * G * N + i_g * N + o_n
-                    tl.store(p_B, b_B.to(h_B.dtype.element_ty), mask=m_n)
+                    tl.store(p_hB + pos * G * N + i_g * N + o_n, tB[j].to(h_B.dtype.element_ty), mask=m_n)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
@@ -197,6 +282,7 @@ def _mamba2_fold_kernel(
     G: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
+    L: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
@@ -221,7 +307,7 @@ def _mamba2_fold_kernel(
     b_A = tl.load(A + i_h).to(tl.float32)
     b_h = _fold_cached(
         b_h, h_x + i_n * stride_hx_n, h_dt + i_n * stride_hdt_n, h_B + i_n * stride_hB_n,
-        n, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
+        0, n, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G, L, 4, True,
     )
     tl.debug_barrier()  # in place: every thread has read its block before any writes back
     tl.store(p_s, b_h, mask=m_pn)
@@ -231,18 +317,30 @@ def _mamba2_fold_kernel(
 # launch
 
 
-def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None):
-    """Hand-picked (BP, BN, num_warps); no autotuning (see the module docstring).
+def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
+                   prefetch: int | None = None, T: int = 1):
+    """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
-    BN covers the whole state dim (``h C`` reduces over it). BP = 32 makes a 32 x 128 fp32
-    block (16 KiB, 32 registers per thread at 4 warps) and 2 * B * H programs at P = 64; when
-    that is under ~1024 programs (small batch, latency-bound) BP = 16 doubles the programs.
+    BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
+    rows). BP = 32 makes a 32 x 128 fp32 block (16 KiB) and 2 * B * H programs at P = 64, run
+    by 8 warps (4 rows each: half the per-token arithmetic of 4 warps, and at <= 128 registers
+    3 programs per SM) with a 3-token input lookahead (5 tokens would take 120 registers at 4
+    warps, 200 for fused replay). Under ~1024 programs (small batch, latency-bound) BP = 16
+    doubles the programs and every token's inputs are requested up front (4 warps, <= 160
+    registers: with at most ~4 programs per SM occupancy does not matter). Register counts for
+    sm_90: ``python tests/triton_sm90_compile.py``; timings of alternatives:
+    ``benchmarks/sweep_rollback_configs.py``.
     """
     BN = next_pow2(N)
+    large = batch * H * triton.cdiv(P, 32) >= 1024
     if block_p is None:
-        block_p = 32 if batch * H * triton.cdiv(P, 32) >= 1024 else 16
+        block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
-    return BP, BN, num_warps_for(BP * BN)
+    if num_warps is None:
+        num_warps = min(8 if large else 4, num_warps_for(BP * BN, 8))
+    if prefetch is None:
+        prefetch = 3 if large else 5
+    return BP, BN, num_warps, max(0, min(int(prefetch), T))
 
 
 def _prepare(x, dt, A, Bm, Cm, D, out):
@@ -274,15 +372,24 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
             raise ValueError(f"{name} must be [num_slots, L, ...] = {shape} with contiguous rows, got {tuple(t.shape)}")
 
 
-def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None,
-          state_indices=None, out=None, block_p=None, src_lead=1, dst_lead=1):
+def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
+          state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
     h_x = h_dt = h_B = None
+    half = 1
     if hist is not None:
         h_x, h_dt, h_B = hist
         _check_hist(h_x, h_dt, h_B, H, P, G, N)
+        L = h_x.shape[1]
+        if fused:
+            if L % 2 or offset < 0 or offset + T > L // 2:
+                raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
+                                 f"got L = {L}, offset {offset} + {T} tokens")
+            half = L // 2
+        else:
+            half = L
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    BP, BN, num_warps = _launch_config(Bsz, H, P, N, block_p)
+    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
@@ -294,6 +401,8 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
+        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
+        PREFETCH=prefetch,
         num_warps=num_warps,
     )
     return out
@@ -307,7 +416,8 @@ _COMMON_ARGS = """
             ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
             None means row b uses slot b.
         out: optional contiguous ``[B, T, H, P]`` output (e.g. a CUDA-graph static buffer).
-        block_p: override the head-dim block (testing / tuning only).
+        block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
+            tokens whose inputs are loaded ahead (testing / tuning only).
 
     Returns:
         ``y [B, T, H, P]`` fp32 (or ``out``'s dtype).
@@ -324,18 +434,17 @@ def _with_common_args(fn):
 
 
 @_with_common_args
-def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, block_p=None):
+def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
     Args:
         state: ``[num_slots, H, P, N]`` fp32, updated in place.
     """
-    return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, block_p=block_p)
+    return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, **tune)
 
 
 @_with_common_args
-def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None,
-                           block_p=None):
+def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None, **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -348,12 +457,11 @@ def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {x.shape[1]} tokens")
     src = live if offset == 0 else buf[:, offset - 1]
     return _step(SNAPSHOT, src, buf, x, dt, A, Bm, Cm, D, offset=offset, state_indices=state_indices, out=out,
-                 block_p=block_p, dst_lead=2)
+                 dst_lead=2, **tune)
 
 
 @_with_common_args
-def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None,
-                       block_p=None):
+def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None, **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -366,30 +474,46 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
     if offset + x.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {x.shape[1]} step states")
     return _step(RING, ring, ring, x, dt, A, Bm, Cm, D, offset=offset, head=head, state_indices=state_indices,
-                 out=out, block_p=block_p, src_lead=2, dst_lead=2)
+                 out=out, src_lead=2, dst_lead=2, **tune)
 
 
 @_with_common_args
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
-                         state_indices=None, *, out=None, block_p=None):
-    """Replay verify: outputs from the checkpoint folded with the cached history; write no state.
+                         state_indices=None, *, fused=False, out=None, **tune):
+    """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
-    The state before the call is ``ckpt`` advanced by the first ``hist_len[s] + offset`` cached
-    ``(x, dt, B)`` of the slot's history (folded in registers); this call's ``(x, dt, B)`` are
-    appended at positions ``hist_len[s] + offset + j``.
+    Both protocols start from the committed state ``ckpt[s]`` advanced by the first
+    ``hist_len[s]`` cached ``(x, dt, B)`` of the slot's history, then by this step's first
+    ``offset`` tokens (the two protocols of :func:`specdec.kernels.gdn.triton_step.delta_rule_replay_verify`):
+
+    * ``fused=False`` (deferred replay): folded in registers, ``ckpt`` read only; this call's
+      inputs are appended at positions ``hist_len + offset + j`` (requires ``hist_len + offset
+      + T <= L``, not checked on device); commit with ``replay_commit_lengths`` +
+      :func:`mamba2_replay_fold`.
+    * ``fused=True`` (eager replay): ``L = 2 T_max``, ``hist_len <= T_max``; the step's first
+      call folds the committed history into ``ckpt`` in place (it becomes s^(0)); every call
+      appends at positions ``T_max + offset + j``; commit with :func:`mamba2_replay_commit`.
 
     Args:
-        ckpt: ``[num_slots, H, P, N]`` fp32 checkpoint (read only).
+        ckpt: ``[num_slots, H, P, N]`` fp32 checkpoint.
         hist_x: ``[num_slots, L, H, P]``; hist_dt: ``[num_slots, L, H]``; hist_B: ``[num_slots, L, G, N]``
-            (any float dtype able to hold the inputs exactly, e.g. the input dtype or fp32);
-            requires ``hist_len + offset + T <= L`` (not checked on device).
-        hist_len: ``[num_slots]`` int committed history length per slot.
+            (any float dtype able to hold the inputs exactly, e.g. the input dtype or fp32).
+        hist_len: ``[num_slots]`` int committed history length per slot (read only).
+        fused: the protocol (above).
     """
     return _step(REPLAY, ckpt, None, x, dt, A, Bm, Cm, D, offset=offset, hist=(hist_x, hist_dt, hist_B),
-                 hist_len=hist_len, state_indices=state_indices, out=out, block_p=block_p)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, **tune)
 
 
-def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indices=None, *, block_p=None):
+def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None):
+    """Commit of fused replay (one launch, no state traffic): the first ``num_tokens[b]`` tokens the
+    step appended (positions ``T_max ..``) move to positions ``0 ..``; ``hist_len[s] = num_tokens[b]``.
+    See :func:`specdec.kernels.triton_common.replay_commit_history`."""
+    replay_commit_history(hist_len, (hist_x, hist_dt, hist_B), num_tokens, state_indices)
+
+
+def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indices=None, *, block_p=None,
+                       num_warps=None):
     """Replay commit / deferred flush: ``ckpt[s]`` advanced by its first ``num_tokens[b]`` cached tokens.
 
     Args:
@@ -409,13 +533,13 @@ def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indic
         raise ValueError(f"A must be [H] = [{H}], got {tuple(A.shape)}")
     Bsz = num_tokens.shape[0]
     check_state_indices(state_indices, Bsz)
-    BP, BN, num_warps = _launch_config(Bsz, H, P, N, block_p)
+    BP, BN, num_warps, _ = _launch_config(Bsz, H, P, N, block_p, num_warps)
     if Bsz == 0:
         return
     _mamba2_fold_kernel[(triton.cdiv(P, BP), Bsz * H)](
         ckpt, A.contiguous(), hist_x, hist_dt, hist_B, num_tokens, state_indices,
         ckpt.stride(0), hist_x.stride(0), hist_dt.stride(0), hist_B.stride(0),
-        H=H, P=P, N=N, G=G, BP=BP, BN=BN, USE_STATE_INDICES=state_indices is not None,
+        H=H, P=P, N=N, G=G, BP=BP, BN=BN, L=hist_x.shape[1], USE_STATE_INDICES=state_indices is not None,
         num_warps=num_warps,
     )
 
@@ -442,9 +566,15 @@ class Mamba2Kernels:
     def ring_verify(self, ring, head, inputs, params, offset):
         return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset)
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset):
+    def ring_commit(self, head, num_tokens, ring_size):
+        ring_commit(head, num_tokens, ring_size)
+
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
-                                    offset)
+                                    offset, fused=fused)
+
+    def replay_commit(self, hist, hist_len, num_tokens):
+        mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens)
 
     def replay_fold(self, ckpt, hist, params, num_tokens):
         mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], params["A"], num_tokens)
