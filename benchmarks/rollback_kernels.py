@@ -9,10 +9,13 @@ verify + commit (+ fold for replay; amortised over the steps for deferred replay
 * ``baseline``: a plain multi-token update that overwrites the state (no rollback: the floor);
 * ``snapshot``: verify writes T states into a buffer, commit copies slot n - 1 back;
 * ``ring``: verify writes T states into a ring of R = T + 1 slots, commit moves the head;
-* ``replay``: verify writes no state and appends (x, dt, B) / (k, g, u) to a history of
-  L = T tokens, commit folds the accepted tokens into the checkpoint (eager);
-* ``replay_deferred``: the same with L = next pow2 >= 3T, folding only when the next step could
-  overflow the history.
+* ``replay``: eager replay with the fold fused into the next verify (L = 2T): the verify folds
+  the last commit's accepted tokens into the checkpoint in place (the step's one state read +
+  write), runs T tokens from it writing no step state and appends (x, dt, B) / (k, g, u) to the
+  history; the commit moves the accepted prefix of the history (one launch, no state traffic);
+* ``replay_deferred``: verify folds the history in registers (checkpoint read only), commit =
+  bookkeeping + a fold kernel that runs only when the next step could overflow the history
+  (L = next pow2 >= 3T).
 
 Accepted counts: each row keeps 1 + a tokens, a = number of leading accepted drafts with
 per-token acceptance 0.7 (capped at K), drawn per step. Timing: each measured unit is a CUDA
@@ -33,6 +36,7 @@ same GDN decode work (final state only, eager calls, so host overhead included a
 
     python benchmarks/rollback_kernels.py --out BENCH_rollback.md           # H200, ~4-6 min
     python benchmarks/rollback_kernels.py --quick --out /tmp/quick.md       # batch {1, 64}, K = 4
+    python benchmarks/rollback_kernels.py --batches 1,64,256 --ks 4 --out /tmp/k4.md
     python benchmarks/rollback_kernels.py --device cpu --quick --tiny       # interpreter smoke test
 
 Output: a Markdown table printed last and written to ``--out`` (and JSON next to it).
@@ -106,6 +110,7 @@ class Mamba2Bench:
     name = "mamba2"
 
     def __init__(self, shape, device):
+        self.tune = {}  # launch-parameter overrides (benchmarks/sweep_rollback_configs.py); {} = the defaults
         self.H, self.P, self.N, self.G = shape["H"], shape["P"], shape["N"], shape["G"]
         self.device = device
         self.state_shape = (self.H, self.P, self.N)
@@ -128,16 +133,20 @@ class Mamba2Bench:
         return inp["x"], inp["dt"], self.params["A"], inp["B"], inp["C"], self.params["D"]
 
     def update(self, state, inp, out):
-        m2.mamba2_update(state, *self._a(inp), out=out)
+        m2.mamba2_update(state, *self._a(inp), out=out, **self.tune)
 
     def snapshot_verify(self, live, buf, inp, out):
-        m2.mamba2_snapshot_verify(live, buf, *self._a(inp), 0, out=out)
+        m2.mamba2_snapshot_verify(live, buf, *self._a(inp), 0, out=out, **self.tune)
 
     def ring_verify(self, ring, head, inp, out):
-        m2.mamba2_ring_verify(ring, head, *self._a(inp), 0, out=out)
+        m2.mamba2_ring_verify(ring, head, *self._a(inp), 0, out=out, **self.tune)
 
-    def replay_verify(self, ckpt, hist, hist_len, inp, out):
-        m2.mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._a(inp), 0, out=out)
+    def replay_verify(self, ckpt, hist, hist_len, inp, out, fused=False):
+        m2.mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._a(inp), 0, fused=fused,
+                                out=out, **self.tune)
+
+    def replay_commit(self, hist, hist_len, n):
+        m2.mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, n)
 
     def fold(self, ckpt, hist, n):
         m2.mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], self.params["A"], n)
@@ -145,6 +154,7 @@ class Mamba2Bench:
 
 class DeltaBench:
     def __init__(self, name, shape, device):
+        self.tune = {}  # launch-parameter overrides (benchmarks/sweep_rollback_configs.py); {} = the defaults
         self.name = name
         self.per_channel = name == "kda"
         self.H, self.HK, self.K, self.V = shape["H"], shape["HK"], shape["K"], shape["V"]
@@ -175,16 +185,20 @@ class DeltaBench:
         return inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"]
 
     def update(self, state, inp, out):
-        dr.delta_rule_update(state, *self._a(inp), out=out)
+        dr.delta_rule_update(state, *self._a(inp), out=out, **self.tune)
 
     def snapshot_verify(self, live, buf, inp, out):
-        dr.delta_rule_snapshot_verify(live, buf, *self._a(inp), 0, out=out)
+        dr.delta_rule_snapshot_verify(live, buf, *self._a(inp), 0, out=out, **self.tune)
 
     def ring_verify(self, ring, head, inp, out):
-        dr.delta_rule_ring_verify(ring, head, *self._a(inp), 0, out=out)
+        dr.delta_rule_ring_verify(ring, head, *self._a(inp), 0, out=out, **self.tune)
 
-    def replay_verify(self, ckpt, hist, hist_len, inp, out):
-        dr.delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._a(inp), 0, out=out)
+    def replay_verify(self, ckpt, hist, hist_len, inp, out, fused=False):
+        dr.delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._a(inp), 0, fused=fused,
+                                    out=out, **self.tune)
+
+    def replay_commit(self, hist, hist_len, n):
+        dr.delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, n)
 
     def fold(self, ckpt, hist, n):
         dr.delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], n)
@@ -204,7 +218,10 @@ def hist_bytes_per_token(b) -> int:
 
 
 def history_length(strategy, T) -> int:
-    return next_pow2(3 * T) if strategy == "replay_deferred" else T
+    return next_pow2(3 * T) if strategy == "replay_deferred" else 2 * T
+
+
+LAUNCHES = {"baseline": 1, "snapshot": 2, "ring": 2, "replay": 2, "replay_deferred": 3}  # per layer and step
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,6 +263,9 @@ class StepSet:
         elif s == "ring":
             b.ring_verify(self.ring, self.head, self.inp, self.out)
             ring_commit(self.head, n, self.R)
+        elif s == "replay":  # fused: the verify folds the last commit into the checkpoint
+            b.replay_verify(self.ckpt, self.hist, self.hist_len, self.inp, self.out, fused=True)
+            b.replay_commit(self.hist, self.hist_len, n)
         else:
             b.replay_verify(self.ckpt, self.hist, self.hist_len, self.inp, self.out)
             replay_commit_lengths(self.hist_len, n, self.fold_n, self.T, self.L)
@@ -286,6 +306,11 @@ def traffic(b, strategy, T, n_seq) -> dict:
         k = S + T * S
         d = (T + 1) * S
         extra = dict()
+    elif strategy == "replay":  # fused: verify reads S, writes S back (absorbing the last commit), reads the
+        # T_max-position committed half of the history, appends T; commit moves n positions (read + write)
+        k = 2 * S + 2 * T * I + 2 * n_mean * I
+        d = 2 * S + (n_mean + 2 * T) * I
+        extra = dict()
     else:  # simulate the history lengths the graph goes through
         L = history_length(strategy, T)
         hist_len = torch.zeros(B, dtype=torch.long)
@@ -300,7 +325,7 @@ def traffic(b, strategy, T, n_seq) -> dict:
             hist_len = torch.where(flush, torch.zeros_like(new), new)
         k = tot / rounds
         f, p = flushes / rounds, p_sum / rounds
-        d = 2 * S + (n_mean + 2 * T) * I if strategy == "replay" else S + f * S + (p + 2 * T) * I
+        d = S + f * S + (p + 2 * T) * I
         extra = dict(flush_rate=f, mean_hist=p)
     return dict(kernel_bytes=k + io, design_bytes=d, mean_tokens=n_mean, **extra)
 
@@ -397,14 +422,17 @@ def bench_config(b, strategy, B, K, device, gen, reps):
 # correctness at one real size
 
 
-def check_correctness(op, batch=4, K=4, device="cuda", tiny=False, seed=0):
-    """Each strategy's kernels vs the torch reference (fp32) on bf16 inputs; list of result dicts."""
+def check_correctness(op, batch=4, K=4, device="cuda", tiny=False, seed=0, steps=3):
+    """Each strategy's kernels vs the torch reference (fp32) on bf16 inputs over ``steps`` steps (so
+    fused replay absorbs a commit and deferred replay carries history); list of result dicts with
+    the worst relative error over the steps."""
     torch.manual_seed(seed)
     b = make_bench(op, tiny, device)
     T = K + 1
     ref_op = OPS[op]
     gen = torch.Generator().manual_seed(seed)
-    n = accepted_counts(1, batch, K, gen)[0].to(device)
+    n_all = accepted_counts(steps, batch, K, gen).to(device)
+    rows = torch.arange(batch, device=device)
     results = []
 
     def rel(a, r):
@@ -413,22 +441,28 @@ def check_correctness(op, batch=4, K=4, device="cuda", tiny=False, seed=0):
 
     for strategy in STRATEGIES:
         st = StepSet(b, strategy, batch, T, device)
-        s0 = {"baseline": lambda: st.state, "snapshot": lambda: st.live, "ring": lambda: st.ring[:, 0]}.get(
-            strategy, lambda: st.ckpt)().clone()
-        y_ref, states_ref, _ = ref_op.verify(s0, {k: v.float() for k, v in st.inp.items()}, b.params, True)
-        want = states_ref[torch.arange(batch, device=device), (T - 1 if strategy == "baseline" else n - 1)]
-        st.out.fill_(float("nan"))
-        st.step(n)
-        if strategy == "baseline":
-            got = st.state
-        elif strategy == "snapshot":
-            got = st.live
-        elif strategy == "ring":
-            got = st.ring[torch.arange(batch, device=device), st.head]
-        else:  # deferred: the checkpoint may not be folded yet; fold the history with the reference
-            got = ref_op.fold(st.ckpt, {k: v.float() for k, v in st.hist.items()}, b.params, st.hist_len)
-        e_y, e_s = rel(st.out, y_ref), rel(got, want)
-        ok = bool(torch.isfinite(st.out).all()) and e_y < 1e-4 and e_s < 1e-4
+
+        def committed(st=st, strategy=strategy):
+            if strategy == "baseline":
+                return st.state
+            if strategy == "snapshot":
+                return st.live
+            if strategy == "ring":
+                return st.ring[rows, st.head]
+            return ref_op.fold(st.ckpt, {k: v.float() for k, v in st.hist.items()}, b.params, st.hist_len)
+
+        ref = committed().clone()
+        e_y = e_s = 0.0
+        finite = True
+        for step in range(steps):
+            n = n_all[step]
+            y_ref, states_ref, _ = ref_op.verify(ref, {k: v.float() for k, v in st.inp.items()}, b.params, True)
+            ref = states_ref[rows, (T - 1 if strategy == "baseline" else n - 1)]
+            st.out.fill_(float("nan"))
+            st.step(n)
+            finite &= bool(torch.isfinite(st.out).all())
+            e_y, e_s = max(e_y, rel(st.out, y_ref)), max(e_s, rel(committed(), ref))
+        ok = finite and e_y < 1e-4 and e_s < 1e-4
         results.append(dict(op=op, strategy=strategy, batch=batch, K=K, err_y=e_y, err_state=e_s, ok=ok, **{"pass": ok}))
     return results
 
@@ -467,6 +501,12 @@ def bench_fla(b, B, K, device):
 # report
 
 
+def _cfg_text(tune) -> str:
+    if not tune:
+        return "default"
+    return " ".join(f"{k.replace('block_p', 'block').replace('block_v', 'block')}={v}" for k, v in tune.items())
+
+
 def markdown(rows, meta, checks, fla_rows, targets) -> str:
     bw = meta["copy_GBps"]
     out = [f"# Rollback kernels ({meta['device']})", "",
@@ -475,8 +515,10 @@ def markdown(rows, meta, checks, fla_rows, targets) -> str:
            f"- measured device-to-device copy bandwidth: {bw:.0f} GB/s (read + write)",
            f"- memory budget for SSM state: {meta['budget_gib']} GiB over {meta['layers']} SSM layers (see the script docstring)",
            "- time: median per layer and step of verify + commit (+ fold, amortised), CUDA graph of "
-           f"{ROUNDS} steps with rotated buffers; `x floor` = time / (kernel bytes / copy bandwidth)", "",
-           "## Correctness (vs naive.py, one real size)", ""]
+           f"{ROUNDS} steps with rotated buffers; `x floor` = time / (kernel bytes / copy bandwidth)"]
+    if meta.get("tune_from"):
+        out.append(f"- launch configs: the fastest of `{meta['tune_from']}` per (op, batch, strategy), column `config`")
+    out += ["", "## Correctness (vs naive.py, one real size)", ""]
     out += [f"- {'PASS' if c['pass'] else 'FAIL'} {c['op']} {c['strategy']} B={c['batch']} K={c['K']}: "
             f"rel err y {c['err_y']:.1e}, state {c['err_state']:.1e}" for c in checks]
     out += ["", "## Targets (batch 64, K = 4; batch 1 for the last)", ""] + [f"- {t}" for t in targets]
@@ -489,13 +531,15 @@ def markdown(rows, meta, checks, fla_rows, targets) -> str:
                 out.append(f"- B={f['batch']} T={f['T']}: {f['us']:.1f} us, {f['GBps']:.0f} GB/s "
                            f"({100 * f['GBps'] / bw:.0f}% of copy)")
     out += ["", "## Results", "",
-            "| op | batch | K | strategy | us/step | vs snapshot | vs baseline | kernel MB | design MB | GB/s | % copy BW "
-            "| x floor | extra MiB/seq | max batch |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| op | batch | K | strategy | launches | us/step | vs snapshot | vs baseline | kernel MB | design MB | GB/s "
+            "| % copy BW | x floor | extra MiB/seq | max batch | config |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        out.append(f"| {r['op']} | {r['batch']} | {r['K']} | {r['strategy']} | {r['us']:.1f} | {r['vs_snapshot']:.2f} "
+        out.append(f"| {r['op']} | {r['batch']} | {r['K']} | {r['strategy']} | {LAUNCHES[r['strategy']]} | {r['us']:.1f} "
+                   f"| {r['vs_snapshot']:.2f} "
                    f"| {r['vs_baseline']:.2f} | {r['kernel_MB']:.1f} | {r['design_MB']:.1f} | {r['GBps']:.0f} "
-                   f"| {100 * r['GBps'] / bw:.0f}% | {r['x_floor']:.2f} | {r['extra_MiB_per_seq']:.1f} | {r['max_batch']} |")
+                   f"| {100 * r['GBps'] / bw:.0f}% | {r['x_floor']:.2f} | {r['extra_MiB_per_seq']:.1f} | {r['max_batch']} "
+                   f"| {_cfg_text(r.get('tune'))} |")
     return "\n".join(out) + "\n"
 
 
@@ -535,17 +579,48 @@ def evaluate_targets(rows, fla_rows=(), copy_GBps=1.0):
     return lines or ["(no target point in this grid: targets are at batch 64 and 1, K = 4)"]
 
 
+def bytes_table(args) -> int:
+    """``--bytes-only``: the kernels' bytes per step from :func:`traffic` (the same model the timed run
+    reports), at the real shapes, K = 4 unless ``--ks``, batches of ``--batches`` (default 1, 64)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = [int(x) for x in (args.batches or "1,64").split(",")]
+    Ks = [int(x) for x in (args.ks or "4").split(",")]
+    print("| op | batch | K | strategy | launches | kernel MB | design MB | vs snapshot (bytes) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    for op in args.ops.split(","):
+        b = make_bench(op, args.tiny, "cpu")
+        for B in batches:
+            for K in Ks:
+                n_seq = accepted_counts(ROUNDS, B, K, gen)
+                tr = {s: traffic(b, s, K + 1, n_seq) for s in STRATEGIES}
+                snap = tr["snapshot"]["kernel_bytes"]
+                for s in STRATEGIES:
+                    print(f"| {op} | {B} | {K} | {s} | {LAUNCHES[s]} | {tr[s]['kernel_bytes'] * B / 1e6:.1f} "
+                          f"| {tr[s]['design_bytes'] * B / 1e6:.1f} | {tr[s]['kernel_bytes'] / snap:.2f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Rollback-kernel benchmark (see the module docstring).")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="batch {1, 64}, K = 4")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (with --device cpu: interpreter smoke test)")
     ap.add_argument("--ops", default="mamba2,gdn,kda")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1,8,64,256; --quick: 1,64)")
+    ap.add_argument("--ks", default=None, help="comma-separated K values (default: 1,4,8; --quick: 4)")
+    ap.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention peer")
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="print the traffic model (bytes per layer and step the kernels move) and exit; no device")
+    ap.add_argument("--tune-from", default=None,
+                    help="JSON of benchmarks/sweep_rollback_configs.py: time each (op, batch, strategy) with the "
+                         "launch config that was fastest there (nearest batch) instead of the defaults")
     ap.add_argument("--out", default="rollback_kernels.md", help="Markdown output; JSON goes next to it")
     ap.add_argument("--budget-gib", type=float, default=40.0)
     ap.add_argument("--reps", type=int, default=10, help="graph replays per configuration (median)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.bytes_only:
+        return bytes_table(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device; use --device cpu --quick --tiny for a smoke test")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -553,6 +628,10 @@ def main(argv=None) -> int:
     ops = [o for o in args.ops.split(",") if o]
     batches = [1, 2] if args.tiny else ([1, 64] if args.quick else [1, 8, 64, 256])
     Ks = ([2] if args.quick else [1, 2]) if args.tiny else ([4] if args.quick else [1, 4, 8])
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
+    if args.ks:
+        Ks = [int(x) for x in args.ks.split(",")]
     t_start = time.time()
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -573,6 +652,23 @@ def main(argv=None) -> int:
                   f"state {c['err_state']:.1e}", flush=True)
             checks.append(c)
 
+    picks = {}
+    if args.tune_from:
+        with open(args.tune_from) as fh:
+            for r in json.load(fh):
+                key = (r["op"], r["batch"], r["strategy"])
+                if key not in picks or r["us"] < picks[key][0]:
+                    picks[key] = (r["us"], tuple(r["cfg"]))
+        meta["tune_from"] = args.tune_from
+
+    def tune_for(op, B, strategy):
+        cands = [(abs(math.log2(B) - math.log2(k[1])), k) for k in picks if k[0] == op and k[2] == strategy]
+        if not cands:
+            return {}
+        block, warps, pf = picks[min(cands)[1]][1]
+        d = {"block_p" if op == "mamba2" else "block_v": block, "num_warps": warps, "prefetch": pf}
+        return {k: v for k, v in d.items() if v is not None}
+
     rows = []
     budget = args.budget_gib * (1 << 30)
     for op in ops:
@@ -582,14 +678,16 @@ def main(argv=None) -> int:
             for K in Ks:
                 group = []
                 for strategy in STRATEGIES:
+                    b.tune = tune_for(op, B, strategy)
                     r = bench_config(b, strategy, B, K, args.device, gen, args.reps)
+                    r["tune"] = dict(b.tune)
                     extra = extra_bytes_per_seq(b, strategy, K + 1)
                     r["extra_MiB_per_seq"] = NUM_LAYERS[op] * extra / (1 << 20)
                     r["max_batch"] = int(budget // (NUM_LAYERS[op] * (S + extra)))
                     r["x_floor"] = r["us"] / 1e6 / (r["kernel_MB"] * 1e6 / (meta["copy_GBps"] * 1e9))
                     group.append(r)
                     print(f"{op:6s} B={B:<3d} K={K} {strategy:15s} {r['us']:9.1f} us  {r['GBps']:7.0f} GB/s  "
-                          f"x floor {r['x_floor']:.2f}  ({time.time() - t_start:.0f}s)", flush=True)
+                          f"x floor {r['x_floor']:.2f}  {r['tune'] or ''} ({time.time() - t_start:.0f}s)", flush=True)
                 snap = next(r for r in group if r["strategy"] == "snapshot")["us"]
                 base = next(r for r in group if r["strategy"] == "baseline")["us"]
                 for r in group:
@@ -597,7 +695,7 @@ def main(argv=None) -> int:
                 rows += group
 
     fla_rows = []
-    if "gdn" in ops:
+    if "gdn" in ops and not args.no_fla:
         b = make_bench("gdn", args.tiny, args.device)
         for B in batches:
             for K in sorted({0, 4} if not args.tiny else {Ks[-1]}):

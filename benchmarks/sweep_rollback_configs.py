@@ -1,0 +1,166 @@
+"""Time hand-picked launch configurations of the rollback step kernels side by side, to choose the
+defaults of ``_launch_config`` by measurement.
+
+The step kernels update state in place, so they are never autotuned at run time (an autotuner
+would run them several times on the same state); instead this script measures a short list of
+hand-picked configurations -- state block (``block_v`` for GDN/KDA, ``block_p`` for Mamba-2),
+``num_warps`` and ``prefetch`` (tokens whose inputs are requested before the first arithmetic;
+0 = each token's inputs at its use, the old behaviour) -- for the per-layer step of
+``benchmarks/rollback_kernels.py`` (verify + commit, CUDA graph of 16 steps over rotated buffers),
+at the benchmark's shapes and K. Every variant is compiled first in parallel worker processes
+(Triton's on-disk cache), so the timing loop does not wait for the compiler.
+
+    python benchmarks/sweep_rollback_configs.py --batches 1,64 --out benchmarks/results/sweep.md
+
+Output: one line per (op, batch, strategy, config) and, per (op, batch, strategy), the best
+configuration and its time against the default one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import rollback_kernels as rk  # noqa: E402
+
+STRATEGIES = ("baseline", "snapshot", "ring", "replay")
+# (block, num_warps, prefetch); None = the default of _launch_config / all T tokens
+CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = the launches before the prefetch
+    "delta": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 4, 5), (32, 4, 3), (32, 8, 5),
+              (16, 2, 5), (64, 4, 5), (8, 4, 5)],
+    "mamba2": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 8, 3), (32, 8, 5), (32, 8, 0),
+               (32, 4, 5), (64, 8, 3), (8, 4, 5)],
+}
+KDA_CONFIGS = [(None, None, None), (16, 4, 0), (32, 4, 0), (32, 4, 5), (16, 4, 5)]
+
+
+def configs_for(op):
+    return KDA_CONFIGS if op == "kda" else CONFIGS["mamba2" if op == "mamba2" else "delta"]
+
+
+def tune_dict(op, cfg):
+    block, warps, pf = cfg
+    d = {}
+    if block is not None:
+        d["block_p" if op == "mamba2" else "block_v"] = block
+    if warps is not None:
+        d["num_warps"] = warps
+    if pf is not None:
+        d["prefetch"] = pf
+    return d
+
+
+def cfg_name(cfg):
+    block, warps, pf = cfg
+    return f"block={block or 'def'} warps={warps or 'def'} prefetch={'def' if pf is None else pf}"
+
+
+def _compile_task(args):
+    op, strategy, cfg, K, device, tiny = args
+    torch.manual_seed(0)
+    b = rk.make_bench(op, tiny, device)
+    b.tune = tune_dict(op, cfg)
+    st = rk.StepSet(b, strategy, 2, K + 1, device)
+    n = torch.ones(2, dtype=torch.long, device=device)
+    st.step(n)
+    st.step(n)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return op, strategy, cfg
+
+
+def precompile(tasks, workers):
+    """Compile every (op, strategy, config) in ``workers`` processes (fills Triton's disk cache)."""
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+        for fut in cf.as_completed([ex.submit(_compile_task, t) for t in tasks]):
+            fut.result()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", default="gdn,mamba2,kda")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    ap.add_argument("--out", default="sweep_rollback_configs.md")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test (with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    ap.add_argument("--precompile-only", action="store_true", help="fill the compile cache and exit")
+    ap.add_argument("--no-precompile", action="store_true", help="skip the parallel compile step")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",")
+    batches = [int(x) for x in args.batches.split(",")]
+    strategies = args.strategies.split(",")
+    t0 = time.time()
+    dev = args.device
+    if dev == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # (effective only when set before the kernels are defined: run
+        # the smoke test as TRITON_INTERPRET=1 python benchmarks/sweep_rollback_configs.py --device cpu --tiny)
+    tasks = [(op, s, cfg, args.K, dev, args.tiny) for op in ops for s in strategies for cfg in configs_for(op)]
+    if not args.no_precompile:
+        precompile(tasks, args.workers)
+        print(f"precompiled {len(tasks)} variants in {time.time() - t0:.0f}s", flush=True)
+    if args.precompile_only:
+        return 0
+    bw = rk.copy_bandwidth(dev) / 1e9
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    name = torch.cuda.get_device_name() if dev == "cuda" else "CPU interpreter"
+    lines = [f"# Launch-config sweep ({name}), K = {args.K}", "",
+             f"copy bandwidth {bw:.0f} GB/s; per layer and step, verify + commit; median of {args.reps} graph replays",
+             "", "| op | batch | strategy | config | us/step | GB/s | % copy BW |", "|---|---:|---|---|---:|---:|---:|"]
+    benches = {op: rk.make_bench(op, args.tiny, dev) for op in ops}
+    for B in batches:  # batch-major: the first batch given is measured for every op first
+        for op in ops:
+            b = benches[op]
+            for s in strategies:
+                for cfg in configs_for(op):
+                    b.tune = tune_dict(op, cfg)
+                    r = rk.bench_config(b, s, B, args.K, dev, gen, args.reps)
+                    r.update(config=cfg_name(cfg), cfg=cfg)
+                    rows.append(r)
+                    line = (f"| {op} | {B} | {s} | {cfg_name(cfg)} | {r['us']:.1f} | {r['GBps']:.0f} "
+                            f"| {100 * r['GBps'] / bw:.0f}% |")
+                    lines.append(line)
+                    print(line, f"({time.time() - t0:.0f}s)", flush=True)
+                    with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:  # as it goes (a time limit may stop us)
+                        json.dump([dict(r, cfg=list(r["cfg"])) for r in rows], fh, indent=1)
+    lines += ["", "## Best per (op, batch, strategy)", "",
+              "| op | batch | strategy | best config | us | default us | best with prefetch 0 (old style) us |",
+              "|---|---:|---|---|---:|---:|---:|"]
+    for op in ops:
+        for B in batches:
+            for s in strategies:
+                grp = [r for r in rows if r["op"] == op and r["batch"] == B and r["strategy"] == s]
+                if not grp:
+                    continue
+                best = min(grp, key=lambda r: r["us"])
+                default = next(r for r in grp if r["cfg"] == (None, None, None))
+                old = [r for r in grp if r["cfg"][2] == 0]
+                old_us = min(r["us"] for r in old) if old else float("nan")
+                lines.append(f"| {op} | {B} | {s} | {best['config']} | {best['us']:.1f} | {default['us']:.1f} "
+                             f"| {old_us:.1f} |")
+    md = "\n".join(lines) + "\n"
+    with open(args.out, "w") as fh:
+        fh.write(md)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
+        json.dump([dict(r, cfg=list(r["cfg"])) for r in rows], fh, indent=1)
+    print(md)
+    print(f"total {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
