@@ -540,7 +540,7 @@ class SpeculativeGenerator:
         tree = tree_for(drafter, K)  # a draft tree (Medusa): its nodes run in one forward (specdec/tree.py)
         if tree is not None:
             T_max = max(T_max, tree.num_nodes)
-        cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self.strategy)
+        cache = ad.new_cache(B, Lp + max_new + 2 * T_max, T_max, self._step_strategy())
         self.last_cache = cache
         logits, hidden = ad.prefill(input_ids, mask, cache)
         if drafter is not None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
@@ -727,8 +727,18 @@ class SpeculativeGenerator:
         dec = self._static.get(key)
         if dec is None:
             self._static.clear()  # one bucket at a time: its buffers can be large
-            dec = self._static[key] = StaticDecoder(self.adapter, self.strategy, B, T, max_len, cuda_graphs)
+            dec = self._static[key] = StaticDecoder(self.adapter, self._step_strategy(), B, T, max_len, cuda_graphs)
         return dec
+
+    def _step_strategy(self):
+        """The rollback strategy of the target's cache: the chosen one, or for plain decoding
+        (K = 0, nothing to roll back) the in-place update, which moves the state once in and
+        once out per step instead of three times."""
+        if self.num_speculative_tokens == 0:
+            from .rollback import InPlaceUpdate
+
+            return InPlaceUpdate()
+        return self.strategy
 
     def _run_static(self, input_ids, mask, max_new, sampling, eos, pad, generator, opts, cuda_graphs):
         """The decode loop with fixed shapes: every step runs T = K + 1 tokens per row (rows with

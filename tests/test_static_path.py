@@ -230,3 +230,35 @@ def test_static_draft_model_every_K(K):
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out, ref)
     assert draft.last_path == "static"
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_plain_decoding_in_place_state_exact(family, path):
+    """K = 0 runs the in-place update (no rollback buffers) and its committed state equals HF's
+    own per-token decode of the text (every row runs to the budget: no finished row)."""
+    from test_core_exactness import hf_states, rel_err
+
+    from specdec.rollback import InPlaceUpdate
+
+    model = get_model(family)
+    ids, mask, _, _ = reference(family)
+    sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, max_new=8))
+    cache = sd.last_cache
+    assert all(isinstance(layer.strategy, InPlaceUpdate) for layer in cache.ssm.values())
+    L = ids.shape[1]
+    # the cache holds each row's text but its last (pending) token
+    texts = [ids[i][mask[i].bool()].tolist() + out[i, L:-1].tolist() for i in range(ids.shape[0])]
+    ref = hf_states(model, sd.adapter, texts, mask.sum(1).tolist())
+    for idx, (state, _) in ref.items():
+        assert rel_err(cache.ssm[idx].ssm_state(), state) < 1e-4
+
+
+def test_in_place_strategy_rejects_multi_token_steps():
+    from specdec.rollback import InPlaceUpdate
+
+    ad = specdec.models.adapter_for(get_model("qwen3_5"))
+    ids, mask, _, _ = reference("qwen3_5")
+    with pytest.raises(ValueError, match="steps of 1 token"):
+        ad.prefill(ids, mask, ad.new_cache(ids.shape[0], 64, 3, InPlaceUpdate()))

@@ -31,6 +31,7 @@ are ``[B, t, ...]`` as the op's ``verify`` takes them:
 from __future__ import annotations
 
 from .base import LayerStore, RollbackStrategy
+from .inplace import InPlaceUpdate
 from .replay import ReplayRollback
 from .ring import RingRollback
 from .snapshot import SnapshotRollback
@@ -42,6 +43,7 @@ __all__ = [
     "SnapshotRollback",
     "RingRollback",
     "ReplayRollback",
+    "InPlaceUpdate",
     "make_strategy",
 ]
 
