@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU work that could not run in the 2026-11-30 session (device budget spent), in priority
+# order, split into parts that each fit one 10-minute device call. Every step has its own time
+# limit and appends to a few log files under $OUT (the device tool returns only a limited
+# number of files: keep Hydra's run folders out of $OUT).
+#
+#   bash benchmarks/gpu_checklist.sh part1   # GPU tests: new kernels, graph path, tree kernels (~5 min)
+#   bash benchmarks/gpu_checklist.sh part2   # rollback-kernel table + e2e on both bench shapes (~9 min)
+#   bash benchmarks/gpu_checklist.sh part3   # zoo e2e, case checks, long runs, tree cost (~8 min)
+#   bash benchmarks/gpu_checklist.sh part4   # the 2-GPU accelerate run (needs nvidia-h200-x2; ~3 min)
+#
+# Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+step() {  # step <seconds> <log name> <command...>
+    local t=$1 log=$2
+    shift 2
+    echo "== $(date +%T) $*" | tee -a "$OUT/$log.log"
+    timeout "$t" "$@" >> "$OUT/$log.log" 2>&1
+    echo "== rc=$? ($log)" | tee -a "$OUT/$log.log"
+}
+
+case "${1:-}" in
+part1)
+    export SPECDEC_TEST_CUDA=1
+    step 200 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_kernels_triton.py -m "gpu or not gpu"
+    step 150 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_static_path.py -m gpu
+    step 100 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_medusa_tree.py -m "gpu or not gpu"
+    ;;
+part2)
+    step 200 rollback $PY -u benchmarks/rollback_kernels.py --batches 1,64,256 --ks 4 --out "$OUT/rollback_kernels.md"
+    step 330 e2e $PY -u benchmarks/e2e.py --models qwen35-4b-shape,nemotronh-4b-shape --hf-new 32 --out "$OUT/e2e.jsonl"
+    ;;
+part3)
+    step 150 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+    step 150 cases $PY -u benchmarks/cases_gpu.py --out "$OUT/cases_gpu.md"
+    step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md"
+    step 90 tree $PY -u benchmarks/tree_verify.py --out "$OUT/tree_verify.md"
+    ;;
+part4)
+    # issue 8: the acceptance experiment split over 2 GPUs vs 1 process; the records must agree
+    run_dir=/tmp/acc
+    step 120 accelerate accelerate launch --multi_gpu --num_processes 2 -m specdec experiment=acceptance device=cuda \
+        model=gdn-target drafter=ngram rollback=replay prompts.set=all prompts.limit=null max_new_tokens=64 \
+        progress=false hydra.run.dir=$run_dir/2gpu
+    CUDA_VISIBLE_DEVICES=0 step 120 accelerate $PY -m specdec experiment=acceptance device=cuda \
+        model=gdn-target drafter=ngram rollback=replay prompts.set=all prompts.limit=null max_new_tokens=64 \
+        progress=false hydra.run.dir=$run_dir/1gpu
+    cp $run_dir/2gpu/summary.md "$OUT/acceptance_2gpu_summary.md" 2>/dev/null
+    cp $run_dir/1gpu/summary.md "$OUT/acceptance_1gpu_summary.md" 2>/dev/null
+    $PY - "$run_dir" >> "$OUT/accelerate.log" 2>&1 <<'EOF'
+import json, sys
+run = sys.argv[1]
+def load(p):
+    drop = {"wall_s", "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s",
+            "prefill_s", "plain_wall_s", "process", "rank", "world_size"}
+    recs = [json.loads(x) for x in open(p)]
+    return sorted((json.dumps({k: v for k, v in r.items() if k not in drop}, sort_keys=True) for r in recs))
+a, b = load(f"{run}/2gpu/results.jsonl"), load(f"{run}/1gpu/results.jsonl")
+print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings: {a == b}")
+EOF
+    ;;
+*)
+    echo "usage: $0 part1|part2|part3|part4" >&2
+    exit 2
+    ;;
+esac
