@@ -292,6 +292,10 @@ def tree_view(adapter, cache, spec: TreeSpec):
         lambda self, c, t, window: _sliding_mask(c, spec, t, window, self.dtype), adapter)
 
     def conv(layer, x, weight, bias, activation):
+        if layer.op.kernels is not None:  # the Triton backend: one launch, each token over its ancestor chain
+            from .kernels.conv1d.triton_conv import conv1d_tree_verify_triton
+
+            return conv1d_tree_verify_triton(layer.conv_window, x, weight, bias, activation, parents)
         return conv1d_tree_verify(layer.conv_window, x, weight, bias, activation, parents)
 
     def ssm(layer, inputs, params):

@@ -525,6 +525,251 @@ def test_conv1d_rejects_overflow():
 
 
 # ----------------------------------------------------------------------------------------------
+# tree steps (Medusa trees): each token starts from its parent's state (parents=)
+
+
+def _random_tree(T, seed, extra_roots=True):
+    g = torch.Generator().manual_seed(seed)
+    par = [-1] + [int(torch.randint(-1 if extra_roots else 0, j, (1,), generator=g)) for j in range(1, T)]
+    return tuple(par)
+
+
+def _default_tree():
+    from specdec.tree import make_tree
+
+    return tuple(make_tree("default", num_heads=4).parents)
+
+
+TREES = {
+    "chain": tuple(range(-1, 4)),
+    "star": (-1, 0, 0, 0, 0),
+    "default16": None,  # Medusa's "default" 16-node tree (built lazily: specdec.tree)
+    "random7": _random_tree(7, 0),  # includes a second root (parent -1) and non-adjacent parents
+    "random9": _random_tree(9, 3, extra_roots=False),  # one root, deeper ancestor chains
+}
+
+
+def _tree(name):
+    if name == "medusa63":  # Medusa's 64-node tree
+        from specdec.tree import make_tree
+
+        return tuple(make_tree("medusa-63", num_heads=4).parents)
+    return _default_tree() if name == "default16" else TREES[name]
+
+
+TREE_GRID = [
+    pytest.param("gdn", (2, 8, 16), 8, 2, "random7", torch.float32, False, id="gdn-random7-B2-H2-K8-V16"),
+    pytest.param("gdn", (1, 16, 8), 8, 1, "default16", torch.bfloat16, False, id="gdn-default16-B1-bf16"),
+    pytest.param("gdn", (1, 8, 8), 8, 3, "star", torch.float32, True, id="gdn-star-B3-si"),
+    pytest.param("gdn", (1, 8, 8), 8, 1, "random9", torch.float32, False, id="gdn-random9-B1"),
+    pytest.param("kda", (2, 8, 16), 16, 2, "random7", torch.bfloat16, True, id="kda-random7-B2-bf16-si"),
+    pytest.param("kda", (1, 8, 8), 8, 1, "chain", torch.float32, False, id="kda-chain-B1"),
+    pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "random7", torch.float32, False, id="mamba2-random7-B2-H2-G1"),
+    pytest.param("mamba2", (1, 8, 8, 1), 8, 1, "random9", torch.float32, False, id="mamba2-random9-B1"),
+    pytest.param("mamba2", (2, 8, 8, 2), 8, 1, "default16", torch.bfloat16, False, id="mamba2-default16-B1-bf16"),
+    pytest.param("mamba2", (4, 8, 8, 2, False), 8, 3, "star", torch.float32, True, id="mamba2-star-B3-H4-noD-si"),
+]
+
+
+def _tree_reference(case, s0, inp, parents):
+    params = getattr(case, "params", {})
+    y, states, replay = case.op.tree_verify(s0, {k: v.float() for k, v in inp.items()}, params, parents, True)
+    if case.op.name == "mamba2":
+        replay = {k: inp[k].float() for k in case.op.replay_keys}
+    return y, states, replay
+
+
+@pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si", TREE_GRID)
+def test_tree_verify(op, dims, block, B, tree, dtype, use_si):
+    """Snapshot, ring and both replay protocols of a tree step against the naive ``parents=`` reference."""
+    torch.manual_seed(21)
+    parents = _tree(tree)
+    T = len(parents)
+    case = make_case(op, dims, block)
+    S, si, rows = _layout(B, use_si, 22)
+    slots = _slots(si, rows)
+    idx = si.clamp(min=0) if si is not None else slice(None)
+    tol = TOL[dtype]
+    inp = case.inputs(B, T, dtype)
+    params = getattr(case, "params", {})
+    tune = {"block_v" if op != "mamba2" else "block_p": case.block}
+
+    # snapshot: buf[:, j] <- token j's state; slots past T and the live state untouched
+    live = torch.randn(S, *case.state_shape, device=DEVICE)
+    y_ref, states_ref, replay_ref = _tree_reference(case, live[idx], inp, parents)
+    buf = garbage(S, T + 1, *case.state_shape)
+    live0, buf0 = live.clone(), buf.clone()
+    y = case.out(inp)
+    if op == "mamba2":
+        m2.mamba2_snapshot_verify(live, buf, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    else:
+        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    _check_outputs(y, y_ref, rows, B, tol, "tree snapshot y")
+    assert torch.equal(live, live0), "tree snapshot wrote the live state"
+    assert torch.equal(buf[:, T:], buf0[:, T:]), "tree snapshot wrote slots past the tree"
+    _check_untouched_rows(buf0, buf, slots, "tree snapshot buf")
+    for b, s in zip(rows, slots):
+        assert_close(buf[s, :T], states_ref[b], tol, f"tree snapshot states row {b}")
+
+    # ring: token j -> slot (head + 1 + j) % R, wrapping; the spare slot and the head untouched
+    R = T + 2
+    ring = garbage(S, R, *case.state_shape)
+    head = torch.randint(0, R, (S,), device=DEVICE)
+    ring[torch.arange(S), head] = live
+    ring0, head0 = ring.clone(), head.clone()
+    y = case.out(inp)
+    if op == "mamba2":
+        m2.mamba2_ring_verify(ring, head, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    else:
+        dr.delta_rule_ring_verify(ring, head, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    _check_outputs(y, y_ref, rows, B, tol, "tree ring y")
+    assert torch.equal(head, head0)
+    _check_untouched_rows(ring0, ring, slots, "tree ring")
+    for b, s in zip(rows, slots):
+        written = [(int(head[s]) + 1 + j) % R for j in range(T)]
+        for j, slot in enumerate(written):
+            assert_close(ring[s, slot], states_ref[b, j], tol, f"tree ring row {b} token {j}")
+        for slot in set(range(R)) - set(written):
+            assert torch.equal(ring[s, slot], ring0[s, slot]), f"tree ring row {b}: slot {slot} changed"
+
+    # replay, both protocols: outputs from the checkpoint + committed history; the tree's inputs
+    # appended at pos0 + j (unfused: hist_len + j; fused: T_max + j, the checkpoint absorbs the history)
+    for fused in (False, True):
+        T_max = T + 1
+        L = 2 * T_max
+        ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
+        hist = case.random_history(S, L)
+        hist_len = torch.randint(0, T_max + 1 if fused else T_max - T + 2, (S,), device=DEVICE)
+        hist_len[slots[0]] = 1
+        ckpt0, hist0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
+        s0 = case.op.fold(ckpt, hist, params, hist_len)
+        y_ref, states_ref, replay_ref = _tree_reference(case, s0[idx], inp, parents)
+        y = case.out(inp)
+        case_args = (ckpt, *(hist[k] for k in case.op.replay_keys), hist_len)
+        if op == "mamba2":
+            m2.mamba2_replay_verify(*case_args, *case.args(inp), 0, si, fused=fused, parents=parents, out=y, **tune)
+        else:
+            dr.delta_rule_replay_verify(*case_args, *case.args(inp), 0, si, fused=fused, parents=parents, out=y, **tune)
+        what = f"tree replay (fused={fused})"
+        _check_outputs(y, y_ref, rows, B, tol, f"{what} y")
+        _check_untouched_rows(ckpt0, ckpt, slots, f"{what} ckpt")
+        for b, s in zip(rows, slots):
+            if fused:
+                assert_close(ckpt[s], s0[s], 1e-5, f"{what}: checkpoint row {b} after absorbing the history")
+            else:
+                assert torch.equal(ckpt[s], ckpt0[s]), f"{what}: wrote the checkpoint"
+        for key in hist:
+            _check_untouched_rows(hist0[key], hist[key], slots, f"{what} hist {key}")
+            for b, s in zip(rows, slots):
+                p0 = T_max if fused else int(hist_len[s])
+                assert torch.equal(hist[key][s, :p0], hist0[key][s, :p0]), f"{what}: {key} before the step changed"
+                assert torch.equal(hist[key][s, p0 + T:], hist0[key][s, p0 + T:]), f"{what}: {key} written past the step"
+                got, want = hist[key][s, p0:p0 + T], replay_ref[key][b]
+                if key == "u":
+                    assert_close(got, want, tol, f"{what} hist u row {b}")
+                else:
+                    assert torch.equal(got, want), f"{what}: history {key} is not the tree's inputs"
+
+
+@pytest.mark.parametrize("tree", ["random7", "default16"])
+@pytest.mark.parametrize("dtype,use_si", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-si"])
+def test_conv1d_tree(tree, dtype, use_si):
+    from specdec.kernels.conv1d.naive import conv1d_tree_verify
+    from specdec.kernels.conv1d.triton_conv import conv1d_tree_verify_triton
+
+    torch.manual_seed(23)
+    parents = _tree(tree)
+    T, B, C, W = len(parents), 3, 24, 4
+    S, si, rows = _layout(B, use_si, 24)
+    slots = _slots(si, rows)
+    window = torch.randn(S, C, W - 1 + T + 1, device=DEVICE).to(dtype)
+    weight, bias = torch.randn(C, W, device=DEVICE), torch.randn(C, device=DEVICE)
+    idx = torch.tensor(slots, device=DEVICE)
+    ref_rows = window[idx].clone()
+    x = torch.randn(B, T, C, device=DEVICE).to(dtype)
+    y = torch.full_like(x, float("nan"))
+    before = window.clone()
+    conv1d_tree_verify_triton(window, x, weight, bias, "silu", parents, si, out=y)
+    y_ref = conv1d_tree_verify(ref_rows, x[rows], weight, bias, "silu", parents)
+    tol = TOL[dtype] if dtype == torch.float32 else 1e-2
+    assert_close(y[rows].float(), y_ref.float(), tol, "conv tree y")
+    assert torch.isnan(y[[b for b in range(B) if b not in rows]]).all(), "conv tree wrote outputs of padded rows"
+    _check_untouched_rows(before, window, slots, "conv tree window")
+    assert torch.equal(window[idx], ref_rows), "conv tree window differs from the reference's"
+    with pytest.raises(ValueError, match="earlier token"):
+        conv1d_tree_verify_triton(window, x, weight, bias, "silu", (-1, 2) + parents[2:], si)
+
+
+def test_tree_rejects_offset_and_bad_parents():
+    case = DeltaCase("gdn", 1, 8, 8, None)
+    inp = case.inputs(1, 3, torch.float32)
+    live, buf = torch.zeros(1, 1, 8, 8, device=DEVICE), torch.zeros(1, 5, 1, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="offset 0"):
+        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 1, parents=(-1, 0, 0))
+    with pytest.raises(ValueError, match="earlier token"):
+        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, parents=(-1, 1, 0))
+    with pytest.raises(ValueError, match="entries"):
+        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, parents=(-1, 0))
+
+
+TREE_STRATEGY_CASES = [pytest.param(op, strat, id=f"{op}-{strat}") for op in ("gdn", "mamba2")
+                       for strat in ("snapshot", "ring", "replay", "replay_deferred")]
+TREE_STRATEGY_CASES.append(pytest.param("kda", "ring", id="kda-ring"))  # KDA runs GDN's kernel (per-channel gate)
+
+
+@pytest.mark.parametrize("name,strategy", TREE_STRATEGY_CASES)
+def test_rollback_tree_step_end_to_end(monkeypatch, name, strategy):
+    """Tree steps through a rollback strategy (tree_verify, compact_path, commit), then a chain step:
+    Triton == torch, and the Triton side never calls the torch tree reference."""
+    from specdec.kernels import GDNOp, Mamba2Op
+    from specdec.rollback import make_strategy
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    op_triton = get_op(name, DEVICE)
+    op_torch = OPS[name]
+    torch.manual_seed(25)
+    case = make_case(name, (2, 8, 8, 2) if name == "mamba2" else (2, 8, 8), None)
+    params = getattr(case, "params", {})
+    parents = (-1, 0, 0, 1, 2, 1)  # node 3 and 5 share parent 1; node 4 hangs off 2
+    T = len(parents)
+    B = 3
+    paths = torch.tensor([[0, 2, 4, 0], [0, 1, 5, 0], [0, 1, 3, 0]], device=DEVICE)
+    state = torch.randn(B, *case.state_shape, device=DEVICE)
+    stores = {}
+    for key, op in (("triton", op_triton), ("torch", op_torch)):
+        strat = make_strategy(strategy)
+        store = strat.new_store(B, T)
+        strat.load(store, state)
+        stores[key] = (strat, store, op)
+    for step, n in enumerate([[3, 2, 1], [0, 3, 2], [1, 1, 3]]):
+        inp = case.inputs(B, T, torch.float32)
+        num = torch.tensor(n, device=DEVICE)
+        ys = {}
+        for key, (strat, store, op) in stores.items():
+            if key == "triton":
+                def boom(*a, **k):
+                    raise AssertionError("the Triton backend ran the torch tree reference")
+
+                with monkeypatch.context() as mp:
+                    mp.setattr(Mamba2Op, "tree_verify", boom)
+                    mp.setattr(GDNOp, "tree_verify", boom)
+                    ys[key] = strat.tree_verify(store, op, inp, params, parents)
+            else:
+                ys[key] = strat.tree_verify(store, op, inp, params, parents)
+            strat.compact_path(store, op, params, paths, num)
+            strat.commit(store, op, params, num)
+        assert_close(ys["triton"], ys["torch"], 1e-5, f"step {step} tree outputs")
+        got = stores["triton"][0].state(stores["triton"][1], op_triton, params)
+        want = stores["torch"][0].state(stores["torch"][1], op_torch, params)
+        assert_close(got, want, 1e-5, f"committed state after tree step {step}")
+        inp = case.inputs(B, 2, torch.float32)  # a chain step after the tree step
+        ys = {key: strat.verify(store, op, inp, params) for key, (strat, store, op) in stores.items()}
+        assert_close(ys["triton"], ys["torch"], 1e-5, f"chain step after tree step {step}")
+        for strat, store, op in stores.values():
+            strat.commit(store, op, params, torch.tensor([2, 1, 0], device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
 # argument checks (no kernel launch)
 
 
@@ -620,6 +865,37 @@ def test_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "COMPILED" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+@pytest.mark.parametrize("tree", ["default16", "medusa63"])
+@pytest.mark.parametrize("op,dims", [("gdn", (32, 128, 128)), ("kda", (32, 128, 128)), ("mamba2", (128, 64, 128, 8))],
+                         ids=["gdn", "kda", "mamba2"])
+@pytest.mark.parametrize("B", [1, 8])
+def test_tree_real_size(op, dims, tree, B):
+    """Tree kernels (snapshot, ring, both replays) at the benchmark's head shapes, bf16 inputs, the
+    launch configs the launchers pick for batch 1 and 8, Medusa's 16- and 64-node trees."""
+    test_tree_verify(op, dims, None, B, tree, torch.bfloat16, B > 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+def test_conv1d_tree_real_size(monkeypatch):
+    """The conv tree kernel at Mamba-2's conv width (C = 8192 + 2 * 8 * 128 channels), 64-node tree."""
+    from specdec.kernels.conv1d.naive import conv1d_tree_verify
+    from specdec.kernels.conv1d.triton_conv import conv1d_tree_verify_triton
+
+    parents = _tree("medusa63")
+    B, C, W, T = 8, 8192 + 2048, 4, len(parents)
+    window = torch.randn(B, C, W - 1 + T, device=DEVICE).bfloat16()
+    weight, bias = torch.randn(C, W, device=DEVICE).bfloat16(), torch.randn(C, device=DEVICE).bfloat16()
+    x = torch.randn(B, T, C, device=DEVICE).bfloat16()
+    ref = window.clone()
+    y = conv1d_tree_verify_triton(window, x, weight, bias, "silu", parents)
+    y_ref = conv1d_tree_verify(ref, x, weight.float(), bias.float(), "silu", parents)
+    assert_close(y.float(), y_ref.float(), 1e-2, "conv tree y (bf16 outputs)")
+    assert torch.equal(window, ref)
 
 
 @pytest.mark.gpu

@@ -382,11 +382,20 @@ def test_oracle_tree_with_repetition_penalty_and_min_length():
     assert sd.last_stats.mean_accepted_tokens > 2
 
 
-@pytest.mark.parametrize("family,strategy", [("qwen3_5", "replay"), ("nemotron_h", "snapshot")])
+@pytest.mark.parametrize("family,strategy", [("qwen3_5", "replay"), ("nemotron_h", "snapshot"), ("kimi_linear", "ring")])
 def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
-    """Tree steps verify on the torch path on every backend and commit with the backend's kernels
-    (here Triton's CPU interpreter): the layouts agree, the output stays exact."""
+    """On the Triton backend (here its CPU interpreter) tree steps run the Triton tree kernels --
+    the torch tree references raise if called -- and the output stays exact."""
+    import specdec.tree as tree_mod
+    from specdec.kernels import GDNOp, Mamba2Op
+
+    def torch_tree_path(*args, **kwargs):
+        raise AssertionError("a tree step on the Triton backend ran the torch tree reference")
+
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setattr(Mamba2Op, "tree_verify", torch_tree_path)
+    monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)  # KDA inherits it
+    monkeypatch.setattr(tree_mod, "conv1d_tree_verify", torch_tree_path)
     model = make_model(family, seed=0)
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -395,6 +404,7 @@ def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
     assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
     assert torch.equal(out, ref)
+    assert sd.last_stats.mean_accepted_tokens > 1.5  # tree steps ran (and accepted)
 
 
 def test_sampling_tree_keeps_the_target_distribution():

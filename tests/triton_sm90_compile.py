@@ -222,6 +222,47 @@ def conv_variants(quick: bool):
         triton_conv.conv1d_verify_triton(window, x, wt, None, None, 0)
 
 
+def tree_variants(quick: bool):
+    """Tree steps (parents=): Medusa's 16-node "default" tree at the benchmark's head shapes."""
+    from specdec.tree import make_tree
+
+    parents = make_tree("default", num_heads=4).parents
+    B, T = 2, len(parents)
+    dt_ = torch.bfloat16
+    hl = torch.zeros(B, dtype=torch.long)
+    head = torch.zeros(B, dtype=torch.long)
+    # GDN / KDA at H = 32, K = V = 128
+    H, K, V = 32, 128, 128
+    for per_channel in ([False] if quick else [False, True]):
+        q = F.normalize(torch.randn(B, T, H, K), dim=-1).to(dt_)
+        k, v = q.clone(), torch.randn(B, T, H, V, dtype=dt_)
+        g = -torch.rand(B, T, H, K).to(dt_) if per_channel else -torch.rand(B, T, H).to(dt_)
+        beta = torch.rand(B, T, H, dtype=dt_)
+        s = torch.zeros(B, H, K, V)
+        hk, hg, hu = torch.zeros(B, 2 * T, H, K), torch.zeros(B, 2 * T, *g.shape[2:]), torch.zeros(B, 2 * T, H, V)
+        dr.delta_rule_snapshot_verify(s, torch.zeros(B, T, H, K, V), q, k, v, g, beta, 0, parents=parents)
+        dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, fused=True, parents=parents)
+        if not quick:
+            dr.delta_rule_ring_verify(torch.zeros(B, T + 1, H, K, V), head, q, k, v, g, beta, 0, parents=parents)
+            dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, parents=parents)
+    # Mamba-2 at H = 128, P = 64, G = 8, N = 128
+    H, P, G, N = 128, 64, 8, 128
+    x, dt = torch.randn(B, T, H, P, dtype=dt_), torch.rand(B, T, H, dtype=dt_)
+    A, D = -torch.rand(H), torch.randn(H)
+    Bm, Cm = torch.randn(B, T, G, N, dtype=dt_), torch.randn(B, T, G, N, dtype=dt_)
+    s = torch.zeros(B, H, P, N)
+    hx, hdt, hB = (torch.zeros(B, 2 * T, H, P, dtype=dt_), torch.zeros(B, 2 * T, H, dtype=dt_),
+                   torch.zeros(B, 2 * T, G, N, dtype=dt_))
+    m2.mamba2_ring_verify(torch.zeros(B, T + 1, H, P, N), head, x, dt, A, Bm, Cm, D, 0, parents=parents)
+    m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, D, 0, fused=True, parents=parents)
+    if not quick:
+        m2.mamba2_snapshot_verify(s, torch.zeros(B, T, H, P, N), x, dt, A, Bm, Cm, D, 0, parents=parents)
+        m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, D, 0, parents=parents)
+    C, W = 8192, 4
+    triton_conv.conv1d_tree_verify_triton(torch.zeros(B, C, W - 1 + T, dtype=dt_), torch.randn(B, T, C, dtype=dt_),
+                                          torch.randn(C, W, dtype=dt_), torch.randn(C, dtype=dt_), "silu", parents)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one variant per kernel")
@@ -230,7 +271,7 @@ def main(argv=None) -> int:
     global SASS
     SASS = args.sass
     t0 = time.time()
-    for fn in (delta_rule_variants, mamba2_variants, conv_variants):
+    for fn in (delta_rule_variants, mamba2_variants, conv_variants, tree_variants):
         fn(args.quick)
     if not args.quick:  # the longest step (K = 8): unrolled T = 9 must not spill
         global T_LONG

@@ -7,7 +7,10 @@ state after it, and its conv window is its ancestor chain (then the committed co
 in STree (Wu et al. 2025, "STree: Speculative Tree Decoding for Hybrid State-Space Models").
 
 The reference ops process the tree level by level: every token of one depth at once, from its
-parent's state, so a tree costs ``depth + 1`` sequential updates, not T.
+parent's state, so a tree costs ``depth + 1`` sequential updates, not T. The Triton kernels
+walk the tokens in order instead and take their per-token tables from :func:`tree_meta` and
+:func:`conv_tree_columns_i32` (device tensors cached per tree: no host-to-device copy after a
+tree's first step, so a captured step replays without one).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["check_parents", "conv_tree_columns", "tree_levels"]
+__all__ = ["check_parents", "conv_tree_columns", "conv_tree_columns_i32", "tree_levels", "tree_meta"]
 
 
 def check_parents(parents, num_tokens: int | None = None) -> tuple[int, ...]:
@@ -95,3 +98,51 @@ def conv_tree_columns(parents, width: int, device) -> torch.Tensor:
     token i at ``W-1+i``). For a chain these are the columns a plain causal conv reads."""
     par = check_parents(parents)
     return torch.tensor(_conv_columns(par, int(width)), dtype=torch.long, device=device).reshape(len(par), int(width))
+
+
+@lru_cache(maxsize=256)
+def _meta_rows(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    paths = []  # root-first ancestor chain of each token, the token included
+    for j, p in enumerate(parents):
+        paths.append((paths[p] if p >= 0 else ()) + (j,))
+    width = 2 + max([1] + [len(paths[p]) for p in parents if p >= 0])
+    rows = []
+    for p in parents:
+        path = paths[p] if p >= 0 else ()
+        rows.append((p, len(path)) + path + (0,) * (width - 2 - len(path)))
+    return tuple(rows)
+
+
+_META_CACHE: dict = {}
+
+
+def tree_meta(parents, device) -> torch.Tensor:
+    """``[T, M]`` int32 on ``device``, per token j of the tree: ``[parents[j], n, a_0 .. a_{n-1}, 0 ..]``
+    where ``a_0 .. a_{n-1}`` is the root-first chain of ancestors ending at the parent (``n = 0``
+    when ``parents[j] = -1``): the tokens whose inputs rebuild token j's starting state from the
+    step's starting state (replay's tree kernels). Cached per (tree, device)."""
+    par = check_parents(parents)
+    key = (par, str(device))
+    hit = _META_CACHE.get(key)
+    if hit is None:
+        hit = torch.tensor(_meta_rows(par), dtype=torch.int32, device=device).reshape(len(par), -1)
+        if len(_META_CACHE) > 256:
+            _META_CACHE.clear()
+        _META_CACHE[key] = hit
+    return hit
+
+
+_COLS_CACHE: dict = {}
+
+
+def conv_tree_columns_i32(parents, width: int, device) -> torch.Tensor:
+    """:func:`conv_tree_columns` as a contiguous int32 tensor, cached per (tree, width, device)."""
+    par = check_parents(parents)
+    key = (par, int(width), str(device))
+    hit = _COLS_CACHE.get(key)
+    if hit is None:
+        hit = torch.tensor(_conv_columns(par, int(width)), dtype=torch.int32, device=device).reshape(len(par), int(width))
+        if len(_COLS_CACHE) > 256:
+            _COLS_CACHE.clear()
+        _COLS_CACHE[key] = hit
+    return hit

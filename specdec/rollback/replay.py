@@ -52,7 +52,7 @@ class ReplayRollback(RollbackStrategy):
         return not self.deferred and op.kernels is not None and hasattr(op.kernels, "replay_commit")
 
     def _check_tree_step(self, store, t):
-        store.replay_fused_step = False  # a tree step runs the torch path: it commits the unfused way
+        store.replay_fused_step = False  # set again by tree_verify when it runs the fused protocol
         super()._check_tree_step(store, t)
 
     def _length(self, store: LayerStore) -> int:
@@ -120,10 +120,22 @@ class ReplayRollback(RollbackStrategy):
         hist_len, ckpt = store.tensors["hist_len"], store.tensors["ckpt"]
         hist = self._hist(store, op, inputs)
         L = next(iter(hist.values())).shape[1]
+        if self._fused(op):
+            # the fused protocol, as a chain step: the kernel folds the committed history into the
+            # checkpoint and appends tree token j's inputs at T_max + j; compact_path and the
+            # commit then move the accepted path's inputs (no state traffic)
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, fused=True, parents=parents)
+            store.replay_fused_step = True
+            store.step_tokens = t
+            return y
         pos = hist_len[:, None] + torch.arange(t, device=hist_len.device)[None, :]  # tree token j -> hist_len+j
         if debug_enabled():
             check_index_bounds("replay history slot", pos, L, store)
-        s0 = op.fold(ckpt, hist, params, hist_len)  # torch path on every backend
+        if op.kernels is not None:  # deferred replay on Triton: folds in registers, appends at hist_len + j
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, parents=parents)
+            store.step_tokens = t
+            return y
+        s0 = op.fold(ckpt, hist, params, hist_len)
         y, _, replay = op.tree_verify(s0, inputs, params, parents, False)
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
         for key, val in replay.items():
@@ -138,10 +150,14 @@ class ReplayRollback(RollbackStrategy):
         if hist is None:
             return
         hist_len = store.tensors["hist_len"]
+        if store.step_tokens and getattr(store, "replay_fused_step", False):
+            base = (next(iter(hist.values())).shape[1] // 2) * torch.ones_like(hist_len)  # the fused step's T_max ..
+        else:
+            base = hist_len
         i = torch.arange(path.shape[1], device=path.device)[None, :]
         keep = i < num_tokens[:, None]
-        dst = hist_len[:, None] + i
-        src = hist_len[:, None] + torch.where(keep, path, i)
+        dst = base[:, None] + i
+        src = base[:, None] + torch.where(keep, path, i)
         rows = torch.arange(path.shape[0], device=path.device)[:, None]
         for buf in hist.values():
             buf[rows, dst] = buf[rows, src]

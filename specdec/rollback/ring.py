@@ -72,10 +72,13 @@ class RingRollback(RollbackStrategy):
         self._check_tree_step(store, t)
         ring, head = store.tensors["ring"], store.tensors["head"]
         R = ring.shape[1]
-        rows = torch.arange(ring.shape[0], device=ring.device)
-        y, states, _ = op.tree_verify(ring[rows, head], inputs, params, parents, True)  # torch path on every backend
-        slots = (head[:, None] + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # tree token j -> head+1+j
-        ring[rows[:, None], slots] = states
+        if op.kernels is not None:  # Triton: one launch, tree token j -> slot head+1+j
+            y = op.kernels.ring_verify(ring, head, inputs, params, 0, parents=parents)
+        else:
+            rows = torch.arange(ring.shape[0], device=ring.device)
+            y, states, _ = op.tree_verify(ring[rows, head], inputs, params, parents, True)
+            slots = (head[:, None] + 1 + torch.arange(t, device=ring.device)[None, :]) % R  # tree token j -> head+1+j
+            ring[rows[:, None], slots] = states
         store.step_tokens = t
         return y
 

@@ -48,8 +48,11 @@ class SnapshotRollback(RollbackStrategy):
         t = next(iter(inputs.values())).shape[1]
         self._check_tree_step(store, t)
         live, buf = store.tensors["live"], store.tensors["buf"]
-        y, states, _ = op.tree_verify(live, inputs, params, parents, True)  # torch path on every backend
-        buf[:, :t] = states  # slot j: the state after tree token j
+        if op.kernels is not None:  # Triton: one launch, slot j <- token j's state, each token from its parent's
+            y = op.kernels.snapshot_verify(live, buf, inputs, params, 0, parents=parents)
+        else:
+            y, states, _ = op.tree_verify(live, inputs, params, parents, True)
+            buf[:, :t] = states  # slot j: the state after tree token j
         store.step_tokens = t
         return y
 

@@ -7,7 +7,8 @@ Same semantics as :mod:`specdec.kernels.conv1d.naive` (the layout follows ``caus
     window[s, :, W-1 : W-1+T_max]  this step's inputs
 
 Verify writes the call's inputs at columns ``W-1+offset ..`` and computes each token's output
-from the W columns ending at it; commit moves the history by ``num_tokens`` columns. One program
+from the W columns ending at it (a tree step, :func:`conv1d_tree_verify_triton`: from the
+columns of its ancestor chain, read from a per-tree ``[T, W]`` column table); commit moves the history by ``num_tokens`` columns. One program
 owns one (row, block of BC channels); all T tokens of a call are one ``[BT, BC]`` register block.
 Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
 No host sync, no allocation besides the output, no autotuning (both kernels write the window
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from ..triton_common import check_state_indices, next_pow2
 
-__all__ = ["conv1d_verify_triton", "conv1d_commit_triton"]
+__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton"]
 
 # 128 channels x up to 16 tokens per program: at most 16 fp32 accumulators per thread with 4
 # warps, and B * C / 128 programs (e.g. 64 x 8192 / 128 = 4096 at batch 64 for Mamba-2).
@@ -38,6 +39,7 @@ def _conv1d_verify_kernel(
     bias,  # [C] (HAS_BIAS)
     out,  # [B, T, C]
     state_indices,  # [B] (USE_STATE_INDICES)
+    cols,  # [T, W] int32 window columns of each token's conv inputs, oldest first (TREE)
     offset,
     C,
     stride_win_n,
@@ -50,6 +52,7 @@ def _conv1d_verify_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    TREE: tl.constexpr,  # the tokens are a tree (offset 0): token j's window is its ancestor chain
 ):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     if USE_STATE_INDICES:
@@ -74,7 +77,10 @@ def _conv1d_verify_kernel(
     # from x (registers would need a shift), older ones from the window: no read-after-write.
     b_acc = tl.zeros([BT, BC], dtype=tl.float32)
     for w in tl.static_range(W):
-        o_col = offset + o_t + w
+        if TREE:  # the column of the token's w-th conv input: an ancestor's or the committed history's
+            o_col = tl.load(cols + o_t * W + w, mask=m_t, other=0)
+        else:
+            o_col = offset + o_t + w
         m_old = o_col < start
         b_old = tl.load(p_win + o_col[:, None] * stride_win_t, mask=m_old[:, None] & m_tc, other=0.0)
         b_new = tl.load(p_x + (o_col - start)[:, None] * C, mask=(~m_old)[:, None] & m_tc, other=0.0)
@@ -123,7 +129,7 @@ def _conv1d_commit_kernel(
 
 
 def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: int = 0, state_indices=None,
-                         *, out=None):
+                         *, out=None, _cols=None):
     """Write this call's conv inputs into the window and return the conv outputs (multi-token update).
 
     Args:
@@ -164,14 +170,38 @@ def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: 
     if Bsz == 0 or T == 0:
         return out
     x, weight = x.contiguous(), weight.contiguous()
+    cols = _cols  # a tree's column table (conv1d_tree_verify_triton) or None
     _conv1d_verify_kernel[(triton.cdiv(C, BLOCK_C), Bsz)](
         window, x, weight, bias, out, state_indices,
-        offset, C, window.stride(0), window.stride(1), window.stride(2),
+        cols, offset, C, window.stride(0), window.stride(1), window.stride(2),
         T=T, W=W, BT=next_pow2(T), BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=activation is not None,
-        USE_STATE_INDICES=state_indices is not None,
+        USE_STATE_INDICES=state_indices is not None, TREE=cols is not None,
         num_warps=NUM_WARPS,
     )
     return out
+
+
+def conv1d_tree_verify_triton(window, x, weight, bias=None, activation=None, parents=None, state_indices=None, *,
+                              out=None):
+    """:func:`conv1d_verify_triton` for a tree of step tokens (the step's only call, offset 0): token
+    j is written at column ``W-1+j`` and its conv runs over its W-1 nearest ancestors (then the
+    committed history) and itself, as :func:`specdec.kernels.conv1d.naive.conv1d_tree_verify`.
+
+    Args:
+        parents: ``[T]`` ints, token j's parent (``-1``: the committed history), ``parents[j] < j``.
+            The per-token column table is built once per tree and cached on the device.
+        window, x, weight, bias, activation, state_indices, out: as :func:`conv1d_verify_triton`.
+
+    Raises:
+        ValueError: as :func:`conv1d_verify_triton`, or ``parents`` not a tree of the T tokens.
+    """
+    from ..tree_index import check_parents, conv_tree_columns_i32
+
+    if parents is None:
+        raise ValueError("conv1d_tree_verify_triton needs parents")
+    par = check_parents(parents, x.shape[1])
+    cols = conv_tree_columns_i32(par, weight.shape[-1], x.device)
+    return conv1d_verify_triton(window, x, weight, bias, activation, 0, state_indices, out=out, _cols=cols)
 
 
 def conv1d_commit_triton(window: torch.Tensor, num_tokens: torch.Tensor, kernel_width: int,

@@ -21,6 +21,13 @@ stays in registers across the step's tokens; the key dim is whole in the block b
   only moves the accepted tokens' inputs (:func:`delta_rule_replay_commit`); *unfused*
   (deferred replay) folds in registers only and flushes with :func:`delta_rule_replay_fold`.
 
+Tree steps (``parents=``, :mod:`specdec.kernels.tree_index`; Medusa trees): the same kernel
+(``TREE``) walks the tree's tokens in order; token j starts from the register state when its
+parent is token j - 1 (a chain, no memory traffic), else from its parent's state -- SNAPSHOT /
+RING: the slot this program stored for the parent (same tile layout; a ``tl.debug_barrier``
+between the store and the load), REPLAY: rebuilt in registers from the step's starting state
+along the parent's ancestor chain (see :func:`delta_rule_replay_verify`).
+
 Latency: a program requests every input it will need -- the T tokens' ``q, k, v, g, beta``, the
 cached history and the state block -- before its first arithmetic, so it waits for memory once
 rather than once per token (the per-token loads used to sit behind the ``S^T k`` reductions'
@@ -153,6 +160,7 @@ def _delta_rule_step_kernel(
     h_k,  # [N, L, H, K] replay history (REPLAY)
     h_g,  # [N, L, H] or [N, L, H, K]
     h_u,  # [N, L, H, V]
+    tree,  # [T, META_W] int32 per-token tree table (TREE; specdec.kernels.tree_index.tree_meta)
     offset,
     R,
     stride_src_n,
@@ -175,6 +183,8 @@ def _delta_rule_step_kernel(
     FIRST: tl.constexpr,  # offset == 0
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
+    TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
+    META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -243,8 +253,51 @@ def _delta_rule_step_kernel(
             pos0 = n_prev
     else:
         b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+    if TREE:
+        if MODE == REPLAY:
+            b_s0 = b_s  # the step's starting state, for tokens whose parent is -1 / not in registers
 
     for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
+        if TREE:
+            if j > 0:
+                # token j starts from its parent's state: the registers when the parent is token
+                # j - 1 (a chain: no memory traffic), else the parent's state, which this very
+                # program stored (same tile, same layout) or, for replay, rebuilt from the
+                # step's starting state along the parent's ancestor chain
+                i_par = tl.load(tree + j * META_W).to(tl.int64)
+                if i_par != j - 1:
+                    if MODE == SNAPSHOT:
+                        if i_par < 0:
+                            b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+                        else:
+                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                            b_s = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_kv, mask=m_kv,
+                                          other=0.0)
+                    elif MODE == RING:
+                        if i_par < 0:
+                            b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+                        else:
+                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                            b_s = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t
+                                          + o_kv, mask=m_kv, other=0.0)
+                    elif MODE == REPLAY:
+                        # rank-1 updates along the ancestors (k, g from the step's inputs; u from
+                        # the history this program appended: exact for an fp32 history)
+                        b_s = b_s0
+                        n_anc = tl.load(tree + j * META_W + 1)
+                        tl.debug_barrier()  # the ancestors' u were stored by other threads of this program
+                        for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
+                            if i_a < n_anc:
+                                a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
+                                r_k = tl.load(k + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                                r_u = tl.load(p_hu + (pos0 + a_t) * H * V + i_h * V + o_v, mask=m_v, other=0.0)
+                                if PER_CHANNEL:
+                                    r_g = tl.load(g + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                                    b_s = b_s * tl.exp(r_g.to(tl.float32))[:, None]
+                                else:
+                                    r_g = tl.load(g + (i_b * T + a_t) * H + i_h)
+                                    b_s = b_s * tl.exp(r_g.to(tl.float32))
+                                b_s = b_s + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
         if j + PREFETCH < T:
             a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j + PREFETCH, i_h, o_k, o_v, m_k,
                                                     m_v, H, K, V, PER_CHANNEL)
@@ -385,6 +438,17 @@ def _prepare(q, k, v, g, beta, out):
     return q, k, v, g, beta, out, (B, T, H, K, V), g.dim() == 4
 
 
+def _tree_table(parents, T, offset, device):
+    """The tree table of a tree step (None for a chain), cached per tree: see ``tree_meta``."""
+    if parents is None:
+        return None
+    if offset != 0:
+        raise ValueError(f"a tree step must be the step's only call (offset 0), got offset {offset}")
+    from ..tree_index import check_parents, tree_meta
+
+    return tree_meta(check_parents(parents, T), device)
+
+
 def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
     N, L = hist_k.shape[:2]
     want = {
@@ -398,8 +462,10 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
-          state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1):
+          state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
+          parents=None):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
+    tree = _tree_table(parents, T, offset, q.device)
     h_k = h_g = h_u = None
     half = 1
     if hist is not None:
@@ -422,13 +488,14 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
     _delta_rule_step_kernel[grid](
         q, k, v, g, beta, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
-        h_k, h_g, h_u,
+        h_k, h_g, h_u, tree,
         offset, R,
         *strides,
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
         PREFETCH=min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
+        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
         num_warps=num_warps,
     )
     return out
@@ -469,7 +536,8 @@ def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, 
 
 
 @_with_common_args
-def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, **tune):
+def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
+                               **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -477,16 +545,21 @@ def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indi
         buf: ``[N, T_max, H, K, V]`` fp32; s^(offset+1+j) is written to ``buf[:, offset+j]``,
             other slots are not touched. Requires ``offset + T <= T_max`` (not checked on device).
         offset: step tokens already run by earlier calls of this step (a Python int).
+        parents: None (a chain) or a tree of the T tokens (``parents[j] < j``, ``-1`` = from
+            ``live``; offset 0): token j starts from its parent's state -- the registers when
+            the parent is token j - 1, else ``buf[:, parents[j]]``, which the same program wrote.
+            ``buf[:, j]`` receives token j's state.
     """
     if offset < 0 or offset + q.shape[1] > buf.shape[1]:
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {q.shape[1]} tokens")
     src, src_lead = (live, 1) if offset == 0 else (buf[:, offset - 1], 1)
     return _step(SNAPSHOT, src, buf, q, k, v, g, beta, offset=offset, state_indices=state_indices, out=out,
-                 src_lead=src_lead, dst_lead=2, **tune)
+                 src_lead=src_lead, dst_lead=2, parents=parents, **tune)
 
 
 @_with_common_args
-def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, out=None, **tune):
+def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
+                           **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -496,16 +569,18 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
             :func:`specdec.kernels.triton_common.ring_commit`).
         offset: step tokens already run by earlier calls of this step; needs ``offset + T < R``
             so the committed slot is never overwritten.
+        parents: None (a chain) or a tree of the T tokens (offset 0): token j's state goes to
+            slot ``(head+1+j) % R`` and token j starts from its parent's slot (``-1``: ``head``).
     """
     if offset + q.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {q.shape[1]} step states")
     return _step(RING, ring, ring, q, k, v, g, beta, offset=offset, head=head, state_indices=state_indices,
-                 out=out, src_lead=2, dst_lead=2, **tune)
+                 out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
 
 
 @_with_common_args
 def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
-                             *, fused=False, out=None, **tune):
+                             *, fused=False, parents=None, out=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[n]`` advanced by the first
@@ -530,9 +605,17 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
             (any float dtype; fp32 keeps replay exact for u).
         hist_len: ``[N]`` int committed history length per slot (read only).
         fused: the protocol (above).
+        parents: None (a chain) or a tree of the T tokens (offset 0; token j's inputs are
+            appended at position ``pos0 + j`` as for a chain). Replay writes no per-token state,
+            so a token whose parent is not the token before it rebuilds its starting state in
+            registers: the step's starting state advanced by the parent's root-first ancestor
+            chain (k, g from the step's inputs, u read back from the history this program just
+            appended; bit-faithful for an fp32 history). That costs ``depth`` rank-1 updates and
+            a few vector loads per such token instead of a state-sized scratch buffer (a write
+            and a read of K x V fp32 per node, the traffic replay exists to avoid).
     """
     return _step(REPLAY, ckpt, None, q, k, v, g, beta, offset=offset, hist=(hist_k, hist_g, hist_u),
-                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, **tune)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents, **tune)
 
 
 def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None):
@@ -600,21 +683,21 @@ class DeltaRuleKernels:
     def update(self, state, inputs, params):
         return delta_rule_update(state, *self._unpack(inputs))
 
-    def snapshot_verify(self, live, buf, inputs, params, offset):
-        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset)
+    def snapshot_verify(self, live, buf, inputs, params, offset, parents=None):
+        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset, parents=parents)
 
     def snapshot_commit(self, live, buf, num_tokens):
         state_copy_commit(live, buf, num_tokens)
 
-    def ring_verify(self, ring, head, inputs, params, offset):
-        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset)
+    def ring_verify(self, ring, head, inputs, params, offset, parents=None):
+        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset, parents=parents)
 
     def ring_commit(self, head, num_tokens, ring_size):
         ring_commit(head, num_tokens, ring_size)
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False):
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False, parents=None):
         return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
-                                        fused=fused)
+                                        fused=fused, parents=parents)
 
     def replay_commit(self, hist, hist_len, num_tokens):
         delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens)

@@ -19,6 +19,11 @@ stays in registers across the step's tokens. One kernel serves every rollback st
   accepted tokens' inputs (:func:`mamba2_replay_commit`); unfused (deferred replay): folded in
   registers only, flushed by :func:`mamba2_replay_fold`. See :mod:`specdec.kernels.gdn.triton_step`.
 
+Tree steps (``parents=``): the kernel (``TREE``) walks the tree's tokens in order, each from
+its parent's state -- registers for a chain link, else the slot the same program stored for the
+parent (SNAPSHOT / RING) or, for REPLAY, the starting state advanced in registers along the
+parent's ancestor chain (as in :mod:`specdec.kernels.gdn.triton_step`).
+
 A program requests the next tokens' inputs (``prefetch`` of them), the cached history and its
 state block before its first arithmetic, so memory latency is paid about once per program
 rather than once per token (the loads used to wait behind the previous token's barriers).
@@ -33,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gdn.triton_step import _tree_table
 from ..triton_common import (
     check_state,
     check_state_indices,
@@ -134,6 +140,7 @@ def _mamba2_step_kernel(
     h_x,  # [S, L, H, P] replay history (REPLAY)
     h_dt,  # [S, L, H]
     h_B,  # [S, L, G, N]
+    tree,  # [T, META_W] int32 per-token tree table (TREE; specdec.kernels.tree_index.tree_meta)
     offset,
     R,
     stride_src_n,
@@ -157,6 +164,8 @@ def _mamba2_step_kernel(
     FIRST: tl.constexpr,  # offset == 0
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
+    TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
+    META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -224,8 +233,43 @@ def _mamba2_step_kernel(
             pos0 = n_prev
     else:
         b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+    if TREE:
+        if MODE == REPLAY:
+            b_h0 = b_h  # the step's starting state, for tokens whose parent is -1 / not in registers
 
     for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
+        if TREE:
+            if j > 0:
+                # token j starts from its parent's state (as in gdn/triton_step.py): the registers
+                # when the parent is token j - 1, else the slot this program stored for the parent,
+                # or (replay) the starting state advanced along the parent's ancestor chain
+                i_par = tl.load(tree + j * META_W).to(tl.int64)
+                if i_par != j - 1:
+                    if MODE == SNAPSHOT:
+                        if i_par < 0:
+                            b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+                        else:
+                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                            b_h = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_pn, mask=m_pn,
+                                          other=0.0)
+                    elif MODE == RING:
+                        if i_par < 0:
+                            b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+                        else:
+                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                            b_h = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t
+                                          + o_pn, mask=m_pn, other=0.0)
+                    elif MODE == REPLAY:
+                        # the ancestors' (x, dt, B) come from the step's inputs: no barrier needed
+                        b_h = b_h0
+                        n_anc = tl.load(tree + j * META_W + 1)
+                        for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
+                            if i_a < n_anc:
+                                a_t = i_b * T + tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
+                                r_x = tl.load(x + (a_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
+                                r_dt = tl.load(dt + a_t * H + i_h).to(tl.float32)
+                                r_B = tl.load(Bm + (a_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+                                b_h = b_h * tl.exp(r_dt * b_A) + r_x[:, None] * (r_dt * r_B)[None, :]
         if j + PREFETCH < T:
             a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j + PREFETCH, i_h, i_g, o_p, o_n, m_p, m_n,
                                                H, P, N, G)
@@ -373,8 +417,10 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
-          state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1):
+          state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
+          parents=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
+    tree = _tree_table(parents, T, offset, x.device)
     h_x = h_dt = h_B = None
     half = 1
     if hist is not None:
@@ -396,13 +442,14 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     _mamba2_step_kernel[(triton.cdiv(P, BP), Bsz * H)](
         x, dt, A, Bm, Cm, D, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
-        h_x, h_dt, h_B,
+        h_x, h_dt, h_B, tree,
         offset, R,
         *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
         PREFETCH=prefetch,
+        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
         num_warps=num_warps,
     )
     return out
@@ -444,7 +491,8 @@ def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=No
 
 
 @_with_common_args
-def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None, **tune):
+def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
+                           **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -452,16 +500,20 @@ def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_
         buf: ``[num_slots, T_max, H, P, N]`` fp32; s^(offset+1+j) is written to ``buf[:, offset+j]``,
             other slots are not touched. Requires ``offset + T <= T_max``.
         offset: step tokens already run by earlier calls of this step (a Python int).
+        parents: None (a chain) or a tree of the T tokens (offset 0): token j starts from its
+            parent's state (``buf[:, parents[j]]``, registers for a chain link, ``live`` for -1);
+            ``buf[:, j]`` receives token j's state.
     """
     if offset < 0 or offset + x.shape[1] > buf.shape[1]:
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {x.shape[1]} tokens")
     src = live if offset == 0 else buf[:, offset - 1]
     return _step(SNAPSHOT, src, buf, x, dt, A, Bm, Cm, D, offset=offset, state_indices=state_indices, out=out,
-                 dst_lead=2, **tune)
+                 dst_lead=2, parents=parents, **tune)
 
 
 @_with_common_args
-def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, out=None, **tune):
+def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
+                       **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -470,16 +522,18 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
             ``head = (head + num_tokens) % R``: no state moves; one launch with
             :func:`specdec.kernels.triton_common.ring_commit`).
         offset: step tokens already run by earlier calls of this step; needs ``offset + T < R``.
+        parents: None (a chain) or a tree of the T tokens (offset 0): token j's state goes to
+            slot ``(head+1+j) % R``; it starts from its parent's slot (``-1``: ``head``).
     """
     if offset + x.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {x.shape[1]} step states")
     return _step(RING, ring, ring, x, dt, A, Bm, Cm, D, offset=offset, head=head, state_indices=state_indices,
-                 out=out, src_lead=2, dst_lead=2, **tune)
+                 out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
 
 
 @_with_common_args
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
-                         state_indices=None, *, fused=False, out=None, **tune):
+                         state_indices=None, *, fused=False, parents=None, out=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[s]`` advanced by the first
@@ -500,9 +554,14 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
             (any float dtype able to hold the inputs exactly, e.g. the input dtype or fp32).
         hist_len: ``[num_slots]`` int committed history length per slot (read only).
         fused: the protocol (above).
+        parents: None (a chain) or a tree of the T tokens (offset 0; token j's inputs are
+            appended at ``pos0 + j`` as for a chain). A token whose parent is not the token
+            before it rebuilds its starting state in registers from the step's starting state
+            and the ancestors' ``(x, dt, B)`` (the step's inputs): ``depth`` rank-1 updates
+            instead of a state-sized scratch buffer (see ``delta_rule_replay_verify``).
     """
     return _step(REPLAY, ckpt, None, x, dt, A, Bm, Cm, D, offset=offset, hist=(hist_x, hist_dt, hist_B),
-                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, **tune)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents, **tune)
 
 
 def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None):
@@ -557,21 +616,21 @@ class Mamba2Kernels:
     def update(self, state, inputs, params):
         return mamba2_update(state, *self._unpack(inputs, params))
 
-    def snapshot_verify(self, live, buf, inputs, params, offset):
-        return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset)
+    def snapshot_verify(self, live, buf, inputs, params, offset, parents=None):
+        return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, parents=parents)
 
     def snapshot_commit(self, live, buf, num_tokens):
         state_copy_commit(live, buf, num_tokens)
 
-    def ring_verify(self, ring, head, inputs, params, offset):
-        return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset)
+    def ring_verify(self, ring, head, inputs, params, offset, parents=None):
+        return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset, parents=parents)
 
     def ring_commit(self, head, num_tokens, ring_size):
         ring_commit(head, num_tokens, ring_size)
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False):
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False, parents=None):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
-                                    offset, fused=fused)
+                                    offset, fused=fused, parents=parents)
 
     def replay_commit(self, hist, hist_len, num_tokens):
         mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens)
