@@ -5,17 +5,26 @@ On the qwen35-4b-shape model (shared/bench_models.md: Qwen3.5-4B shapes, random 
 strategy and batch size, one speculative step of
 
 * ``chain``: K + 1 = 5 tokens (depth 4) on the default backend (Triton step kernels on CUDA),
-* ``chain-torch``: the same on the torch reference ops (CUDA only; the path trees take),
-* ``tree-16``: the ``"default"`` 16-node tree of depth 4 (specdec.tree.default_tree_paths),
+* ``tree-16``: the ``"default"`` 16-node tree of depth 4 (specdec.tree.default_tree_paths) on the
+  default backend (on CUDA the Triton tree kernels: SSM and conv per node from its parent),
 * ``tree-64``: Medusa's 64-node ``mc_sim_7b_63`` (depth 4),
+* ``chain-torch`` / ``tree-16-torch`` / ``tree-64-torch``: the same on the torch reference ops
+  (CUDA only: on CPU the default backend already is torch),
 
 as the target's verify forward (all layers, SSM per-node state or inputs, LM head; the tree with
 its tree mask and parent-state SSM verify) and the commit of a depth-4 path (path compaction +
 the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, with
 ``torch.cuda.synchronize()`` around each phase; a fresh prefilled cache per configuration.
 
-    python benchmarks/tree_verify.py --out tree_verify.md                 # GPU: qwen35-4b-shape
+    python benchmarks/tree_verify.py --out tree_verify.md                 # GPU: qwen35-4b-shape (< 60 s)
+    python benchmarks/tree_verify.py --variants chain tree-16 tree-16-torch tree-64 tree-64-torch \
+        --strategies snapshot ring replay --max-seconds 500                # GPU: the full grid (minutes)
     python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
+
+The default grid (snapshot and replay, batch 1 and 16, chain / tree-16 / tree-16-torch, 8 timed
+steps) fits a minute on an H200 including Triton's first-launch compiles (the tree kernels unroll
+the tree's nodes: a 64-node variant compiles for tens of seconds, hence tree-64 only on request);
+``--max-seconds`` skips what is left, and every row is printed as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from specdec.rollback import make_strategy  # noqa: E402
 from specdec.tree import commit_path, make_tree, tree_view  # noqa: E402
 
 DEPTH = 4
+VARIANTS = ("chain", "chain-torch", "tree-16", "tree-16-torch", "tree-64", "tree-64-torch")
 TINY = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -71,7 +81,7 @@ def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
     """(verify ms, commit ms, peak GiB) medians for one configuration."""
     T = spec.num_nodes if spec is not None else DEPTH + 1
     saved = os.environ.get("SPECDEC_BACKEND")
-    if variant == "chain-torch":
+    if variant.endswith("-torch"):
         os.environ["SPECDEC_BACKEND"] = "torch"
     try:
         cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
@@ -125,11 +135,13 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model of the same family (CPU smoke test)")
     ap.add_argument("--layers", type=int, default=0, help="keep the first L layers (0: all 32; tiny: 4)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--strategies", nargs="+", default=["snapshot", "ring", "replay"])
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median)")
+    ap.add_argument("--strategies", nargs="+", default=["snapshot", "replay"])
+    ap.add_argument("--variants", nargs="+", default=["chain", "tree-16", "tree-16-torch"], choices=VARIANTS,
+                    help="*-torch: the torch reference ops (CUDA only; skipped on CPU)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens prefilled before the steps")
-    ap.add_argument("--max-seconds", type=float, default=75.0, help="skip the remaining configurations after this")
+    ap.add_argument("--max-seconds", type=float, default=50.0, help="skip the remaining configurations after this")
     ap.add_argument("--out", default=None, help="also write the Markdown table to this file")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -143,7 +155,8 @@ def main():
     model, _ = build_random_shape(mspec, device, dtype)
     ad = adapter_for(model)
     trees = {"tree-16": make_tree("default", num_heads=DEPTH), "tree-64": make_tree("medusa-63", num_heads=DEPTH)}
-    variants = [("chain", None)] + ([("chain-torch", None)] if device.type == "cuda" else []) + list(trees.items())
+    variants = [(name, trees.get(name.removesuffix("-torch"))) for name in args.variants
+                if device.type == "cuda" or not name.endswith("-torch")]
     rows, skipped = [], []
     for strategy in args.strategies:
         for batch in args.batch:
@@ -159,14 +172,14 @@ def main():
                 base = v if name == "chain" else base
                 T = spec.num_nodes if spec is not None else DEPTH + 1
                 rows.append((strategy, batch, name, T, v, c, v / base if base else float("nan"), peak))
-                print(f"  {strategy:9s} B={batch:<3d} {name:12s} T={T:<3d} verify {v:8.2f} ms  commit {c:7.3f} ms",
-                      file=sys.stderr, flush=True)
+                print(f"  {strategy:9s} B={batch:<3d} {name:14s} T={T:<3d} verify {v:8.2f} ms  commit {c:7.3f} ms  "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
         f"Tree vs chain verify step: {mspec.name}, {str(dtype).replace('torch.', '')}, {gpu}, "
         f"{args.prompt}-token prompt, median of {args.steps} steps ({datetime.date.today()}; "
-        f"{time.perf_counter() - start:.0f} s). Depth 4 everywhere; chain = 5 tokens on the default backend, "
-        + "chain-torch / trees on the torch reference ops (tree steps always are). Peak GiB: "
+        f"{time.perf_counter() - start:.0f} s). Depth 4 everywhere; chain = 5 tokens; chain and tree-N on the "
+        + "default backend (CUDA: Triton step / tree kernels), *-torch on the torch reference ops. Peak GiB: "
         + "torch.cuda.max_memory_allocated during the configuration, weights included.",
         "",
         "| strategy | batch | variant | step tokens | verify ms | commit ms | verify / chain | peak GiB |",
