@@ -235,6 +235,92 @@ class HybridCache:
             copy_tree(mine.store.tensors, layer.store.tensors)
         self.set_step_tokens(0)
 
+    def reset_rows(self, rows, source: HybridCache, source_rows=None) -> None:
+        """Give batch slots ``rows`` to new sequences that were prefilled into ``source`` (batch
+        serving: a sequence finished, its slot takes the next prompt while the others go on).
+
+        For each ``i``, slot ``rows[i]`` takes row ``source_rows[i]`` of ``source``: its KV columns
+        (all ``max_len`` of every attention layer), ``pad`` and ``seq_len``, the conv window of
+        every SSM layer, and the committed recurrent state, set through each layer's rollback
+        strategy (:meth:`RollbackStrategy.reset_rows`), which also resets the slot's cursors: a
+        ring's head, replay's checkpoint / input history and its length, snapshot buffers. The
+        other rows keep their committed state (KV, ``pad``, ``seq_len``, conv window, the state
+        :meth:`SSMLayerCache.ssm_state` returns) bit for bit. A strategy may reallocate its
+        buffers here, so a CUDA graph captured on this cache must be captured again.
+
+        Typical use::
+
+            src = adapter.new_cache(1, cache.max_len, cache.max_step_tokens, strategy)
+            logits, hidden = adapter.prefill(new_ids, new_mask, src)   # new_ids [1, L]
+            cache.reset_rows([slot], src)                             # the new prompt's pending
+                                                                      # token comes from logits
+        Args:
+            rows: ``[n]`` int (LongTensor or list): distinct slot indices in ``[0, batch)``.
+            source: a cache of the same ``max_len``, ``max_step_tokens``, KV dtype and layers
+                (the same model), of any batch size, with no open step.
+            source_rows: ``[n]`` int: the rows of ``source`` to take, in ``[0, source.batch)``
+                (default ``0 .. n-1``).
+
+        Raises:
+            ValueError: a step is open on either cache (``step_tokens != 0``: commit it first);
+                ``rows`` / ``source_rows`` out of range, repeated, not 1-D or of different
+                lengths; ``source`` of another ``max_len`` / ``max_step_tokens`` / layer set, or
+                whose layers differ in shape (conv width, KV heads or head size).
+        """
+        def as_index(x, n_max: int, what: str) -> torch.Tensor:
+            idx = torch.as_tensor(x, dtype=torch.long).reshape(-1) if not isinstance(x, torch.Tensor) else x.long()
+            if idx.dim() != 1:
+                raise ValueError(f"{what} must be 1-D, got shape {tuple(idx.shape)}")
+            vals = idx.tolist()
+            if any(v < 0 or v >= n_max for v in vals):
+                raise ValueError(f"{what} must be in [0, {n_max}), got {vals}")
+            if len(set(vals)) != len(vals):
+                raise ValueError(f"{what} must be distinct, got {vals}")
+            return idx.to(self.device)
+
+        open_self = self.step_tokens or any(layer.step_tokens for layer in self.ssm.values())
+        open_src = source.step_tokens or any(layer.step_tokens for layer in source.ssm.values())
+        if open_self or open_src:
+            raise ValueError(f"reset_rows needs no open step, but {'this cache' if open_self else 'source'} has "
+                             f"{self.step_tokens if open_self else source.step_tokens} step tokens run and not "
+                             "committed: commit the step first (commit zeros to discard it)")
+        rows = as_index(rows, self.batch, "rows")
+        n = rows.numel()
+        source_rows = as_index(range(n) if source_rows is None else source_rows, source.batch, "source_rows")
+        if source_rows.numel() != n:
+            raise ValueError(f"rows and source_rows must have the same length, got {n} and {source_rows.numel()}")
+        if (source.max_len, source.max_step_tokens) != (self.max_len, self.max_step_tokens):
+            raise ValueError(f"reset_rows needs a source cache of the same max_len and max_step_tokens "
+                             f"({self.max_len}, {self.max_step_tokens}), got ({source.max_len}, {source.max_step_tokens})")
+        if set(source.kv) != set(self.kv) or set(source.ssm) != set(self.ssm):
+            raise ValueError("reset_rows needs a source cache with the same attention and SSM layers (same model)")
+        for idx, (k, v) in source.kv.items():
+            if k.shape[1:] != self.kv[idx][0].shape[1:] or v.shape[1:] != self.kv[idx][1].shape[1:]:
+                raise ValueError(f"attention layer {idx}: source KV buffers {tuple(k.shape[1:])} differ from "
+                                 f"this cache's {tuple(self.kv[idx][0].shape[1:])}")
+        for idx, layer in source.ssm.items():
+            mine = self.ssm[idx]
+            same = (layer.conv_width == mine.conv_width and layer.has_recurrence == mine.has_recurrence
+                    and (layer.conv_window is None) == (mine.conv_window is None)
+                    and (layer.conv_window is None or layer.conv_window.shape[1:] == mine.conv_window.shape[1:]))
+            if not same:
+                raise ValueError(f"SSM layer {idx}: the source's conv window / recurrence differs from this cache's")
+        if n == 0:
+            return
+        src_rows = source_rows.to(source.device)
+        for idx, (k, v) in source.kv.items():
+            self.kv[idx][0][rows] = k[src_rows].to(device=self.device, dtype=self.kv[idx][0].dtype)
+            self.kv[idx][1][rows] = v[src_rows].to(device=self.device, dtype=self.kv[idx][1].dtype)
+        self.pad[rows] = source.pad[src_rows].to(self.device)
+        self.seq_len[rows] = source.seq_len[src_rows].to(self.device)
+        for idx, layer in source.ssm.items():
+            mine = self.ssm[idx]
+            if layer.conv_window is not None:
+                mine.conv_window[rows] = layer.conv_window[src_rows].to(mine.conv_window)
+            if mine.has_recurrence:
+                state = layer.ssm_state()[src_rows]
+                mine.strategy.reset_rows(mine.store, mine.op, mine.params, rows, state)
+
     def advance(self, t: int) -> None:
         """Mark ``t`` more step tokens as run (called after a forward)."""
         self.step_tokens += t

@@ -14,8 +14,9 @@ from test_core_exactness import hf_greedy, hf_states, rel_err
 from tiny_models import VOCAB, ragged_prompts
 
 import specdec
-from specdec.drafters import DraftModelDrafter, Drafter
+from specdec.drafters import DraftModelDrafter, Drafter, MedusaDrafter, MedusaHeads
 from specdec.rollback import STRATEGIES, make_strategy
+from specdec.verify import greedy_accept
 
 
 class Ragged(Drafter):
@@ -111,6 +112,83 @@ def test_C3_every_family_every_K(family, K):
         assert layer.conv_window.shape[-1] == layer.conv_width - 1 + K + 1 == layer.conv_width + K
 
 
+_HEADS: dict = {}
+#: per family, a ragged_prompts seed on which the n-gram drafter finds matches the tiny random
+#: target accepts (random models rarely repeat themselves: most seeds give no n-gram acceptance)
+C4_SEED = {"qwen3_5": 5, "nemotron_h": 7}
+
+
+def noisy_medusa_heads(family: str) -> MedusaHeads:
+    """3 Medusa heads for the tiny target, fitted (a fraction of a second) to its own greedy
+    continuations of the C4 prompts and then perturbed, so that a step accepts none, some or all
+    of its drafts (as tests/test_medusa_tree.py builds them)."""
+    if family not in _HEADS:
+        from specdec.experiments.train_medusa import (
+            collect_hidden_states,
+            fit_heads,
+            medusa_targets,
+            target_predictions,
+        )
+
+        model = get_model(family)
+        ids, mask = ragged_prompts(seed=C4_SEED[family])
+        seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
+                                         pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
+        hidden = collect_hidden_states(model, seqs, batch=16, progress=False)
+        x, y = medusa_targets(hidden, target_predictions(model, hidden, seqs), 3)
+        torch.manual_seed(0)
+        heads = MedusaHeads.from_target(model, num_heads=3, num_layers=1, vocab_bias=True)
+        fit_heads(heads, x, y, steps=60, batch_positions=256, lr=1e-2, warmup_steps=5, log_every=1000,
+                  progress=False, log=lambda m: None)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for lin in heads.lm_heads:
+                lin.weight.add_(torch.randn(lin.weight.shape, generator=g) * lin.weight.std() * 1.5)
+        _HEADS[family] = heads
+    return _HEADS[family]
+
+
+def c4_drafter(kind: str, family: str):
+    if kind == "ngram":
+        return "ngram"
+    if kind == "draft_model":
+        return DraftModelDrafter(get_model(family, "perturbed"))
+    return MedusaDrafter(noisy_medusa_heads(family), tree="default" if kind == "medusa_tree" else None)
+
+
+def assert_committed_state_is_texts(model, cache, texts, prompt_lens, tol=1e-5):
+    """``cache`` covers exactly ``texts`` (token lists, no padding) and every SSM layer's committed
+    state (recurrent and conv) == HF's per-token decode of them after its prefill of the prompt."""
+    assert (cache.seq_len - cache.pad).tolist() == [len(t) for t in texts]
+    for idx, (state, conv) in hf_states(model, specdec.models.adapter_for(model), texts, prompt_lens).items():
+        layer = cache.ssm[idx]
+        W = layer.conv_width
+        e1, e2 = rel_err(layer.ssm_state(), state), rel_err(layer.conv_state(), conv[:, :, conv.shape[-1] - (W - 1):])
+        assert e1 < tol and e2 < tol, f"layer {idx}: state rel err {e1:.2e}, conv {e2:.2e}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "medusa_chain", "medusa_tree"])
+@pytest.mark.parametrize("family", sorted(C4_SEED))
+def test_C4_every_drafter_same_commit_exact(family, drafter, strategy):
+    """The same ragged prompts through each drafter: output == HF greedy, and the committed state
+    after generation == HF's per-token decode of each row's committed text."""
+    model = get_model(family)
+    ids, mask = ragged_prompts(seed=C4_SEED[family])
+    L, new = ids.shape[1], 16
+    ref = hf_greedy(model, ids, mask, max_new=new)
+    sd = specdec.wrap(model, drafter=c4_drafter(drafter, family), rollback=strategy, num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0)
+    assert torch.equal(out, ref), f"\n{out[:, L:]}\n{ref[:, L:]}"
+    st = sd.last_stats
+    assert st.accepted_tokens > 0, f"{drafter}: nothing accepted, the commit of n > 0 drafts is not exercised"
+    assert st.accept_histogram[0] > 0 or drafter == "ngram", st.accept_histogram  # rejections too
+    # the cache covers each row's text minus its last (pending) token
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
+    texts = [p + out[i, L : L + new - 1].tolist() for i, p in enumerate(prompts)]
+    assert_committed_state_is_texts(model, sd.last_cache, texts, [len(p) for p in prompts])
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_C5_snapshot_verify_restore_then_decode_one_by_one(family, strategy):
     """Verify T tokens, commit some, then feed the rest one token per step: logits equal HF's."""
@@ -183,6 +261,54 @@ def test_C7_debug_mode_catches_out_of_range_commit(monkeypatch):
         layer.strategy.commit(layer.store, layer.op, layer.params, torch.tensor([0, 3, 1]))
 
 
+def committed_texts(out, ids, mask, eos=None):
+    """Per row, the tokens its cache covers after generate(): the prompt without padding and the
+    new tokens up to the row's end (its EOS, or the budget), minus the last, pending one."""
+    L = ids.shape[1]
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    texts = []
+    for i in range(ids.shape[0]):
+        gen = out[i, L:].tolist()
+        ends = [j for j, t in enumerate(gen) if t in eos]
+        gen = gen[: ends[0] + 1] if ends else gen
+        texts.append(ids[i][mask[i].bool()].tolist() + gen[:-1])
+    return texts
+
+
+def test_C10_long_prompts_128_1k_4k_exact_acceptance_per_length():
+    """The zoo's gdn-target (fp32) on two held-out prompts of each length set (128, 1k, 4k tokens,
+    ragged, left-padded), n-gram drafter, K = 4: output == HF greedy for every strategy at every
+    length; acceptance is recorded per length; the committed state == HF's per-token decode
+    (one strategy per length)."""
+    from specdec import zoo
+
+    model, tok = zoo.load("gdn-target")
+    eos = model.generation_config.eos_token_id
+    new, per_length = 24, {}
+    for n, key in enumerate(("128", "1k", "4k")):
+        enc = tok([p["prompt"] for p in zoo.prompts(key, limit=2)], return_tensors="pt", padding=True)
+        ids, mask = enc.input_ids, enc.attention_mask
+        assert tok.padding_side == "left" and mask.sum(1).min() > {"128": 100, "1k": 900, "4k": 3800}[key]
+        ref = hf_greedy(model, ids, mask, max_new=new)
+        stats = {}
+        for strategy in STRATEGIES:
+            sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=4)
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0)
+            assert torch.equal(out, ref), (key, strategy)
+            stats[strategy] = sd.last_stats
+            if strategy == STRATEGIES[n]:
+                texts = committed_texts(out, ids, mask, eos)
+                assert_committed_state_is_texts(model, sd.last_cache, texts, mask.sum(1).tolist())
+        # acceptance depends on the tokens alone, so every strategy reports the same numbers
+        assert len({(s.mean_accepted_tokens, tuple(s.accept_histogram)) for s in stats.values()}) == 1
+        per_length[key] = stats["replay"]
+    for key, st in per_length.items():
+        print(f"C10 gdn-target {key:>4} prompts: mean_accepted_tokens {st.mean_accepted_tokens:.3f}, "
+              f"acceptance_rate {st.acceptance_rate:.3f}, accept_histogram {st.accept_histogram}")
+    assert set(per_length) == {"128", "1k", "4k"}
+    assert all(st.steps > 0 and st.mean_accepted_tokens >= 1.0 for st in per_length.values())
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_C11_row_finishes_at_eos_inside_accepted_drafts(strategy):
     """EOS lands among accepted drafts of one row while the others go on."""
@@ -199,6 +325,169 @@ def test_C11_row_finishes_at_eos_inside_accepted_drafts(strategy):
     # the finished row's cache stops exactly at its text (EOS is its last, pending token)
     row_len = int((out[0, L:] == eos).nonzero()[0, 0]) + 1
     assert int(sd.last_cache.seq_len[0]) == L + row_len - 1
+
+
+_ALONE: dict = {}
+
+
+def hf_greedy_alone(model, prompt: list, max_new: int) -> list:
+    """HF greedy decoding of one prompt alone: prompt + ``max_new`` new tokens (a token list)."""
+    key = (id(model), tuple(prompt), max_new)
+    if key not in _ALONE:
+        _ALONE[key] = hf_greedy(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new=max_new)[0].tolist()
+    return _ALONE[key]
+
+
+def committed_rows(cache, rows):
+    """Bit-level copy of everything ``rows`` of ``cache`` hold between steps: pad, seq_len, every
+    KV column, each SSM layer's committed state and conv window."""
+    rows = torch.as_tensor(rows)
+    out = [cache.pad[rows].clone(), cache.seq_len[rows].clone()]
+    for k, v in cache.kv.values():
+        out += [k[rows].clone(), v[rows].clone()]
+    for layer in cache.ssm.values():
+        out += [layer.ssm_state()[rows].clone(), layer.conv_window[rows].clone()]
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES + ("replay_deferred",))
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_C11_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
+    """Batch serving: slot 1 finishes (its budget) while rows 0 and 2 go on; some steps later
+    ``HybridCache.reset_rows`` gives it a new prompt prefilled alone into a 1-row cache. Drafts
+    are each row's HF-greedy continuation corrupted at random (accepted counts from 0 to K, some
+    steps run in two calls); at the end every row's text == HF greedy of its own prompt alone, and
+    every committed SSM / conv state == HF's per-token decode of the row's text. A row whose text
+    reaches EOS (the model's default, as in HF's reference) finishes there, as in the engine."""
+    monkeypatch.setenv("SPECDEC_DEBUG", "1")  # bounds checks on every slot index
+    model = get_model(family)
+    eos = model.generation_config.eos_token_id
+    eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    ad = specdec.models.adapter_for(model)
+    rng = random.Random(zlib.crc32(f"C11 slot/{family}/{strategy}".encode()))
+    ids, mask = ragged_prompts(seed=3)
+    new_ids, _ = ragged_prompts(batch=1, lengths=(9,), seed=8)
+    B, K, before, after, budget1 = 3, 4, 12, 14, 7
+    steps = before + after
+    max_len = ids.shape[1] + steps * (K + 1) + K + 2
+    texts = [ids[i][mask[i].bool()].tolist() for i in range(B)]
+    prompt_lens = [len(t) for t in texts]
+    refs = [hf_greedy_alone(model, t, steps * (K + 1) + 1) for t in texts]
+    new_prompt = new_ids[0].tolist()
+    new_ref = hf_greedy_alone(model, new_prompt, after * (K + 1) + 1)
+
+    cache = ad.new_cache(B, max_len, K + 1, make_strategy(strategy))
+    logits, _ = ad.prefill(ids, mask, cache)
+    for i in range(B):
+        texts[i].append(int(logits[i].argmax()))  # pending
+    live = [True] * B
+    seen = set()
+
+    def step():
+        drafts = torch.zeros(B, K, dtype=torch.long)
+        k = torch.zeros(B, dtype=torch.long)
+        want = [0] * B
+        for i in range(B):
+            if not live[i]:
+                continue
+            L = len(texts[i])
+            d = refs[i][L : L + K]  # shorter where the reference ends at EOS
+            k[i] = min(rng.choice([K, K, rng.randint(0, K)]), len(d))
+            bad = rng.choice([0, K, rng.randint(0, K)])  # first wrong draft (K: none)
+            if bad < len(d):
+                d[bad] = 3 + (d[bad] - 3 + rng.randint(1, VOCAB - 4)) % (VOCAB - 3)
+            drafts[i, : len(d)], want[i] = torch.tensor(d, dtype=torch.long), min(bad, int(k[i]))
+        T = 1 + int(k.max())
+        tokens = torch.cat([torch.tensor([t[-1] for t in texts])[:, None], drafts[:, : T - 1]], 1)
+        if T > 1 and rng.random() < 0.3:  # a step run in two calls (as a draft model runs it)
+            cut = rng.randint(1, T - 1)
+            logits = torch.cat([ad.forward(tokens[:, :cut], cache)[0], ad.forward(tokens[:, cut:], cache)[0]], 1)
+        else:
+            logits, _ = ad.forward(tokens, cache)
+        n, c = greedy_accept(logits, drafts, k)
+        take = torch.zeros(B, dtype=torch.long)
+        for i in range(B):
+            if live[i]:
+                assert int(n[i]) == want[i], f"row {i}: accepted {int(n[i])} of the reference's drafts, not {want[i]}"
+                new = drafts[i, : int(n[i])].tolist() + [int(c[i])]
+                stop = [j for j, t in enumerate(new) if t in eos]
+                if stop:  # the row ends at EOS: its pending EOS is never run
+                    new, live[i] = new[: stop[0] + 1], False
+                texts[i] += new
+                take[i] = len(new)
+                seen.add(int(n[i]))
+        cache.commit(take)  # finished rows commit nothing (their forward is discarded)
+
+    for _ in range(before):
+        step()
+        gen1 = len(texts[1]) - prompt_lens[1]
+        # slot 1 finishes (max_new_tokens) once past budget1 at a length where the default ring
+        # (K + 2 slots) has its head away from slot 0 (its gen1 - 1 committed tokens moved it)
+        if live[1] and gen1 >= budget1 and (gen1 - 1) % (K + 2):
+            live[1] = False  # rows 0 and 2 go on
+    assert not live[1] and live[0] and live[2]
+    assert texts[1] == refs[1][: len(texts[1])]
+
+    # slot 1 -> the new prompt, prefilled alone into a 1-row cache of the same max_len
+    src = ad.new_cache(1, max_len, K + 1, make_strategy(strategy))
+    new_logits, _ = ad.prefill(new_ids, torch.ones_like(new_ids), src)
+    ad.forward(new_ids[:, :2].repeat(B, 1), cache)  # an open step: refused
+    with pytest.raises(ValueError, match="no open step"):
+        cache.reset_rows([1], src)
+    cache.commit(torch.zeros(B, dtype=torch.long))
+    keep = [0, 2]
+    kept = committed_rows(cache, keep)
+    for layer in cache.ssm.values():  # the slot's cursors are away from their reset values, so a
+        store = layer.store.tensors   # reset that missed them would show
+        for cursor in ("head", "hist_len"):
+            if cursor in store and strategy != "replay":  # (eager replay's history is empty between steps)
+                assert int(store[cursor][1]) != 0, f"{cursor} of slot 1 is already 0: pick another schedule"
+    cache.reset_rows(torch.tensor([1]), src, torch.tensor([0]))
+    for a, b in zip(committed_rows(cache, keep), kept, strict=True):
+        assert torch.equal(a, b)  # rows not reset: bit for bit
+    for a, b in zip(committed_rows(cache, [1]), committed_rows(src, [0]), strict=True):
+        assert torch.equal(a, b.to(a.dtype))  # the slot holds exactly the new prompt's prefill
+    for layer in cache.ssm.values():  # cursors of the slot are reset
+        store = layer.store.tensors
+        if "head" in store:
+            assert int(store["head"][1]) == 0
+        if "hist_len" in store:
+            assert int(store["hist_len"][1]) == 0
+    texts[1], prompt_lens[1], refs[1], live[1] = new_prompt + [int(new_logits[0].argmax())], len(new_prompt), new_ref, True
+
+    for _ in range(after):
+        step()
+    assert {0, K} <= seen and len(seen) >= 3, seen
+    for i in range(B):
+        assert texts[i] == refs[i][: len(texts[i])], f"row {i}"
+    assert len(texts[1]) > len(new_prompt) + after
+    assert_committed_state_is_texts(model, cache, [t[:-1] for t in texts], prompt_lens)
+
+
+def test_C11_reset_rows_argument_errors():
+    ad = specdec.models.adapter_for(get_model("nemotron_h"))
+    ids, mask = ragged_prompts()
+    cache = ad.new_cache(3, 40, 3, make_strategy("ring"))
+    ad.prefill(ids, mask, cache)
+    src = ad.new_cache(2, 40, 3, make_strategy("replay"))  # any batch size, any strategy
+    ad.prefill(ids[1:], mask[1:], src)
+    for rows, src_rows, match in (([3], None, r"rows must be in \[0, 3\)"), ([0, 0], None, "distinct"),
+                                  ([0], [2], r"source_rows must be in \[0, 2\)"), ([0, 1], [1], "same length")):
+        with pytest.raises(ValueError, match=match):
+            cache.reset_rows(rows, src, src_rows)
+    for other in (ad.new_cache(1, 41, 3, make_strategy("ring")), ad.new_cache(1, 40, 4, make_strategy("ring"))):
+        ad.prefill(ids[:1], mask[:1], other)
+        with pytest.raises(ValueError, match="same max_len and max_step_tokens"):
+            cache.reset_rows([0], other)
+    ad.forward(ids[1:, :1], src)
+    with pytest.raises(ValueError, match="source has 1 step tokens"):
+        cache.reset_rows([0], src)
+    src.commit(torch.zeros(2, dtype=torch.long))
+    cache.reset_rows([2, 0], src, [0, 1])  # rows 0 and 2 swap in the source's rows 1 and 0
+    assert cache.seq_len.tolist() == [12, 12, 12] and cache.pad.tolist() == [2, 5, 5]
+    for idx, layer in cache.ssm.items():
+        assert torch.equal(layer.ssm_state()[[2, 0]], src.ssm[idx].ssm_state())
 
 
 class ProposalRecorder(Drafter):
