@@ -29,9 +29,12 @@ exactly), or Medusa's *typical acceptance* (``acceptance="typical"``: a candidat
 when its target probability exceeds ``min(posterior_threshold, posterior_alpha * exp(-H))``;
 NOT distribution-preserving, faster on weak drafters).
 
-Backends: the tree's SSM verify and conv run on the torch reference ops on every device (the
-Triton step kernels take chains only); they process the tree one depth level at a time, so a
-tree of depth D costs D + 1 batched recurrence updates. Commit uses each backend's own kernels.
+Backends: the tree's SSM verify and conv run on the layer's backend. On the Triton backend
+(CUDA by default) each strategy's ``tree_verify`` calls the step kernels with ``parents=`` (one
+launch per layer walking the nodes in order, each from its parent's state) and the conv runs
+:func:`~specdec.kernels.conv1d.triton_conv.conv1d_tree_verify_triton`; on the torch backend the
+reference ops process the tree one depth level at a time (a tree of depth D costs D + 1
+batched recurrence updates). Commit uses each backend's own kernels.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class SSMOp(abc.ABC):
     #: fused per-strategy kernels (Triton) or None for the torch reference. When set, the
     #: rollback strategies call ``kernels.snapshot_verify / snapshot_commit / ring_verify /
     #: replay_verify / replay_fold`` (signatures in :mod:`specdec.rollback`) instead of
-    #: composing ``verify`` and ``fold``.
+    #: composing ``verify`` and ``fold``; tree steps call the same ``*_verify`` with ``parents=``.
     kernels = None
 
     def replay_spec(self, inputs: dict) -> dict:
@@ -69,7 +69,8 @@ class SSMOp(abc.ABC):
         """The state after applying the first ``num_tokens[b]`` cached tokens of each row."""
 
     def tree_verify(self, state, inputs: dict, params: dict, parents, return_states: bool):
-        """:meth:`verify` for a tree of step tokens (torch reference on every backend): token j
+        """:meth:`verify` for a tree of step tokens (the torch reference; with ``kernels`` set the
+        rollback strategies call the kernels' ``*_verify(..., parents=)`` instead): token j
         starts from token ``parents[j]``'s state (``-1``: ``state``), ``parents[j] < j``; states
         and replay inputs are per token of the tree. See :mod:`specdec.kernels.tree_index`."""
         raise NotImplementedError(f"SSM op {self.name!r} has no tree verify")

@@ -1,4 +1,4 @@
-"""Index helpers for running a *tree* of step tokens through a recurrence (torch reference ops).
+"""Index helpers for running a *tree* of step tokens through a recurrence (torch reference ops and Triton kernels).
 
 A tree step gives its T tokens in topological order with ``parents[j]`` the index of token j's
 parent (``parents[j] < j``), or ``-1`` when token j continues from the committed state. A chain is

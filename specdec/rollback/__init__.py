@@ -26,6 +26,11 @@ are ``[B, t, ...]`` as the op's ``verify`` takes them:
   step's first ``offset`` tokens (positions ``T_max ..``); appends at ``T_max + offset + j``.
   ``replay_commit(hist, hist_len, num_tokens)``: move positions ``T_max .. T_max + n - 1`` to
   ``0 .. n - 1`` and set ``hist_len = num_tokens`` (no state traffic).
+* tree steps (:mod:`specdec.tree`): the three ``*_verify`` with ``offset = 0`` and
+  ``parents=`` (a tuple, ``parents[j] < j``, ``-1`` = the committed state): token j starts from
+  token ``parents[j]``'s state and is written / appended at position j exactly as a chain's
+  token j (``buf[:, j]``, ring slot ``head+1+j``, history ``pos0 + j``); the strategy's
+  ``compact_path`` then moves the accepted path into chain order before the commit.
 """
 
 from __future__ import annotations
