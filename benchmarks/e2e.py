@@ -225,7 +225,7 @@ def run_specdec(model, ids, mask, new, K, drafter, strategy, device, repeat, dec
         prefill_s=st.prefill_s, peak_gib=peak_gib(device),
     )
     res["tokens_per_s"] = res["new_tokens"] / res["wall_s"]
-    sd.drafter = sd.model = sd.adapter = sd._static = None  # free the static buffers and graphs now
+    sd._static.clear()  # free the static buffers and graphs now
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -30,7 +30,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
         model: e.g. ``Qwen3_5ForCausalLM``, ``Qwen3NextForCausalLM``, ``NemotronHForCausalLM``,
             ``KimiLinearForCausalLM`` (weights are used in place, never copied).
         drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
-        rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``) or an instance.
+        rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``), ``"replay_deferred"``
+            (replay folding only when its history would overflow), or an instance.
         num_speculative_tokens: K in [0, 64] (0: plain decoding through the same engine, for baselines).
         decode_path: ``"auto"`` (CUDA graphs on CUDA when the call allows, else eager), ``"eager"``,
             ``"static"`` or ``"cuda_graph"`` (see :class:`SpeculativeGenerator`).

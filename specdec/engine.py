@@ -17,7 +17,7 @@ import torch
 
 from .drafters import Drafter, make_drafter
 from .models import adapter_for
-from .rollback import make_strategy
+from .rollback import RollbackStrategy, make_strategy
 from .tree import tree_for, tree_step
 from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
 
@@ -160,9 +160,11 @@ class Stats:
     mean_accepted_tokens: tokens committed per target forward per sequence, including the
         bonus/correction token (plain decoding = 1.00). acceptance_rate: accepted drafts /
         proposed drafts (0 when nothing was proposed). accept_histogram[n]: row-steps that
-        accepted n drafts. steps: target verify forwards. new_tokens: tokens generated
+        accepted n drafts. proposed_tokens / accepted_tokens: drafts verified / accepted over
+        all row-steps. steps: target verify forwards. new_tokens: tokens generated
         (all rows, up to and including EOS). draft_s / verify_s / rollback_s: time proposing,
-        in the target forward + acceptance, and committing state; wall_s: the whole call.
+        in the target forward + acceptance, and committing state; prefill_s: the prompt's
+        forward and cache setup; wall_s: the whole call.
         decode_path: how the steps ran: ``"eager"`` (dynamic shapes, host-side bookkeeping),
         ``"static"`` (fixed shapes, device-side bookkeeping, one host sync per step) or
         ``"cuda_graph"`` (static, with the verify forward and the commit replayed as CUDA graphs).
@@ -254,30 +256,72 @@ class SpeculativeGenerator:
 
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4,
                  decode_path: str = "auto"):
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-            raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
-        if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
-                f"got {num_speculative_tokens}"
-            )
-        if decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
-        self.decode_path = decode_path
         self._static: dict = {}  # shape bucket -> StaticDecoder (the most recent one is kept)
         self.adapter = adapter_for(model)
         self.model = model
-        self.drafter: Drafter = make_drafter(drafter)
-        self.strategy = make_strategy(rollback)
         self.num_speculative_tokens = num_speculative_tokens
-        dv = self.drafter.vocab_size
+        self.decode_path = decode_path
+        self.drafter = drafter
+        self.strategy = rollback
+        self.last_stats: Stats | None = None
+        self.last_cache = None
+
+    # settings: validated whenever they are set, also after construction ---------------------
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K, drafts per step (0 = plain decoding)."""
+        return self._K
+
+    @num_speculative_tokens.setter
+    def num_speculative_tokens(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"num_speculative_tokens must be an int, got {type(value).__name__}")
+        if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), got {value}"
+            )
+        self._K = int(value)
+        self._static.clear()
+
+    @property
+    def decode_path(self) -> str:
+        """``"auto"``, ``"eager"``, ``"static"`` or ``"cuda_graph"`` (see the class docstring)."""
+        return self._decode_path
+
+    @decode_path.setter
+    def decode_path(self, value):
+        if value not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {value!r}")
+        if value == "cuda_graph" and self.adapter.device.type != "cuda":
+            raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {self.adapter.device}; "
+                             "use 'static' or 'eager'")
+        self._decode_path = value
+
+    @property
+    def drafter(self) -> Drafter:
+        """The drafter (``"ngram"`` or a :class:`specdec.drafters.Drafter` may be assigned)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, value):
+        d = make_drafter(value)
+        dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
             raise ValueError(
                 f"the drafter's vocabulary ({dv} tokens) differs from the target's ({self.adapter.vocab_size}); "
                 "speculative decoding needs the same tokenizer and vocabulary"
             )
-        self.last_stats: Stats | None = None
-        self.last_cache = None
+        self._drafter = d
+
+    @property
+    def strategy(self) -> RollbackStrategy:
+        """The rollback strategy (a name from ``specdec.rollback.STRATEGIES`` or an instance may be assigned)."""
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, value):
+        self._strategy = make_strategy(value)
+        self._static.clear()
 
     # ------------------------------------------------------------------------------------
     def _resolve(self, input_ids, attention_mask, generation_config, overrides: dict):
@@ -318,6 +362,10 @@ class SpeculativeGenerator:
 
         eos = _as_id_list(gc.eos_token_id)
         pad = gc.pad_token_id
+        if isinstance(pad, torch.Tensor) and pad.numel() == 1:
+            pad = pad.item()
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
+            raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
         if attention_mask is None:
             if pad is not None and pad not in eos and bool((input_ids == pad).any()):
                 attention_mask = (input_ids != pad).long()
@@ -441,7 +489,7 @@ class SpeculativeGenerator:
         """Generate with speculative decoding; the output is laid out as HF ``generate()`` lays it out.
 
         Args:
-            input_ids: ``[B, L]`` int64 left-padded prompts.
+            input_ids: ``[B, L]`` int64 left-padded prompts (moved to the model's device if elsewhere).
             attention_mask: ``[B, L]`` 0/1 (default: inferred from ``pad_token_id`` as HF does, else ones).
             max_new_tokens: new tokens per row (default from the generation config).
             do_sample, temperature, top_k, top_p: sampling (lossless rejection sampling) or greedy.
@@ -491,8 +539,6 @@ class SpeculativeGenerator:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         stopping_criteria = self._stopping_criteria(stopping_criteria, opts["max_time"])
-        if streamer is not None:
-            streamer.put(input_ids.cpu())  # HF streams the prompt first (TextStreamer(skip_prompt=True) drops it)
         return self._run(input_ids, mask, max_new, sampling, eos, pad, generator, streamer, stopping_criteria, opts)
 
     @staticmethod
@@ -529,9 +575,12 @@ class SpeculativeGenerator:
         if max_new == 0:
             self.last_stats = stats
             if streamer is not None:
+                streamer.put(input_ids.cpu())
                 streamer.end()
             return self._output(input_ids.clone(), opts, None, None, 0)
         path = self._pick_path(dev, streamer, stopping_criteria, opts)
+        if streamer is not None:  # after every check: HF streams the prompt first
+            streamer.put(input_ids.cpu())  # (TextStreamer(skip_prompt=True) drops it)
         if path != "eager":
             return self._run_static(input_ids, mask, max_new, sampling, eos, pad, generator, opts,
                                     cuda_graphs=path == "cuda_graph")
@@ -639,7 +688,7 @@ class SpeculativeGenerator:
                 continue
             t0 = timer.now()
             if drafter is not None:
-                drafts, counts = drafter.propose(text, lengths, K)
+                drafts, counts = self._propose(drafter, text, lengths, K)
                 self._check_drafts(drafts, counts, B, K)
             else:
                 drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
@@ -799,7 +848,7 @@ class SpeculativeGenerator:
             active = ~finished
             clock.mark()
             if drafter is not None:
-                drafts, counts = drafter.propose(text, lengths, K)
+                drafts, counts = self._propose(drafter, text, lengths, K)
                 self._check_draft_shapes(drafts, counts, B, K)
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
                 w = drafts.shape[1]
@@ -846,8 +895,8 @@ class SpeculativeGenerator:
             steps += 1
             flags = torch.cat([finished.all()[None], bad]).tolist()  # the step's one host sync
             if flags[1] or flags[2]:
-                what = "num_draft_tokens outside [0, number of draft columns]" if flags[1] else \
-                    f"token ids outside the target's vocabulary [0, {V})"
+                what = (f"num_draft_tokens outside [0, {w}]: {counts.tolist()}" if flags[1] else
+                        f"token ids outside the target's vocabulary [0, {V})")
                 raise ValueError(f"drafter returned {what}")
             done = flags[0]
         times = clock.seconds()
@@ -867,6 +916,22 @@ class SpeculativeGenerator:
         self.last_stats = stats
         out = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
         return self._output(out, opts, None, None, out.shape[1] - Lp)
+
+    @staticmethod
+    def _propose(drafter, text, lengths, K):
+        """``drafter.propose`` on copies of the engine's buffers (a drafter that writes into its
+        arguments cannot corrupt the text); its result must be a pair of integer tensors."""
+        out = drafter.propose(text.clone(), lengths.clone(), K)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("Drafter.propose must return a pair (draft_tokens LongTensor [B, K], num_draft_tokens "
+                            f"LongTensor [B]), got {type(out).__name__}")
+        drafts, counts = out
+        for name, t in (("draft_tokens", drafts), ("num_draft_tokens", counts)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"Drafter.propose returned {name} of type {type(t).__name__}; expected an integer tensor")
+            if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+                raise TypeError(f"Drafter.propose returned {name} of dtype {t.dtype}; expected an integer dtype (int64)")
+        return drafts, counts
 
     def _check_draft_shapes(self, drafts, counts, B, K):
         """The host-side part of :meth:`_check_drafts` (types and shapes; no device sync)."""

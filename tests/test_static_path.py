@@ -262,3 +262,87 @@ def test_in_place_strategy_rejects_multi_token_steps():
     ids, mask, _, _ = reference("qwen3_5")
     with pytest.raises(ValueError, match="steps of 1 token"):
         ad.prefill(ids, mask, ad.new_cache(ids.shape[0], 64, 3, InPlaceUpdate()))
+
+
+def test_settings_are_validated_after_construction():
+    """Changing a wrapper's settings goes through the same checks as wrap()."""
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model)
+    with pytest.raises(ValueError, match="decode_path must be one of"):
+        sd.decode_path = "bogus"
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        sd.num_speculative_tokens = 100
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        sd.num_speculative_tokens = -2
+    with pytest.raises(ValueError, match="unknown rollback strategy"):
+        sd.strategy = "undo"
+    with pytest.raises(ValueError, match="unknown drafter"):
+        sd.drafter = "medusa?"
+    sd.drafter = "ngram"  # a name works, as in wrap()
+    import numpy as np
+
+    sd.num_speculative_tokens = np.int64(3)
+    assert sd.num_speculative_tokens == 3 and type(sd.num_speculative_tokens) is int
+    ids, mask, eos, ref = reference("qwen3_5")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+class _Mutating(Drafter):
+    """Writes into the buffers it is given, and returns the wrong types when asked to."""
+
+    def __init__(self, mode="mutate"):
+        self.mode = mode
+
+    def propose(self, input_ids, lengths, K):
+        B = input_ids.shape[0]
+        input_ids.zero_()
+        lengths -= 1
+        if self.mode == "float":
+            return torch.full((B, K), 5.7), torch.full((B,), K)
+        if self.mode == "none":
+            return None
+        return torch.full((B, K), 5, dtype=torch.long), torch.full((B,), K, dtype=torch.long)
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_drafter_cannot_corrupt_the_engine_buffers(path):
+    ids, mask, eos, ref = reference("nemotron_h")
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=_Mutating(), num_speculative_tokens=2, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode, match", [("float", "dtype torch.float32"), ("none", "must return a pair")])
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_drafter_output_types_are_checked(path, mode, match):
+    ids, mask, eos, _ = reference("nemotron_h")
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=_Mutating(mode), num_speculative_tokens=2, decode_path=path)
+    with pytest.raises(TypeError, match=match):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+
+
+def test_streamer_gets_nothing_from_a_rejected_call():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, value):
+            self.calls.append("put")
+
+        def end(self):
+            self.calls.append("end")
+
+    ids = torch.ones(1, 4, dtype=torch.long)
+    rec = Recorder()
+    with pytest.raises(ValueError, match="does not support streamer"):
+        specdec.wrap(get_model("qwen3_5"), decode_path="static").generate(ids, max_new_tokens=3, streamer=rec)
+    assert rec.calls == []
+    specdec.wrap(get_model("qwen3_5")).generate(ids, max_new_tokens=0, streamer=rec)
+    assert rec.calls == ["put", "end"]
+
+
+def test_pad_token_id_must_be_an_int():
+    with pytest.raises(ValueError, match="pad_token_id must be an int"):
+        specdec.wrap(get_model("qwen3_5")).generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2,
+                                                    pad_token_id="p")

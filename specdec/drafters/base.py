@@ -29,7 +29,8 @@ class Drafter(abc.ABC):
             input_ids: ``[B, L]`` int64. Row i's text is ``input_ids[i, :lengths[i]]``: its prompt
                 without padding plus every generated token, including the last one, which the
                 target has not run yet. Entries past ``lengths[i]`` are meaningless.
-            lengths: ``[B]`` int64.
+            lengths: ``[B]`` int64. (The engine passes copies of its buffers: writing into them
+                changes nothing.)
             num_speculative_tokens: K, the most tokens a row may propose.
 
         Returns:
