@@ -562,6 +562,7 @@ TREE_GRID = [
     pytest.param("gdn", (1, 16, 8), 8, 1, "default16", torch.bfloat16, False, id="gdn-default16-B1-bf16"),
     pytest.param("gdn", (1, 8, 8), 8, 3, "star", torch.float32, True, id="gdn-star-B3-si"),
     pytest.param("gdn", (1, 8, 8), 8, 1, "random9", torch.float32, False, id="gdn-random9-B1"),
+    pytest.param("gdn", (1, 8, 8), 8, 1, "medusa63", torch.float32, False, id="gdn-medusa63-B1"),
     pytest.param("kda", (2, 8, 16), 16, 2, "random7", torch.bfloat16, True, id="kda-random7-B2-bf16-si"),
     pytest.param("kda", (1, 8, 8), 8, 1, "chain", torch.float32, False, id="kda-chain-B1"),
     pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "random7", torch.float32, False, id="mamba2-random7-B2-H2-G1"),
@@ -869,13 +870,15 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
-@pytest.mark.parametrize("tree", ["default16", "medusa63"])
+@pytest.mark.parametrize("tree", ["default16"])
 @pytest.mark.parametrize("op,dims", [("gdn", (32, 128, 128)), ("kda", (32, 128, 128)), ("mamba2", (128, 64, 128, 8))],
                          ids=["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("B", [1, 8])
 def test_tree_real_size(op, dims, tree, B):
     """Tree kernels (snapshot, ring, both replays) at the benchmark's head shapes, bf16 inputs, the
-    launch configs the launchers pick for batch 1 and 8, Medusa's 16- and 64-node trees."""
+    launch configs the launchers pick for batch 1 and 8, Medusa's 16-node tree. (The 64-node tree
+    runs in the interpreter tests; compiled, its replay variants take minutes to compile -- the
+    kernels unroll the nodes -- so it is left out of this quick GPU check.)"""
     test_tree_verify(op, dims, None, B, tree, torch.bfloat16, B > 1)
 
 

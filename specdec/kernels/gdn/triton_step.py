@@ -181,6 +181,8 @@ def _delta_rule_step_kernel(
     USE_STATE_INDICES: tl.constexpr,
     FUSED: tl.constexpr,  # REPLAY: fused-fold protocol (module docstring)
     FIRST: tl.constexpr,  # offset == 0
+    FOLD_LA: tl.constexpr,  # REPLAY, FUSED: history items whose loads run ahead (_fold_launch)
+    FOLD_MASKED: tl.constexpr,  # REPLAY, FUSED: predicate the history loads on the committed length
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
@@ -236,14 +238,14 @@ def _delta_rule_step_kernel(
                 n_prev = tl.load(hist_len + i_n).to(tl.int64)
                 b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
                 b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, 0, n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V,
-                                   PER_CHANNEL, HALF, HALF, False)
+                                   PER_CHANNEL, HALF, FOLD_LA, FOLD_MASKED)
                 if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
                     tl.debug_barrier()  # in place: every thread has read its block before any writes back
                     tl.store(p_s0 + o_kv, b_s, mask=m_kv)
             else:  # the checkpoint is s^(0) (the step's first call absorbed); this step's first offset tokens
                 b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
                 b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, HALF, offset, i_h, o_k, o_v, m_k, m_v, H, K, V,
-                                   PER_CHANNEL, HALF, HALF, False)
+                                   PER_CHANNEL, HALF, FOLD_LA, FOLD_MASKED)
             pos0 = HALF + offset
         else:
             n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
@@ -402,7 +404,10 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     doubles the programs, because at small batch the step is latency-bound, not bandwidth-bound.
     4 warps, not 8: with 8 the ``S^T k`` reduction spans 8 warps and, at the ~120 registers the
     prefetched inputs need (``PREFETCH_TOKENS``), only 2 programs (32 KiB of state) fit an SM
-    instead of 4 (64 KiB in flight). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
+    instead of 4 (64 KiB in flight). Tree steps (``parents=``) take the same blocks: a tree node costs
+    a chain token's arithmetic plus, off the chain, one block load of the parent's slot, so the
+    same latency / occupancy trade-off holds (16-node tree at sm_90: 111 registers for snapshot,
+    188 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
     timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
     """
     BK = next_pow2(K)
@@ -436,6 +441,17 @@ def _prepare(q, k, v, g, beta, out):
         raise ValueError(f"out must be a contiguous [B, T, H, V] tensor, got {tuple(out.shape)}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     return q, k, v, g, beta, out, (B, T, H, K, V), g.dim() == 4
+
+
+def fold_launch(half: int):
+    """(lookahead, masked) of fused replay's in-kernel fold of the committed history (``T_max`` =
+    ``half`` positions). Chains (T_max <= 16): every position's loads are issued at once, unmasked,
+    ahead of the arithmetic (one memory round trip; the absent ones are zeroed after). Tree steps
+    make T_max the tree's size (16 .. 64 nodes) while the committed history stays short (at most
+    the accepted path): there the loads are predicated on the committed length (no traffic for
+    absent positions) with a 4-item lookahead, as the unfused fold -- issuing 64 unmasked items
+    at once cost 255 registers and minutes of compile time for the 64-node tree."""
+    return (half, False) if half <= 16 else (4, True)
 
 
 def _tree_table(parents, T, offset, device):
@@ -479,6 +495,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
             half = L // 2
         else:
             half = L
+    fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps)
     if B == 0 or T == 0:
@@ -493,7 +510,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         *strides,
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
-        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
+        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
         num_warps=num_warps,

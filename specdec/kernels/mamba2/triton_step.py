@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn.triton_step import _tree_table
+from ..gdn.triton_step import _tree_table, fold_launch
 from ..triton_common import (
     check_state,
     check_state_indices,
@@ -162,6 +162,8 @@ def _mamba2_step_kernel(
     USE_STATE_INDICES: tl.constexpr,
     FUSED: tl.constexpr,  # REPLAY: fused-fold protocol (see gdn/triton_step.py)
     FIRST: tl.constexpr,  # offset == 0
+    FOLD_LA: tl.constexpr,  # REPLAY, FUSED: history items whose loads run ahead (_fold_launch)
+    FOLD_MASKED: tl.constexpr,  # REPLAY, FUSED: predicate the history loads on the committed length
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
@@ -216,14 +218,14 @@ def _mamba2_step_kernel(
                 n_prev = tl.load(hist_len + i_n).to(tl.int64)
                 b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
                 b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, 0, n_prev, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
-                                   HALF, HALF, False)
+                                   HALF, FOLD_LA, FOLD_MASKED)
                 if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
                     tl.debug_barrier()  # in place: every thread has read its block before any writes back
                     tl.store(p_h0 + o_pn, b_h, mask=m_pn)
             else:  # the checkpoint is s^(0) (the step's first call absorbed); this step's first offset tokens
                 b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
                 b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, HALF, offset, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N,
-                                   G, HALF, HALF, False)
+                                   G, HALF, FOLD_LA, FOLD_MASKED)
             pos0 = HALF + offset
         else:
             n_prev = tl.load(hist_len + i_n).to(tl.int64) + offset
@@ -434,6 +436,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
             half = L // 2
         else:
             half = L
+    fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T)
     if Bsz == 0 or T == 0:
@@ -447,7 +450,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
-        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half,
+        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=prefetch,
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
         num_warps=num_warps,
