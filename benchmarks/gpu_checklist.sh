@@ -4,7 +4,7 @@
 # limit and appends to a few log files under $OUT (the device tool returns only a limited
 # number of files: keep Hydra's run folders out of $OUT).
 #
-#   bash benchmarks/gpu_checklist.sh part1   # GPU tests: new kernels, graph path, tree kernels (~5 min)
+#   bash benchmarks/gpu_checklist.sh part1   # GPU tests: new kernels, graph path, tree kernels (~8 min)
 #   bash benchmarks/gpu_checklist.sh part2   # rollback-kernel table + e2e on both bench shapes (~9 min)
 #   bash benchmarks/gpu_checklist.sh part3   # zoo e2e, case checks, long runs, tree cost (~8 min)
 #   bash benchmarks/gpu_checklist.sh part4   # the 2-GPU accelerate run (needs nvidia-h200-x2; ~3 min)
@@ -27,9 +27,10 @@ step() {  # step <seconds> <log name> <command...>
 case "${1:-}" in
 part1)
     export SPECDEC_TEST_CUDA=1
-    step 200 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_kernels_triton.py -m "gpu or not gpu"
+    step 200 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_kernels_triton.py -m "gpu or not gpu" -k "not tree"
     step 150 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_static_path.py -m gpu
-    step 100 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_medusa_tree.py -m "gpu or not gpu"
+    step 200 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_kernels_triton.py -m "gpu or not gpu" -k tree
+    step 120 tests $PY -u -m pytest -q -x -p no:cacheprovider tests/test_medusa_tree.py -m "gpu or not gpu"
     ;;
 part2)
     step 200 rollback $PY -u benchmarks/rollback_kernels.py --batches 1,64,256 --ks 4 --out "$OUT/rollback_kernels.md"
@@ -40,6 +41,8 @@ part3)
     step 150 cases $PY -u benchmarks/cases_gpu.py --out "$OUT/cases_gpu.md"
     step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md"
     step 90 tree $PY -u benchmarks/tree_verify.py --out "$OUT/tree_verify.md"
+    # optional: 64-node rows (first-use compile of the 64-node replay kernels takes minutes)
+    # $PY -u benchmarks/tree_verify.py --variants chain tree-64 tree-64-torch --strategies snapshot --max-seconds 300
     ;;
 part4)
     # issue 8: the acceptance experiment split over 2 GPUs vs 1 process; the records must agree
