@@ -360,6 +360,9 @@ class SpeculativeGenerator:
                     + _SUPPORTED_SETTINGS
                 )
 
+        if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
+            warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
+                          UserWarning, stacklevel=3)
         eos = _as_id_list(gc.eos_token_id)
         pad = gc.pad_token_id
         if isinstance(pad, torch.Tensor) and pad.numel() == 1:

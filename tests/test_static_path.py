@@ -346,3 +346,12 @@ def test_pad_token_id_must_be_an_int():
     with pytest.raises(ValueError, match="pad_token_id must be an int"):
         specdec.wrap(get_model("qwen3_5")).generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2,
                                                     pad_token_id="p")
+
+
+def test_use_cache_false_warns_and_changes_nothing():
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(get_model("qwen3_5"))
+    with pytest.warns(UserWarning, match="use_cache=False has no effect"):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0,
+                          use_cache=False)
+    assert torch.equal(out, ref)
