@@ -64,7 +64,11 @@ def check_state(name: str, state: torch.Tensor, inner: tuple[int, ...], lead: in
 
 
 def check_state_indices(state_indices: torch.Tensor | None, batch: int) -> None:
-    """Raise ValueError unless ``state_indices`` is None or an integer ``[batch]`` tensor."""
+    """Raise ValueError unless ``state_indices`` is None or an integer ``[batch]`` tensor.
+
+    The slots must be distinct (except ``PAD_SLOT_ID`` rows): two rows on one slot would race in
+    every in-place kernel. Not checked here (that needs the values on the host); the debug mode's
+    bounds checks and the continuous-batching caller own it."""
     if state_indices is None:
         return
     if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (batch,):

@@ -188,8 +188,7 @@ def _delta_rule_step_kernel(
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -365,8 +364,7 @@ def _delta_rule_fold_kernel(
     PER_CHANNEL: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     if USE_STATE_INDICES:
         i_n = tl.load(state_indices + i_b).to(tl.int64)
         if i_n < 0:
@@ -501,7 +499,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
     if B == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
-    grid = (triton.cdiv(V, BV), B * H)
+    grid = (triton.cdiv(V, BV), H, B)  # B on axis 2: axis 1 is capped at 65535
     _delta_rule_step_kernel[grid](
         q, k, v, g, beta, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
@@ -671,7 +669,7 @@ def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indic
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps)
     if B == 0:
         return
-    _delta_rule_fold_kernel[(triton.cdiv(V, BV), B * H)](
+    _delta_rule_fold_kernel[(triton.cdiv(V, BV), H, B)](
         ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices,
         ckpt.stride(0), hist_k.stride(0), hist_g.stride(0), hist_u.stride(0),
         H=H, K=K, V=V, BK=BK, BV=BV, L=hist_k.shape[1], PER_CHANNEL=per_channel,

@@ -169,8 +169,7 @@ def _mamba2_step_kernel(
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
@@ -331,8 +330,7 @@ def _mamba2_fold_kernel(
     L: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
     if USE_STATE_INDICES:
         i_n = tl.load(state_indices + i_b).to(tl.int64)
@@ -442,7 +440,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
-    _mamba2_step_kernel[(triton.cdiv(P, BP), Bsz * H)](
+    _mamba2_step_kernel[(triton.cdiv(P, BP), H, Bsz)](  # B on axis 2: axis 1 is capped at 65535
         x, dt, A, Bm, Cm, D, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
         h_x, h_dt, h_B, tree,
@@ -598,7 +596,7 @@ def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indic
     BP, BN, num_warps, _ = _launch_config(Bsz, H, P, N, block_p, num_warps)
     if Bsz == 0:
         return
-    _mamba2_fold_kernel[(triton.cdiv(P, BP), Bsz * H)](
+    _mamba2_fold_kernel[(triton.cdiv(P, BP), H, Bsz)](
         ckpt, A.contiguous(), hist_x, hist_dt, hist_B, num_tokens, state_indices,
         ckpt.stride(0), hist_x.stride(0), hist_dt.stride(0), hist_B.stride(0),
         H=H, P=P, N=N, G=G, BP=BP, BN=BN, L=hist_x.shape[1], USE_STATE_INDICES=state_indices is not None,
