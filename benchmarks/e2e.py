@@ -136,22 +136,28 @@ def weight_bytes(model) -> int:
     return total
 
 
+def cuda_median_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), after ``warmup`` calls."""
+    times = []
+    for i in range(warmup + repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def copy_bandwidth(device) -> float | None:
     """Measured device-to-device copy bandwidth in bytes/s (read + write), median of 10."""
     if device.type != "cuda":
         return None
     a = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    ts = []
-    for _ in range(13):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * 2 * 1024**3 / statistics.median(ts[3:])
+    ms = cuda_median_ms(lambda: b.copy_(a))  # the 4 GiB are freed on return
+    return 2 * 2 * 1024**3 / (ms / 1e3)
 
 
 # ----------------------------------------------------------------------------------- timing

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from e2e import bench_model, copy_bandwidth, weight_bytes
+from e2e import bench_model, copy_bandwidth, cuda_median_ms, weight_bytes
 
 import specdec
 
@@ -48,23 +47,8 @@ def main():
         if dec._fwd_graph is None:
             print(f"K={K}: no graph ({dec.capture_error})")
             continue
-        times = []
-        for _ in range(23):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            dec._fwd_graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        fwd_ms = statistics.median(times[3:])
-        ctimes = []
-        for _ in range(13):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            dec._commit_graph.replay()
-            e.record()
-            e.synchronize()
-            ctimes.append(s.elapsed_time(e))
+        fwd_ms = cuda_median_ms(dec._fwd_graph.replay, repeat=20)
+        commit_ms = cuda_median_ms(dec._commit_graph.replay)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -79,7 +63,7 @@ def main():
         n = len(kernels) / 3
         tot_ms = sum(v[1] for v in by.values()) / 3 / 1e3
         print(f"\nK={K} (T={K + 1}) batch {args.batch}: forward graph {fwd_ms:.3f} ms (floor {1e3 * wb / bw:.2f}), "
-              f"commit graph {statistics.median(ctimes[3:]):.3f} ms; {n:.0f} kernels per forward, "
+              f"commit graph {commit_ms:.3f} ms; {n:.0f} kernels per forward, "
               f"sum of kernel time {tot_ms:.3f} ms (gaps {fwd_ms - tot_ms:.3f} ms)")
         for name, (cnt, us) in sorted(by.items(), key=lambda x: -x[1][1])[: args.top]:
             print(f"  {us / 3 / 1e3:8.3f} ms  {cnt / 3:6.0f}x  {name[:110]}")
