@@ -9,6 +9,11 @@
 #   bash benchmarks/gpu_checklist.sh part3   # zoo e2e, case checks, long runs, tree cost (~8 min)
 #   bash benchmarks/gpu_checklist.sh part4   # the 2-GPU accelerate run (needs nvidia-h200-x2; ~3 min)
 #
+# On nvidia-h200-x2 the same work fits two calls: the correctness tests (compile-bound) share
+# GPU 0 while the timed benchmarks have GPU 1 to themselves.
+#   bash benchmarks/gpu_checklist.sh x2a     # part1's tests on GPU 0 || part2 on GPU 1 (~9 min)
+#   bash benchmarks/gpu_checklist.sh x2b     # part4's 2-GPU run, then part3 split over both GPUs (~7 min)
+#
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
@@ -67,8 +72,30 @@ a, b = load(f"{run}/2gpu/results.jsonl"), load(f"{run}/1gpu/results.jsonl")
 print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings: {a == b}")
 EOF
     ;;
+x2a)
+    export SPECDEC_TEST_CUDA=1
+    t="-u -m pytest -q -p no:cacheprovider"
+    CUDA_VISIBLE_DEVICES=0 step 330 tests_kernels $PY $t tests/test_kernels_triton.py -m "gpu or not gpu" -k "not tree" &
+    CUDA_VISIBLE_DEVICES=0 step 330 tests_static $PY $t tests/test_static_path.py -m gpu &
+    CUDA_VISIBLE_DEVICES=0 step 330 tests_tree $PY $t tests/test_kernels_triton.py -m "gpu or not gpu" -k tree &
+    CUDA_VISIBLE_DEVICES=0 step 330 tests_medusa $PY $t tests/test_medusa_tree.py -m "gpu or not gpu" &
+    export CUDA_VISIBLE_DEVICES=1
+    step 200 rollback $PY -u benchmarks/rollback_kernels.py --batches 1,64,256 --ks 4 --out "$OUT/rollback_kernels.md"
+    step 320 e2e $PY -u benchmarks/e2e.py --models qwen35-4b-shape,nemotronh-4b-shape --hf-new 32 --out "$OUT/e2e.jsonl"
+    wait
+    ;;
+x2b)
+    bash "$0" part4
+    (export CUDA_VISIBLE_DEVICES=0
+     step 150 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+     step 90 tree $PY -u benchmarks/tree_verify.py --out "$OUT/tree_verify.md") &
+    export CUDA_VISIBLE_DEVICES=1
+    step 150 cases $PY -u benchmarks/cases_gpu.py --out "$OUT/cases_gpu.md"
+    step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md"
+    wait
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b" >&2
     exit 2
     ;;
 esac
