@@ -29,6 +29,30 @@ step() {  # step <seconds> <log name> <command...>
     echo "== rc=$? ($log)" | tee -a "$OUT/$log.log"
 }
 
+ACC_ARGS="experiment=acceptance device=cuda model=gdn-target drafter=ngram rollback=replay prompts.set=all
+    prompts.limit=null max_new_tokens=64 progress=false"
+acceptance() {  # acceptance 2gpu|1gpu: the acceptance experiment (Hydra run folder outside $OUT)
+    if [ "$1" = 2gpu ]; then
+        step 150 accelerate accelerate launch --multi_gpu --num_processes 2 -m specdec $ACC_ARGS hydra.run.dir=/tmp/acc/2gpu
+    else
+        step 150 accelerate $PY -m specdec $ACC_ARGS hydra.run.dir=/tmp/acc/1gpu
+    fi
+    cp /tmp/acc/$1/summary.md "$OUT/acceptance_$1_summary.md" 2>/dev/null
+}
+compare_acceptance() {  # the two runs' records must agree apart from timings and process ids
+    $PY - /tmp/acc >> "$OUT/accelerate.log" 2>&1 <<'EOF2'
+import json, sys
+run = sys.argv[1]
+def load(p):
+    drop = {"wall_s", "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s",
+            "prefill_s", "plain_wall_s", "process", "rank", "world_size"}
+    recs = [json.loads(x) for x in open(p)]
+    return sorted((json.dumps({k: v for k, v in r.items() if k not in drop}, sort_keys=True) for r in recs))
+a, b = load(f"{run}/2gpu/results.jsonl"), load(f"{run}/1gpu/results.jsonl")
+print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings: {a == b}")
+EOF2
+}
+
 case "${1:-}" in
 part1)
     export SPECDEC_TEST_CUDA=1
@@ -51,26 +75,9 @@ part3)
     ;;
 part4)
     # issue 8: the acceptance experiment split over 2 GPUs vs 1 process; the records must agree
-    run_dir=/tmp/acc
-    step 120 accelerate accelerate launch --multi_gpu --num_processes 2 -m specdec experiment=acceptance device=cuda \
-        model=gdn-target drafter=ngram rollback=replay prompts.set=all prompts.limit=null max_new_tokens=64 \
-        progress=false hydra.run.dir=$run_dir/2gpu
-    CUDA_VISIBLE_DEVICES=0 step 120 accelerate $PY -m specdec experiment=acceptance device=cuda \
-        model=gdn-target drafter=ngram rollback=replay prompts.set=all prompts.limit=null max_new_tokens=64 \
-        progress=false hydra.run.dir=$run_dir/1gpu
-    cp $run_dir/2gpu/summary.md "$OUT/acceptance_2gpu_summary.md" 2>/dev/null
-    cp $run_dir/1gpu/summary.md "$OUT/acceptance_1gpu_summary.md" 2>/dev/null
-    $PY - "$run_dir" >> "$OUT/accelerate.log" 2>&1 <<'EOF'
-import json, sys
-run = sys.argv[1]
-def load(p):
-    drop = {"wall_s", "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s",
-            "prefill_s", "plain_wall_s", "process", "rank", "world_size"}
-    recs = [json.loads(x) for x in open(p)]
-    return sorted((json.dumps({k: v for k, v in r.items() if k not in drop}, sort_keys=True) for r in recs))
-a, b = load(f"{run}/2gpu/results.jsonl"), load(f"{run}/1gpu/results.jsonl")
-print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings: {a == b}")
-EOF
+    acceptance 2gpu
+    CUDA_VISIBLE_DEVICES=0 acceptance 1gpu
+    compare_acceptance
     ;;
 x2a)
     export SPECDEC_TEST_CUDA=1
@@ -85,13 +92,22 @@ x2a)
     wait
     ;;
 x2b)
-    bash "$0" part4
+    export SPECDEC_TEST_CUDA=1
+    t="-u -m pytest -q -p no:cacheprovider"
+    # correctness tests (compile-bound) on GPU 0 while the 2-GPU run goes
+    CUDA_VISIBLE_DEVICES=0 step 300 tests_static $PY $t tests/test_static_path.py -m "gpu or not gpu" -k "cuda_graph or graph_safe" &
+    CUDA_VISIBLE_DEVICES=0 step 400 tests_tree $PY $t -n 12 tests/test_kernels_triton.py -m "gpu or not gpu" -k tree &
+    CUDA_VISIBLE_DEVICES=0 step 150 tests_medusa $PY $t -x --tb=short tests/test_medusa_tree.py -k "test_greedy_exact_chain_and_tree and qwen3_5-snapshot" &
+    acceptance 2gpu
     (export CUDA_VISIBLE_DEVICES=0
-     step 150 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+     acceptance 1gpu
+     compare_acceptance
+     step 150 cases $PY -u benchmarks/cases_gpu.py --out "$OUT/cases_gpu.md"
      step 90 tree $PY -u benchmarks/tree_verify.py --out "$OUT/tree_verify.md") &
-    export CUDA_VISIBLE_DEVICES=1
-    step 150 cases $PY -u benchmarks/cases_gpu.py --out "$OUT/cases_gpu.md"
-    step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md"
+    (export CUDA_VISIBLE_DEVICES=1
+     step 160 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+     step 100 e2e $PY -u benchmarks/e2e.py --models nemotronh-4b-shape --batches 64 --acceptance 0.6 --skip-hf --out "$OUT/e2e.jsonl"
+     step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md")
     wait
     ;;
 *)

@@ -17,6 +17,7 @@ a commit changes no committed state (it only writes step slots), so the warm-up 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -30,6 +31,49 @@ __all__ = ["StaticDecoder", "bucket_length"]
 def bucket_length(n: int, multiple: int = 256) -> int:
     """KV columns for ``n`` needed ones, rounded up so nearby lengths share one CUDA graph."""
     return -(-n // multiple) * multiple
+
+
+def _host_syncing_experts(model: torch.nn.Module) -> list:
+    """Configs of the model's mixture-of-experts blocks whose experts implementation syncs with
+    the host, so it cannot be captured: transformers' ``"eager"`` experts (``nonzero`` to find the
+    hit experts) and ``"grouped_mm"`` on weights other than bf16 (``torch._grouped_mm`` has CUDA
+    kernels for bf16 only; its fallback copies the group offsets to the host)."""
+    configs = {}
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        impl = getattr(cfg, "_experts_implementation", None)
+        weight = getattr(mod, "gate_up_proj", None)
+        if weight is None:
+            weight = getattr(mod, "up_proj", None)
+        if impl is None or not hasattr(mod, "has_gate") or not isinstance(weight, torch.Tensor):
+            continue  # not a transformers experts module (``@use_experts_implementation``)
+        if impl == "eager" or (impl == "grouped_mm" and weight.dtype != torch.bfloat16):
+            configs[id(cfg)] = cfg
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def graph_safe_experts(model: torch.nn.Module):
+    """Inside the block, mixture-of-experts blocks whose experts implementation syncs with the
+    host (:func:`_host_syncing_experts`) run transformers' ``"batched_mm"`` experts instead
+    (gathers each token's expert weights and multiplies batched: no host sync, so it can be
+    captured; its memory grows with tokens x top-k x expert size, which is small at decode
+    sizes). The model's setting is restored on exit; a captured graph keeps the batched kernels."""
+    configs = _host_syncing_experts(model)
+    saved = [cfg._experts_implementation for cfg in configs]
+    if configs:
+        warnings.warn(
+            f"the model's experts implementation ({', '.join(sorted(set(saved)))}) syncs with the host on this "
+            "dtype; the CUDA graph is captured with transformers' 'batched_mm' experts instead",
+            RuntimeWarning, stacklevel=4,
+        )
+    try:
+        for cfg in configs:
+            cfg._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for cfg, impl in zip(configs, saved, strict=True):
+            cfg._experts_implementation = impl
 
 
 class StaticDecoder:
@@ -81,7 +125,7 @@ class StaticDecoder:
         try:
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-            with fused(self.adapter.model, self.fuse):
+            with fused(self.adapter.model, self.fuse), graph_safe_experts(self.adapter.model):
                 with torch.cuda.stream(side):
                     for _ in range(2):  # compiles the kernels, allocates lazy buffers (replay history)
                         self.adapter.forward(self._ids, c)

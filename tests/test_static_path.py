@@ -355,3 +355,28 @@ def test_use_cache_false_warns_and_changes_nothing():
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0,
                           use_cache=False)
     assert torch.equal(out, ref)
+
+
+def test_graph_safe_experts_switches_syncing_moe_and_restores():
+    """Kimi-Linear's MoE experts (transformers' grouped_mm on fp32 weights: its fallback copies
+    the offsets to the host, which a CUDA graph cannot capture) run as batched_mm inside
+    graph_safe_experts, with the same logits; the model's setting comes back afterwards."""
+    from specdec.static import _host_syncing_experts, graph_safe_experts
+
+    model = get_model("kimi_linear")
+    impl = model.config._experts_implementation
+    assert len(_host_syncing_experts(model)) == 1
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits
+        ctx = graph_safe_experts(model)
+        with pytest.warns(RuntimeWarning, match="batched_mm"):
+            ctx.__enter__()
+        try:
+            assert model.config._experts_implementation == "batched_mm"
+            out = model(ids).logits
+        finally:
+            ctx.__exit__(None, None, None)
+    assert model.config._experts_implementation == impl
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert not _host_syncing_experts(get_model("qwen3_5"))  # no MoE: nothing to switch
