@@ -38,18 +38,26 @@ acceptance() {  # acceptance 2gpu|1gpu: the acceptance experiment (Hydra run fol
         step 150 accelerate $PY -m specdec $ACC_ARGS hydra.run.dir=/tmp/acc/1gpu
     fi
     cp /tmp/acc/$1/summary.md "$OUT/acceptance_$1_summary.md" 2>/dev/null
+    cp /tmp/acc/$1/results.jsonl "$OUT/acceptance_$1_results.jsonl" 2>/dev/null
 }
 compare_acceptance() {  # the two runs' records must agree apart from timings and process ids
     $PY - /tmp/acc >> "$OUT/accelerate.log" 2>&1 <<'EOF2'
 import json, sys
 run = sys.argv[1]
 def load(p):
+    # timings, which process ran a record and on which GPU may differ; nothing else may
     drop = {"wall_s", "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s",
-            "prefill_s", "plain_wall_s", "process", "rank", "world_size"}
+            "prefill_s", "plain_wall_s", "process", "rank", "world_size", "device"}
     recs = [json.loads(x) for x in open(p)]
-    return sorted((json.dumps({k: v for k, v in r.items() if k not in drop}, sort_keys=True) for r in recs))
+    return [{k: v for k, v in r.items() if k not in drop} for r in recs]
 a, b = load(f"{run}/2gpu/results.jsonl"), load(f"{run}/1gpu/results.jsonl")
-print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings: {a == b}")
+same = [x == y for x, y in zip(a, b)]
+print(f"records: 2 processes {len(a)}, 1 process {len(b)}; identical apart from timings and GPU, "
+      f"in the same order: {len(a) == len(b) and all(same)}")
+for x, y in zip(a, b):
+    if x != y:
+        print("first difference:", {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
+        break
 EOF2
 }
 
@@ -110,8 +118,18 @@ x2b)
      step 90 long_run $PY -u benchmarks/long_run.py --out "$OUT/long_run.md")
     wait
     ;;
+x2c)
+    # re-checks after the x2b findings: Kimi's draft model captured (MoE experts), 2-GPU records,
+    # and the zoo draft-model rows in reverse strategy order (was the first row's drafting slow?)
+    export SPECDEC_TEST_CUDA=1
+    CUDA_VISIBLE_DEVICES=0 step 300 tests_static $PY -u -m pytest -q -p no:cacheprovider tests/test_static_path.py -m gpu -k "cuda_graph and kimi" &
+    acceptance 2gpu
+    (export CUDA_VISIBLE_DEVICES=0; acceptance 1gpu; compare_acceptance) &
+    CUDA_VISIBLE_DEVICES=1 step 150 e2e $PY -u benchmarks/e2e.py --models zoo --zoo-batches 1,16 --strategies replay,ring,snapshot --skip-hf --out "$OUT/e2e.jsonl"
+    wait
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c" >&2
     exit 2
     ;;
 esac

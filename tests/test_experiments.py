@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -286,3 +287,40 @@ def test_one_line_error_texts():
         run_experiment(_cfg(["+foo=1"]), Path("/nonexistent"))
     with pytest.raises(ValueError, match="model=hf needs model.targets.0.name"):
         run_experiment(_cfg(["model=hf", "device=cpu"]), Path("/nonexistent"))
+
+
+def test_divergence_position_and_margin_of_a_near_tie():
+    """acceptance's exactness check: the first differing position (also where one output ends
+    early) and the plain run's top-2 margin there, from a forward of the plain prefix."""
+    from specdec.experiments.acceptance import first_divergence, top2_margin
+
+    ref = torch.tensor([[5, 6, 7, 8, 9]])
+    assert first_divergence(ref.clone(), ref) is None
+    assert first_divergence(torch.tensor([[5, 6, 1, 8, 9]]), ref) == 2
+    assert first_divergence(torch.tensor([[5, 6, 7]]), ref) == 3
+
+    class Fixed(torch.nn.Module):  # logits depend on the prefix length only
+        def forward(self, ids):
+            logits = torch.zeros(1, ids.shape[1], 10)
+            logits[0, -1, 3], logits[0, -1, 4] = 2.0, 2.0 - 0.1 * ids.shape[1]
+            return type("Out", (), {"logits": logits})
+
+    assert top2_margin(Fixed(), ref, 2) == pytest.approx(0.2)
+    assert top2_margin(Fixed(), ref, 4) == pytest.approx(0.4)
+
+
+def test_summary_groups_the_gpus_of_one_run_and_counts_near_ties():
+    """Records of a 2-GPU run (device cuda:0 / cuda:1) share one summary row; the near-tie
+    column counts the divergences at near-ties among the inexact records."""
+    from specdec.experiments.report import summarize
+
+    base = {"experiment": "acceptance", "model": "m", "drafter": "ngram", "rollback": "replay",
+            "num_speculative_tokens": 4, "mean_accepted_tokens": 2.0}
+    recs = [{**base, "device": "cuda:0", "exact": True, "near_tie": None},
+            {**base, "device": "cuda:1", "exact": False, "near_tie": True},
+            {**base, "device": "cuda:1", "exact": False, "near_tie": False}]
+    (row,) = summarize(recs)
+    assert row["prompts"] == 3 and row["exact"] == "1/3" and row["near_tie"] == "1/2"
+    (cpu,) = summarize([{**base, "device": "cpu", "exact": True, "near_tie": None}])
+    assert cpu["exact"] == "yes" and cpu["near_tie"] is None
+    assert len(summarize(recs + [{**base, "device": "cpu", "exact": True}])) == 2  # a device sweep keeps its rows

@@ -252,10 +252,11 @@ class DraftModelDrafter(Drafter):
         import warnings
 
         from ..fusion import fused, fusion_enabled
+        from ..static import graph_safe_experts
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with fused(self.model, fusion_enabled()), torch.cuda.graph(graph):
+            with fused(self.model, fusion_enabled()), graph_safe_experts(self.model), torch.cuda.graph(graph):
                 self._body(st, K)
         except Exception as err:  # noqa: BLE001 -- any capture failure: keep the static path, eagerly
             st.capture_failed = True

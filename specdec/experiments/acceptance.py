@@ -8,7 +8,10 @@ For every configuration and prompt it records mean accepted tokens (Spec-Bench's
 target forward, bonus included), acceptance rate, the accepted-length histogram, tokens/s,
 the speedup over plain greedy decoding of the same model on the same prompt in the same run
 (transformers' ``generate()``), and whether the output equals that plain greedy output token
-for token. Results go to ``results.jsonl`` (one record per prompt and configuration),
+for token; where it does not, the first differing position and the plain run's top-2 logit margin
+there (``divergence_margin``, from a forward of the plain text up to that position) and whether
+that is a near-tie (``near_tie``: margin < 0.25, the only divergence DESIGN.md allows, in bf16).
+Results go to ``results.jsonl`` (one record per prompt and configuration),
 ``summary.md`` (the table, means over prompts) and ``accept_hist.png`` in the run folder.
 
 Several processes (``accelerate launch --multi_gpu --num_processes N -m specdec ...``): each runs
@@ -34,6 +37,30 @@ __all__ = ["run", "load_target", "resolve_device"]
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+#: DESIGN.md: in bf16 a divergence from plain greedy output is allowed only where the plain run's
+#: top-2 logit margin is below this (a genuine near-tie)
+NEAR_TIE_MARGIN = 0.25
+
+
+def first_divergence(out: torch.Tensor, ref: torch.Tensor) -> int | None:
+    """Index of the first position where ``out [1, L1]`` and ``ref [1, L2]`` differ (a shorter
+    one ending early counts as differing where it ends); None when they are equal."""
+    n = min(out.shape[1], ref.shape[1])
+    diff = (out[0, :n] != ref[0, :n]).nonzero()
+    if diff.numel():
+        return int(diff[0, 0])
+    return None if out.shape[1] == ref.shape[1] else n
+
+
+@torch.no_grad()
+def top2_margin(model, ids: torch.Tensor, position: int) -> float:
+    """The model's top-2 logit margin for the token at ``position`` of ``ids [1, L]`` (a forward of
+    ``ids[:, :position]``: the prefix the plain run had seen there)."""
+    logits = model(ids[:, :position]).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    return float(top2[0] - top2[1])
 
 
 def _configs(cfg, target_spec):
@@ -132,6 +159,10 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 ref, ref_s = plain[p["id"]]
                 st = sd.last_stats
                 new = out.shape[1] - enc["input_ids"].shape[1]
+                pos = first_divergence(out, ref)
+                margin = None
+                if pos is not None and pos < ref.shape[1]:
+                    margin = top2_margin(model, ref, pos)
                 records.append(
                     {
                         **common_fields(cfg, "acceptance", spec, device, dtype),
@@ -149,7 +180,10 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                         "tokens_per_s": new / dt if dt > 0 else 0.0,
                         "plain_tokens_per_s": (ref.shape[1] - enc["input_ids"].shape[1]) / ref_s if ref_s > 0 else 0.0,
                         "speedup": ref_s / dt if dt > 0 else 0.0,
-                        "exact": bool(out.shape == ref.shape and torch.equal(out, ref)),
+                        "exact": pos is None,
+                        "divergence_position": None if pos is None else pos - int(enc["input_ids"].shape[1]),
+                        "divergence_margin": margin,
+                        "near_tie": None if pos is None else bool(margin is not None and margin < NEAR_TIE_MARGIN),
                         "draft_s": st.draft_s,
                         "verify_s": st.verify_s,
                         "rollback_s": st.rollback_s,

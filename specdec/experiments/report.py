@@ -27,6 +27,7 @@ COLUMNS = (
     ("plain_tokens_per_s", "plain tokens/s", "{:.1f}"),
     ("speedup", "speedup vs plain", "{:.2f}x"),
     ("exact", "exact", None),
+    ("near_tie", "divergences at near-ties", None),
 )
 
 ROLLBACK_COLUMNS = (
@@ -76,8 +77,17 @@ def _experiment(r: dict) -> str:
     return r.get("experiment", "acceptance")
 
 
+def _key_value(r: dict, k: str):
+    """A record's value of group key ``k``; devices are grouped by type (``cuda:1`` -> ``cuda``), so
+    the processes of one multi-GPU run share rows."""
+    v = r.get(k)
+    if k == "device" and isinstance(v, str):
+        return v.split(":")[0]
+    return v
+
+
 def _keys_for(records: list[dict], base) -> tuple:
-    extra = tuple(k for k in SWEPT if len({str(r.get(k)) for r in records}) > 1)
+    extra = tuple(k for k in SWEPT if len({str(_key_value(r, k)) for r in records}) > 1)
     return tuple(base) + extra
 
 
@@ -96,7 +106,7 @@ def summarize(records: list[dict], keys=None, columns=None) -> list[dict]:
     columns = tuple(columns if columns is not None else cols) + HIDDEN_COLUMNS
     groups: dict = defaultdict(list)
     for r in records:
-        groups[tuple(r.get(k) for k in keys)].append(r)
+        groups[tuple(_key_value(r, k) for k in keys)].append(r)
     rows = []
     for key, rs in groups.items():
         row = dict(zip(keys, key))
