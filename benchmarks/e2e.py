@@ -216,8 +216,12 @@ def run_specdec(model, ids, mask, new, K, drafter, strategy, device, repeat, dec
 
     sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K, decode_path=decode_path)
     L, T = ids.shape[1], K + 1
-    # the warm-up (graph capture) generates fewer tokens in the same shape bucket
+    # the warm-up (graph capture) generates fewer tokens in the same shape bucket; a draft model's
+    # static buffers are sized by the run's max length, so its warm-up runs the full length (a
+    # shorter one left its capture and compile to the timed run: the first draft row ran 3x slower)
     warm_new = max(1, min(new, bucket_length(L + new + 2 * T) - 255 - L - 2 * T))
+    if isinstance(drafter, DraftModelDrafter):
+        warm_new = new
     out, walls = timed(lambda: sd.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0), device, repeat,
                        warm=lambda: sd.generate(ids, attention_mask=mask, max_new_tokens=warm_new, pad_token_id=0))
     st = sd.last_stats
