@@ -53,3 +53,13 @@ def test_long_run_tiny_cpu(tmp_path):
     assert _line(lines, "LONG-RUN: ").startswith("LONG-RUN: PASS")
     md = out.read_text()
     assert md.count("| 0/2 | none | yes | yes") == 4
+
+
+def test_ngram_drafter_bench_tiny_cpu(tmp_path):
+    """benchmarks/ngram_drafter.py checks both implementations propose the same before timing
+    (it exits non-zero otherwise) and writes one row per (batch, width)."""
+    out = tmp_path / "ngram.md"
+    _run("ngram_drafter.py", "--device", "cpu", "--batches", "1,3", "--widths", "32,96", "--repeat", "2",
+         "--out", str(out), tmp_path=tmp_path)
+    rows = [x for x in out.read_text().splitlines() if x.startswith("| ") and x[2].isdigit()]
+    assert [tuple(r.split("|")[1:3]) for r in rows] == [(" 1 ", " 32 "), (" 1 ", " 96 "), (" 3 ", " 32 "), (" 3 ", " 96 ")]

@@ -143,3 +143,38 @@ def test_debug_mode_reports_nan_with_row_layer_step(monkeypatch):
     strat.verify(store, op, inputs, params)
     with pytest.raises(FloatingPointError, match=r"row 2, layer 7, step 2"):
         strat.commit(store, op, params, torch.tensor([1, 1, 2]))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    B=st.integers(1, 5), W=st.integers(1, 40), K=st.integers(1, 6), vocab=st.integers(1, 5),
+    ngrams=st.sampled_from([(1, 1), (1, 3), (2, 3), (2, 2), (3, 5)]), seed=st.integers(0, 2**16),
+)
+def test_ngram_batched_search_equals_the_per_row_reference(B, W, K, vocab, ngrams, seed):
+    """NGramDrafter's one-pass batched search proposes exactly what the readable per-row loop
+    does (longest suffix n-gram, most recent earlier occurrence, continuation cut at the text's
+    end): ragged lengths 0..W, tiny vocabularies (many repeats), random tokens past each row's end."""
+    from specdec.drafters import NGramDrafter
+    from specdec.drafters.ngram import propose_ngram_reference
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, W), generator=g)
+    lengths = torch.randint(0, W + 1, (B,), generator=g)
+    # entries past each row's end are random tokens too: they must be ignored
+    drafts, counts = NGramDrafter(*ngrams).propose(ids, lengths, K)
+    ref_drafts, ref_counts = propose_ngram_reference(ids, lengths, K, *ngrams)
+    assert torch.equal(counts, ref_counts) and torch.equal(drafts, ref_drafts)
+    assert drafts.dtype == counts.dtype == torch.long and drafts.shape == (B, K)
+
+
+def test_ngram_proposes_the_continuation_of_the_most_recent_longest_match():
+    from specdec.drafters import NGramDrafter
+
+    #            0  1  2  3  4  5  6  7  8  9 10
+    ids = torch.tensor([[5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6],     # "5 6" occurs at 0 and 4: the later one -> 8 2 9
+                        [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0]])    # no repeat in its 4 tokens -> nothing
+    drafts, counts = NGramDrafter(1, 3).propose(ids, torch.tensor([11, 4]), 4)
+    assert counts.tolist() == [4, 0]
+    assert drafts.tolist() == [[8, 2, 9, 5], [0, 0, 0, 0]]
+    drafts, counts = NGramDrafter(1, 3).propose(ids, torch.tensor([10, 4]), 4)  # suffix "9 5": only "5" repeats
+    assert counts.tolist()[0] == 4 and drafts[0].tolist() == [6, 8, 2, 9]  # most recent "5" (at 4), then 6 8 2 9
