@@ -681,7 +681,9 @@ class SpeculativeGenerator:
                 generator=generator, max_length=Lp + max_new + T_max,
             )
         row_steps = committed = 0
+        grown = Lp + 1  # host-side bound on every row's text length (grows by <= K + 1 a step)
         while not bool(finished.all()):
+            bound, grown = min(width, grown), grown + K + 1
             if tree is not None:  # draft tree -> one tree forward -> longest accepted path -> commit
                 rs, cm = tree_step(ad, drafter, cache, tree, text=text, lengths=lengths, n_gen=n_gen, finished=finished,
                                    max_new=max_new, sampling=sampling, generator=generator, proc=proc, emit=emit,
@@ -691,7 +693,7 @@ class SpeculativeGenerator:
                 continue
             t0 = timer.now()
             if drafter is not None:
-                drafts, counts = self._propose(drafter, text, lengths, K)
+                drafts, counts = self._propose(drafter, text, lengths, K, bound)
                 self._check_drafts(drafts, counts, B, K)
             else:
                 drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
@@ -847,11 +849,13 @@ class SpeculativeGenerator:
         clock.mark()  # prefill done
         prefill_mark = len(clock.marks) - 1
         done = bool(finished.all())
+        grown = Lp + 1  # host-side bound on every row's text length (grows by <= T a step)
         while not done:
             active = ~finished
             clock.mark()
+            bound, grown = min(width, grown), grown + T
             if drafter is not None:
-                drafts, counts = self._propose(drafter, text, lengths, K)
+                drafts, counts = self._propose(drafter, text, lengths, K, bound)
                 self._check_draft_shapes(drafts, counts, B, K)
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
                 w = drafts.shape[1]
@@ -921,10 +925,12 @@ class SpeculativeGenerator:
         return self._output(out, opts, None, None, out.shape[1] - Lp)
 
     @staticmethod
-    def _propose(drafter, text, lengths, K):
+    def _propose(drafter, text, lengths, K, bound):
         """``drafter.propose`` on copies of the engine's buffers (a drafter that writes into its
-        arguments cannot corrupt the text); its result must be a pair of integer tensors."""
-        out = drafter.propose(text.clone(), lengths.clone(), K)
+        arguments cannot corrupt the text), cut to ``bound`` columns (a host-side bound on every
+        row's length: a drafter that scans the text, like n-gram lookup, scans what exists, not
+        the whole ``prompt + max_new_tokens`` buffer); its result must be a pair of integer tensors."""
+        out = drafter.propose(text[:, :bound].clone(), lengths.clone(), K)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError("Drafter.propose must return a pair (draft_tokens LongTensor [B, K], num_draft_tokens "
                             f"LongTensor [B]), got {type(out).__name__}")

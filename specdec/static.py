@@ -33,11 +33,19 @@ def bucket_length(n: int, multiple: int = 256) -> int:
     return -(-n // multiple) * multiple
 
 
+def _grouped_mm_is_graph_safe(weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs its CUDA kernel on these weights: bf16 on sm90 / sm100
+    only; elsewhere (other dtypes, other GPUs, CPU) PyTorch's fallback copies the group offsets
+    to the host, which a CUDA graph cannot capture."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(weight.device)[0] in (9, 10)
+
+
 def _host_syncing_experts(model: torch.nn.Module) -> list:
     """Configs of the model's mixture-of-experts blocks whose experts implementation syncs with
     the host, so it cannot be captured: transformers' ``"eager"`` experts (``nonzero`` to find the
-    hit experts) and ``"grouped_mm"`` on weights other than bf16 (``torch._grouped_mm`` has CUDA
-    kernels for bf16 only; its fallback copies the group offsets to the host)."""
+    hit experts) and ``"grouped_mm"`` where :func:`_grouped_mm_is_graph_safe` says no."""
     configs = {}
     for mod in model.modules():
         cfg = getattr(mod, "config", None)
@@ -47,7 +55,7 @@ def _host_syncing_experts(model: torch.nn.Module) -> list:
             weight = getattr(mod, "up_proj", None)
         if impl is None or not hasattr(mod, "has_gate") or not isinstance(weight, torch.Tensor):
             continue  # not a transformers experts module (``@use_experts_implementation``)
-        if impl == "eager" or (impl == "grouped_mm" and weight.dtype != torch.bfloat16):
+        if impl == "eager" or (impl == "grouped_mm" and not _grouped_mm_is_graph_safe(weight)):
             configs[id(cfg)] = cfg
     return list(configs.values())
 
@@ -63,8 +71,8 @@ def graph_safe_experts(model: torch.nn.Module):
     saved = [cfg._experts_implementation for cfg in configs]
     if configs:
         warnings.warn(
-            f"the model's experts implementation ({', '.join(sorted(set(saved)))}) syncs with the host on this "
-            "dtype; the CUDA graph is captured with transformers' 'batched_mm' experts instead",
+            f"the model's experts implementation ({', '.join(sorted(set(saved)))}) syncs with the host for these "
+            "weights (dtype / GPU); the CUDA graph is captured with transformers' 'batched_mm' experts instead",
             RuntimeWarning, stacklevel=4,
         )
     try:

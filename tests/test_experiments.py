@@ -290,23 +290,27 @@ def test_one_line_error_texts():
 
 
 def test_divergence_position_and_margin_of_a_near_tie():
-    """acceptance's exactness check: the first differing position (also where one output ends
-    early) and the plain run's top-2 margin there, from a forward of the plain prefix."""
-    from specdec.experiments.acceptance import first_divergence, top2_margin
+    """acceptance's exactness fields: the first differing position (also where one output ends
+    early), the plain run's own margin there, near-tie only below 0.25 and only in half precision."""
+    import torch
 
-    ref = torch.tensor([[5, 6, 7, 8, 9]])
+    from specdec.experiments.acceptance import divergence_fields, first_divergence
+
+    ref = torch.tensor([[1, 2, 5, 6, 7, 8, 9]])  # 2 prompt tokens, 5 new
+    margins = torch.tensor([1.0, 0.1, 0.0625, 2.0, 3.0])
     assert first_divergence(ref.clone(), ref) is None
-    assert first_divergence(torch.tensor([[5, 6, 1, 8, 9]]), ref) == 2
-    assert first_divergence(torch.tensor([[5, 6, 7]]), ref) == 3
-
-    class Fixed(torch.nn.Module):  # logits depend on the prefix length only
-        def forward(self, ids):
-            logits = torch.zeros(1, ids.shape[1], 10)
-            logits[0, -1, 3], logits[0, -1, 4] = 2.0, 2.0 - 0.1 * ids.shape[1]
-            return type("Out", (), {"logits": logits})
-
-    assert top2_margin(Fixed(), ref, 2) == pytest.approx(0.2)
-    assert top2_margin(Fixed(), ref, 4) == pytest.approx(0.4)
+    assert first_divergence(torch.tensor([[1, 2, 5, 6, 1, 8, 9]]), ref) == 4
+    assert first_divergence(torch.tensor([[1, 2, 5, 6]]), ref) == 4
+    assert divergence_fields(ref.clone(), ref, margins, 2, torch.bfloat16) == {
+        "exact": True, "divergence_position": None, "divergence_margin": None, "near_tie": None}
+    out = torch.tensor([[1, 2, 5, 6, 1, 8, 9]])
+    assert divergence_fields(out, ref, margins, 2, torch.bfloat16) == {
+        "exact": False, "divergence_position": 2, "divergence_margin": 0.0625, "near_tie": True}
+    assert divergence_fields(out, ref, margins, 2, torch.float32)["near_tie"] is False  # fp32: never allowed
+    wide = divergence_fields(torch.tensor([[1, 2, 5, 6, 7, 1, 9]]), ref, margins, 2, torch.float16)
+    assert wide["divergence_margin"] == 2.0 and wide["near_tie"] is False
+    short = divergence_fields(torch.tensor([[1, 2, 5, 6]]), ref, margins, 2, torch.bfloat16)  # stopped early
+    assert short == {"exact": False, "divergence_position": 2, "divergence_margin": None, "near_tie": False}
 
 
 def test_summary_groups_the_gpus_of_one_run_and_counts_near_ties():

@@ -24,6 +24,8 @@ shape bucket.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..models import adapter_for
@@ -214,9 +216,12 @@ class DraftModelDrafter(Drafter):
                 self._capture(st, K)
             else:
                 from ..fusion import fused, fusion_enabled
+                from ..static import graph_safe_experts
 
-                with fused(self.model, self._path == "cuda_graph" and fusion_enabled()):
-                    self._body(st, K)  # the second call: the graph's warm-up
+                graphs = self._path == "cuda_graph"
+                with fused(self.model, graphs and fusion_enabled()), (
+                        graph_safe_experts(self.model) if graphs else contextlib.nullcontext()):
+                    self._body(st, K)  # the second call: the graph's warm-up (same kernels as the capture)
                 self.last_path = "static"
         self._calls += 1
         return st.drafts.clone(), torch.full((B,), K, dtype=torch.long, device=dev)

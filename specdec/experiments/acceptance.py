@@ -8,9 +8,9 @@ For every configuration and prompt it records mean accepted tokens (Spec-Bench's
 target forward, bonus included), acceptance rate, the accepted-length histogram, tokens/s,
 the speedup over plain greedy decoding of the same model on the same prompt in the same run
 (transformers' ``generate()``), and whether the output equals that plain greedy output token
-for token; where it does not, the first differing position and the plain run's top-2 logit margin
-there (``divergence_margin``, from a forward of the plain text up to that position) and whether
-that is a near-tie (``near_tie``: margin < 0.25, the only divergence DESIGN.md allows, in bf16).
+for token; where it does not, the first differing position, the plain run's own top-2 logit
+margin there (``divergence_margin``, from its ``output_logits``) and whether that is a near-tie
+(``near_tie``: margin < 0.25 in bf16/fp16, the only divergence DESIGN.md allows; never in fp32).
 Results go to ``results.jsonl`` (one record per prompt and configuration),
 ``summary.md`` (the table, means over prompts) and ``accept_hist.png`` in the run folder.
 
@@ -42,6 +42,7 @@ def _sync(device):
 #: DESIGN.md: in bf16 a divergence from plain greedy output is allowed only where the plain run's
 #: top-2 logit margin is below this (a genuine near-tie)
 NEAR_TIE_MARGIN = 0.25
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def first_divergence(out: torch.Tensor, ref: torch.Tensor) -> int | None:
@@ -54,13 +55,23 @@ def first_divergence(out: torch.Tensor, ref: torch.Tensor) -> int | None:
     return None if out.shape[1] == ref.shape[1] else n
 
 
-@torch.no_grad()
-def top2_margin(model, ids: torch.Tensor, position: int) -> float:
-    """The model's top-2 logit margin for the token at ``position`` of ``ids [1, L]`` (a forward of
-    ``ids[:, :position]``: the prefix the plain run had seen there)."""
-    logits = model(ids[:, :position]).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    return float(top2[0] - top2[1])
+def divergence_fields(out: torch.Tensor, ref: torch.Tensor, ref_margins: torch.Tensor, prompt_tokens: int,
+                      dtype: torch.dtype) -> dict:
+    """The exactness fields of a record: ``exact``; where ``out [1, L1]`` differs from the plain
+    output ``ref [1, L2]`` (both with the prompt), ``divergence_position`` (0 = first new token),
+    ``divergence_margin`` (``ref_margins [L2 - prompt_tokens]``, the plain run's top-2 logit
+    margin per new token, at that position; None where one output had already ended) and
+    ``near_tie`` (margin < :data:`NEAR_TIE_MARGIN` in bf16/fp16; DESIGN.md allows no divergence
+    in fp32, so there it is always False)."""
+    pos = first_divergence(out, ref)
+    if pos is None:
+        return {"exact": True, "divergence_position": None, "divergence_margin": None, "near_tie": None}
+    margin = None
+    if pos < min(out.shape[1], ref.shape[1]):  # both runs chose a token there
+        margin = float(ref_margins[pos - prompt_tokens])
+    near_tie = margin is not None and margin < NEAR_TIE_MARGIN and dtype in HALF_DTYPES
+    return {"exact": False, "divergence_position": pos - prompt_tokens, "divergence_margin": margin,
+            "near_tie": near_tie}
 
 
 def _configs(cfg, target_spec):
@@ -125,9 +136,13 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
             _sync(device)
             t0 = time.perf_counter()
-            ref = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+            gen = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 output_logits=True, return_dict_in_generate=True)
             _sync(device)
-            plain[p["id"]] = (ref, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            # the plain run's own top-2 logit margin at each new token (the near-tie test's input)
+            top2 = torch.stack(gen.logits, 1)[0].float().topk(2, dim=-1).values
+            plain[p["id"]] = (gen.sequences, dt, (top2[:, 0] - top2[:, 1]).cpu())
             if bar:
                 bar.update(1)
         for plan_index, (s, drafter_name, strategy) in enumerate(plan):
@@ -156,13 +171,11 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
                 _sync(device)
                 dt = time.perf_counter() - t0
-                ref, ref_s = plain[p["id"]]
+                ref, ref_s, ref_margins = plain[p["id"]]
                 st = sd.last_stats
-                new = out.shape[1] - enc["input_ids"].shape[1]
-                pos = first_divergence(out, ref)
-                margin = None
-                if pos is not None and pos < ref.shape[1]:
-                    margin = top2_margin(model, ref, pos)
+                prompt_tokens = int(enc["input_ids"].shape[1])
+                new = out.shape[1] - prompt_tokens
+                div = divergence_fields(out, ref, ref_margins, prompt_tokens, dtype)
                 records.append(
                     {
                         **common_fields(cfg, "acceptance", spec, device, dtype),
@@ -180,10 +193,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                         "tokens_per_s": new / dt if dt > 0 else 0.0,
                         "plain_tokens_per_s": (ref.shape[1] - enc["input_ids"].shape[1]) / ref_s if ref_s > 0 else 0.0,
                         "speedup": ref_s / dt if dt > 0 else 0.0,
-                        "exact": pos is None,
-                        "divergence_position": None if pos is None else pos - int(enc["input_ids"].shape[1]),
-                        "divergence_margin": margin,
-                        "near_tie": None if pos is None else bool(margin is not None and margin < NEAR_TIE_MARGIN),
+                        **div,
                         "draft_s": st.draft_s,
                         "verify_s": st.verify_s,
                         "rollback_s": st.rollback_s,
