@@ -14,6 +14,10 @@
 #   bash benchmarks/gpu_checklist.sh x2a     # part1's tests on GPU 0 || part2 on GPU 1 (~9 min)
 #   bash benchmarks/gpu_checklist.sh x2b     # part4's 2-GPU run, then part3 split over both GPUs (~7 min)
 #
+# Left after the 2026-11-30 sessions (nothing of it has run on a GPU yet), one call each:
+#   bash benchmarks/gpu_checklist.sh next    # n-gram drafter, zoo e2e, ncu of the fused replay (~7 min)
+#   bash benchmarks/gpu_checklist.sh next2   # 64-node tree cost; kernel config sweep + tuned table (~10 min)
+#
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
@@ -128,8 +132,20 @@ x2c)
     CUDA_VISIBLE_DEVICES=1 step 150 e2e $PY -u benchmarks/e2e.py --models zoo --zoo-batches 1,16 --strategies replay,ring,snapshot --skip-hf --out "$OUT/e2e.jsonl"
     wait
     ;;
+next)
+    step 60 ngram $PY -u benchmarks/ngram_drafter.py --out "$OUT/ngram_drafter.md"
+    step 200 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+    step 150 ncu ncu --clock-control none -k regex:"delta_rule|replay_commit" --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy $PY benchmarks/profile_gdn_step.py --batch 64 --T 5
+    ;;
+next2)
+    # the 64-node replay tree kernels unroll 64 nodes x depth: ~4 min of compile on first use
+    step 330 tree $PY -u benchmarks/tree_verify.py --variants chain tree-64 tree-64-torch \
+        --strategies snapshot replay --max-seconds 300 --out "$OUT/tree_verify_64.md"
+    step 240 sweep $PY -u benchmarks/sweep_rollback_configs.py --batches 64,1 --out "$OUT/sweep.md"
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2" >&2
     exit 2
     ;;
 esac

@@ -4,8 +4,11 @@
         --section MemoryWorkloadAnalysis python benchmarks/profile_gdn_step.py --batch 64 --T 5
 
 Kernels launched (after a warm-up that compiles them): the no-rollback update, snapshot verify,
-replay verify and replay fold, all at batch B, T tokens, GDN 32 heads x 128 x 128, bf16 inputs,
-fp32 state.
+replay verify and replay fold (the older 3-launch replay protocol, kept for deferred replay),
+then the fused replay the engine uses (verify that folds the committed history, history of
+2 T tokens; and its one-launch commit), all at batch B, T tokens, GDN 32 heads x 128 x 128,
+bf16 inputs, fp32 state. ``-k regex:delta_rule`` catches the step/fold kernels; add
+``-k regex:replay_commit`` for the fused protocol's commit.
 """
 
 from __future__ import annotations
@@ -42,11 +45,18 @@ def main():
     hist = (torch.zeros(B, L, H, K, device=dev), torch.zeros(B, L, H, device=dev), torch.zeros(B, L, H, V, device=dev))
     hist_len = torch.zeros(B, dtype=torch.long, device=dev)
     n = torch.full((B,), T, dtype=torch.long, device=dev)
-    for _ in range(2):  # warm-up compiles; the profiled launches are the last four
+    hist2 = (torch.zeros(B, 2 * T, H, K, device=dev), torch.zeros(B, 2 * T, H, device=dev),
+             torch.zeros(B, 2 * T, H, V, device=dev))
+    hist2_len = torch.full((B,), T - 1, dtype=torch.long, device=dev)  # a committed history to absorb
+    accepted = torch.full((B,), T - 1, dtype=torch.long, device=dev)
+    for _ in range(2):  # warm-up compiles; the profiled launches are the last six
         dr.delta_rule_update(state.clone(), q, k, v, gate, beta)
         dr.delta_rule_snapshot_verify(state, buf, q, k, v, gate, beta, 0)
         dr.delta_rule_replay_verify(state, *hist, hist_len, q, k, v, gate, beta, 0)
         dr.delta_rule_replay_fold(state.clone(), *hist, n)
+        ckpt = state.clone()
+        dr.delta_rule_replay_verify(ckpt, *hist2, hist2_len.clone(), q, k, v, gate, beta, 0, fused=True)
+        dr.delta_rule_replay_commit(*hist2, hist2_len.clone(), accepted)
     torch.cuda.synchronize()
     print("done", B, T)
 
