@@ -1,6 +1,8 @@
-"""Time of one n-gram (prompt lookup) proposal: the batched search of ``NGramDrafter`` against
-the per-row host loop it replaced (``specdec.drafters.ngram.propose_ngram_reference``, which
-is what ``NGramDrafter.propose`` did until 2026-11-30), side by side in one run.
+"""Time of one n-gram (prompt lookup) proposal: the batched device search
+(``NGramDrafter.propose_batched``) against the per-row host loop
+(``specdec.drafters.ngram.propose_ngram_reference``), side by side in one run.
+``NGramDrafter.propose`` uses the loop up to ``HOST_SEARCH_MAX_BATCH`` rows and the batched
+search above, from these figures.
 
 For each batch B and text width W: random texts over a 64-token vocabulary (repeats are
 common, so most rows find a match), ragged lengths in [W/2, W], K = 4, n-grams 1..3. Time =
@@ -70,12 +72,12 @@ def main(argv=None):
         for W in [int(x) for x in args.widths.split(",")]:
             ids = torch.randint(0, 64, (B, W), generator=g).to(device)
             lengths = torch.randint(W // 2, W + 1, (B,), generator=g).to(device)
-            new = drafter.propose(ids, lengths, args.K)
+            new = drafter.propose_batched(ids, lengths, args.K)
             ref = propose_ngram_reference(ids, lengths, args.K, 1, 3)
             if not (torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1])):
                 raise SystemExit(f"proposals differ at B={B} W={W}")
             loop = median_ms(lambda ids=ids, lengths=lengths: propose_ngram_reference(ids, lengths, args.K, 1, 3), device, args.repeat)
-            batched = median_ms(lambda ids=ids, lengths=lengths: drafter.propose(ids, lengths, args.K), device, args.repeat)
+            batched = median_ms(lambda ids=ids, lengths=lengths: drafter.propose_batched(ids, lengths, args.K), device, args.repeat)
             row = (f"| {B} | {W} | {loop:.3f} | {batched:.3f} | {loop / batched:.1f}x | "
                    f"{int((new[1] > 0).sum())}/{B} |")
             lines.append(row)

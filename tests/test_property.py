@@ -147,11 +147,11 @@ def test_debug_mode_reports_nan_with_row_layer_step(monkeypatch):
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(
-    B=st.integers(1, 5), W=st.integers(1, 40), K=st.integers(1, 6), vocab=st.integers(1, 5),
+    B=st.integers(1, 12), W=st.integers(1, 40), K=st.integers(1, 6), vocab=st.integers(1, 5),
     ngrams=st.sampled_from([(1, 1), (1, 3), (2, 3), (2, 2), (3, 5)]), seed=st.integers(0, 2**16),
 )
 def test_ngram_batched_search_equals_the_per_row_reference(B, W, K, vocab, ngrams, seed):
-    """NGramDrafter's one-pass batched search proposes exactly what the readable per-row loop
+    """NGramDrafter's batched search (propose_batched) proposes exactly what the readable per-row loop
     does (longest suffix n-gram, most recent earlier occurrence, continuation cut at the text's
     end): ragged lengths 0..W, tiny vocabularies (many repeats), random tokens past each row's end."""
     from specdec.drafters import NGramDrafter
@@ -161,10 +161,29 @@ def test_ngram_batched_search_equals_the_per_row_reference(B, W, K, vocab, ngram
     ids = torch.randint(0, vocab, (B, W), generator=g)
     lengths = torch.randint(0, W + 1, (B,), generator=g)
     # entries past each row's end are random tokens too: they must be ignored
-    drafts, counts = NGramDrafter(*ngrams).propose(ids, lengths, K)
+    drafts, counts = NGramDrafter(*ngrams).propose_batched(ids, lengths, K)
     ref_drafts, ref_counts = propose_ngram_reference(ids, lengths, K, *ngrams)
     assert torch.equal(counts, ref_counts) and torch.equal(drafts, ref_drafts)
     assert drafts.dtype == counts.dtype == torch.long and drafts.shape == (B, K)
+
+
+def test_ngram_propose_picks_the_host_loop_for_small_batches(monkeypatch):
+    """propose: up to HOST_SEARCH_MAX_BATCH rows the per-row loop, above it the batched search;
+    the same proposals either way."""
+    from specdec.drafters import NGramDrafter
+    from specdec.drafters import ngram
+
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    batched = NGramDrafter.propose_batched
+    monkeypatch.setattr(NGramDrafter, "propose_batched", lambda self, *a: calls.append(a[0].shape[0]) or batched(self, *a))
+    for B in (1, ngram.HOST_SEARCH_MAX_BATCH, ngram.HOST_SEARCH_MAX_BATCH + 1, 40):
+        ids = torch.randint(0, 4, (B, 30), generator=g)
+        lengths = torch.randint(0, 31, (B,), generator=g)
+        drafts, counts = NGramDrafter().propose(ids, lengths, 4)
+        ref = ngram.propose_ngram_reference(ids, lengths, 4)
+        assert torch.equal(drafts, ref[0]) and torch.equal(counts, ref[1])
+    assert calls == [ngram.HOST_SEARCH_MAX_BATCH + 1, 40]
 
 
 def test_ngram_proposes_the_continuation_of_the_most_recent_longest_match():
