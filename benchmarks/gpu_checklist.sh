@@ -18,6 +18,12 @@
 #   bash benchmarks/gpu_checklist.sh next    # n-gram drafter, zoo e2e, ncu of the fused replay (~7 min)
 #   bash benchmarks/gpu_checklist.sh next2   # 64-node tree cost; kernel config sweep + tuned table (~10 min)
 #
+# On nvidia-h200-x4 (the 2026-11-30 afternoon session) the same work and the full kernel grid:
+#   bash benchmarks/gpu_checklist.sh x4a     # 64-node tree | config sweep (2 GPUs) | ncu of every op's step,
+#                                            # n-gram drafter, zoo e2e (~9 min)
+#   bash benchmarks/gpu_checklist.sh x4b     # the full kernel grid (batch 1,8,64,256 x K 1,4,8; one K per
+#                                            # GPU) | GPU kernel tests (~9 min)
+#
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
@@ -144,8 +150,40 @@ next2)
         --strategies snapshot replay --max-seconds 300 --out "$OUT/tree_verify_64.md"
     step 240 sweep $PY -u benchmarks/sweep_rollback_configs.py --batches 64,1 --out "$OUT/sweep.md"
     ;;
+x4a)
+    CUDA_VISIBLE_DEVICES=0 step 420 tree $PY -u benchmarks/tree_verify.py --variants chain tree-64 tree-64-torch \
+        --strategies snapshot replay --max-seconds 340 --out "$OUT/tree_verify_64.md" &
+    (export CUDA_VISIBLE_DEVICES=1
+     step 200 sweep $PY -u benchmarks/sweep_rollback_configs.py --precompile-only --workers 24
+     step 360 sweep $PY -u benchmarks/sweep_rollback_configs.py --batches 64,256 --no-precompile \
+         --out "$OUT/sweep_b64_b256.md") &
+    (export CUDA_VISIBLE_DEVICES=2
+     step 60 ngram $PY -u benchmarks/ngram_drafter.py --out "$OUT/ngram_drafter.md"
+     step 200 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e.jsonl"
+     step 300 sweep_small $PY -u benchmarks/sweep_rollback_configs.py --batches 1,8 --no-precompile \
+         --out "$OUT/sweep_b1_b8.md") &
+    (export CUDA_VISIBLE_DEVICES=3
+     for op in mamba2 gdn kda; do
+         step 170 ncu_$op ncu --clock-control none --profile-from-start off --nvtx --section SpeedOfLight \
+             --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+             $PY -u benchmarks/profile_step.py --op $op --batch 64 --K 4
+     done) &
+    wait
+    ;;
+x4b)
+    for i in 0 1 2; do
+        k=$(echo 1 4 8 | cut -d" " -f$((i + 1)))
+        CUDA_VISIBLE_DEVICES=$i step 560 rollback_k$k $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 \
+            --ks $k --out "$OUT/rollback_kernels_k$k.md" &
+    done
+    (export CUDA_VISIBLE_DEVICES=3 SPECDEC_TEST_CUDA=1
+     step 330 tests_kernels $PY -u -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
+         -m "gpu or not gpu" -k "not tree"
+     step 200 tests_static $PY -u -m pytest -q -p no:cacheprovider tests/test_static_path.py -m gpu) &
+    wait
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b" >&2
     exit 2
     ;;
 esac

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import rollback_kernels as rk  # noqa: E402
 
-STRATEGIES = ("baseline", "snapshot", "ring", "replay")
+STRATEGIES = ("baseline", "snapshot", "ring", "replay", "replay_deferred")
 # (block, num_warps, prefetch); None = the default of _launch_config / all T tokens
 CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = the launches before the prefetch
     "delta": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 4, 5), (32, 4, 3), (32, 8, 5),

@@ -11,8 +11,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+def _run(script, *args, tmp_path, **extra_env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra_env)
     env.pop("SPECDEC_BACKEND", None)
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, check=False)
@@ -63,3 +63,16 @@ def test_ngram_drafter_bench_tiny_cpu(tmp_path):
          "--out", str(out), tmp_path=tmp_path)
     rows = [x for x in out.read_text().splitlines() if x.startswith("| ") and x[2].isdigit()]
     assert [tuple(r.split("|")[1:3]) for r in rows] == [(" 1 ", " 32 "), (" 1 ", " 96 "), (" 3 ", " 32 "), (" 3 ", " 96 ")]
+
+
+def test_profile_step_tiny_cpu(tmp_path):
+    """benchmarks/profile_step.py (the ncu driver) runs every strategy's step of each op, prints
+    one bytes line per strategy, and refuses an unknown strategy by name."""
+    env_lines = _run("profile_step.py", "--op", "kda", "--device", "cpu", "--tiny", "--batch", "2", tmp_path=tmp_path,
+                     TRITON_INTERPRET="1")
+    for s in ("baseline", "snapshot", "ring", "replay", "replay_deferred"):
+        assert "MB" in _line(env_lines, f"kda B=2 T=5 {s}: ")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_step.py"), "--device", "cpu",
+                          "--tiny", "--strategies", "snapshot,rewind"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
+    assert res.returncode != 0 and "unknown strategy 'rewind'" in res.stderr and "replay_deferred" in res.stderr

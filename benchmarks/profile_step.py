@@ -1,0 +1,84 @@
+"""Launch one step of every rollback strategy of one SSM op, for a hardware-counter profile.
+
+    ncu --clock-control none --profile-from-start off --nvtx --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        python benchmarks/profile_step.py --op mamba2 --batch 64 --K 4
+
+The step of each strategy is the per-layer step of ``benchmarks/rollback_kernels.py`` (its
+``StepSet``: verify + commit, + fold for deferred replay) at the bench shapes (Mamba-2 like
+Nemotron-H, GDN like Qwen3.5, KDA like Kimi-Linear), bf16 inputs, fp32 state, batch B, T = K + 1
+tokens. Each strategy runs a few warm-up steps (compile; the replay histories fill), then one step
+inside ``cudaProfilerStart/Stop`` and an NVTX range named after the strategy, so ncu (with
+``--profile-from-start off --nvtx``) profiles exactly those launches and labels them. For deferred
+replay a second profiled range, ``replay_deferred/flush``, runs the fold with every row flushing
+(its steady-state step folds only rows whose history is full).
+
+Prints, per strategy, the kernels it launches (names as ncu shows them) and the bytes the
+DESIGN.md formula assigns to the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import rollback_kernels as rk  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--op", default="mamba2", choices=["mamba2", "gdn", "kda"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--strategies", default=",".join(rk.STRATEGIES))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test (--tiny)")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+    dev, T = args.device, args.K + 1
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the kernels through Triton's interpreter: start it as "
+                         "TRITON_INTERPRET=1 python benchmarks/profile_step.py --device cpu --tiny")
+    torch.manual_seed(0)
+    b = rk.make_bench(args.op, args.tiny, dev)
+    gen = torch.Generator().manual_seed(0)
+    n_seq = rk.accepted_counts(4, args.batch, args.K, gen).to(dev)
+    cuda = dev == "cuda"
+    for strategy in args.strategies.split(","):
+        if strategy not in rk.STRATEGIES:
+            raise SystemExit(f"unknown strategy {strategy!r}; accepted: {', '.join(rk.STRATEGIES)}")
+        st = rk.StepSet(b, strategy, args.batch, T, dev)
+        for r in range(3):  # compile, and fill the replay histories
+            st.step(n_seq[r])
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            torch.cuda.nvtx.range_push(strategy)
+        st.step(n_seq[3])
+        if cuda:
+            torch.cuda.nvtx.range_pop()
+        if strategy == "replay_deferred":
+            full = torch.full_like(st.fold_n, st.L // 2)
+            st.hist_len.copy_(full)
+            if cuda:
+                torch.cuda.nvtx.range_push("replay_deferred/flush")
+            b.fold(st.ckpt, st.hist, full)
+            if cuda:
+                torch.cuda.nvtx.range_pop()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+        tr = rk.traffic(b, strategy, T, n_seq[:1].cpu())
+        print(f"{args.op} B={args.batch} T={T} {strategy}: kernel bytes/row {tr['kernel_bytes'] / 1e6:.2f} MB, "
+              f"DESIGN formula {tr['design_bytes'] / 1e6:.2f} MB", flush=True)
+        del st
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
