@@ -171,15 +171,24 @@ x4a)
     wait
     ;;
 x4b)
-    for i in 0 1 2; do
-        k=$(echo 1 4 8 | cut -d" " -f$((i + 1)))
-        CUDA_VISIBLE_DEVICES=$i step 560 rollback_k$k $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 \
-            --ks $k --out "$OUT/rollback_kernels_k$k.md" &
-    done
+    # one lane per GPU: the kernel grid for one K, then the tree cost (runtime node loop) or e2e
+    (export CUDA_VISIBLE_DEVICES=0
+     step 200 rollback_k1 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 1 \
+         --out "$OUT/rollback_kernels_k1.md"
+     step 300 tree $PY -u benchmarks/tree_verify.py --variants chain tree-16 tree-16-loop tree-64 tree-64-torch \
+         --strategies snapshot replay --max-seconds 270 --out "$OUT/tree_verify_64.md") &
+    (export CUDA_VISIBLE_DEVICES=1
+     step 300 rollback_k4 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 4 \
+         --out "$OUT/rollback_kernels_k4.md"
+     step 240 e2e $PY -u benchmarks/e2e.py --models qwen35-4b-shape --skip-hf --out "$OUT/e2e_qwen.jsonl") &
+    (export CUDA_VISIBLE_DEVICES=2
+     step 340 rollback_k8 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 8 \
+         --out "$OUT/rollback_kernels_k8.md"
+     step 220 e2e $PY -u benchmarks/e2e.py --models nemotronh-4b-shape --skip-hf --out "$OUT/e2e_nemotron.jsonl") &
     (export CUDA_VISIBLE_DEVICES=3 SPECDEC_TEST_CUDA=1
      step 330 tests_kernels $PY -u -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
-         -m "gpu or not gpu" -k "not tree"
-     step 200 tests_static $PY -u -m pytest -q -p no:cacheprovider tests/test_static_path.py -m gpu) &
+         -m "gpu or not gpu"
+     step 230 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py -m gpu) &
     wait
     ;;
 *)

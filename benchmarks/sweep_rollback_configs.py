@@ -40,7 +40,7 @@ CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = the launches b
     "mamba2": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 8, 3), (32, 8, 5), (32, 8, 0),
                (32, 4, 5), (64, 8, 3), (8, 4, 5)],
 }
-KDA_CONFIGS = [(None, None, None), (16, 4, 0), (32, 4, 0), (32, 4, 5), (16, 4, 5)]
+KDA_CONFIGS = [(None, None, None), (16, 4, 0), (32, 4, 0), (32, 4, 5), (16, 4, 5), (16, 2, 5), (64, 4, 5)]
 
 
 def configs_for(op):

@@ -10,6 +10,8 @@ strategy and batch size, one speculative step of
 * ``tree-64``: Medusa's 64-node ``mc_sim_7b_63`` (depth 4),
 * ``chain-torch`` / ``tree-16-torch`` / ``tree-64-torch``: the same on the torch reference ops
   (CUDA only: on CPU the default backend already is torch),
+* ``tree-16-loop``: tree-16 with the Triton kernels' runtime node loop (the default above
+  ``TREE_UNROLL_MAX`` = 16 nodes) instead of unrolled nodes: what the unrolling buys,
 
 as the target's verify forward (all layers, SSM per-node state or inputs, LM head; the tree with
 its tree mask and parent-state SSM verify) and the commit of a depth-4 path (path compaction +
@@ -22,9 +24,8 @@ the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, w
     python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
 
 The default grid (snapshot and replay, batch 1 and 16, chain / tree-16 / tree-16-torch, 8 timed
-steps) fits a minute on an H200 including Triton's first-launch compiles (the tree kernels unroll
-the tree's nodes: a 64-node variant compiles for tens of seconds, hence tree-64 only on request);
-``--max-seconds`` skips what is left, and every row is printed as soon as it is measured.
+steps) fits a minute on an H200 including Triton's first-launch compiles; ``--max-seconds`` skips
+what is left, and every row is printed as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from specdec.rollback import make_strategy  # noqa: E402
 from specdec.tree import commit_path, make_tree, tree_view  # noqa: E402
 
 DEPTH = 4
-VARIANTS = ("chain", "chain-torch", "tree-16", "tree-16-torch", "tree-64", "tree-64-torch")
+VARIANTS = ("chain", "chain-torch", "tree-16", "tree-16-torch", "tree-16-loop", "tree-64", "tree-64-torch")
 TINY = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -83,6 +84,18 @@ def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
     saved = os.environ.get("SPECDEC_BACKEND")
     if variant.endswith("-torch"):
         os.environ["SPECDEC_BACKEND"] = "torch"
+    from specdec.kernels.gdn import triton_step
+
+    unroll_max = triton_step.TREE_UNROLL_MAX
+    if variant.endswith("-loop"):  # every tree takes the runtime node loop (read at each launch)
+        triton_step.TREE_UNROLL_MAX = 0
+    try:
+        return _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved)
+    finally:
+        triton_step.TREE_UNROLL_MAX = unroll_max
+
+
+def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
     try:
         cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
                              make_strategy(strategy))
@@ -155,7 +168,7 @@ def main():
     model, _ = build_random_shape(mspec, device, dtype)
     ad = adapter_for(model)
     trees = {"tree-16": make_tree("default", num_heads=DEPTH), "tree-64": make_tree("medusa-63", num_heads=DEPTH)}
-    variants = [(name, trees.get(name.removesuffix("-torch"))) for name in args.variants
+    variants = [(name, trees.get(name.removesuffix("-torch").removesuffix("-loop"))) for name in args.variants
                 if device.type == "cuda" or not name.endswith("-torch")]
     rows, skipped = [], []
     for strategy in args.strategies:

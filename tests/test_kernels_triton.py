@@ -562,15 +562,14 @@ TREE_GRID = [
     pytest.param("gdn", (1, 16, 8), 8, 1, "default16", torch.bfloat16, False, id="gdn-default16-B1-bf16"),
     pytest.param("gdn", (1, 8, 8), 8, 3, "star", torch.float32, True, id="gdn-star-B3-si"),
     pytest.param("gdn", (1, 8, 8), 8, 1, "random9", torch.float32, False, id="gdn-random9-B1"),
-    pytest.param("gdn", (1, 8, 8), 8, 1, "medusa63", torch.float32, False, id="gdn-medusa63-B1",
-                 marks=pytest.mark.skipif(ON_CUDA, reason="interpreter only: compiled, the 64-node replay "
-                                                          "variants take minutes to compile")),
+    pytest.param("gdn", (1, 8, 8), 8, 1, "medusa63", torch.float32, False, id="gdn-medusa63-B1"),
     pytest.param("kda", (2, 8, 16), 16, 2, "random7", torch.bfloat16, True, id="kda-random7-B2-bf16-si"),
     pytest.param("kda", (1, 8, 8), 8, 1, "chain", torch.float32, False, id="kda-chain-B1"),
     pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "random7", torch.float32, False, id="mamba2-random7-B2-H2-G1"),
     pytest.param("mamba2", (1, 8, 8, 1), 8, 1, "random9", torch.float32, False, id="mamba2-random9-B1"),
     pytest.param("mamba2", (2, 8, 8, 2), 8, 1, "default16", torch.bfloat16, False, id="mamba2-default16-B1-bf16"),
     pytest.param("mamba2", (4, 8, 8, 2, False), 8, 3, "star", torch.float32, True, id="mamba2-star-B3-H4-noD-si"),
+    pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "medusa63", torch.bfloat16, False, id="mamba2-medusa63-B2-bf16"),
 ]
 
 
@@ -582,12 +581,17 @@ def _tree_reference(case, s0, inp, parents):
     return y, states, replay
 
 
+@pytest.mark.parametrize("tree_loop", [None, True], ids=["default-loop", "runtime-loop"])
 @pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si", TREE_GRID)
-def test_tree_verify(op, dims, block, B, tree, dtype, use_si):
-    """Snapshot, ring and both replay protocols of a tree step against the naive ``parents=`` reference."""
+def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
+    """Snapshot, ring and both replay protocols of a tree step against the naive ``parents=`` reference;
+    with the default node walk (unrolled up to ``TREE_UNROLL_MAX`` nodes, a runtime loop above) and
+    with the runtime loop forced on small trees."""
     torch.manual_seed(21)
     parents = _tree(tree)
     T = len(parents)
+    if tree_loop and T > dr.TREE_UNROLL_MAX:
+        pytest.skip("large trees take the runtime loop by default (the default-loop case)")
     case = make_case(op, dims, block)
     S, si, rows = _layout(B, use_si, 22)
     slots = _slots(si, rows)
@@ -595,7 +599,7 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si):
     tol = TOL[dtype]
     inp = case.inputs(B, T, dtype)
     params = getattr(case, "params", {})
-    tune = {"block_v" if op != "mamba2" else "block_p": case.block}
+    tune = {"block_v" if op != "mamba2" else "block_p": case.block, "tree_loop": tree_loop}
 
     # snapshot: buf[:, j] <- token j's state; slots past T and the live state untouched
     live = torch.randn(S, *case.state_shape, device=DEVICE)
@@ -872,16 +876,15 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
-@pytest.mark.parametrize("tree", ["default16"])
+@pytest.mark.parametrize("tree", ["default16", "medusa63"])
 @pytest.mark.parametrize("op,dims", [("gdn", (32, 128, 128)), ("kda", (32, 128, 128)), ("mamba2", (128, 64, 128, 8))],
                          ids=["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("B", [1, 8])
 def test_tree_real_size(op, dims, tree, B):
     """Tree kernels (snapshot, ring, both replays) at the benchmark's head shapes, bf16 inputs, the
-    launch configs the launchers pick for batch 1 and 8, Medusa's 16-node tree. (The 64-node tree
-    runs in the interpreter tests; compiled, its replay variants take minutes to compile -- the
-    kernels unroll the nodes -- so it is left out of this quick GPU check.)"""
-    test_tree_verify(op, dims, None, B, tree, torch.bfloat16, B > 1)
+    launch configs the launchers pick for batch 1 and 8, Medusa's 16-node tree (nodes unrolled) and
+    64-node tree (a runtime node loop)."""
+    test_tree_verify(op, dims, None, B, tree, torch.bfloat16, B > 1, None)
 
 
 @pytest.mark.gpu

@@ -223,10 +223,17 @@ def conv_variants(quick: bool):
 
 
 def tree_variants(quick: bool):
-    """Tree steps (parents=): Medusa's 16-node "default" tree at the benchmark's head shapes."""
+    """Tree steps (parents=): Medusa's 16-node "default" tree (nodes unrolled) and, unless quick, its
+    64-node tree (a runtime node loop) at the benchmark's head shapes."""
     from specdec.tree import make_tree
 
-    parents = make_tree("default", num_heads=4).parents
+    for name in ["default"] if quick else ["default", "medusa-63"]:
+        t0 = time.time()
+        _tree_variants(quick, make_tree(name, num_heads=4).parents)
+        print(f"tree {name!r}: compiled in {time.time() - t0:.0f}s")
+
+
+def _tree_variants(quick: bool, parents):
     B, T = 2, len(parents)
     dt_ = torch.bfloat16
     hl = torch.zeros(B, dtype=torch.long)

@@ -90,7 +90,7 @@ def _hist_item(h_k, h_g, h_u, pos, ok, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr,
                V: tl.constexpr, PER_CHANNEL: tl.constexpr, MASKED: tl.constexpr):
     # cached (k, g, u) at history position pos (h_* point at the row's position 0). MASKED: the
     # loads are predicated on ok (no traffic for absent items); else they are issued without
-    # waiting for ok (pos must be in bounds) and absent items are zeroed afterwards.
+    # waiting for ok (pos must be in bounds) and absent items are skipped by the caller.
     if MASKED:
         b_k = tl.load(h_k + pos * (H * K) + i_h * K + o_k, mask=m_k & ok, other=0.0)
         b_u = tl.load(h_u + pos * (H * V) + i_h * V + o_v, mask=m_v & ok, other=0.0)
@@ -115,7 +115,7 @@ def _fold_cached(b_s, h_k, h_g, h_u, base, cnt, i_h, o_k, o_v, m_k, m_v, H: tl.c
     # b_s: [BK, BV] fp32 block; apply the cached tokens at positions base .. base + cnt - 1
     # (cnt <= NMAX, runtime) in order. Unrolled NMAX times with LA items of loads in flight ahead
     # of the arithmetic (one memory round trip instead of one per token); an item i >= cnt is
-    # applied as (k, u, g) = 0, which leaves b_s bit-exact (b_s * exp(0) + 0 * 0).
+    # skipped (its loads, when not MASKED, are issued and unused).
     hk = ()
     hg = ()
     hu = ()
@@ -133,14 +133,111 @@ def _fold_cached(b_s, h_k, h_g, h_u, base, cnt, i_h, o_k, o_v, m_k, m_v, H: tl.c
             hk = hk + (a_k,)
             hg = hg + (a_g,)
             hu = hu + (a_u,)
-        ok = i < cnt
-        b_k = tl.where(ok, hk[i].to(tl.float32), 0.0)
-        b_u = tl.where(ok, hu[i].to(tl.float32), 0.0)
-        b_g = tl.where(ok, hg[i].to(tl.float32), 0.0)
-        if PER_CHANNEL:
-            b_s = b_s * tl.exp(b_g)[:, None] + b_k[:, None] * b_u[None, :]
-        else:
-            b_s = b_s * tl.exp(b_g) + b_k[:, None] * b_u[None, :]
+        if i < cnt:  # uniform per program: absent items cost no arithmetic (deferred replay's
+            # history holds L >= 3 T positions, on average half of them committed)
+            b_k = hk[i].to(tl.float32)
+            b_u = hu[i].to(tl.float32)
+            b_g = hg[i].to(tl.float32)
+            if PER_CHANNEL:
+                b_s = b_s * tl.exp(b_g)[:, None] + b_k[:, None] * b_u[None, :]
+            else:
+                b_s = b_s * tl.exp(b_g) + b_k[:, None] * b_u[None, :]
+    return b_s
+
+
+@triton.jit
+def _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head, pos0, R, stride_dst_n,
+                       stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T: tl.constexpr, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       META_W: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+    # the state tree node j starts from: the registers (b_s) when its parent is node j - 1 (a
+    # chain, no memory traffic), else the parent's state, which this very program stored (same
+    # tile, same layout) or, for replay, rebuilt from the step's starting state b_s0 along the
+    # parent's ancestor chain (rank-1 updates: k, g from the step's inputs, u from the history
+    # this program appended -- exact for an fp32 history)
+    i_par = tl.load(tree + j * META_W).to(tl.int64)
+    if i_par != j - 1:
+        if MODE == SNAPSHOT:
+            if i_par < 0:
+                b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+            else:
+                tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                b_s = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_kv, mask=m_kv, other=0.0)
+        elif MODE == RING:
+            if i_par < 0:
+                b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
+            else:
+                tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                b_s = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t + o_kv,
+                              mask=m_kv, other=0.0)
+        elif MODE == REPLAY:
+            b_s = b_s0
+            n_anc = tl.load(tree + j * META_W + 1)
+            tl.debug_barrier()  # the ancestors' u were stored by other threads of this program
+            if RUNTIME_LOOP:
+                for i_a in range(META_W - 2):  # a loop at run time (range, not static_range)
+                    if i_a < n_anc:
+                        b_s = _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T,
+                                               H, K, V, PER_CHANNEL, META_W)
+            else:
+                for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
+                    if i_a < n_anc:
+                        b_s = _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T,
+                                               H, K, V, PER_CHANNEL, META_W)
+    return b_s
+
+
+@triton.jit
+def _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T: tl.constexpr,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     META_W: tl.constexpr):
+    # replay's rebuild of a parent state: apply ancestor i_a of node j (the tree table lists them root first)
+    a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
+    r_k = tl.load(k + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    r_u = tl.load(p_hu + (pos0 + a_t) * H * V + i_h * V + o_v, mask=m_v, other=0.0)
+    if PER_CHANNEL:
+        r_g = tl.load(g + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_s = b_s * tl.exp(r_g.to(tl.float32))[:, None]
+    else:
+        r_g = tl.load(g + (i_b * T + a_t) * H + i_h)
+        b_s = b_s * tl.exp(r_g.to(tl.float32))
+    return b_s + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h,
+                  i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv,
+                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
+    # token j of the call: the delta-rule update of the state block, its output, and the per-token
+    # write of the strategy (SNAPSHOT / RING: the state; REPLAY: the token's k, g and u)
+    b_q = a_q.to(tl.float32)
+    b_k = a_k.to(tl.float32)
+    b_v = a_v.to(tl.float32)
+    b_g = a_g.to(tl.float32)
+    b_beta = a_b.to(tl.float32)
+    if PER_CHANNEL:
+        b_s = b_s * tl.exp(b_g)[:, None]
+    else:
+        b_s = b_s * tl.exp(b_g)
+    b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0)
+    i_t = i_b * T + j  # token row in the flattened [B * T]
+    tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if MODE == SNAPSHOT:
+        tl.store(s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t + o_kv, b_s, mask=m_kv)
+    elif MODE == RING:
+        tl.store(s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t + o_kv, b_s, mask=m_kv)
+    elif MODE == REPLAY:
+        pos = pos0 + j
+        tl.store(p_hu + pos * H * V + i_h * V + o_v, b_u.to(h_u.dtype.element_ty), mask=m_v)
+        if i_v == 0:  # k and g are shared by every value block: one program writes them
+            tl.store(p_hk + pos * H * K + i_h * K + o_k, a_k.to(h_k.dtype.element_ty), mask=m_k)
+            if PER_CHANNEL:
+                tl.store(p_hg + pos * H * K + i_h * K + o_k, a_g.to(h_g.dtype.element_ty), mask=m_k)
+            else:
+                tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty))
     return b_s
 
 
@@ -187,6 +284,7 @@ def _delta_rule_step_kernel(
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
+    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; see _tree_loop)
 ):
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -220,12 +318,17 @@ def _delta_rule_step_kernel(
     else:
         i_n = i_b
 
+    i_head = i_n * 0  # RING: the row's ring head
     if MODE == RING:
         i_head = tl.load(head + i_n).to(tl.int64)
         p_s0 = s_src + i_n * stride_src_n + ((i_head + offset) % R) * stride_src_t
     else:
         p_s0 = s_src + i_n * stride_src_n
 
+    p_hk = h_k
+    p_hg = h_g
+    p_hu = h_u
+    pos0 = i_n * 0  # REPLAY: the history position of this call's first token
     if MODE == REPLAY:
         p_hk = h_k + i_n * stride_hk_n
         p_hg = h_g + i_n * stride_hg_n
@@ -255,88 +358,36 @@ def _delta_rule_step_kernel(
     else:
         b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
     if TREE:
-        if MODE == REPLAY:
-            b_s0 = b_s  # the step's starting state, for tokens whose parent is -1 / not in registers
+        b_s0 = b_s  # the step's starting state (replay: for tokens whose parent is not in registers)
 
-    for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
-        if TREE:
-            if j > 0:
-                # token j starts from its parent's state: the registers when the parent is token
-                # j - 1 (a chain: no memory traffic), else the parent's state, which this very
-                # program stored (same tile, same layout) or, for replay, rebuilt from the
-                # step's starting state along the parent's ancestor chain
-                i_par = tl.load(tree + j * META_W).to(tl.int64)
-                if i_par != j - 1:
-                    if MODE == SNAPSHOT:
-                        if i_par < 0:
-                            b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
-                        else:
-                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
-                            b_s = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_kv, mask=m_kv,
-                                          other=0.0)
-                    elif MODE == RING:
-                        if i_par < 0:
-                            b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
-                        else:
-                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
-                            b_s = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t
-                                          + o_kv, mask=m_kv, other=0.0)
-                    elif MODE == REPLAY:
-                        # rank-1 updates along the ancestors (k, g from the step's inputs; u from
-                        # the history this program appended: exact for an fp32 history)
-                        b_s = b_s0
-                        n_anc = tl.load(tree + j * META_W + 1)
-                        tl.debug_barrier()  # the ancestors' u were stored by other threads of this program
-                        for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
-                            if i_a < n_anc:
-                                a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
-                                r_k = tl.load(k + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                                r_u = tl.load(p_hu + (pos0 + a_t) * H * V + i_h * V + o_v, mask=m_v, other=0.0)
-                                if PER_CHANNEL:
-                                    r_g = tl.load(g + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                                    b_s = b_s * tl.exp(r_g.to(tl.float32))[:, None]
-                                else:
-                                    r_g = tl.load(g + (i_b * T + a_t) * H + i_h)
-                                    b_s = b_s * tl.exp(r_g.to(tl.float32))
-                                b_s = b_s + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
-        if j + PREFETCH < T:
-            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j + PREFETCH, i_h, o_k, o_v, m_k,
-                                                    m_v, H, K, V, PER_CHANNEL)
-            tq = tq + (a_q,)
-            tk = tk + (a_k,)
-            tv = tv + (a_v,)
-            tg = tg + (a_g,)
-            tb = tb + (a_b,)
-        i_t = i_b * T + j  # token row in the flattened [B * T]
-        b_q = tq[j].to(tl.float32)
-        b_k = tk[j].to(tl.float32)
-        b_v = tv[j].to(tl.float32)
-        b_g = tg[j].to(tl.float32)
-        b_beta = tb[j].to(tl.float32)
-        if PER_CHANNEL:
-            b_s = b_s * tl.exp(b_g)[:, None]
-        else:
-            b_s = b_s * tl.exp(b_g)
-        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s = b_s + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0)
-        tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-        if MODE == SNAPSHOT:
-            p_s = s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t
-            tl.store(p_s + o_kv, b_s, mask=m_kv)
-        elif MODE == RING:
-            p_s = s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t
-            tl.store(p_s + o_kv, b_s, mask=m_kv)
-        elif MODE == REPLAY:
-            pos = pos0 + j
-            tl.store(p_hu + pos * H * V + i_h * V + o_v, b_u.to(h_u.dtype.element_ty), mask=m_v)
-            if i_v == 0:  # k and g are shared by every value block: one program writes them
-                tl.store(p_hk + pos * H * K + i_h * K + o_k, tk[j].to(h_k.dtype.element_ty), mask=m_k)
-                if PER_CHANNEL:
-                    tl.store(p_hg + pos * H * K + i_h * K + o_k, tg[j].to(h_g.dtype.element_ty), mask=m_k)
-                else:
-                    tl.store(p_hg + pos * H + i_h, tg[j].to(h_g.dtype.element_ty))
+    if TREE_LOOP:  # a large tree: one node loop at run time (no unrolling, no input lookahead)
+        for j in range(T):
+            b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head, pos0, R,
+                                     stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE,
+                                     PER_CHANNEL, META_W, True)
+            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                                    PER_CHANNEL)
+            b_s = _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b,
+                                i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k,
+                                m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
+    else:
+        for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
+            if TREE:
+                if j > 0:
+                    b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head,
+                                             pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T,
+                                             H, K, V, MODE, PER_CHANNEL, META_W, False)
+            if j + PREFETCH < T:
+                a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j + PREFETCH, i_h, o_k, o_v, m_k,
+                                                        m_v, H, K, V, PER_CHANNEL)
+                tq = tq + (a_q,)
+                tk = tk + (a_k,)
+                tv = tv + (a_v,)
+                tg = tg + (a_g,)
+                tb = tb + (a_b,)
+            b_s = _token_update(b_s, tq[j], tk[j], tv[j], tg[j], tb[j], j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu,
+                                i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v,
+                                o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
@@ -393,7 +444,8 @@ def _delta_rule_fold_kernel(
 # launch
 
 
-def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = None, num_warps: int | None = None):
+def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = None, num_warps: int | None = None,
+                   mode: int | None = None, per_channel: bool = True, tree: bool = False):
     """Hand-picked (BK, BV, num_warps); see the module docstring for why not autotuned.
 
     BK covers the whole key dim (the ``S^T k`` reduction runs over it). BV = 32 makes a
@@ -407,10 +459,22 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     same latency / occupancy trade-off holds (16-node tree at sm_90: 111 registers for snapshot,
     188 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
     timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
+
+    GDN chains (a scalar gate; not KDA, not trees) take other blocks, from that sweep on the H200
+    (2026-11-30, batch 1-256, K = 4): BV = 16 with 2 warps for the plain update and both replay
+    protocols at every batch (3-12% faster: twice the programs, each a 128 x 16 block), and for
+    snapshot and ring up to ~1024 programs; at larger batch snapshot and ring take BV = 64 with
+    4 warps (5-8% faster: their T per-token state stores go out in wider rows).
     """
     BK = next_pow2(K)
+    large = batch * H * triton.cdiv(V, 32) >= 1024
+    if not per_channel and not tree and block_v is None and num_warps is None:
+        if large and mode in (SNAPSHOT.value, RING.value):
+            block_v, num_warps = 64, 4
+        else:
+            block_v, num_warps = 16, 2
     if block_v is None:
-        block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
+        block_v = 32 if large else 16
     BV = min(next_pow2(block_v), next_pow2(V))
     return BK, BV, num_warps or num_warps_for(BK * BV)
 
@@ -444,12 +508,26 @@ def _prepare(q, k, v, g, beta, out):
 def fold_launch(half: int):
     """(lookahead, masked) of fused replay's in-kernel fold of the committed history (``T_max`` =
     ``half`` positions). Chains (T_max <= 16): every position's loads are issued at once, unmasked,
-    ahead of the arithmetic (one memory round trip; the absent ones are zeroed after). Tree steps
+    ahead of the arithmetic (one memory round trip; the absent ones are skipped after). Tree steps
     make T_max the tree's size (16 .. 64 nodes) while the committed history stays short (at most
     the accepted path): there the loads are predicated on the committed length (no traffic for
     absent positions) with a 4-item lookahead, as the unfused fold -- issuing 64 unmasked items
     at once cost 255 registers and minutes of compile time for the 64-node tree."""
     return (half, False) if half <= 16 else (4, True)
+
+
+#: trees of more nodes than this walk their nodes in a loop at run time instead of an unrolled one:
+#: unrolled, the 64-node tree's replay kernel (nodes x depth ancestor updates) took 153 s to compile
+#: for sm_90 on a CPU and over 300 s on the H200 machine; the loop compiles like a chain.
+TREE_UNROLL_MAX = 16
+
+
+def _tree_loop(tree, T: int, tree_loop: bool | None) -> bool:
+    """Whether a step walks its tree nodes in a runtime loop (``tree_loop=None``: above
+    :data:`TREE_UNROLL_MAX` nodes; True/False force it, for tests and benchmarks)."""
+    if tree is None:
+        return False
+    return T > TREE_UNROLL_MAX if tree_loop is None else bool(tree_loop)
 
 
 def _tree_table(parents, T, offset, device):
@@ -477,9 +555,10 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None):
+          parents=None, tree_loop=None):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
     tree = _tree_table(parents, T, offset, q.device)
+    tree_loop = _tree_loop(tree, T, tree_loop)
     h_k = h_g = h_u = None
     half = 1
     if hist is not None:
@@ -495,7 +574,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
             half = L
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
-    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None)
     if B == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
@@ -509,8 +588,8 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
-        PREFETCH=min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
-        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
+        PREFETCH=0 if tree_loop else min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
+        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
         num_warps=num_warps,
     )
     return out
@@ -525,7 +604,8 @@ _COMMON_ARGS = """
             None means row b uses slot b.
         out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
         block_v, num_warps, prefetch: override the value-block width, the warps per program and
-            the tokens whose inputs are loaded ahead (testing / tuning only).
+            the tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a
+            tree's nodes in a runtime loop (default: trees of more than ``TREE_UNROLL_MAX`` nodes).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn.triton_step import _tree_table, fold_launch
+from ..gdn.triton_step import _tree_loop, _tree_table, fold_launch
 from ..triton_common import (
     check_state,
     check_state_indices,
@@ -79,7 +79,7 @@ def _token_inputs(x, dt, Bm, Cm, i_t, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.conste
 def _hist_item(h_x, h_dt, h_B, pos, ok, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr, P: tl.constexpr,
                N: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
     # cached (x, dt, B) at history position pos (h_* point at the row's position 0); MASKED as in
-    # gdn/triton_step.py: predicated loads, or loads issued at once and absent items zeroed later
+    # gdn/triton_step.py: predicated loads, or loads issued at once and absent items skipped later
     if MASKED:
         b_x = tl.load(h_x + pos * (H * P) + i_h * P + o_p, mask=m_p & ok, other=0.0)
         b_dt = tl.load(h_dt + pos * H + i_h, mask=ok, other=0.0)
@@ -96,8 +96,7 @@ def _fold_cached(b_h, h_x, h_dt, h_B, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m
                  P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, NMAX: tl.constexpr, LA: tl.constexpr,
                  MASKED: tl.constexpr):
     # b_h: [BP, BN] fp32; apply the cached tokens at positions base .. base + cnt - 1 (cnt <= NMAX),
-    # unrolled with LA items of loads in flight; an absent item is (x, dt, B) = 0, which leaves b_h
-    # bit-exact (b_h * exp(0) + 0)
+    # unrolled with LA items of loads in flight; an absent item (i >= cnt) is skipped
     hx = ()
     hd = ()
     hb = ()
@@ -115,11 +114,93 @@ def _fold_cached(b_h, h_x, h_dt, h_B, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m
             hx = hx + (a_x,)
             hd = hd + (a_d,)
             hb = hb + (a_b,)
-        ok = i < cnt
-        b_x = tl.where(ok, hx[i].to(tl.float32), 0.0)
-        b_dt = tl.where(ok, hd[i].to(tl.float32), 0.0)
-        b_B = tl.where(ok, hb[i].to(tl.float32), 0.0)
-        b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
+        if i < cnt:  # uniform per program: absent items cost no arithmetic (see gdn's _fold_cached)
+            b_x = hx[i].to(tl.float32)
+            b_dt = hd[i].to(tl.float32)
+            b_B = hb[i].to(tl.float32)
+            b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
+    return b_h
+
+
+@triton.jit
+def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g, i_head, R, stride_dst_n,
+                       stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T: tl.constexpr, H: tl.constexpr,
+                       P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, META_W: tl.constexpr,
+                       RUNTIME_LOOP: tl.constexpr):
+    # the state tree node j starts from (as in gdn/triton_step.py): the registers when its parent
+    # is node j - 1, else the slot this program stored for the parent, or (replay) the starting
+    # state b_h0 advanced along the parent's ancestor chain (the ancestors' (x, dt, B) come from
+    # the step's inputs: no barrier needed)
+    i_par = tl.load(tree + j * META_W).to(tl.int64)
+    if i_par != j - 1:
+        if MODE == SNAPSHOT:
+            if i_par < 0:
+                b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+            else:
+                tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                b_h = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_pn, mask=m_pn, other=0.0)
+        elif MODE == RING:
+            if i_par < 0:
+                b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
+            else:
+                tl.debug_barrier()  # the parent's state was stored by other threads of this program
+                b_h = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t + o_pn,
+                              mask=m_pn, other=0.0)
+        elif MODE == REPLAY:
+            b_h = b_h0
+            n_anc = tl.load(tree + j * META_W + 1)
+            if RUNTIME_LOOP:
+                for i_a in range(META_W - 2):  # a loop at run time (range, not static_range)
+                    if i_a < n_anc:
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n,
+                                               T, H, P, N, G, META_W)
+            else:
+                for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
+                    if i_a < n_anc:
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n,
+                                               T, H, P, N, G, META_W)
+    return b_h
+
+
+@triton.jit
+def _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n, T: tl.constexpr,
+                     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, META_W: tl.constexpr):
+    # replay's rebuild of a parent state: apply ancestor i_a of node j (root first)
+    a_t = i_b * T + tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
+    r_x = tl.load(x + (a_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
+    r_dt = tl.load(dt + a_t * H + i_h).to(tl.float32)
+    r_B = tl.load(Bm + (a_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+    return b_h * tl.exp(r_dt * b_A) + r_x[:, None] * (r_dt * r_B)[None, :]
+
+
+@triton.jit
+def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB, i_n, i_b, i_p,
+                  i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn,
+                  T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                  MODE: tl.constexpr, HAS_D: tl.constexpr):
+    # token j of the call: the SSM update of the state block, its output, and the per-token write of
+    # the strategy (SNAPSHOT / RING: the state; REPLAY: the token's x, dt and B)
+    b_x = a_x.to(tl.float32)
+    b_dt = a_d.to(tl.float32)
+    b_B = a_B.to(tl.float32)
+    b_C = a_C.to(tl.float32)
+    b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
+    b_y = tl.sum(b_h * b_C[None, :], 1)
+    if HAS_D:
+        b_y += b_x * b_D
+    i_t = i_b * T + j  # token row in the flattened [B * T]
+    tl.store(y + (i_t * H + i_h) * P + o_p, b_y.to(y.dtype.element_ty), mask=m_p)
+    if MODE == SNAPSHOT:
+        tl.store(s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t + o_pn, b_h, mask=m_pn)
+    elif MODE == RING:
+        tl.store(s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t + o_pn, b_h, mask=m_pn)
+    elif MODE == REPLAY:
+        pos = pos0 + j
+        tl.store(p_hx + pos * H * P + i_h * P + o_p, a_x.to(h_x.dtype.element_ty), mask=m_p)
+        if i_p == 0:  # dt is per head, B per group: one program of each writes them
+            tl.store(p_hdt + pos * H + i_h, a_d.to(h_dt.dtype.element_ty))
+            if i_h % (H // G) == 0:
+                tl.store(p_hB + pos * G * N + i_g * N + o_n, a_B.to(h_B.dtype.element_ty), mask=m_n)
     return b_h
 
 
@@ -168,6 +249,7 @@ def _mamba2_step_kernel(
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
+    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; gdn's _tree_loop)
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
@@ -192,6 +274,7 @@ def _mamba2_step_kernel(
             tC = tC + (a_C,)
 
     b_A = tl.load(A + i_h).to(tl.float32)
+    b_D = b_A * 0.0
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
 
@@ -202,12 +285,17 @@ def _mamba2_step_kernel(
     else:
         i_n = i_b
 
+    i_head = i_n * 0  # RING: the row's ring head
     if MODE == RING:
         i_head = tl.load(head + i_n).to(tl.int64)
         p_h0 = s_src + i_n * stride_src_n + ((i_head + offset) % R) * stride_src_t
     else:
         p_h0 = s_src + i_n * stride_src_n
 
+    p_hx = h_x
+    p_hdt = h_dt
+    p_hB = h_B
+    pos0 = i_n * 0  # REPLAY: the history position of this call's first token
     if MODE == REPLAY:
         p_hx = h_x + i_n * stride_hx_n
         p_hdt = h_dt + i_n * stride_hdt_n
@@ -235,73 +323,34 @@ def _mamba2_step_kernel(
     else:
         b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
     if TREE:
-        if MODE == REPLAY:
-            b_h0 = b_h  # the step's starting state, for tokens whose parent is -1 / not in registers
+        b_h0 = b_h  # the step's starting state (replay: for tokens whose parent is not in registers)
 
-    for j in tl.static_range(T):  # unrolled: T <= K + 1 is small
-        if TREE:
-            if j > 0:
-                # token j starts from its parent's state (as in gdn/triton_step.py): the registers
-                # when the parent is token j - 1, else the slot this program stored for the parent,
-                # or (replay) the starting state advanced along the parent's ancestor chain
-                i_par = tl.load(tree + j * META_W).to(tl.int64)
-                if i_par != j - 1:
-                    if MODE == SNAPSHOT:
-                        if i_par < 0:
-                            b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
-                        else:
-                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
-                            b_h = tl.load(s_dst + i_n * stride_dst_n + i_par * stride_dst_t + o_pn, mask=m_pn,
-                                          other=0.0)
-                    elif MODE == RING:
-                        if i_par < 0:
-                            b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
-                        else:
-                            tl.debug_barrier()  # the parent's state was stored by other threads of this program
-                            b_h = tl.load(s_dst + i_n * stride_dst_n + ((i_head + 1 + i_par) % R) * stride_dst_t
-                                          + o_pn, mask=m_pn, other=0.0)
-                    elif MODE == REPLAY:
-                        # the ancestors' (x, dt, B) come from the step's inputs: no barrier needed
-                        b_h = b_h0
-                        n_anc = tl.load(tree + j * META_W + 1)
-                        for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
-                            if i_a < n_anc:
-                                a_t = i_b * T + tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
-                                r_x = tl.load(x + (a_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
-                                r_dt = tl.load(dt + a_t * H + i_h).to(tl.float32)
-                                r_B = tl.load(Bm + (a_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-                                b_h = b_h * tl.exp(r_dt * b_A) + r_x[:, None] * (r_dt * r_B)[None, :]
-        if j + PREFETCH < T:
-            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j + PREFETCH, i_h, i_g, o_p, o_n, m_p, m_n,
-                                               H, P, N, G)
-            tx = tx + (a_x,)
-            td = td + (a_d,)
-            tB = tB + (a_B,)
-            tC = tC + (a_C,)
-        i_t = i_b * T + j  # token row in the flattened [B * T]
-        b_x = tx[j].to(tl.float32)
-        b_dt = td[j].to(tl.float32)
-        b_B = tB[j].to(tl.float32)
-        b_C = tC[j].to(tl.float32)
-        b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
-        b_y = tl.sum(b_h * b_C[None, :], 1)
-        if HAS_D:
-            b_y += b_x * b_D
-        tl.store(y + (i_t * H + i_h) * P + o_p, b_y.to(y.dtype.element_ty), mask=m_p)
-
-        if MODE == SNAPSHOT:
-            p_h = s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t
-            tl.store(p_h + o_pn, b_h, mask=m_pn)
-        elif MODE == RING:
-            p_h = s_dst + i_n * stride_dst_n + ((i_head + offset + 1 + j) % R) * stride_dst_t
-            tl.store(p_h + o_pn, b_h, mask=m_pn)
-        elif MODE == REPLAY:
-            pos = pos0 + j
-            tl.store(p_hx + pos * H * P + i_h * P + o_p, tx[j].to(h_x.dtype.element_ty), mask=m_p)
-            if i_p == 0:  # dt is per head, B per group: one program of each writes them
-                tl.store(p_hdt + pos * H + i_h, td[j].to(h_dt.dtype.element_ty))
-                if i_h % (H // G) == 0:
-                    tl.store(p_hB + pos * G * N + i_g * N + o_n, tB[j].to(h_B.dtype.element_ty), mask=m_n)
+    if TREE_LOOP:  # a large tree: one node loop at run time (no unrolling, no input lookahead)
+        for j in range(T):
+            b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g, i_head, R,
+                                     stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE,
+                                     META_W, True)
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G)
+            b_h = _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB, i_n,
+                                i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n,
+                                o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D)
+    else:
+        for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
+            if TREE:
+                if j > 0:
+                    b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g,
+                                             i_head, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T,
+                                             H, P, N, G, MODE, META_W, False)
+            if j + PREFETCH < T:
+                a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j + PREFETCH, i_h, i_g, o_p, o_n, m_p,
+                                                   m_n, H, P, N, G)
+                tx = tx + (a_x,)
+                td = td + (a_d,)
+                tB = tB + (a_B,)
+                tC = tC + (a_C,)
+            b_h = _token_update(b_h, tx[j], td[j], tB[j], tC[j], b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt,
+                                p_hB, i_n, i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t,
+                                o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
@@ -362,7 +411,7 @@ def _mamba2_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
-                   prefetch: int | None = None, T: int = 1):
+                   prefetch: int | None = None, T: int = 1, mode: int | None = None, deferred: bool = False):
     """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
     BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
@@ -374,16 +423,23 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     registers: with at most ~4 programs per SM occupancy does not matter). Register counts for
     sm_90: ``python tests/triton_sm90_compile.py``; timings of alternatives:
     ``benchmarks/sweep_rollback_configs.py``.
+
+    Two large-batch exceptions, from that sweep on the H200 (2026-11-30, batch 8-256, K = 4):
+    the plain update (``mode`` OVERWRITE: no per-token state stores, 2S of traffic) runs 20-22%
+    faster at batch 64-256 with 4 warps and no lookahead (BP = 32); deferred replay's verify,
+    whose in-register fold of up to L = 16 cached tokens takes 121 registers at 8 warps, runs
+    12-18% faster with no lookahead of this step's tokens (8 warps, BP = 32).
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
+    overwrite = large and mode == OVERWRITE.value
     if block_p is None:
         block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
     if num_warps is None:
-        num_warps = min(8 if large else 4, num_warps_for(BP * BN, 8))
+        num_warps = min(4 if overwrite else 8 if large else 4, num_warps_for(BP * BN, 8))
     if prefetch is None:
-        prefetch = 3 if large else 5
+        prefetch = 0 if overwrite or (large and deferred) else 3 if large else 5
     return BP, BN, num_warps, max(0, min(int(prefetch), T))
 
 
@@ -418,9 +474,10 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None):
+          parents=None, tree_loop=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
     tree = _tree_table(parents, T, offset, x.device)
+    tree_loop = _tree_loop(tree, T, tree_loop)
     h_x = h_dt = h_B = None
     half = 1
     if hist is not None:
@@ -436,7 +493,8 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
             half = L
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T)
+    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
+                                                 deferred=hist is not None and not fused)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
@@ -449,8 +507,8 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
-        PREFETCH=prefetch,
-        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
+        PREFETCH=0 if tree_loop else prefetch,
+        TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
         num_warps=num_warps,
     )
     return out
@@ -465,7 +523,9 @@ _COMMON_ARGS = """
             None means row b uses slot b.
         out: optional contiguous ``[B, T, H, P]`` output (e.g. a CUDA-graph static buffer).
         block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
-            tokens whose inputs are loaded ahead (testing / tuning only).
+            tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a tree's
+            nodes in a runtime loop (default: trees of more than ``gdn.triton_step.TREE_UNROLL_MAX``
+            nodes).
 
     Returns:
         ``y [B, T, H, P]`` fp32 (or ``out``'s dtype).
