@@ -23,6 +23,9 @@
 #                                            # n-gram drafter, zoo e2e (~9 min)
 #   bash benchmarks/gpu_checklist.sh x4b     # the full kernel grid (batch 1,8,64,256 x K 1,4,8; one K per
 #                                            # GPU) | GPU kernel tests (~9 min)
+#   (x4 was not lent for the second call) the same on nvidia-h200-x2, two calls back to back:
+#   bash benchmarks/gpu_checklist.sh x2d     # GPU tests | K = 4 grid, then the tree cost (~9.5 min)
+#   bash benchmarks/gpu_checklist.sh x2e     # K = 1 grid, then e2e qwen | K = 8 grid (~7 min)
 #
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -191,8 +194,31 @@ x4b)
      step 230 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py -m gpu) &
     wait
     ;;
+x2d)
+    # x4b's work on nvidia-h200-x2, first call: GPU tests || the K = 4 grid, then the tree cost
+    (export CUDA_VISIBLE_DEVICES=0 SPECDEC_TEST_CUDA=1
+     step 330 tests_kernels $PY -u -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
+         -m "gpu or not gpu"
+     step 230 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py -m gpu) &
+    (export CUDA_VISIBLE_DEVICES=1
+     step 300 rollback_k4 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 4 \
+         --out "$OUT/rollback_kernels_k4.md"
+     step 270 tree $PY -u benchmarks/tree_verify.py --variants chain tree-16 tree-16-loop tree-64 tree-64-torch \
+         --strategies snapshot replay --max-seconds 240 --out "$OUT/tree_verify_64.md") &
+    wait
+    ;;
+x2e)
+    # second call (warm, right after x2d): the K = 1 and K = 8 grids, then e2e (qwen) on GPU 0
+    (export CUDA_VISIBLE_DEVICES=0
+     step 200 rollback_k1 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 1 \
+         --out "$OUT/rollback_kernels_k1.md"
+     step 220 e2e $PY -u benchmarks/e2e.py --models qwen35-4b-shape --skip-hf --out "$OUT/e2e_qwen.jsonl") &
+    CUDA_VISIBLE_DEVICES=1 step 400 rollback_k8 $PY -u benchmarks/rollback_kernels.py --batches 1,8,64,256 --ks 8 \
+        --out "$OUT/rollback_kernels_k8.md" &
+    wait
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e" >&2
     exit 2
     ;;
 esac
