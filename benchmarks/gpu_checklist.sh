@@ -26,6 +26,7 @@
 #   (x4 was not lent for the second call) the same on nvidia-h200-x2, two calls back to back:
 #   bash benchmarks/gpu_checklist.sh x2d     # GPU tests | K = 4 grid, then the tree cost (~9.5 min)
 #   bash benchmarks/gpu_checklist.sh x2e     # K = 1 grid, then e2e qwen | K = 8 grid (~7 min)
+#   bash benchmarks/gpu_checklist.sh x2g     # after the second config change: full grid, tree cost | tests, e2e
 #
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -217,8 +218,23 @@ x2e)
         --out "$OUT/rollback_kernels_k8.md" &
     wait
     ;;
+x2g)
+    # after the second config change: the whole kernel grid, GPU tests, tree cost (kernel level and
+    # whole model, each after the tests so the eager timings do not share the host with compiles)
+    (export CUDA_VISIBLE_DEVICES=0
+     step 240 rollback $PY -u benchmarks/rollback_kernels.py --out "$OUT/rollback_kernels.md"
+     step 90 tree_kernels $PY -u benchmarks/tree_kernels.py --out "$OUT/tree_kernels.md"
+     step 150 tree $PY -u benchmarks/tree_verify.py --variants chain tree-16 tree-16-loop tree-64 tree-64-torch \
+         --strategies snapshot replay --max-seconds 140 --out "$OUT/tree_verify_64.md") &
+    (export CUDA_VISIBLE_DEVICES=1 SPECDEC_TEST_CUDA=1
+     step 150 tests_kernels $PY -u -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels_triton.py \
+         -m "gpu or not gpu"
+     step 150 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py -m gpu
+     step 190 e2e $PY -u benchmarks/e2e.py --models nemotronh-4b-shape --skip-hf --out "$OUT/e2e_nemotron.jsonl") &
+    wait
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g" >&2
     exit 2
     ;;
 esac

@@ -445,7 +445,7 @@ def _delta_rule_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = None, num_warps: int | None = None,
-                   mode: int | None = None, per_channel: bool = True, tree: bool = False):
+                   mode: int | None = None, per_channel: bool = True, tree: bool = False, deferred: bool = False):
     """Hand-picked (BK, BV, num_warps); see the module docstring for why not autotuned.
 
     BK covers the whole key dim (the ``S^T k`` reduction runs over it). BV = 32 makes a
@@ -460,18 +460,22 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     188 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
     timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
 
-    GDN chains (a scalar gate; not KDA, not trees) take other blocks, from that sweep on the H200
-    (2026-11-30, batch 1-256, K = 4): BV = 16 with 2 warps for the plain update and both replay
-    protocols at every batch (3-12% faster: twice the programs, each a 128 x 16 block), and for
-    snapshot and ring up to ~1024 programs; at larger batch snapshot and ring take BV = 64 with
-    4 warps (5-8% faster: their T per-token state stores go out in wider rows).
+    Chains (not trees) take other blocks, from that sweep on the H200 (2026-11-30, batch 1-256,
+    K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): BV = 16 with 2 warps (twice the
+    programs, each a 128 x 16 block) for the plain update and replay at every batch, GDN and KDA
+    (3-12% faster), and for GDN's snapshot and ring at small batch; from ~4096 programs (batch 32
+    at 32 heads; measured at 64 and 256, while at batch 8 it was 7-12% slower) GDN's snapshot,
+    ring and deferred replay take BV = 64 with 4 warps (5-8% faster: their per-token state
+    stores, or deferred replay's longer in-register fold, go in wider rows). KDA's snapshot and
+    ring keep BV = 32 / 16 (the sweep found no better).
     """
     BK = next_pow2(K)
     large = batch * H * triton.cdiv(V, 32) >= 1024
-    if not per_channel and not tree and block_v is None and num_warps is None:
-        if large and mode in (SNAPSHOT.value, RING.value):
+    if mode is not None and not tree and block_v is None and num_warps is None:  # a chain step (not the fold)
+        stores = mode in (SNAPSHOT.value, RING.value)
+        if not per_channel and batch * H * triton.cdiv(V, 32) >= 4096 and (stores or deferred):
             block_v, num_warps = 64, 4
-        else:
+        elif not (per_channel and stores):
             block_v, num_warps = 16, 2
     if block_v is None:
         block_v = 32 if large else 16
@@ -574,7 +578,8 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
             half = L
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
-    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None)
+    BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None,
+                                       deferred=hist is not None and not fused)
     if B == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1

@@ -411,7 +411,7 @@ def _mamba2_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
-                   prefetch: int | None = None, T: int = 1, mode: int | None = None, deferred: bool = False):
+                   prefetch: int | None = None, T: int = 1, mode: int | None = None):
     """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
     BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
@@ -424,22 +424,23 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     sm_90: ``python tests/triton_sm90_compile.py``; timings of alternatives:
     ``benchmarks/sweep_rollback_configs.py``.
 
-    Two large-batch exceptions, from that sweep on the H200 (2026-11-30, batch 8-256, K = 4):
-    the plain update (``mode`` OVERWRITE: no per-token state stores, 2S of traffic) runs 20-22%
-    faster at batch 64-256 with 4 warps and no lookahead (BP = 32); deferred replay's verify,
-    whose in-register fold of up to L = 16 cached tokens takes 121 registers at 8 warps, runs
-    12-18% faster with no lookahead of this step's tokens (8 warps, BP = 32).
+    At large batch the plain update and both replay protocols (``mode`` OVERWRITE / REPLAY) take
+    4 warps and no lookahead (BP = 32), from that sweep on the H200 (2026-11-30, batch 8-256,
+    K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): 20-22% faster for the plain update
+    at batch 64-256, 16% for fused replay and 7% for deferred replay at batch 64 (once the
+    in-register fold skipped absent history items, 8 warps with a lookahead no longer paid).
+    Snapshot and ring were within 2% across the configurations.
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
-    overwrite = large and mode == OVERWRITE.value
+    lean = large and mode in (OVERWRITE.value, REPLAY.value)
     if block_p is None:
         block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
     if num_warps is None:
-        num_warps = min(4 if overwrite else 8 if large else 4, num_warps_for(BP * BN, 8))
+        num_warps = min(4 if lean else 8 if large else 4, num_warps_for(BP * BN, 8))
     if prefetch is None:
-        prefetch = 0 if overwrite or (large and deferred) else 3 if large else 5
+        prefetch = 0 if lean else 3 if large else 5
     return BP, BN, num_warps, max(0, min(int(prefetch), T))
 
 
@@ -493,8 +494,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
             half = L
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
-                                                 deferred=hist is not None and not fused)
+    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
