@@ -195,6 +195,23 @@ def divergence(out, ref, prompt_width):
     return int(rows.sum()), first
 
 
+@torch.no_grad()
+def divergence_margins(model, out, ref, mask, prompt_width):
+    """For each diverged row: the target's top-2 logit margin at its first divergence, from one
+    teacher-forced forward over the reference prefix (a diagnostic: a recomputed forward, not the
+    plain run's own logits). A small margin in bf16 means a near-tie (DESIGN.md allows those)."""
+    a, b = out[:, prompt_width:], ref[:, prompt_width:]
+    n = min(a.shape[1], b.shape[1])
+    margins = []
+    for r in (a[:, :n] != b[:, :n]).any(1).nonzero().flatten().tolist():
+        pos = prompt_width + int((a[r, :n] != b[r, :n]).nonzero()[0, 0])
+        row_mask = torch.cat([mask[r:r + 1], mask.new_ones(1, ref.shape[1] - mask.shape[1])], dim=1)[:, :pos]
+        logits = model(input_ids=ref[r:r + 1, :pos], attention_mask=row_mask).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        margins.append(round(float(top[0] - top[1]), 4))
+    return margins
+
+
 class Recorder:
     def __init__(self, path, meta):
         self.path, self.meta = path, meta
@@ -274,8 +291,9 @@ def bench_random(name, args, device, dtype, rec):
                 out, res = run_specdec(model, ids, mask, args.new, args.K, drafter, strat, device, args.repeat,
                                        args.decode_path)
                 nd, first = divergence(out, ref, ids.shape[1])
+                margins = divergence_margins(model, out, ref, mask, ids.shape[1]) if nd else []
                 rec(row="specdec spec", strategy=strat, acceptance=a, diverged_rows=nd, first_divergence=first,
-                    **common, **res)
+                    divergence_margins=margins, **common, **res)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -299,8 +317,9 @@ def bench_zoo(args, device, dtype, rec):
                 out, res = run_specdec(target, ids, mask, args.new, args.K, drafter, strat, device, args.repeat,
                                        args.decode_path)
                 nd, first = divergence(out, ref, ids.shape[1])
+                margins = divergence_margins(target, out, ref, mask, ids.shape[1]) if nd else []
                 rec(row="specdec spec", strategy=strat, acceptance=None, drafter=dname, diverged_rows=nd,
-                    first_divergence=first, **common, **res)
+                    first_divergence=first, divergence_margins=margins, **common, **res)
 
 
 # ----------------------------------------------------------------------------------- report

@@ -76,3 +76,29 @@ def test_profile_step_tiny_cpu(tmp_path):
                           "--tiny", "--strategies", "snapshot,rewind"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
     assert res.returncode != 0 and "unknown strategy 'rewind'" in res.stderr and "replay_deferred" in res.stderr
+
+
+def test_e2e_divergence_margins():
+    """benchmarks/e2e.py reports, for each diverged row, the target's top-2 margin at the first
+    divergence (teacher-forced over the reference): positive, one per diverged row, none otherwise."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e
+
+    import specdec
+
+    cpu = torch.device("cpu")
+    model = e2e.zoo_model("gdn-target", cpu, torch.float32)
+    ids, mask, _ = e2e.zoo_prompts(2, cpu)
+    ref = specdec.wrap(model).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert e2e.divergence_margins(model, ref, ref, mask, ids.shape[1]) == []
+    out = ref.clone()
+    P = ids.shape[1]
+    out[1, P + 2] = (out[1, P + 2] + 1) % model.config.vocab_size
+    assert e2e.divergence(out, ref, P) == (1, [2])
+    margins = e2e.divergence_margins(model, out, ref, mask, P)
+    logits = model(input_ids=ref[1:2, :P + 2], attention_mask=mask[1:2, :P + 2] if mask.shape[1] >= P + 2
+                   else torch.cat([mask[1:2], mask.new_ones(1, P + 2 - mask.shape[1])], 1)).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    assert len(margins) == 1 and abs(margins[0] - float(top[0] - top[1])) < 1e-3 and margins[0] >= 0
