@@ -13,8 +13,8 @@ inside ``cudaProfilerStart/Stop`` and an NVTX range named after the strategy, so
 replay a second profiled range, ``replay_deferred/flush``, runs the fold with every row flushing
 (its steady-state step folds only rows whose history is full).
 
-Prints, per strategy, the kernels it launches (names as ncu shows them) and the bytes the
-DESIGN.md formula assigns to the step.
+Prints, per strategy, the bytes per row its kernels move and the bytes the DESIGN.md formula
+assigns to the step (the kernel names are in ncu's report).
 """
 
 from __future__ import annotations
@@ -43,14 +43,16 @@ def main(argv=None) -> int:
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--device cpu runs the kernels through Triton's interpreter: start it as "
                          "TRITON_INTERPRET=1 python benchmarks/profile_step.py --device cpu --tiny")
+    strategies = args.strategies.split(",")
+    bad = [s for s in strategies if s not in rk.STRATEGIES]
+    if bad:  # before any profiled run (an ncu session would otherwise fail only at the typo)
+        raise SystemExit(f"unknown strategy {bad[0]!r}; accepted: {', '.join(rk.STRATEGIES)}")
     torch.manual_seed(0)
     b = rk.make_bench(args.op, args.tiny, dev)
     gen = torch.Generator().manual_seed(0)
     n_seq = rk.accepted_counts(4, args.batch, args.K, gen).to(dev)
     cuda = dev == "cuda"
-    for strategy in args.strategies.split(","):
-        if strategy not in rk.STRATEGIES:
-            raise SystemExit(f"unknown strategy {strategy!r}; accepted: {', '.join(rk.STRATEGIES)}")
+    for strategy in strategies:
         st = rk.StepSet(b, strategy, args.batch, T, dev)
         for r in range(3):  # compile, and fill the replay histories
             st.step(n_seq[r])

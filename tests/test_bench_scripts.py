@@ -67,7 +67,7 @@ def test_ngram_drafter_bench_tiny_cpu(tmp_path):
 
 def test_profile_step_tiny_cpu(tmp_path):
     """benchmarks/profile_step.py (the ncu driver) runs every strategy's step of each op, prints
-    one bytes line per strategy, and refuses an unknown strategy by name."""
+    one bytes line per strategy, and refuses an unknown strategy by name before running any."""
     env_lines = _run("profile_step.py", "--op", "kda", "--device", "cpu", "--tiny", "--batch", "2", tmp_path=tmp_path,
                      TRITON_INTERPRET="1")
     for s in ("baseline", "snapshot", "ring", "replay", "replay_deferred"):
@@ -76,6 +76,7 @@ def test_profile_step_tiny_cpu(tmp_path):
                           "--tiny", "--strategies", "snapshot,rewind"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
     assert res.returncode != 0 and "unknown strategy 'rewind'" in res.stderr and "replay_deferred" in res.stderr
+    assert "snapshot:" not in res.stdout, "a strategy ran before the unknown one was refused"
 
 
 def test_e2e_divergence_margins():

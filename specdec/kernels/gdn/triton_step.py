@@ -462,12 +462,12 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
 
     Chains (not trees) take other blocks, from that sweep on the H200 (2026-11-30, batch 1-256,
     K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): BV = 16 with 2 warps (twice the
-    programs, each a 128 x 16 block) for the plain update and replay at every batch, GDN and KDA
-    (3-12% faster), and for GDN's snapshot and ring at small batch; from ~4096 programs (batch 32
-    at 32 heads; measured at 64 and 256, while at batch 8 it was 7-12% slower) GDN's snapshot,
-    ring and deferred replay take BV = 64 with 4 warps (5-8% faster: their per-token state
-    stores, or deferred replay's longer in-register fold, go in wider rows). KDA's snapshot and
-    ring keep BV = 32 / 16 (the sweep found no better).
+    programs, each a 128 x 16 block) for the plain update and replay of GDN and KDA (3-12%
+    faster) and for GDN's snapshot and ring, except that from ~4096 programs (batch 32 at 32
+    heads; measured at 64 and 256, while at batch 8 it was 7-12% slower) GDN's snapshot, ring
+    and deferred replay take BV = 64 with 4 warps (5-8% faster: their per-token state stores, or
+    deferred replay's longer in-register fold, go in wider rows). KDA's snapshot and ring keep
+    BV = 32 / 16 (the sweep found no better).
     """
     BK = next_pow2(K)
     large = batch * H * triton.cdiv(V, 32) >= 1024
