@@ -456,8 +456,8 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     prefetched inputs need (``PREFETCH_TOKENS``), only 2 programs (32 KiB of state) fit an SM
     instead of 4 (64 KiB in flight). Tree steps (``parents=``) take the same blocks: a tree node costs
     a chain token's arithmetic plus, off the chain, one block load of the parent's slot, so the
-    same latency / occupancy trade-off holds (16-node tree at sm_90: 111 registers for snapshot,
-    188 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
+    same latency / occupancy trade-off holds (16-node tree at sm_90: 127 registers for snapshot,
+    168 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
     timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
 
     Chains (not trees) take other blocks, from that sweep on the H200 (2026-11-30, batch 1-256,
