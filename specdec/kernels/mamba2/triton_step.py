@@ -411,7 +411,7 @@ def _mamba2_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
-                   prefetch: int | None = None, T: int = 1, mode: int | None = None):
+                   prefetch: int | None = None, T: int = 1, mode: int | None = None, tree: bool = False):
     """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
     BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
@@ -429,11 +429,12 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): 20-22% faster for the plain update
     at batch 64-256, 16% for fused replay and 7% for deferred replay at batch 64 (once the
     in-register fold skipped absent history items, 8 warps with a lookahead no longer paid).
-    Snapshot and ring were within 2% across the configurations.
+    Snapshot and ring were within 2% across the configurations. Tree steps keep the earlier
+    settings (the unrolled 16-node fused replay would take 245 registers at 4 warps, 163 at 8).
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
-    lean = large and mode in (OVERWRITE.value, REPLAY.value)
+    lean = large and not tree and mode in (OVERWRITE.value, REPLAY.value)
     if block_p is None:
         block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
@@ -494,7 +495,8 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
             half = L
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value)
+    BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
+                                                 tree=tree is not None)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
