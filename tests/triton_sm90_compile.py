@@ -160,15 +160,19 @@ def delta_rule_variants(quick: bool):
         hk, hg, hu = torch.zeros(B, L, H, K), torch.zeros(B, L, *g.shape[2:]), torch.zeros(B, L, H, V)
         hl = torch.zeros(B, dtype=torch.long)
         for si in ([None] if quick else [None, torch.arange(B)]):
-            for bv in ([None] if quick else [16, 32]):  # the two hand-picked value blocks
-                dr.delta_rule_update(s, q, k, v, g, beta, si, block_v=bv)
-                dr.delta_rule_snapshot_verify(s, buf, q, k, v, g, beta, 0, si, block_v=bv)
-                dr.delta_rule_ring_verify(ring, head, q, k, v, g, beta, 0, si, block_v=bv)
-                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, block_v=bv)
-                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=True, block_v=bv)
+            # the hand-picked launches of _launch_config: value block 16 / 2 warps (chains' plain
+            # update and replay), 32 / 4 (KDA snapshot/ring, trees, the fold), 64 / 4 (GDN
+            # snapshot, ring and deferred replay at large batch)
+            for bv, nw in ([(None, None)] if quick else [(16, 2), (16, 4), (32, 4), (64, 4)]):
+                tune = dict(block_v=bv, num_warps=nw)
+                dr.delta_rule_update(s, q, k, v, g, beta, si, **tune)
+                dr.delta_rule_snapshot_verify(s, buf, q, k, v, g, beta, 0, si, **tune)
+                dr.delta_rule_ring_verify(ring, head, q, k, v, g, beta, 0, si, **tune)
+                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, **tune)
+                dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=True, **tune)
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 1,
-                                            si, fused=True, block_v=bv)  # a later call of a step
-                dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, block_v=bv)
+                                            si, fused=True, **tune)  # a later call of a step
+                dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, **tune)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
         if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
@@ -192,10 +196,12 @@ def mamba2_variants(quick: bool):
     hx, hdt, hB = torch.zeros(B, L, H, P, dtype=dt_), torch.zeros(B, L, H, dtype=dt_), torch.zeros(B, L, G, N, dtype=dt_)
     hl = torch.zeros(B, dtype=torch.long)
     for si in ([None] if quick else [None, torch.arange(B)]):
-        # the two hand-picked launch configs (_launch_config): small batch (BP 16, 4 warps, all
-        # tokens prefetched) and large batch (BP 32, 8 warps, 3-token lookahead)
+        # the hand-picked launch configs (_launch_config): small batch (BP 16, 4 warps, all tokens
+        # prefetched), large batch snapshot / ring / trees (BP 32, 8 warps, 3-token lookahead) and
+        # large batch plain update / replay (BP 32, 4 warps, no lookahead)
         small, large = dict(block_p=16, num_warps=4, prefetch=5), dict(block_p=32, num_warps=8, prefetch=3)
-        for d, tune in ([(D, {})] if quick else [(D, small), (D, large), (None, large)]):
+        lean = dict(block_p=32, num_warps=4, prefetch=0)
+        for d, tune in ([(D, {})] if quick else [(D, small), (D, large), (None, large), (D, lean)]):
             m2.mamba2_update(s, x, dt, A, Bm, Cm, d, si, **tune)
             m2.mamba2_snapshot_verify(s, buf, x, dt, A, Bm, Cm, d, 0, si, **tune)
             m2.mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, d, 0, si, **tune)
@@ -203,8 +209,7 @@ def mamba2_variants(quick: bool):
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=True, **tune)
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x[:, :1], dt[:, :1], A, Bm[:, :1], Cm[:, :1], d, 1, si,
                                     fused=True, **tune)  # a later call of a step
-            bp = tune.get("block_p")
-            m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=bp)
+            m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
     if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
         m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
