@@ -28,7 +28,6 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -62,6 +61,9 @@ class VerifySet:
             self.st.hist_len.fill_(COMMITTED)
         self.b, self.strategy = b, strategy
 
+    def step(self, n=None):  # the interface of rollback_kernels.time_sets (no commit: n unused)
+        self.verify()
+
     def verify(self):
         st, b = self.st, self.b
         if self.strategy == "snapshot":
@@ -76,42 +78,16 @@ class VerifySet:
 
 
 def time_verify(b, strategy, B, T, device, reps):
+    """Seconds per verify call (``rollback_kernels.time_sets``: a CUDA graph of ROUNDS calls over
+    rotated buffer sets, median of ``reps`` replays)."""
     first = VerifySet(b, strategy, B, T, device)
     n_rot = max(1, min(8, math.ceil(rk.ROT_BYTES / max(1, first.nbytes())))) if device == "cuda" else 1
     sets = [first] + [VerifySet(b, strategy, B, T, device) for _ in range(n_rot - 1)]
-
-    def run_all():
-        for _ in range(rk.ROUNDS):
-            for s in sets:
-                s.verify()
-
-    calls = rk.ROUNDS * len(sets)
-    if device != "cuda":
-        run_all()
-        t0 = time.perf_counter()
-        run_all()
-        return (time.perf_counter() - t0) / calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run_all()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph, sets
-    torch.cuda.empty_cache()
-    return statistics.median(times) / calls
+    sec = rk.time_sets(sets, torch.ones(rk.ROUNDS, B, dtype=torch.long), device, reps)
+    del sets, first
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return sec
 
 
 def main(argv=None) -> int:

@@ -103,3 +103,18 @@ def test_e2e_divergence_margins():
                    else torch.cat([mask[1:2], mask.new_ones(1, P + 2 - mask.shape[1])], 1)).logits[0, -1]
     top = torch.topk(logits.float(), 2).values
     assert len(margins) == 1 and abs(margins[0] - float(top[0] - top[1])) < 1e-3 and margins[0] >= 0
+
+
+def test_tree_kernels_tiny_cpu(tmp_path):
+    """benchmarks/tree_kernels.py (interpreter, tiny shapes): one row per variant with the chain as 1.00x,
+    a tree of 16 nodes costing more than the 5-token chain, and an unknown variant refused by name."""
+    out = tmp_path / "tree.md"
+    _run("tree_kernels.py", "--device", "cpu", "--tiny", "--batches", "1", "--ops", "gdn", "--strategies", "replay",
+         "--variants", "chain,tree-16-loop", "--reps", "1", "--out", str(out), tmp_path=tmp_path, TRITON_INTERPRET="1")
+    rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| gdn ")]
+    assert [(r[4].strip(), r[5].strip(), r[7].strip()) for r in rows][0] == ("chain", "5", "1.00x")
+    assert rows[1][4].strip() == "tree-16-loop" and float(rows[1][7].strip().rstrip("x")) > 1.0
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tree_kernels.py"), "--device", "cpu",
+                          "--tiny", "--variants", "chain,tree-32"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
+    assert res.returncode != 0 and "tree-32" in res.stderr and "tree-16-loop" in res.stderr
