@@ -917,3 +917,50 @@ def test_real_size_against_reference(op):
     results = rollback_kernels.check_correctness(op, batch=8, K=4, device="cuda", tiny=False)
     bad = [r for r in results if not r["pass"]]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("op", ["gdn", "mamba2"])
+def test_tree_loop_reaches_the_kernel(op, monkeypatch):
+    """The node walk a launch compiles: unrolled for trees up to TREE_UNROLL_MAX nodes, the runtime
+    loop (with no input lookahead) above it or when forced with tree_loop=True, never for a chain;
+    and the launch settings of a large batch (the tree keeps its own) as _launch_config says."""
+    kernel = dr._delta_rule_step_kernel if op == "gdn" else m2._mamba2_step_kernel
+    seen = []
+    original = kernel.run
+
+    def record(*args, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("TREE", "TREE_LOOP", "PREFETCH", "num_warps")})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", record)
+    small = _tree("random7")
+    big = tuple(j - 1 for j in range(TREE_BIG))  # a chain-shaped tree of more than TREE_UNROLL_MAX nodes
+    for parents, tree_loop, want in ((None, None, False), (small, None, False), (small, True, True),
+                                     (big, None, True), (big, False, False)):
+        T = 5 if parents is None else len(parents)
+        case = make_case(op, (2, 8, 8) if op == "gdn" else (2, 8, 8, 1), 8)
+        inp = case.inputs(1, T, torch.float32)
+        live = torch.randn(1, *case.state_shape, device=DEVICE)
+        buf = garbage(1, T, *case.state_shape)
+        tune = {} if parents is None else {"parents": parents, "tree_loop": tree_loop}
+        if op == "gdn":
+            dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, **tune)
+        else:
+            m2.mamba2_snapshot_verify(live, buf, *case.args(inp), 0, **tune)
+        got = seen[-1]
+        assert got["TREE"] == (parents is not None) and got["TREE_LOOP"] == want, (parents, tree_loop, got)
+        if want:
+            assert got["PREFETCH"] == 0
+    # large batch: chains take the sweep's settings, trees the earlier ones
+    if op == "gdn":
+        assert dr._launch_config(64, 32, 128, 128, None, None, 0, False, False) == (128, 16, 2)
+        assert dr._launch_config(64, 32, 128, 128, None, None, 1, False, False) == (128, 64, 4)
+        assert dr._launch_config(64, 32, 128, 128, None, None, 1, False, True) == (128, 32, 4)
+        assert dr._launch_config(64, 32, 128, 128, None, None, 1, True, False) == (128, 32, 4)  # KDA snapshot
+    else:
+        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3) == (32, 128, 4, 0)
+        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3, tree=True) == (32, 128, 8, 3)
+        assert m2._launch_config(1, 128, 64, 128, None, None, None, 5, 3) == (16, 128, 4, 5)
+
+
+TREE_BIG = dr.TREE_UNROLL_MAX + 3
