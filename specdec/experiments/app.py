@@ -110,11 +110,11 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
     name = str(cfg.experiment.name)
     if name == "acceptance":
         from .acceptance import run
-        from .distributed import Processes
+        from .distributed import Processes, world_size
 
-        procs = Processes(str(cfg.device))
-        if procs.num_processes > 1:
-            return run(cfg, out_dir, records_sink=procs.gather, split=procs.split, show_progress=procs.is_main)
+        if world_size() > 1:
+            with Processes(str(cfg.device)) as procs:
+                return run(cfg, out_dir, records_sink=procs.gather, split=procs.split, show_progress=procs.is_main)
         return run(cfg, out_dir)
     if name == "rollback":
         from omegaconf import open_dict

@@ -62,3 +62,25 @@ class Processes:
     def barrier(self) -> None:
         if self.state is not None:
             self.state.wait_for_everyone()
+
+    def close(self) -> None:
+        """Wait for every process, then tear the process group down.
+
+        Left to interpreter exit, gloo's worker threads can outlive the group and abort the
+        process ("terminate called without an active exception", seen in CI on a run whose
+        records were all written), so the launch would fail after succeeding.
+        """
+        if self.state is not None:
+            self.state.wait_for_everyone()
+            self.state.destroy_process_group()
+            self.state = None
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        elif self.state is not None:  # a failing process must not wait on a barrier the others never reach
+            self.state.destroy_process_group()
+            self.state = None
