@@ -28,6 +28,12 @@
 #   bash benchmarks/gpu_checklist.sh x2e     # K = 1 grid, then e2e qwen | K = 8 grid (~7 min)
 #   bash benchmarks/gpu_checklist.sh x2g     # after the second config change: full grid, tree cost | tests, e2e
 #
+# Left after session 4 (its device budget was spent; nothing of it has run on a GPU), one call on
+# nvidia-h200, the priority first:
+#   bash benchmarks/gpu_checklist.sh next5   # GPU kernel tests of the Mamba-2 tree settings; the eager
+#                                            # snapshot anomaly profiled alone on the host; the missing
+#                                            # tree-kernel rows; zoo e2e divergence margins (~9.5 min)
+#
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
@@ -233,8 +239,17 @@ x2g)
      step 190 e2e $PY -u benchmarks/e2e.py --models nemotronh-4b-shape --skip-hf --out "$OUT/e2e_nemotron.jsonl") &
     wait
     ;;
+next5)
+    # sequential on purpose: the eager step is host-bound, so nothing may share the host with it
+    SPECDEC_TEST_CUDA=1 step 170 tests_kernels $PY -u -m pytest -q -p no:cacheprovider -n 8 \
+        tests/test_kernels_triton.py -m "gpu or not gpu" -k "mamba2 or tree"
+    step 120 tree_profile $PY -u benchmarks/tree_verify.py --variants chain tree-16 tree-16-loop \
+        --strategies snapshot replay --max-seconds 110 --out "$OUT/tree_verify.md" --profile "$OUT/tree_profile.md"
+    step 100 tree_kernels $PY -u benchmarks/tree_kernels.py --ops kda,mamba2 --out "$OUT/tree_kernels.md"
+    step 160 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e_zoo.jsonl"
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g|next5" >&2
     exit 2
     ;;
 esac

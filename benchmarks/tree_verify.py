@@ -23,6 +23,11 @@ the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, w
         --strategies snapshot ring replay --max-seconds 500                # GPU: the full grid (minutes)
     python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
 
+``--profile FILE`` adds one more step per configuration under ``torch.profiler`` and reports,
+beside the timings, where the verify's time goes: host ops dispatched, host-side self time,
+GPU kernels launched and the GPU's busy time (the sum of kernel durations). A step whose wall
+time is far above its GPU busy time is host-bound; FILE gets each configuration's top host ops.
+
 The default grid (snapshot and replay, batch 1 and 16, chain / tree-16 / tree-16-torch, 8 timed
 steps) fits a minute on an H200 including Triton's first-launch compiles; ``--max-seconds`` skips
 what is left, and every row is printed as soon as it is measured.
@@ -95,6 +100,43 @@ def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
         triton_step.TREE_UNROLL_MAX = unroll_max
 
 
+def _verify_once(ad, cache, toks, spec):
+    if spec is not None:
+        with tree_view(ad, cache, spec):
+            ad.forward(toks, cache)
+    else:
+        ad.forward(toks, cache)
+
+
+def profile_verify(ad, cache, toks, spec, device):
+    """One verify forward under torch.profiler: (summary dict, top-host-ops table text).
+
+    Summary: ``host_ops`` (top-level torch ops dispatched), ``host_ms`` (their summed self CPU
+    time, profiler overhead included), ``kernels`` (GPU kernels launched: torch's and Triton's)
+    and ``device_ms`` (summed kernel durations; NaN on CPU). The forward is a verify only: no
+    commit follows it, so the cache must not be stepped again afterwards.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        _verify_once(ad, cache, toks, spec)
+        sync(device)
+    events = prof.events()
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None and e.name.startswith("aten::")]
+    summary = {
+        "host_ops": len(host),
+        "host_ms": sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU) / 1e3,
+        "kernels": len(gpu),
+        "device_ms": sum(e.time_range.elapsed_us() for e in gpu) / 1e3 if device.type == "cuda" else float("nan"),
+    }
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return summary, table
+
+
 def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
     try:
         cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
@@ -118,11 +160,7 @@ def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
         toks = torch.randint(0, 8192, (batch, T), generator=g).to(device)
         sync(device)
         t0 = time.perf_counter()
-        if spec is not None:
-            with tree_view(ad, cache, spec):
-                ad.forward(toks, cache)
-        else:
-            ad.forward(toks, cache)
+        _verify_once(ad, cache, toks, spec)
         sync(device)
         t1 = time.perf_counter()
         if spec is not None:
@@ -135,10 +173,13 @@ def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
             verify.append(t1 - t0)
             commit.append(t2 - t1)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    prof = None
+    if args.profile:  # after the timed steps, so the profiler's overhead touches none of them
+        prof = profile_verify(ad, cache, torch.randint(0, 8192, (batch, T), generator=g).to(device), spec, device)
     del cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return 1e3 * statistics.median(verify), 1e3 * statistics.median(commit), peak
+    return 1e3 * statistics.median(verify), 1e3 * statistics.median(commit), peak, prof
 
 
 def main():
@@ -156,6 +197,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens prefilled before the steps")
     ap.add_argument("--max-seconds", type=float, default=50.0, help="skip the remaining configurations after this")
     ap.add_argument("--out", default=None, help="also write the Markdown table to this file")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="profile one more verify per configuration: host ops, host ms, GPU kernels and GPU busy ms "
+                         "as table columns; each configuration's top host ops into FILE")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
@@ -170,7 +214,7 @@ def main():
     trees = {"tree-16": make_tree("default", num_heads=DEPTH), "tree-64": make_tree("medusa-63", num_heads=DEPTH)}
     variants = [(name, trees.get(name.removesuffix("-torch").removesuffix("-loop"))) for name in args.variants
                 if device.type == "cuda" or not name.endswith("-torch")]
-    rows, skipped = [], []
+    rows, skipped, profiles = [], [], []
     for strategy in args.strategies:
         for batch in args.batch:
             g = torch.Generator(device="cpu").manual_seed(batch)
@@ -181,12 +225,20 @@ def main():
                 if time.perf_counter() - start > args.max_seconds:
                     skipped.append(f"{strategy}/B{batch}/{name}")
                     continue
-                v, c, peak = run_config(ad, device, strategy, batch, name, spec, args, ids, mask)
+                v, c, peak, prof = run_config(ad, device, strategy, batch, name, spec, args, ids, mask)
                 base = v if name == "chain" else base
                 T = spec.num_nodes if spec is not None else DEPTH + 1
-                rows.append((strategy, batch, name, T, v, c, v / base if base else float("nan"), peak))
+                rows.append((strategy, batch, name, T, v, c, v / base if base else float("nan"), peak,
+                             prof[0] if prof else None))
+                extra = ""
+                if prof:
+                    p = prof[0]
+                    extra = (f"  [profiled: {p['host_ops']} host ops, {p['host_ms']:.2f} host ms, {p['kernels']} "
+                             f"kernels, {p['device_ms']:.2f} GPU ms]")
+                    profiles.append(f"## {strategy} B={batch} {name} (T={T})\n\n{extra.strip(' []')}\n\n```\n"
+                                    f"{prof[1]}\n```\n")
                 print(f"  {strategy:9s} B={batch:<3d} {name:14s} T={T:<3d} verify {v:8.2f} ms  commit {c:7.3f} ms  "
-                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+                      f"({time.perf_counter() - start:.0f} s){extra}", flush=True)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
         f"Tree vs chain verify step: {mspec.name}, {str(dtype).replace('torch.', '')}, {gpu}, "
@@ -195,12 +247,20 @@ def main():
         + "default backend (CUDA: Triton step / tree kernels), *-torch on the torch reference ops. Peak GiB: "
         + "torch.cuda.max_memory_allocated during the configuration, weights included.",
         "",
-        "| strategy | batch | variant | step tokens | verify ms | commit ms | verify / chain | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strategy | batch | variant | step tokens | verify ms | commit ms | verify / chain | peak GiB |"
+        + (" host ops | host ms | GPU kernels | GPU busy ms |" if args.profile else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if args.profile else ""),
     ]
-    for s, b, name, T, v, c, r, peak in rows:
+    if args.profile:
+        lines[0] += (" Profiled columns: one extra verify under torch.profiler (host ms includes the profiler's "
+                     "overhead; GPU busy ms = summed kernel durations).")
+    for s, b, name, T, v, c, r, peak, p in rows:
         peak_s = "-" if math.isnan(peak) else f"{peak:.1f}"
-        lines.append(f"| {s} | {b} | {name} | {T} | {v:.2f} | {c:.3f} | {r:.2f}x | {peak_s} |")
+        line = f"| {s} | {b} | {name} | {T} | {v:.2f} | {c:.3f} | {r:.2f}x | {peak_s} |"
+        if p is not None:
+            dev = "-" if math.isnan(p["device_ms"]) else f"{p['device_ms']:.2f}"
+            line += f" {p['host_ops']} | {p['host_ms']:.2f} | {p['kernels']} | {dev} |"
+        lines.append(line)
     if skipped:
         lines.append("")
         lines.append(f"Skipped after --max-seconds={args.max_seconds:g}: {', '.join(skipped)}")
@@ -209,6 +269,10 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write(f"# Top host ops per configuration (torch.profiler, one verify each)\n\n{lines[0]}\n\n"
+                    + "\n".join(profiles))
 
 
 if __name__ == "__main__":

@@ -118,3 +118,21 @@ def test_tree_kernels_tiny_cpu(tmp_path):
                           "--tiny", "--variants", "chain,tree-32"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
     assert res.returncode != 0 and "tree-32" in res.stderr and "tree-16-loop" in res.stderr
+
+
+def test_tree_verify_profile_tiny_cpu(tmp_path):
+    """benchmarks/tree_verify.py times chain and tree steps and, with --profile, adds one profiled
+    verify per configuration: host ops / host ms / kernels columns and a top-ops table per row."""
+    out, prof = tmp_path / "tv.md", tmp_path / "tv_profile.md"
+    lines = _run("tree_verify.py", "--device", "cpu", "--tiny", "--batch", "2", "--strategies", "snapshot", "replay",
+                 "--variants", "chain", "tree-16", "--steps", "1", "--warmup", "0", "--out", str(out),
+                 "--profile", str(prof), tmp_path=tmp_path)
+    rows = [x.split("|")[1:-1] for x in out.read_text().splitlines() if x.startswith("| snapshot") or x.startswith("| replay")]
+    assert [(r[0].strip(), r[2].strip(), r[3].strip()) for r in rows] == [
+        ("snapshot", "chain", "5"), ("snapshot", "tree-16", "16"), ("replay", "chain", "5"), ("replay", "tree-16", "16")]
+    for r in rows:
+        host_ops, host_ms, kernels, busy = (c.strip() for c in r[8:12])
+        assert int(host_ops) > 50 and float(host_ms) > 0 and kernels == "0" and busy == "-"  # CPU: no GPU kernels
+    assert sum("[profiled: " in x for x in lines) == 4
+    text = prof.read_text()
+    assert text.count("\n## ") == 4 and text.count("Self CPU time total") == 4
