@@ -33,6 +33,9 @@
 #   bash benchmarks/gpu_checklist.sh next5   # GPU kernel tests of the Mamba-2 tree settings; the eager
 #                                            # snapshot anomaly profiled alone on the host; the missing
 #                                            # tree-kernel rows; zoo e2e divergence margins (~9.5 min)
+#   bash benchmarks/gpu_checklist.sh next5b  # Medusa trees on the CUDA-graph path (session 5): the GPU
+#                                            # static-path tests, then chain / tree-16 / tree-64 tokens/s
+#                                            # on the zoo target against plain (~6 min)
 #
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -248,8 +251,18 @@ next5)
     step 100 tree_kernels $PY -u benchmarks/tree_kernels.py --ops kda,mamba2 --out "$OUT/tree_kernels.md"
     step 160 e2e $PY -u benchmarks/e2e.py --models zoo --out "$OUT/e2e_zoo.jsonl"
     ;;
+next5b)
+    SPECDEC_TEST_CUDA=1 step 200 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py \
+        -m gpu
+    for tree in null default medusa-63; do
+        step 100 medusa $PY -m specdec experiment=acceptance device=cuda model=gdn-target drafter=medusa \
+            drafter.tree=$tree rollback=replay prompts.limit=8 max_new_tokens=128 progress=false \
+            hydra.run.dir=/tmp/acc/medusa_$tree
+        cp /tmp/acc/medusa_$tree/results.jsonl "$OUT/medusa_${tree}_results.jsonl" 2>/dev/null
+    done
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g|next5" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g|next5|next5b" >&2
     exit 2
     ;;
 esac

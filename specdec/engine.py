@@ -18,7 +18,7 @@ import torch
 from .drafters import Drafter, make_drafter
 from .models import adapter_for
 from .rollback import RollbackStrategy, make_strategy
-from .tree import tree_for, tree_step
+from .tree import accept_tree, tree_for, tree_step
 from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
 
 __all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "Stats"]
@@ -762,8 +762,6 @@ class SpeculativeGenerator:
             blockers.append("repetition_penalty / min_new_tokens / min_length")
         if opts and (opts["output_scores"] or opts["output_logits"]):
             blockers.append("output_scores / output_logits")
-        if getattr(self.drafter, "tree", None) is not None and self.num_speculative_tokens > 0:
-            blockers.append("tree drafting")
         want = self.decode_path
         if want == "auto":
             return "eager" if blockers or dev.type != "cuda" else "cuda_graph"
@@ -774,14 +772,15 @@ class SpeculativeGenerator:
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
         return want
 
-    def _static_decoder(self, B, T, max_len, cuda_graphs):
+    def _static_decoder(self, B, T, max_len, cuda_graphs, tree=None):
         from .static import StaticDecoder
 
-        key = (B, T, max_len, cuda_graphs)
+        key = (B, T, max_len, cuda_graphs, tree)
         dec = self._static.get(key)
         if dec is None:
             self._static.clear()  # one bucket at a time: its buffers can be large
-            dec = self._static[key] = StaticDecoder(self.adapter, self._step_strategy(), B, T, max_len, cuda_graphs)
+            dec = self._static[key] = StaticDecoder(self.adapter, self._step_strategy(), B, T, max_len, cuda_graphs,
+                                                    tree=tree)
         return dec
 
     def _step_strategy(self):
@@ -798,19 +797,23 @@ class SpeculativeGenerator:
         """The decode loop with fixed shapes: every step runs T = K + 1 tokens per row (rows with
         fewer drafts carry placeholders that never reach a committed state), acceptance, EOS and
         budget handling, the text buffer and the stats stay on the device; the only host sync per
-        step is the check whether every row has finished (merged with the drafter-output checks)."""
+        step is the check whether every row has finished (merged with the drafter-output checks).
+        A tree drafter's step runs the tree's N nodes (:func:`specdec.tree.accept_tree` picks the
+        path, the bucket commits it), so a step commits up to depth + 1 tokens."""
         from .static import bucket_length
 
         ad = self.adapter
         dev = input_ids.device
         B, Lp = input_ids.shape
         K = self.num_speculative_tokens
-        T = K + 1
         V = ad.vocab_size
         drafter = self.drafter if K > 0 else None
+        tree = tree_for(drafter, K)  # a draft tree (Medusa): its N nodes run in one forward
+        T = tree.num_nodes if tree is not None else K + 1  # tokens per verify forward
+        W = tree.max_depth + 1 if tree is not None else K + 1  # tokens a step can commit
         clock = _StepClock(dev)
         clock.mark()
-        dec = self._static_decoder(B, T, bucket_length(Lp + max_new + 2 * T), cuda_graphs)
+        dec = self._static_decoder(B, T, bucket_length(Lp + max_new + 2 * T), cuda_graphs, tree)
         fresh = dec.new_cache()
         logits, hidden = ad.prefill(input_ids, mask, fresh)
         dec.load(fresh)
@@ -840,9 +843,9 @@ class SpeculativeGenerator:
             drafter.set_decode_path(dec.path)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=sampling, generator=generator,
                           max_length=width)
-        j_t = torch.arange(T, device=dev)[None, :]
-        j_k = j_t[:, :K]
-        hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
+        j_t = torch.arange(W, device=dev)[None, :]
+        j_k = torch.arange(K, device=dev)[None, :]
+        hist = torch.zeros(W, dtype=torch.long, device=dev)
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
         bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
         steps = 0
@@ -853,8 +856,14 @@ class SpeculativeGenerator:
         while not done:
             active = ~finished
             clock.mark()
-            bound, grown = min(width, grown), grown + T
-            if drafter is not None:
+            bound, grown = min(width, grown), grown + W
+            path = None
+            if tree is not None:
+                nodes = self._propose_tree(drafter, text, lengths, tree, bound).to(dev).long()
+                bad[1] |= ((nodes < 0) | (nodes >= V)).any()
+                k = (max_new - n_gen - 1).clamp(0, tree.max_depth).masked_fill(finished, 0)  # depth limit
+                step_drafts = nodes.clamp(0, V - 1)
+            elif drafter is not None:
                 drafts, counts = self._propose(drafter, text, lengths, K, bound)
                 self._check_draft_shapes(drafts, counts, B, K)
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
@@ -871,13 +880,24 @@ class SpeculativeGenerator:
                 step_drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
             clock.mark()
             pending = text.gather(1, (lengths - 1)[:, None])
-            logits, hidden = dec.forward(torch.cat([pending, step_drafts], dim=1))
-            if sampling is None:
-                n, c = greedy_accept(logits, step_drafts, k)
+            tokens = torch.cat([pending, step_drafts], dim=1)
+            logits, hidden = dec.forward(tokens)
+            if tree is not None:
+                best, n, c = accept_tree(logits, tokens, tree, k, sampling, generator,
+                                         getattr(drafter, "acceptance", "exact"),
+                                         getattr(drafter, "posterior_threshold", 0.09),
+                                         getattr(drafter, "posterior_alpha", 0.3))
+                path = torch.where(j_t <= n[:, None], tree.tensors(dev)["path_of"][best], j_t)
+                chain = tokens.gather(1, path)[:, 1:]  # the accepted path's node tokens
+                seen = best  # the node whose hidden state gave c
             else:
-                probs = drafter.draft_probs() if drafter is not None else None
-                n, c = sample_accept(logits, step_drafts, k, sampling, probs, generator)
-            new = torch.cat([step_drafts, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
+                if sampling is None:
+                    n, c = greedy_accept(logits, step_drafts, k)
+                else:
+                    probs = drafter.draft_probs() if drafter is not None else None
+                    n, c = sample_accept(logits, step_drafts, k, sampling, probs, generator)
+                chain, seen = step_drafts, n
+            new = torch.cat([chain, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
             take = n + 1
             hit_eos = torch.zeros_like(finished)
             if eos_t is not None:
@@ -892,9 +912,9 @@ class SpeculativeGenerator:
             n_gen += take
             finished = finished | hit_eos | (n_gen >= max_new)
             clock.mark()
-            dec.commit(take)  # take <= n + 1: the accepted prefix, cut at EOS / the budget
+            dec.commit(take, path)  # take <= n + 1: the accepted prefix, cut at EOS / the budget
             if drafter is not None and drafter.wants_hidden_states:
-                drafter.observe(hidden[rows, n])
+                drafter.observe(hidden[rows, seen])
             clock.mark()
             a = active.long()
             hist.index_add_(0, n, a)
@@ -923,6 +943,19 @@ class SpeculativeGenerator:
         self.last_stats = stats
         out = torch.cat([input_ids, self._generated(text, prompt_len, n_gen, pad)], dim=1)
         return self._output(out, opts, None, None, out.shape[1] - Lp)
+
+    @staticmethod
+    def _propose_tree(drafter, text, lengths, spec, bound):
+        """``drafter.propose_tree`` on copies of the engine's buffers (as :meth:`_propose`); its
+        result must be an integer tensor ``[B, N - 1]`` (host-side checks only: no device sync)."""
+        nodes = drafter.propose_tree(text[:, :bound].clone(), lengths.clone(), spec)
+        B, N = text.shape[0], spec.num_nodes
+        if not isinstance(nodes, torch.Tensor) or nodes.shape != (B, N - 1):
+            got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
+            raise ValueError(f"propose_tree must return node tokens [{B}, {N - 1}], got {got}")
+        if nodes.dtype == torch.bool or nodes.dtype.is_floating_point or nodes.dtype.is_complex:
+            raise TypeError(f"propose_tree returned node tokens of dtype {nodes.dtype}; expected an integer dtype (int64)")
+        return nodes
 
     @staticmethod
     def _propose(drafter, text, lengths, K, bound):

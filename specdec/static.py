@@ -9,6 +9,11 @@ CUDA graphs captured once and replayed every step:
   rollback strategy, the LM head) into static ``logits [B, T, V]`` / ``hidden [B, T, D]``;
 * the commit of ``num_tokens [B]`` (conv-window shift, the strategy's commit / fold, KV length).
 
+With a draft tree (:class:`~specdec.tree.TreeSpec`, Medusa drafting) T is the tree's node
+count, the forward runs under :func:`~specdec.tree.tree_view` (tree mask and positions, each
+SSM node from its parent's state) and the commit is :func:`~specdec.tree.commit_path` of each
+row's accepted path ``[B, depth + 1]``: both are captured the same way.
+
 Later ``generate()`` calls of the same bucket prefill into a fresh cache and copy it into the
 static buffers (:meth:`HybridCache.copy_from`), so the graphs stay valid. Capturing follows
 PyTorch's recipe (warm-up on a side stream, then ``torch.cuda.graph``); a forward run outside
@@ -24,6 +29,7 @@ import torch
 
 from .cache import HybridCache
 from .fusion import fused, fusion_enabled
+from .tree import commit_path, tree_view
 
 __all__ = ["StaticDecoder", "bucket_length"]
 
@@ -93,10 +99,18 @@ class StaticDecoder:
         cuda_graphs: capture and replay CUDA graphs (CUDA only); else run the same static calls eagerly.
         fuse: while capturing, run the model's norms/MLPs and our SSM input preparation through
             ``torch.compile`` (:mod:`specdec.fusion`; default: ``SPECDEC_FUSE``, on).
+        tree: a draft tree (:class:`~specdec.tree.TreeSpec`) whose ``num_nodes`` is
+            ``step_tokens``: every forward verifies the tree, every commit is :meth:`commit_path`.
+
+    Raises: ValueError when ``tree`` does not have ``step_tokens`` nodes.
     """
 
     def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, cuda_graphs: bool,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, tree=None):
+        if tree is not None and tree.num_nodes != step_tokens:
+            raise ValueError(f"a tree bucket's step_tokens must be the tree's node count {tree.num_nodes}, "
+                             f"got {step_tokens}")
+        self.tree = tree
         self.adapter = adapter
         self.fuse = fusion_enabled() if fuse is None else bool(fuse)
         self.strategy = strategy
@@ -125,26 +139,40 @@ class StaticDecoder:
             self.cache.copy_from(fresh)
 
     # ------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor):
+        if self.tree is None:
+            return self.adapter.forward(ids, self.cache)
+        with tree_view(self.adapter, self.cache, self.tree):
+            return self.adapter.forward(ids, self.cache)
+
+    def _commit(self, num_tokens: torch.Tensor, path: torch.Tensor | None) -> None:
+        if self.tree is None:
+            self.cache.commit(num_tokens)
+        else:
+            commit_path(self.cache, path, num_tokens)
+
     def _capture(self) -> None:
         c, B, T = self.cache, self.batch, self.step_tokens
         dev = c.device
         self._ids = torch.zeros(B, T, dtype=torch.long, device=dev)
         self._num = torch.zeros(B, dtype=torch.long, device=dev)
+        # a tree's accepted path; all zeros with zero tokens moves nothing (commit_path keeps the identity)
+        self._path = None if self.tree is None else torch.zeros(B, self.tree.max_depth + 1, dtype=torch.long, device=dev)
         try:
             side = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with fused(self.adapter.model, self.fuse), graph_safe_experts(self.adapter.model):
                 with torch.cuda.stream(side):
-                    for _ in range(2):  # compiles the kernels, allocates lazy buffers (replay history)
-                        self.adapter.forward(self._ids, c)
-                        c.commit(self._num)  # zero tokens: no committed state changes
+                    for _ in range(2):  # compiles the kernels, allocates lazy buffers (replay history, tree tables)
+                        self._forward(self._ids)
+                        self._commit(self._num, self._path)  # zero tokens: no committed state changes
                 torch.cuda.current_stream(dev).wait_stream(side)
                 fwd = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(fwd):
-                    self._logits, self._hidden = self.adapter.forward(self._ids, c)
+                    self._logits, self._hidden = self._forward(self._ids)
             com = torch.cuda.CUDAGraph()
             with torch.cuda.graph(com, pool=fwd.pool()):
-                c.commit(self._num)
+                self._commit(self._num, self._path)
             self._fwd_graph, self._commit_graph = fwd, com
         except Exception as err:  # noqa: BLE001 -- any capture failure (an op that syncs on the host): run eagerly
             self.capture_error = f"{type(err).__name__}: {err}"
@@ -160,17 +188,26 @@ class StaticDecoder:
         """Verify forward of ``step [B, T]``; returns ``(logits [B, T, V], hidden [B, T, D])``
         (with graphs: the static output tensors, valid until the next call)."""
         if self._fwd_graph is None:
-            return self.adapter.forward(step, self.cache)
+            return self._forward(step)
         self._ids.copy_(step)
         self._fwd_graph.replay()
         self.cache.set_step_tokens(self.step_tokens)
         return self._logits, self._hidden
 
-    def commit(self, num_tokens: torch.Tensor) -> None:
-        """Keep ``num_tokens [B]`` (int64, on the device, ``<= T``) tokens of the open step per row."""
+    def commit(self, num_tokens: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """Keep ``num_tokens [B]`` (int64, on the device, ``<= T``) tokens of the open step per row;
+        for a tree bucket, the first ``num_tokens`` nodes of each row's ``path [B, depth + 1]``
+        (int64 node indices, ``path[:, 0] = 0``; see :func:`~specdec.tree.commit_path`).
+
+        Raises: ValueError when a tree bucket gets no path or a chain bucket gets one."""
+        if (path is None) != (self.tree is None):
+            raise ValueError("a tree bucket commits a path: pass path=[B, depth + 1]" if self.tree is not None
+                             else "path= is for tree buckets; this bucket verifies chains")
         if self._commit_graph is None:
-            self.cache.commit(num_tokens)
+            self._commit(num_tokens, path)
             return
         self._num.copy_(num_tokens)
+        if path is not None:
+            self._path.copy_(path)
         self._commit_graph.replay()
         self.cache.set_step_tokens(0)

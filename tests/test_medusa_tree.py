@@ -465,14 +465,114 @@ def test_zoo_heads_tree_exact_and_accepting_more():
     assert mean["default"] > mean[None] > 1.0
 
 
-def test_tree_drafter_refuses_the_static_path():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_path_tree_exact_and_same_stats_as_eager(setups, family, strategy):
+    """Tree drafting on the static decode path (fixed shapes, device-side acceptance and path
+    commit: what the CUDA-graph path captures) gives plain greedy's output and the eager tree
+    loop's acceptance counts; a second call reuses the bucket."""
+    model, heads, ref = setups[family]
+    ids, mask = _prompts()
+    got = {}
+    for path in ("eager", "static"):
+        sd = specdec.wrap(model, drafter=MedusaDrafter(heads, tree="default"), rollback=strategy,
+                          num_speculative_tokens=3, decode_path=path)
+        for _ in range(2 if path == "static" else 1):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+            assert torch.equal(out, ref), (family, strategy, path)
+        st = sd.last_stats
+        assert st.decode_path == path
+        got[path] = (st.proposed_tokens, st.accepted_tokens, st.new_tokens, st.accept_histogram[1:], st.steps)
+    assert got["static"] == got["eager"]
+    assert sum(got["static"][3]) > 0  # some steps accepted drafts
+    assert len(sd._static) == 1 and next(iter(sd._static.values())).tree.num_nodes == 16
+
+
+@pytest.mark.parametrize("family,strategy", [("qwen3_5", "replay"), ("nemotron_h", "ring"), ("kimi_linear", "snapshot"),
+                                             ("mistral", "replay_deferred")])
+def test_static_path_oracle_tree_deep_paths_and_eos(family, strategy):
+    """Deep off-chain paths of a 67-node tree, a row stopping at EOS mid-step and the budget cut:
+    the static path's device-side path commit equals plain greedy decoding."""
+    model = make_model(family, seed=0)
+    ids, mask = _prompts()
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    eos = int(plain[1, ids.shape[1] + 9])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    drafter = OracleTree(_rows(ref, ids, mask), model.config.vocab_size)
+    sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=4, decode_path="static")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    st = sd.last_stats
+    assert st.decode_path == "static" and len(st.accept_histogram) == 5
+    assert st.accept_histogram[4] > 0 and st.mean_accepted_tokens > 2.5 and drafter.off_chain > 0, st
+
+
+def test_static_path_tree_sampling_matches_eager():
+    """Lossless tree sampling on the static path draws exactly what the eager loop draws from the
+    same generator (the same acceptance computation, moved to fixed shapes)."""
+    model = make_model("qwen3_5", seed=0)
+    ids, mask = _prompts()
+    heads = MedusaHeads.from_target(model, num_heads=3)
+    outs = []
+    for path in ("eager", "static"):
+        sd = specdec.wrap(model, drafter=MedusaDrafter(copy.deepcopy(heads), tree=SMALL_TREE), rollback="ring",
+                          num_speculative_tokens=3, decode_path=path)
+        outs.append(sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, do_sample=True,
+                                temperature=0.8, generator=torch.Generator().manual_seed(7)))
+        assert sd.last_stats.decode_path == path
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_static_path_tree_on_the_triton_backend(monkeypatch):
+    """The static path's tree steps run the Triton tree kernels (interpreter here), exactly."""
+    import specdec.tree as tree_mod
+    from specdec.kernels import GDNOp
+
+    def torch_tree_path(*args, **kwargs):
+        raise AssertionError("a tree step on the Triton backend ran the torch tree reference")
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)
+    monkeypatch.setattr(tree_mod, "conv1d_tree_verify", torch_tree_path)
+    model = make_model("qwen3_5", seed=0)
+    ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    sd = specdec.wrap(model, drafter=OracleTree(_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
+                      rollback="replay", num_speculative_tokens=3, decode_path="static")
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0), ref)
+    assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
+    assert sd.last_stats.decode_path == "static" and sd.last_stats.mean_accepted_tokens > 1.5
+
+
+def test_static_path_tree_refusals():
+    """What the static path cannot do with a tree it refuses by name (the logits processor runs
+    on the eager path only); a drafter returning the wrong node count is named."""
     model = make_model("qwen3_5", seed=0)
     heads = MedusaHeads.from_target(model, num_heads=2)
     ids, mask = _prompts()
     sd = specdec.wrap(model, drafter=MedusaDrafter(copy.deepcopy(heads), tree="default"), num_speculative_tokens=2,
                       decode_path="static")
-    with pytest.raises(ValueError, match="tree drafting"):
-        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, repetition_penalty=1.3)
+
+    class Short(OracleTree):
+        def propose_tree(self, input_ids, lengths, spec):
+            return super().propose_tree(input_ids, lengths, spec)[:, :-1]
+
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    sd = specdec.wrap(model, drafter=Short(_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
+                      num_speculative_tokens=3, decode_path="static")
+    with pytest.raises(ValueError, match=r"propose_tree must return node tokens \[3, 10\], got \(3, 9\)"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+
+    class OutOfVocab(OracleTree):
+        def propose_tree(self, input_ids, lengths, spec):
+            return super().propose_tree(input_ids, lengths, spec) + 1000
+
+    sd = specdec.wrap(model, drafter=OutOfVocab(_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
+                      num_speculative_tokens=3, decode_path="static")
+    with pytest.raises(ValueError, match=r"token ids outside the target's vocabulary \[0, 96\)"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
 
 
 def test_acceptance_experiment_with_a_tree(tmp_path):

@@ -182,6 +182,34 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
     get_model(fam, "perturbed").cpu()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h"])
+def test_cuda_graph_tree_exact_vs_eager(fam, strategy):
+    """On CUDA (fp32 tiny models): Medusa tree drafting through the captured tree forward and path
+    commit == the eager tree loop, token for token, with the same acceptance counts."""
+    from specdec.drafters import MedusaDrafter, MedusaHeads
+
+    model = get_model(fam).cuda()
+    ids, mask, eos, _ = reference(fam)
+    ids, mask = ids.cuda(), mask.cuda()
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(model, num_heads=3)
+    outs = {}
+    for path in ("eager", "cuda_graph"):
+        sd = specdec.wrap(model, drafter=MedusaDrafter(heads, tree="default"), rollback=strategy,
+                          num_speculative_tokens=3, decode_path=path)
+        for _ in range(2):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        st = sd.last_stats
+        assert st.decode_path == path
+        outs[path] = (out, st.proposed_tokens, st.accepted_tokens, st.new_tokens)
+    assert torch.equal(outs["eager"][0], outs["cuda_graph"][0])
+    assert outs["eager"][1:] == outs["cuda_graph"][1:]
+    get_model(fam).cpu()
+
+
 def test_fused_patches_and_restores_the_model():
     """specdec.fusion.fused swaps norm/MLP forwards only inside the block (no compile happens
     unless they are called) and restores dynamo's recompile limit."""
