@@ -34,8 +34,9 @@
 #                                            # snapshot anomaly profiled alone on the host; the missing
 #                                            # tree-kernel rows; zoo e2e divergence margins (~9.5 min)
 #   bash benchmarks/gpu_checklist.sh next5b  # Medusa trees on the CUDA-graph path (session 5): the GPU
-#                                            # static-path tests, then chain / tree-16 / tree-64 tokens/s
-#                                            # on the zoo target against plain (~6 min)
+#                                            # static-path tests, the verify step of chain / tree-16 /
+#                                            # tree-64 on the graph path, then their tokens/s on the zoo
+#                                            # target against plain (~9 min)
 #
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -254,6 +255,8 @@ next5)
 next5b)
     SPECDEC_TEST_CUDA=1 step 200 tests_static $PY -u -m pytest -q -p no:cacheprovider -n 4 tests/test_static_path.py \
         -m gpu
+    step 150 tree_graph $PY -u benchmarks/tree_verify.py --path cuda_graph --variants chain tree-16 tree-64 \
+        --strategies snapshot replay --batch 1 16 64 --max-seconds 140 --out "$OUT/tree_verify_graph.md"
     for tree in null default medusa-63; do
         step 100 medusa $PY -m specdec experiment=acceptance device=cuda model=gdn-target drafter=medusa \
             drafter.tree=$tree rollback=replay prompts.limit=8 max_new_tokens=128 progress=false \

@@ -21,7 +21,13 @@ the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, w
     python benchmarks/tree_verify.py --out tree_verify.md                 # GPU: qwen35-4b-shape (< 60 s)
     python benchmarks/tree_verify.py --variants chain tree-16 tree-16-torch tree-64 tree-64-torch \
         --strategies snapshot ring replay --max-seconds 500                # GPU: the full grid (minutes)
+    python benchmarks/tree_verify.py --path cuda_graph --variants chain tree-16 tree-64 \
+        --strategies snapshot replay --out tree_verify_graph.md          # GPU: on the CUDA-graph path
     python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
+
+``--path static`` / ``--path cuda_graph`` time the same step through the engine's fixed-shape
+bucket (:class:`specdec.static.StaticDecoder`, what ``generate()`` runs on CUDA: the tree forward
+and the path commit captured as CUDA graphs), where the eager path's host overhead is gone.
 
 ``--profile FILE`` adds one more step per configuration under ``torch.profiler`` and reports,
 beside the timings, where the verify's time goes: host ops dispatched, host-side self time,
@@ -52,6 +58,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from specdec.experiments.models import build_random_shape  # noqa: E402
 from specdec.models import adapter_for  # noqa: E402
 from specdec.rollback import make_strategy  # noqa: E402
+from specdec.static import StaticDecoder, bucket_length  # noqa: E402
 from specdec.tree import commit_path, make_tree, tree_view  # noqa: E402
 
 DEPTH = 4
@@ -108,8 +115,8 @@ def _verify_once(ad, cache, toks, spec):
         ad.forward(toks, cache)
 
 
-def profile_verify(ad, cache, toks, spec, device):
-    """One verify forward under torch.profiler: (summary dict, top-host-ops table text).
+def profile_verify(verify_fn, toks, device):
+    """One ``verify_fn(toks)`` under torch.profiler: (summary dict, top-host-ops table text).
 
     Summary: ``host_ops`` (top-level torch ops dispatched), ``host_ms`` (their summed self CPU
     time, profiler overhead included), ``kernels`` (GPU kernels launched: torch's and Triton's)
@@ -122,7 +129,7 @@ def profile_verify(ad, cache, toks, spec, device):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=acts) as prof:
-        _verify_once(ad, cache, toks, spec)
+        verify_fn(toks)
         sync(device)
     events = prof.events()
     gpu = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -137,36 +144,58 @@ def profile_verify(ad, cache, toks, spec, device):
     return summary, table
 
 
-def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
+def _stepper(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
+    """(verify(tokens), commit(num_tokens, path), cache) of one configuration on ``args.path``:
+    ``eager`` calls the adapter's forward (under the tree view for a tree) and the commit; ``static``
+    / ``cuda_graph`` run the engine's :class:`~specdec.static.StaticDecoder` bucket (graphs captured
+    on load for ``cuda_graph``)."""
+    max_len = ids.shape[1] + (args.warmup + args.steps + 1) * (DEPTH + 1) + T + 8
     try:
-        cache = ad.new_cache(batch, ids.shape[1] + (args.warmup + args.steps) * (DEPTH + 1) + T + 8, T,
-                             make_strategy(strategy))
+        if args.path == "eager":
+            cache = ad.new_cache(batch, max_len, T, make_strategy(strategy))
+            ad.prefill(ids, mask, cache)
+
+            def commit(n, path):
+                if path is not None:
+                    commit_path(cache, path, n)
+                else:
+                    cache.commit(n)
+
+            return (lambda toks: _verify_once(ad, cache, toks, spec)), commit, cache
+        dec = StaticDecoder(ad, make_strategy(strategy), batch, T, bucket_length(max_len), args.path == "cuda_graph",
+                            tree=spec)
+        fresh = dec.new_cache()
+        ad.prefill(ids, mask, fresh)
+        dec.load(fresh)  # captures the graphs (cuda_graph)
+        if args.path == "cuda_graph" and dec.path != "cuda_graph":
+            raise RuntimeError(f"CUDA-graph capture failed: {dec.capture_error}")
+        return dec.forward, dec.commit, dec.cache
     finally:
         if saved is None:
             os.environ.pop("SPECDEC_BACKEND", None)
         else:
             os.environ["SPECDEC_BACKEND"] = saved
-    ad.prefill(ids, mask, cache)
+
+
+def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    verify_fn, commit_fn, cache = _stepper(ad, device, strategy, batch, spec, args, ids, mask, T, saved)
     n = torch.full((batch,), DEPTH + 1, dtype=torch.long, device=device)
     path = None
     if spec is not None:  # commit the top-1 chain's path root -> depth 4 (node indices in BFS order)
         index = {p: i + 1 for i, p in enumerate(spec.paths)}
         path = torch.tensor([0] + [index[(0,) * d] for d in range(1, DEPTH + 1)], device=device).repeat(batch, 1)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     g = torch.Generator(device="cpu").manual_seed(0)
     verify, commit = [], []
     for i in range(args.warmup + args.steps):
         toks = torch.randint(0, 8192, (batch, T), generator=g).to(device)
         sync(device)
         t0 = time.perf_counter()
-        _verify_once(ad, cache, toks, spec)
+        verify_fn(toks)
         sync(device)
         t1 = time.perf_counter()
-        if spec is not None:
-            commit_path(cache, path, n)
-        else:
-            cache.commit(n)
+        commit_fn(n, path)
         sync(device)
         t2 = time.perf_counter()
         if i >= args.warmup:
@@ -175,8 +204,8 @@ def _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     prof = None
     if args.profile:  # after the timed steps, so the profiler's overhead touches none of them
-        prof = profile_verify(ad, cache, torch.randint(0, 8192, (batch, T), generator=g).to(device), spec, device)
-    del cache
+        prof = profile_verify(verify_fn, torch.randint(0, 8192, (batch, T), generator=g).to(device), device)
+    del cache, verify_fn, commit_fn
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 1e3 * statistics.median(verify), 1e3 * statistics.median(commit), peak, prof
@@ -192,6 +221,9 @@ def main():
     ap.add_argument("--strategies", nargs="+", default=["snapshot", "replay"])
     ap.add_argument("--variants", nargs="+", default=["chain", "tree-16", "tree-16-torch"], choices=VARIANTS,
                     help="*-torch: the torch reference ops (CUDA only; skipped on CPU)")
+    ap.add_argument("--path", default="eager", choices=["eager", "static", "cuda_graph"],
+                    help="eager: the adapter's forward; static / cuda_graph: the engine's fixed-shape bucket, "
+                         "without / with CUDA graphs (cuda_graph needs CUDA)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens prefilled before the steps")
@@ -203,6 +235,8 @@ def main():
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.path == "cuda_graph" and args.device == "cpu":
+        ap.error("--path cuda_graph needs --device cuda; use --path static on the CPU")
     start = time.perf_counter()
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -242,7 +276,7 @@ def main():
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
         f"Tree vs chain verify step: {mspec.name}, {str(dtype).replace('torch.', '')}, {gpu}, "
-        f"{args.prompt}-token prompt, median of {args.steps} steps ({datetime.date.today()}; "
+        f"{args.prompt}-token prompt, {args.path} path, median of {args.steps} steps ({datetime.date.today()}; "
         f"{time.perf_counter() - start:.0f} s). Depth 4 everywhere; chain = 5 tokens; chain and tree-N on the "
         + "default backend (CUDA: Triton step / tree kernels), *-torch on the torch reference ops. Peak GiB: "
         + "torch.cuda.max_memory_allocated during the configuration, weights included.",

@@ -136,3 +136,20 @@ def test_tree_verify_profile_tiny_cpu(tmp_path):
     assert sum("[profiled: " in x for x in lines) == 4
     text = prof.read_text()
     assert text.count("\n## ") == 4 and text.count("Self CPU time total") == 4
+
+
+def test_tree_verify_static_path_tiny_cpu(tmp_path):
+    """--path static times the engine's fixed-shape bucket (StaticDecoder: tree forward + path
+    commit), the CUDA-graph path without the graphs; --path cuda_graph on the CPU is refused."""
+    out = tmp_path / "tv.md"
+    _run("tree_verify.py", "--device", "cpu", "--tiny", "--batch", "2", "--strategies", "ring", "--path", "static",
+         "--variants", "chain", "tree-16", "--steps", "1", "--warmup", "1", "--out", str(out), tmp_path=tmp_path)
+    text = out.read_text()
+    assert "static path" in text
+    rows = [x.split("|")[1:-1] for x in text.splitlines() if x.startswith("| ring")]
+    assert [(r[2].strip(), int(r[3])) for r in rows] == [("chain", 5), ("tree-16", 16)]
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)  # verify ms, commit ms
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tree_verify.py"), "--device", "cpu",
+                          "--path", "cuda_graph"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), check=False)
+    assert res.returncode == 2 and "--path cuda_graph needs --device cuda" in res.stderr
