@@ -125,6 +125,7 @@ def test_acceptance_tiny_run(tmp_path: Path):
     records = run_experiment(cfg, tmp_path)
     assert len(records) == 3 * 3  # 3 drafters (ngram, draft_model, medusa) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
+    assert all(r["decode_path"] == "eager" for r in records)  # the CPU default (auto: graphs on CUDA only)
     assert records[0]["config"]["num_speculative_tokens"] == 3
     lines = _records(tmp_path / "results.jsonl")
     assert [x["rollback"] for x in lines] == [r["rollback"] for r in records]

@@ -190,6 +190,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                         "acceptance_rate": st.acceptance_rate,
                         "accept_histogram": list(st.accept_histogram),
                         "steps": st.steps,
+                        "decode_path": st.decode_path,  # eager / static / cuda_graph: which loop the timing is of
                         "tokens_per_s": new / dt if dt > 0 else 0.0,
                         "plain_tokens_per_s": (ref.shape[1] - enc["input_ids"].shape[1]) / ref_s if ref_s > 0 else 0.0,
                         "speedup": ref_s / dt if dt > 0 else 0.0,
