@@ -845,7 +845,7 @@ class SpeculativeGenerator:
                           max_length=width)
         j_t = torch.arange(W, device=dev)[None, :]
         j_k = torch.arange(K, device=dev)[None, :]
-        hist = torch.zeros(W, dtype=torch.long, device=dev)
+        hist = torch.zeros(K + 1, dtype=torch.long, device=dev)  # as the eager loop's, also when a tree is shallower
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
         bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
         steps = 0

@@ -174,6 +174,10 @@ class StaticDecoder:
             with torch.cuda.graph(com, pool=fwd.pool()):
                 self._commit(self._num, self._path)
             self._fwd_graph, self._commit_graph = fwd, com
+            if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
+                from .kernels import tree_index
+
+                self._tables = tree_index.cached_tensors()
         except Exception as err:  # noqa: BLE001 -- any capture failure (an op that syncs on the host): run eagerly
             self.capture_error = f"{type(err).__name__}: {err}"
             warnings.warn(

@@ -114,18 +114,25 @@ class TreeSpec:
         self.max_depth = max(self.depth)
         self.max_rank = max(p[-1] for p in self.paths)
         self._tensors: dict = {}
+        self._by_depth: dict = {}
 
     def for_depth(self, max_depth: int) -> TreeSpec:
         """The tree for a depth limit (``num_speculative_tokens``): the default tree is rebuilt at
         that depth (same node budget), any other tree drops its paths deeper than the limit."""
         if max_depth >= self.max_depth and self.preset != "default":
             return self
+        hit = self._by_depth.get(max_depth)  # one spec per limit: its device tables are made once
+        if hit is not None:
+            return hit
         if self.preset == "default":
             depth = min(max_depth, self.num_heads or max_depth)
             if depth == self.max_depth:
                 return self
-            return TreeSpec(default_tree_paths(depth), preset="default", num_heads=self.num_heads)
-        return TreeSpec([p for p in self.paths if len(p) <= max_depth], preset=self.preset, num_heads=self.num_heads)
+            hit = TreeSpec(default_tree_paths(depth), preset="default", num_heads=self.num_heads)
+        else:
+            hit = TreeSpec([p for p in self.paths if len(p) <= max_depth], preset=self.preset, num_heads=self.num_heads)
+        self._by_depth[max_depth] = hit
+        return hit
 
     def tensors(self, device) -> dict:
         """Index tensors on ``device`` (cached): ``depth [N]``; ``ancestors [N, N]`` bool (i is j or

@@ -18,24 +18,24 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from scipy.stats import chi2_contingency  # noqa: E402
 from tiny_models import EXTRA_FAMILIES, make_model, ragged_prompts  # noqa: E402
+from tree_drafters import ORACLE_TREE, OracleTree  # noqa: E402, F401 (ORACLE_TREE: also imported from here)
+from tree_drafters import reference_rows as _rows  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import zoo  # noqa: E402
-from specdec.drafters import Drafter, MedusaDrafter, MedusaHeads  # noqa: E402
+from specdec.drafters import MedusaDrafter, MedusaHeads  # noqa: E402
 from specdec.experiments.train_medusa import (  # noqa: E402
     collect_hidden_states, fit_heads, medusa_targets, target_predictions,
 )
 from specdec.kernels import OPS  # noqa: E402
 from specdec.kernels.conv1d.naive import conv1d_tree_verify, conv1d_verify  # noqa: E402
 from specdec.rollback import make_strategy  # noqa: E402
-from specdec.tree import MEDUSA_63, TreeSpec, accept_tree, default_tree_paths, make_tree  # noqa: E402
+from specdec.tree import MEDUSA_63, accept_tree, default_tree_paths, make_tree  # noqa: E402
 
 FAMILIES = ("qwen3_5", "nemotron_h")
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
 MAX_NEW = 20
-#: Medusa's 64-node tree plus three depth-4 branches off the top-1 chain
-ORACLE_TREE = [list(p) for p in MEDUSA_63] + [[1, 0, 0, 0], [0, 1, 0, 0], [2, 0, 0, 0]]
 
 
 # ---------------------------------------------------------------------------- tree spec
@@ -294,51 +294,6 @@ def test_greedy_exact_chain_and_tree(setups, family, strategy):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-class OracleTree(Drafter):
-    """A tree drafter that knows the reference output: each step, a random root-to-leaf path of
-    ``tree`` (cut at a random depth) holds the right tokens and every other node a wrong one, so
-    steps accept deep paths that are not the first branch (exercises the path compaction)."""
-
-    wants_hidden_states = False
-
-    def __init__(self, reference_rows, vocab, tree=ORACLE_TREE, num_heads=4, seed=0):
-        self.ref = reference_rows  # list of LongTensors: each row's prompt (no padding) + reference continuation
-        self.vocab = vocab
-        self.tree = make_tree(tree, num_heads)
-        self.g = torch.Generator().manual_seed(seed)
-        self.off_chain = 0
-
-    def propose(self, input_ids, lengths, num_speculative_tokens):
-        raise AssertionError("a tree drafter is called through propose_tree")
-
-    def propose_tree(self, input_ids, lengths, spec: TreeSpec):
-        tt = spec.tensors("cpu")
-        B, N = input_ids.shape[0], spec.num_nodes
-        out = torch.empty(B, N - 1, dtype=torch.long)
-        leaves = tt["leaves"]
-        for b in range(B):
-            L, row = int(lengths[b]), self.ref[b]
-            right = [int(row[L + d - 1]) if L + d - 1 < len(row) else 3 for d in range(spec.max_depth + 1)]
-            for j in range(1, N):
-                out[b, j - 1] = (right[spec.depth[j]] + 1 + j) % self.vocab  # wrong
-            if bool(torch.rand(1, generator=self.g) < 0.5):  # a deepest leaf, all right
-                deep = [p for p in leaves if len(p) == spec.max_depth + 1]
-                leaf = deep[int(torch.randint(len(deep), (1,), generator=self.g))]
-                cut = len(leaf)
-            else:  # any leaf, right up to a random depth
-                leaf = leaves[int(torch.randint(len(leaves), (1,), generator=self.g))]
-                cut = int(torch.randint(1, len(leaf) + 1, (1,), generator=self.g))
-            for j in leaf[1:cut].tolist():
-                out[b, j - 1] = right[spec.depth[j]]
-                self.off_chain += int(spec.paths[j - 1] != (0,) * spec.depth[j])
-        return out
-
-
-def _rows(out, ids, mask):
-    L = ids.shape[1]
-    return [torch.cat([ids[b][mask[b].bool()], out[b, L:]]) for b in range(ids.shape[0])]
-
-
 @pytest.mark.parametrize("family,strategy", [
     ("qwen3_5", "snapshot"), ("qwen3_5", "ring"), ("nemotron_h", "replay"), ("nemotron_h", "replay_deferred"),
     ("kimi_linear", "ring"), ("mistral", "replay"),  # KDA; sliding-window attention (window 8 < text)
@@ -542,6 +497,26 @@ def test_static_path_tree_on_the_triton_backend(monkeypatch):
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0), ref)
     assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
     assert sd.last_stats.decode_path == "static" and sd.last_stats.mean_accepted_tokens > 1.5
+
+
+def test_tree_tables_are_cached_and_can_be_held():
+    """The tree index tables are made once per (tree, device) -- no host-to-device copy in a
+    captured step -- and a holder of cached_tensors() keeps them past the caches' eviction (the
+    static decoder holds the ones its CUDA graphs read)."""
+    from specdec.kernels import tree_index
+
+    par = (-1, 0, 0, 1)
+    cols = tree_index.conv_tree_columns(par, 4, "cpu")
+    assert cols is tree_index.conv_tree_columns(par, 4, "cpu") and cols.dtype == torch.long
+    assert torch.equal(cols, tree_index.conv_tree_columns_i32(par, 4, "cpu").long())
+    meta = tree_index.tree_meta(par, "cpu")
+    held = tree_index.cached_tensors()
+    assert any(t is cols for t in held) and any(t is meta for t in held)
+    for n in range(tree_index._CACHE_LIMIT + 1):  # other trees push the cache past its limit
+        tree_index.tree_meta((-1,) + (0,) * (n + 1), "cpu")
+    assert not any(t is meta for t in tree_index.cached_tensors())
+    again = tree_index.tree_meta(par, "cpu")
+    assert again is not meta and torch.equal(again, meta)  # rebuilt; the held one is intact
 
 
 def test_static_path_tree_refusals():

@@ -38,13 +38,10 @@ def _counts(st):
 
 
 def _same_stats(eager, static):
-    """Same acceptance counts. The histograms agree on the depths a step can reach (the static
-    histogram has depth + 1 entries, the eager one K + 1: a K beyond the tree's depth only adds
-    zero entries on the eager side)."""
+    """Same acceptance counts and the same histogram (K + 1 entries on both paths, also when K is
+    beyond the tree's depth)."""
     assert _counts(eager) == _counts(static)
-    n = len(static.accept_histogram)
-    assert eager.accept_histogram[:n] == static.accept_histogram
-    assert sum(eager.accept_histogram[n:]) == 0
+    assert eager.accept_histogram == static.accept_histogram
 
 
 def _state(cache):
@@ -233,16 +230,18 @@ class _HostOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family,strategy", [("nemotron_h", "replay"), ("qwen3_5", "snapshot")])
-def test_static_tree_captured_regions_run_no_host_ops(family, strategy, monkeypatch):
-    """On the Triton backend (the CUDA default; here its interpreter) every tree forward and path
+@pytest.mark.parametrize("family,strategy,backend", [("nemotron_h", "replay", "triton"), ("qwen3_5", "snapshot", "triton"),
+                                                     ("qwen3_5", "ring", "torch"), ("nemotron_h", "snapshot", "torch")])
+def test_static_tree_captured_regions_run_no_host_ops(family, strategy, backend, monkeypatch):
+    """On the Triton backend (the CUDA default; here its interpreter) and on the torch backend
+    (snapshot / ring: torch replay's fold syncs by design) every tree forward and path
     commit after the bucket's first (what the CUDA-graph path captures, after its warm-up) runs
     no host sync and no host-to-device tensor construction (its tree tables are cached on the
     device); the per-step tree acceptance does not sync either."""
     from specdec import engine
     from specdec.static import StaticDecoder
 
-    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
     model = make_model(family, seed=0)
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -264,7 +263,7 @@ def test_static_tree_captured_regions_run_no_host_ops(family, strategy, monkeypa
     sd = specdec.wrap(model, drafter=OracleTree(_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
                       rollback=strategy, num_speculative_tokens=3, decode_path="static")
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0), ref)
-    assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
+    assert all((layer.op.kernels is not None) == (backend == "triton") for layer in sd.last_cache.ssm.values())
     assert seen["forward"] >= 2 and seen["commit"] >= 2 and seen["accept"] >= 2
     assert not recorded["forward"].hits, dict(recorded["forward"].hits)
     assert not recorded["commit"].hits, dict(recorded["commit"].hits)

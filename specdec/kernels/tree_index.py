@@ -54,6 +54,33 @@ def _levels(parents: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], tuple[int,
 
 
 _DEVICE_CACHE: dict = {}
+_CACHE_LIMIT = 256
+
+
+def _cached(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` on a miss; a cache past :data:`_CACHE_LIMIT` entries
+    starts over (a CUDA graph that captured an entry keeps its own reference: see
+    :func:`cached_tensors`)."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = make()
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
+def cached_tensors() -> list:
+    """Every device table the caches of this module hold now. A CUDA graph captured over tree
+    steps reads these tables without owning them; its owner keeps this list, so evicting the
+    caches cannot free memory the graph still reads."""
+    out = []
+    for cache in (_TORCH_COLS_CACHE, _META_CACHE, _COLS_CACHE):
+        out.extend(cache.values())
+    for levels in _DEVICE_CACHE.values():
+        for idx, par in levels:
+            out += [idx, par]
+    return out
 
 
 def tree_levels(parents, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,15 +90,9 @@ def tree_levels(parents, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     i's state, which is how the reference ops lay out their ``[B, T + 1, *S]`` state buffer.
     """
     par = check_parents(parents)
-    key = (par, str(device))
-    hit = _DEVICE_CACHE.get(key)
-    if hit is None:
-        hit = [(torch.tensor(i, dtype=torch.long, device=device), torch.tensor(p, dtype=torch.long, device=device))
-               for i, p in _levels(par)]
-        if len(_DEVICE_CACHE) > 256:
-            _DEVICE_CACHE.clear()
-        _DEVICE_CACHE[key] = hit
-    return hit
+    return _cached(_DEVICE_CACHE, (par, str(device)), lambda: [
+        (torch.tensor(i, dtype=torch.long, device=device), torch.tensor(p, dtype=torch.long, device=device))
+        for i, p in _levels(par)])
 
 
 @lru_cache(maxsize=256)
@@ -92,12 +113,17 @@ def _conv_columns(parents: tuple[int, ...], width: int) -> tuple[tuple[int, ...]
     return tuple(rows)
 
 
+_TORCH_COLS_CACHE: dict = {}
+
+
 def conv_tree_columns(parents, width: int, device) -> torch.Tensor:
     """``[T, W]`` int64: for each token, the conv-window columns of its W conv inputs, oldest
     first (window layout of :mod:`specdec.kernels.conv1d.naive`: history at ``0..W-2``, step
-    token i at ``W-1+i``). For a chain these are the columns a plain causal conv reads."""
+    token i at ``W-1+i``). For a chain these are the columns a plain causal conv reads. Cached
+    per (tree, width, device): no host-to-device copy after the first call (CUDA-graph capture)."""
     par = check_parents(parents)
-    return torch.tensor(_conv_columns(par, int(width)), dtype=torch.long, device=device).reshape(len(par), int(width))
+    return _cached(_TORCH_COLS_CACHE, (par, int(width), str(device)), lambda: torch.tensor(
+        _conv_columns(par, int(width)), dtype=torch.long, device=device).reshape(len(par), int(width)))
 
 
 @lru_cache(maxsize=256)
@@ -122,14 +148,8 @@ def tree_meta(parents, device) -> torch.Tensor:
     when ``parents[j] = -1``): the tokens whose inputs rebuild token j's starting state from the
     step's starting state (replay's tree kernels). Cached per (tree, device)."""
     par = check_parents(parents)
-    key = (par, str(device))
-    hit = _META_CACHE.get(key)
-    if hit is None:
-        hit = torch.tensor(_meta_rows(par), dtype=torch.int32, device=device).reshape(len(par), -1)
-        if len(_META_CACHE) > 256:
-            _META_CACHE.clear()
-        _META_CACHE[key] = hit
-    return hit
+    return _cached(_META_CACHE, (par, str(device)), lambda: torch.tensor(
+        _meta_rows(par), dtype=torch.int32, device=device).reshape(len(par), -1))
 
 
 _COLS_CACHE: dict = {}
@@ -138,11 +158,5 @@ _COLS_CACHE: dict = {}
 def conv_tree_columns_i32(parents, width: int, device) -> torch.Tensor:
     """:func:`conv_tree_columns` as a contiguous int32 tensor, cached per (tree, width, device)."""
     par = check_parents(parents)
-    key = (par, int(width), str(device))
-    hit = _COLS_CACHE.get(key)
-    if hit is None:
-        hit = torch.tensor(_conv_columns(par, int(width)), dtype=torch.int32, device=device).reshape(len(par), int(width))
-        if len(_COLS_CACHE) > 256:
-            _COLS_CACHE.clear()
-        _COLS_CACHE[key] = hit
-    return hit
+    return _cached(_COLS_CACHE, (par, int(width), str(device)), lambda: torch.tensor(
+        _conv_columns(par, int(width)), dtype=torch.int32, device=device).reshape(len(par), int(width)))
