@@ -71,8 +71,8 @@ def graph_safe_experts(model: torch.nn.Module):
     """Inside the block, mixture-of-experts blocks whose experts implementation syncs with the
     host (:func:`_host_syncing_experts`) run transformers' ``"batched_mm"`` experts instead
     (gathers each token's expert weights and multiplies batched: no host sync, so it can be
-    captured; its memory grows with tokens x top-k x expert size, which is small at decode
-    sizes). The model's setting is restored on exit; a captured graph keeps the batched kernels."""
+    captured; its memory grows with tokens x top-k x expert size: small for a chain step's B x
+    (K + 1) tokens, B x N for a draft tree's N nodes, e.g. 64 x batch for Medusa's 64-node tree). The model's setting is restored on exit; a captured graph keeps the batched kernels."""
     configs = _host_syncing_experts(model)
     saved = [cfg._experts_implementation for cfg in configs]
     if configs:
