@@ -37,6 +37,9 @@
 #                                            # static-path tests, the verify step of chain / tree-16 /
 #                                            # tree-64 on the graph path, then their tokens/s on the zoo
 #                                            # target against plain (~9 min)
+#   bash benchmarks/gpu_checklist.sh next5c  # one-warp launch settings for the replay / plain update
+#                                            # (sass_configs.py: 3-8x fewer barriers per token, no
+#                                            # spills) timed against the defaults at batch 64 / 256 (~7 min)
 #
 # Wheels for hydra/omegaconf/fla travel in .whl (see the device README); install them first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -264,8 +267,13 @@ next5b)
         cp /tmp/acc/medusa_$tree/results.jsonl "$OUT/medusa_${tree}_results.jsonl" 2>/dev/null
     done
     ;;
+next5c)
+    step 420 sweep_warps $PY -u benchmarks/sweep_rollback_configs.py --batches 64,256 \
+        --strategies baseline,replay,replay_deferred --configs "def;16,2,5;8,1,5;16,1,5;8,2,5" \
+        --out "$OUT/sweep_one_warp.md"
+    ;;
 *)
-    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g|next5|next5b" >&2
+    echo "usage: $0 part1|part2|part3|part4|x2a|x2b|x2c|next|next2|x4a|x4b|x2d|x2e|x2g|next5|next5b|next5c" >&2
     exit 2
     ;;
 esac

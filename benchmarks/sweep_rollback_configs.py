@@ -43,8 +43,32 @@ CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = the launches b
 KDA_CONFIGS = [(None, None, None), (16, 4, 0), (32, 4, 0), (32, 4, 5), (16, 4, 5), (16, 2, 5), (64, 4, 5)]
 
 
-def configs_for(op):
+def configs_for(op, spec=None):
+    """The configurations swept for ``op``: the hand-picked list, or ``spec`` (see :func:`parse_configs`)."""
+    if spec is not None:
+        return spec
     return KDA_CONFIGS if op == "kda" else CONFIGS["mamba2" if op == "mamba2" else "delta"]
+
+
+def parse_configs(text: str) -> list:
+    """``"def;16,2,5;8,1,5"`` -> ``[(None, None, None), (16, 2, 5), (8, 1, 5)]``: semicolon-separated
+    ``block,num_warps,prefetch`` triples, ``def`` for a default (of ``_launch_config``) anywhere.
+
+    Raises: ValueError for a triple that does not have three fields or has a non-integer field."""
+    out = []
+    for item in text.split(";"):
+        item = item.strip()
+        if item == "def":
+            out.append((None, None, None))
+            continue
+        parts = [x.strip() for x in item.split(",")]
+        if len(parts) != 3:
+            raise ValueError(f"--configs entry {item!r}: expected block,num_warps,prefetch (or def), e.g. 16,2,5")
+        try:
+            out.append(tuple(None if x == "def" else int(x) for x in parts))
+        except ValueError:
+            raise ValueError(f"--configs entry {item!r}: fields must be integers or def") from None
+    return out
 
 
 def tune_dict(op, cfg):
@@ -93,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--configs", default=None,
+                    help="configurations to sweep for every op instead of the hand-picked lists: "
+                         "'def;16,2,5;8,1,5' (block,num_warps,prefetch; def = the default)")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--out", default="sweep_rollback_configs.md")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test (with --tiny)")
@@ -100,6 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precompile-only", action="store_true", help="fill the compile cache and exit")
     ap.add_argument("--no-precompile", action="store_true", help="skip the parallel compile step")
     args = ap.parse_args(argv)
+    try:
+        spec = parse_configs(args.configs) if args.configs else None
+    except ValueError as err:
+        ap.error(str(err))
     ops = args.ops.split(",")
     batches = [int(x) for x in args.batches.split(",")]
     strategies = args.strategies.split(",")
@@ -108,7 +139,7 @@ def main(argv=None) -> int:
     if dev == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # (effective only when set before the kernels are defined: run
         # the smoke test as TRITON_INTERPRET=1 python benchmarks/sweep_rollback_configs.py --device cpu --tiny)
-    tasks = [(op, s, cfg, args.K, dev, args.tiny) for op in ops for s in strategies for cfg in configs_for(op)]
+    tasks = [(op, s, cfg, args.K, dev, args.tiny) for op in ops for s in strategies for cfg in configs_for(op, spec)]
     if not args.no_precompile:
         precompile(tasks, args.workers)
         print(f"precompiled {len(tasks)} variants in {time.time() - t0:.0f}s", flush=True)
@@ -126,7 +157,7 @@ def main(argv=None) -> int:
         for op in ops:
             b = benches[op]
             for s in strategies:
-                for cfg in configs_for(op):
+                for cfg in configs_for(op, spec):
                     b.tune = tune_dict(op, cfg)
                     r = rk.bench_config(b, s, B, args.K, dev, gen, args.reps)
                     r.update(config=cfg_name(cfg), cfg=cfg)

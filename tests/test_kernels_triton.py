@@ -878,6 +878,24 @@ def test_kernels_compile_for_sm90():
     assert "COMPILED" in res.stdout
 
 
+def test_sass_configs_counts_barriers_per_launch_setting():
+    """benchmarks/sass_configs.py compiles the update and fused replay per launch setting for sm_90
+    and counts their SASS: no spills, and a one-warp program reduces without the barriers a
+    four-warp one needs (the lead the next GPU sweep checks)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sass_configs.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, script, "--op", "mamba2", "--configs", "32,4,0;8,1,5"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    rows = [[c.strip() for c in x.split("|")[1:-1]] for x in res.stdout.splitlines() if x.startswith("| mamba2 |")]
+    assert [(r[1], r[2]) for r in rows] == [("update", "32,4,0"), ("replay_fused", "32,4,0"), ("update", "8,1,5"),
+                                            ("replay_fused", "8,1,5")]
+    assert all(int(r[3]) > 0 and r[4] == "0" and int(r[5]) > 100 for r in rows)  # regs, no spills, instructions
+    bar = {(r[1], r[2]): int(r[6]) for r in rows}
+    assert bar[("update", "8,1,5")] < bar[("update", "32,4,0")]
+    assert bar[("replay_fused", "8,1,5")] < bar[("replay_fused", "32,4,0")]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
 @pytest.mark.parametrize("tree", ["default16", "medusa63"])
