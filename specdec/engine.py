@@ -245,8 +245,8 @@ class SpeculativeGenerator:
             engine: one token per forward, the drafter is not called).
         decode_path: ``"auto"`` (default: the static path with CUDA graphs on CUDA when the call
             allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
-            The static path needs greedy or plain sampling without streamer, stopping criteria,
-            repetition penalty, min length or returned scores; forcing it with those raises.
+            The static path needs greedy or plain sampling without stopping criteria, repetition
+            penalty, min length or returned scores; forcing it with those raises.
 
     Raises:
         TypeError: model is not a causal LM, drafter/rollback of the wrong type, K not an int.
@@ -586,7 +586,7 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())  # (TextStreamer(skip_prompt=True) drops it)
         if path != "eager":
             return self._run_static(input_ids, mask, max_new, sampling, eos, pad, generator, opts,
-                                    cuda_graphs=path == "cuda_graph")
+                                    cuda_graphs=path == "cuda_graph", streamer=streamer)
 
         drafter = self.drafter if K > 0 else None  # K = 0: plain decoding, the drafter is not used
         tree = tree_for(drafter, K)  # a draft tree (Medusa): its nodes run in one forward (specdec/tree.py)
@@ -754,8 +754,6 @@ class SpeculativeGenerator:
     def _pick_path(self, dev, streamer, stopping_criteria, opts) -> str:
         """``"eager"``, ``"static"`` or ``"cuda_graph"`` for this call (see ``decode_path``)."""
         blockers = []
-        if streamer is not None:
-            blockers.append("streamer")
         if stopping_criteria is not None:
             blockers.append("stopping_criteria / max_time")
         if opts and opts["processor"] is not None:
@@ -793,13 +791,15 @@ class SpeculativeGenerator:
             return InPlaceUpdate()
         return self.strategy
 
-    def _run_static(self, input_ids, mask, max_new, sampling, eos, pad, generator, opts, cuda_graphs):
+    def _run_static(self, input_ids, mask, max_new, sampling, eos, pad, generator, opts, cuda_graphs, streamer=None):
         """The decode loop with fixed shapes: every step runs T = K + 1 tokens per row (rows with
         fewer drafts carry placeholders that never reach a committed state), acceptance, EOS and
         budget handling, the text buffer and the stats stay on the device; the only host sync per
         step is the check whether every row has finished (merged with the drafter-output checks).
         A tree drafter's step runs the tree's N nodes (:func:`specdec.tree.accept_tree` picks the
-        path, the bucket commits it), so a step commits up to depth + 1 tokens."""
+        path, the bucket commits it), so a step commits up to depth + 1 tokens. A streamer (batch 1)
+        gets each step's committed tokens, one put per token as on the eager path, from the step's
+        one host sync (no extra sync)."""
         from .static import bucket_length
 
         ad = self.adapter
@@ -823,6 +823,8 @@ class SpeculativeGenerator:
         if drafter is not None and drafter.wants_hidden_states:
             drafter.observe(hidden)
         first = self._pick_first(logits.float(), sampling, generator)
+        if streamer is not None:
+            streamer.put(first[:1].cpu())
 
         prompt_len = mask.sum(1)
         pads = Lp - prompt_len
@@ -920,12 +922,20 @@ class SpeculativeGenerator:
             hist.index_add_(0, n, a)
             totals += torch.stack([a.sum(), (k * a).sum(), (n * a).sum()])
             steps += 1
-            flags = torch.cat([finished.all()[None], bad]).tolist()  # the step's one host sync
+            if streamer is None:
+                flags = torch.cat([finished.all()[None], bad]).tolist()  # the step's one host sync
+            else:  # the same sync also brings row 0's committed tokens
+                flags = torch.cat([finished.all()[None].long(), bad.long(), take[:1], new[0]]).tolist()
             if flags[1] or flags[2]:
                 what = (f"num_draft_tokens outside [0, {w}]: {counts.tolist()}" if flags[1] else
                         f"token ids outside the target's vocabulary [0, {V})")
                 raise ValueError(f"drafter returned {what}")
-            done = flags[0]
+            if streamer is not None:
+                for tok in flags[4:4 + flags[3]]:
+                    streamer.put(torch.tensor([tok]))
+            done = bool(flags[0])
+        if streamer is not None:
+            streamer.end()
         times = clock.seconds()
         stats = Stats(accept_histogram=hist.tolist(), decode_path=dec.path)
         row_steps, proposed, accepted = totals.tolist()

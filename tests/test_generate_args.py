@@ -99,6 +99,32 @@ def test_text_streamer_text_equals_decoded_output():
     assert text == "".join(hf_streamer)
 
 
+@pytest.mark.parametrize("kind", ["draft", "tree"])
+def test_static_path_streams_what_the_eager_path_streams(kind):
+    """On the static decode path (the CUDA-graph path minus the graphs) a streamer gets the prompt,
+    then every committed token in its own put, then end(): the same calls as on the eager path and
+    the same tokens as HF's streamer, also when EOS stops the row mid-step."""
+    from tree_drafters import OracleTree, reference_rows
+
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts(batch=1)
+    plain = hf(model, ids, mask)
+    eos = int(plain[0, ids.shape[1] + 7])
+    theirs = Collect()
+    ref = hf(model, ids, mask, eos_token_id=eos, streamer=theirs)
+    got = {}
+    for path in ("eager", "static"):
+        d = OracleTree(reference_rows(ref, ids, mask), VOCAB) if kind == "tree" else drafter("draft")
+        sd = specdec.wrap(model, drafter=d, rollback="ring", num_speculative_tokens=4, decode_path=path)
+        ours = Collect()
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=eos,
+                          streamer=ours)
+        assert torch.equal(out, ref) and ours.ended and sd.last_stats.decode_path == path
+        assert sd.last_stats.mean_accepted_tokens > 1.5  # multi-token steps were streamed
+        got[path] = ours.puts
+    assert got["static"] == got["eager"] == theirs.puts  # one token per put after the prompt, as HF
+
+
 def test_streamer_needs_batch_one():
     ids, mask = ragged_prompts()
     with pytest.raises(ValueError, match="batch size 1"):

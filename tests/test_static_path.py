@@ -365,8 +365,9 @@ def test_streamer_gets_nothing_from_a_rejected_call():
 
     ids = torch.ones(1, 4, dtype=torch.long)
     rec = Recorder()
-    with pytest.raises(ValueError, match="does not support streamer"):
-        specdec.wrap(get_model("qwen3_5"), decode_path="static").generate(ids, max_new_tokens=3, streamer=rec)
+    with pytest.raises(ValueError, match="does not support repetition_penalty"):
+        specdec.wrap(get_model("qwen3_5"), decode_path="static").generate(ids, max_new_tokens=3, streamer=rec,
+                                                                          repetition_penalty=1.2)
     assert rec.calls == []
     specdec.wrap(get_model("qwen3_5")).generate(ids, max_new_tokens=0, streamer=rec)
     assert rec.calls == ["put", "end"]
