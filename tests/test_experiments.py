@@ -245,6 +245,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_processes_serve_consecutive_experiments(tmp_path: Path):
+    """Under a 2-process launch, experiments one after another in one process (a Hydra --multirun
+    sweep) each split and gather through the same process group, and the launch exits cleanly."""
+    script = tmp_path / "jobs.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from specdec.experiments.distributed import Processes\n"
+        "for job in range(3):\n"
+        "    with Processes('cpu') as p:\n"
+        "        got = p.gather([(p.index, job, p.split(list(range(5))))])\n"
+        "        if p.is_main:\n"
+        "            print('JOB', job, got, flush=True)\n"
+    )
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(script)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = [x for x in res.stdout.splitlines() if x.startswith("JOB")]
+    assert jobs == [f"JOB {j} [(0, {j}, [0, 1, 2]), (1, {j}, [3, 4])]" for j in range(3)]
+
+
 def test_two_processes_give_the_records_of_one(tmp_path: Path):
     """accelerate launch with 2 CPU processes: the prompts are split, the records gathered and
     written once; without the timing fields they equal a one-process run's."""

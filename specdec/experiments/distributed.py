@@ -34,6 +34,7 @@ class Processes:
             from accelerate import PartialState
 
             self.state = PartialState(cpu=str(device) == "cpu")
+            _register_exit_hook()
 
     @property
     def index(self) -> int:
@@ -64,16 +65,12 @@ class Processes:
             self.state.wait_for_everyone()
 
     def close(self) -> None:
-        """Wait for every process, then tear the process group down.
-
-        Left to interpreter exit, gloo's worker threads can outlive the group and abort the
-        process ("terminate called without an active exception", seen in CI on a run whose
-        records were all written), so the launch would fail after succeeding.
-        """
+        """Wait for every process. The process group itself stays up for the next experiment of
+        this process (a Hydra ``--multirun`` sweep runs its jobs one after another in one process:
+        accelerate's ``PartialState`` keeps its state, so a group torn down here would not be set
+        up again) and is destroyed once, at interpreter exit (:func:`_destroy_at_exit`)."""
         if self.state is not None:
             self.state.wait_for_everyone()
-            self.state.destroy_process_group()
-            self.state = None
 
     def __enter__(self) -> Processes:
         return self
@@ -81,6 +78,26 @@ class Processes:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        elif self.state is not None:  # a failing process must not wait on a barrier the others never reach
-            self.state.destroy_process_group()
-            self.state = None
+        # a failing process does not wait on a barrier the others may never reach: the launcher
+        # stops the rest when it exits non-zero
+
+
+_EXIT_HOOK: list = []
+
+
+def _destroy_at_exit() -> None:
+    """Tear the default process group down before the interpreter's own teardown: left to it,
+    gloo's worker threads can outlive the group and abort the process ("terminate called without
+    an active exception", seen in CI on a 2-process run whose records were all written)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _register_exit_hook() -> None:
+    if not _EXIT_HOOK:
+        import atexit
+
+        atexit.register(_destroy_at_exit)
+        _EXIT_HOOK.append(True)
