@@ -18,7 +18,7 @@ import torch
 from .drafters import Drafter, make_drafter
 from .models import adapter_for
 from .rollback import RollbackStrategy, make_strategy
-from .tree import accept_tree, tree_for, tree_step
+from .tree import accept_tree, check_tree_nodes, tree_for, tree_step
 from .verify import SamplingConfig, greedy_accept, process_logits, sample_accept
 
 __all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "Stats"]
@@ -956,16 +956,10 @@ class SpeculativeGenerator:
 
     @staticmethod
     def _propose_tree(drafter, text, lengths, spec, bound):
-        """``drafter.propose_tree`` on copies of the engine's buffers (as :meth:`_propose`); its
-        result must be an integer tensor ``[B, N - 1]`` (host-side checks only: no device sync)."""
-        nodes = drafter.propose_tree(text[:, :bound].clone(), lengths.clone(), spec)
-        B, N = text.shape[0], spec.num_nodes
-        if not isinstance(nodes, torch.Tensor) or nodes.shape != (B, N - 1):
-            got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
-            raise ValueError(f"propose_tree must return node tokens [{B}, {N - 1}], got {got}")
-        if nodes.dtype == torch.bool or nodes.dtype.is_floating_point or nodes.dtype.is_complex:
-            raise TypeError(f"propose_tree returned node tokens of dtype {nodes.dtype}; expected an integer dtype (int64)")
-        return nodes
+        """``drafter.propose_tree`` on copies of the engine's buffers (as :meth:`_propose`), checked
+        by :func:`specdec.tree.check_tree_nodes` (host-side only: no device sync)."""
+        return check_tree_nodes(drafter.propose_tree(text[:, :bound].clone(), lengths.clone(), spec), text.shape[0],
+                                spec)
 
     @staticmethod
     def _propose(drafter, text, lengths, K, bound):

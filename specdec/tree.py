@@ -47,7 +47,7 @@ import torch
 from .kernels.conv1d.naive import conv1d_tree_verify
 from .verify import SamplingConfig, process_logits
 
-__all__ = ["ACCEPTANCE_MODES", "MEDUSA_63", "TREE_PRESETS", "TreeSpec", "accept_tree", "commit_path",
+__all__ = ["ACCEPTANCE_MODES", "MEDUSA_63", "TREE_PRESETS", "TreeSpec", "accept_tree", "check_tree_nodes", "commit_path",
            "default_tree_paths", "make_tree", "process_tree", "tree_for", "tree_step", "tree_view"]
 
 #: Medusa's ``mc_sim_7b_63`` (FasterDecoding/Medusa, medusa/model/medusa_choices.py): 63 paths of
@@ -444,6 +444,20 @@ def commit_path(cache, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
 # -------------------------------------------------------------------------------- one step
 
 
+def check_tree_nodes(nodes, batch: int, spec: TreeSpec) -> torch.Tensor:
+    """What ``propose_tree`` returned, checked on the host (no device sync): an integer tensor
+    ``[batch, N - 1]``. The eager and the static decode loops both call it.
+
+    Raises: ValueError for another type or shape; TypeError for a bool / float / complex dtype."""
+    N = spec.num_nodes
+    if not isinstance(nodes, torch.Tensor) or nodes.shape != (batch, N - 1):
+        got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
+        raise ValueError(f"propose_tree must return node tokens [{batch}, {N - 1}], got {got}")
+    if nodes.dtype == torch.bool or nodes.dtype.is_floating_point or nodes.dtype.is_complex:
+        raise TypeError(f"propose_tree returned node tokens of dtype {nodes.dtype}; expected an integer dtype (int64)")
+    return nodes
+
+
 def tree_step(adapter, drafter, cache, spec: TreeSpec, *, text, lengths, n_gen, finished, max_new, sampling,
               generator, proc, emit, warped, timer, stats) -> tuple[int, int]:
     """One speculative step with a draft tree (called by the engine's loop for tree drafters).
@@ -453,16 +467,14 @@ def tree_step(adapter, drafter, cache, spec: TreeSpec, *, text, lengths, n_gen, 
     Updates ``stats`` (steps, proposed = each row's depth limit, accepted, histogram, phase
     times). Returns ``(rows that took part, tokens they committed)`` for the per-row mean.
 
-    Raises: ValueError when the drafter returns node tokens of the wrong shape or outside the vocabulary.
+    Raises: ValueError when the drafter returns node tokens of the wrong shape or outside the
+    vocabulary; TypeError for node tokens of a non-integer dtype.
     """
     dev = text.device
     B = text.shape[0]
     rows = torch.arange(B, device=dev)
     t0 = timer.now()
-    nodes = drafter.propose_tree(text, lengths, spec)
-    if not isinstance(nodes, torch.Tensor) or nodes.shape != (B, spec.num_nodes - 1):
-        got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
-        raise ValueError(f"propose_tree must return node tokens [{B}, {spec.num_nodes - 1}], got {got}")
+    nodes = check_tree_nodes(drafter.propose_tree(text, lengths, spec), B, spec)
     V = adapter.vocab_size
     nodes = nodes.to(dev).long()
     if bool(((nodes < 0) | (nodes >= V)).any()):

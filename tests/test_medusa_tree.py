@@ -549,6 +549,16 @@ def test_static_path_tree_refusals():
     with pytest.raises(ValueError, match=r"token ids outside the target's vocabulary \[0, 96\)"):
         sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
 
+    class FloatNodes(OracleTree):
+        def propose_tree(self, input_ids, lengths, spec):
+            return super().propose_tree(input_ids, lengths, spec).float()
+
+    for path in ("eager", "static"):  # one check (specdec.tree.check_tree_nodes) on both loops
+        sd = specdec.wrap(model, drafter=FloatNodes(_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
+                          num_speculative_tokens=3, decode_path=path)
+        with pytest.raises(TypeError, match=r"dtype torch.float32; expected an integer dtype"):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+
 
 def test_acceptance_experiment_with_a_tree(tmp_path):
     from hydra import compose, initialize_config_dir
