@@ -52,6 +52,7 @@ import itertools
 import torch
 
 import specdec
+from specdec.decoding import StaticDecoder
 from specdec.drafters import OracleDrafter
 
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
@@ -200,7 +201,7 @@ class StepTimer:
         self._patched = set()
 
     def attach(self, sd) -> bool:
-        decs = list(getattr(sd, "_static", {}).values())
+        decs = [sd.decoder] if isinstance(sd.decoder, StaticDecoder) else []
         if not decs:
             return False
         for dec in decs:
@@ -249,7 +250,7 @@ def time_steps(sd, ids, mask, new, repeats) -> dict:
         means.append((stats.wall_s - stats.prefill_s) / max(stats.steps, 1))
     iv = timer.intervals() if hooked else []
     med = statistics.median(iv) if iv else statistics.median(means)
-    dec = next(iter(getattr(sd, "_static", {}).values()), None)
+    dec = sd.decoder
     return {"out": out, "stats": stats, "median_ms": 1e3 * med, "mean_ms": 1e3 * statistics.mean(means),
                 "how": "median of step intervals" if iv else "median over runs of mean step time",
                 "capture_error": getattr(dec, "capture_error", None)}
@@ -283,7 +284,7 @@ def case_c6(model, args, device, report):
     B = 4
     ids, mask = make_prompts(B, args.prompt_len, model.config.vocab_size, device, seed=6)
     # both profiled runs must fall in one static shape bucket (else the second one recaptures)
-    from specdec.static import bucket_length
+    from specdec.graphs import bucket_length
 
     short, long_ = args.c6_new
     extra = args.prompt_len + 2 * (args.K + 1)

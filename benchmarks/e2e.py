@@ -229,7 +229,7 @@ class Recorder:
 
 
 def run_specdec(model, ids, mask, new, K, drafter, strategy, device, repeat, decode_path):
-    from specdec.static import bucket_length
+    from specdec.graphs import bucket_length
 
     sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K, decode_path=decode_path)
     L, T = ids.shape[1], K + 1
@@ -252,7 +252,7 @@ def run_specdec(model, ids, mask, new, K, drafter, strategy, device, repeat, dec
         prefill_s=st.prefill_s, peak_gib=peak_gib(device),
     )
     res["tokens_per_s"] = res["new_tokens"] / res["wall_s"]
-    sd._static.clear()  # free the static buffers and graphs now
+    sd.release()  # free the static buffers and graphs now
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -43,8 +43,8 @@ def main():
     for K in [int(k) for k in args.K.split(",")]:
         sd = specdec.wrap(model, num_speculative_tokens=K, rollback=args.strategy, decode_path="cuda_graph")
         sd.generate(ids, max_new_tokens=16)
-        dec = next(iter(sd._static.values()))
-        if dec._fwd_graph is None:
+        dec = sd.decoder
+        if dec.path != "cuda_graph":
             print(f"K={K}: no graph ({dec.capture_error})")
             continue
         fwd_ms = cuda_median_ms(dec._fwd_graph.replay, repeat=20)

@@ -26,7 +26,7 @@ the strategy's commit). Medians of ``--steps`` timed steps after ``--warmup``, w
     python benchmarks/tree_verify.py --device cpu --tiny --out /tmp/t.md  # CPU smoke test (seconds)
 
 ``--path static`` / ``--path cuda_graph`` time the same step through the engine's fixed-shape
-bucket (:class:`specdec.static.StaticDecoder`, what ``generate()`` runs on CUDA: the tree forward
+bucket (:class:`specdec.decoding.StaticDecoder`, what ``generate()`` runs on CUDA: the tree forward
 and the path commit captured as CUDA graphs), where the eager path's host overhead is gone.
 
 ``--profile FILE`` adds one more step per configuration under ``torch.profiler`` and reports,
@@ -58,8 +58,9 @@ from omegaconf import OmegaConf  # noqa: E402
 from specdec.experiments.models import build_random_shape  # noqa: E402
 from specdec.models import adapter_for  # noqa: E402
 from specdec.rollback import make_strategy  # noqa: E402
-from specdec.static import StaticDecoder, bucket_length  # noqa: E402
-from specdec.tree import commit_path, make_tree, tree_view  # noqa: E402
+from specdec.decoding import EagerDecoder, StaticDecoder  # noqa: E402
+from specdec.graphs import bucket_length  # noqa: E402
+from specdec.tree import make_tree  # noqa: E402
 
 DEPTH = 4
 VARIANTS = ("chain", "chain-torch", "tree-16", "tree-16-torch", "tree-16-loop", "tree-64", "tree-64-torch")
@@ -107,14 +108,6 @@ def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
         triton_step.TREE_UNROLL_MAX = unroll_max
 
 
-def _verify_once(ad, cache, toks, spec):
-    if spec is not None:
-        with tree_view(ad, cache, spec):
-            ad.forward(toks, cache)
-    else:
-        ad.forward(toks, cache)
-
-
 def profile_verify(verify_fn, toks, device):
     """One ``verify_fn(toks)`` under torch.profiler: (summary dict, top-host-ops table text).
 
@@ -147,26 +140,16 @@ def profile_verify(verify_fn, toks, device):
 def _stepper(ad, device, strategy, batch, spec, args, ids, mask, T, saved):
     """(verify(tokens), commit(num_tokens, path), cache) of one configuration on ``args.path``:
     ``eager`` calls the adapter's forward (under the tree view for a tree) and the commit; ``static``
-    / ``cuda_graph`` run the engine's :class:`~specdec.static.StaticDecoder` bucket (graphs captured
+    / ``cuda_graph`` run the engine's :class:`~specdec.decoding.StaticDecoder` bucket (graphs captured
     on load for ``cuda_graph``)."""
     max_len = ids.shape[1] + (args.warmup + args.steps + 1) * (DEPTH + 1) + T + 8
     try:
         if args.path == "eager":
-            cache = ad.new_cache(batch, max_len, T, make_strategy(strategy))
-            ad.prefill(ids, mask, cache)
-
-            def commit(n, path):
-                if path is not None:
-                    commit_path(cache, path, n)
-                else:
-                    cache.commit(n)
-
-            return (lambda toks: _verify_once(ad, cache, toks, spec)), commit, cache
-        dec = StaticDecoder(ad, make_strategy(strategy), batch, T, bucket_length(max_len), args.path == "cuda_graph",
-                            tree=spec)
-        fresh = dec.new_cache()
-        ad.prefill(ids, mask, fresh)
-        dec.load(fresh)  # captures the graphs (cuda_graph)
+            dec = EagerDecoder(ad, make_strategy(strategy), batch, T, max_len, tree=spec)
+        else:
+            dec = StaticDecoder(ad, make_strategy(strategy), batch, T, bucket_length(max_len),
+                                args.path == "cuda_graph", tree=spec)
+        dec.prefill(ids, mask)  # captures the graphs (cuda_graph)
         if args.path == "cuda_graph" and dec.path != "cuda_graph":
             raise RuntimeError(f"CUDA-graph capture failed: {dec.capture_error}")
         return dec.forward, dec.commit, dec.cache

@@ -11,6 +11,17 @@ the accepted tokens: stale columns are masked and later overwritten.
 SSM layers get a :class:`SSMLayerCache` that the model adapters call from the mixer:
 ``conv(...)`` for the causal conv (window of W-1+T_max inputs, commit by offset) and
 ``ssm(...)`` for the recurrence (through the rollback strategy).
+
+Tree steps (:mod:`specdec.tree`: a draft tree of N nodes verified in one forward). The cache has
+an explicit mode, :meth:`HybridCache.set_tree`: while a tree is set, every forward is a tree
+forward. Node j (BFS order, node 0 = the pending token) is written at KV column
+``seq_len + j`` with position ``seq_len - pad + depth(j)``; the attention mask lets it see the
+committed prefix, its ancestors and itself; every SSM layer runs node j's conv over its
+ancestor chain and its recurrence from its *parent's* state (``strategy.tree_verify``; STree,
+Wu et al. 2025, "STree: Speculative Tree Decoding for Hybrid State-Space Models").
+:meth:`HybridCache.commit_path` then moves each row's accepted path to the step's first
+positions (KV columns, conv inputs, per-node SSM data) and commits it exactly as a chain step
+that ran the path's tokens.
 """
 
 from __future__ import annotations
@@ -18,10 +29,39 @@ from __future__ import annotations
 import torch
 
 from .kernels import SSMOp
-from .kernels.conv1d.naive import conv1d_commit, conv1d_verify
+from .kernels.conv1d.naive import conv1d_commit, conv1d_tree_verify, conv1d_verify
 from .rollback import RollbackStrategy
 
 __all__ = ["HybridCache", "SSMLayerCache"]
+
+
+class _ConvOp:
+    """The causal conv of one backend (the torch reference or the Triton kernels)."""
+
+    def __init__(self, triton: bool):
+        self.triton = triton
+
+    def verify(self, window, x, weight, bias, activation, offset):
+        if self.triton:
+            from .kernels.conv1d.triton_conv import conv1d_verify_triton
+
+            return conv1d_verify_triton(window, x, weight, bias, activation, offset=offset)
+        return conv1d_verify(window, x, weight, bias, activation, offset=offset)
+
+    def tree_verify(self, window, x, weight, bias, activation, parents):
+        if self.triton:
+            from .kernels.conv1d.triton_conv import conv1d_tree_verify_triton
+
+            return conv1d_tree_verify_triton(window, x, weight, bias, activation, parents)
+        return conv1d_tree_verify(window, x, weight, bias, activation, parents)
+
+    def commit(self, window, num_tokens, width):
+        if self.triton:
+            from .kernels.conv1d.triton_conv import conv1d_commit_triton
+
+            conv1d_commit_triton(window, num_tokens, width)
+        else:
+            conv1d_commit(window, num_tokens, width)
 
 
 class SSMLayerCache:
@@ -35,6 +75,7 @@ class SSMLayerCache:
 
     def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int):
         self.op = op
+        self.conv_op = _ConvOp(op.kernels is not None)
         self.strategy = strategy
         self.layer = layer
         self.max_step_tokens = max_step_tokens
@@ -44,6 +85,9 @@ class SSMLayerCache:
         self.params: dict = {}
         self.step_tokens = 0  # tokens of the open step run through conv (same for the SSM store)
         self.has_recurrence = True
+        #: the tree of the cache's tree mode (``parents``, ``parents[j] < j``, -1 = the committed
+        #: state), or None for chain steps; set by :meth:`HybridCache.set_tree`
+        self.tree_parents: tuple[int, ...] | None = None
 
     # --- loading ---------------------------------------------------------------------------
     def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None, conv_width: int) -> None:
@@ -70,32 +114,43 @@ class SSMLayerCache:
 
     # --- called by adapters during a forward --------------------------------------------------
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-        """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]``."""
-        if self.op.kernels is not None:  # the Triton backend: fused multi-token conv update
-            from .kernels.conv1d.triton_conv import conv1d_verify_triton
-
-            return conv1d_verify_triton(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
-        return conv1d_verify(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
+        """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]`` (in tree
+        mode each node's window is its ancestor chain)."""
+        if self.tree_parents is not None:
+            return self.conv_op.tree_verify(self.conv_window, x, weight, bias, activation, self.tree_parents)
+        return self.conv_op.verify(self.conv_window, x, weight, bias, activation, self.step_tokens)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
-        """Run the recurrence on this step's ``inputs`` through the rollback strategy."""
+        """Run the recurrence on this step's ``inputs`` through the rollback strategy (in tree mode,
+        each node from its parent's state: ``strategy.tree_verify``)."""
         if not self.has_recurrence:
             raise RuntimeError(f"layer {self.layer} is conv-only: it has no recurrence")
         self.params = params
+        if self.tree_parents is not None:
+            return self.strategy.tree_verify(self.store, self.op, inputs, params, self.tree_parents)
         return self.strategy.verify(self.store, self.op, inputs, params)
 
     def advance(self, t: int) -> None:
         self.step_tokens += t
 
     # --- commit / inspection ---------------------------------------------------------------
+    def compact_path(self, src: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """After a tree forward: move each row's accepted path (``src [B, P]`` int64, the tree
+        index of the path's i-th token, the identity past ``num_tokens``) to the step's first
+        positions: conv inputs to window columns ``W-1+i``, SSM data through the strategy's
+        ``compact_path``. A following :meth:`commit` then commits the path as a chain."""
+        win = self.conv_window
+        if win is not None:
+            B, P = src.shape
+            h = self.conv_width - 1
+            moved = win.gather(2, (h + src)[:, None, :].expand(B, win.shape[1], P))  # all reads before writes
+            win[:, :, h : h + P] = moved
+        if self.has_recurrence:
+            self.strategy.compact_path(self.store, self.op, self.params, src, num_tokens)
+
     def commit(self, num_tokens: torch.Tensor) -> None:
         if self.conv_window is not None:
-            if self.op.kernels is not None:
-                from .kernels.conv1d.triton_conv import conv1d_commit_triton
-
-                conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
-            else:
-                conv1d_commit(self.conv_window, num_tokens, self.conv_width)
+            self.conv_op.commit(self.conv_window, num_tokens, self.conv_width)
         if self.has_recurrence:
             self.strategy.commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
@@ -141,7 +196,8 @@ class HybridCache:
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.step_tokens = 0
-        self._t = 0  # tokens of the forward in flight
+        #: the draft tree of the cache's tree mode (:meth:`set_tree`), or None for chain steps
+        self.tree = None
 
     # --- attention KV ----------------------------------------------------------------------
     def _buffers(self, layer_idx: int, like: torch.Tensor):
@@ -176,16 +232,57 @@ class HybridCache:
         return int(self.seq_len.max()) + self.step_tokens + t
 
     def attention_mask(self, t: int, dtype) -> torch.Tensor:
-        """Additive mask ``[B, 1, t, end]``: step token j of row b sees ``pad[b] <= c <= seq_len[b] + offset + j``."""
+        """Additive mask ``[B, 1, t, end]``: step token j of row b sees ``pad[b] <= c <= seq_len[b] + offset + j``;
+        in tree mode node j sees the committed columns and the columns of its ancestors and itself."""
         end = self.kv_end(t)
         cols = torch.arange(end, device=self.device)[None, None, :]
+        if self.tree is not None:
+            return self._tree_mask(t, end, dtype)
         last = (self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :])[:, :, None]
         visible = (cols >= self.pad[:, None, None]) & (cols <= last)
         mask = torch.zeros(self.batch, 1, t, end, dtype=dtype, device=self.device)
         return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
+    def _tree_mask(self, t: int, end: int, dtype) -> torch.Tensor:
+        spec = self.tree
+        if t != spec.num_nodes or self.step_tokens:
+            raise ValueError(f"a tree forward runs all {spec.num_nodes} nodes at once as the step's only forward, "
+                             f"got {t} tokens after {self.step_tokens}")
+        dev = self.device
+        cols = torch.arange(end, device=dev)[None, :]
+        committed = (cols >= self.pad[:, None]) & (cols < self.seq_len[:, None])  # [B, end]
+        vis = committed[:, None, :].expand(self.batch, t, end).clone()
+        step_cols = (self.seq_len[:, None] + torch.arange(t, device=dev)[None, :])[:, None, :].expand(self.batch, t, t)
+        vis.scatter_(2, step_cols, spec.tensors(dev)["ancestors"][None].expand(self.batch, t, t))
+        mask = torch.zeros(self.batch, 1, t, end, dtype=dtype, device=dev)
+        return mask.masked_fill_(~vis[:, None], torch.finfo(dtype).min)
+
+    def sliding_mask(self, t: int, window: int, dtype) -> torch.Tensor:
+        """Additive ``[B, 1, t, end]`` mask of a sliding-window layer: the causal (or tree) mask, and a
+        query at logical column ``q`` (``seq_len + offset + j``; a tree node: ``seq_len + depth``)
+        sees only columns whose logical column is ``> q - window`` (transformers' sliding overlay;
+        a tree column's logical column is its node's)."""
+        mask = self.attention_mask(t, dtype)
+        end = mask.shape[-1]
+        dev = self.device
+        cols = torch.arange(end, device=dev)[None, :]
+        if self.tree is None:
+            q = self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=dev)[None, :]  # [B, t]
+            logical = cols.expand(self.batch, end)
+        else:
+            depth = self.tree.tensors(dev)["depth"]
+            rel = cols - self.seq_len[:, None]  # [B, end]
+            in_step = (rel >= 0) & (rel < t)
+            logical = torch.where(in_step, self.seq_len[:, None] + depth[rel.clamp(0, t - 1)], cols)
+            q = self.seq_len[:, None] + depth[None, :]  # [B, N]
+        too_old = logical[:, None, :] <= (q - window)[:, :, None]
+        return mask.masked_fill(too_old[:, None], torch.finfo(dtype).min)
+
     def position_ids(self, t: int) -> torch.Tensor:
-        """``[B, t]`` positions of the step tokens (column minus left padding)."""
+        """``[B, t]`` positions of the step tokens (column minus left padding; a tree node: the
+        committed length plus its depth)."""
+        if self.tree is not None:
+            return (self.seq_len - self.pad)[:, None] + self.tree.tensors(self.device)["depth"][None, :t]
         return self.seq_len[:, None] - self.pad[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :]
 
     # --- HF Cache API bits that model code may query -------------------------------------------
@@ -196,6 +293,50 @@ class HybridCache:
         return True
 
     # --- step bookkeeping ------------------------------------------------------------------
+    def set_tree(self, tree) -> None:
+        """Enter tree mode for ``tree`` (a :class:`~specdec.tree.TreeSpec`): every following forward
+        runs the tree's N nodes as its step's only forward (tree attention mask and positions, each
+        SSM node from its parent's state) and steps are committed with :meth:`commit_path`.
+        ``None`` returns to chain steps.
+
+        Raises: ValueError when a step is open."""
+        if self.step_tokens:
+            raise ValueError(f"set_tree needs no open step; this step already ran {self.step_tokens} tokens")
+        self.tree = tree
+        for layer in self.ssm.values():
+            layer.tree_parents = None if tree is None else tuple(tree.parents)
+
+    def commit_path(self, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Commit each row's accepted path of the open tree step.
+
+        Moves the path's attention keys/values to consecutive KV columns ``seq_len + i``, its conv
+        inputs to window columns ``W-1+i`` and its SSM data to the strategy's step positions
+        (:meth:`SSMLayerCache.compact_path`), then commits ``num_tokens`` exactly as a chain step
+        that ran the path's tokens (:meth:`commit`).
+
+        Args:
+            path: ``[B, P]`` int64 tree node indices of each row's path (``path[:, 0] = 0``).
+            num_tokens: ``[B]`` int64 in ``[0, P]``: the path's first tokens to keep.
+
+        Raises: ValueError outside tree mode.
+        """
+        if self.tree is None:
+            raise ValueError("commit_path is for tree steps (set_tree); a chain step commits with commit()")
+        B, P = path.shape
+        dev = path.device
+        i = torch.arange(P, device=dev)[None, :]
+        src = torch.where(i < num_tokens[:, None], path, i)  # identity past the kept tokens
+        rows = torch.arange(B, device=dev)[:, None]
+        for layer in self.ssm.values():
+            layer.compact_path(src, num_tokens)
+        dst_cols = self.seq_len[:, None] + i
+        src_cols = self.seq_len[:, None] + src
+        for kbuf, vbuf in self.kv.values():
+            for buf in (kbuf, vbuf):
+                view = buf.permute(0, 2, 1, 3)  # [B, L, H, D]
+                view[rows, dst_cols] = view[rows, src_cols]
+        self.commit(num_tokens)
+
     def set_step_tokens(self, t: int) -> None:
         """Set the host-side count of open-step tokens on the cache, every layer and store, without
         running anything: after a CUDA-graph replay of a forward (``t`` = its tokens), or to

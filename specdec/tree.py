@@ -1,4 +1,4 @@
-"""Tree drafting and tree verification through attention KV *and* SSM state.
+"""Draft trees: their shape, presets and parsing (pure data; no tensors of a model).
 
 A draft *tree* (Medusa, Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
 with Multiple Decoding Heads") holds several candidate continuations that share prefixes. It is
@@ -6,49 +6,27 @@ given in Medusa's format: a list of paths, each a sequence of top-k ranks, one p
 ``[1, 0]`` is the node whose token is head 0's second-best token followed by head 1's best
 token; every path's prefix must be in the tree. Node 0 (the root) is the pending token.
 
-One tree step (the chain step of DESIGN.md, generalised):
+One tree step (the chain step, generalised; the decode loop is :mod:`specdec.engine`):
 
-1. The drafter gives each node a token (:meth:`MedusaDrafter.propose_tree`).
-2. The target runs all N nodes in ONE forward. Node j sits at KV column ``seq_len + j`` (BFS
-   order), has position ``seq_len - pad + depth(j)`` and, through the tree attention mask, sees
-   the committed prefix plus its own ancestors. SSM layers (STree, Wu et al. 2025, "STree:
-   Speculative Tree Decoding for Hybrid State-Space Models") start each node from its
-   *parent's* state, and each node's conv window is its ancestor chain
-   (:mod:`specdec.kernels.tree_index`); the rollback strategy keeps per-node states (snapshot,
-   ring) or per-node replay inputs (replay).
-3. Acceptance picks the deepest node whose path the target accepts (:func:`accept_tree`).
-4. Commit: the accepted path's KV columns, conv inputs and per-node SSM data move to the step's
-   first positions (:func:`commit_path`), then the cache commits them exactly as a chain
-   (state := the state after the last accepted node).
-
-Acceptance: greedy (the path whose tokens equal the target's argmax along it; the output equals
-plain greedy decoding), lossless sampling (sample the target at each node and follow the child
-holding the sampled token: with deterministic top-k candidates this is SpecInfer's
-multi-candidate rejection sampling, Miao et al. 2024, and keeps the target's distribution
-exactly), or Medusa's *typical acceptance* (``acceptance="typical"``: a candidate is accepted
-when its target probability exceeds ``min(posterior_threshold, posterior_alpha * exp(-H))``;
-NOT distribution-preserving, faster on weak drafters).
-
-Backends: the tree's SSM verify and conv run on the layer's backend. On the Triton backend
-(CUDA by default) each strategy's ``tree_verify`` calls the step kernels with ``parents=`` (one
-launch per layer walking the nodes in order, each from its parent's state) and the conv runs
-:func:`~specdec.kernels.conv1d.triton_conv.conv1d_tree_verify_triton`; on the torch backend the
-reference ops process the tree one depth level at a time (a tree of depth D costs D + 1
-batched recurrence updates). Commit uses each backend's own kernels.
+1. The drafter gives each node a token (:meth:`Drafter.propose_tree
+   <specdec.drafters.Drafter.propose_tree>`).
+2. The target runs all N nodes in ONE forward, with the cache in tree mode
+   (:meth:`HybridCache.set_tree <specdec.cache.HybridCache.set_tree>`): node j sits at KV
+   column ``seq_len + j`` (BFS order) with position ``seq_len - pad + depth(j)`` and sees the
+   committed prefix plus its own ancestors; SSM layers start each node from its *parent's*
+   state and run its conv over its ancestor chain (the rollback strategy keeps per-node states
+   or per-node replay inputs; :mod:`specdec.kernels.tree_index` builds the kernels' tables).
+3. Acceptance picks the deepest node whose path the target accepts
+   (:func:`specdec.verify.accept_tree`: greedy, lossless sampling, or Medusa's typical acceptance).
+4. Commit: :meth:`HybridCache.commit_path <specdec.cache.HybridCache.commit_path>` moves the
+   accepted path to the step's first positions and commits it exactly as a chain.
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 
-from .kernels.conv1d.naive import conv1d_tree_verify
-from .verify import SamplingConfig, process_logits
-
-__all__ = ["ACCEPTANCE_MODES", "MEDUSA_63", "TREE_PRESETS", "TreeSpec", "accept_tree", "check_tree_nodes", "commit_path",
-           "default_tree_paths", "make_tree", "process_tree", "tree_for", "tree_step", "tree_view"]
+__all__ = ["DEFAULT_TREE_NODES", "MEDUSA_63", "TREE_PRESETS", "TreeSpec", "default_tree_paths", "make_tree", "tree_for"]
 
 #: Medusa's ``mc_sim_7b_63`` (FasterDecoding/Medusa, medusa/model/medusa_choices.py): 63 paths of
 #: depth <= 4 with top-10 ranks, built greedily from Vicuna-7B head accuracies; listed in the
@@ -63,8 +41,8 @@ MEDUSA_63 = (
 )
 #: nodes of the ``"default"`` tree, the root included
 DEFAULT_TREE_NODES = 16
+#: preset names :func:`make_tree` takes (``"mc_sim_7b_63"``, Medusa's own name, also names ``"medusa-63"``)
 TREE_PRESETS = ("default", "medusa-63")
-ACCEPTANCE_MODES = ("exact", "typical")
 
 
 def default_tree_paths(depth: int, nodes: int = DEFAULT_TREE_NODES) -> list[tuple[int, ...]]:
@@ -241,275 +219,9 @@ def make_tree(tree, num_heads: int, vocab_size: int | None = None) -> TreeSpec:
 def tree_for(drafter, num_speculative_tokens: int) -> TreeSpec | None:
     """The tree a drafter drafts for this K (its ``tree`` attribute, depth-limited to K), or None
     for chain drafting."""
-    spec = getattr(drafter, "tree", None) if drafter is not None else None
+    spec = drafter.tree if drafter is not None else None
     if spec is None or num_speculative_tokens < 1:
         return None
     if not isinstance(spec, TreeSpec):
         raise TypeError(f"drafter.tree must be a specdec.tree.TreeSpec or None, got {type(spec).__name__}")
     return spec.for_depth(num_speculative_tokens)
-
-
-# ----------------------------------------------------------------------------------- verify
-
-
-def _attention_mask(cache, spec: TreeSpec, t: int, dtype) -> torch.Tensor:
-    """Additive ``[B, 1, N, end]``: node j sees columns ``pad <= c < seq_len`` and the columns of
-    its ancestors and itself (``seq_len + a``)."""
-    if t != spec.num_nodes:
-        raise ValueError(f"a tree forward runs all {spec.num_nodes} nodes at once, got {t} tokens")
-    dev = cache.device
-    end = cache.kv_end(t)
-    cols = torch.arange(end, device=dev)[None, :]
-    committed = (cols >= cache.pad[:, None]) & (cols < cache.seq_len[:, None])  # [B, end]
-    vis = committed[:, None, :].expand(cache.batch, t, end).clone()
-    step_cols = (cache.seq_len[:, None] + torch.arange(t, device=dev)[None, :])[:, None, :].expand(cache.batch, t, t)
-    vis.scatter_(2, step_cols, spec.tensors(dev)["ancestors"][None].expand(cache.batch, t, t))
-    mask = torch.zeros(cache.batch, 1, t, end, dtype=dtype, device=dev)
-    return mask.masked_fill_(~vis[:, None], torch.finfo(dtype).min)
-
-
-def _sliding_mask(cache, spec: TreeSpec, t: int, window: int, dtype) -> torch.Tensor:
-    """The tree mask of a sliding-window layer: a node at depth d has the query column
-    ``seq_len + d``; it sees only columns whose *logical* column (an ancestor's: ``seq_len +
-    its depth``) is greater than that minus ``window``."""
-    mask = _attention_mask(cache, spec, t, dtype)
-    dev = cache.device
-    end = mask.shape[-1]
-    depth = spec.tensors(dev)["depth"]
-    cols = torch.arange(end, device=dev)[None, :]
-    rel = cols - cache.seq_len[:, None]  # [B, end]
-    in_step = (rel >= 0) & (rel < t)
-    logical = torch.where(in_step, cache.seq_len[:, None] + depth[rel.clamp(0, t - 1)], cols)
-    q = cache.seq_len[:, None] + depth[None, :]  # [B, N]
-    too_old = logical[:, None, :] <= (q - window)[:, :, None]
-    return mask.masked_fill(too_old[:, None], torch.finfo(dtype).min)
-
-
-@contextlib.contextmanager
-def tree_view(adapter, cache, spec: TreeSpec):
-    """For one forward of the tree's N nodes through ``adapter.forward(tokens [B, N], cache)``:
-    the cache's attention mask and positions become the tree's, and every SSM layer runs its conv
-    and recurrence per node from the node's parent (``strategy.tree_verify``).
-
-    Raises: ValueError when the step already ran tokens (a tree step is the step's only forward)."""
-    if cache.step_tokens:
-        raise ValueError(f"a tree step must be the step's only forward; this step already ran {cache.step_tokens} tokens")
-    parents = spec.parents
-    patched_cache = ("attention_mask", "position_ids")
-    cache.attention_mask = lambda t, dtype: _attention_mask(cache, spec, t, dtype)
-    cache.position_ids = lambda t: (cache.seq_len - cache.pad)[:, None] + spec.tensors(cache.device)["depth"][None, :t]
-    adapter.sliding_mask = types.MethodType(
-        lambda self, c, t, window: _sliding_mask(c, spec, t, window, self.dtype), adapter)
-
-    def conv(layer, x, weight, bias, activation):
-        if layer.op.kernels is not None:  # the Triton backend: one launch, each token over its ancestor chain
-            from .kernels.conv1d.triton_conv import conv1d_tree_verify_triton
-
-            return conv1d_tree_verify_triton(layer.conv_window, x, weight, bias, activation, parents)
-        return conv1d_tree_verify(layer.conv_window, x, weight, bias, activation, parents)
-
-    def ssm(layer, inputs, params):
-        if not layer.has_recurrence:
-            raise RuntimeError(f"layer {layer.layer} is conv-only: it has no recurrence")
-        layer.params = params
-        return layer.strategy.tree_verify(layer.store, layer.op, inputs, params, parents)
-
-    layers = list(cache.ssm.values())
-    try:
-        for layer in layers:
-            layer.conv = types.MethodType(conv, layer)
-            layer.ssm = types.MethodType(ssm, layer)
-        yield
-    finally:
-        for name in patched_cache:
-            cache.__dict__.pop(name, None)
-        adapter.__dict__.pop("sliding_mask", None)
-        for layer in layers:
-            layer.__dict__.pop("conv", None)
-            layer.__dict__.pop("ssm", None)
-
-
-# ------------------------------------------------------------------------------- acceptance
-
-
-def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, spec: TreeSpec, limit: torch.Tensor,
-                sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
-                acceptance: str = "exact", posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
-    """Pick the accepted path of each row.
-
-    Args:
-        logits: ``[B, N, V]`` target logits of the tree's nodes (logits j predict the token after node j).
-        tokens: ``[B, N]`` int64 node tokens (node 0: the pending token).
-        spec: the tree. limit: ``[B]`` int64, the deepest node a row may accept (budget; 0 = none).
-        sampling: None (greedy) or the sampling settings. generator: for reproducible sampling.
-        acceptance: ``"exact"`` (greedy, or lossless sampling: sample the target at every node,
-            follow the child holding the sampled token) or ``"typical"`` (Medusa's typical
-            acceptance; not distribution-preserving).
-        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta: a node is
-            accepted when its parent's target probability of its token exceeds
-            ``min(posterior_threshold, posterior_alpha * exp(-entropy))``.
-
-    Returns:
-        ``(best [B], num_accepted [B], next_token [B])``: the deepest accepted node (ties, possible
-        only with typical acceptance: the path of highest target likelihood), its depth, and the
-        correction/bonus token drawn at it.
-    """
-    B, N, V = logits.shape
-    dev = logits.device
-    tt = spec.tensors(dev)
-    depth = tt["depth"]
-    rows = torch.arange(B, device=dev)
-    score = torch.zeros(B, N, device=dev)  # path log-likelihood (typical acceptance's tie-break)
-    ok = torch.zeros(B, N, dtype=torch.bool, device=dev)
-    ok[:, 0] = True
-    if acceptance == "typical":
-        probs = process_logits(logits, sampling) if sampling is not None else torch.softmax(logits.float(), -1)
-        entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
-        thr = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
-        for d, (idx, par) in enumerate(tt["levels"], start=1):
-            p_tok = probs[:, par].gather(2, tokens[:, idx, None])[..., 0]  # [B, n]
-            ok[:, idx] = ok[:, par] & (p_tok > thr[:, par]) & (limit >= d)[:, None]
-            score[:, idx] = score[:, par] + torch.log(p_tok.clamp(min=1e-30))
-    else:
-        if sampling is None:
-            target = logits.argmax(-1)  # [B, N]
-        else:
-            p = process_logits(logits, sampling)
-            target = torch.multinomial(p.reshape(B * N, V), 1, generator=generator).reshape(B, N)
-        for d, (idx, par) in enumerate(tt["levels"], start=1):
-            ok[:, idx] = ok[:, par] & (tokens[:, idx] == target[:, par]) & (limit >= d)[:, None]
-    deepest = torch.where(ok, depth[None, :], torch.full_like(depth[None, :], -1)).max(1).values
-    cand = ok & (depth[None, :] == deepest[:, None])
-    best = torch.where(cand, score, torch.full_like(score, float("-inf"))).argmax(1)
-    n = depth[best]
-    if acceptance != "typical":
-        return best, n, target[rows, best]
-    if sampling is None:
-        return best, n, logits[rows, best].argmax(-1)
-    # Medusa's typical sampling of the next token: the target's (processed) distribution without
-    # the tokens below the threshold (never empty for posterior_alpha <= 1: exp(-H) <= max p)
-    p_best = probs[rows, best]
-    p_best = p_best.masked_fill(p_best < thr[rows, best][:, None], 0.0)
-    return best, n, torch.multinomial(p_best, 1, generator=generator)[:, 0]
-
-
-def process_tree(proc, logits: torch.Tensor, tokens: torch.Tensor, n_gen: torch.Tensor, spec: TreeSpec):
-    """The engine's target logits processor (repetition penalty, min length) on a tree: each node
-    is processed with its own prefix (its ancestors' tokens), by running ``proc`` along every
-    root-to-leaf path (a node's result depends on its ancestors only, so shared nodes agree)."""
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for path in spec.tensors(logits.device)["leaves"]:
-        out[:, path] = proc(logits[:, path], tokens[:, path], n_gen)
-    return out
-
-
-# ----------------------------------------------------------------------------------- commit
-
-
-def commit_path(cache, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
-    """Commit each row's accepted path of the open tree step.
-
-    Moves the accepted nodes' attention keys/values to consecutive KV columns ``seq_len + i``,
-    their conv inputs to conv-window step columns ``W-1+i`` and their SSM data to the strategy's
-    step positions (``strategy.compact_path``), then runs ``cache.commit(num_tokens)``: the
-    result is exactly a chain step that ran the path's tokens.
-
-    Args:
-        cache: the :class:`~specdec.cache.HybridCache` after a tree forward.
-        path: ``[B, P]`` int64 tree node indices of each row's path (``path[:, 0] = 0``).
-        num_tokens: ``[B]`` int64 in ``[0, P]``: the path's first tokens to keep.
-    """
-    B, P = path.shape
-    dev = path.device
-    i = torch.arange(P, device=dev)[None, :]
-    src = torch.where(i < num_tokens[:, None], path, i)  # identity past the kept tokens
-    rows = torch.arange(B, device=dev)[:, None]
-    for layer in cache.ssm.values():
-        win = layer.conv_window
-        if win is not None:
-            h = layer.conv_width - 1
-            moved = win.gather(2, (h + src)[:, None, :].expand(B, win.shape[1], P))  # all reads before writes
-            win[:, :, h : h + P] = moved
-        if layer.has_recurrence:
-            layer.strategy.compact_path(layer.store, layer.op, layer.params, src, num_tokens)
-    dst_cols = cache.seq_len[:, None] + i
-    src_cols = cache.seq_len[:, None] + src
-    for kbuf, vbuf in cache.kv.values():
-        for buf in (kbuf, vbuf):
-            view = buf.permute(0, 2, 1, 3)  # [B, L, H, D]
-            view[rows, dst_cols] = view[rows, src_cols]
-    cache.commit(num_tokens)
-
-
-# -------------------------------------------------------------------------------- one step
-
-
-def check_tree_nodes(nodes, batch: int, spec: TreeSpec) -> torch.Tensor:
-    """What ``propose_tree`` returned, checked on the host (no device sync): an integer tensor
-    ``[batch, N - 1]``. The eager and the static decode loops both call it.
-
-    Raises: ValueError for another type or shape; TypeError for a bool / float / complex dtype."""
-    N = spec.num_nodes
-    if not isinstance(nodes, torch.Tensor) or nodes.shape != (batch, N - 1):
-        got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
-        raise ValueError(f"propose_tree must return node tokens [{batch}, {N - 1}], got {got}")
-    if nodes.dtype == torch.bool or nodes.dtype.is_floating_point or nodes.dtype.is_complex:
-        raise TypeError(f"propose_tree returned node tokens of dtype {nodes.dtype}; expected an integer dtype (int64)")
-    return nodes
-
-
-def tree_step(adapter, drafter, cache, spec: TreeSpec, *, text, lengths, n_gen, finished, max_new, sampling,
-              generator, proc, emit, warped, timer, stats) -> tuple[int, int]:
-    """One speculative step with a draft tree (called by the engine's loop for tree drafters).
-
-    ``text``, ``lengths``, ``n_gen``, ``finished``: the engine's per-row state; ``emit`` /
-    ``warped`` / ``timer`` / ``proc``: its token sink, score warping, clock and logits processor.
-    Updates ``stats`` (steps, proposed = each row's depth limit, accepted, histogram, phase
-    times). Returns ``(rows that took part, tokens they committed)`` for the per-row mean.
-
-    Raises: ValueError when the drafter returns node tokens of the wrong shape or outside the
-    vocabulary; TypeError for node tokens of a non-integer dtype.
-    """
-    dev = text.device
-    B = text.shape[0]
-    rows = torch.arange(B, device=dev)
-    t0 = timer.now()
-    nodes = check_tree_nodes(drafter.propose_tree(text, lengths, spec), B, spec)
-    V = adapter.vocab_size
-    nodes = nodes.to(dev).long()
-    if bool(((nodes < 0) | (nodes >= V)).any()):
-        raise ValueError(f"drafter proposed token ids outside the target's vocabulary [0, {V})")
-    t1 = timer.now()
-    limit = (max_new - n_gen - 1).clamp(min=0, max=spec.max_depth).masked_fill(finished, 0)
-    tokens = torch.cat([text[rows, lengths - 1][:, None], nodes], dim=1)  # [B, N]: pending token, then nodes
-    with tree_view(adapter, cache, spec):
-        logits, hidden = adapter.forward(tokens, cache)
-    raw = logits
-    if proc is not None:
-        logits = process_tree(proc, logits, tokens, n_gen, spec)
-    best, n, c = accept_tree(
-        logits, tokens, spec, limit, sampling, generator, getattr(drafter, "acceptance", "exact"),
-        getattr(drafter, "posterior_threshold", 0.09), getattr(drafter, "posterior_alpha", 0.3),
-    )
-    active = ~finished
-    path = spec.tensors(dev)["path_of"][best]  # [B, D+1], -1 past the accepted depth
-    i = torch.arange(path.shape[1], device=dev)[None, :]
-    path = torch.where(i <= n[:, None], path, i)
-    new = torch.cat([tokens.gather(1, path)[:, 1:], c[:, None]], dim=1)
-    new[rows, n] = c
-    taken = emit(new, n + 1, warped(logits[rows[:, None], path]), raw[rows[:, None], path])
-    t2 = timer.now()
-    commit_path(cache, path, torch.minimum(taken, n + 1))
-    if drafter.wants_hidden_states:  # hidden state of the node whose logits gave c
-        drafter.observe(hidden[rows, best])
-    t3 = timer.now()
-    stats.steps += 1
-    na = n[active]
-    stats.proposed_tokens += int(limit[active].sum())
-    stats.accepted_tokens += int(na.sum())
-    for v in na.tolist():
-        stats.accept_histogram[v] += 1
-    stats.draft_s += t1 - t0
-    stats.verify_s += t2 - t1
-    stats.rollback_s += t3 - t2
-    return int(active.sum()), int((na + 1).sum())

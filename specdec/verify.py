@@ -14,6 +14,15 @@ probability ``min(1, p(d_j) / q(d_j))``; at the first rejection sample ``c`` fro
 ``norm(max(p - q, 0))``; after k acceptances sample the bonus ``c`` from p. A drafter without
 probabilities (n-gram, custom) proposes deterministically, i.e. q is one-hot at d_j. The
 output distribution equals sampling from the target alone.
+
+Trees (:mod:`specdec.tree`): :func:`accept_tree` picks each row's deepest accepted node of a
+draft tree verified in one forward — greedy (the path whose tokens equal the target's argmax
+along it: the output equals plain greedy decoding), lossless sampling (sample the target at
+each node and follow the child holding the sample; with deterministic top-k candidates this is
+SpecInfer's multi-candidate rejection sampling, Miao et al. 2024), or Medusa's *typical
+acceptance* (Cai et al. 2024; ``acceptance="typical"``: a candidate is accepted when its target
+probability exceeds ``min(posterior_threshold, posterior_alpha * exp(-H))``; NOT
+distribution-preserving).
 """
 
 from __future__ import annotations
@@ -22,7 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingConfig", "greedy_accept", "sample_accept", "process_logits"]
+__all__ = ["ACCEPTANCE_MODES", "POSTERIOR_ALPHA", "POSTERIOR_THRESHOLD", "SamplingConfig", "accept_tree",
+           "greedy_accept", "process_logits", "sample_accept"]
+
+#: tree acceptance modes: ``"exact"`` (greedy / lossless sampling) or Medusa's ``"typical"``
+ACCEPTANCE_MODES = ("exact", "typical")
+#: Medusa's typical-acceptance defaults (epsilon and delta of the threshold min(eps, delta * exp(-H)))
+POSTERIOR_THRESHOLD = 0.09
+POSTERIOR_ALPHA = 0.3
 
 
 @dataclass
@@ -150,3 +166,65 @@ def sample_accept(
         target = torch.where(rejected[:, None], resid, target)
     next_token = torch.multinomial(target, 1, generator=generator)[:, 0]
     return n, next_token
+
+
+def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, spec, limit: torch.Tensor,
+                sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                acceptance: str = "exact", posterior_threshold: float = POSTERIOR_THRESHOLD,
+                posterior_alpha: float = POSTERIOR_ALPHA):
+    """Pick the accepted path of each row.
+
+    Args:
+        logits: ``[B, N, V]`` target logits of the tree's nodes (logits j predict the token after node j).
+        tokens: ``[B, N]`` int64 node tokens (node 0: the pending token).
+        spec: the tree (:class:`~specdec.tree.TreeSpec`). limit: ``[B]`` int64, the deepest node a row may accept (budget; 0 = none).
+        sampling: None (greedy) or the sampling settings. generator: for reproducible sampling.
+        acceptance: ``"exact"`` (greedy, or lossless sampling: sample the target at every node,
+            follow the child holding the sampled token) or ``"typical"`` (Medusa's typical
+            acceptance; not distribution-preserving).
+        posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta: a node is
+            accepted when its parent's target probability of its token exceeds
+            ``min(posterior_threshold, posterior_alpha * exp(-entropy))``.
+
+    Returns:
+        ``(best [B], num_accepted [B], next_token [B])``: the deepest accepted node (ties, possible
+        only with typical acceptance: the path of highest target likelihood), its depth, and the
+        correction/bonus token drawn at it.
+    """
+    B, N, V = logits.shape
+    dev = logits.device
+    tt = spec.tensors(dev)
+    depth = tt["depth"]
+    rows = torch.arange(B, device=dev)
+    score = torch.zeros(B, N, device=dev)  # path log-likelihood (typical acceptance's tie-break)
+    ok = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    ok[:, 0] = True
+    if acceptance == "typical":
+        probs = process_logits(logits, sampling) if sampling is not None else torch.softmax(logits.float(), -1)
+        entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+        thr = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
+        for d, (idx, par) in enumerate(tt["levels"], start=1):
+            p_tok = probs[:, par].gather(2, tokens[:, idx, None])[..., 0]  # [B, n]
+            ok[:, idx] = ok[:, par] & (p_tok > thr[:, par]) & (limit >= d)[:, None]
+            score[:, idx] = score[:, par] + torch.log(p_tok.clamp(min=1e-30))
+    else:
+        if sampling is None:
+            target = logits.argmax(-1)  # [B, N]
+        else:
+            p = process_logits(logits, sampling)
+            target = torch.multinomial(p.reshape(B * N, V), 1, generator=generator).reshape(B, N)
+        for d, (idx, par) in enumerate(tt["levels"], start=1):
+            ok[:, idx] = ok[:, par] & (tokens[:, idx] == target[:, par]) & (limit >= d)[:, None]
+    deepest = torch.where(ok, depth[None, :], torch.full_like(depth[None, :], -1)).max(1).values
+    cand = ok & (depth[None, :] == deepest[:, None])
+    best = torch.where(cand, score, torch.full_like(score, float("-inf"))).argmax(1)
+    n = depth[best]
+    if acceptance != "typical":
+        return best, n, target[rows, best]
+    if sampling is None:
+        return best, n, logits[rows, best].argmax(-1)
+    # Medusa's typical sampling of the next token: the target's (processed) distribution without
+    # the tokens below the threshold (never empty for posterior_alpha <= 1: exp(-H) <= max p)
+    p_best = probs[rows, best]
+    p_best = p_best.masked_fill(p_best < thr[rows, best][:, None], 0.0)
+    return best, n, torch.multinomial(p_best, 1, generator=generator)[:, 0]

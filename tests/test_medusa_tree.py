@@ -30,7 +30,8 @@ from specdec.experiments.train_medusa import (  # noqa: E402
 from specdec.kernels import OPS  # noqa: E402
 from specdec.kernels.conv1d.naive import conv1d_tree_verify, conv1d_verify  # noqa: E402
 from specdec.rollback import make_strategy  # noqa: E402
-from specdec.tree import MEDUSA_63, accept_tree, default_tree_paths, make_tree  # noqa: E402
+from specdec.tree import MEDUSA_63, default_tree_paths, make_tree  # noqa: E402
+from specdec.verify import accept_tree  # noqa: E402
 
 FAMILIES = ("qwen3_5", "nemotron_h")
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
@@ -341,7 +342,7 @@ def test_oracle_tree_with_repetition_penalty_and_min_length():
 def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     """On the Triton backend (here its CPU interpreter) tree steps run the Triton tree kernels --
     the torch tree references raise if called -- and the output stays exact."""
-    import specdec.tree as tree_mod
+    import specdec.cache as conv_reference  # where the conv op finds its torch reference
     from specdec.kernels import GDNOp, Mamba2Op
 
     def torch_tree_path(*args, **kwargs):
@@ -350,7 +351,7 @@ def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     monkeypatch.setattr(Mamba2Op, "tree_verify", torch_tree_path)
     monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)  # KDA inherits it
-    monkeypatch.setattr(tree_mod, "conv1d_tree_verify", torch_tree_path)
+    monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
     model = make_model(family, seed=0)
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -480,7 +481,7 @@ def test_static_path_tree_sampling_matches_eager():
 
 def test_static_path_tree_on_the_triton_backend(monkeypatch):
     """The static path's tree steps run the Triton tree kernels (interpreter here), exactly."""
-    import specdec.tree as tree_mod
+    import specdec.cache as conv_reference  # where the conv op finds its torch reference
     from specdec.kernels import GDNOp
 
     def torch_tree_path(*args, **kwargs):
@@ -488,7 +489,7 @@ def test_static_path_tree_on_the_triton_backend(monkeypatch):
 
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)
-    monkeypatch.setattr(tree_mod, "conv1d_tree_verify", torch_tree_path)
+    monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
     model = make_model("qwen3_5", seed=0)
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)

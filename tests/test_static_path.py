@@ -392,7 +392,7 @@ def test_graph_safe_experts_switches_syncing_moe_and_restores():
     """Kimi-Linear's MoE experts (transformers' grouped_mm on fp32 weights: its fallback copies
     the offsets to the host, which a CUDA graph cannot capture) run as batched_mm inside
     graph_safe_experts, with the same logits; the model's setting comes back afterwards."""
-    from specdec.static import _host_syncing_experts, graph_safe_experts
+    from specdec.graphs import _host_syncing_experts, graph_safe_experts
 
     model = get_model("kimi_linear")
     impl = model.config._experts_implementation

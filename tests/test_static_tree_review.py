@@ -239,7 +239,7 @@ def test_static_tree_captured_regions_run_no_host_ops(family, strategy, backend,
     no host sync and no host-to-device tensor construction (its tree tables are cached on the
     device); the per-step tree acceptance does not sync either."""
     from specdec import engine
-    from specdec.static import StaticDecoder
+    from specdec.decoding import StaticDecoder
 
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     model = make_model(family, seed=0)

@@ -6,7 +6,9 @@ import abc
 
 import torch
 
-__all__ = ["Drafter"]
+from ..verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
+
+__all__ = ["Drafter", "check_proposal", "check_tree_proposal", "proposal_errors"]
 
 
 class Drafter(abc.ABC):
@@ -16,10 +18,25 @@ class Drafter(abc.ABC):
     (before the first proposal) and reads :meth:`draft_probs` after each proposal when sampling.
 
     Tree drafting (:mod:`specdec.tree`): a drafter whose ``tree`` attribute is a
-    :class:`specdec.tree.TreeSpec` is asked instead for ``propose_tree(input_ids, lengths, tree)
-    -> [B, N-1]`` int64, the tokens of the tree's nodes 1..N-1 (``tree`` depth-limited to K);
-    the target verifies the whole tree in one forward (see :class:`MedusaDrafter`).
+    :class:`specdec.tree.TreeSpec` is asked instead for :meth:`propose_tree`, the tokens of the
+    tree's nodes; the target verifies the whole tree in one forward (see :class:`MedusaDrafter`)
+    and accepts a path as ``acceptance`` says.
     """
+
+    #: the draft tree (a :class:`specdec.tree.TreeSpec`) for tree drafting, or None for chains
+    tree = None
+    #: how a tree's path is accepted (:func:`specdec.verify.accept_tree`): ``"exact"`` (greedy /
+    #: lossless sampling) or ``"typical"`` (Medusa's typical acceptance, not distribution-preserving)
+    acceptance: str = "exact"
+    #: typical acceptance's epsilon and delta (threshold ``min(eps, delta * exp(-entropy))``)
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
+
+    def propose_tree(self, input_ids: torch.Tensor, lengths: torch.Tensor, tree) -> torch.Tensor:
+        """With ``tree`` set: the tokens of the tree's nodes 1..N-1, ``[B, N-1]`` int64 (node 0 is
+        the pending token), for ``tree`` depth-limited to K. ``input_ids`` / ``lengths`` as in
+        :meth:`propose`."""
+        raise TypeError(f"{type(self).__name__} sets a draft tree but does not define propose_tree()")
 
     @abc.abstractmethod
     def propose(self, input_ids: torch.Tensor, lengths: torch.Tensor, num_speculative_tokens: int):
@@ -68,3 +85,60 @@ class Drafter(abc.ABC):
     def vocab_size(self) -> int | None:
         """The drafter's vocabulary size when it has one (checked against the target's)."""
         return None
+
+
+def check_proposal(out, batch: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :meth:`Drafter.propose` returned, checked on the host (types and shapes: no device sync).
+
+    Returns ``(draft_tokens [B, w], num_draft_tokens [B])`` as given (``w <= K``); their values
+    are checked on the device by :func:`proposal_errors`.
+
+    Raises:
+        TypeError: not a pair of tensors, or a tensor of a non-integer dtype.
+        ValueError: a shape other than ``[B, <= K]`` / ``[B]``.
+    """
+    K = num_speculative_tokens
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError("Drafter.propose must return a pair (draft_tokens LongTensor [B, K], num_draft_tokens "
+                        f"LongTensor [B]), got {type(out).__name__}")
+    drafts, counts = out
+    for name, t in (("draft_tokens", drafts), ("num_draft_tokens", counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"Drafter.propose returned {name} of type {type(t).__name__}; expected an integer tensor")
+        if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+            raise TypeError(f"Drafter.propose returned {name} of dtype {t.dtype}; expected an integer dtype (int64)")
+    if drafts.dim() != 2 or drafts.shape[0] != batch:
+        raise ValueError(f"drafter returned draft_tokens of shape {tuple(drafts.shape)}; expected [{batch}, {K}]")
+    if drafts.shape[1] > K:
+        raise ValueError(f"drafter returned {drafts.shape[1]} draft tokens per row; at most num_speculative_tokens={K}")
+    if counts.shape != (batch,):
+        raise ValueError(f"drafter returned num_draft_tokens of shape {tuple(counts.shape)}; expected [{batch}]")
+    return drafts, counts
+
+
+def check_tree_proposal(nodes, batch: int, tree) -> torch.Tensor:
+    """What :meth:`Drafter.propose_tree` returned, checked on the host (no device sync): an integer
+    tensor ``[batch, N - 1]``; its values are checked on the device by :func:`proposal_errors`.
+
+    Raises: ValueError for another type or shape; TypeError for a bool / float / complex dtype."""
+    N = tree.num_nodes
+    if not isinstance(nodes, torch.Tensor) or nodes.shape != (batch, N - 1):
+        got = tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__
+        raise ValueError(f"propose_tree must return node tokens [{batch}, {N - 1}], got {got}")
+    if nodes.dtype == torch.bool or nodes.dtype.is_floating_point or nodes.dtype.is_complex:
+        raise TypeError(f"propose_tree returned node tokens of dtype {nodes.dtype}; expected an integer dtype (int64)")
+    return nodes
+
+
+def proposal_errors(tokens: torch.Tensor, used: torch.Tensor, vocab_size: int, counts: torch.Tensor | None = None,
+                    width: int = 0) -> torch.Tensor:
+    """Device-side value checks of a proposal, without a host sync: ``[2]`` bool, (counts outside
+    ``[0, width]``, a used token outside ``[0, vocab_size)``).
+
+    Args: tokens ``[B, w]`` int64 on the device; used ``[B, w]`` bool, the entries the step uses;
+    counts ``[B]`` (chains) or None (trees); width: the drafts' column count ``w``.
+    """
+    bad_count = ((counts < 0) | (counts > width)).any() if counts is not None else torch.zeros(
+        (), dtype=torch.bool, device=tokens.device)
+    bad_token = (((tokens < 0) | (tokens >= vocab_size)) & used).any()
+    return torch.stack([bad_count, bad_token])

@@ -25,9 +25,12 @@ shape bucket.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
+from ..fusion import fused, fusion_enabled
+from ..graphs import CaptureFailure, bucket_length, capture, graph_safe_experts
 from ..models import adapter_for
 from ..rollback import make_strategy
 from ..verify import process_logits
@@ -55,6 +58,8 @@ class DraftModelDrafter(Drafter):
         self._static = None  # _StaticDraft of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
+        #: why the proposal's CUDA-graph capture failed (its error), or None
+        self.capture_error: str | None = None
         self._reset()
 
     def set_decode_path(self, path: str) -> None:
@@ -179,8 +184,6 @@ class DraftModelDrafter(Drafter):
 
     # --- static / CUDA-graph path -----------------------------------------------------------
     def _propose_static(self, input_ids, lengths, K):
-        from ..static import bucket_length
-
         B, W = input_ids.shape
         dev = input_ids.device
         width = bucket_length(max(self.max_length or 0, W))
@@ -215,9 +218,6 @@ class DraftModelDrafter(Drafter):
             elif self._path == "cuda_graph" and self._calls >= 2 and not st.capture_failed:
                 self._capture(st, K)
             else:
-                from ..fusion import fused, fusion_enabled
-                from ..static import graph_safe_experts
-
                 graphs = self._path == "cuda_graph"
                 with fused(self.model, graphs and fusion_enabled()), (
                         graph_safe_experts(self.model) if graphs else contextlib.nullcontext()):
@@ -254,25 +254,19 @@ class DraftModelDrafter(Drafter):
         self._chain(st, K)
 
     def _capture(self, st, K):
-        import warnings
-
-        from ..fusion import fused, fusion_enabled
-        from ..static import graph_safe_experts
-
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with fused(self.model, fusion_enabled()), graph_safe_experts(self.model), torch.cuda.graph(graph):
-                self._body(st, K)
-        except Exception as err:  # noqa: BLE001 -- any capture failure: keep the static path, eagerly
+        try:  # the previous call ran the body eagerly: it was the warm-up
+            st.graph, _ = capture(lambda: self._body(st, K), model=self.model, what="the draft model's proposal",
+                                  warmup=0)
+        except CaptureFailure as err:  # keep the static path, eagerly
             st.capture_failed = True
-            warnings.warn(f"draft model: CUDA-graph capture failed ({type(err).__name__}: {err}); its proposals run "
-                          "the static path eagerly", RuntimeWarning, stacklevel=3)
+            self.capture_error = err.reason
+            warnings.warn(f"draft model: {err}; its proposals run the static path eagerly", RuntimeWarning,
+                          stacklevel=3)
             st.cache.set_step_tokens(max(K - 1, 0))
             self._body(st, K)
             self.last_path = "static"
             return
-        st.graph = graph
-        graph.replay()  # capturing does not run the work: run this call's proposal
+        st.graph.replay()  # capturing does not run the work: run this call's proposal
         self.last_path = "cuda_graph"
 
     def __repr__(self):

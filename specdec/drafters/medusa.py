@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..verify import process_logits
+from ..tree import TreeSpec, make_tree
+from ..verify import ACCEPTANCE_MODES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, process_logits
 from .base import Drafter
 
 __all__ = ["MedusaHeads", "MedusaDrafter", "ResBlock"]
@@ -354,10 +355,8 @@ class MedusaDrafter(Drafter):
 
     wants_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, tree=None, *, acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
-        from ..tree import ACCEPTANCE_MODES, TreeSpec, make_tree
-
+    def __init__(self, heads: MedusaHeads, tree=None, *, acceptance: str = "exact",
+                 posterior_threshold: float = POSTERIOR_THRESHOLD, posterior_alpha: float = POSTERIOR_ALPHA):
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"MedusaDrafter needs specdec.drafters.MedusaHeads, got {type(heads).__name__}; load them "
                             "with MedusaHeads.from_pretrained(path, target=model)")

@@ -53,7 +53,7 @@ class AttentionOnlyAdapter(FamilyAdapter):
         if "full_attention" in self._types:
             masks["full_attention"] = cache.attention_mask(t, self.dtype)
         if "sliding_attention" in self._types:
-            masks["sliding_attention"] = self.sliding_mask(cache, t, int(self._window))
+            masks["sliding_attention"] = cache.sliding_mask(t, int(self._window), self.dtype)
         if len(masks) == 1:
             return next(iter(masks.values()))
         return masks

@@ -152,16 +152,6 @@ class HybridAdapter:
         """What the body takes as ``attention_mask`` for ``t`` step tokens."""
         return self.attention_mask_arg(cache.attention_mask(t, self.dtype))
 
-    def sliding_mask(self, cache: HybridCache, t: int, window: int) -> torch.Tensor:
-        """Additive ``[B, 1, t, end]`` mask of a sliding-window layer: as the causal mask, and a step
-        token at column ``q`` sees only columns ``c > q - window`` (transformers' sliding overlay)."""
-        mask = cache.attention_mask(t, self.dtype)
-        end = mask.shape[-1]
-        cols = torch.arange(end, device=cache.device)[None, None, :]
-        q = (cache.seq_len[:, None] + cache.step_tokens + torch.arange(t, device=cache.device)[None, :])[:, :, None]
-        too_old = cols <= q - window
-        return mask.masked_fill(too_old[:, None], torch.finfo(self.dtype).min)
-
     # --- body calls ---------------------------------------------------------------------------
     def _cache_keyword(self) -> str:
         """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers 5.24

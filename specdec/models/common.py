@@ -10,7 +10,7 @@ The hooks by which the Hugging Face families differ *outside* their SSM mixer li
   Zamba2's hybrid layers with the shared attention block): prefill loads every state a layer
   of HF's ``DynamicCache`` holds, not one or the other;
 * the LM head (:meth:`logits`: Falcon-H1's ``lm_head_multiplier``, Granite's ``logits_scaling``);
-* sliding-window attention layers (:meth:`sliding_mask`).
+* sliding-window attention layers (their mask: :meth:`HybridCache.sliding_mask <specdec.cache.HybridCache.sliding_mask>`).
 
 The mixers themselves stay in the family modules and call the shared ops through
 ``layer.conv`` / ``layer.ssm``.

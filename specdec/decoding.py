@@ -1,0 +1,242 @@
+"""Decoders: how the target's steps run. One interface, two implementations.
+
+The decode loop (:meth:`specdec.engine.SpeculativeGenerator.generate`) drives a
+:class:`Decoder` the same way for chains and trees: ``prefill`` the prompts, then per step
+``forward`` the step's tokens and ``commit`` each row's kept tokens (a tree step: its accepted
+path). What differs is how shapes and host work are handled:
+
+* :class:`EagerDecoder` (``decode_path="eager"``): dynamic shapes. A cache sized for the call;
+  each chain step runs ``1 + max(k)`` tokens (the longest row's drafts: one host sync), and the
+  cache checks every commit on the host.
+* :class:`StaticDecoder` (``"static"`` / ``"cuda_graph"``): fixed shapes for one bucket (batch B,
+  step tokens T, KV columns ``max_len``). Every step runs T tokens (rows with fewer drafts carry
+  placeholders that never reach a committed state), the cache is in static mode (every forward
+  reads all ``max_len`` KV columns, commit runs no host-side checks) and, on CUDA, the verify
+  forward and the commit are CUDA graphs captured once (:func:`specdec.graphs.capture`) and
+  replayed every step. Later calls of the same bucket prefill into a fresh cache and copy it
+  into the static buffers (:meth:`HybridCache.copy_from`), so the graphs stay valid.
+
+With a draft tree (:class:`~specdec.tree.TreeSpec`) the cache is in tree mode
+(:meth:`HybridCache.set_tree`): every forward runs the tree's N nodes and ``commit`` takes each
+row's accepted path.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+
+import torch
+
+from .cache import HybridCache
+from .graphs import CaptureFailure, bucket_length, capture
+from .rollback import RollbackStrategy
+
+__all__ = ["Decoder", "EagerDecoder", "StaticDecoder"]
+
+
+class Decoder(abc.ABC):
+    """The target's steps for one batch shape.
+
+    Attributes:
+        cache: the :class:`~specdec.cache.HybridCache` of the last :meth:`prefill`.
+        tree: the draft tree every step verifies, or None (chains).
+        step_tokens: the most tokens one forward runs (T = K + 1, or the tree's node count N).
+        path: ``"eager"``, ``"static"`` or ``"cuda_graph"``: how the steps run.
+        capture_error: why CUDA graphs were asked for but not used (the capture's error), or None.
+    """
+
+    def __init__(self, adapter, strategy: RollbackStrategy, batch: int, step_tokens: int, tree=None):
+        if tree is not None and tree.num_nodes != step_tokens:
+            raise ValueError(f"a tree decoder's step_tokens must be the tree's node count {tree.num_nodes}, "
+                             f"got {step_tokens}")
+        self.adapter = adapter
+        self.strategy = strategy
+        self.batch = batch
+        self.step_tokens = step_tokens
+        self.tree = tree
+        self.cache: HybridCache | None = None
+        self.capture_error: str | None = None
+
+    @property
+    @abc.abstractmethod
+    def path(self) -> str: ...
+
+    @abc.abstractmethod
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state;
+        returns ``(logits [B, V], hidden [B, D])`` at each row's last prompt token."""
+
+    def width(self, num_drafts: torch.Tensor) -> int:
+        """Tokens the next forward runs when row b verifies ``num_drafts[b]`` drafts (``[B]`` int64
+        on the device): the fixed ``step_tokens`` (static shapes, trees), or fewer."""
+        return self.step_tokens
+
+    @abc.abstractmethod
+    def forward(self, tokens: torch.Tensor):
+        """Verify forward of ``tokens [B, t]`` (``t = width(...)``; a tree: its N node tokens);
+        returns ``(logits [B, t, V], hidden [B, t, D])``."""
+
+    @abc.abstractmethod
+    def commit(self, num_tokens: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """Keep ``num_tokens [B]`` (int64, on the device, ``<= t``) tokens of the open step per row;
+        a tree step keeps the first ``num_tokens`` nodes of each row's ``path [B, depth + 1]`` (int64
+        node indices, ``path[:, 0] = 0``; :meth:`HybridCache.commit_path`).
+
+        Raises: ValueError when a tree step gets no path or a chain step gets one."""
+
+    def _check_path(self, path) -> None:
+        if (path is None) != (self.tree is None):
+            raise ValueError("a tree step commits a path: pass path=[B, depth + 1]" if self.tree is not None
+                             else "path= is for tree steps; this decoder verifies chains")
+
+    def _commit(self, num_tokens: torch.Tensor, path: torch.Tensor | None) -> None:
+        if self.tree is None:
+            self.cache.commit(num_tokens)
+        else:
+            self.cache.commit_path(path, num_tokens)
+
+
+class EagerDecoder(Decoder):
+    """Dynamic shapes: a cache per ``generate()`` call of ``max_len`` KV columns; chain steps run
+    ``1 + max(k)`` tokens.
+
+    Args:
+        adapter: the target's :class:`~specdec.models.HybridAdapter`. strategy: rollback strategy.
+        batch: B. step_tokens: the most tokens of one forward. max_len: KV columns.
+        tree: a draft tree whose ``num_nodes`` is ``step_tokens``, or None.
+    """
+
+    def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, tree=None):
+        super().__init__(adapter, strategy, batch, step_tokens, tree)
+        self.max_len = max_len
+
+    @property
+    def path(self) -> str:
+        return "eager"
+
+    def prefill(self, input_ids, attention_mask):
+        self.cache = self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy)
+        out = self.adapter.prefill(input_ids, attention_mask, self.cache)
+        self.cache.set_tree(self.tree)
+        return out
+
+    def width(self, num_drafts):
+        return self.step_tokens if self.tree is not None else 1 + int(num_drafts.max())
+
+    def forward(self, tokens):
+        return self.adapter.forward(tokens, self.cache)
+
+    def commit(self, num_tokens, path=None):
+        self._check_path(path)
+        self._commit(num_tokens, path)
+
+
+class StaticDecoder(Decoder):
+    """Static cache + (optionally) CUDA graphs of the verify forward and the commit.
+
+    Args:
+        adapter: the target's :class:`~specdec.models.HybridAdapter`. strategy: rollback strategy.
+        batch, step_tokens, max_len: the bucket (B, T, KV columns).
+        cuda_graphs: capture and replay CUDA graphs (CUDA only); else run the same static calls eagerly.
+        fuse: while capturing, run the model's norms/MLPs and our SSM input preparation through
+            ``torch.compile`` (:mod:`specdec.fusion`; default: ``SPECDEC_FUSE``, on).
+        tree: a draft tree (:class:`~specdec.tree.TreeSpec`) whose ``num_nodes`` is
+            ``step_tokens``: every forward verifies the tree, every commit takes a path.
+
+    Raises: ValueError when ``tree`` does not have ``step_tokens`` nodes.
+    """
+
+    def __init__(self, adapter, strategy, batch: int, step_tokens: int, max_len: int, cuda_graphs: bool,
+                 fuse: bool | None = None, tree=None):
+        super().__init__(adapter, strategy, batch, step_tokens, tree)
+        self.max_len = max_len
+        self.cuda_graphs = bool(cuda_graphs)
+        self.fuse = fuse
+        self._fwd_graph = self._commit_graph = None
+
+    @classmethod
+    def bucket(cls, adapter, strategy, batch: int, step_tokens: int, needed_len: int, cuda_graphs: bool, tree=None):
+        """The decoder of the bucket holding ``needed_len`` KV columns (rounded up by
+        :func:`~specdec.graphs.bucket_length`, so nearby lengths share one set of graphs)."""
+        return cls(adapter, strategy, batch, step_tokens, bucket_length(needed_len), cuda_graphs, tree=tree)
+
+    @property
+    def key(self) -> tuple:
+        return self.batch, self.step_tokens, self.max_len, self.cuda_graphs, self.tree
+
+    def new_cache(self) -> HybridCache:
+        """A fresh cache of this bucket, for the prefill."""
+        return self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy, static=True)
+
+    @property
+    def path(self) -> str:
+        return "cuda_graph" if self._fwd_graph is not None else "static"
+
+    def prefill(self, input_ids, attention_mask):
+        fresh = self.new_cache()
+        out = self.adapter.prefill(input_ids, attention_mask, fresh)
+        self.load(fresh)
+        return out
+
+    def load(self, fresh: HybridCache) -> None:
+        """Make ``fresh`` (just prefilled) the committed state: adopt it on first use (and capture
+        the graphs), else copy it into the buffers the graphs point at."""
+        if self.cache is None:
+            self.cache = fresh
+            self.cache.set_tree(self.tree)
+            if self.cuda_graphs:
+                self._capture()
+        else:
+            self.cache.copy_from(fresh)
+
+    def _capture(self) -> None:
+        c, B, T = self.cache, self.batch, self.step_tokens
+        dev = c.device
+        self._ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self._num = torch.zeros(B, dtype=torch.long, device=dev)
+        # a tree's accepted path; all zeros with zero tokens moves nothing (commit_path keeps the identity)
+        self._path = None if self.tree is None else torch.zeros(B, self.tree.max_depth + 1, dtype=torch.long, device=dev)
+        model = self.adapter.model
+
+        def warm():  # compiles the kernels, allocates lazy buffers (replay history, tree tables)
+            self.adapter.forward(self._ids, c)
+            self._commit(self._num, self._path)  # zero tokens: no committed state changes
+
+        try:
+            fwd, (self._logits, self._hidden) = capture(lambda: self.adapter.forward(self._ids, c), model=model,
+                                                        what="the verify forward", warmup_fn=warm, fuse=self.fuse)
+            com, _ = capture(lambda: self._commit(self._num, self._path), model=model, what="the commit", warmup=0,
+                             fuse=self.fuse, pool=fwd.pool())
+        except CaptureFailure as err:
+            self.capture_error = err.reason
+            warnings.warn(f"{err}; decoding runs the static path without graphs (slower: one kernel launch per op)",
+                          RuntimeWarning, stacklevel=4)
+            self._fwd_graph = self._commit_graph = None
+        else:
+            self._fwd_graph, self._commit_graph = fwd, com
+            if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
+                from .kernels import tree_index
+
+                self._tables = tree_index.cached_tensors()
+        c.set_step_tokens(0)
+
+    def forward(self, tokens):
+        """With graphs, the outputs are the static tensors, valid until the next call."""
+        if self._fwd_graph is None:
+            return self.adapter.forward(tokens, self.cache)
+        self._ids.copy_(tokens)
+        self._fwd_graph.replay()
+        self.cache.set_step_tokens(self.step_tokens)
+        return self._logits, self._hidden
+
+    def commit(self, num_tokens, path=None):
+        self._check_path(path)
+        if self._commit_graph is None:
+            self._commit(num_tokens, path)
+            return
+        self._num.copy_(num_tokens)
+        if path is not None:
+            self._path.copy_(path)
+        self._commit_graph.replay()
+        self.cache.set_step_tokens(0)

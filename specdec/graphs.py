@@ -1,0 +1,127 @@
+"""CUDA graphs: capture with PyTorch's recipe, shape buckets, and what blocks a capture.
+
+Both graph-captured programs of the project — the target's verify forward and commit
+(:class:`specdec.decoding.StaticDecoder`) and the draft model's proposal
+(:class:`specdec.drafters.DraftModelDrafter`) — capture through :func:`capture`, so a failure is
+handled and reported one way: the caller keeps running the same static program without graphs
+and records :class:`CaptureFailure`'s reason, which ``generate()`` reports in
+``Stats.capture_error`` (and warns once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from .fusion import fused, fusion_enabled
+
+__all__ = ["CaptureFailure", "bucket_length", "capture", "graph_safe_experts"]
+
+
+def bucket_length(n: int, multiple: int = 256) -> int:
+    """KV columns for ``n`` needed ones, rounded up so nearby lengths share one CUDA graph."""
+    return -(-n // multiple) * multiple
+
+
+def _grouped_mm_is_graph_safe(weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs its CUDA kernel on these weights: bf16 on sm90 / sm100
+    only; elsewhere (other dtypes, other GPUs, CPU) PyTorch's fallback copies the group offsets
+    to the host, which a CUDA graph cannot capture."""
+    if weight.dtype != torch.bfloat16 or not weight.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(weight.device)[0] in (9, 10)
+
+
+def _host_syncing_experts(model: torch.nn.Module) -> list:
+    """Configs of the model's mixture-of-experts blocks whose experts implementation syncs with
+    the host, so it cannot be captured: transformers' ``"eager"`` experts (``nonzero`` to find the
+    hit experts) and ``"grouped_mm"`` where :func:`_grouped_mm_is_graph_safe` says no."""
+    configs = {}
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        impl = getattr(cfg, "_experts_implementation", None)
+        weight = getattr(mod, "gate_up_proj", None)
+        if weight is None:
+            weight = getattr(mod, "up_proj", None)
+        if impl is None or not hasattr(mod, "has_gate") or not isinstance(weight, torch.Tensor):
+            continue  # not a transformers experts module (``@use_experts_implementation``)
+        if impl == "eager" or (impl == "grouped_mm" and not _grouped_mm_is_graph_safe(weight)):
+            configs[id(cfg)] = cfg
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def graph_safe_experts(model: torch.nn.Module):
+    """Inside the block, mixture-of-experts blocks whose experts implementation syncs with the
+    host (:func:`_host_syncing_experts`) run transformers' ``"batched_mm"`` experts instead
+    (gathers each token's expert weights and multiplies batched: no host sync, so it can be
+    captured; its memory grows with tokens x top-k x expert size: small for a chain step's B x
+    (K + 1) tokens, B x N for a draft tree's N nodes, e.g. 64 x batch for Medusa's 64-node tree).
+    The model's setting is restored on exit; a captured graph keeps the batched kernels."""
+    configs = _host_syncing_experts(model)
+    saved = [cfg._experts_implementation for cfg in configs]
+    if configs:
+        warnings.warn(
+            f"the model's experts implementation ({', '.join(sorted(set(saved)))}) syncs with the host for these "
+            "weights (dtype / GPU); the CUDA graph is captured with transformers' 'batched_mm' experts instead",
+            RuntimeWarning, stacklevel=4,
+        )
+    try:
+        for cfg in configs:
+            cfg._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for cfg, impl in zip(configs, saved, strict=True):
+            cfg._experts_implementation = impl
+
+
+class CaptureFailure(RuntimeError):
+    """A CUDA-graph capture failed; ``reason`` is the original error as ``"Type: message"``."""
+
+    def __init__(self, what: str, err: BaseException):
+        self.reason = f"{type(err).__name__}: {err}"
+        super().__init__(f"CUDA-graph capture of {what} failed ({self.reason})")
+
+
+def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn=None, fuse: bool | None = None,
+            pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture ``fn()`` (no arguments; it reads and writes fixed tensors) as a CUDA graph.
+
+    PyTorch's recipe: ``warmup`` runs on a side stream (compiles kernels, allocates lazy
+    buffers), then one capture. Inside, the model's norms / MLPs run through ``torch.compile``
+    (:mod:`specdec.fusion`; ``fuse`` defaults to ``SPECDEC_FUSE``) and host-syncing MoE experts
+    through :func:`graph_safe_experts`. Capturing does not run the work: replay the graph for
+    this call's result.
+
+    Args:
+        fn: the program. model: the HF model it runs. what: its name, for errors.
+        warmup: side-stream runs before the capture (0 when the caller ran ``fn`` already).
+        warmup_fn: what the warm-up runs instead of ``fn`` (e.g. a forward and its commit).
+        pool: a graph memory pool to share (``other_graph.pool()``).
+
+    Returns: ``(graph, the outputs of the captured call)``.
+
+    Raises: :class:`CaptureFailure` (with the original error) when any step fails; the device
+        is synchronised first so the caller can run ``fn`` eagerly instead.
+    """
+    fuse = fusion_enabled() if fuse is None else bool(fuse)
+    dev = torch.cuda.current_device()
+    try:
+        with fused(model, fuse), graph_safe_experts(model):
+            if warmup:
+                side = torch.cuda.Stream(device=dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        (warmup_fn or fn)()
+                torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
+    except Exception as err:  # noqa: BLE001 -- any failure (an op that syncs with the host, out of memory)
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(dev)
+        raise CaptureFailure(what, err) from err
+    return graph, out

@@ -1,0 +1,312 @@
+"""Hugging Face ``generate()`` arguments, resolved once per call into :class:`GenerationSettings`.
+
+:func:`resolve` checks every argument before any work (a bad one raises ``TypeError`` /
+``ValueError`` naming what is wrong and what is accepted), merges the model's
+``generation_config`` with the call's own settings as HF does, and returns one frozen object
+that the decode loop reads. Nothing downstream sees an untyped option dict.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .verify import SamplingConfig
+
+__all__ = ["GenerationSettings", "SUPPORTED_SETTINGS", "resolve"]
+
+# generation settings this engine does not implement: (attribute, value meaning "off")
+_UNSUPPORTED = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "penalty_alpha": None,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "top_h": None,
+    "diversity_penalty": 0.0,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "stop_strings": None,
+    "token_healing": False,
+    "dola_layers": None,
+    "prefill_chunk_size": None,
+    "assistant_model": None,
+    "prompt_lookup_num_tokens": None,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
+#: the ``GenerationConfig`` settings ``generate()`` implements (for error messages and docs)
+SUPPORTED_SETTINGS = (
+    "max_new_tokens/max_length, min_new_tokens/min_length, do_sample, temperature, top_k, top_p, "
+    "repetition_penalty, eos_token_id (int or list), pad_token_id, max_time, return_dict_in_generate, "
+    "output_scores, output_logits"
+)
+_ARGUMENTS = ("input_ids, attention_mask, max_new_tokens, max_length, do_sample, temperature, top_k, top_p, "
+              "eos_token_id, pad_token_id, generator, generation_config, streamer, stopping_criteria")
+
+
+@dataclass(frozen=True, eq=False)
+class GenerationSettings:
+    """One ``generate()`` call's settings, checked and resolved.
+
+    Attributes:
+        input_ids: ``[B, L]`` int64 left-padded prompts on the model's device.
+        attention_mask: ``[B, L]`` int64, 0 = padding (left), 1 = token.
+        max_new_tokens: new tokens per row (>= 0).
+        sampling: the sampling settings, or None for greedy decoding.
+        eos_token_ids: the EOS ids (empty: no EOS).
+        pad_token_id: the id that fills rows that stopped early.
+        generator: the ``torch.Generator`` for sampling, or None.
+        streamer: an HF streamer (batch 1), or None.
+        stopping_criteria: an HF ``StoppingCriteriaList`` (``max_time`` included), or None.
+        repetition_penalty: HF's repetition penalty, None when off (1.0).
+        min_new_tokens, min_length: HF's EOS suppression bounds (0 when off).
+        return_dict: return HF's ``GenerateDecoderOnlyOutput``; output_scores / output_logits:
+            with it, the processed / raw scores of every new token.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_new_tokens: int
+    sampling: SamplingConfig | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    generator: torch.Generator | None = None
+    streamer: object | None = None
+    stopping_criteria: object | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int = 0
+    min_length: int = 0
+    return_dict: bool = False
+    output_scores: bool = False
+    output_logits: bool = False
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor changes the target's distribution (repetition penalty, or EOS
+        suppressed by a minimum length)."""
+        eos_rule = bool(self.eos_token_ids) and (self.min_new_tokens > 0 or self.min_length > 0)
+        return self.repetition_penalty is not None or eos_rule
+
+    @property
+    def per_token_features(self) -> list[str]:
+        """The settings that need the decode loop's per-step hook (host-side work after each
+        step), by their user-facing names."""
+        out = []
+        if self.stopping_criteria is not None:
+            out.append("stopping_criteria / max_time")
+        if self.processes_logits:
+            out.append("repetition_penalty / min_new_tokens / min_length")
+        if self.output_scores or self.output_logits:
+            out.append("output_scores / output_logits")
+        return out
+
+
+def _as_id_list(eos) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    if isinstance(eos, numbers.Integral) and not isinstance(eos, bool):
+        return (int(eos),)
+    if isinstance(eos, (list, tuple)) and all(isinstance(e, numbers.Integral) and not isinstance(e, bool) for e in eos):
+        return tuple(int(e) for e in eos)
+    raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+
+
+def _count(gc, name: str) -> int:
+    val = getattr(gc, name, None)
+    if val is None:
+        return 0
+    if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+    return val
+
+
+def _check_input_ids(input_ids, vocab_size: int, device) -> torch.Tensor:
+    if isinstance(input_ids, list):
+        raise TypeError("input_ids must be a torch.LongTensor [batch, length], got a list; use torch.tensor(...)")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.LongTensor [batch, length], got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token")
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+        raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vocab_size})")
+    return input_ids.to(device=device, dtype=torch.long)
+
+
+def _check_mask(attention_mask, input_ids, pad, eos) -> torch.Tensor:
+    if attention_mask is None:
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            return (input_ids != pad).long()
+        return torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, "
+                         f"got {got}")
+    mask = attention_mask.to(device=input_ids.device)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    mask = mask.long()
+    if bool((mask.sum(1) == 0).any()):
+        row = int((mask.sum(1) == 0).nonzero()[0, 0])
+        raise ValueError(f"row {row} of the batch is all padding; every row needs at least one prompt token")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be left-padded (zeros then ones in each row), as HF generate() "
+                         "expects for decoder-only models")
+    return mask
+
+
+def _max_new_tokens(gc, model, prompt_width: int) -> int:
+    max_new = gc.max_new_tokens
+    if max_new is None and gc.max_length is not None:
+        if gc.max_length < prompt_width:
+            raise ValueError(f"max_length={gc.max_length} is shorter than the prompt ({prompt_width} tokens); "
+                             "set max_new_tokens instead")
+        max_new = gc.max_length - prompt_width
+    elif max_new is None:  # as HF: with no length set anywhere, 20 new tokens
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        max_new = 20 if max_pos is None else max(0, min(20, max_pos - prompt_width))
+    if isinstance(max_new, bool) or not isinstance(max_new, int):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new).__name__}")
+    if max_new < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+    return max_new
+
+
+def _stopping_criteria(criteria, max_time):
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    if criteria is None:
+        out = StoppingCriteriaList()
+    elif isinstance(criteria, StoppingCriteriaList) or (
+        isinstance(criteria, (list, tuple)) and all(callable(c) for c in criteria)
+    ):
+        out = StoppingCriteriaList(list(criteria))
+    elif callable(criteria):
+        out = StoppingCriteriaList([criteria])
+    else:
+        raise TypeError(
+            f"stopping_criteria must be a transformers.StoppingCriteriaList (or a list of criteria), "
+            f"got {type(criteria).__name__}"
+        )
+    if max_time is not None:
+        out.append(MaxTimeCriteria(max_time=max_time))
+    return out if len(out) else None
+
+
+def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, generation_config=None, *,
+            overrides: dict, streamer=None, stopping_criteria=None, generator=None) -> GenerationSettings:
+    """Check and resolve one ``generate()`` call's arguments.
+
+    Args:
+        model: the target HF model (its ``generation_config`` is the base, as in HF).
+        vocab_size: the target's vocabulary size. device: the model's device.
+        input_ids, attention_mask, generation_config, streamer, stopping_criteria, generator: as
+            ``SpeculativeGenerator.generate`` takes them.
+        overrides: the call's explicit settings and ``**kwargs`` (``GenerationConfig`` fields);
+            None values mean "not given".
+
+    Returns: the :class:`GenerationSettings`.
+
+    Raises:
+        TypeError / ValueError: a bad argument or an unsupported setting (the message names it and
+            what is supported).
+    """
+    from transformers import GenerationConfig
+
+    config_fields = set(GenerationConfig().to_dict())
+    known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
+             "max_length"}
+    unknown = sorted(k for k in overrides if k not in known and (k not in config_fields or k.startswith("_")))
+    if unknown:
+        raise ValueError(f"unsupported generate() argument(s): {unknown}; supported: {_ARGUMENTS}, and the "
+                         f"GenerationConfig settings {SUPPORTED_SETTINGS}")
+    input_ids = _check_input_ids(input_ids, vocab_size, device)
+
+    if generation_config is None:
+        base = getattr(model, "generation_config", None)
+        gc = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
+    elif isinstance(generation_config, GenerationConfig):
+        gc = GenerationConfig.from_dict(generation_config.to_dict())
+    else:
+        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
+                        f"{type(generation_config).__name__}")
+    for key, val in overrides.items():
+        if val is not None:
+            setattr(gc, key, val)
+    for key, off in _UNSUPPORTED.items():
+        val = getattr(gc, key, off)
+        if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
+            raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's generate() supports "
+                             + SUPPORTED_SETTINGS)
+    if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
+        warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
+                      UserWarning, stacklevel=3)
+
+    eos = _as_id_list(gc.eos_token_id)
+    pad = gc.pad_token_id
+    if isinstance(pad, torch.Tensor) and pad.numel() == 1:
+        pad = pad.item()
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
+        raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
+    mask = _check_mask(attention_mask, input_ids, pad, eos)
+    max_new = _max_new_tokens(gc, model, input_ids.shape[1])
+
+    sampling = None
+    if gc.do_sample:
+        sampling = SamplingConfig(temperature=gc.temperature if gc.temperature is not None else 1.0,
+                                  top_k=gc.top_k if gc.top_k else None, top_p=gc.top_p)
+    elif gc.temperature is not None and gc.temperature != 1.0:
+        # as HF: sampling settings have no effect on greedy decoding; say so rather than fail
+        warnings.warn(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)", UserWarning,
+                      stacklevel=3)
+
+    min_new, min_len = _count(gc, "min_new_tokens"), _count(gc, "min_length")
+    penalty = gc.repetition_penalty
+    if penalty is not None:
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {penalty!r}")
+        penalty = None if float(penalty) == 1.0 else float(penalty)
+    max_time = gc.max_time
+    if max_time is not None and (isinstance(max_time, bool) or not isinstance(max_time, (int, float)) or max_time <= 0):
+        raise ValueError(f"max_time must be a number of seconds > 0, got {max_time!r}")
+
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer= supports batch size 1 only, as in HF generate()")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    criteria = _stopping_criteria(stopping_criteria, max_time)
+    return_dict = bool(gc.return_dict_in_generate)
+    return GenerationSettings(
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos,
+        pad_token_id=int(pad if pad is not None else (eos[0] if eos else 0)), generator=generator, streamer=streamer,
+        stopping_criteria=criteria, repetition_penalty=penalty, min_new_tokens=min_new, min_length=min_len,
+        return_dict=return_dict, output_scores=bool(gc.output_scores) and return_dict,
+        output_logits=bool(gc.output_logits) and return_dict,
+    )
