@@ -11,13 +11,14 @@ and records :class:`CaptureFailure`'s reason, which ``generate()`` reports in
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
 
 from .fusion import fused, fusion_enabled
 
-__all__ = ["CaptureFailure", "bucket_length", "capture", "graph_safe_experts"]
+__all__ = ["CaptureFailure", "bucket_length", "capture", "capture_blocker", "graph_safe_experts"]
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
@@ -77,6 +78,22 @@ def graph_safe_experts(model: torch.nn.Module):
             cfg._experts_implementation = impl
 
 
+def capture_blocker() -> str | None:
+    """Why no CUDA graph can be captured in this process, or None.
+
+    ``TRITON_INTERPRET=1`` makes every Triton kernel defined or built after it is set -- ours and
+    the ones ``torch.compile`` generates for :mod:`specdec.fusion` -- run in Triton's CPU
+    interpreter, which copies its tensor arguments to the host and back on each launch: that
+    cannot be captured (and Inductor's kernels cannot be interpreted at all). It holds for the
+    whole process, so a library or test module that sets it at import turns graphs off for
+    everything after it."""
+    value = os.environ.get("TRITON_INTERPRET", "0")
+    if value.strip().lower() in ("1", "true", "yes", "on", "y"):
+        return (f"TRITON_INTERPRET={value!r} is set: Triton kernels run in Triton's CPU interpreter, which "
+                "copies tensors to the host and cannot be captured; unset it to use CUDA graphs")
+    return None
+
+
 class CaptureFailure(RuntimeError):
     """A CUDA-graph capture failed; ``reason`` is the original error as ``"Type: message"``."""
 
@@ -103,9 +120,13 @@ def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn
 
     Returns: ``(graph, the outputs of the captured call)``.
 
-    Raises: :class:`CaptureFailure` (with the original error) when any step fails; the device
-        is synchronised first so the caller can run ``fn`` eagerly instead.
+    Raises: :class:`CaptureFailure` (with the original error) when any step fails, or at once when
+        :func:`capture_blocker` names a reason; the device is synchronised first so the caller
+        can run ``fn`` eagerly instead.
     """
+    blocker = capture_blocker()
+    if blocker is not None:
+        raise CaptureFailure(what, RuntimeError(blocker))
     fuse = fusion_enabled() if fuse is None else bool(fuse)
     dev = torch.cuda.current_device()
     try:

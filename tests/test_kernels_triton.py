@@ -11,14 +11,10 @@ interpreter runs each program in numpy.
 """
 
 import os
+import subprocess
+import sys
 
-# Must happen before triton kernels are defined (i.e. before specdec's kernel modules are imported).
-ON_CUDA = os.environ.get("SPECDEC_TEST_CUDA", "0") == "1"
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+from conftest import ON_CUDA, needs_cuda  # conftest sets TRITON_INTERPRET=1 unless SPECDEC_TEST_CUDA=1
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # specdec without installing
 
@@ -897,7 +893,7 @@ def test_sass_configs_counts_barriers_per_launch_setting():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+@needs_cuda
 @pytest.mark.parametrize("tree", ["default16", "medusa63"])
 @pytest.mark.parametrize("op,dims", [("gdn", (32, 128, 128)), ("kda", (32, 128, 128)), ("mamba2", (128, 64, 128, 8))],
                          ids=["gdn", "kda", "mamba2"])
@@ -910,7 +906,7 @@ def test_tree_real_size(op, dims, tree, B):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+@needs_cuda
 def test_conv1d_tree_real_size(monkeypatch):
     """The conv tree kernel at Mamba-2's conv width (C = 8192 + 2 * 8 * 128 channels), 64-node tree."""
     from specdec.kernels.conv1d.naive import conv1d_tree_verify
@@ -929,7 +925,7 @@ def test_conv1d_tree_real_size(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (ON_CUDA and torch.cuda.is_available()), reason="needs CUDA and SPECDEC_TEST_CUDA=1")
+@needs_cuda
 @pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
 def test_real_size_against_reference(op):
     """Every strategy at the benchmark's shapes (bf16 inputs, fp32 state), B = 8, K = 4."""

@@ -10,21 +10,19 @@ target's distribution; typical acceptance."""
 from __future__ import annotations
 
 import copy
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined (Triton test below)
+import pytest
+import torch
+from conftest import needs_triton_interpreter
+from scipy.stats import chi2_contingency
+from tiny_models import EXTRA_FAMILIES, make_model, ragged_prompts
+from tree_drafters import ORACLE_TREE, OracleTree  # noqa: F401 (ORACLE_TREE: also imported from here)
+from tree_drafters import reference_rows as _rows
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from scipy.stats import chi2_contingency  # noqa: E402
-from tiny_models import EXTRA_FAMILIES, make_model, ragged_prompts  # noqa: E402
-from tree_drafters import ORACLE_TREE, OracleTree  # noqa: E402, F401 (ORACLE_TREE: also imported from here)
-from tree_drafters import reference_rows as _rows  # noqa: E402
-
-import specdec  # noqa: E402
-from specdec import zoo  # noqa: E402
-from specdec.drafters import MedusaDrafter, MedusaHeads  # noqa: E402
-from specdec.experiments.train_medusa import (  # noqa: E402
+import specdec
+from specdec import zoo
+from specdec.drafters import MedusaDrafter, MedusaHeads
+from specdec.experiments.train_medusa import (
     collect_hidden_states, fit_heads, medusa_targets, target_predictions,
 )
 from specdec.kernels import OPS  # noqa: E402
@@ -338,6 +336,7 @@ def test_oracle_tree_with_repetition_penalty_and_min_length():
     assert sd.last_stats.mean_accepted_tokens > 2
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("family,strategy", [("qwen3_5", "replay"), ("nemotron_h", "snapshot"), ("kimi_linear", "ring")])
 def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     """On the Triton backend (here its CPU interpreter) tree steps run the Triton tree kernels --
@@ -479,6 +478,7 @@ def test_static_path_tree_sampling_matches_eager():
     assert torch.equal(outs[0], outs[1])
 
 
+@needs_triton_interpreter
 def test_static_path_tree_on_the_triton_backend(monkeypatch):
     """The static path's tree steps run the Triton tree kernels (interpreter here), exactly."""
     import specdec.cache as conv_reference  # where the conv op finds its torch reference

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import get_model
+from conftest import get_model, needs_cuda
 from test_core_exactness import MAX_NEW, hf_greedy, make_drafter, reference
 from tiny_models import VOCAB, ragged_prompts
 
@@ -27,7 +27,7 @@ def test_static_greedy_exact_vs_hf(family, strategy, K):
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
         st = sd.last_stats
-        assert st.decode_path == "static"
+        assert st.decode_path == "static" and st.capture_error is None
         assert len(st.accept_histogram) == K + 1 and sum(st.accept_histogram) > 0
         assert 1.0 <= st.mean_accepted_tokens <= K + 1
         if K == 0:
@@ -162,7 +162,7 @@ def test_decode_path_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("strategy", STRATS)
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_path_exact_vs_eager(fam, strategy):
@@ -176,14 +176,14 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
         sd = specdec.wrap(model, drafter=draft, rollback=strategy, num_speculative_tokens=3, decode_path=path)
         for _ in range(2):
             outs[path] = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-        assert sd.last_stats.decode_path == path
+        assert sd.last_stats.decode_path == path, sd.last_stats.capture_error
     assert torch.equal(outs["eager"], outs["cuda_graph"])
     get_model(fam).cpu()
     get_model(fam, "perturbed").cpu()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("strategy", STRATS)
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_tree_exact_vs_eager(fam, strategy):
@@ -205,11 +205,26 @@ def test_cuda_graph_tree_exact_vs_eager(fam, strategy):
         sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=4, decode_path=path)
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=eos)
         st = sd.last_stats
-        assert st.decode_path == path and torch.equal(out, ref), path
+        assert st.decode_path == path, (path, st.capture_error)
+        assert torch.equal(out, ref), path
         got[path] = (st.proposed_tokens, st.accepted_tokens, st.new_tokens, st.accept_histogram, drafter.off_chain)
     assert got["eager"] == got["cuda_graph"]
     assert got["cuda_graph"][3][4] > 0 and got["cuda_graph"][4] > 0  # depth-4 and off-first-branch paths accepted
     get_model(fam).cpu()
+
+
+def test_capture_blocker_names_the_triton_interpreter(monkeypatch):
+    """Under TRITON_INTERPRET=1 (Triton's spellings) no CUDA graph can be captured, and the reason
+    names the variable; unset or "0", nothing blocks."""
+    from specdec.graphs import capture_blocker
+
+    for value in ("1", "true", "ON"):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert "TRITON_INTERPRET" in capture_blocker()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert capture_blocker() is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert capture_blocker() is None
 
 
 def test_fused_patches_and_restores_the_model():

@@ -4,18 +4,16 @@ and the fused conv in the loop."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from conftest import get_model, needs_triton_interpreter
+from test_core_exactness import hf_greedy
+from tiny_models import ragged_prompts
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
+import specdec
+from specdec.drafters import DraftModelDrafter
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import get_model  # noqa: E402
-from test_core_exactness import hf_greedy  # noqa: E402
-from tiny_models import ragged_prompts  # noqa: E402
-
-import specdec  # noqa: E402
-from specdec.drafters import DraftModelDrafter  # noqa: E402
+pytestmark = needs_triton_interpreter
 
 
 @pytest.mark.parametrize(
