@@ -444,10 +444,10 @@ class SpeculativeGenerator:
     def _append(rows, hook, new, limit, scores, raw, pos=None):
         """``rows.append`` then the hook's per-token work; returns the kept counts. ``pos [B, W]``:
         the verify positions whose scores chose each new token (None: 0..W-1)."""
+        if hook is None:
+            return rows.append(new, limit)
         before, finished = rows.n_gen.clone(), rows.finished.clone()
         take = rows.append(new, limit)
-        if hook is None:
-            return take
         if pos is not None:
             b = torch.arange(new.shape[0], device=new.device)[:, None]
             scores, raw = scores[b, pos], raw[b, pos]
