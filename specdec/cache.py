@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import SSMOp
-from .kernels.conv1d.naive import conv1d_commit, conv1d_verify
+from .kernels import SSMOp, conv1d_op
 from .rollback import RollbackStrategy
 
 __all__ = ["HybridCache", "SSMLayerCache"]
@@ -28,30 +27,43 @@ class SSMLayerCache:
     """Conv window and recurrent state of one SSM layer.
 
     Args:
-        op: the recurrence (``specdec.kernels.OPS``). strategy: the rollback strategy.
+        op: the recurrence (``specdec.kernels.get_op``). strategy: the rollback strategy.
         batch, max_step_tokens: B and T_max (= num_speculative_tokens + 1).
         layer: layer index (for error messages).
+        state_indices: ``[batch]`` int64 state slot of each row on the layer's device (negative:
+            a padding row), or None (row b is slot b). With it, the conv windows and the
+            recurrent states are pools of ``num_slots`` slots (:class:`specdec.rollback.LayerStore`):
+            :meth:`load` takes and :meth:`ssm_state` / :meth:`conv_state` return whole pools.
+
+    ``conv_op`` is the causal conv on the backend ``op`` runs on (``specdec.kernels.conv1d_op``).
     """
 
-    def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int):
+    def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int,
+                 state_indices: torch.Tensor | None = None):
         self.op = op
+        self.conv_op = conv1d_op(backend_name=op.backend)
         self.strategy = strategy
         self.layer = layer
         self.max_step_tokens = max_step_tokens
-        self.store = strategy.new_store(batch, max_step_tokens, layer)
+        self.store = strategy.new_store(batch, max_step_tokens, layer, state_indices)
         self.conv_window: torch.Tensor | None = None
         self.conv_width = 0
         self.params: dict = {}
         self.step_tokens = 0  # tokens of the open step run through conv (same for the SSM store)
         self.has_recurrence = True
 
+    @property
+    def state_indices(self) -> torch.Tensor | None:
+        """The row -> slot map of this layer's conv windows and store (None: row b is slot b)."""
+        return self.store.state_indices
+
     # --- loading ---------------------------------------------------------------------------
     def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None, conv_width: int) -> None:
         """Set the committed state after prefill.
 
         Args:
-            conv_state: ``[B, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
-                for a layer without conv. ssm_state: ``[B, *S]``, or None for a conv-only layer
+            conv_state: ``[num_slots, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
+                for a layer without conv. ssm_state: ``[num_slots, *S]``, or None for a conv-only layer
                 (LFM2's short convs: its rollback is the conv window's offset alone).
             conv_width: W.
         """
@@ -71,11 +83,8 @@ class SSMLayerCache:
     # --- called by adapters during a forward --------------------------------------------------
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]``."""
-        if self.op.kernels is not None:  # the Triton backend: fused multi-token conv update
-            from .kernels.conv1d.triton_conv import conv1d_verify_triton
-
-            return conv1d_verify_triton(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
-        return conv1d_verify(self.conv_window, x, weight, bias, activation, offset=self.step_tokens)
+        return self.conv_op.verify(self.conv_window, x, weight, bias, activation, self.step_tokens,
+                                   state_indices=self.state_indices)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """Run the recurrence on this step's ``inputs`` through the rollback strategy."""
@@ -90,24 +99,19 @@ class SSMLayerCache:
     # --- commit / inspection ---------------------------------------------------------------
     def commit(self, num_tokens: torch.Tensor) -> None:
         if self.conv_window is not None:
-            if self.op.kernels is not None:
-                from .kernels.conv1d.triton_conv import conv1d_commit_triton
-
-                conv1d_commit_triton(self.conv_window, num_tokens, self.conv_width)
-            else:
-                conv1d_commit(self.conv_window, num_tokens, self.conv_width)
+            self.conv_op.commit(self.conv_window, num_tokens, self.conv_width, state_indices=self.state_indices)
         if self.has_recurrence:
             self.strategy.commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
 
     def ssm_state(self) -> torch.Tensor:
-        """Committed recurrent state ``[B, *S]`` fp32 (None for a conv-only layer)."""
+        """Committed recurrent state ``[num_slots, *S]`` fp32 (None for a conv-only layer)."""
         if not self.has_recurrence:
             return None
         return self.strategy.state(self.store, self.op, self.params)
 
     def conv_state(self) -> torch.Tensor | None:
-        """Committed conv history ``[B, C, W-1]``."""
+        """Committed conv history ``[num_slots, C, W-1]``."""
         if self.conv_window is None:
             return None
         return self.conv_window[:, :, : self.conv_width - 1]
