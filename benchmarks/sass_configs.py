@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: this script compiles the kernels for sm_90")
@@ -56,11 +54,9 @@ def _record(compile_fn):
 
 def sass_counts(compiled) -> dict:
     """Instruction counts of one compiled kernel's SASS (via the cuobjdump Triton bundles)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = sm90.cuobjdump(compiled, "-sass")
+    if sass is None:
+        raise SystemExit("this Triton ships no cuobjdump: no SASS to count")
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
     out = {"instr": len(ops)}
     out.update({k: sum(o.startswith(k) for o in ops) for k in OPS_COUNTED})

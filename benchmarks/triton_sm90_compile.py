@@ -95,28 +95,32 @@ def _compile_launch(kernel, grid, args, kwargs):
     COMPILED.append(key)
 
 
-def _resource_usage(compiled) -> str:
-    """Registers / spills / shared memory of the cubin, from the bundled cuobjdump (or '')."""
+def cuobjdump(compiled, flag: str) -> str | None:
+    """The bundled cuobjdump's output with ``flag`` (``-res-usage``, ``-sass``) for a compiled
+    kernel's cubin, or None when Triton ships no cuobjdump."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return ""
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resource_usage(compiled) -> str:
+    """Registers / spills / shared memory of the cubin, from the bundled cuobjdump (or '')."""
+    res = cuobjdump(compiled, "-res-usage")
+    if res is None:
+        return ""
     m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res)
     return f"regs={m.group(1)} smem={m.group(2)} local(spill)={m.group(3)}" if m else ""
 
 
 def _sass_summary(compiled) -> str:
     """The kernel's global loads / stores and barriers in program order, runs collapsed (LDGx5 = 5 loads)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    sass = cuobjdump(compiled, "-sass")
+    if sass is None:
         return "(no cuobjdump)"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     runs = []
     for line in sass.splitlines():
         m = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)

@@ -207,3 +207,39 @@ def test_state_indices_debug_bounds(monkeypatch):
     store = strat.new_store(2, 2, state_indices=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match="two rows"):
         strat.load(store, torch.zeros(3, 2, 2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layer_cache_state_indices(backend):
+    """SSMLayerCache with a row -> slot map: its conv op and store run the batch over window and
+    state pools; each step's outputs and the committed conv / SSM states equal an identity layer's
+    (conv_op on the same backend as the recurrence); unused slots keep theirs."""
+    from specdec.cache import SSMLayerCache
+    from specdec.rollback import make_strategy
+
+    op = OPS["gdn"].on(backend, "cpu")
+    g = torch.Generator().manual_seed(9)
+    B, Tmax, W, C, slots = 2, 3, 4, 8, 4
+    si = torch.tensor([3, 1])
+    _, params, S = random_inputs("gdn", 1, g, batch=B)
+    conv0, ssm0 = torch.randn(slots, C, W - 1, generator=g), torch.randn(slots, *S, generator=g)
+    ident = SSMLayerCache(op, make_strategy("ring"), B, Tmax, 0)
+    pooled = SSMLayerCache(op, make_strategy("ring"), B, Tmax, 0, state_indices=si)
+    assert pooled.conv_op.backend == backend and pooled.state_indices is si
+    ident.load(conv0[si].clone(), ssm0[si].clone(), W)
+    pooled.load(conv0.clone(), ssm0.clone(), W)
+    weight = torch.randn(C, W, generator=g)
+    for step in range(3):
+        inputs, _, _ = random_inputs("gdn", 2, g, batch=B)
+        x = torch.randn(B, 2, C, generator=g)
+        for layer in (ident, pooled):
+            layer.out = (layer.conv(x, weight, None, "silu"), layer.ssm(inputs, params))
+            layer.advance(2)
+        assert all(torch.equal(a, b) for a, b in zip(pooled.out, ident.out))
+        n = torch.tensor([step % 3, 2])
+        ident.commit(n)
+        pooled.commit(n)
+        assert torch.equal(pooled.conv_state()[si], ident.conv_state())
+        assert torch.equal(pooled.ssm_state()[si], ident.ssm_state())
+        assert torch.equal(pooled.conv_state()[[0, 2]], conv0[[0, 2]])
+        assert torch.equal(pooled.ssm_state()[[0, 2]], ssm0[[0, 2]])

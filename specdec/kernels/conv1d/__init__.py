@@ -54,10 +54,7 @@ class Conv1dOp(BackendOp):
         """
         if self.kernels is not None:
             return self.kernels.verify(window, x, weight, bias, activation, offset, state_indices=state_indices)
-        rows = gather_rows(window, state_indices)
-        y = conv1d_verify(rows, x, weight, bias, activation, offset)
-        scatter_rows(window, state_indices, rows)
-        return y
+        return _on_rows(conv1d_verify, window, state_indices, x, weight, bias, activation, offset)
 
     def tree_verify(self, window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     activation: str | None, parents: tuple[int, ...], *,
@@ -71,10 +68,7 @@ class Conv1dOp(BackendOp):
         """
         if self.kernels is not None:
             return self.kernels.tree_verify(window, x, weight, bias, activation, parents, state_indices=state_indices)
-        rows = gather_rows(window, state_indices)
-        y = conv1d_tree_verify(rows, x, weight, bias, activation, parents)
-        scatter_rows(window, state_indices, rows)
-        return y
+        return _on_rows(conv1d_tree_verify, window, state_indices, x, weight, bias, activation, parents)
 
     def commit(self, window: torch.Tensor, num_tokens: torch.Tensor, width: int, *,
                state_indices: torch.Tensor | None = None) -> None:
@@ -83,9 +77,16 @@ class Conv1dOp(BackendOp):
         if self.kernels is not None:
             self.kernels.commit(window, num_tokens, width, state_indices=state_indices)
             return
-        rows = gather_rows(window, state_indices)
-        conv1d_commit(rows, num_tokens, width)
-        scatter_rows(window, state_indices, rows)
+        _on_rows(conv1d_commit, window, state_indices, num_tokens, width)
+
+
+def _on_rows(fn, window: torch.Tensor, state_indices: torch.Tensor | None, *args):
+    """A reference function that updates a ``[B, ...]`` window in place, run on the rows' slots
+    of a window pool: gather them, run, write them back (:mod:`specdec.kernels.slots`)."""
+    rows = gather_rows(window, state_indices)
+    out = fn(rows, *args)
+    scatter_rows(window, state_indices, rows)
+    return out
 
 
 #: the conv op, torch reference (``CONV1D.on("triton")`` binds the Triton kernels)
