@@ -83,9 +83,9 @@ class LayerStore:
     Every tensor of ``tensors`` has one entry per state slot (committed states, the snapshot
     buffer, the ring and its heads, the replay checkpoint, history and lengths, so a row's step
     scratch stays with its slot); a step's inputs, outputs and ``num_tokens`` have one per row.
-    ``state_indices``: ``[batch]`` int64 on the store's device, row b's slot (negative: a padding
-    row, which changes no slot and whose outputs are unspecified); None: row b is slot b. With a
-    map, the states :meth:`RollbackStrategy.load` takes and :meth:`RollbackStrategy.state`
+    ``state_indices``: ``[batch]`` int32/int64 on the store's device, row b's slot (negative: a
+    padding row, which changes no slot and whose outputs are unspecified); None: row b is slot b.
+    With a map, the states :meth:`RollbackStrategy.load` takes and :meth:`RollbackStrategy.state`
     returns are the whole pool ``[num_slots, *S]``, and slots no row maps to stay bit for bit.
     """
 
