@@ -1,9 +1,11 @@
 """Static instruction counts of the step kernels for sm_90 per launch configuration, on a
 machine without a GPU: what a launch setting changes in the compiled code before it is timed.
 
-For each configuration (state block, num_warps, prefetch) it compiles the plain multi-token
-update and the fused replay verify at the benchmark's head shapes (K = 4: T = 5 tokens,
-unrolled) through Triton's full pipeline (``tests/triton_sm90_compile.py``) and prints, per
+For each configuration (state block, num_warps, prefetch: a :class:`specdec.kernels.LaunchConfig`
+of the op's Triton kernel set) it compiles the kernel set's plain multi-token update and fused
+replay verify at the kernel table's shapes (K = 4: T = 5 tokens, unrolled; the replay history
+the library's replay strategy keeps) through Triton's full pipeline
+(``benchmarks/triton_sm90_compile.py``) and prints, per
 kernel, registers / spills and the SASS counts of barriers (BAR), warp shuffles (SHFL), shared
 memory stores / loads (STS / LDS), fused multiply-adds (FFMA) and global loads / stores
 (LDG / STG). Counts are per thread over the whole unrolled step (divide by T for per token).
@@ -21,24 +23,22 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: this script compiles the kernels for sm_90")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import triton_sm90_compile as sm90  # noqa: E402  (intercepts the kernels' launches: compile only)
-from sweep_rollback_configs import parse_configs  # noqa: E402
-from specdec.kernels.gdn import triton_step as dr  # noqa: E402
-from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
+from sweep_rollback_configs import launch_of, parse_configs  # noqa: E402
+from specdec.experiments.kernel_table import SHAPES  # noqa: E402
+from specdec.experiments.kernel_timing import synthetic_inputs, synthetic_params  # noqa: E402
+from specdec.kernels import OPS  # noqa: E402
 
 OPS_COUNTED = ("BAR", "SHFL", "STS", "LDS", "FFMA", "LDG", "STG")
 _COMPILED: list = []
@@ -54,41 +54,28 @@ def _record(compile_fn):
 
 def sass_counts(compiled) -> dict:
     """Instruction counts of one compiled kernel's SASS (via the cuobjdump Triton bundles)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = sm90.cuobjdump(compiled, "-sass")
+    if sass is None:
+        raise SystemExit("this Triton ships no cuobjdump: no SASS to count")
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
     out = {"instr": len(ops)}
     out.update({k: sum(o.startswith(k) for o in ops) for k in OPS_COUNTED})
     return out
 
 
-def calls(op: str, tune: dict):
-    """(name, thunk) of the plain update and the fused replay verify of ``op`` with ``tune``."""
-    B, T, L, bf = 2, 5, 10, torch.bfloat16
-    hl = torch.zeros(B, dtype=torch.long)
-    if op == "mamba2":
-        H, P, G, N = 128, 64, 8, 128
-        x, dt = torch.randn(B, T, H, P, dtype=bf), torch.rand(B, T, H, dtype=bf)
-        A, D = -torch.rand(H), torch.randn(H)
-        Bm, Cm = torch.randn(B, T, G, N, dtype=bf), torch.randn(B, T, G, N, dtype=bf)
-        s = torch.zeros(B, H, P, N)
-        hx, hdt, hB = torch.zeros(B, L, H, P, dtype=bf), torch.zeros(B, L, H, dtype=bf), torch.zeros(B, L, G, N, dtype=bf)
-        return [("update", lambda: m2.mamba2_update(s, x, dt, A, Bm, Cm, D, None, **tune)),
-                ("replay_fused", lambda: m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, D, 0, None,
-                                                                 fused=True, **tune))]
-    H, K, V = 32, 128, 128
-    q = F.normalize(torch.randn(B, T, H, K), dim=-1).to(bf)
-    k, v = q.clone(), torch.randn(B, T, H, V, dtype=bf)
-    g = -torch.rand(B, T, H, K).to(bf) if op == "kda" else -torch.rand(B, T, H).to(bf)
-    beta = torch.rand(B, T, H, dtype=bf)
-    s = torch.zeros(B, H, K, V)
-    hk, hg, hu = torch.zeros(B, L, H, K), torch.zeros(B, L, *g.shape[2:]), torch.zeros(B, L, H, V)
-    return [("update", lambda: dr.delta_rule_update(s, q, k, v, g, beta, None, **tune)),
-            ("replay_fused", lambda: dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, None,
-                                                                 fused=True, **tune))]
+def calls(op: str, cfg):
+    """(name, thunk) of the kernel set's plain update and fused replay verify of ``op`` launched with
+    ``cfg`` (block, num_warps, prefetch), on CPU tensors (the launches are intercepted)."""
+    B, T = 2, 5
+    shape, gen = SHAPES["bench"][op], torch.Generator().manual_seed(0)
+    kern = OPS[op].on("triton").kernels.with_launch(launch_of(cfg))  # no device: compiled, not interpreted
+    params = synthetic_params(shape, "cpu", gen)
+    inputs = synthetic_inputs(shape, B, T, "cpu", gen, dtype=torch.bfloat16)
+    s = torch.zeros(B, *shape.state_shape)
+    hist = {k: torch.zeros(B, 2 * T, *sh, dtype=dt) for k, (sh, dt) in OPS[op].replay_spec(inputs).items()}
+    hist_len = torch.zeros(B, dtype=torch.long)
+    return [("update", lambda: kern.update(s, inputs, params)),
+            ("replay_fused", lambda: kern.replay_verify(s, hist, hist_len, inputs, params, 0, fused=True))]
 
 
 def main(argv=None) -> int:
@@ -105,9 +92,7 @@ def main(argv=None) -> int:
     print(f"| op | kernel | config | regs | spill bytes | " + " | ".join(("instr",) + OPS_COUNTED) + " |")
     print("|---|---|---|---:|---:|" + "---:|" * (len(OPS_COUNTED) + 1))
     for block, warps, pf in configs:
-        tune = {k: v for k, v in (("block_p" if args.op == "mamba2" else "block_v", block), ("num_warps", warps),
-                                  ("prefetch", pf)) if v is not None}
-        for name, thunk in calls(args.op, tune):
+        for name, thunk in calls(args.op, (block, warps, pf)):
             _COMPILED.clear()
             sm90._SEEN.clear()
             thunk()

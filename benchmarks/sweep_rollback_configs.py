@@ -3,17 +3,19 @@ defaults of ``_launch_config`` by measurement.
 
 The step kernels update state in place, so they are never autotuned at run time (an autotuner
 would run them several times on the same state); instead this script measures a short list of
-hand-picked configurations -- state block (``block_v`` for GDN/KDA, ``block_p`` for Mamba-2),
-``num_warps`` and ``prefetch`` (tokens whose inputs are requested before the first arithmetic;
-0 = each token's inputs at its use, the old behaviour) -- for the per-layer step of
-``benchmarks/rollback_kernels.py`` (verify + commit, CUDA graph of 16 steps over rotated buffers),
-at the benchmark's shapes and K. Every variant is compiled first in parallel worker processes
-(Triton's on-disk cache), so the timing loop does not wait for the compiler.
+hand-picked configurations -- state block (BV for GDN/KDA, BP for Mamba-2), ``num_warps`` and
+``prefetch`` (tokens whose inputs are requested before the first arithmetic; 0 = each token's
+inputs at its use), a :class:`specdec.kernels.LaunchConfig` of the op's Triton kernel set -- for
+the per-layer step of the kernel table (``experiment=kernels``,
+:func:`specdec.experiments.kernel_table.bench_point`: the library's strategy, verify + commit, CUDA
+graph of 16 steps over rotated buffers), at its shapes and K. Every variant is compiled first in
+parallel worker processes (Triton's on-disk cache), so the timing loop does not wait for the compiler.
 
-    python benchmarks/sweep_rollback_configs.py --batches 1,64 --out benchmarks/results/sweep.md
+    python benchmarks/sweep_rollback_configs.py --batches 1,64 --out sweep.md
+    specdec-run experiment=kernels experiment.launch_from=sweep.json     # the table with the fastest
 
 Output: one line per (op, batch, strategy, config) and, per (op, batch, strategy), the best
-configuration and its time against the default one.
+configuration and its time against the default one; JSON rows next to the Markdown.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import rollback_kernels as rk  # noqa: E402
+from specdec.experiments.kernel_table import SHAPES, bench_point  # noqa: E402
+from specdec.experiments.kernel_timing import BASELINE, LayerStep, copy_bandwidth, synthetic_params  # noqa: E402
+from specdec.kernels import OPS, LaunchConfig  # noqa: E402
 
-STRATEGIES = ("baseline", "snapshot", "ring", "replay", "replay_deferred")
+STRATEGIES = (BASELINE, "snapshot", "ring", "replay", "replay_deferred")
 # (block, num_warps, prefetch); None = the default of _launch_config / all T tokens
-CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = the launches before the prefetch
+CONFIGS = {  # (None, None, None) = the defaults; (16|32, 4, 0) = no input lookahead
     "delta": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 4, 5), (32, 4, 3), (32, 8, 5),
               (16, 2, 5), (64, 4, 5), (8, 4, 5)],
     "mamba2": [(None, None, None), (16, 4, 0), (32, 4, 0), (16, 4, 5), (32, 8, 3), (32, 8, 5), (32, 8, 0),
@@ -71,16 +75,9 @@ def parse_configs(text: str) -> list:
     return out
 
 
-def tune_dict(op, cfg):
-    block, warps, pf = cfg
-    d = {}
-    if block is not None:
-        d["block_p" if op == "mamba2" else "block_v"] = block
-    if warps is not None:
-        d["num_warps"] = warps
-    if pf is not None:
-        d["prefetch"] = pf
-    return d
+def launch_of(cfg) -> LaunchConfig:
+    block, warps, prefetch = cfg
+    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch)
 
 
 def cfg_name(cfg):
@@ -88,12 +85,17 @@ def cfg_name(cfg):
     return f"block={block or 'def'} warps={warps or 'def'} prefetch={'def' if pf is None else pf}"
 
 
+def triton_op(name: str, device: str, cfg):
+    """The op on the Triton backend (on the CPU through the interpreter), launched with ``cfg``."""
+    return OPS[name].on("triton", device).with_launch(launch_of(cfg))
+
+
 def _compile_task(args):
-    op, strategy, cfg, K, device, tiny = args
-    torch.manual_seed(0)
-    b = rk.make_bench(op, tiny, device)
-    b.tune = tune_dict(op, cfg)
-    st = rk.StepSet(b, strategy, 2, K + 1, device)
+    op, strategy, cfg, K, device, shapes = args
+    gen = torch.Generator().manual_seed(0)
+    shape = SHAPES[shapes][op]
+    params = synthetic_params(shape, device, gen)
+    st = LayerStep(triton_op(op, device, cfg), shape, strategy, 2, K + 1, params, device, gen, dtype=torch.bfloat16)
     n = torch.ones(2, dtype=torch.long, device=device)
     st.step(n)
     st.step(n)
@@ -134,60 +136,60 @@ def main(argv=None) -> int:
     ops = args.ops.split(",")
     batches = [int(x) for x in args.batches.split(",")]
     strategies = args.strategies.split(",")
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        ap.error(f"unknown strategy {bad[0]!r}; accepted: {', '.join(STRATEGIES)}")
+    shapes = "tiny" if args.tiny else "bench"
     t0 = time.time()
     dev = args.device
-    if dev == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # (effective only when set before the kernels are defined: run
-        # the smoke test as TRITON_INTERPRET=1 python benchmarks/sweep_rollback_configs.py --device cpu --tiny)
-    tasks = [(op, s, cfg, args.K, dev, args.tiny) for op in ops for s in strategies for cfg in configs_for(op, spec)]
+    tasks = [(op, s, cfg, args.K, dev, shapes) for op in ops for s in strategies for cfg in configs_for(op, spec)]
     if not args.no_precompile:
         precompile(tasks, args.workers)
         print(f"precompiled {len(tasks)} variants in {time.time() - t0:.0f}s", flush=True)
     if args.precompile_only:
         return 0
-    bw = rk.copy_bandwidth(dev) / 1e9
+    bw = copy_bandwidth(dev) / 1e9
     gen = torch.Generator().manual_seed(0)
     rows = []
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU interpreter"
     lines = [f"# Launch-config sweep ({name}), K = {args.K}", "",
              f"copy bandwidth {bw:.0f} GB/s; per layer and step, verify + commit; median of {args.reps} graph replays",
              "", "| op | batch | strategy | config | us/step | GB/s | % copy BW |", "|---|---:|---|---|---:|---:|---:|"]
-    benches = {op: rk.make_bench(op, args.tiny, dev) for op in ops}
+    json_path = os.path.splitext(args.out)[0] + ".json"
     for B in batches:  # batch-major: the first batch given is measured for every op first
         for op in ops:
-            b = benches[op]
+            shape = SHAPES[shapes][op]
+            params = synthetic_params(shape, dev, gen)
             for s in strategies:
                 for cfg in configs_for(op, spec):
-                    b.tune = tune_dict(op, cfg)
-                    r = rk.bench_config(b, s, B, args.K, dev, gen, args.reps)
-                    r.update(config=cfg_name(cfg), cfg=cfg)
-                    rows.append(r)
-                    line = (f"| {op} | {B} | {s} | {cfg_name(cfg)} | {r['us']:.1f} | {r['GBps']:.0f} "
+                    r = bench_point(triton_op(op, dev, cfg), shape, s, B, args.K, dev, params=params, gen=gen,
+                                    reps=args.reps)
+                    rows.append(dict(op=op, batch=B, rollback=s, launch=list(cfg), config=cfg_name(cfg),
+                                     us_per_step=r["us_per_step"], GBps=r["GBps"]))
+                    line = (f"| {op} | {B} | {s} | {cfg_name(cfg)} | {r['us_per_step']:.1f} | {r['GBps']:.0f} "
                             f"| {100 * r['GBps'] / bw:.0f}% |")
                     lines.append(line)
                     print(line, f"({time.time() - t0:.0f}s)", flush=True)
-                    with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:  # as it goes (a time limit may stop us)
-                        json.dump([dict(r, cfg=list(r["cfg"])) for r in rows], fh, indent=1)
+                    with open(json_path, "w") as fh:  # as it goes (a time limit may stop us)
+                        json.dump(rows, fh, indent=1)
     lines += ["", "## Best per (op, batch, strategy)", "",
-              "| op | batch | strategy | best config | us | default us | best with prefetch 0 (old style) us |",
+              "| op | batch | strategy | best config | us | default us | best with prefetch 0 us |",
               "|---|---:|---|---|---:|---:|---:|"]
     for op in ops:
         for B in batches:
             for s in strategies:
-                grp = [r for r in rows if r["op"] == op and r["batch"] == B and r["strategy"] == s]
+                grp = [r for r in rows if r["op"] == op and r["batch"] == B and r["rollback"] == s]
                 if not grp:
                     continue
-                best = min(grp, key=lambda r: r["us"])
-                default = next(r for r in grp if r["cfg"] == (None, None, None))
-                old = [r for r in grp if r["cfg"][2] == 0]
-                old_us = min(r["us"] for r in old) if old else float("nan")
-                lines.append(f"| {op} | {B} | {s} | {best['config']} | {best['us']:.1f} | {default['us']:.1f} "
-                             f"| {old_us:.1f} |")
+                best = min(grp, key=lambda r: r["us_per_step"])
+                default = next((r for r in grp if r["launch"] == [None, None, None]), None)
+                old = [r["us_per_step"] for r in grp if r["launch"][2] == 0]
+                lines.append(f"| {op} | {B} | {s} | {best['config']} | {best['us_per_step']:.1f} "
+                             f"| {default['us_per_step'] if default else float('nan'):.1f} "
+                             f"| {min(old) if old else float('nan'):.1f} |")
     md = "\n".join(lines) + "\n"
     with open(args.out, "w") as fh:
         fh.write(md)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
-        json.dump([dict(r, cfg=list(r["cfg"])) for r in rows], fh, indent=1)
     print(md)
     print(f"total {time.time() - t0:.0f}s")
     return 0

@@ -97,15 +97,15 @@ def run_config(ad, device, strategy, batch, variant, spec, args, ids, mask):
     saved = os.environ.get("SPECDEC_BACKEND")
     if variant.endswith("-torch"):
         os.environ["SPECDEC_BACKEND"] = "torch"
-    from specdec.kernels.gdn import triton_step
+    from specdec.kernels import triton_common
 
-    unroll_max = triton_step.TREE_UNROLL_MAX
+    unroll_max = triton_common.TREE_UNROLL_MAX
     if variant.endswith("-loop"):  # every tree takes the runtime node loop (read at each launch)
-        triton_step.TREE_UNROLL_MAX = 0
+        triton_common.TREE_UNROLL_MAX = 0
     try:
         return _run_config(ad, device, strategy, batch, spec, args, ids, mask, T, saved)
     finally:
-        triton_step.TREE_UNROLL_MAX = unroll_max
+        triton_common.TREE_UNROLL_MAX = unroll_max
 
 
 def profile_verify(verify_fn, toks, device):

@@ -28,58 +28,36 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import SSMOp
-from .kernels.conv1d.naive import conv1d_commit, conv1d_tree_verify, conv1d_verify
+from .kernels import SSMOp, conv1d_op
+from .kernels.slots import to_slots
 from .rollback import RollbackStrategy
 
 __all__ = ["HybridCache", "SSMLayerCache"]
-
-
-class _ConvOp:
-    """The causal conv of one backend (the torch reference or the Triton kernels)."""
-
-    def __init__(self, triton: bool):
-        self.triton = triton
-
-    def verify(self, window, x, weight, bias, activation, offset):
-        if self.triton:
-            from .kernels.conv1d.triton_conv import conv1d_verify_triton
-
-            return conv1d_verify_triton(window, x, weight, bias, activation, offset=offset)
-        return conv1d_verify(window, x, weight, bias, activation, offset=offset)
-
-    def tree_verify(self, window, x, weight, bias, activation, parents):
-        if self.triton:
-            from .kernels.conv1d.triton_conv import conv1d_tree_verify_triton
-
-            return conv1d_tree_verify_triton(window, x, weight, bias, activation, parents)
-        return conv1d_tree_verify(window, x, weight, bias, activation, parents)
-
-    def commit(self, window, num_tokens, width):
-        if self.triton:
-            from .kernels.conv1d.triton_conv import conv1d_commit_triton
-
-            conv1d_commit_triton(window, num_tokens, width)
-        else:
-            conv1d_commit(window, num_tokens, width)
 
 
 class SSMLayerCache:
     """Conv window and recurrent state of one SSM layer.
 
     Args:
-        op: the recurrence (``specdec.kernels.OPS``). strategy: the rollback strategy.
+        op: the recurrence (``specdec.kernels.get_op``). strategy: the rollback strategy.
         batch, max_step_tokens: B and T_max (= num_speculative_tokens + 1).
         layer: layer index (for error messages).
+        state_indices: ``[batch]`` int64 state slot of each row on the layer's device (negative:
+            a padding row), or None (row b is slot b). With it, the conv windows and the
+            recurrent states are pools of ``num_slots`` slots (:class:`specdec.rollback.LayerStore`):
+            :meth:`load` takes and :meth:`ssm_state` / :meth:`conv_state` return whole pools.
+
+    ``conv_op`` is the causal conv on the backend ``op`` runs on (``specdec.kernels.conv1d_op``).
     """
 
-    def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int):
+    def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int,
+                 state_indices: torch.Tensor | None = None):
         self.op = op
-        self.conv_op = _ConvOp(op.kernels is not None)
+        self.conv_op = conv1d_op(backend_name=op.backend)
         self.strategy = strategy
         self.layer = layer
         self.max_step_tokens = max_step_tokens
-        self.store = strategy.new_store(batch, max_step_tokens, layer)
+        self.store = strategy.new_store(batch, max_step_tokens, layer, state_indices)
         self.conv_window: torch.Tensor | None = None
         self.conv_width = 0
         self.params: dict = {}
@@ -89,13 +67,18 @@ class SSMLayerCache:
         #: state), or None for chain steps; set by :meth:`HybridCache.set_tree`
         self.tree_parents: tuple[int, ...] | None = None
 
+    @property
+    def state_indices(self) -> torch.Tensor | None:
+        """The row -> slot map of this layer's conv windows and store (None: row b is slot b)."""
+        return self.store.state_indices
+
     # --- loading ---------------------------------------------------------------------------
     def load(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None, conv_width: int) -> None:
         """Set the committed state after prefill.
 
         Args:
-            conv_state: ``[B, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
-                for a layer without conv. ssm_state: ``[B, *S]``, or None for a conv-only layer
+            conv_state: ``[num_slots, C, >= W-1]`` last conv inputs (the last W-1 are kept) or None
+                for a layer without conv. ssm_state: ``[num_slots, *S]``, or None for a conv-only layer
                 (LFM2's short convs: its rollback is the conv window's offset alone).
             conv_width: W.
         """
@@ -117,8 +100,10 @@ class SSMLayerCache:
         """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]`` (in tree
         mode each node's window is its ancestor chain)."""
         if self.tree_parents is not None:
-            return self.conv_op.tree_verify(self.conv_window, x, weight, bias, activation, self.tree_parents)
-        return self.conv_op.verify(self.conv_window, x, weight, bias, activation, self.step_tokens)
+            return self.conv_op.tree_verify(self.conv_window, x, weight, bias, activation, self.tree_parents,
+                                            state_indices=self.state_indices)
+        return self.conv_op.verify(self.conv_window, x, weight, bias, activation, self.step_tokens,
+                                   state_indices=self.state_indices)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """Run the recurrence on this step's ``inputs`` through the rollback strategy (in tree mode,
@@ -141,6 +126,10 @@ class SSMLayerCache:
         ``compact_path``. A following :meth:`commit` then commits the path as a chain."""
         win = self.conv_window
         if win is not None:
+            if self.state_indices is not None:  # the window pool is per slot: the path of each slot's row
+                i = torch.arange(src.shape[1], device=src.device)[None, :]
+                num = to_slots(num_tokens, self.state_indices, win.shape[0])
+                src = torch.where(i < num[:, None], to_slots(src, self.state_indices, win.shape[0]), i)
             B, P = src.shape
             h = self.conv_width - 1
             moved = win.gather(2, (h + src)[:, None, :].expand(B, win.shape[1], P))  # all reads before writes
@@ -150,19 +139,19 @@ class SSMLayerCache:
 
     def commit(self, num_tokens: torch.Tensor) -> None:
         if self.conv_window is not None:
-            self.conv_op.commit(self.conv_window, num_tokens, self.conv_width)
+            self.conv_op.commit(self.conv_window, num_tokens, self.conv_width, state_indices=self.state_indices)
         if self.has_recurrence:
             self.strategy.commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
 
     def ssm_state(self) -> torch.Tensor:
-        """Committed recurrent state ``[B, *S]`` fp32 (None for a conv-only layer)."""
+        """Committed recurrent state ``[num_slots, *S]`` fp32 (None for a conv-only layer)."""
         if not self.has_recurrence:
             return None
         return self.strategy.state(self.store, self.op, self.params)
 
     def conv_state(self) -> torch.Tensor | None:
-        """Committed conv history ``[B, C, W-1]``."""
+        """Committed conv history ``[num_slots, C, W-1]``."""
         if self.conv_window is None:
             return None
         return self.conv_window[:, :, : self.conv_width - 1]

@@ -194,6 +194,39 @@ def test_rollback_kernel_level_at_a_4b_shape(tmp_path: Path):
     assert "## Recommendation" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernels_table_tiny(tmp_path: Path, backend, monkeypatch):
+    """experiment=kernels at the tiny shapes, on the torch reference and on the Triton kernels
+    (interpreter): one record per (op, batch, K, strategy) with the baseline first, every strategy
+    checked exact against the reference, ratios against snapshot / baseline from the records'
+    own times, and the summary's table and targets."""
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    ops = "[gdn,mamba2]" if backend == "torch" else "[kda]"
+    cfg = _cfg(["experiment=kernels", "experiment.shapes=tiny", f"experiment.ops={ops}", "experiment.batch_grid=[1,2]",
+                "experiment.k_grid=[2]", "experiment.reps=1"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    strategies = ["baseline", "snapshot", "ring", "replay", "replay_deferred"]
+    grid = [(op, b, s) for op in ops.strip("[]").split(",") for b in (1, 2) for s in strategies]
+    assert [(r["op"], r["batch"], r["rollback"]) for r in records] == grid
+    for r in records:
+        assert r["experiment"] == "kernels" and r["backend"] == backend and r["num_speculative_tokens"] == 2
+        assert r["exact"] and r["err_state"] < 1e-4 and r["us_per_step"] > 0 and r["kernel_MB"] > 0
+        group = {g["rollback"]: g for g in records if (g["op"], g["batch"]) == (r["op"], r["batch"])}
+        assert r["vs_snapshot"] == pytest.approx(r["us_per_step"] / group["snapshot"]["us_per_step"])
+        assert r["vs_baseline"] == pytest.approx(r["us_per_step"] / group["baseline"]["us_per_step"])
+        assert (r["extra_MiB_per_seq"] > 0) == (r["rollback"] != "baseline")
+    summary = (tmp_path / "summary.md").read_text()
+    head, rows = _table(summary, "op")
+    assert head[:5] == ["op", "batch", "K", "rollback", "launch"] and len(rows) == len(records)
+    assert "## Targets" in summary
+
+
+def test_kernels_table_rejects_a_bad_grid():
+    cfg = _cfg(["experiment=kernels", "experiment.k_grid=[0]"] + CPU)
+    with pytest.raises(ValueError, match="k_grid"):
+        run_experiment(cfg, Path("/nonexistent"))
+
+
 def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
     """experiment=bench on the qwen35-4b-shape entry shrunk to a tiny config (random init)."""
     tiny = {"hidden_size": 64, "num_hidden_layers": 4, "layer_types": "[linear_attention,linear_attention,"

@@ -1,6 +1,10 @@
 """Triton kernels against the fp32 torch references (``naive.py``), through Triton's interpreter.
 
-Every test draws fresh random inputs (never zeros), poisons outputs with NaN first and checks
+The kernels are driven through the library's own objects: each op's kernel set
+(``OPS[name].on("triton").kernels``, the :class:`specdec.kernels.RollbackKernels` contract, with
+launch overrides from :class:`specdec.kernels.LaunchConfig`), the conv op, and the rollback
+strategies; inputs come from the experiments' generators (``synthetic_inputs``). Every test
+draws fresh random inputs (never zeros), poisons outputs with NaN first and checks
 they are fully written, and asserts that the state a call must not touch (ring slots outside
 the write set, snapshot slots past offset + t, history positions outside the append, rows whose
 ``state_indices`` is the pad id, slots no row uses) stays bit-exact. Sizes are tiny: the
@@ -22,13 +26,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specdec.kernels import OPS, get_op  # noqa: E402
-from specdec.kernels.conv1d.naive import conv1d_commit, conv1d_verify  # noqa: E402
-from specdec.kernels.conv1d.triton_conv import conv1d_commit_triton, conv1d_verify_triton  # noqa: E402
+from specdec.experiments.kernel_timing import synthetic_inputs, synthetic_params  # noqa: E402
+from specdec.experiments.models import SSMShape  # noqa: E402
+from specdec.kernels import OPS, LaunchConfig, RollbackKernels, conv1d_op, get_op  # noqa: E402
+from specdec.kernels.conv1d import CONV1D  # noqa: E402
+from specdec.kernels.conv1d.naive import conv1d_commit, conv1d_tree_verify, conv1d_verify  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
-from specdec.kernels.kda import triton_step as kda_step  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
-from specdec.kernels.triton_common import replay_commit_lengths, ring_commit, state_copy_commit  # noqa: E402
+from specdec.kernels.triton_common import TREE_UNROLL_MAX  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}  # relative RMS; both sides compute in fp32
@@ -51,126 +56,56 @@ def garbage(*shape, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# per-op adapters: random inputs, the torch reference, and the kernel-level calls
+# the library's objects at test sizes
 
 
-class DeltaCase:
-    """GDN (per-head gate) or KDA (per-channel gate) at state ``[H, K, V]``."""
-
-    def __init__(self, name, H, K, V, block):
-        self.name, self.H, self.K, self.V, self.block = name, H, K, V, block
-        self.per_channel = name == "kda"
-        self.op = OPS[name]
-        self.state_shape = (H, K, V)
-
-    def inputs(self, B, T, dtype):
-        H, K, V = self.H, self.K, self.V
-        r = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
-        q = F.normalize(r(B, T, H, K), dim=-1) * K**-0.5
-        k = F.normalize(r(B, T, H, K), dim=-1)
-        g = -F.softplus(r(B, T, H, K) if self.per_channel else r(B, T, H))
-        d = dict(q=q, k=k, v=r(B, T, H, V), g=g, beta=torch.sigmoid(r(B, T, H)))
-        return {key: t.to(dtype) for key, t in d.items()}
-
-    def args(self, inp):
-        return inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"]
-
-    def out(self, inp):
-        B, T = inp["q"].shape[:2]
-        return torch.full((B, T, self.H, self.V), float("nan"), device=DEVICE)
-
-    def update(self, state, inp, si, out):
-        return dr.delta_rule_update(state, *self.args(inp), si, out=out, block_v=self.block)
-
-    def snapshot(self, live, buf, inp, off, si, out):
-        return dr.delta_rule_snapshot_verify(live, buf, *self.args(inp), off, si, out=out, block_v=self.block)
-
-    def ring(self, ring, head, inp, off, si, out):
-        return dr.delta_rule_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_v=self.block)
-
-    def replay(self, ckpt, hist, hist_len, inp, off, si, out, fused=False):
-        return dr.delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self.args(inp), off, si,
-                                           fused=fused, out=out, block_v=self.block)
-
-    def commit_fused(self, hist, hist_len, n, si):
-        dr.delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, n, si)
-
-    def fold(self, ckpt, hist, n, si):
-        dr.delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], n, si, block_v=self.block)
-
-    def random_history(self, S, L):
-        H, K, V = self.H, self.K, self.V
-        g = -F.softplus(torch.randn(S, L, H, K, device=DEVICE) if self.per_channel else torch.randn(S, L, H, device=DEVICE))
-        k = F.normalize(torch.randn(S, L, H, K, device=DEVICE), dim=-1)
-        return dict(k=k, g=g, u=torch.randn(S, L, H, V, device=DEVICE) * 0.3)
-
-
-class Mamba2Case:
-    """Mamba-2 at state ``[H, P, N]`` with G groups."""
-
-    def __init__(self, H, P, N, G, block, with_D=True):
-        self.H, self.P, self.N, self.G, self.block, self.with_D = H, P, N, G, block, with_D
-        self.op = OPS["mamba2"]
-        self.state_shape = (H, P, N)
-        self.params = dict(A=-torch.exp(torch.randn(H, device=DEVICE) * 0.5),
-                           D=torch.randn(H, device=DEVICE) if with_D else None)
-
-    def inputs(self, B, T, dtype):
-        H, P, N, G = self.H, self.P, self.N, self.G
-        r = lambda *s: torch.randn(*s, device=DEVICE)  # noqa: E731
-        d = dict(x=r(B, T, H, P), dt=F.softplus(r(B, T, H) - 1), B=r(B, T, G, N), C=r(B, T, G, N))
-        return {key: t.to(dtype) for key, t in d.items()}
-
-    def args(self, inp):
-        return inp["x"], inp["dt"], self.params["A"], inp["B"], inp["C"], self.params["D"]
-
-    def out(self, inp):
-        B, T = inp["x"].shape[:2]
-        return torch.full((B, T, self.H, self.P), float("nan"), device=DEVICE)
-
-    def update(self, state, inp, si, out):
-        return m2.mamba2_update(state, *self.args(inp), si, out=out, block_p=self.block)
-
-    def snapshot(self, live, buf, inp, off, si, out):
-        return m2.mamba2_snapshot_verify(live, buf, *self.args(inp), off, si, out=out, block_p=self.block)
-
-    def ring(self, ring, head, inp, off, si, out):
-        return m2.mamba2_ring_verify(ring, head, *self.args(inp), off, si, out=out, block_p=self.block)
-
-    def replay(self, ckpt, hist, hist_len, inp, off, si, out, fused=False):
-        return m2.mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self.args(inp), off, si,
-                                       fused=fused, out=out, block_p=self.block)
-
-    def commit_fused(self, hist, hist_len, n, si):
-        m2.mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, n, si)
-
-    def fold(self, ckpt, hist, n, si):
-        m2.mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], self.params["A"], n, si, block_p=self.block)
-
-    def random_history(self, S, L):
-        H, P, N, G = self.H, self.P, self.N, self.G
-        return dict(x=torch.randn(S, L, H, P, device=DEVICE), dt=F.softplus(torch.randn(S, L, H, device=DEVICE) - 1),
-                    B=torch.randn(S, L, G, N, device=DEVICE))
-
-
-def make_case(op, dims, block):
+def op_shape(op, dims) -> SSMShape:
+    """dims: GDN/KDA ``(H, K, V)``; Mamba-2 ``(H, P, N, G[, with_D])``."""
     if op == "mamba2":
-        return Mamba2Case(*dims[:4], block, with_D=dims[4] if len(dims) > 4 else True)
+        H, P, N, G = dims[:4]
+        return SSMShape(op, 1, heads=H, head_dim=P, state_size=N, n_groups=G)
     H, K, V = dims
-    return DeltaCase(op, H, K, V, block)
+    return SSMShape(op, 1, heads=H, key_dim=K, value_dim=V)
+
+
+def op_params(op, dims, gen) -> dict:
+    params = synthetic_params(op_shape(op, dims), DEVICE, gen)
+    if op == "mamba2" and len(dims) > 4 and not dims[4]:
+        params = {"A": params["A"]}  # no skip weight D
+    return params
+
+
+def kernels(op, block=None, tree_loop=None) -> RollbackKernels:
+    """The op's Triton kernel set, launched with state block ``block`` (None: the default)."""
+    return OPS[op].on("triton", DEVICE).kernels.with_launch(LaunchConfig(block=block, tree_loop=tree_loop))
+
+
+def step_inputs(op, dims, B, T, dtype, gen) -> dict:
+    return synthetic_inputs(op_shape(op, dims), B, T, DEVICE, gen, dtype=dtype)
+
+
+def random_history(op, dims, S, L, gen) -> dict:
+    """A replay history ``{key: [S, L, ...]}`` fp32 of real replay inputs (the op's ``replay_keys``)."""
+    inp = step_inputs(op, dims, S, L, torch.float32, gen)
+    state = torch.randn(S, *op_shape(op, dims).state_shape, generator=gen).to(DEVICE) * 0.3
+    _, _, replay = OPS[op].verify(state, inp, op_params(op, dims, gen), False)
+    return {k: v.float().contiguous() for k, v in replay.items()}
+
+
+def nan_like(y):
+    return torch.full_like(y, float("nan"))
 
 
 def cat_inputs(calls):
     return {key: torch.cat([c[key] for c in calls], dim=1) for key in calls[0]}
 
 
-def reference(case, s0, inputs):
+def reference(op, s0, inputs, params, parents=None):
     """(y, states, replay inputs) of the torch op from ``s0`` (``[B, *S]``) over all step tokens."""
-    params = getattr(case, "params", {})
-    y, states, replay = case.op.verify(s0, {k: v.float() for k, v in inputs.items()}, params, True)
-    if case.op.name == "mamba2":
-        replay = {k: inputs[k].float() for k in case.op.replay_keys}
-    return y, states, replay
+    inputs = {k: v.float() for k, v in inputs.items()}
+    if parents is None:
+        return OPS[op].verify(s0, inputs, params, True)
+    return OPS[op].tree_verify(s0, inputs, params, parents, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,20 +172,22 @@ def _check_outputs(y, y_ref, rows, B, tol, what):
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
 def test_snapshot(op, dims, block, B, calls, dtype, use_si):
     torch.manual_seed(1)
-    case = make_case(op, dims, block)
+    gen = torch.Generator().manual_seed(1)
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T, T_max = sum(calls), sum(calls) + 1
     S, si, rows = _layout(B, use_si, 2)
     slots = _slots(si, rows)
-    live = torch.randn(S, *case.state_shape, device=DEVICE)
-    buf = garbage(S, T_max, *case.state_shape)
+    live = torch.randn(S, *S_shape, device=DEVICE)
+    buf = garbage(S, T_max, *S_shape)
     live0, buf0 = live.clone(), buf.clone()
-    inps = [case.inputs(B, t, dtype) for t in calls]
-    y_ref, states_ref, _ = reference(case, live[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps))
+    inps = [step_inputs(op, dims, B, t, dtype, gen) for t in calls]
+    y_ref, states_ref, _ = reference(op, live[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps),
+                                     params)
     off = 0
     for inp in inps:
         t = inp[next(iter(inp))].shape[1]
-        y = case.out(inp)
-        ret = case.snapshot(live, buf, inp, off, si, y)
+        y = nan_like(y_ref[:, off:off + t])
+        ret = kern.snapshot_verify(live, buf, inp, params, off, state_indices=si, out=y)
         assert ret is y
         _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"snapshot y (offset {off})")
         off += t
@@ -261,7 +198,7 @@ def test_snapshot(op, dims, block, B, calls, dtype, use_si):
         assert_close(buf[s, :T], states_ref[b], TOL[dtype], f"snapshot buf row {b}")
 
     n = _accepted(B, T, 3)
-    state_copy_commit(live, buf, n, si)
+    kern.snapshot_commit(live, buf, n, state_indices=si)
     _check_untouched_rows(live0, live, slots, "snapshot commit")
     for b, s in zip(rows, slots):
         if n[b] == 0:
@@ -273,23 +210,25 @@ def test_snapshot(op, dims, block, B, calls, dtype, use_si):
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
 def test_ring(op, dims, block, B, calls, dtype, use_si):
     torch.manual_seed(4)
-    case = make_case(op, dims, block)
+    gen = torch.Generator().manual_seed(4)
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     R = T + 2  # one spare slot, so the write set wraps and leaves a slot that must stay intact
     S, si, rows = _layout(B, use_si, 5)
     slots = _slots(si, rows)
-    ring = garbage(S, R, *case.state_shape)
+    ring = garbage(S, R, *S_shape)
     head = torch.randint(0, R, (S,), device=DEVICE)
-    s0 = torch.randn(S, *case.state_shape, device=DEVICE)
+    s0 = torch.randn(S, *S_shape, device=DEVICE)
     ring[torch.arange(S), head] = s0
     ring0, head0 = ring.clone(), head.clone()
-    inps = [case.inputs(B, t, dtype) for t in calls]
-    y_ref, states_ref, _ = reference(case, s0[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps))
+    inps = [step_inputs(op, dims, B, t, dtype, gen) for t in calls]
+    y_ref, states_ref, _ = reference(op, s0[si.clamp(min=0) if si is not None else slice(None)], cat_inputs(inps),
+                                     params)
     off = 0
     for inp in inps:
         t = inp[next(iter(inp))].shape[1]
-        y = case.out(inp)
-        case.ring(ring, head, inp, off, si, y)
+        y = nan_like(y_ref[:, off:off + t])
+        kern.ring_verify(ring, head, inp, params, off, state_indices=si, out=y)
         _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"ring y (offset {off})")
         off += t
     assert torch.equal(head, head0), "ring verify moved the head"
@@ -305,26 +244,26 @@ def test_ring(op, dims, block, B, calls, dtype, use_si):
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
 def test_replay(op, dims, block, B, calls, dtype, use_si):
     torch.manual_seed(6)
-    case = make_case(op, dims, block)
+    gen = torch.Generator().manual_seed(6)
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     L = 2 * T + 3
     S, si, rows = _layout(B, use_si, 7)
     slots = _slots(si, rows)
-    ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
-    hist = case.random_history(S, L)  # positions >= hist_len hold garbage the kernel must not read
+    ckpt = torch.randn(S, *S_shape, device=DEVICE)
+    hist = random_history(op, dims, S, L, gen)  # positions >= hist_len hold garbage the kernel must not read
     hist_len = torch.randint(0, T + 2, (S,), device=DEVICE)
     hist_len[0] = 0
     ckpt0, hist0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
-    params = getattr(case, "params", {})
-    s0 = case.op.fold(ckpt, hist, params, hist_len)  # the state the step starts from
+    s0 = OPS[op].fold(ckpt, hist, params, hist_len)  # the state the step starts from
     idx = si.clamp(min=0) if si is not None else slice(None)
-    inps = [case.inputs(B, t, dtype) for t in calls]
-    y_ref, states_ref, replay_ref = reference(case, s0[idx], cat_inputs(inps))
+    inps = [step_inputs(op, dims, B, t, dtype, gen) for t in calls]
+    y_ref, states_ref, replay_ref = reference(op, s0[idx], cat_inputs(inps), params)
     off = 0
     for inp in inps:
         t = inp[next(iter(inp))].shape[1]
-        y = case.out(inp)
-        case.replay(ckpt, hist, hist_len, inp, off, si, y)
+        y = nan_like(y_ref[:, off:off + t])
+        kern.replay_verify(ckpt, hist, hist_len, inp, params, off, state_indices=si, out=y)
         _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"replay y (offset {off})")
         off += t
     assert torch.equal(ckpt, ckpt0), "replay verify wrote the checkpoint"
@@ -349,7 +288,7 @@ def test_replay(op, dims, block, B, calls, dtype, use_si):
         num[b] = hist_len[s] + n[b]
     num[0] = 0  # row 0 does not flush: its checkpoint must stay bit-exact (no state traffic)
     ckpt_before = ckpt.clone()
-    case.fold(ckpt, hist, num, si)
+    kern.replay_fold(ckpt, hist, params, num, state_indices=si)
     _check_untouched_rows(ckpt_before, ckpt, slots, "replay fold")
     for b, s in zip(rows, slots):
         if num[b] == 0:
@@ -365,29 +304,29 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     """Fused (eager) replay: the step's first call folds the committed history into the checkpoint,
     every call appends at T_max + offset, and the commit moves the accepted prefix to 0.. ."""
     torch.manual_seed(16)
-    case = make_case(op, dims, block)
+    gen = torch.Generator().manual_seed(16)
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     T_max = T + 1  # one spare position per half: it must stay intact
     L = 2 * T_max
     S, si, rows = _layout(B, use_si, 17)
     slots = _slots(si, rows)
-    ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
-    hist = case.random_history(S, L)  # positions >= hist_len (committed half) hold garbage that must not count
+    ckpt = torch.randn(S, *S_shape, device=DEVICE)
+    hist = random_history(op, dims, S, L, gen)  # positions >= hist_len (committed half) hold garbage that must not count
     hist_len = torch.randint(0, T_max + 1, (S,), device=DEVICE)
     hist_len[slots[0]] = 0  # a row with no committed history: its checkpoint must stay bit-exact
     if len(slots) > 1:
         hist_len[slots[1]] = T_max
     ckpt0, hist0, len0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}, hist_len.clone()
-    params = getattr(case, "params", {})
-    s0 = case.op.fold(ckpt, hist, params, hist_len)  # the committed state
+    s0 = OPS[op].fold(ckpt, hist, params, hist_len)  # the committed state
     idx = si.clamp(min=0) if si is not None else slice(None)
-    inps = [case.inputs(B, t, dtype) for t in calls]
-    y_ref, states_ref, replay_ref = reference(case, s0[idx], cat_inputs(inps))
+    inps = [step_inputs(op, dims, B, t, dtype, gen) for t in calls]
+    y_ref, states_ref, replay_ref = reference(op, s0[idx], cat_inputs(inps), params)
     off = 0
     for inp in inps:
         t = inp[next(iter(inp))].shape[1]
-        y = case.out(inp)
-        case.replay(ckpt, hist, hist_len, inp, off, si, y, fused=True)
+        y = nan_like(y_ref[:, off:off + t])
+        kern.replay_verify(ckpt, hist, hist_len, inp, params, off, fused=True, state_indices=si, out=y)
         _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"fused replay y (offset {off})")
         off += t
     assert torch.equal(hist_len, len0), "fused replay verify wrote hist_len"
@@ -410,12 +349,12 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
 
     n = _accepted(B, T, 18)
     ckpt1, hist1 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
-    case.commit_fused(hist, hist_len, n, si)
+    kern.replay_commit(hist, hist_len, n, state_indices=si)
     assert torch.equal(ckpt, ckpt1), "fused replay commit touched the checkpoint"
     _check_untouched_rows(len0, hist_len, slots, "fused replay commit hist_len")
     for key in hist:
         _check_untouched_rows(hist1[key], hist[key], slots, f"fused replay commit {key}")
-    state = case.op.fold(ckpt, hist, params, hist_len)
+    state = OPS[op].fold(ckpt, hist, params, hist_len)
     for b, s in zip(rows, slots):
         k = int(n[b])
         assert int(hist_len[s]) == k, f"row {b}: hist_len {int(hist_len[s])} after committing {k}"
@@ -429,15 +368,16 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", [p for p in GRID if len(p.values[4]) == 1])
 def test_update_no_rollback(op, dims, block, B, calls, dtype, use_si):
     torch.manual_seed(9)
-    case = make_case(op, dims, block)
+    gen = torch.Generator().manual_seed(9)
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     S, si, rows = _layout(B, use_si, 10)
     slots = _slots(si, rows)
-    state = torch.randn(S, *case.state_shape, device=DEVICE)
+    state = torch.randn(S, *S_shape, device=DEVICE)
     state0 = state.clone()
-    inp = case.inputs(B, calls[0], dtype)
-    y_ref, states_ref, _ = reference(case, state[si.clamp(min=0) if si is not None else slice(None)], inp)
-    y = case.out(inp)
-    case.update(state, inp, si, y)
+    inp = step_inputs(op, dims, B, calls[0], dtype, gen)
+    y_ref, states_ref, _ = reference(op, state[si.clamp(min=0) if si is not None else slice(None)], inp, params)
+    y = nan_like(y_ref)
+    kern.update(state, inp, params, state_indices=si, out=y)
     _check_outputs(y, y_ref, rows, B, TOL[dtype], "update y")
     _check_untouched_rows(state0, state, slots, "update")
     for b, s in zip(rows, slots):
@@ -445,9 +385,9 @@ def test_update_no_rollback(op, dims, block, B, calls, dtype, use_si):
 
 
 @pytest.mark.parametrize("use_si", [False, True], ids=["B5", "B5-si"])
-def test_commit_bookkeeping(use_si):
-    """ring_commit and replay_commit_lengths against the torch ops of the rollback strategies."""
-    B, T_max, R, L = 5, 4, 5, 16
+def test_ring_commit_bookkeeping(use_si):
+    """The ring kernels' commit (one launch) against the torch op of the ring strategy."""
+    B, T_max, R = 5, 4, 5
     S, si, rows = _layout(B, use_si, 15)
     slots = _slots(si, rows)
     n = _accepted(B, T_max, 16)
@@ -455,18 +395,8 @@ def test_commit_bookkeeping(use_si):
     want = head.clone()
     for b, s in zip(rows, slots):
         want[s] = (want[s] + n[b]) % R
-    ring_commit(head, n, R, si)
+    kernels("gdn").ring_commit(head, n, R, state_indices=si)
     assert torch.equal(head, want)
-    for history in (T_max, L):  # eager, deferred
-        hist_len = torch.randint(0, history - T_max + 1, (S,), device=DEVICE)
-        want_len, want_fold = hist_len.clone(), torch.zeros(B, dtype=torch.long, device=DEVICE)
-        for b, s in zip(rows, slots):
-            new = int(hist_len[s] + n[b])
-            want_fold[b] = new if new + T_max > history else 0
-            want_len[s] = new - int(want_fold[b])
-        fold = torch.full((B,), -7, dtype=torch.long, device=DEVICE)
-        replay_commit_lengths(hist_len, n, fold, T_max, history, si)
-        assert torch.equal(hist_len, want_len) and torch.equal(fold, want_fold)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,7 +426,7 @@ def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si):
         x = torch.randn(B, t, C, device=DEVICE).to(dtype)
         y = torch.full_like(x, float("nan"))
         before = window.clone()
-        conv1d_verify_triton(window, x, weight, b, act, off, si, out=y)
+        CONV1D.on("triton", DEVICE).kernels.verify(window, x, weight, b, act, off, state_indices=si, out=y)
         y_ref = conv1d_verify(ref_rows, x[rows], weight, b, act, off)
         tol = TOL[dtype] if dtype == torch.float32 else 1e-2  # bf16 outputs are rounded to bf16
         assert_close(y[rows].float(), y_ref.float(), tol, f"conv y (offset {off})")
@@ -506,18 +436,59 @@ def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si):
         off += t
     n = _accepted(B, off, 13)
     before = window.clone()
-    conv1d_commit_triton(window, n, W, si)
+    CONV1D.on("triton", DEVICE).kernels.commit(window, n, W, state_indices=si)
     conv1d_commit(ref_rows, n[rows], W)
     _check_untouched_rows(before, window, slots, "conv commit")
     assert torch.equal(window[idx, :, : W - 1], ref_rows[:, :, : W - 1]), "conv commit differs from the reference's"
 
 
 def test_conv1d_rejects_overflow():
+    conv = CONV1D.on("triton", DEVICE)
     window = torch.randn(1, 4, 3 + 2, device=DEVICE)
     with pytest.raises(ValueError, match="step tokens"):
-        conv1d_verify_triton(window, torch.randn(1, 3, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), offset=0)
+        conv.verify(window, torch.randn(1, 3, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), None, None, 0)
     with pytest.raises(ValueError, match="activation"):
-        conv1d_verify_triton(window, torch.randn(1, 1, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), activation="gelu")
+        conv.verify(window, torch.randn(1, 1, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), None, "gelu", 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("use_si", [False, True], ids=["rows", "pool-si"])
+def test_conv1d_op_matches_reference(backend, use_si, monkeypatch):
+    """The layer caches' conv op (``conv1d_op``) on each backend, over a window pool with a
+    permuted row -> slot map and a padding row: chain calls, a tree step and the commits equal
+    the reference on the rows' own windows; slots no row maps to stay bit for bit."""
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    conv = conv1d_op(DEVICE)
+    assert conv.backend == backend and (conv.kernels is not None) == (backend == "triton")
+    torch.manual_seed(31)
+    B, C, W, T_max = 3, 24, 4, 7
+    S, si, rows = _layout(B, use_si, 32)
+    slots = _slots(si, rows)
+    idx = torch.tensor(slots, device=DEVICE)
+    window = torch.randn(S, C, W - 1 + T_max, device=DEVICE)
+    weight, bias = torch.randn(C, W, device=DEVICE), torch.randn(C, device=DEVICE)
+    ref = window[idx].clone()
+    off = 0
+    for t in (2, 1):
+        x = torch.randn(B, t, C, device=DEVICE)
+        before = window.clone()
+        y = conv.verify(window, x, weight, bias, "silu", off, state_indices=si)
+        assert_close(y[rows], conv1d_verify(ref, x[rows], weight, bias, "silu", off), TOL[torch.float32], "conv op y")
+        _check_untouched_rows(before, window, slots, "conv op window")
+        assert torch.equal(window[idx], ref), "conv op window differs from the reference's"
+        off += t
+    n = _accepted(B, off, 33)
+    conv.commit(window, n, W, state_indices=si)
+    conv1d_commit(ref, n[rows], W)
+    assert torch.equal(window[idx], ref), "conv op commit differs from the reference's"
+    parents = _tree("random7")
+    x = torch.randn(B, len(parents), C, device=DEVICE)
+    before = window.clone()
+    y = conv.tree_verify(window, x, weight, bias, "silu", parents, state_indices=si)
+    y_ref = conv1d_tree_verify(ref, x[rows], weight, bias, "silu", parents)
+    assert_close(y[rows], y_ref, TOL[torch.float32], "conv op tree y")
+    _check_untouched_rows(before, window, slots, "conv op tree window")
+    assert torch.equal(window[idx], ref), "conv op tree window differs from the reference's"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,14 +540,6 @@ TREE_GRID = [
 ]
 
 
-def _tree_reference(case, s0, inp, parents):
-    params = getattr(case, "params", {})
-    y, states, replay = case.op.tree_verify(s0, {k: v.float() for k, v in inp.items()}, params, parents, True)
-    if case.op.name == "mamba2":
-        replay = {k: inp[k].float() for k in case.op.replay_keys}
-    return y, states, replay
-
-
 # every tree with the default node walk, and the small trees (the large ones loop by default)
 # again with the runtime loop forced
 TREE_LOOP_GRID = [pytest.param(*p.values, None, id=f"{p.id}-default-loop", marks=p.marks) for p in TREE_GRID] + [
@@ -590,27 +553,23 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
     with the default node walk (unrolled up to ``TREE_UNROLL_MAX`` nodes, a runtime loop above) and
     with the runtime loop forced on small trees."""
     torch.manual_seed(21)
+    gen = torch.Generator().manual_seed(21)
     parents = _tree(tree)
     T = len(parents)
-    case = make_case(op, dims, block)
+    kern, params, S_shape = kernels(op, block, tree_loop), op_params(op, dims, gen), op_shape(op, dims).state_shape
     S, si, rows = _layout(B, use_si, 22)
     slots = _slots(si, rows)
     idx = si.clamp(min=0) if si is not None else slice(None)
     tol = TOL[dtype]
-    inp = case.inputs(B, T, dtype)
-    params = getattr(case, "params", {})
-    tune = {"block_v" if op != "mamba2" else "block_p": case.block, "tree_loop": tree_loop}
+    inp = step_inputs(op, dims, B, T, dtype, gen)
 
     # snapshot: buf[:, j] <- token j's state; slots past T and the live state untouched
-    live = torch.randn(S, *case.state_shape, device=DEVICE)
-    y_ref, states_ref, replay_ref = _tree_reference(case, live[idx], inp, parents)
-    buf = garbage(S, T + 1, *case.state_shape)
+    live = torch.randn(S, *S_shape, device=DEVICE)
+    y_ref, states_ref, replay_ref = reference(op, live[idx], inp, params, parents)
+    buf = garbage(S, T + 1, *S_shape)
     live0, buf0 = live.clone(), buf.clone()
-    y = case.out(inp)
-    if op == "mamba2":
-        m2.mamba2_snapshot_verify(live, buf, *case.args(inp), 0, si, parents=parents, out=y, **tune)
-    else:
-        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    y = nan_like(y_ref)
+    kern.snapshot_verify(live, buf, inp, params, 0, state_indices=si, parents=parents, out=y)
     _check_outputs(y, y_ref, rows, B, tol, "tree snapshot y")
     assert torch.equal(live, live0), "tree snapshot wrote the live state"
     assert torch.equal(buf[:, T:], buf0[:, T:]), "tree snapshot wrote slots past the tree"
@@ -620,15 +579,12 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
 
     # ring: token j -> slot (head + 1 + j) % R, wrapping; the spare slot and the head untouched
     R = T + 2
-    ring = garbage(S, R, *case.state_shape)
+    ring = garbage(S, R, *S_shape)
     head = torch.randint(0, R, (S,), device=DEVICE)
     ring[torch.arange(S), head] = live
     ring0, head0 = ring.clone(), head.clone()
-    y = case.out(inp)
-    if op == "mamba2":
-        m2.mamba2_ring_verify(ring, head, *case.args(inp), 0, si, parents=parents, out=y, **tune)
-    else:
-        dr.delta_rule_ring_verify(ring, head, *case.args(inp), 0, si, parents=parents, out=y, **tune)
+    y = nan_like(y_ref)
+    kern.ring_verify(ring, head, inp, params, 0, state_indices=si, parents=parents, out=y)
     _check_outputs(y, y_ref, rows, B, tol, "tree ring y")
     assert torch.equal(head, head0)
     _check_untouched_rows(ring0, ring, slots, "tree ring")
@@ -644,19 +600,16 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
     for fused in (False, True):
         T_max = T + 1
         L = 2 * T_max
-        ckpt = torch.randn(S, *case.state_shape, device=DEVICE)
-        hist = case.random_history(S, L)
+        ckpt = torch.randn(S, *S_shape, device=DEVICE)
+        hist = random_history(op, dims, S, L, gen)
         hist_len = torch.randint(0, T_max + 1 if fused else T_max - T + 2, (S,), device=DEVICE)
         hist_len[slots[0]] = 1
         ckpt0, hist0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
-        s0 = case.op.fold(ckpt, hist, params, hist_len)
-        y_ref, states_ref, replay_ref = _tree_reference(case, s0[idx], inp, parents)
-        y = case.out(inp)
-        case_args = (ckpt, *(hist[k] for k in case.op.replay_keys), hist_len)
-        if op == "mamba2":
-            m2.mamba2_replay_verify(*case_args, *case.args(inp), 0, si, fused=fused, parents=parents, out=y, **tune)
-        else:
-            dr.delta_rule_replay_verify(*case_args, *case.args(inp), 0, si, fused=fused, parents=parents, out=y, **tune)
+        s0 = OPS[op].fold(ckpt, hist, params, hist_len)
+        y_ref, states_ref, replay_ref = reference(op, s0[idx], inp, params, parents)
+        y = nan_like(y_ref)
+        kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=fused, state_indices=si, parents=parents,
+                           out=y)
         what = f"tree replay (fused={fused})"
         _check_outputs(y, y_ref, rows, B, tol, f"{what} y")
         _check_untouched_rows(ckpt0, ckpt, slots, f"{what} ckpt")
@@ -681,9 +634,7 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
 @pytest.mark.parametrize("tree", ["random7", "default16"])
 @pytest.mark.parametrize("dtype,use_si", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-si"])
 def test_conv1d_tree(tree, dtype, use_si):
-    from specdec.kernels.conv1d.naive import conv1d_tree_verify
-    from specdec.kernels.conv1d.triton_conv import conv1d_tree_verify_triton
-
+    conv = CONV1D.on("triton", DEVICE).kernels
     torch.manual_seed(23)
     parents = _tree(tree)
     T, B, C, W = len(parents), 3, 24, 4
@@ -696,7 +647,7 @@ def test_conv1d_tree(tree, dtype, use_si):
     x = torch.randn(B, T, C, device=DEVICE).to(dtype)
     y = torch.full_like(x, float("nan"))
     before = window.clone()
-    conv1d_tree_verify_triton(window, x, weight, bias, "silu", parents, si, out=y)
+    conv.tree_verify(window, x, weight, bias, "silu", parents, state_indices=si, out=y)
     y_ref = conv1d_tree_verify(ref_rows, x[rows], weight, bias, "silu", parents)
     tol = TOL[dtype] if dtype == torch.float32 else 1e-2
     assert_close(y[rows].float(), y_ref.float(), tol, "conv tree y")
@@ -704,19 +655,19 @@ def test_conv1d_tree(tree, dtype, use_si):
     _check_untouched_rows(before, window, slots, "conv tree window")
     assert torch.equal(window[idx], ref_rows), "conv tree window differs from the reference's"
     with pytest.raises(ValueError, match="earlier token"):
-        conv1d_tree_verify_triton(window, x, weight, bias, "silu", (-1, 2) + parents[2:], si)
+        conv.tree_verify(window, x, weight, bias, "silu", (-1, 2) + parents[2:], state_indices=si)
 
 
 def test_tree_rejects_offset_and_bad_parents():
-    case = DeltaCase("gdn", 1, 8, 8, None)
-    inp = case.inputs(1, 3, torch.float32)
+    kern = kernels("gdn")
+    inp = step_inputs("gdn", (1, 8, 8), 1, 3, torch.float32, torch.Generator().manual_seed(0))
     live, buf = torch.zeros(1, 1, 8, 8, device=DEVICE), torch.zeros(1, 5, 1, 8, 8, device=DEVICE)
     with pytest.raises(ValueError, match="offset 0"):
-        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 1, parents=(-1, 0, 0))
+        kern.snapshot_verify(live, buf, inp, {}, 1, parents=(-1, 0, 0))
     with pytest.raises(ValueError, match="earlier token"):
-        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, parents=(-1, 1, 0))
+        kern.snapshot_verify(live, buf, inp, {}, 0, parents=(-1, 1, 0))
     with pytest.raises(ValueError, match="entries"):
-        dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, parents=(-1, 0))
+        kern.snapshot_verify(live, buf, inp, {}, 0, parents=(-1, 0))
 
 
 TREE_STRATEGY_CASES = [pytest.param(op, strat, id=f"{op}-{strat}") for op in ("gdn", "mamba2")
@@ -734,14 +685,14 @@ def test_rollback_tree_step_end_to_end(monkeypatch, name, strategy):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     op_triton = get_op(name, DEVICE)
     op_torch = OPS[name]
-    torch.manual_seed(25)
-    case = make_case(name, (2, 8, 8, 2) if name == "mamba2" else (2, 8, 8), None)
-    params = getattr(case, "params", {})
+    gen = torch.Generator().manual_seed(25)
+    dims = (2, 8, 8, 2) if name == "mamba2" else (2, 8, 8)
+    params = op_params(name, dims, gen)
     parents = (-1, 0, 0, 1, 2, 1)  # node 3 and 5 share parent 1; node 4 hangs off 2
     T = len(parents)
     B = 3
     paths = torch.tensor([[0, 2, 4, 0], [0, 1, 5, 0], [0, 1, 3, 0]], device=DEVICE)
-    state = torch.randn(B, *case.state_shape, device=DEVICE)
+    state = torch.randn(B, *op_shape(name, dims).state_shape, generator=gen).to(DEVICE)
     stores = {}
     for key, op in (("triton", op_triton), ("torch", op_torch)):
         strat = make_strategy(strategy)
@@ -749,7 +700,7 @@ def test_rollback_tree_step_end_to_end(monkeypatch, name, strategy):
         strat.load(store, state)
         stores[key] = (strat, store, op)
     for step, n in enumerate([[3, 2, 1], [0, 3, 2], [1, 1, 3]]):
-        inp = case.inputs(B, T, torch.float32)
+        inp = step_inputs(name, dims, B, T, torch.float32, gen)
         num = torch.tensor(n, device=DEVICE)
         ys = {}
         for key, (strat, store, op) in stores.items():
@@ -769,7 +720,7 @@ def test_rollback_tree_step_end_to_end(monkeypatch, name, strategy):
         got = stores["triton"][0].state(stores["triton"][1], op_triton, params)
         want = stores["torch"][0].state(stores["torch"][1], op_torch, params)
         assert_close(got, want, 1e-5, f"committed state after tree step {step}")
-        inp = case.inputs(B, 2, torch.float32)  # a chain step after the tree step
+        inp = step_inputs(name, dims, B, 2, torch.float32, gen)  # a chain step after the tree step
         ys = {key: strat.verify(store, op, inp, params) for key, (strat, store, op) in stores.items()}
         assert_close(ys["triton"], ys["torch"], 1e-5, f"chain step after tree step {step}")
         for strat, store, op in stores.values():
@@ -781,25 +732,29 @@ def test_rollback_tree_step_end_to_end(monkeypatch, name, strategy):
 
 
 def test_rejects_bad_arguments():
-    case = DeltaCase("gdn", 1, 8, 8, None)
-    inp = case.inputs(1, 2, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    kern = kernels("gdn")
+    inp = step_inputs("gdn", (1, 8, 8), 1, 2, torch.float32, gen)
     with pytest.raises(ValueError, match="float32"):
-        dr.delta_rule_update(torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16, device=DEVICE), *case.args(inp))
+        kern.update(torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16, device=DEVICE), inp, {})
     with pytest.raises(ValueError, match="per-row shape"):
-        dr.delta_rule_update(torch.zeros(1, 1, 8, 4, device=DEVICE), *case.args(inp))
+        kern.update(torch.zeros(1, 1, 8, 4, device=DEVICE), inp, {})
     with pytest.raises(ValueError, match="snapshot buffer"):
-        dr.delta_rule_snapshot_verify(torch.zeros(1, 1, 8, 8, device=DEVICE), torch.zeros(1, 2, 1, 8, 8, device=DEVICE),
-                                      *case.args(inp), 1)
+        kern.snapshot_verify(torch.zeros(1, 1, 8, 8, device=DEVICE), torch.zeros(1, 2, 1, 8, 8, device=DEVICE), inp, {},
+                             1)
     with pytest.raises(ValueError, match="ring"):
-        dr.delta_rule_ring_verify(torch.zeros(1, 2, 1, 8, 8, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
-                                  *case.args(inp), 0)
+        kern.ring_verify(torch.zeros(1, 2, 1, 8, 8, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                         inp, {}, 0)
     with pytest.raises(ValueError, match="state_indices"):
-        dr.delta_rule_update(torch.zeros(1, 1, 8, 8, device=DEVICE), *case.args(inp), torch.zeros(2, dtype=torch.long))
+        kern.update(torch.zeros(1, 1, 8, 8, device=DEVICE), inp, {}, state_indices=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="gate g"):
-        kda_step.KDAKernels().update(torch.zeros(1, 1, 8, 8, device=DEVICE), inp, {})
+        kernels("kda").update(torch.zeros(1, 1, 8, 8, device=DEVICE), inp, {})
+    with pytest.raises(TypeError, match="LaunchConfig"):
+        kern.with_launch({"block": 8})
     with pytest.raises(ValueError, match="groups"):
-        mc = Mamba2Case(3, 8, 8, 2, None)
-        m2.mamba2_update(torch.zeros(1, 3, 8, 8, device=DEVICE), *mc.args(mc.inputs(1, 1, torch.float32)))
+        dims = (3, 8, 8, 2)
+        kernels("mamba2").update(torch.zeros(1, 3, 8, 8, device=DEVICE), step_inputs("mamba2", dims, 1, 1, torch.float32,
+                                                                                     gen), op_params("mamba2", dims, gen))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -835,13 +790,11 @@ def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     op_triton = get_op(name, DEVICE)
     op_torch = OPS[name]
-    torch.manual_seed(14)
-    case = make_case(name, (2, 16, 8, 2) if name == "mamba2" else (2, 8, 16), None)
-    params = getattr(case, "params", {})
-    if name == "mamba2" and params["D"] is None:
-        params = {"A": params["A"]}
+    gen = torch.Generator().manual_seed(14)
+    dims = (2, 16, 8, 2) if name == "mamba2" else (2, 8, 16)
+    params = op_params(name, dims, gen)
     B, T_max = 2, 3
-    state = torch.randn(B, *case.state_shape, device=DEVICE)
+    state = torch.randn(B, *op_shape(name, dims).state_shape, generator=gen).to(DEVICE)
     stores = {}
     for key, op in (("triton", op_triton), ("torch", op_torch)):
         strat = make_strategy(strategy)
@@ -849,7 +802,7 @@ def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
         strat.load(store, state)
         stores[key] = (strat, store, op)
     for step, (calls, n) in enumerate([((1, 2), [3, 0]), ((3,), [1, 2]), ((2,), [2, 1])]):
-        inps = [case.inputs(B, t, torch.float32) for t in calls]
+        inps = [step_inputs(name, dims, B, t, torch.float32, gen) for t in calls]
         for inp in inps:
             ys = {key: strat.verify(store, op, inp, params) for key, (strat, store, op) in stores.items()}
             assert_close(ys["triton"], ys["torch"], 1e-5, f"step {step} outputs")
@@ -867,7 +820,7 @@ def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts code the compiler rejects: compile one variant of each kernel for sm_90."""
-    script = os.path.join(os.path.dirname(__file__), "triton_sm90_compile.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "triton_sm90_compile.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -909,16 +862,13 @@ def test_tree_real_size(op, dims, tree, B):
 @needs_cuda
 def test_conv1d_tree_real_size(monkeypatch):
     """The conv tree kernel at Mamba-2's conv width (C = 8192 + 2 * 8 * 128 channels), 64-node tree."""
-    from specdec.kernels.conv1d.naive import conv1d_tree_verify
-    from specdec.kernels.conv1d.triton_conv import conv1d_tree_verify_triton
-
     parents = _tree("medusa63")
     B, C, W, T = 8, 8192 + 2048, 4, len(parents)
     window = torch.randn(B, C, W - 1 + T, device=DEVICE).bfloat16()
     weight, bias = torch.randn(C, W, device=DEVICE).bfloat16(), torch.randn(C, device=DEVICE).bfloat16()
     x = torch.randn(B, T, C, device=DEVICE).bfloat16()
     ref = window.clone()
-    y = conv1d_tree_verify_triton(window, x, weight, bias, "silu", parents)
+    y = CONV1D.on("triton", DEVICE).tree_verify(window, x, weight, bias, "silu", parents)
     y_ref = conv1d_tree_verify(ref, x, weight.float(), bias.float(), "silu", parents)
     assert_close(y.float(), y_ref.float(), 1e-2, "conv tree y (bf16 outputs)")
     assert torch.equal(window, ref)
@@ -928,12 +878,17 @@ def test_conv1d_tree_real_size(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
 def test_real_size_against_reference(op):
-    """Every strategy at the benchmark's shapes (bf16 inputs, fp32 state), B = 8, K = 4."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import rollback_kernels
+    """Every strategy at the kernel table's shapes (bf16 inputs, fp32 state), B = 8, K = 4, through the
+    library's strategies (the kernel table's check)."""
+    from specdec.experiments.kernel_table import SHAPES, check_point
 
-    results = rollback_kernels.check_correctness(op, batch=8, K=4, device="cuda", tiny=False)
-    bad = [r for r in results if not r["pass"]]
+    shape, gen = SHAPES["bench"][op], torch.Generator().manual_seed(0)
+    params = synthetic_params(shape, DEVICE, gen)
+    bad = {}
+    for strategy in ("baseline", "snapshot", "ring", "replay", "replay_deferred"):
+        r = check_point(OPS[op].on("triton", DEVICE), OPS[op], shape, strategy, 8, 4, DEVICE, params=params, gen=gen)
+        if not r["exact"]:
+            bad[strategy] = r
     assert not bad, bad
 
 
@@ -956,15 +911,12 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
     for parents, tree_loop, want in ((None, None, False), (small, None, False), (small, True, True),
                                      (big, None, True), (big, False, False)):
         T = 5 if parents is None else len(parents)
-        case = make_case(op, (2, 8, 8) if op == "gdn" else (2, 8, 8, 1), 8)
-        inp = case.inputs(1, T, torch.float32)
-        live = torch.randn(1, *case.state_shape, device=DEVICE)
-        buf = garbage(1, T, *case.state_shape)
-        tune = {} if parents is None else {"parents": parents, "tree_loop": tree_loop}
-        if op == "gdn":
-            dr.delta_rule_snapshot_verify(live, buf, *case.args(inp), 0, **tune)
-        else:
-            m2.mamba2_snapshot_verify(live, buf, *case.args(inp), 0, **tune)
+        dims = (2, 8, 8) if op == "gdn" else (2, 8, 8, 1)
+        gen = torch.Generator().manual_seed(T)
+        inp = step_inputs(op, dims, 1, T, torch.float32, gen)
+        live = torch.randn(1, *op_shape(op, dims).state_shape, device=DEVICE)
+        buf = garbage(1, T, *op_shape(op, dims).state_shape)
+        kernels(op, 8, tree_loop).snapshot_verify(live, buf, inp, op_params(op, dims, gen), 0, parents=parents)
         got = seen[-1]
         assert got["TREE"] == (parents is not None) and got["TREE_LOOP"] == want, (parents, tree_loop, got)
         if want:
@@ -981,4 +933,4 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
         assert m2._launch_config(1, 128, 64, 128, None, None, None, 5, 3) == (16, 128, 4, 5)
 
 
-TREE_BIG = dr.TREE_UNROLL_MAX + 3
+TREE_BIG = TREE_UNROLL_MAX + 3

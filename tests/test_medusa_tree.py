@@ -341,7 +341,7 @@ def test_oracle_tree_with_repetition_penalty_and_min_length():
 def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     """On the Triton backend (here its CPU interpreter) tree steps run the Triton tree kernels --
     the torch tree references raise if called -- and the output stays exact."""
-    import specdec.cache as conv_reference  # where the conv op finds its torch reference
+    import specdec.kernels.conv1d as conv_reference  # where the conv op finds its torch reference
     from specdec.kernels import GDNOp, Mamba2Op
 
     def torch_tree_path(*args, **kwargs):
@@ -481,7 +481,7 @@ def test_static_path_tree_sampling_matches_eager():
 @needs_triton_interpreter
 def test_static_path_tree_on_the_triton_backend(monkeypatch):
     """The static path's tree steps run the Triton tree kernels (interpreter here), exactly."""
-    import specdec.cache as conv_reference  # where the conv op finds its torch reference
+    import specdec.kernels.conv1d as conv_reference  # where the conv op finds its torch reference
     from specdec.kernels import GDNOp
 
     def torch_tree_path(*args, **kwargs):

@@ -116,3 +116,130 @@ def test_reset_rows_keeps_other_rows():
         after = strat.state(store, op, params)
         assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
         assert float(after[1].abs().max()) == 0.0
+
+
+POOL_STRATS = ["snapshot", "ring", "replay", "replay_deferred"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("strategy", POOL_STRATS)
+@pytest.mark.parametrize("op_name", ["mamba2", "gdn"])
+def test_state_indices_pool_equals_identity(op_name, strategy, backend):
+    """A store over a pool of 6 slots with a permuted row -> slot map and a padding row: chain steps
+    (one and two calls), tree steps (tree_verify, compact_path) and commits give bit for bit the
+    outputs and committed states of the identity store; slots no row maps to never change."""
+    from specdec.rollback import make_strategy
+
+    op = OPS[op_name].on(backend, "cpu")  # triton: the kernels through Triton's interpreter
+    g = torch.Generator().manual_seed(5)
+    Tmax, slots = 4, 6
+    si = torch.tensor([4, 0, 3, -1])  # rows 0..2 on slots 4, 0, 3; row 3 pads; slots 1, 2, 5 unused
+    real = si[:3]
+    unused = torch.tensor([1, 2, 5])
+    _, params, S = random_inputs(op_name, 1, g)
+    state0 = torch.randn(B, *S, generator=g)
+    pool = torch.randn(slots, *S, generator=g)
+    pool[real] = state0
+    ident, pooled = make_strategy(strategy), make_strategy(strategy)
+    s_id, s_pool = ident.new_store(B, Tmax), pooled.new_store(4, Tmax, state_indices=si)
+    ident.load(s_id, state0)
+    pooled.load(s_pool, pool)
+    unused0 = pooled.state(s_pool, op, params)[unused].clone()
+
+    def both(fn_id, fn_pool):
+        return fn_id(ident, s_id), fn_pool(pooled, s_pool)
+
+    def check(what):
+        got, want = pooled.state(s_pool, op, params), ident.state(s_id, op, params)
+        assert torch.equal(got[real], want), f"{what}: pooled committed states differ from the identity store's"
+        assert torch.equal(got[unused], unused0), f"{what}: a slot no row maps to changed"
+
+    parents = (-1, 0, 0, 1)
+    for step in range(8):  # enough commits for deferred replay to flush
+        T = 1 + step % Tmax
+        inputs, _, _ = random_inputs(op_name, T, g, batch=4)  # row 3 (padding) has inputs of its own
+        rows3 = {k: v[:3] for k, v in inputs.items()}
+        n = torch.tensor([step % (T + 1), T, 0])
+        n_pool = torch.cat([n, torch.tensor([T])])  # the padding row's count is never used
+        if step % 3 == 2:  # a tree step of 4 nodes; path[b] = the accepted nodes
+            inputs, _, _ = random_inputs(op_name, len(parents), g, batch=4)
+            rows3 = {k: v[:3] for k, v in inputs.items()}
+            y_id, y_pool = both(lambda s, st: s.tree_verify(st, op, rows3, params, parents),
+                                lambda s, st: s.tree_verify(st, op, inputs, params, parents))
+            path = torch.tensor([[0, 2, 0], [0, 1, 3], [0, 1, 0]])
+            n = torch.tensor([2, 3, 0])
+            n_pool = torch.cat([n, torch.tensor([1])])
+            ident.compact_path(s_id, op, params, path, n)
+            pooled.compact_path(s_pool, op, params, torch.cat([path, path[:1]]), n_pool)
+        elif T > 1 and step % 2:
+            ys = [both(lambda s, st, a=a, b=b: s.verify(st, op, {k: v[:, a:b] for k, v in rows3.items()}, params),
+                       lambda s, st, a=a, b=b: s.verify(st, op, {k: v[:, a:b] for k, v in inputs.items()}, params))
+                  for a, b in ((0, 1), (1, T))]
+            y_id, y_pool = torch.cat([y[0] for y in ys], 1), torch.cat([y[1] for y in ys], 1)
+        else:
+            y_id, y_pool = both(lambda s, st: s.verify(st, op, rows3, params),
+                                lambda s, st: s.verify(st, op, inputs, params))
+        assert torch.equal(y_pool[:3], y_id), f"step {step}: pooled outputs differ"
+        ident.commit(s_id, op, params, n)
+        pooled.commit(s_pool, op, params, n_pool)
+        check(f"step {step}")
+
+
+def test_state_indices_checks():
+    strat = SnapshotRollback()
+    with pytest.raises(ValueError, match="state_indices"):
+        strat.new_store(3, 2, state_indices=torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="state_indices"):
+        strat.new_store(3, 2, state_indices=torch.tensor([0, 1]))
+    store = strat.new_store(2, 2, state_indices=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="state_indices"):
+        strat.load(store, torch.zeros(2, 3), state_indices=torch.tensor([0, 1, 2]))
+    strat.load(store, torch.zeros(4, 3), state_indices=torch.tensor([3, -1]))
+    assert store.state_indices.tolist() == [3, -1] and strat.state(store, OPS["gdn"], {}).shape == (4, 3)
+
+
+def test_state_indices_debug_bounds(monkeypatch):
+    monkeypatch.setenv("SPECDEC_DEBUG", "1")
+    strat = RingRollback()
+    store = strat.new_store(2, 2, state_indices=torch.tensor([0, 3]))
+    with pytest.raises(IndexError, match="outside"):
+        strat.load(store, torch.zeros(3, 2, 2))
+    store = strat.new_store(2, 2, state_indices=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="two rows"):
+        strat.load(store, torch.zeros(3, 2, 2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layer_cache_state_indices(backend):
+    """SSMLayerCache with a row -> slot map: its conv op and store run the batch over window and
+    state pools; each step's outputs and the committed conv / SSM states equal an identity layer's
+    (conv_op on the same backend as the recurrence); unused slots keep theirs."""
+    from specdec.cache import SSMLayerCache
+    from specdec.rollback import make_strategy
+
+    op = OPS["gdn"].on(backend, "cpu")
+    g = torch.Generator().manual_seed(9)
+    B, Tmax, W, C, slots = 2, 3, 4, 8, 4
+    si = torch.tensor([3, 1])
+    _, params, S = random_inputs("gdn", 1, g, batch=B)
+    conv0, ssm0 = torch.randn(slots, C, W - 1, generator=g), torch.randn(slots, *S, generator=g)
+    ident = SSMLayerCache(op, make_strategy("ring"), B, Tmax, 0)
+    pooled = SSMLayerCache(op, make_strategy("ring"), B, Tmax, 0, state_indices=si)
+    assert pooled.conv_op.backend == backend and pooled.state_indices is si
+    ident.load(conv0[si].clone(), ssm0[si].clone(), W)
+    pooled.load(conv0.clone(), ssm0.clone(), W)
+    weight = torch.randn(C, W, generator=g)
+    for step in range(3):
+        inputs, _, _ = random_inputs("gdn", 2, g, batch=B)
+        x = torch.randn(B, 2, C, generator=g)
+        for layer in (ident, pooled):
+            layer.out = (layer.conv(x, weight, None, "silu"), layer.ssm(inputs, params))
+            layer.advance(2)
+        assert all(torch.equal(a, b) for a, b in zip(pooled.out, ident.out))
+        n = torch.tensor([step % 3, 2])
+        ident.commit(n)
+        pooled.commit(n)
+        assert torch.equal(pooled.conv_state()[si], ident.conv_state())
+        assert torch.equal(pooled.ssm_state()[si], ident.ssm_state())
+        assert torch.equal(pooled.conv_state()[[0, 2]], conv0[[0, 2]])
+        assert torch.equal(pooled.ssm_state()[[0, 2]], ssm0[[0, 2]])

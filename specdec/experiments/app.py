@@ -1,8 +1,8 @@
 """``specdec-run`` / ``python -m specdec``: the Hydra app for every experiment.
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
-comparison), ``bench`` (end-to-end speed), ``train_zoo`` (the zoo recipe) or ``train_medusa``
-(the Medusa heads recipe); ``model=``,
+comparison), ``bench`` (end-to-end speed), ``kernels`` (the per-layer kernel table),
+``train_zoo`` (the zoo recipe) or ``train_medusa`` (the Medusa heads recipe); ``model=``,
 ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
 checked against the experiment's structured config (:mod:`specdec.experiments.config`).
 
@@ -42,6 +42,9 @@ def validate(cfg: DictConfig) -> None:
     if unknown:
         raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}")
     if name in ("train_zoo", "train_medusa"):
+        return
+    if name == "kernels":
+        _validate_kernels(cfg.experiment)
         return
     if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {cfg.num_speculative_tokens}")
@@ -97,6 +100,22 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"experiment.memory_budget_gib must be > 0, got {exp.memory_budget_gib}")
 
 
+def _validate_kernels(exp) -> None:
+    """The kernel table's grid and settings."""
+    if not exp.ops:
+        raise ValueError("experiment.ops is empty: list SSM ops, e.g. [mamba2, gdn, kda]")
+    if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
+        raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
+    if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
+        raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}], got {list(exp.k_grid)}")
+    if int(exp.rounds) < 1 or int(exp.reps) < 1:
+        raise ValueError(f"experiment.rounds and experiment.reps must be >= 1, got {exp.rounds}, {exp.reps}")
+    if not 0.0 <= float(exp.accept_p) <= 1.0:
+        raise ValueError(f"experiment.accept_p must be in [0, 1], got {exp.accept_p}")
+    if float(exp.memory_budget_gib) <= 0:
+        raise ValueError(f"experiment.memory_budget_gib must be > 0, got {exp.memory_budget_gib}")
+
+
 def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = ()):
     """Validate ``cfg`` and run its experiment, writing into ``out_dir``; returns its records
     (the zoo manifest for train_zoo, the manifest entry for train_medusa).
@@ -128,6 +147,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
         return run(cfg, out_dir)
     if name == "bench":
         from .bench import run
+
+        return run(cfg, out_dir)
+    if name == "kernels":
+        from .kernel_table import run
 
         return run(cfg, out_dir)
     if name == "train_medusa":

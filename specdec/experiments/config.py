@@ -23,6 +23,7 @@ __all__ = [
     "Device", "DType", "Strategy", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
+    "KernelsConfig",
     "SCHEMAS", "register_configs", "schema_keys",
 ]
 
@@ -148,6 +149,33 @@ class BenchExperiment:
     warmup: bool = True
 
 
+class SSMOpName(StrEnum):
+    mamba2 = "mamba2"
+    gdn = "gdn"
+    kda = "kda"
+
+
+class ShapePreset(StrEnum):
+    bench = "bench"  # the ops' layer shapes in 4B hybrids (specdec.experiments.kernel_table.SHAPES)
+    tiny = "tiny"  # CPU smoke tests
+
+
+@dataclass
+class KernelsExperiment:
+    name: str = "kernels"
+    ops: List[SSMOpName] = field(default_factory=lambda: [SSMOpName.mamba2, SSMOpName.gdn, SSMOpName.kda])
+    shapes: ShapePreset = ShapePreset.bench
+    batch_grid: List[int] = field(default_factory=lambda: [1, 8, 64, 256])
+    k_grid: List[int] = field(default_factory=lambda: [1, 4, 8])
+    rounds: int = 16  # steps per CUDA graph
+    reps: int = 10  # graph replays per point (median)
+    accept_p: float = 0.7  # per-draft acceptance of the committed counts
+    memory_budget_gib: float = 40.0  # SSM state budget for the largest admitted batch
+    check: bool = True  # every strategy against the fp32 reference first
+    fla: bool = True  # time flash-linear-attention's fused recurrent GDN when importable (CUDA)
+    launch_from: Optional[str] = None  # a benchmarks/sweep_rollback_configs.py JSON: its fastest launches
+
+
 @dataclass
 class TrainZooExperiment:
     name: str = "train_zoo"
@@ -189,6 +217,11 @@ class RollbackExperimentConfig(BaseConfig):
 @dataclass
 class BenchConfig(BaseConfig):
     experiment: BenchExperiment = field(default_factory=BenchExperiment)
+
+
+@dataclass
+class KernelsConfig(BaseConfig):
+    experiment: KernelsExperiment = field(default_factory=KernelsExperiment)
 
 
 @dataclass
@@ -286,6 +319,7 @@ SCHEMAS = {
     "acceptance": AcceptanceConfig,
     "rollback": RollbackExperimentConfig,
     "bench": BenchConfig,
+    "kernels": KernelsConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
 }

@@ -1,27 +1,32 @@
-"""Kernel-level timing of one rollback strategy on one SSM layer, on synthetic inputs.
+"""Kernel-level timing of the rollback strategies on one SSM layer, on synthetic inputs.
 
-For a model's SSM layer shape (:class:`~specdec.experiments.models.SSMShape`), a batch B and
-K drafts (T = K + 1 step tokens), it runs ``warmup + steps`` speculative steps through the
-strategy exactly as the engine does (``strategy.verify`` with the step's T tokens, then
-``strategy.commit`` with each row's committed count) on the op the engine would use on that
-device (``specdec.kernels.get_op``: the torch reference on CPU, the Triton kernels on CUDA),
-and times, per step and layer:
+Everything here drives the library's own objects: the strategies of :mod:`specdec.rollback`
+on a :class:`~specdec.rollback.LayerStore`, with the op the engine would use on that device
+(``specdec.kernels.get_op``: the torch reference on CPU, the Triton kernels on CUDA), on the
+inputs of :func:`synthetic_inputs` at a model's SSM layer shape
+(:class:`~specdec.experiments.models.SSMShape`). Two timings:
 
-* ``verify``: the strategy's verify (for snapshot / ring it writes the step's states);
-* ``commit``: the strategy's commit minus the fold (snapshot: the state copy; ring: the head
-  move; replay: the history bookkeeping);
-* ``fold``: the replay fold inside commit (replay and replay_deferred only; deferred folds only
-  when its history would overflow, so the time is amortised over the steps).
+* :func:`time_strategy` (``experiment=rollback``): ``warmup + steps`` speculative steps of a
+  batch B and K drafts (T = K + 1 step tokens), exactly as the engine runs them
+  (``strategy.verify`` with the step's T tokens, then ``strategy.commit``), each phase timed
+  on its own with a device synchronisation around it (eager launches, host overhead included,
+  as users of ``generate()`` see it):
 
-Each phase is timed on its own with a device synchronisation around it (eager launches, host
-overhead included, as users of ``generate()`` see it; ``benchmarks/rollback_kernels.py`` times
-the same kernels inside CUDA graphs for the device-only figures).
+  - ``verify``: the strategy's verify (for snapshot / ring it writes the step's states);
+  - ``commit``: the strategy's commit minus the fold (snapshot: the state copy; ring: the head
+    move; replay: the history bookkeeping);
+  - ``fold``: the replay fold inside commit (replay and replay_deferred only; deferred folds
+    only when its history would overflow, so the time is amortised over the steps).
 
-Committed counts: ``1 + a`` per row and step, ``a`` = leading accepted drafts with per-draft
-acceptance ``accept_p`` (as ``benchmarks/rollback_kernels.py`` draws them). After the steps the
-committed state is compared with the fp32 reference (``naive.py``) run on the same inputs.
+* :func:`time_in_graph` over :class:`LayerStep` objects (``experiment=kernels`` and the kernel
+  scripts of ``benchmarks/``): device time only, from a CUDA graph of many steps over rotated
+  copies of the buffers (no host launch overhead, no warm-cache flattery).
 
-Bytes moved per step follow DESIGN.md's cost model, per layer and sequence, with S = state
+Committed counts (:func:`accepted_counts`): ``1 + a`` per row and step, ``a`` = leading
+accepted drafts with per-draft acceptance ``accept_p``. After the steps the committed state is
+compared with the fp32 reference (``naive.py``) run on the same inputs.
+
+Bytes moved per step follow the strategies' cost model, per layer and sequence, with S = state
 bytes, I = cached input bytes per token, T = K + 1, n = mean committed tokens, f = flush rate,
 p = mean history length: snapshot (T+1)S + 2S, ring (T+1)S, replay 2S + (n+2T)I, deferred
 replay S + fS + (p+2T)I.
@@ -30,14 +35,17 @@ replay S + fS + (p+2T)I.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .models import SSMShape
 
-__all__ = ["synthetic_inputs", "synthetic_params", "input_bytes_per_token", "design_bytes", "time_strategy"]
+__all__ = ["synthetic_inputs", "synthetic_params", "input_bytes_per_token", "design_bytes", "accepted_counts",
+           "time_strategy", "BASELINE", "LayerStep", "time_in_graph", "copy_bandwidth"]
 
 
 def synthetic_params(shape: SSMShape, device, gen: torch.Generator) -> dict:
@@ -49,8 +57,10 @@ def synthetic_params(shape: SSMShape, device, gen: torch.Generator) -> dict:
     return {"A": A.to(device), "D": torch.randn(H, generator=gen).to(device)}
 
 
-def synthetic_inputs(shape: SSMShape, B: int, T: int, device, gen: torch.Generator) -> dict:
-    """One step's fp32 op inputs ``[B, T, ...]`` with the value ranges the adapters produce.
+def synthetic_inputs(shape: SSMShape, B: int, T: int, device, gen: torch.Generator,
+                     dtype: torch.dtype = torch.float32) -> dict:
+    """One step's op inputs ``[B, T, ...]`` in ``dtype`` (drawn in fp32 on the CPU from ``gen``,
+    then cast) with the value ranges the adapters produce.
 
     Mamba-2: ``x [B,T,H,P]``, ``dt = softplus(.) [B,T,H]``, ``B``/``C [B,T,G,N]``.
     GDN: ``q`` (l2-normalised, scaled by K^-1/2), ``k`` (l2-normalised) ``[B,T,H,K]``, ``v [B,T,H,V]``,
@@ -68,7 +78,7 @@ def synthetic_inputs(shape: SSMShape, B: int, T: int, device, gen: torch.Generat
         gshape = (B, T, H, K) if shape.op == "kda" else (B, T, H)
         inp = {"q": F.normalize(r(B, T, H, K), dim=-1) * K**-0.5, "k": F.normalize(r(B, T, H, K), dim=-1),
                "v": r(B, T, H, V), "g": -F.softplus(r(*gshape)), "beta": torch.rand(B, T, H, generator=gen)}
-    return {k: v.to(device) for k, v in inp.items()}
+    return {k: v.to(device=device, dtype=dtype) for k, v in inp.items()}
 
 
 def input_bytes_per_token(op, inputs: dict) -> int:
@@ -80,7 +90,7 @@ def input_bytes_per_token(op, inputs: dict) -> int:
 
 
 def design_bytes(strategy: str, S: int, I: int, T: int, n: float, f: float = 0.0, p: float = 0.0) -> float:
-    """DESIGN.md's bytes moved per layer, sequence and step (see the module docstring)."""
+    """The cost model's bytes moved per layer, sequence and step (see the module docstring)."""
     if strategy == "snapshot":
         return (T + 1) * S + 2 * S
     if strategy == "ring":
@@ -104,12 +114,12 @@ class _PhaseTimedOp:
     def __getattr__(self, name):
         return getattr(self._op, name)
 
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         if not self.in_commit:
-            return fn(*args)
+            return fn(*args, **kwargs)
         self._sync()
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self._sync()
         self.fold_s += time.perf_counter() - t0
         return out
@@ -131,8 +141,17 @@ class _TimedKernels:
     def __getattr__(self, name):
         return getattr(self._k, name)
 
-    def replay_fold(self, *args):
-        return self._owner._timed(self._k.replay_fold, *args)
+    def replay_fold(self, *args, **kwargs):
+        return self._owner._timed(self._k.replay_fold, *args, **kwargs)
+
+
+def accepted_counts(steps: int, batch: int, K: int, accept_p: float, gen: torch.Generator) -> torch.Tensor:
+    """``[steps, batch]`` int64 (CPU) committed tokens per step and row: ``1 + a``, ``a`` the leading
+    drafts accepted, each with probability ``accept_p`` (at most K)."""
+    if K == 0:
+        return torch.ones(steps, batch, dtype=torch.long)
+    ok = torch.rand(steps, batch, K, generator=gen) < accept_p
+    return 1 + torch.cumprod(ok.long(), dim=-1).sum(-1)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,9 +190,7 @@ def time_strategy(shape: SSMShape, strategy: str, batch: int, K: int, device: to
     strat.load(store, s0)
     ref = s0.clone()
     total = warmup + steps
-    # committed tokens per step and row: 1 + leading accepted drafts
-    ok = torch.rand(total, batch, K, generator=gen) < accept_p
-    n_all = (1 + torch.cumprod(ok.long(), dim=-1).sum(-1)).to(device)
+    n_all = accepted_counts(total, batch, K, accept_p, gen).to(device)
     t_verify = t_commit = 0.0
     fold_before = 0.0
     hist_sum = flushes = 0.0
@@ -227,3 +244,150 @@ def time_strategy(shape: SSMShape, strategy: str, batch: int, K: int, device: to
         "design_bytes_per_layer": design_bytes(strategy, S, I, T, n_mean, f, p),
         "kernel_state_rel_err": _rel_err(strat.state(store, op, params), ref),
     }
+
+
+# ------------------------------------------------------------------ device time in CUDA graphs
+
+#: the floor of every strategy in the kernel table: a plain multi-token update that overwrites the
+#: state (no rollback; the op kernels' ``update``, or the torch op's verify and a copy)
+BASELINE = "baseline"
+
+
+class LayerStep:
+    """One SSM layer's store, inputs and step for one strategy, through the library's objects.
+
+    A step is the strategy's ``verify`` of the T step tokens (``tree_verify`` when ``parents``
+    is given: a tree of T = ``len(parents)`` nodes) followed by ``commit(n)``; ``strategy`` is a
+    name :func:`specdec.rollback.make_strategy` takes, or :data:`BASELINE`. The store is loaded
+    with a random state and primed with one step that commits ``prime`` tokens (replay then has
+    a committed history to fold), so every buffer exists before a CUDA graph is captured.
+
+    Args:
+        op: the op (``specdec.kernels.get_op``; its ``kernels`` may carry launch overrides).
+        shape: the layer's shape. strategy: as above. batch: B. T: step tokens (chains).
+        params: the op's params (:func:`synthetic_params`). device, gen: where and from what.
+        dtype: of the step's inputs. parents: a tree step instead of a chain.
+        prime: tokens the priming step commits (<= T).
+    """
+
+    def __init__(self, op, shape: SSMShape, strategy: str, batch: int, T: int, params: dict, device, gen, *,
+                 dtype: torch.dtype = torch.float32, parents=None, prime: int = 1):
+        from specdec.rollback import make_strategy
+
+        self.op, self.params, self.parents, self.name = op, params, parents, strategy
+        self.T = len(parents) if parents is not None else T
+        self.inputs = synthetic_inputs(shape, batch, self.T, device, gen, dtype=dtype)
+        state = (torch.randn(batch, *shape.state_shape, generator=gen) * 0.1).to(device)
+        if strategy == BASELINE:
+            self.strategy, self.store, self.state = None, None, state
+            return
+        self.strategy = make_strategy(strategy)
+        self.store = self.strategy.new_store(batch, self.T, layer=0)
+        self.strategy.load(self.store, state)
+        chain = synthetic_inputs(shape, batch, self.T, device, gen, dtype=dtype)
+        self.strategy.verify(self.store, op, chain, params)
+        self.strategy.commit(self.store, op, params, torch.full((batch,), prime, dtype=torch.long, device=device))
+
+    def verify(self) -> torch.Tensor:
+        """The step's verify (its outputs)."""
+        if self.strategy is None:
+            if self.op.kernels is not None:
+                return self.op.kernels.update(self.state, self.inputs, self.params)
+            y, states, _ = self.op.verify(self.state, self.inputs, self.params, True)
+            self.state.copy_(states[:, -1])
+            return y
+        if self.parents is not None:
+            return self.strategy.tree_verify(self.store, self.op, self.inputs, self.params, self.parents)
+        return self.strategy.verify(self.store, self.op, self.inputs, self.params)
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        """Commit ``num_tokens [B]`` of the open step (nothing for the baseline)."""
+        if self.strategy is not None:
+            self.strategy.commit(self.store, self.op, self.params, num_tokens)
+
+    def discard(self) -> None:
+        """Close the open step without committing, as ``HybridCache.set_step_tokens(0)`` does (for
+        timing a verify alone: fused replay's checkpoint keeps the fold the verify made)."""
+        if self.store is not None:
+            self.store.step_tokens = 0
+
+    def step(self, num_tokens: torch.Tensor) -> None:
+        """One step: verify, then commit ``num_tokens``."""
+        self.verify()
+        self.commit(num_tokens)
+
+    def committed(self) -> torch.Tensor:
+        """The committed state ``[B, *S]``."""
+        if self.strategy is None:
+            return self.state
+        return self.strategy.state(self.store, self.op, self.params)
+
+    def nbytes(self) -> int:
+        """Bytes of the step's inputs and store (what one rotation copy adds to the working set)."""
+        tensors = list(self.inputs.values())
+        if self.strategy is None:
+            tensors.append(self.state)
+        else:
+            for v in self.store.tensors.values():
+                tensors += list(v.values()) if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_in_graph(run: Callable[[], None], calls: int, device, reps: int) -> float:
+    """Median seconds per call: ``run()`` makes ``calls`` calls (e.g. steps over rotated copies of
+    the buffers); on CUDA it is captured once in a CUDA graph (after two warm-up runs on a side
+    stream: compiles, allocates lazy buffers) and the graph is replayed ``reps`` times, device
+    time from CUDA events; elsewhere one warm-up run, then one timed run of wall time."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        run()
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) / calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / calls
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted): 1 GiB on CUDA (median of
+    20 copies), 16 MiB elsewhere (mean of 5)."""
+    dev = torch.device(device)
+    n = (1 << 30) if dev.type == "cuda" else (1 << 24)
+    a = torch.empty(n // 4, device=dev)
+    b = torch.empty_like(a)
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(5):
+            b.copy_(a)
+        return 2 * n * 5 / (time.perf_counter() - t0)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n / statistics.median(times)

@@ -55,6 +55,21 @@ BENCH_COLUMNS = (
     ("exact", "exact", None),
 )
 
+KERNEL_COLUMNS = (
+    ("launches", "launches", "{:.0f}"),
+    ("us_per_step", "us/step", "{:.1f}"),
+    ("vs_snapshot", "vs snapshot", "{:.2f}"),
+    ("vs_baseline", "vs baseline", "{:.2f}"),
+    ("kernel_MB", "kernel MB", "{:.1f}"),
+    ("design_MB", "design MB", "{:.1f}"),
+    ("GBps", "GB/s", "{:.0f}"),
+    ("pct_copy_bw", "% copy BW", "{:.0f}%"),
+    ("x_floor", "x floor", "{:.2f}"),
+    ("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}"),
+    ("max_batch", "max batch", "{:.0f}"),
+    ("exact", "exact", None),
+)
+
 #: means the plots and the recommendation use, not shown in the table
 HIDDEN_COLUMNS = (
     ("rollback_ms_per_step", "rollback ms/step", "{:.3f}"),
@@ -66,6 +81,7 @@ SECTIONS = {
     "acceptance": (("model", "drafter", "rollback", "num_speculative_tokens"), COLUMNS, "prompts"),
     "rollback": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), ROLLBACK_COLUMNS, "runs"),
     "bench": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS, "runs"),
+    "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
 }
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K"}

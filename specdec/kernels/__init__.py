@@ -1,33 +1,34 @@
-"""SSM ops behind one small interface, so rollback strategies do not care which recurrence runs.
+"""The ops behind the rollback strategies and the layer caches, and the backend that runs them.
 
-Each op folder (``mamba2/``, ``gdn/``, ``kda/``, ``conv1d/``) holds ``naive.py``, the fp32
-torch reference that is also the CPU path. An :class:`SSMOp` bundles, for one recurrence:
+One folder per op (``mamba2/``, ``gdn/``, ``kda/``, ``conv1d/``): ``naive.py``, the fp32 torch
+reference that is also the CPU path, the Triton kernels next to it, and in ``__init__.py`` the
+op class with its lazy Triton binding. The contracts (:class:`SSMOp`, the fused kernels'
+:class:`RollbackKernels`, :class:`Conv1dKernels`) are in :mod:`specdec.kernels.protocol`;
+Triton plumbing shared by the kernels in :mod:`specdec.kernels.triton_common`.
 
-* ``verify(state, inputs, params, return_states)`` -> ``(y, states, replay_inputs)``: run the
-  step's T tokens from ``state`` (never modified); ``states`` is ``[B, T, *state_shape]`` when
-  asked for; ``replay_inputs`` is the dict of per-token tensors replay caches
-  (``replay_keys``), each ``[B, T, ...]``.
-* ``fold(state, replay_inputs, params, num_tokens)`` -> new state: apply the first
-  ``num_tokens[b]`` cached tokens of each row (the replay / deferred-fold primitive).
+:func:`get_op` / :func:`conv1d_op` give an op for a device: the torch reference on CPU, the
+Triton kernels on CUDA; ``SPECDEC_BACKEND=torch|triton`` forces one (:func:`backend`).
 
-``inputs`` and ``params`` are plain dicts so that adapters of different families (which
-project and gate differently) hand the same op the same names.
+Example::
+
+    op = get_op("gdn", "cuda")            # op.kernels: the Triton kernel set
+    y = op.kernels.snapshot_verify(live, buf, inputs, {}, 0)
 """
 
 from __future__ import annotations
 
-import abc
 import os
 
 import torch
 
-from .gdn.naive import gdn_fold, gdn_verify
-from .kda.naive import kda_fold, kda_verify
-from .mamba2.naive import mamba2_fold, mamba2_verify
+from .conv1d import CONV1D, Conv1dOp
+from .gdn import GDNOp
+from .kda import KDAOp
+from .mamba2 import Mamba2Op
+from .protocol import BACKENDS, Conv1dKernels, LaunchConfig, RollbackKernels, SSMOp
 
-__all__ = ["SSMOp", "OPS", "get_op", "backend"]
-
-BACKENDS = ("torch", "triton")
+__all__ = ["SSMOp", "OPS", "get_op", "conv1d_op", "backend", "BACKENDS", "RollbackKernels", "Conv1dKernels",
+           "LaunchConfig", "Mamba2Op", "GDNOp", "KDAOp", "Conv1dOp"]
 
 
 def backend(device: torch.device | str | None = None) -> str:
@@ -45,117 +46,33 @@ def backend(device: torch.device | str | None = None) -> str:
     return "triton" if dev.type == "cuda" else "torch"
 
 
-class SSMOp(abc.ABC):
-    """One recurrence type. Subclasses set ``name``, ``replay_keys`` and the two methods."""
-
-    name: str = ""
-    replay_keys: tuple[str, ...] = ()
-    #: fused per-strategy kernels (Triton) or None for the torch reference. When set, the
-    #: rollback strategies call ``kernels.snapshot_verify / snapshot_commit / ring_verify /
-    #: replay_verify / replay_fold`` (signatures in :mod:`specdec.rollback`) instead of
-    #: composing ``verify`` and ``fold``; tree steps call the same ``*_verify`` with ``parents=``.
-    kernels = None
-
-    def replay_spec(self, inputs: dict) -> dict:
-        """``{key: (per-token shape, dtype)}`` of the inputs replay caches, from a step's ``inputs``."""
-        return {k: (tuple(inputs[k].shape[2:]), torch.float32) for k in self.replay_keys}
-
-    @abc.abstractmethod
-    def verify(self, state, inputs: dict, params: dict, return_states: bool):
-        """``(y [B,T,...], states [B,T,*S] | None, replay_inputs dict)``; ``state`` is not modified."""
-
-    @abc.abstractmethod
-    def fold(self, state, replay: dict, params: dict, num_tokens: torch.Tensor):
-        """The state after applying the first ``num_tokens[b]`` cached tokens of each row."""
-
-    def tree_verify(self, state, inputs: dict, params: dict, parents, return_states: bool):
-        """:meth:`verify` for a tree of step tokens (the torch reference; with ``kernels`` set the
-        rollback strategies call the kernels' ``*_verify(..., parents=)`` instead): token j
-        starts from token ``parents[j]``'s state (``-1``: ``state``), ``parents[j] < j``; states
-        and replay inputs are per token of the tree. See :mod:`specdec.kernels.tree_index`."""
-        raise NotImplementedError(f"SSM op {self.name!r} has no tree verify")
-
-
-class Mamba2Op(SSMOp):
-    """Mamba-2: inputs ``x [B,T,H,P]``, ``dt [B,T,H]``, ``B``/``C [B,T,G,N]``; params ``A [H]``, ``D [H]``."""
-
-    name = "mamba2"
-    replay_keys = ("x", "dt", "B")
-
-    def verify(self, state, inputs, params, return_states):
-        y, states, _ = mamba2_verify(
-            state, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D"), return_states
-        )
-        replay = {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
-        return y, states, replay
-
-    def tree_verify(self, state, inputs, params, parents, return_states):
-        y, states, _ = mamba2_verify(
-            state, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D"), return_states,
-            parents,
-        )
-        return y, states, {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
-
-    def fold(self, state, replay, params, num_tokens):
-        return mamba2_fold(state, replay["x"], replay["dt"], params["A"], replay["B"], num_tokens)
-
-
-class GDNOp(SSMOp):
-    """Gated DeltaNet: inputs ``q, k [B,T,H,K]`` (normalised), ``v [B,T,H,V]``, ``g, beta [B,T,H]``."""
-
-    name = "gdn"
-    replay_keys = ("k", "g", "u")
-    _verify = staticmethod(gdn_verify)
-    _fold = staticmethod(gdn_fold)
-
-    def verify(self, state, inputs, params, return_states):
-        y, states, u = self._verify(
-            state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states
-        )
-        return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
-
-    def tree_verify(self, state, inputs, params, parents, return_states):
-        y, states, u = self._verify(
-            state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states, parents
-        )
-        return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
-
-    def fold(self, state, replay, params, num_tokens):
-        return self._fold(state, replay["k"], replay["g"], replay["u"], num_tokens)
-
-    def replay_spec(self, inputs):
-        f32 = torch.float32
-        return {
-            "k": (tuple(inputs["k"].shape[2:]), f32),
-            "g": (tuple(inputs["g"].shape[2:]), f32),
-            "u": (tuple(inputs["v"].shape[2:]), f32),
-        }
-
-
-class KDAOp(GDNOp):
-    """Kimi Delta Attention: as GDN but ``g [B,T,H,K]`` per channel."""
-
-    name = "kda"
-    _verify = staticmethod(kda_verify)
-    _fold = staticmethod(kda_fold)
-
-
+#: the SSM ops by name, each the torch reference (``kernels`` None)
 OPS: dict[str, SSMOp] = {op.name: op for op in (Mamba2Op(), GDNOp(), KDAOp())}
 
 
 def get_op(name: str, device: torch.device | str | None = None) -> SSMOp:
-    """The op called ``name`` (one of ``OPS``) for the backend :func:`backend` picks for ``device``.
+    """The SSM op called ``name`` (one of ``OPS``) for the backend :func:`backend` picks for ``device``.
 
-    The torch backend returns the reference op; the triton backend returns the same op with
-    ``kernels`` set to the fused Triton kernels (on CPU through Triton's interpreter).
+    The torch backend returns the reference op ``OPS[name]``; the triton backend returns the
+    same op with ``kernels`` set to its Triton kernel set (on a device other than CUDA through
+    Triton's interpreter; ``device=None`` means the CPU). See :meth:`SSMOp.on`.
 
     Raises:
         ValueError: unknown op name or backend.
     """
     if name not in OPS:
         raise ValueError(f"unknown SSM op {name!r}; known: {sorted(OPS)}")
-    if backend(device) == "torch":
-        return OPS[name]
-    from .triton_backend import triton_op  # lazy: sets TRITON_INTERPRET on CPU before importing triton kernels
+    return OPS[name].on(backend(device), device if device is not None else "cpu")
 
-    return triton_op(name, device)
+
+def conv1d_op(device: torch.device | str | None = None, *, backend_name: str | None = None) -> Conv1dOp:
+    """The causal conv op for ``device`` (as :func:`get_op`), or for an explicit ``backend_name``
+    (``"torch"`` | ``"triton"``; e.g. an SSM op's ``op.backend``, so a layer's conv runs on the
+    backend its recurrence runs on, the interpreter setting included).
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    if backend_name is not None:
+        return CONV1D.on(backend_name, device)
+    return CONV1D.on(backend(device), device if device is not None else "cpu")

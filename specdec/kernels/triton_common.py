@@ -1,4 +1,6 @@
-"""Pieces shared by the per-op Triton kernels: launch helpers, argument checks, the state-copy commit.
+"""Triton plumbing shared by the per-op kernels (GDN / KDA, Mamba-2, conv1d): launch helpers,
+argument checks, tree tables, the step kernels' mode constants, the slot lookup, and the
+strategy commits that move no state (snapshot copy, ring head, fused replay's history).
 
 Nothing here allocates a state-sized buffer, reads a device value on the host or autotunes, so
 every function is safe inside CUDA-graph capture. On CPU the kernels run through Triton's
@@ -7,24 +9,66 @@ interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is fo
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import triton
 import triton.language as tl
 
+from .protocol import LaunchConfig
+from .slots import PAD_SLOT_ID, check_state_indices
+from .tree_index import check_parents, tree_meta
+
 __all__ = [
     "PAD_SLOT_ID",
+    "OVERWRITE",
+    "SNAPSHOT",
+    "RING",
+    "REPLAY",
+    "TREE_UNROLL_MAX",
+    "KernelSet",
     "next_pow2",
     "num_warps_for",
     "check_state",
     "check_state_indices",
+    "check_history",
+    "replay_half",
+    "fold_launch",
+    "tree_table",
+    "runtime_tree_loop",
+    "step_state_args",
+    "with_common_args",
+    "load_slot",
     "state_copy_commit",
     "ring_commit",
-    "replay_commit_lengths",
     "replay_commit_history",
 ]
 
-#: the ``state_indices`` value of a padding row: the kernels skip it (vLLM's PAD_SLOT_ID).
-PAD_SLOT_ID = -1
+#: the strategy a step kernel is compiled for (its ``MODE``); constexpr globals so kernels may read
+#: them: ``OVERWRITE`` (no rollback: the final state overwrites the state), ``SNAPSHOT`` (every
+#: state into a buffer), ``RING`` (every state into a ring), ``REPLAY`` (no state written; the
+#: step's replay inputs appended to a history)
+OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
+
+#: trees of more nodes than this walk their nodes in a loop at run time instead of an unrolled one:
+#: unrolled, the 64-node tree's replay kernel (nodes x depth ancestor updates) took 153 s to compile
+#: for sm_90 on a CPU and over 300 s on an H200 machine; the loop compiles like a chain.
+TREE_UNROLL_MAX = 16
+
+
+class KernelSet:
+    """Base of the per-op kernel sets (the ``kernels`` of :class:`specdec.kernels.SSMOp`): the
+    :class:`~specdec.kernels.protocol.LaunchConfig` their calls use."""
+
+    launch: LaunchConfig = LaunchConfig()
+
+    def with_launch(self, launch: LaunchConfig):
+        """The same kernels launched with ``launch`` (a copy; this object is unchanged)."""
+        if not isinstance(launch, LaunchConfig):
+            raise TypeError(f"launch must be a LaunchConfig, got {type(launch).__name__}")
+        out = copy.copy(self)
+        out.launch = launch
+        return out
 
 
 def next_pow2(n: int) -> int:
@@ -63,21 +107,6 @@ def check_state(name: str, state: torch.Tensor, inner: tuple[int, ...], lead: in
         expect *= size
 
 
-def check_state_indices(state_indices: torch.Tensor | None, batch: int) -> None:
-    """Raise ValueError unless ``state_indices`` is None or an integer ``[batch]`` tensor.
-
-    The slots must be distinct (except ``PAD_SLOT_ID`` rows): two rows on one slot would race in
-    every in-place kernel. Not checked here (that needs the values on the host); the debug mode's
-    bounds checks and the continuous-batching caller own it."""
-    if state_indices is None:
-        return
-    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (batch,):
-        raise ValueError(
-            f"state_indices must be an int32/int64 tensor of shape [{batch}], got "
-            f"{state_indices.dtype} {tuple(state_indices.shape)}"
-        )
-
-
 def step_state_args(s_src, s_dst, inner, src_lead, dst_lead, state_indices, batch, hist=None):
     """Checks and launch arguments shared by every op's step kernel.
 
@@ -104,6 +133,88 @@ def step_state_args(s_src, s_dst, inner, src_lead, dst_lead, state_indices, batc
     return strides + tuple(h.stride(0) if h is not None else 0 for h in (hist or (None, None, None)))
 
 
+def check_history(want: dict) -> None:
+    """Raise ValueError unless every replay-history tensor has its shape, with contiguous rows.
+
+    Args:
+        want: ``{name: (tensor, expected shape)}``, each ``[num_slots, L, ...]``.
+    """
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != tuple(shape) or not t[0].is_contiguous():
+            raise ValueError(f"{name} must be [num_slots, L, ...] = {tuple(shape)} with contiguous rows, "
+                             f"got {tuple(t.shape)}")
+
+
+def replay_half(L: int, offset: int, T: int, fused: bool) -> int:
+    """The step kernels' ``HALF`` for a replay history of ``L`` positions: ``T_max = L / 2`` for
+    fused replay (committed half, then the step's half), else ``L``.
+
+    Raises:
+        ValueError: a fused history of odd length, or ``offset + T > T_max``.
+    """
+    if not fused:
+        return L
+    if L % 2 or offset < 0 or offset + T > L // 2:
+        raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
+                         f"got L = {L}, offset {offset} + {T} tokens")
+    return L // 2
+
+
+def fold_launch(half: int):
+    """(lookahead, masked) of fused replay's in-kernel fold of the committed history (``T_max`` =
+    ``half`` positions). Chains (T_max <= 16): every position's loads are issued at once, unmasked,
+    ahead of the arithmetic (one memory round trip; the absent ones are skipped after). Tree steps
+    make T_max the tree's size (16 .. 64 nodes) while the committed history stays short (at most
+    the accepted path): there the loads are predicated on the committed length (no traffic for
+    absent positions) with a 4-item lookahead, as the unfused fold -- issuing 64 unmasked items
+    at once cost 255 registers and minutes of compile time for the 64-node tree."""
+    return (half, False) if half <= 16 else (4, True)
+
+
+def tree_table(parents, T: int, offset: int, device):
+    """The ``[T, META_W]`` int32 tree table of a tree step (:func:`specdec.kernels.tree_index.tree_meta`,
+    cached per tree), or None for a chain (``parents=None``).
+
+    Raises:
+        ValueError: a tree step with ``offset != 0``, or ``parents`` not a tree of the T tokens.
+    """
+    if parents is None:
+        return None
+    if offset != 0:
+        raise ValueError(f"a tree step must be the step's only call (offset 0), got offset {offset}")
+    return tree_meta(check_parents(parents, T), device)
+
+
+def runtime_tree_loop(tree, T: int, loop: bool | None) -> bool:
+    """Whether a step walks its tree nodes in a runtime loop (``loop=None``: above
+    :data:`TREE_UNROLL_MAX` nodes, read at each launch; True/False force it); never for a chain."""
+    if tree is None:
+        return False
+    return T > TREE_UNROLL_MAX if loop is None else bool(loop)
+
+
+def with_common_args(common: str):
+    """Decorator: append ``common`` (the ``Args`` lines every entry point of an op shares, then
+    ``Returns`` / ``Raises``) to the function's docstring."""
+
+    def wrap(fn):
+        fn.__doc__ = fn.__doc__.rstrip() + "\n" + common.lstrip("\n")
+        return fn
+
+    return wrap
+
+
+@triton.jit
+def load_slot(state_indices, i_b, USE_STATE_INDICES: tl.constexpr):
+    """The state slot of row ``i_b`` (int64): ``state_indices[i_b]`` (negative: a padding row,
+    which the caller skips), or ``i_b`` itself without ``state_indices``."""
+    if USE_STATE_INDICES:
+        i_n = tl.load(state_indices + i_b).to(tl.int64)
+    else:
+        i_n = i_b.to(tl.int64)
+    return i_n
+
+
 @triton.jit
 def _state_copy_commit_kernel(
     live,
@@ -118,12 +229,10 @@ def _state_copy_commit_kernel(
     USE_STATE_INDICES: tl.constexpr,
 ):
     i_c, i_b = tl.program_id(0), tl.program_id(1)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b.to(tl.int64)
     n = tl.load(num_tokens + i_b).to(tl.int64)
     if n <= 0:
         return
@@ -215,50 +324,6 @@ def ring_commit(head: torch.Tensor, num_tokens: torch.Tensor, ring_size: int,
 
 
 @triton.jit
-def _replay_commit_lengths_kernel(hist_len, num_tokens, fold_tokens, state_indices, T_MAX, L, B,
-                                  BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
-    o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m_b = o_b < B
-    if USE_STATE_INDICES:
-        o_n = tl.load(state_indices + o_b, mask=m_b, other=-1).to(tl.int64)
-        m_s = m_b & (o_n >= 0)
-    else:
-        o_n = o_b.to(tl.int64)
-        m_s = m_b
-    b_len = tl.load(hist_len + o_n, mask=m_s, other=0).to(tl.int64) + tl.load(num_tokens + o_b, mask=m_s, other=0)
-    b_fold = tl.where(b_len + T_MAX > L, b_len, 0)  # flush when the next step could overflow
-    tl.store(fold_tokens + o_b, b_fold.to(fold_tokens.dtype.element_ty), mask=m_b)
-    tl.store(hist_len + o_n, (b_len - b_fold).to(hist_len.dtype.element_ty), mask=m_s)
-
-
-def replay_commit_lengths(hist_len: torch.Tensor, num_tokens: torch.Tensor, fold_tokens: torch.Tensor,
-                          max_step_tokens: int, history: int, state_indices: torch.Tensor | None = None) -> None:
-    """Replay commit bookkeeping in one launch (then call the op's ``replay_fold`` with ``fold_tokens``).
-
-    Per row: ``len = hist_len + num_tokens``; the row flushes when ``len + max_step_tokens >
-    history`` (eager replay: ``history = max_step_tokens``, so every row with history flushes);
-    ``fold_tokens[b] = len`` if it flushes else 0, and ``hist_len := len - fold_tokens[b]``.
-    Equivalent to the torch ops in :class:`specdec.rollback.ReplayRollback.commit`.
-
-    Args:
-        hist_len: ``[num_slots]`` int, updated in place.
-        num_tokens: ``[B]`` int accepted step tokens per row.
-        fold_tokens: ``[B]`` int output (a preallocated buffer: CUDA-graph safe); padded rows get 0.
-        max_step_tokens: T_max = K + 1; history: L.
-        state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
-    """
-    B = num_tokens.shape[0]
-    check_state_indices(state_indices, B)
-    if B == 0:
-        return
-    BLOCK = min(1024, next_pow2(B))
-    _replay_commit_lengths_kernel[(triton.cdiv(B, BLOCK),)](
-        hist_len, num_tokens, fold_tokens, state_indices, max_step_tokens, history, B, BLOCK=BLOCK,
-        USE_STATE_INDICES=state_indices is not None, num_warps=num_warps_for(BLOCK),
-    )
-
-
-@triton.jit
 def _move_accepted(h, o, n, E: tl.constexpr, HALF: tl.constexpr):
     # h: one row of a [*, 2 * HALF, E] history; positions HALF + j -> j for j < n (disjoint ranges)
     m = o < E
@@ -274,12 +339,10 @@ def _replay_commit_history_kernel(hist_len, num_tokens, state_indices, h0, h1, h
                                   E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, HALF: tl.constexpr,
                                   BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
     n = tl.load(num_tokens + i_b).to(tl.int64)
     o = i_c * BLOCK + tl.arange(0, BLOCK)
     _move_accepted(h0 + i_n * stride0, o, n, E0, HALF)

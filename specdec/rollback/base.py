@@ -5,7 +5,7 @@ A *step* runs tokens ``[x_L, d_1 .. d_k]`` through the layer, possibly in severa
 at a time inside one step). ``commit(num_tokens)`` then makes, per row,
 ``state := s^(num_tokens[b])`` (0 keeps the old state) and closes the step.
 
-Strategies (DESIGN.md, "One speculative step"):
+Strategies:
 
 =========  ===========================================  ===========================  ================
 strategy   during verify                                commit                       extra memory
@@ -15,7 +15,9 @@ ring       s^(j) into slot (head + j) mod R             move ``head``           
 replay     outputs from s^(0) + cached inputs, no state fold n cached inputs         L token inputs
 =========  ===========================================  ===========================  ================
 
-Stores are per layer; a strategy object is stateless and can be shared by all layers.
+Stores are per layer; a strategy object is stateless and can be shared by all layers. A store
+keeps one committed state per *slot*; by default row b of the batch is slot b, and a store made
+with ``state_indices`` runs its B rows over a pool of slots (see :class:`LayerStore`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import SSMOp
+from ..kernels.slots import check_state_indices
 
-__all__ = ["RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite"]
+__all__ = ["RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite",
+           "check_slot_map"]
 
 
 def debug_enabled() -> bool:
@@ -61,9 +65,29 @@ def check_finite(state: torch.Tensor, store: "LayerStore | None" = None, what: s
         raise FloatingPointError(f"{what} holds NaN or Inf (row {row}, {_where(store)})")
 
 
+def check_slot_map(state_indices: torch.Tensor, num_slots: int, store: "LayerStore | None" = None) -> None:
+    """Raise IndexError unless every non-padding slot id is below ``num_slots``, ValueError when two
+    rows share a slot (debug mode: needs the values on the host)."""
+    used = state_indices[state_indices >= 0]
+    if bool((used >= num_slots).any()):
+        raise IndexError(f"state_indices {state_indices.tolist()} name a slot outside the {num_slots} slots of the "
+                         f"store ({_where(store)})")
+    if used.unique().numel() != used.numel():
+        raise ValueError(f"state_indices {state_indices.tolist()} give two rows one slot ({_where(store)})")
+
+
 @dataclass
 class LayerStore:
-    """What one strategy keeps for one SSM layer. Fields are strategy-specific tensors."""
+    """What one strategy keeps for one SSM layer. ``tensors`` are strategy-specific.
+
+    Every tensor of ``tensors`` has one entry per state slot (committed states, the snapshot
+    buffer, the ring and its heads, the replay checkpoint, history and lengths, so a row's step
+    scratch stays with its slot); a step's inputs, outputs and ``num_tokens`` have one per row.
+    ``state_indices``: ``[batch]`` int32/int64 on the store's device, row b's slot (negative: a
+    padding row, which changes no slot and whose outputs are unspecified); None: row b is slot b.
+    With a map, the states :meth:`RollbackStrategy.load` takes and :meth:`RollbackStrategy.state`
+    returns are the whole pool ``[num_slots, *S]``, and slots no row maps to stay bit for bit.
+    """
 
     batch: int
     max_step_tokens: int
@@ -71,6 +95,7 @@ class LayerStore:
     tensors: dict = field(default_factory=dict)
     step_tokens: int = 0  # tokens of the open step already run (uniform over rows)
     steps: int = 0  # commits so far (reported by debug-mode errors)
+    state_indices: torch.Tensor | None = None
 
 
 class RollbackStrategy(abc.ABC):
@@ -78,19 +103,48 @@ class RollbackStrategy(abc.ABC):
 
     name: str = ""
 
-    def new_store(self, batch: int, max_step_tokens: int, layer: int | None = None) -> LayerStore:
-        """A store for one layer; tensors are allocated by :meth:`load`."""
+    def new_store(self, batch: int, max_step_tokens: int, layer: int | None = None,
+                  state_indices: torch.Tensor | None = None) -> LayerStore:
+        """A store for one layer; tensors are allocated by :meth:`load`.
+
+        Args:
+            batch: B, the rows of each step. max_step_tokens: T_max. layer: for error messages.
+            state_indices: ``[batch]`` int32/int64 slot of each row (see :class:`LayerStore`),
+                or None (row b is slot b).
+
+        Raises:
+            ValueError: ``max_step_tokens < 1`` or ``state_indices`` not an integer ``[batch]`` tensor.
+        """
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
-        return LayerStore(batch=batch, max_step_tokens=max_step_tokens, layer=layer)
+        check_state_indices(state_indices, batch)
+        return LayerStore(batch=batch, max_step_tokens=max_step_tokens, layer=layer, state_indices=state_indices)
+
+    def load(self, store: LayerStore, state: torch.Tensor, state_indices: torch.Tensor | None = None) -> None:
+        """Set the committed state of every slot and clear the step.
+
+        Args:
+            state: ``[num_slots, *S]`` (stored fp32); without a slot map ``num_slots = B``.
+            state_indices: a new ``[batch]`` row -> slot map for the store from now on (as
+                :meth:`new_store` takes it); None keeps the store's.
+
+        Raises:
+            ValueError: a bad ``state_indices`` (or, in debug mode, IndexError: a slot outside the pool).
+        """
+        if state_indices is not None:
+            check_state_indices(state_indices, store.batch)
+            store.state_indices = state_indices
+        self._load(store, state.detach().to(torch.float32))
+        if debug_enabled() and store.state_indices is not None:
+            check_slot_map(store.state_indices, state.shape[0], store)
 
     @abc.abstractmethod
-    def load(self, store: LayerStore, state: torch.Tensor) -> None:
-        """Set the committed state of every row (``[B, *S]``, stored fp32) and clear the step."""
+    def _load(self, store: LayerStore, state: torch.Tensor) -> None:
+        """:meth:`load`'s strategy part: allocate ``store.tensors`` for the fp32 pool ``state``."""
 
     @abc.abstractmethod
     def state(self, store: LayerStore, op: SSMOp, params: dict) -> torch.Tensor:
-        """The committed state ``[B, *S]`` fp32 (a fresh tensor or a view; do not modify)."""
+        """The committed state of every slot ``[num_slots, *S]`` fp32 (a fresh tensor or a view; do not modify)."""
 
     @abc.abstractmethod
     def verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict) -> torch.Tensor:
@@ -126,16 +180,17 @@ class RollbackStrategy(abc.ABC):
 
     def reset_rows(self, store: LayerStore, op: SSMOp, params: dict, rows: torch.Tensor,
                    state: torch.Tensor | None = None) -> None:
-        """Give ``rows`` to new sequences: their committed state becomes ``state`` (or zeros).
+        """Give ``rows`` (slots, with a slot map) to new sequences: their committed state becomes
+        ``state`` (or zeros).
 
-        Other rows keep their committed state exactly; any open step is discarded.
+        Other slots keep their committed state exactly; any open step is discarded.
         """
         full = self.state(store, op, params).clone()
         full[rows] = 0 if state is None else state.to(full)
         self.load(store, full)
 
     def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
-        """Bytes this strategy keeps per layer and sequence beyond the live state (DESIGN.md table)."""
+        """Bytes this strategy keeps per layer and sequence beyond the live state (the module's table)."""
         return 0
 
     # shared helpers -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.slots import gather_rows, scatter_rows
 from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled
 
 __all__ = ["InPlaceUpdate"]
@@ -23,11 +24,11 @@ class InPlaceUpdate(RollbackStrategy):
 
     name = "none"
 
-    def load(self, store: LayerStore, state: torch.Tensor) -> None:
+    def _load(self, store: LayerStore, state: torch.Tensor) -> None:
         if store.max_step_tokens != 1:
             raise ValueError(f"the in-place (no rollback) strategy takes steps of 1 token (plain decoding); this "
                              f"cache takes {store.max_step_tokens}")
-        store.tensors["live"] = state.detach().to(torch.float32).clone()
+        store.tensors["live"] = state.clone()
         store.step_tokens = 0
 
     def state(self, store, op, params):
@@ -36,12 +37,12 @@ class InPlaceUpdate(RollbackStrategy):
     def verify(self, store, op, inputs, params):
         t = next(iter(inputs.values())).shape[1]
         self._check_step(store, t)
-        live = store.tensors["live"]
+        live, si = store.tensors["live"], store.state_indices
         if op.kernels is not None:
-            y = op.kernels.update(live, inputs, params)
+            y = op.kernels.update(live, inputs, params, state_indices=si)
         else:
-            y, states, _ = op.verify(live, inputs, params, True)
-            live.copy_(states[:, -1])
+            y, states, _ = op.verify(gather_rows(live, si), inputs, params, True)
+            scatter_rows(live, si, states[:, -1])
         store.step_tokens += t
         return y
 

@@ -9,8 +9,7 @@ of two), as ReplaySSM (dao-lab.ai, 2026) and FlashInfer's ``checkpointing_ssu`` 
 
 Between steps the committed state is always ``fold(ckpt, hist[:, :hist_len])``. In this torch
 reference it is materialised before each verify; the Triton kernels fold in registers instead.
-With fused kernels (``op.kernels.replay_commit``), eager replay runs the fold *inside the next
-verify*: the step's first verify call folds the committed history into the checkpoint in place
+With fused kernels (``op.kernels``), eager replay runs the fold *inside the next verify*: the step's first verify call folds the committed history into the checkpoint in place
 (one state read + one write per step, as a plain update) and appends the step's inputs at
 positions ``T_max ..``; the commit then only moves the accepted prefix to positions ``0 ..``
 (one launch, no state traffic). A forward of such a step must be closed by a commit (commit
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.slots import gather_rows, scatter_rows, to_slots
 from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled
 
 __all__ = ["ReplayRollback"]
@@ -49,7 +49,7 @@ class ReplayRollback(RollbackStrategy):
 
     def _fused(self, op) -> bool:
         """Eager replay on fused kernels: the commit's fold runs inside the next verify."""
-        return not self.deferred and op.kernels is not None and hasattr(op.kernels, "replay_commit")
+        return not self.deferred and op.kernels is not None
 
     def _check_tree_step(self, store, t):
         store.replay_fused_step = False  # set again by tree_verify when it runs the fused protocol
@@ -64,8 +64,8 @@ class ReplayRollback(RollbackStrategy):
             raise ValueError(f"deferred replay history {L} must be >= 2 * (num_speculative_tokens + 1) = {2 * T}")
         return L
 
-    def load(self, store, state):
-        ckpt = state.detach().to(torch.float32).clone()
+    def _load(self, store, state):
+        ckpt = state.clone()
         store.tensors["ckpt"] = ckpt
         store.tensors["hist_len"] = torch.zeros(ckpt.shape[0], dtype=torch.long, device=ckpt.device)
         store.tensors["hist"] = None  # allocated on first verify, when the input shapes are known
@@ -76,9 +76,10 @@ class ReplayRollback(RollbackStrategy):
         hist = store.tensors["hist"]
         if hist is None:
             L = self._length(store)
-            like = next(iter(inputs.values()))
+            slots = store.tensors["ckpt"].shape[0]
+            device = next(iter(inputs.values())).device
             hist = {
-                key: torch.zeros(like.shape[0], L, *shape, dtype=dtype, device=like.device)
+                key: torch.zeros(slots, L, *shape, dtype=dtype, device=device)
                 for key, (shape, dtype) in op.replay_spec(inputs).items()
             }
             store.tensors["hist"] = hist
@@ -90,56 +91,67 @@ class ReplayRollback(RollbackStrategy):
             return store.tensors["ckpt"]  # (an open fused step: its first verify folded the history in)
         return op.fold(store.tensors["ckpt"], hist, params, store.tensors["hist_len"])
 
+    def _positions(self, store, hist, offset: int, t: int):
+        """``(start [B], pos [B, t])``: each row's first history position of the call (unfused
+        protocol) and its tokens' positions, bounds-checked in debug mode."""
+        start = gather_rows(store.tensors["hist_len"], store.state_indices) + offset
+        pos = start[:, None] + torch.arange(t, device=start.device)[None, :]
+        if debug_enabled():
+            check_index_bounds("replay history slot", pos, next(iter(hist.values())).shape[1], store)
+        return start, pos
+
+    def _torch_verify(self, store, op, inputs, params, hist, start, pos, parents):
+        """The torch reference of a verify call: outputs from the checkpoint advanced by the first
+        ``start[b]`` cached tokens; the call's replay inputs appended at ``pos``."""
+        si = store.state_indices
+        rows_hist = {key: gather_rows(buf, si) for key, buf in hist.items()}
+        s0 = op.fold(gather_rows(store.tensors["ckpt"], si), rows_hist, params, start)
+        if parents is None:
+            y, _, replay = op.verify(s0, inputs, params, False)
+        else:
+            y, _, replay = op.tree_verify(s0, inputs, params, parents, False)
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        for key, val in replay.items():
+            rows_hist[key][rows, pos] = val.to(rows_hist[key].dtype)
+            scatter_rows(hist[key], si, rows_hist[key])
+        return y
+
     def verify(self, store, op, inputs, params):
         t = next(iter(inputs.values())).shape[1]
         self._check_step(store, t)
         j = store.step_tokens
-        hist_len, ckpt = store.tensors["hist_len"], store.tensors["ckpt"]
+        hist_len, ckpt, si = store.tensors["hist_len"], store.tensors["ckpt"], store.state_indices
         hist = self._hist(store, op, inputs)
-        L = next(iter(hist.values())).shape[1]
-        pos = hist_len[:, None] + j + torch.arange(t, device=hist_len.device)[None, :]  # [B, t]
-        if debug_enabled():
-            check_index_bounds("replay history slot", pos, L, store)
-        if self._fused(op):
-            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j, fused=True)
-            store.replay_fused_step = True
-        elif op.kernels is not None:
-            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j)
+        start, pos = self._positions(store, hist, j, t)
+        if op.kernels is not None:
+            fused = self._fused(op)
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j, fused=fused, state_indices=si)
+            if fused:
+                store.replay_fused_step = True
         else:
-            s0 = op.fold(ckpt, hist, params, hist_len + j)
-            y, _, replay = op.verify(s0, inputs, params, False)
-            rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-            for key, val in replay.items():
-                hist[key][rows, pos] = val.to(hist[key].dtype)
+            y = self._torch_verify(store, op, inputs, params, hist, start, pos, None)
         store.step_tokens = j + t
         return y
 
     def tree_verify(self, store, op, inputs, params, parents):
         t = next(iter(inputs.values())).shape[1]
         self._check_tree_step(store, t)
-        hist_len, ckpt = store.tensors["hist_len"], store.tensors["ckpt"]
+        hist_len, ckpt, si = store.tensors["hist_len"], store.tensors["ckpt"], store.state_indices
         hist = self._hist(store, op, inputs)
-        L = next(iter(hist.values())).shape[1]
         if self._fused(op):
             # the fused protocol, as a chain step: the kernel folds the committed history into the
             # checkpoint and appends tree token j's inputs at T_max + j; compact_path and the
             # commit then move the accepted path's inputs (no state traffic)
-            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, fused=True, parents=parents)
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, fused=True, state_indices=si,
+                                         parents=parents)
             store.replay_fused_step = True
-            store.step_tokens = t
-            return y
-        pos = hist_len[:, None] + torch.arange(t, device=hist_len.device)[None, :]  # tree token j -> hist_len+j
-        if debug_enabled():
-            check_index_bounds("replay history slot", pos, L, store)
-        if op.kernels is not None:  # deferred replay on Triton: folds in registers, appends at hist_len + j
-            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, parents=parents)
-            store.step_tokens = t
-            return y
-        s0 = op.fold(ckpt, hist, params, hist_len)
-        y, _, replay = op.tree_verify(s0, inputs, params, parents, False)
-        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-        for key, val in replay.items():
-            hist[key][rows, pos] = val.to(hist[key].dtype)
+        else:
+            start, pos = self._positions(store, hist, 0, t)  # tree token j -> hist_len + j
+            if op.kernels is not None:  # deferred replay on Triton: folds in registers, appends at hist_len + j
+                y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, state_indices=si,
+                                             parents=parents)
+            else:
+                y = self._torch_verify(store, op, inputs, params, hist, start, pos, parents)
         store.step_tokens = t
         return y
 
@@ -149,7 +161,8 @@ class ReplayRollback(RollbackStrategy):
         hist = store.tensors["hist"]
         if hist is None:
             return
-        hist_len = store.tensors["hist_len"]
+        hist_len, si = store.tensors["hist_len"], store.state_indices
+        path, num_tokens = to_slots(path, si, hist_len.shape[0]), to_slots(num_tokens, si, hist_len.shape[0])
         if store.step_tokens and getattr(store, "replay_fused_step", False):
             base = (next(iter(hist.values())).shape[1] // 2) * torch.ones_like(hist_len)  # the fused step's T_max ..
         else:
@@ -158,22 +171,22 @@ class ReplayRollback(RollbackStrategy):
         keep = i < num_tokens[:, None]
         dst = base[:, None] + i
         src = base[:, None] + torch.where(keep, path, i)
-        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        slots = torch.arange(path.shape[0], device=path.device)[:, None]
         for buf in hist.values():
-            buf[rows, dst] = buf[rows, src]
+            buf[slots, dst] = buf[slots, src]
 
     def commit(self, store, op, params, num_tokens):
         self._check_commit(store, num_tokens)
-        hist_len = store.tensors["hist_len"]
+        hist_len, si = store.tensors["hist_len"], store.state_indices
         if store.step_tokens and getattr(store, "replay_fused_step", False):
             # the step's verify already folded the committed history into the checkpoint: keep the
             # accepted prefix of the step's inputs as the new committed history (one launch)
-            op.kernels.replay_commit(store.tensors["hist"], hist_len, num_tokens)
+            op.kernels.replay_commit(store.tensors["hist"], hist_len, num_tokens, state_indices=si)
             store.step_tokens = 0
             if debug_enabled():
                 check_finite(self.state(store, op, params), store)
             return
-        hist_len += num_tokens
+        hist_len += to_slots(num_tokens, si, hist_len.shape[0])
         hist = store.tensors["hist"]
         if hist is not None:
             L = next(iter(hist.values())).shape[1]
@@ -181,11 +194,13 @@ class ReplayRollback(RollbackStrategy):
                 flush = hist_len + store.max_step_tokens > L
             else:
                 flush = torch.ones_like(hist_len, dtype=torch.bool)
-            # rows that keep their history keep it in place (positions [0, hist_len)); rows that
-            # fold restart at 0. Eager replay folds every row every commit (no host sync needed).
+            if si is not None:  # only the batch's slots fold (the others keep their history as it is)
+                flush &= to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0], fill=False)
+            # slots that keep their history keep it in place (positions [0, hist_len)); slots that
+            # fold restart at 0. Eager replay folds every slot every commit (no host sync needed).
             n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
             if op.kernels is not None:
-                op.kernels.replay_fold(store.tensors["ckpt"], hist, params, n)
+                op.kernels.replay_fold(store.tensors["ckpt"], hist, params, gather_rows(n, si), state_indices=si)
             elif not self.deferred or bool(flush.any()):
                 store.tensors["ckpt"].copy_(op.fold(store.tensors["ckpt"], hist, params, n))
             hist_len.masked_fill_(flush, 0)

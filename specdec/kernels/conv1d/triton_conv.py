@@ -8,9 +8,9 @@ Same semantics as :mod:`specdec.kernels.conv1d.naive` (the layout follows ``caus
 
 Verify writes the call's inputs at columns ``W-1+offset ..`` and computes each token's output
 from the W columns ending at it (a tree step, :func:`conv1d_tree_verify_triton`: from the
-columns of its ancestor chain, read from a per-tree ``[T, W]`` column table); commit moves the history by ``num_tokens`` columns. One program
-owns one (row, block of BC channels); all T tokens of a call are one ``[BT, BC]`` register block.
-Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
+columns of its ancestor chain, read from a per-tree ``[T, W]`` column table); commit moves the
+history by ``num_tokens`` columns. One program owns one (row, block of BC channels); all T
+tokens of a call are one ``[BT, BC]`` register block. Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
 No host sync, no allocation besides the output, no autotuning (both kernels write the window
 in place): launch parameters are chosen by hand below.
 """
@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check_state_indices, next_pow2
+from ..tree_index import check_parents, conv_tree_columns_i32
+from ..triton_common import check_state_indices, load_slot, next_pow2
 
-__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton"]
+__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton", "Conv1dTritonKernels"]
 
 # 128 channels x up to 16 tokens per program: at most 16 fp32 accumulators per thread with 4
 # warps, and B * C / 128 programs (e.g. 64 x 8192 / 128 = 4096 at batch 64 for Mamba-2).
@@ -55,12 +56,10 @@ def _conv1d_verify_kernel(
     TREE: tl.constexpr,  # the tokens are a tree (offset 0): token j's window is its ancestor chain
 ):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
     o_c = i_c * BC + tl.arange(0, BC)
     o_t = tl.arange(0, BT)
     m_c = o_c < C
@@ -110,12 +109,10 @@ def _conv1d_commit_kernel(
     USE_STATE_INDICES: tl.constexpr,
 ):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
     n = tl.load(num_tokens + i_b).to(tl.int64)
     if n <= 0:
         return
@@ -195,8 +192,6 @@ def conv1d_tree_verify_triton(window, x, weight, bias=None, activation=None, par
     Raises:
         ValueError: as :func:`conv1d_verify_triton`, or ``parents`` not a tree of the T tokens.
     """
-    from ..tree_index import check_parents, conv_tree_columns_i32
-
     if parents is None:
         raise ValueError("conv1d_tree_verify_triton needs parents")
     par = check_parents(parents, x.shape[1])
@@ -230,3 +225,17 @@ def conv1d_commit_triton(window: torch.Tensor, num_tokens: torch.Tensor, kernel_
         HIST=hist, BH=next_pow2(hist), BC=BLOCK_C, USE_STATE_INDICES=state_indices is not None,
         num_warps=NUM_WARPS,
     )
+
+
+class Conv1dTritonKernels:
+    """The ``kernels`` of :class:`specdec.kernels.conv1d.Conv1dOp` on the Triton backend
+    (:class:`specdec.kernels.protocol.Conv1dKernels` over this module's entry points)."""
+
+    def verify(self, window, x, weight, bias, activation, offset, *, state_indices=None, out=None):
+        return conv1d_verify_triton(window, x, weight, bias, activation, offset, state_indices, out=out)
+
+    def tree_verify(self, window, x, weight, bias, activation, parents, *, state_indices=None, out=None):
+        return conv1d_tree_verify_triton(window, x, weight, bias, activation, parents, state_indices, out=out)
+
+    def commit(self, window, num_tokens, width, *, state_indices=None):
+        conv1d_commit_triton(window, num_tokens, width, state_indices)

@@ -30,8 +30,8 @@ along the parent's ancestor chain (see :func:`delta_rule_replay_verify`).
 
 Latency: a program requests every input it will need -- the T tokens' ``q, k, v, g, beta``, the
 cached history and the state block -- before its first arithmetic, so it waits for memory once
-rather than once per token (the per-token loads used to sit behind the ``S^T k`` reductions'
-barriers, which made the verify latency-bound at 23% of DRAM bandwidth).
+rather than once per token (per-token loads issued behind the ``S^T k`` reductions' barriers
+make the verify latency-bound, at 23% of DRAM bandwidth on an H200).
 
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
@@ -45,15 +45,28 @@ import torch
 import triton
 import triton.language as tl
 
+from ..protocol import LaunchConfig
 from ..triton_common import (
+    OVERWRITE,
+    REPLAY,
+    RING,
+    SNAPSHOT,
+    KernelSet,
+    check_history,
     check_state,
     check_state_indices,
+    fold_launch,
+    load_slot,
     next_pow2,
     num_warps_for,
     replay_commit_history,
+    replay_half,
     ring_commit,
     state_copy_commit,
     step_state_args,
+    runtime_tree_loop,
+    tree_table,
+    with_common_args,
 )
 
 __all__ = [
@@ -65,10 +78,6 @@ __all__ = [
     "delta_rule_replay_commit",
     "DeltaRuleKernels",
 ]
-
-# the strategy a step kernel is compiled for (MODE); constexpr globals so kernels may read them
-OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
-
 
 @triton.jit
 def _token_inputs(q, k, v, g, beta, i_t, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
@@ -284,7 +293,7 @@ def _delta_rule_step_kernel(
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
-    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; see _tree_loop)
+    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; triton_common.runtime_tree_loop)
 ):
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -311,12 +320,10 @@ def _delta_rule_step_kernel(
             tg = tg + (a_g,)
             tb = tb + (a_b,)
 
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
 
     i_head = i_n * 0  # RING: the row's ring head
     if MODE == RING:
@@ -416,12 +423,10 @@ def _delta_rule_fold_kernel(
     USE_STATE_INDICES: tl.constexpr,
 ):
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
     n = tl.load(num_tokens + i_b).to(tl.int64)
     if n <= 0:  # nothing to fold: no state traffic (deferred replay's common case)
         return
@@ -457,11 +462,10 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     instead of 4 (64 KiB in flight). Tree steps (``parents=``) take the same blocks: a tree node costs
     a chain token's arithmetic plus, off the chain, one block load of the parent's slot, so the
     same latency / occupancy trade-off holds (16-node tree at sm_90: 127 registers for snapshot,
-    168 for fused replay, no spills). (sm_90 register counts: ``python tests/triton_sm90_compile.py``;
+    168 for fused replay, no spills). (sm_90 register counts: ``python benchmarks/triton_sm90_compile.py``;
     timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
 
-    Chains (not trees) take other blocks, from that sweep on the H200 (2026-11-30, batch 1-256,
-    K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): BV = 16 with 2 warps (twice the
+    Chains (not trees) take other blocks, from that sweep on an H200 (batch 1-256, K = 4): BV = 16 with 2 warps (twice the
     programs, each a 128 x 16 block) for the plain update and replay of GDN and KDA (3-12%
     faster) and for GDN's snapshot and ring, except that from ~4096 programs (batch 32 at 32
     heads; measured at 64 and 256, while at batch 8 it was 7-12% slower) GDN's snapshot, ring
@@ -484,7 +488,7 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
 
 
 #: tokens whose inputs a program requests before its first arithmetic (all of them up to K = 4):
-#: without it every token's loads were issued only after the previous token's reduction barriers
+#: without it every token's loads are issued only after the previous token's reduction barriers
 #: (one DRAM round trip per token, visible in the SASS); beyond 5 the registers (~170 at T = 9
 #: for fused replay) would cost occupancy, and a 5-token lookahead already covers the latency.
 PREFETCH_TOKENS = 5
@@ -509,73 +513,27 @@ def _prepare(q, k, v, g, beta, out):
     return q, k, v, g, beta, out, (B, T, H, K, V), g.dim() == 4
 
 
-def fold_launch(half: int):
-    """(lookahead, masked) of fused replay's in-kernel fold of the committed history (``T_max`` =
-    ``half`` positions). Chains (T_max <= 16): every position's loads are issued at once, unmasked,
-    ahead of the arithmetic (one memory round trip; the absent ones are skipped after). Tree steps
-    make T_max the tree's size (16 .. 64 nodes) while the committed history stays short (at most
-    the accepted path): there the loads are predicated on the committed length (no traffic for
-    absent positions) with a 4-item lookahead, as the unfused fold -- issuing 64 unmasked items
-    at once cost 255 registers and minutes of compile time for the 64-node tree."""
-    return (half, False) if half <= 16 else (4, True)
-
-
-#: trees of more nodes than this walk their nodes in a loop at run time instead of an unrolled one:
-#: unrolled, the 64-node tree's replay kernel (nodes x depth ancestor updates) took 153 s to compile
-#: for sm_90 on a CPU and over 300 s on the H200 machine; the loop compiles like a chain.
-TREE_UNROLL_MAX = 16
-
-
-def _tree_loop(tree, T: int, tree_loop: bool | None) -> bool:
-    """Whether a step walks its tree nodes in a runtime loop (``tree_loop=None``: above
-    :data:`TREE_UNROLL_MAX` nodes; True/False force it, for tests and benchmarks)."""
-    if tree is None:
-        return False
-    return T > TREE_UNROLL_MAX if tree_loop is None else bool(tree_loop)
-
-
-def _tree_table(parents, T, offset, device):
-    """The tree table of a tree step (None for a chain), cached per tree: see ``tree_meta``."""
-    if parents is None:
-        return None
-    if offset != 0:
-        raise ValueError(f"a tree step must be the step's only call (offset 0), got offset {offset}")
-    from ..tree_index import check_parents, tree_meta
-
-    return tree_meta(check_parents(parents, T), device)
-
-
 def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
     N, L = hist_k.shape[:2]
-    want = {
+    check_history({
         "hist_k": (hist_k, (N, L, H, K)),
         "hist_g": (hist_g, (N, L, H, K) if per_channel else (N, L, H)),
         "hist_u": (hist_u, (N, L, H, V)),
-    }
-    for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape or not t[0].is_contiguous():
-            raise ValueError(f"{name} must be [N, L, ...] = {shape} with contiguous rows, got {tuple(t.shape)}")
+    })
 
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
           parents=None, tree_loop=None):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
-    tree = _tree_table(parents, T, offset, q.device)
-    tree_loop = _tree_loop(tree, T, tree_loop)
+    tree = tree_table(parents, T, offset, q.device)
+    tree_loop = runtime_tree_loop(tree, T, tree_loop)
     h_k = h_g = h_u = None
     half = 1
     if hist is not None:
         h_k, h_g, h_u = hist
         _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
-        L = h_k.shape[1]
-        if fused:
-            if L % 2 or offset < 0 or offset + T > L // 2:
-                raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
-                                 f"got L = {L}, offset {offset} + {T} tokens")
-            half = L // 2
-        else:
-            half = L
+        half = replay_half(h_k.shape[1], offset, T, fused)
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None,
@@ -610,7 +568,7 @@ _COMMON_ARGS = """
         out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
         block_v, num_warps, prefetch: override the value-block width, the warps per program and
             the tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a
-            tree's nodes in a runtime loop (default: trees of more than ``TREE_UNROLL_MAX`` nodes).
+            tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
@@ -620,12 +578,7 @@ _COMMON_ARGS = """
 """
 
 
-def _with_common_args(fn):
-    fn.__doc__ = fn.__doc__.rstrip() + "\n" + _COMMON_ARGS.lstrip("\n")
-    return fn
-
-
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
@@ -635,7 +588,7 @@ def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, 
     return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
                                **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
@@ -657,7 +610,7 @@ def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indi
                  src_lead=src_lead, dst_lead=2, parents=parents, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
                            **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
@@ -678,7 +631,7 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
                  out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
                              *, fused=False, parents=None, out=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
@@ -690,7 +643,8 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
     * ``fused=False`` (deferred replay): everything is folded in registers, ``ckpt`` is read
       only; this call's ``(k, g, u)`` are appended at positions ``hist_len + offset + j``.
       Requires ``hist_len + offset + T <= L`` (not checked on device). Commit:
-      :func:`specdec.kernels.triton_common.replay_commit_lengths` + :func:`delta_rule_replay_fold`.
+      :func:`delta_rule_replay_fold` of the slots whose history would overflow
+      (:class:`specdec.rollback.ReplayRollback` with ``deferred=True``).
     * ``fused=True`` (eager replay, the fold fused into the next verify): the history has
       ``L = 2 T_max`` positions and ``hist_len <= T_max``. The step's first call (``offset ==
       0``) folds the committed history into ``ckpt`` in place (the one state write of the step:
@@ -762,16 +716,19 @@ def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indic
     )
 
 
-class DeltaRuleKernels:
-    """The ``op.kernels`` object of the GDN / KDA ops (contract: :mod:`specdec.rollback`).
+class DeltaRuleKernels(KernelSet):
+    """The ``op.kernels`` of the GDN / KDA ops: :class:`specdec.kernels.protocol.RollbackKernels`
+    over this module's entry points, with the launch settings of ``launch``.
 
     Args:
         per_channel: False for GDN (``g [B, T, H]``), True for KDA (``g [B, T, H, K]``); a gate
             of the other shape raises ValueError.
+        launch: overrides of the hand-picked launch settings (``block`` is BV).
     """
 
-    def __init__(self, per_channel: bool):
+    def __init__(self, per_channel: bool, launch: LaunchConfig = LaunchConfig()):
         self.per_channel = bool(per_channel)
+        self.launch = launch
 
     def _unpack(self, inputs):
         g = inputs["g"]
@@ -780,27 +737,35 @@ class DeltaRuleKernels:
             raise ValueError(f"gate g must be {want}, got {tuple(g.shape)}")
         return inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"]
 
-    def update(self, state, inputs, params):
-        return delta_rule_update(state, *self._unpack(inputs))
+    def _tune(self):
+        c = self.launch
+        return dict(block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
-    def snapshot_verify(self, live, buf, inputs, params, offset, parents=None):
-        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset, parents=parents)
+    def update(self, state, inputs, params, *, state_indices=None, out=None):
+        return delta_rule_update(state, *self._unpack(inputs), state_indices, out=out, **self._tune())
 
-    def snapshot_commit(self, live, buf, num_tokens):
-        state_copy_commit(live, buf, num_tokens)
+    def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
+        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset, state_indices, parents=parents,
+                                          out=out, **self._tune())
 
-    def ring_verify(self, ring, head, inputs, params, offset, parents=None):
-        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset, parents=parents)
+    def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
+        state_copy_commit(live, buf, num_tokens, state_indices)
 
-    def ring_commit(self, head, num_tokens, ring_size):
-        ring_commit(head, num_tokens, ring_size)
+    def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
+        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset, state_indices, parents=parents,
+                                      out=out, **self._tune())
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False, parents=None):
+    def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
+        ring_commit(head, num_tokens, ring_size, state_indices)
+
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
+                      parents=None, out=None):
         return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
-                                        fused=fused, parents=parents)
+                                        state_indices, fused=fused, parents=parents, out=out, **self._tune())
 
-    def replay_commit(self, hist, hist_len, num_tokens):
-        delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens)
+    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
+        delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens, state_indices)
 
-    def replay_fold(self, ckpt, hist, params, num_tokens):
-        delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], num_tokens)
+    def replay_fold(self, ckpt, hist, params, num_tokens, *, state_indices=None):
+        delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], num_tokens, state_indices,
+                               block_v=self.launch.block, num_warps=self.launch.num_warps)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from ..gdn.triton_step import (
     DeltaRuleKernels,
+    delta_rule_replay_commit,
     delta_rule_replay_fold,
     delta_rule_replay_verify,
     delta_rule_ring_verify,
     delta_rule_snapshot_verify,
     delta_rule_update,
 )
+from ..protocol import LaunchConfig
 
 __all__ = [
     "KDAKernels",
@@ -23,6 +25,7 @@ __all__ = [
     "kda_ring_verify",
     "kda_replay_verify",
     "kda_replay_fold",
+    "kda_replay_commit",
 ]
 
 kda_update = delta_rule_update
@@ -30,10 +33,11 @@ kda_snapshot_verify = delta_rule_snapshot_verify
 kda_ring_verify = delta_rule_ring_verify
 kda_replay_verify = delta_rule_replay_verify
 kda_replay_fold = delta_rule_replay_fold
+kda_replay_commit = delta_rule_replay_commit
 
 
 class KDAKernels(DeltaRuleKernels):
-    """The ``op.kernels`` object of the KDA op (gate ``g [B, T, H, K]``; others raise ValueError)."""
+    """The ``op.kernels`` of the KDA op (gate ``g [B, T, H, K]``; others raise ValueError)."""
 
-    def __init__(self):
-        super().__init__(per_channel=True)
+    def __init__(self, launch: LaunchConfig = LaunchConfig()):
+        super().__init__(per_channel=True, launch=launch)

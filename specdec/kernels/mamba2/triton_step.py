@@ -26,7 +26,7 @@ parent's ancestor chain (as in :mod:`specdec.kernels.gdn.triton_step`).
 
 A program requests the next tokens' inputs (``prefetch`` of them), the cached history and its
 state block before its first arithmetic, so memory latency is paid about once per program
-rather than once per token (the loads used to wait behind the previous token's barriers).
+rather than once per token (not behind the previous token's barriers).
 States are fp32 ``[num_slots, H, P, N]``; inputs may be fp32/bf16/fp16 and are computed in
 fp32. No host sync, no state-sized allocation (CUDA-graph safe), no autotuning (the kernels
 update state in place; launch parameters are chosen by hand in :func:`_launch_config`).
@@ -38,16 +38,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn.triton_step import _tree_loop, _tree_table, fold_launch
+from ..protocol import LaunchConfig
 from ..triton_common import (
+    OVERWRITE,
+    REPLAY,
+    RING,
+    SNAPSHOT,
+    KernelSet,
+    check_history,
     check_state,
     check_state_indices,
+    fold_launch,
+    load_slot,
     next_pow2,
     num_warps_for,
     replay_commit_history,
+    replay_half,
     ring_commit,
+    runtime_tree_loop,
     state_copy_commit,
     step_state_args,
+    tree_table,
+    with_common_args,
 )
 
 __all__ = [
@@ -59,10 +71,6 @@ __all__ = [
     "mamba2_replay_commit",
     "Mamba2Kernels",
 ]
-
-# the strategy a step kernel is compiled for (MODE); constexpr globals so kernels may read them
-OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
-
 
 @triton.jit
 def _token_inputs(x, dt, Bm, Cm, i_t, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr, P: tl.constexpr,
@@ -249,7 +257,7 @@ def _mamba2_step_kernel(
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
-    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; gdn's _tree_loop)
+    TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; triton_common.runtime_tree_loop)
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
@@ -278,12 +286,10 @@ def _mamba2_step_kernel(
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
 
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
 
     i_head = i_n * 0  # RING: the row's ring head
     if MODE == RING:
@@ -381,12 +387,10 @@ def _mamba2_fold_kernel(
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
-        i_n = tl.load(state_indices + i_b).to(tl.int64)
-        if i_n < 0:
+        if i_n < 0:  # a padding row
             return
-    else:
-        i_n = i_b
     n = tl.load(num_tokens + i_b).to(tl.int64)
     if n <= 0:  # nothing to fold: no state traffic (deferred replay's common case)
         return
@@ -421,16 +425,16 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     warps, 200 for fused replay). Under ~1024 programs (small batch, latency-bound) BP = 16
     doubles the programs and every token's inputs are requested up front (4 warps, <= 160
     registers: with at most ~4 programs per SM occupancy does not matter). Register counts for
-    sm_90: ``python tests/triton_sm90_compile.py``; timings of alternatives:
+    sm_90: ``python benchmarks/triton_sm90_compile.py``; timings of alternatives:
     ``benchmarks/sweep_rollback_configs.py``.
 
     At large batch the plain update and both replay protocols (``mode`` OVERWRITE / REPLAY) take
-    4 warps and no lookahead (BP = 32), from that sweep on the H200 (2026-11-30, batch 8-256,
-    K = 4, ``benchmarks/results/sweep_*_2026-11-30_s4.md``): 20-22% faster for the plain update
-    at batch 64-256, 16% for fused replay and 7% for deferred replay at batch 64 (once the
-    in-register fold skipped absent history items, 8 warps with a lookahead no longer paid).
-    Snapshot and ring were within 2% across the configurations. Tree steps keep the earlier
-    settings (the unrolled 16-node fused replay would take 245 registers at 4 warps, 163 at 8).
+    4 warps and no lookahead (BP = 32), from that sweep on an H200 (batch 8-256, K = 4): 20-22%
+    faster for the plain update at batch 64-256, 16% for fused replay and 7% for deferred replay
+    at batch 64 (with the in-register fold skipping absent history items, 8 warps with a
+    lookahead do not pay). Snapshot and ring are within 2% across the configurations. Tree steps
+    take the settings of the first paragraph (the unrolled 16-node fused replay would take 245
+    registers at 4 warps, 163 at 8).
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
@@ -468,31 +472,21 @@ def _prepare(x, dt, A, Bm, Cm, D, out):
 
 def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
     S, L = hist_x.shape[:2]
-    want = {"hist_x": (hist_x, (S, L, H, P)), "hist_dt": (hist_dt, (S, L, H)), "hist_B": (hist_B, (S, L, G, N))}
-    for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape or not t[0].is_contiguous():
-            raise ValueError(f"{name} must be [num_slots, L, ...] = {shape} with contiguous rows, got {tuple(t.shape)}")
+    check_history({"hist_x": (hist_x, (S, L, H, P)), "hist_dt": (hist_dt, (S, L, H)), "hist_B": (hist_B, (S, L, G, N))})
 
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
           parents=None, tree_loop=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
-    tree = _tree_table(parents, T, offset, x.device)
-    tree_loop = _tree_loop(tree, T, tree_loop)
+    tree = tree_table(parents, T, offset, x.device)
+    tree_loop = runtime_tree_loop(tree, T, tree_loop)
     h_x = h_dt = h_B = None
     half = 1
     if hist is not None:
         h_x, h_dt, h_B = hist
         _check_hist(h_x, h_dt, h_B, H, P, G, N)
-        L = h_x.shape[1]
-        if fused:
-            if L % 2 or offset < 0 or offset + T > L // 2:
-                raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
-                                 f"got L = {L}, offset {offset} + {T} tokens")
-            half = L // 2
-        else:
-            half = L
+        half = replay_half(h_x.shape[1], offset, T, fused)
     fold_la, fold_masked = fold_launch(half)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
@@ -526,7 +520,7 @@ _COMMON_ARGS = """
         out: optional contiguous ``[B, T, H, P]`` output (e.g. a CUDA-graph static buffer).
         block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
             tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a tree's
-            nodes in a runtime loop (default: trees of more than ``gdn.triton_step.TREE_UNROLL_MAX``
+            nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX``
             nodes).
 
     Returns:
@@ -538,12 +532,7 @@ _COMMON_ARGS = """
 """
 
 
-def _with_common_args(fn):
-    fn.__doc__ = fn.__doc__.rstrip() + "\n" + _COMMON_ARGS.lstrip("\n")
-    return fn
-
-
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
@@ -553,7 +542,7 @@ def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=No
     return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
                            **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
@@ -574,7 +563,7 @@ def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_
                  dst_lead=2, parents=parents, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
                        **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
@@ -594,7 +583,7 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
                  out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
 
 
-@_with_common_args
+@with_common_args(_COMMON_ARGS)
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
                          state_indices=None, *, fused=False, parents=None, out=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
@@ -605,8 +594,8 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
 
     * ``fused=False`` (deferred replay): folded in registers, ``ckpt`` read only; this call's
       inputs are appended at positions ``hist_len + offset + j`` (requires ``hist_len + offset
-      + T <= L``, not checked on device); commit with ``replay_commit_lengths`` +
-      :func:`mamba2_replay_fold`.
+      + T <= L``, not checked on device); commit with :func:`mamba2_replay_fold` of the slots
+      whose history would overflow.
     * ``fused=True`` (eager replay): ``L = 2 T_max``, ``hist_len <= T_max``; the step's first
       call folds the committed history into ``ckpt`` in place (it becomes s^(0)); every call
       appends at positions ``T_max + offset + j``; commit with :func:`mamba2_replay_commit`.
@@ -666,37 +655,49 @@ def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indic
     )
 
 
-class Mamba2Kernels:
-    """The ``op.kernels`` object of the Mamba-2 op (contract: :mod:`specdec.rollback`).
+class Mamba2Kernels(KernelSet):
+    """The ``op.kernels`` of the Mamba-2 op: :class:`specdec.kernels.protocol.RollbackKernels`
+    over this module's entry points, with the launch settings of ``launch`` (``block`` is BP).
 
     ``inputs``: ``x, dt, B, C``; ``params``: ``A``, optional ``D``; replay history keys ``x, dt, B``.
     """
+
+    def __init__(self, launch: LaunchConfig = LaunchConfig()):
+        self.launch = launch
 
     @staticmethod
     def _unpack(inputs, params):
         return inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D")
 
-    def update(self, state, inputs, params):
-        return mamba2_update(state, *self._unpack(inputs, params))
+    def _tune(self):
+        c = self.launch
+        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
-    def snapshot_verify(self, live, buf, inputs, params, offset, parents=None):
-        return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, parents=parents)
+    def update(self, state, inputs, params, *, state_indices=None, out=None):
+        return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, **self._tune())
 
-    def snapshot_commit(self, live, buf, num_tokens):
-        state_copy_commit(live, buf, num_tokens)
+    def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
+        return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, state_indices, parents=parents,
+                                      out=out, **self._tune())
 
-    def ring_verify(self, ring, head, inputs, params, offset, parents=None):
-        return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset, parents=parents)
+    def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
+        state_copy_commit(live, buf, num_tokens, state_indices)
 
-    def ring_commit(self, head, num_tokens, ring_size):
-        ring_commit(head, num_tokens, ring_size)
+    def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
+        return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset, state_indices, parents=parents,
+                                  out=out, **self._tune())
 
-    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, fused=False, parents=None):
+    def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
+        ring_commit(head, num_tokens, ring_size, state_indices)
+
+    def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
+                      parents=None, out=None):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
-                                    offset, fused=fused, parents=parents)
+                                    offset, state_indices, fused=fused, parents=parents, out=out, **self._tune())
 
-    def replay_commit(self, hist, hist_len, num_tokens):
-        mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens)
+    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
+        mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices)
 
-    def replay_fold(self, ckpt, hist, params, num_tokens):
-        mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], params["A"], num_tokens)
+    def replay_fold(self, ckpt, hist, params, num_tokens, *, state_indices=None):
+        mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], params["A"], num_tokens, state_indices,
+                           block_p=self.launch.block, num_warps=self.launch.num_warps)

@@ -7,10 +7,10 @@ pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas) for ``cu
 Must run WITHOUT ``TRITON_INTERPRET``. Prints one line per variant and ``COMPILED n`` last;
 exits 1 on the first failure.
 
-    python tests/triton_sm90_compile.py          # every variant (~1 min)
-    python tests/triton_sm90_compile.py --quick  # one variant per kernel (CI)
-    python tests/triton_sm90_compile.py --quick --sass  # + each kernel's order of global loads (LDG),
-                                                        # stores (STG) and barriers (BAR) in its SASS
+    python benchmarks/triton_sm90_compile.py          # every variant (a few minutes)
+    python benchmarks/triton_sm90_compile.py --quick  # one variant per kernel (tests/test_kernels_triton.py)
+    python benchmarks/triton_sm90_compile.py --quick --sass  # + each kernel's order of global loads (LDG),
+                                                             # stores (STG) and barriers (BAR) in its SASS
 """
 
 from __future__ import annotations
@@ -95,28 +95,32 @@ def _compile_launch(kernel, grid, args, kwargs):
     COMPILED.append(key)
 
 
-def _resource_usage(compiled) -> str:
-    """Registers / spills / shared memory of the cubin, from the bundled cuobjdump (or '')."""
+def cuobjdump(compiled, flag: str) -> str | None:
+    """The bundled cuobjdump's output with ``flag`` (``-res-usage``, ``-sass``) for a compiled
+    kernel's cubin, or None when Triton ships no cuobjdump."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return ""
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resource_usage(compiled) -> str:
+    """Registers / spills / shared memory of the cubin, from the bundled cuobjdump (or '')."""
+    res = cuobjdump(compiled, "-res-usage")
+    if res is None:
+        return ""
     m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res)
     return f"regs={m.group(1)} smem={m.group(2)} local(spill)={m.group(3)}" if m else ""
 
 
 def _sass_summary(compiled) -> str:
     """The kernel's global loads / stores and barriers in program order, runs collapsed (LDGx5 = 5 loads)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    sass = cuobjdump(compiled, "-sass")
+    if sass is None:
         return "(no cuobjdump)"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     runs = []
     for line in sass.splitlines():
         m = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
@@ -139,8 +143,7 @@ def _intercept(kernel):
 
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
-           triton_common._ring_commit_kernel, triton_common._replay_commit_lengths_kernel,
-           triton_common._replay_commit_history_kernel):
+           triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel):
     _intercept(_k)
 
 
@@ -174,11 +177,10 @@ def delta_rule_variants(quick: bool):
                                             si, fused=True, **tune)  # a later call of a step
                 dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, **tune)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
-        if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
+        if not quick:  # no lookahead: each token's loads after the previous token's barriers
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
         triton_common.state_copy_commit(s, buf, hl)
         triton_common.ring_commit(head, hl, T + 1)
-        triton_common.replay_commit_lengths(hl, hl, hl.clone(), T, L)
 
 
 def mamba2_variants(quick: bool):
@@ -211,7 +213,7 @@ def mamba2_variants(quick: bool):
                                     fused=True, **tune)  # a later call of a step
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
-    if not quick:  # the load order before issue 3 (each token's loads after the previous token's barriers)
+    if not quick:  # no lookahead: each token's loads after the previous token's barriers
         m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
 
 
