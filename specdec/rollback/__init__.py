@@ -35,7 +35,7 @@ are ``[B, t, ...]`` as the op's ``verify`` takes them:
 
 from __future__ import annotations
 
-from .base import LayerStore, RollbackStrategy
+from .base import STRATEGIES, LayerStore, RollbackStrategy
 from .inplace import InPlaceUpdate
 from .replay import ReplayRollback
 from .ring import RingRollback
@@ -51,8 +51,6 @@ __all__ = [
     "InPlaceUpdate",
     "make_strategy",
 ]
-
-STRATEGIES = ("snapshot", "ring", "replay")
 
 _BY_NAME = {
     "snapshot": SnapshotRollback,
