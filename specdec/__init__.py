@@ -1,6 +1,6 @@
 """specdec: exact speculative decoding for hybrid (attention + SSM) language models.
 
-Public API (DESIGN.md)::
+Public API::
 
     import specdec
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=4)
@@ -32,7 +32,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
         drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
         rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``), ``"replay_deferred"``
             (replay folding only when its history would overflow), or an instance.
-        num_speculative_tokens: K in [0, 64] (0: plain decoding through the same engine, for baselines).
+        num_speculative_tokens: K in ``[0, specdec.engine.MAX_SPECULATIVE_TOKENS]`` (0: plain decoding
+            through the same engine, for baselines).
         decode_path: ``"auto"`` (CUDA graphs on CUDA when the call allows, else eager), ``"eager"``,
             ``"static"`` or ``"cuda_graph"`` (see :class:`SpeculativeGenerator`).
 

@@ -166,8 +166,8 @@ class SpeculativeGenerator:
         drafter: ``"ngram"`` or a :class:`specdec.drafters.Drafter` instance.
         rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``) or a
             :class:`specdec.rollback.RollbackStrategy`.
-        num_speculative_tokens: K, drafts per step, 0..64 (0 = plain decoding through the same
-            engine: one token per forward, the drafter is not called).
+        num_speculative_tokens: K, drafts per step, 0..``MAX_SPECULATIVE_TOKENS`` (0 = plain
+            decoding through the same engine: one token per forward, the drafter is not called).
         decode_path: ``"auto"`` (default: the static path with CUDA graphs on CUDA when the call
             allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
             The static path needs greedy or plain sampling without stopping criteria, repetition

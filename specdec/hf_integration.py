@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 
 from .cache import HybridCache
 from .models import adapter_for
-from .models.common import FamilyAdapter
+from .models.base import HybridAdapter
 from .rollback import make_strategy
 
 __all__ = ["enable_hf_speculation", "disable_hf_speculation", "SpeculativeCache"]
@@ -110,8 +110,8 @@ class SpeculativeCache(Cache):
         """Nothing to do: every token since the last crop can be rolled back."""
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (a positive value is the legacy absolute
-        length to keep) and commit the rest of the open step."""
+        """Drop the last ``-tokens_to_remove`` tokens (a positive value is the absolute length
+        to keep, as ``DynamicCache.crop`` takes it) and commit the rest of the open step."""
         if self.hybrid is None:
             return
         if tokens_to_remove > 0:
@@ -280,7 +280,7 @@ def enable_hf_speculation(model, rollback="replay"):
     adapter = adapter_for(model)
     strategy = make_strategy(rollback)
     key = _cache_key()
-    if _cache_name(model) != key or (isinstance(adapter, FamilyAdapter) and adapter.cache_arg != "past_key_values"):
+    if _cache_name(model) != key or (isinstance(adapter, HybridAdapter) and adapter.cache_arg != "past_key_values"):
         raise ValueError(
             f"{type(model).__name__} takes its cache as cache_params, and transformers' assisted decoding "
             "needs a past_key_values cache; use specdec.wrap(model, ...).generate() for speculative decoding"

@@ -6,44 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import get_model
-from tiny_models import VOCAB, ragged_prompts
+from helpers import ALL_STRATEGIES, MAX_NEW, hf_greedy, hf_states, make_drafter, reference, rel_err
+from tiny_models import VOCAB, get_model, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter, Drafter
 from specdec.rollback import STRATEGIES
-
-MAX_NEW = 16
-
-
-def hf_greedy(model, ids, mask, max_new=MAX_NEW, eos=None):
-    kw = {"eos_token_id": eos} if eos is not None else {}
-    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kw)
-
-
-_REF: dict = {}
-
-
-def reference(family):
-    """(ids, mask, eos, reference output) with row 1 hitting EOS early."""
-    if family not in _REF:
-        model = get_model(family)
-        ids, mask = ragged_prompts()
-        plain = hf_greedy(model, ids, mask)
-        L = ids.shape[1]
-        eos = int(plain[1, L + 3])  # row 1 stops at its 4th new token (or earlier)
-        ref = hf_greedy(model, ids, mask, eos=eos)
-        assert ref.shape[1] > L + 4, "EOS must not stop every row early"
-        _REF[family] = (ids, mask, eos, ref)
-    return _REF[family]
-
-
-def make_drafter(kind, family):
-    if kind == "ngram":
-        return "ngram"
-    if kind == "perturbed":
-        return DraftModelDrafter(get_model(family, "perturbed"))
-    return DraftModelDrafter(get_model(family, "small"))
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
@@ -73,34 +41,6 @@ def test_deferred_replay_exact(family):
 
 # --------------------------------------------------------------------------------------------
 # state after every commit == state of only the accepted tokens (HF's own forward as reference)
-
-
-@torch.no_grad()
-def hf_states(model, adapter, texts, prompt_lens):
-    """Reference states of each row's committed tokens, through HF's own cache: its prefill of
-    the prompt, then its one-token decode step for every further token (the path HF generate
-    takes). Per row: ``{layer: (ssm_state [B, *S], conv_state [B, C, W])}``.
-
-    (HF's chunked prefill is not used past the prompt: for Nemotron-H it clamps dt to
-    time_step_min while HF's decode step does not, so the two disagree on tiny random models.)
-    """
-    from transformers import DynamicCache
-
-    per_layer = {idx: ([], []) for idx in adapter.ssm_layers()}
-    for text, p in zip(texts, prompt_lens):
-        cache = DynamicCache(config=model.config)
-        ids = torch.tensor([text])
-        adapter.body(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
-        for t in range(p, len(text)):
-            adapter.body(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        for idx in per_layer:
-            per_layer[idx][0].append(cache.layers[idx].recurrent_states[0].float())
-            per_layer[idx][1].append(cache.layers[idx].conv_states[0].float())
-    return {idx: (torch.cat(s), torch.cat(c)) for idx, (s, c) in per_layer.items()}
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 class StateChecker(Drafter):
@@ -139,7 +79,7 @@ class StateChecker(Drafter):
         return self.inner.propose(input_ids, lengths, K)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES + ("replay_deferred",))
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 def test_committed_state_matches_accepted_tokens(family, strategy):
     model = get_model(family)
     ids, mask, eos, ref = reference(family)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import get_model
-from test_core_exactness import hf_greedy
-from tiny_models import VOCAB, make_model, ragged_prompts
+from helpers import hf_greedy
+from tiny_models import VOCAB, get_model, make_model, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter, Drafter

@@ -1,18 +1,32 @@
 """``wrap(...).generate()`` takes what HF's ``generate()`` takes for decoding, with HF's results:
 streamers, stopping criteria, EOS lists, ``min_new_tokens`` / ``min_length``, ``repetition_penalty``
 (applied per verify position with that position's own prefix), ``return_dict_in_generate`` with
-``scores`` / ``logits``, a ``GenerationConfig``; unsupported settings raise ``ValueError``."""
+``scores`` / ``logits``, a ``GenerationConfig``; unsupported settings raise ``ValueError``.
+
+Streamers on the static decode path: the put()/end() calls (values, shapes, dtypes, order) equal
+the eager path's and HF ``generate(streamer=...)``'s at the budget edges (max_new_tokens 1-3), with
+EOS as the first generated token, EOS mid-step, an EOS list, for the n-gram drafter, a draft
+model, an oracle Medusa-style tree and K = 0; sampling puts exactly the returned tokens and does
+not change them; a failing put() leaves the wrapper usable; a drafter error stops the stream where
+the eager path stops it; HF text streamers print HF's text."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+
 import pytest
 import torch
-from conftest import get_model
-from tiny_models import VOCAB, perturbed_copy, ragged_prompts
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from helpers import StreamRecorder
+from tiny_models import VOCAB, get_model, ragged_prompts, tiny_tokenizer
+from transformers import (
+    GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
+)
+from tree_drafters import OracleTree, reference_rows
 
 import specdec
-from specdec.drafters import DraftModelDrafter
+from specdec.drafters import Drafter, DraftModelDrafter
 
 FAMILY = "qwen3_5"
 MAX_NEW = 12
@@ -23,15 +37,8 @@ def hf(model, ids, mask, **kw):
     return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
 
 
-_DRAFTS: dict = {}
-
-
 def drafter(kind):
-    if kind == "ngram":
-        return "ngram"
-    if "d" not in _DRAFTS:
-        _DRAFTS["d"] = perturbed_copy(get_model(FAMILY))
-    return DraftModelDrafter(_DRAFTS["d"])
+    return "ngram" if kind == "ngram" else DraftModelDrafter(get_model(FAMILY, "perturbed"))
 
 
 def wrap(kind="draft", strategy="replay"):
@@ -48,33 +55,10 @@ def eos_ids(ids, plain):
 # streamer
 
 
-class Collect:
-    """A fake streamer: records every put() and the end()."""
-
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, value):
-        self.puts.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", eos_token="w2")
-
-
 def test_streamer_ids_match_hf():
     model = get_model(FAMILY)
     ids, mask = ragged_prompts(batch=1)
-    ours, theirs = Collect(), Collect()
+    ours, theirs = StreamRecorder(), StreamRecorder()
     out = wrap().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, streamer=ours)
     ref = hf(model, ids, mask, streamer=theirs)
     assert torch.equal(out, ref)
@@ -85,8 +69,6 @@ def test_streamer_ids_match_hf():
 
 
 def test_text_streamer_text_equals_decoded_output():
-    from transformers import TextIteratorStreamer
-
     tok = tiny_tokenizer()
     model = get_model(FAMILY)
     ids, mask = ragged_prompts(batch=1)
@@ -104,19 +86,17 @@ def test_static_path_streams_what_the_eager_path_streams(kind):
     """On the static decode path (the CUDA-graph path minus the graphs) a streamer gets the prompt,
     then every committed token in its own put, then end(): the same calls as on the eager path and
     the same tokens as HF's streamer, also when EOS stops the row mid-step."""
-    from tree_drafters import OracleTree, reference_rows
-
     model = get_model(FAMILY)
     ids, mask = ragged_prompts(batch=1)
     plain = hf(model, ids, mask)
     eos = int(plain[0, ids.shape[1] + 7])
-    theirs = Collect()
+    theirs = StreamRecorder()
     ref = hf(model, ids, mask, eos_token_id=eos, streamer=theirs)
     got = {}
     for path in ("eager", "static"):
         d = OracleTree(reference_rows(ref, ids, mask), VOCAB) if kind == "tree" else drafter("draft")
         sd = specdec.wrap(model, drafter=d, rollback="ring", num_speculative_tokens=4, decode_path=path)
-        ours = Collect()
+        ours = StreamRecorder()
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=eos,
                           streamer=ours)
         assert torch.equal(out, ref) and ours.ended and sd.last_stats.decode_path == path
@@ -128,7 +108,193 @@ def test_static_path_streams_what_the_eager_path_streams(kind):
 def test_streamer_needs_batch_one():
     ids, mask = ragged_prompts()
     with pytest.raises(ValueError, match="batch size 1"):
-        wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, streamer=Collect())
+        wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, streamer=StreamRecorder())
+
+
+# ------------------------------------------------------------------------------------------------
+# streamers on the static decode path: the same calls as on the eager path and in HF
+
+#: drafters the static-path streamer tests run: n-gram, a draft model, an oracle tree, none (K = 0)
+STREAM_DRAFTERS = ("ngram", "draft", "tree", "plain")
+
+
+def one_prompt():
+    return ragged_prompts(batch=1)
+
+
+def hf_streamed(max_new, **kw):
+    """HF greedy decoding of :func:`one_prompt` with a streamer: ``(output, the streamer's calls)``."""
+    ids, mask = one_prompt()
+    rec = StreamRecorder()
+    out = get_model(FAMILY).generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                                     max_new_tokens=max_new, streamer=rec, **kw)
+    return out, rec.calls
+
+
+@functools.cache
+def plain_tokens():
+    """HF greedy's first 16 new tokens for :func:`one_prompt`."""
+    ids, _ = one_prompt()
+    return hf_streamed(16)[0][0, ids.shape[1]:].tolist()
+
+
+def wrap_on_path(kind, path, ref=None, K=4, strategy="ring"):
+    """The target wrapped on the decode path ``path`` with the drafter ``kind`` (one of
+    :data:`STREAM_DRAFTERS`; ``"tree"``: an oracle tree hiding ``ref``, ``"plain"``: K = 0)."""
+    ids, mask = one_prompt()
+    model = get_model(FAMILY)
+    if kind == "draft":
+        d = drafter("draft")
+    elif kind == "tree":
+        d = OracleTree(reference_rows(ref, ids, mask), VOCAB)
+    else:
+        d = "ngram"
+    return specdec.wrap(model, drafter=d, rollback=strategy, num_speculative_tokens=0 if kind == "plain" else K,
+                        decode_path=path)
+
+
+STREAM_SETTINGS = {  # name: (max_new_tokens, eos_token_id as positions in the plain continuation)
+    "budget_1": (1, None),
+    "budget_2": (2, None),
+    "budget_3": (3, None),
+    "eos_first_token": (12, [0]),
+    "eos_second_token": (12, [1]),
+    "eos_mid_step": (12, [6]),
+    "eos_list": (12, [9, 5]),  # the earlier one (position 5) stops
+    "eos_on_last_budget_token": (8, [7]),
+}
+
+
+@pytest.mark.parametrize("setting", list(STREAM_SETTINGS))
+def test_static_puts_equal_eager_and_hf(setting):
+    max_new, eos_pos = STREAM_SETTINGS[setting]
+    p = plain_tokens()
+    kw = {} if eos_pos is None else {"eos_token_id": [p[i] for i in eos_pos] if len(eos_pos) > 1 else p[eos_pos[0]]}
+    ref, theirs = hf_streamed(max_new, **kw)
+    ids, mask = one_prompt()
+    assert theirs[0][3] == ids[0].tolist() and theirs[-1] == ("end",)
+    multi = 0
+    for kind in STREAM_DRAFTERS:
+        for path in ("eager", "static"):
+            sd = wrap_on_path(kind, path, ref)
+            rec = StreamRecorder()
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=0, streamer=rec, **kw)
+            assert sd.last_stats.decode_path == path
+            assert torch.equal(out, ref), (kind, path)
+            assert rec.calls == theirs, (kind, path)
+            multi += path == "static" and sd.last_stats.mean_accepted_tokens > 1.5
+    if max_new >= 8 and (eos_pos is None or min(eos_pos) >= 5):
+        assert multi >= 1  # some static runs committed several tokens per step (and streamed them one by one)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft", "plain"])
+def test_static_sampling_streams_the_returned_tokens_and_does_not_change_them(kind):
+    ids, mask = one_prompt()
+    L = ids.shape[1]
+    kw = {"attention_mask": mask, "max_new_tokens": 14, "pad_token_id": 0, "do_sample": True, "temperature": 1.3,
+          "top_k": 20, "eos_token_id": [5, 7]}
+    for seed in range(2):
+        sd = wrap_on_path(kind, "static", K=3)
+        rec = StreamRecorder()
+        out = sd.generate(ids, streamer=rec, generator=torch.Generator().manual_seed(seed), **kw)
+        toks = rec.new_tokens()
+        assert rec.calls[0][3] == ids[0].tolist() and rec.calls[-1] == ("end",)
+        assert toks == out[0, L:L + len(toks)].tolist() and bool((out[0, L + len(toks):] == 0).all())
+        same = sd.generate(ids, generator=torch.Generator().manual_seed(seed), **kw)
+        assert torch.equal(out, same)  # the streamer does not change what is sampled
+        if kind == "plain":  # one token per step: the static path samples as the eager one
+            eager = StreamRecorder()
+            wrap_on_path(kind, "eager").generate(ids, streamer=eager, generator=torch.Generator().manual_seed(seed), **kw)
+            assert eager.calls == rec.calls
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingStreamer:
+    def __init__(self, at):
+        self.at, self.n, self.ended = at, 0, False
+
+    def put(self, value):
+        self.n += 1
+        if self.n == self.at:
+            raise Boom
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("kind", ["draft", "tree"])
+def test_a_failing_put_leaves_the_wrapper_usable(kind):
+    """put() raising (the prompt, the first token, a step's token) propagates with no end() call,
+    as on the eager path and in HF; the next generate() on the same wrapper is exact and streams."""
+    ids, mask = one_prompt()
+    p = plain_tokens()
+    ref, theirs = hf_streamed(12, eos_token_id=p[9])
+    sd = wrap_on_path(kind, "static", ref)
+    for at in (1, 2, 4):
+        bad = FailingStreamer(at)
+        with pytest.raises(Boom):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=p[9], streamer=bad)
+        assert bad.n == at and not bad.ended
+        rec = StreamRecorder()
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=p[9], streamer=rec)
+        assert torch.equal(out, ref) and rec.calls == theirs and sd.last_stats.decode_path == "static"
+
+
+class BadDrafter(Drafter):
+    """Proposes ones, then at call ``at`` an out-of-vocabulary token or too many drafts."""
+
+    def __init__(self, at, what):
+        self.at, self.what, self.n = at, what, 0
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        self.n += 1
+        B, K = input_ids.shape[0], num_speculative_tokens
+        drafts, counts = torch.ones(B, K, dtype=torch.long), torch.full((B,), K)
+        if self.n == self.at:
+            if self.what == "token":
+                drafts[:, 0] = VOCAB + 5
+            else:
+                counts[:] = K + 3
+        return drafts, counts
+
+
+@pytest.mark.parametrize("what", ["token", "count"])
+def test_a_drafter_error_stops_the_stream_where_the_eager_path_stops_it(what):
+    ids, mask = one_prompt()
+    got = {}
+    for path in ("eager", "static"):
+        rec = StreamRecorder()
+        sd = specdec.wrap(get_model(FAMILY), drafter=BadDrafter(3, what), num_speculative_tokens=3, decode_path=path)
+        with pytest.raises(ValueError, match="drafter"):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, streamer=rec)
+        got[path] = rec.calls
+    assert got["static"] == got["eager"] and ("end",) not in got["static"] and len(got["static"]) >= 3
+
+
+@pytest.mark.parametrize("skip_prompt", [True, False])
+def test_text_streamers_on_the_static_path_give_hf_text(skip_prompt):
+    tok = tiny_tokenizer()
+    model = get_model(FAMILY)
+    ids, mask = one_prompt()
+    eos = plain_tokens()[9]
+    kw = {"attention_mask": mask, "max_new_tokens": 16, "pad_token_id": 0, "eos_token_id": eos}
+    theirs = TextIteratorStreamer(tok, skip_prompt=skip_prompt, timeout=10)
+    model.generate(ids, do_sample=False, streamer=theirs, **kw)
+    want = "".join(theirs)
+    ours = TextIteratorStreamer(tok, skip_prompt=skip_prompt, timeout=10)
+    wrap_on_path("ngram", "static").generate(ids, streamer=ours, **kw)
+    assert "".join(ours) == want != ""
+    printed = []
+    for run in (lambda s: model.generate(ids, do_sample=False, streamer=s, **kw),
+                lambda s: wrap_on_path("draft", "static").generate(ids, streamer=s, **kw)):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            run(TextStreamer(tok, skip_prompt=skip_prompt))
+        printed.append(buf.getvalue())
+    assert printed[0] == printed[1] != ""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ON_CUDA, needs_cuda  # conftest sets TRITON_INTERPRET=1 unless SPECDEC_TEST_CUDA=1
+from markers import ON_CUDA, needs_cuda  # conftest sets TRITON_INTERPRET=1 unless SPECDEC_TEST_CUDA=1
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # specdec without installing
 

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency
+from helpers import assert_same_token_distribution, fit_medusa_heads, medusa_prompts
+from hydra import compose, initialize_config_dir
 from tiny_models import make_model, ragged_prompts
 
 import specdec
 import specdec.zoo as zoo
 from specdec.drafters import MedusaDrafter, MedusaHeads
 from specdec.drafters.medusa import CONFIG_NAME, WEIGHTS_NAME
-from specdec.experiments.train_medusa import (
-    collect_hidden_states, fit_heads, head_accuracy, medusa_targets, target_predictions,
-)
+from specdec.experiments.app import CONF_DIR, run_experiment
+from specdec.experiments.train_medusa import collect_hidden_states, head_accuracy
+from specdec.rollback import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen3_5", "nemotron_h")
-STRATEGIES = ("snapshot", "ring", "replay")
 
 
 def _randomize(heads: MedusaHeads, seed: int = 0, scale: float = 0.2) -> MedusaHeads:
@@ -135,23 +135,10 @@ def test_size_mismatch_errors():
 # ----------------------------------------------------------------------------- exactness
 
 
-def _prompts():
-    return ragged_prompts(batch=3, lengths=(12, 7, 10), seed=5)
-
-
 def _fitted_heads(model, num_heads: int = 4) -> MedusaHeads:
     """Heads fitted (in under a second) to the tiny model's own greedy continuations of the test
     prompts, so drafts are often accepted: verification sees full, partial and no acceptance."""
-    ids, mask = _prompts()
-    seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
-                                     pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
-    hidden = collect_hidden_states(model, seqs, batch=16, progress=False)
-    x, y = medusa_targets(hidden, target_predictions(model, hidden, seqs), num_heads)
-    torch.manual_seed(0)
-    heads = MedusaHeads.from_target(model, num_heads=num_heads, num_layers=2, vocab_bias=True)
-    fit_heads(heads, x, y, steps=300, batch_positions=256, lr=1e-2, warmup_steps=5, log_every=1000,
-              progress=False, log=lambda m: None)
-    return heads
+    return fit_medusa_heads(model, *medusa_prompts(), num_heads=num_heads, num_layers=2, steps=300)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +154,7 @@ def tiny_heads():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_exact_ragged_batch(tiny_heads, family, strategy):
     model, random_heads, fitted = tiny_heads[family]
-    ids, mask = _prompts()
+    ids, mask = medusa_prompts()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     for heads, K in ((random_heads, 5), (fitted, 4), (fitted, 2)):  # K > heads: only num_heads drafts
         sd = specdec.wrap(model, drafter=MedusaDrafter(heads), rollback=strategy, num_speculative_tokens=K)
@@ -193,14 +180,7 @@ def test_sampling_keeps_the_target_distribution():
                       pad_token_id=0, **kw)
     assert drafter.draft_probs() is not None and drafter.draft_probs().shape[1:] == (3, V)
     assert 0 < sd.last_stats.acceptance_rate < 1
-    L = prompt.shape[1]
-    for j in range(P):
-        a = torch.bincount(hf[:, L + j], minlength=V)
-        b = torch.bincount(out[:, L + j], minlength=V)
-        table = torch.stack([a, b]).numpy()
-        table = table[:, table.sum(0) > 0]
-        p = chi2_contingency(table)[1] if table.shape[1] > 1 else 1.0
-        assert p > 1e-3, f"position {j}: HF {a.tolist()} vs specdec {b.tolist()} (p={p:.2e})"
+    assert_same_token_distribution(hf, out, prompt.shape[1], P, V)
 
 
 # ---------------------------------------------------------------------------- shipped heads
@@ -272,10 +252,6 @@ def test_zoo_heads_integrity_errors(tmp_path):
 
 
 def test_acceptance_experiment_with_medusa(tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    from specdec.experiments.app import CONF_DIR, run_experiment
-
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "model=zoo", "drafter=medusa", "rollback=replay", "prompts.limit=1", "max_new_tokens=8",

@@ -14,12 +14,10 @@ import os
 
 import pytest
 import torch
-from conftest import get_model
+from helpers import ALL_STRATEGIES, STRATEGY_FACTORIES, hf_greedy, hf_states, random_inputs, rel_err, slice_inputs
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_core_exactness import hf_greedy, hf_states, rel_err
-from test_rollback import STRATS, random_inputs, slice_inputs
-from tiny_models import FAMILIES, VOCAB, ragged_prompts
+from tiny_models import FAMILIES, VOCAB, get_model, ragged_prompts
 
 import specdec
 from specdec.drafters import Drafter
@@ -46,7 +44,7 @@ def step_plans(draw):
     return B, K, steps
 
 
-@pytest.mark.parametrize("strategy", list(STRATS))
+@pytest.mark.parametrize("strategy", list(STRATEGY_FACTORIES))
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
 @given(plan=step_plans(), seed=st.integers(0, 2**16))
 def test_strategy_property(op_name, strategy, plan, seed):
@@ -54,7 +52,7 @@ def test_strategy_property(op_name, strategy, plan, seed):
     assume(strategy != "replay_deferred_L8" or 2 * (K + 1) <= 8)  # history 8 holds K <= 3 (else a clear error)
     op = OPS[op_name]
     g = torch.Generator().manual_seed(seed)
-    strat = STRATS[strategy]()
+    strat = STRATEGY_FACTORIES[strategy]()
     store = strat.new_store(B, K + 1)
     _, params, S = random_inputs(op_name, 1, g)
     ref = torch.randn(B, *S, generator=g)
@@ -101,7 +99,7 @@ class PatternDrafter(Drafter):
 _REFS: dict = {}
 
 
-@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay", "replay_deferred"])
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=6 if os.environ.get("SPECDEC_HYPOTHESIS_PROFILE", "ci") == "ci" else 60)
 @given(
@@ -134,7 +132,7 @@ def test_debug_mode_reports_nan_with_row_layer_step(monkeypatch):
     op = OPS["gdn"]
     g = torch.Generator().manual_seed(0)
     inputs, params, S = random_inputs("gdn", 2, g)
-    strat = STRATS["snapshot"]()
+    strat = STRATEGY_FACTORIES["snapshot"]()
     store = strat.new_store(3, 3, layer=7)
     strat.load(store, torch.randn(3, *S, generator=g))
     strat.verify(store, op, inputs, params)

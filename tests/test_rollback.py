@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import STRATEGY_FACTORIES, random_inputs, slice_inputs
 
 from specdec.kernels import OPS
 from specdec.rollback import ReplayRollback, RingRollback, SnapshotRollback
@@ -13,44 +14,14 @@ from specdec.rollback import ReplayRollback, RingRollback, SnapshotRollback
 B = 3
 
 
-def random_inputs(op, T, g, batch=B):
-    B = batch
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    if op == "mamba2":
-        H, P, N, G = 4, 8, 6, 2
-        inputs = {"x": r(B, T, H, P), "dt": torch.nn.functional.softplus(r(B, T, H)), "B": r(B, T, G, N),
-                  "C": r(B, T, G, N)}
-        return inputs, {"A": -torch.rand(H, generator=g) - 0.1, "D": r(H)}, (H, P, N)
-    H, K, V = 2, 8, 6
-    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
-    q = torch.nn.functional.normalize(r(B, T, H, K), dim=-1) * K**-0.5
-    g_shape = (B, T, H, K) if op == "kda" else (B, T, H)
-    inputs = {"q": q, "k": k, "v": r(B, T, H, V), "g": -torch.nn.functional.softplus(r(*g_shape)),
-              "beta": torch.rand(B, T, H, generator=g)}
-    return inputs, {}, (H, K, V)
-
-
-def slice_inputs(inputs, a, b):
-    return {k: v[:, a:b] for k, v in inputs.items()}
-
-
-STRATS = {
-    "snapshot": SnapshotRollback,
-    "ring": RingRollback,
-    "replay": ReplayRollback,
-    "replay_deferred": lambda: ReplayRollback(deferred=True),
-    "replay_deferred_L8": lambda: ReplayRollback(deferred=True, history=8),
-}
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["one-call", "two-calls"])
-@pytest.mark.parametrize("strategy", list(STRATS))
+@pytest.mark.parametrize("strategy", list(STRATEGY_FACTORIES))
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
 def test_strategy_commits_exact_state(op_name, strategy, split):
     op = OPS[op_name]
     g = torch.Generator().manual_seed(0)
     Tmax = 4
-    strat = STRATS[strategy]()
+    strat = STRATEGY_FACTORIES[strategy]()
     store = strat.new_store(B, Tmax)
     _, _, S = random_inputs(op_name, 1, g)
     state0 = torch.randn(B, *S, generator=g)

@@ -1,24 +1,31 @@
-"""The static decode path (issue 7): fixed shapes, device-side bookkeeping, one host sync per
-step, CUDA graphs on CUDA. On CPU it runs the same static calls without graphs; it must give
+"""The static decode path: fixed shapes, device-side bookkeeping, one host sync per step, CUDA
+graphs on CUDA. On CPU it runs the same static calls without graphs; it must give
 exactly the eager path's / HF's greedy output. Also plain decoding (K = 0) and the
 controlled-acceptance OracleDrafter the benchmarks use."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from conftest import get_model, needs_cuda
-from test_core_exactness import MAX_NEW, hf_greedy, make_drafter, reference
-from tiny_models import VOCAB, ragged_prompts
+import torch._dynamo.config as dynamo_config
+from helpers import (
+    ALL_STRATEGIES, MAX_NEW, StreamRecorder, hf_greedy, hf_states, make_drafter, medusa_prompts, reference, rel_err,
+)
+from markers import needs_cuda
+from tiny_models import VOCAB, get_model
+from tree_drafters import OracleTree, reference_rows
 
 import specdec
 from specdec.drafters import Drafter, OracleDrafter
-
-STRATS = ("snapshot", "ring", "replay", "replay_deferred")
+from specdec.engine import MAX_SPECULATIVE_TOKENS
+from specdec.fusion import fused
+from specdec.graphs import _host_syncing_experts, capture_blocker, graph_safe_experts
+from specdec.rollback import STRATEGIES, InPlaceUpdate
 
 
 @pytest.mark.parametrize("K", [0, 2, 4])
-@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 def test_static_greedy_exact_vs_hf(family, strategy, K):
     ids, mask, eos, ref = reference(family)
     sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback=strategy,
@@ -163,7 +170,7 @@ def test_decode_path_validation():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_path_exact_vs_eager(fam, strategy):
     """On CUDA (fp32 tiny models): CUDA-graph decoding (fused norms) == the eager path, token for token."""
@@ -184,17 +191,15 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_tree_exact_vs_eager(fam, strategy):
     """On CUDA (fp32 tiny models): tree drafting through the captured tree forward and path commit
     == plain greedy and == the eager tree loop, with the same acceptance counts. The oracle drafter
     hides the reference on a random (often off-first-branch, often depth-4) path of a 67-node tree,
     and a row stops at EOS mid-step, so deep path commits run inside the graph."""
-    from tree_drafters import OracleTree, reference_rows
-
     model = get_model(fam).cuda()
-    ids, mask = ragged_prompts(batch=3, lengths=(12, 7, 10), seed=5)
+    ids, mask = medusa_prompts()
     ids, mask = ids.cuda(), mask.cuda()
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     eos = int(plain[1, ids.shape[1] + 9])
@@ -216,8 +221,6 @@ def test_cuda_graph_tree_exact_vs_eager(fam, strategy):
 def test_capture_blocker_names_the_triton_interpreter(monkeypatch):
     """Under TRITON_INTERPRET=1 (Triton's spellings) no CUDA graph can be captured, and the reason
     names the variable; unset or "0", nothing blocks."""
-    from specdec.graphs import capture_blocker
-
     for value in ("1", "true", "ON"):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert "TRITON_INTERPRET" in capture_blocker()
@@ -230,10 +233,6 @@ def test_capture_blocker_names_the_triton_interpreter(monkeypatch):
 def test_fused_patches_and_restores_the_model():
     """specdec.fusion.fused swaps norm/MLP forwards only inside the block (no compile happens
     unless they are called) and restores dynamo's recompile limit."""
-    import torch._dynamo.config as dynamo_config
-
-    from specdec.fusion import fused
-
     model = get_model("qwen3_5")
     norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
     assert norms
@@ -245,7 +244,7 @@ def test_fused_patches_and_restores_the_model():
     assert dynamo_config.recompile_limit == before
 
 
-@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_static_draft_model_proposals_equal_eager(family, strategy):
     """The draft model's fixed-shape proposal program (what the CUDA graph holds) proposes exactly
     what its eager loop proposes: same output, same acceptance counts; its cache is reused by a
@@ -281,10 +280,6 @@ def test_static_draft_model_every_K(K):
 def test_plain_decoding_in_place_state_exact(family, path):
     """K = 0 runs the in-place update (no rollback buffers) and its committed state equals HF's
     own per-token decode of the text (every row runs to the budget: no finished row)."""
-    from test_core_exactness import hf_states, rel_err
-
-    from specdec.rollback import InPlaceUpdate
-
     model = get_model(family)
     ids, mask, _, _ = reference(family)
     sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
@@ -301,8 +296,6 @@ def test_plain_decoding_in_place_state_exact(family, path):
 
 
 def test_in_place_strategy_rejects_multi_token_steps():
-    from specdec.rollback import InPlaceUpdate
-
     ad = specdec.models.adapter_for(get_model("qwen3_5"))
     ids, mask, _, _ = reference("qwen3_5")
     with pytest.raises(ValueError, match="steps of 1 token"):
@@ -316,7 +309,7 @@ def test_settings_are_validated_after_construction():
     with pytest.raises(ValueError, match="decode_path must be one of"):
         sd.decode_path = "bogus"
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
-        sd.num_speculative_tokens = 100
+        sd.num_speculative_tokens = MAX_SPECULATIVE_TOKENS + 1
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         sd.num_speculative_tokens = -2
     with pytest.raises(ValueError, match="unknown rollback strategy"):
@@ -324,8 +317,6 @@ def test_settings_are_validated_after_construction():
     with pytest.raises(ValueError, match="unknown drafter"):
         sd.drafter = "medusa?"
     sd.drafter = "ngram"  # a name works, as in wrap()
-    import numpy as np
-
     sd.num_speculative_tokens = np.int64(3)
     assert sd.num_speculative_tokens == 3 and type(sd.num_speculative_tokens) is int
     ids, mask, eos, ref = reference("qwen3_5")
@@ -368,24 +359,14 @@ def test_drafter_output_types_are_checked(path, mode, match):
 
 
 def test_streamer_gets_nothing_from_a_rejected_call():
-    class Recorder:
-        def __init__(self):
-            self.calls = []
-
-        def put(self, value):
-            self.calls.append("put")
-
-        def end(self):
-            self.calls.append("end")
-
     ids = torch.ones(1, 4, dtype=torch.long)
-    rec = Recorder()
+    rec = StreamRecorder()
     with pytest.raises(ValueError, match="does not support repetition_penalty"):
         specdec.wrap(get_model("qwen3_5"), decode_path="static").generate(ids, max_new_tokens=3, streamer=rec,
                                                                           repetition_penalty=1.2)
     assert rec.calls == []
     specdec.wrap(get_model("qwen3_5")).generate(ids, max_new_tokens=0, streamer=rec)
-    assert rec.calls == ["put", "end"]
+    assert [c[0] for c in rec.calls] == ["put", "end"]
 
 
 def test_pad_token_id_must_be_an_int():
@@ -407,8 +388,6 @@ def test_graph_safe_experts_switches_syncing_moe_and_restores():
     """Kimi-Linear's MoE experts (transformers' grouped_mm on fp32 weights: its fallback copies
     the offsets to the host, which a CUDA graph cannot capture) run as batched_mm inside
     graph_safe_experts, with the same logits; the model's setting comes back afterwards."""
-    from specdec.graphs import _host_syncing_experts, graph_safe_experts
-
     model = get_model("kimi_linear")
     impl = model.config._experts_implementation
     assert len(_host_syncing_experts(model)) == 1

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import get_model, needs_triton_interpreter
-from test_core_exactness import hf_greedy
-from tiny_models import ragged_prompts
+from helpers import hf_greedy
+from markers import needs_triton_interpreter
+from tiny_models import get_model, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter

@@ -2,12 +2,17 @@
 
 Nothing is downloaded. ``make_model(family, seed)`` returns an fp32 model in eval mode; sizes
 are chosen so a forward takes milliseconds on a CPU core, with every layer type present.
+``get_model`` shares one target / draft / small model per family across a test process;
+``ragged_prompts`` makes left-padded prompts; ``tiny_tokenizer`` decodes the tiny vocabulary.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 FAMILIES = ("qwen3_5", "qwen3_next", "nemotron_h", "kimi_linear")
 #: further hybrid families (tests/test_families.py)
@@ -182,8 +187,6 @@ def make_model(family: str, seed: int = 0, small: bool = False, vocab: int = VOC
 def perturbed_copy(model, scale: float = 0.05, seed: int = 1):
     """A copy of ``model`` with Gaussian noise (relative ``scale``) on every weight: a draft that
     agrees with the target often but not always."""
-    import copy
-
     torch.manual_seed(seed)
     draft = copy.deepcopy(model)
     with torch.no_grad():
@@ -211,3 +214,32 @@ def ragged_prompts(batch: int = 3, vocab: int = VOCAB, lengths=(12, 7, 10), seed
         ids[i, L - n :] = row
         mask[i, L - n :] = 1
     return ids, mask
+
+
+_MODELS: dict = {}
+
+
+def get_model(family: str, kind: str = "target"):
+    """The tiny models of ``family``, built once per test process and shared (do not modify them):
+    ``kind`` ``"target"`` (:func:`make_model`, seed 0), ``"perturbed"`` (:func:`perturbed_copy` of
+    the target: a draft model that often agrees) or ``"small"`` (fewer layers, seed 1)."""
+    key = (family, kind)
+    if key not in _MODELS:
+        if kind == "target":
+            _MODELS[key] = make_model(family, seed=0)
+        elif kind == "perturbed":
+            _MODELS[key] = perturbed_copy(get_model(family, "target"))
+        elif kind == "small":
+            _MODELS[key] = make_model(family, seed=1, small=True)
+        else:
+            raise ValueError(f"unknown model kind {kind!r}; use 'target', 'perturbed' or 'small'")
+    return _MODELS[key]
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer for the tiny vocabulary: id i is the word ``w{i}`` (``w0``
+    padding and unknown, ``w2`` EOS); decoding joins words with spaces."""
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", eos_token="w2")

@@ -9,6 +9,8 @@ import torch
 from specdec.drafters import Drafter
 from specdec.tree import MEDUSA_63, TreeSpec, make_tree
 
+#: a 10-node tree of depth 3 (3 heads) with branches off the top-1 chain at every depth
+SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
 #: Medusa's 64-node tree plus three depth-4 branches off the top-1 chain
 ORACLE_TREE = [list(p) for p in MEDUSA_63] + [[1, 0, 0, 0], [0, 1, 0, 0], [2, 0, 0, 0]]
 
@@ -54,5 +56,8 @@ class OracleTree(Drafter):
 
 
 def reference_rows(out, ids, mask):
+    """Per row, the prompt without its padding and then the row's new tokens of ``out``
+    (``generate()``'s output for the left-padded prompts ``ids``, ``mask``): what
+    :class:`OracleTree` takes as ``reference_rows``."""
     L = ids.shape[1]
     return [torch.cat([ids[b][mask[b].bool()], out[b, L:]]) for b in range(ids.shape[0])]

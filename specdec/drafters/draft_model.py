@@ -11,7 +11,7 @@ rollback layer as the target. Each proposal is one *step* of the draft's cache:
 3. run K - 1 single-token forwards inside one open step to propose d_2..d_K (gpt-fast's loop).
 
 So after a rejection the draft's proposals equal those of a fresh draft run on the accepted
-text (case C12).
+text.
 
 On the engine's static / CUDA-graph decode path (greedy), each proposal after the first is one
 fixed-shape program: commit the kept prefix, a 2-token catch-up forward committed per row

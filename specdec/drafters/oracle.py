@@ -1,8 +1,8 @@
 """A drafter with a known, controlled acceptance rate, for benchmarks.
 
 Real drafters make acceptance depend on the model and the text; to measure what speculation
-costs and gains at a given acceptance (the "controlled acceptance" benchmarks of issue 7 and
-case C8), :class:`OracleDrafter` proposes the target's own expected continuation -- e.g. its
+costs and gains at a given acceptance (controlled-acceptance benchmarks),
+:class:`OracleDrafter` proposes the target's own expected continuation -- e.g. its
 plain greedy output, computed once -- with each draft token independently replaced by another
 token with probability ``1 - acceptance``. Under greedy verification a draft is then accepted
 with probability ``acceptance`` given that the ones before it were, so the number of accepted

@@ -8,8 +8,8 @@ per-type dict for models that mix full and sliding-window layers.
 
 from __future__ import annotations
 
-from .base import register
-from .common import FamilyAdapter, layer_types_of
+from .base import HybridAdapter, register
+from .common import layer_types_of
 
 __all__ = ["AttentionOnlyAdapter", "ATTENTION_MODEL_TYPES"]
 
@@ -21,7 +21,7 @@ _SUPPORTED_KINDS = ("full_attention", "sliding_attention")
 
 
 @register
-class AttentionOnlyAdapter(FamilyAdapter):
+class AttentionOnlyAdapter(HybridAdapter):
     """Attention-only decoders: no SSM layer; sliding-window layers get a sliding mask."""
 
     model_types = ATTENTION_MODEL_TYPES

@@ -154,8 +154,8 @@ class HybridAdapter:
 
     # --- body calls ---------------------------------------------------------------------------
     def _cache_keyword(self) -> str:
-        """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers 5.24
-        renamed ``past_key_values`` / ``cache_params`` to ``cache``; the old names only warn there)."""
+        """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers
+        >= 5.24, where ``past_key_values`` / ``cache_params`` only warn)."""
         if not hasattr(self, "_cache_kw"):
             import inspect
 

@@ -1,7 +1,8 @@
-"""Shared machinery for the adapters beyond the core four (:mod:`specdec.models.base`).
+"""What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`.
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
-:class:`~specdec.models.base.HybridAdapter` (``FamilyAdapter`` is kept as its alias):
+:class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
+path):
 
 * how the decoder body is called (``cache_arg``: ``past_key_values`` or Mamba2's
   ``cache_params``; ``uses_position_ids``; :meth:`step_attention_mask` for what the body takes as
@@ -18,9 +19,7 @@ The mixers themselves stay in the family modules and call the shared ops through
 
 from __future__ import annotations
 
-from .base import HybridAdapter
-
-__all__ = ["FamilyAdapter", "layer_types_of"]
+__all__ = ["layer_types_of"]
 
 
 def layer_types_of(config) -> list[str]:
@@ -33,8 +32,3 @@ def layer_types_of(config) -> list[str]:
     if getattr(config, "sliding_window", None) is not None:
         return ["sliding_attention"] * n
     return ["full_attention"] * n
-
-
-#: the extra families' adapters used to need their own base class; its hooks now live in
-#: :class:`~specdec.models.base.HybridAdapter`, so every adapter shares one prefill / step path
-FamilyAdapter = HybridAdapter

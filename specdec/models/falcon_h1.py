@@ -9,22 +9,21 @@ computes inside ``selective_state_update``). The head multiplies by ``lm_head_mu
 The decoder layer's own multipliers (attention in/out, ssm out, MLP) run in HF's code.
 
 Every layer holds both an attention KV cache and SSM state (HF's ``"hybrid"`` cache layers);
-:class:`~specdec.models.common.FamilyAdapter` loads both after prefill.
+:class:`~specdec.models.base.HybridAdapter` loads both after prefill.
 """
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .base import register
-from .common import FamilyAdapter
+from .base import HybridAdapter, register
 from .mamba2 import mamba2_core
 
 __all__ = ["FalconH1Adapter"]
 
 
 @register
-class FalconH1Adapter(FamilyAdapter):
+class FalconH1Adapter(HybridAdapter):
     """Falcon-H1 hybrids (parallel attention + Mamba-2 in every layer)."""
 
     model_types = ("falcon_h1",)

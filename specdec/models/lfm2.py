@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
-from .base import register
-from .common import FamilyAdapter
+from .base import HybridAdapter, register
 
 __all__ = ["Lfm2Adapter", "ConvOnlyLayerCache"]
 
@@ -32,7 +31,7 @@ class ConvOnlyLayerCache(SSMLayerCache):
 
 
 @register
-class Lfm2Adapter(FamilyAdapter):
+class Lfm2Adapter(HybridAdapter):
     """LFM2 hybrids (short-conv + attention)."""
 
     model_types = ("lfm2",)

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fusion import fusable
-from .base import register
-from .common import FamilyAdapter
+from .base import HybridAdapter, register
 
 __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "mamba2_core"]
 
@@ -60,7 +59,7 @@ def gated_mamba2_mixer(mixer, hidden_states, layer):
 
 
 @register
-class Mamba2Adapter(FamilyAdapter):
+class Mamba2Adapter(HybridAdapter):
     """Pure Mamba-2 (``Mamba2ForCausalLM``): every layer a Mamba-2 block, no attention.
 
     Its body (``.backbone``) takes the cache as ``cache_params``, no ``position_ids``, and a 2-D
@@ -87,7 +86,7 @@ class Mamba2Adapter(FamilyAdapter):
 
 
 @register
-class BambaAdapter(FamilyAdapter):
+class BambaAdapter(HybridAdapter):
     """Bamba (``BambaForCausalLM``): Mamba-2 blocks with a few RoPE attention layers."""
 
     model_types = ("bamba",)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import register
-from .common import FamilyAdapter
+from .base import HybridAdapter, register
 
 __all__ = ["OlmoHybridAdapter"]
 
@@ -23,7 +22,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @register
-class OlmoHybridAdapter(FamilyAdapter):
+class OlmoHybridAdapter(HybridAdapter):
     """OLMo-hybrid models."""
 
     model_types = ("olmo_hybrid",)

@@ -4,21 +4,20 @@
 
 The shared block runs in HF's own code; each hybrid layer has its own KV cache slot (HF's
 ``"hybrid"`` cache layer: KV + conv/SSM state), both loaded after prefill by
-:class:`~specdec.models.common.FamilyAdapter`. The mixer is the standard Mamba-2 one with a
+:class:`~specdec.models.base.HybridAdapter`. The mixer is the standard Mamba-2 one with a
 grouped gated RMSNorm (:func:`specdec.models.mamba2.gated_mamba2_mixer`).
 """
 
 from __future__ import annotations
 
-from .base import register
-from .common import FamilyAdapter
+from .base import HybridAdapter, register
 from .mamba2 import gated_mamba2_mixer
 
 __all__ = ["Zamba2Adapter"]
 
 
 @register
-class Zamba2Adapter(FamilyAdapter):
+class Zamba2Adapter(HybridAdapter):
     """Zamba2 hybrids (Mamba-2 + shared attention blocks)."""
 
     model_types = ("zamba2",)

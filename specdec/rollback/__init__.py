@@ -10,7 +10,7 @@ A store may hold a pool of state slots with a row -> slot map (``state_indices``
 
 from __future__ import annotations
 
-from .base import LayerStore, RollbackStrategy
+from .base import STRATEGIES, LayerStore, RollbackStrategy
 from .inplace import InPlaceUpdate
 from .replay import ReplayRollback
 from .ring import RingRollback
@@ -26,8 +26,6 @@ __all__ = [
     "InPlaceUpdate",
     "make_strategy",
 ]
-
-STRATEGIES = ("snapshot", "ring", "replay")
 
 _BY_NAME = {
     "snapshot": SnapshotRollback,

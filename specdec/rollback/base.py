@@ -5,7 +5,7 @@ A *step* runs tokens ``[x_L, d_1 .. d_k]`` through the layer, possibly in severa
 at a time inside one step). ``commit(num_tokens)`` then makes, per row,
 ``state := s^(num_tokens[b])`` (0 keeps the old state) and closes the step.
 
-Strategies:
+Strategies (see docs/design.md, "One speculative step"):
 
 =========  ===========================================  ===========================  ================
 strategy   during verify                                commit                       extra memory
@@ -31,8 +31,12 @@ import torch
 from ..kernels import SSMOp
 from ..kernels.slots import check_state_indices
 
-__all__ = ["RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite",
+__all__ = ["STRATEGIES", "RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite",
            "check_slot_map"]
+
+#: the built-in strategies' names (each also verifies trees); ``"replay_deferred"`` is replay
+#: that folds only when its history would overflow
+STRATEGIES = ("snapshot", "ring", "replay")
 
 
 def debug_enabled() -> bool:
@@ -162,7 +166,7 @@ class RollbackStrategy(abc.ABC):
 
         Raises: ValueError when the strategy has no tree support or the step is already open."""
         raise ValueError(f"rollback strategy {self.name!r} does not support tree verification; "
-                         "use 'snapshot', 'ring', 'replay' or 'replay_deferred'")
+                         f"use one of {STRATEGIES} or 'replay_deferred'")
 
     def compact_path(self, store: LayerStore, op: SSMOp, params: dict, path: torch.Tensor,
                      num_tokens: torch.Tensor) -> None:
@@ -190,7 +194,8 @@ class RollbackStrategy(abc.ABC):
         self.load(store, full)
 
     def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
-        """Bytes this strategy keeps per layer and sequence beyond the live state (the module's table)."""
+        """Bytes this strategy keeps per layer and sequence beyond the live state (the ``extra
+        memory`` column above; see docs/design.md, "The rollback cost model")."""
         return 0
 
     # shared helpers -------------------------------------------------------------------------

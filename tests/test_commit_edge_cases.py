@@ -1,6 +1,9 @@
-"""The failure kinds of ../shared/cases/README.md that apply on CPU, one test (or grid) each,
-named after the case. Expected values come from plain autoregressive decoding (HF generate)
-or from HF's own per-token decode of the accepted tokens."""
+"""Where an off-by-one in a commit or a rollback would show: rows of one batch with different
+draft counts, placeholder drafts past a row's count, every K up to 16, every drafter, a partial
+commit followed by one-token steps, hundreds of random commit counts (debug mode), long prompts
+(128 / 1k / 4k tokens), EOS inside accepted drafts, a finished row's slot given to a new prompt,
+a hybrid draft model's own rollback. Expected values come from plain autoregressive decoding
+(HF generate) or from HF's own per-token decode of the accepted tokens."""
 
 from __future__ import annotations
 
@@ -9,9 +12,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import get_model
-from test_core_exactness import hf_greedy, hf_states, rel_err
-from tiny_models import VOCAB, ragged_prompts
+from helpers import ALL_STRATEGIES, fit_medusa_heads, hf_greedy, hf_states, perturb_heads, rel_err
+from tiny_models import VOCAB, get_model, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter, Drafter, MedusaDrafter, MedusaHeads
@@ -44,7 +46,7 @@ class Ragged(Drafter):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_C1_mixed_draft_counts_rows_equal_rows_alone(family, strategy):
+def test_mixed_draft_counts_rows_equal_rows_alone(family, strategy):
     model = get_model(family)
     ids, mask = ragged_prompts(lengths=(12, 5, 9))
     ref = hf_greedy(model, ids, mask)
@@ -85,7 +87,7 @@ class StateCheckAfterCommit(Drafter):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_C2_placeholders_never_reach_committed_state(strategy):
+def test_placeholders_never_reach_committed_state(strategy):
     family = "qwen3_5"
     model = get_model(family)
     ids, mask = ragged_prompts()
@@ -99,11 +101,11 @@ def test_C2_placeholders_never_reach_committed_state(strategy):
 
 
 @pytest.mark.parametrize("K", range(1, 17))
-def test_C3_every_family_every_K(family, K):
+def test_every_K_up_to_16_exact_with_conv_window_sized_for_it(family, K):
     model = get_model(family)
     ids, mask = ragged_prompts(seed=5)
     ref = hf_greedy(model, ids, mask, max_new=10)
-    strategy = STRATEGIES[K % 3]
+    strategy = STRATEGIES[K % len(STRATEGIES)]
     sd = specdec.wrap(model, drafter=DraftModelDrafter(model), rollback=strategy, num_speculative_tokens=K)
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
     assert torch.equal(out, ref)
@@ -115,40 +117,20 @@ def test_C3_every_family_every_K(family, K):
 _HEADS: dict = {}
 #: per family, a ragged_prompts seed on which the n-gram drafter finds matches the tiny random
 #: target accepts (random models rarely repeat themselves: most seeds give no n-gram acceptance)
-C4_SEED = {"qwen3_5": 5, "nemotron_h": 7}
+NGRAM_SEED = {"qwen3_5": 5, "nemotron_h": 7}
 
 
 def noisy_medusa_heads(family: str) -> MedusaHeads:
-    """3 Medusa heads for the tiny target, fitted (a fraction of a second) to its own greedy
-    continuations of the C4 prompts and then perturbed, so that a step accepts none, some or all
-    of its drafts (as tests/test_medusa_tree.py builds them)."""
+    """3 Medusa heads for the tiny target, fitted to its own greedy continuations of the
+    :data:`NGRAM_SEED` prompts and then perturbed, so that a step accepts none, some or all of its
+    drafts."""
     if family not in _HEADS:
-        from specdec.experiments.train_medusa import (
-            collect_hidden_states,
-            fit_heads,
-            medusa_targets,
-            target_predictions,
-        )
-
         model = get_model(family)
-        ids, mask = ragged_prompts(seed=C4_SEED[family])
-        seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
-                                         pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
-        hidden = collect_hidden_states(model, seqs, batch=16, progress=False)
-        x, y = medusa_targets(hidden, target_predictions(model, hidden, seqs), 3)
-        torch.manual_seed(0)
-        heads = MedusaHeads.from_target(model, num_heads=3, num_layers=1, vocab_bias=True)
-        fit_heads(heads, x, y, steps=60, batch_positions=256, lr=1e-2, warmup_steps=5, log_every=1000,
-                  progress=False, log=lambda m: None)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for lin in heads.lm_heads:
-                lin.weight.add_(torch.randn(lin.weight.shape, generator=g) * lin.weight.std() * 1.5)
-        _HEADS[family] = heads
+        _HEADS[family] = perturb_heads(fit_medusa_heads(model, *ragged_prompts(seed=NGRAM_SEED[family])))
     return _HEADS[family]
 
 
-def c4_drafter(kind: str, family: str):
+def drafter_of_kind(kind: str, family: str):
     if kind == "ngram":
         return "ngram"
     if kind == "draft_model":
@@ -169,15 +151,15 @@ def assert_committed_state_is_texts(model, cache, texts, prompt_lens, tol=1e-5):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model", "medusa_chain", "medusa_tree"])
-@pytest.mark.parametrize("family", sorted(C4_SEED))
-def test_C4_every_drafter_same_commit_exact(family, drafter, strategy):
+@pytest.mark.parametrize("family", sorted(NGRAM_SEED))
+def test_every_drafter_commits_the_state_of_its_accepted_text(family, drafter, strategy):
     """The same ragged prompts through each drafter: output == HF greedy, and the committed state
     after generation == HF's per-token decode of each row's committed text."""
     model = get_model(family)
-    ids, mask = ragged_prompts(seed=C4_SEED[family])
+    ids, mask = ragged_prompts(seed=NGRAM_SEED[family])
     L, new = ids.shape[1], 16
     ref = hf_greedy(model, ids, mask, max_new=new)
-    sd = specdec.wrap(model, drafter=c4_drafter(drafter, family), rollback=strategy, num_speculative_tokens=3)
+    sd = specdec.wrap(model, drafter=drafter_of_kind(drafter, family), rollback=strategy, num_speculative_tokens=3)
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0)
     assert torch.equal(out, ref), f"\n{out[:, L:]}\n{ref[:, L:]}"
     st = sd.last_stats
@@ -190,7 +172,7 @@ def test_C4_every_drafter_same_commit_exact(family, drafter, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_C5_snapshot_verify_restore_then_decode_one_by_one(family, strategy):
+def test_partial_commit_then_one_token_steps_give_hf_logits(family, strategy):
     """Verify T tokens, commit some, then feed the rest one token per step: logits equal HF's."""
     model = get_model(family)
     ad = specdec.models.adapter_for(model)
@@ -211,8 +193,8 @@ def test_C5_snapshot_verify_restore_then_decode_one_by_one(family, strategy):
         assert rel_err(logits[:, 0], ref[:, L + t]) < 1e-4
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES + ("replay_deferred",))
-def test_C7_fuzz_random_accept_counts_debug_mode(family, strategy, monkeypatch):
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+def test_fuzz_random_accept_counts_debug_mode(family, strategy, monkeypatch):
     """Hundreds of steps with random per-row commit counts in [0, T] (including 0 and all)."""
     monkeypatch.setenv("SPECDEC_DEBUG", "1")
     model = get_model(family)
@@ -243,11 +225,11 @@ def test_C7_fuzz_random_accept_counts_debug_mode(family, strategy, monkeypatch):
         assert rel_err(cache.ssm[idx].ssm_state(), state) < 1e-4
         W = cache.ssm[idx].conv_width
         # conv inputs are projections of the layer's input, which carries fp32 rounding from the
-        # layers below: the DESIGN.md bound (rel. err. < 1e-5) applies, not bit-equality
+        # layers below: the exactness bound for states (rel. err. < 1e-5) applies, not bit-equality
         assert rel_err(cache.ssm[idx].conv_state(), conv[:, :, -(W - 1):]) < 1e-5
 
 
-def test_C7_debug_mode_catches_out_of_range_commit(monkeypatch):
+def test_debug_mode_catches_out_of_range_commit(monkeypatch):
     monkeypatch.setenv("SPECDEC_DEBUG", "1")
     ad = specdec.models.adapter_for(get_model("qwen3_5"))
     ids, mask = ragged_prompts()
@@ -275,7 +257,7 @@ def committed_texts(out, ids, mask, eos=None):
     return texts
 
 
-def test_C10_long_prompts_128_1k_4k_exact_acceptance_per_length():
+def test_long_prompts_128_1k_4k_exact_acceptance_per_length():
     """The zoo's gdn-target (fp32) on two held-out prompts of each length set (128, 1k, 4k tokens,
     ragged, left-padded), n-gram drafter, K = 4: output == HF greedy for every strategy at every
     length; acceptance is recorded per length; the committed state == HF's per-token decode
@@ -303,14 +285,14 @@ def test_C10_long_prompts_128_1k_4k_exact_acceptance_per_length():
         assert len({(s.mean_accepted_tokens, tuple(s.accept_histogram)) for s in stats.values()}) == 1
         per_length[key] = stats["replay"]
     for key, st in per_length.items():
-        print(f"C10 gdn-target {key:>4} prompts: mean_accepted_tokens {st.mean_accepted_tokens:.3f}, "
+        print(f"gdn-target {key:>4} prompts: mean_accepted_tokens {st.mean_accepted_tokens:.3f}, "
               f"acceptance_rate {st.acceptance_rate:.3f}, accept_histogram {st.accept_histogram}")
     assert set(per_length) == {"128", "1k", "4k"}
     assert all(st.steps > 0 and st.mean_accepted_tokens >= 1.0 for st in per_length.values())
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_C11_row_finishes_at_eos_inside_accepted_drafts(strategy):
+def test_row_finishes_at_eos_inside_accepted_drafts(strategy):
     """EOS lands among accepted drafts of one row while the others go on."""
     family = "nemotron_h"
     model = get_model(family)
@@ -351,9 +333,9 @@ def committed_rows(cache, rows):
     return out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES + ("replay_deferred",))
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_C11_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
+def test_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
     """Batch serving: slot 1 finishes (its budget) while rows 0 and 2 go on; some steps later
     ``HybridCache.reset_rows`` gives it a new prompt prefilled alone into a 1-row cache. Drafts
     are each row's HF-greedy continuation corrupted at random (accepted counts from 0 to K, some
@@ -365,7 +347,7 @@ def test_C11_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
     eos = model.generation_config.eos_token_id
     eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
     ad = specdec.models.adapter_for(model)
-    rng = random.Random(zlib.crc32(f"C11 slot/{family}/{strategy}".encode()))
+    rng = random.Random(zlib.crc32(f"slot reuse/{family}/{strategy}".encode()))
     ids, mask = ragged_prompts(seed=3)
     new_ids, _ = ragged_prompts(batch=1, lengths=(9,), seed=8)
     B, K, before, after, budget1 = 3, 4, 12, 14, 7
@@ -465,7 +447,7 @@ def test_C11_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
     assert_committed_state_is_texts(model, cache, [t[:-1] for t in texts], prompt_lens)
 
 
-def test_C11_reset_rows_argument_errors():
+def test_reset_rows_argument_errors():
     ad = specdec.models.adapter_for(get_model("nemotron_h"))
     ids, mask = ragged_prompts()
     cache = ad.new_cache(3, 40, 3, make_strategy("ring"))
@@ -509,7 +491,7 @@ class ProposalRecorder(Drafter):
 
 @pytest.mark.parametrize("draft_family", ["qwen3_5", "nemotron_h", "kimi_linear"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_C12_hybrid_draft_state_rolled_back(draft_family, strategy):
+def test_hybrid_draft_state_rolled_back(draft_family, strategy):
     """The draft's proposals after rejections equal a fresh draft's proposals on the accepted text."""
     target = get_model(draft_family)
     draft = get_model(draft_family, "perturbed")

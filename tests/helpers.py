@@ -1,0 +1,209 @@
+"""What the tests compare against and the inputs they share (not a test module).
+
+* Reference decoding: :func:`hf_greedy` (plain autoregressive decoding through HF ``generate``),
+  :func:`hf_states` (the SSM / conv state of HF's own per-token decode of a text), the standard
+  per-family setting :func:`reference` with its drafters (:func:`make_drafter`), :func:`rel_err`,
+  :func:`assert_same_token_distribution` (sampling: two-sample chi-square per position).
+* Names: :data:`ALL_STRATEGIES` (every rollback strategy name ``wrap`` accepts) and
+  :data:`STRATEGY_FACTORIES` (a fresh strategy per name, for the op-level tests).
+* Op-level inputs: :func:`random_inputs`, :func:`slice_inputs`.
+* Medusa heads for the tiny models: :func:`medusa_prompts`, :func:`fit_medusa_heads`,
+  :func:`perturb_heads`.
+* :class:`StreamRecorder`: a streamer that records every ``put()`` and ``end()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from scipy.stats import chi2_contingency
+from tiny_models import get_model, ragged_prompts
+from transformers import DynamicCache
+
+from specdec.drafters import DraftModelDrafter, MedusaHeads
+from specdec.experiments.train_medusa import collect_hidden_states, fit_heads, medusa_targets, target_predictions
+from specdec.rollback import STRATEGIES, ReplayRollback, make_strategy
+
+#: every rollback strategy name: ``specdec.rollback.STRATEGIES`` and deferred replay
+ALL_STRATEGIES = (*STRATEGIES, "replay_deferred")
+
+#: a fresh strategy per name: every one of :data:`ALL_STRATEGIES`, and deferred replay with a
+#: history of 8 tokens (it holds steps of up to 4 tokens, then refuses with a clear error)
+STRATEGY_FACTORIES = {
+    **{name: functools.partial(make_strategy, name) for name in ALL_STRATEGIES},
+    "replay_deferred_L8": lambda: ReplayRollback(deferred=True, history=8),
+}
+
+#: new tokens of the standard exactness setting (:func:`reference`)
+MAX_NEW = 16
+
+
+# ------------------------------------------------------------------------------ reference decoding
+
+
+def hf_greedy(model, ids, mask, max_new=MAX_NEW, eos=None):
+    """HF greedy ``generate`` of ``ids [B, L]`` (left-padded, pad id 0): ``[B, L + max_new]``."""
+    kw = {"eos_token_id": eos} if eos is not None else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kw)
+
+
+_REF: dict = {}
+
+
+def reference(family):
+    """The standard exactness setting of ``family``'s tiny target: ``(ids, mask, eos, output)``,
+    three ragged prompts and HF greedy's output for :data:`MAX_NEW` new tokens, with ``eos``
+    chosen so that row 1 stops early (at its 4th new token or before) and the others do not."""
+    if family not in _REF:
+        model = get_model(family)
+        ids, mask = ragged_prompts()
+        plain = hf_greedy(model, ids, mask)
+        L = ids.shape[1]
+        eos = int(plain[1, L + 3])  # row 1 stops at its 4th new token (or earlier)
+        ref = hf_greedy(model, ids, mask, eos=eos)
+        assert ref.shape[1] > L + 4, "EOS must not stop every row early"
+        _REF[family] = (ids, mask, eos, ref)
+    return _REF[family]
+
+
+def make_drafter(kind, family):
+    """The drafter ``kind`` for ``family``'s tiny target: ``"ngram"``, ``"perturbed"`` (a noisy
+    copy of the target as draft model) or ``"small"`` (a smaller model of the family)."""
+    if kind == "ngram":
+        return "ngram"
+    if kind == "perturbed":
+        return DraftModelDrafter(get_model(family, "perturbed"))
+    return DraftModelDrafter(get_model(family, "small"))
+
+
+@torch.no_grad()
+def hf_states(model, adapter, texts, prompt_lens):
+    """Reference states of each row's committed tokens, through HF's own cache: its prefill of
+    the prompt, then its one-token decode step for every further token (the path HF generate
+    takes). Returns ``{layer: (ssm_state [B, *S], conv_state [B, C, W])}`` (fp32).
+
+    (HF's chunked prefill is not used past the prompt: for Nemotron-H it clamps dt to
+    time_step_min while HF's decode step does not, so the two disagree on tiny random models.)
+    """
+    per_layer = {idx: ([], []) for idx in adapter.ssm_layers()}
+    for text, p in zip(texts, prompt_lens):
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([text])
+        adapter.body(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
+        for t in range(p, len(text)):
+            adapter.body(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        for idx in per_layer:
+            per_layer[idx][0].append(cache.layers[idx].recurrent_states[0].float())
+            per_layer[idx][1].append(cache.layers[idx].conv_states[0].float())
+    return {idx: (torch.cat(s), torch.cat(c)) for idx, (s, c) in per_layer.items()}
+
+
+def rel_err(a, b):
+    """``||a - b|| / ||b||`` (Frobenius norms)."""
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def assert_same_token_distribution(expected, got, start, positions, vocab, min_p=1e-3):
+    """Token ``start + j`` (j < ``positions``) of the rows of ``expected`` and of ``got`` (``[N, *]``
+    samples each) has one distribution: a two-sample chi-square test over the vocabulary
+    (``vocab`` tokens) gives a p-value above ``min_p`` at every position."""
+    for j in range(positions):
+        a = torch.bincount(expected[:, start + j], minlength=vocab)
+        b = torch.bincount(got[:, start + j], minlength=vocab)
+        table = torch.stack([a, b]).numpy()
+        table = table[:, table.sum(0) > 0]
+        p = float(chi2_contingency(table)[1]) if table.shape[1] > 1 else 1.0
+        assert p > min_p, f"position {j}: HF {a.tolist()} vs specdec {b.tolist()} (p={p:.2e})"
+
+
+# ------------------------------------------------------------------------------ op-level inputs
+
+
+def random_inputs(op, T, g, batch=3):
+    """Random inputs of ``T`` tokens for the op ``op`` (``"mamba2"``, ``"gdn"`` or ``"kda"``):
+    ``(inputs {name: [batch, T, ...]}, params, state shape S)``, drawn from the generator ``g``."""
+    B = batch
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if op == "mamba2":
+        H, P, N, G = 4, 8, 6, 2
+        inputs = {"x": r(B, T, H, P), "dt": torch.nn.functional.softplus(r(B, T, H)), "B": r(B, T, G, N),
+                  "C": r(B, T, G, N)}
+        return inputs, {"A": -torch.rand(H, generator=g) - 0.1, "D": r(H)}, (H, P, N)
+    H, K, V = 2, 8, 6
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    q = torch.nn.functional.normalize(r(B, T, H, K), dim=-1) * K**-0.5
+    g_shape = (B, T, H, K) if op == "kda" else (B, T, H)
+    inputs = {"q": q, "k": k, "v": r(B, T, H, V), "g": -torch.nn.functional.softplus(r(*g_shape)),
+              "beta": torch.rand(B, T, H, generator=g)}
+    return inputs, {}, (H, K, V)
+
+
+def slice_inputs(inputs, a, b):
+    """Tokens ``a .. b-1`` of every input."""
+    return {k: v[:, a:b] for k, v in inputs.items()}
+
+
+# ------------------------------------------------------------------------------ Medusa heads
+
+
+def medusa_prompts():
+    """The ragged, left-padded prompts the Medusa tests fit heads on and decode: ``(ids, mask)``."""
+    return ragged_prompts(seed=5)
+
+
+def fit_medusa_heads(model, ids, mask, num_heads=3, num_layers=1, steps=60) -> MedusaHeads:
+    """Heads initialised from ``model``'s LM head and fitted (a fraction of a second) to its own
+    greedy continuations (40 tokens) of the prompts ``ids``, so their drafts are often accepted."""
+    seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
+                                     pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
+    hidden = collect_hidden_states(model, seqs, batch=16, progress=False)
+    x, y = medusa_targets(hidden, target_predictions(model, hidden, seqs), num_heads)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(model, num_heads=num_heads, num_layers=num_layers, vocab_bias=True)
+    fit_heads(heads, x, y, steps=steps, batch_positions=256, lr=1e-2, warmup_steps=5, log_every=1000,
+              progress=False, log=lambda m: None)
+    return heads
+
+
+def perturb_heads(heads: MedusaHeads, scale: float = 1.5, seed: int = 1, relative: bool = True) -> MedusaHeads:
+    """Add Gaussian noise to every head's LM head weight, in place: ``scale`` times the weight's
+    std (``relative``) or ``scale`` itself. Fitted heads then often rank the right token below the
+    top 1 but among the top few, so chain and tree acceptance are both partial and differ."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lin in heads.lm_heads:
+            noise = torch.randn(lin.weight.shape, generator=g)
+            lin.weight.add_(noise * lin.weight.std() * scale if relative else noise * scale)
+    return heads
+
+
+# ------------------------------------------------------------------------------ streaming
+
+
+class StreamRecorder:
+    """A streamer that records every ``put()`` as ``("put", shape, dtype, values)`` and ``end()`` as
+    ``("end",)``, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(("put", tuple(value.shape), value.dtype, value.reshape(-1).tolist()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+    @property
+    def puts(self):
+        """The values of every ``put()``, flattened to token lists."""
+        return [c[3] for c in self.calls if c[0] == "put"]
+
+    @property
+    def ended(self):
+        return ("end",) in self.calls
+
+    def new_tokens(self):
+        """The tokens put after the prompt, one per ``put()`` (asserted)."""
+        assert all(c[1] == (1,) for c in self.calls[1:-1])  # one token per put after the prompt
+        return [c[3][0] for c in self.calls[1:-1]]
