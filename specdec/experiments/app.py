@@ -107,7 +107,7 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError("experiment.kernel_steps must be >= 1 and experiment.kernel_warmup >= 0")
         if not 0.0 <= float(exp.kernel_accept_p) <= 1.0:
             raise ValueError(f"experiment.kernel_accept_p must be in [0, 1], got {exp.kernel_accept_p}")
-        if float(exp.memory_budget_gib) <= 0:
+        if exp.memory_budget_gib is not None and float(exp.memory_budget_gib) <= 0:
             raise ValueError(f"experiment.memory_budget_gib must be > 0, got {exp.memory_budget_gib}")
     if name == "acceptance":
         timed = cfg.experiment.timed_prompts

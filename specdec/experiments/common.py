@@ -41,10 +41,13 @@ def make_drafter(cfg, name: str, draft_model=None):
 def apply_cpu_threads(cfg, model, device, show: bool = True):
     """Torch's CPU thread count for ``model`` (:func:`specdec.threads.configure_cpu_threads`: the
     ``cpu_threads`` key when set, else chosen, never overriding ``OMP_NUM_THREADS`` or a count the
-    user set); prints what it set as one line when ``show``. Returns the ThreadChoice."""
+    user set); prints what it set as one line when ``show``. Returns the ThreadChoice (None,
+    changing nothing, without a model and without ``cpu_threads``)."""
     from ..threads import configure_cpu_threads
 
     threads = cfg.get("cpu_threads")
+    if model is None and threads is None:  # nothing to size the choice by: torch's default stays
+        return None
     choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device)
     if show and choice.source != "not on CPU":
         print(f"specdec-run: {choice.describe()}", flush=True)

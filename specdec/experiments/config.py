@@ -148,8 +148,8 @@ class RollbackExperiment:
     kernel_steps: int = _doc(16, "timed steps per kernel-level run (after kernel_warmup)")
     kernel_warmup: int = _doc(2, "untimed steps first")
     kernel_accept_p: float = _doc(0.7, "per-draft acceptance of the kernel level's synthetic accepted counts")
-    memory_budget_gib: float = _doc(40.0, "an SSM-state memory budget (GiB, not this machine's memory) for the "
-                                          "'max batch in budget' column")
+    memory_budget_gib: Optional[float] = _doc(None, "SSM-state memory budget in GiB for the 'max batch in budget' "
+                                                    "column (null: this device's memory)")
     recommend_by: RecommendBy = _doc(RecommendBy.kernel, "kernel | end_to_end: the time the recommendation ranks by")
     warmup: bool = _doc(True, "one untimed generate per grid point first")
 
