@@ -24,11 +24,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from . import config as _config  # noqa: F401  (registers the structured configs)
 from .cli import CONF_DIR
-from .config import SCHEMAS, schema_keys
+from .config import SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
+register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
 
 
 def validate(cfg: DictConfig) -> None:

@@ -151,8 +151,8 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
         lines.append(f"  {g}=  (default: {picks.get(g, '-')})")
         for name, text in opts.items():
             lines.append(wrap.fill(f"    {name:<22}  {text}"))
-    lines += ["", f"Keys of experiment={experiment} (key=value; `specdec-run experiment=<name> --help` for "
-                  "another experiment's):"]
+    lines += ["", f"Keys of experiment={experiment} (key=value) [default]; another experiment's keys:",
+              "`specdec-run experiment=<name> --help`"]
     defaults = _key_defaults(experiment)
     for key, text in field_help(SCHEMAS[experiment]).items():
         if key.split(".")[0] in ("model", "rollback") or key == "drafter.names":

@@ -1,4 +1,6 @@
-"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore.
+"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore by
+:func:`register_configs` (which :mod:`.app` calls on import; this module imports no Hydra, so
+``specdec-run --help`` reads the field docs without it).
 
 Each experiment has a root schema (``schema/<experiment>``) that ``conf/config.yaml`` merges
 first (``- schema@_global_: ${experiment}``), so every YAML file and every command-line
@@ -335,6 +337,3 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(group="schema", name=name, node=node)
-
-
-register_configs()
