@@ -252,13 +252,13 @@ def check_overrides(args: list[str]) -> None:
         if root == "schema":
             raise UsageError("'schema' is internal (the structured config of the experiment): pick the experiment "
                              f"with experiment=<name>, one of {', '.join(SCHEMAS)}")
-        if root == "hydra" or added:
+        if root.split("/")[0] == "hydra" or added:
             continue
         if key in GROUPS and key != "experiment":
             opts = group_options(key)
             for v in value.split(","):
                 v = v.strip()
-                if v and v not in opts and v != "null":
+                if v and v not in opts and v != "null" and "(" not in v:  # glob(...), choice(...): Hydra's
                     raise UsageError(f"{key}={v}: no such option{_suggest(v, opts)}; {key} options: "
                                      f"{', '.join(opts)}")
             continue
