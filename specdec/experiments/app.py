@@ -186,7 +186,8 @@ def hydra_main(cfg: DictConfig) -> None:
         _exit(err)
 
 
-_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR)")
+_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR"
+                    r"|To append to your config use \+)")  # specdec-run --help lists the keys instead
 _END = re.compile(r"^Config search path")
 
 
