@@ -13,11 +13,11 @@ not, the first differing position, the plain run's own top-2 logit margin there
 (``near_tie``: margin < 0.25 in bf16/fp16, the only divergence the exactness contract allows;
 never in fp32).
 
-Speed (:mod:`.timing`): on the first ``experiment.timed_prompts`` prompts, per target specdec's
-own plain decoding (``num_speculative_tokens=0``, same engine) and HF ``generate()`` are timed
-side by side (``repeats`` rounds), and per configuration the speculative run (``repeats``
-rounds; the first also gives those prompts' acceptance records); each is a median with its
-min-max. ``speedup`` is
+Speed (:mod:`.timing`): on the first ``experiment.timed_prompts`` prompts, per target,
+``repeats`` rounds each run specdec's own plain decoding (``num_speculative_tokens=0``, same
+engine), HF ``generate()`` and every configuration once, side by side, so a slow phase of a
+shared machine hits them alike; each figure is the median of its rounds with their min-max.
+The first round's runs also give those prompts' acceptance records. ``speedup`` is
 speculative / specdec plain (``hf_speedup``: / HF), ``within_noise`` says whether the
 speculative and plain ranges overlap. These fields are per configuration, repeated on each of
 its records.
@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
 from .models import load_target, resolve_device
 from .prompts import experiment_prompts
-from .timing import overlaps, time_runs, time_side_by_side
+from .timing import overlaps, time_side_by_side
 
 __all__ = ["run", "load_target", "resolve_device"]
 
@@ -175,15 +175,9 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
             plain[p["id"]] = (gen.sequences, (top2[:, 0] - top2[:, 1]).cpu())
             if bar:
                 bar.update(1)
-        # the speed baselines, side by side: specdec plain (K = 0, same engine) and HF generate()
         sd_plain = specdec.wrap(model, drafter="ngram", rollback=str(cfg.rollback.strategies[0]),
-                                num_speculative_tokens=0)
-        base = time_side_by_side(
-            {"plain": lambda: [sd_plain.generate(**e, max_new_tokens=max_new, pad_token_id=pad) for e in timed_encs],
-             "hf": lambda: [hf_generate(e) for e in timed_encs]},
-            repeats, device, warmup=1 if cfg.experiment.warmup else 0)
-        plain_rate = base["plain"][0].rate(_new_tokens(base["plain"][1], timed_encs))
-        hf_rate = base["hf"][0].rate(_new_tokens(base["hf"][1], timed_encs))
+                                num_speculative_tokens=0)  # specdec's own plain decoding: the baseline
+        configs = []  # (plan index, row label, strategy, wrapped model)
         for plan_index, (s, drafter_name, strategy) in enumerate(plan):
             if s.name != spec.name:
                 continue
@@ -198,25 +192,45 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                     label = f"medusa-tree:{tree}" if isinstance(tree, str) else f"medusa-tree:{drafter.tree.num_nodes}"
             else:
                 drafter = make_drafter(cfg, drafter_name, draft)
-            sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
-            if cfg.experiment.warmup:
+            configs.append((plan_index, label, strategy,
+                            specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)))
+        if cfg.experiment.warmup:
+            for sd in [sd_plain] + [c[3] for c in configs]:
                 sd.generate(**timed_encs[0], max_new_tokens=4, pad_token_id=pad)
-            first: dict = {}  # prompt id -> (output, stats) of its first run
+        first: dict = {}  # (plan index, prompt id) -> (output, stats) of the first timed round
 
-            def run_prompt(p):
-                out = sd.generate(**encs[p["id"]], max_new_tokens=max_new, pad_token_id=pad)
-                first.setdefault(p["id"], (out, sd.last_stats))
-                return out
+        def timed_run(key, sd):
+            def run():
+                outs = []
+                for p, e in zip(timed, timed_encs):
+                    outs.append(sd.generate(**e, max_new_tokens=max_new, pad_token_id=pad))
+                    first.setdefault((key, p["id"]), (outs[-1], sd.last_stats))
+                return outs
+            return run
 
-            # speed: the timed prompts, `repeats` times (the first round also gives their stats)
-            spec_t, outs = time_runs(lambda: [run_prompt(p) for p in timed], repeats, device)
-            rows = []
-            for p in prompts:  # the acceptance pass: stats and exactness per prompt
-                out, st = first[p["id"]] if p["id"] in first else (run_prompt(p), sd.last_stats)
+        # speed, side by side: each round runs specdec plain, HF and every configuration once
+        timings = time_side_by_side({"plain": timed_run("plain", sd_plain), "hf": lambda: [hf_generate(e) for e in
+                                                                                         timed_encs],
+                                     **{c[0]: timed_run(c[0], c[3]) for c in configs}}, repeats, device)
+        rates = {k: t.rate(_new_tokens(outs, timed_encs)) for k, (t, outs) in timings.items()}
+        plain_rate, hf_rate = rates["plain"], rates["hf"]
+        for plan_index, label, strategy, sd in configs:
+            rate = rates[plan_index]
+            speed = {**rate.fields("tokens_per_s"), **plain_rate.fields("plain_tokens_per_s"),
+                     **hf_rate.fields("hf_tokens_per_s"),
+                     "speedup": rate.median / plain_rate.median if plain_rate.median > 0 else 0.0,
+                     "hf_speedup": rate.median / hf_rate.median if hf_rate.median > 0 else 0.0,
+                     "within_noise": overlaps(rate, plain_rate), "repeats": repeats, "timed_prompts": len(timed)}
+            for p in prompts:  # the acceptance records (the timed prompts' from the first timed round)
                 enc = encs[p["id"]]
+                if (plan_index, p["id"]) in first:
+                    out, st = first[(plan_index, p["id"])]
+                else:
+                    out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
+                    st = sd.last_stats
                 ref, ref_margins = plain[p["id"]]
                 prompt_tokens = int(enc["input_ids"].shape[1])
-                rows.append({
+                records.append({
                     **common_fields(cfg, "acceptance", spec, device, dtype),
                     "drafter": label,
                     "rollback": strategy,
@@ -237,17 +251,11 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                     "wall_s": st.wall_s,
                     "process": int(os.environ.get("RANK", "0")),  # which process ran it (multi-process runs)
                     "_order": (plan_index, order[p["id"]]),
+                    **speed,
                 })
                 if bar:
                     bar.update(1)
-            rate = spec_t.rate(_new_tokens(outs, timed_encs))
-            speed = {**rate.fields("tokens_per_s"), **plain_rate.fields("plain_tokens_per_s"),
-                     **hf_rate.fields("hf_tokens_per_s"),
-                     "speedup": rate.median / plain_rate.median if plain_rate.median > 0 else 0.0,
-                     "hf_speedup": rate.median / hf_rate.median if hf_rate.median > 0 else 0.0,
-                     "within_noise": overlaps(rate, plain_rate), "repeats": repeats, "timed_prompts": len(timed)}
-            records += [{**r, **speed} for r in rows]
-        del model, draft, heads, sd_plain
+        del model, draft, heads, sd_plain, configs
     if bar:
         bar.close()
     if records_sink is not None:

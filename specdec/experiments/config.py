@@ -135,7 +135,7 @@ class PromptsConfig:
 class AcceptanceExperiment:
     name: str = "acceptance"
     warmup: bool = _doc(True, "one untimed generate per configuration first")
-    timed_prompts: Optional[int] = _doc(2, "prompts the speed columns are timed on, from the start of the set "
+    timed_prompts: Optional[int] = _doc(1, "prompts the speed columns are timed on, from the start of the set "
                                            "(null = all)")
 
 

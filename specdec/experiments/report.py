@@ -51,7 +51,8 @@ COLUMNS = (
            legend="accepted drafts / drafts proposed; only drafts actually proposed count (n-gram proposes "
                   "nothing when no n-gram matches), so mean accepted tokens is not 1 + K x acceptance rate"),
     Column("tokens_per_s", "tokens/s", "{:.1f}", terminal=False, spread=True,
-           legend=f"speculative decoding, new tokens per second on the timed prompts; {_REPEATS}"),
+           legend="speculative decoding, new tokens per second on the timed prompt(s) (the first "
+                  f"`experiment.timed_prompts` of the set: their acceptance, not the table's mean); {_REPEATS}"),
     Column("plain_tokens_per_s", "plain tokens/s", "{:.1f}", terminal=False, spread=True,
            legend="specdec's own plain decoding (num_speculative_tokens=0, same engine, same prompts, same "
                   "process)"),
@@ -89,7 +90,7 @@ ROLLBACK_COLUMNS = (
            legend="the largest batch whose SSM state (live + extra, all SSM layers; weights and KV cache not "
                   "counted) fits the memory budget stated below"),
     Column("speedup", "speedup vs plain", "{:.2f}x",
-           legend="median wall time of specdec plain (num_speculative_tokens=0) / speculative, same batch"),
+           legend="median tokens/s / median tokens/s of specdec plain (num_speculative_tokens=0), same batch"),
     Column("within_noise", "within noise", None,
            legend="yes: the wall-time ranges of speculative and plain overlap"),
     Column("exact", "exact output", None, legend="output == HF greedy, token for token"),
@@ -249,37 +250,44 @@ def _console(width: int | None = None):
                    soft_wrap=False)
 
 
-def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
-    """The key columns on the terminal, at most :data:`TERMINAL_WIDTH` wide (``summary.md`` has
-    them all): group keys whose value is the same in every row move into the title; columns
-    marked ``terminal``; spreads only where the table still fits."""
+def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], rows: list[tuple]) -> None:
+    """A terminal table at most :data:`TERMINAL_WIDTH` wide: ``rows`` are ``(key cells, metric
+    cells with spreads, metric cells without)``. Key columns whose value is the same in every
+    row move into the title; spreads are shown only where the table still fits."""
     from rich import box
     from rich.table import Table
 
+    console = _console()
+    keep = [i for i in range(len(key_titles)) if len(rows) < 2 or len({r[0][i] for r in rows}) > 1]
+    same = [i for i in range(len(key_titles)) if i not in keep]
+    if same and rows:
+        title += " | " + ", ".join(f"{key_titles[i]}={rows[0][0][i]}" for i in same)
+
+    def natural_width(which: int) -> int:
+        cols = [[key_titles[i]] + [r[0][i] for r in rows] for i in keep]
+        cols += [[max(t.split(), key=len, default="")] + [r[which][j] for r in rows] for j, t in enumerate(metric_titles)]
+        return sum(max(len(c) for c in col) + 2 for col in cols)
+
+    which = 1 if natural_width(1) <= console.width else 2
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    for i in keep:
+        table.add_column(key_titles[i], justify="left", no_wrap=True)
+    for t in metric_titles:
+        table.add_column(t, justify="right")
+    for r in rows:
+        table.add_row(*[r[0][i] for i in keep], *r[which])
+    console.print(table)
+
+
+def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
+    """The key columns on the terminal, at most :data:`TERMINAL_WIDTH` wide (``summary.md`` has
+    them all): columns marked ``terminal``; group keys with one value in every row go into the
+    title; spreads only where the table still fits."""
     keys = list(keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]])
     shown = [c for c in _present(rows, columns) if c.terminal]
-    same = [k for k in keys if len({str(r.get(k)) for r in rows}) == 1] if len(rows) > 1 else []
-    varying = [k for k in keys if k not in same]
-    if same:
-        title += " | " + ", ".join(f"{KEY_TITLES.get(k, k)}={rows[0][k]}" for k in same)
-    console = _console()
-
-    def build(spreads: bool):
-        table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-        for k in varying:
-            table.add_column(KEY_TITLES.get(k, k), justify="left")
-        for c in shown:
-            table.add_column(c.title, justify="right")
-        for row in rows:
-            cells = [str(row[k]) for k in varying]
-            cells += [_cell(row, c) if spreads else _fmt(row.get(c.key), c.fmt) for c in shown]
-            table.add_row(*cells)
-        return table
-
-    table = build(True)
-    if console.measure(table).maximum > console.width:
-        table = build(False)
-    console.print(table)
+    _print_rows(title, [KEY_TITLES.get(k, k) for k in keys], [c.title for c in shown],
+                [([str(row[k]) for k in keys], [_cell(row, c) for c in shown],
+                  [_fmt(row.get(c.key), c.fmt) for c in shown]) for row in rows])
 
 
 # ------------------------------------------------------------------------ recommendation
@@ -362,19 +370,12 @@ def _recommendation_lines(records) -> list[str]:
 
 
 def _print_recommendation(records) -> None:
-    from rich import box
-    from rich.table import Table
-
     head, body, text = _recommendation_table(records)
     if not head:
         return
-    table = Table(title=f"Fastest exact strategy per grid point, by {text}", box=box.SIMPLE_HEAD, pad_edge=False,
-                  title_justify="left")
-    for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < len(head) - 5 else "right")
-    for cells in body:
-        table.add_row(*cells)
-    _console().print(table)
+    n_keys = len(head) - 6
+    _print_rows(f"Fastest exact strategy per grid point, by {text}", head[:n_keys], head[n_keys:],
+                [(cells[:n_keys], cells[n_keys:], cells[n_keys:]) for cells in body])
 
 
 def _budget_text(r: dict) -> str:
@@ -449,7 +450,8 @@ def accept_histogram_plot(records: list[dict], path: Path) -> None:
         n = max(len(h) for h in hists)
         tot = [sum(h[j] for h in hists if j < len(h)) for j in range(n)]
         s = sum(tot) or 1
-        ax.bar([j + i * width for j in range(n)], [t / s for t in tot], width, label=f"{model} / {drafter}")
+        ax.bar([j - 0.4 + (i + 0.5) * width for j in range(n)], [t / s for t in tot], width,
+               label=f"{model} / {drafter}")
     ax.set_xlabel("drafts accepted in a verify step")
     ax.set_ylabel("share of steps")
     ax.set_title(f"Accepted length per drafter\n{plot_subtitle(records)}", fontsize=10)
@@ -585,7 +587,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
                 print(textwrap.fill(ln, TERMINAL_WIDTH, subsequent_indent="    "))
             if exp == "rollback":
                 for ln in _rollback_notes(recs)[1:]:
-                    print(textwrap.fill(ln, TERMINAL_WIDTH, subsequent_indent="    "))
+                    print(textwrap.fill(ln.removeprefix("- "), TERMINAL_WIDTH, subsequent_indent="    "))
                 _print_recommendation(recs)
             if cpu:
                 print(textwrap.fill(CPU_NOTE, TERMINAL_WIDTH))
