@@ -263,16 +263,17 @@ def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], row
     if same and rows:
         title += " | " + ", ".join(f"{key_titles[i]}={rows[0][0][i]}" for i in same)
 
-    def natural_width(which: int) -> int:
+    def natural_width(which: int) -> int:  # every cell on one line, headers wrapped at spaces, 3 for padding
         cols = [[key_titles[i]] + [r[0][i] for r in rows] for i in keep]
-        cols += [[max(t.split(), key=len, default="")] + [r[which][j] for r in rows] for j, t in enumerate(metric_titles)]
-        return sum(max(len(c) for c in col) + 2 for col in cols)
+        cols += [[max(t.split(), key=len, default="")] + [r[which][j] for r in rows]
+                 for j, t in enumerate(metric_titles)]
+        return sum(max(len(c) for c in col) + 3 for col in cols)
 
     which = 1 if natural_width(1) <= console.width else 2
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
     for i in keep:
         table.add_column(key_titles[i], justify="left", no_wrap=True)
-    for t in metric_titles:
+    for t in metric_titles:  # headers wrap at spaces
         table.add_column(t, justify="right")
     for r in rows:
         table.add_row(*[r[0][i] for i in keep], *r[which])
