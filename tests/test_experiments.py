@@ -362,9 +362,10 @@ def test_two_processes_give_the_records_of_one(tmp_path: Path):
     ("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1"),
     ("drafterr=ngram", "unknown key 'drafterr' (did you mean 'drafter'?)"),
     ("schema=bench", "'schema' is internal"),
+    ("experiment=rollback num_speculative_tokens=0", "need drafts to roll back"),
 ])
 def test_bad_value_gives_a_one_line_error(tmp_path: Path, override, message):
-    res = _run([sys.executable, "-m", "specdec", override, f"hydra.run.dir={tmp_path}"])
+    res = _run([sys.executable, "-m", "specdec", *override.split(), f"hydra.run.dir={tmp_path}"])
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("specdec-run: ") and message in lines[0], res.stderr

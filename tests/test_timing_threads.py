@@ -19,6 +19,7 @@ def test_timing_median_spread_and_rate():
     assert r.samples == pytest.approx((20.0, 80.0, 40.0)) and r.median == pytest.approx(40.0)
     assert t.fields("s") == {"s": 0.2, "s_min": 0.1, "s_max": 0.4}
     assert overlaps(Timing((1.0, 2.0)), Timing((1.9, 3.0))) and not overlaps(Timing((1.0, 2.0)), Timing((2.1, 3.0)))
+    assert overlaps(Timing((1.0,)), Timing((1.0, 2.0))) is None  # one run has no spread to judge by
     with pytest.raises(ValueError):
         Timing(())
 

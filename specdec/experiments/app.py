@@ -154,6 +154,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
 
         names = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
         if "num_speculative_tokens" in names and "experiment.k_grid" not in names:
+            if int(cfg.num_speculative_tokens) == 0:
+                raise ValueError("experiment=rollback compares rollback strategies, which need drafts to roll back: "
+                                 "num_speculative_tokens must be >= 1 here (0, plain decoding, runs in "
+                                 "experiment=acceptance and experiment=bench)")
             with open_dict(cfg):
                 cfg.experiment.k_grid = [int(cfg.num_speculative_tokens)]
         return run(cfg, out_dir)

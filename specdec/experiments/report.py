@@ -333,7 +333,8 @@ def recommend(records: list[dict], basis: str | None = None) -> tuple[list[dict]
         snap = next((r for r in ok if r["rollback"] == "snapshot"), None)
         second = ok[1] if len(ok) > 1 else None
         noise = None
-        if second is not None and best.get(f"{col}_max") is not None and second.get(f"{col}_min") is not None:
+        spread = best.get(f"{col}_min") is not None and best[f"{col}_min"] < best.get(f"{col}_max")
+        if second is not None and spread and second.get(f"{col}_min") is not None:  # one repeat: no spread
             noise = second[f"{col}_min"] <= best[f"{col}_max"]
         out.append({**dict(zip(keys, key)), "fastest": best["rollback"], "ms_per_step": best[col],
                     "within_noise": noise,

@@ -70,9 +70,11 @@ class Timing:
         return {name: self.median, f"{name}_min": self.low, f"{name}_max": self.high}
 
 
-def overlaps(a: Timing, b: Timing) -> bool:
+def overlaps(a: Timing, b: Timing) -> bool | None:
     """True when the min-max ranges of ``a`` and ``b`` overlap: their difference is within the
-    noise of the measurement."""
+    noise of the measurement; None when either has a single sample (no spread to judge by)."""
+    if a.repeats < 2 or b.repeats < 2:
+        return None
     return a.low <= b.high and b.low <= a.high
 
 
