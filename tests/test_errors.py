@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import hf_greedy
@@ -55,6 +57,15 @@ def test_unknown_strategy_and_drafter():
         specdec.wrap(get_model("qwen3_5"), drafter="eagle")
     with pytest.raises(TypeError, match="DraftModelDrafter"):
         specdec.wrap(get_model("qwen3_5"), drafter=get_model("qwen3_5", "small"))
+
+
+@pytest.mark.parametrize("name, passes", [("draft_model", "DraftModelDrafter(draft_model)"),
+                                          ("medusa", "MedusaDrafter(heads)"), ("mtp", "Drafter subclass")])
+def test_cli_drafter_names_say_which_object_the_api_needs(name, passes):
+    """The CLI's drafter names: the API builds only ngram from a name; the others say what to pass."""
+    with pytest.raises(ValueError, match=re.escape(passes)) as info:
+        specdec.wrap(get_model("qwen3_5"), drafter=name)
+    assert f"drafter={name!r} needs an object" in str(info.value)
 
 
 def test_draft_vocabulary_mismatch():

@@ -23,7 +23,9 @@ from specdec.experiments.config import SCHEMAS
 from specdec.experiments.report import recommend
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s", "wall_s", "process"}
+TIMING = {"tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s", "speedup", "hf_speedup", "within_noise",
+          "draft_s", "verify_s", "rollback_s", "wall_s", "process", "timed_prompts"}
+TIMING |= {f"{k}_{s}" for k in ("tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s") for s in ("min", "max")}
 CPU = ["device=cpu", "progress=false"]
 
 
@@ -62,9 +64,14 @@ def _check_summary_matches(summary: str, records: list[dict], columns: dict[str,
         for title, (field, fmt) in columns.items():
             vals = [r[field] for r in group if r.get(field) is not None]
             if fmt is None:
-                want = "yes" if all(vals) else f"{sum(map(bool, vals))}/{len(vals)}"
+                n = sum(map(bool, vals))
+                want = "yes" if n == len(vals) else "no" if n == 0 else f"{n}/{len(vals)}"
             else:
                 want = fmt.format(sum(vals) / len(vals))
+                if " (" in cell[title]:  # a spread column: "median (min-max)" of the repeats
+                    lo = sum(r[f"{field}_min"] for r in group) / len(group)
+                    hi = sum(r[f"{field}_max"] for r in group) / len(group)
+                    want += f" ({fmt.format(lo)}-{fmt.format(hi)})"
             assert cell[title] == want, (title, cell[title], want)
 
 
@@ -119,10 +126,21 @@ def test_bad_override_fails_at_compose(override, match):
 # ------------------------------------------------------------------------------ tiny runs
 
 
-def test_acceptance_tiny_run(tmp_path: Path):
+def test_acceptance_tiny_run(tmp_path: Path, capsys):
     cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "num_speculative_tokens=3",
-                "experiment.warmup=false"] + CPU)
+                "experiment.warmup=false", "repeats=2"] + CPU)
     records = run_experiment(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 100, printed  # the terminal gets the key columns
+    assert "speedup vs plain" in printed and "mean accepted tokens:" in printed  # the table and its legend
+    for r in records:  # speed: medians of 2 repeats, vs specdec plain (K=0) and HF, in one process
+        for k in ("tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s"):
+            assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"] and r[k] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])
+        assert r["hf_speedup"] == pytest.approx(r["tokens_per_s"] / r["hf_tokens_per_s"])
+        assert r["within_noise"] == (r["tokens_per_s_min"] <= r["plain_tokens_per_s_max"]
+                                     and r["plain_tokens_per_s_min"] <= r["tokens_per_s_max"])
+        assert r["repeats"] == 2 and r["timed_prompts"] == 1
     assert len(records) == 3 * 3  # 3 drafters (ngram, draft_model, medusa) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
     assert all(r["decode_path"] == "eager" for r in records)  # the CPU default (auto: graphs on CUDA only)
@@ -135,12 +153,60 @@ def test_acceptance_tiny_run(tmp_path: Path):
                             "acceptance rate": ("acceptance_rate", "{:.3f}"), "exact": ("exact", None)},
                            ["model", "drafter", "rollback", "num_speculative_tokens"])
     assert all(r["mean_accepted_tokens"] >= 1.0 for r in records if r["drafter"] == "draft_model")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Columns:" in summary and "bonus/correction token included" in summary  # the legend
+    assert "1 + K x acceptance rate" in summary and "BENCH.md" in summary  # what a CPU shows
+
+
+def test_plain_decoding_K0_runs(tmp_path: Path):
+    """num_speculative_tokens=0: specdec's plain decoding through the CLI's acceptance experiment."""
+    cfg = _cfg(["model=gdn-target", "drafter=ngram", "rollback=replay", "prompts.limit=2", "max_new_tokens=8",
+                "num_speculative_tokens=0", "repeats=1"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert len(records) == 2
+    for r in records:
+        assert r["exact"] and r["num_speculative_tokens"] == 0 and r["mean_accepted_tokens"] == 1.0
+        assert r["acceptance_rate"] == 0.0 and r["steps"] == r["new_tokens"] - 1  # the prefill gives the first
+
+
+def test_acceptance_on_a_user_prompt_file(tmp_path: Path):
+    """prompts.path: a .jsonl of text prompts and token-id prompts; records name the file's prompts."""
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"prompt": "def add(a, b):\n    return"}) + "\n\n"
+                 + json.dumps({"id": "ids", "input_ids": [1, 100, 200, 300, 100, 200]}) + "\n")
+    cfg = _cfg(["model=gdn-target", "drafter=ngram", "rollback=snapshot", f"prompts.path={f}", "max_new_tokens=6",
+                "repeats=1"] + CPU)
+    records = run_experiment(cfg, tmp_path / "out")
+    assert [(r["prompt_id"], r["prompt_set"]) for r in records] == [("file-1", "file"), ("ids", "file")]
+    assert records[1]["prompt_tokens"] == 6 and all(r["exact"] for r in records)
+    assert f"prompts {f}" in (tmp_path / "out" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such file"),
+    ('{"prompt": "x"}\nnot json\n', "line 2: not valid JSON"),
+    ('{"prompt": "x"}\n{"text": "x"}\n', 'line 2: needs a non-empty "prompt"'),
+    ('{"input_ids": [1, -3]}\n', 'line 1: "input_ids" must be'),
+    ("\n", "holds no prompts"),
+])
+def test_prompt_file_errors_name_the_line(tmp_path: Path, content, match):
+    from specdec.experiments.prompts import load_prompt_file
+
+    f = tmp_path / "p.jsonl"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_prompt_file(f)
+    if content is None:  # the CLI: one line, exit status 2
+        res = _run([sys.executable, "-m", "specdec", "model=gdn-target", "drafter=ngram", f"prompts.path={f}",
+                    f"hydra.run.dir={tmp_path / 'out'}"] + CPU)
+        assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "no such file" in res.stderr
 
 
 def test_rollback_tiny_run(tmp_path: Path):
     cfg = _cfg(["experiment=rollback", "prompts.limit=2", "max_new_tokens=8", "experiment.batch_grid=[1,2]",
                 "experiment.k_grid=[2]", "experiment.kernel_steps=2", "experiment.kernel_warmup=1",
-                "experiment.warmup=false", "experiment.memory_budget_gib=1"] + CPU)
+                "experiment.warmup=false", "experiment.memory_budget_gib=1", "repeats=2"] + CPU)
     records = run_experiment(cfg, tmp_path)
     strategies = ["snapshot", "ring", "replay", "replay_deferred"]
     assert [(r["batch"], r["rollback"]) for r in records] == [(b, s) for b in (1, 2) for s in strategies]
@@ -160,15 +226,20 @@ def test_rollback_tiny_run(tmp_path: Path):
         extra = {"snapshot": T * S, "ring": T * S, "replay": 2 * T * I, "replay_deferred": 16 * I}[r["rollback"]]
         assert r["extra_MiB_per_seq"] == pytest.approx(extra * L / 2**20)
         assert r["max_batch"] == (1 << 30) // (L * (S + extra))
+        assert (r["memory_budget_gib"], r["memory_budget_source"]) == (1.0, "config")
+        assert r["ssm_ms_per_step_min"] <= r["ssm_ms_per_step"] <= r["ssm_ms_per_step_max"]
+        assert r["e2e_verify_ms_min"] <= r["e2e_verify_ms"] <= r["e2e_verify_ms_max"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])  # vs specdec plain
         parts = r["kernel_verify_us"] + r["kernel_commit_us"] + r["kernel_fold_us"]
         assert r["ssm_ms_per_step"] == pytest.approx(parts * L / 1e3)
         folds = r["rollback"] == "replay" or (r["rollback"] == "replay_deferred" and r["flush_rate"] > 0)
         assert (r["kernel_fold_us"] > 0) == folds  # deferred replay folds only when its history would overflow
     summary = (tmp_path / "summary.md").read_text()
+    assert "1.0 GiB (experiment.memory_budget_gib: a budget you set, not this machine's memory)" in summary
     _check_summary_matches(summary, lines, {
         "verify ms/step": ("e2e_verify_ms", "{:.2f}"), "commit ms/step": ("e2e_commit_ms", "{:.3f}"),
         "layer fold us": ("kernel_fold_us", "{:.1f}"), "SSM ms/step": ("ssm_ms_per_step", "{:.3f}"),
-        "MB moved/step": ("bytes_per_step_MB", "{:.3f}"), "max batch": ("max_batch", "{:.0f}"),
+        "MB moved/step": ("bytes_per_step_MB", "{:.3f}"), "max batch in budget": ("max_batch", "{:.0f}"),
         "exact state": ("state_exact", None)}, ["model", "rollback", "batch", "num_speculative_tokens"])
     # the recommendation: the strategy with the least SSM time per step, per grid point
     head, rows = _table(summary.split("## Recommendation")[1])
@@ -321,13 +392,17 @@ def test_two_processes_give_the_records_of_one(tmp_path: Path):
 
 @pytest.mark.parametrize("override, message", [
     ("device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-    ("num_speculative_tokens=0", "num_speculative_tokens must be in [1, 64], got 0"),
+    ("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1"),
+    ("drafterr=ngram", "unknown key 'drafterr' (did you mean 'drafter'?)"),
+    ("schema=bench", "'schema' is internal"),
+    ("experiment=rollback num_speculative_tokens=0", "need drafts to roll back"),
 ])
 def test_bad_value_gives_a_one_line_error(tmp_path: Path, override, message):
-    res = _run([sys.executable, "-m", "specdec", override, f"hydra.run.dir={tmp_path}"])
+    res = _run([sys.executable, "-m", "specdec", *override.split(), f"hydra.run.dir={tmp_path}"])
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("specdec-run: ") and message in lines[0], res.stderr
+    assert "+" not in lines[0].split("specdec-run: ", 1)[1].split("=")[0]  # never suggests +key=value
 
 
 def test_one_line_error_texts():

@@ -6,7 +6,8 @@ comparison), ``bench`` (end-to-end speed), ``kernels`` (the per-layer kernel tab
 ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
 checked against the experiment's structured config (:mod:`specdec.experiments.config`).
 
-Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
+The command line (``specdec-run``, :mod:`.cli`) answers ``--help`` and checks the keys before
+Hydra starts. Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
 one line on stderr, ``specdec-run: <what is wrong>``, and exit status 2; set
 ``HYDRA_FULL_ERROR=1`` for the traceback. Under ``accelerate launch`` / ``torchrun`` the
 acceptance experiment splits its prompts across the processes (:mod:`.distributed`).
@@ -14,6 +15,7 @@ acceptance experiment splits its prompts across the processes (:mod:`.distribute
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -22,15 +24,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from . import config as _config  # noqa: F401  (registers the structured configs)
-from .config import SCHEMAS, schema_keys
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_ROOT_CONF = PACKAGE_DIR.parent / "conf"
-CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else PACKAGE_DIR / "conf")
+from .cli import CONF_DIR
+from .config import SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
-MAX_SPECULATIVE_TOKENS = 64
+register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
 
 
 def validate(cfg: DictConfig) -> None:
@@ -40,20 +38,36 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
     unknown = sorted(set(cfg.keys()) - schema_keys(name) - {"hydra"})
     if unknown:
-        raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}")
+        near = difflib.get_close_matches(unknown[0], sorted(schema_keys(name)), n=1)
+        raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}"
+                         + (f" (did you mean '{near[0]}'?)" if near else ""))
     if name in ("train_zoo", "train_medusa"):
         return
     if name == "kernels":
         _validate_kernels(cfg.experiment)
         return
-    if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {cfg.num_speculative_tokens}")
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+    from specdec.rollback import STRATEGIES
+    from specdec.tree import TREE_PRESETS
+
+    if not 0 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
+                         f"got {cfg.num_speculative_tokens}")
+    if int(cfg.repeats) < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    strategies = STRATEGIES + ("replay_deferred",)
+    for s in list(cfg.rollback.strategies) + [cfg.drafter.draft_rollback]:
+        if str(s) not in strategies:
+            raise ValueError(f"unknown rollback strategy {s!r}; use one of {', '.join(strategies)}")
     if int(cfg.max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.prompts.limit is not None and int(cfg.prompts.limit) < 1:
         raise ValueError(f"prompts.limit must be >= 1 or null (all), got {cfg.prompts.limit}")
     from ..zoo import PROMPT_SETS
 
+    if cfg.prompts.get("path") is not None and name != "acceptance":
+        raise ValueError(f"prompts.path is read by experiment=acceptance; experiment={name} runs on the shipped "
+                         "prompt sets (prompts.set)")
     if str(cfg.prompts.set) not in PROMPT_SETS + ("all", "1024", "4096"):
         raise ValueError(f"prompts.set must be one of {', '.join(PROMPT_SETS + ('all',))}; got {cfg.prompts.set!r}")
     if not cfg.model.targets:
@@ -72,8 +86,9 @@ def validate(cfg: DictConfig) -> None:
     if tree is not None:
         if "medusa" not in [str(d) for d in cfg.drafter.names]:
             raise ValueError("drafter.tree is the Medusa draft tree; it needs drafter=medusa (or drafter.names with medusa)")
-        if isinstance(tree, str) and tree not in ("default", "medusa-63", "mc_sim_7b_63"):
-            raise ValueError(f"drafter.tree={tree!r}: use default, medusa-63 or a list of paths such as [[0],[0,0],[1]]")
+        if isinstance(tree, str) and tree not in TREE_PRESETS:
+            raise ValueError(f"drafter.tree={tree!r}: use one of {', '.join(TREE_PRESETS)} or a list of paths such as "
+                             "[[0],[0,0],[1]]")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     if name in ("rollback", "bench"):
@@ -86,22 +101,27 @@ def validate(cfg: DictConfig) -> None:
                              "experiment=acceptance")
         if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
             raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
-        if name == "bench" and int(exp.repeats) < 1:
-            raise ValueError(f"experiment.repeats must be >= 1, got {exp.repeats}")
     if name == "rollback":
         exp = cfg.experiment
         if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
-            raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}], got {list(exp.k_grid)}")
+            raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}] (the comparison needs "
+                             f"drafts to roll back), got {list(exp.k_grid)}")
         if int(exp.kernel_steps) < 1 or int(exp.kernel_warmup) < 0:
             raise ValueError("experiment.kernel_steps must be >= 1 and experiment.kernel_warmup >= 0")
         if not 0.0 <= float(exp.kernel_accept_p) <= 1.0:
             raise ValueError(f"experiment.kernel_accept_p must be in [0, 1], got {exp.kernel_accept_p}")
-        if float(exp.memory_budget_gib) <= 0:
+        if exp.memory_budget_gib is not None and float(exp.memory_budget_gib) <= 0:
             raise ValueError(f"experiment.memory_budget_gib must be > 0, got {exp.memory_budget_gib}")
+    if name == "acceptance":
+        timed = cfg.experiment.timed_prompts
+        if timed is not None and int(timed) < 1:
+            raise ValueError(f"experiment.timed_prompts must be >= 1 or null (all), got {timed}")
 
 
 def _validate_kernels(exp) -> None:
     """The kernel table's grid and settings."""
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+
     if not exp.ops:
         raise ValueError("experiment.ops is empty: list SSM ops, e.g. [mamba2, gdn, kda]")
     if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
@@ -122,11 +142,24 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
 
     ``overrides``: the command line's overrides; for ``experiment=rollback`` an explicit
     ``num_speculative_tokens=K`` (without ``experiment.k_grid=``) narrows the K grid to [K].
+    On CPU, transformers' notes about GPU-only kernel packages and its loading bars are off
+    (:func:`specdec.quiet.quiet_transformers`).
 
     Raises: ValueError for an invalid configuration (see :func:`validate`).
     """
     validate(cfg)
     name = str(cfg.experiment.name)
+    if name in ("train_zoo", "train_medusa"):
+        return _dispatch(name, cfg, out_dir, overrides)
+    from ..quiet import quiet_transformers
+    from .models import resolve_device
+
+    with quiet_transformers(resolve_device(cfg)[0]):
+        return _dispatch(name, cfg, out_dir, overrides)
+
+
+def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...]):
+    """Run experiment ``name`` (validated) into ``out_dir``."""
     if name == "acceptance":
         from .acceptance import run
         from .distributed import Processes, world_size
@@ -142,6 +175,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
 
         names = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
         if "num_speculative_tokens" in names and "experiment.k_grid" not in names:
+            if int(cfg.num_speculative_tokens) == 0:
+                raise ValueError("experiment=rollback compares rollback strategies, which need drafts to roll back: "
+                                 "num_speculative_tokens must be >= 1 here (0, plain decoding, runs in "
+                                 "experiment=acceptance and experiment=bench)")
             with open_dict(cfg):
                 cfg.experiment.k_grid = [int(cfg.num_speculative_tokens)]
         return run(cfg, out_dir)
@@ -167,15 +204,19 @@ def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    print(f"specdec-run: experiment={cfg.experiment.name}, writing to {out_dir}", flush=True)
     try:
-        run_experiment(cfg, Path(hc.runtime.output_dir), tuple(hc.overrides.task))
+        run_experiment(cfg, out_dir, tuple(hc.overrides.task))
+        print(f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)", flush=True)
     except Exception as err:  # noqa: BLE001 - exits here so Hydra adds no "Error executing job" line
         if "HYDRA_FULL_ERROR" in os.environ and not _ours() or not _user_error(err):
             raise
         _exit(err)
 
 
-_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR)")
+_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR"
+                    r"|To append to your config use \+)")  # specdec-run --help lists the keys instead
 _END = re.compile(r"^Config search path")
 
 
@@ -222,12 +263,16 @@ def _exit(err: BaseException):
     sys.exit(2)
 
 
-def main() -> None:
-    """Console entry point: the Hydra app, with one-line errors for what a user can fix."""
+def run_app(args: list[str]) -> None:
+    """The Hydra app over ``args`` (the command line without the program name), with one-line
+    errors for what a user can fix (exit status 2). :func:`specdec.experiments.cli.main` checks
+    ``--help`` and the keys first."""
     own = "HYDRA_FULL_ERROR" in os.environ and not _ours()
     if not own:  # Hydra then re-raises composition errors instead of printing them; we print one line
         os.environ["HYDRA_FULL_ERROR"] = "1"
         os.environ[_OURS] = "1"
+    argv = sys.argv
+    sys.argv = [argv[0] if argv else "specdec-run"] + list(args)
     try:
         hydra_main()
     except Exception as err:  # noqa: BLE001
@@ -235,10 +280,7 @@ def main() -> None:
             raise
         _exit(err)
     finally:
+        sys.argv = argv
         if not own:
             os.environ.pop("HYDRA_FULL_ERROR", None)
             os.environ.pop(_OURS, None)
-
-
-if __name__ == "__main__":
-    main()

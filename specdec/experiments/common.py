@@ -1,4 +1,5 @@
-"""Pieces every experiment shares: the record's common fields, drafters, progress bars, outputs."""
+"""Pieces every experiment shares: the record's common fields, drafters, CPU threads, progress
+bars, outputs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-__all__ = ["common_fields", "make_drafter", "progress_bar", "write_outputs", "write_jsonl"]
+__all__ = ["common_fields", "make_drafter", "apply_cpu_threads", "progress_bar", "write_outputs", "write_jsonl"]
 
 
 def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
@@ -35,6 +36,22 @@ def make_drafter(cfg, name: str, draft_model=None):
             raise ValueError("drafter draft_model needs a target with a draft model (model.targets[*].draft)")
         return DraftModelDrafter(draft_model, rollback=str(cfg.drafter.draft_rollback))
     raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model")
+
+
+def apply_cpu_threads(cfg, model, device, show: bool = True):
+    """Torch's CPU thread count for ``model`` (:func:`specdec.threads.configure_cpu_threads`: the
+    ``cpu_threads`` key when set, else chosen, never overriding ``OMP_NUM_THREADS`` or a count the
+    user set); prints what it set as one line when ``show``. Returns the ThreadChoice (None,
+    changing nothing, without a model and without ``cpu_threads``)."""
+    from ..threads import configure_cpu_threads
+
+    threads = cfg.get("cpu_threads")
+    if model is None and threads is None:  # nothing to size the choice by: torch's default stays
+        return None
+    choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device)
+    if show and choice.source != "not on CPU":
+        print(f"specdec-run: {choice.describe()}", flush=True)
+    return choice
 
 
 def progress_bar(cfg, total: int, desc: str, enabled: bool = True):

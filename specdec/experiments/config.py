@@ -1,31 +1,44 @@
-"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore.
+"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore by
+:func:`register_configs` (which :mod:`.app` calls on import; this module imports no Hydra, so
+``specdec-run --help`` reads the field docs without it).
 
 Each experiment has a root schema (``schema/<experiment>``) that ``conf/config.yaml`` merges
 first (``- schema@_global_: ${experiment}``), so every YAML file and every command-line
 override is checked against it when Hydra composes the config: an unknown key, a value of the
-wrong type (``num_speculative_tokens=abc``) or a value outside a choice (``device=tpu``,
-``rollback=undo``) fails at start with a message, before any model is loaded.
+wrong type (``num_speculative_tokens=abc``) or a value outside a choice (``device=tpu``)
+fails at start with a message, before any model is loaded. ``schema`` is internal: users pick
+``experiment=``, which picks the schema.
 
-Choices are :class:`enum.StrEnum` members: they compare equal to, print as and serialise to
-their plain string values, so ``cfg.device == "cpu"`` and ``json.dumps`` work unchanged.
+Every user-facing field carries a one-line ``help`` in its metadata (:func:`field_help`):
+``specdec-run --help`` prints them. Choices are :class:`enum.StrEnum` members: they compare
+equal to, print as and serialise to their plain string values, so ``cfg.device == "cpu"`` and
+``json.dumps`` work unchanged. Rollback strategy names are checked against
+``specdec.rollback`` when the run starts (``app.validate``), not copied here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING as _NO_DEFAULT
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 __all__ = [
-    "Device", "DType", "Strategy", "DrafterName", "Source", "RecommendBy",
+    "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
     "KernelsConfig",
-    "SCHEMAS", "register_configs", "schema_keys",
+    "SCHEMAS", "GROUPS", "register_configs", "schema_keys", "field_help",
 ]
+
+
+def _doc(default=_NO_DEFAULT, help: str = "", *, factory=None):
+    """A dataclass field with a one-line ``help`` (what ``specdec-run --help`` prints)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 class Device(StrEnum):
@@ -41,14 +54,10 @@ class DType(StrEnum):
     float16 = "float16"
 
 
-class Strategy(StrEnum):
-    snapshot = "snapshot"
-    ring = "ring"
-    replay = "replay"
-    replay_deferred = "replay_deferred"
-
-
 class DrafterName(StrEnum):
+    """The drafter names of the CLI; ``specdec.drafters.make_drafter`` builds ``ngram`` from the
+    name alone, the others from an object (``DraftModelDrafter(model)``, ``MedusaDrafter(heads)``)."""
+
     ngram = "ngram"
     draft_model = "draft_model"
     medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
@@ -76,10 +85,11 @@ class TargetConfig:
     ``source: random_shape`` builds ``model_class(config_class(**config))`` with random weights;
     the zoo tokenizer encodes the prompts (its ids fit any larger vocabulary)."""
 
-    name: str = MISSING
-    source: Source = Source.zoo
-    draft: Optional[str] = None
-    medusa: Optional[str] = None
+    name: str = _doc(MISSING, "zoo name, hub id or local folder of the target")
+    source: Source = _doc(Source.zoo, "zoo | hf | random_shape")
+    draft: Optional[str] = _doc(None, "the draft model (same source) for drafter=draft_model")
+    medusa: Optional[str] = _doc(None, "zoo name of the target's Medusa heads for drafter=medusa")
+    tokenizer: Optional[str] = _doc(None, "source hf: a hub id or folder to take the tokenizer from (default: name)")
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
@@ -87,34 +97,36 @@ class TargetConfig:
 
 @dataclass
 class ModelConfig:
-    targets: List[TargetConfig] = field(default_factory=list)
+    targets: List[TargetConfig] = _doc(help="the target models (model=<option> fills it)", factory=list)
 
 
 @dataclass
 class NGramConfig:
-    min_ngram: int = 1
-    max_ngram: int = 3
+    min_ngram: int = _doc(1, "shortest n-gram the prompt-lookup drafter matches")
+    max_ngram: int = _doc(3, "longest n-gram the prompt-lookup drafter matches")
 
 
 @dataclass
 class DrafterConfig:
-    names: List[DrafterName] = field(default_factory=lambda: [DrafterName.ngram])
+    names: List[DrafterName] = _doc(help="drafters to run (drafter=<option> fills it)",
+                                    factory=lambda: [DrafterName.ngram])
     ngram: NGramConfig = field(default_factory=NGramConfig)
-    draft_rollback: Strategy = Strategy.snapshot  # rollback of a hybrid draft model's own SSM state
-    # Medusa draft tree: null = chain drafting; a preset ("default", "medusa-63") or a list of paths
-    # in Medusa's format, e.g. [[0],[0,0],[1]] (specdec.tree.make_tree)
-    tree: Any = None
+    draft_rollback: str = _doc("snapshot", "rollback strategy of a hybrid draft model's own SSM state")
+    tree: Any = _doc(None, "Medusa draft tree: null (chain), default, medusa-63 or a list of paths [[0],[0,0],[1]]")
 
 
 @dataclass
 class RollbackConfig:
-    strategies: List[Strategy] = field(default_factory=lambda: [Strategy.snapshot, Strategy.ring, Strategy.replay])
+    strategies: List[str] = _doc(help="rollback strategies to run (rollback=<option> fills it)",
+                                 factory=lambda: ["snapshot", "ring", "replay"])
 
 
 @dataclass
 class PromptsConfig:
-    set: str = "128"  # "128" | "1k" | "4k" | "all"
-    limit: Optional[int] = 8  # prompts per set (null = all)
+    set: str = _doc("128", "shipped prompt set: 128 | 1k | 4k | all")
+    limit: Optional[int] = _doc(8, "prompts per set (null = all)")
+    path: Optional[str] = _doc(None, "your own prompts: a .jsonl file, one {\"prompt\": text} or "
+                                     "{\"input_ids\": [...]} per line (acceptance only; replaces prompts.set)")
 
 
 # --------------------------------------------------------------------------- experiments
@@ -123,30 +135,33 @@ class PromptsConfig:
 @dataclass
 class AcceptanceExperiment:
     name: str = "acceptance"
-    warmup: bool = True  # one untimed generate per configuration first
+    warmup: bool = _doc(True, "one untimed generate per configuration first")
+    timed_prompts: Optional[int] = _doc(1, "prompts the speed columns are timed on, from the start of the set "
+                                           "(null = all)")
 
 
 @dataclass
 class RollbackExperiment:
     name: str = "rollback"
-    batch_grid: List[int] = field(default_factory=lambda: [1, 4])
-    k_grid: List[int] = field(default_factory=lambda: [2, 4])  # num_speculative_tokens=K narrows it to [K]
-    end_to_end: bool = True  # real generate() runs: verify/commit time, speedup, exactness
-    kernel_level: bool = True  # per-layer strategy verify/commit/fold on synthetic inputs
-    kernel_steps: int = 16  # timed steps per grid point (after kernel_warmup)
-    kernel_warmup: int = 2
-    kernel_accept_p: float = 0.7  # per-draft acceptance of the synthetic accepted counts
-    memory_budget_gib: float = 40.0  # SSM state budget for the largest admitted batch
-    recommend_by: RecommendBy = RecommendBy.kernel
-    warmup: bool = True  # one untimed generate per grid point first
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
+    k_grid: List[int] = _doc(help="K values (num_speculative_tokens=K on the command line narrows it to [K])",
+                             factory=lambda: [2, 4])
+    end_to_end: bool = _doc(True, "real generate() runs: verify/commit time, speedup, exactness")
+    kernel_level: bool = _doc(True, "per-layer strategy verify/commit/fold on synthetic inputs at the model's shape")
+    kernel_steps: int = _doc(16, "timed steps per kernel-level run (after kernel_warmup)")
+    kernel_warmup: int = _doc(2, "untimed steps first")
+    kernel_accept_p: float = _doc(0.7, "per-draft acceptance of the kernel level's synthetic accepted counts")
+    memory_budget_gib: Optional[float] = _doc(None, "SSM-state memory budget in GiB for the 'max batch in budget' "
+                                                    "column (null: this device's memory)")
+    recommend_by: RecommendBy = _doc(RecommendBy.kernel, "kernel | end_to_end: the time the recommendation ranks by")
+    warmup: bool = _doc(True, "one untimed generate per grid point first")
 
 
 @dataclass
 class BenchExperiment:
     name: str = "bench"
-    batch_grid: List[int] = field(default_factory=lambda: [1, 4])
-    repeats: int = 1  # timed runs per point (median)
-    warmup: bool = True
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
+    warmup: bool = _doc(True, "one untimed generate per point first")
 
 
 class SSMOpName(StrEnum):
@@ -163,17 +178,18 @@ class ShapePreset(StrEnum):
 @dataclass
 class KernelsExperiment:
     name: str = "kernels"
-    ops: List[SSMOpName] = field(default_factory=lambda: [SSMOpName.mamba2, SSMOpName.gdn, SSMOpName.kda])
-    shapes: ShapePreset = ShapePreset.bench
-    batch_grid: List[int] = field(default_factory=lambda: [1, 8, 64, 256])
-    k_grid: List[int] = field(default_factory=lambda: [1, 4, 8])
-    rounds: int = 16  # steps per CUDA graph
-    reps: int = 10  # graph replays per point (median)
-    accept_p: float = 0.7  # per-draft acceptance of the committed counts
-    memory_budget_gib: float = 40.0  # SSM state budget for the largest admitted batch
-    check: bool = True  # every strategy against the fp32 reference first
-    fla: bool = True  # time flash-linear-attention's fused recurrent GDN when importable (CUDA)
-    launch_from: Optional[str] = None  # a benchmarks/sweep_rollback_configs.py JSON: its fastest launches
+    ops: List[SSMOpName] = _doc(help="SSM ops to time: mamba2, gdn, kda",
+                                factory=lambda: [SSMOpName.mamba2, SSMOpName.gdn, SSMOpName.kda])
+    shapes: ShapePreset = _doc(ShapePreset.bench, "bench (the ops' layer shapes in 4B hybrids) | tiny (CPU smoke runs)")
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 8, 64, 256])
+    k_grid: List[int] = _doc(help="K values", factory=lambda: [1, 4, 8])
+    rounds: int = _doc(16, "steps per CUDA graph")
+    reps: int = _doc(10, "graph replays per point (median)")
+    accept_p: float = _doc(0.7, "per-draft acceptance of the committed counts")
+    memory_budget_gib: float = _doc(40.0, "SSM-state budget in GiB for the largest admitted batch")
+    check: bool = _doc(True, "every strategy against the fp32 reference first")
+    fla: bool = _doc(True, "time flash-linear-attention's fused recurrent GDN when importable (CUDA)")
+    launch_from: Optional[str] = _doc(None, "a benchmarks/sweep_rollback_configs.py JSON: time its fastest launches")
 
 
 @dataclass
@@ -194,14 +210,16 @@ class BaseConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
-    num_speculative_tokens: int = 4
-    max_new_tokens: int = 64
-    seed: int = 0
-    device: Device = Device.auto
-    dtype: DType = DType.auto
+    num_speculative_tokens: int = _doc(4, "K, drafts per verify step (0 = plain decoding through the same engine)")
+    max_new_tokens: int = _doc(64, "tokens generated per prompt")
+    seed: int = _doc(0, "random seed")
+    device: Device = _doc(Device.auto, "auto | cpu | cuda")
+    dtype: DType = _doc(DType.auto, "auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16")
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
-    progress: bool = True
-    cpu_threads: Optional[int] = 1  # torch intra-op threads on CPU (null: torch's default)
+    repeats: int = _doc(3, "timed runs per speed figure: median and min-max of the repeats")
+    progress: bool = _doc(True, "show a progress bar")
+    cpu_threads: Optional[int] = _doc(None, "torch threads on CPU (null: chosen by specdec.threads, 1 for small "
+                                            "models)")
 
 
 @dataclass
@@ -330,11 +348,27 @@ def schema_keys(experiment: str) -> set[str]:
     return {f.name for f in fields(SCHEMAS[experiment])}
 
 
+#: the config groups a user picks an option of (``conf/<group>/<option>.yaml``); ``schema`` is internal
+GROUPS = ("experiment", "model", "drafter", "rollback")
+
+
+def field_help(cls) -> dict[str, str]:
+    """``{dotted key: help}`` of a config dataclass, nested dataclasses flattened (``prompts.set``);
+    fields without help are left out."""
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        typ = f.default_factory() if f.default_factory is not _NO_DEFAULT else None
+        if is_dataclass(typ):
+            out.update({f"{f.name}.{k}": v for k, v in field_help(type(typ)).items()})
+        elif f.metadata.get("help"):
+            out[f.name] = f.metadata["help"]
+    return out
+
+
 def register_configs() -> None:
     """Store every root schema as ``schema/<experiment>`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(group="schema", name=name, node=node)
-
-
-register_configs()

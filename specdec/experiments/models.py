@@ -5,7 +5,7 @@ A ``model.targets`` entry names its ``source``:
 * ``zoo``: a shipped trained model (``specdec.zoo.load``), offline;
 * ``hf``: ``AutoModelForCausalLM.from_pretrained(name)`` (a hub id or a local folder);
 * ``random_shape``: ``model_class(config_class(**config))`` from transformers with random
-  weights: the benchmark shapes of shared/bench_models.md (``qwen35-4b-shape``,
+  weights: the benchmark shapes of 4B-parameter hybrids (``qwen35-4b-shape``,
   ``nemotronh-4b-shape``). Speed does not depend on the weights' values; the zoo tokenizer
   encodes the prompts (its 8192 ids fit any larger vocabulary).
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["resolve_device", "load_target", "build_random_shape", "SSMShape", "ssm_shape", "target_config"]
+__all__ = ["resolve_device", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape", "SSMShape", "ssm_shape", "target_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,25 +96,115 @@ def build_random_shape(spec, device, dtype, seed: int = 0):
     return model.eval(), zoo.load_tokenizer()
 
 
+#: how long the Hub reachability probe waits (seconds)
+HUB_TIMEOUT_S = 5.0
+#: text every usable tokenizer encodes to at least one token
+TOKENIZER_PROBE = "def fibonacci(n):\n    return n"
+
+
+def hub_access(name: str) -> dict:
+    """The ``from_pretrained`` keywords for ``name``, a hub id that is not a local folder:
+    ``{"local_files_only": True}`` when the Hugging Face cache has it; ``{}`` when the Hub
+    answers for it (probed once, :data:`HUB_TIMEOUT_S`).
+
+    Raises:
+        ValueError: one line saying what to do: ``HF_HUB_OFFLINE`` is set and the cache lacks
+            it; the Hub has no such model (or it is gated / private); the Hub cannot be
+            reached (pass a local folder, or connect).
+    """
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return {"local_files_only": True}
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"model {name!r} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set: pass a local folder (model.targets.0.name=/path/to/model) or unset HF_HUB_OFFLINE")
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms and log in "
+                         "(`hf auth login`), or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {name!r} is neither a local folder nor a model on the Hugging Face Hub (or it is "
+                         "private: log in with `hf auth login`)") from None
+    except Exception as err:  # noqa: BLE001 - any transport error: no network, DNS, proxy, timeout
+        raise ValueError(f"cannot reach the Hugging Face Hub for model {name!r} ({type(err).__name__}); pass a local "
+                         "folder (model.targets.0.name=/path/to/model), connect to the network, or set "
+                         "HF_HUB_OFFLINE=1 to use the cache only") from None
+    return {}
+
+
+def check_tokenizer(tok, where: str) -> None:
+    """Raise ValueError unless ``tok`` encodes :data:`TOKENIZER_PROBE` to at least one token
+    (transformers can return a tokenizer without vocabulary for a folder that has none)."""
+    ids = tok(TOKENIZER_PROBE).input_ids
+    if not len(ids):
+        raise ValueError(f"{where}: the tokenizer encodes text to no tokens (the folder has no usable tokenizer "
+                         "files): add tokenizer.json / tokenizer_config.json to it, or set "
+                         "model.targets.0.tokenizer=<folder or hub id>")
+
+
+def load_hf(spec, device, dtype):
+    """``(model, tokenizer)`` of an ``hf`` target: ``AutoModelForCausalLM`` and ``AutoTokenizer``
+    from ``spec.name`` (a local folder or a hub id; the tokenizer from ``spec.tokenizer`` when
+    set), eval mode, on ``device``, left padding (pad = eos when the tokenizer has no pad).
+
+    Raises:
+        ValueError: one line for a missing folder, an unreachable / unknown hub id
+            (:func:`hub_access`), a model transformers cannot load, or a missing or unusable
+            tokenizer (:func:`check_tokenizer`).
+    """
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def access(name: str) -> dict:
+        p = Path(name).expanduser()
+        if p.is_dir():
+            return {}
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise ValueError(f"model {name!r}: no such folder")
+        return hub_access(name)
+
+    name = str(spec.name)
+    tok_name = str(spec.get("tokenizer") or name)
+    kw = access(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model {name!r} could not be loaded as a causal LM: {first}") from None
+    model = model.to(device).eval()
+    where = f"model {name!r}" if tok_name == name else f"tokenizer {tok_name!r}"
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_name, **(kw if tok_name == name else access(tok_name)))
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{where}: no usable tokenizer ({first}); add the tokenizer files or set "
+                         "model.targets.0.tokenizer=<folder or hub id>") from None
+    check_tokenizer(tok, where)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
 def load_target(spec, device, dtype, seed: int = 0):
     """``(model, tokenizer)`` for a ``model.targets`` entry (``source`` zoo, hf or random_shape).
 
-    Raises: ValueError for an unknown source or a bad random_shape entry; the loaders' errors
-    (unknown zoo name, missing HF checkpoint) pass through."""
+    Raises: ValueError for an unknown source, a bad random_shape entry, or an hf target that
+    cannot be loaded (:func:`load_hf`); the zoo loader's errors pass through."""
     source = str(spec.source)
     if source == "zoo":
         from .. import zoo
 
         return zoo.load(spec.name, device=device, dtype=dtype)
     if source == "hf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype).to(device).eval()
-        tok = AutoTokenizer.from_pretrained(spec.name)
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return model, tok
+        return load_hf(spec, device, dtype)
     if source == "random_shape":
         return build_random_shape(spec, device, dtype, seed)
     raise ValueError(f"model source must be zoo, hf or random_shape; got {spec.source!r}")
