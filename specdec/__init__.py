@@ -51,13 +51,20 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Returns:
         A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
 
+    On CPU, a model too small to gain from intra-op threads gets one torch thread unless you chose
+    a count (``OMP_NUM_THREADS``, ``torch.set_num_threads``): see
+    :func:`specdec.threads.configure_cpu_threads` (logged on the ``specdec.threads`` logger).
+
     Raises:
         TypeError, ValueError: see :class:`SpeculativeGenerator`.
     """
     from .engine import SpeculativeGenerator
+    from .threads import configure_cpu_threads
 
-    return SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
-                                decode_path=decode_path)
+    sd = SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
+                              decode_path=decode_path)
+    configure_cpu_threads(model)
+    return sd
 
 
 def __getattr__(name):
