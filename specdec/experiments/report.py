@@ -117,18 +117,23 @@ BENCH_COLUMNS = (
 )
 
 KERNEL_COLUMNS = (
-    ("launches", "launches", "{:.0f}"),
-    ("us_per_step", "us/step", "{:.1f}"),
-    ("vs_snapshot", "vs snapshot", "{:.2f}"),
-    ("vs_baseline", "vs baseline", "{:.2f}"),
-    ("kernel_MB", "kernel MB", "{:.1f}"),
-    ("design_MB", "design MB", "{:.1f}"),
-    ("GBps", "GB/s", "{:.0f}"),
-    ("pct_copy_bw", "% copy BW", "{:.0f}%"),
-    ("x_floor", "x floor", "{:.2f}"),
-    ("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}"),
-    ("max_batch", "max batch", "{:.0f}"),
-    ("exact", "exact", None),
+    Column("launches", "launches", "{:.0f}", terminal=False, legend="kernel launches per step and layer"),
+    Column("us_per_step", "us/step", "{:.1f}", legend="device time per step and layer (CUDA graphs; median of "
+                                                      "`experiment.reps` replays)"),
+    Column("vs_snapshot", "vs snapshot", "{:.2f}", legend="us/step / snapshot's us/step at the same point"),
+    Column("vs_baseline", "vs baseline", "{:.2f}", terminal=False,
+           legend="us/step / the plain update's (no rollback: the floor of a step)"),
+    Column("kernel_MB", "kernel MB", "{:.1f}", terminal=False, legend="bytes the kernels move per step and layer"),
+    Column("design_MB", "design MB", "{:.1f}", terminal=False,
+           legend="bytes per step of the cost model (docs/design.md, 'The rollback cost model')"),
+    Column("GBps", "GB/s", "{:.0f}", terminal=False, legend="kernel MB / us per step"),
+    Column("pct_copy_bw", "% copy BW", "{:.0f}%", legend="GB/s as a share of the device's measured copy bandwidth"),
+    Column("x_floor", "x floor", "{:.2f}", legend="us/step / (kernel bytes / copy bandwidth)"),
+    Column("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}", terminal=False,
+           legend="memory the strategy keeps per layer and sequence beyond the live state"),
+    Column("max_batch", "max batch", "{:.0f}", terminal=False,
+           legend="largest batch whose SSM state fits `experiment.memory_budget_gib`"),
+    Column("exact", "exact", None, legend="committed state == the fp32 reference"),
 )
 
 #: means the plots and the recommendation use, not shown in the table
