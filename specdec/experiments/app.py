@@ -24,8 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .cli import CONF_DIR
-from .config import SCHEMAS, register_configs, schema_keys
+from .config import CONF_DIR, SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
 register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first

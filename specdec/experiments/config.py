@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import MISSING as _NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
@@ -30,8 +31,13 @@ __all__ = [
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
     "KernelsConfig",
-    "SCHEMAS", "GROUPS", "register_configs", "schema_keys", "field_help",
+    "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_ROOT_CONF = _PACKAGE_DIR.parent / "conf"
+#: the Hydra config folder: ``conf/`` of the checkout (or the one installed inside the package)
+CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else _PACKAGE_DIR / "conf")
 
 
 def _doc(default=_NO_DEFAULT, help: str = "", *, factory=None):
