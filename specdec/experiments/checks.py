@@ -44,8 +44,6 @@ from .timing import Timing, sync
 
 __all__ = ["run", "CHECKS", "cache_tensors", "fp32_state_check"]
 
-#: the checks, in the order they run (cheapest first)
-CHECKS = ("memory_budget", "fp32_state", "step_cost", "rollback_on_device")
 _MIB = 1 << 20
 
 
@@ -336,6 +334,8 @@ def fp32_state(run: _Run, caches: dict) -> tuple[list[dict], str]:
 #: checks that inspect the caches of one short run per strategy, and checks that run their own
 _ON_CACHES = {"memory_budget": memory_budget, "fp32_state": fp32_state}
 _ON_RUNS = {"step_cost": step_cost, "rollback_on_device": rollback_on_device}
+#: the checks, in the order they run (cheapest first)
+CHECKS = tuple(_ON_CACHES) + tuple(_ON_RUNS)
 
 
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:

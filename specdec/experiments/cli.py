@@ -161,6 +161,7 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
               "  specdec-run model=gdn-target drafter=ngram rollback=snapshot num_speculative_tokens=0",
               "  specdec-run prompts.path=my_prompts.jsonl model=gdn-target",
               "  specdec-run experiment=rollback                 # rollback strategies side by side",
+              "  specdec-run experiment=bench drafter=oracle     # decode speed at a known acceptance",
               "  specdec-run -m rollback=snapshot,replay         # a sweep, one combined summary",
               "", "Hydra's flags: -m/--multirun, --cfg job (print the composed config), --hydra-help."]
     return "\n".join(lines) + "\n"

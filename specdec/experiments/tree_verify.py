@@ -41,12 +41,10 @@ from .common import RunRecords, apply_cpu_threads, common_fields, progress_bar
 from .models import load_target, resolve_device
 from .timing import Timing, sync
 
-__all__ = ["run", "CHAIN", "KERNELS"]
+__all__ = ["run", "CHAIN"]
 
 #: the ``experiment.trees`` entry of a chain step (the others are ``specdec.tree.TREE_PRESETS``)
 CHAIN = "chain"
-#: the ``experiment.kernels`` choices
-KERNELS = ("default", "torch", "loop")
 
 
 @contextlib.contextmanager
