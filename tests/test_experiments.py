@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s", "speedup", "hf_speedup", "within_noise",
           "draft_s", "verify_s", "rollback_s", "wall_s", "process", "timed_prompts"}
 TIMING |= {f"{k}_{s}" for k in ("tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s") for s in ("min", "max")}
+TIMING |= {"command", "date"}  # where and when: a run under specdec-run has a command line, a composed config none
 CPU = ["device=cpu", "progress=false"]
 
 
@@ -314,6 +315,179 @@ def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
     _check_summary_matches((tmp_path / "summary.md").read_text(), lines, {
         "tokens/s": ("tokens_per_s", "{:.1f}"), "speedup vs plain": ("speedup", "{:.2f}x"),
         "ms/step": ("ms_per_step", "{:.2f}"), "exact": ("exact", None)}, ["model", "rollback", "batch"])
+
+
+TINY_SHAPE = ["model=qwen35-tiny-shape", "experiment.prompt_tokens=16"]
+
+
+def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):
+    """experiment=bench with the oracle drafter on a tiny random-shape model: acceptance 1 commits
+    K + 1 tokens per step and acceptance 0 one; every row equals specdec plain's output (fp32);
+    decode and end-to-end speed with their spreads; the records are appended as measured, so a
+    run cut short keeps what it finished and `python -m specdec.experiments.report` summarises it."""
+    cfg = _cfg(["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[1.0,0.0]", "rollback=replay",
+                "max_new_tokens=11", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=2"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["drafter"], r["acceptance"], r["batch"]) for r in records] == [("oracle", 1.0, 2), ("oracle", 0.0, 2)]
+    full, none = records
+    assert full["mean_accepted_tokens"] == pytest.approx(5.0, abs=0.5) and none["mean_accepted_tokens"] == 1.0
+    for r in records:
+        assert r["exact"] and r["diverged_rows"] == 0 and r["near_tie"] is None and r["prompt_tokens"] == 16
+        for k in ("decode_tokens_per_s", "plain_decode_tokens_per_s", "tokens_per_s", "plain_tokens_per_s"):
+            assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"] and r[k] > 0
+        assert r["decode_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["plain_decode_tokens_per_s"])
+        assert r["hf_speedup"] is None and "hf_tokens_per_s" not in r
+        assert r["draft_share"] + r["verify_share"] + r["rollback_share"] == pytest.approx(1.0)
+        assert r["date"] and r["device_name"].startswith("CPU")
+    assert _records(tmp_path / "results.jsonl") == json.loads(json.dumps(records))
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.splitlines()[2].startswith("Device: CPU")
+    _check_summary_matches(summary, _records(tmp_path / "results.jsonl"), {
+        "decode tokens/s": ("decode_tokens_per_s", "{:.1f}"), "decode speedup": ("decode_speedup", "{:.2f}x"),
+        "mean accepted tokens": ("mean_accepted_tokens", "{:.2f}"), "diverged rows": ("diverged_rows", "{:.0f}"),
+        "exact": ("exact", None)}, ["model", "drafter", "acceptance", "rollback", "batch"])
+
+    import specdec.experiments.e2e as e2e
+
+    calls = []
+    measure = e2e.speculative_point
+
+    def cut_short(*args, **kw):  # the second point "crashes": the first stays in results.jsonl
+        if calls:
+            raise RuntimeError("cut short")
+        calls.append(1)
+        return measure(*args, **kw)
+
+    monkeypatch.setattr(e2e, "speculative_point", cut_short)
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="cut short"):
+        run_experiment(cfg, cut)
+    kept = _records(cut / "results.jsonl")
+    assert [(r["acceptance"], r["exact"]) for r in kept] == [(1.0, True)]
+    res = _run([sys.executable, "-m", "specdec.experiments.report", str(cut)])
+    assert res.returncode == 0, res.stderr
+    assert len(_table((cut / "summary.md").read_text())[1]) == 1
+
+
+def test_long_run_tiny_cpu(tmp_path: Path):
+    """experiment=long_run (the bench's long-generation preset) at a CPU size: the oracle drafter
+    over specdec plain's output, every strategy; in fp32 no row may diverge from plain decoding."""
+    cfg = _cfg(["experiment=long_run", "max_new_tokens=24", "experiment.batch_grid=[2]"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [r["rollback"] for r in records] == ["snapshot", "ring", "replay", "replay_deferred"]
+    for r in records:  # fp32: speculative == plain, token for token, for the whole length
+        assert (r["drafter"], r["acceptance"], r["batch"], r["new_tokens"]) == ("oracle", 0.8, 2, 48)
+        assert r["diverged_rows"] == 0 and r["exact"] and r["first_divergence"] == []
+        assert r["config"]["experiment"]["ignore_eos"] and r["mean_accepted_tokens"] > 1.0
+    head, rows = _table((tmp_path / "summary.md").read_text())
+    cells = [dict(zip(head, row)) for row in rows]
+    assert [(c["diverged rows"], c["exact"]) for c in cells] == [("0", "yes")] * 4
+
+
+def test_checks_tiny_cpu(tmp_path: Path, capsys):
+    """experiment=checks on a tiny model: the CUDA-only checks say SKIP and still measure (rollback
+    timed apart, step times), the memory budget and fp32 checks pass on the CPU."""
+    cfg = _cfg(["experiment=checks", "max_new_tokens=12", "experiment.batch_grid=[1,4]", "repeats=1"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+
+    def verdict(check):
+        hits = [x for x in lines if x.startswith(f"{check}: ")]
+        assert len(hits) == 1, lines[-40:]
+        return hits[0]
+
+    assert verdict("rollback_on_device").startswith("rollback_on_device: SKIP (needs CUDA)")
+    assert "rollback time reported apart: yes" in verdict("rollback_on_device")
+    assert verdict("step_cost").startswith("step_cost: SKIP (needs CUDA)") and "ms/step" in verdict("step_cost")
+    memory = verdict("memory_budget")
+    assert memory.startswith("memory_budget: PASS"), memory
+    for s in ("snapshot", "ring", "replay", "replay_deferred"):
+        assert f"{s}: +" in memory
+    assert verdict("fp32_state").startswith("fp32_state: PASS")
+    by = {}
+    for r in records:
+        by.setdefault(r["experiment"], []).append(r)
+    assert all(r["off_device"] == 0 and r["rollback_apart"] for r in by["checks.rollback_on_device"])
+    assert [(r["batch"], r["decode_path"]) for r in by["checks.step_cost"]][::4] == [(1, "static"), (4, "static")]
+    assert all(r["ratio"] == pytest.approx(r["step_ms"] / r["plain_step_ms"]) for r in by["checks.step_cost"])
+    budget = {r["rollback"]: r for r in by["checks.memory_budget"]}
+    assert budget["replay"]["extra_MiB"] < min(budget["snapshot"]["extra_MiB"], budget["ring"]["extra_MiB"])
+    md = (tmp_path / "summary.md").read_text()
+    for text in ("- rollback_on_device: SKIP", "- step_cost: SKIP", "- memory_budget: PASS", "- fp32_state: PASS",
+                 "## checks.rollback_on_device", "## checks.step_cost", "## checks.memory_budget"):
+        assert text in md
+
+
+def test_tree_verify_profile_tiny_cpu(tmp_path: Path):
+    """experiment=tree_verify times chain and tree steps and, with experiment.profile, adds one
+    profiled verify per configuration: host ops / host ms / kernels columns and a top-ops table each."""
+    cfg = _cfg(["experiment=tree_verify", "model=qwen35-tiny-shape", "experiment.batch_grid=[2]",
+                "rollback.strategies=[snapshot,replay]", "experiment.steps=1", "experiment.warmup=0",
+                "experiment.prompt_tokens=16", "experiment.profile=true"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["rollback"], r["tree"], r["nodes"]) for r in records] == [
+        ("snapshot", "chain", 5), ("snapshot", "default", 16), ("replay", "chain", 5), ("replay", "default", 16)]
+    for r in records:  # CPU: the torch kernels are the default, so no "torch" row; no GPU kernels
+        assert r["kernels"] == "default" and r["host_ops"] > 50 and r["host_ms"] > 0
+        assert r["gpu_kernels"] == 0 and r["device_ms"] is None
+        assert r["vs_chain"] == pytest.approx(r["verify_ms"] / next(
+            c["verify_ms"] for c in records if c["rollback"] == r["rollback"] and c["tree"] == "chain"))
+    text = (tmp_path / "profile.md").read_text()
+    assert text.count("\n## ") == 4 and text.count("Self CPU time total") == 4
+
+
+def test_tree_verify_static_path_tiny_cpu(tmp_path: Path):
+    """experiment.decode_path=static times the engine's fixed-shape bucket (StaticDecoder: tree forward
+    + path commit), the CUDA-graph path without the graphs; cuda_graph on the CPU is refused."""
+    base = ["experiment=tree_verify", "model=qwen35-tiny-shape", "experiment.batch_grid=[2]", "rollback=ring",
+            "experiment.steps=1", "experiment.warmup=1", "experiment.prompt_tokens=16"] + CPU
+    records = run_experiment(_cfg(base + ["experiment.decode_path=static"]), tmp_path)
+    assert [(r["tree"], r["nodes"], r["decode_path"]) for r in records] == [("chain", 5, "static"),
+                                                                          ("default", 16, "static")]
+    assert all(r["verify_ms"] > 0 and r["commit_ms"] > 0 for r in records)
+    assert "static path" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(ValueError, match="cuda_graph needs CUDA"):
+        run_experiment(_cfg(base + ["experiment.decode_path=cuda_graph"]), tmp_path / "graph")
+
+
+def test_ngram_proposal_tiny_cpu(tmp_path: Path):
+    """experiment=ngram_proposal checks that both searches propose the same before timing and
+    records one row per (batch, width)."""
+    cfg = _cfg(["experiment=ngram_proposal", "experiment.batch_grid=[1,3]", "experiment.widths=[32,96]",
+                "repeats=2"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["batch"], r["width"]) for r in records] == [(1, 32), (1, 96), (3, 32), (3, 96)]
+    for r in records:
+        assert r["same_proposals"] and r["loop_ms_min"] <= r["loop_ms"] <= r["loop_ms_max"]
+        assert r["loop_over_batched"] == pytest.approx(r["loop_ms"] / r["batched_ms"])
+    head, rows = _table((tmp_path / "summary.md").read_text(), "batch")
+    assert [tuple(row[:2]) for row in rows] == [("1", "32"), ("1", "96"), ("3", "32"), ("3", "96")]
+
+
+def test_e2e_divergence_margins():
+    """Each diverged row's first divergence and plain decoding's top-2 margin there (teacher-forced
+    over the reference): one per diverged row, none otherwise, equal to the model's own logits."""
+    import specdec
+    from specdec import zoo
+    from specdec.experiments.e2e import batch_encoding, divergence_margins, row_divergences
+
+    model, tok = zoo.load("gdn-target", device="cpu", dtype=torch.float32)
+    enc = batch_encoding(tok, zoo.prompts("128", limit=2), 2, "cpu")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ref = specdec.wrap(model).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    P = ids.shape[1]
+    assert row_divergences(ref.clone(), ref, P) == ([], [])
+    out = ref.clone()
+    out[1, P + 2] = (out[1, P + 2] + 1) % model.config.vocab_size
+    assert row_divergences(out, ref, P) == ([1], [2])
+    margins = divergence_margins(model, ref, mask, [1], [2], P)
+    with torch.no_grad():
+        logits = model(input_ids=ref[1:2, :P + 2], attention_mask=torch.cat([mask[1:2], mask.new_ones(1, 2)], 1)).logits
+    top = torch.topk(logits[0, -1].float(), 2).values
+    assert len(margins) == 1 and abs(margins[0] - float(top[0] - top[1])) < 1e-3 and margins[0] >= 0
+    assert divergence_margins(model, ref, mask, [0], [ref.shape[1] - P], P) == [None]  # the reference had ended
 
 
 # ------------------------------------------------------------------------------ processes

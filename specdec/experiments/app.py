@@ -1,8 +1,11 @@
 """``specdec-run`` / ``python -m specdec``: the Hydra app for every experiment.
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
-comparison), ``bench`` (end-to-end speed), ``kernels`` (the per-layer kernel table),
-``train_zoo`` (the zoo recipe) or ``train_medusa`` (the Medusa heads recipe); ``model=``,
+comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
+``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
+``ngram_proposal`` (n-gram search timing), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
+recipe) or ``train_medusa`` (the Medusa heads recipe); every one runs as ``specdec-run
+experiment=<name>`` (or ``python -m specdec experiment=<name>``); ``model=``,
 ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
 checked against the experiment's structured config (:mod:`specdec.experiments.config`).
 
@@ -24,8 +27,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .cli import CONF_DIR
-from .config import SCHEMAS, register_configs, schema_keys
+from .config import CONF_DIR, SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
 register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
@@ -45,6 +47,9 @@ def validate(cfg: DictConfig) -> None:
         return
     if name == "kernels":
         _validate_kernels(cfg.experiment)
+        return
+    if name == "ngram_proposal":
+        _validate_ngram_proposal(cfg)
         return
     from specdec.engine import MAX_SPECULATIVE_TOKENS
     from specdec.rollback import STRATEGIES
@@ -91,16 +96,25 @@ def validate(cfg: DictConfig) -> None:
                              "[[0],[0,0],[1]]")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
-    if name in ("rollback", "bench"):
-        exp = cfg.experiment
-        if len(cfg.drafter.names) != 1:
-            raise ValueError(f"experiment={name} uses one drafter; got {list(map(str, cfg.drafter.names))} "
-                             "(use drafter=ngram or drafter=draft_model)")
-        if str(cfg.drafter.names[0]) == "medusa":
-            raise ValueError(f"experiment={name} supports drafter=ngram or drafter=draft_model; Medusa heads run in "
+    drafters = [str(d) for d in cfg.drafter.names]
+    if name in ("rollback", "bench", "long_run", "tree_verify", "checks"):
+        _check_batches(cfg.experiment.batch_grid)
+    if name in ("acceptance", "rollback") and "oracle" in drafters:
+        raise ValueError(f"drafter=oracle proposes specdec plain's own output, for timing: it runs in experiment=bench, "
+                         f"long_run and checks, not experiment={name}")
+    if name == "rollback":
+        if len(drafters) != 1:
+            raise ValueError(f"experiment=rollback uses one drafter; got {drafters} (use drafter=ngram or "
+                             "drafter=draft_model)")
+        if drafters[0] == "medusa":
+            raise ValueError("experiment=rollback supports drafter=ngram or drafter=draft_model; Medusa heads run in "
                              "experiment=acceptance")
-        if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
-            raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
+    if name in ("bench", "long_run"):
+        _validate_bench(cfg, drafters)
+    if name == "tree_verify":
+        _validate_tree_verify(cfg)
+    if name == "checks":
+        _validate_checks(cfg)
     if name == "rollback":
         exp = cfg.experiment
         if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
@@ -116,6 +130,92 @@ def validate(cfg: DictConfig) -> None:
         timed = cfg.experiment.timed_prompts
         if timed is not None and int(timed) < 1:
             raise ValueError(f"experiment.timed_prompts must be >= 1 or null (all), got {timed}")
+
+
+def _check_batches(batch_grid) -> None:
+    if not batch_grid or any(int(b) < 1 for b in batch_grid):
+        raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(batch_grid)}")
+
+
+def _check_positive(exp, *keys: str) -> None:
+    for key in keys:
+        if exp[key] is not None and float(exp[key]) <= 0:
+            raise ValueError(f"experiment.{key} must be > 0, got {exp[key]}")
+
+
+def _check_decode_path(path) -> None:
+    from specdec.engine import DECODE_PATHS
+
+    if str(path) not in DECODE_PATHS:
+        raise ValueError(f"experiment.decode_path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
+
+
+def _validate_bench(cfg, drafters: list[str]) -> None:
+    """The benchmark's drafters, oracle acceptances and lengths."""
+    from .bench import BENCH_DRAFTERS
+
+    if any(d not in BENCH_DRAFTERS for d in drafters):
+        raise ValueError(f"experiment={cfg.experiment.name} runs the drafters {', '.join(BENCH_DRAFTERS)}; got "
+                         f"{drafters} (Medusa heads run in experiment=acceptance)")
+    accs = [float(a) for a in cfg.drafter.oracle_acceptance]
+    if "oracle" in drafters and (not accs or any(not 0.0 <= a <= 1.0 for a in accs)):
+        raise ValueError(f"drafter.oracle_acceptance must list acceptances in [0, 1], got {accs}")
+    _check_positive(cfg.experiment, "prompt_tokens", "hf_max_new_tokens")
+    _check_decode_path(cfg.experiment.decode_path)
+
+
+def _validate_tree_verify(cfg) -> None:
+    """The trees, the step counts and K (a chain of K + 1 tokens; trees of depth K)."""
+    from specdec.tree import TREE_PRESETS
+
+    from .tree_verify import CHAIN
+
+    exp = cfg.experiment
+    known = (CHAIN,) + TREE_PRESETS
+    bad = [str(t) for t in exp.trees if str(t) not in known]
+    if not exp.trees or bad:
+        raise ValueError(f"experiment.trees must list {', '.join(known)}; got {list(map(str, exp.trees))}")
+    if not exp.kernels:
+        raise ValueError("experiment.kernels is empty: list default, torch or loop")
+    if int(cfg.num_speculative_tokens) < 1:
+        raise ValueError("experiment=tree_verify needs num_speculative_tokens >= 1 (the depth of the chain and trees)")
+    if int(exp.steps) < 1 or int(exp.warmup) < 0:
+        raise ValueError(f"experiment.steps must be >= 1 and experiment.warmup >= 0, got {exp.steps}, {exp.warmup}")
+    _check_positive(exp, "prompt_tokens", "max_seconds")
+
+
+def _validate_checks(cfg) -> None:
+    """The checks' acceptance, lengths, budget and decode path."""
+    exp = cfg.experiment
+    if not 0.0 <= float(exp.acceptance) <= 1.0:
+        raise ValueError(f"experiment.acceptance must be in [0, 1], got {exp.acceptance}")
+    if int(cfg.num_speculative_tokens) < 1:
+        raise ValueError("experiment=checks needs num_speculative_tokens >= 1 (the checks roll drafts back)")
+    short = [int(n) for n in exp.transfer_new_tokens]
+    if len(short) != 2 or not 1 <= short[0] < short[1]:
+        raise ValueError(f"experiment.transfer_new_tokens must be [short, long] with 1 <= short < long, got {short}")
+    _check_decode_path(exp.decode_path)
+    if not exp.checks:
+        raise ValueError("experiment.checks is empty")
+    _check_positive(exp, "prompt_tokens", "memory_budget_gib", "context_tokens", "max_dtoh_per_step")
+
+
+def _validate_ngram_proposal(cfg) -> None:
+    """The n-gram grid (no model: the common checks do not apply)."""
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+
+    exp = cfg.experiment
+    _check_batches(exp.batch_grid)
+    if not exp.widths or any(int(w) < 2 for w in exp.widths):
+        raise ValueError(f"experiment.widths must list text widths >= 2, got {list(exp.widths)}")
+    if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (drafts to propose), got "
+                         f"{cfg.num_speculative_tokens}")
+    if int(exp.vocab_size) < 2 or int(exp.warmup) < 0 or int(cfg.repeats) < 1:
+        raise ValueError("experiment.vocab_size must be >= 2, experiment.warmup >= 0 and repeats >= 1")
+    lo, hi = int(cfg.drafter.ngram.min_ngram), int(cfg.drafter.ngram.max_ngram)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"drafter.ngram needs 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
 
 
 def _validate_kernels(exp) -> None:
@@ -182,12 +282,24 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
             with open_dict(cfg):
                 cfg.experiment.k_grid = [int(cfg.num_speculative_tokens)]
         return run(cfg, out_dir)
-    if name == "bench":
+    if name in ("bench", "long_run"):
         from .bench import run
 
         return run(cfg, out_dir)
     if name == "kernels":
         from .kernel_table import run
+
+        return run(cfg, out_dir)
+    if name == "tree_verify":
+        from .tree_verify import run
+
+        return run(cfg, out_dir)
+    if name == "ngram_proposal":
+        from .ngram_proposal import run
+
+        return run(cfg, out_dir)
+    if name == "checks":
+        from .checks import run
 
         return run(cfg, out_dir)
     if name == "train_medusa":

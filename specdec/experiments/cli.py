@@ -25,13 +25,9 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
 from . import config as _config
-from .config import GROUPS, SCHEMAS, field_help
+from .config import CONF_DIR, GROUPS, SCHEMAS, field_help
 
-__all__ = ["main", "help_text", "check_overrides", "group_options", "UsageError", "CONF_DIR"]
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_ROOT_CONF = PACKAGE_DIR.parent / "conf"
-CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else PACKAGE_DIR / "conf")
+__all__ = ["main", "help_text", "check_overrides", "group_options", "UsageError"]
 
 #: Hydra flags followed by a value
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -165,6 +161,7 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
               "  specdec-run model=gdn-target drafter=ngram rollback=snapshot num_speculative_tokens=0",
               "  specdec-run prompts.path=my_prompts.jsonl model=gdn-target",
               "  specdec-run experiment=rollback                 # rollback strategies side by side",
+              "  specdec-run experiment=bench drafter=oracle     # decode speed at a known acceptance",
               "  specdec-run -m rollback=snapshot,replay         # a sweep, one combined summary",
               "", "Hydra's flags: -m/--multirun, --cfg job (print the composed config), --hydra-help."]
     return "\n".join(lines) + "\n"

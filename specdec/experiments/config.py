@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import MISSING as _NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
@@ -29,9 +30,14 @@ __all__ = [
     "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
-    "KernelsConfig",
-    "SCHEMAS", "GROUPS", "register_configs", "schema_keys", "field_help",
+    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
+    "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_ROOT_CONF = _PACKAGE_DIR.parent / "conf"
+#: the Hydra config folder: ``conf/`` of the checkout (or the one installed inside the package)
+CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else _PACKAGE_DIR / "conf")
 
 
 def _doc(default=_NO_DEFAULT, help: str = "", *, factory=None):
@@ -61,6 +67,7 @@ class DrafterName(StrEnum):
     ngram = "ngram"
     draft_model = "draft_model"
     medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
+    oracle = "oracle"  # OracleDrafter: specdec plain's own output, corrupted at rate 1 - acceptance (timing only)
 
 
 class Source(StrEnum):
@@ -93,6 +100,9 @@ class TargetConfig:
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
+    layers: Optional[int] = _doc(None, "source random_shape: keep the first N layers of its pattern (null: all)")
+    damp: Optional[float] = _doc(None, "source random_shape: scale of every block's output projection (wide greedy "
+                                       "margins in bf16; null: transformers' init)")
 
 
 @dataclass
@@ -113,6 +123,8 @@ class DrafterConfig:
     ngram: NGramConfig = field(default_factory=NGramConfig)
     draft_rollback: str = _doc("snapshot", "rollback strategy of a hybrid draft model's own SSM state")
     tree: Any = _doc(None, "Medusa draft tree: null (chain), default, medusa-63 or a list of paths [[0],[0,0],[1]]")
+    oracle_acceptance: List[float] = _doc(help="drafter oracle: per-token acceptance, one run each (bench)",
+                                          factory=lambda: [0.8])
 
 
 @dataclass
@@ -161,7 +173,75 @@ class RollbackExperiment:
 class BenchExperiment:
     name: str = "bench"
     batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
-    warmup: bool = _doc(True, "one untimed generate per point first")
+    warmup: bool = _doc(True, "one untimed generate of the same shape per point first (compiles, captures)")
+    prompt_tokens: Optional[int] = _doc(None, "prompts of this many random token ids per row (speed does not depend "
+                                              "on the text); null: the prompt set")
+    hf: bool = _doc(True, "time HF generate() on the same batch too")
+    hf_max_new_tokens: Optional[int] = _doc(None, "new tokens of the HF runs (null: max_new_tokens)")
+    ignore_eos: bool = _doc(False, "clear the target's EOS token: every row runs max_new_tokens")
+    profile: bool = _doc(False, "one more generate() per point under torch.profiler (profile.md)")
+    decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
+
+
+class TreeKernels(StrEnum):
+    default = "default"  # the device's backend (Triton on CUDA)
+    torch = "torch"  # the torch reference ops
+    loop = "loop"  # Triton, every tree walking its nodes in the runtime loop
+
+
+class DecodePath(StrEnum):
+    eager = "eager"
+    static = "static"
+    cuda_graph = "cuda_graph"
+
+
+@dataclass
+class TreeVerifyExperiment:
+    name: str = "tree_verify"
+    trees: List[str] = _doc(help="chain or a specdec.tree preset (default: 16 nodes, medusa-63: 64 nodes at K=4)",
+                            factory=lambda: ["chain", "default"])
+    kernels: List[TreeKernels] = _doc(help="default (Triton on CUDA) | torch (reference ops, CUDA only) | loop "
+                                           "(runtime node loop)",
+                                      factory=lambda: [TreeKernels.default, TreeKernels.torch])
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 16])
+    decode_path: DecodePath = _doc(DecodePath.eager, "eager | static | cuda_graph: the decoder the step runs on")
+    steps: int = _doc(8, "timed steps per configuration")
+    warmup: int = _doc(2, "untimed steps first")
+    prompt_tokens: int = _doc(128, "random prompt tokens prefilled before the steps")
+    max_seconds: Optional[float] = _doc(50.0, "skip the remaining configurations after this wall time (null: none)")
+    profile: bool = _doc(False, "one more verify per configuration under torch.profiler (profile.md)")
+
+
+@dataclass
+class NgramProposalExperiment:
+    name: str = "ngram_proposal"
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 16, 64])
+    widths: List[int] = _doc(help="text widths W (row lengths in [W/2, W])", factory=lambda: [256, 1024, 4096])
+    vocab_size: int = _doc(64, "vocabulary of the random texts (small: most rows find a match)")
+    warmup: int = _doc(3, "untimed rounds first")
+
+
+class CheckName(StrEnum):
+    rollback_on_device = "rollback_on_device"
+    step_cost = "step_cost"
+    memory_budget = "memory_budget"
+    fp32_state = "fp32_state"
+
+
+@dataclass
+class ChecksExperiment:
+    name: str = "checks"
+    checks: List[CheckName] = _doc(help="the checks to run (see the experiment's description)",
+                                   factory=lambda: list(CheckName))
+    acceptance: float = _doc(0.8, "per-token acceptance of the oracle drafter")
+    batch_grid: List[int] = _doc(help="step_cost: batch sizes", factory=lambda: [1, 4, 16])
+    prompt_tokens: int = _doc(128, "random prompt tokens per row (ragged rows left-padded)")
+    transfer_new_tokens: List[int] = _doc(help="rollback_on_device: new tokens of the short and the long profiled run",
+                                          factory=lambda: [8, 40])
+    max_dtoh_per_step: float = _doc(1.25, "rollback_on_device: device-to-host copies allowed per decode step")
+    memory_budget_gib: float = _doc(40.0, "memory_budget: GiB for SSM state, conv windows and KV cache")
+    context_tokens: int = _doc(4096, "memory_budget: tokens per sequence for the KV cache")
+    decode_path: str = _doc("auto", "auto (cuda_graph on CUDA, static on CPU) | eager | static | cuda_graph")
 
 
 class SSMOpName(StrEnum):
@@ -235,6 +315,21 @@ class RollbackExperimentConfig(BaseConfig):
 @dataclass
 class BenchConfig(BaseConfig):
     experiment: BenchExperiment = field(default_factory=BenchExperiment)
+
+
+@dataclass
+class TreeVerifyConfig(BaseConfig):
+    experiment: TreeVerifyExperiment = field(default_factory=TreeVerifyExperiment)
+
+
+@dataclass
+class NgramProposalConfig(BaseConfig):
+    experiment: NgramProposalExperiment = field(default_factory=NgramProposalExperiment)
+
+
+@dataclass
+class ChecksConfig(BaseConfig):
+    experiment: ChecksExperiment = field(default_factory=ChecksExperiment)
 
 
 @dataclass
@@ -337,7 +432,11 @@ SCHEMAS = {
     "acceptance": AcceptanceConfig,
     "rollback": RollbackExperimentConfig,
     "bench": BenchConfig,
+    "long_run": BenchConfig,
     "kernels": KernelsConfig,
+    "tree_verify": TreeVerifyConfig,
+    "ngram_proposal": NgramProposalConfig,
+    "checks": ChecksConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
 }

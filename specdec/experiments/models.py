@@ -6,8 +6,11 @@ A ``model.targets`` entry names its ``source``:
 * ``hf``: ``AutoModelForCausalLM.from_pretrained(name)`` (a hub id or a local folder);
 * ``random_shape``: ``model_class(config_class(**config))`` from transformers with random
   weights: the benchmark shapes of 4B-parameter hybrids (``qwen35-4b-shape``,
-  ``nemotronh-4b-shape``). Speed does not depend on the weights' values; the zoo tokenizer
-  encodes the prompts (its 8192 ids fit any larger vocabulary).
+  ``nemotronh-4b-shape``) and their tiny stand-ins for CPU runs (``qwen35-tiny-shape``,
+  ``nemotronh-tiny-shape``). Speed does not depend on the weights' values; the zoo tokenizer
+  encodes the prompts (its 8192 ids fit any vocabulary of at least 8192). ``layers`` keeps the
+  first N layers of the layer pattern; ``damp`` scales every block's output projection
+  (:func:`damp_residual_branches`: wide greedy margins, so bf16 rounding rarely flips a token).
 
 :func:`ssm_shape` reads the SSM layer shape from a transformers config without building the
 model, so the kernel-level rollback timing can run at a 4B model's shapes on any machine.
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["resolve_device", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape", "SSMShape", "ssm_shape", "target_config"]
+__all__ = ["resolve_device", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
+           "damp_residual_branches", "weight_bytes", "layer_counts", "SSMShape", "ssm_shape", "target_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,10 +69,25 @@ def _container(x):
     return x
 
 
-def target_config(spec):
-    """The transformers config of a ``random_shape`` target (no weights built).
+def _cut_layers(config: dict, layers: int, name: str) -> dict:
+    """``config`` with its layer pattern (``layer_types`` or ``hybrid_override_pattern``) cut to the
+    first ``layers`` layers."""
+    n = int(config.get("num_hidden_layers", 0))
+    if not 1 <= layers <= n:
+        raise ValueError(f"model {name!r}: layers must be in [1, {n}] (its num_hidden_layers), got {layers}")
+    out = dict(config, num_hidden_layers=layers)
+    for key in ("layer_types", "hybrid_override_pattern", "mlp_layer_types"):
+        if out.get(key) is not None:
+            out[key] = out[key][:layers]
+    return out
 
-    Raises: ValueError when ``config_class`` is missing or not a transformers class."""
+
+def target_config(spec):
+    """The transformers config of a ``random_shape`` target (no weights built), its layer
+    pattern cut to ``spec.layers`` when set.
+
+    Raises: ValueError when ``config_class`` is missing or not a transformers class, or
+    ``layers`` is outside [1, num_hidden_layers]."""
     import transformers
 
     if not spec.get("config_class"):
@@ -76,11 +95,60 @@ def target_config(spec):
     cls = getattr(transformers, str(spec.config_class), None)
     if cls is None:
         raise ValueError(f"model {spec.name!r}: transformers has no config class {spec.config_class!r}")
-    return cls(**_container(spec.get("config") or {}))
+    config = _container(spec.get("config") or {})
+    if spec.get("layers") is not None:
+        config = _cut_layers(config, int(spec.layers), str(spec.name))
+    return cls(**config)
+
+
+def layer_counts(config) -> tuple[int, int]:
+    """``(SSM layers, attention layers)`` of a transformers config (``layer_types`` with
+    ``linear_attention`` / ``full_attention``, or Nemotron-H's ``hybrid_override_pattern`` with
+    ``M`` / ``*``)."""
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if pattern:
+        return str(pattern).count("M"), str(pattern).count("*")
+    types = list(getattr(config, "layer_types", None) or [])
+    return types.count("linear_attention"), types.count("full_attention")
+
+
+def damp_residual_branches(model, factor: float) -> int:
+    """Scale the output projection of every block (attention ``o_proj``, SSM ``out_proj``, MLP
+    ``down_proj``) by ``factor`` and give an untied LM head the input embedding's values; returns
+    the number of projections scaled.
+
+    With transformers' random init the top-2 logit gap is within bf16 rounding noise every few
+    tokens, so a T-token verify and a 1-token step (different GEMM tilings) pick different
+    argmaxes within a few tokens. With damped residual branches each greedy choice follows the
+    (exact) embedding path, and with the LM head equal to the embedding each token's own row wins
+    by a margin of about sqrt(hidden size): flips become rare. Speed does not depend on the values
+    (an untied head keeps its own tensor: the same bytes are read)."""
+    n = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "down_proj") and hasattr(mod, "weight"):
+                mod.weight.mul_(factor)
+                n += 1
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
+            head.weight.copy_(emb.weight)
+    return n
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (a tied tensor counted once): what one forward reads."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
 
 
 def build_random_shape(spec, device, dtype, seed: int = 0):
-    """``(model, tokenizer)`` for a ``random_shape`` target: random init, eval mode, on ``device``."""
+    """``(model, tokenizer)`` for a ``random_shape`` target: random init (``spec.layers`` layers
+    when set; residual branches damped by ``spec.damp`` when set), no EOS, eval mode, on
+    ``device``; the zoo tokenizer."""
     import transformers
 
     from .. import zoo
@@ -92,6 +160,8 @@ def build_random_shape(spec, device, dtype, seed: int = 0):
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls._from_config(config, dtype=dtype)
+    if spec.get("damp") is not None:
+        damp_residual_branches(model, float(spec.damp))
     model.generation_config.eos_token_id = None  # random weights: no natural end of text
     return model.eval(), zoo.load_tokenizer()
 

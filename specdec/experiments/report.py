@@ -5,9 +5,15 @@ every job of a ``--multirun`` sweep) into ``summary.md`` and the PNG plots; the 
 summary are the means of the records' fields over each configuration's records (prompts,
 repeats or jobs), so they can always be recomputed from ``results.jsonl``.
 
-Plots: ``accept_hist.png`` (acceptance: accepted-length histogram per drafter),
-``rollback_time_vs_batch.png`` (rollback: commit + fold and whole SSM time per step, per
-strategy), ``speedup_vs_batch.png`` (rollback and bench: speedup per strategy).
+Under the title, a line says where and how the records were measured (device, date, command:
+:func:`provenance_lines`). Plots: ``accept_hist.png`` (acceptance: accepted-length histogram per
+drafter), ``rollback_time_vs_batch.png`` (rollback: commit + fold and whole SSM time per step,
+per strategy), ``speedup_vs_batch.png`` (rollback: speedup per strategy; bench: decode speedup
+per strategy, drafter and acceptance).
+
+An experiment appends its records to ``results.jsonl`` as it measures; ``python -m
+specdec.experiments.report RUN_DIR`` rewrites ``summary.md`` and the plots from them (a run cut
+short keeps what it finished).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ TERMINAL_WIDTH = 100
 @dataclass(frozen=True)
 class Column:
     """A summary column: the record ``key`` it averages, its ``title``, ``fmt`` (None: a yes/no
-    column), ``terminal`` (also in the terminal table), ``spread`` (the cell shows ``median
-    (min-max)`` from the records' ``<key>_min`` / ``<key>_max``) and its ``legend`` line."""
+    column; :data:`TEXT`: the distinct values, joined), ``terminal`` (also in the terminal
+    table), ``spread`` (the cell shows ``median (min-max)`` from the records' ``<key>_min`` /
+    ``<key>_max``) and its ``legend`` line."""
 
     key: str
     title: str
@@ -38,6 +45,10 @@ class Column:
     terminal: bool = True
     spread: bool = False
     legend: str = ""
+
+
+#: ``Column.fmt`` of a text column (decode path, store names): its distinct values, joined
+TEXT = "text"
 
 
 _REPEATS = ("median of `repeats` timed runs, min-max in parentheses")
@@ -100,41 +111,146 @@ ROLLBACK_COLUMNS = (
            legend="kernel-level committed state == the fp32 reference"),
 )
 
+_DECODE = "new tokens / (wall - prefill): the decode loop alone (the prefill is the model's own forward)"
+
 BENCH_COLUMNS = (
-    Column("tokens_per_s", "tokens/s", "{:.1f}", spread=True,
-           legend=f"speculative decoding, new tokens per second; {_REPEATS}"),
+    Column("decode_tokens_per_s", "decode tokens/s", "{:.1f}", spread=True,
+           legend=f"speculative decoding, {_DECODE}; {_REPEATS}"),
+    Column("plain_decode_tokens_per_s", "plain decode tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="the same for specdec's own plain decoding (num_speculative_tokens=0, same engine and decode "
+                  "path), same batch, same process"),
+    Column("decode_speedup", "decode speedup", "{:.2f}x",
+           legend="median decode tokens/s / median plain decode tokens/s"),
+    Column("tokens_per_s", "tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend=f"end to end (prefill included), new tokens per second; {_REPEATS}"),
     Column("plain_tokens_per_s", "plain tokens/s", "{:.1f}", terminal=False, spread=True,
-           legend="specdec's own plain decoding (num_speculative_tokens=0), same batch, same process"),
-    Column("hf_tokens_per_s", "HF tokens/s", "{:.1f}", terminal=False, spread=True,
-           legend="transformers' greedy generate(), same batch, same process"),
-    Column("speedup", "speedup vs plain", "{:.2f}x", legend="median tokens/s / median plain tokens/s"),
+           legend="end to end, specdec's own plain decoding, same batch, same process"),
+    Column("speedup", "speedup vs plain", "{:.2f}x", terminal=False,
+           legend="end to end: median tokens/s / median plain tokens/s"),
     Column("within_noise", "within noise", None,
-           legend="yes: the min-max ranges of speculative and plain overlap"),
+           legend="yes: the wall-time ranges of speculative and plain overlap"),
+    Column("hf_tokens_per_s", "HF tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="transformers' greedy generate() (its default cache), end to end, same batch, same process"),
     Column("hf_speedup", "vs HF", "{:.2f}x", terminal=False, legend="median tokens/s / median HF tokens/s"),
-    Column("ms_per_step", "ms/step", "{:.2f}", terminal=False, legend="median wall time per verify step"),
+    Column("decode_ms_per_step", "decode ms/step", "{:.2f}", terminal=False,
+           legend="(wall - prefill) / verify steps, median of the repeats"),
+    Column("plain_decode_ms_per_step", "plain ms/step", "{:.2f}", terminal=False,
+           legend="the same for specdec plain (one token per step)"),
+    Column("ms_per_step", "ms/step", "{:.2f}", terminal=False, legend="wall time / verify steps, median"),
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", legend=COLUMNS[0].legend),
-    Column("exact", "exact", None, legend="output == HF greedy, token for token"),
+    Column("draft_share", "draft %", "{:.0%}", terminal=False,
+           legend="share of the decode steps' time spent drafting (specdec.Stats, summed over the repeats)"),
+    Column("verify_share", "verify %", "{:.0%}", terminal=False, legend="share verifying (target forward + acceptance)"),
+    Column("rollback_share", "rollback %", "{:.0%}", terminal=False,
+           legend="share in the strategy's commit (the replay fold included)"),
+    Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
+           legend="torch.cuda.max_memory_allocated over the timed runs, weights included"),
+    Column("decode_path", "decode path", TEXT, terminal=False,
+           legend="eager | static | cuda_graph (docs/design.md, \"Decoders and decode paths\")"),
+    Column("diverged_rows", "diverged rows", "{:.0f}",
+           legend="rows whose output differs from specdec plain's (first divergences and margins below)"),
+    Column("near_tie", "divergences at near-ties", None, terminal=False,
+           legend="every first divergence where plain decoding's top-2 logit margin is < 0.25, in bf16/fp16 (the "
+                  "only divergence the exactness contract allows; never in fp32)"),
+    Column("exact", "exact", None,
+           legend="every row's output equals specdec plain's (K = 0, same engine and path) token for token"),
 )
 
 KERNEL_COLUMNS = (
-    Column("launches", "launches", "{:.0f}", terminal=False, legend="kernel launches per step and layer"),
-    Column("us_per_step", "us/step", "{:.1f}", legend="device time per step and layer (CUDA graphs; median of "
-                                                      "`experiment.reps` replays)"),
-    Column("vs_snapshot", "vs snapshot", "{:.2f}", legend="us/step / snapshot's us/step at the same point"),
-    Column("vs_baseline", "vs baseline", "{:.2f}", terminal=False,
-           legend="us/step / the plain update's (no rollback: the floor of a step)"),
-    Column("kernel_MB", "kernel MB", "{:.1f}", terminal=False, legend="bytes the kernels move per step and layer"),
+    Column("launches", "launches", "{:.0f}", legend="kernel launches per layer and step"),
+    Column("us_per_step", "us/step", "{:.1f}",
+           legend="device time per layer and step: median of the graph replays / steps per graph"),
+    Column("vs_snapshot", "vs snapshot", "{:.2f}", legend="us/step / snapshot's"),
+    Column("vs_baseline", "vs baseline", "{:.2f}", legend="us/step / the no-rollback update's"),
+    Column("kernel_MB", "kernel MB", "{:.1f}", terminal=False, legend="bytes the kernels move per step, all rows"),
     Column("design_MB", "design MB", "{:.1f}", terminal=False,
-           legend="bytes per step of the cost model (docs/design.md, 'The rollback cost model')"),
-    Column("GBps", "GB/s", "{:.0f}", terminal=False, legend="kernel MB / us per step"),
-    Column("pct_copy_bw", "% copy BW", "{:.0f}%", legend="GB/s as a share of the device's measured copy bandwidth"),
-    Column("x_floor", "x floor", "{:.2f}", legend="us/step / (kernel bytes / copy bandwidth)"),
+           legend="the cost model's bytes per step (docs/design.md, \"The rollback cost model\"), all rows"),
+    Column("GBps", "GB/s", "{:.0f}", terminal=False, legend="kernel bytes / time"),
+    Column("pct_copy_bw", "% copy BW", "{:.0f}%", legend="GB/s / a measured device-to-device copy's"),
+    Column("x_floor", "x floor", "{:.2f}", legend="time / (kernel bytes at copy bandwidth)"),
     Column("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}", terminal=False,
-           legend="memory the strategy keeps per layer and sequence beyond the live state"),
+           legend="the strategy's memory beyond the live state, all SSM layers of the bench model, per sequence"),
     Column("max_batch", "max batch", "{:.0f}", terminal=False,
-           legend="largest batch whose SSM state fits `experiment.memory_budget_gib`"),
-    Column("exact", "exact", None, legend="committed state == the fp32 reference"),
+           legend="largest batch whose SSM state (live + extra) fits experiment.memory_budget_gib"),
+    Column("exact", "exact", None, legend="outputs and committed states == the fp32 reference (rel. RMS < 1e-4)"),
 )
+
+TREE_VERIFY_COLUMNS = (
+    Column("nodes", "step tokens", "{:.0f}", legend="tokens (chain) or nodes (tree) verified in the step"),
+    Column("verify_ms", "verify ms", "{:.2f}", spread=True,
+           legend="the target's verify forward (all layers, LM head): median of experiment.steps timed steps, "
+                  "min-max in parentheses"),
+    Column("commit_ms", "commit ms", "{:.3f}", spread=True,
+           legend="committing a depth-4 path (tree: path compaction + the strategy's commit)"),
+    Column("vs_chain", "verify / chain", "{:.2f}x", legend="median verify ms / the chain's, same strategy and batch"),
+    Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
+           legend="torch.cuda.max_memory_allocated during the configuration, weights included"),
+    Column("host_ops", "host ops", "{:.0f}", terminal=False,
+           legend="profiled verify (experiment.profile): top-level torch ops dispatched"),
+    Column("host_ms", "host ms", "{:.2f}", terminal=False,
+           legend="profiled verify: summed host self time (profiler overhead included)"),
+    Column("gpu_kernels", "GPU kernels", "{:.0f}", terminal=False, legend="profiled verify: GPU kernels launched"),
+    Column("device_ms", "GPU busy ms", "{:.2f}", terminal=False, legend="profiled verify: summed kernel durations"),
+)
+
+NGRAM_COLUMNS = (
+    Column("loop_ms", "per-row loop ms", "{:.3f}", spread=True,
+           legend=f"specdec.drafters.ngram.propose_ngram_reference, one proposal; {_REPEATS}"),
+    Column("batched_ms", "batched ms", "{:.3f}", spread=True, legend="NGramDrafter.propose_batched, one proposal"),
+    Column("loop_over_batched", "loop / batched", "{:.1f}x", legend="median loop ms / median batched ms"),
+    Column("within_noise", "within noise", None, legend="yes: the min-max ranges of the two overlap"),
+    Column("rows_with_drafts", "rows with drafts", "{:.0f}", legend="rows where an n-gram matched"),
+    Column("same_proposals", "same proposals", None, legend="both propose the same tokens and counts"),
+)
+
+_OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
+
+CHECK_COLUMNS = {
+    "rollback_on_device": (
+        Column("decode_path", "decode path", TEXT),
+        Column("cache_tensors", "cache tensors", "{:.0f}", legend="tensors the cache holds (KV, conv, every store)"),
+        Column("off_device", "off the device", "{:.0f}", legend="of them, tensors not on the model's device"),
+        Column("stores", "store tensors", TEXT, terminal=False, legend="the rollback store's tensors"),
+        Column("dtoh_per_step", "D2H copies/step", "{:.2f}",
+               legend="device-to-host copies per decode step (torch.profiler: a long run minus a short one, over "
+                      "the difference in steps); CUDA only"),
+        Column("syncs_per_step", "host syncs/step", "{:.2f}", terminal=False, legend="the same for host syncs"),
+        Column("draft_ms", "draft ms", "{:.2f}", terminal=False, legend="specdec.Stats.draft_s of the run"),
+        Column("verify_ms", "verify ms", "{:.2f}", terminal=False, legend="specdec.Stats.verify_s"),
+        Column("rollback_ms", "rollback ms", "{:.2f}", legend="specdec.Stats.rollback_s, timed apart"),
+        _OK,
+    ),
+    "step_cost": (
+        Column("plain_step_ms", "plain ms/step", "{:.3f}", spread=True,
+               legend=f"specdec plain (K = 0), same decode path: (wall - prefill) / steps; {_REPEATS}"),
+        Column("step_ms", "speculative ms/step", "{:.3f}", spread=True, legend="the same, speculative"),
+        Column("ratio", "ratio", "{:.2f}", legend="median speculative step / median plain step, same batch"),
+        Column("bound", "bound", "{:.2f}", legend="1 + K/4"),
+        Column("decode_path", "decode path", TEXT),
+        Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False),
+        Column("tokens_gain", "tokens/s gain", "{:.2f}x", terminal=False,
+               legend="mean accepted tokens / ratio: the expected decode speedup"),
+        _OK,
+    ),
+    "memory_budget": (
+        Column("live_MiB", "live MiB/seq", "{:.3f}", terminal=False, legend="live fp32 SSM state, as run"),
+        Column("extra_MiB", "extra MiB/seq", "{:.3f}",
+               legend="the strategy's store beyond the live state (measured allocations), as run"),
+        Column("conv_MiB", "conv MiB/seq", "{:.4f}", terminal=False, legend="conv windows, as run"),
+        Column("kv_KiB_per_token", "KV KiB/token", "{:.2f}", terminal=False, legend="KV cache per token, as run"),
+        Column("max_batch", "max batch", "{:.0f}",
+               legend="budget / (live + extra + conv + KV at experiment.context_tokens), as run"),
+        Column("extra_MiB_full", "extra MiB/seq (full)", "{:.2f}",
+               legend="extra scaled to the bench shape's full depth"),
+        Column("max_batch_full", "max batch (full)", "{:.0f}", legend="max batch at full depth"),
+        Column("max_batch_ssm_full", "max batch, SSM only (full)", "{:.0f}", terminal=False,
+               legend="budget / (live + extra SSM state) at full depth"),
+    ),
+    "fp32_state": (
+        Column("state_tensors", "state tensors", TEXT, legend="the store's floating tensors checked (one layer)"),
+        Column("ok", "fp32", None, legend="every stored SSM state and the committed state are fp32"),
+    ),
+}
 
 #: means the plots and the recommendation use, not shown in the table
 HIDDEN_COLUMNS = (
@@ -146,8 +262,15 @@ HIDDEN_COLUMNS = (
 SECTIONS = {
     "acceptance": (("model", "drafter", "rollback", "num_speculative_tokens"), COLUMNS, "prompts"),
     "rollback": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), ROLLBACK_COLUMNS, "runs"),
-    "bench": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS, "runs"),
+    "bench": (("model", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS,
+              "runs"),
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
+    "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
+    "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
+    "checks.rollback_on_device": (("model", "rollback"), CHECK_COLUMNS["rollback_on_device"], "runs"),
+    "checks.step_cost": (("model", "batch", "rollback"), CHECK_COLUMNS["step_cost"], "runs"),
+    "checks.memory_budget": (("model", "rollback"), CHECK_COLUMNS["memory_budget"], "runs"),
+    "checks.fp32_state": (("model", "rollback"), CHECK_COLUMNS["fp32_state"], "runs"),
 }
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K"}
@@ -206,6 +329,8 @@ def summarize(records: list[dict], keys=None, columns=None) -> list[dict]:
             elif c.fmt is None:
                 n = sum(bool(v) for v in vals)
                 row[c.key] = "yes" if n == len(vals) else "no" if n == 0 else f"{n}/{len(vals)}"
+            elif c.fmt == TEXT:
+                row[c.key] = ", ".join(dict.fromkeys(str(v) for v in vals))
             else:
                 row[c.key] = _mean(rs, c.key)
             if c.spread:
@@ -228,19 +353,23 @@ def _present(rows, columns):
 def _fmt(value, fmt) -> str:
     if value is None:
         return "-"
-    return str(value) if fmt is None else fmt.format(value)
+    return str(value) if fmt in (None, TEXT) else fmt.format(value)
 
 
 def _cell(row, c: Column) -> str:
     text = _fmt(row.get(c.key), c.fmt)
     lo, hi = row.get(f"{c.key}_min"), row.get(f"{c.key}_max")
-    if c.spread and lo is not None and hi is not None and row.get(c.key) is not None:
+    if c.spread and lo is not None and hi is not None and lo != hi and row.get(c.key) is not None:
         text += f" ({c.fmt.format(lo)}-{c.fmt.format(hi)})"
     return text
 
 
+def _key_cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def _cells(row, keys, columns, count=True):
-    return ([str(row[k]) for k in keys] + ([str(row["prompts"])] if count else [])
+    return ([_key_cell(row[k]) for k in keys] + ([str(row["prompts"])] if count else [])
             + [_cell(row, c) for c in columns])
 
 
@@ -308,7 +437,7 @@ def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_
     keys = list(keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]])
     shown = [c for c in _present(rows, columns) if c.terminal]
     _print_rows(title, [KEY_TITLES.get(k, k) for k in keys], [c.title for c in shown],
-                [([str(row[k]) for k in keys], [_cell(row, c) for c in shown],
+                [([_key_cell(row[k]) for k in keys], [_cell(row, c) for c in shown],
                   [_fmt(row.get(c.key), c.fmt) for c in shown]) for row in rows])
 
 
@@ -485,18 +614,26 @@ def accept_histogram_plot(records: list[dict], path: Path) -> None:
 _STYLES = ("-o", "--s", ":^", "-.v", "-D", "--x")
 
 
-def _lines_vs_batch(ax, rows, col, ylabel, title, scale=1.0):
+_KEY_LABELS = {"num_speculative_tokens": "K", "acceptance": "a"}
+
+
+def _lines_vs_batch(ax, rows, col, ylabel, title, scale=1.0, style_keys=("num_speculative_tokens",)):
+    """A line per strategy (colour) and per distinct value of ``style_keys`` (line style); shaded:
+    the repeats' min-max where the rows have it."""
     strategies = list(dict.fromkeys(r["rollback"] for r in rows))
-    Ks = sorted({r["num_speculative_tokens"] for r in rows})
+    styles = sorted({tuple(r.get(k) for k in style_keys) for r in rows}, key=str)
     colors = {s: f"C{i}" for i, s in enumerate(strategies)}
     drawn = False
     for s in strategies:
-        for i, K in enumerate(Ks):
-            pts = sorted((r["batch"], r[col] * scale, r.get(f"{col}_min"), r.get(f"{col}_max")) for r in rows
-                         if r["rollback"] == s and r["num_speculative_tokens"] == K and r.get(col) is not None)
+        for i, style in enumerate(styles):
+            mine = [r for r in rows if r["rollback"] == s and tuple(r.get(k) for k in style_keys) == style
+                    and r.get(col) is not None]
+            pts = sorted((r["batch"], r[col] * scale, r.get(f"{col}_min"), r.get(f"{col}_max")) for r in mine)
             if pts:
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                ax.plot(xs, ys, _STYLES[i % len(_STYLES)], color=colors[s], label=f"{s}, K={K}")
+                label = ", ".join([s] + [f"{_KEY_LABELS.get(k, k)}={v}" for k, v in zip(style_keys, style)
+                                         if v is not None])
+                ax.plot(xs, ys, _STYLES[i % len(_STYLES)], color=colors[s], label=label)
                 if all(p[2] is not None and p[3] is not None for p in pts):  # the repeats' min-max
                     ax.fill_between(xs, [p[2] * scale for p in pts], [p[3] * scale for p in pts], color=colors[s],
                                     alpha=0.12, lw=0)
@@ -556,6 +693,24 @@ def speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
     _save(fig, plt, path)
 
 
+def decode_speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
+    """Bench: decode speedup over specdec plain vs batch, a line per strategy, drafter, acceptance
+    and K (a panel per model)."""
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        drawn = _lines_vs_batch(ax, mine, "decode_speedup", "decode speedup (x)", model,
+                                style_keys=("drafter", "acceptance", "num_speculative_tokens"))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        if drawn:
+            _legend_outside(ax)
+    fig.suptitle(f"Decode speedup over specdec plain (K = 0)\n{subtitle}", fontsize=11)
+    fig.tight_layout()
+    _save(fig, plt, path)
+
+
 # ------------------------------------------------------------------------------- report
 
 
@@ -563,6 +718,40 @@ def speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
 CPU_NOTE = ("On a CPU these small models are overhead-bound: a draft or a verify forward costs about a plain "
             "step, so what a CPU shows is exactness and acceptance; speed is measured on GPUs (BENCH.md). "
             "Read a speed column only where `within noise` is no.")
+
+
+def provenance_lines(records: list[dict]) -> list[str]:
+    """Where and how the records were measured: ``Device: ...; date ...; command: `...` `` from
+    the records' ``device_name``, ``date`` and ``command`` fields (distinct values joined);
+    empty when they have none."""
+    def values(key):
+        return list(dict.fromkeys(str(r[key]) for r in records if r.get(key) is not None))
+
+    parts = []
+    if names := values("device_name"):
+        parts.append(f"Device: {', '.join(names)}")
+    if dates := values("date"):
+        parts.append(f"date {', '.join(dates)}")
+    if commands := values("command"):
+        parts.append("command: " + ", ".join(f"`{c}`" for c in commands))
+    return ["; ".join(parts) + ".", ""] if parts else []
+
+
+def _divergence_lines(records: list[dict]) -> list[str]:
+    """Per bench record with diverged rows: each row's first divergence and the plain run's top-2
+    logit margin there."""
+    lines = []
+    for r in records:
+        if not r.get("diverged_rows"):
+            continue
+        acc = f", acceptance {r['acceptance']}" if r.get("acceptance") is not None else ""
+        events = "; ".join(f"row {row}: position {pos}, margin {_fmt(m, '{:.4f}')}" for row, pos, m in
+                           zip(r["diverged_row_ids"], r["first_divergence"], r["divergence_margins"]))
+        lines.append(f"- {r['model']}, {r['drafter']}{acc}, {r['rollback']}, batch {r['batch']}: {events}")
+    if not lines:
+        return []
+    return ["", "First divergences from specdec plain (row: new-token position, plain decoding's top-2 logit "
+            "margin there, from a teacher-forced forward over the plain text):", ""] + lines
 
 
 def write_report(records: list[dict], out_dir: Path, title: str, console: bool = True) -> str:
@@ -573,7 +762,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
     by_exp: dict = defaultdict(list)
     for r in records:
         by_exp[_experiment(r)].append(r)
-    lines = [f"# {title}", ""]
+    lines = [f"# {title}", ""] + provenance_lines(records)
     if not records:
         lines.append("(no records)")
     several = len(by_exp) > 1
@@ -586,7 +775,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             lines += [f"## {exp}", ""]
         lines += _table_lines(rows, keys, shown, count_title)
         legend = legend_lines(shown)
-        cpu = any(_key_value(r, "device") == "cpu" for r in recs) and any(c.spread for c in shown)
+        cpu = (exp in ("acceptance", "rollback", "bench") and any(_key_value(r, "device") == "cpu" for r in recs)
+               and any(c.spread for c in shown))
         lines += ["", "Columns:", ""] + legend + (["", CPU_NOTE] if cpu else [])
         if console:
             print_table(f"{title} ({exp})" if several else title, rows, keys, columns, count_title)
@@ -600,7 +790,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             rollback_time_plot(rows, out_dir / f"{prefix}rollback_time_vs_batch.png", subtitle)
             speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
         elif exp == "bench":
-            speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
+            lines += _divergence_lines(recs)
+            decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
         if console:
             import textwrap
 
@@ -618,3 +809,27 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
     text = "\n".join(lines).rstrip() + "\n"
     (out_dir / "summary.md").write_text(text)
     return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m specdec.experiments.report RUN_DIR [TITLE]``: ``summary.md`` and the plots of
+    ``RUN_DIR`` from its ``results.jsonl``.
+
+    Raises: SystemExit with a one-line message when ``RUN_DIR/results.jsonl`` is missing."""
+    import json
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        raise SystemExit("usage: python -m specdec.experiments.report RUN_DIR [TITLE]  (rewrites RUN_DIR/summary.md "
+                         "and the plots from RUN_DIR/results.jsonl)")
+    run_dir = Path(args[0])
+    path = run_dir / "results.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (a run folder of specdec-run holds results.jsonl)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    write_report(records, run_dir, args[1] if len(args) > 1 else f"Results of {run_dir}")
+
+
+if __name__ == "__main__":
+    main()

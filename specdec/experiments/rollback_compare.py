@@ -10,7 +10,7 @@ strategy, batch B and K, one record with:
   + acceptance; ``rollback_s``: commit, the replay fold included), ``speedup`` over specdec's
   own plain decoding (``num_speculative_tokens=0``) on the same batch, timed side by side with
   HF's greedy ``generate()`` (``hf_speedup``), ``within_noise``, ``exact`` (output == HF
-  greedy, token for token) and ``state_exact`` (every SSM layer's committed state == HF's
+  greedy, token for token; where not, each row's first divergence and margin) and ``state_exact`` (every SSM layer's committed state == HF's
   state after the same tokens, relative error < 1e-5 in fp32);
 * kernel level (``experiment.kernel_level``): one SSM layer's strategy verify / commit / fold
   on synthetic inputs at the model's SSM shape (:mod:`.kernel_timing`), ``repeats`` times;
@@ -31,9 +31,8 @@ kernel-level SSM time, or end-to-end verify + commit time). Outputs: ``results.j
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -144,7 +143,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                         drafter = make_drafter(cfg, drafter_name, draft)
                         e = speculative_point(model, enc, drafter=drafter, strategy=strategy, K=K,
                                               max_new=int(cfg.max_new_tokens), pad=tok.pad_token_id, device=device,
-                                              dtype=dtype, plain=plain, repeats=repeats, warmup=bool(exp.warmup))
+                                              dtype=dtype, plain=plain, reference=plain.hf_out, repeats=repeats,
+                                              warmup=bool(exp.warmup))
                         rec.update({_e2e_name(k): v for k, v in e.items()})
                     if exp.kernel_level and shape is not None:
                         kt = _kernel_point(shape, strategy, B, K, device, exp, repeats, int(cfg.seed))

@@ -61,6 +61,10 @@ class Timing:
     def repeats(self) -> int:
         return len(self.samples)
 
+    def scaled(self, factor: float) -> "Timing":
+        """Every sample times ``factor`` (e.g. milliseconds from seconds: ``scaled(1e3)``)."""
+        return Timing(tuple(factor * s for s in self.samples))
+
     def rate(self, units: float) -> "Timing":
         """``units`` per sample (e.g. tokens per second from seconds); a zero time gives 0."""
         return Timing(tuple(units / s if s > 0 else 0.0 for s in self.samples))
