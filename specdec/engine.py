@@ -429,14 +429,14 @@ class SpeculativeGenerator:
             s.streamer.end()
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
+        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         self.last_stats = Stats(
-            steps=steps, new_tokens=int(rows.n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
+            steps=steps, new_tokens=int(n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
         )
-        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
 

@@ -338,6 +338,42 @@ def test_stopping_criteria_match_hf(kind, with_eos):
     assert torch.equal(out, ref)
 
 
+class RowZeroReference(Drafter):
+    """Row 0 proposes its reference continuation (all accepted), the other rows propose nothing:
+    row 0 runs ahead of the rest."""
+
+    def __init__(self, reference, prompt_len):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        K = num_speculative_tokens
+        drafts = torch.zeros(input_ids.shape[0], K, dtype=torch.long)
+        counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
+        done = int(lengths[0]) - self.prompt_len
+        drafts[0] = self.reference[done:done + K]
+        counts[0] = K
+        return drafts, counts
+
+
+def test_criteria_without_eos_count_only_the_returned_tokens():
+    """Without an EOS id a row whose criteria held runs on until every row's criteria have held,
+    then all rows end at that step (HF): a row that ran ahead of that step is cut back, and
+    ``new_tokens`` counts the tokens returned, not the ones cut."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts(batch=2, lengths=(12, 7))
+    plain = hf(model, ids, mask)
+    L = ids.shape[1]
+    crit = StoppingCriteriaList([StopAfter([int(plain[0, L + 1]), int(plain[1, L + 3])])])
+    ref = hf(model, ids, mask, stopping_criteria=crit)
+    assert ref.shape[1] == L + 4  # every row's criteria held at the 4th new token
+    sd = specdec.wrap(model, drafter=RowZeroReference(plain[0, L:], int(mask[0].sum())), num_speculative_tokens=4)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, stopping_criteria=crit)
+    assert torch.equal(out, ref)
+    st = sd.last_stats
+    assert st.accepted_tokens >= 4  # row 0 committed more tokens than were returned
+    assert st.new_tokens == 2 * 4
+
+
 def test_eos_list_matches_hf():
     model = get_model(FAMILY)
     ids, mask = ragged_prompts()
