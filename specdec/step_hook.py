@@ -148,7 +148,8 @@ class StepHook:
         return self.processor(logits, tokens, n_gen)
 
     def _warped(self, scores: torch.Tensor) -> torch.Tensor:
-        """HF's returned scores include the sampling warpers."""
+        """HF's returned scores: fp32 (whatever the model's dtype), with the sampling warpers."""
+        scores = scores.float()
         sampling = self.settings.sampling
         if sampling is None:
             return scores

@@ -19,10 +19,11 @@ import io
 import pytest
 import torch
 from helpers import StreamRecorder
-from tiny_models import VOCAB, get_model, ragged_prompts, tiny_tokenizer
+from tiny_models import VOCAB, get_model, make_model, ragged_prompts, tiny_tokenizer
 from transformers import (
     GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
 )
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 from tree_drafters import OracleTree, reference_rows
 
 import specdec
@@ -481,6 +482,23 @@ def test_sampled_scores_are_warped():
     for i, s in enumerate(out.scores):
         assert (torch.isfinite(s).sum(-1) <= 5).all()  # top-k applied, as HF's returned scores are
         assert torch.isfinite(s[torch.arange(3), out.sequences[:, L + i]]).all()
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_bf16_model_returns_fp32_scores_from_its_logits(sample):
+    """A bf16 target: scores and logits are fp32, as HF returns them, and the scores are the
+    (warped, when sampling) fp32 logits."""
+    model = make_model(FAMILY).to(torch.bfloat16)
+    ids, mask = ragged_prompts()
+    kw = dict(do_sample=True, temperature=0.7, top_k=20, generator=torch.Generator().manual_seed(0)) if sample else {}
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, return_dict_in_generate=True,
+                      output_scores=True, output_logits=True, **kw)
+    assert len(out.scores) == len(out.logits) == 6
+    for s, raw in zip(out.scores, out.logits):
+        assert s.dtype == raw.dtype == torch.float32
+        warped = TopKLogitsWarper(20)(None, TemperatureLogitsWarper(0.7)(None, raw)) if sample else raw
+        torch.testing.assert_close(s, warped, rtol=0, atol=0)
 
 
 def test_generation_config_object():
