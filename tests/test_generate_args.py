@@ -24,6 +24,7 @@ from transformers import (
     GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria
 from tree_drafters import OracleTree, reference_rows
 
 import specdec
@@ -373,6 +374,21 @@ def test_criteria_without_eos_count_only_the_returned_tokens():
     st = sd.last_stats
     assert st.accepted_tokens >= 4  # row 0 committed more tokens than were returned
     assert st.new_tokens == 2 * 4
+
+
+def test_an_eos_criterion_among_the_stopping_criteria_pads_stopped_rows():
+    """HF pads every row stopped by a criterion when any criterion has an ``eos_token_id`` (an
+    ``EosTokenCriteria`` given in ``stopping_criteria``, with no ``eos_token_id`` setting): rows
+    do not run on."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    plain = hf(model, ids, mask)
+    L = ids.shape[1]
+    crit = StoppingCriteriaList([EosTokenCriteria(eos_token_id=int(plain[1, L + 2]))])
+    ref = hf(model, ids, mask, stopping_criteria=crit)
+    assert (ref[1, L + 3:] == 0).all() and ref.shape[1] == plain.shape[1]  # row 1 padded, the others ran on
+    out = wrap().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, stopping_criteria=crit)
+    assert torch.equal(out, ref)
 
 
 def test_eos_list_matches_hf():
