@@ -24,7 +24,7 @@ import torch
 
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
-from .drafters.base import check_proposal, check_tree_proposal, proposal_errors
+from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
 from .rollback import InPlaceUpdate, RollbackStrategy, make_strategy
 from .settings import resolve
@@ -156,6 +156,13 @@ class _Rows:
         cols = torch.arange(G, device=self.text.device)[None, :]
         gen = self.text.gather(1, (self.prompt_len[:, None] + cols).clamp(max=self.text.shape[1] - 1))
         return torch.cat([input_ids, torch.where(cols < n_gen[:, None], gen, torch.full_like(gen, pad))], dim=1)
+
+
+def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t [B, w, ...]`` cut or zero-padded to ``cols`` columns along dim 1 (the step's draft columns)."""
+    if t.shape[1] >= cols:
+        return t[:, :cols]
+    return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1], *t.shape[2:])], dim=1)
 
 
 class SpeculativeGenerator:
@@ -380,8 +387,7 @@ class SpeculativeGenerator:
                 width = dec.width(k)
                 used = torch.arange(w, device=dev)[None, :] < k[:, None]
                 bad |= proposal_errors(drafts, used, V, counts, w)
-                drafts = torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts))
-                drafts = torch.nn.functional.pad(drafts, (0, max(0, width - 1 - w)))[:, : width - 1]
+                drafts = _to_width(torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts)), width - 1)
             else:
                 k = torch.zeros(B, dtype=torch.long, device=dev)
                 drafts, width = torch.zeros(B, 0, dtype=torch.long, device=dev), 1
@@ -399,7 +405,8 @@ class SpeculativeGenerator:
                 if s.sampling is None:
                     n, c = greedy_accept(scores, drafts, k)
                 else:
-                    probs = drafter.draft_probs() if drafter is not None else None
+                    probs = check_draft_probs(drafter.draft_probs(), B, w, V) if drafter is not None else None
+                    probs = None if probs is None else _to_width(probs.to(dev), width - 1)
                     n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
                 chain, seen, path, pos = drafts, n, None, None
             new = torch.cat([chain, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
@@ -429,14 +436,14 @@ class SpeculativeGenerator:
             s.streamer.end()
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
+        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         self.last_stats = Stats(
-            steps=steps, new_tokens=int(rows.n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
+            steps=steps, new_tokens=int(n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
         )
-        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
 
