@@ -137,7 +137,7 @@ class _Rows:
         j = torch.arange(new.shape[1], device=new.device)[None, :]
         take = limit
         if self.eos is not None:
-            is_eos = torch.isin(new, self.eos) & (j < limit[:, None])
+            is_eos = (new[..., None] == self.eos).any(-1) & (j < limit[:, None])  # (isin may sync for many ids)
             first_eos = (is_eos.long().cumsum(1) == 0).sum(1)  # index of the first EOS (W if none)
             take = torch.minimum(take, first_eos + 1)
         take = torch.minimum(take, self.max_new - self.n_gen).masked_fill(self.finished, 0)
@@ -399,8 +399,8 @@ class SpeculativeGenerator:
                 best, n, c = accept_tree(scores, tokens, tree, k, s.sampling, s.generator, drafter.acceptance,
                                          drafter.posterior_threshold, drafter.posterior_alpha)
                 j = torch.arange(W, device=dev)[None, :]
-                pos = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
-                chain, seen, path = tokens.gather(1, pos)[:, 1:], best, pos
+                path = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
+                chain, seen = tokens.gather(1, path)[:, 1:], best
             else:
                 if s.sampling is None:
                     n, c = greedy_accept(scores, drafts, k)
@@ -408,9 +408,9 @@ class SpeculativeGenerator:
                     probs = check_draft_probs(drafter.draft_probs(), B, w, V) if drafter is not None else None
                     probs = None if probs is None else _to_width(probs.to(dev), width - 1)
                     n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
-                chain, seen, path, pos = drafts, n, None, None
+                chain, seen, path = drafts, n, None
             new = torch.cat([chain, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
-            take = self._append(rows, hook, new, n + 1, scores, logits, pos)
+            take = self._append(rows, hook, new, n + 1, scores, logits, path)
             clock.lap("verify")
             dec.commit(take, path)  # take <= n + 1: the accepted prefix, cut at EOS / the budget / criteria
             if drafter is not None and drafter.wants_hidden_states:  # the hidden state whose logits gave c
@@ -423,14 +423,14 @@ class SpeculativeGenerator:
             flags = [rows.finished.all()[None].long(), bad.long()]
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
-            flags = torch.cat(flags).tolist()  # the step's one host sync
-            if flags[1] or flags[2]:
-                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if flags[1]
+            all_done, bad_counts, bad_ids, *row0 = torch.cat(flags).tolist()  # the step's one host sync
+            if bad_counts or bad_ids:
+                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
-            if s.streamer is not None:
-                for tok in flags[4:4 + flags[3]]:
+            if s.streamer is not None:  # row0: how many tokens row 0 kept, then the step's tokens
+                for tok in row0[1:1 + row0[0]]:
                     s.streamer.put(torch.tensor([tok]))
-            done = bool(flags[0])
+            done = bool(all_done)
             clock.lap("bookkeeping")
         if s.streamer is not None:
             s.streamer.end()
