@@ -161,9 +161,15 @@ def _check_input_ids(input_ids, vocab_size: int, device) -> torch.Tensor:
 
 def _check_mask(attention_mask, input_ids, pad, eos) -> torch.Tensor:
     if attention_mask is None:
-        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-            return (input_ids != pad).long()
-        return torch.ones_like(input_ids)
+        if not (pad is not None and pad not in eos and bool((input_ids == pad).any())):
+            return torch.ones_like(input_ids)
+        mask = (input_ids != pad).long()  # as HF: the mask a pad_token_id in the prompts implies
+        if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask.sum(1) == 0).any()):
+            row = int(((mask[:, 1:] < mask[:, :-1]).any(1) | (mask.sum(1) == 0)).nonzero()[0, 0])
+            raise ValueError(f"row {row} of input_ids holds pad_token_id={pad} after a prompt token (right padding, "
+                             "or the pad id inside the text) or only padding, and no attention_mask was given; "
+                             "left-pad the prompts (padding_side='left') or pass their attention_mask")
+        return mask
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, "

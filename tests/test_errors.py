@@ -90,6 +90,8 @@ def sd():
         (dict(attention_mask=torch.ones(2, 5, dtype=torch.long)), ValueError, "same shape"),
         (dict(attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])), ValueError, "all padding"),
         (dict(attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])), ValueError, "left-padded"),
+        (dict(input_ids=torch.tensor([[5, 6, 0, 0], [5, 6, 7, 8]])), ValueError, "left-pad the prompts"),
+        (dict(input_ids=torch.tensor([[0, 0, 0, 0], [5, 6, 7, 8]])), ValueError, "only padding"),
         (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
         (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
         (dict(do_sample=True, top_k=-2), ValueError, "top_k"),
@@ -107,6 +109,14 @@ def test_bad_generate_arguments(sd, kwargs, exc, pattern):
     # the wrapper still works, exactly, after the rejected call
     ids, mask = ragged_prompts()
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(get_model("kimi_linear"), ids, mask, 8))
+
+
+def test_mask_inferred_from_left_padding(sd):
+    """Left-padded prompts without an attention_mask: the mask the pad id implies, as in HF."""
+    ids, mask = ragged_prompts()
+    assert bool((mask == 0).any()) and bool((ids[mask == 0] == 0).all())  # padded with pad id 0
+    out = sd.generate(ids, max_new_tokens=8, pad_token_id=0)
     assert torch.equal(out, hf_greedy(get_model("kimi_linear"), ids, mask, 8))
 
 
