@@ -140,7 +140,7 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * 28)
     lines = ["usage: specdec-run [group=option ...] [key=value ...]   (or: python -m specdec ...)", "",
              "Exact speculative decoding experiments on hybrid models. Each run writes results.jsonl,",
-             "summary.md and plots into its folder (outputs/<experiment>/<date>/) and prints that folder.", "",
+             "summary.md and plots into its folder (outputs/<experiment>/<date>_<time>/) and prints that folder.", "",
              "Groups (group=option):"]
     for g in GROUPS:
         opts = group_options(g)
