@@ -105,6 +105,16 @@ def test_a_run_prints_its_folder_and_threads_quietly(tmp_path: Path):
     assert (out / "summary.md").is_file() and not (out / "app.log").exists()
 
 
+def test_a_refused_run_leaves_no_empty_folder(tmp_path: Path):
+    out = tmp_path / "run"
+    res = _run(["-m", "specdec", "model=gdn-target", "drafter=ngram", "num_speculative_tokens=-1", "device=cpu",
+                "progress=false", f"hydra.run.dir={out}"])
+    assert res.returncode == 2
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "num_speculative_tokens" in err[0] and "nothing was written" in err[0], res.stderr
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------ HF targets
 
 

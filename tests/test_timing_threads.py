@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import threads
-from specdec.experiments.timing import Timing, overlaps, time_runs, time_side_by_side
+from specdec.experiments.timing import Timing, overlaps, paired_ratio, spans_one, time_runs, time_side_by_side
 
 
 def test_timing_median_spread_and_rate():
@@ -108,3 +108,13 @@ def test_free_cpus_subtracts_the_load(monkeypatch):
     assert threads.free_cpus() == 1  # at least one
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.1, 0.0, 0.0))
     assert threads.free_cpus() == 2
+
+
+def test_paired_ratio_is_round_by_round():
+    fast, slow = Timing((2.0, 4.0, 3.0)), Timing((1.0, 2.5, 2.0))  # round 2 ran on a busy machine: both slower
+    r = paired_ratio(fast, slow)
+    assert r.samples == pytest.approx((2.0, 1.6, 1.5)) and r.median == pytest.approx(1.6)
+    assert spans_one(r) is False and spans_one(Timing((0.9, 1.2))) is True and spans_one(Timing((1.1,))) is None
+    assert overlaps(fast, slow)  # the figures' ranges overlap although every round told them apart
+    with pytest.raises(ValueError, match="same rounds"):
+        paired_ratio(Timing((1.0, 2.0)), Timing((1.0,)))

@@ -18,9 +18,10 @@ Speed (:mod:`.timing`): on the first ``experiment.timed_prompts`` prompts, per t
 engine), HF ``generate()`` and every configuration once, side by side, so a slow phase of a
 shared machine hits them alike; each figure is the median of its rounds with their min-max.
 The first round's runs also give those prompts' acceptance records. ``speedup`` is
-speculative / specdec plain (``hf_speedup``: / HF), ``within_noise`` says whether the
-speculative and plain ranges overlap. These fields are per configuration, repeated on each of
-its records.
+speculative / specdec plain tokens/s (``hf_speedup``: / HF), the median of the per-round ratios
+with their min-max (``speedup_min`` / ``speedup_max``: :func:`.timing.paired_ratio`);
+``within_noise`` says whether that range includes 1. These fields are per configuration,
+repeated on each of its records.
 
 Results go to ``results.jsonl`` (one record per prompt and configuration), ``summary.md`` (the
 table, means over prompts, with its column legend) and ``accept_hist.png`` in the run folder.
@@ -41,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
 from .models import load_target, resolve_device
 from .prompts import experiment_prompts
-from .timing import overlaps, time_side_by_side
+from .timing import paired_ratio, spans_one, time_side_by_side
 
 __all__ = ["run", "load_target", "resolve_device"]
 
@@ -218,9 +219,10 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
             rate = rates[plan_index]
             speed = {**rate.fields("tokens_per_s"), **plain_rate.fields("plain_tokens_per_s"),
                      **hf_rate.fields("hf_tokens_per_s"),
-                     "speedup": rate.median / plain_rate.median if plain_rate.median > 0 else 0.0,
-                     "hf_speedup": rate.median / hf_rate.median if hf_rate.median > 0 else 0.0,
-                     "within_noise": overlaps(rate, plain_rate), "repeats": repeats, "timed_prompts": len(timed)}
+                     **paired_ratio(rate, plain_rate).fields("speedup"),
+                     **paired_ratio(rate, hf_rate).fields("hf_speedup"),
+                     "within_noise": spans_one(paired_ratio(rate, plain_rate)), "repeats": repeats,
+                     "timed_prompts": len(timed)}
             for p in prompts:  # the acceptance records (the timed prompts' from the first timed round)
                 enc = encs[p["id"]]
                 if (plan_index, p["id"]) in first:
@@ -240,7 +242,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                     "prompt_tokens": prompt_tokens,
                     "new_tokens": int(out.shape[1] - prompt_tokens),
                     "mean_accepted_tokens": st.mean_accepted_tokens,
-                    "acceptance_rate": st.acceptance_rate,
+                    "acceptance_rate": st.acceptance_rate if sd.num_speculative_tokens else None,  # K=0: none
                     "accept_histogram": list(st.accept_histogram),
                     "steps": st.steps,
                     "decode_path": st.decode_path,  # eager / static / cuda_graph: which loop the timing is of
@@ -266,7 +268,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     for r in records:
         del r["_order"]
     source = f"prompts {cfg.prompts.path}" if cfg.prompts.get("path") else f"prompt set {cfg.prompts.set}"
-    title = (f"Acceptance: K={K}, {max_new} new tokens, {source} ({len(all_prompts)} prompts), {device}; speed: "
+    title = (f"Acceptance: {max_new} new tokens, {source} ({len(all_prompts)} prompts), {device}; speed: "
              f"{len(timed)} prompt(s) x {repeats} repeats")
     write_outputs(records, out_dir, title)
     return records

@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -324,7 +325,16 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as err:  # noqa: BLE001 - exits here so Hydra adds no "Error executing job" line
         if "HYDRA_FULL_ERROR" in os.environ and not _ours() or not _user_error(err):
             raise
-        _exit(err)
+        _exit(err, f" (nothing was written: {out_dir} removed)" if _drop_if_empty(out_dir) else "")
+
+
+def _drop_if_empty(out_dir: Path) -> bool:
+    """Remove a run folder that holds nothing but Hydra's own files (``.hydra/``, logs), so a run
+    refused before it measured anything leaves no empty folder behind; True when removed."""
+    if out_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out_dir.iterdir()):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return True
+    return False
 
 
 _NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR"
@@ -370,8 +380,8 @@ def _ours() -> bool:
     return os.environ.get(_OURS) == "1"
 
 
-def _exit(err: BaseException):
-    print(f"specdec-run: {one_line(err)}", file=sys.stderr)
+def _exit(err: BaseException, note: str = ""):
+    print(f"specdec-run: {one_line(err)}{note}", file=sys.stderr)
     sys.exit(2)
 
 

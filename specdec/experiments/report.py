@@ -69,12 +69,13 @@ COLUMNS = (
                   "process)"),
     Column("hf_tokens_per_s", "HF tokens/s", "{:.1f}", terminal=False, spread=True,
            legend="transformers' greedy generate() on the same prompts, same process"),
-    Column("speedup", "speedup vs plain", "{:.2f}x",
-           legend="median tokens/s / median plain tokens/s"),
+    Column("speedup", "speedup vs plain", "{:.2f}x", spread=True,
+           legend="tokens/s / plain tokens/s, round by round (each round runs both once): the median of the "
+                  "rounds' ratios, their min-max in parentheses"),
     Column("within_noise", "within noise", None,
-           legend="yes: the min-max ranges of speculative and plain overlap; this run cannot tell them apart"),
-    Column("hf_speedup", "vs HF", "{:.2f}x", terminal=False,
-           legend="median tokens/s / median HF tokens/s"),
+           legend="yes: the speedup's min-max includes 1.00x; this run cannot tell speculative and plain apart"),
+    Column("hf_speedup", "vs HF", "{:.2f}x", terminal=False, spread=True,
+           legend="tokens/s / HF tokens/s, round by round: median (min-max)"),
     Column("exact", "exact", None, legend="every output equals HF's greedy output token for token"),
     Column("near_tie", "divergences at near-ties", None, terminal=False,
            legend="of the inexact outputs, those diverging where HF's top-2 logit margin < 0.25 (bf16/fp16 only)"),
@@ -796,7 +797,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             import textwrap
 
             terminal = [c for c in shown if c.terminal]
-            print("Columns (summary.md has all of them):")
+            print("Columns (summary.md has all of them, each with its min-max where it has one):")
             for ln in legend_lines(terminal, markdown=False):
                 print(textwrap.fill(ln, TERMINAL_WIDTH, subsequent_indent="    "))
             if exp == "rollback":

@@ -11,6 +11,11 @@ Example::
     t, out = time_runs(lambda: sd.generate(**enc, max_new_tokens=64), repeats=3, device=device)
     t.median, t.low, t.high          # seconds
     t.rate(64)                       # tokens/s: a Timing of units per second (median, low, high)
+
+A speedup measured side by side (:func:`time_side_by_side`: every round runs each way once) is
+the ratio of two figures round by round (:func:`paired_ratio`): a slow phase of a shared
+machine slows both runs of a round, so the per-round ratios scatter less than the figures
+themselves, and their min-max is the speedup's spread (:func:`spans_one`: does it include 1?).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Timing", "sync", "time_runs", "time_side_by_side", "overlaps", "SPREAD"]
+__all__ = ["Timing", "sync", "time_runs", "time_side_by_side", "overlaps", "paired_ratio", "spans_one", "SPREAD"]
 
 #: how every report states the spread of a figure
 SPREAD = "median of the repeats (min-max)"
@@ -80,6 +85,26 @@ def overlaps(a: Timing, b: Timing) -> bool | None:
     if a.repeats < 2 or b.repeats < 2:
         return None
     return a.low <= b.high and b.low <= a.high
+
+
+def paired_ratio(a: Timing, b: Timing) -> Timing:
+    """``a / b`` round by round (``a.samples[i] / b.samples[i]``; 0 where ``b``'s sample is 0), for
+    figures measured side by side in the same rounds (:func:`time_side_by_side`): e.g. speedup =
+    ``paired_ratio(tokens_per_s, plain_tokens_per_s)``.
+
+    Raises: ValueError when ``a`` and ``b`` have different numbers of samples.
+    """
+    if a.repeats != b.repeats:
+        raise ValueError(f"a paired ratio needs the same rounds; got {a.repeats} and {b.repeats} samples")
+    return Timing(tuple(x / y if y else 0.0 for x, y in zip(a.samples, b.samples)))
+
+
+def spans_one(ratio: Timing) -> bool | None:
+    """True when the min-max range of a ratio includes 1: the two ways measured are not told apart
+    (within the noise); None for a single sample (no spread to judge by)."""
+    if ratio.repeats < 2:
+        return None
+    return ratio.low <= 1.0 <= ratio.high
 
 
 def time_runs(fn: Callable[[], Any], repeats: int, device: torch.device | str | None = None,
