@@ -17,11 +17,11 @@ token (stopping criteria, logits processors, returned scores) are one optional p
 from __future__ import annotations
 
 import numbers
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
@@ -77,39 +77,6 @@ class Stats:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-class StepClock:
-    """Named phase times without host syncs: CUDA events on CUDA (read once at the end), else
-    ``time.perf_counter``. ``lap(phase)`` ends the running phase; :meth:`totals` sums each phase's
-    laps in seconds."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self._marks: list = []
-        self._phases: list[str | None] = []
-        self.lap(None)
-
-    def lap(self, phase: str | None) -> None:
-        if self.cuda:
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-        else:
-            mark = time.perf_counter()
-        self._marks.append(mark)
-        self._phases.append(phase)
-
-    def totals(self) -> dict[str, float]:
-        """``{phase: seconds}`` and ``"wall"`` (first mark to last)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
-        else:
-            spans = [b - a for a, b in zip(self._marks, self._marks[1:])]
-        out = {"wall": sum(spans)}
-        for phase, span in zip(self._phases[1:], spans):
-            out[phase] = out.get(phase, 0.0) + span
-        return out
 
 
 class _Rows:
@@ -384,7 +351,7 @@ class SpeculativeGenerator:
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
                 w = drafts.shape[1]
                 k = torch.minimum(counts.clamp(0, w), budget)
-                width = dec.width(k)
+                width = dec.width(k, K)
                 used = torch.arange(w, device=dev)[None, :] < k[:, None]
                 bad |= proposal_errors(drafts, used, V, counts, w)
                 drafts = _to_width(torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts)), width - 1)
