@@ -75,13 +75,13 @@ class PolicySettings:
     Attributes:
         acceptance_weight: weight of a new observation in the per-row, per-position acceptance
             average (exponentially weighted: ``a := (1 - w) a + w x``), in (0, 1].
-        prior_acceptance: the acceptance of every position before anything was observed, in
-            [0, 1]; a later call of the same generator starts from the last call's batch mean.
+        prior_acceptance: the acceptance of every position of every row before anything was
+            observed, in [0, 1] (each call starts from it: its rows are new sequences).
         hysteresis: keep the current K unless another is predicted faster by more than this
             fraction (>= 0).
         probe_interval: at K = 0, every this-many-th step runs K = 1 (>= 1).
         cost_weight: weight of a new step time in the online cost averages, in (0, 1].
-        calibration_repeats: timed runs of each step width when measuring (>= 1; the median counts).
+        calibration_repeats: timed runs of each step width when measuring (>= 1; the fastest counts).
         memory_budget_bytes: ``rollback="auto"``: the most bytes a strategy's rollback buffers may
             take (all SSM layers, the batch); None: any strategy whose measurement did not run
             out of memory fits.
@@ -170,10 +170,6 @@ class AcceptanceEstimator:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
         summed over the ``active [B]`` rows; ``budget [B]`` int64: the drafts each row can still use."""
         return expected_tokens(self.rates, budget, active)
-
-    def mean(self) -> torch.Tensor:
-        """``[M]``: the batch mean of the rates (the next call's prior)."""
-        return self.rates.mean(0)
 
 
 def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -367,7 +363,9 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
     tokens followed by a commit of zero tokens, which leaves the committed state as it was (a
     tree decoder: its tree's ``T`` nodes, and a commit of no path).
 
-    Returns ``{T: (verify seconds, commit seconds)}``, each the median of the timed runs."""
+    Returns ``{T: (verify seconds, commit seconds)}``, each the fastest of the timed runs (other
+    work on the device or host only adds time; the online refinement then adds what real steps
+    cost beyond the calibration)."""
     B, dev, tree = decoder.batch, decoder.cache.device, decoder.tree
     zeros = torch.zeros(B, dtype=torch.long, device=dev)
     path = None if tree is None else torch.zeros(B, tree.max_depth + 1, dtype=torch.long, device=dev)
@@ -382,8 +380,8 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
             clock.lap(("commit", T, rep))
     clock.totals()  # waits for the device
     spans = {phase: s for phase, s in clock.laps() if phase is not None}
-    return {T: (statistics.median(spans["verify", T, r] for r in range(1, repeats + 1)),
-                statistics.median(spans["commit", T, r] for r in range(1, repeats + 1))) for T in widths}
+    return {T: (min(spans["verify", T, r] for r in range(1, repeats + 1)),
+                min(spans["commit", T, r] for r in range(1, repeats + 1))) for T in widths}
 
 
 # ------------------------------------------------------------------------------ choices

@@ -205,7 +205,6 @@ class SpeculativeGenerator:
         self.strategy = rollback
         self.cost_model = cost_model
         self.policy = policy
-        self._acceptance_prior: torch.Tensor | None = None  # "auto": the last call's mean acceptance per position
         self.last_stats: Stats | None = None
         self.last_cache = None
         self.decoder: Decoder | None = None
@@ -311,6 +310,7 @@ class SpeculativeGenerator:
             )
         self._check_adaptive(d, self._K)
         self._drafter = d
+        self._drafter_key = object()  # names this drafter's proposal times in the cost model (never reused)
 
     @property
     def strategy(self) -> RollbackStrategy | None:
@@ -530,7 +530,6 @@ class SpeculativeGenerator:
         new_tokens = int(n_gen.sum())
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
-            self._acceptance_prior = policy.acceptance.mean()
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
         else:
             k_histogram, k_per_step = [0] * K + [steps], [K] * steps
@@ -594,11 +593,6 @@ class SpeculativeGenerator:
         return kept
 
     # the "auto" choices (specdec.adaptive) ----------------------------------------------------
-    def _prior(self, K: int) -> torch.Tensor | float:
-        """Acceptance per position before a call's first step: the last "auto" call's batch mean."""
-        prior = self._acceptance_prior
-        return prior if prior is not None and prior.numel() == K else self.policy.prior_acceptance
-
     def _measure(self, dec: Decoder, key: CostKey, widths: list[int]) -> None:
         """Record in the cost model the verify and commit times of the step ``widths`` that ``key``
         lacks, and the bytes of the rollback buffers, measured on ``dec`` (prefilled)."""
@@ -635,9 +629,9 @@ class SpeculativeGenerator:
                     self._static.clear()
                     left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"
                     continue
-            step_s[name] = {k: costs.step_s(key, id(self.drafter), k) for k in (range(K + 1) if adaptive else [K])}
+            step_s[name] = {k: costs.step_s(key, self._drafter_key, k) for k in (range(K + 1) if adaptive else [K])}
             nbytes[name] = costs.rollback_bytes(key)
-        rates = torch.as_tensor(self._prior(K), dtype=torch.float32, device=s.input_ids.device).expand(B, K)
+        rates = torch.full((B, K), self.policy.prior_acceptance, device=s.input_ids.device)
         budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)
         expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool)).tolist()
         choice = choose_strategy(step_s, expected, None if adaptive else K, nbytes, self.policy.memory_budget_bytes,
@@ -650,8 +644,8 @@ class SpeculativeGenerator:
         are not known yet."""
         key = CostKey(path, strategy_label(strategy), dec.batch)
         self._measure(dec, key, list(range(1, K + 2)))
-        return SpeculationPolicy(self.policy, self.cost_model, key, id(self.drafter), K, dec.batch, s.max_new_tokens,
-                                 self._prior(K), s.input_ids.device)
+        return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
+                                 self.policy.prior_acceptance, s.input_ids.device)
 
     @staticmethod
     def _output(s, sequences, hook, G):
