@@ -90,7 +90,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     exp = cfg.experiment
     device, dtype = resolve_device(cfg)
     torch.manual_seed(int(cfg.seed))
-    K, max_new, repeats = int(cfg.num_speculative_tokens), int(cfg.max_new_tokens), int(cfg.repeats)
+    K = cfg.num_speculative_tokens if cfg.num_speculative_tokens == "auto" else int(cfg.num_speculative_tokens)
+    max_new, repeats = int(cfg.max_new_tokens), int(cfg.repeats)
     path = str(exp.decode_path)
     batches = [int(b) for b in exp.batch_grid]
     strategies = [str(s) for s in cfg.rollback.strategies]
