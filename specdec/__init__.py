@@ -27,7 +27,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "adaptive", "drafters", "rollback", "models", "zoo",
+    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "adaptive", "drafters", "rollback", "models",
+    "zoo",
     "__version__",
 ]
 __version__ = "0.1.0"
@@ -35,7 +36,8 @@ version = __version__
 
 
 def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
-         decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model=None, policy=None) -> SpeculativeGenerator:
+         decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model=None,
+         policy=None) -> SpeculativeGenerator:
     """Wrap a loaded Hugging Face hybrid causal LM for speculative decoding.
 
     Args:

@@ -215,7 +215,9 @@ class StaticDecoder(Decoder):
         dev = c.device
         ids = torch.zeros(B, t, dtype=torch.long, device=dev)
         if self._graphs:  # one token-count buffer and path buffer for every width
-            num, path = self._num, self._path
+            num, path = self._num.zero_(), self._path  # zeros: the warm-up commits nothing
+            if path is not None:
+                path.zero_()
         else:
             num = self._num = torch.zeros(B, dtype=torch.long, device=dev)
             # a tree's accepted path; all zeros with zero tokens moves nothing (commit_path keeps the identity)
@@ -227,6 +229,8 @@ class StaticDecoder(Decoder):
             self.adapter.forward(ids, c)
             self._commit(num, path)  # zero tokens: no committed state changes
 
+        # every width shares one memory pool: a width's temporaries may reuse another's, which is
+        # safe because each replay's outputs are read before any other width replays
         pool = next(iter(self._graphs.values())).forward.pool() if self._graphs else None
         try:
             fwd, (logits, hidden) = capture(lambda: self.adapter.forward(ids, c), model=model,

@@ -11,7 +11,10 @@ optionally CUDA graphs). Acceptance, EOS, the budget, the text buffer and the st
 on the device; the step's one host sync reads whether every row has finished (with the
 drafter-output checks and, for a streamer, row 0's new tokens). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
-(:class:`~specdec.step_hook.StepHook`).
+(:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
+:class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
+expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
+prefill (:mod:`specdec.adaptive`).
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ class SpeculativeGenerator:
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
                  decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model: CostModel | None = None,
                  policy: PolicySettings | None = None):
-        self._static: dict = {}  # (static bucket key, strategy) -> StaticDecoder (the most recent one is kept)
+        self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         self.adapter = adapter_for(model)
         self.model = model
         self._drafter: Drafter | None = None
@@ -586,13 +589,19 @@ class SpeculativeGenerator:
         if path == "eager":
             return EagerDecoder(self.adapter, strategy, batch, step_tokens, needed_len, tree)
         dec = StaticDecoder.bucket(self.adapter, strategy, batch, step_tokens, needed_len, path == "cuda_graph", tree)
-        kept = self._static.get((dec.key, strategy))
-        if kept is None:
+        kept = self._static.get(dec.key)
+        if kept is None or kept.strategy is not strategy:
             self._static.clear()
-            kept = self._static[dec.key, strategy] = dec
+            kept = self._static[dec.key] = dec
         return kept
 
     # the "auto" choices (specdec.adaptive) ----------------------------------------------------
+    def _prefilled(self, s, path: str, needed_len: int, step_tokens: int, tree, strategy) -> Decoder:
+        """A decoder for ``strategy`` prefilled with the call's prompts."""
+        dec = self._decoder(path, s.input_ids.shape[0], needed_len, step_tokens, tree, strategy)
+        dec.prefill(s.input_ids, s.attention_mask)
+        return dec
+
     def _measure(self, dec: Decoder, key: CostKey, widths: list[int]) -> None:
         """Record in the cost model the verify and commit times of the step ``widths`` that ``key``
         lacks, and the bytes of the rollback buffers, measured on ``dec`` (prefilled)."""
@@ -611,8 +620,8 @@ class SpeculativeGenerator:
         :mod:`specdec.adaptive`) and compared at K (a fixed K) or at its best K under the
         acceptance known now ("auto")."""
         if K == 0 and not adaptive:
-            return _IN_PLACE, (None if self._candidates is None else
-                               "plain decoding (num_speculative_tokens=0) updates the state in place: nothing to roll back")
+            plain = "plain decoding (num_speculative_tokens=0) updates the state in place: nothing to roll back"
+            return _IN_PLACE, None if self._candidates is None else plain
         if self._candidates is None:
             return self._strategy, None
         B = s.input_ids.shape[0]
@@ -621,10 +630,8 @@ class SpeculativeGenerator:
         for name, strategy in self._candidates.items():
             key = CostKey(path, name, B)
             if costs.needs_widths(key, widths):
-                try:
-                    dec = self._decoder(path, B, needed_len, step_tokens, tree, strategy)
-                    dec.prefill(s.input_ids, s.attention_mask)
-                    self._measure(dec, key, widths)
+                try:  # (a decoder of its own, freed before the next strategy's)
+                    self._measure(self._prefilled(s, path, needed_len, step_tokens, tree, strategy), key, widths)
                 except torch.OutOfMemoryError as err:
                     self._static.clear()
                     left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"

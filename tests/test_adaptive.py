@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from helpers import MAX_NEW, assert_same_token_distribution, make_drafter, reference
+from markers import needs_cuda
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
@@ -86,6 +87,29 @@ def test_auto_k_through_every_width_exact(family, strategy, path):
     assert st.k_per_step == ORDER[:st.steps]  # hysteresis never holds a K that costs 100x
     assert st.decode_path == path and st.rollback == strategy and st.rollback_reason is None
     assert sd.cost_model is costs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "auto"])
+@pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
+def test_auto_on_the_cuda_graph_path_exact(fam, strategy):
+    """On CUDA (fp32 tiny models): K scripted through every width captures each width's graphs in
+    the middle of the generation (its warm-up commits nothing), and the measured costs capture them
+    while calibrating; both equal plain greedy, twice (the second call replays the kept graphs)."""
+    model = get_model(fam).cuda()
+    ids, mask, eos, ref = (t.cuda() if isinstance(t, torch.Tensor) else t for t in reference(fam))
+    for costs in (ScriptedCosts(ORDER), None):
+        draft = DraftModelDrafter(get_model(fam, "perturbed").cuda())
+        sd = specdec.wrap(model, drafter=draft, rollback=strategy, num_speculative_tokens="auto",
+                          decode_path="cuda_graph", cost_model=costs)
+        for _ in range(2):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+            assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
+            assert torch.equal(out, ref)
+            assert costs is None or len(set(sd.last_stats.k_per_step)) > 2  # scripted: several widths
+    get_model(fam).cpu()
+    get_model(fam, "perturbed").cpu()
 
 
 def test_auto_rollback_takes_the_cheapest_strategy(family):

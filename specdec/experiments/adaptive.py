@@ -73,7 +73,7 @@ def _compare(auto: dict, fixed: list[dict]) -> dict:
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the comparison; returns the records (also in ``out_dir``)."""
     from .. import zoo
-    from .e2e import batch_encoding, plain_reference, random_encoding, release, speculative_point
+    from .e2e import plain_reference, release, speculative_point, timing_batch
     from .report import write_report
 
     exp = cfg.experiment
@@ -96,11 +96,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             apply_cpu_threads(cfg, model, device)
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
         for B in batches:
-            if exp.prompt_tokens is not None:
-                enc = random_encoding(B, int(exp.prompt_tokens), model.config.vocab_size, device, int(cfg.seed) + B)
-                pad = 0
-            else:
-                enc, pad = batch_encoding(tok, prompts, B, device), tok.pad_token_id
+            enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
+                                    int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=False, decode_path=path)
             for label, acceptance in loads:

@@ -154,10 +154,12 @@ def _validate_adaptive(cfg, drafters: list[str]) -> None:
 
     exp = cfg.experiment
     if drafters != ["oracle"]:
-        raise ValueError(f"experiment=adaptive runs the oracle drafter (known acceptance); got drafter.names={drafters}")
+        raise ValueError(f"experiment=adaptive runs the oracle drafter (known acceptance); got drafter.names="
+                         f"{drafters}")
     rates = [float(a) for a in cfg.drafter.oracle_acceptance] + [float(a) for a in exp.acceptance_phases]
     if not cfg.drafter.oracle_acceptance and not exp.acceptance_phases:
-        raise ValueError("experiment=adaptive needs a workload: drafter.oracle_acceptance or experiment.acceptance_phases")
+        raise ValueError("experiment=adaptive needs a workload: drafter.oracle_acceptance or "
+                         "experiment.acceptance_phases")
     if any(not 0.0 <= a <= 1.0 for a in rates):
         raise ValueError(f"drafter.oracle_acceptance and experiment.acceptance_phases must be in [0, 1], got {rates}")
     if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):

@@ -83,7 +83,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     import specdec
 
     from .. import zoo
-    from .e2e import batch_encoding, plain_reference, random_encoding, release, speculative_point
+    from .e2e import plain_reference, release, speculative_point, timing_batch
     from .kernel_timing import copy_bandwidth
     from .report import write_report
 
@@ -120,11 +120,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
         wb = weight_bytes(model)
         for B in batches:
-            if exp.prompt_tokens is not None:
-                enc = random_encoding(B, int(exp.prompt_tokens), model.config.vocab_size, device, int(cfg.seed) + B)
-                pad = 0
-            else:
-                enc, pad = batch_encoding(tok, prompts, B, device), tok.pad_token_id
+            enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
+                                    int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path)
             if exp.profile:

@@ -23,7 +23,7 @@ import torch
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-__all__ = ["batch_encoding", "random_encoding", "plain_reference", "speculative_point", "PlainRun",
+__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "speculative_point", "PlainRun",
            "state_tolerance", "row_divergences", "divergence_margins", "release"]
 
 
@@ -42,6 +42,16 @@ def random_encoding(batch: int, tokens: int, vocab_size: int, device, seed: int 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, min(int(vocab_size), 8192), (batch, tokens), generator=g).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def timing_batch(batch: int, prompt_tokens: int | None, prompts: list[dict], tok, vocab_size: int, device,
+                 seed: int) -> tuple[dict, int]:
+    """The batch a timing experiment decodes and its pad id: ``prompt_tokens`` random ids per row
+    (:func:`random_encoding`, seeded ``seed + batch``; pad id 0) when given, else the first
+    ``batch`` of ``prompts`` (:func:`batch_encoding`; the tokenizer's pad id)."""
+    if prompt_tokens is not None:
+        return random_encoding(batch, int(prompt_tokens), vocab_size, device, seed + batch), 0
+    return batch_encoding(tok, prompts, batch, device), tok.pad_token_id
 
 
 def state_tolerance(dtype: torch.dtype) -> float:

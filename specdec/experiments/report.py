@@ -829,7 +829,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             lines += [f"## {exp}", ""]
         lines += _table_lines(rows, keys, shown, count_title)
         legend = legend_lines(shown)
-        cpu = (exp in ("acceptance", "rollback", "bench", "adaptive") and any(_key_value(r, "device") == "cpu" for r in recs)
+        cpu = (exp in ("acceptance", "rollback", "bench", "adaptive")
+               and any(_key_value(r, "device") == "cpu" for r in recs)
                and any(c.spread for c in shown))
         lines += ["", "Columns:", ""] + legend + (["", CPU_NOTE] if cpu else [])
         if console:
