@@ -248,7 +248,7 @@ class MeasuredCosts(CostModel):
         self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
         self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds
-        self._draft: dict[tuple, float] = {}  # (drafter_key, path, batch, K) -> seconds
+        self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
 
     def needs_widths(self, key, widths):
@@ -273,7 +273,7 @@ class MeasuredCosts(CostModel):
         if calib is not None:
             self._ewma(self._gap, key, target_s - sum(calib))
         if K > 0:
-            self._ewma(self._draft, (drafter_key, key.path, key.batch, K), draft_s)
+            self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
         """The calibrated verify + commit of width K + 1 (seconds), or None."""
@@ -294,7 +294,7 @@ class MeasuredCosts(CostModel):
         """``draft(K)`` (see the class docstring)."""
         if K == 0:
             return 0.0
-        seen = {k: v for (d, p, b, k), v in self._draft.items() if (d, p, b) == (drafter_key, key.path, key.batch)}
+        seen = self._draft.get((drafter_key, key.path, key.batch), {})
         if K in seen:
             return seen[K]
         if not seen:
