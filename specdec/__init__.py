@@ -6,6 +6,7 @@ Public API::
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=4)
     out = sd.generate(input_ids, attention_mask=mask, max_new_tokens=64)
     sd.last_stats  # specdec.Stats
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto")  # measured choices
 """
 
 from __future__ import annotations
@@ -14,27 +15,29 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from . import drafters, models, rollback, zoo
+    from . import adaptive, drafters, models, rollback, zoo
     from .engine import SpeculativeGenerator, Stats
     from .hf_integration import enable_hf_speculation
 
 #: public names -> the submodule that defines them; imported on first use, so that
 #: ``import specdec.experiments.cli`` (``specdec-run --help``) does not import torch
 _LAZY = {
-    "drafters": None, "models": None, "rollback": None, "zoo": None,
+    "adaptive": None, "drafters": None, "models": None, "rollback": None, "zoo": None,
     "SpeculativeGenerator": "engine", "Stats": "engine", "enable_hf_speculation": "hf_integration",
 }
 
 __all__ = [
-    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "drafters", "rollback", "models", "zoo",
+    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "adaptive", "drafters", "rollback", "models",
+    "zoo",
     "__version__",
 ]
 __version__ = "0.1.0"
 version = __version__
 
 
-def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4,
-         decode_path: str = "auto") -> SpeculativeGenerator:
+def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
+         decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model=None,
+         policy=None) -> SpeculativeGenerator:
     """Wrap a loaded Hugging Face hybrid causal LM for speculative decoding.
 
     Args:
@@ -42,11 +45,16 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
             ``KimiLinearForCausalLM`` (weights are used in place, never copied).
         drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
         rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``), ``"replay_deferred"``
-            (replay folding only when its history would overflow), or an instance.
+            (replay folding only when its history would overflow), an instance, or ``"auto"`` (per call,
+            the strategy with the best measured cost that fits the memory budget; :mod:`specdec.adaptive`).
         num_speculative_tokens: K in ``[0, specdec.engine.MAX_SPECULATIVE_TOKENS]`` (0: plain decoding
-            through the same engine, for baselines).
+            through the same engine, for baselines), or ``"auto"``: K chosen per step in
+            ``[0, max_speculative_tokens]`` from measured costs and observed acceptance.
         decode_path: ``"auto"`` (CUDA graphs on CUDA when the call allows, else eager), ``"eager"``,
             ``"static"`` or ``"cuda_graph"`` (see :class:`SpeculativeGenerator`).
+        max_speculative_tokens: the largest K ``"auto"`` may choose (>= 1).
+        cost_model: a :class:`specdec.adaptive.CostModel` for the ``"auto"`` choices (default: measured
+            on the device); policy: their :class:`specdec.adaptive.PolicySettings`.
 
     Returns:
         A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
@@ -62,7 +70,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     from .threads import configure_cpu_threads
 
     sd = SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
-                              decode_path=decode_path)
+                              decode_path=decode_path, max_speculative_tokens=max_speculative_tokens,
+                              cost_model=cost_model, policy=policy)
     configure_cpu_threads(model)
     return sd
 

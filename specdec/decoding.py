@@ -68,11 +68,12 @@ class Decoder(abc.ABC):
         """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state;
         returns ``(logits [B, V], hidden [B, D])`` at each row's last prompt token."""
 
-    def width(self, num_drafts: torch.Tensor) -> int:
+    def width(self, num_drafts: torch.Tensor, num_speculative_tokens: int) -> int:
         """Tokens the next chain forward runs when row b verifies ``num_drafts[b]`` drafts (``[B]``
-        int64 on the device): the fixed ``step_tokens`` (static shapes), or fewer. A tree forward
-        always runs the tree's ``step_tokens`` nodes."""
-        return self.step_tokens
+        int64 on the device) of a step that asked for ``num_speculative_tokens`` (K, with
+        ``K + 1 <= step_tokens``): ``K + 1`` (static shapes: one shape per K), or fewer. A tree
+        forward always runs the tree's ``step_tokens`` nodes."""
+        return num_speculative_tokens + 1
 
     @abc.abstractmethod
     def forward(self, tokens: torch.Tensor):
@@ -123,7 +124,7 @@ class EagerDecoder(Decoder):
         self.cache.set_tree(self.tree)
         return out
 
-    def width(self, num_drafts):
+    def width(self, num_drafts, num_speculative_tokens):
         return 1 + int(num_drafts.max())  # the longest row's drafts (one host sync)
 
     def forward(self, tokens):
@@ -134,17 +135,30 @@ class EagerDecoder(Decoder):
         self._commit(num_tokens, path)
 
 
+class _Graphs:
+    """The CUDA graphs of one step width t: the verify forward of ``ids [B, t]`` (outputs
+    ``logits`` / ``hidden``) and the commit that follows it."""
+
+    def __init__(self, forward, commit, ids, logits, hidden):
+        self.forward, self.commit = forward, commit
+        self.ids, self.logits, self.hidden = ids, logits, hidden
+
+
 class StaticDecoder(Decoder):
     """Static cache + (optionally) CUDA graphs of the verify forward and the commit.
 
     Args:
         adapter: the target's :class:`~specdec.models.HybridAdapter`. strategy: rollback strategy.
-        batch, step_tokens, max_len: the bucket (B, T, KV columns).
+        batch, step_tokens, max_len: the bucket (B, the most tokens of one step T, KV columns).
         cuda_graphs: capture and replay CUDA graphs (CUDA only); else run the same static calls eagerly.
         fuse: while capturing, run the model's norms/MLPs and our SSM input preparation through
             ``torch.compile`` (:mod:`specdec.fusion`; default: ``SPECDEC_FUSE``, on).
         tree: a draft tree (:class:`~specdec.tree.TreeSpec`) whose ``num_nodes`` is
             ``step_tokens``: every forward verifies the tree, every commit takes a path.
+
+    A chain step may run any width ``t <= step_tokens`` (``num_speculative_tokens="auto"`` varies
+    it per step): each width is its own static shape, with its own pair of graphs, captured on
+    its first forward (the full width ``step_tokens`` at the first prefill).
 
     Raises: ValueError when ``tree`` does not have ``step_tokens`` nodes.
     """
@@ -155,7 +169,9 @@ class StaticDecoder(Decoder):
         self.max_len = max_len
         self.cuda_graphs = bool(cuda_graphs)
         self.fuse = fuse
-        self._fwd_graph = self._commit_graph = None
+        self._graphs: dict[int, _Graphs] = {}  # step width -> its graphs
+        self._open: _Graphs | None = None  # the graphs of the open step's forward
+        self._capture_failed = False  # a capture failed: every width runs without graphs
 
     @classmethod
     def bucket(cls, adapter, strategy, batch: int, step_tokens: int, needed_len: int, cuda_graphs: bool, tree=None):
@@ -173,7 +189,7 @@ class StaticDecoder(Decoder):
 
     @property
     def path(self) -> str:
-        return "cuda_graph" if self._fwd_graph is not None else "static"
+        return "cuda_graph" if self._graphs else "static"
 
     def prefill(self, input_ids, attention_mask):
         fresh = self.new_cache()
@@ -183,60 +199,81 @@ class StaticDecoder(Decoder):
 
     def load(self, fresh: HybridCache) -> None:
         """Make ``fresh`` (just prefilled) the committed state: adopt it on first use (and capture
-        the graphs), else copy it into the buffers the graphs point at."""
+        the graphs of the full width), else copy it into the buffers the graphs point at."""
         if self.cache is None:
             self.cache = fresh
             self.cache.set_tree(self.tree)
             if self.cuda_graphs:
-                self._capture()
+                self._capture(self.step_tokens)
         else:
             self.cache.copy_from(fresh)
 
-    def _capture(self) -> None:
-        c, B, T = self.cache, self.batch, self.step_tokens
+    def _capture(self, t: int) -> _Graphs | None:
+        """Capture the forward of ``t`` step tokens and its commit (no committed state changes:
+        the warm-up commits zero tokens); on failure record why and run without graphs from now on."""
+        c, B = self.cache, self.batch
         dev = c.device
-        self._ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        self._num = torch.zeros(B, dtype=torch.long, device=dev)
-        # a tree's accepted path; all zeros with zero tokens moves nothing (commit_path keeps the identity)
-        self._path = None if self.tree is None else torch.zeros(B, self.tree.max_depth + 1, dtype=torch.long, device=dev)
+        ids = torch.zeros(B, t, dtype=torch.long, device=dev)
+        if self._graphs:  # one token-count buffer and path buffer for every width
+            num, path = self._num.zero_(), self._path  # zeros: the warm-up commits nothing
+            if path is not None:
+                path.zero_()
+        else:
+            num = self._num = torch.zeros(B, dtype=torch.long, device=dev)
+            # a tree's accepted path; all zeros with zero tokens moves nothing (commit_path keeps the identity)
+            path = self._path = (None if self.tree is None
+                                 else torch.zeros(B, self.tree.max_depth + 1, dtype=torch.long, device=dev))
         model = self.adapter.model
 
         def warm():  # compiles the kernels, allocates lazy buffers (replay history, tree tables)
-            self.adapter.forward(self._ids, c)
-            self._commit(self._num, self._path)  # zero tokens: no committed state changes
+            self.adapter.forward(ids, c)
+            self._commit(num, path)  # zero tokens: no committed state changes
 
+        # every width shares one memory pool: a width's temporaries may reuse another's, which is
+        # safe because each replay's outputs are read before any other width replays
+        pool = next(iter(self._graphs.values())).forward.pool() if self._graphs else None
         try:
-            fwd, (self._logits, self._hidden) = capture(lambda: self.adapter.forward(self._ids, c), model=model,
-                                                        what="the verify forward", warmup_fn=warm, fuse=self.fuse)
-            com, _ = capture(lambda: self._commit(self._num, self._path), model=model, what="the commit", warmup=0,
+            fwd, (logits, hidden) = capture(lambda: self.adapter.forward(ids, c), model=model,
+                                            what="the verify forward", warmup_fn=warm, fuse=self.fuse, pool=pool)
+            com, _ = capture(lambda: self._commit(num, path), model=model, what="the commit", warmup=0,
                              fuse=self.fuse, pool=fwd.pool())
         except CaptureFailure as err:
             self.capture_error = err.reason
             warnings.warn(f"{err}; decoding runs the static path without graphs (slower: one kernel launch per op)",
                           RuntimeWarning, stacklevel=4)
-            self._fwd_graph = self._commit_graph = None
-        else:
-            self._fwd_graph, self._commit_graph = fwd, com
-            if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
-                self._tables = tree_index.cached_tensors()
+            self._capture_failed = True
+            self._graphs.clear()
+            c.set_step_tokens(0)
+            return None
+        graphs = self._graphs[t] = _Graphs(fwd, com, ids, logits, hidden)
+        if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
+            self._tables = tree_index.cached_tensors()
         c.set_step_tokens(0)
+        return graphs
 
     def forward(self, tokens):
-        """With graphs, the outputs are the static tensors, valid until the next call."""
-        if self._fwd_graph is None:
+        """With graphs, the outputs are the static tensors of the step's width, valid until the
+        next forward of that width."""
+        t = tokens.shape[1]
+        graphs = self._graphs.get(t)
+        if graphs is None and self.cuda_graphs and not self._capture_failed:
+            graphs = self._capture(t)
+        self._open = graphs
+        if graphs is None:
             return self.adapter.forward(tokens, self.cache)
-        self._ids.copy_(tokens)
-        self._fwd_graph.replay()
-        self.cache.set_step_tokens(self.step_tokens)
-        return self._logits, self._hidden
+        graphs.ids.copy_(tokens)
+        graphs.forward.replay()
+        self.cache.set_step_tokens(t)
+        return graphs.logits, graphs.hidden
 
     def commit(self, num_tokens, path=None):
         self._check_path(path)
-        if self._commit_graph is None:
+        graphs, self._open = self._open, None
+        if graphs is None:
             self._commit(num_tokens, path)
             return
         self._num.copy_(num_tokens)
         if path is not None:
             self._path.copy_(path)
-        self._commit_graph.replay()
+        graphs.commit.replay()
         self.cache.set_step_tokens(0)

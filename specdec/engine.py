@@ -11,22 +11,27 @@ optionally CUDA graphs). Acceptance, EOS, the budget, the text buffer and the st
 on the device; the step's one host sync reads whether every row has finished (with the
 drafter-output checks and, for a streamer, row 0's new tokens). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
-(:class:`~specdec.step_hook.StepHook`).
+(:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
+:class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
+expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
+prefill (:mod:`specdec.adaptive`).
 """
 
 from __future__ import annotations
 
 import numbers
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
+                       costs_for, expected_tokens, rollback_bytes, strategy_label)
+from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
-from .rollback import InPlaceUpdate, RollbackStrategy, make_strategy
+from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .settings import resolve
 from .step_hook import StepHook
 from .tree import tree_for
@@ -36,6 +41,8 @@ __all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "St
 
 #: the largest ``num_speculative_tokens`` (K) the engine accepts
 MAX_SPECULATIVE_TOKENS = 64
+#: the strategy of plain decoding (K = 0): one shared stateless object, so static buckets are kept across calls
+_IN_PLACE = InPlaceUpdate()
 #: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
 #: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
@@ -58,6 +65,16 @@ class Stats:
         commit replayed as CUDA graphs).
         capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
         ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
+        k_histogram[K]: steps that asked for K drafts (``num_speculative_tokens="auto"`` chooses
+        K per step, up to ``max_speculative_tokens``; a fixed K puts every step at K).
+        k_per_step: the K of every step, in order. rollback: the rollback strategy the call ran
+        (``"none"``: plain decoding, the state updated in place). rollback_reason: with
+        ``rollback="auto"``, why that strategy (the candidates' predicted tokens/s or step times,
+        and any left out); None otherwise. calibration_s: time measuring step costs
+        (``"auto"``'s first call per batch size; part of wall_s). predicted_tokens_per_s /
+        measured_tokens_per_s: with ``"auto"``, the goodput the policy predicted for the steps it
+        chose (sum of expected tokens / sum of predicted step times) and the one measured
+        (tokens the steps committed / the steps' time); None with a fixed K.
     """
 
     steps: int = 0
@@ -74,42 +91,16 @@ class Stats:
     wall_s: float = 0.0
     decode_path: str = "eager"
     capture_error: str | None = None
+    k_histogram: list = field(default_factory=list)
+    k_per_step: list = field(default_factory=list)
+    rollback: str = ""
+    rollback_reason: str | None = None
+    calibration_s: float = 0.0
+    predicted_tokens_per_s: float | None = None
+    measured_tokens_per_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-class StepClock:
-    """Named phase times without host syncs: CUDA events on CUDA (read once at the end), else
-    ``time.perf_counter``. ``lap(phase)`` ends the running phase; :meth:`totals` sums each phase's
-    laps in seconds."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self._marks: list = []
-        self._phases: list[str | None] = []
-        self.lap(None)
-
-    def lap(self, phase: str | None) -> None:
-        if self.cuda:
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-        else:
-            mark = time.perf_counter()
-        self._marks.append(mark)
-        self._phases.append(phase)
-
-    def totals(self) -> dict[str, float]:
-        """``{phase: seconds}`` and ``"wall"`` (first mark to last)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
-        else:
-            spans = [b - a for a, b in zip(self._marks, self._marks[1:])]
-        out = {"wall": sum(spans)}
-        for phase, span in zip(self._phases[1:], spans):
-            out[phase] = out.get(phase, 0.0) + span
-        return out
 
 
 class _Rows:
@@ -171,54 +162,126 @@ class SpeculativeGenerator:
     Args:
         model: a loaded HF causal LM of a supported family (see ``specdec.models.supported_families()``).
         drafter: ``"ngram"`` or a :class:`specdec.drafters.Drafter` instance.
-        rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``) or a
-            :class:`specdec.rollback.RollbackStrategy`.
+        rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``), a
+            :class:`specdec.rollback.RollbackStrategy`, or ``"auto"``: per call, the strategy of
+            ``specdec.rollback.STRATEGIES`` with the best measured cost for the batch and K that
+            fits the memory budget (:mod:`specdec.adaptive`; ``last_stats.rollback_reason`` says why).
         num_speculative_tokens: K, drafts per step, 0..``MAX_SPECULATIVE_TOKENS`` (0 = plain
-            decoding through the same engine: one token per forward, the drafter is not called).
+            decoding through the same engine: one token per forward, the drafter is not called),
+            or ``"auto"``: each step's K in ``[0, max_speculative_tokens]`` chosen from measured
+            costs and the acceptance observed so far (:mod:`specdec.adaptive`).
         decode_path: ``"auto"`` (default: the static path with CUDA graphs on CUDA when the call
             allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
             The static path needs greedy or plain sampling without stopping criteria, repetition
             penalty, min length or returned scores; forcing it with those raises.
+        max_speculative_tokens: with ``num_speculative_tokens="auto"``, the largest K a step may
+            ask for, 1..``MAX_SPECULATIVE_TOKENS`` (the caches are sized for it); unused otherwise.
+        cost_model: the :class:`specdec.adaptive.CostModel` the ``"auto"`` choices read (default:
+            step costs measured on the device, :func:`specdec.adaptive.costs_for`); e.g.
+            :class:`specdec.adaptive.FixedCosts` to give the costs.
+        policy: :class:`specdec.adaptive.PolicySettings` of the ``"auto"`` choices (default: its defaults).
 
     Attributes:
         last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache.
         decoder: the :class:`~specdec.decoding.Decoder` of the last ``generate()``.
 
     Raises:
-        TypeError: model is not a causal LM, drafter/rollback of the wrong type, K not an int.
-        ValueError: unsupported family, unknown drafter/strategy name, K out of range, a drafter
-            whose vocabulary differs from the target's.
+        TypeError: model is not a causal LM, drafter/rollback/cost_model/policy of the wrong type,
+            K not an int or ``"auto"``.
+        ValueError: unsupported family, unknown drafter/strategy name, K or
+            ``max_speculative_tokens`` out of range, a drafter whose vocabulary differs from the
+            target's, ``"auto"`` with a drafter that drafts a fixed tree.
     """
 
-    def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int = 4,
-                 decode_path: str = "auto"):
+    def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
+                 decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model: CostModel | None = None,
+                 policy: PolicySettings | None = None):
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         self.adapter = adapter_for(model)
         self.model = model
+        self._drafter: Drafter | None = None
+        self._K: int | str = 0
+        self.max_speculative_tokens = max_speculative_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.decode_path = decode_path
         self.drafter = drafter
         self.strategy = rollback
+        self.cost_model = cost_model
+        self.policy = policy
         self.last_stats: Stats | None = None
         self.last_cache = None
         self.decoder: Decoder | None = None
 
     # settings: validated whenever they are set, also after construction ---------------------
     @property
-    def num_speculative_tokens(self) -> int:
-        """K, drafts per step (0 = plain decoding)."""
+    def num_speculative_tokens(self) -> int | str:
+        """K, drafts per step (0 = plain decoding), or ``"auto"`` (chosen per step)."""
         return self._K
 
     @num_speculative_tokens.setter
     def num_speculative_tokens(self, value):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"num_speculative_tokens must be an int, got {type(value).__name__}")
-        if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+        if isinstance(value, str):
+            if value != AUTO:
+                raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] or 'auto', "
+                                 f"got {value!r}")
+            self._check_adaptive(self._drafter, value)
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"num_speculative_tokens must be an int or 'auto', got {type(value).__name__}")
+        elif not 0 <= value <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), got {value}"
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding) or 'auto', "
+                f"got {value}"
             )
-        self._K = int(value)
+        self._K = value if value == AUTO else int(value)
         self._static.clear()
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The largest K ``num_speculative_tokens="auto"`` may choose."""
+        return self._max_K
+
+    @max_speculative_tokens.setter
+    def max_speculative_tokens(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"max_speculative_tokens must be an int, got {type(value).__name__}")
+        if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"max_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (the most drafts "
+                             f"num_speculative_tokens='auto' may ask for in one step), got {value}")
+        self._max_K = int(value)
+        self._static.clear()
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The step costs ``"auto"`` reads (see the class docstring; None may be assigned: measured)."""
+        if self._costs is None:
+            return costs_for(self.model, self.adapter.device, self.adapter.dtype, self.policy.cost_weight)
+        return self._costs
+
+    @cost_model.setter
+    def cost_model(self, value):
+        if value is not None and not isinstance(value, CostModel):
+            raise TypeError(f"cost_model must be a specdec.adaptive.CostModel (e.g. FixedCosts) or None, got "
+                            f"{type(value).__name__}")
+        self._costs = value
+
+    @property
+    def policy(self) -> PolicySettings:
+        """The :class:`specdec.adaptive.PolicySettings` of the ``"auto"`` choices (None may be assigned: defaults)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value):
+        if value is not None and not isinstance(value, PolicySettings):
+            raise TypeError(f"policy must be a specdec.adaptive.PolicySettings or None, got {type(value).__name__}")
+        self._policy = value or PolicySettings()
+
+    @staticmethod
+    def _check_adaptive(drafter, K) -> None:
+        """``"auto"`` varies the chain's length per step; a drafter that drafts a fixed tree cannot."""
+        if K == AUTO and drafter is not None and drafter.tree is not None:
+            raise ValueError(f"num_speculative_tokens='auto' chooses a chain length per step, but {drafter!r} drafts a "
+                             "tree (MedusaDrafter(tree=...) or acceptance='typical'); give it an int K, or use "
+                             "MedusaDrafter(heads) (a chain)")
 
     @property
     def decode_path(self) -> str:
@@ -248,16 +311,23 @@ class SpeculativeGenerator:
                 f"the drafter's vocabulary ({dv} tokens) differs from the target's ({self.adapter.vocab_size}); "
                 "speculative decoding needs the same tokenizer and vocabulary"
             )
+        self._check_adaptive(d, self._K)
         self._drafter = d
+        self._drafter_key = object()  # names this drafter's proposal times in the cost model (never reused)
 
     @property
-    def strategy(self) -> RollbackStrategy:
-        """The rollback strategy (a name from ``specdec.rollback.STRATEGIES`` or an instance may be assigned)."""
+    def strategy(self) -> RollbackStrategy | None:
+        """The rollback strategy (a name from ``specdec.rollback.STRATEGIES``, an instance or ``"auto"``
+        may be assigned); with ``"auto"`` the one the last call ran (None before the first call)."""
         return self._strategy
 
     @strategy.setter
     def strategy(self, value):
-        self._strategy = make_strategy(value)
+        self._candidates = {name: make_strategy(name) for name in STRATEGIES} if value == AUTO else None
+        try:
+            self._strategy = None if value == AUTO else make_strategy(value)
+        except ValueError as err:
+            raise ValueError(f"{err}; or 'auto' (measured per call)") from None
         self._static.clear()
 
     def release(self) -> None:
@@ -329,9 +399,11 @@ class SpeculativeGenerator:
         """The decode loop (see the module docstring) for the settings ``s``."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
-        K, V, max_new = self.num_speculative_tokens, self.adapter.vocab_size, s.max_new_tokens
+        adaptive = self._K == AUTO
+        K = self.max_speculative_tokens if adaptive else self._K  # the most drafts of one step
+        V, max_new = self.adapter.vocab_size, s.max_new_tokens
         if max_new == 0:
-            self.last_stats = Stats(accept_histogram=[0] * (K + 1))
+            self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1))
             if s.streamer is not None:
                 s.streamer.put(ids.cpu())
                 s.streamer.end()
@@ -345,9 +417,17 @@ class SpeculativeGenerator:
         T = tree.num_nodes if tree is not None else K + 1  # the most tokens of one verify forward
         W = tree.max_depth + 1 if tree is not None else K + 1  # the most tokens one step commits
         clock = StepClock(dev)
-        dec = self.decoder = self._decoder(path, B, Lp + max_new + 2 * T, T, tree)
+        needed = Lp + max_new + 2 * T  # KV columns
+        strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive)
+        clock.lap("calibration")
+        dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         logits, hidden = dec.prefill(ids, s.attention_mask)
         self.last_cache = dec.cache
+        policy = None
+        if adaptive:  # measures the step widths on this decoder if its costs are not known yet
+            clock.lap("prefill")
+            policy = self._speculation_policy(s, path, dec, strategy, K)
+            clock.lap("calibration")
         if drafter is not None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
             drafter.observe(hidden)
         rows = _Rows(ids, s.attention_mask, Lp + max_new + T, max_new, s.eos_token_ids)
@@ -359,6 +439,7 @@ class SpeculativeGenerator:
             s.streamer.put(first[:1].cpu())
         if drafter is not None:
             drafter.set_decode_path(dec.path)
+            drafter.set_speculation(K, adaptive)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
         hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
@@ -369,6 +450,8 @@ class SpeculativeGenerator:
         done = bool(rows.finished.all())
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while not done:
+            first_mark = clock.marks
+            K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
             bound, grown = min(rows.text.shape[1], grown), grown + W
             active = ~rows.finished
             budget = (max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
@@ -378,13 +461,13 @@ class SpeculativeGenerator:
                 bad |= proposal_errors(nodes, torch.ones_like(nodes, dtype=torch.bool), V)
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts, width = nodes.clamp(0, V - 1), T
-            elif drafter is not None:
-                drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(), K),
-                                                B, K)
+            elif proposed := drafter is not None and K_step > 0:
+                drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
+                                                                K_step), B, K_step)
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
                 w = drafts.shape[1]
                 k = torch.minimum(counts.clamp(0, w), budget)
-                width = dec.width(k)
+                width = dec.width(k, K_step)
                 used = torch.arange(w, device=dev)[None, :] < k[:, None]
                 bad |= proposal_errors(drafts, used, V, counts, w)
                 drafts = _to_width(torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts)), width - 1)
@@ -405,7 +488,7 @@ class SpeculativeGenerator:
                 if s.sampling is None:
                     n, c = greedy_accept(scores, drafts, k)
                 else:
-                    probs = check_draft_probs(drafter.draft_probs(), B, w, V) if drafter is not None else None
+                    probs = check_draft_probs(drafter.draft_probs(), B, w, V) if proposed else None
                     probs = None if probs is None else _to_width(probs.to(dev), width - 1)
                     n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
                 chain, seen, path = drafts, n, None
@@ -423,7 +506,15 @@ class SpeculativeGenerator:
             flags = [rows.finished.all()[None].long(), bad.long()]
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
-            all_done, bad_counts, bad_ids, *row0 = torch.cat(flags).tolist()  # the step's one host sync
+            read = torch.cat(flags)
+            if policy is not None:  # the acceptance observed, and E(K) of the next step on the same sync
+                left = (max_new - rows.n_gen - 1).clamp(min=0)
+                read = torch.cat([read.double(), policy.update(n, budget.clamp(max=K_step), active, ~rows.finished,
+                                                               left)])
+            synced = read.tolist()  # the step's one host sync
+            if policy is not None:
+                expected, synced = synced[-(K + 1):], [int(v) for v in synced[:-(K + 1)]]
+            all_done, bad_counts, bad_ids, *row0 = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
@@ -432,17 +523,30 @@ class SpeculativeGenerator:
                     s.streamer.put(torch.tensor([tok]))
             done = bool(all_done)
             clock.lap("bookkeeping")
+            if policy is not None:
+                policy.after_step(expected, clock, first_mark)
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
+        new_tokens = int(n_gen.sum())
+        step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
+        if policy is not None:
+            k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
+        else:
+            k_histogram, k_per_step = [0] * K + [steps], [K] * steps
         self.last_stats = Stats(
-            steps=steps, new_tokens=int(n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
+            steps=steps, new_tokens=new_tokens, proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
+            k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
+            rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
+            predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None,
+            # the steps' tokens: every row's first new token came from the prefill
+            measured_tokens_per_s=(new_tokens - B) / step_s if policy is not None and step_s > 0 else None,
         )
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
@@ -478,18 +582,77 @@ class SpeculativeGenerator:
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
         return want
 
-    def _decoder(self, path: str, batch: int, needed_len: int, step_tokens: int, tree) -> Decoder:
-        """The decoder of this call: a fresh eager one, or the static bucket's (kept between calls:
+    def _decoder(self, path: str, batch: int, needed_len: int, step_tokens: int, tree,
+                 strategy: RollbackStrategy) -> Decoder:
+        """A decoder for ``strategy``: a fresh eager one, or the static bucket's (kept between calls:
         one bucket at a time, its buffers can be large)."""
-        strategy = InPlaceUpdate() if self.num_speculative_tokens == 0 else self.strategy
         if path == "eager":
             return EagerDecoder(self.adapter, strategy, batch, step_tokens, needed_len, tree)
         dec = StaticDecoder.bucket(self.adapter, strategy, batch, step_tokens, needed_len, path == "cuda_graph", tree)
         kept = self._static.get(dec.key)
-        if kept is None:
+        if kept is None or kept.strategy is not strategy:
             self._static.clear()
             kept = self._static[dec.key] = dec
         return kept
+
+    # the "auto" choices (specdec.adaptive) ----------------------------------------------------
+    def _prefilled(self, s, path: str, needed_len: int, step_tokens: int, tree, strategy) -> Decoder:
+        """A decoder for ``strategy`` prefilled with the call's prompts."""
+        dec = self._decoder(path, s.input_ids.shape[0], needed_len, step_tokens, tree, strategy)
+        dec.prefill(s.input_ids, s.attention_mask)
+        return dec
+
+    def _measure(self, dec: Decoder, key: CostKey, widths: list[int]) -> None:
+        """Record in the cost model the verify and commit times of the step ``widths`` that ``key``
+        lacks, and the bytes of the rollback buffers, measured on ``dec`` (prefilled)."""
+        costs = self.cost_model
+        todo = costs.needs_widths(key, widths)
+        if not todo:
+            return
+        for T, (verify_s, commit_s) in calibrate(dec, todo, self.policy.calibration_repeats).items():
+            costs.record_width(key, T, verify_s, commit_s)
+        costs.record_bytes(key, rollback_bytes(dec.cache))
+
+    def _rollback(self, s, path: str, needed_len: int, step_tokens: int, tree, K: int,
+                  adaptive: bool) -> tuple[RollbackStrategy, str | None]:
+        """The call's rollback strategy and, for ``rollback="auto"``, why: every candidate is
+        measured (once per path and batch, on a decoder prefilled with the call's prompts; see
+        :mod:`specdec.adaptive`) and compared at K (a fixed K) or at its best K under the
+        acceptance known now ("auto")."""
+        if K == 0 and not adaptive:
+            plain = "plain decoding (num_speculative_tokens=0) updates the state in place: nothing to roll back"
+            return _IN_PLACE, None if self._candidates is None else plain
+        if self._candidates is None:
+            return self._strategy, None
+        B = s.input_ids.shape[0]
+        widths = list(range(1, step_tokens + 1)) if adaptive else [step_tokens]
+        costs, step_s, nbytes, left_out = self.cost_model, {}, {}, {}
+        for name, strategy in self._candidates.items():
+            key = CostKey(path, name, B)
+            if costs.needs_widths(key, widths):
+                try:  # (a decoder of its own, freed before the next strategy's)
+                    self._measure(self._prefilled(s, path, needed_len, step_tokens, tree, strategy), key, widths)
+                except torch.OutOfMemoryError as err:
+                    self._static.clear()
+                    left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"
+                    continue
+            step_s[name] = {k: costs.step_s(key, self._drafter_key, k) for k in (range(K + 1) if adaptive else [K])}
+            nbytes[name] = costs.rollback_bytes(key)
+        rates = torch.full((B, K), self.policy.prior_acceptance, device=s.input_ids.device)
+        budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)
+        expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool)).tolist()
+        choice = choose_strategy(step_s, expected, None if adaptive else K, nbytes, self.policy.memory_budget_bytes,
+                                 left_out)
+        self._strategy = self._candidates[choice.name]
+        return self._strategy, choice.reason
+
+    def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int) -> SpeculationPolicy:
+        """The call's K policy, after measuring the step widths of ``dec`` (prefilled) whose costs
+        are not known yet."""
+        key = CostKey(path, strategy_label(strategy), dec.batch)
+        self._measure(dec, key, list(range(1, K + 2)))
+        return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
+                                 self.policy.prior_acceptance, s.input_ids.device)
 
     @staticmethod
     def _output(s, sequences, hook, G):
@@ -507,5 +670,6 @@ class SpeculativeGenerator:
     def __repr__(self):
         return (
             f"SpeculativeGenerator({type(self.model).__name__}, drafter={self.drafter!r}, "
-            f"rollback={self.strategy.name!r}, num_speculative_tokens={self.num_speculative_tokens})"
+            f"rollback={AUTO if self._candidates is not None else self.strategy.name!r}, "
+            f"num_speculative_tokens={self.num_speculative_tokens!r})"
         )

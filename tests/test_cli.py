@@ -86,7 +86,7 @@ def test_valid_overrides_pass(args):
 
 
 def test_group_options_come_from_conf():
-    assert set(group_options("rollback")) == {"all", "compare", "snapshot", "ring", "replay", "replay_deferred"}
+    assert set(group_options("rollback")) == {"all", "compare", "snapshot", "ring", "replay", "replay_deferred", "auto"}
     assert all(group_options("model").values())  # every option has a one-line description
 
 

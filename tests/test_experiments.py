@@ -387,6 +387,65 @@ def test_long_run_tiny_cpu(tmp_path: Path):
     assert [(c["diverged rows"], c["exact"]) for c in cells] == [("0", "yes")] * 4
 
 
+def test_adaptive_tiny_cpu(tmp_path: Path):
+    """experiment=adaptive on a tiny random-shape model: every cell (fixed K x strategy, then auto)
+    equals specdec plain's output (fp32); auto's record compares it with the fixed cells of its
+    workload (recomputed here from the records), says which strategy it ran and why and the K of
+    every step; on the changing workload (every draft right, then every draft wrong) it asks for
+    long drafts first; the summary and both plots are written."""
+    cfg = _cfg(["experiment=adaptive", "rollback=replay", "experiment.k_grid=[1,4]", "drafter.oracle_acceptance=[0.5]",
+                "experiment.acceptance_phases=[1.0,0.0]", "max_new_tokens=24", "experiment.batch_grid=[2]", "repeats=1"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    cells = [(r["acceptance"], r["num_speculative_tokens"], r["rollback"]) for r in records]
+    assert cells == [(a, K, s) for a in (0.5, "1->0") for K, s in ((1, "replay"), (4, "replay"), ("auto", "auto"))]
+    for r in records:
+        assert r["exact"] and r["diverged_rows"] == 0 and r["batch"] == 2 and r["new_tokens"] == 48
+        assert sum(r["k_histogram"]) == r["steps"] and r["mean_k"] == pytest.approx(
+            sum(k * n for k, n in enumerate(r["k_histogram"])) / r["steps"])
+    for a in (0.5, "1->0"):
+        auto = next(r for r in records if r["acceptance"] == a and r["rollback"] == "auto")
+        fixed = [r for r in records if r["acceptance"] == a and r["rollback"] != "auto"]
+        best = max(fixed, key=lambda r: r["decode_tokens_per_s"])
+        assert auto["vs_best_fixed"] == pytest.approx(auto["decode_tokens_per_s"] / best["decode_tokens_per_s"])
+        assert auto["best_fixed"] == f"K={best['num_speculative_tokens']} replay"
+        worst = min(fixed, key=lambda r: r["decode_tokens_per_s"])  # one strategy: the worst fixed K's cell
+        assert auto["vs_worst_fixed_k"] == pytest.approx(auto["decode_tokens_per_s"] / worst["decode_tokens_per_s"])
+        assert auto["rollback_used"] in ("snapshot", "ring", "replay")
+        assert auto["rollback_reason"].startswith(f"{auto['rollback_used']}: the best predicted goodput")
+        assert len(auto["k_per_step"]) == auto["steps"] and max(auto["k_per_step"]) <= 4
+        assert auto["predicted_tokens_per_s"] > 0 and auto["measured_tokens_per_s"] > 0
+    changing = next(r for r in records if r["acceptance"] == "1->0" and r["rollback"] == "auto")
+    assert changing["acceptance_schedule"] == [1.0] * 12 + [0.0] * 12
+    ks = changing["k_per_step"]
+    quarter = max(1, len(ks) // 4)
+    early, late = sum(ks[:quarter]) / quarter, sum(ks[-quarter:]) / quarter
+    assert early >= 2 and early >= late, ks  # every early draft is accepted: long drafts pay
+    assert (tmp_path / "k_over_time.png").stat().st_size > 1000 and (tmp_path / "speedup_vs_batch.png").exists()
+    _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
+        "decode tokens/s": ("decode_tokens_per_s", "{:.1f}"), "mean K": ("mean_k", "{:.2f}"),
+        "exact": ("exact", None)},
+        ["model", "acceptance", "batch", "rollback", "num_speculative_tokens"])
+
+
+def test_bench_takes_auto_choices(tmp_path: Path):
+    """num_speculative_tokens=auto and rollback=auto through experiment=bench: exact, and the record
+    names the strategy that ran; both are refused where they do not apply."""
+    cfg = _cfg(["experiment=bench", "drafter=oracle", "rollback=auto", "num_speculative_tokens=auto",
+                "max_new_tokens=8", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=1",
+                "experiment.warmup=false"] + TINY_SHAPE + CPU)
+    (r,) = run_experiment(cfg, tmp_path)
+    assert r["exact"] and r["num_speculative_tokens"] == "auto" and r["rollback"] == "auto"
+    assert r["rollback_used"] in ("snapshot", "ring", "replay") and r["rollback_reason"] and r["k_per_step"]
+    with pytest.raises(ValueError, match="rollback=auto .* runs in experiment=bench, long_run, adaptive"):
+        run_experiment(_cfg(["experiment=rollback", "rollback=auto"] + CPU), tmp_path / "x")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int in \\[0, 64\\] or auto, got 'abc'"):
+        run_experiment(_cfg(["experiment=bench", "num_speculative_tokens=abc"] + CPU), tmp_path / "y")
+    with pytest.raises(Exception) as info:  # experiment=acceptance: its schema keeps an int
+        _cfg(["num_speculative_tokens=auto"])
+    assert "could not be converted to Integer" in one_line(info.value)
+
+
 def test_checks_tiny_cpu(tmp_path: Path, capsys):
     """experiment=checks on a tiny model: the CUDA-only checks say SKIP and still measure (rollback
     timed apart, step times), the memory budget and fp32 checks pass on the CPU."""

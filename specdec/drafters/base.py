@@ -64,6 +64,13 @@ class Drafter(abc.ABC):
         ``max_length`` bounds the text length (prompt + new tokens + K + 1) of any row.
         """
 
+    def set_speculation(self, max_speculative_tokens: int, adaptive: bool) -> None:
+        """Called by the engine before :meth:`start` with the most drafts a step of the call asks
+        for and whether K changes from step to step (``num_speculative_tokens="auto"``: each
+        :meth:`propose` then gets its own K in ``[1, max_speculative_tokens]``, and steps that
+        draft nothing do not call it). A drafter that sizes buffers for K sizes them for the
+        maximum; the default ignores it."""
+
     def set_decode_path(self, path: str) -> None:
         """Called by the engine before :meth:`start` with the call's decode path (``"eager"``,
         ``"static"`` or ``"cuda_graph"``, see ``SpeculativeGenerator``). A drafter may switch to

@@ -13,7 +13,11 @@ rollback layer as the target. Each proposal is one *step* of the draft's cache:
 So after a rejection the draft's proposals equal those of a fresh draft run on the accepted
 text.
 
-On the engine's static / CUDA-graph decode path (greedy), each proposal after the first is one
+With ``num_speculative_tokens="auto"`` (:meth:`Drafter.set_speculation`) K changes from step to
+step and steps at K = 0 skip the proposal: the cache is sized for the largest K and every
+proposal runs the steps above (the catch-up then covers any unseen text).
+
+On the engine's static / CUDA-graph decode path (greedy) with a fixed K, each proposal after the first is one
 fixed-shape program: commit the kept prefix, a 2-token catch-up forward committed per row
 (the engine's step semantics bound the unseen text to 1 or 2 tokens: the correction token, and
 on full acceptance the last draft too), then the K - 1 one-token forwards; on CUDA it is
@@ -55,6 +59,8 @@ class DraftModelDrafter(Drafter):
         self.strategy = make_strategy(rollback)
         self.model = draft_model
         self._path = "eager"
+        self._max_k = 0  # the largest K of the call (set_speculation); the cache holds steps of it
+        self._adaptive = False  # K changes per step: the fixed-K static program does not apply
         self._static = None  # _StaticDraft of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
@@ -64,6 +70,10 @@ class DraftModelDrafter(Drafter):
 
     def set_decode_path(self, path: str) -> None:
         self._path = path
+
+    def set_speculation(self, max_speculative_tokens: int, adaptive: bool) -> None:
+        self._max_k = int(max_speculative_tokens)
+        self._adaptive = bool(adaptive)
 
     def _reset(self):
         self.cache = None
@@ -108,6 +118,7 @@ class DraftModelDrafter(Drafter):
         padded = input_ids.gather(1, src)
         mask = (cols >= (Lmax - lengths)[:, None]).long()
         padded = padded * mask
+        K = max(K, self._max_k)
         total = max(self.max_length or 0, Lmax) + 4 * (K + 1)
         self.cache = self.adapter.new_cache(B, total, K + 1, self.strategy)
         logits, _ = self.adapter.prefill(padded, mask, self.cache)
@@ -154,7 +165,7 @@ class DraftModelDrafter(Drafter):
     @torch.no_grad()
     def propose(self, input_ids, lengths, num_speculative_tokens):
         K = num_speculative_tokens
-        if self._path != "eager" and self.sampling is None:
+        if self._path != "eager" and self.sampling is None and not self._adaptive:
             return self._propose_static(input_ids, lengths, K)
         self.last_path = "eager"
         if self.cache is not None and self.cache.max_step_tokens < K + 1:

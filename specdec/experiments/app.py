@@ -2,6 +2,7 @@
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
 comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
+``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
 ``ngram_proposal`` (n-gram search timing), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
 recipe) or ``train_medusa`` (the Medusa heads recipe); every one runs as ``specdec-run
@@ -56,15 +57,23 @@ def validate(cfg: DictConfig) -> None:
     from specdec.rollback import STRATEGIES
     from specdec.tree import TREE_PRESETS
 
-    if not 0 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
+    K = cfg.num_speculative_tokens
+    if K != "auto" and (isinstance(K, str) or isinstance(K, bool) or not isinstance(K, int)):
+        raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] or auto, got {K!r}")
+    if K != "auto" and not 0 <= int(K) <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
-                         f"got {cfg.num_speculative_tokens}")
+                         f"got {K}")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     strategies = STRATEGIES + ("replay_deferred",)
-    for s in list(cfg.rollback.strategies) + [cfg.drafter.draft_rollback]:
-        if str(s) not in strategies:
-            raise ValueError(f"unknown rollback strategy {s!r}; use one of {', '.join(strategies)}")
+    auto = ("auto",) if name in AUTO_EXPERIMENTS else ()
+    for s, allowed in [(str(s), strategies + auto) for s in cfg.rollback.strategies] + [
+            (str(cfg.drafter.draft_rollback), strategies)]:
+        if s == "auto" and s not in allowed:
+            raise ValueError("rollback=auto (chosen per call from measured costs) runs in experiment="
+                             f"{', '.join(AUTO_EXPERIMENTS)}, and not as drafter.draft_rollback")
+        if s not in allowed:
+            raise ValueError(f"unknown rollback strategy {s!r}; use one of {', '.join(allowed)}")
     if int(cfg.max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.prompts.limit is not None and int(cfg.prompts.limit) < 1:
@@ -98,7 +107,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     drafters = [str(d) for d in cfg.drafter.names]
-    if name in ("rollback", "bench", "long_run", "tree_verify", "checks"):
+    if name in ("rollback", "bench", "long_run", "tree_verify", "checks", "adaptive"):
         _check_batches(cfg.experiment.batch_grid)
     if name in ("acceptance", "rollback") and "oracle" in drafters:
         raise ValueError(f"drafter=oracle proposes specdec plain's own output, for timing: it runs in experiment=bench, "
@@ -112,6 +121,8 @@ def validate(cfg: DictConfig) -> None:
                              "experiment=acceptance")
     if name in ("bench", "long_run"):
         _validate_bench(cfg, drafters)
+    if name == "adaptive":
+        _validate_adaptive(cfg, drafters)
     if name == "tree_verify":
         _validate_tree_verify(cfg)
     if name == "checks":
@@ -131,6 +142,35 @@ def validate(cfg: DictConfig) -> None:
         timed = cfg.experiment.timed_prompts
         if timed is not None and int(timed) < 1:
             raise ValueError(f"experiment.timed_prompts must be >= 1 or null (all), got {timed}")
+
+
+#: the experiments whose runs take ``rollback=auto`` (and ``num_speculative_tokens=auto``: their schema allows it,
+#: except ``adaptive``, which always compares auto with its K grid)
+AUTO_EXPERIMENTS = ("bench", "long_run", "adaptive")
+
+
+def _validate_adaptive(cfg, drafters: list[str]) -> None:
+    """The comparison's drafter (the oracle), acceptances, K grid and fixed strategies."""
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+
+    exp = cfg.experiment
+    if drafters != ["oracle"]:
+        raise ValueError(f"experiment=adaptive runs the oracle drafter (known acceptance); got drafter.names="
+                         f"{drafters}")
+    rates = [float(a) for a in cfg.drafter.oracle_acceptance] + [float(a) for a in exp.acceptance_phases]
+    if not cfg.drafter.oracle_acceptance and not exp.acceptance_phases:
+        raise ValueError("experiment=adaptive needs a workload: drafter.oracle_acceptance or "
+                         "experiment.acceptance_phases")
+    if any(not 0.0 <= a <= 1.0 for a in rates):
+        raise ValueError(f"drafter.oracle_acceptance and experiment.acceptance_phases must be in [0, 1], got {rates}")
+    if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
+        raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}] (auto chooses up to their "
+                         f"maximum), got {list(exp.k_grid)}")
+    if not [s for s in cfg.rollback.strategies if str(s) != "auto"]:
+        raise ValueError("experiment=adaptive compares auto with fixed strategies: rollback.strategies must list at "
+                         "least one of snapshot, ring, replay, replay_deferred")
+    _check_positive(exp, "prompt_tokens")
+    _check_decode_path(exp.decode_path)
 
 
 def _check_batches(batch_grid) -> None:
@@ -285,6 +325,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
         return run(cfg, out_dir)
     if name in ("bench", "long_run"):
         from .bench import run
+
+        return run(cfg, out_dir)
+    if name == "adaptive":
+        from .adaptive import run
 
         return run(cfg, out_dir)
     if name == "kernels":

@@ -83,14 +83,15 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     import specdec
 
     from .. import zoo
-    from .e2e import batch_encoding, plain_reference, random_encoding, release, speculative_point
+    from .e2e import plain_reference, release, speculative_point, timing_batch
     from .kernel_timing import copy_bandwidth
     from .report import write_report
 
     exp = cfg.experiment
     device, dtype = resolve_device(cfg)
     torch.manual_seed(int(cfg.seed))
-    K, max_new, repeats = int(cfg.num_speculative_tokens), int(cfg.max_new_tokens), int(cfg.repeats)
+    K = cfg.num_speculative_tokens if cfg.num_speculative_tokens == "auto" else int(cfg.num_speculative_tokens)
+    max_new, repeats = int(cfg.max_new_tokens), int(cfg.repeats)
     path = str(exp.decode_path)
     batches = [int(b) for b in exp.batch_grid]
     strategies = [str(s) for s in cfg.rollback.strategies]
@@ -119,11 +120,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
         wb = weight_bytes(model)
         for B in batches:
-            if exp.prompt_tokens is not None:
-                enc = random_encoding(B, int(exp.prompt_tokens), model.config.vocab_size, device, int(cfg.seed) + B)
-                pad = 0
-            else:
-                enc, pad = batch_encoding(tok, prompts, B, device), tok.pad_token_id
+            enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
+                                    int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path)
             if exp.profile:

@@ -54,11 +54,12 @@ def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
 
 
 def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_mask=None,
-                 acceptance: float | None = None):
+                 acceptance: float | list[float] | None = None):
     """A fresh drafter for ``name`` from ``cfg.drafter``: ``ngram``, ``draft_model`` (needs
     ``draft_model``) or ``oracle`` (an :class:`specdec.drafters.OracleDrafter` proposing
     ``reference [B, L + G]``, the plain output of the same batch with its prompts'
-    ``attention_mask``, at per-token ``acceptance``; seeded with ``cfg.seed``).
+    ``attention_mask``, at per-token ``acceptance``, or a schedule of it per new-token position;
+    seeded with ``cfg.seed``).
 
     Raises: ValueError for an unknown name or a missing draft model / reference."""
     from specdec.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter
@@ -73,7 +74,8 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
         if reference is None or acceptance is None:
             raise ValueError("drafter oracle proposes the plain output of the same batch: it runs in experiment=bench, "
                              "long_run and checks")
-        return OracleDrafter(reference, attention_mask, acceptance=float(acceptance), seed=int(cfg.seed))
+        rate = [float(a) for a in acceptance] if isinstance(acceptance, (list, tuple)) else float(acceptance)
+        return OracleDrafter(reference, attention_mask, acceptance=rate, seed=int(cfg.seed))
     raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle")
 
 

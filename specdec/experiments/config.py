@@ -13,7 +13,9 @@ Every user-facing field carries a one-line ``help`` in its metadata (:func:`fiel
 ``specdec-run --help`` prints them. Choices are :class:`enum.StrEnum` members: they compare
 equal to, print as and serialise to their plain string values, so ``cfg.device == "cpu"`` and
 ``json.dumps`` work unchanged. Rollback strategy names are checked against
-``specdec.rollback`` when the run starts (``app.validate``), not copied here.
+``specdec.rollback`` when the run starts (``app.validate``), not copied here, as is
+``num_speculative_tokens=auto``, which the benchmark's schema types ``Any`` for it (every other
+experiment keeps an ``int``: ``num_speculative_tokens=abc`` fails when Hydra composes).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from omegaconf import MISSING
 __all__ = [
     "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
-    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
+    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
+    "TrainMedusaConfig",
     "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
@@ -183,6 +186,20 @@ class BenchExperiment:
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
 
 
+@dataclass
+class AdaptiveExperiment:
+    name: str = "adaptive"
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
+    k_grid: List[int] = _doc(help="the fixed K values auto is compared with (auto's largest K: their maximum)",
+                             factory=lambda: [1, 2, 4, 8])
+    acceptance_phases: List[float] = _doc(help="the changing workload: the oracle's acceptance over equal shares of "
+                                               "max_new_tokens ([]: none)", factory=lambda: [0.9, 0.1])
+    warmup: bool = _doc(True, "one untimed generate per cell first (compiles, captures, measures auto's costs)")
+    prompt_tokens: Optional[int] = _doc(None, "prompts of this many random token ids per row; null: the prompt set")
+    ignore_eos: bool = _doc(True, "clear the target's EOS token: every row runs max_new_tokens")
+    decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
+
+
 class TreeKernels(StrEnum):
     default = "default"  # the device's backend (Triton on CUDA)
     torch = "torch"  # the torch reference ops
@@ -314,7 +331,14 @@ class RollbackExperimentConfig(BaseConfig):
 
 @dataclass
 class BenchConfig(BaseConfig):
+    num_speculative_tokens: Any = _doc(4, "K, drafts per verify step (0 = plain decoding), or auto: chosen per step "
+                                          "(specdec.adaptive)")
     experiment: BenchExperiment = field(default_factory=BenchExperiment)
+
+
+@dataclass
+class AdaptiveConfig(BaseConfig):
+    experiment: AdaptiveExperiment = field(default_factory=AdaptiveExperiment)
 
 
 @dataclass
@@ -433,6 +457,7 @@ SCHEMAS = {
     "rollback": RollbackExperimentConfig,
     "bench": BenchConfig,
     "long_run": BenchConfig,
+    "adaptive": AdaptiveConfig,
     "kernels": KernelsConfig,
     "tree_verify": TreeVerifyConfig,
     "ngram_proposal": NgramProposalConfig,

@@ -23,7 +23,7 @@ import torch
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-__all__ = ["batch_encoding", "random_encoding", "plain_reference", "speculative_point", "PlainRun",
+__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "speculative_point", "PlainRun",
            "state_tolerance", "row_divergences", "divergence_margins", "release"]
 
 
@@ -42,6 +42,16 @@ def random_encoding(batch: int, tokens: int, vocab_size: int, device, seed: int 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, min(int(vocab_size), 8192), (batch, tokens), generator=g).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def timing_batch(batch: int, prompt_tokens: int | None, prompts: list[dict], tok, vocab_size: int, device,
+                 seed: int) -> tuple[dict, int]:
+    """The batch a timing experiment decodes and its pad id: ``prompt_tokens`` random ids per row
+    (:func:`random_encoding`, seeded ``seed + batch``; pad id 0) when given, else the first
+    ``batch`` of ``prompts`` (:func:`batch_encoding`; the tokenizer's pad id)."""
+    if prompt_tokens is not None:
+        return random_encoding(batch, int(prompt_tokens), vocab_size, device, seed + batch), 0
+    return batch_encoding(tok, prompts, batch, device), tok.pad_token_id
 
 
 def state_tolerance(dtype: torch.dtype) -> float:
@@ -204,11 +214,13 @@ def _per_step(values: list[float], steps: list[int]) -> tuple[float, float, floa
 
 
 @torch.no_grad()
-def speculative_point(model, enc, *, drafter, strategy: str, K: int, max_new: int, pad: int, device, dtype,
+def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_new: int, pad: int, device, dtype,
                       plain: PlainRun, reference: torch.Tensor, repeats: int = 1, warmup: bool = False,
-                      check_state: bool = True, decode_path: str = "auto") -> dict:
+                      check_state: bool = True, decode_path: str = "auto", max_speculative_tokens: int = 8) -> dict:
     """Run ``specdec.wrap(model, drafter, strategy, K, decode_path).generate`` on ``enc`` ``repeats`` times
-    (after one untimed call of the same shape when ``warmup``: it compiles and captures).
+    (after one untimed call of the same shape when ``warmup``: it compiles, captures and, for
+    ``"auto"``, measures the step costs). ``strategy`` / ``K`` may be ``"auto"`` (K up to
+    ``max_speculative_tokens``).
 
     Returns a dict: ``steps``, ``new_tokens``, ``mean_accepted_tokens``, ``acceptance_rate``,
     ``accept_histogram`` (of the last run); ``wall_s``, ``tokens_per_s`` (end to end),
@@ -225,12 +237,17 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int, max_new: in
     token for token), ``diverged_rows``, ``diverged_row_ids``, ``first_divergence`` (new-token
     positions), ``divergence_margins`` (:func:`divergence_margins`), ``near_tie`` (every margin <
     0.25 in bf16/fp16; None without divergences); ``state_rel_err`` / ``state_exact`` /
-    ``state_rows`` (committed SSM states vs HF's, when ``check_state`` and HF ran at ``max_new``).
+    ``state_rows`` (committed SSM states vs HF's, when ``check_state`` and HF ran at ``max_new``);
+    ``k_histogram`` (steps per K), ``rollback_used`` (the strategy that ran) and
+    ``calibration_s`` (median; the cost measurements of ``"auto"``); with ``K="auto"`` also
+    ``k_per_step`` (the last run's K of every step) and ``predicted_tokens_per_s`` /
+    ``measured_tokens_per_s`` (the policy's, median); with ``strategy="auto"`` ``rollback_reason``.
     """
     import specdec
 
-    sd = specdec.wrap(model, drafter=drafter, rollback=str(strategy), num_speculative_tokens=int(K),
-                      decode_path=decode_path)
+    sd = specdec.wrap(model, drafter=drafter, rollback=str(strategy),
+                      num_speculative_tokens=K if K == "auto" else int(K),
+                      decode_path=decode_path, max_speculative_tokens=max_speculative_tokens)
     stats = []
 
     def once():
@@ -285,7 +302,16 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int, max_new: in
         "state_rel_err": err,
         "state_exact": None if err is None else bool(err < state_tolerance(dtype)),
         "state_rows": state_rows,
+        "k_histogram": list(st.k_histogram),
+        "rollback_used": st.rollback,
+        "calibration_s": Timing(tuple(s.calibration_s for s in stats)).median,
     }
+    if K == "auto":
+        rec["k_per_step"] = list(st.k_per_step)
+        for name in ("predicted_tokens_per_s", "measured_tokens_per_s"):
+            rec[name] = Timing(tuple(getattr(s, name) or 0.0 for s in stats)).median
+    if strategy == "auto":
+        rec["rollback_reason"] = st.rollback_reason
     for name, values in (("verify_ms", [s.verify_s for s in stats]), ("commit_ms", [s.rollback_s for s in stats]),
                          ("draft_ms", [s.draft_s for s in stats]),
                          ("step_ms", [s.verify_s + s.rollback_s for s in stats]), ("ms_per_step", list(wall.samples))):

@@ -8,8 +8,9 @@ repeats or jobs), so they can always be recomputed from ``results.jsonl``.
 Under the title, a line says where and how the records were measured (device, date, command:
 :func:`provenance_lines`). Plots: ``accept_hist.png`` (acceptance: accepted-length histogram per
 drafter), ``rollback_time_vs_batch.png`` (rollback: commit + fold and whole SSM time per step,
-per strategy), ``speedup_vs_batch.png`` (rollback: speedup per strategy; bench: decode speedup
-per strategy, drafter and acceptance).
+per strategy), ``speedup_vs_batch.png`` (rollback: speedup per strategy; bench and adaptive:
+decode speedup per strategy, drafter, acceptance and K), ``k_over_time.png`` (adaptive: the K
+``num_speculative_tokens="auto"`` chose at each step).
 
 An experiment appends its records to ``results.jsonl`` as it measures; ``python -m
 specdec.experiments.report RUN_DIR`` rewrites ``summary.md`` and the plots from them (a run cut
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Column", "summarize", "recommend", "write_report", "write_summary", "print_table",
-           "accept_histogram_plot", "legend_lines", "COLUMNS", "ROLLBACK_COLUMNS", "BENCH_COLUMNS", "SECTIONS",
+           "accept_histogram_plot", "k_over_time_plot", "legend_lines", "COLUMNS", "ROLLBACK_COLUMNS", "BENCH_COLUMNS",
+           "ADAPTIVE_COLUMNS", "SECTIONS",
            "TERMINAL_WIDTH"]
 
 #: the terminal tables' width; wider tables keep their key columns there, all columns go to summary.md
@@ -157,6 +159,34 @@ BENCH_COLUMNS = (
            legend="every row's output equals specdec plain's (K = 0, same engine and path) token for token"),
 )
 
+_BENCH = {c.key: c for c in BENCH_COLUMNS}
+
+ADAPTIVE_COLUMNS = (
+    _BENCH["decode_tokens_per_s"],
+    Column("decode_speedup", "vs plain", "{:.2f}x", legend=_BENCH["decode_speedup"].legend),
+    Column("vs_best_fixed", "auto / best fixed", "{:.2f}x",
+           legend="auto's median decode tokens/s / the best fixed (K, strategy) cell's, same workload and batch"),
+    Column("best_fixed", "best fixed", TEXT, legend="that cell"),
+    Column("vs_worst_fixed_k", "auto / worst fixed K", "{:.2f}x", terminal=False,
+           legend="auto's decode tokens/s / the worst fixed K's (its best strategy): on a workload where every "
+                  "fixed K loses, auto beats each by at least this"),
+    Column("mean_k", "mean K", "{:.2f}", legend="drafts asked for per step, over the last timed run's steps"),
+    Column("rollback_used", "strategy run", TEXT, terminal=False,
+           legend="the rollback strategy the steps ran (auto: the one rollback='auto' chose; its reason is in "
+                  "results.jsonl)"),
+    Column("predicted_tokens_per_s", "predicted tokens/s", "{:.1f}", terminal=False,
+           legend="auto: the goodput its policy predicted for the steps it chose (expected tokens / predicted "
+                  "step time, summed over the steps)"),
+    Column("measured_tokens_per_s", "measured tokens/s", "{:.1f}", terminal=False,
+           legend="auto: the tokens its steps committed / the steps' time (decode loop, bookkeeping included)"),
+    Column("calibration_s", "calibration s", "{:.3f}", terminal=False,
+           legend="time measuring step costs inside the timed calls (auto's first call per batch measures; "
+                  "the untimed warm-up takes it when experiment.warmup)"),
+    _BENCH["mean_accepted_tokens"],
+    _BENCH["diverged_rows"],
+    _BENCH["exact"],
+)
+
 KERNEL_COLUMNS = (
     Column("launches", "launches", "{:.0f}", legend="kernel launches per layer and step"),
     Column("us_per_step", "us/step", "{:.1f}",
@@ -265,6 +295,7 @@ SECTIONS = {
     "rollback": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), ROLLBACK_COLUMNS, "runs"),
     "bench": (("model", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS,
               "runs"),
+    "adaptive": (("model", "acceptance", "batch", "rollback", "num_speculative_tokens"), ADAPTIVE_COLUMNS, "runs"),
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
     "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
@@ -712,6 +743,29 @@ def decode_speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> Non
     _save(fig, plt, path)
 
 
+def k_over_time_plot(records: list[dict], path: Path) -> None:
+    """The K that ``num_speculative_tokens="auto"`` chose at each step (the records' ``k_per_step``),
+    a panel per model, a line per workload (acceptance) and batch."""
+    auto = [r for r in records if r.get("k_per_step")]
+    if not auto:
+        return
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in auto))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for i, r in enumerate(r for r in auto if r["model"] == model):
+            ks = r["k_per_step"]
+            ax.step(range(1, len(ks) + 1), ks, where="post", color=f"C{i}",
+                    label=f"a={r.get('acceptance')}, batch {r['batch']} ({r.get('rollback_used')})")
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("K chosen")
+        ax.set_title(model, fontsize=10)
+        _legend_outside(ax)
+    fig.suptitle(f"num_speculative_tokens='auto': K per step\n{plot_subtitle(auto)}", fontsize=11)
+    fig.tight_layout()
+    _save(fig, plt, path)
+
+
 # ------------------------------------------------------------------------------- report
 
 
@@ -776,7 +830,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             lines += [f"## {exp}", ""]
         lines += _table_lines(rows, keys, shown, count_title)
         legend = legend_lines(shown)
-        cpu = (exp in ("acceptance", "rollback", "bench") and any(_key_value(r, "device") == "cpu" for r in recs)
+        cpu = (exp in ("acceptance", "rollback", "bench", "adaptive")
+               and any(_key_value(r, "device") == "cpu" for r in recs)
                and any(c.spread for c in shown))
         lines += ["", "Columns:", ""] + legend + (["", CPU_NOTE] if cpu else [])
         if console:
@@ -793,6 +848,10 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
         elif exp == "bench":
             lines += _divergence_lines(recs)
             decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
+        elif exp == "adaptive":
+            lines += _divergence_lines(recs)
+            decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
+            k_over_time_plot(recs, out_dir / f"{prefix}k_over_time.png")
         if console:
             import textwrap
 

@@ -1,0 +1,545 @@
+"""Adaptive speculation: the speculation length K of every step and the rollback strategy of a
+call, chosen from measured step costs and the acceptance observed so far
+(``num_speculative_tokens="auto"``, ``rollback="auto"``).
+
+The rule is goodput, committed tokens per second, as SmartSpec chooses the speculation length
+of a serving batch (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+Language Models Using Goodput"), with the expected accepted length of Leviathan et al. 2023
+(section 3.1) generalised from one acceptance rate to one per row and draft position. Before
+every step, for each K in ``[0, max_speculative_tokens]``::
+
+    E(K) = sum over live rows r of  1 + sum_{j=1..min(K, b_r)} prod_{i=1..j} a[r, i]
+    t(K) = draft(K) + verify(B, K + 1) + commit(B, K + 1) + overhead
+    K*   = argmax_K E(K) / t(K)
+
+``a[r, i]`` is row r's estimated probability that draft i is accepted when drafts 1..i-1 were
+(:class:`AcceptanceEstimator`), ``b_r`` the drafts the row's remaining budget can still use,
+``t(K)`` the predicted seconds of one step of the whole batch (:class:`CostModel`). K = 0 is plain
+decoding through the same engine (the drafter is not called).
+
+:class:`SpeculationPolicy` turns K* into the step's K with two rules:
+
+* **hysteresis**: the current K is kept unless K* is predicted faster by more than
+  ``hysteresis`` (default 5%), so measurement noise does not switch between step widths (each
+  width of the static path is its own captured CUDA graph) every step;
+* **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
+  step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes.
+
+Every row runs the step's K: the verify forward pads rows to one width, so a per-row count below
+the step's K would save no time in this loop (the drafter and the forward cost the same) and
+could only lose accepted tokens. A row whose acceptance is low counts for less in E(K) instead.
+
+The costs are measured, not assumed (:class:`MeasuredCosts`): the verify forward and the commit of
+every step width on the call's own decoder after its prefill (a warm-up run of each width first:
+it compiles the kernels and, on the CUDA-graph path, captures the width's graphs), then refined
+online from the :class:`~specdec.clock.StepClock` laps of real steps; the drafter's time per K
+online only (a proposal changes the drafter's state, so it cannot be timed apart). They are kept
+per (model, device, dtype) (:func:`costs_for`) and per (decode path, strategy, batch): a call with
+a new batch size measures again. :class:`FixedCosts` takes given step times instead (tests,
+costs measured elsewhere).
+
+``rollback="auto"`` measures every strategy of :data:`specdec.rollback.STRATEGIES` the same way
+and keeps, for the call, the one with the best predicted goodput (fixed K: the lowest step time
+at that K) among those whose rollback buffers fit the memory budget (:func:`choose_strategy`).
+A strategy's buffers hold the rolled-back state, so it cannot change in the middle of a call: it
+is chosen once per call, after the measured warm-up.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import numbers
+import statistics
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .clock import StepClock
+from .rollback import ReplayRollback
+
+__all__ = ["AUTO", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "MeasuredCosts", "FixedCosts",
+           "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
+           "expected_tokens", "rollback_bytes", "strategy_label"]
+
+#: the value of ``num_speculative_tokens`` / ``rollback`` that asks for the adaptive choice
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Tunables of the adaptive policy (``specdec.wrap(..., policy=PolicySettings(...))``).
+
+    Attributes:
+        acceptance_weight: weight of a new observation in the per-row, per-position acceptance
+            average (exponentially weighted: ``a := (1 - w) a + w x``), in (0, 1].
+        prior_acceptance: the acceptance of every position of every row before anything was
+            observed, in [0, 1] (each call starts from it: its rows are new sequences).
+        hysteresis: keep the current K unless another is predicted faster by more than this
+            fraction (>= 0).
+        probe_interval: at K = 0, every this-many-th step runs K = 1 (>= 1).
+        cost_weight: weight of a new step time in the online cost averages, in (0, 1].
+        calibration_repeats: timed runs of each step width when measuring (>= 1; the fastest counts).
+        memory_budget_bytes: ``rollback="auto"``: the most bytes a strategy's rollback buffers may
+            take (all SSM layers, the batch); None: any strategy whose measurement did not run
+            out of memory fits.
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    acceptance_weight: float = 0.25
+    prior_acceptance: float = 0.6
+    hysteresis: float = 0.05
+    probe_interval: int = 8
+    cost_weight: float = 0.2
+    calibration_repeats: int = 3
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self):
+        def bad(name, want):
+            raise ValueError(f"PolicySettings.{name} must be {want}, got {getattr(self, name)!r}")
+
+        for name in ("acceptance_weight", "cost_weight"):
+            if not 0.0 < float(getattr(self, name)) <= 1.0:
+                bad(name, "in (0, 1]")
+        if not 0.0 <= float(self.prior_acceptance) <= 1.0:
+            bad("prior_acceptance", "in [0, 1]")
+        if not float(self.hysteresis) >= 0.0:
+            bad("hysteresis", ">= 0")
+        for name in ("probe_interval", "calibration_repeats"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+                bad(name, "an int >= 1")
+        budget = self.memory_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0):
+            bad("memory_budget_bytes", "None or an int >= 0")
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+
+class AcceptanceEstimator:
+    """Per-row, per-draft-position acceptance, exponentially weighted, on the device.
+
+    ``rates[r, i]`` (``[B, M]`` fp32, M = ``max_speculative_tokens``) estimates the probability
+    that row r's draft ``i + 1`` is proposed and accepted given that drafts ``1 .. i`` were. After
+    a step in which row r was asked for ``asked[r]`` drafts and accepted ``n[r]``:
+
+    * positions ``i < n[r]`` observed 1 (accepted);
+    * position ``i = n[r]``, if ``n[r] < asked[r]``, observed 0 (rejected, or not proposed: a
+      drafter that proposes fewer drafts than asked gains nothing there);
+    * an observed position moves to ``(1 - w) rates + w x``;
+    * every other position ``i >= 1`` (not asked, or after the first rejection: censored) moves
+      the same way towards its left neighbour's value after those updates (one position per
+      step: the move does not cascade), the i.i.d. assumption of Leviathan et al. 2023; so a
+      position the steps have not reached lately follows the ones they did.
+      (For a drafter whose later positions are accepted less often, this biases them upward by
+      about the rejection rate of the position before.)
+
+    With sampling the observation is the accept/reject outcome itself, whose mean is the
+    acceptance probability ``sum_x min(p(x), q(x))`` of the draft and target distributions;
+    computing that sum would cost a softmax over the vocabulary per position, so it is not used.
+
+    Args:
+        batch: B. max_drafts: M >= 1. prior: ``[M]`` (or a float) starting rates.
+        weight: w in (0, 1]. device: where the rates live.
+    """
+
+    def __init__(self, batch: int, max_drafts: int, prior, weight: float, device):
+        prior = torch.as_tensor(prior, dtype=torch.float32, device=device).expand(max_drafts)
+        self.rates = prior[None, :].expand(batch, max_drafts).clone()
+        self.weight = float(weight)
+        self._pos = torch.arange(max_drafts, device=device)[None, :]
+
+    def update(self, num_accepted: torch.Tensor, num_asked: torch.Tensor, active: torch.Tensor) -> None:
+        """One step's observations: ``num_accepted [B]`` / ``num_asked [B]`` int64 (n <= asked),
+        ``active [B]`` bool (rows that ran the step). No host sync."""
+        j, w = self._pos, self.weight
+        n, asked = num_accepted[:, None], num_asked[:, None]
+        accepted = j < n
+        observed = (accepted | ((j == n) & (n < asked))) & active[:, None]
+        new = torch.where(observed, (1 - w) * self.rates + w * accepted.float(), self.rates)
+        left = torch.cat([new[:, :1], new[:, :-1]], dim=1)
+        drift = ~observed & active[:, None] & (j >= 1)
+        self.rates = torch.where(drift, (1 - w) * new + w * left, new)
+
+    def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
+        summed over the ``active [B]`` rows; ``budget [B]`` int64: the drafts each row can still use."""
+        return expected_tokens(self.rates, budget, active)
+
+
+def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """E(K) for K = 0..M (``[M + 1]`` fp64): ``sum_r active[r] (1 + sum_{j <= min(K, budget[r])}
+    prod_{i <= j} rates[r, i])``, the expected tokens a step commits when every row is asked for
+    K drafts (per-position rates ``[B, M]``, Leviathan et al. 2023, section 3.1)."""
+    B, M = rates.shape
+    reach = torch.cumprod(rates.double(), dim=1)  # P(drafts 1..j all accepted)
+    gain = torch.cat([reach.new_zeros(B, 1), torch.cumsum(reach, dim=1)], dim=1)  # [B, M + 1]
+    K = torch.arange(M + 1, device=rates.device)[None, :]
+    cols = torch.minimum(K, budget.clamp(min=0)[:, None])
+    per_row = 1.0 + gain.gather(1, cols)
+    return (per_row * active[:, None].double()).sum(0)
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """What a step time is measured for: the decode path (``"eager"``, ``"static"``,
+    ``"cuda_graph"``), the rollback strategy's name and the batch size."""
+
+    path: str
+    strategy: str
+    batch: int
+
+
+class CostModel(abc.ABC):
+    """Predicted seconds of one decode step of the whole batch at each K (a ``cost_model=`` of
+    :func:`specdec.wrap` is one of these; :class:`MeasuredCosts` is the default)."""
+
+    @abc.abstractmethod
+    def step_s(self, key: CostKey, drafter_key, K: int) -> float:
+        """Seconds of one step at K (the drafter's proposal, the verify forward with acceptance,
+        the commit and the step's bookkeeping) for ``key``; ``drafter_key`` names the drafter."""
+
+    def needs_widths(self, key: CostKey, widths) -> list[int]:
+        """The step widths (T = K + 1) of ``widths`` that still have to be measured for ``key``."""
+        return []
+
+    def record_width(self, key: CostKey, T: int, verify_s: float, commit_s: float) -> None:
+        """A measured verify forward and commit (seconds) of width ``T``."""
+
+    def record_bytes(self, key: CostKey, nbytes: int) -> None:
+        """The measured bytes of the strategy's rollback buffers for ``key``."""
+
+    def rollback_bytes(self, key: CostKey) -> int | None:
+        """The recorded bytes of ``key``'s rollback buffers (None: not known)."""
+        return None
+
+    def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
+        """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
+
+
+class MeasuredCosts(CostModel):
+    """Step costs measured on the device: the verify forward and the commit of each width (from
+    :func:`calibrate`), refined online by real steps.
+
+    ``step_s(K) = draft(K) + target(K)``, where
+
+    * ``target(K)``: the exponentially weighted mean (weight ``weight``) of the target's time in
+      real steps at K (verify + acceptance + commit + bookkeeping); before any real step at K, the
+      calibrated verify + commit of width K + 1 plus the mean gap between real steps and their
+      calibration (acceptance and bookkeeping, which the calibration does not run);
+    * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
+      run, a least-squares line through the measured K (one measured K: proportional to K);
+      0 before any measurement and at K = 0.
+
+    Args:
+        weight: the online averages' weight of a new step, in (0, 1].
+    """
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = float(weight)
+        self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
+        self._target: dict[tuple, float] = {}  # (key, K) -> seconds
+        self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds
+        self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
+        self._bytes: dict[CostKey, int] = {}
+
+    def needs_widths(self, key, widths):
+        return [T for T in widths if (key, T) not in self._widths]
+
+    def record_width(self, key, T, verify_s, commit_s):
+        self._widths[key, T] = (float(verify_s), float(commit_s))
+
+    def record_bytes(self, key, nbytes):
+        self._bytes[key] = int(nbytes)
+
+    def rollback_bytes(self, key):
+        return self._bytes.get(key)
+
+    def _ewma(self, table: dict, k, x: float) -> None:
+        old = table.get(k)
+        table[k] = x if old is None else (1 - self.weight) * old + self.weight * x
+
+    def observe(self, key, drafter_key, K, draft_s, target_s):
+        self._ewma(self._target, (key, K), target_s)
+        calib = self._widths.get((key, K + 1))
+        if calib is not None:
+            self._ewma(self._gap, key, target_s - sum(calib))
+        if K > 0:
+            self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
+
+    def calibrated_s(self, key: CostKey, K: int) -> float | None:
+        """The calibrated verify + commit of width K + 1 (seconds), or None."""
+        calib = self._widths.get((key, K + 1))
+        return None if calib is None else sum(calib)
+
+    def target_s(self, key: CostKey, K: int) -> float:
+        """``target(K)`` (see the class docstring). Raises KeyError when K was neither run nor calibrated."""
+        real = self._target.get((key, K))
+        if real is not None:
+            return real
+        calib = self.calibrated_s(key, K)
+        if calib is None:
+            raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
+        return calib + self._gap.get(key, 0.0)
+
+    def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
+        """``draft(K)`` (see the class docstring)."""
+        if K == 0:
+            return 0.0
+        seen = self._draft.get((drafter_key, key.path, key.batch), {})
+        if K in seen:
+            return seen[K]
+        if not seen:
+            return 0.0
+        if len(seen) == 1:
+            (k1, v1), = seen.items()
+            return v1 * K / k1
+        ks, vs = list(seen), list(seen.values())
+        mk, mv = statistics.fmean(ks), statistics.fmean(vs)
+        slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
+        return max(0.0, mv + slope * (K - mk))
+
+    def step_s(self, key, drafter_key, K):
+        return self.draft_s(drafter_key, key, K) + self.target_s(key, K)
+
+
+class FixedCosts(CostModel):
+    """Given step times instead of measured ones: ``step_s(strategy, batch, K)`` -> seconds of one
+    step of the whole batch at K (every K in ``[0, max_speculative_tokens]``). Nothing is measured
+    and nothing observed changes them (for tests, or costs measured elsewhere).
+
+    Raises (when asked): ValueError if the function returns a time that is not > 0."""
+
+    def __init__(self, step_s: Callable[[str, int, int], float]):
+        self._fn = step_s
+
+    def step_s(self, key, drafter_key, K):
+        t = float(self._fn(key.strategy, key.batch, K))
+        if not t > 0 or math.isinf(t):
+            raise ValueError(f"FixedCosts: step time at K={K} for {key} must be a finite number > 0, got {t!r}")
+        return t
+
+
+_COSTS: dict[tuple, MeasuredCosts] = {}
+
+
+def costs_for(model, device, dtype, weight: float = 0.2) -> MeasuredCosts:
+    """The measured costs of ``model`` on ``device`` in ``dtype``, shared by every generator of that
+    model (kept while the model lives)."""
+    key = (id(model), str(torch.device(device)), dtype)
+    costs = _COSTS.get(key)
+    if costs is None:
+        costs = _COSTS[key] = MeasuredCosts(weight)
+        weakref.finalize(model, _COSTS.pop, key, None)
+    return costs
+
+
+def rollback_bytes(cache) -> int:
+    """Bytes of every SSM layer's rollback store in ``cache`` (a :class:`~specdec.cache.HybridCache`):
+    the live or checkpoint state and whatever the strategy keeps to roll back."""
+    def size(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        return 0
+
+    return sum(size(layer.store.tensors) for layer in cache.ssm.values())
+
+
+@torch.no_grad()
+def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
+    """Time the verify forward and the commit of every step width in ``widths`` on ``decoder``
+    (prefilled): per width one untimed run (compiles its kernels; on the CUDA-graph path it
+    captures the width's graphs), then ``repeats`` timed runs of a forward of ``T`` placeholder
+    tokens followed by a commit of zero tokens, which leaves the committed state as it was (a
+    tree decoder: its tree's ``T`` nodes, and a commit of no path).
+
+    Returns ``{T: (verify seconds, commit seconds)}``, each the fastest of the timed runs (other
+    work on the device or host only adds time; the online refinement then adds what real steps
+    cost beyond the calibration)."""
+    B, dev, tree = decoder.batch, decoder.cache.device, decoder.tree
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    path = None if tree is None else torch.zeros(B, tree.max_depth + 1, dtype=torch.long, device=dev)
+    clock = StepClock(dev)
+    for T in widths:
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for rep in range(repeats + 1):
+            clock.lap(None)
+            decoder.forward(tokens)
+            clock.lap(("verify", T, rep))
+            decoder.commit(zeros, path)
+            clock.lap(("commit", T, rep))
+    clock.totals()  # waits for the device
+    spans = {phase: s for phase, s in clock.laps() if phase is not None}
+    return {T: (min(spans["verify", T, r] for r in range(1, repeats + 1)),
+                min(spans["commit", T, r] for r in range(1, repeats + 1))) for T in widths}
+
+
+# ------------------------------------------------------------------------------ choices
+
+
+def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float) -> int:
+    """The K of the next step: ``argmax_K expected[K] / step_s[K]`` (the smallest K on a tie),
+    unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``).
+
+    Args: expected, step_s: per K = 0..M, tokens a step commits and its seconds (> 0).
+        current: the K of the last step, or None."""
+    rate = [e / t for e, t in zip(expected, step_s)]
+    best = max(range(len(rate)), key=lambda K: (rate[K], -K))
+    if current is not None and current < len(rate) and rate[best] <= (1.0 + hysteresis) * rate[current]:
+        return current
+    return best
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """``rollback="auto"``'s choice: the strategy ``name``, the K it was compared at, and ``reason``:
+    every candidate's predicted tokens/s (or step time) and why any was left out."""
+
+    name: str
+    K: int
+    reason: str
+
+
+def choose_strategy(step_s: dict[str, dict[int, float]], expected: list[float], fixed_k: int | None,
+                    nbytes: dict[str, int | None], budget: int | None,
+                    left_out: dict[str, str] | None = None) -> StrategyChoice:
+    """The strategy with the lowest predicted step time at ``fixed_k``, or (``fixed_k`` None: the
+    policy chooses K) the best predicted goodput ``max_K expected[K] / step_s[K]``, among those
+    whose rollback buffers (``nbytes``, bytes) fit ``budget`` (None: no limit).
+
+    Args:
+        step_s: ``{strategy: {K: seconds of one step}}`` (with ``fixed_k``: at least that K).
+        expected: tokens a step commits per K = 0..M (the acceptance known when the call starts).
+        left_out: ``{strategy: why}`` for those left out before comparing (e.g. out of memory
+            while measuring); named in the reason.
+
+    Raises: ValueError when no strategy remains."""
+    notes = [f"{name} left out: {why}" for name, why in (left_out or {}).items()]
+    rates = {}
+    for name, times in step_s.items():
+        size = nbytes.get(name)
+        if budget is not None and size is not None and size > budget:
+            notes.append(f"{name} left out: its rollback buffers take {size / 2**20:.1f} MiB, over the budget of "
+                         f"{budget / 2**20:.1f} MiB")
+            continue
+        ks = [fixed_k] if fixed_k is not None else sorted(times)
+        K = max(ks, key=lambda k: (expected[k] / times[k], -k))
+        rates[name] = (expected[K] / times[K], K, times[K])
+    if not rates:
+        raise ValueError("rollback='auto': no rollback strategy could be measured within the memory budget ("
+                         + "; ".join(notes) + ")")
+    ranked = sorted(rates.items(), key=lambda x: -x[1][0])
+    name, (_, K, _) = ranked[0]
+    if fixed_k is not None:
+        what = ", ".join(f"{n} {1e3 * t:.3f} ms" for n, (_, _, t) in ranked)
+        reason = f"{name}: the lowest measured step time at K={K} ({what})"
+    else:
+        what = ", ".join(f"{n} {r:.1f} tokens/s at K={k}" for n, (r, k, _) in ranked)
+        reason = f"{name}: the best predicted goodput ({what})"
+    return StrategyChoice(name, K, "; ".join([reason] + notes))
+
+
+def strategy_label(strategy) -> str:
+    """The name a strategy's costs are kept under: its ``name``, ``"replay_deferred"`` for
+    deferred replay (which shares replay's name)."""
+    return "replay_deferred" if isinstance(strategy, ReplayRollback) and strategy.deferred else strategy.name
+
+
+class SpeculationPolicy:
+    """The K of each step of one ``generate()`` call (see the module docstring).
+
+    Per step the engine calls :meth:`next_k` (host: the K to ask the drafter for), then, on the
+    device, :meth:`update` with what the step accepted (returns E(K) for the next step, read at
+    the step's one host sync), then :meth:`after_step` with those values and the step clock.
+
+    Args:
+        settings: :class:`PolicySettings`. costs: the :class:`CostModel`. key: the call's
+            :class:`CostKey`. drafter_key: names the drafter in ``costs``.
+        max_speculative_tokens: M. batch: B. max_new_tokens: each row's budget.
+        prior: ``[M]`` starting acceptance rates. device: the decode loop's device.
+    """
+
+    def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
+                 max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device):
+        self.settings = settings
+        self.costs = costs
+        self.key = key
+        self.drafter_key = drafter_key
+        self.max_k = max_speculative_tokens
+        self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight,
+                                              device)
+        budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
+        self.expected = self.acceptance.expected_tokens(budget, torch.ones(batch, dtype=torch.bool,
+                                                                           device=device)).tolist()
+        self.current: int | None = None  # the K the policy settled on (a probe does not change it)
+        self.steps_at_zero = 0
+        #: the K of every step, in order
+        self.k_per_step: list[int] = []
+        self._predicted_tokens = 0.0
+        self._predicted_s = 0.0
+        self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
+        self._last: tuple | None = None  # (K, first mark, last mark) of the step whose laps are pending
+
+    def step_times(self) -> list[float]:
+        """Predicted seconds of one step at each K = 0..M."""
+        return [self.costs.step_s(self.key, self.drafter_key, K) for K in range(self.max_k + 1)]
+
+    def next_k(self) -> int:
+        """The K of the next step (host side; no device work)."""
+        times = self.step_times()
+        self.current = choose_k(self.expected, times, self.current, self.settings.hysteresis)
+        K = self.current
+        if K == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero % self.settings.probe_interval == 0:
+                K = 1  # probe: observe acceptance again
+        else:
+            self.steps_at_zero = 0
+        self.k_per_step.append(K)
+        self._predicted_tokens += self.expected[K]
+        self._predicted_s += times[K]
+        return K
+
+    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
+        """Device side, after the step's acceptance: update the acceptance estimate with the
+        step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
+        bool); returns ``[M + 1]`` fp64, E(K) for the next step's ``live [B]`` rows with
+        ``budget [B]`` drafts left each. No host sync."""
+        self.acceptance.update(num_accepted, num_asked, ran)
+        return self.acceptance.expected_tokens(budget, live)
+
+    def after_step(self, expected: list[float], clock: StepClock, first_mark: int) -> None:
+        """Host side, after the step's sync: keep E(K) for the next choice and feed the costs with
+        the laps of the previous step (complete now: this step's sync came after them);
+        ``first_mark`` is ``clock.marks`` before this step's first lap."""
+        self.expected = expected
+        if self._last is not None:
+            K, start, end = self._last
+            laps = clock.laps(start, end)
+            if K in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
+                draft = sum(s for phase, s in laps if phase == "draft")
+                self.costs.observe(self.key, self.drafter_key, K, draft, sum(s for _, s in laps) - draft)
+            self._seen.add(K)
+        self._last = (self.k_per_step[-1], first_mark - 1, clock.marks)
+
+    def k_histogram(self) -> list[int]:
+        """Steps run at each K = 0..M."""
+        hist = [0] * (self.max_k + 1)
+        for K in self.k_per_step:
+            hist[K] += 1
+        return hist
+
+    @property
+    def predicted_tokens_per_s(self) -> float | None:
+        """The predicted goodput of the steps run: sum of E(K) / sum of t(K) over the chosen K."""
+        return self._predicted_tokens / self._predicted_s if self._predicted_s > 0 else None

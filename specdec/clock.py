@@ -1,0 +1,63 @@
+"""Named phase times without host syncs: :class:`StepClock`.
+
+The decode loop laps it after each phase of a step (``draft``, ``verify``, ``rollback``,
+``bookkeeping``); :mod:`specdec.adaptive` times its calibration with it and reads each step's
+laps once the step's own host sync has made them final.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["StepClock"]
+
+
+class StepClock:
+    """Named phase times without host syncs: CUDA events on CUDA (read once at the end), else
+    ``time.perf_counter``. ``lap(phase)`` ends the running phase; :meth:`totals` sums each phase's
+    laps in seconds; :meth:`laps` gives the laps between two marks."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._marks: list = []
+        self._phases: list = []
+        self.lap(None)
+
+    def lap(self, phase) -> None:
+        """End the running phase as ``phase`` (any hashable name) and start the next one."""
+        if self.cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        self._marks.append(mark)
+        self._phases.append(phase)
+
+    @property
+    def marks(self) -> int:
+        """Marks so far (the first is the clock's start); a lap adds one."""
+        return len(self._marks)
+
+    def laps(self, start: int = 0, end: int | None = None) -> list[tuple[object, float]]:
+        """``[(phase, seconds)]`` of the laps ending at marks ``start + 1 .. end - 1`` (default:
+        all). On CUDA every event of the range must have completed (e.g. after a host sync that
+        followed the last of them): an event still queued raises instead of waiting."""
+        end = len(self._marks) if end is None else end
+        marks = self._marks[start:end]
+        if self.cuda:
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(marks, marks[1:])]
+        return list(zip(self._phases[start + 1:end], spans))
+
+    def totals(self) -> dict:
+        """``{phase: seconds}`` and ``"wall"`` (first mark to last); syncs the device first."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        laps = self.laps()
+        out = {"wall": sum(span for _, span in laps)}
+        for phase, span in laps:
+            out[phase] = out.get(phase, 0.0) + span
+        return out

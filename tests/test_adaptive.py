@@ -1,0 +1,371 @@
+"""num_speculative_tokens="auto" and rollback="auto" (specdec.adaptive): the output stays exact
+(greedy == HF greedy for every family, drafter and strategy, on the eager and the static path;
+sampling keeps the target's distribution), also through steps at K = 0 and back; the policy's
+choices follow its formulas (recomputed here, not copied); costs are measured and refined; bad
+settings fail with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import MAX_NEW, assert_same_token_distribution, make_drafter, reference
+from markers import needs_cuda
+from tiny_models import VOCAB, get_model, make_model, perturbed_copy
+
+import specdec
+from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, FixedCosts, MeasuredCosts, PolicySettings,
+                              SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
+from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, OracleDrafter
+from specdec.rollback import STRATEGIES
+
+
+class ScriptedCosts(CostModel):
+    """Costs under which the best K follows ``order`` step after step (K = order[i] costs 1 s, every
+    other K 100 s): forces the policy through every step width, 0 included, in a known order. A
+    new step is a ``step_s`` call of K = 0 (each choice asks for every K in order), counted per
+    strategy (``rollback="auto"`` compares them all once first); with ``strategy`` set, that
+    strategy's steps cost half the others' (``rollback="auto"`` picks it)."""
+
+    def __init__(self, order, strategy: str | None = None):
+        self.order, self.strategy, self.calls = order, strategy, {}
+
+    def step_s(self, key, drafter_key, K):
+        if K == 0:
+            self.calls[key.strategy] = self.calls.get(key.strategy, -1) + 1
+        target = self.order[self.calls[key.strategy] % len(self.order)]
+        return (1.0 if K == target else 100.0) * (1.0 if self.strategy in (None, key.strategy) else 2.0)
+
+
+#: a K order with switches up and down, runs at K = 0 shorter than the probe interval, the largest K
+ORDER = [0, 3, 0, 8, 1, 0, 0, 5, 2, 8, 0, 4, 7, 6]
+
+
+def _generate(sd, family, **kw):
+    ids, mask, eos, ref = reference(family)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0, **kw)
+    return out, ref
+
+
+def _check_stats(st, max_k: int):
+    assert len(st.k_histogram) == max_k + 1 and sum(st.k_histogram) == st.steps == len(st.k_per_step)
+    assert st.k_histogram == [st.k_per_step.count(K) for K in range(max_k + 1)]
+    assert len(st.accept_histogram) == max_k + 1
+
+
+# ------------------------------------------------------------------------------ exactness, greedy
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "perturbed", "small"])
+def test_auto_greedy_exact_vs_hf(family, drafter):
+    """Both choices measured (the default cost model): the output equals HF greedy's."""
+    sd = specdec.wrap(get_model(family), drafter=make_drafter(drafter, family), rollback="auto",
+                      num_speculative_tokens="auto")
+    out, ref = _generate(sd, family)
+    assert torch.equal(out, ref), f"\n{out}\n{ref}"
+    st = sd.last_stats
+    _check_stats(st, 8)
+    assert st.rollback in STRATEGIES and st.rollback_reason.startswith(f"{st.rollback}: the best predicted goodput")
+    assert all(name in st.rollback_reason for name in STRATEGIES)  # every candidate was measured and named
+    assert st.predicted_tokens_per_s > 0 and st.measured_tokens_per_s > 0
+    assert sd.strategy is not None and sd.strategy.name == st.rollback.replace("_deferred", "")
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_auto_k_through_every_width_exact(family, strategy, path):
+    """K forced through 0..8 in a scripted order (up, down, to 0 and back): exact on both decode
+    paths (the static path runs each width as its own static shape)."""
+    costs = ScriptedCosts(ORDER)
+    sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback=strategy,
+                      num_speculative_tokens="auto", decode_path=path, cost_model=costs)
+    out, ref = _generate(sd, family)
+    assert torch.equal(out, ref), f"\n{out}\n{ref}"
+    st = sd.last_stats
+    _check_stats(st, 8)
+    assert st.k_per_step == ORDER[:st.steps]  # hysteresis never holds a K that costs 100x
+    assert st.decode_path == path and st.rollback == strategy and st.rollback_reason is None
+    assert sd.cost_model is costs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "auto"])
+@pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
+def test_auto_on_the_cuda_graph_path_exact(fam, strategy):
+    """On CUDA (fp32 tiny models): K scripted through every width captures each width's graphs in
+    the middle of the generation (its warm-up commits nothing), and the measured costs capture them
+    while calibrating; both equal plain greedy, twice (the second call replays the kept graphs)."""
+    model = get_model(fam).cuda()
+    ids, mask, eos, ref = (t.cuda() if isinstance(t, torch.Tensor) else t for t in reference(fam))
+    for costs in (ScriptedCosts(ORDER), None):
+        draft = DraftModelDrafter(get_model(fam, "perturbed").cuda())
+        sd = specdec.wrap(model, drafter=draft, rollback=strategy, num_speculative_tokens="auto",
+                          decode_path="cuda_graph", cost_model=costs)
+        for _ in range(2):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+            assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
+            assert torch.equal(out, ref)
+            assert costs is None or len(set(sd.last_stats.k_per_step)) > 2  # scripted: several widths
+    get_model(fam).cpu()
+    get_model(fam, "perturbed").cpu()
+
+
+def test_auto_rollback_takes_the_cheapest_strategy(family):
+    costs = ScriptedCosts(ORDER, strategy="ring")
+    sd = specdec.wrap(get_model(family), drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                      cost_model=costs)
+    out, ref = _generate(sd, family)
+    assert torch.equal(out, ref)
+    assert sd.last_stats.rollback == "ring" and sd.last_stats.rollback_reason.startswith("ring: ")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_medusa_chain_auto_exact(strategy):
+    model = get_model("qwen3_5")
+    heads = MedusaHeads.from_target(model, num_heads=3)
+    sd = specdec.wrap(model, drafter=MedusaDrafter(heads), rollback=strategy, num_speculative_tokens="auto",
+                      max_speculative_tokens=5, cost_model=ScriptedCosts([0, 5, 2, 0, 0, 3, 1]))
+    out, ref = _generate(sd, "qwen3_5")
+    assert torch.equal(out, ref)
+    st = sd.last_stats
+    _check_stats(st, 5)
+    assert st.proposed_tokens <= 3 * sum(min(K, 3) for K in st.k_per_step)  # 3 heads: at most 3 drafts
+
+
+def test_policy_goes_to_plain_decoding_and_speculates_again(family):
+    """Observed acceptance drives K to 0 (the oracle's drafts are all wrong for the first new
+    tokens), a probe sees the acceptance rise (every draft right afterwards), K grows again; the
+    costs are given (a step at K costs 1 + 0.3 K), so the path is the policy's own rule."""
+    ids, mask, eos, ref = reference(family)
+    L = ids.shape[1]
+    plain = get_model(family).generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
+    drafter = OracleDrafter(plain, mask, acceptance=[0.0] * 12 + [1.0], seed=0)
+    sd = specdec.wrap(get_model(family), drafter=drafter, rollback="replay", num_speculative_tokens="auto",
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K))
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=0)
+    assert torch.equal(out, plain)
+    ks = sd.last_stats.k_per_step
+    first_zero = ks.index(0)
+    assert 0 < first_zero and max(ks[:first_zero]) >= 1  # it speculated, then stopped
+    zeros = ks[first_zero:first_zero + 7]
+    assert zeros == [0] * 7 and ks[first_zero + 7] == 1  # plain steps, then the probe
+    assert max(ks[first_zero:]) >= 3  # and speculation resumed with longer drafts
+    assert sd.last_stats.accepted_tokens > 0 and out.shape[1] == L + 48
+
+
+# ------------------------------------------------------------------------------ exactness, sampling
+
+V, N, POSITIONS = 8, 3000, 4
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_models():
+    target = make_model("qwen3_5", seed=3, vocab=V)
+    return target, perturbed_copy(target, scale=0.3, seed=4)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_auto_sampling_keeps_the_target_distribution(tiny_vocab_models, drafter):
+    """Sampling with K changing every step (0 included) and the strategy chosen by the costs:
+    the marginals of the first new tokens equal HF sampling's (two-sample chi-square)."""
+    target, draft = tiny_vocab_models
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    ids = prompt.repeat(N, 1)
+    hf = target.generate(ids, max_new_tokens=POSITIONS, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+    dr = "ngram" if drafter == "ngram" else DraftModelDrafter(draft)
+    sd = specdec.wrap(target, drafter=dr, rollback="auto", num_speculative_tokens="auto", max_speculative_tokens=3,
+                      cost_model=ScriptedCosts([0, 3, 0, 2], strategy="snapshot"))
+    out = sd.generate(ids, max_new_tokens=POSITIONS, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0,
+                      generator=torch.Generator().manual_seed(1234))
+    st = sd.last_stats
+    assert st.rollback == "snapshot" and 0 in st.k_per_step and max(st.k_per_step) >= 2
+    assert st.proposed_tokens > N // 4
+    assert 0 < st.acceptance_rate < 1
+    assert_same_token_distribution(hf, out, prompt.shape[1], POSITIONS, V)
+
+
+# ------------------------------------------------------------------------------ the policy's rules
+
+
+def test_expected_tokens_formula():
+    g = torch.Generator().manual_seed(0)
+    B, M = 5, 6
+    rates = torch.rand(B, M, generator=g)
+    budget = torch.tensor([0, 2, 6, 9, 3])
+    active = torch.tensor([True, True, False, True, True])
+    got = expected_tokens(rates, budget, active)
+    for K in range(M + 1):
+        want = 0.0
+        for r in range(B):
+            if not active[r]:
+                continue
+            want += 1.0 + sum(math.prod(float(rates[r, i]) for i in range(j)) for j in range(1, min(K, budget[r]) + 1))
+        assert float(got[K]) == pytest.approx(want, rel=1e-9), K
+
+
+def test_choose_k_maximises_goodput_with_hysteresis():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        M = 8
+        expected = (1 + torch.rand(M + 1, generator=g).cumsum(0)).tolist()
+        times = (1 + torch.rand(M + 1, generator=g) * torch.arange(M + 1)).tolist()
+        rates = [e / t for e, t in zip(expected, times)]
+        best = rates.index(max(rates))
+        assert choose_k(expected, times, None, 0.05) == best
+        for current in range(M + 1):
+            want = current if rates[best] <= 1.05 * rates[current] else best
+            assert choose_k(expected, times, current, 0.05) == want
+
+
+def test_acceptance_estimator_rule():
+    w, prior = 0.25, 0.6
+    est = AcceptanceEstimator(4, 4, prior, w, "cpu")
+    n = torch.tensor([2, 0, 3, 1])
+    asked = torch.tensor([3, 2, 3, 0])  # row 2 accepted all it was asked; row 3 asked nothing
+    ran = torch.tensor([True, True, True, False])
+    est.update(n, asked, ran)
+    want = [[prior] * 4 for _ in range(4)]
+    for r in range(3):
+        seen = list(want[r])  # the observed positions updated first
+        for i in range(4):
+            if i < n[r]:
+                seen[i] = (1 - w) * want[r][i] + w  # accepted
+            elif i == n[r] and n[r] < asked[r]:
+                seen[i] = (1 - w) * want[r][i]  # the first rejection
+        for i in range(4):
+            censored = i > n[r] or (i == n[r] and n[r] == asked[r])
+            want[r][i] = (1 - w) * seen[i] + w * seen[i - 1] if censored and i >= 1 else seen[i]
+    assert torch.allclose(est.rates, torch.tensor(want), atol=1e-6), (est.rates, want)
+
+
+def test_policy_probes_at_k0_and_counts_what_it_predicted():
+    """K = 0 is best for constant acceptance 0: every 8th step at K = 0 is a K = 1 probe."""
+    costs = FixedCosts(lambda strategy, batch, K: 1.0 + K)
+    settings = PolicySettings(probe_interval=8)
+    policy = SpeculationPolicy(settings, costs, CostKey("eager", "replay", 2), None, 4, 2, 100, 0.0, "cpu")
+    ks = [policy.next_k() for _ in range(24)]
+    assert ks == ([0] * 7 + [1]) * 3
+    assert policy.k_histogram() == [21, 3, 0, 0, 0]
+    # prior 0: every K commits 1 token per row, so the predicted goodput is 2 rows / the mean step time
+    assert policy.predicted_tokens_per_s == pytest.approx(2 * 24 / (21 * 1.0 + 3 * 2.0))
+
+
+def test_measured_costs_calibration_online_and_draft_line():
+    costs = MeasuredCosts(weight=0.5)
+    key = CostKey("eager", "replay", 4)
+    assert costs.needs_widths(key, [1, 2, 3]) == [1, 2, 3]
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=0.010 * T, commit_s=0.001)
+    assert costs.needs_widths(key, [1, 2, 3]) == []
+    assert costs.step_s(key, "d", 1) == pytest.approx(0.021)  # calibrated, no draft time known yet
+    costs.observe(key, "d", 1, draft_s=0.004, target_s=0.025)  # a real step at K = 1
+    assert costs.target_s(key, 1) == pytest.approx(0.025)
+    gap = 0.025 - 0.021
+    assert costs.target_s(key, 2) == pytest.approx(0.021 + 0.010 + gap)  # calibrated + the mean real gap
+    assert costs.draft_s("d", key, 2) == pytest.approx(0.008)  # one measured K: proportional
+    costs.observe(key, "d", 1, draft_s=0.006, target_s=0.027)
+    assert costs.target_s(key, 1) == pytest.approx(0.5 * 0.025 + 0.5 * 0.027)  # weighted mean
+    costs.observe(key, "d", 2, draft_s=0.007, target_s=0.040)
+    k, v = [1, 2], [0.005, 0.007]  # a line through the measured K: draft(K) = 0.003 + 0.002 K
+    assert costs.draft_s("d", key, 4) == pytest.approx(v[0] + (v[1] - v[0]) / (k[1] - k[0]) * (4 - k[0]))
+    assert costs.draft_s("d", key, 0) == 0.0 and costs.draft_s("other", key, 3) == 0.0
+    with pytest.raises(KeyError, match="calibrate"):
+        costs.target_s(CostKey("eager", "ring", 4), 1)
+
+
+def test_choose_strategy_rules():
+    expected = [1.0, 1.6, 2.0]
+    times = {"snapshot": {0: 1.0, 1: 1.1, 2: 1.2}, "ring": {0: 1.0, 1: 1.3, 2: 1.1}, "replay": {0: 1.0, 1: 1.2,
+                                                                                                 2: 1.5}}
+    best = max(times, key=lambda n: max(expected[k] / t for k, t in times[n].items()))
+    choice = choose_strategy(times, expected, None, {}, None)
+    assert choice.name == best == "ring" and choice.K == 2 and "best predicted goodput" in choice.reason
+    fixed = choose_strategy(times, expected, 1, {}, None)
+    assert fixed.name == min(times, key=lambda n: times[n][1]) and "lowest measured step time at K=1" in fixed.reason
+    sizes = {"snapshot": 300 * 2**20, "ring": 500 * 2**20, "replay": 100 * 2**20}
+    fit = choose_strategy(times, expected, None, sizes, 400 * 2**20, {"extra": "out of memory while measuring it"})
+    assert fit.name == "snapshot" and "ring left out" in fit.reason and "over the budget of 400.0 MiB" in fit.reason
+    assert "extra left out: out of memory" in fit.reason
+    with pytest.raises(ValueError, match="no rollback strategy could be measured within the memory budget"):
+        choose_strategy(times, expected, None, sizes, 2**20)
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def test_measured_costs_are_kept_per_model_and_batch():
+    """The first call measures every step width (and every strategy for rollback="auto"); a second
+    call of the same batch size measures nothing; another batch size measures again."""
+    model = make_model("nemotron_h", seed=7)  # a model of its own: no other test measured it
+    costs = costs_for(model, "cpu", torch.float32)
+    assert costs is costs_for(model, "cpu", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                      max_speculative_tokens=3)
+    sd.generate(ids, max_new_tokens=6, pad_token_id=0)
+    assert sd.last_stats.calibration_s > 0
+    for name in STRATEGIES:
+        key = CostKey("eager", name, 2)
+        assert costs.needs_widths(key, [1, 2, 3, 4]) == [] and costs.rollback_bytes(key) > 0
+    assert costs.needs_widths(CostKey("eager", "replay", 1), [1]) == [1]
+    # a fixed K with rollback="auto" compares the strategies at that K
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens=2)
+    sd.generate(ids, max_new_tokens=6, pad_token_id=0)
+    assert "lowest measured step time at K=2" in sd.last_stats.rollback_reason
+    assert sd.last_stats.k_histogram == [0, 0, sd.last_stats.steps]
+
+
+def test_memory_budget_leaves_strategies_out():
+    model = make_model("qwen3_next", seed=7)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens=3)
+    sd.generate(ids, max_new_tokens=4, pad_token_id=0)
+    costs = sd.cost_model
+    sizes = {n: costs.rollback_bytes(CostKey("eager", n, 2)) for n in STRATEGIES}
+    smallest = min(sizes, key=sizes.get)
+    sd.policy = PolicySettings(memory_budget_bytes=sizes[smallest])
+    out = sd.generate(ids, max_new_tokens=4, pad_token_id=0)
+    assert sd.last_stats.rollback == smallest, sizes
+    assert sum("over the budget" in part for part in sd.last_stats.rollback_reason.split("; ")) == sum(
+        size > sizes[smallest] for size in sizes.values())
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+# ------------------------------------------------------------------------------ bad settings
+
+
+def test_bad_adaptive_settings_fail_clearly():
+    model = get_model("qwen3_5")
+    for bad in (0, -1, 65):
+        with pytest.raises(ValueError, match=r"max_speculative_tokens must be in \[1, 64\]"):
+            specdec.wrap(model, num_speculative_tokens="auto", max_speculative_tokens=bad)
+    with pytest.raises(TypeError, match="max_speculative_tokens must be an int"):
+        specdec.wrap(model, num_speculative_tokens="auto", max_speculative_tokens=2.0)
+    with pytest.raises(ValueError, match="an int in \\[0, 64\\] or 'auto', got 'fast'"):
+        specdec.wrap(model, num_speculative_tokens="fast")
+    with pytest.raises(ValueError, match="unknown rollback strategy 'fastest'"):
+        specdec.wrap(model, rollback="fastest")
+    with pytest.raises(TypeError, match="cost_model must be a specdec.adaptive.CostModel"):
+        specdec.wrap(model, num_speculative_tokens="auto", cost_model={"K": 1})
+    with pytest.raises(TypeError, match="policy must be a specdec.adaptive.PolicySettings"):
+        specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
+    for field, value in (("hysteresis", -0.1), ("probe_interval", 0), ("acceptance_weight", 0.0),
+                         ("prior_acceptance", 1.5), ("memory_budget_bytes", -1)):
+        with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
+            PolicySettings(**{field: value})
+    tree = MedusaDrafter(MedusaHeads.from_target(model, num_heads=2), tree="default")
+    with pytest.raises(ValueError, match="chooses a chain length per step.*drafts a tree"):
+        specdec.wrap(model, drafter=tree, num_speculative_tokens="auto")
+    sd = specdec.wrap(model, drafter=tree, num_speculative_tokens=2)  # a fixed K is fine, then "auto" is refused
+    with pytest.raises(ValueError, match="drafts a tree"):
+        sd.num_speculative_tokens = "auto"
+    sd = specdec.wrap(model, num_speculative_tokens="auto", cost_model=FixedCosts(lambda s, b, K: 0.0))
+    ids, mask, _, _ = reference("qwen3_5")
+    with pytest.raises(ValueError, match="FixedCosts: step time at K=0 .* must be a finite number > 0"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError, match="acceptance schedule needs prompt_attention_mask"):
+        OracleDrafter(ids, acceptance=[0.5, 0.9])
+    with pytest.raises(ValueError, match="acceptance must be in"):
+        OracleDrafter(ids, mask, acceptance=[0.5, 1.2])
