@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from . import adaptive, drafters, models, rollback, zoo
-    from .engine import SpeculativeGenerator, Stats
+    from .engine import SpeculativeGenerator
+    from .stats import Stats
     from .hf_integration import enable_hf_speculation
 
 #: public names -> the submodule that defines them; imported on first use, so that
 #: ``import specdec.experiments.cli`` (``specdec-run --help``) does not import torch
 _LAZY = {
     "adaptive": None, "drafters": None, "models": None, "rollback": None, "zoo": None,
-    "SpeculativeGenerator": "engine", "Stats": "engine", "enable_hf_speculation": "hf_integration",
+    "SpeculativeGenerator": "engine", "Stats": "stats", "enable_hf_speculation": "hf_integration",
 }
 
 __all__ = [

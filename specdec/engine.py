@@ -20,7 +20,6 @@ prefill (:mod:`specdec.adaptive`).
 from __future__ import annotations
 
 import numbers
-from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -33,11 +32,12 @@ from .drafters.base import check_draft_probs, check_proposal, check_tree_proposa
 from .models import adapter_for
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .settings import resolve
+from .stats import Stats
 from .step_hook import StepHook
 from .tree import tree_for
 from .verify import accept_tree, greedy_accept, process_logits, sample_accept
 
-__all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator", "Stats"]
+__all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator"]
 
 #: the largest ``num_speculative_tokens`` (K) the engine accepts
 MAX_SPECULATIVE_TOKENS = 64
@@ -46,61 +46,6 @@ _IN_PLACE = InPlaceUpdate()
 #: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
 #: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
-
-
-@dataclass
-class Stats:
-    """What one ``generate()`` did. Names as Spec-Bench uses them; times in seconds.
-
-    mean_accepted_tokens: tokens committed per target forward per sequence, including the
-        bonus/correction token (plain decoding = 1.00). acceptance_rate: accepted drafts /
-        proposed drafts (0 when nothing was proposed). accept_histogram[n]: row-steps that
-        accepted n drafts. proposed_tokens / accepted_tokens: drafts verified / accepted over
-        all row-steps (a tree step proposes its depth limit). steps: target verify forwards.
-        new_tokens: tokens generated (all rows, up to and including EOS). draft_s / verify_s /
-        rollback_s: time proposing, in the target forward + acceptance, and committing state;
-        prefill_s: the prompt's forward and cache setup; wall_s: the whole call.
-        decode_path: how the steps ran: ``"eager"`` (dynamic shapes), ``"static"`` (fixed shapes,
-        one host sync per step) or ``"cuda_graph"`` (static, with the verify forward and the
-        commit replayed as CUDA graphs).
-        capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
-        ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
-        k_histogram[K]: steps that asked for K drafts (``num_speculative_tokens="auto"`` chooses
-        K per step, up to ``max_speculative_tokens``; a fixed K puts every step at K).
-        k_per_step: the K of every step, in order. rollback: the rollback strategy the call ran
-        (``"none"``: plain decoding, the state updated in place). rollback_reason: with
-        ``rollback="auto"``, why that strategy (the candidates' predicted tokens/s or step times,
-        and any left out); None otherwise. calibration_s: time measuring step costs
-        (``"auto"``'s first call per batch size; part of wall_s). predicted_tokens_per_s /
-        measured_tokens_per_s: with ``"auto"``, the goodput the policy predicted for the steps it
-        chose (sum of expected tokens / sum of predicted step times) and the one measured
-        (tokens the steps committed / the steps' time); None with a fixed K.
-    """
-
-    steps: int = 0
-    new_tokens: int = 0
-    mean_accepted_tokens: float = 0.0
-    acceptance_rate: float = 0.0
-    accept_histogram: list = field(default_factory=list)
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    rollback_s: float = 0.0
-    prefill_s: float = 0.0
-    wall_s: float = 0.0
-    decode_path: str = "eager"
-    capture_error: str | None = None
-    k_histogram: list = field(default_factory=list)
-    k_per_step: list = field(default_factory=list)
-    rollback: str = ""
-    rollback_reason: str | None = None
-    calibration_s: float = 0.0
-    predicted_tokens_per_s: float | None = None
-    measured_tokens_per_s: float | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class _Rows:
