@@ -29,7 +29,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Args:
         model: e.g. ``Qwen3_5ForCausalLM``, ``Qwen3NextForCausalLM``, ``NemotronHForCausalLM``,
             ``KimiLinearForCausalLM`` (weights are used in place, never copied).
-        drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
+        drafter: ``"ngram"``, ``"mtp"`` (the model's own multi-token-prediction layers, read from the
+            checkpoint it was loaded from) or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
         rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``), ``"replay_deferred"``
             (replay folding only when its history would overflow), or an instance.
         num_speculative_tokens: K in ``[0, specdec.engine.MAX_SPECULATIVE_TOKENS]`` (0: plain decoding

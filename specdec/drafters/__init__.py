@@ -1,30 +1,44 @@
-"""Drafters: n-gram (prompt lookup), a draft model, Medusa heads, and the :class:`Drafter` base for your own."""
+"""Drafters: n-gram (prompt lookup), a draft model, Medusa heads, the target's own MTP layers,
+and the :class:`Drafter` base for your own."""
 
 from .base import Drafter
 from .draft_model import DraftModelDrafter
 from .medusa import MedusaDrafter, MedusaHeads
+from .mtp import MTPDrafter
 from .ngram import NGramDrafter
 from .oracle import OracleDrafter
 
-__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "OracleDrafter", "make_drafter"]
+__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "MTPDrafter",
+           "OracleDrafter", "make_drafter"]
+
+#: drafter names :func:`make_drafter` takes
+DRAFTER_NAMES = ("ngram", "mtp")
 
 
-def make_drafter(drafter) -> Drafter:
-    """A drafter from ``"ngram"`` or a :class:`Drafter` instance.
+def make_drafter(drafter, target=None) -> Drafter:
+    """A drafter from a name or a :class:`Drafter` instance: ``"ngram"`` (prompt lookup) or
+    ``"mtp"`` (the MTP layers of the checkpoint ``target`` was loaded from,
+    :meth:`MTPDrafter.for_model`; needs ``target``).
 
     Raises:
-        ValueError: unknown name. TypeError: anything else.
+        ValueError: unknown name; ``"mtp"`` without a target or without MTP layers in its
+            checkpoint. TypeError: anything else.
     """
     if isinstance(drafter, Drafter):
         return drafter
     if isinstance(drafter, str):
         if drafter == "ngram":
             return NGramDrafter()
+        if drafter == "mtp":
+            if target is None:
+                raise ValueError("drafter='mtp' drafts with the target's own MTP layers: pass the target "
+                                 "(make_drafter('mtp', target=model)) or use specdec.wrap(model, drafter='mtp')")
+            return MTPDrafter.for_model(target)
         raise ValueError(
-            f"unknown drafter {drafter!r}; use 'ngram' or an instance from specdec.drafters "
-            "(NGramDrafter, DraftModelDrafter, MedusaDrafter, or your own Drafter subclass)"
+            f"unknown drafter {drafter!r}; use one of {DRAFTER_NAMES} or an instance from specdec.drafters "
+            "(NGramDrafter, DraftModelDrafter, MedusaDrafter, MTPDrafter, or your own Drafter subclass)"
         )
     raise TypeError(
-        f"drafter must be 'ngram' or a specdec.drafters.Drafter instance, got {type(drafter).__name__}; "
+        f"drafter must be one of {DRAFTER_NAMES} or a specdec.drafters.Drafter instance, got {type(drafter).__name__}; "
         "wrap a draft model as specdec.drafters.DraftModelDrafter(model)"
     )
