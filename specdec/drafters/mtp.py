@@ -317,12 +317,13 @@ def read_mtp_tensors(path, device=None, dtype=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_mtp_tensors(layers: MTPLayers, path, dtype=None) -> None:
+def write_mtp_tensors(layers: MTPLayers, path, dtype=None, config_fields: dict | None = None) -> None:
     """Add ``layers``' tensors (``mtp.*``, public layout, in ``dtype`` or their own) to the
     checkpoint folder ``path`` and set the config fields a checkpoint with MTP layers carries
-    (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers`` and ``mtp_layers_block_type``).
-    A single ``model.safetensors`` is rewritten with them; a sharded checkpoint gets one more
-    shard, listed in its index. Earlier ``mtp.*`` tensors are replaced."""
+    (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``, Nemotron-H's
+    ``mtp_layers_block_type``, and ``config_fields``, e.g. the MoE sizes the layers were built
+    with). A single ``model.safetensors`` is rewritten with them; a sharded checkpoint gets one
+    more shard, listed in its index. Earlier ``mtp.*`` tensors are replaced."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
@@ -340,6 +341,7 @@ def write_mtp_tensors(layers: MTPLayers, path, dtype=None) -> None:
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    text.update(config_fields or {})
     text[layers.count_field] = layers.num_steps
     if isinstance(layers, NemotronHMTP):
         text["mtp_layers_block_type"] = list(layers.pattern)
@@ -544,13 +546,18 @@ class MTPDrafter(Drafter):
         t = tokens.shape[1]
         pos = cache.position_ids(t)
         x = self.embed(tokens)
-        pe = None
-        if self._rotary is not None:
-            pe = self._rotary(x, pos[None].expand(3, *pos.shape) if self._mrope else pos)
-        out = self.layers(x, hidden.to(x.dtype), step, position_embeddings=pe,
+        out = self.layers(x, hidden.to(x.dtype), step, position_embeddings=self.position_embeddings(x, pos),
                           attention_mask=cache.attention_mask(t, self.adapter.dtype), position_ids=pos, cache=cache)
         cache.advance(t)
         return out
+
+    def position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """The target's rotary ``(cos, sin)`` for ``position_ids [B, T]`` (what its decoder layers
+        take), or None for a family without rotary embeddings (Nemotron-H)."""
+        if self._rotary is None:
+            return None
+        pos = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
+        return self._rotary(x, pos)
 
     def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None):
         """Catch up on the ``num [B]`` entries whose target hidden states are ``hidden [B, R, D]``

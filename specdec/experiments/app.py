@@ -2,9 +2,10 @@
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
 comparison), ``bench`` (end-to-end speed), ``kernels`` (the per-layer kernel table),
-``train_zoo`` (the zoo recipe) or ``train_medusa`` (the Medusa heads recipe); ``model=``,
-``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
-checked against the experiment's structured config (:mod:`specdec.experiments.config`).
+``train_zoo`` (the zoo recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the
+MTP layers recipe); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's
+run folder. Every key is checked against the experiment's structured config
+(:mod:`specdec.experiments.config`).
 
 Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
 one line on stderr, ``specdec-run: <what is wrong>``, and exit status 2; set
@@ -41,7 +42,7 @@ def validate(cfg: DictConfig) -> None:
     unknown = sorted(set(cfg.keys()) - schema_keys(name) - {"hydra"})
     if unknown:
         raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}")
-    if name in ("train_zoo", "train_medusa"):
+    if name in ("train_zoo", "train_medusa", "train_mtp"):
         return
     if name == "kernels":
         _validate_kernels(cfg.experiment)
@@ -81,9 +82,9 @@ def validate(cfg: DictConfig) -> None:
         if len(cfg.drafter.names) != 1:
             raise ValueError(f"experiment={name} uses one drafter; got {list(map(str, cfg.drafter.names))} "
                              "(use drafter=ngram or drafter=draft_model)")
-        if str(cfg.drafter.names[0]) == "medusa":
-            raise ValueError(f"experiment={name} supports drafter=ngram or drafter=draft_model; Medusa heads run in "
-                             "experiment=acceptance")
+        if str(cfg.drafter.names[0]) in ("medusa", "mtp"):
+            raise ValueError(f"experiment={name} supports drafter=ngram or drafter=draft_model; Medusa heads and MTP "
+                             "layers run in experiment=acceptance")
         if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
             raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
         if name == "bench" and int(exp.repeats) < 1:
@@ -118,7 +119,7 @@ def _validate_kernels(exp) -> None:
 
 def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = ()):
     """Validate ``cfg`` and run its experiment, writing into ``out_dir``; returns its records
-    (the zoo manifest for train_zoo, the manifest entry for train_medusa).
+    (the zoo manifest for train_zoo, the manifest entry for train_medusa and train_mtp).
 
     ``overrides``: the command line's overrides; for ``experiment=rollback`` an explicit
     ``num_speculative_tokens=K`` (without ``experiment.k_grid=``) narrows the K grid to [K].
@@ -155,6 +156,10 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
         return run(cfg, out_dir)
     if name == "train_medusa":
         from .train_medusa import run
+
+        return run(cfg)
+    if name == "train_mtp":
+        from .train_mtp import run
 
         return run(cfg)
     from .train_zoo import run

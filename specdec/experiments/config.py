@@ -23,7 +23,7 @@ __all__ = [
     "Device", "DType", "Strategy", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
-    "KernelsConfig",
+    "TrainMtpConfig", "KernelsConfig",
     "SCHEMAS", "register_configs", "schema_keys",
 ]
 
@@ -52,6 +52,7 @@ class DrafterName(StrEnum):
     ngram = "ngram"
     draft_model = "draft_model"
     medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
+    mtp = "mtp"  # the target's own MTP layers (checkpoint mtp.*), for targets with model.targets[*].mtp
 
 
 class Source(StrEnum):
@@ -80,6 +81,7 @@ class TargetConfig:
     source: Source = Source.zoo
     draft: Optional[str] = None
     medusa: Optional[str] = None
+    mtp: bool = False  # its checkpoint ships MTP layers (drafter=mtp)
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
@@ -314,6 +316,49 @@ class TrainMedusaConfig(BaseConfig):
     train: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
 
 
+@dataclass
+class TrainMtpExperiment:
+    name: str = "train_mtp"
+
+
+@dataclass
+class MtpLayersConfig:
+    num_layers: int = 1  # mtp_num_hidden_layers / num_nextn_predict_layers
+    # per target: config fields the MTP layers are built with, as a checkpoint of the family sets them
+    config: Dict[str, Any] = field(default_factory=dict)
+    storage_dtype: DType = DType.bfloat16
+
+
+@dataclass
+class MtpTrainConfig:
+    labels: LabelSource = LabelSource.target
+    chain_steps: int = 3  # drafting steps trained (1 = predict token t+2 only)
+    steps: int = 400
+    batch_windows: int = 4
+    batch_positions: int = 1024  # per drafting step
+    lr: float = 3.0e-3
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    log_every: int = 20
+    time_budget_s: Optional[float] = None
+
+
+@dataclass
+class TrainMtpConfig(BaseConfig):
+    """The MTP recipe's keys (specdec.experiments.train_mtp)."""
+
+    experiment: TrainMtpExperiment = field(default_factory=TrainMtpExperiment)
+    target: str = "gdn-target"
+    out_dir: Optional[str] = None
+    corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
+    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
+    mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
+    train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
+
+
 #: experiment name -> root schema
 SCHEMAS = {
     "acceptance": AcceptanceConfig,
@@ -322,6 +367,7 @@ SCHEMAS = {
     "kernels": KernelsConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
+    "train_mtp": TrainMtpConfig,
 }
 
 
