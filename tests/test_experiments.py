@@ -123,7 +123,7 @@ def test_acceptance_tiny_run(tmp_path: Path):
     cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "num_speculative_tokens=3",
                 "experiment.warmup=false"] + CPU)
     records = run_experiment(cfg, tmp_path)
-    assert len(records) == 3 * 3  # 3 drafters (ngram, draft_model, medusa) x 3 strategies x 1 prompt
+    assert len(records) == 4 * 3  # 4 drafters (ngram, draft_model, medusa, mtp) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
     assert all(r["decode_path"] == "eager" for r in records)  # the CPU default (auto: graphs on CUDA only)
     assert records[0]["config"]["num_speculative_tokens"] == 3

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
-from helpers import ALL_STRATEGIES, assert_same_token_distribution, hf_greedy
+from helpers import ALL_STRATEGIES, assert_same_token_distribution, hf_greedy, run_python
 from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -32,7 +29,6 @@ from specdec.experiments.train_medusa import collect_hidden_states, target_predi
 from specdec.experiments.train_mtp import fit_mtp, mtp_accuracy
 from specdec.verify import SamplingConfig
 
-REPO = Path(__file__).resolve().parents[1]
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
 #: the config fields a checkpoint with one MTP layer carries (Nemotron-H: its MoE sizes too, which
 #: the tiny target does not use itself)
@@ -396,11 +392,10 @@ def test_acceptance_experiment_with_mtp(tmp_path):
 def test_training_recipe_smoke(tmp_path):
     """``python -m specdec experiment=train_mtp`` end to end at a tiny scale (seconds)."""
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "specdec", "experiment=train_mtp", "target=mamba2-target", "device=cpu",
-           "progress=false", "data.tokens=2048", "data.seq_len=128", "train.steps=2", "train.batch_positions=64",
-           "train.log_every=1", "train.chain_steps=2", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "specdec", "experiment=train_mtp", "target=mamba2-target", "device=cpu", "progress=false",
+                       "data.tokens=2048", "data.seq_len=128", "train.steps=2", "train.batch_positions=64",
+                       "train.log_every=1", "train.chain_steps=2", f"out_dir={out}",
+                       f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss per step" in proc.stdout
     man = json.loads((out / "zoo" / "MANIFEST.json").read_text())

@@ -266,8 +266,8 @@ def _text_parts(target):
 
 
 def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
-    """Fresh (untrained) MTP layers for ``target`` in its dtype and on its device: ``num_steps``
-    layers / steps, default the count the target's config declares.
+    """Fresh (untrained, frozen, eval mode) MTP layers for ``target`` in its dtype and on its device:
+    ``num_steps`` layers / steps, default the count the target's config declares.
 
     Raises: ValueError for a family without a known MTP layout, or a config declaring none (the
         message names the config field)."""
@@ -284,7 +284,7 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
     if getattr(config, "mtp_use_dedicated_embeddings", False):
         raise ValueError("mtp_use_dedicated_embeddings=True: MTP layers with their own embedding are not supported")
     p = target.get_output_embeddings().weight
-    return cls(config, body, n).to(device=p.device, dtype=p.dtype).eval()
+    return cls(config, body, n).to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------ checkpoint files
@@ -380,6 +380,8 @@ class MTPDrafter(Drafter):
         _, mrope = _FAMILIES[config.model_type]
         self._rotary = getattr(body, "rotary_emb", None)
         self._mrope = mrope
+        if layers.hidden_size != config.hidden_size:
+            raise ValueError(f"the MTP layers have hidden size {layers.hidden_size}, the target {config.hidden_size}")
         w = next(layers.parameters())
         if w.device != self.adapter.device or w.dtype != self.adapter.dtype:
             raise ValueError(f"the MTP layers are {w.dtype} on {w.device}, the target {self.adapter.dtype} on "
@@ -513,10 +515,14 @@ class MTPDrafter(Drafter):
         width = max(int(self._num.max()), 1)
         return self._chain(self.cache, text, lengths, self._hidden[:, :width], self._num, K, pick, tree)
 
-    def _new_cache(self, B, K, static):
+    def _columns(self, K, static):
+        """KV columns of the MTP cache: every entry of the longest text plus a proposal's (a static
+        cache: rounded up to its shape bucket, which is also its text buffer's width)."""
         total = max(self.max_length or 0, 1) + 4 * (K + 1)
-        cache = HybridCache(B, bucket_length(total) if static else total, K + 1, self.adapter.dtype,
-                            self.adapter.device, static=static)
+        return bucket_length(total) if static else total
+
+    def _new_cache(self, B, K, static):
+        cache = HybridCache(B, self._columns(K, static), K + 1, self.adapter.dtype, self.adapter.device, static=static)
         for idx, attn in self.layers.attention_layers().items():
             empty = torch.zeros(B, attn.k_proj.out_features // attn.head_dim, 0, attn.head_dim,
                                 dtype=self.adapter.dtype, device=cache.device)
@@ -599,7 +605,7 @@ class MTPDrafter(Drafter):
         per shape bucket; greedy proposals run as a :class:`~specdec.graphs.CapturedProgram`
         (a CUDA graph on the ``cuda_graph`` path), sampled ones eagerly."""
         B, W = text.shape
-        width = bucket_length(max(self.max_length or 0, W))
+        width = self._columns(K, static=True)  # >= W: the engine's text never outgrows max_length
         key = (B, K, width, self._path, tree)
         st = self._static
         if self._calls == 0:

@@ -326,24 +326,29 @@ class MtpLayersConfig:
     num_layers: int = 1  # mtp_num_hidden_layers / num_nextn_predict_layers
     # per target: config fields the MTP layers are built with, as a checkpoint of the family sets them
     config: Dict[str, Any] = field(default_factory=dict)
+    init_from_target: bool = True  # start each MTP layer from the target's last layer of its kind (when shapes fit)
     storage_dtype: DType = DType.bfloat16
 
 
 @dataclass
-class MtpTrainConfig:
-    labels: LabelSource = LabelSource.target
+class MtpTrainConfig(MedusaTrainConfig):
     chain_steps: int = 3  # drafting steps trained (1 = predict token t+2 only)
-    steps: int = 400
+    soft_labels: bool = False  # with labels=target: the target's distributions, not only its greedy tokens
     batch_windows: int = 4
+    steps: int = 400
     batch_positions: int = 1024  # per drafting step
     lr: float = 3.0e-3
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    log_every: int = 20
-    time_budget_s: Optional[float] = None
+
+
+class TextSource(StrEnum):
+    corpus = "corpus"  # the corpus windows
+    target = "target"  # the target's greedy continuations of each window's first data.prompt_tokens tokens
+
+
+@dataclass
+class MtpDataConfig(MedusaDataConfig):
+    source: TextSource = TextSource.corpus
+    prompt_tokens: int = 32
 
 
 @dataclass
@@ -354,7 +359,7 @@ class TrainMtpConfig(BaseConfig):
     target: str = "gdn-target"
     out_dir: Optional[str] = None
     corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
-    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
+    data: MtpDataConfig = field(default_factory=MtpDataConfig)
     mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
     train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
 

@@ -50,7 +50,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODULE = "specdec.experiments.train_medusa"
 
 __all__ = ["run", "collect_hidden_states", "target_predictions", "training_windows", "medusa_targets", "medusa_loss",
-           "fit", "fit_heads", "head_accuracy"]
+           "fit", "fit_heads", "head_accuracy", "setup_run", "environment_fields"]
 
 
 def _log(msg: str) -> None:
@@ -288,14 +288,12 @@ def training_windows(cfg, tokenizer, log=_log) -> tuple[torch.Tensor, dict]:
 # --------------------------------------------------------------------------------------- main
 
 
-def run(cfg: DictConfig) -> dict:
-    """Run the recipe; returns the manifest entry (also written to ``<out>/zoo/MANIFEST.json``)."""
-    import transformers
+def setup_run(cfg: DictConfig) -> tuple[dict, str]:
+    """What a recipe over the target's hidden states does first: ``(resolved config without
+    Hydra's node, device "cpu" | "cuda")``; sets the CPU threads (``cpu_threads``).
 
-    from .. import zoo
-    from ..drafters.medusa import MedusaHeads, WEIGHTS_NAME, CONFIG_NAME
-
-    t_start = time.time()
+    Raises: ValueError for device=cuda without CUDA or a ``data.tokens`` / ``seq_len`` /
+    ``batch_windows`` below 1."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     device = str(cfg.device)
@@ -308,6 +306,30 @@ def run(cfg: DictConfig) -> dict:
     for key in ("tokens", "seq_len", "batch_windows"):
         if int(cfg.data[key]) < 1:
             raise ValueError(f"data.{key} must be >= 1, got {cfg.data[key]}")
+    return resolved, device
+
+
+def environment_fields(device: str) -> dict:
+    """The fields of a manifest record that say where and when it ran: device, cpu_threads, date,
+    python_version, versions (torch, transformers)."""
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python_version": platform.python_version(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the recipe; returns the manifest entry (also written to ``<out>/zoo/MANIFEST.json``)."""
+    from .. import zoo
+    from ..drafters.medusa import MedusaHeads, WEIGHTS_NAME, CONFIG_NAME
+
+    t_start = time.time()
+    resolved, device = setup_run(cfg)
     if int(cfg.train.steps) < 1 or int(cfg.train.batch_positions) < 1:
         raise ValueError("train.steps and train.batch_positions must be >= 1")
     storage = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
@@ -406,11 +428,7 @@ def run(cfg: DictConfig) -> dict:
         "hidden_states_seconds": round(hidden_s, 1),
         "train_seconds": trained["seconds"],
         "total_seconds": round(time.time() - t_start, 1),
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python_version": platform.python_version(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **environment_fields(device),
         "files": files,
         "bytes": sum((save_dir / f).stat().st_size for f in files),
     }

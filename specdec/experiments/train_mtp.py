@@ -8,12 +8,15 @@ checkpoint takes.
 
 Stages (deterministic given the config, the zoo and the Python standard library on the machine):
 
-1. corpus and hidden states: as the Medusa recipe (:func:`~specdec.experiments.train_medusa.training_windows`,
-   the zoo's held-out files excluded; the frozen fp32 target's final hidden states of every window).
+1. text and hidden states: the Medusa recipe's corpus windows
+   (:func:`~specdec.experiments.train_medusa.training_windows`, the zoo's held-out files excluded)
+   or, with ``data.source=target``, the target's own greedy continuations of their first
+   ``data.prompt_tokens`` tokens (:func:`continue_windows`: the text it drafts for); the frozen
+   fp32 target's final hidden states of every window.
 2. training: the MTP at entry t takes the target's hidden state h_t and the token x_{t+1} and is
    trained to predict token t + 2, as the models' authors train their MTP modules (DeepSeek-AI
    2024, DeepSeek-V3 section 2.2; labels: the target's own greedy tokens, ``train.labels=target``,
-   or the corpus). With ``train.chain_steps`` = S > 1 the MTP also runs its drafting recursion
+   its whole distributions with ``train.soft_labels=true``, or the corpus). With ``train.chain_steps`` = S > 1 the MTP also runs its drafting recursion
    S - 1 more times, as :class:`~specdec.drafters.MTPDrafter` drafts: step k of the chain that
    starts at t takes step k - 1's output and the token x_{t+k} at position t + k - 1 and predicts
    token t + k + 1; its attention sees the step-1 entries up to t and its own chain's entries,
@@ -34,9 +37,7 @@ Run: ``python -m specdec experiment=train_mtp [target=mamba2-target]`` (config
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 import shutil
 import sys
 import time
@@ -46,12 +47,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from .train_medusa import collect_hidden_states, fit, target_predictions, training_windows
+from .train_medusa import (collect_hidden_states, environment_fields, fit, setup_run, target_predictions,
+                           training_windows)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODULE = "specdec.experiments.train_mtp"
 
-__all__ = ["run", "chain_outputs", "mtp_loss", "fit_mtp", "mtp_accuracy"]
+__all__ = ["run", "continue_windows", "chain_outputs", "mtp_loss", "fit_mtp", "mtp_accuracy", "init_from_target"]
 
 
 def _log(msg: str) -> None:
@@ -70,6 +72,29 @@ class _ChainKV:
         seen = self.kv.setdefault(layer_idx, [])
         seen.append((key_states, value_states))
         return torch.cat([k for k, _ in seen], dim=2), torch.cat([v for _, v in seen], dim=2)
+
+
+@torch.no_grad()
+def continue_windows(model, windows: torch.Tensor, prompt_tokens: int, batch: int = 32,
+                     progress: bool = True) -> torch.Tensor:
+    """The target's own text: each window's first ``prompt_tokens`` tokens, then the target's
+    greedy continuation to the window's length (EOS does not stop it), ``[W, L]`` int64 on CPU.
+    Trained on it, the MTP sees the text it drafts for in greedy decoding (the target's own)."""
+    from tqdm.auto import tqdm
+
+    from ..engine import SpeculativeGenerator
+
+    dev = next(model.parameters()).device
+    W, L = windows.shape
+    plain = SpeculativeGenerator(model, num_speculative_tokens=0)  # plain greedy decoding, our cache
+    out = []
+    bar = tqdm(total=W, desc="target text", unit="win", disable=not progress, dynamic_ncols=True)
+    for i in range(0, W, batch):
+        ids = windows[i: i + batch, :prompt_tokens].to(dev)
+        out.append(plain.generate(ids, max_new_tokens=L - prompt_tokens, eos_token_id=[], pad_token_id=0).cpu())
+        bar.update(ids.shape[0])
+    bar.close()
+    return torch.cat(out)
 
 
 def chain_outputs(drafter, hidden: torch.Tensor, ids: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
@@ -106,11 +131,13 @@ def chain_outputs(drafter, hidden: torch.Tensor, ids: torch.Tensor, num_steps: i
     return outs
 
 
-def mtp_loss(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, num_steps: int,
+def mtp_loss(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor | None, num_steps: int,
              batch_positions: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum over drafting steps of the cross-entropy of step k's logits against ``labels`` at token
-    t + k + 1 (``labels [W, L]``: the text, or the target's greedy tokens), at
-    ``batch_positions`` random chain starts per step; returns ``(loss, per_step [num_steps])``."""
+    """Sum over drafting steps of the cross-entropy of step k's logits against token t + k + 1, at
+    ``batch_positions`` random chain starts per step: against ``labels [W, L]`` (the text, or the
+    target's greedy tokens), or with ``labels=None`` against the target's own distribution of that
+    token, ``softmax(lm_head(hidden[t + k]))`` (self-distillation with soft labels: the KL
+    divergence up to a constant). Returns ``(loss, per_step [num_steps])``."""
     W, L = ids.shape
     per = []
     for k, out in enumerate(chain_outputs(drafter, hidden, ids, num_steps), start=1):
@@ -118,26 +145,31 @@ def mtp_loss(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Ten
         flat = torch.randint(0, W * valid, (min(batch_positions, W * valid),), generator=generator).to(ids.device)
         w, t = flat // valid, flat % valid
         logits = drafter.adapter.logits(out[w, t]).float()
-        per.append(F.cross_entropy(logits, labels[w, t + k + 1]))
+        if labels is None:
+            with torch.no_grad():
+                p = torch.softmax(drafter.adapter.logits(hidden[w, t + k]).float(), dim=-1)
+            per.append(-(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean())
+        else:
+            per.append(F.cross_entropy(logits, labels[w, t + k + 1]))
     per = torch.stack(per)
     return per.sum(), per
 
 
-def fit_mtp(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, *, steps: int,
+def fit_mtp(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor | None, *, steps: int,
             chain_steps: int = 1, batch_windows: int = 4, batch_positions: int = 1024, **kw) -> dict:
     """Train ``drafter.layers`` (the target frozen) on windows ``ids [W, L]`` with the target's
-    hidden states ``hidden [W, L, D]`` and ``labels [W, L]``: each step draws ``batch_windows``
-    windows and scores :func:`mtp_loss` over ``chain_steps`` drafting steps; ``kw`` as
-    :func:`~specdec.experiments.train_medusa.fit`. Returns its dict (train_loss_per_step,
-    history with loss_per_step, ...) and positions_seen."""
+    hidden states ``hidden [W, L, D]`` and ``labels [W, L]`` (None: the target's distributions):
+    each step draws ``batch_windows`` windows and scores :func:`mtp_loss` over ``chain_steps``
+    drafting steps; ``kw`` as :func:`~specdec.experiments.train_medusa.fit`. Returns its dict
+    (train_loss_per_step, history with loss_per_step, ...) and positions_seen."""
     dev = next(drafter.layers.parameters()).device
     W = ids.shape[0]
     bw = min(batch_windows, W)
 
     def batch_loss(gen):
         pick = torch.randperm(W, generator=gen)[:bw]
-        return mtp_loss(drafter, hidden[pick].to(dev), ids[pick].to(dev), labels[pick].to(dev), chain_steps,
-                        batch_positions, gen)
+        return mtp_loss(drafter, hidden[pick].to(dev), ids[pick].to(dev),
+                        None if labels is None else labels[pick].to(dev), chain_steps, batch_positions, gen)
 
     drafter.layers.requires_grad_(True)
     out = fit(drafter.layers, batch_loss, steps=steps, part="step", **kw)
@@ -165,6 +197,25 @@ def mtp_accuracy(drafter, hidden: torch.Tensor, ids: torch.Tensor, labels: torch
     return {"top1": [h / c if c else None for h, c in zip(hits, counts)], "positions": counts}
 
 
+def init_from_target(layers, model) -> list[int]:
+    """Copy into each MTP decoder layer the weights of the target's last layer of the same kind
+    (``block_type``) whose weights have the same names and shapes (EAGLE's initialisation of its
+    draft layer); returns the target layer copied into each MTP layer (-1: none fits)."""
+    body = getattr(model, "model", None) or getattr(model, "backbone", None)
+    source = []
+    for layer in layers.layers:
+        want = {k: v.shape for k, v in layer.state_dict().items()}
+        match = -1
+        for i, cand in enumerate(body.layers):
+            have = {k: v.shape for k, v in cand.state_dict().items()}
+            if getattr(cand, "block_type", None) == layer.block_type and have == want:
+                match = i
+        if match >= 0:
+            layer.load_state_dict(body.layers[match].state_dict())
+        source.append(match)
+    return source
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -189,25 +240,13 @@ def _target_dir(zoo, zoo_dir: Path, name: str) -> Path:
 
 def run(cfg: DictConfig) -> dict:
     """Run the recipe; returns the manifest record (also in ``<out>/zoo/MANIFEST.json``)."""
-    import transformers
     from safetensors.torch import load_file
 
     from .. import zoo
     from ..drafters.mtp import MTPDrafter, mtp_layers_for, write_mtp_tensors
 
     t_start = time.time()
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved.pop("hydra", None)
-    device = str(cfg.device)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is available (use device=cpu)")
-    if device == "cpu" and cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
-    for key in ("tokens", "seq_len", "batch_windows"):
-        if int(cfg.data[key]) < 1:
-            raise ValueError(f"data.{key} must be >= 1, got {cfg.data[key]}")
+    resolved, device = setup_run(cfg)
     tc = cfg.train
     if int(tc.steps) < 1 or int(tc.batch_positions) < 1 or int(tc.batch_windows) < 1 or int(tc.chain_steps) < 1:
         raise ValueError("train.steps, train.batch_positions, train.batch_windows and train.chain_steps must be >= 1")
@@ -217,9 +256,15 @@ def run(cfg: DictConfig) -> dict:
         str(cfg.mtp.storage_dtype))
     if storage is None:
         raise ValueError(f"mtp.storage_dtype must be float32, bfloat16 or float16; got {str(cfg.mtp.storage_dtype)!r}")
+    if str(cfg.data.source) not in ("corpus", "target"):
+        raise ValueError(f"data.source must be corpus or target, got {cfg.data.source!r}")
+    if str(cfg.data.source) == "target" and not 0 < int(cfg.data.prompt_tokens) < int(cfg.data.seq_len):
+        raise ValueError(f"data.prompt_tokens must be in [1, data.seq_len), got {cfg.data.prompt_tokens}")
     labels_kind = str(tc.labels)
     if labels_kind not in ("target", "corpus"):
         raise ValueError(f"train.labels must be corpus or target, got {labels_kind!r}")
+    if tc.soft_labels and labels_kind != "target":
+        raise ValueError("train.soft_labels=true distils the target's distributions: it needs train.labels=target")
     torch.manual_seed(int(cfg.seed))
     progress = bool(cfg.progress)
 
@@ -235,13 +280,24 @@ def run(cfg: DictConfig) -> dict:
     layers = mtp_layers_for(model, num_steps=int(cfg.mtp.num_layers))
     for module in layers.modules():  # the family's own initialisation (transformers' _init_weights)
         model._init_weights(module)
+    copied = init_from_target(layers, model) if cfg.mtp.init_from_target else None
+    if copied is not None:
+        _log(f"MTP layers initialised from target layers {copied} (-1: none of the same kind and shapes)")
     drafter = MTPDrafter(model, layers)
     windows, corpus_rec = training_windows(cfg, tokenizer, log=_log)
+    source = str(cfg.data.source)
+    if source == "target":
+        t0 = time.time()
+        windows = continue_windows(model, windows, int(cfg.data.prompt_tokens), int(cfg.data.batch_windows), progress)
+        _log(f"target text: greedy continuations of {windows.shape[0]} windows' first {cfg.data.prompt_tokens} "
+             f"tokens in {time.time() - t0:.1f}s")
     t0 = time.time()
     hidden = collect_hidden_states(model, windows, int(cfg.data.batch_windows), progress)
     hidden_s = time.time() - t0
     _log(f"hidden states: {windows.numel()} tokens in {hidden_s:.1f}s ({device}, {torch.get_num_threads()} thread(s))")
     labels = target_predictions(model, hidden, windows) if labels_kind == "target" else windows
+    if tc.soft_labels:  # the target's whole distribution of each token instead of its greedy choice
+        labels = None
 
     # 2. training
     S = int(tc.chain_steps)
@@ -289,6 +345,7 @@ def run(cfg: DictConfig) -> dict:
         "count_field": layers.count_field,
         "num_layers": layers.num_steps,
         "config_fields": {layers.count_field: layers.num_steps, **fields},
+        "initialised_from_target_layers": copied,
         "storage_dtype": str(storage).replace("torch.", ""),
         "parameters": sum(p.numel() for p in layers.parameters()),
         "recipe": {"module": MODULE, "config": resolved, "argv": sys.argv[1:]},
@@ -301,8 +358,10 @@ def run(cfg: DictConfig) -> dict:
         "batch_positions": int(tc.batch_positions),
         "positions_seen": trained["positions_seen"],
         "train_tokens": int(windows.numel()),
+        "data_source": source,
         "corpus": corpus_rec,
         "labels": labels_kind,
+        "soft_labels": bool(tc.soft_labels),
         "train_loss_per_step": trained["train_loss_per_step"],
         "loss_history": trained["history"],
         "heldout_top1": [round(a, 4) for a in ev["top1"]],
@@ -315,11 +374,7 @@ def run(cfg: DictConfig) -> dict:
         "hidden_states_seconds": round(hidden_s, 1),
         "train_seconds": trained["seconds"],
         "total_seconds": round(time.time() - t_start, 1),
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python_version": platform.python_version(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **environment_fields(device),
     }
     man = json.loads(man_path.read_text())
     man["models"][name]["mtp"] = record
