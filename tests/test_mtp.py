@@ -16,6 +16,7 @@ import torch
 import transformers as tf
 from helpers import ALL_STRATEGIES, assert_same_token_distribution, hf_greedy, run_python
 from hydra import compose, initialize_config_dir
+from markers import needs_cuda
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_models import _CLASSES, make_model, ragged_prompts
@@ -249,6 +250,28 @@ def test_tree_nodes_are_top_k_of_each_step(saved):
     # BFS order (depth, path): [0], [1], [2], [0,0], [0,1], [0,0,0]; the top-1 chain is the first branch
     assert nodes[0, [0, 3, 5]].tolist() == top1[0].tolist()
     assert len(set(nodes[0, :3].tolist())) == 3 and len(set(nodes[0, 3:5].tolist())) == 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_cuda_graph_proposals_exact(saved, family):
+    """On CUDA (fp32): the MTP proposal captured as a CUDA graph (chain and tree) keeps the output
+    equal to plain greedy decoding; from the second proposal on it replays the graph."""
+    folder = saved[family][0]
+    model = load(family, folder).cuda()
+    ids, mask = (t.cuda() for t in ragged_prompts())
+    L = ids.shape[1]
+    eos = int(hf_greedy(model, ids, mask)[1, L + 3])
+    ref = hf_greedy(model, ids, mask, eos=eos)
+    for tree in (None, "default"):
+        drafter = MTPDrafter.from_pretrained(folder, target=model, tree=tree)
+        sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path="cuda_graph")
+        for _ in range(2):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
+            assert torch.equal(out, ref), (family, tree)
+        assert drafter.last_path == "cuda_graph", drafter.capture_error
+        assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
 
 
 def test_sampling_keeps_the_target_distribution(tmp_path):

@@ -340,17 +340,6 @@ class MtpTrainConfig(MedusaTrainConfig):
     lr: float = 3.0e-3
 
 
-class TextSource(StrEnum):
-    corpus = "corpus"  # the corpus windows
-    target = "target"  # the target's greedy continuations of each window's first data.prompt_tokens tokens
-
-
-@dataclass
-class MtpDataConfig(MedusaDataConfig):
-    source: TextSource = TextSource.corpus
-    prompt_tokens: int = 32
-
-
 @dataclass
 class TrainMtpConfig(BaseConfig):
     """The MTP recipe's keys (specdec.experiments.train_mtp)."""
@@ -359,7 +348,7 @@ class TrainMtpConfig(BaseConfig):
     target: str = "gdn-target"
     out_dir: Optional[str] = None
     corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
-    data: MtpDataConfig = field(default_factory=MtpDataConfig)
+    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
     mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
     train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
 

@@ -8,11 +8,8 @@ checkpoint takes.
 
 Stages (deterministic given the config, the zoo and the Python standard library on the machine):
 
-1. text and hidden states: the Medusa recipe's corpus windows
-   (:func:`~specdec.experiments.train_medusa.training_windows`, the zoo's held-out files excluded)
-   or, with ``data.source=target``, the target's own greedy continuations of their first
-   ``data.prompt_tokens`` tokens (:func:`continue_windows`: the text it drafts for); the frozen
-   fp32 target's final hidden states of every window.
+1. corpus and hidden states: as the Medusa recipe (:func:`~specdec.experiments.train_medusa.training_windows`,
+   the zoo's held-out files excluded; the frozen fp32 target's final hidden states of every window).
 2. training: the MTP at entry t takes the target's hidden state h_t and the token x_{t+1} and is
    trained to predict token t + 2, as the models' authors train their MTP modules (DeepSeek-AI
    2024, DeepSeek-V3 section 2.2; labels: the target's own greedy tokens, ``train.labels=target``,
@@ -53,7 +50,7 @@ from .train_medusa import (collect_hidden_states, environment_fields, fit, setup
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODULE = "specdec.experiments.train_mtp"
 
-__all__ = ["run", "continue_windows", "chain_outputs", "mtp_loss", "fit_mtp", "mtp_accuracy", "init_from_target"]
+__all__ = ["run", "chain_outputs", "mtp_loss", "fit_mtp", "mtp_accuracy", "init_from_target"]
 
 
 def _log(msg: str) -> None:
@@ -72,29 +69,6 @@ class _ChainKV:
         seen = self.kv.setdefault(layer_idx, [])
         seen.append((key_states, value_states))
         return torch.cat([k for k, _ in seen], dim=2), torch.cat([v for _, v in seen], dim=2)
-
-
-@torch.no_grad()
-def continue_windows(model, windows: torch.Tensor, prompt_tokens: int, batch: int = 32,
-                     progress: bool = True) -> torch.Tensor:
-    """The target's own text: each window's first ``prompt_tokens`` tokens, then the target's
-    greedy continuation to the window's length (EOS does not stop it), ``[W, L]`` int64 on CPU.
-    Trained on it, the MTP sees the text it drafts for in greedy decoding (the target's own)."""
-    from tqdm.auto import tqdm
-
-    from ..engine import SpeculativeGenerator
-
-    dev = next(model.parameters()).device
-    W, L = windows.shape
-    plain = SpeculativeGenerator(model, num_speculative_tokens=0)  # plain greedy decoding, our cache
-    out = []
-    bar = tqdm(total=W, desc="target text", unit="win", disable=not progress, dynamic_ncols=True)
-    for i in range(0, W, batch):
-        ids = windows[i: i + batch, :prompt_tokens].to(dev)
-        out.append(plain.generate(ids, max_new_tokens=L - prompt_tokens, eos_token_id=[], pad_token_id=0).cpu())
-        bar.update(ids.shape[0])
-    bar.close()
-    return torch.cat(out)
 
 
 def chain_outputs(drafter, hidden: torch.Tensor, ids: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
@@ -256,10 +230,6 @@ def run(cfg: DictConfig) -> dict:
         str(cfg.mtp.storage_dtype))
     if storage is None:
         raise ValueError(f"mtp.storage_dtype must be float32, bfloat16 or float16; got {str(cfg.mtp.storage_dtype)!r}")
-    if str(cfg.data.source) not in ("corpus", "target"):
-        raise ValueError(f"data.source must be corpus or target, got {cfg.data.source!r}")
-    if str(cfg.data.source) == "target" and not 0 < int(cfg.data.prompt_tokens) < int(cfg.data.seq_len):
-        raise ValueError(f"data.prompt_tokens must be in [1, data.seq_len), got {cfg.data.prompt_tokens}")
     labels_kind = str(tc.labels)
     if labels_kind not in ("target", "corpus"):
         raise ValueError(f"train.labels must be corpus or target, got {labels_kind!r}")
@@ -285,12 +255,6 @@ def run(cfg: DictConfig) -> dict:
         _log(f"MTP layers initialised from target layers {copied} (-1: none of the same kind and shapes)")
     drafter = MTPDrafter(model, layers)
     windows, corpus_rec = training_windows(cfg, tokenizer, log=_log)
-    source = str(cfg.data.source)
-    if source == "target":
-        t0 = time.time()
-        windows = continue_windows(model, windows, int(cfg.data.prompt_tokens), int(cfg.data.batch_windows), progress)
-        _log(f"target text: greedy continuations of {windows.shape[0]} windows' first {cfg.data.prompt_tokens} "
-             f"tokens in {time.time() - t0:.1f}s")
     t0 = time.time()
     hidden = collect_hidden_states(model, windows, int(cfg.data.batch_windows), progress)
     hidden_s = time.time() - t0
@@ -358,7 +322,6 @@ def run(cfg: DictConfig) -> dict:
         "batch_positions": int(tc.batch_positions),
         "positions_seen": trained["positions_seen"],
         "train_tokens": int(windows.numel()),
-        "data_source": source,
         "corpus": corpus_rec,
         "labels": labels_kind,
         "soft_labels": bool(tc.soft_labels),
