@@ -1,7 +1,7 @@
 """Per-layer SSM verify time of a Medusa draft tree against a chain of the same depth (Triton kernels).
 
-``benchmarks/tree_verify.py`` times the whole target forward on the eager path, where host
-overhead and the non-SSM layers dominate; this script isolates what tree verification adds
+``specdec-run experiment=tree_verify`` times the whole target forward, where host overhead
+(eager path) and the non-SSM layers weigh in; this script isolates what tree verification adds
 inside the SSM layers. For each op at the kernel table's shapes
 (:data:`specdec.experiments.kernel_table.SHAPES`: Mamba-2 like Nemotron-H, GDN like Qwen3.5, KDA
 like Kimi-Linear; bf16 inputs, fp32 state), each rollback strategy's verify through the library
@@ -18,7 +18,7 @@ verify, from a checkpoint plus 3 committed history tokens, writing per-node inpu
 Time: median per layer and verify call, from a CUDA graph of ``ROUNDS`` calls over rotated
 copies of the buffers (the working set exceeds L2; :func:`specdec.experiments.kernel_timing.time_in_graph`).
 Each verify's step is discarded, not committed (a tree's commit compacts the accepted path
-first: ``tree_verify.py`` times it).
+first: ``experiment=tree_verify`` times it).
 
     python benchmarks/tree_kernels.py --out tree_kernels.md        # H200 (about a minute)
     python benchmarks/tree_kernels.py --device cpu --tiny --batches 1   # smoke test (interpreter)

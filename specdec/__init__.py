@@ -10,9 +10,20 @@ Public API::
 
 from __future__ import annotations
 
-from . import drafters, models, rollback
-from .engine import SpeculativeGenerator, Stats
-from .hf_integration import enable_hf_speculation
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from . import drafters, models, rollback, zoo
+    from .engine import SpeculativeGenerator, Stats
+    from .hf_integration import enable_hf_speculation
+
+#: public names -> the submodule that defines them; imported on first use, so that
+#: ``import specdec.experiments.cli`` (``specdec-run --help``) does not import torch
+_LAZY = {
+    "drafters": None, "models": None, "rollback": None, "zoo": None,
+    "SpeculativeGenerator": "engine", "Stats": "engine", "enable_hf_speculation": "hf_integration",
+}
 
 __all__ = [
     "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "drafters", "rollback", "models", "zoo",
@@ -41,16 +52,30 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Returns:
         A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
 
+    On CPU, a model too small to gain from intra-op threads gets one torch thread unless you chose
+    a count (``OMP_NUM_THREADS``, ``torch.set_num_threads``): see
+    :func:`specdec.threads.configure_cpu_threads` (logged on the ``specdec.threads`` logger).
+
     Raises:
         TypeError, ValueError: see :class:`SpeculativeGenerator`.
     """
-    return SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
-                                decode_path=decode_path)
+    from .engine import SpeculativeGenerator
+    from .threads import configure_cpu_threads
+
+    sd = SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
+                              decode_path=decode_path)
+    configure_cpu_threads(model)
+    return sd
 
 
 def __getattr__(name):
-    if name == "zoo":  # lazy: loading the zoo module needs no weights, but keep import light
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
 
-        return importlib.import_module(".zoo", __name__)
-    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

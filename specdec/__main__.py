@@ -1,3 +1,3 @@
-from specdec.experiments.app import main
+from specdec.experiments.cli import main
 
 main()

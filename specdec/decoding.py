@@ -30,6 +30,7 @@ import torch
 
 from .cache import HybridCache
 from .graphs import CaptureFailure, bucket_length, capture
+from .kernels import tree_index
 from .rollback import RollbackStrategy
 
 __all__ = ["Decoder", "EagerDecoder", "StaticDecoder"]
@@ -69,8 +70,9 @@ class Decoder(abc.ABC):
         ``all_hidden_states``, ``hidden [B, L, D]`` of every position)."""
 
     def width(self, num_drafts: torch.Tensor) -> int:
-        """Tokens the next forward runs when row b verifies ``num_drafts[b]`` drafts (``[B]`` int64
-        on the device): the fixed ``step_tokens`` (static shapes, trees), or fewer."""
+        """Tokens the next chain forward runs when row b verifies ``num_drafts[b]`` drafts (``[B]``
+        int64 on the device): the fixed ``step_tokens`` (static shapes), or fewer. A tree forward
+        always runs the tree's ``step_tokens`` nodes."""
         return self.step_tokens
 
     @abc.abstractmethod
@@ -123,7 +125,7 @@ class EagerDecoder(Decoder):
         return out
 
     def width(self, num_drafts):
-        return self.step_tokens if self.tree is not None else 1 + int(num_drafts.max())
+        return 1 + int(num_drafts.max())  # the longest row's drafts (one host sync)
 
     def forward(self, tokens):
         return self.adapter.forward(tokens, self.cache)
@@ -217,8 +219,6 @@ class StaticDecoder(Decoder):
         else:
             self._fwd_graph, self._commit_graph = fwd, com
             if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
-                from .kernels import tree_index
-
                 self._tables = tree_index.cached_tensors()
         c.set_step_tokens(0)
 

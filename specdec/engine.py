@@ -24,7 +24,7 @@ import torch
 
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
-from .drafters.base import check_proposal, check_tree_proposal, proposal_errors
+from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
 from .rollback import InPlaceUpdate, RollbackStrategy, make_strategy
 from .settings import resolve
@@ -137,7 +137,7 @@ class _Rows:
         j = torch.arange(new.shape[1], device=new.device)[None, :]
         take = limit
         if self.eos is not None:
-            is_eos = torch.isin(new, self.eos) & (j < limit[:, None])
+            is_eos = (new[..., None] == self.eos).any(-1) & (j < limit[:, None])  # (isin may sync for many ids)
             first_eos = (is_eos.long().cumsum(1) == 0).sum(1)  # index of the first EOS (W if none)
             take = torch.minimum(take, first_eos + 1)
         take = torch.minimum(take, self.max_new - self.n_gen).masked_fill(self.finished, 0)
@@ -156,6 +156,13 @@ class _Rows:
         cols = torch.arange(G, device=self.text.device)[None, :]
         gen = self.text.gather(1, (self.prompt_len[:, None] + cols).clamp(max=self.text.shape[1] - 1))
         return torch.cat([input_ids, torch.where(cols < n_gen[:, None], gen, torch.full_like(gen, pad))], dim=1)
+
+
+def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t [B, w, ...]`` cut or zero-padded to ``cols`` columns along dim 1 (the step's draft columns)."""
+    if t.shape[1] >= cols:
+        return t[:, :cols]
+    return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1], *t.shape[2:])], dim=1)
 
 
 class SpeculativeGenerator:
@@ -384,8 +391,7 @@ class SpeculativeGenerator:
                 width = dec.width(k)
                 used = torch.arange(w, device=dev)[None, :] < k[:, None]
                 bad |= proposal_errors(drafts, used, V, counts, w)
-                drafts = torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts))
-                drafts = torch.nn.functional.pad(drafts, (0, max(0, width - 1 - w)))[:, : width - 1]
+                drafts = _to_width(torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts)), width - 1)
             else:
                 k = torch.zeros(B, dtype=torch.long, device=dev)
                 drafts, width = torch.zeros(B, 0, dtype=torch.long, device=dev), 1
@@ -397,23 +403,24 @@ class SpeculativeGenerator:
                 best, n, c = accept_tree(scores, tokens, tree, k, s.sampling, s.generator, drafter.acceptance,
                                          drafter.posterior_threshold, drafter.posterior_alpha)
                 j = torch.arange(W, device=dev)[None, :]
-                pos = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
-                chain, seen, path = tokens.gather(1, pos)[:, 1:], best, pos
+                path = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
+                chain, seen = tokens.gather(1, path)[:, 1:], best
             else:
                 if s.sampling is None:
                     n, c = greedy_accept(scores, drafts, k)
                 else:
-                    probs = drafter.draft_probs() if drafter is not None else None
+                    probs = check_draft_probs(drafter.draft_probs(), B, w, V) if drafter is not None else None
+                    probs = None if probs is None else _to_width(probs.to(dev), width - 1)
                     n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
-                chain, seen, path, pos = drafts, n, None, None
+                chain, seen, path = drafts, n, None
             new = torch.cat([chain, c[:, None]], dim=1).scatter(1, n[:, None], c[:, None])
-            take = self._append(rows, hook, new, n + 1, scores, logits, pos)
+            take = self._append(rows, hook, new, n + 1, scores, logits, path)
             clock.lap("verify")
             dec.commit(take, path)  # take <= n + 1: the accepted prefix, cut at EOS / the budget / criteria
             if drafter is not None and drafter.wants_hidden_states:  # the hidden state whose logits gave c
                 drafter.observe(hidden[idx, seen])
             if every:  # the committed positions' hidden states (a tree step: its accepted path's)
-                drafter.observe_tokens(hidden if pos is None else hidden[idx[:, None], pos], take)
+                drafter.observe_tokens(hidden if path is None else hidden[idx[:, None], path], take)
             clock.lap("rollback")
             a = active.long()
             hist.index_add_(0, n, a)
@@ -422,27 +429,27 @@ class SpeculativeGenerator:
             flags = [rows.finished.all()[None].long(), bad.long()]
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
-            flags = torch.cat(flags).tolist()  # the step's one host sync
-            if flags[1] or flags[2]:
-                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if flags[1]
+            all_done, bad_counts, bad_ids, *row0 = torch.cat(flags).tolist()  # the step's one host sync
+            if bad_counts or bad_ids:
+                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
-            if s.streamer is not None:
-                for tok in flags[4:4 + flags[3]]:
+            if s.streamer is not None:  # row0: how many tokens row 0 kept, then the step's tokens
+                for tok in row0[1:1 + row0[0]]:
                     s.streamer.put(torch.tensor([tok]))
-            done = bool(flags[0])
+            done = bool(all_done)
             clock.lap("bookkeeping")
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
+        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         self.last_stats = Stats(
-            steps=steps, new_tokens=int(rows.n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
+            steps=steps, new_tokens=int(n_gen.sum()), proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
         )
-        n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
 

@@ -128,10 +128,12 @@ class StepHook:
         self.max_new = s.max_new_tokens
         self.scores = torch.zeros(B, s.max_new_tokens, vocab_size, device=dev) if s.output_scores else None
         self.raw_logits = torch.zeros(B, s.max_new_tokens, vocab_size, device=dev) if s.output_logits else None
-        # HF pads a row stopped by stopping_criteria only when it has an EOS criterion; without one the
-        # row runs on until every row has stopped, and all rows end at that step (crit_step: the new-token
-        # count at which each row's criteria first held; max_new + 1 = not yet)
-        self.run_on = self.criteria is not None and not s.eos_token_ids
+        # HF pads a row stopped by stopping_criteria only when some criterion has an eos_token_id (its EOS
+        # criterion, or a user's EosTokenCriteria); without one the row runs on until every row has stopped,
+        # and all rows end at that step (crit_step: the new-token count at which each row's criteria first
+        # held; max_new + 1 = not yet)
+        self.run_on = (self.criteria is not None and not s.eos_token_ids
+                       and not any(hasattr(c, "eos_token_id") for c in self.criteria))
         self.crit_step = torch.full((B,), s.max_new_tokens + 1, dtype=torch.long, device=dev)
 
     @classmethod
@@ -148,7 +150,8 @@ class StepHook:
         return self.processor(logits, tokens, n_gen)
 
     def _warped(self, scores: torch.Tensor) -> torch.Tensor:
-        """HF's returned scores include the sampling warpers."""
+        """HF's returned scores: fp32 (whatever the model's dtype), with the sampling warpers."""
+        scores = scores.float()
         sampling = self.settings.sampling
         if sampling is None:
             return scores

@@ -235,9 +235,12 @@ def load(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     cls_name = entry["class"]
     if cls_name not in _CLASSES:
         raise ValueError(f"{name}: manifest class {cls_name!r} is not one of {_CLASSES}")
-    model = getattr(transformers, cls_name).from_pretrained(
-        path(name, root), dtype=dtype, local_files_only=True, use_safetensors=True,
-    )
+    from .quiet import quiet_transformers
+
+    with quiet_transformers(device):  # no "Loading weights" bar, no notes about GPU-only kernels on CPU
+        model = getattr(transformers, cls_name).from_pretrained(
+            path(name, root), dtype=dtype, local_files_only=True, use_safetensors=True,
+        )
     model = model.to(device).eval()
     return model, load_tokenizer(root)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import hf_greedy
@@ -55,6 +57,15 @@ def test_unknown_strategy_and_drafter():
         specdec.wrap(get_model("qwen3_5"), drafter="eagle")
     with pytest.raises(TypeError, match="DraftModelDrafter"):
         specdec.wrap(get_model("qwen3_5"), drafter=get_model("qwen3_5", "small"))
+
+
+@pytest.mark.parametrize("name, passes", [("draft_model", "DraftModelDrafter(draft_model)"),
+                                          ("medusa", "MedusaDrafter(heads)")])
+def test_cli_drafter_names_say_which_object_the_api_needs(name, passes):
+    """The CLI's drafter names: the API builds ngram and mtp from a name; the others say what to pass."""
+    with pytest.raises(ValueError, match=re.escape(passes)) as info:
+        specdec.wrap(get_model("qwen3_5"), drafter=name)
+    assert f"drafter={name!r} needs an object" in str(info.value)
 
 
 def test_draft_vocabulary_mismatch():
@@ -126,6 +137,38 @@ def test_custom_drafter_bad_output(what, pattern):
     ids, mask = ragged_prompts()
     with pytest.raises(ValueError, match=pattern):
         sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    sd.drafter = specdec.drafters.NGramDrafter()
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0),
+                       hf_greedy(model, ids, mask, 6))
+
+
+class BadProbsDrafter(Drafter):
+    """Proposes K drafts per row and returns draft distributions of the wrong kind (``what``)."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def propose(self, input_ids, lengths, K):
+        B = input_ids.shape[0]
+        self.shape = {"vocab": (B, K, VOCAB + 1), "width": (B, K + 1, VOCAB), "batch": (B + 1, K, VOCAB)}.get(
+            self.what, (B, K, VOCAB))
+        return torch.full((B, K), 3, dtype=torch.long), torch.full((B,), K, dtype=torch.long)
+
+    def draft_probs(self):
+        if self.what == "list":
+            return [[1.0]]
+        return torch.full(self.shape, 1.0 / self.shape[-1], dtype=torch.long if self.what == "dtype" else torch.float32)
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("what,exc", [("vocab", ValueError), ("width", ValueError), ("batch", ValueError),
+                                      ("dtype", TypeError), ("list", TypeError)])
+def test_custom_drafter_bad_draft_probs(what, exc, path):
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, drafter=BadProbsDrafter(what), num_speculative_tokens=2, decode_path=path)
+    ids, mask = ragged_prompts()
+    with pytest.raises(exc, match="draft_probs"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=True)
     sd.drafter = specdec.drafters.NGramDrafter()
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0),
                        hf_greedy(model, ids, mask, 6))

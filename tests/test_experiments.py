@@ -23,7 +23,10 @@ from specdec.experiments.config import SCHEMAS
 from specdec.experiments.report import recommend
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"tokens_per_s", "plain_tokens_per_s", "speedup", "draft_s", "verify_s", "rollback_s", "wall_s", "process"}
+TIMING = {"tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s", "speedup", "hf_speedup", "within_noise",
+          "draft_s", "verify_s", "rollback_s", "wall_s", "process", "timed_prompts"}
+TIMING |= {f"{k}_{s}" for k in ("tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s") for s in ("min", "max")}
+TIMING |= {"command", "date"}  # where and when: a run under specdec-run has a command line, a composed config none
 CPU = ["device=cpu", "progress=false"]
 
 
@@ -62,9 +65,14 @@ def _check_summary_matches(summary: str, records: list[dict], columns: dict[str,
         for title, (field, fmt) in columns.items():
             vals = [r[field] for r in group if r.get(field) is not None]
             if fmt is None:
-                want = "yes" if all(vals) else f"{sum(map(bool, vals))}/{len(vals)}"
+                n = sum(map(bool, vals))
+                want = "yes" if n == len(vals) else "no" if n == 0 else f"{n}/{len(vals)}"
             else:
                 want = fmt.format(sum(vals) / len(vals))
+                if " (" in cell[title]:  # a spread column: "median (min-max)" of the repeats
+                    lo = sum(r[f"{field}_min"] for r in group) / len(group)
+                    hi = sum(r[f"{field}_max"] for r in group) / len(group)
+                    want += f" ({fmt.format(lo)}-{fmt.format(hi)})"
             assert cell[title] == want, (title, cell[title], want)
 
 
@@ -77,7 +85,7 @@ def test_default_config_composes():
     assert OmegaConf.get_type(cfg) is SCHEMAS["acceptance"]
     assert [t.name for t in cfg.model.targets] == ["gdn-target", "mamba2-target", "kda-target"]
     assert list(cfg.rollback.strategies) == ["snapshot", "ring", "replay"]
-    assert list(cfg.drafter.names) == ["ngram", "draft_model", "medusa"]
+    assert list(cfg.drafter.names) == ["ngram", "draft_model", "medusa", "mtp"]
     assert [t.get("medusa") for t in cfg.model.targets] == ["gdn-medusa", None, None]
 
 
@@ -119,10 +127,21 @@ def test_bad_override_fails_at_compose(override, match):
 # ------------------------------------------------------------------------------ tiny runs
 
 
-def test_acceptance_tiny_run(tmp_path: Path):
+def test_acceptance_tiny_run(tmp_path: Path, capsys):
     cfg = _cfg(["model=gdn-target", "rollback=all", "prompts.limit=1", "max_new_tokens=12", "num_speculative_tokens=3",
-                "experiment.warmup=false"] + CPU)
+                "experiment.warmup=false", "repeats=2"] + CPU)
     records = run_experiment(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 100, printed  # the terminal gets the key columns
+    assert "speedup vs plain" in printed and "mean accepted tokens:" in printed  # the table and its legend
+    for r in records:  # speed: medians of 2 repeats, vs specdec plain (K=0) and HF, in one process
+        for k in ("tokens_per_s", "plain_tokens_per_s", "hf_tokens_per_s"):
+            assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"] and r[k] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])
+        assert r["hf_speedup"] == pytest.approx(r["tokens_per_s"] / r["hf_tokens_per_s"])
+        assert r["within_noise"] == (r["tokens_per_s_min"] <= r["plain_tokens_per_s_max"]
+                                     and r["plain_tokens_per_s_min"] <= r["tokens_per_s_max"])
+        assert r["repeats"] == 2 and r["timed_prompts"] == 1
     assert len(records) == 4 * 3  # 4 drafters (ngram, draft_model, medusa, mtp) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
     assert all(r["decode_path"] == "eager" for r in records)  # the CPU default (auto: graphs on CUDA only)
@@ -135,12 +154,60 @@ def test_acceptance_tiny_run(tmp_path: Path):
                             "acceptance rate": ("acceptance_rate", "{:.3f}"), "exact": ("exact", None)},
                            ["model", "drafter", "rollback", "num_speculative_tokens"])
     assert all(r["mean_accepted_tokens"] >= 1.0 for r in records if r["drafter"] == "draft_model")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Columns:" in summary and "bonus/correction token included" in summary  # the legend
+    assert "1 + K x acceptance rate" in summary and "BENCH.md" in summary  # what a CPU shows
+
+
+def test_plain_decoding_K0_runs(tmp_path: Path):
+    """num_speculative_tokens=0: specdec's plain decoding through the CLI's acceptance experiment."""
+    cfg = _cfg(["model=gdn-target", "drafter=ngram", "rollback=replay", "prompts.limit=2", "max_new_tokens=8",
+                "num_speculative_tokens=0", "repeats=1"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert len(records) == 2
+    for r in records:
+        assert r["exact"] and r["num_speculative_tokens"] == 0 and r["mean_accepted_tokens"] == 1.0
+        assert r["acceptance_rate"] == 0.0 and r["steps"] == r["new_tokens"] - 1  # the prefill gives the first
+
+
+def test_acceptance_on_a_user_prompt_file(tmp_path: Path):
+    """prompts.path: a .jsonl of text prompts and token-id prompts; records name the file's prompts."""
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"prompt": "def add(a, b):\n    return"}) + "\n\n"
+                 + json.dumps({"id": "ids", "input_ids": [1, 100, 200, 300, 100, 200]}) + "\n")
+    cfg = _cfg(["model=gdn-target", "drafter=ngram", "rollback=snapshot", f"prompts.path={f}", "max_new_tokens=6",
+                "repeats=1"] + CPU)
+    records = run_experiment(cfg, tmp_path / "out")
+    assert [(r["prompt_id"], r["prompt_set"]) for r in records] == [("file-1", "file"), ("ids", "file")]
+    assert records[1]["prompt_tokens"] == 6 and all(r["exact"] for r in records)
+    assert f"prompts {f}" in (tmp_path / "out" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such file"),
+    ('{"prompt": "x"}\nnot json\n', "line 2: not valid JSON"),
+    ('{"prompt": "x"}\n{"text": "x"}\n', 'line 2: needs a non-empty "prompt"'),
+    ('{"input_ids": [1, -3]}\n', 'line 1: "input_ids" must be'),
+    ("\n", "holds no prompts"),
+])
+def test_prompt_file_errors_name_the_line(tmp_path: Path, content, match):
+    from specdec.experiments.prompts import load_prompt_file
+
+    f = tmp_path / "p.jsonl"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_prompt_file(f)
+    if content is None:  # the CLI: one line, exit status 2
+        res = _run([sys.executable, "-m", "specdec", "model=gdn-target", "drafter=ngram", f"prompts.path={f}",
+                    f"hydra.run.dir={tmp_path / 'out'}"] + CPU)
+        assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "no such file" in res.stderr
 
 
 def test_rollback_tiny_run(tmp_path: Path):
     cfg = _cfg(["experiment=rollback", "prompts.limit=2", "max_new_tokens=8", "experiment.batch_grid=[1,2]",
                 "experiment.k_grid=[2]", "experiment.kernel_steps=2", "experiment.kernel_warmup=1",
-                "experiment.warmup=false", "experiment.memory_budget_gib=1"] + CPU)
+                "experiment.warmup=false", "experiment.memory_budget_gib=1", "repeats=2"] + CPU)
     records = run_experiment(cfg, tmp_path)
     strategies = ["snapshot", "ring", "replay", "replay_deferred"]
     assert [(r["batch"], r["rollback"]) for r in records] == [(b, s) for b in (1, 2) for s in strategies]
@@ -160,15 +227,20 @@ def test_rollback_tiny_run(tmp_path: Path):
         extra = {"snapshot": T * S, "ring": T * S, "replay": 2 * T * I, "replay_deferred": 16 * I}[r["rollback"]]
         assert r["extra_MiB_per_seq"] == pytest.approx(extra * L / 2**20)
         assert r["max_batch"] == (1 << 30) // (L * (S + extra))
+        assert (r["memory_budget_gib"], r["memory_budget_source"]) == (1.0, "config")
+        assert r["ssm_ms_per_step_min"] <= r["ssm_ms_per_step"] <= r["ssm_ms_per_step_max"]
+        assert r["e2e_verify_ms_min"] <= r["e2e_verify_ms"] <= r["e2e_verify_ms_max"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])  # vs specdec plain
         parts = r["kernel_verify_us"] + r["kernel_commit_us"] + r["kernel_fold_us"]
         assert r["ssm_ms_per_step"] == pytest.approx(parts * L / 1e3)
         folds = r["rollback"] == "replay" or (r["rollback"] == "replay_deferred" and r["flush_rate"] > 0)
         assert (r["kernel_fold_us"] > 0) == folds  # deferred replay folds only when its history would overflow
     summary = (tmp_path / "summary.md").read_text()
+    assert "1.0 GiB (experiment.memory_budget_gib: a budget you set, not this machine's memory)" in summary
     _check_summary_matches(summary, lines, {
         "verify ms/step": ("e2e_verify_ms", "{:.2f}"), "commit ms/step": ("e2e_commit_ms", "{:.3f}"),
         "layer fold us": ("kernel_fold_us", "{:.1f}"), "SSM ms/step": ("ssm_ms_per_step", "{:.3f}"),
-        "MB moved/step": ("bytes_per_step_MB", "{:.3f}"), "max batch": ("max_batch", "{:.0f}"),
+        "MB moved/step": ("bytes_per_step_MB", "{:.3f}"), "max batch in budget": ("max_batch", "{:.0f}"),
         "exact state": ("state_exact", None)}, ["model", "rollback", "batch", "num_speculative_tokens"])
     # the recommendation: the strategy with the least SSM time per step, per grid point
     head, rows = _table(summary.split("## Recommendation")[1])
@@ -243,6 +315,179 @@ def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
     _check_summary_matches((tmp_path / "summary.md").read_text(), lines, {
         "tokens/s": ("tokens_per_s", "{:.1f}"), "speedup vs plain": ("speedup", "{:.2f}x"),
         "ms/step": ("ms_per_step", "{:.2f}"), "exact": ("exact", None)}, ["model", "rollback", "batch"])
+
+
+TINY_SHAPE = ["model=qwen35-tiny-shape", "experiment.prompt_tokens=16"]
+
+
+def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):
+    """experiment=bench with the oracle drafter on a tiny random-shape model: acceptance 1 commits
+    K + 1 tokens per step and acceptance 0 one; every row equals specdec plain's output (fp32);
+    decode and end-to-end speed with their spreads; the records are appended as measured, so a
+    run cut short keeps what it finished and `python -m specdec.experiments.report` summarises it."""
+    cfg = _cfg(["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[1.0,0.0]", "rollback=replay",
+                "max_new_tokens=11", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=2"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["drafter"], r["acceptance"], r["batch"]) for r in records] == [("oracle", 1.0, 2), ("oracle", 0.0, 2)]
+    full, none = records
+    assert full["mean_accepted_tokens"] == pytest.approx(5.0, abs=0.5) and none["mean_accepted_tokens"] == 1.0
+    for r in records:
+        assert r["exact"] and r["diverged_rows"] == 0 and r["near_tie"] is None and r["prompt_tokens"] == 16
+        for k in ("decode_tokens_per_s", "plain_decode_tokens_per_s", "tokens_per_s", "plain_tokens_per_s"):
+            assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"] and r[k] > 0
+        assert r["decode_speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["plain_decode_tokens_per_s"])
+        assert r["hf_speedup"] is None and "hf_tokens_per_s" not in r
+        assert r["draft_share"] + r["verify_share"] + r["rollback_share"] == pytest.approx(1.0)
+        assert r["date"] and r["device_name"].startswith("CPU")
+    assert _records(tmp_path / "results.jsonl") == json.loads(json.dumps(records))
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.splitlines()[2].startswith("Device: CPU")
+    _check_summary_matches(summary, _records(tmp_path / "results.jsonl"), {
+        "decode tokens/s": ("decode_tokens_per_s", "{:.1f}"), "decode speedup": ("decode_speedup", "{:.2f}x"),
+        "mean accepted tokens": ("mean_accepted_tokens", "{:.2f}"), "diverged rows": ("diverged_rows", "{:.0f}"),
+        "exact": ("exact", None)}, ["model", "drafter", "acceptance", "rollback", "batch"])
+
+    import specdec.experiments.e2e as e2e
+
+    calls = []
+    measure = e2e.speculative_point
+
+    def cut_short(*args, **kw):  # the second point "crashes": the first stays in results.jsonl
+        if calls:
+            raise RuntimeError("cut short")
+        calls.append(1)
+        return measure(*args, **kw)
+
+    monkeypatch.setattr(e2e, "speculative_point", cut_short)
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="cut short"):
+        run_experiment(cfg, cut)
+    kept = _records(cut / "results.jsonl")
+    assert [(r["acceptance"], r["exact"]) for r in kept] == [(1.0, True)]
+    res = _run([sys.executable, "-m", "specdec.experiments.report", str(cut)])
+    assert res.returncode == 0, res.stderr
+    assert len(_table((cut / "summary.md").read_text())[1]) == 1
+
+
+def test_long_run_tiny_cpu(tmp_path: Path):
+    """experiment=long_run (the bench's long-generation preset) at a CPU size: the oracle drafter
+    over specdec plain's output, every strategy; in fp32 no row may diverge from plain decoding."""
+    cfg = _cfg(["experiment=long_run", "max_new_tokens=24", "experiment.batch_grid=[2]"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [r["rollback"] for r in records] == ["snapshot", "ring", "replay", "replay_deferred"]
+    for r in records:  # fp32: speculative == plain, token for token, for the whole length
+        assert (r["drafter"], r["acceptance"], r["batch"], r["new_tokens"]) == ("oracle", 0.8, 2, 48)
+        assert r["diverged_rows"] == 0 and r["exact"] and r["first_divergence"] == []
+        assert r["config"]["experiment"]["ignore_eos"] and r["mean_accepted_tokens"] > 1.0
+    head, rows = _table((tmp_path / "summary.md").read_text())
+    cells = [dict(zip(head, row)) for row in rows]
+    assert [(c["diverged rows"], c["exact"]) for c in cells] == [("0", "yes")] * 4
+
+
+def test_checks_tiny_cpu(tmp_path: Path, capsys):
+    """experiment=checks on a tiny model: the CUDA-only checks say SKIP and still measure (rollback
+    timed apart, step times), the memory budget and fp32 checks pass on the CPU."""
+    cfg = _cfg(["experiment=checks", "max_new_tokens=12", "experiment.batch_grid=[1,4]", "repeats=1"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+
+    def verdict(check):
+        hits = [x for x in lines if x.startswith(f"{check}: ")]
+        assert len(hits) == 1, lines[-40:]
+        return hits[0]
+
+    assert verdict("rollback_on_device").startswith("rollback_on_device: SKIP (needs CUDA)")
+    assert "rollback time reported apart: yes" in verdict("rollback_on_device")
+    assert verdict("step_cost").startswith("step_cost: SKIP (needs CUDA)") and "ms/step" in verdict("step_cost")
+    memory = verdict("memory_budget")
+    assert memory.startswith("memory_budget: PASS"), memory
+    for s in ("snapshot", "ring", "replay", "replay_deferred"):
+        assert f"{s}: +" in memory
+    assert verdict("fp32_state").startswith("fp32_state: PASS")
+    by = {}
+    for r in records:
+        by.setdefault(r["experiment"], []).append(r)
+    assert all(r["off_device"] == 0 and r["rollback_apart"] for r in by["checks.rollback_on_device"])
+    assert [(r["batch"], r["decode_path"]) for r in by["checks.step_cost"]][::4] == [(1, "static"), (4, "static")]
+    assert all(r["ratio"] == pytest.approx(r["step_ms"] / r["plain_step_ms"]) for r in by["checks.step_cost"])
+    budget = {r["rollback"]: r for r in by["checks.memory_budget"]}
+    assert budget["replay"]["extra_MiB"] < min(budget["snapshot"]["extra_MiB"], budget["ring"]["extra_MiB"])
+    md = (tmp_path / "summary.md").read_text()
+    for text in ("- rollback_on_device: SKIP", "- step_cost: SKIP", "- memory_budget: PASS", "- fp32_state: PASS",
+                 "## checks.rollback_on_device", "## checks.step_cost", "## checks.memory_budget"):
+        assert text in md
+
+
+def test_tree_verify_profile_tiny_cpu(tmp_path: Path):
+    """experiment=tree_verify times chain and tree steps and, with experiment.profile, adds one
+    profiled verify per configuration: host ops / host ms / kernels columns and a top-ops table each."""
+    cfg = _cfg(["experiment=tree_verify", "model=qwen35-tiny-shape", "experiment.batch_grid=[2]",
+                "rollback.strategies=[snapshot,replay]", "experiment.steps=1", "experiment.warmup=0",
+                "experiment.prompt_tokens=16", "experiment.profile=true"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["rollback"], r["tree"], r["nodes"]) for r in records] == [
+        ("snapshot", "chain", 5), ("snapshot", "default", 16), ("replay", "chain", 5), ("replay", "default", 16)]
+    for r in records:  # CPU: the torch kernels are the default, so no "torch" row; no GPU kernels
+        assert r["kernels"] == "default" and r["host_ops"] > 50 and r["host_ms"] > 0
+        assert r["gpu_kernels"] == 0 and r["device_ms"] is None
+        assert r["vs_chain"] == pytest.approx(r["verify_ms"] / next(
+            c["verify_ms"] for c in records if c["rollback"] == r["rollback"] and c["tree"] == "chain"))
+    text = (tmp_path / "profile.md").read_text()
+    assert text.count("\n## ") == 4 and text.count("Self CPU time total") == 4
+
+
+def test_tree_verify_static_path_tiny_cpu(tmp_path: Path):
+    """experiment.decode_path=static times the engine's fixed-shape bucket (StaticDecoder: tree forward
+    + path commit), the CUDA-graph path without the graphs; cuda_graph on the CPU is refused."""
+    base = ["experiment=tree_verify", "model=qwen35-tiny-shape", "experiment.batch_grid=[2]", "rollback=ring",
+            "experiment.steps=1", "experiment.warmup=1", "experiment.prompt_tokens=16"] + CPU
+    records = run_experiment(_cfg(base + ["experiment.decode_path=static"]), tmp_path)
+    assert [(r["tree"], r["nodes"], r["decode_path"]) for r in records] == [("chain", 5, "static"),
+                                                                          ("default", 16, "static")]
+    assert all(r["verify_ms"] > 0 and r["commit_ms"] > 0 for r in records)
+    assert "static path" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(ValueError, match="cuda_graph needs CUDA"):
+        run_experiment(_cfg(base + ["experiment.decode_path=cuda_graph"]), tmp_path / "graph")
+
+
+def test_ngram_proposal_tiny_cpu(tmp_path: Path):
+    """experiment=ngram_proposal checks that both searches propose the same before timing and
+    records one row per (batch, width)."""
+    cfg = _cfg(["experiment=ngram_proposal", "experiment.batch_grid=[1,3]", "experiment.widths=[32,96]",
+                "repeats=2"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["batch"], r["width"]) for r in records] == [(1, 32), (1, 96), (3, 32), (3, 96)]
+    for r in records:
+        assert r["same_proposals"] and r["loop_ms_min"] <= r["loop_ms"] <= r["loop_ms_max"]
+        assert r["loop_over_batched"] == pytest.approx(r["loop_ms"] / r["batched_ms"])
+    head, rows = _table((tmp_path / "summary.md").read_text(), "batch")
+    assert [tuple(row[:2]) for row in rows] == [("1", "32"), ("1", "96"), ("3", "32"), ("3", "96")]
+
+
+def test_e2e_divergence_margins():
+    """Each diverged row's first divergence and plain decoding's top-2 margin there (teacher-forced
+    over the reference): one per diverged row, none otherwise, equal to the model's own logits."""
+    import specdec
+    from specdec import zoo
+    from specdec.experiments.e2e import batch_encoding, divergence_margins, row_divergences
+
+    model, tok = zoo.load("gdn-target", device="cpu", dtype=torch.float32)
+    enc = batch_encoding(tok, zoo.prompts("128", limit=2), 2, "cpu")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ref = specdec.wrap(model).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    P = ids.shape[1]
+    assert row_divergences(ref.clone(), ref, P) == ([], [])
+    out = ref.clone()
+    out[1, P + 2] = (out[1, P + 2] + 1) % model.config.vocab_size
+    assert row_divergences(out, ref, P) == ([1], [2])
+    margins = divergence_margins(model, ref, mask, [1], [2], P)
+    with torch.no_grad():
+        logits = model(input_ids=ref[1:2, :P + 2], attention_mask=torch.cat([mask[1:2], mask.new_ones(1, 2)], 1)).logits
+    top = torch.topk(logits[0, -1].float(), 2).values
+    assert len(margins) == 1 and abs(margins[0] - float(top[0] - top[1])) < 1e-3 and margins[0] >= 0
+    assert divergence_margins(model, ref, mask, [0], [ref.shape[1] - P], P) == [None]  # the reference had ended
 
 
 # ------------------------------------------------------------------------------ processes
@@ -321,13 +566,17 @@ def test_two_processes_give_the_records_of_one(tmp_path: Path):
 
 @pytest.mark.parametrize("override, message", [
     ("device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-    ("num_speculative_tokens=0", "num_speculative_tokens must be in [1, 64], got 0"),
+    ("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1"),
+    ("drafterr=ngram", "unknown key 'drafterr' (did you mean 'drafter'?)"),
+    ("schema=bench", "'schema' is internal"),
+    ("experiment=rollback num_speculative_tokens=0", "need drafts to roll back"),
 ])
 def test_bad_value_gives_a_one_line_error(tmp_path: Path, override, message):
-    res = _run([sys.executable, "-m", "specdec", override, f"hydra.run.dir={tmp_path}"])
+    res = _run([sys.executable, "-m", "specdec", *override.split(), f"hydra.run.dir={tmp_path}"])
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("specdec-run: ") and message in lines[0], res.stderr
+    assert "+" not in lines[0].split("specdec-run: ", 1)[1].split("=")[0]  # never suggests +key=value
 
 
 def test_one_line_error_texts():

@@ -19,10 +19,12 @@ import io
 import pytest
 import torch
 from helpers import StreamRecorder
-from tiny_models import VOCAB, get_model, ragged_prompts, tiny_tokenizer
+from tiny_models import VOCAB, get_model, make_model, ragged_prompts, tiny_tokenizer
 from transformers import (
     GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
 )
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria
 from tree_drafters import OracleTree, reference_rows
 
 import specdec
@@ -338,6 +340,57 @@ def test_stopping_criteria_match_hf(kind, with_eos):
     assert torch.equal(out, ref)
 
 
+class RowZeroReference(Drafter):
+    """Row 0 proposes its reference continuation (all accepted), the other rows propose nothing:
+    row 0 runs ahead of the rest."""
+
+    def __init__(self, reference, prompt_len):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        K = num_speculative_tokens
+        drafts = torch.zeros(input_ids.shape[0], K, dtype=torch.long)
+        counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
+        done = int(lengths[0]) - self.prompt_len
+        drafts[0] = self.reference[done:done + K]
+        counts[0] = K
+        return drafts, counts
+
+
+def test_criteria_without_eos_count_only_the_returned_tokens():
+    """Without an EOS id a row whose criteria held runs on until every row's criteria have held,
+    then all rows end at that step (HF): a row that ran ahead of that step is cut back, and
+    ``new_tokens`` counts the tokens returned, not the ones cut."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts(batch=2, lengths=(12, 7))
+    plain = hf(model, ids, mask)
+    L = ids.shape[1]
+    crit = StoppingCriteriaList([StopAfter([int(plain[0, L + 1]), int(plain[1, L + 3])])])
+    ref = hf(model, ids, mask, stopping_criteria=crit)
+    assert ref.shape[1] == L + 4  # every row's criteria held at the 4th new token
+    sd = specdec.wrap(model, drafter=RowZeroReference(plain[0, L:], int(mask[0].sum())), num_speculative_tokens=4)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, stopping_criteria=crit)
+    assert torch.equal(out, ref)
+    st = sd.last_stats
+    assert st.accepted_tokens >= 4  # row 0 committed more tokens than were returned
+    assert st.new_tokens == 2 * 4
+
+
+def test_an_eos_criterion_among_the_stopping_criteria_pads_stopped_rows():
+    """HF pads every row stopped by a criterion when any criterion has an ``eos_token_id`` (an
+    ``EosTokenCriteria`` given in ``stopping_criteria``, with no ``eos_token_id`` setting): rows
+    do not run on."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    plain = hf(model, ids, mask)
+    L = ids.shape[1]
+    crit = StoppingCriteriaList([EosTokenCriteria(eos_token_id=int(plain[1, L + 2]))])
+    ref = hf(model, ids, mask, stopping_criteria=crit)
+    assert (ref[1, L + 3:] == 0).all() and ref.shape[1] == plain.shape[1]  # row 1 padded, the others ran on
+    out = wrap().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, stopping_criteria=crit)
+    assert torch.equal(out, ref)
+
+
 def test_eos_list_matches_hf():
     model = get_model(FAMILY)
     ids, mask = ragged_prompts()
@@ -445,6 +498,23 @@ def test_sampled_scores_are_warped():
     for i, s in enumerate(out.scores):
         assert (torch.isfinite(s).sum(-1) <= 5).all()  # top-k applied, as HF's returned scores are
         assert torch.isfinite(s[torch.arange(3), out.sequences[:, L + i]]).all()
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_bf16_model_returns_fp32_scores_from_its_logits(sample):
+    """A bf16 target: scores and logits are fp32, as HF returns them, and the scores are the
+    (warped, when sampling) fp32 logits."""
+    model = make_model(FAMILY).to(torch.bfloat16)
+    ids, mask = ragged_prompts()
+    kw = dict(do_sample=True, temperature=0.7, top_k=20, generator=torch.Generator().manual_seed(0)) if sample else {}
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, return_dict_in_generate=True,
+                      output_scores=True, output_logits=True, **kw)
+    assert len(out.scores) == len(out.logits) == 6
+    for s, raw in zip(out.scores, out.logits):
+        assert s.dtype == raw.dtype == torch.float32
+        warped = TopKLogitsWarper(20)(None, TemperatureLogitsWarper(0.7)(None, raw)) if sample else raw
+        torch.testing.assert_close(s, warped, rtol=0, atol=0)
 
 
 def test_generation_config_object():

@@ -152,6 +152,39 @@ def test_static_sampling_reproducible_and_top1_is_greedy():
     assert torch.equal(top1, ref)
 
 
+class _TwoSampledDrafts(Drafter):
+    """Proposes 2 (< K) drafts per row, the reference continuation, with the distributions they
+    were sampled from (``[B, 2, V]``: half the mass on the draft, the rest uniform)."""
+
+    def __init__(self, out, ids, mask):
+        self.rows = reference_rows(out, ids, mask)
+
+    def propose(self, input_ids, lengths, K):
+        B = input_ids.shape[0]
+        drafts = torch.zeros(B, 2, dtype=torch.long)
+        for b in range(B):
+            nxt = self.rows[b][int(lengths[b]):int(lengths[b]) + 2]
+            drafts[b, :len(nxt)] = nxt
+        self.probs = torch.full((B, 2, VOCAB), 0.5 / VOCAB).scatter_add_(2, drafts[..., None], torch.full((B, 2, 1), 0.5))
+        return drafts, torch.full((B,), 2, dtype=torch.long)
+
+    def draft_probs(self):
+        return self.probs
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_sampling_drafter_with_fewer_drafts_than_K(path):
+    """A drafter may return fewer than K drafts per row, with their distributions ``[B, w, V]``:
+    both paths accept them (top-1 sampling equals greedy decoding)."""
+    model = get_model("qwen3_5")
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter=_TwoSampledDrafts(ref, ids, mask), num_speculative_tokens=4, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=True, top_k=1, eos_token_id=eos,
+                      generator=torch.Generator().manual_seed(0), pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert sd.last_stats.accepted_tokens > 0
+
+
 def test_decode_path_validation():
     model = get_model("qwen3_5")
     with pytest.raises(ValueError, match="decode_path must be one of"):

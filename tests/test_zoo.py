@@ -148,7 +148,7 @@ def test_recipe_smoke_on_cpu(tmp_path):
     """The recipe end to end on this machine's stdlib at a tiny scale (seconds)."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "specdec.experiments.train_zoo", "device=cpu", "steps_scale=0.002",
+    cmd = [sys.executable, "-m", "specdec", "experiment=train_zoo", "device=cpu", "steps_scale=0.002",
            f"out_dir={out}", "heldout.num_files=2", f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

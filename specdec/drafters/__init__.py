@@ -13,6 +13,11 @@ __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "Medus
 
 #: drafter names :func:`make_drafter` takes
 DRAFTER_NAMES = ("ngram", "mtp")
+#: drafter names of the command line whose drafter needs a model object -> what to pass instead
+_NEEDS_OBJECT = {
+    "draft_model": "drafter=DraftModelDrafter(draft_model)",
+    "medusa": "drafter=MedusaDrafter(heads), heads = MedusaHeads.from_pretrained(path, target=model)",
+}
 
 
 def make_drafter(drafter, target=None) -> Drafter:
@@ -21,8 +26,9 @@ def make_drafter(drafter, target=None) -> Drafter:
     :meth:`MTPDrafter.for_model`; needs ``target``).
 
     Raises:
-        ValueError: unknown name; ``"mtp"`` without a target or without MTP layers in its
-            checkpoint. TypeError: anything else.
+        ValueError: an unknown name; ``"mtp"`` without a target or without MTP layers in its
+            checkpoint; ``"draft_model"`` / ``"medusa"``, whose drafters need an object (the
+            message says which to pass). TypeError: anything else.
     """
     if isinstance(drafter, Drafter):
         return drafter
@@ -34,6 +40,9 @@ def make_drafter(drafter, target=None) -> Drafter:
                 raise ValueError("drafter='mtp' drafts with the target's own MTP layers: pass the target "
                                  "(make_drafter('mtp', target=model)) or use specdec.wrap(model, drafter='mtp')")
             return MTPDrafter.for_model(target)
+        if drafter in _NEEDS_OBJECT:
+            raise ValueError(f"drafter={drafter!r} needs an object the name alone cannot build: pass "
+                             f"{_NEEDS_OBJECT[drafter]} (names that work: {DRAFTER_NAMES})")
         raise ValueError(
             f"unknown drafter {drafter!r}; use one of {DRAFTER_NAMES} or an instance from specdec.drafters "
             "(NGramDrafter, DraftModelDrafter, MedusaDrafter, MTPDrafter, or your own Drafter subclass)"

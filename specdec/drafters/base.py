@@ -8,7 +8,7 @@ import torch
 
 from ..verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
-__all__ = ["Drafter", "check_proposal", "check_tree_proposal", "proposal_errors"]
+__all__ = ["Drafter", "check_draft_probs", "check_proposal", "check_tree_proposal", "proposal_errors"]
 
 
 class Drafter(abc.ABC):
@@ -96,7 +96,8 @@ class Drafter(abc.ABC):
         new pending token. Columns past ``num_tokens`` are meaningless; a finished row has 0."""
 
     def draft_probs(self) -> torch.Tensor | None:
-        """``[B, K, V]`` distributions the last drafts were sampled from, or None (deterministic)."""
+        """``[B, w, V]`` floating distributions the last drafts (``draft_tokens [B, w]``) were sampled
+        from, or None (deterministic)."""
         return None
 
     @property
@@ -132,6 +133,28 @@ def check_proposal(out, batch: int, num_speculative_tokens: int) -> tuple[torch.
     if counts.shape != (batch,):
         raise ValueError(f"drafter returned num_draft_tokens of shape {tuple(counts.shape)}; expected [{batch}]")
     return drafts, counts
+
+
+def check_draft_probs(probs, batch: int, width: int, vocab_size: int) -> torch.Tensor | None:
+    """What :meth:`Drafter.draft_probs` returned, checked on the host (types and shapes: no device
+    sync): None, or a floating tensor ``[batch, width, vocab_size]`` (``width``: the columns of the
+    step's ``draft_tokens``), returned as given.
+
+    Raises:
+        TypeError: not a tensor, or a tensor of a non-floating dtype.
+        ValueError: another shape.
+    """
+    if probs is None:
+        return None
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"Drafter.draft_probs returned {type(probs).__name__}; expected None or a float tensor "
+                        f"[{batch}, {width}, {vocab_size}]")
+    if not probs.dtype.is_floating_point:
+        raise TypeError(f"Drafter.draft_probs returned dtype {probs.dtype}; expected a floating dtype (probabilities)")
+    if probs.shape != (batch, width, vocab_size):
+        raise ValueError(f"Drafter.draft_probs returned shape {tuple(probs.shape)}; expected [{batch}, {width}, "
+                         f"{vocab_size}] (batch, the proposal's draft_tokens columns, the target's vocabulary)")
+    return probs
 
 
 def check_tree_proposal(nodes, batch: int, tree) -> torch.Tensor:

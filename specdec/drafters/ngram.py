@@ -6,7 +6,7 @@ earlier in the same row and propose the tokens that followed its most recent occ
 copy to the host, no per-row work, no host synchronisation: on CUDA the step keeps its one
 sync) when the batch is larger than :data:`HOST_SEARCH_MAX_BATCH`; for smaller batches the
 per-row host loop :func:`propose_ngram_reference` is faster, sync included (H200 and CPU,
-``benchmarks/ngram_drafter.py``: at batch 1 the loop takes 0.2-0.4 ms on CUDA where the ~25
+``specdec-run experiment=ngram_proposal``: at batch 1 the loop takes 0.2-0.4 ms on CUDA where the ~25
 small kernels of the batched search take ~1.2 ms; at batch 16 the batched search is 1.5-3x
 faster, at batch 64 6-12x). Both propose the same tokens (property-tested).
 """

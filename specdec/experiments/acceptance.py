@@ -3,17 +3,28 @@
 Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (the target's zoo Medusa
 heads, targets with ``medusa``: chain drafting, or tree drafting with ``drafter.tree=default`` /
 ``medusa-63`` / a list of paths, reported as ``medusa-tree:<tree>``), ``mtp`` (the MTP layers of
-the target's own checkpoint, targets with ``mtp: true``).
+the target's own checkpoint, targets with ``mtp: true``). Prompts: the shipped set
+(``prompts.set``) or the user's file (``prompts.path``, :mod:`.prompts`).
 
 For every configuration and prompt it records mean accepted tokens (Spec-Bench's tokens per
-target forward, bonus included), acceptance rate, the accepted-length histogram, tokens/s,
-the speedup over plain greedy decoding of the same model on the same prompt in the same run
-(transformers' ``generate()``), and whether the output equals that plain greedy output token
-for token; where it does not, the first differing position, the plain run's own top-2 logit
-margin there (``divergence_margin``, from its ``output_logits``) and whether that is a near-tie
-(``near_tie``: margin < 0.25 in bf16/fp16, the only divergence DESIGN.md allows; never in fp32).
-Results go to ``results.jsonl`` (one record per prompt and configuration),
-``summary.md`` (the table, means over prompts) and ``accept_hist.png`` in the run folder.
+target forward, bonus included), acceptance rate, the accepted-length histogram, and whether
+the output equals transformers' greedy ``generate()`` output token for token; where it does
+not, the first differing position, the plain run's own top-2 logit margin there
+(``divergence_margin``, from its ``output_logits``) and whether that is a near-tie
+(``near_tie``: margin < 0.25 in bf16/fp16, the only divergence the exactness contract allows;
+never in fp32).
+
+Speed (:mod:`.timing`): on the first ``experiment.timed_prompts`` prompts, per target,
+``repeats`` rounds each run specdec's own plain decoding (``num_speculative_tokens=0``, same
+engine), HF ``generate()`` and every configuration once, side by side, so a slow phase of a
+shared machine hits them alike; each figure is the median of its rounds with their min-max.
+The first round's runs also give those prompts' acceptance records. ``speedup`` is
+speculative / specdec plain (``hf_speedup``: / HF), ``within_noise`` says whether the
+speculative and plain ranges overlap. These fields are per configuration, repeated on each of
+its records.
+
+Results go to ``results.jsonl`` (one record per prompt and configuration), ``summary.md`` (the
+table, means over prompts, with its column legend) and ``accept_hist.png`` in the run folder.
 
 Several processes (``accelerate launch --multi_gpu --num_processes N -m specdec ...``): each runs
 its contiguous share of the prompts (``split``), the records are gathered on the main process
@@ -23,25 +34,21 @@ its contiguous share of the prompts (``split``), the records are gathered on the
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .common import common_fields, make_drafter, progress_bar, write_outputs
+from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
 from .models import load_target, resolve_device
+from .prompts import experiment_prompts
+from .timing import overlaps, time_side_by_side
 
 __all__ = ["run", "load_target", "resolve_device"]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-#: DESIGN.md: in bf16 a divergence from plain greedy output is allowed only where the plain run's
-#: top-2 logit margin is below this (a genuine near-tie)
+#: in bf16 a divergence from plain greedy output is allowed only where the plain run's top-2
+#: logit margin is below this (a genuine near-tie)
 NEAR_TIE_MARGIN = 0.25
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,8 +69,8 @@ def divergence_fields(out: torch.Tensor, ref: torch.Tensor, ref_margins: torch.T
     output ``ref [1, L2]`` (both with the prompt), ``divergence_position`` (0 = first new token),
     ``divergence_margin`` (``ref_margins [L2 - prompt_tokens]``, the plain run's top-2 logit
     margin per new token, at that position; None where one output had already ended) and
-    ``near_tie`` (margin < :data:`NEAR_TIE_MARGIN` in bf16/fp16; DESIGN.md allows no divergence
-    in fp32, so there it is always False)."""
+    ``near_tie`` (margin < :data:`NEAR_TIE_MARGIN` in bf16/fp16; no divergence is allowed in
+    fp32, so there it is always False)."""
     pos = first_divergence(out, ref)
     if pos is None:
         return {"exact": True, "divergence_position": None, "divergence_margin": None, "near_tie": None}
@@ -87,6 +94,23 @@ def _configs(cfg, target_spec):
             yield str(drafter), str(strategy)
 
 
+def _encode(tok, p: dict, device):
+    """``{"input_ids": [1, L], "attention_mask": [1, L]}`` of a prompt (text or token ids).
+
+    Raises: ValueError for text the tokenizer encodes to no tokens."""
+    if "input_ids" in p:
+        ids = torch.tensor([p["input_ids"]], dtype=torch.long, device=device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    enc = tok(p["prompt"], return_tensors="pt").to(device)
+    if enc["input_ids"].shape[1] == 0:
+        raise ValueError(f"prompt {p['id']!r} encodes to no tokens with this tokenizer")
+    return dict(enc)
+
+
+def _new_tokens(outs, encs) -> int:
+    return sum(int(o.shape[1] - e["input_ids"].shape[1]) for o, e in zip(outs, encs))
+
+
 def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_progress: bool = True) -> list[dict]:
     """Run the experiment; returns the records (also written to ``out_dir``).
 
@@ -94,25 +118,27 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     (multi-process runs). ``records_sink``: optional callable(list[dict]) -> list[dict] | None
     that gathers records across processes; outputs are written only where it returns a list
     (the main process), and an empty list is returned elsewhere. ``show_progress``: False on
-    the processes other than the main one (one progress bar per launch).
+    the processes other than the main one (one progress bar, one thread line per launch).
 
     Raises: ValueError when no selected target has what the drafters need (``drafter=draft_model``:
     a draft model; ``drafter=medusa``: Medusa heads, ``model.targets[*].medusa``; ``drafter=mtp``:
-    MTP layers in its checkpoint, ``model.targets[*].mtp``).
+    MTP layers in its checkpoint, ``model.targets[*].mtp``); the prompt file's errors
+    (:func:`.prompts.load_prompt_file`).
     """
     import specdec
 
     from .. import zoo
 
     device, dtype = resolve_device(cfg)
-    if device.type == "cpu" and cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
     torch.manual_seed(int(cfg.seed))
-    all_prompts = zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
+    all_prompts = experiment_prompts(cfg)
     order = {p["id"]: i for i, p in enumerate(all_prompts)}
     prompts = split(all_prompts) if split is not None else all_prompts
     K = int(cfg.num_speculative_tokens)
     max_new = int(cfg.max_new_tokens)
+    repeats = int(cfg.repeats)
+    n_timed = cfg.experiment.timed_prompts
+    timed = prompts if n_timed is None else prompts[:int(n_timed)]
     records: list[dict] = []
     plan = [(spec, d, s) for spec in cfg.model.targets for d, s in _configs(cfg, spec)]
     if not plan:
@@ -121,34 +147,41 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                          "(model.targets[*].mtp); use drafter=ngram or model=gdn-target")
     planned = {str(s.name) for s, _, _ in plan}  # targets with at least one configuration (others are skipped)
     total = len(plan) * len(prompts) + len(planned) * len(prompts)
-    bar = progress_bar(cfg, total, "acceptance", enabled=show_progress)
+    bar = None
     for spec in cfg.model.targets:
         if str(spec.name) not in planned:
             continue
         model, tok = load_target(spec, device, dtype, int(cfg.seed))
+        if bar is None:  # the thread line first, then the one bar
+            apply_cpu_threads(cfg, model, device, show=show_progress)
+            bar = progress_bar(cfg, total, "acceptance", enabled=show_progress) or False
         draft = None
         if spec.get("draft") and "draft_model" in [str(d) for d in cfg.drafter.names]:
             draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
         heads = None
         if spec.get("medusa") and "medusa" in [str(d) for d in cfg.drafter.names]:
             heads = zoo.load_medusa(str(spec.medusa), target=model)  # bound to this target's LM head
-        # plain greedy decoding of the same model: the baseline and the exactness reference
+        pad = tok.pad_token_id
+        encs = {p["id"]: _encode(tok, p, device) for p in prompts}
+        timed_encs = [encs[p["id"]] for p in timed]
+
+        def hf_generate(enc, n=max_new, **kw):
+            return model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=pad, **kw)
+
+        # plain greedy decoding with HF: the exactness reference, with its own top-2 logit margins
         plain = {}
         for p in prompts:
-            enc = tok(p["prompt"], return_tensors="pt").to(device)
+            enc = encs[p["id"]]
             if cfg.experiment.warmup and not plain:
-                model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-            _sync(device)
-            t0 = time.perf_counter()
-            gen = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
-                                 output_logits=True, return_dict_in_generate=True)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            # the plain run's own top-2 logit margin at each new token (the near-tie test's input)
+                hf_generate(enc, 4)
+            gen = hf_generate(enc, output_logits=True, return_dict_in_generate=True)
             top2 = torch.stack(gen.logits, 1)[0].float().topk(2, dim=-1).values
-            plain[p["id"]] = (gen.sequences, dt, (top2[:, 0] - top2[:, 1]).cpu())
+            plain[p["id"]] = (gen.sequences, (top2[:, 0] - top2[:, 1]).cpu())
             if bar:
                 bar.update(1)
+        sd_plain = specdec.wrap(model, drafter="ngram", rollback=str(cfg.rollback.strategies[0]),
+                                num_speculative_tokens=0)  # specdec's own plain decoding: the baseline
+        configs = []  # (plan index, row label, strategy, wrapped model)
         for plan_index, (s, drafter_name, strategy) in enumerate(plan):
             if s.name != spec.name:
                 continue
@@ -165,53 +198,70 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 drafter = "mtp"
             else:
                 drafter = make_drafter(cfg, drafter_name, draft)
-            sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
-            warmed = not cfg.experiment.warmup
-            for p in prompts:
-                enc = tok(p["prompt"], return_tensors="pt").to(device)
-                if not warmed:
-                    sd.generate(**enc, max_new_tokens=4, pad_token_id=tok.pad_token_id)
-                    warmed = True
-                _sync(device)
-                t0 = time.perf_counter()
-                out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
-                _sync(device)
-                dt = time.perf_counter() - t0
-                ref, ref_s, ref_margins = plain[p["id"]]
-                st = sd.last_stats
+            configs.append((plan_index, label, strategy,
+                            specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)))
+        if cfg.experiment.warmup:
+            for sd in [sd_plain] + [c[3] for c in configs]:
+                sd.generate(**timed_encs[0], max_new_tokens=4, pad_token_id=pad)
+        first: dict = {}  # (plan index, prompt id) -> (output, stats) of the first timed round
+
+        def timed_run(key, sd):
+            def run():
+                outs = []
+                for p, e in zip(timed, timed_encs):
+                    outs.append(sd.generate(**e, max_new_tokens=max_new, pad_token_id=pad))
+                    first.setdefault((key, p["id"]), (outs[-1], sd.last_stats))
+                return outs
+            return run
+
+        # speed, side by side: each round runs specdec plain, HF and every configuration once
+        timings = time_side_by_side({"plain": timed_run("plain", sd_plain), "hf": lambda: [hf_generate(e) for e in
+                                                                                         timed_encs],
+                                     **{c[0]: timed_run(c[0], c[3]) for c in configs}}, repeats, device)
+        rates = {k: t.rate(_new_tokens(outs, timed_encs)) for k, (t, outs) in timings.items()}
+        plain_rate, hf_rate = rates["plain"], rates["hf"]
+        for plan_index, label, strategy, sd in configs:
+            rate = rates[plan_index]
+            speed = {**rate.fields("tokens_per_s"), **plain_rate.fields("plain_tokens_per_s"),
+                     **hf_rate.fields("hf_tokens_per_s"),
+                     "speedup": rate.median / plain_rate.median if plain_rate.median > 0 else 0.0,
+                     "hf_speedup": rate.median / hf_rate.median if hf_rate.median > 0 else 0.0,
+                     "within_noise": overlaps(rate, plain_rate), "repeats": repeats, "timed_prompts": len(timed)}
+            for p in prompts:  # the acceptance records (the timed prompts' from the first timed round)
+                enc = encs[p["id"]]
+                if (plan_index, p["id"]) in first:
+                    out, st = first[(plan_index, p["id"])]
+                else:
+                    out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
+                    st = sd.last_stats
+                ref, ref_margins = plain[p["id"]]
                 prompt_tokens = int(enc["input_ids"].shape[1])
-                new = out.shape[1] - prompt_tokens
-                div = divergence_fields(out, ref, ref_margins, prompt_tokens, dtype)
-                records.append(
-                    {
-                        **common_fields(cfg, "acceptance", spec, device, dtype),
-                        "drafter": label,
-                        "rollback": strategy,
-                        "num_speculative_tokens": K,
-                        "prompt_id": p["id"],
-                        "prompt_set": p.get("set", str(cfg.prompts.set)),
-                        "prompt_tokens": int(enc["input_ids"].shape[1]),
-                        "new_tokens": int(new),
-                        "mean_accepted_tokens": st.mean_accepted_tokens,
-                        "acceptance_rate": st.acceptance_rate,
-                        "accept_histogram": list(st.accept_histogram),
-                        "steps": st.steps,
-                        "decode_path": st.decode_path,  # eager / static / cuda_graph: which loop the timing is of
-                        "tokens_per_s": new / dt if dt > 0 else 0.0,
-                        "plain_tokens_per_s": (ref.shape[1] - enc["input_ids"].shape[1]) / ref_s if ref_s > 0 else 0.0,
-                        "speedup": ref_s / dt if dt > 0 else 0.0,
-                        **div,
-                        "draft_s": st.draft_s,
-                        "verify_s": st.verify_s,
-                        "rollback_s": st.rollback_s,
-                        "wall_s": dt,
-                        "process": int(os.environ.get("RANK", "0")),  # which process ran it (multi-process runs)
-                        "_order": (plan_index, order[p["id"]]),
-                    }
-                )
+                records.append({
+                    **common_fields(cfg, "acceptance", spec, device, dtype),
+                    "drafter": label,
+                    "rollback": strategy,
+                    "num_speculative_tokens": K,
+                    "prompt_id": p["id"],
+                    "prompt_set": p.get("set", str(cfg.prompts.set)),
+                    "prompt_tokens": prompt_tokens,
+                    "new_tokens": int(out.shape[1] - prompt_tokens),
+                    "mean_accepted_tokens": st.mean_accepted_tokens,
+                    "acceptance_rate": st.acceptance_rate,
+                    "accept_histogram": list(st.accept_histogram),
+                    "steps": st.steps,
+                    "decode_path": st.decode_path,  # eager / static / cuda_graph: which loop the timing is of
+                    **divergence_fields(out, ref, ref_margins, prompt_tokens, dtype),
+                    "draft_s": st.draft_s,
+                    "verify_s": st.verify_s,
+                    "rollback_s": st.rollback_s,
+                    "wall_s": st.wall_s,
+                    "process": int(os.environ.get("RANK", "0")),  # which process ran it (multi-process runs)
+                    "_order": (plan_index, order[p["id"]]),
+                    **speed,
+                })
                 if bar:
                     bar.update(1)
-        del model, draft, heads
+        del model, draft, heads, sd_plain, configs
     if bar:
         bar.close()
     if records_sink is not None:
@@ -221,7 +271,8 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     records.sort(key=lambda r: tuple(r["_order"]))  # gathered records in the one-process order
     for r in records:
         del r["_order"]
-    title = (f"Acceptance: K={K}, {max_new} new tokens, prompt set {cfg.prompts.set} ({len(all_prompts)} prompts), "
-             f"{device}")
+    source = f"prompts {cfg.prompts.path}" if cfg.prompts.get("path") else f"prompt set {cfg.prompts.set}"
+    title = (f"Acceptance: K={K}, {max_new} new tokens, {source} ({len(all_prompts)} prompts), {device}; speed: "
+             f"{len(timed)} prompt(s) x {repeats} repeats")
     write_outputs(records, out_dir, title)
     return records

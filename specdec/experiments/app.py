@@ -1,13 +1,17 @@
 """``specdec-run`` / ``python -m specdec``: the Hydra app for every experiment.
 
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
-comparison), ``bench`` (end-to-end speed), ``kernels`` (the per-layer kernel table),
-``train_zoo`` (the zoo recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the
-MTP layers recipe); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's
-run folder. Every key is checked against the experiment's structured config
+comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
+``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
+``ngram_proposal`` (n-gram search timing), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
+recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the MTP layers recipe);
+every one runs as ``specdec-run experiment=<name>`` (or ``python -m specdec
+experiment=<name>``); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to
+Hydra's run folder. Every key is checked against the experiment's structured config
 (:mod:`specdec.experiments.config`).
 
-Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
+The command line (``specdec-run``, :mod:`.cli`) answers ``--help`` and checks the keys before
+Hydra starts. Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
 one line on stderr, ``specdec-run: <what is wrong>``, and exit status 2; set
 ``HYDRA_FULL_ERROR=1`` for the traceback. Under ``accelerate launch`` / ``torchrun`` the
 acceptance experiment splits its prompts across the processes (:mod:`.distributed`).
@@ -15,6 +19,7 @@ acceptance experiment splits its prompts across the processes (:mod:`.distribute
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -23,15 +28,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from . import config as _config  # noqa: F401  (registers the structured configs)
-from .config import SCHEMAS, schema_keys
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_ROOT_CONF = PACKAGE_DIR.parent / "conf"
-CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else PACKAGE_DIR / "conf")
+from .config import CONF_DIR, SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
-MAX_SPECULATIVE_TOKENS = 64
+#: the training recipes (their configs have no drafter / rollback / prompt keys to check)
+RECIPES = ("train_zoo", "train_medusa", "train_mtp")
+register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
 
 
 def validate(cfg: DictConfig) -> None:
@@ -41,20 +43,39 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
     unknown = sorted(set(cfg.keys()) - schema_keys(name) - {"hydra"})
     if unknown:
-        raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}")
-    if name in ("train_zoo", "train_medusa", "train_mtp"):
+        near = difflib.get_close_matches(unknown[0], sorted(schema_keys(name)), n=1)
+        raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}"
+                         + (f" (did you mean '{near[0]}'?)" if near else ""))
+    if name in RECIPES:
         return
     if name == "kernels":
         _validate_kernels(cfg.experiment)
         return
-    if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {cfg.num_speculative_tokens}")
+    if name == "ngram_proposal":
+        _validate_ngram_proposal(cfg)
+        return
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+    from specdec.rollback import STRATEGIES
+    from specdec.tree import TREE_PRESETS
+
+    if not 0 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
+                         f"got {cfg.num_speculative_tokens}")
+    if int(cfg.repeats) < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    strategies = STRATEGIES + ("replay_deferred",)
+    for s in list(cfg.rollback.strategies) + [cfg.drafter.draft_rollback]:
+        if str(s) not in strategies:
+            raise ValueError(f"unknown rollback strategy {s!r}; use one of {', '.join(strategies)}")
     if int(cfg.max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.prompts.limit is not None and int(cfg.prompts.limit) < 1:
         raise ValueError(f"prompts.limit must be >= 1 or null (all), got {cfg.prompts.limit}")
     from ..zoo import PROMPT_SETS
 
+    if cfg.prompts.get("path") is not None and name != "acceptance":
+        raise ValueError(f"prompts.path is read by experiment=acceptance; experiment={name} runs on the shipped "
+                         "prompt sets (prompts.set)")
     if str(cfg.prompts.set) not in PROMPT_SETS + ("all", "1024", "4096"):
         raise ValueError(f"prompts.set must be one of {', '.join(PROMPT_SETS + ('all',))}; got {cfg.prompts.set!r}")
     if not cfg.model.targets:
@@ -73,36 +94,137 @@ def validate(cfg: DictConfig) -> None:
     if tree is not None:
         if "medusa" not in [str(d) for d in cfg.drafter.names]:
             raise ValueError("drafter.tree is the Medusa draft tree; it needs drafter=medusa (or drafter.names with medusa)")
-        if isinstance(tree, str) and tree not in ("default", "medusa-63", "mc_sim_7b_63"):
-            raise ValueError(f"drafter.tree={tree!r}: use default, medusa-63 or a list of paths such as [[0],[0,0],[1]]")
+        if isinstance(tree, str) and tree not in TREE_PRESETS:
+            raise ValueError(f"drafter.tree={tree!r}: use one of {', '.join(TREE_PRESETS)} or a list of paths such as "
+                             "[[0],[0,0],[1]]")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
-    if name in ("rollback", "bench"):
-        exp = cfg.experiment
-        if len(cfg.drafter.names) != 1:
-            raise ValueError(f"experiment={name} uses one drafter; got {list(map(str, cfg.drafter.names))} "
-                             "(use drafter=ngram or drafter=draft_model)")
-        if str(cfg.drafter.names[0]) in ("medusa", "mtp"):
-            raise ValueError(f"experiment={name} supports drafter=ngram or drafter=draft_model; Medusa heads and MTP "
+    drafters = [str(d) for d in cfg.drafter.names]
+    if name in ("rollback", "bench", "long_run", "tree_verify", "checks"):
+        _check_batches(cfg.experiment.batch_grid)
+    if name in ("acceptance", "rollback") and "oracle" in drafters:
+        raise ValueError(f"drafter=oracle proposes specdec plain's own output, for timing: it runs in experiment=bench, "
+                         f"long_run and checks, not experiment={name}")
+    if name == "rollback":
+        if len(drafters) != 1:
+            raise ValueError(f"experiment=rollback uses one drafter; got {drafters} (use drafter=ngram or "
+                             "drafter=draft_model)")
+        if drafters[0] in ("medusa", "mtp"):
+            raise ValueError("experiment=rollback supports drafter=ngram or drafter=draft_model; Medusa heads and MTP "
                              "layers run in experiment=acceptance")
-        if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
-            raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(exp.batch_grid)}")
-        if name == "bench" and int(exp.repeats) < 1:
-            raise ValueError(f"experiment.repeats must be >= 1, got {exp.repeats}")
+    if name in ("bench", "long_run"):
+        _validate_bench(cfg, drafters)
+    if name == "tree_verify":
+        _validate_tree_verify(cfg)
+    if name == "checks":
+        _validate_checks(cfg)
     if name == "rollback":
         exp = cfg.experiment
         if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
-            raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}], got {list(exp.k_grid)}")
+            raise ValueError(f"experiment.k_grid must list K in [1, {MAX_SPECULATIVE_TOKENS}] (the comparison needs "
+                             f"drafts to roll back), got {list(exp.k_grid)}")
         if int(exp.kernel_steps) < 1 or int(exp.kernel_warmup) < 0:
             raise ValueError("experiment.kernel_steps must be >= 1 and experiment.kernel_warmup >= 0")
         if not 0.0 <= float(exp.kernel_accept_p) <= 1.0:
             raise ValueError(f"experiment.kernel_accept_p must be in [0, 1], got {exp.kernel_accept_p}")
-        if float(exp.memory_budget_gib) <= 0:
+        if exp.memory_budget_gib is not None and float(exp.memory_budget_gib) <= 0:
             raise ValueError(f"experiment.memory_budget_gib must be > 0, got {exp.memory_budget_gib}")
+    if name == "acceptance":
+        timed = cfg.experiment.timed_prompts
+        if timed is not None and int(timed) < 1:
+            raise ValueError(f"experiment.timed_prompts must be >= 1 or null (all), got {timed}")
+
+
+def _check_batches(batch_grid) -> None:
+    if not batch_grid or any(int(b) < 1 for b in batch_grid):
+        raise ValueError(f"experiment.batch_grid must list batch sizes >= 1, got {list(batch_grid)}")
+
+
+def _check_positive(exp, *keys: str) -> None:
+    for key in keys:
+        if exp[key] is not None and float(exp[key]) <= 0:
+            raise ValueError(f"experiment.{key} must be > 0, got {exp[key]}")
+
+
+def _check_decode_path(path) -> None:
+    from specdec.engine import DECODE_PATHS
+
+    if str(path) not in DECODE_PATHS:
+        raise ValueError(f"experiment.decode_path must be one of {', '.join(DECODE_PATHS)}, got {path!r}")
+
+
+def _validate_bench(cfg, drafters: list[str]) -> None:
+    """The benchmark's drafters, oracle acceptances and lengths."""
+    from .bench import BENCH_DRAFTERS
+
+    if any(d not in BENCH_DRAFTERS for d in drafters):
+        raise ValueError(f"experiment={cfg.experiment.name} runs the drafters {', '.join(BENCH_DRAFTERS)}; got "
+                         f"{drafters} (Medusa heads run in experiment=acceptance)")
+    accs = [float(a) for a in cfg.drafter.oracle_acceptance]
+    if "oracle" in drafters and (not accs or any(not 0.0 <= a <= 1.0 for a in accs)):
+        raise ValueError(f"drafter.oracle_acceptance must list acceptances in [0, 1], got {accs}")
+    _check_positive(cfg.experiment, "prompt_tokens", "hf_max_new_tokens")
+    _check_decode_path(cfg.experiment.decode_path)
+
+
+def _validate_tree_verify(cfg) -> None:
+    """The trees, the step counts and K (a chain of K + 1 tokens; trees of depth K)."""
+    from specdec.tree import TREE_PRESETS
+
+    from .tree_verify import CHAIN
+
+    exp = cfg.experiment
+    known = (CHAIN,) + TREE_PRESETS
+    bad = [str(t) for t in exp.trees if str(t) not in known]
+    if not exp.trees or bad:
+        raise ValueError(f"experiment.trees must list {', '.join(known)}; got {list(map(str, exp.trees))}")
+    if not exp.kernels:
+        raise ValueError("experiment.kernels is empty: list default, torch or loop")
+    if int(cfg.num_speculative_tokens) < 1:
+        raise ValueError("experiment=tree_verify needs num_speculative_tokens >= 1 (the depth of the chain and trees)")
+    if int(exp.steps) < 1 or int(exp.warmup) < 0:
+        raise ValueError(f"experiment.steps must be >= 1 and experiment.warmup >= 0, got {exp.steps}, {exp.warmup}")
+    _check_positive(exp, "prompt_tokens", "max_seconds")
+
+
+def _validate_checks(cfg) -> None:
+    """The checks' acceptance, lengths, budget and decode path."""
+    exp = cfg.experiment
+    if not 0.0 <= float(exp.acceptance) <= 1.0:
+        raise ValueError(f"experiment.acceptance must be in [0, 1], got {exp.acceptance}")
+    if int(cfg.num_speculative_tokens) < 1:
+        raise ValueError("experiment=checks needs num_speculative_tokens >= 1 (the checks roll drafts back)")
+    short = [int(n) for n in exp.transfer_new_tokens]
+    if len(short) != 2 or not 1 <= short[0] < short[1]:
+        raise ValueError(f"experiment.transfer_new_tokens must be [short, long] with 1 <= short < long, got {short}")
+    _check_decode_path(exp.decode_path)
+    if not exp.checks:
+        raise ValueError("experiment.checks is empty")
+    _check_positive(exp, "prompt_tokens", "memory_budget_gib", "context_tokens", "max_dtoh_per_step")
+
+
+def _validate_ngram_proposal(cfg) -> None:
+    """The n-gram grid (no model: the common checks do not apply)."""
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+
+    exp = cfg.experiment
+    _check_batches(exp.batch_grid)
+    if not exp.widths or any(int(w) < 2 for w in exp.widths):
+        raise ValueError(f"experiment.widths must list text widths >= 2, got {list(exp.widths)}")
+    if not 1 <= int(cfg.num_speculative_tokens) <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (drafts to propose), got "
+                         f"{cfg.num_speculative_tokens}")
+    if int(exp.vocab_size) < 2 or int(exp.warmup) < 0 or int(cfg.repeats) < 1:
+        raise ValueError("experiment.vocab_size must be >= 2, experiment.warmup >= 0 and repeats >= 1")
+    lo, hi = int(cfg.drafter.ngram.min_ngram), int(cfg.drafter.ngram.max_ngram)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"drafter.ngram needs 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
 
 
 def _validate_kernels(exp) -> None:
     """The kernel table's grid and settings."""
+    from specdec.engine import MAX_SPECULATIVE_TOKENS
+
     if not exp.ops:
         raise ValueError("experiment.ops is empty: list SSM ops, e.g. [mamba2, gdn, kda]")
     if not exp.batch_grid or any(int(b) < 1 for b in exp.batch_grid):
@@ -123,11 +245,24 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
 
     ``overrides``: the command line's overrides; for ``experiment=rollback`` an explicit
     ``num_speculative_tokens=K`` (without ``experiment.k_grid=``) narrows the K grid to [K].
+    On CPU, transformers' notes about GPU-only kernel packages and its loading bars are off
+    (:func:`specdec.quiet.quiet_transformers`).
 
     Raises: ValueError for an invalid configuration (see :func:`validate`).
     """
     validate(cfg)
     name = str(cfg.experiment.name)
+    if name in RECIPES:
+        return _dispatch(name, cfg, out_dir, overrides)
+    from ..quiet import quiet_transformers
+    from .models import resolve_device
+
+    with quiet_transformers(resolve_device(cfg)[0]):
+        return _dispatch(name, cfg, out_dir, overrides)
+
+
+def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...]):
+    """Run experiment ``name`` (validated) into ``out_dir``."""
     if name == "acceptance":
         from .acceptance import run
         from .distributed import Processes, world_size
@@ -143,15 +278,31 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
 
         names = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
         if "num_speculative_tokens" in names and "experiment.k_grid" not in names:
+            if int(cfg.num_speculative_tokens) == 0:
+                raise ValueError("experiment=rollback compares rollback strategies, which need drafts to roll back: "
+                                 "num_speculative_tokens must be >= 1 here (0, plain decoding, runs in "
+                                 "experiment=acceptance and experiment=bench)")
             with open_dict(cfg):
                 cfg.experiment.k_grid = [int(cfg.num_speculative_tokens)]
         return run(cfg, out_dir)
-    if name == "bench":
+    if name in ("bench", "long_run"):
         from .bench import run
 
         return run(cfg, out_dir)
     if name == "kernels":
         from .kernel_table import run
+
+        return run(cfg, out_dir)
+    if name == "tree_verify":
+        from .tree_verify import run
+
+        return run(cfg, out_dir)
+    if name == "ngram_proposal":
+        from .ngram_proposal import run
+
+        return run(cfg, out_dir)
+    if name == "checks":
+        from .checks import run
 
         return run(cfg, out_dir)
     if name == "train_medusa":
@@ -172,15 +323,19 @@ def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    print(f"specdec-run: experiment={cfg.experiment.name}, writing to {out_dir}", flush=True)
     try:
-        run_experiment(cfg, Path(hc.runtime.output_dir), tuple(hc.overrides.task))
+        run_experiment(cfg, out_dir, tuple(hc.overrides.task))
+        print(f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)", flush=True)
     except Exception as err:  # noqa: BLE001 - exits here so Hydra adds no "Error executing job" line
         if "HYDRA_FULL_ERROR" in os.environ and not _ours() or not _user_error(err):
             raise
         _exit(err)
 
 
-_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR)")
+_NOISE = re.compile(r"^(full_key:|object_type=|reference_type=|Set the environment variable HYDRA_FULL_ERROR"
+                    r"|To append to your config use \+)")  # specdec-run --help lists the keys instead
 _END = re.compile(r"^Config search path")
 
 
@@ -227,12 +382,16 @@ def _exit(err: BaseException):
     sys.exit(2)
 
 
-def main() -> None:
-    """Console entry point: the Hydra app, with one-line errors for what a user can fix."""
+def run_app(args: list[str]) -> None:
+    """The Hydra app over ``args`` (the command line without the program name), with one-line
+    errors for what a user can fix (exit status 2). :func:`specdec.experiments.cli.main` checks
+    ``--help`` and the keys first."""
     own = "HYDRA_FULL_ERROR" in os.environ and not _ours()
     if not own:  # Hydra then re-raises composition errors instead of printing them; we print one line
         os.environ["HYDRA_FULL_ERROR"] = "1"
         os.environ[_OURS] = "1"
+    argv = sys.argv
+    sys.argv = [argv[0] if argv else "specdec-run"] + list(args)
     try:
         hydra_main()
     except Exception as err:  # noqa: BLE001
@@ -240,10 +399,7 @@ def main() -> None:
             raise
         _exit(err)
     finally:
+        sys.argv = argv
         if not own:
             os.environ.pop("HYDRA_FULL_ERROR", None)
             os.environ.pop(_OURS, None)
-
-
-if __name__ == "__main__":
-    main()

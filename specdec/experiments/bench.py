@@ -1,12 +1,35 @@
-"""The end-to-end benchmark (``experiment=bench``): tokens/s and speedup per strategy and batch.
+"""The end-to-end benchmark (``experiment=bench``; ``experiment=long_run`` is its long-generation
+preset): decode speed and exactness of ``generate()`` per drafter, rollback strategy and batch.
 
-For each target, batch size in ``experiment.batch_grid`` and rollback strategy, with the
-configured drafter and ``num_speculative_tokens``: HF's plain greedy ``generate()`` on the
-batch (the baseline), then ``specdec.wrap(...).generate()`` on the same batch; medians over
-``experiment.repeats`` runs. One record per (target, strategy, batch): ``tokens_per_s``,
-``plain_tokens_per_s``, ``speedup``, ``ms_per_step`` (wall time per verify step),
-``mean_accepted_tokens``, ``exact`` (output == HF greedy). Outputs: ``results.jsonl``,
-``summary.md``, ``speedup_vs_batch.png``.
+For each target, batch size in ``experiment.batch_grid`` and drafter of ``drafter.names`` that
+applies (``draft_model`` where the target has a draft model; ``oracle`` once per value of
+``drafter.oracle_acceptance``), on the same batch:
+
+1. specdec's plain decoding (``num_speculative_tokens=0``, same engine and decode path) and,
+   with ``experiment.hf``, HF's greedy ``generate()``, timed side by side
+   (:func:`.e2e.plain_reference`); the plain output is the reference of every speculative row
+   and the text the :class:`specdec.drafters.OracleDrafter` proposes (each token corrupted with
+   probability 1 - a, so the acceptance is known);
+2. ``specdec.wrap(...).generate()`` with each rollback strategy (:func:`.e2e.speculative_point`).
+
+Every run takes ``experiment.decode_path`` (``auto``: CUDA graphs on CUDA). Every timing is
+``repeats`` calls after one untimed call of the same shape (it compiles the kernels and
+captures the CUDA graphs), median and min-max (:mod:`.timing`), end to end and of
+the decode loop alone (new tokens / (wall - prefill)); phase shares from :class:`specdec.Stats`;
+peak memory on CUDA. Exactness: every row against specdec plain's output, each diverging row's
+first divergence with plain decoding's top-2 logit margin there (in bf16 a divergence is
+allowed only at a near-tie, margin < 0.25: docs/design.md, "One speculative step").
+
+Prompts: ``experiment.prompt_tokens`` random token ids per row (speed does not depend on the
+text: the bench shapes), or the prompt set ``prompts.set`` cycled over the batch. Random-shape
+targets (``model=qwen35-4b-shape`` / ``nemotronh-4b-shape``) are damped
+(``model.targets.0.damp``) so bf16 rounding rarely flips a greedy choice.
+
+One record per speculative point is appended to ``results.jsonl`` as it is measured (a run cut
+short keeps what it finished); at the end ``summary.md`` (the table, the first divergences) and
+``speedup_vs_batch.png``. ``experiment.profile`` adds one profiled ``generate()`` per point
+(:mod:`.profiling`): kernels and GPU busy time per decode step, and ``profile.md`` with the
+top kernels.
 """
 
 from __future__ import annotations
@@ -16,55 +39,129 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .common import common_fields, make_drafter, progress_bar, write_outputs
-from .models import load_target, resolve_device
+from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
+from .models import load_target, resolve_device, weight_bytes
 
-__all__ = ["run"]
+__all__ = ["run", "drafter_runs"]
+
+#: drafters the benchmark runs (Medusa heads run in experiment=acceptance)
+BENCH_DRAFTERS = ("ngram", "draft_model", "oracle")
+
+
+def drafter_runs(cfg, spec) -> list[tuple[str, float | None]]:
+    """``(drafter, oracle acceptance or None)`` for every drafter of ``drafter.names`` that applies
+    to the target ``spec``."""
+    out = []
+    for name in (str(d) for d in cfg.drafter.names):
+        if name == "draft_model" and not spec.get("draft"):
+            continue
+        if name == "oracle":
+            out += [(name, float(a)) for a in cfg.drafter.oracle_acceptance]
+        else:
+            out.append((name, None))
+    return out
+
+
+def _profiled(sd, enc, max_new: int, pad: int, device, title: str) -> tuple[dict, str]:
+    """One warm-up and one profiled ``generate()`` of ``sd`` (then its buffers freed): the
+    per-decode-step fields for the record and a ``profile.md`` section with the top table."""
+    from .e2e import release
+    from .profiling import profile_call
+
+    sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)  # compiles, captures
+    prof, _ = profile_call(lambda: sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad), device)
+    fields = {f"profile_{k}_per_step": v for k, v in prof.fields(per=sd.last_stats.steps).items()}
+    sd.release()
+    release(device)
+    return fields, f"## {title}\n\nper decode step: {fields}\n\n```\n{prof.table}\n```\n"
 
 
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
-    """Run the benchmark; returns the records (also written to ``out_dir``)."""
+    """Run the benchmark; returns the records (also in ``out_dir``).
+
+    Raises: ValueError when no drafter of ``drafter.names`` applies to any target."""
+    import specdec
+
     from .. import zoo
-    from .e2e import batch_encoding, plain_reference, speculative_point
+    from .e2e import batch_encoding, plain_reference, random_encoding, release, speculative_point
+    from .kernel_timing import copy_bandwidth
+    from .report import write_report
 
     exp = cfg.experiment
     device, dtype = resolve_device(cfg)
-    if device.type == "cpu" and cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
     torch.manual_seed(int(cfg.seed))
-    K = int(cfg.num_speculative_tokens)
-    max_new = int(cfg.max_new_tokens)
-    repeats = int(exp.repeats)
+    K, max_new, repeats = int(cfg.num_speculative_tokens), int(cfg.max_new_tokens), int(cfg.repeats)
+    path = str(exp.decode_path)
     batches = [int(b) for b in exp.batch_grid]
     strategies = [str(s) for s in cfg.rollback.strategies]
-    drafter_name = str(cfg.drafter.names[0])
-    prompts = zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
-    records: list[dict] = []
-    bar = progress_bar(cfg, len(cfg.model.targets) * len(batches) * len(strategies), "bench")
+    plan = {str(spec.name): drafter_runs(cfg, spec) for spec in cfg.model.targets}
+    if not any(plan.values()):
+        raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))}: no selected model has a draft model "
+                         "(model.targets[*].draft); use drafter=ngram or drafter=oracle")
+    prompts = [] if exp.prompt_tokens is not None else zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
+    log = RunRecords(out_dir)
+    copy_GBps = copy_bandwidth(device) / 1e9 if device.type == "cuda" else None
+    profiles: list[str] = []
+    total = sum(len(p) for p in plan.values()) * len(batches) * len(strategies)
+    bar = None
     for spec in cfg.model.targets:
+        runs = plan[str(spec.name)]
+        if not runs:
+            continue
         model, tok = load_target(spec, device, dtype, int(cfg.seed))
+        if exp.ignore_eos:
+            model.generation_config.eos_token_id = None
+        if bar is None:  # the thread line, then the one bar
+            apply_cpu_threads(cfg, model, device)
+            bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
         draft = None
-        if drafter_name == "draft_model":
-            if not spec.get("draft"):
-                raise ValueError(f"drafter=draft_model but model {spec.name!r} has no draft model")
+        if any(d == "draft_model" for d, _ in runs):
             draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
+        wb = weight_bytes(model)
         for B in batches:
-            enc = batch_encoding(tok, prompts, B, device)
-            plain = plain_reference(model, enc, max_new, tok.pad_token_id, device, repeats=repeats,
-                                    warmup=bool(exp.warmup))
-            for strategy in strategies:
-                e = speculative_point(model, enc, drafter=make_drafter(cfg, drafter_name, draft), strategy=strategy,
-                                      K=K, max_new=max_new, pad=tok.pad_token_id, device=device, dtype=dtype,
-                                      plain=plain, repeats=repeats, warmup=bool(exp.warmup), check_state=False)
-                records.append({**common_fields(cfg, "bench", spec, device, dtype), "drafter": drafter_name,
-                                "rollback": strategy, "batch": B, "num_speculative_tokens": K,
-                                "plain_s": plain.seconds, **e})
-                if bar:
-                    bar.update(1)
+            if exp.prompt_tokens is not None:
+                enc = random_encoding(B, int(exp.prompt_tokens), model.config.vocab_size, device, int(cfg.seed) + B)
+                pad = 0
+            else:
+                enc, pad = batch_encoding(tok, prompts, B, device), tok.pad_token_id
+            plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
+                                    hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path)
+            if exp.profile:
+                sd0 = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=path)
+                profiles.append(_profiled(sd0, enc, max_new, pad, device, f"{spec.name}, batch {B}, specdec plain")[1])
+            for drafter_name, acceptance in runs:
+                drafter_args = dict(reference=plain.plain_out, attention_mask=enc["attention_mask"],
+                                    acceptance=acceptance)
+                for strategy in strategies:
+                    e = speculative_point(model, enc, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
+                                          strategy=strategy, K=K, max_new=max_new,
+                                          pad=pad, device=device, dtype=dtype, plain=plain,
+                                          reference=plain.plain_out, repeats=repeats, warmup=bool(exp.warmup),
+                                          check_state=False, decode_path=path)
+                    rec = {**common_fields(cfg, "bench", spec, device, dtype), "drafter": drafter_name,
+                           "acceptance": acceptance, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
+                           "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
+                           "copy_GBps": copy_GBps,
+                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **e}
+                    if exp.profile:
+                        sd = specdec.wrap(model, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
+                                          rollback=strategy, num_speculative_tokens=K, decode_path=path)
+                        label = drafter_name if acceptance is None else f"{drafter_name} a={acceptance}"
+                        fields, section = _profiled(sd, enc, max_new, pad, device,
+                                                    f"{spec.name}, batch {B}, {label}, {strategy}")
+                        rec.update(fields)
+                        profiles.append(section)
+                    log.add(rec, f"{spec.name} B={B} {drafter_name}{'' if acceptance is None else f' a={acceptance}'} "
+                                 f"{strategy}: decode {e['decode_tokens_per_s']:.1f} tokens/s "
+                                 f"({e['decode_speedup']:.2f}x plain), {e['diverged_rows']} diverged rows")
         del model, draft
-    if bar:
-        bar.close()
-    title = (f"Benchmark: {', '.join(t.name for t in cfg.model.targets)}, drafter {drafter_name}, K={K}, "
-             f"{max_new} new tokens, {device}, {str(dtype).replace('torch.', '')}, median of {repeats}")
-    write_outputs(records, out_dir, title)
-    return records
+        release(device)
+    log.close()
+    if profiles:
+        (log.out_dir / "profile.md").write_text("# torch.profiler: one generate() per configuration\n\n"
+                                            + "\n".join(profiles))
+    title = (f"{'Long run' if str(exp.name) == 'long_run' else 'End-to-end decode'}: "
+             f"{', '.join(t.name for t in cfg.model.targets)}, K={K}, {max_new} new tokens, {device}, "
+             f"{str(dtype).replace('torch.', '')}, {repeats} repeats")
+    write_report(log.records, log.out_dir, title)
+    return log.records

@@ -1,32 +1,67 @@
-"""Pieces every experiment shares: the record's common fields, drafters, progress bars, outputs."""
+"""Pieces every experiment shares: the record's common fields (with where and how it was
+measured), drafters, CPU threads, progress bars, outputs."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import platform
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-__all__ = ["common_fields", "make_drafter", "progress_bar", "write_outputs", "write_jsonl"]
+__all__ = ["common_fields", "provenance", "run_command", "make_drafter", "apply_cpu_threads", "progress_bar",
+           "write_outputs", "write_jsonl", "append_jsonl", "RunRecords"]
+
+
+def run_command() -> str | None:
+    """The ``specdec-run`` command line of the running Hydra job (its overrides), or None outside
+    one (e.g. a config composed in a test)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task
+    except (ImportError, ValueError):  # ValueError: no Hydra job is running
+        return None
+    return " ".join(["specdec-run", *overrides])
+
+
+def provenance(device) -> dict:
+    """``device_name`` (the GPU's name, or the CPU's), ``date`` (ISO) and ``command``
+    (:func:`run_command`): what every report states next to its figures."""
+    import torch
+
+    dev = torch.device(device)
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+            else f"CPU ({platform.processor() or platform.machine()})")
+    return {"device_name": name, "date": datetime.date.today().isoformat(), "command": run_command()}
 
 
 def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
-    """Fields every record starts with, the resolved config included (``config``)."""
+    """Fields every record starts with: the experiment, model, device (:func:`provenance`
+    included), dtype, seed and the resolved config (``config``)."""
     return {
         "experiment": experiment,
         "model": str(spec.name),
         "max_new_tokens": int(cfg.max_new_tokens),
         "prompt_set": str(cfg.prompts.set),
         "device": str(device),
+        **provenance(device),
         "dtype": str(dtype).replace("torch.", ""),
         "seed": int(cfg.seed),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 
 
-def make_drafter(cfg, name: str, draft_model=None):
-    """A fresh drafter for ``name`` (``ngram`` | ``draft_model``) from ``cfg.drafter``."""
-    from specdec.drafters import DraftModelDrafter, NGramDrafter
+def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_mask=None,
+                 acceptance: float | None = None):
+    """A fresh drafter for ``name`` from ``cfg.drafter``: ``ngram``, ``draft_model`` (needs
+    ``draft_model``) or ``oracle`` (an :class:`specdec.drafters.OracleDrafter` proposing
+    ``reference [B, L + G]``, the plain output of the same batch with its prompts'
+    ``attention_mask``, at per-token ``acceptance``; seeded with ``cfg.seed``).
+
+    Raises: ValueError for an unknown name or a missing draft model / reference."""
+    from specdec.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter
 
     if str(name) == "ngram":
         return NGramDrafter(min_ngram=int(cfg.drafter.ngram.min_ngram), max_ngram=int(cfg.drafter.ngram.max_ngram))
@@ -34,7 +69,28 @@ def make_drafter(cfg, name: str, draft_model=None):
         if draft_model is None:
             raise ValueError("drafter draft_model needs a target with a draft model (model.targets[*].draft)")
         return DraftModelDrafter(draft_model, rollback=str(cfg.drafter.draft_rollback))
-    raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model")
+    if str(name) == "oracle":
+        if reference is None or acceptance is None:
+            raise ValueError("drafter oracle proposes the plain output of the same batch: it runs in experiment=bench, "
+                             "long_run and checks")
+        return OracleDrafter(reference, attention_mask, acceptance=float(acceptance), seed=int(cfg.seed))
+    raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle")
+
+
+def apply_cpu_threads(cfg, model, device, show: bool = True):
+    """Torch's CPU thread count for ``model`` (:func:`specdec.threads.configure_cpu_threads`: the
+    ``cpu_threads`` key when set, else chosen, never overriding ``OMP_NUM_THREADS`` or a count the
+    user set); prints what it set as one line when ``show``. Returns the ThreadChoice (None,
+    changing nothing, without a model and without ``cpu_threads``)."""
+    from ..threads import configure_cpu_threads
+
+    threads = cfg.get("cpu_threads")
+    if model is None and threads is None:  # nothing to size the choice by: torch's default stays
+        return None
+    choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device)
+    if show and choice.source != "not on CPU":
+        print(f"specdec-run: {choice.describe()}", flush=True)
+    return choice
 
 
 def progress_bar(cfg, total: int, desc: str, enabled: bool = True):
@@ -52,6 +108,15 @@ def write_jsonl(records: list[dict], path: Path) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def append_jsonl(record: dict, path: Path) -> None:
+    """Append one record to ``path`` (JSON lines) as soon as it is measured: a run cut short keeps
+    what it finished (``python -m specdec.experiments.report RUN_DIR`` summarises it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def write_outputs(records: list[dict], out_dir: Path, title: str, console: bool = True) -> str:
     """``results.jsonl``, ``summary.md`` and the plots into ``out_dir``; returns the summary."""
     from .report import write_report
@@ -60,3 +125,33 @@ def write_outputs(records: list[dict], out_dir: Path, title: str, console: bool 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(records, out_dir / "results.jsonl")
     return write_report(records, out_dir, title, console=console)
+
+
+class RunRecords:
+    """The records of a run as it measures: each one appended to ``<out_dir>/results.jsonl`` at
+    once (:func:`append_jsonl`: a run cut short keeps what it finished), then counted on the
+    progress bar ``bar`` (set it once the run knows its size), or printed as one line without one.
+    ``records`` holds them in order."""
+
+    def __init__(self, out_dir: Path, bar=None):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "results.jsonl"
+        self.path.write_text("")
+        self.records: list[dict] = []
+        self.bar = bar
+
+    def add(self, record: dict, line: str | None = None) -> None:
+        """Keep ``record``; advance the bar, or print ``line`` when there is none."""
+        self.records.append(record)
+        append_jsonl(record, self.path)
+        if self.bar:
+            self.bar.update(1)
+        elif line:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        """Close the progress bar (if any)."""
+        if self.bar:
+            self.bar.close()
+

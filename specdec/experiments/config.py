@@ -1,31 +1,50 @@
-"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore.
+"""Structured configs (dataclasses) for ``specdec-run``, registered with Hydra's ConfigStore by
+:func:`register_configs` (which :mod:`.app` calls on import; this module imports no Hydra, so
+``specdec-run --help`` reads the field docs without it).
 
 Each experiment has a root schema (``schema/<experiment>``) that ``conf/config.yaml`` merges
 first (``- schema@_global_: ${experiment}``), so every YAML file and every command-line
 override is checked against it when Hydra composes the config: an unknown key, a value of the
-wrong type (``num_speculative_tokens=abc``) or a value outside a choice (``device=tpu``,
-``rollback=undo``) fails at start with a message, before any model is loaded.
+wrong type (``num_speculative_tokens=abc``) or a value outside a choice (``device=tpu``)
+fails at start with a message, before any model is loaded. ``schema`` is internal: users pick
+``experiment=``, which picks the schema.
 
-Choices are :class:`enum.StrEnum` members: they compare equal to, print as and serialise to
-their plain string values, so ``cfg.device == "cpu"`` and ``json.dumps`` work unchanged.
+Every user-facing field carries a one-line ``help`` in its metadata (:func:`field_help`):
+``specdec-run --help`` prints them. Choices are :class:`enum.StrEnum` members: they compare
+equal to, print as and serialise to their plain string values, so ``cfg.device == "cpu"`` and
+``json.dumps`` work unchanged. Rollback strategy names are checked against
+``specdec.rollback`` when the run starts (``app.validate``), not copied here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING as _NO_DEFAULT
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 __all__ = [
-    "Device", "DType", "Strategy", "DrafterName", "Source", "RecommendBy",
+    "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "TrainZooConfig", "TrainMedusaConfig",
-    "TrainMtpConfig", "KernelsConfig",
-    "SCHEMAS", "register_configs", "schema_keys",
+    "TrainMtpConfig", "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
+    "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_ROOT_CONF = _PACKAGE_DIR.parent / "conf"
+#: the Hydra config folder: ``conf/`` of the checkout (or the one installed inside the package)
+CONF_DIR = str(_ROOT_CONF if _ROOT_CONF.is_dir() else _PACKAGE_DIR / "conf")
+
+
+def _doc(default=_NO_DEFAULT, help: str = "", *, factory=None):
+    """A dataclass field with a one-line ``help`` (what ``specdec-run --help`` prints)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 class Device(StrEnum):
@@ -41,18 +60,15 @@ class DType(StrEnum):
     float16 = "float16"
 
 
-class Strategy(StrEnum):
-    snapshot = "snapshot"
-    ring = "ring"
-    replay = "replay"
-    replay_deferred = "replay_deferred"
-
-
 class DrafterName(StrEnum):
+    """The drafter names of the CLI; ``specdec.drafters.make_drafter`` builds ``ngram`` from the
+    name alone, the others from an object (``DraftModelDrafter(model)``, ``MedusaDrafter(heads)``)."""
+
     ngram = "ngram"
     draft_model = "draft_model"
     medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
     mtp = "mtp"  # the target's own MTP layers (checkpoint mtp.*), for targets with model.targets[*].mtp
+    oracle = "oracle"  # OracleDrafter: specdec plain's own output, corrupted at rate 1 - acceptance (timing only)
 
 
 class Source(StrEnum):
@@ -77,46 +93,54 @@ class TargetConfig:
     ``source: random_shape`` builds ``model_class(config_class(**config))`` with random weights;
     the zoo tokenizer encodes the prompts (its ids fit any larger vocabulary)."""
 
-    name: str = MISSING
-    source: Source = Source.zoo
-    draft: Optional[str] = None
-    medusa: Optional[str] = None
-    mtp: bool = False  # its checkpoint ships MTP layers (drafter=mtp)
+    name: str = _doc(MISSING, "zoo name, hub id or local folder of the target")
+    source: Source = _doc(Source.zoo, "zoo | hf | random_shape")
+    draft: Optional[str] = _doc(None, "the draft model (same source) for drafter=draft_model")
+    medusa: Optional[str] = _doc(None, "zoo name of the target's Medusa heads for drafter=medusa")
+    mtp: bool = _doc(False, "its checkpoint ships MTP layers (mtp.*) for drafter=mtp")
+    tokenizer: Optional[str] = _doc(None, "source hf: a hub id or folder to take the tokenizer from (default: name)")
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
+    layers: Optional[int] = _doc(None, "source random_shape: keep the first N layers of its pattern (null: all)")
+    damp: Optional[float] = _doc(None, "source random_shape: scale of every block's output projection (wide greedy "
+                                       "margins in bf16; null: transformers' init)")
 
 
 @dataclass
 class ModelConfig:
-    targets: List[TargetConfig] = field(default_factory=list)
+    targets: List[TargetConfig] = _doc(help="the target models (model=<option> fills it)", factory=list)
 
 
 @dataclass
 class NGramConfig:
-    min_ngram: int = 1
-    max_ngram: int = 3
+    min_ngram: int = _doc(1, "shortest n-gram the prompt-lookup drafter matches")
+    max_ngram: int = _doc(3, "longest n-gram the prompt-lookup drafter matches")
 
 
 @dataclass
 class DrafterConfig:
-    names: List[DrafterName] = field(default_factory=lambda: [DrafterName.ngram])
+    names: List[DrafterName] = _doc(help="drafters to run (drafter=<option> fills it)",
+                                    factory=lambda: [DrafterName.ngram])
     ngram: NGramConfig = field(default_factory=NGramConfig)
-    draft_rollback: Strategy = Strategy.snapshot  # rollback of a hybrid draft model's own SSM state
-    # Medusa draft tree: null = chain drafting; a preset ("default", "medusa-63") or a list of paths
-    # in Medusa's format, e.g. [[0],[0,0],[1]] (specdec.tree.make_tree)
-    tree: Any = None
+    draft_rollback: str = _doc("snapshot", "rollback strategy of a hybrid draft model's own SSM state")
+    tree: Any = _doc(None, "Medusa draft tree: null (chain), default, medusa-63 or a list of paths [[0],[0,0],[1]]")
+    oracle_acceptance: List[float] = _doc(help="drafter oracle: per-token acceptance, one run each (bench)",
+                                          factory=lambda: [0.8])
 
 
 @dataclass
 class RollbackConfig:
-    strategies: List[Strategy] = field(default_factory=lambda: [Strategy.snapshot, Strategy.ring, Strategy.replay])
+    strategies: List[str] = _doc(help="rollback strategies to run (rollback=<option> fills it)",
+                                 factory=lambda: ["snapshot", "ring", "replay"])
 
 
 @dataclass
 class PromptsConfig:
-    set: str = "128"  # "128" | "1k" | "4k" | "all"
-    limit: Optional[int] = 8  # prompts per set (null = all)
+    set: str = _doc("128", "shipped prompt set: 128 | 1k | 4k | all")
+    limit: Optional[int] = _doc(8, "prompts per set (null = all)")
+    path: Optional[str] = _doc(None, "your own prompts: a .jsonl file, one {\"prompt\": text} or "
+                                     "{\"input_ids\": [...]} per line (acceptance only; replaces prompts.set)")
 
 
 # --------------------------------------------------------------------------- experiments
@@ -125,30 +149,101 @@ class PromptsConfig:
 @dataclass
 class AcceptanceExperiment:
     name: str = "acceptance"
-    warmup: bool = True  # one untimed generate per configuration first
+    warmup: bool = _doc(True, "one untimed generate per configuration first")
+    timed_prompts: Optional[int] = _doc(1, "prompts the speed columns are timed on, from the start of the set "
+                                           "(null = all)")
 
 
 @dataclass
 class RollbackExperiment:
     name: str = "rollback"
-    batch_grid: List[int] = field(default_factory=lambda: [1, 4])
-    k_grid: List[int] = field(default_factory=lambda: [2, 4])  # num_speculative_tokens=K narrows it to [K]
-    end_to_end: bool = True  # real generate() runs: verify/commit time, speedup, exactness
-    kernel_level: bool = True  # per-layer strategy verify/commit/fold on synthetic inputs
-    kernel_steps: int = 16  # timed steps per grid point (after kernel_warmup)
-    kernel_warmup: int = 2
-    kernel_accept_p: float = 0.7  # per-draft acceptance of the synthetic accepted counts
-    memory_budget_gib: float = 40.0  # SSM state budget for the largest admitted batch
-    recommend_by: RecommendBy = RecommendBy.kernel
-    warmup: bool = True  # one untimed generate per grid point first
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
+    k_grid: List[int] = _doc(help="K values (num_speculative_tokens=K on the command line narrows it to [K])",
+                             factory=lambda: [2, 4])
+    end_to_end: bool = _doc(True, "real generate() runs: verify/commit time, speedup, exactness")
+    kernel_level: bool = _doc(True, "per-layer strategy verify/commit/fold on synthetic inputs at the model's shape")
+    kernel_steps: int = _doc(16, "timed steps per kernel-level run (after kernel_warmup)")
+    kernel_warmup: int = _doc(2, "untimed steps first")
+    kernel_accept_p: float = _doc(0.7, "per-draft acceptance of the kernel level's synthetic accepted counts")
+    memory_budget_gib: Optional[float] = _doc(None, "SSM-state memory budget in GiB for the 'max batch in budget' "
+                                                    "column (null: this device's memory)")
+    recommend_by: RecommendBy = _doc(RecommendBy.kernel, "kernel | end_to_end: the time the recommendation ranks by")
+    warmup: bool = _doc(True, "one untimed generate per grid point first")
 
 
 @dataclass
 class BenchExperiment:
     name: str = "bench"
-    batch_grid: List[int] = field(default_factory=lambda: [1, 4])
-    repeats: int = 1  # timed runs per point (median)
-    warmup: bool = True
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 4])
+    warmup: bool = _doc(True, "one untimed generate of the same shape per point first (compiles, captures)")
+    prompt_tokens: Optional[int] = _doc(None, "prompts of this many random token ids per row (speed does not depend "
+                                              "on the text); null: the prompt set")
+    hf: bool = _doc(True, "time HF generate() on the same batch too")
+    hf_max_new_tokens: Optional[int] = _doc(None, "new tokens of the HF runs (null: max_new_tokens)")
+    ignore_eos: bool = _doc(False, "clear the target's EOS token: every row runs max_new_tokens")
+    profile: bool = _doc(False, "one more generate() per point under torch.profiler (profile.md)")
+    decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
+
+
+class TreeKernels(StrEnum):
+    default = "default"  # the device's backend (Triton on CUDA)
+    torch = "torch"  # the torch reference ops
+    loop = "loop"  # Triton, every tree walking its nodes in the runtime loop
+
+
+class DecodePath(StrEnum):
+    eager = "eager"
+    static = "static"
+    cuda_graph = "cuda_graph"
+
+
+@dataclass
+class TreeVerifyExperiment:
+    name: str = "tree_verify"
+    trees: List[str] = _doc(help="chain or a specdec.tree preset (default: 16 nodes, medusa-63: 64 nodes at K=4)",
+                            factory=lambda: ["chain", "default"])
+    kernels: List[TreeKernels] = _doc(help="default (Triton on CUDA) | torch (reference ops, CUDA only) | loop "
+                                           "(runtime node loop)",
+                                      factory=lambda: [TreeKernels.default, TreeKernels.torch])
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 16])
+    decode_path: DecodePath = _doc(DecodePath.eager, "eager | static | cuda_graph: the decoder the step runs on")
+    steps: int = _doc(8, "timed steps per configuration")
+    warmup: int = _doc(2, "untimed steps first")
+    prompt_tokens: int = _doc(128, "random prompt tokens prefilled before the steps")
+    max_seconds: Optional[float] = _doc(50.0, "skip the remaining configurations after this wall time (null: none)")
+    profile: bool = _doc(False, "one more verify per configuration under torch.profiler (profile.md)")
+
+
+@dataclass
+class NgramProposalExperiment:
+    name: str = "ngram_proposal"
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 16, 64])
+    widths: List[int] = _doc(help="text widths W (row lengths in [W/2, W])", factory=lambda: [256, 1024, 4096])
+    vocab_size: int = _doc(64, "vocabulary of the random texts (small: most rows find a match)")
+    warmup: int = _doc(3, "untimed rounds first")
+
+
+class CheckName(StrEnum):
+    rollback_on_device = "rollback_on_device"
+    step_cost = "step_cost"
+    memory_budget = "memory_budget"
+    fp32_state = "fp32_state"
+
+
+@dataclass
+class ChecksExperiment:
+    name: str = "checks"
+    checks: List[CheckName] = _doc(help="the checks to run (see the experiment's description)",
+                                   factory=lambda: list(CheckName))
+    acceptance: float = _doc(0.8, "per-token acceptance of the oracle drafter")
+    batch_grid: List[int] = _doc(help="step_cost: batch sizes", factory=lambda: [1, 4, 16])
+    prompt_tokens: int = _doc(128, "random prompt tokens per row (ragged rows left-padded)")
+    transfer_new_tokens: List[int] = _doc(help="rollback_on_device: new tokens of the short and the long profiled run",
+                                          factory=lambda: [8, 40])
+    max_dtoh_per_step: float = _doc(1.25, "rollback_on_device: device-to-host copies allowed per decode step")
+    memory_budget_gib: float = _doc(40.0, "memory_budget: GiB for SSM state, conv windows and KV cache")
+    context_tokens: int = _doc(4096, "memory_budget: tokens per sequence for the KV cache")
+    decode_path: str = _doc("auto", "auto (cuda_graph on CUDA, static on CPU) | eager | static | cuda_graph")
 
 
 class SSMOpName(StrEnum):
@@ -165,17 +260,18 @@ class ShapePreset(StrEnum):
 @dataclass
 class KernelsExperiment:
     name: str = "kernels"
-    ops: List[SSMOpName] = field(default_factory=lambda: [SSMOpName.mamba2, SSMOpName.gdn, SSMOpName.kda])
-    shapes: ShapePreset = ShapePreset.bench
-    batch_grid: List[int] = field(default_factory=lambda: [1, 8, 64, 256])
-    k_grid: List[int] = field(default_factory=lambda: [1, 4, 8])
-    rounds: int = 16  # steps per CUDA graph
-    reps: int = 10  # graph replays per point (median)
-    accept_p: float = 0.7  # per-draft acceptance of the committed counts
-    memory_budget_gib: float = 40.0  # SSM state budget for the largest admitted batch
-    check: bool = True  # every strategy against the fp32 reference first
-    fla: bool = True  # time flash-linear-attention's fused recurrent GDN when importable (CUDA)
-    launch_from: Optional[str] = None  # a benchmarks/sweep_rollback_configs.py JSON: its fastest launches
+    ops: List[SSMOpName] = _doc(help="SSM ops to time: mamba2, gdn, kda",
+                                factory=lambda: [SSMOpName.mamba2, SSMOpName.gdn, SSMOpName.kda])
+    shapes: ShapePreset = _doc(ShapePreset.bench, "bench (the ops' layer shapes in 4B hybrids) | tiny (CPU smoke runs)")
+    batch_grid: List[int] = _doc(help="batch sizes", factory=lambda: [1, 8, 64, 256])
+    k_grid: List[int] = _doc(help="K values", factory=lambda: [1, 4, 8])
+    rounds: int = _doc(16, "steps per CUDA graph")
+    reps: int = _doc(10, "graph replays per point (median)")
+    accept_p: float = _doc(0.7, "per-draft acceptance of the committed counts")
+    memory_budget_gib: float = _doc(40.0, "SSM-state budget in GiB for the largest admitted batch")
+    check: bool = _doc(True, "every strategy against the fp32 reference first")
+    fla: bool = _doc(True, "time flash-linear-attention's fused recurrent GDN when importable (CUDA)")
+    launch_from: Optional[str] = _doc(None, "a benchmarks/sweep_rollback_configs.py JSON: time its fastest launches")
 
 
 @dataclass
@@ -196,14 +292,16 @@ class BaseConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
-    num_speculative_tokens: int = 4
-    max_new_tokens: int = 64
-    seed: int = 0
-    device: Device = Device.auto
-    dtype: DType = DType.auto
+    num_speculative_tokens: int = _doc(4, "K, drafts per verify step (0 = plain decoding through the same engine)")
+    max_new_tokens: int = _doc(64, "tokens generated per prompt")
+    seed: int = _doc(0, "random seed")
+    device: Device = _doc(Device.auto, "auto | cpu | cuda")
+    dtype: DType = _doc(DType.auto, "auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16")
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
-    progress: bool = True
-    cpu_threads: Optional[int] = 1  # torch intra-op threads on CPU (null: torch's default)
+    repeats: int = _doc(3, "timed runs per speed figure: median and min-max of the repeats")
+    progress: bool = _doc(True, "show a progress bar")
+    cpu_threads: Optional[int] = _doc(None, "torch threads on CPU (null: chosen by specdec.threads, 1 for small "
+                                            "models)")
 
 
 @dataclass
@@ -219,6 +317,21 @@ class RollbackExperimentConfig(BaseConfig):
 @dataclass
 class BenchConfig(BaseConfig):
     experiment: BenchExperiment = field(default_factory=BenchExperiment)
+
+
+@dataclass
+class TreeVerifyConfig(BaseConfig):
+    experiment: TreeVerifyExperiment = field(default_factory=TreeVerifyExperiment)
+
+
+@dataclass
+class NgramProposalConfig(BaseConfig):
+    experiment: NgramProposalExperiment = field(default_factory=NgramProposalExperiment)
+
+
+@dataclass
+class ChecksConfig(BaseConfig):
+    experiment: ChecksExperiment = field(default_factory=ChecksExperiment)
 
 
 @dataclass
@@ -358,7 +471,11 @@ SCHEMAS = {
     "acceptance": AcceptanceConfig,
     "rollback": RollbackExperimentConfig,
     "bench": BenchConfig,
+    "long_run": BenchConfig,
     "kernels": KernelsConfig,
+    "tree_verify": TreeVerifyConfig,
+    "ngram_proposal": NgramProposalConfig,
+    "checks": ChecksConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
     "train_mtp": TrainMtpConfig,
@@ -370,11 +487,27 @@ def schema_keys(experiment: str) -> set[str]:
     return {f.name for f in fields(SCHEMAS[experiment])}
 
 
+#: the config groups a user picks an option of (``conf/<group>/<option>.yaml``); ``schema`` is internal
+GROUPS = ("experiment", "model", "drafter", "rollback")
+
+
+def field_help(cls) -> dict[str, str]:
+    """``{dotted key: help}`` of a config dataclass, nested dataclasses flattened (``prompts.set``);
+    fields without help are left out."""
+    out: dict[str, str] = {}
+    for f in fields(cls):
+        typ = f.default_factory() if f.default_factory is not _NO_DEFAULT else None
+        if is_dataclass(typ):
+            out.update({f"{f.name}.{k}": v for k, v in field_help(type(typ)).items()})
+        elif f.metadata.get("help"):
+            out[f.name] = f.metadata["help"]
+    return out
+
+
 def register_configs() -> None:
     """Store every root schema as ``schema/<experiment>`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(group="schema", name=name, node=node)
-
-
-register_configs()

@@ -1,26 +1,30 @@
 """End-to-end measurements shared by the rollback comparison and the benchmark.
 
-:func:`plain_reference` runs transformers' own greedy ``generate()`` on a batch (the speed
-baseline and the exactness reference: its output, and its cache's SSM states after the last
-token); :func:`speculative_point` runs ``specdec.wrap(...).generate()`` on the same batch and
-returns timing, :class:`specdec.Stats` and exactness (output equal token for token; every
-SSM layer's committed state within ``state_tol`` relative error of HF's).
+:func:`plain_reference` times, side by side (:func:`specdec.experiments.timing.time_side_by_side`),
+specdec's own plain decoding (``num_speculative_tokens=0``: the speed baseline, and the
+benchmark's reference output) and, when asked, transformers' greedy ``generate()`` (the
+rollback comparison's exactness reference: its output, and its cache's SSM states after the
+last token). :func:`speculative_point` runs ``specdec.wrap(...).generate()`` on the same batch
+and returns its timing (median and min-max of the repeats, end to end and of the decode loop
+alone), :class:`specdec.Stats`, peak memory and exactness against a reference output: each
+diverging row's first divergence with plain decoding's top-2 logit margin there
+(:func:`divergence_margins`; in bf16 a divergence is allowed only at a near-tie: docs/design.md,
+"One speculative step"), and every SSM layer's committed state against HF's.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["batch_encoding", "plain_reference", "speculative_point", "PlainRun", "state_tolerance"]
+from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
+from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+__all__ = ["batch_encoding", "random_encoding", "plain_reference", "speculative_point", "PlainRun",
+           "state_tolerance", "row_divergences", "divergence_margins", "release"]
 
 
 def batch_encoding(tok, prompts: list[dict], batch: int, device):
@@ -32,18 +36,56 @@ def batch_encoding(tok, prompts: list[dict], batch: int, device):
     return tok(texts, return_tensors="pt", padding=True).to(device)
 
 
+def random_encoding(batch: int, tokens: int, vocab_size: int, device, seed: int = 0) -> dict:
+    """``{"input_ids": [batch, tokens], "attention_mask": ones}``: random ids in [10, min(vocab,
+    8192)) from a CPU generator seeded with ``seed`` (speed does not depend on the text)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, min(int(vocab_size), 8192), (batch, tokens), generator=g).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 def state_tolerance(dtype: torch.dtype) -> float:
-    """Relative error below which a committed state counts as equal (DESIGN.md: fp32 < 1e-5)."""
+    """Relative error below which a committed state counts as equal (fp32: < 1e-5)."""
     return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def release(device) -> None:
+    """Free what went out of scope (static buffers, CUDA graphs) before the next measurement."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass
 class PlainRun:
-    """HF greedy generate on one batch: output ``[B, L + new]``, seconds (median), its cache."""
+    """The baselines on one batch.
 
-    out: torch.Tensor
-    seconds: float
-    cache: object
+    Attributes:
+        plain_out: specdec's plain decoding output ``[B, L + new]``.
+        plain: its wall times (seconds, one per repeat).
+        plain_stats: the :class:`specdec.Stats` of those timed runs, in order.
+        hf_out: HF greedy ``generate()``'s output (None when HF was not run).
+        hf: its wall times (None when not run). cache: its cache (for the state check).
+    """
+
+    plain_out: torch.Tensor
+    plain: Timing
+    plain_stats: tuple
+    hf_out: torch.Tensor | None = None
+    hf: Timing | None = None
+    cache: object = None
+
+    def decode(self) -> tuple[Timing, Timing]:
+        """``(decode tokens/s, decode ms per step)`` of the plain runs: new tokens / (wall -
+        prefill) and (wall - prefill) / steps per repeat."""
+        return _decode_timings(self.plain, self.plain_stats)
+
+
+def _decode_timings(wall: Timing, stats) -> tuple[Timing, Timing]:
+    decode = [max(w - st.prefill_s, 1e-12) for w, st in zip(wall.samples, stats)]
+    rates = Timing(tuple(st.new_tokens / d for d, st in zip(decode, stats)))
+    per_step = Timing(tuple(1e3 * d / max(1, st.steps) for d, st in zip(decode, stats)))
+    return rates, per_step
 
 
 def _eos_ids(model) -> list[int]:
@@ -53,29 +95,52 @@ def _eos_ids(model) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def _new_tokens(out: torch.Tensor, prompt_width: int, pad: int | None, eos: list[int]) -> int:
+    new = out[:, prompt_width:]
+    if not eos or pad is None:  # every row ran its whole budget
+        return new.numel()
+    return int((new != pad).sum())
+
+
 @torch.no_grad()
-def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1, warmup: bool = False) -> PlainRun:
-    """Greedy HF generate (``do_sample=False``), timed; median of ``repeats`` runs."""
-    kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
-    if warmup:
-        model.generate(**enc, **{**kw, "max_new_tokens": min(4, max_new)})
-    times, res = [], None
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
-        res = model.generate(**enc, **kw, return_dict_in_generate=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return PlainRun(out=res.sequences, seconds=statistics.median(times), cache=res.past_key_values)
+def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1, warmup: bool = False,
+                    hf: bool = True, hf_max_new: int | None = None, decode_path: str = "auto") -> PlainRun:
+    """specdec's plain decoding (``num_speculative_tokens=0`` on ``decode_path``) and, when
+    ``hf``, HF's greedy ``generate()`` (``do_sample=False``, ``hf_max_new`` new tokens, default
+    ``max_new``), timed side by side over ``repeats`` rounds (one untimed round first when
+    ``warmup``: it captures the CUDA graphs of the timed shape)."""
+    import specdec
+
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=decode_path)
+    stats = []
+
+    def plain():
+        out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
+        stats.append(sd.last_stats)
+        return out
+
+    fns = {"plain": plain}
+    if hf:
+        n = max_new if hf_max_new is None else int(hf_max_new)
+        fns["hf"] = lambda: model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=pad,
+                                           return_dict_in_generate=True)
+    res = time_side_by_side(fns, max(1, repeats), device, warmup=int(bool(warmup)))
+    sd.release()
+    run = PlainRun(plain_out=res["plain"][1], plain=res["plain"][0], plain_stats=tuple(stats[-max(1, repeats):]))
+    if hf:
+        run.hf, hf_res = res["hf"]
+        run.hf_out, run.cache = hf_res.sequences, hf_res.past_key_values
+    release(device)
+    return run
 
 
 def _state_error(sd, plain: PlainRun, prompt_len: int, eos: list[int]) -> tuple[float | None, int]:
     """Max relative error over SSM layers between specdec's committed state and HF's, over the
     rows that ran to the end (a row that stopped at EOS was padded on by HF). Returns (err, rows)."""
     cache = getattr(sd, "last_cache", None)
-    if cache is None or plain.cache is None:
+    if cache is None or plain.cache is None or plain.hf_out is None:
         return None, 0
-    gen = plain.out[:, prompt_len:-1]
+    gen = plain.hf_out[:, prompt_len:-1]
     rows = torch.ones(gen.shape[0], dtype=torch.bool, device=gen.device)
     for e in eos:
         rows &= ~(gen == e).any(dim=1)
@@ -94,55 +159,149 @@ def _state_error(sd, plain: PlainRun, prompt_len: int, eos: list[int]) -> tuple[
     return worst, int(rows.sum())
 
 
+def row_divergences(out: torch.Tensor, reference: torch.Tensor, prompt_width: int) -> tuple[list[int], list[int]]:
+    """``(rows, positions)``: the rows of ``out [B, L1]`` that differ from ``reference [B, L2]``
+    (both with the ``prompt_width`` prompt columns) and, for each, the new-token position of the
+    first difference (a row ending early differs where it ends)."""
+    rows, positions = [], []
+    for r in range(out.shape[0]):
+        pos = first_divergence(out[r:r + 1], reference[r:r + 1])
+        if pos is not None:
+            rows.append(r)
+            positions.append(pos - prompt_width)
+    return rows, positions
+
+
+@torch.no_grad()
+def divergence_margins(model, reference: torch.Tensor, attention_mask: torch.Tensor, rows: list[int],
+                       positions: list[int], prompt_width: int) -> list[float | None]:
+    """Plain decoding's top-2 logit margin at each diverging row's first divergence: one
+    teacher-forced forward of ``model`` over the row's prompt and ``reference`` text before that
+    position (the same prefix plain decoding saw; a recomputation, so in bf16 it may round
+    differently from the decode step itself). None where the reference had already ended.
+
+    Args:
+        reference: ``[B, prompt_width + G]`` plain output. attention_mask: ``[B, prompt_width]``.
+        rows, positions: from :func:`row_divergences`.
+    """
+    margins: list[float | None] = []
+    for r, pos in zip(rows, positions):
+        end = prompt_width + pos
+        if end >= reference.shape[1]:
+            margins.append(None)
+            continue
+        mask = torch.cat([attention_mask[r:r + 1], attention_mask.new_ones(1, pos)], dim=1)
+        logits = model(input_ids=reference[r:r + 1, :end], attention_mask=mask).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        margins.append(round(float(top[0] - top[1]), 4))
+    return margins
+
+
+def _per_step(values: list[float], steps: list[int]) -> tuple[float, float, float]:
+    """Median, min and max over repeats of ``values[i] / steps[i]``, in milliseconds."""
+    ms = [1e3 * v / max(1, n) for v, n in zip(values, steps)]
+    return statistics.median(ms), min(ms), max(ms)
+
+
 @torch.no_grad()
 def speculative_point(model, enc, *, drafter, strategy: str, K: int, max_new: int, pad: int, device, dtype,
-                      plain: PlainRun, repeats: int = 1, warmup: bool = False, check_state: bool = True) -> dict:
-    """Run ``specdec.wrap(model, drafter, strategy, K).generate`` on ``enc``; figures per point.
+                      plain: PlainRun, reference: torch.Tensor, repeats: int = 1, warmup: bool = False,
+                      check_state: bool = True, decode_path: str = "auto") -> dict:
+    """Run ``specdec.wrap(model, drafter, strategy, K, decode_path).generate`` on ``enc`` ``repeats`` times
+    (after one untimed call of the same shape when ``warmup``: it compiles and captures).
 
     Returns a dict: ``steps``, ``new_tokens``, ``mean_accepted_tokens``, ``acceptance_rate``,
-    ``accept_histogram``, ``wall_s`` (median), ``verify_ms`` / ``commit_ms`` / ``draft_ms`` (per
-    verify step, from :class:`specdec.Stats`: ``commit`` is its ``rollback_s``, the fold
-    included), ``step_ms`` (verify + commit per step), ``ms_per_step`` (wall / steps),
-    ``tokens_per_s``, ``plain_tokens_per_s``, ``speedup`` (plain seconds / speculative seconds),
-    ``exact`` (output == HF greedy), ``state_rel_err`` / ``state_exact`` / ``state_rows``.
+    ``accept_histogram`` (of the last run); ``wall_s``, ``tokens_per_s`` (end to end),
+    ``decode_tokens_per_s`` (new tokens / (wall - prefill)), ``plain_tokens_per_s``,
+    ``plain_decode_tokens_per_s``, ``hf_tokens_per_s`` (when HF ran): each the median of the
+    repeats with ``<name>_min`` / ``<name>_max``; ``speedup`` / ``decode_speedup`` (median /
+    plain's median), ``hf_speedup``, ``within_noise`` (the wall-time ranges of speculative and
+    plain overlap); per verify step ``verify_ms`` / ``commit_ms`` / ``draft_ms`` (from
+    :class:`specdec.Stats`; ``commit`` is its ``rollback_s``, the fold included), ``step_ms``
+    (verify + commit), ``ms_per_step`` (wall / steps), ``decode_ms_per_step`` and
+    ``plain_decode_ms_per_step`` ((wall - prefill) / steps), with min-max; ``draft_share``,
+    ``verify_share``, ``rollback_share`` of the decode steps' time; ``decode_path``,
+    ``capture_error``, ``prefill_s``, ``peak_gib`` (CUDA); ``exact`` (output == ``reference``
+    token for token), ``diverged_rows``, ``diverged_row_ids``, ``first_divergence`` (new-token
+    positions), ``divergence_margins`` (:func:`divergence_margins`), ``near_tie`` (every margin <
+    0.25 in bf16/fp16; None without divergences); ``state_rel_err`` / ``state_exact`` /
+    ``state_rows`` (committed SSM states vs HF's, when ``check_state`` and HF ran at ``max_new``).
     """
     import specdec
 
-    sd = specdec.wrap(model, drafter=drafter, rollback=str(strategy), num_speculative_tokens=int(K))
-    if warmup:
-        sd.generate(**enc, max_new_tokens=min(4, max_new), pad_token_id=pad)
-    times, out, st = [], None, None
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
+    sd = specdec.wrap(model, drafter=drafter, rollback=str(strategy), num_speculative_tokens=int(K),
+                      decode_path=decode_path)
+    stats = []
+
+    def once():
         out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        st = sd.last_stats
-    wall = statistics.median(times)
+        stats.append(sd.last_stats)
+        return out
+
+    if warmup:
+        once()
+        stats.clear()
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    wall, out = time_runs(once, max(1, repeats), device)
+    st = stats[-1]
     L = enc["input_ids"].shape[1]
     new = int(st.new_tokens)
-    plain_new = int((plain.out[:, L:] != pad).sum()) if pad is not None else plain.out[:, L:].numel()
-    steps = max(1, st.steps)
-    exact = bool(out.shape == plain.out.shape and torch.equal(out, plain.out))
-    err, rows = _state_error(sd, plain, L, _eos_ids(model)) if (check_state and exact) else (None, 0)
-    return {
+    steps = [s.steps for s in stats]
+    rows, positions = row_divergences(out, reference, L)
+    margins = divergence_margins(model, reference, enc["attention_mask"], rows, positions, L) if rows else []
+    exact = not rows and out.shape == reference.shape
+    err, state_rows = (None, 0)
+    if check_state and exact and plain.hf_out is not None and plain.hf_out.shape == out.shape:
+        err, state_rows = _state_error(sd, plain, L, _eos_ids(model))
+    decode_rate, decode_ms = _decode_timings(wall, stats)
+    phases = [sum(getattr(s, k) for s in stats) for k in ("draft_s", "verify_s", "rollback_s")]
+    total = sum(phases)
+    rec = {
         "steps": st.steps,
         "new_tokens": new,
         "mean_accepted_tokens": st.mean_accepted_tokens,
         "acceptance_rate": st.acceptance_rate,
         "accept_histogram": list(st.accept_histogram),
-        "wall_s": wall,
-        "verify_ms": 1e3 * st.verify_s / steps,
-        "commit_ms": 1e3 * st.rollback_s / steps,
-        "draft_ms": 1e3 * st.draft_s / steps,
-        "step_ms": 1e3 * (st.verify_s + st.rollback_s) / steps,
-        "ms_per_step": 1e3 * wall / steps,
-        "tokens_per_s": new / wall if wall > 0 else 0.0,
-        "plain_tokens_per_s": plain_new / plain.seconds if plain.seconds > 0 else 0.0,
-        "speedup": plain.seconds / wall if wall > 0 else 0.0,
+        **wall.fields("wall_s"),
+        **wall.rate(new).fields("tokens_per_s"),
+        **decode_rate.fields("decode_tokens_per_s"),
+        **decode_ms.fields("decode_ms_per_step"),
+        "draft_share": phases[0] / total if total else None,
+        "verify_share": phases[1] / total if total else None,
+        "rollback_share": phases[2] / total if total else None,
+        "decode_path": st.decode_path,
+        "capture_error": st.capture_error,
+        "prefill_s": Timing(tuple(s.prefill_s for s in stats)).median,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "exact": exact,
+        "diverged_rows": len(rows),
+        "diverged_row_ids": rows,
+        "first_divergence": positions,
+        "divergence_margins": margins,
+        "near_tie": (all(m is not None and m < NEAR_TIE_MARGIN for m in margins) and dtype in HALF_DTYPES
+                     if rows else None),
         "state_rel_err": err,
         "state_exact": None if err is None else bool(err < state_tolerance(dtype)),
-        "state_rows": rows,
+        "state_rows": state_rows,
     }
+    for name, values in (("verify_ms", [s.verify_s for s in stats]), ("commit_ms", [s.rollback_s for s in stats]),
+                         ("draft_ms", [s.draft_s for s in stats]),
+                         ("step_ms", [s.verify_s + s.rollback_s for s in stats]), ("ms_per_step", list(wall.samples))):
+        rec[name], rec[f"{name}_min"], rec[f"{name}_max"] = _per_step(values, steps)
+    plain_rate, plain_ms = plain.decode()
+    rec.update(plain.plain.rate(new).fields("plain_tokens_per_s"))
+    rec.update(plain_rate.fields("plain_decode_tokens_per_s"))
+    rec.update(plain_ms.fields("plain_decode_ms_per_step"))
+    rec["speedup"] = rec["tokens_per_s"] / rec["plain_tokens_per_s"] if rec["plain_tokens_per_s"] > 0 else 0.0
+    rec["decode_speedup"] = (rec["decode_tokens_per_s"] / rec["plain_decode_tokens_per_s"]
+                             if rec["plain_decode_tokens_per_s"] > 0 else 0.0)
+    rec["within_noise"] = overlaps(wall, plain.plain)
+    rec["hf_speedup"] = None
+    if plain.hf is not None:
+        rec.update(plain.hf.rate(_new_tokens(plain.hf_out, L, pad, _eos_ids(model))).fields("hf_tokens_per_s"))
+        rec["hf_speedup"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"] if rec["hf_tokens_per_s"] > 0 else 0.0
+    sd.release()
+    release(device)
+    return rec

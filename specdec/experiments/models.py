@@ -5,9 +5,12 @@ A ``model.targets`` entry names its ``source``:
 * ``zoo``: a shipped trained model (``specdec.zoo.load``), offline;
 * ``hf``: ``AutoModelForCausalLM.from_pretrained(name)`` (a hub id or a local folder);
 * ``random_shape``: ``model_class(config_class(**config))`` from transformers with random
-  weights: the benchmark shapes of shared/bench_models.md (``qwen35-4b-shape``,
-  ``nemotronh-4b-shape``). Speed does not depend on the weights' values; the zoo tokenizer
-  encodes the prompts (its 8192 ids fit any larger vocabulary).
+  weights: the benchmark shapes of 4B-parameter hybrids (``qwen35-4b-shape``,
+  ``nemotronh-4b-shape``) and their tiny stand-ins for CPU runs (``qwen35-tiny-shape``,
+  ``nemotronh-tiny-shape``). Speed does not depend on the weights' values; the zoo tokenizer
+  encodes the prompts (its 8192 ids fit any vocabulary of at least 8192). ``layers`` keeps the
+  first N layers of the layer pattern; ``damp`` scales every block's output projection
+  (:func:`damp_residual_branches`: wide greedy margins, so bf16 rounding rarely flips a token).
 
 :func:`ssm_shape` reads the SSM layer shape from a transformers config without building the
 model, so the kernel-level rollback timing can run at a 4B model's shapes on any machine.
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["resolve_device", "load_target", "build_random_shape", "SSMShape", "ssm_shape", "target_config"]
+__all__ = ["resolve_device", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
+           "damp_residual_branches", "weight_bytes", "layer_counts", "SSMShape", "ssm_shape", "target_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,10 +69,25 @@ def _container(x):
     return x
 
 
-def target_config(spec):
-    """The transformers config of a ``random_shape`` target (no weights built).
+def _cut_layers(config: dict, layers: int, name: str) -> dict:
+    """``config`` with its layer pattern (``layer_types`` or ``hybrid_override_pattern``) cut to the
+    first ``layers`` layers."""
+    n = int(config.get("num_hidden_layers", 0))
+    if not 1 <= layers <= n:
+        raise ValueError(f"model {name!r}: layers must be in [1, {n}] (its num_hidden_layers), got {layers}")
+    out = dict(config, num_hidden_layers=layers)
+    for key in ("layer_types", "hybrid_override_pattern", "mlp_layer_types"):
+        if out.get(key) is not None:
+            out[key] = out[key][:layers]
+    return out
 
-    Raises: ValueError when ``config_class`` is missing or not a transformers class."""
+
+def target_config(spec):
+    """The transformers config of a ``random_shape`` target (no weights built), its layer
+    pattern cut to ``spec.layers`` when set.
+
+    Raises: ValueError when ``config_class`` is missing or not a transformers class, or
+    ``layers`` is outside [1, num_hidden_layers]."""
     import transformers
 
     if not spec.get("config_class"):
@@ -76,11 +95,60 @@ def target_config(spec):
     cls = getattr(transformers, str(spec.config_class), None)
     if cls is None:
         raise ValueError(f"model {spec.name!r}: transformers has no config class {spec.config_class!r}")
-    return cls(**_container(spec.get("config") or {}))
+    config = _container(spec.get("config") or {})
+    if spec.get("layers") is not None:
+        config = _cut_layers(config, int(spec.layers), str(spec.name))
+    return cls(**config)
+
+
+def layer_counts(config) -> tuple[int, int]:
+    """``(SSM layers, attention layers)`` of a transformers config (``layer_types`` with
+    ``linear_attention`` / ``full_attention``, or Nemotron-H's ``hybrid_override_pattern`` with
+    ``M`` / ``*``)."""
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if pattern:
+        return str(pattern).count("M"), str(pattern).count("*")
+    types = list(getattr(config, "layer_types", None) or [])
+    return types.count("linear_attention"), types.count("full_attention")
+
+
+def damp_residual_branches(model, factor: float) -> int:
+    """Scale the output projection of every block (attention ``o_proj``, SSM ``out_proj``, MLP
+    ``down_proj``) by ``factor`` and give an untied LM head the input embedding's values; returns
+    the number of projections scaled.
+
+    With transformers' random init the top-2 logit gap is within bf16 rounding noise every few
+    tokens, so a T-token verify and a 1-token step (different GEMM tilings) pick different
+    argmaxes within a few tokens. With damped residual branches each greedy choice follows the
+    (exact) embedding path, and with the LM head equal to the embedding each token's own row wins
+    by a margin of about sqrt(hidden size): flips become rare. Speed does not depend on the values
+    (an untied head keeps its own tensor: the same bytes are read)."""
+    n = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "down_proj") and hasattr(mod, "weight"):
+                mod.weight.mul_(factor)
+                n += 1
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
+            head.weight.copy_(emb.weight)
+    return n
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (a tied tensor counted once): what one forward reads."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
 
 
 def build_random_shape(spec, device, dtype, seed: int = 0):
-    """``(model, tokenizer)`` for a ``random_shape`` target: random init, eval mode, on ``device``."""
+    """``(model, tokenizer)`` for a ``random_shape`` target: random init (``spec.layers`` layers
+    when set; residual branches damped by ``spec.damp`` when set), no EOS, eval mode, on
+    ``device``; the zoo tokenizer."""
     import transformers
 
     from .. import zoo
@@ -92,29 +160,121 @@ def build_random_shape(spec, device, dtype, seed: int = 0):
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls._from_config(config, dtype=dtype)
+    if spec.get("damp") is not None:
+        damp_residual_branches(model, float(spec.damp))
     model.generation_config.eos_token_id = None  # random weights: no natural end of text
     return model.eval(), zoo.load_tokenizer()
+
+
+#: how long the Hub reachability probe waits (seconds)
+HUB_TIMEOUT_S = 5.0
+#: text every usable tokenizer encodes to at least one token
+TOKENIZER_PROBE = "def fibonacci(n):\n    return n"
+
+
+def hub_access(name: str) -> dict:
+    """The ``from_pretrained`` keywords for ``name``, a hub id that is not a local folder:
+    ``{"local_files_only": True}`` when the Hugging Face cache has it; ``{}`` when the Hub
+    answers for it (probed once, :data:`HUB_TIMEOUT_S`).
+
+    Raises:
+        ValueError: one line saying what to do: ``HF_HUB_OFFLINE`` is set and the cache lacks
+            it; the Hub has no such model (or it is gated / private); the Hub cannot be
+            reached (pass a local folder, or connect).
+    """
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return {"local_files_only": True}
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"model {name!r} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set: pass a local folder (model.targets.0.name=/path/to/model) or unset HF_HUB_OFFLINE")
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms and log in "
+                         "(`hf auth login`), or pass a local folder") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {name!r} is neither a local folder nor a model on the Hugging Face Hub (or it is "
+                         "private: log in with `hf auth login`)") from None
+    except Exception as err:  # noqa: BLE001 - any transport error: no network, DNS, proxy, timeout
+        raise ValueError(f"cannot reach the Hugging Face Hub for model {name!r} ({type(err).__name__}); pass a local "
+                         "folder (model.targets.0.name=/path/to/model), connect to the network, or set "
+                         "HF_HUB_OFFLINE=1 to use the cache only") from None
+    return {}
+
+
+def check_tokenizer(tok, where: str) -> None:
+    """Raise ValueError unless ``tok`` encodes :data:`TOKENIZER_PROBE` to at least one token
+    (transformers can return a tokenizer without vocabulary for a folder that has none)."""
+    ids = tok(TOKENIZER_PROBE).input_ids
+    if not len(ids):
+        raise ValueError(f"{where}: the tokenizer encodes text to no tokens (the folder has no usable tokenizer "
+                         "files): add tokenizer.json / tokenizer_config.json to it, or set "
+                         "model.targets.0.tokenizer=<folder or hub id>")
+
+
+def load_hf(spec, device, dtype):
+    """``(model, tokenizer)`` of an ``hf`` target: ``AutoModelForCausalLM`` and ``AutoTokenizer``
+    from ``spec.name`` (a local folder or a hub id; the tokenizer from ``spec.tokenizer`` when
+    set), eval mode, on ``device``, left padding (pad = eos when the tokenizer has no pad).
+
+    Raises:
+        ValueError: one line for a missing folder, an unreachable / unknown hub id
+            (:func:`hub_access`), a model transformers cannot load, or a missing or unusable
+            tokenizer (:func:`check_tokenizer`).
+    """
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def access(name: str) -> dict:
+        p = Path(name).expanduser()
+        if p.is_dir():
+            return {}
+        if name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise ValueError(f"model {name!r}: no such folder")
+        return hub_access(name)
+
+    name = str(spec.name)
+    tok_name = str(spec.get("tokenizer") or name)
+    kw = access(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model {name!r} could not be loaded as a causal LM: {first}") from None
+    model = model.to(device).eval()
+    where = f"model {name!r}" if tok_name == name else f"tokenizer {tok_name!r}"
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_name, **(kw if tok_name == name else access(tok_name)))
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{where}: no usable tokenizer ({first}); add the tokenizer files or set "
+                         "model.targets.0.tokenizer=<folder or hub id>") from None
+    check_tokenizer(tok, where)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
 
 
 def load_target(spec, device, dtype, seed: int = 0):
     """``(model, tokenizer)`` for a ``model.targets`` entry (``source`` zoo, hf or random_shape).
 
-    Raises: ValueError for an unknown source or a bad random_shape entry; the loaders' errors
-    (unknown zoo name, missing HF checkpoint) pass through."""
+    Raises: ValueError for an unknown source, a bad random_shape entry, or an hf target that
+    cannot be loaded (:func:`load_hf`); the zoo loader's errors pass through."""
     source = str(spec.source)
     if source == "zoo":
         from .. import zoo
 
         return zoo.load(spec.name, device=device, dtype=dtype)
     if source == "hf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype).to(device).eval()
-        tok = AutoTokenizer.from_pretrained(spec.name)
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return model, tok
+        return load_hf(spec, device, dtype)
     if source == "random_shape":
         return build_random_shape(spec, device, dtype, seed)
     raise ValueError(f"model source must be zoo, hf or random_shape; got {spec.source!r}")

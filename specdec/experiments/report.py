@@ -5,83 +5,272 @@ every job of a ``--multirun`` sweep) into ``summary.md`` and the PNG plots; the 
 summary are the means of the records' fields over each configuration's records (prompts,
 repeats or jobs), so they can always be recomputed from ``results.jsonl``.
 
-Plots: ``accept_hist.png`` (acceptance: accepted-length histogram per drafter),
-``rollback_time_vs_batch.png`` (rollback: commit + fold and whole SSM time per step, per
-strategy), ``speedup_vs_batch.png`` (rollback and bench: speedup per strategy).
+Under the title, a line says where and how the records were measured (device, date, command:
+:func:`provenance_lines`). Plots: ``accept_hist.png`` (acceptance: accepted-length histogram per
+drafter), ``rollback_time_vs_batch.png`` (rollback: commit + fold and whole SSM time per step,
+per strategy), ``speedup_vs_batch.png`` (rollback: speedup per strategy; bench: decode speedup
+per strategy, drafter and acceptance).
+
+An experiment appends its records to ``results.jsonl`` as it measures; ``python -m
+specdec.experiments.report RUN_DIR`` rewrites ``summary.md`` and the plots from them (a run cut
+short keeps what it finished).
 """
 
 from __future__ import annotations
 
-import sys
+import datetime
+import shutil
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["summarize", "recommend", "write_report", "write_summary", "print_table", "accept_histogram_plot",
-           "COLUMNS", "SECTIONS"]
+__all__ = ["Column", "summarize", "recommend", "write_report", "write_summary", "print_table",
+           "accept_histogram_plot", "legend_lines", "COLUMNS", "ROLLBACK_COLUMNS", "BENCH_COLUMNS", "SECTIONS",
+           "TERMINAL_WIDTH"]
 
-#: (record key, column title, format; None = a yes/no column)
+#: the terminal tables' width; wider tables keep their key columns there, all columns go to summary.md
+TERMINAL_WIDTH = 100
+
+
+@dataclass(frozen=True)
+class Column:
+    """A summary column: the record ``key`` it averages, its ``title``, ``fmt`` (None: a yes/no
+    column; :data:`TEXT`: the distinct values, joined), ``terminal`` (also in the terminal
+    table), ``spread`` (the cell shows ``median (min-max)`` from the records' ``<key>_min`` /
+    ``<key>_max``) and its ``legend`` line."""
+
+    key: str
+    title: str
+    fmt: str | None
+    terminal: bool = True
+    spread: bool = False
+    legend: str = ""
+
+
+#: ``Column.fmt`` of a text column (decode path, store names): its distinct values, joined
+TEXT = "text"
+
+
+_REPEATS = ("median of `repeats` timed runs, min-max in parentheses")
+
+#: acceptance columns
 COLUMNS = (
-    ("mean_accepted_tokens", "mean accepted tokens", "{:.2f}"),
-    ("acceptance_rate", "acceptance rate", "{:.3f}"),
-    ("tokens_per_s", "tokens/s", "{:.1f}"),
-    ("plain_tokens_per_s", "plain tokens/s", "{:.1f}"),
-    ("speedup", "speedup vs plain", "{:.2f}x"),
-    ("exact", "exact", None),
-    ("near_tie", "divergences at near-ties", None),
+    Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}",
+           legend="tokens committed per verify step (one target forward) and sequence, the target's own bonus/"
+                  "correction token included: plain decoding = 1.00"),
+    Column("acceptance_rate", "acceptance rate", "{:.3f}",
+           legend="accepted drafts / drafts proposed; only drafts actually proposed count (n-gram proposes "
+                  "nothing when no n-gram matches), so mean accepted tokens is not 1 + K x acceptance rate"),
+    Column("tokens_per_s", "tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="speculative decoding, new tokens per second on the timed prompt(s) (the first "
+                  f"`experiment.timed_prompts` of the set: their acceptance, not the table's mean); {_REPEATS}"),
+    Column("plain_tokens_per_s", "plain tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="specdec's own plain decoding (num_speculative_tokens=0, same engine, same prompts, same "
+                  "process)"),
+    Column("hf_tokens_per_s", "HF tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="transformers' greedy generate() on the same prompts, same process"),
+    Column("speedup", "speedup vs plain", "{:.2f}x",
+           legend="median tokens/s / median plain tokens/s"),
+    Column("within_noise", "within noise", None,
+           legend="yes: the min-max ranges of speculative and plain overlap; this run cannot tell them apart"),
+    Column("hf_speedup", "vs HF", "{:.2f}x", terminal=False,
+           legend="median tokens/s / median HF tokens/s"),
+    Column("exact", "exact", None, legend="every output equals HF's greedy output token for token"),
+    Column("near_tie", "divergences at near-ties", None, terminal=False,
+           legend="of the inexact outputs, those diverging where HF's top-2 logit margin < 0.25 (bf16/fp16 only)"),
 )
 
 ROLLBACK_COLUMNS = (
-    ("e2e_verify_ms", "verify ms/step", "{:.2f}"),
-    ("e2e_commit_ms", "commit ms/step", "{:.3f}"),
-    ("kernel_verify_us", "layer verify us", "{:.1f}"),
-    ("kernel_commit_us", "layer commit us", "{:.1f}"),
-    ("kernel_fold_us", "layer fold us", "{:.1f}"),
-    ("ssm_ms_per_step", "SSM ms/step", "{:.3f}"),
-    ("bytes_per_step_MB", "MB moved/step", "{:.3f}"),
-    ("extra_MiB_per_seq", "extra MiB/seq", "{:.3f}"),
-    ("max_batch", "max batch", "{:.0f}"),
-    ("speedup", "speedup vs plain", "{:.2f}x"),
-    ("exact", "exact output", None),
-    ("state_exact", "exact state", None),
-    ("kernel_state_exact", "exact layer state", None),
+    Column("e2e_verify_ms", "verify ms/step", "{:.2f}", spread=True,
+           legend="end to end: target forward + acceptance per verify step of the real generate() runs; "
+                  + _REPEATS),
+    Column("e2e_commit_ms", "commit ms/step", "{:.3f}",
+           legend="end to end: the strategy's commit per verify step (replay: its fold included)"),
+    Column("kernel_verify_us", "layer verify us", "{:.1f}", terminal=False,
+           legend="kernel level: one SSM layer, the strategy's verify on synthetic inputs at the model's shape"),
+    Column("kernel_commit_us", "layer commit us", "{:.1f}", terminal=False, legend="kernel level: commit, one layer"),
+    Column("kernel_fold_us", "layer fold us", "{:.1f}", terminal=False, legend="kernel level: replay fold, one layer"),
+    Column("ssm_ms_per_step", "SSM ms/step", "{:.3f}", spread=True,
+           legend="kernel level: verify + commit + fold x the SSM layers; " + _REPEATS),
+    Column("bytes_per_step_MB", "MB moved/step", "{:.3f}", terminal=False,
+           legend="bytes the strategy moves per step (the cost model of specdec.experiments.kernel_timing) x "
+                  "layers x batch"),
+    Column("extra_MiB_per_seq", "extra MiB/seq", "{:.3f}", terminal=False,
+           legend="the strategy's memory beyond the live state, all SSM layers, per sequence"),
+    Column("max_batch", "max batch in budget", "{:.0f}", terminal=False,
+           legend="the largest batch whose SSM state (live + extra, all SSM layers; weights and KV cache not "
+                  "counted) fits the memory budget stated below"),
+    Column("speedup", "speedup vs plain", "{:.2f}x",
+           legend="median tokens/s / median tokens/s of specdec plain (num_speculative_tokens=0), same batch"),
+    Column("within_noise", "within noise", None,
+           legend="yes: the wall-time ranges of speculative and plain overlap"),
+    Column("exact", "exact output", None, legend="output == HF greedy, token for token"),
+    Column("state_exact", "exact state", None, terminal=False,
+           legend="committed SSM state == HF's after the same tokens (rel. err < 1e-5 in fp32)"),
+    Column("kernel_state_exact", "exact layer state", None, terminal=False,
+           legend="kernel-level committed state == the fp32 reference"),
 )
 
+_DECODE = "new tokens / (wall - prefill): the decode loop alone (the prefill is the model's own forward)"
+
 BENCH_COLUMNS = (
-    ("tokens_per_s", "tokens/s", "{:.1f}"),
-    ("plain_tokens_per_s", "plain tokens/s", "{:.1f}"),
-    ("speedup", "speedup vs plain", "{:.2f}x"),
-    ("ms_per_step", "ms/step", "{:.2f}"),
-    ("mean_accepted_tokens", "mean accepted tokens", "{:.2f}"),
-    ("exact", "exact", None),
+    Column("decode_tokens_per_s", "decode tokens/s", "{:.1f}", spread=True,
+           legend=f"speculative decoding, {_DECODE}; {_REPEATS}"),
+    Column("plain_decode_tokens_per_s", "plain decode tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="the same for specdec's own plain decoding (num_speculative_tokens=0, same engine and decode "
+                  "path), same batch, same process"),
+    Column("decode_speedup", "decode speedup", "{:.2f}x",
+           legend="median decode tokens/s / median plain decode tokens/s"),
+    Column("tokens_per_s", "tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend=f"end to end (prefill included), new tokens per second; {_REPEATS}"),
+    Column("plain_tokens_per_s", "plain tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="end to end, specdec's own plain decoding, same batch, same process"),
+    Column("speedup", "speedup vs plain", "{:.2f}x", terminal=False,
+           legend="end to end: median tokens/s / median plain tokens/s"),
+    Column("within_noise", "within noise", None,
+           legend="yes: the wall-time ranges of speculative and plain overlap"),
+    Column("hf_tokens_per_s", "HF tokens/s", "{:.1f}", terminal=False, spread=True,
+           legend="transformers' greedy generate() (its default cache), end to end, same batch, same process"),
+    Column("hf_speedup", "vs HF", "{:.2f}x", terminal=False, legend="median tokens/s / median HF tokens/s"),
+    Column("decode_ms_per_step", "decode ms/step", "{:.2f}", terminal=False,
+           legend="(wall - prefill) / verify steps, median of the repeats"),
+    Column("plain_decode_ms_per_step", "plain ms/step", "{:.2f}", terminal=False,
+           legend="the same for specdec plain (one token per step)"),
+    Column("ms_per_step", "ms/step", "{:.2f}", terminal=False, legend="wall time / verify steps, median"),
+    Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", legend=COLUMNS[0].legend),
+    Column("draft_share", "draft %", "{:.0%}", terminal=False,
+           legend="share of the decode steps' time spent drafting (specdec.Stats, summed over the repeats)"),
+    Column("verify_share", "verify %", "{:.0%}", terminal=False, legend="share verifying (target forward + acceptance)"),
+    Column("rollback_share", "rollback %", "{:.0%}", terminal=False,
+           legend="share in the strategy's commit (the replay fold included)"),
+    Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
+           legend="torch.cuda.max_memory_allocated over the timed runs, weights included"),
+    Column("decode_path", "decode path", TEXT, terminal=False,
+           legend="eager | static | cuda_graph (docs/design.md, \"Decoders and decode paths\")"),
+    Column("diverged_rows", "diverged rows", "{:.0f}",
+           legend="rows whose output differs from specdec plain's (first divergences and margins below)"),
+    Column("near_tie", "divergences at near-ties", None, terminal=False,
+           legend="every first divergence where plain decoding's top-2 logit margin is < 0.25, in bf16/fp16 (the "
+                  "only divergence the exactness contract allows; never in fp32)"),
+    Column("exact", "exact", None,
+           legend="every row's output equals specdec plain's (K = 0, same engine and path) token for token"),
 )
 
 KERNEL_COLUMNS = (
-    ("launches", "launches", "{:.0f}"),
-    ("us_per_step", "us/step", "{:.1f}"),
-    ("vs_snapshot", "vs snapshot", "{:.2f}"),
-    ("vs_baseline", "vs baseline", "{:.2f}"),
-    ("kernel_MB", "kernel MB", "{:.1f}"),
-    ("design_MB", "design MB", "{:.1f}"),
-    ("GBps", "GB/s", "{:.0f}"),
-    ("pct_copy_bw", "% copy BW", "{:.0f}%"),
-    ("x_floor", "x floor", "{:.2f}"),
-    ("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}"),
-    ("max_batch", "max batch", "{:.0f}"),
-    ("exact", "exact", None),
+    Column("launches", "launches", "{:.0f}", legend="kernel launches per layer and step"),
+    Column("us_per_step", "us/step", "{:.1f}",
+           legend="device time per layer and step: median of the graph replays / steps per graph"),
+    Column("vs_snapshot", "vs snapshot", "{:.2f}", legend="us/step / snapshot's"),
+    Column("vs_baseline", "vs baseline", "{:.2f}", legend="us/step / the no-rollback update's"),
+    Column("kernel_MB", "kernel MB", "{:.1f}", terminal=False, legend="bytes the kernels move per step, all rows"),
+    Column("design_MB", "design MB", "{:.1f}", terminal=False,
+           legend="the cost model's bytes per step (docs/design.md, \"The rollback cost model\"), all rows"),
+    Column("GBps", "GB/s", "{:.0f}", terminal=False, legend="kernel bytes / time"),
+    Column("pct_copy_bw", "% copy BW", "{:.0f}%", legend="GB/s / a measured device-to-device copy's"),
+    Column("x_floor", "x floor", "{:.2f}", legend="time / (kernel bytes at copy bandwidth)"),
+    Column("extra_MiB_per_seq", "extra MiB/seq", "{:.1f}", terminal=False,
+           legend="the strategy's memory beyond the live state, all SSM layers of the bench model, per sequence"),
+    Column("max_batch", "max batch", "{:.0f}", terminal=False,
+           legend="largest batch whose SSM state (live + extra) fits experiment.memory_budget_gib"),
+    Column("exact", "exact", None, legend="outputs and committed states == the fp32 reference (rel. RMS < 1e-4)"),
 )
+
+TREE_VERIFY_COLUMNS = (
+    Column("nodes", "step tokens", "{:.0f}", legend="tokens (chain) or nodes (tree) verified in the step"),
+    Column("verify_ms", "verify ms", "{:.2f}", spread=True,
+           legend="the target's verify forward (all layers, LM head): median of experiment.steps timed steps, "
+                  "min-max in parentheses"),
+    Column("commit_ms", "commit ms", "{:.3f}", spread=True,
+           legend="committing a depth-4 path (tree: path compaction + the strategy's commit)"),
+    Column("vs_chain", "verify / chain", "{:.2f}x", legend="median verify ms / the chain's, same strategy and batch"),
+    Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
+           legend="torch.cuda.max_memory_allocated during the configuration, weights included"),
+    Column("host_ops", "host ops", "{:.0f}", terminal=False,
+           legend="profiled verify (experiment.profile): top-level torch ops dispatched"),
+    Column("host_ms", "host ms", "{:.2f}", terminal=False,
+           legend="profiled verify: summed host self time (profiler overhead included)"),
+    Column("gpu_kernels", "GPU kernels", "{:.0f}", terminal=False, legend="profiled verify: GPU kernels launched"),
+    Column("device_ms", "GPU busy ms", "{:.2f}", terminal=False, legend="profiled verify: summed kernel durations"),
+)
+
+NGRAM_COLUMNS = (
+    Column("loop_ms", "per-row loop ms", "{:.3f}", spread=True,
+           legend=f"specdec.drafters.ngram.propose_ngram_reference, one proposal; {_REPEATS}"),
+    Column("batched_ms", "batched ms", "{:.3f}", spread=True, legend="NGramDrafter.propose_batched, one proposal"),
+    Column("loop_over_batched", "loop / batched", "{:.1f}x", legend="median loop ms / median batched ms"),
+    Column("within_noise", "within noise", None, legend="yes: the min-max ranges of the two overlap"),
+    Column("rows_with_drafts", "rows with drafts", "{:.0f}", legend="rows where an n-gram matched"),
+    Column("same_proposals", "same proposals", None, legend="both propose the same tokens and counts"),
+)
+
+_OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
+
+CHECK_COLUMNS = {
+    "rollback_on_device": (
+        Column("decode_path", "decode path", TEXT),
+        Column("cache_tensors", "cache tensors", "{:.0f}", legend="tensors the cache holds (KV, conv, every store)"),
+        Column("off_device", "off the device", "{:.0f}", legend="of them, tensors not on the model's device"),
+        Column("stores", "store tensors", TEXT, terminal=False, legend="the rollback store's tensors"),
+        Column("dtoh_per_step", "D2H copies/step", "{:.2f}",
+               legend="device-to-host copies per decode step (torch.profiler: a long run minus a short one, over "
+                      "the difference in steps); CUDA only"),
+        Column("syncs_per_step", "host syncs/step", "{:.2f}", terminal=False, legend="the same for host syncs"),
+        Column("draft_ms", "draft ms", "{:.2f}", terminal=False, legend="specdec.Stats.draft_s of the run"),
+        Column("verify_ms", "verify ms", "{:.2f}", terminal=False, legend="specdec.Stats.verify_s"),
+        Column("rollback_ms", "rollback ms", "{:.2f}", legend="specdec.Stats.rollback_s, timed apart"),
+        _OK,
+    ),
+    "step_cost": (
+        Column("plain_step_ms", "plain ms/step", "{:.3f}", spread=True,
+               legend=f"specdec plain (K = 0), same decode path: (wall - prefill) / steps; {_REPEATS}"),
+        Column("step_ms", "speculative ms/step", "{:.3f}", spread=True, legend="the same, speculative"),
+        Column("ratio", "ratio", "{:.2f}", legend="median speculative step / median plain step, same batch"),
+        Column("bound", "bound", "{:.2f}", legend="1 + K/4"),
+        Column("decode_path", "decode path", TEXT),
+        Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False),
+        Column("tokens_gain", "tokens/s gain", "{:.2f}x", terminal=False,
+               legend="mean accepted tokens / ratio: the expected decode speedup"),
+        _OK,
+    ),
+    "memory_budget": (
+        Column("live_MiB", "live MiB/seq", "{:.3f}", terminal=False, legend="live fp32 SSM state, as run"),
+        Column("extra_MiB", "extra MiB/seq", "{:.3f}",
+               legend="the strategy's store beyond the live state (measured allocations), as run"),
+        Column("conv_MiB", "conv MiB/seq", "{:.4f}", terminal=False, legend="conv windows, as run"),
+        Column("kv_KiB_per_token", "KV KiB/token", "{:.2f}", terminal=False, legend="KV cache per token, as run"),
+        Column("max_batch", "max batch", "{:.0f}",
+               legend="budget / (live + extra + conv + KV at experiment.context_tokens), as run"),
+        Column("extra_MiB_full", "extra MiB/seq (full)", "{:.2f}",
+               legend="extra scaled to the bench shape's full depth"),
+        Column("max_batch_full", "max batch (full)", "{:.0f}", legend="max batch at full depth"),
+        Column("max_batch_ssm_full", "max batch, SSM only (full)", "{:.0f}", terminal=False,
+               legend="budget / (live + extra SSM state) at full depth"),
+    ),
+    "fp32_state": (
+        Column("state_tensors", "state tensors", TEXT, legend="the store's floating tensors checked (one layer)"),
+        Column("ok", "fp32", None, legend="every stored SSM state and the committed state are fp32"),
+    ),
+}
 
 #: means the plots and the recommendation use, not shown in the table
 HIDDEN_COLUMNS = (
-    ("rollback_ms_per_step", "rollback ms/step", "{:.3f}"),
-    ("e2e_step_ms", "verify + commit ms/step", "{:.3f}"),
+    Column("rollback_ms_per_step", "rollback ms/step", "{:.3f}"),
+    Column("e2e_step_ms", "verify + commit ms/step", "{:.3f}"),
 )
 
 #: experiment -> (group keys, columns, count column title)
 SECTIONS = {
     "acceptance": (("model", "drafter", "rollback", "num_speculative_tokens"), COLUMNS, "prompts"),
     "rollback": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), ROLLBACK_COLUMNS, "runs"),
-    "bench": (("model", "drafter", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS, "runs"),
+    "bench": (("model", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS,
+              "runs"),
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
+    "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
+    "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
+    "checks.rollback_on_device": (("model", "rollback"), CHECK_COLUMNS["rollback_on_device"], "runs"),
+    "checks.step_cost": (("model", "batch", "rollback"), CHECK_COLUMNS["step_cost"], "runs"),
+    "checks.memory_budget": (("model", "rollback"), CHECK_COLUMNS["memory_budget"], "runs"),
+    "checks.fp32_state": (("model", "rollback"), CHECK_COLUMNS["fp32_state"], "runs"),
 }
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K"}
@@ -107,12 +296,18 @@ def _keys_for(records: list[dict], base) -> tuple:
     return tuple(base) + extra
 
 
+def _mean(rs, key):
+    vals = [float(r[key]) for r in rs if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def summarize(records: list[dict], keys=None, columns=None) -> list[dict]:
     """One row per distinct ``keys`` (default: the experiment's), in first-seen order.
 
     Numeric columns: the mean over the group's records that have a value (None when none
-    has). Yes/no columns: "yes" when all are true, else "k/n" (None when none has a value).
-    ``prompts``: the group's record count. ``accept_histogram``: summed when present.
+    has); a spread column also gets ``<key>_min`` / ``<key>_max`` (means likewise). Yes/no
+    columns: "yes" when all are true, "no" when none is, else "k/n" (None when none has a value). ``prompts``: the
+    group's record count. ``accept_histogram``: summed when present.
     """
     if not records:
         return []
@@ -127,15 +322,19 @@ def summarize(records: list[dict], keys=None, columns=None) -> list[dict]:
     for key, rs in groups.items():
         row = dict(zip(keys, key))
         row["prompts"] = len(rs)
-        for col, _, fmt in columns:
-            vals = [r[col] for r in rs if r.get(col) is not None]
+        for c in columns:
+            vals = [r[c.key] for r in rs if r.get(c.key) is not None]
             if not vals:
-                row[col] = None
-            elif fmt is None:
+                row[c.key] = None
+            elif c.fmt is None:
                 n = sum(bool(v) for v in vals)
-                row[col] = "yes" if n == len(vals) else f"{n}/{len(vals)}"
+                row[c.key] = "yes" if n == len(vals) else "no" if n == 0 else f"{n}/{len(vals)}"
+            elif c.fmt == TEXT:
+                row[c.key] = ", ".join(dict.fromkeys(str(v) for v in vals))
             else:
-                row[col] = sum(float(v) for v in vals) / len(vals)
+                row[c.key] = _mean(rs, c.key)
+            if c.spread:
+                row[f"{c.key}_min"], row[f"{c.key}_max"] = _mean(rs, f"{c.key}_min"), _mean(rs, f"{c.key}_max")
         hists = [r["accept_histogram"] for r in rs if r.get("accept_histogram")]
         if hists:
             hist = [0] * max(len(h) for h in hists)
@@ -148,51 +347,98 @@ def summarize(records: list[dict], keys=None, columns=None) -> list[dict]:
 
 
 def _present(rows, columns):
-    return [c for c in columns if any(row.get(c[0]) is not None for row in rows)]
+    return [c for c in columns if any(row.get(c.key) is not None for row in rows)]
 
 
 def _fmt(value, fmt) -> str:
     if value is None:
         return "-"
-    return str(value) if fmt is None else fmt.format(value)
+    return str(value) if fmt in (None, TEXT) else fmt.format(value)
 
 
-def _cells(row, keys, columns):
-    return [str(row[k]) for k in keys] + [str(row["prompts"])] + [_fmt(row[c], f) for c, _, f in columns]
+def _cell(row, c: Column) -> str:
+    text = _fmt(row.get(c.key), c.fmt)
+    lo, hi = row.get(f"{c.key}_min"), row.get(f"{c.key}_max")
+    if c.spread and lo is not None and hi is not None and lo != hi and row.get(c.key) is not None:
+        text += f" ({c.fmt.format(lo)}-{c.fmt.format(hi)})"
+    return text
+
+
+def _key_cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cells(row, keys, columns, count=True):
+    return ([_key_cell(row[k]) for k in keys] + ([str(row["prompts"])] if count else [])
+            + [_cell(row, c) for c in columns])
 
 
 def _table_lines(rows, keys, columns, count_title) -> list[str]:
-    head = [KEY_TITLES.get(k, k) for k in keys] + [count_title] + [t for _, t, _ in columns]
+    head = [KEY_TITLES.get(k, k) for k in keys] + [count_title] + [c.title for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cells(row, keys, columns)) + " |" for row in rows]
     return lines
 
 
+def legend_lines(columns, markdown: bool = True) -> list[str]:
+    """One line per column with a legend: ``- `title`: legend`` (Markdown) or ``  title: legend``."""
+    return [f"- `{c.title}`: {c.legend}" if markdown else f"  {c.title}: {c.legend}" for c in columns if c.legend]
+
+
 def write_summary(path: Path, title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
-    """A Markdown file: ``# title`` and the table of ``rows`` (from :func:`summarize`)."""
+    """A Markdown file: ``# title``, the table of ``rows`` (from :func:`summarize`) and the legend."""
     keys = keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]]
     columns = _present(rows, columns)
-    Path(path).write_text("\n".join([f"# {title}", ""] + _table_lines(rows, keys, columns, count_title)) + "\n")
+    Path(path).write_text("\n".join([f"# {title}", ""] + _table_lines(rows, keys, columns, count_title)
+                                    + ["", "Columns:", ""] + legend_lines(columns)) + "\n")
+
+
+def _console(width: int | None = None):
+    from rich.console import Console
+
+    return Console(width=width or min(TERMINAL_WIDTH, shutil.get_terminal_size((TERMINAL_WIDTH, 24)).columns),
+                   soft_wrap=False)
+
+
+def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], rows: list[tuple]) -> None:
+    """A terminal table at most :data:`TERMINAL_WIDTH` wide: ``rows`` are ``(key cells, metric
+    cells with spreads, metric cells without)``. Key columns whose value is the same in every
+    row move into the title; spreads are shown only where the table still fits."""
+    from rich import box
+    from rich.table import Table
+
+    console = _console()
+    keep = [i for i in range(len(key_titles)) if len(rows) < 2 or len({r[0][i] for r in rows}) > 1]
+    same = [i for i in range(len(key_titles)) if i not in keep]
+    if same and rows:
+        title += " | " + ", ".join(f"{key_titles[i]}={rows[0][0][i]}" for i in same)
+
+    def natural_width(which: int) -> int:  # every cell on one line, headers wrapped at spaces, 3 for padding
+        cols = [[key_titles[i]] + [r[0][i] for r in rows] for i in keep]
+        cols += [[max(t.split(), key=len, default="")] + [r[which][j] for r in rows]
+                 for j, t in enumerate(metric_titles)]
+        return sum(max(len(c) for c in col) + 3 for col in cols)
+
+    which = 1 if natural_width(1) <= console.width else 2
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    for i in keep:
+        table.add_column(key_titles[i], justify="left", no_wrap=True)
+    for t in metric_titles:  # headers wrap at spaces
+        table.add_column(t, justify="right")
+    for r in rows:
+        table.add_row(*[r[0][i] for i in keep], *r[which])
+    console.print(table)
 
 
 def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
-    """The table on the terminal (rich; 160 columns wide when stdout is not a terminal)."""
-    keys = keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]]
-    columns = _present(rows, columns)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is a dependency
-        print(title)
-        for row in rows:
-            print(" | ".join(_cells(row, keys, columns)))
-        return
-    table = Table(title=title)
-    for i, h in enumerate([KEY_TITLES.get(k, k) for k in keys] + [count_title] + [t for _, t, _ in columns]):
-        table.add_column(h, justify="left" if i < len(keys) else "right")
-    for row in rows:
-        table.add_row(*_cells(row, keys, columns))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    """The key columns on the terminal, at most :data:`TERMINAL_WIDTH` wide (``summary.md`` has
+    them all): columns marked ``terminal``; group keys with one value in every row go into the
+    title; spreads only where the table still fits."""
+    keys = list(keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]])
+    shown = [c for c in _present(rows, columns) if c.terminal]
+    _print_rows(title, [KEY_TITLES.get(k, k) for k in keys], [c.title for c in shown],
+                [([_key_cell(row[k]) for k in keys], [_cell(row, c) for c in shown],
+                  [_fmt(row.get(c.key), c.fmt) for c in shown]) for row in rows])
 
 
 # ------------------------------------------------------------------------ recommendation
@@ -209,7 +455,9 @@ def recommend(records: list[dict], basis: str | None = None) -> tuple[list[dict]
     ``ssm_ms_per_step``; ``end_to_end``: ``e2e_step_ms``; default: the records'
     ``recommend_by``, falling back to whichever was measured). Returns (rows, basis text); a
     row has ``fastest``, ``ms_per_step``, ``runner_up``, ``runner_up_x`` (its time / the
-    fastest's) and ``snapshot_x`` (snapshot's time / the fastest's).
+    fastest's), ``snapshot_x`` (snapshot's time / the fastest's) and ``within_noise`` (the
+    runner-up's fastest repeat is no slower than the fastest's slowest: the measurement does
+    not rank them; None without spreads).
     """
     recs = [r for r in records if _experiment(r) == "rollback"]
     if not recs:
@@ -233,39 +481,67 @@ def recommend(records: list[dict], basis: str | None = None) -> tuple[list[dict]
         ok.sort(key=lambda r: r[col])
         best = ok[0]
         snap = next((r for r in ok if r["rollback"] == "snapshot"), None)
+        second = ok[1] if len(ok) > 1 else None
+        noise = None
+        spread = best.get(f"{col}_min") is not None and best[f"{col}_min"] < best.get(f"{col}_max")
+        if second is not None and spread and second.get(f"{col}_min") is not None:  # one repeat: no spread
+            noise = second[f"{col}_min"] <= best[f"{col}_max"]
         out.append({**dict(zip(keys, key)), "fastest": best["rollback"], "ms_per_step": best[col],
+                    "within_noise": noise,
                     "runner_up": ok[1]["rollback"] if len(ok) > 1 else None,
                     "runner_up_x": ok[1][col] / best[col] if len(ok) > 1 and best[col] > 0 else None,
                     "snapshot_x": snap[col] / best[col] if snap is not None and best[col] > 0 else None})
     return out, text
 
 
-def _recommendation_lines(records) -> list[str]:
+_RECOMMEND_FIELDS = ("fastest", "ms_per_step", "within_noise", "runner_up", "runner_up_x", "snapshot_x")
+
+
+def _recommendation_table(records) -> tuple[list[str], list[list[str]], str]:
     rows, text = recommend(records)
     if not rows:
-        return []
-    keys = [k for k in rows[0] if k not in ("fastest", "ms_per_step", "runner_up", "runner_up_x", "snapshot_x")]
+        return [], [], ""
+    keys = [k for k in rows[0] if k not in _RECOMMEND_FIELDS]
     head = [KEY_TITLES.get(k, k) for k in keys] + ["fastest", "ms/step", "runner-up", "runner-up / fastest",
-                                                    "snapshot / fastest"]
-    lines = ["", "## Recommendation", "", f"Fastest exact strategy per grid point, by {text}.", "",
+                                                    "within noise", "snapshot / fastest"]
+    body = [[str(r[k]) for k in keys] + [r["fastest"], f"{r['ms_per_step']:.3f}", r["runner_up"] or "-",
+                                         _fmt(r["runner_up_x"], "{:.2f}x"),
+                                         "-" if r["within_noise"] is None else ("yes" if r["within_noise"] else "no"),
+                                         _fmt(r["snapshot_x"], "{:.2f}x")] for r in rows]
+    return head, body, text
+
+
+def _recommendation_lines(records) -> list[str]:
+    head, body, text = _recommendation_table(records)
+    if not head:
+        return []
+    return (["", "## Recommendation", "", f"Fastest exact strategy per grid point, by {text}; `within noise`: yes "
+             "where the runner-up's repeats overlap the fastest's, so this run does not rank the two.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [str(r[k]) for k in keys] + [r["fastest"], f"{r['ms_per_step']:.3f}", r["runner_up"] or "-",
-                                             _fmt(r["runner_up_x"], "{:.2f}x"), _fmt(r["snapshot_x"], "{:.2f}x")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            + ["| " + " | ".join(cells) + " |" for cells in body])
+
+
+def _print_recommendation(records) -> None:
+    head, body, text = _recommendation_table(records)
+    if not head:
+        return
+    n_keys = len(head) - 6
+    _print_rows(f"Fastest exact strategy per grid point, by {text}", head[:n_keys], head[n_keys:],
+                [(cells[:n_keys], cells[n_keys:], cells[n_keys:]) for cells in body])
+
+
+def _budget_text(r: dict) -> str:
+    gib, source = r.get("memory_budget_gib"), r.get("memory_budget_source")
+    if gib is None:
+        return ""
+    if source == "config":
+        return f"{gib:.1f} GiB (experiment.memory_budget_gib: a budget you set, not this machine's memory)"
+    return f"{gib:.1f} GiB ({source})"
 
 
 def _rollback_notes(records) -> list[str]:
-    """What the rollback table's columns are, and the SSM shape / S / I / budget behind them."""
-    lines = ["", "Columns: `verify` / `commit ms/step`: per verify step of the real `generate()` runs "
-             "(specdec.Stats verify_s / rollback_s; commit includes the replay fold); `layer verify / commit / "
-             "fold us`: one SSM layer, the strategy on synthetic inputs at the model's SSM shape; `SSM ms/step`: "
-             "their sum over all SSM layers; `MB moved/step`: DESIGN.md's cost model x layers x batch; "
-             "`extra MiB/seq`: the strategy's memory beyond the live state, all SSM layers; `max batch`: the largest "
-             "batch whose SSM state (live + extra) fits the memory budget; `exact output`: == HF greedy; "
-             "`exact state`: committed SSM state == HF's (rel. err < 1e-5 fp32); `exact layer state`: kernel-level "
-             "state == the fp32 reference.", ""]
+    """The SSM shape / S / I / memory budget behind the rollback table."""
+    lines = [""]
     seen = set()
     for r in records:
         if r.get("ssm_shape") is None:
@@ -274,13 +550,13 @@ def _rollback_notes(records) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        budget = (r.get("config") or {}).get("experiment", {}).get("memory_budget_gib")
         I_vals = sorted({r2.get("input_bytes_per_token") for r2 in records
                          if r2["model"] == r["model"] and r2.get("input_bytes_per_token")})
+        budget = _budget_text(r)
         lines.append(f"- {r['model']}: SSM layers {r['ssm_shape']}; S = {r['state_bytes'] / 1024:.1f} KiB per layer "
                      f"and sequence (fp32), I = {', '.join(str(i) for i in I_vals)} B per token"
-                     + (f"; memory budget {budget} GiB" if budget is not None else ""))
-    return lines
+                     + (f"; `max batch in budget` uses {budget}" if budget else ""))
+    return lines if len(lines) > 1 else []
 
 
 # ------------------------------------------------------------------------------- plots
@@ -293,6 +569,22 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_subtitle(records: list[dict]) -> str:
+    """``<models> | <devices> | <date>``: what every plot's title names."""
+    models = ", ".join(dict.fromkeys(str(r.get("model")) for r in records))
+    devices = ", ".join(dict.fromkeys(str(_key_value(r, "device")) for r in records))
+    return f"{models} | {devices} | {datetime.date.today().isoformat()}"
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _save(fig, plt, path) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def accept_histogram_plot(records: list[dict], path: Path) -> None:
@@ -310,31 +602,41 @@ def accept_histogram_plot(records: list[dict], path: Path) -> None:
         n = max(len(h) for h in hists)
         tot = [sum(h[j] for h in hists if j < len(h)) for j in range(n)]
         s = sum(tot) or 1
-        ax.bar([j + i * width for j in range(n)], [t / s for t in tot], width, label=f"{model} / {drafter}")
+        ax.bar([j - 0.4 + (i + 0.5) * width for j in range(n)], [t / s for t in tot], width,
+               label=f"{model} / {drafter}")
     ax.set_xlabel("drafts accepted in a verify step")
     ax.set_ylabel("share of steps")
-    ax.set_title("Accepted length per drafter")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set_title(f"Accepted length per drafter\n{plot_subtitle(records)}", fontsize=10)
+    _legend_outside(ax)
+    _save(fig, plt, path)
 
 
 _STYLES = ("-o", "--s", ":^", "-.v", "-D", "--x")
 
 
-def _lines_vs_batch(ax, rows, col, ylabel, title, scale=1.0):
+_KEY_LABELS = {"num_speculative_tokens": "K", "acceptance": "a"}
+
+
+def _lines_vs_batch(ax, rows, col, ylabel, title, scale=1.0, style_keys=("num_speculative_tokens",)):
+    """A line per strategy (colour) and per distinct value of ``style_keys`` (line style); shaded:
+    the repeats' min-max where the rows have it."""
     strategies = list(dict.fromkeys(r["rollback"] for r in rows))
-    Ks = sorted({r["num_speculative_tokens"] for r in rows})
+    styles = sorted({tuple(r.get(k) for k in style_keys) for r in rows}, key=str)
     colors = {s: f"C{i}" for i, s in enumerate(strategies)}
     drawn = False
     for s in strategies:
-        for i, K in enumerate(Ks):
-            pts = sorted((r["batch"], r[col] * scale) for r in rows
-                         if r["rollback"] == s and r["num_speculative_tokens"] == K and r.get(col) is not None)
+        for i, style in enumerate(styles):
+            mine = [r for r in rows if r["rollback"] == s and tuple(r.get(k) for k in style_keys) == style
+                    and r.get(col) is not None]
+            pts = sorted((r["batch"], r[col] * scale, r.get(f"{col}_min"), r.get(f"{col}_max")) for r in mine)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], _STYLES[i % len(_STYLES)], color=colors[s],
-                        label=f"{s}, K={K}")
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                label = ", ".join([s] + [f"{_KEY_LABELS.get(k, k)}={v}" for k, v in zip(style_keys, style)
+                                         if v is not None])
+                ax.plot(xs, ys, _STYLES[i % len(_STYLES)], color=colors[s], label=label)
+                if all(p[2] is not None and p[3] is not None for p in pts):  # the repeats' min-max
+                    ax.fill_between(xs, [p[2] * scale for p in pts], [p[3] * scale for p in pts], color=colors[s],
+                                    alpha=0.12, lw=0)
                 drawn = True
     batches = sorted({r["batch"] for r in rows})
     if len(batches) > 1 and batches[0] > 0 and batches[-1] / batches[0] >= 8:
@@ -344,34 +646,35 @@ def _lines_vs_batch(ax, rows, col, ylabel, title, scale=1.0):
     ax.set_xlabel("batch")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    if drawn:
-        ax.legend(fontsize=7)
     return drawn
 
 
-def rollback_time_plot(rows: list[dict], path: Path) -> None:
-    """Rollback (commit + fold) and whole SSM time per step vs batch, a line per strategy and K."""
+def rollback_time_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
+    """Rollback (commit + fold) and whole SSM time per step vs batch, a line per strategy and K
+    (shaded: the repeats' min-max where measured)."""
     kernel = any(r.get("rollback_ms_per_step") is not None for r in rows)
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     if kernel:
         _lines_vs_batch(axes[0], rows, "rollback_ms_per_step", "ms per step", "commit + fold, all SSM layers (kernel level)")
-        _lines_vs_batch(axes[1], rows, "ssm_ms_per_step", "ms per step", "verify + commit + fold, all SSM layers")
+        drawn = _lines_vs_batch(axes[1], rows, "ssm_ms_per_step", "ms per step", "verify + commit + fold, all SSM layers")
     else:
         _lines_vs_batch(axes[0], rows, "e2e_commit_ms", "ms per step", "commit (+ fold), end to end")
-        _lines_vs_batch(axes[1], rows, "e2e_step_ms", "ms per step", "verify + commit, end to end")
-    fig.suptitle("Rollback time vs batch, per strategy")
+        drawn = _lines_vs_batch(axes[1], rows, "e2e_step_ms", "ms per step", "verify + commit, end to end")
+    if drawn:
+        _legend_outside(axes[1])
+    fig.suptitle(f"Rollback time vs batch, per strategy\n{subtitle}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
 
 
-def speedup_plot(rows: list[dict], path: Path) -> None:
-    """Speedup over plain HF generate vs batch per strategy (kernel-level runs: vs snapshot)."""
+def speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
+    """Speedup over specdec's plain decoding vs batch per strategy (shaded: where measured, the
+    speculative runs' min-max over the plain median); kernel-level runs: vs snapshot."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if any(r.get("speedup") is not None for r in rows):
-        _lines_vs_batch(ax, rows, "speedup", "speedup (x)", "end-to-end speedup over plain HF generate()")
+        drawn = _lines_vs_batch(ax, rows, "speedup", "speedup (x)", "speedup over specdec plain (K = 0)")
     else:  # kernel-level only: SSM time of snapshot / the strategy's, per (batch, K)
         snap = {(r["model"], r["batch"], r["num_speculative_tokens"]): r.get("ssm_ms_per_step") for r in rows
                 if r["rollback"] == "snapshot"}
@@ -380,24 +683,86 @@ def speedup_plot(rows: list[dict], path: Path) -> None:
             s = snap.get((r["model"], r["batch"], r["num_speculative_tokens"]))
             if s and r.get("ssm_ms_per_step"):
                 rel.append({**r, "vs_snapshot": s / r["ssm_ms_per_step"]})
-        _lines_vs_batch(ax, rel, "vs_snapshot", "speedup (x)", "SSM time per step: snapshot / strategy (kernel level)")
+        drawn = _lines_vs_batch(ax, rel, "vs_snapshot", "speedup (x)", "SSM time per step: snapshot / strategy "
+                                "(kernel level)")
     ax.axhline(1.0, color="grey", lw=0.8)
+    if drawn:
+        _legend_outside(ax)
+    if subtitle:
+        ax.set_title(f"{ax.get_title()}\n{subtitle}", fontsize=10)
+    _save(fig, plt, path)
+
+
+def decode_speedup_plot(rows: list[dict], path: Path, subtitle: str = "") -> None:
+    """Bench: decode speedup over specdec plain vs batch, a line per strategy, drafter, acceptance
+    and K (a panel per model)."""
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        drawn = _lines_vs_batch(ax, mine, "decode_speedup", "decode speedup (x)", model,
+                                style_keys=("drafter", "acceptance", "num_speculative_tokens"))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        if drawn:
+            _legend_outside(ax)
+    fig.suptitle(f"Decode speedup over specdec plain (K = 0)\n{subtitle}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
 
 
 # ------------------------------------------------------------------------------- report
 
 
+#: printed under a table whose records ran on a CPU and carry speed columns
+CPU_NOTE = ("On a CPU these small models are overhead-bound: a draft or a verify forward costs about a plain "
+            "step, so what a CPU shows is exactness and acceptance; speed is measured on GPUs (BENCH.md). "
+            "Read a speed column only where `within noise` is no.")
+
+
+def provenance_lines(records: list[dict]) -> list[str]:
+    """Where and how the records were measured: ``Device: ...; date ...; command: `...` `` from
+    the records' ``device_name``, ``date`` and ``command`` fields (distinct values joined);
+    empty when they have none."""
+    def values(key):
+        return list(dict.fromkeys(str(r[key]) for r in records if r.get(key) is not None))
+
+    parts = []
+    if names := values("device_name"):
+        parts.append(f"Device: {', '.join(names)}")
+    if dates := values("date"):
+        parts.append(f"date {', '.join(dates)}")
+    if commands := values("command"):
+        parts.append("command: " + ", ".join(f"`{c}`" for c in commands))
+    return ["; ".join(parts) + ".", ""] if parts else []
+
+
+def _divergence_lines(records: list[dict]) -> list[str]:
+    """Per bench record with diverged rows: each row's first divergence and the plain run's top-2
+    logit margin there."""
+    lines = []
+    for r in records:
+        if not r.get("diverged_rows"):
+            continue
+        acc = f", acceptance {r['acceptance']}" if r.get("acceptance") is not None else ""
+        events = "; ".join(f"row {row}: position {pos}, margin {_fmt(m, '{:.4f}')}" for row, pos, m in
+                           zip(r["diverged_row_ids"], r["first_divergence"], r["divergence_margins"]))
+        lines.append(f"- {r['model']}, {r['drafter']}{acc}, {r['rollback']}, batch {r['batch']}: {events}")
+    if not lines:
+        return []
+    return ["", "First divergences from specdec plain (row: new-token position, plain decoding's top-2 logit "
+            "margin there, from a teacher-forced forward over the plain text):", ""] + lines
+
+
 def write_report(records: list[dict], out_dir: Path, title: str, console: bool = True) -> str:
-    """``summary.md`` (a table per experiment, the rollback recommendation) and the plots in
-    ``out_dir``, from ``records``; prints the tables when ``console``. Returns the Markdown."""
+    """``summary.md`` (a table per experiment with its column legend, the rollback
+    recommendation) and the plots in ``out_dir``, from ``records``; prints the key columns and
+    the legend when ``console`` (at most :data:`TERMINAL_WIDTH` wide). Returns the Markdown."""
     out_dir = Path(out_dir)
     by_exp: dict = defaultdict(list)
     for r in records:
         by_exp[_experiment(r)].append(r)
-    lines = [f"# {title}", ""]
+    lines = [f"# {title}", ""] + provenance_lines(records)
     if not records:
         lines.append("(no records)")
     several = len(by_exp) > 1
@@ -409,22 +774,62 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
         if several:
             lines += [f"## {exp}", ""]
         lines += _table_lines(rows, keys, shown, count_title)
+        legend = legend_lines(shown)
+        cpu = (exp in ("acceptance", "rollback", "bench") and any(_key_value(r, "device") == "cpu" for r in recs)
+               and any(c.spread for c in shown))
+        lines += ["", "Columns:", ""] + legend + (["", CPU_NOTE] if cpu else [])
         if console:
             print_table(f"{title} ({exp})" if several else title, rows, keys, columns, count_title)
         prefix = f"{exp}_" if several else ""
+        subtitle = plot_subtitle(recs)
         if exp == "acceptance":
             accept_histogram_plot(recs, out_dir / f"{prefix}accept_hist.png")
         elif exp == "rollback":
             lines += _rollback_notes(recs)
-            rec_lines = _recommendation_lines(recs)
-            lines += rec_lines
-            if console and rec_lines:
-                print("\n".join(rec_lines[1:]))
-            rollback_time_plot(rows, out_dir / f"{prefix}rollback_time_vs_batch.png")
-            speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png")
+            lines += _recommendation_lines(recs)
+            rollback_time_plot(rows, out_dir / f"{prefix}rollback_time_vs_batch.png", subtitle)
+            speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
         elif exp == "bench":
-            speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png")
+            lines += _divergence_lines(recs)
+            decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
+        if console:
+            import textwrap
+
+            terminal = [c for c in shown if c.terminal]
+            print("Columns (summary.md has all of them):")
+            for ln in legend_lines(terminal, markdown=False):
+                print(textwrap.fill(ln, TERMINAL_WIDTH, subsequent_indent="    "))
+            if exp == "rollback":
+                for ln in _rollback_notes(recs)[1:]:
+                    print(textwrap.fill(ln.removeprefix("- "), TERMINAL_WIDTH, subsequent_indent="    "))
+                _print_recommendation(recs)
+            if cpu:
+                print(textwrap.fill(CPU_NOTE, TERMINAL_WIDTH))
         lines.append("")
     text = "\n".join(lines).rstrip() + "\n"
     (out_dir / "summary.md").write_text(text)
     return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m specdec.experiments.report RUN_DIR [TITLE]``: ``summary.md`` and the plots of
+    ``RUN_DIR`` from its ``results.jsonl``.
+
+    Raises: SystemExit with a one-line message when ``RUN_DIR/results.jsonl`` is missing."""
+    import json
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        raise SystemExit("usage: python -m specdec.experiments.report RUN_DIR [TITLE]  (rewrites RUN_DIR/summary.md "
+                         "and the plots from RUN_DIR/results.jsonl)")
+    run_dir = Path(args[0])
+    path = run_dir / "results.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (a run folder of specdec-run holds results.jsonl)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    write_report(records, run_dir, args[1] if len(args) > 1 else f"Results of {run_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,8 +27,8 @@ frozen LM head, which is not stored: the file holds the residual blocks and the 
 vocabulary biases only, and :func:`specdec.zoo.load_medusa` binds the target's LM head again
 (checking that the target's weights are the ones the heads were trained on).
 
-Run: ``python -m specdec experiment=train_medusa [overrides]`` (config
-``conf/experiment/train_medusa.yaml``), or ``python -m specdec.experiments.train_medusa [overrides]``.
+Run: ``specdec-run experiment=train_medusa [overrides]`` (or ``python -m specdec experiment=train_medusa``;
+config ``conf/experiment/train_medusa.yaml``), like every recipe and experiment of the app.
 CPU smoke run (seconds): ``... data.tokens=2048 data.seq_len=128 train.steps=3 out_dir=/tmp/medusa``.
 """
 
@@ -438,16 +438,3 @@ def run(cfg: DictConfig) -> dict:
     man_path.write_text(json.dumps(man, indent=2) + "\n")
     _log(f"saved {save_dir} ({entry['bytes']} bytes) and {man_path}; {entry['total_seconds']}s total")
     return entry
-
-
-def main() -> None:
-    """``python -m specdec.experiments.train_medusa [overrides]``: the shared app with ``experiment=train_medusa``."""
-    if not any(a.startswith("experiment=") for a in sys.argv[1:]):
-        sys.argv.insert(1, "experiment=train_medusa")
-    from .app import main as app_main
-
-    app_main()
-
-
-if __name__ == "__main__":
-    main()

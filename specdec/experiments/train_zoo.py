@@ -21,9 +21,8 @@ Stages, all deterministic given the config and the Python standard library on th
    the CPU and scored on the held-out sample (mean next-token cross-entropy, nats); that is the
    manifest's ``heldout_loss``, which ``tests/test_zoo.py`` recomputes.
 
-Run: ``python -m specdec.experiments.train_zoo [overrides]`` (Hydra; config
-``conf/train_zoo.yaml`` -> ``conf/experiment/train_zoo.yaml``), or through the shared app:
-``specdec-run experiment=train_zoo [overrides]``.
+Run: ``specdec-run experiment=train_zoo [overrides]`` (or ``python -m specdec experiment=train_zoo``;
+config ``conf/experiment/train_zoo.yaml``), like every recipe and experiment of the app.
 """
 
 from __future__ import annotations
@@ -42,12 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = PACKAGE_DIR.parent
-CONF_DIR = str(REPO_ROOT / "conf") if (REPO_ROOT / "conf").is_dir() else str(PACKAGE_DIR / "conf")
 
 MODEL_NAMES = ("gdn-target", "gdn-draft", "mamba2-target", "kda-target")
 MODEL_CLASSES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM")
@@ -601,12 +597,3 @@ def run(cfg: DictConfig) -> dict:
     if own_work:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train_zoo")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -32,17 +33,24 @@ __all__ = ["SSMOp", "OPS", "get_op", "conv1d_op", "backend", "BACKENDS", "Rollba
 
 
 def backend(device: torch.device | str | None = None) -> str:
-    """The kernel backend for ``device``: ``$SPECDEC_BACKEND`` if set, else triton on CUDA, torch on CPU.
+    """The kernel backend for ``device``: ``$SPECDEC_BACKEND`` if set, else triton on CUDA (torch
+    when triton is not installed), torch on CPU.
 
     Raises:
         ValueError: if ``SPECDEC_BACKEND`` is set to something other than ``torch`` or ``triton``.
+        ImportError: ``SPECDEC_BACKEND=triton`` without triton installed.
     """
     forced = os.environ.get("SPECDEC_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"SPECDEC_BACKEND={forced!r} is not a backend; use one of {BACKENDS}")
+        if forced == "triton" and importlib.util.find_spec("triton") is None:
+            raise ImportError("SPECDEC_BACKEND=triton but triton is not installed: pip install 'specdec[triton]' "
+                              "(CUDA builds of torch bring it), or use SPECDEC_BACKEND=torch")
         return forced
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch"  # the Triton kernels need triton; the torch reference ops run anywhere
     return "triton" if dev.type == "cuda" else "torch"
 
 

@@ -36,9 +36,6 @@ class AttentionOnlyAdapter(HybridAdapter):
             )
         self._window = getattr(self.config, "sliding_window", None)
 
-    def ssm_layers(self):
-        return {}
-
     def mixer_forward(self, mixer, hidden_states, layer):  # pragma: no cover - no SSM layers
         raise RuntimeError("attention-only models have no SSM mixer")
 

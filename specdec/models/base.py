@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
+from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
 
 __all__ = ["HybridAdapter", "ADAPTERS", "register", "adapter_for", "supported_families"]
@@ -86,12 +87,27 @@ class HybridAdapter:
         self.model = model
         self.body, self.lm_head = _causal_lm_parts(model)
         self.config = model.config
+        self._ssm: dict | None = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
 
     # --- family specifics ------------------------------------------------------------------
+    #: the decoder-layer attribute that holds an SSM layer's mixer (None: no SSM layers), and the
+    #: op it runs (a name in ``specdec.kernels.OPS``, or ``"conv"`` for a conv-only mixer)
+    mixer_attr: str | None = None
+    op_name: str = ""
+
+    def mixer_of(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        """The SSM mixer of decoder ``layer``, or None for another kind of layer (default: its
+        ``mixer_attr`` attribute when present)."""
+        return getattr(layer, self.mixer_attr, None) if self.mixer_attr else None
+
     def ssm_layers(self) -> dict[int, tuple[torch.nn.Module, str]]:
-        """``{layer_idx: (mixer module, op name)}`` for every SSM layer (none for attention-only models)."""
-        return {}
+        """``{layer_idx: (mixer module, op name)}`` for every SSM layer (none for attention-only
+        models), found once with :meth:`mixer_of`."""
+        if self._ssm is None:
+            found = ((i, self.mixer_of(layer)) for i, layer in enumerate(self.body.layers))
+            self._ssm = {i: (mixer, self.op_name) for i, mixer in found if mixer is not None}
+        return self._ssm
 
     def conv_width(self, mixer) -> int:
         return int(mixer.conv1d.weight.shape[-1])
@@ -182,7 +198,8 @@ class HybridAdapter:
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         hf_cache = DynamicCache(config=self.config)
-        out = self._call_body(input_ids, mask, position_ids, hf_cache)
+        with quiet_transformers(self.device):  # on CPU: no notes about GPU-only kernel packages
+            out = self._call_body(input_ids, mask, position_ids, hf_cache)
         hidden = out.last_hidden_state[:, -1]
         logits = self.logits(hidden)
         if all_hidden_states:

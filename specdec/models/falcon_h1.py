@@ -28,10 +28,7 @@ class FalconH1Adapter(HybridAdapter):
 
     model_types = ("falcon_h1",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {i: (layer.mamba, "mamba2") for i, layer in enumerate(self.body.layers)}
-        return self._ssm
+    mixer_attr, op_name = "mamba", "mamba2"
 
     def logits(self, hidden):
         return self.lm_head(hidden) * self.body.lm_head_multiplier

@@ -61,14 +61,7 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
 
 
 class _GDNFamily(HybridAdapter):
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.linear_attn, "gdn")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "linear_attn", None) is not None
-            }
-        return self._ssm
+    mixer_attr, op_name = "linear_attn", "gdn"
 
 
 @register

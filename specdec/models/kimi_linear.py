@@ -25,14 +25,10 @@ class KimiLinearAdapter(HybridAdapter):
 
     model_types = ("kimi_linear",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.self_attn, "kda")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "block_type", None) == "linear_attention"
-            }
-        return self._ssm
+    op_name = "kda"
+
+    def mixer_of(self, layer):
+        return layer.self_attn if getattr(layer, "block_type", None) == "linear_attention" else None
 
     def mixer_forward(self, mixer, hidden_states, layer):
         B, t, _ = hidden_states.shape

@@ -36,14 +36,7 @@ class Lfm2Adapter(HybridAdapter):
 
     model_types = ("lfm2",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.conv, "conv")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "conv", None) is not None
-            }
-        return self._ssm
+    mixer_attr, op_name = "conv", "conv"
 
     def conv_width(self, mixer):
         return int(mixer.conv.weight.shape[-1])

@@ -70,10 +70,7 @@ class Mamba2Adapter(HybridAdapter):
     cache_arg = "cache_params"
     uses_position_ids = False
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {i: (block.mixer, "mamba2") for i, block in enumerate(self.body.layers)}
-        return self._ssm
+    mixer_attr, op_name = "mixer", "mamba2"
 
     def step_attention_mask(self, cache, t):
         return None
@@ -91,14 +88,7 @@ class BambaAdapter(HybridAdapter):
 
     model_types = ("bamba",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.mamba, "mamba2")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "mamba", None) is not None
-            }
-        return self._ssm
+    mixer_attr, op_name = "mamba", "mamba2"
 
     def mixer_forward(self, mixer, hidden_states, layer):
         return gated_mamba2_mixer(mixer, hidden_states, layer)

@@ -20,14 +20,10 @@ class NemotronHAdapter(HybridAdapter):
 
     model_types = ("nemotron_h",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.mixer, "mamba2")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "block_type", None) in ("mamba", "linear_attention")
-            }
-        return self._ssm
+    op_name = "mamba2"
+
+    def mixer_of(self, layer):
+        return layer.mixer if getattr(layer, "block_type", None) in ("mamba", "linear_attention") else None
 
     def mixer_forward(self, mixer, hidden_states, layer):
         y, gate = mamba2_core(mixer, layer, mixer.in_proj(hidden_states))

@@ -27,14 +27,7 @@ class OlmoHybridAdapter(HybridAdapter):
 
     model_types = ("olmo_hybrid",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            self._ssm = {
-                i: (layer.linear_attn, "gdn")
-                for i, layer in enumerate(self.body.layers)
-                if getattr(layer, "linear_attn", None) is not None
-            }
-        return self._ssm
+    mixer_attr, op_name = "linear_attn", "gdn"
 
     def mixer_forward(self, mixer, hidden_states, layer):
         B, t, _ = hidden_states.shape

@@ -22,14 +22,10 @@ class Zamba2Adapter(HybridAdapter):
 
     model_types = ("zamba2",)
 
-    def ssm_layers(self):
-        if not hasattr(self, "_ssm"):
-            ssm = {}
-            for i, layer in enumerate(self.body.layers):
-                block = getattr(layer, "mamba_decoder", layer)  # Zamba2HybridLayer wraps its Mamba layer
-                ssm[i] = (block.mamba, "mamba2")
-            self._ssm = ssm
-        return self._ssm
+    op_name = "mamba2"
+
+    def mixer_of(self, layer):
+        return getattr(layer, "mamba_decoder", layer).mamba  # Zamba2HybridLayer wraps its Mamba layer
 
     def mixer_forward(self, mixer, hidden_states, layer):
         return gated_mamba2_mixer(mixer, hidden_states, layer)

@@ -1,0 +1,79 @@
+"""Prompts for the experiments: the shipped sets (:func:`specdec.zoo.prompts`) or a user's file.
+
+A prompt file (``prompts.path=<file.jsonl>``) holds one JSON object per line, either
+
+* ``{"prompt": "def fibonacci(n):"}``: text, encoded with the target's tokenizer, or
+* ``{"input_ids": [1, 512, 77]}``: token ids, used as they are (a list of ints >= 0),
+
+optionally with an ``"id"`` (default ``file-<line number>``). Blank lines are skipped;
+``prompts.limit`` keeps the first prompts of the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["load_prompt_file", "experiment_prompts", "FILE_SET"]
+
+#: the ``set`` of prompts from a user's file
+FILE_SET = "file"
+
+
+def load_prompt_file(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The prompts of a JSON-lines file (format in the module docstring), each a dict with
+    ``id``, ``set`` (``"file"``) and ``prompt`` (str) or ``input_ids`` (list of int).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not a JSON object, has neither a non-empty ``prompt`` string
+            nor a non-empty ``input_ids`` list of ints >= 0 (the message names the line number),
+            or a file without prompts.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"prompts.path={path}: no such file (one JSON object per line, "
+                                '{"prompt": "..."} or {"input_ids": [...]})')
+    out: list[dict] = []
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"prompts.path={path}, line {n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg}); each line is one object such as "
+                                 '{"prompt": "def f(x):"}') from None
+            if not isinstance(obj, dict):
+                raise ValueError(f'{where}: expected a JSON object with "prompt" or "input_ids", got '
+                                 f"{type(obj).__name__}")
+            rec = {"id": str(obj.get("id", f"file-{n}")), "set": FILE_SET}
+            if isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                rec["prompt"] = obj["prompt"]
+            elif "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              and i >= 0 for i in ids)):
+                    raise ValueError(f'{where}: "input_ids" must be a non-empty list of token ids (ints >= 0)')
+                rec["input_ids"] = ids
+            else:
+                raise ValueError(f'{where}: needs a non-empty "prompt" string or an "input_ids" list; keys: '
+                                 f"{sorted(obj)}")
+            out.append(rec)
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"prompts.path={path}: the file holds no prompts")
+    return out
+
+
+def experiment_prompts(cfg) -> list[dict]:
+    """The prompts of an experiment config: ``prompts.path`` when set, else the shipped set
+    ``prompts.set`` (both cut to ``prompts.limit``)."""
+    limit = cfg.prompts.limit
+    if cfg.prompts.get("path"):
+        return load_prompt_file(str(cfg.prompts.path), limit=None if limit is None else int(limit))
+    from .. import zoo
+
+    return zoo.prompts(str(cfg.prompts.set), limit=limit)

@@ -1,0 +1,163 @@
+"""The specdec-run command line: --help (fast: no torch, no transformers), key checks with the
+nearest valid key, the internal schema group refused, the run folder and thread count printed,
+quiet model loading, one-line errors for HF targets without a usable tokenizer or Hub."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.experiments.cli import UsageError, check_overrides, group_options, help_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          **kw)
+
+
+def test_help_lists_groups_and_keys_without_heavy_imports():
+    code = ("import sys; from specdec.experiments.cli import main; main(['--help']); "
+            "heavy = [m for m in ('torch', 'transformers', 'hydra') if m in sys.modules]; "
+            "print('HEAVY', heavy)")
+    res = _run(["-c", code])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.rstrip().endswith("HEAVY []")  # answered before torch / transformers / Hydra load
+    for group in ("experiment=", "model=", "drafter=", "rollback="):
+        assert f"  {group}" in out
+    for option in ("acceptance", "rollback", "bench", "gdn-target", "hf", "draft_model", "medusa", "replay_deferred"):
+        assert f"    {option} " in out, option
+    for key in ("num_speculative_tokens", "max_new_tokens", "prompts.path", "repeats", "cpu_threads",
+                "experiment.timed_prompts"):
+        assert f"  {key} " in out, key
+    assert "schema" not in out
+    assert max(len(line) for line in out.splitlines()[:-1]) <= 100
+
+
+def test_help_of_another_experiment_lists_its_keys():
+    text = help_text("rollback")
+    assert "experiment.memory_budget_gib" in text and "experiment.k_grid" in text
+    assert "experiment.timed_prompts" not in text
+    assert "max_new_tokens " in text and "[32]" in text.split("max_new_tokens", 1)[1].splitlines()[0]  # rollback.yaml
+
+
+def test_python_m_specdec_help_exits_0():
+    res = _run(["-m", "specdec", "--help"])
+    assert res.returncode == 0 and res.stdout.startswith("usage: specdec-run") and not res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["drafterr=ngram"], "unknown key 'drafterr' (did you mean 'drafter'?)"),
+    (["prompts.limt=2"], "unknown key 'prompts.limt' (did you mean 'prompts.limit'?)"),
+    (["num_speculative_token=2"], "did you mean 'num_speculative_tokens'?"),
+    (["experiment=rollback", "experiment.kernel_stepz=3"], "did you mean 'experiment.kernel_steps'?"),
+    (["experiment.kernel_steps=3"], "unknown key 'experiment.kernel_steps'"),  # a rollback key under acceptance
+    (["rollback=snapshott"], "rollback=snapshott: no such option (did you mean 'snapshot'?)"),
+    (["-m", "rollback=ring,undo"], "rollback=undo: no such option"),
+    (["experiment=acceptence"], "unknown experiment 'acceptence' (did you mean 'acceptance'?)"),
+    (["schema=bench"], "'schema' is internal"),
+    (["schema@_global_=bench"], "'schema' is internal"),
+])
+def test_bad_keys_name_the_nearest_valid_one(args, message):
+    with pytest.raises(UsageError) as info:
+        check_overrides(args)
+    text = str(info.value)
+    assert message in text and "\n" not in text and "+" not in text, text
+
+
+@pytest.mark.parametrize("args", [
+    ["model=hf", "model.targets.0.name=/x", "model.targets.0.tokenizer=/y"],
+    ["model.targets.0.config.hidden_size=64", "drafter.ngram.max_ngram=4", "drafter.tree=[[0],[0,0]]"],
+    ["experiment=rollback", "experiment.batch_grid=[1,2]", "repeats=5", "hydra.run.dir=/tmp/x"],
+    ["-m", "rollback=snapshot,ring", "num_speculative_tokens=0,2", "--cfg", "job"],
+    ["experiment=train_zoo", "steps_scale=0.01", "models.gdn-target.train.steps=3"],
+    ["+extra=1", "~seed", "prompts.path=p.jsonl"],
+])
+def test_valid_overrides_pass(args):
+    check_overrides(args)
+
+
+def test_group_options_come_from_conf():
+    assert set(group_options("rollback")) == {"all", "compare", "snapshot", "ring", "replay", "replay_deferred"}
+    assert all(group_options("model").values())  # every option has a one-line description
+
+
+def test_a_run_prints_its_folder_and_threads_quietly(tmp_path: Path):
+    out = tmp_path / "run"
+    res = _run(["-m", "specdec", "model=gdn-target", "drafter=ngram", "rollback=replay", "prompts.limit=1",
+                "max_new_tokens=4", "repeats=1", "device=cpu", "progress=false", f"hydra.run.dir={out}"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[0] == f"specdec-run: experiment=acceptance, writing to {out}"
+    assert lines[-1] == f"specdec-run: results in {out} (summary.md, results.jsonl, plots)"
+    assert any(ln.startswith("specdec-run: CPU threads: 1 (OMP_NUM_THREADS") for ln in lines)  # set by _run
+    assert "falling back to its reference PyTorch implementation" not in res.stdout + res.stderr
+    assert "Loading weights" not in res.stdout + res.stderr
+    assert max(len(ln) for ln in lines if not ln.startswith("specdec-run:")) <= 100  # tables and legend
+    assert (out / "summary.md").is_file() and not (out / "app.log").exists()
+
+
+# ------------------------------------------------------------------------------ HF targets
+
+
+@pytest.fixture(scope="module")
+def folder_without_tokenizer(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_model
+
+    path = tmp_path_factory.mktemp("hf_no_tokenizer")
+    make_model("qwen3_5", vocab=8192).save_pretrained(path)  # the zoo tokenizer's vocabulary
+    return path
+
+
+def test_hf_target_without_tokenizer_is_one_clear_error(folder_without_tokenizer, tmp_path: Path):
+    res = _run(["-m", "specdec", "model=hf", f"model.targets.0.name={folder_without_tokenizer}", "drafter=ngram",
+                "device=cpu", f"hydra.run.dir={tmp_path}"])
+    assert res.returncode == 2
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "tokenizer encodes text to no tokens" in err[0], res.stderr
+    assert "model.targets.0.tokenizer=" in err[0]
+
+
+def test_hf_target_with_a_tokenizer_from_elsewhere_runs(folder_without_tokenizer, tmp_path: Path):
+    """model.targets.0.tokenizer: the zoo tokenizer for a tiny model of a larger vocabulary."""
+    import specdec.zoo
+    from specdec.experiments.app import run_experiment
+    from test_experiments import _cfg
+
+    cfg = _cfg(["model=hf", f"model.targets.0.name={folder_without_tokenizer}",
+                f"model.targets.0.tokenizer={specdec.zoo.path('tokenizer')}", "drafter=ngram", "rollback=replay",
+                "prompts.limit=1", "max_new_tokens=4", "repeats=1", "device=cpu", "progress=false"])
+    records = run_experiment(cfg, tmp_path)
+    assert len(records) == 1 and records[0]["exact"]
+
+
+def test_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):
+    import time
+
+    import torch
+    from huggingface_hub import constants
+    from omegaconf import OmegaConf
+
+    from specdec.experiments.models import load_hf
+
+    spec = OmegaConf.create({"name": "no-such-org/no-such-model-x7", "source": "hf"})
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as info:  # no network here: cannot reach; with network: no such model
+        load_hf(spec, torch.device("cpu"), torch.float32)
+    assert time.perf_counter() - t0 < 30
+    assert "\n" not in str(info.value) and ("cannot reach the Hugging Face Hub" in str(info.value)
+                                            or "neither a local folder nor a model" in str(info.value))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set: pass a local folder"):
+        load_hf(spec, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="no such folder"):
+        load_hf(OmegaConf.create({"name": "./missing/model", "source": "hf"}), torch.device("cpu"), torch.float32)
