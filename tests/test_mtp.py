@@ -3,7 +3,8 @@ Qwen3.5-MoE, Qwen3-Next and Nemotron-H checkpoints saved with ``mtp.*`` tensors 
 layout and loaded back; the first proposal rebuilt by hand from the file with transformers'
 layer classes; greedy exactness (every strategy, K in {1, 2, 4}, ragged left-padded batch with
 EOS, eager and static paths), trees, lossless sampling; missing / misshapen tensors; the zoo's
-gdn-target and mamba2-target with their shipped MTP layers; the training recipe."""
+gdn-target and mamba2-target with their shipped MTP layers; the training recipe; drafting over a
+reduced vocabulary (exact, lossless, checked ids)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tiny_models import _CLASSES, make_model, ragged_prompts
 
 import specdec
 import specdec.zoo as zoo
-from specdec.drafters import MTPDrafter, make_drafter
+from specdec.drafters import MTPDrafter, frequent_token_ids, make_drafter
 from specdec.drafters.mtp import mtp_layers_for, write_mtp_tensors
 from specdec.experiments.app import CONF_DIR, run_experiment
 from specdec.experiments.train_medusa import collect_hidden_states, target_predictions
@@ -274,7 +275,10 @@ def test_cuda_graph_proposals_exact(saved, family):
         assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
 
 
-def test_sampling_keeps_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [None, [1, 3, 4, 6]], ids=["full-vocab", "draft-vocab-4-of-8"])
+def test_sampling_keeps_the_target_distribution(tmp_path, draft_vocab):
+    """Lossless sampling; with a reduced vocabulary q is the drafter's softmax over those ids and
+    zero elsewhere (the target samples every token, also those never drafted)."""
     V, N, P = 8, 2500, 3
     folder = save_with_mtp("qwen3_5", tmp_path, seed=3, vocab=V)
     target = load("qwen3_5", folder)
@@ -282,13 +286,117 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
     kw = dict(temperature=0.8, top_k=6, top_p=0.95)
     hf = target.generate(prompt, max_new_tokens=P, do_sample=True, pad_token_id=0, **kw)
     for path in ("eager", "static"):
-        sd = specdec.wrap(target, drafter="mtp", rollback="ring", num_speculative_tokens=3, decode_path=path)
+        drafter = "mtp" if draft_vocab is None else MTPDrafter.from_pretrained(folder, target=target,
+                                                                             draft_vocab=torch.tensor(draft_vocab))
+        sd = specdec.wrap(target, drafter=drafter, rollback="ring", num_speculative_tokens=3, decode_path=path)
         out = sd.generate(prompt, max_new_tokens=P, do_sample=True, generator=torch.Generator().manual_seed(11),
                           pad_token_id=0, **kw)
         q = sd.drafter.draft_probs()
         assert q is not None and q.shape == (N, 3, V) and torch.allclose(q.sum(-1), torch.ones(N, 3))
         assert 0 < sd.last_stats.acceptance_rate < 1
         assert_same_token_distribution(hf, out, prompt.shape[1], P, V)
+        if draft_vocab is not None:
+            outside = [t for t in range(V) if t not in draft_vocab]
+            assert q[:, :, outside].abs().max() == 0
+            assert torch.isin(out[:, prompt.shape[1]:], torch.tensor(outside)).any()  # the target still samples them
+
+
+# ------------------------------------------------------------------------ reduced draft vocabulary
+
+
+def _outside_ids(ref, prompt_len, vocab=96, keep=40):
+    """A draft vocabulary of ``keep`` ids that leaves out the two tokens HF's greedy output
+    generates most often (so the target's token often falls outside it)."""
+    new = ref[:, prompt_len:].reshape(-1)
+    common = torch.bincount(new, minlength=vocab).topk(2).indices
+    rest = [t for t in range(vocab) if t not in common.tolist()]
+    return torch.tensor(rest[:keep]), common
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_reduced_vocabulary_greedy_exact(saved, family):
+    """Greedy output equals HF's when the drafter scores only a subset of the vocabulary that
+    leaves out tokens the target generates: chains on both paths and every strategy, and a tree;
+    drafts stay inside the subset."""
+    folder, model = saved[family]
+    ids, mask, eos, ref = _reference(model)
+    vocab, left_out = _outside_ids(ref, ids.shape[1])
+    assert torch.isin(ref[:, ids.shape[1]:], left_out).any()
+    for path in ("eager", "static"):
+        for strategy in ALL_STRATEGIES:
+            drafter = MTPDrafter.from_pretrained(folder, target=model, draft_vocab=vocab[torch.randperm(40)])
+            sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=4, decode_path=path)
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
+            assert torch.equal(out, ref), (family, path, strategy)
+            assert sd.last_stats.decode_path == path
+    text = torch.cat([ids[:1], ref[:1, ids.shape[1]:ids.shape[1] + 1]], 1)
+    drafter.start(target_vocab_size=96, batch_size=1, device="cpu", max_length=32)
+    drafter.observe_prompt(model(ids[:1], attention_mask=mask[:1], output_hidden_states=True).hidden_states[-1],
+                           mask[:1])
+    drafter.set_decode_path("eager")
+    assert torch.isin(drafter.propose(text, torch.tensor([text.shape[1]]), 4)[0], vocab).all()
+    tree = MTPDrafter.from_pretrained(folder, target=model, tree="default", draft_vocab=vocab)
+    sd = specdec.wrap(model, drafter=tree, rollback="replay", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos), ref)
+
+
+@torch.no_grad()
+def test_reduced_vocabulary_scores_the_lm_head_rows(saved):
+    """The draft distribution over a subset is the softmax of the full logits' columns of those
+    ids (the copied rows of the shared LM head), mapped back to the target's ids; the drafter
+    holds an [N, D] copy of those rows."""
+    folder, model = saved["qwen3_5"]
+    ids = ragged_prompts()[0][:1]
+    hidden = model.model(input_ids=ids).last_hidden_state
+    text = torch.cat([ids, model.lm_head(hidden[:, -1]).argmax(-1)[:, None]], 1)
+    vocab = torch.tensor([90, 5, 17, 3, 64, 41, 8, 77])
+    qs = []
+    for d in (MTPDrafter.from_pretrained(folder, target=model), MTPDrafter.from_pretrained(folder, target=model,
+                                                                                          draft_vocab=vocab)):
+        d.start(target_vocab_size=96, batch_size=1, device="cpu", sampling=SamplingConfig(temperature=1.0),
+                generator=torch.Generator().manual_seed(0), max_length=32)
+        d.observe_prompt(hidden, torch.ones_like(ids))
+        drafts, _ = d.propose(text, torch.tensor([text.shape[1]]), 1)
+        qs.append(d.draft_probs()[0, 0])
+    full, reduced = qs
+    sub = vocab.sort().values
+    assert torch.allclose(reduced[sub], full[sub] / full[sub].sum(), atol=1e-6)
+    assert reduced.sum().item() == pytest.approx(1.0) and (reduced > 0).sum() == len(vocab)
+    assert torch.isin(drafts, vocab).all()
+    assert torch.equal(d._head_weight, model.lm_head.weight[sub]) and d._head_weight.data_ptr() != model.lm_head.weight.data_ptr()
+
+
+def test_draft_vocabulary_is_checked(saved):
+    folder, model = saved["qwen3_5"]
+    for bad, msg in ((torch.tensor([3, 96]), r"outside the target's vocabulary \[0, 96\): \[96\]"),
+                     (torch.tensor([-1, 4]), r"outside .*: \[-1\]"),
+                     (torch.tensor([5, 7, 5]), r"more than once: \[5\]"),
+                     (torch.tensor([], dtype=torch.long), "non-empty 1-D"),
+                     (torch.tensor([[1, 2]]), "non-empty 1-D")):
+        with pytest.raises(ValueError, match=msg):
+            MTPDrafter.from_pretrained(folder, target=model, draft_vocab=bad)
+    with pytest.raises(TypeError, match="integer token ids"):
+        MTPDrafter.from_pretrained(folder, target=model, draft_vocab=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="rank"):  # a tree ranking deeper than the draft vocabulary
+        MTPDrafter.from_pretrained(folder, target=model, tree=[[0], [3]], draft_vocab=torch.tensor([4, 5, 6]))
+
+
+def test_frequent_token_ids():
+    counts = torch.tensor([5, 0, 9, 9, 1, 0, 3])
+    assert frequent_token_ids(3, counts=counts).tolist() == [0, 2, 3]
+    assert frequent_token_ids(6, counts=counts).tolist() == [0, 1, 2, 3, 4, 6]  # ties (ids 1, 5): the lower first
+    tokens = torch.tensor([[6, 6, 2], [6, 4, 2]])
+    assert frequent_token_ids(2, tokens=tokens, vocab_size=7).tolist() == [2, 6]
+    with pytest.raises(ValueError, match="exactly one"):
+        frequent_token_ids(2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        frequent_token_ids(2, tokens=tokens)
+    with pytest.raises(ValueError, match=r"outside \[0, 5\)"):
+        frequent_token_ids(2, tokens=tokens, vocab_size=5)
+    with pytest.raises(ValueError, match=r"n must be in \[1, 7\]"):
+        frequent_token_ids(8, counts=counts)
+    with pytest.raises(ValueError, match=">= 0"):
+        frequent_token_ids(1, counts=torch.tensor([1.0, -1.0]))
 
 
 # ------------------------------------------------------------------------ checkpoints and errors

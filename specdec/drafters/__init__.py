@@ -4,12 +4,12 @@ and the :class:`Drafter` base for your own."""
 from .base import Drafter
 from .draft_model import DraftModelDrafter
 from .medusa import MedusaDrafter, MedusaHeads
-from .mtp import MTPDrafter
+from .mtp import MTPDrafter, frequent_token_ids
 from .ngram import NGramDrafter
 from .oracle import OracleDrafter
 
 __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "MedusaHeads", "MedusaDrafter", "MTPDrafter",
-           "OracleDrafter", "make_drafter"]
+           "OracleDrafter", "frequent_token_ids", "make_drafter"]
 
 #: drafter names :func:`make_drafter` takes
 DRAFTER_NAMES = ("ngram", "mtp")

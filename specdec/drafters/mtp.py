@@ -44,6 +44,18 @@ and node ``p`` holds the rank ``p[-1]`` token of step ``len(p)``'s distribution,
 fill a tree. On the engine's static / CUDA-graph decode path each proposal after the first is one
 fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
 graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`.
+
+Reduced draft vocabulary (``draft_vocab=``; FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating
+Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"; EAGLE-3's draft
+vocabulary, Li et al. 2025): the K LM-head reads of a proposal are most of its cost at a large
+vocabulary (a 248k x 2560 bf16 head is 1.27 GB per read), so the drafter can score only N chosen
+tokens, e.g. the N most frequent (:func:`frequent_token_ids`). Their rows of the target's LM head
+are copied once, when the drafter is built, into an ``[N, D]`` buffer: that copy is the point,
+each step reads N rows contiguously instead of V (it is not refreshed if the target's head
+changes later). Drafts are mapped back to the target's ids; verification is unchanged, so greedy
+output stays exact (a token outside the set is never drafted, only costs acceptance), and for
+sampling the draft distribution q is the drafter's softmax over the N tokens, zero elsewhere,
+which keeps rejection sampling lossless (it needs only that drafts are sampled from q).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache import HybridCache
@@ -63,8 +76,8 @@ from ..tree import make_tree
 from ..verify import process_logits
 from .base import Drafter
 
-__all__ = ["MTPDrafter", "MTPLayers", "QwenMTP", "NemotronHMTP", "mtp_layers_for", "read_mtp_tensors",
-           "write_mtp_tensors", "MAX_TREE_DEPTH"]
+__all__ = ["MTPDrafter", "MTPLayers", "QwenMTP", "NemotronHMTP", "frequent_token_ids", "mtp_layers_for",
+           "read_mtp_tensors", "write_mtp_tensors", "MAX_TREE_DEPTH"]
 
 #: the deepest draft tree an MTP drafter builds (the ``"default"`` tree's depth cap)
 MAX_TREE_DEPTH = 16
@@ -348,6 +361,73 @@ def write_mtp_tensors(layers: MTPLayers, path, dtype=None, config_fields: dict |
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+# ------------------------------------------------------------------------------ draft vocabulary
+
+
+def frequent_token_ids(n: int, *, counts: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                       vocab_size: int | None = None) -> torch.Tensor:
+    """The ``n`` most frequent token ids, for :class:`MTPDrafter`'s ``draft_vocab`` (FR-Spec's
+    frequency-ranked draft vocabulary).
+
+    Args:
+        n: how many ids, ``1 <= n <= V``.
+        counts: ``[V]`` per-token counts or frequencies (any real dtype, >= 0); or
+        tokens: integer ids of any shape (e.g. a tokenised corpus), counted over ``vocab_size`` ids.
+
+    Returns: LongTensor ``[n]``, ascending, on the input's device. Ties rank the lower id first,
+    so ids never seen fill the set from id 0 up.
+
+    Raises:
+        ValueError: neither or both of ``counts`` / ``tokens``; ``tokens`` without ``vocab_size``
+            or with ids outside ``[0, vocab_size)``; ``counts`` not 1-D or negative; ``n`` out
+            of range. TypeError: ``tokens`` not an integer tensor.
+    """
+    if (counts is None) == (tokens is None):
+        raise ValueError("frequent_token_ids() takes counts=[V] token counts or tokens=<token ids>, exactly one")
+    if tokens is not None:
+        tokens = torch.as_tensor(tokens)
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        if vocab_size is None:
+            raise ValueError("frequent_token_ids(tokens=...) needs vocab_size (the ids to rank)")
+        flat = tokens.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
+            raise ValueError(f"tokens hold ids outside [0, {vocab_size}): min {int(flat.min())}, max {int(flat.max())}")
+        counts = torch.bincount(flat, minlength=vocab_size)
+    counts = torch.as_tensor(counts)
+    if counts.dim() != 1 or counts.numel() == 0:
+        raise ValueError(f"counts must be 1-D [V] per-token counts, got shape {tuple(counts.shape)}")
+    if bool((counts < 0).any()):
+        raise ValueError("counts must be >= 0")
+    V = counts.numel()
+    if not 1 <= int(n) <= V:
+        raise ValueError(f"n must be in [1, {V}] (the vocabulary), got {n}")
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: ties keep the lower id first
+    return order[: int(n)].sort().values
+
+
+def _check_draft_vocab(ids, vocab_size: int) -> torch.Tensor:
+    """``ids`` as a LongTensor ``[N]`` of distinct ids in ``[0, vocab_size)``, ascending.
+
+    Raises: TypeError for a non-integer tensor; ValueError for another shape, no ids, ids out of
+        range or repeated ids (each message names the offending ids)."""
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"draft_vocab must be integer token ids (a LongTensor [N]), got dtype {ids.dtype}")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids [N], got shape {tuple(ids.shape)}")
+    ids = ids.long()
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"draft_vocab holds ids outside the target's vocabulary [0, {vocab_size}): "
+                         f"{bad[:8].tolist()}")
+    ids = ids.sort().values
+    repeated = ids[1:][ids[1:] == ids[:-1]].unique()
+    if repeated.numel():
+        raise ValueError(f"draft_vocab lists ids more than once: {repeated[:8].tolist()}")
+    return ids
+
+
 # ------------------------------------------------------------------------------ the drafter
 
 
@@ -361,14 +441,20 @@ class MTPDrafter(Drafter):
         tree: None (chain drafting), ``"default"``, ``"medusa-63"`` or a list of paths in Medusa's
             format (:func:`specdec.tree.make_tree`; depth <= :data:`MAX_TREE_DEPTH`): node ``p``
             holds the rank ``p[-1]`` token of MTP step ``len(p)`` along the top-1 chain.
+        draft_vocab: None (draft over the whole vocabulary) or the ids to draft over, a
+            LongTensor ``[N]`` of distinct ids in ``[0, V)`` (any order; e.g.
+            :func:`frequent_token_ids`): the LM head's N rows are copied into an ``[N, D]``
+            buffer now, each step scores only them (see the module docstring). A tree's ranks
+            must be < N.
 
-    Raises: TypeError for layers of another type; ValueError for layers on another device or of
-        another hidden size than the target's, or a bad tree.
+    Raises: TypeError for layers of another type or non-integer ``draft_vocab``; ValueError for
+        layers on another device or of another hidden size than the target's, a bad tree, or a
+        ``draft_vocab`` that is empty, not 1-D, out of range or repeats ids.
     """
 
     wants_all_hidden_states = True
 
-    def __init__(self, target, layers: MTPLayers, tree=None):
+    def __init__(self, target, layers: MTPLayers, tree=None, draft_vocab=None):
         if not isinstance(layers, MTPLayers):
             raise TypeError(f"MTPDrafter needs specdec.drafters.mtp.MTPLayers, got {type(layers).__name__}; load "
                             "them with MTPDrafter.from_pretrained(path, target=model)")
@@ -386,7 +472,18 @@ class MTPDrafter(Drafter):
         if w.device != self.adapter.device or w.dtype != self.adapter.dtype:
             raise ValueError(f"the MTP layers are {w.dtype} on {w.device}, the target {self.adapter.dtype} on "
                              f"{self.adapter.device}; load them with MTPDrafter.from_pretrained(path, target=model)")
-        self.tree = make_tree(tree, MAX_TREE_DEPTH, self.adapter.vocab_size) if tree is not None else None
+        #: the ids drafted over, LongTensor [N] ascending on the target's device (None: all V)
+        self.draft_vocab = None
+        self._head_weight = self._head_bias = None  # the LM head's rows of draft_vocab, [N, D] / [N]
+        if draft_vocab is not None:
+            ids = _check_draft_vocab(draft_vocab, self.adapter.vocab_size).to(self.adapter.device)
+            head = target.get_output_embeddings()
+            self.draft_vocab = ids
+            self._head_weight = head.weight.detach().index_select(0, ids)  # a copy: N contiguous rows
+            if getattr(head, "bias", None) is not None:
+                self._head_bias = head.bias.detach().index_select(0, ids)
+        drafted = self.adapter.vocab_size if self.draft_vocab is None else self.draft_vocab.numel()
+        self.tree = make_tree(tree, MAX_TREE_DEPTH, drafted) if tree is not None else None
         self._path = "eager"
         self._static = None  # _StaticMTP of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
@@ -396,10 +493,10 @@ class MTPDrafter(Drafter):
         self._reset()
 
     @classmethod
-    def from_pretrained(cls, path, *, target, tree=None) -> "MTPDrafter":
+    def from_pretrained(cls, path, *, target, tree=None, draft_vocab=None) -> "MTPDrafter":
         """The MTP layers of the checkpoint folder ``path`` (one ``model.safetensors`` or shards with
         ``model.safetensors.index.json``), built from ``target``'s config with its family's layer
-        classes, in its dtype on its device.
+        classes, in its dtype on its device; ``tree`` and ``draft_vocab`` as in the class.
 
         Raises:
             FileNotFoundError: ``path`` is not a folder with a safetensors checkpoint.
@@ -418,10 +515,10 @@ class MTPDrafter(Drafter):
             raise ValueError(f"no MTP tensors (names starting with {' or '.join(_PREFIXES)}) in {files}; "
                              f"the config declares {layers.count_field}={layers.num_steps}")
         layers.load_checkpoint_tensors(tensors, files)
-        return cls(target, layers, tree=tree)
+        return cls(target, layers, tree=tree, draft_vocab=draft_vocab)
 
     @classmethod
-    def for_model(cls, target, tree=None) -> "MTPDrafter":
+    def for_model(cls, target, tree=None, draft_vocab=None) -> "MTPDrafter":
         """:meth:`from_pretrained` on the folder the target was loaded from
         (``target.config._name_or_path``: a local folder, or a hub id whose files are fetched
         through ``huggingface_hub``: only the index and the shards holding ``mtp.*``).
@@ -435,7 +532,7 @@ class MTPDrafter(Drafter):
                              "MTPDrafter.from_pretrained(path, target=model)")
         if not Path(name).is_dir():
             name = _fetch_hub_mtp_files(name)
-        return cls.from_pretrained(name, target=target, tree=tree)
+        return cls.from_pretrained(name, target=target, tree=tree, draft_vocab=draft_vocab)
 
     # --- Drafter interface --------------------------------------------------------------------
     @property
@@ -578,19 +675,34 @@ class MTPDrafter(Drafter):
         cache.commit(num)
         last = out[rows, (num - 1).clamp(min=0)]
         logits, toks, probs = [], [], []
+        ids = self.draft_vocab
         for k in range(K):
             if k:
                 last = self._step(cache, toks[-1][:, None], last[:, None], k)[:, 0]
-            step_logits = self.adapter.logits(last).float()
+            step_logits = self.draft_logits(last)
             tok, p = pick(step_logits)
+            if ids is not None:  # index in the draft vocabulary -> the target's id
+                tok = ids[tok]
             logits.append(step_logits)
             toks.append(tok)
             probs.append(p)
         if tree is not None:
-            return tree.node_tokens(torch.stack(logits, dim=1))
+            nodes = tree.node_tokens(torch.stack(logits, dim=1))
+            return nodes if ids is None else ids[nodes]
         if probs[0] is not None:
-            return torch.stack(toks, dim=1), torch.stack(probs, dim=1)
+            q = torch.stack(probs, dim=1)
+            if ids is not None:  # q over the target's vocabulary: zero outside the draft vocabulary
+                q = q.new_zeros(*q.shape[:-1], self.vocab_size).index_copy_(-1, ids, q)
+            return torch.stack(toks, dim=1), q
         return torch.stack(toks, dim=1)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[..., V]`` of the MTP output ``hidden [..., D]`` through the target's LM
+        head, or ``[..., N]`` over ``draft_vocab`` (its rows' copy; the MTP families' heads are
+        plain linear layers, so these equal the full logits' columns ``draft_vocab``)."""
+        if self._head_weight is None:
+            return self.adapter.logits(hidden).float()
+        return F.linear(hidden.to(self._head_weight.dtype), self._head_weight, self._head_bias).float()
 
     def _argmax(self, logits):
         return logits.argmax(-1), None
@@ -637,7 +749,9 @@ class MTPDrafter(Drafter):
 
     def __repr__(self):
         tree = f", tree={self.tree!r}" if self.tree is not None else ""
-        return f"MTPDrafter({type(self.layers).__name__}, {self.layers.count_field}={self.layers.num_steps}{tree})"
+        vocab = f", draft_vocab={self.draft_vocab.numel()} ids" if self.draft_vocab is not None else ""
+        return (f"MTPDrafter({type(self.layers).__name__}, {self.layers.count_field}={self.layers.num_steps}"
+                f"{tree}{vocab})")
 
 
 class _StaticMTP:

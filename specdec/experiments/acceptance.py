@@ -3,7 +3,8 @@
 Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (the target's zoo Medusa
 heads, targets with ``medusa``: chain drafting, or tree drafting with ``drafter.tree=default`` /
 ``medusa-63`` / a list of paths, reported as ``medusa-tree:<tree>``), ``mtp`` (the MTP layers of
-the target's own checkpoint, targets with ``mtp: true``). Prompts: the shipped set
+the target's own checkpoint, targets with ``mtp: true``; over a reduced vocabulary with
+``drafter.mtp_draft_vocab=N``, reported as ``mtp-vocab:<N>``). Prompts: the shipped set
 (``prompts.set``) or the user's file (``prompts.path``, :mod:`.prompts`).
 
 For every configuration and prompt it records mean accepted tokens (Spec-Bench's tokens per
@@ -195,7 +196,9 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 if tree is not None:  # its own row in the summary
                     label = f"medusa-tree:{tree}" if isinstance(tree, str) else f"medusa-tree:{drafter.tree.num_nodes}"
             elif drafter_name == "mtp":  # the MTP layers of the target's own checkpoint
-                drafter = "mtp"
+                drafter = make_drafter(cfg, "mtp", target=model, tokenizer=tok)
+                if drafter.draft_vocab is not None:  # its own row in the summary
+                    label = f"mtp-vocab:{drafter.draft_vocab.numel()}"
             else:
                 drafter = make_drafter(cfg, drafter_name, draft)
             configs.append((plan_index, label, strategy,

@@ -97,6 +97,13 @@ def validate(cfg: DictConfig) -> None:
         if isinstance(tree, str) and tree not in TREE_PRESETS:
             raise ValueError(f"drafter.tree={tree!r}: use one of {', '.join(TREE_PRESETS)} or a list of paths such as "
                              "[[0],[0,0],[1]]")
+    vocab = cfg.drafter.get("mtp_draft_vocab")
+    if vocab is not None:
+        if "mtp" not in [str(d) for d in cfg.drafter.names]:
+            raise ValueError("drafter.mtp_draft_vocab is the MTP drafter's draft vocabulary; it needs drafter=mtp (or "
+                             "drafter.names with mtp)")
+        if int(vocab) < 1:
+            raise ValueError(f"drafter.mtp_draft_vocab must be >= 1 (tokens drafted over) or null (all), got {vocab}")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     drafters = [str(d) for d in cfg.drafter.names]

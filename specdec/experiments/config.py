@@ -127,6 +127,8 @@ class DrafterConfig:
     tree: Any = _doc(None, "Medusa draft tree: null (chain), default, medusa-63 or a list of paths [[0],[0,0],[1]]")
     oracle_acceptance: List[float] = _doc(help="drafter oracle: per-token acceptance, one run each (bench)",
                                           factory=lambda: [0.8])
+    mtp_draft_vocab: Optional[int] = _doc(None, "drafter mtp: draft over the N most frequent tokens of the zoo's "
+                                                "training corpus (null: the whole vocabulary)")
 
 
 @dataclass
