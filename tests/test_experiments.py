@@ -320,6 +320,22 @@ def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
 TINY_SHAPE = ["model=qwen35-tiny-shape", "experiment.prompt_tokens=16"]
 
 
+def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
+    """drafter=mtp in the benchmark: a random-weight shape gets random MTP layers (said on the
+    console and in the records), also over a reduced draft vocabulary; outputs stay exact."""
+    base = ["experiment=bench", "drafter=mtp", "rollback=replay", "max_new_tokens=12", "experiment.batch_grid=[1]",
+            "experiment.hf=false", "repeats=1"] + TINY_SHAPE + CPU
+    records = run_experiment(_cfg(base), tmp_path / "full")
+    records += run_experiment(_cfg(base + ["drafter.mtp_draft_vocab=512"]), tmp_path / "reduced")
+    assert "qwen35-tiny-shape has no MTP weights: drafter=mtp runs MTPDrafter.random layers" in capsys.readouterr().out
+    assert [(r["drafter"], r["mtp_layers"], r["mtp_draft_vocab"]) for r in records] == [
+        ("mtp", "random", None), ("mtp-vocab:512", "random", 512)]
+    assert all(r["exact"] and r["diverged_rows"] == 0 for r in records)
+    with pytest.raises(ValueError, match="needs drafter=mtp"):
+        run_experiment(_cfg(["experiment=bench", "drafter=ngram", "drafter.mtp_draft_vocab=8"] + TINY_SHAPE + CPU),
+                       tmp_path / "bad")
+
+
 def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):
     """experiment=bench with the oracle drafter on a tiny random-shape model: acceptance 1 commits
     K + 1 tokens per step and acceptance 0 one; every row equals specdec plain's output (fp32);

@@ -4,7 +4,7 @@ layout and loaded back; the first proposal rebuilt by hand from the file with tr
 layer classes; greedy exactness (every strategy, K in {1, 2, 4}, ragged left-padded batch with
 EOS, eager and static paths), trees, lossless sampling; missing / misshapen tensors; the zoo's
 gdn-target and mamba2-target with their shipped MTP layers; the training recipe; drafting over a
-reduced vocabulary (exact, lossless, checked ids)."""
+reduced vocabulary (exact, lossless, checked ids); random layers for benchmark shapes."""
 
 from __future__ import annotations
 
@@ -397,6 +397,23 @@ def test_frequent_token_ids():
         frequent_token_ids(8, counts=counts)
     with pytest.raises(ValueError, match=">= 0"):
         frequent_token_ids(1, counts=torch.tensor([1.0, -1.0]))
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_random_layers_for_a_shape_without_mtp_weights(family):
+    """MTPDrafter.random: layers built from a config that declares none, seeded (the caller's
+    random state untouched), exact as any drafter."""
+    model = make_model(family)
+    ids, mask, eos, ref = _reference(model)
+    state = torch.random.get_rng_state()
+    a, b = MTPDrafter.random(model, seed=3), MTPDrafter.random(model, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for (k, v), w in zip(a.layers.state_dict().items(), b.layers.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
+    assert a.layers.num_steps == 1
+    sd = specdec.wrap(model, drafter=MTPDrafter.random(model, num_layers=2, draft_vocab=torch.arange(3, 40)),
+                      num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos), ref)
 
 
 # ------------------------------------------------------------------------ checkpoints and errors

@@ -56,6 +56,9 @@ changes later). Drafts are mapped back to the target's ids; verification is unch
 output stays exact (a token outside the set is never drafted, only costs acceptance), and for
 sampling the draft distribution q is the drafter's softmax over the N tokens, zero elsewhere,
 which keeps rejection sampling lossless (it needs only that drafts are sampled from q).
+
+Random layers (:meth:`MTPDrafter.random`): MTP layers built from the target's config with the
+family's own initialisation, for timing a checkpoint shape that has no trained MTP weights.
 """
 
 from __future__ import annotations
@@ -123,6 +126,13 @@ class MTPLayers(nn.Module):
     def checkpoint_name(self, key: str) -> str:
         """The checkpoint name (after ``mtp.``) of state-dict key ``key``."""
         return key
+
+    @torch.no_grad()
+    def init_weights(self, target) -> None:
+        """Initialise every weight as transformers initialises the target's family
+        (``target._init_weights`` on each module; draws from torch's global generator)."""
+        for module in self.modules():
+            target._init_weights(module)
 
     # --- checkpoint layout ---------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -515,6 +525,25 @@ class MTPDrafter(Drafter):
             raise ValueError(f"no MTP tensors (names starting with {' or '.join(_PREFIXES)}) in {files}; "
                              f"the config declares {layers.count_field}={layers.num_steps}")
         layers.load_checkpoint_tensors(tensors, files)
+        return cls(target, layers, tree=tree, draft_vocab=draft_vocab)
+
+    @classmethod
+    def random(cls, target, num_layers: int = 1, seed: int = 0, *, tree=None, draft_vocab=None) -> "MTPDrafter":
+        """MTP layers with random weights, for timing a checkpoint shape that ships none: built
+        from ``target``'s config as :func:`mtp_layers_for` builds them (``num_layers`` layers /
+        steps; Nemotron-H: the blocks of ``config.mtp_layers_block_type``, transformers' default
+        attention then MoE with the config's MoE sizes), initialised as transformers initialises
+        the family (:meth:`MTPLayers.init_weights`) from ``torch.manual_seed(seed)`` without
+        changing the caller's random state. Its drafts are accepted about as often as random
+        tokens: use it for speed, not acceptance. ``tree`` and ``draft_vocab`` as in the class.
+
+        Raises: ValueError as :func:`mtp_layers_for` (a family without an MTP layout,
+            ``num_layers < 1``) and as the class."""
+        p = target.get_output_embeddings().weight
+        with torch.random.fork_rng(devices=[p.device] if p.device.type == "cuda" else []):
+            torch.manual_seed(int(seed))
+            layers = mtp_layers_for(target, num_steps=int(num_layers))
+            layers.init_weights(target)
         return cls(target, layers, tree=tree, draft_vocab=draft_vocab)
 
     @classmethod

@@ -55,13 +55,14 @@ def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
 
 
 def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_mask=None,
-                 acceptance: float | None = None, target=None, tokenizer=None):
+                 acceptance: float | None = None, target=None, tokenizer=None, random_mtp: bool = False):
     """A fresh drafter for ``name`` from ``cfg.drafter``: ``ngram``, ``draft_model`` (needs
     ``draft_model``), ``oracle`` (an :class:`specdec.drafters.OracleDrafter` proposing
     ``reference [B, L + G]``, the plain output of the same batch with its prompts'
     ``attention_mask``, at per-token ``acceptance``; seeded with ``cfg.seed``) or ``mtp`` (the MTP
-    layers of ``target``'s checkpoint, :meth:`~specdec.drafters.MTPDrafter.for_model`; with
-    ``drafter.mtp_draft_vocab=N`` over the N most frequent ids of the zoo's
+    layers of ``target``'s checkpoint, :meth:`~specdec.drafters.MTPDrafter.for_model`, or with
+    ``random_mtp`` random ones, :meth:`~specdec.drafters.MTPDrafter.random` seeded with
+    ``cfg.seed``; with ``drafter.mtp_draft_vocab=N`` over the N most frequent ids of the zoo's
     training corpus as ``tokenizer`` encodes it, :func:`mtp_draft_vocab`).
 
     Raises: ValueError for an unknown name or a missing draft model / reference / target."""
@@ -82,6 +83,8 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
         if target is None:
             raise ValueError("drafter mtp runs the target's own MTP layers: it needs the target model")
         vocab = mtp_draft_vocab(cfg, tokenizer, target.config.get_text_config().vocab_size)
+        if random_mtp:
+            return MTPDrafter.random(target, seed=int(cfg.seed), draft_vocab=vocab)
         return MTPDrafter.for_model(target, draft_vocab=vocab)
     raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle, mtp")
 

@@ -248,8 +248,7 @@ def run(cfg: DictConfig) -> dict:
             raise ValueError(f"mtp.config.{name}.{key}: {type(model.config).__name__} has no field {key!r}")
         setattr(model.config, key, value)
     layers = mtp_layers_for(model, num_steps=int(cfg.mtp.num_layers))
-    for module in layers.modules():  # the family's own initialisation (transformers' _init_weights)
-        model._init_weights(module)
+    layers.init_weights(model)  # the family's own initialisation (transformers' _init_weights)
     copied = init_from_target(layers, model) if cfg.mtp.init_from_target else None
     if copied is not None:
         _log(f"MTP layers initialised from target layers {copied} (-1: none of the same kind and shapes)")
