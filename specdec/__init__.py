@@ -44,7 +44,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Args:
         model: e.g. ``Qwen3_5ForCausalLM``, ``Qwen3NextForCausalLM``, ``NemotronHForCausalLM``,
             ``KimiLinearForCausalLM`` (weights are used in place, never copied).
-        drafter: ``"ngram"`` or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
+        drafter: ``"ngram"``, ``"mtp"`` (the model's own multi-token-prediction layers, read from the
+            checkpoint it was loaded from) or a :mod:`specdec.drafters` instance (``DraftModelDrafter(draft)``, ...).
         rollback: ``"snapshot"``, ``"ring"`` or ``"replay"`` (``specdec.rollback.STRATEGIES``), ``"replay_deferred"``
             (replay folding only when its history would overflow), an instance, or ``"auto"`` (per call,
             the strategy with the best measured cost that fits the memory budget; :mod:`specdec.adaptive`).

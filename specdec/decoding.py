@@ -64,9 +64,10 @@ class Decoder(abc.ABC):
     def path(self) -> str: ...
 
     @abc.abstractmethod
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_hidden_states: bool = False):
         """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state;
-        returns ``(logits [B, V], hidden [B, D])`` at each row's last prompt token."""
+        returns ``(logits [B, V], hidden [B, D])`` at each row's last prompt token (with
+        ``all_hidden_states``, ``hidden [B, L, D]`` of every position)."""
 
     def width(self, num_drafts: torch.Tensor, num_speculative_tokens: int) -> int:
         """Tokens the next chain forward runs when row b verifies ``num_drafts[b]`` drafts (``[B]``
@@ -118,9 +119,9 @@ class EagerDecoder(Decoder):
     def path(self) -> str:
         return "eager"
 
-    def prefill(self, input_ids, attention_mask):
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False):
         self.cache = self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy)
-        out = self.adapter.prefill(input_ids, attention_mask, self.cache)
+        out = self.adapter.prefill(input_ids, attention_mask, self.cache, all_hidden_states)
         self.cache.set_tree(self.tree)
         return out
 
@@ -191,9 +192,9 @@ class StaticDecoder(Decoder):
     def path(self) -> str:
         return "cuda_graph" if self._graphs else "static"
 
-    def prefill(self, input_ids, attention_mask):
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False):
         fresh = self.new_cache()
-        out = self.adapter.prefill(input_ids, attention_mask, fresh)
+        out = self.adapter.prefill(input_ids, attention_mask, fresh, all_hidden_states)
         self.load(fresh)
         return out
 

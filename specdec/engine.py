@@ -106,7 +106,8 @@ class SpeculativeGenerator:
 
     Args:
         model: a loaded HF causal LM of a supported family (see ``specdec.models.supported_families()``).
-        drafter: ``"ngram"`` or a :class:`specdec.drafters.Drafter` instance.
+        drafter: ``"ngram"``, ``"mtp"`` (the MTP layers of the checkpoint the model was loaded from,
+            :class:`specdec.drafters.MTPDrafter`) or a :class:`specdec.drafters.Drafter` instance.
         rollback: ``"snapshot"``, ``"ring"``, ``"replay"`` (or ``"replay_deferred"``), a
             :class:`specdec.rollback.RollbackStrategy`, or ``"auto"``: per call, the strategy of
             ``specdec.rollback.STRATEGIES`` with the best measured cost for the batch and K that
@@ -244,12 +245,12 @@ class SpeculativeGenerator:
 
     @property
     def drafter(self) -> Drafter:
-        """The drafter (``"ngram"`` or a :class:`specdec.drafters.Drafter` may be assigned)."""
+        """The drafter (``"ngram"``, ``"mtp"`` or a :class:`specdec.drafters.Drafter` may be assigned)."""
         return self._drafter
 
     @drafter.setter
     def drafter(self, value):
-        d = make_drafter(value)
+        d = make_drafter(value, target=self.model)
         dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
             raise ValueError(
@@ -366,15 +367,14 @@ class SpeculativeGenerator:
         strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive)
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
-        logits, hidden = dec.prefill(ids, s.attention_mask)
+        every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
+        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every)
         self.last_cache = dec.cache
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
             clock.lap("prefill")
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
-        if drafter is not None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
-            drafter.observe(hidden)
         rows = _Rows(ids, s.attention_mask, Lp + max_new + T, max_new, s.eos_token_ids)
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
@@ -387,6 +387,10 @@ class SpeculativeGenerator:
             drafter.set_speculation(K, adaptive)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
+            if every:
+                drafter.observe_prompt(hidden, s.attention_mask)
+            if drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
+                drafter.observe(hidden[:, -1] if every else hidden)
         hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
         bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
@@ -443,6 +447,8 @@ class SpeculativeGenerator:
             dec.commit(take, path)  # take <= n + 1: the accepted prefix, cut at EOS / the budget / criteria
             if drafter is not None and drafter.wants_hidden_states:  # the hidden state whose logits gave c
                 drafter.observe(hidden[idx, seen])
+            if every:  # the committed positions' hidden states (a tree step: its accepted path's)
+                drafter.observe_tokens(hidden if path is None else hidden[idx[:, None], path], take)
             clock.lap("rollback")
             a = active.long()
             hist.index_add_(0, n, a)

@@ -1,11 +1,12 @@
 """CUDA graphs: capture with PyTorch's recipe, shape buckets, and what blocks a capture.
 
-Both graph-captured programs of the project — the target's verify forward and commit
-(:class:`specdec.decoding.StaticDecoder`) and the draft model's proposal
-(:class:`specdec.drafters.DraftModelDrafter`) — capture through :func:`capture`, so a failure is
-handled and reported one way: the caller keeps running the same static program without graphs
-and records :class:`CaptureFailure`'s reason, which ``generate()`` reports in
-``Stats.capture_error`` (and warns once).
+Every graph-captured program of the project — the target's verify forward and commit
+(:class:`specdec.decoding.StaticDecoder`) and the drafters' proposals
+(:class:`specdec.drafters.DraftModelDrafter`, :class:`specdec.drafters.MTPDrafter`, through
+:class:`CapturedProgram`) — captures through :func:`capture`, so a failure is handled and
+reported one way: the caller keeps running the same static program without graphs and records
+:class:`CaptureFailure`'s reason, which ``generate()`` reports in ``Stats.capture_error`` (and
+warns once).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from .fusion import fused, fusion_enabled
 
-__all__ = ["CaptureFailure", "bucket_length", "capture", "capture_blocker", "graph_safe_experts"]
+__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "capture", "capture_blocker", "graph_safe_experts"]
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
@@ -146,3 +147,47 @@ def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn
             torch.cuda.synchronize(dev)
         raise CaptureFailure(what, err) from err
     return graph, out
+
+
+class CapturedProgram:
+    """A drafter's fixed-shape proposal program ``fn()`` (it reads and writes fixed tensors): run
+    eagerly on its first call and, with ``graphs``, captured by :func:`capture` on its second and
+    replayed from then on. The first call is the capture's warm-up, run with the same kernels as
+    the capture (fused norms / MLPs, graph-safe MoE experts). When the capture fails the program
+    warns, keeps the reason in ``error``, calls ``on_failure()`` (e.g. to reset host-side
+    counters the capture advanced) and runs eagerly from then on.
+
+    Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
+        what: its name, for messages. graphs: capture at all (CUDA only).
+
+    Calling it runs the program once and returns how: ``"static"`` or ``"cuda_graph"``.
+    """
+
+    def __init__(self, fn, *, model: torch.nn.Module, what: str, graphs: bool, on_failure=None):
+        self.fn, self.model, self.what, self.graphs, self.on_failure = fn, model, what, bool(graphs), on_failure
+        self.graph = None
+        self.calls = 0
+        #: why the capture failed (``"Type: message"``), or None
+        self.error: str | None = None
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return "cuda_graph"
+        if self.graphs and self.error is None and self.calls >= 2:
+            try:  # the previous call ran the program eagerly: it was the warm-up
+                self.graph, _ = capture(self.fn, model=self.model, what=self.what, warmup=0)
+            except CaptureFailure as err:  # keep the static program, eagerly
+                self.error = err.reason
+                warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
+                if self.on_failure is not None:
+                    self.on_failure()
+            else:
+                self.graph.replay()  # capturing does not run the work: run this call's
+                return "cuda_graph"
+        warm = self.graphs and self.error is None
+        with fused(self.model, warm and fusion_enabled()), (
+                graph_safe_experts(self.model) if warm else contextlib.nullcontext()):
+            self.fn()
+        return "static"

@@ -148,6 +148,14 @@ class TreeSpec:
         self._tensors[key] = hit
         return hit
 
+    def node_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The tokens of nodes 1..N-1 from per-depth logits ``[B, D, V]`` (``D >= max_depth``; row d-1
+        scores depth d, e.g. Medusa head d-1 or MTP step d): node ``p`` holds the rank ``p[-1]``
+        token of depth ``len(p)``. Returns ``[B, N-1]`` int64 on the logits' device."""
+        top = logits.topk(self.max_rank + 1, dim=-1).indices  # [B, D, R]
+        tt = self.tensors(top.device)
+        return top[:, tt["head"], tt["rank"]]
+
     def __eq__(self, other):
         return isinstance(other, TreeSpec) and self.paths == other.paths
 

@@ -21,6 +21,13 @@ frozen target's hidden states and recorded under ``medusa`` in the manifest: ``g
 4 :class:`specdec.drafters.MedusaHeads` for ``gdn-target`` that project with its LM head (not
 stored with them; :func:`load_medusa` binds it).
 
+MTP layers: ``gdn-target`` and ``mamba2-target`` carry multi-token-prediction layers in their own
+checkpoints, as Qwen3.5 and Nemotron-H releases do (``mtp.*`` tensors next to the target's, and
+the config fields ``mtp_num_hidden_layers`` / ``num_nextn_predict_layers`` +
+``mtp_layers_block_type``), trained by ``specdec.experiments.train_mtp`` on the frozen target and
+recorded under ``models.<name>.mtp`` in the manifest; transformers ignores them when loading,
+``specdec.wrap(model, drafter="mtp")`` drafts with them (:class:`specdec.drafters.MTPDrafter`).
+
 All share one byte-level BPE tokenizer (vocabulary 8192; ``<pad>``/``<bos>``/``<eos>`` = 0/1/2;
 encoding prepends ``<bos>``; left padding).
 
@@ -31,6 +38,7 @@ Example::
     p = specdec.zoo.prompts("128", limit=1)[0]
     ids = tok(p["prompt"], return_tensors="pt").input_ids      # LongTensor [1, p["prompt_tokens"]]
     heads = specdec.zoo.load_medusa("gdn-medusa", target=model)  # MedusaHeads bound to model's LM head
+    sd = specdec.wrap(model, drafter="mtp")                    # the checkpoint's own MTP layers
 """
 
 from __future__ import annotations

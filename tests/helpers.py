@@ -10,11 +10,16 @@
 * Medusa heads for the tiny models: :func:`medusa_prompts`, :func:`fit_medusa_heads`,
   :func:`perturb_heads`.
 * :class:`StreamRecorder`: a streamer that records every ``put()`` and ``end()``.
+* :func:`run_python`: ``python <args>`` in a subprocess that imports this checkout's ``specdec``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from scipy.stats import chi2_contingency
@@ -207,3 +212,16 @@ class StreamRecorder:
         """The tokens put after the prompt, one per ``put()`` (asserted)."""
         assert all(c[1] == (1,) for c in self.calls[1:-1])  # one token per put after the prompt
         return [c[3][0] for c in self.calls[1:-1]]
+
+
+# ------------------------------------------------------------------------------ processes
+
+#: the checkout these tests belong to
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python <args>`` (e.g. ``["-m", "specdec", "experiment=..."]``) run from the checkout with it
+    first on ``PYTHONPATH``; stdout and stderr captured as text."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

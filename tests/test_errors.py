@@ -60,9 +60,9 @@ def test_unknown_strategy_and_drafter():
 
 
 @pytest.mark.parametrize("name, passes", [("draft_model", "DraftModelDrafter(draft_model)"),
-                                          ("medusa", "MedusaDrafter(heads)"), ("mtp", "Drafter subclass")])
+                                          ("medusa", "MedusaDrafter(heads)")])
 def test_cli_drafter_names_say_which_object_the_api_needs(name, passes):
-    """The CLI's drafter names: the API builds only ngram from a name; the others say what to pass."""
+    """The CLI's drafter names: the API builds ngram and mtp from a name; the others say what to pass."""
     with pytest.raises(ValueError, match=re.escape(passes)) as info:
         specdec.wrap(get_model("qwen3_5"), drafter=name)
     assert f"drafter={name!r} needs an object" in str(info.value)

@@ -85,7 +85,7 @@ def test_default_config_composes():
     assert OmegaConf.get_type(cfg) is SCHEMAS["acceptance"]
     assert [t.name for t in cfg.model.targets] == ["gdn-target", "mamba2-target", "kda-target"]
     assert list(cfg.rollback.strategies) == ["snapshot", "ring", "replay"]
-    assert list(cfg.drafter.names) == ["ngram", "draft_model", "medusa"]
+    assert list(cfg.drafter.names) == ["ngram", "draft_model", "medusa", "mtp"]
     assert [t.get("medusa") for t in cfg.model.targets] == ["gdn-medusa", None, None]
 
 
@@ -144,7 +144,7 @@ def test_acceptance_tiny_run(tmp_path: Path, capsys):
             assert r[f"{k}_max"] <= r["tokens_per_s_max"] / r[f"{base}_min"] * (1 + 1e-9)
         assert r["within_noise"] == (r["speedup_min"] <= 1.0 <= r["speedup_max"])
         assert r["repeats"] == 2 and r["timed_prompts"] == 1
-    assert len(records) == 3 * 3  # 3 drafters (ngram, draft_model, medusa) x 3 strategies x 1 prompt
+    assert len(records) == 4 * 3  # 4 drafters (ngram, draft_model, medusa, mtp) x 3 strategies x 1 prompt
     assert all(r["exact"] and r["experiment"] == "acceptance" for r in records)
     assert all(r["decode_path"] == "eager" for r in records)  # the CPU default (auto: graphs on CUDA only)
     assert records[0]["config"]["num_speculative_tokens"] == 3
@@ -320,6 +320,22 @@ def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
 
 
 TINY_SHAPE = ["model=qwen35-tiny-shape", "experiment.prompt_tokens=16"]
+
+
+def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
+    """drafter=mtp in the benchmark: a random-weight shape gets random MTP layers (said on the
+    console and in the records), also over a reduced draft vocabulary; outputs stay exact."""
+    base = ["experiment=bench", "drafter=mtp", "rollback=replay", "max_new_tokens=12", "experiment.batch_grid=[1]",
+            "experiment.hf=false", "repeats=1"] + TINY_SHAPE + CPU
+    records = run_experiment(_cfg(base), tmp_path / "full")
+    records += run_experiment(_cfg(base + ["drafter.mtp_draft_vocab=512"]), tmp_path / "reduced")
+    assert "qwen35-tiny-shape has no MTP weights: drafter=mtp runs MTPDrafter.random layers" in capsys.readouterr().out
+    assert [(r["drafter"], r["mtp_layers"], r["mtp_draft_vocab"]) for r in records] == [
+        ("mtp", "random", None), ("mtp-vocab:512", "random", 512)]
+    assert all(r["exact"] and r["diverged_rows"] == 0 for r in records)
+    with pytest.raises(ValueError, match="needs drafter=mtp"):
+        run_experiment(_cfg(["experiment=bench", "drafter=ngram", "drafter.mtp_draft_vocab=8"] + TINY_SHAPE + CPU),
+                       tmp_path / "bad")
 
 
 def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):

@@ -6,15 +6,12 @@ left-padded batch), lossless sampling, the shipped heads on gdn-target, and a CP
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_token_distribution, fit_medusa_heads, medusa_prompts
+from helpers import assert_same_token_distribution, fit_medusa_heads, medusa_prompts, run_python
 from hydra import compose, initialize_config_dir
 from tiny_models import make_model, ragged_prompts
 
@@ -26,7 +23,6 @@ from specdec.experiments.app import CONF_DIR, run_experiment
 from specdec.experiments.train_medusa import collect_hidden_states, head_accuracy
 from specdec.rollback import STRATEGIES
 
-REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen3_5", "nemotron_h")
 
 
@@ -265,11 +261,10 @@ def test_acceptance_experiment_with_medusa(tmp_path):
 def test_training_recipe_smoke(tmp_path):
     """``python -m specdec experiment=train_medusa`` end to end at a tiny scale (seconds)."""
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "specdec", "experiment=train_medusa", "device=cpu", "progress=false",
-           "data.tokens=2048", "data.seq_len=128", "train.steps=3", "train.batch_positions=64", "train.log_every=1",
-           "heads.num_heads=3", "heads.num_layers=1", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "specdec", "experiment=train_medusa", "device=cpu", "progress=false",
+                       "data.tokens=2048", "data.seq_len=128", "train.steps=3", "train.batch_positions=64",
+                       "train.log_every=1", "heads.num_heads=3", "heads.num_layers=1", f"out_dir={out}",
+                       f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss per head" in proc.stdout
     entry = json.loads((out / "zoo" / "MANIFEST.json").read_text())["medusa"]["gdn-medusa"]
@@ -278,6 +273,5 @@ def test_training_recipe_smoke(tmp_path):
     assert entry["labels"] == "target" and entry["recipe"]["config"]["data"]["tokens"] == 2048
     heads = zoo.load_medusa("gdn-medusa", root=out / "zoo")  # the target comes from the shipped zoo
     assert heads.num_heads == 3 and heads.is_bound
-    bad = subprocess.run([sys.executable, "-m", "specdec", "experiment=train_medusa", "train.labels=guess"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    bad = run_python(["-m", "specdec", "experiment=train_medusa", "train.labels=guess"], timeout=120)
     assert bad.returncode == 2 and "labels" in bad.stderr

@@ -84,6 +84,24 @@ class Drafter(abc.ABC):
         whose logits chose each row's pending token (after prefill and after every commit).
         Medusa-style heads draft from it."""
 
+    #: set True to receive the target's hidden states of EVERY committed position through
+    #: :meth:`observe_prompt` and :meth:`observe_tokens` (e.g. MTP layers, which keep their own
+    #: cache over the sequence)
+    wants_all_hidden_states: bool = False
+
+    def observe_prompt(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """With ``wants_all_hidden_states``: after the prefill (and after :meth:`start`), the target's
+        final hidden states of every prompt position, ``[B, L, D]`` in the target's dtype, laid out
+        as the left-padded prompt (``attention_mask [B, L]``, 0 = padding); the last position's is
+        the one whose logits chose each row's pending token."""
+
+    def observe_tokens(self, hidden_states: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """With ``wants_all_hidden_states``: after every commit, the target's final hidden states
+        of the step's committed positions, ``hidden_states [B, W, D]``, the first ``num_tokens[b]``
+        (``[B]`` int64, on the device) of row b: the positions of the pending token and the
+        accepted drafts (a tree step: of its accepted path), so the last one's logits chose the
+        new pending token. Columns past ``num_tokens`` are meaningless; a finished row has 0."""
+
     def draft_probs(self) -> torch.Tensor | None:
         """``[B, w, V]`` floating distributions the last drafts (``draft_tokens [B, w]``) were sampled
         from, or None (deterministic)."""

@@ -21,20 +21,16 @@ On the engine's static / CUDA-graph decode path (greedy) with a fixed K, each pr
 fixed-shape program: commit the kept prefix, a 2-token catch-up forward committed per row
 (the engine's step semantics bound the unseen text to 1 or 2 tokens: the correction token, and
 on full acceptance the last draft too), then the K - 1 one-token forwards; on CUDA it is
-captured as one CUDA graph at the third proposal (the second runs it eagerly as the warm-up)
-and replayed from then on, with the draft cache kept for the next ``generate()`` of the same
-shape bucket.
+captured as one CUDA graph at the third proposal (the second runs it eagerly as the warm-up;
+:class:`specdec.graphs.CapturedProgram`) and replayed from then on, with the draft cache kept
+for the next ``generate()`` of the same shape bucket.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import torch
 
-from ..fusion import fused, fusion_enabled
-from ..graphs import CaptureFailure, bucket_length, capture, graph_safe_experts
+from ..graphs import CapturedProgram, bucket_length
 from ..models import adapter_for
 from ..rollback import make_strategy
 from ..verify import process_logits
@@ -203,6 +199,9 @@ class DraftModelDrafter(Drafter):
         if self._calls == 0:
             if st is None or st.key != key:
                 st = self._static = _StaticDraft(key, B, K, width, dev)
+                st.program = CapturedProgram(lambda: self._body(st, K), model=self.model,
+                                             what="the draft model's proposal", graphs=self._path == "cuda_graph",
+                                             on_failure=lambda: st.cache.set_step_tokens(max(K - 1, 0)))
             # prefill (dynamic shapes, HF's own forward) into a fresh static cache, then into st's buffers
             lmax = int(lengths.max())
             cols = torch.arange(lmax, device=dev)[None, :]
@@ -223,17 +222,8 @@ class DraftModelDrafter(Drafter):
         else:
             st.text[:, :W].copy_(input_ids)
             st.lengths.copy_(lengths)
-            if st.graph is not None:
-                st.graph.replay()
-                self.last_path = "cuda_graph"
-            elif self._path == "cuda_graph" and self._calls >= 2 and not st.capture_failed:
-                self._capture(st, K)
-            else:
-                graphs = self._path == "cuda_graph"
-                with fused(self.model, graphs and fusion_enabled()), (
-                        graph_safe_experts(self.model) if graphs else contextlib.nullcontext()):
-                    self._body(st, K)  # the second call: the graph's warm-up (same kernels as the capture)
-                self.last_path = "static"
+            self.last_path = st.program()  # the second call is the graph's warm-up, the third captures it
+            self.capture_error = st.program.error
         self._calls += 1
         return st.drafts.clone(), torch.full((B,), K, dtype=torch.long, device=dev)
 
@@ -264,22 +254,6 @@ class DraftModelDrafter(Drafter):
         st.drafts[:, 0] = logits[st.rows, (r - 1).clamp(min=0)].argmax(-1)
         self._chain(st, K)
 
-    def _capture(self, st, K):
-        try:  # the previous call ran the body eagerly: it was the warm-up
-            st.graph, _ = capture(lambda: self._body(st, K), model=self.model, what="the draft model's proposal",
-                                  warmup=0)
-        except CaptureFailure as err:  # keep the static path, eagerly
-            st.capture_failed = True
-            self.capture_error = err.reason
-            warnings.warn(f"draft model: {err}; its proposals run the static path eagerly", RuntimeWarning,
-                          stacklevel=3)
-            st.cache.set_step_tokens(max(K - 1, 0))
-            self._body(st, K)
-            self.last_path = "static"
-            return
-        st.graph.replay()  # capturing does not run the work: run this call's proposal
-        self.last_path = "cuda_graph"
-
     def __repr__(self):
         return f"DraftModelDrafter({type(self.model).__name__}, rollback={self.strategy.name!r})"
 
@@ -291,8 +265,7 @@ class _StaticDraft:
     def __init__(self, key, B, K, width, dev):
         self.key = key
         self.cache = None
-        self.graph = None
-        self.capture_failed = False
+        self.program = None  # the proposal as a CapturedProgram (its graph, once captured)
         self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.consumed = torch.zeros(B, dtype=torch.long, device=dev)

@@ -444,10 +444,8 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"a tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads, these have "
                              f"{self.heads.num_heads}")
         logits = self.heads(hidden.to(self.device), num_heads=tree.max_depth).float()  # [B, D, V]
-        top = logits.topk(tree.max_rank + 1, dim=-1).indices  # [B, D, R]
-        tt = tree.tensors(top.device)
         self._probs = None
-        return top[:, tt["head"], tt["rank"]].to(input_ids.device)
+        return tree.node_tokens(logits).to(input_ids.device)
 
     def _check_hidden(self, input_ids):
         if self._hidden is None:

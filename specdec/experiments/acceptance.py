@@ -2,7 +2,9 @@
 
 Drafters: ``ngram``, ``draft_model`` (targets with ``draft``), ``medusa`` (the target's zoo Medusa
 heads, targets with ``medusa``: chain drafting, or tree drafting with ``drafter.tree=default`` /
-``medusa-63`` / a list of paths, reported as ``medusa-tree:<tree>``). Prompts: the shipped set
+``medusa-63`` / a list of paths, reported as ``medusa-tree:<tree>``), ``mtp`` (the MTP layers of
+the target's own checkpoint, targets with ``mtp: true``; over a reduced vocabulary with
+``drafter.mtp_draft_vocab=N``, reported as ``mtp-vocab:<N>``). Prompts: the shipped set
 (``prompts.set``) or the user's file (``prompts.path``, :mod:`.prompts`).
 
 For every configuration and prompt it records mean accepted tokens (Spec-Bench's tokens per
@@ -88,6 +90,8 @@ def _configs(cfg, target_spec):
             continue
         if str(drafter) == "medusa" and not target_spec.get("medusa"):
             continue
+        if str(drafter) == "mtp" and not target_spec.get("mtp"):
+            continue
         for strategy in cfg.rollback.strategies:
             yield str(drafter), str(strategy)
 
@@ -119,8 +123,9 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     the processes other than the main one (one progress bar, one thread line per launch).
 
     Raises: ValueError when no selected target has what the drafters need (``drafter=draft_model``:
-    a draft model; ``drafter=medusa``: Medusa heads, ``model.targets[*].medusa``); the prompt
-    file's errors (:func:`.prompts.load_prompt_file`).
+    a draft model; ``drafter=medusa``: Medusa heads, ``model.targets[*].medusa``; ``drafter=mtp``:
+    MTP layers in its checkpoint, ``model.targets[*].mtp``); the prompt file's errors
+    (:func:`.prompts.load_prompt_file`).
     """
     import specdec
 
@@ -140,8 +145,8 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     plan = [(spec, d, s) for spec in cfg.model.targets for d, s in _configs(cfg, spec)]
     if not plan:
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))} but no selected model has a draft model "
-                         "(model.targets[*].draft) or Medusa heads (model.targets[*].medusa); use drafter=ngram or "
-                         "model=gdn-target")
+                         "(model.targets[*].draft), Medusa heads (model.targets[*].medusa) or MTP layers "
+                         "(model.targets[*].mtp); use drafter=ngram or model=gdn-target")
     planned = {str(s.name) for s, _, _ in plan}  # targets with at least one configuration (others are skipped)
     total = len(plan) * len(prompts) + len(planned) * len(prompts)
     bar = None
@@ -191,6 +196,10 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
                 drafter = MedusaDrafter(heads, tree=tree)
                 if tree is not None:  # its own row in the summary
                     label = f"medusa-tree:{tree}" if isinstance(tree, str) else f"medusa-tree:{drafter.tree.num_nodes}"
+            elif drafter_name == "mtp":  # the MTP layers of the target's own checkpoint
+                drafter = make_drafter(cfg, "mtp", target=model, tokenizer=tok)
+                if drafter.draft_vocab is not None:  # its own row in the summary
+                    label = f"mtp-vocab:{drafter.draft_vocab.numel()}"
             else:
                 drafter = make_drafter(cfg, drafter_name, draft)
             configs.append((plan_index, label, strategy,

@@ -5,10 +5,11 @@ comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token pr
 ``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
 ``ngram_proposal`` (n-gram search timing), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
-recipe) or ``train_medusa`` (the Medusa heads recipe); every one runs as ``specdec-run
-experiment=<name>`` (or ``python -m specdec experiment=<name>``); ``model=``,
-``drafter=``, ``rollback=`` narrow the grid; outputs go to Hydra's run folder. Every key is
-checked against the experiment's structured config (:mod:`specdec.experiments.config`).
+recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the MTP layers recipe);
+every one runs as ``specdec-run experiment=<name>`` (or ``python -m specdec
+experiment=<name>``); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to
+Hydra's run folder. Every key is checked against the experiment's structured config
+(:mod:`specdec.experiments.config`).
 
 The command line (``specdec-run``, :mod:`.cli`) answers ``--help`` and checks the keys before
 Hydra starts. Errors a user can fix (a bad override, a wrong value, an unsupported model) end the run with
@@ -32,6 +33,8 @@ from omegaconf import DictConfig
 from .config import CONF_DIR, SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
+#: the training recipes (their configs have no drafter / rollback / prompt keys to check)
+RECIPES = ("train_zoo", "train_medusa", "train_mtp")
 register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
 
 
@@ -45,7 +48,7 @@ def validate(cfg: DictConfig) -> None:
         near = difflib.get_close_matches(unknown[0], sorted(schema_keys(name)), n=1)
         raise ValueError(f"unknown top-level key(s) {unknown} for experiment={name}"
                          + (f" (did you mean '{near[0]}'?)" if near else ""))
-    if name in ("train_zoo", "train_medusa"):
+    if name in RECIPES:
         return
     if name == "kernels":
         _validate_kernels(cfg.experiment)
@@ -104,6 +107,13 @@ def validate(cfg: DictConfig) -> None:
         if isinstance(tree, str) and tree not in TREE_PRESETS:
             raise ValueError(f"drafter.tree={tree!r}: use one of {', '.join(TREE_PRESETS)} or a list of paths such as "
                              "[[0],[0,0],[1]]")
+    vocab = cfg.drafter.get("mtp_draft_vocab")
+    if vocab is not None:
+        if "mtp" not in [str(d) for d in cfg.drafter.names]:
+            raise ValueError("drafter.mtp_draft_vocab is the MTP drafter's draft vocabulary; it needs drafter=mtp (or "
+                             "drafter.names with mtp)")
+        if int(vocab) < 1:
+            raise ValueError(f"drafter.mtp_draft_vocab must be >= 1 (tokens drafted over) or null (all), got {vocab}")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     drafters = [str(d) for d in cfg.drafter.names]
@@ -116,9 +126,9 @@ def validate(cfg: DictConfig) -> None:
         if len(drafters) != 1:
             raise ValueError(f"experiment=rollback uses one drafter; got {drafters} (use drafter=ngram or "
                              "drafter=draft_model)")
-        if drafters[0] == "medusa":
-            raise ValueError("experiment=rollback supports drafter=ngram or drafter=draft_model; Medusa heads run in "
-                             "experiment=acceptance")
+        if drafters[0] in ("medusa", "mtp"):
+            raise ValueError("experiment=rollback supports drafter=ngram or drafter=draft_model; Medusa heads and MTP "
+                             "layers run in experiment=acceptance")
     if name in ("bench", "long_run"):
         _validate_bench(cfg, drafters)
     if name == "adaptive":
@@ -279,7 +289,7 @@ def _validate_kernels(exp) -> None:
 
 def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = ()):
     """Validate ``cfg`` and run its experiment, writing into ``out_dir``; returns its records
-    (the zoo manifest for train_zoo, the manifest entry for train_medusa).
+    (the zoo manifest for train_zoo, the manifest entry for train_medusa and train_mtp).
 
     ``overrides``: the command line's overrides; for ``experiment=rollback`` an explicit
     ``num_speculative_tokens=K`` (without ``experiment.k_grid=``) narrows the K grid to [K].
@@ -290,7 +300,7 @@ def run_experiment(cfg: DictConfig, out_dir: Path, overrides: tuple[str, ...] = 
     """
     validate(cfg)
     name = str(cfg.experiment.name)
-    if name in ("train_zoo", "train_medusa"):
+    if name in RECIPES:
         return _dispatch(name, cfg, out_dir, overrides)
     from ..quiet import quiet_transformers
     from .models import resolve_device
@@ -349,6 +359,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
         return run(cfg, out_dir)
     if name == "train_medusa":
         from .train_medusa import run
+
+        return run(cfg)
+    if name == "train_mtp":
+        from .train_mtp import run
 
         return run(cfg)
     from .train_zoo import run

@@ -3,7 +3,10 @@ preset): decode speed and exactness of ``generate()`` per drafter, rollback stra
 
 For each target, batch size in ``experiment.batch_grid`` and drafter of ``drafter.names`` that
 applies (``draft_model`` where the target has a draft model; ``oracle`` once per value of
-``drafter.oracle_acceptance``), on the same batch:
+``drafter.oracle_acceptance``; ``mtp`` where the target's checkpoint has MTP layers
+(``model.targets[*].mtp``) and on random-weight shapes, which get
+:meth:`specdec.drafters.MTPDrafter.random` layers, said on the console and in the record's
+``mtp_layers``; ``drafter.mtp_draft_vocab=N`` drafts over N tokens), on the same batch:
 
 1. specdec's plain decoding (``num_speculative_tokens=0``, same engine and decode path) and,
    with ``experiment.hf``, HF's greedy ``generate()``, timed side by side
@@ -45,7 +48,7 @@ from .models import load_target, resolve_device, weight_bytes
 __all__ = ["run", "drafter_runs"]
 
 #: drafters the benchmark runs (Medusa heads run in experiment=acceptance)
-BENCH_DRAFTERS = ("ngram", "draft_model", "oracle")
+BENCH_DRAFTERS = ("ngram", "draft_model", "oracle", "mtp")
 
 
 def drafter_runs(cfg, spec) -> list[tuple[str, float | None]]:
@@ -55,11 +58,18 @@ def drafter_runs(cfg, spec) -> list[tuple[str, float | None]]:
     for name in (str(d) for d in cfg.drafter.names):
         if name == "draft_model" and not spec.get("draft"):
             continue
+        if name == "mtp" and not (spec.get("mtp") or _random_mtp(spec)):
+            continue
         if name == "oracle":
             out += [(name, float(a)) for a in cfg.drafter.oracle_acceptance]
         else:
             out.append((name, None))
     return out
+
+
+def _random_mtp(spec) -> bool:
+    """Whether drafter=mtp runs random MTP layers on ``spec``: a random-weight shape (no checkpoint)."""
+    return str(spec.source) == "random_shape" and not spec.get("mtp")
 
 
 def _profiled(sd, enc, max_new: int, pad: int, device, title: str) -> tuple[dict, str]:
@@ -98,7 +108,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     plan = {str(spec.name): drafter_runs(cfg, spec) for spec in cfg.model.targets}
     if not any(plan.values()):
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))}: no selected model has a draft model "
-                         "(model.targets[*].draft); use drafter=ngram or drafter=oracle")
+                         "(model.targets[*].draft) or MTP layers (model.targets[*].mtp, or a random-weight shape); "
+                         "use drafter=ngram or drafter=oracle")
     prompts = [] if exp.prompt_tokens is not None else zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
     log = RunRecords(out_dir)
     copy_GBps = copy_bandwidth(device) / 1e9 if device.type == "cuda" else None
@@ -112,6 +123,12 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         model, tok = load_target(spec, device, dtype, int(cfg.seed))
         if exp.ignore_eos:
             model.generation_config.eos_token_id = None
+        mtp_layers = None
+        if any(d == "mtp" for d, _ in runs):
+            mtp_layers = "random" if _random_mtp(spec) else "checkpoint"
+            if mtp_layers == "random":
+                print(f"specdec-run: {spec.name} has no MTP weights: drafter=mtp runs MTPDrafter.random layers "
+                      f"(seed {int(cfg.seed)}; timing only, its drafts are rarely accepted)", flush=True)
         if bar is None:  # the thread line, then the one bar
             apply_cpu_threads(cfg, model, device)
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
@@ -129,27 +146,33 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 profiles.append(_profiled(sd0, enc, max_new, pad, device, f"{spec.name}, batch {B}, specdec plain")[1])
             for drafter_name, acceptance in runs:
                 drafter_args = dict(reference=plain.plain_out, attention_mask=enc["attention_mask"],
-                                    acceptance=acceptance)
+                                    acceptance=acceptance, target=model, tokenizer=tok,
+                                    random_mtp=mtp_layers == "random")
+                mtp_fields, shown = {}, drafter_name
+                if drafter_name == "mtp":
+                    vocab = cfg.drafter.get("mtp_draft_vocab")
+                    mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab}
+                    shown = "mtp" if vocab is None else f"mtp-vocab:{vocab}"  # as experiment=acceptance names it
                 for strategy in strategies:
                     e = speculative_point(model, enc, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
                                           strategy=strategy, K=K, max_new=max_new,
                                           pad=pad, device=device, dtype=dtype, plain=plain,
                                           reference=plain.plain_out, repeats=repeats, warmup=bool(exp.warmup),
                                           check_state=False, decode_path=path)
-                    rec = {**common_fields(cfg, "bench", spec, device, dtype), "drafter": drafter_name,
+                    rec = {**common_fields(cfg, "bench", spec, device, dtype), "drafter": shown,
                            "acceptance": acceptance, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
-                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **e}
+                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields, **e}
                     if exp.profile:
                         sd = specdec.wrap(model, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
                                           rollback=strategy, num_speculative_tokens=K, decode_path=path)
-                        label = drafter_name if acceptance is None else f"{drafter_name} a={acceptance}"
+                        label = shown if acceptance is None else f"{shown} a={acceptance}"
                         fields, section = _profiled(sd, enc, max_new, pad, device,
                                                     f"{spec.name}, batch {B}, {label}, {strategy}")
                         rec.update(fields)
                         profiles.append(section)
-                    log.add(rec, f"{spec.name} B={B} {drafter_name}{'' if acceptance is None else f' a={acceptance}'} "
+                    log.add(rec, f"{spec.name} B={B} {shown}{'' if acceptance is None else f' a={acceptance}'} "
                                  f"{strategy}: decode {e['decode_tokens_per_s']:.1f} tokens/s "
                                  f"({e['decode_speedup']:.2f}x plain), {e['diverged_rows']} diverged rows")
         del model, draft

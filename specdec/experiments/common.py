@@ -4,14 +4,15 @@ measured), drafters, CPU threads, progress bars, outputs."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-__all__ = ["common_fields", "provenance", "run_command", "make_drafter", "apply_cpu_threads", "progress_bar",
-           "write_outputs", "write_jsonl", "append_jsonl", "RunRecords"]
+__all__ = ["common_fields", "provenance", "run_command", "make_drafter", "mtp_draft_vocab", "apply_cpu_threads",
+           "progress_bar", "write_outputs", "write_jsonl", "append_jsonl", "RunRecords"]
 
 
 def run_command() -> str | None:
@@ -54,15 +55,20 @@ def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
 
 
 def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_mask=None,
-                 acceptance: float | list[float] | None = None):
+                 acceptance: float | list[float] | None = None, target=None, tokenizer=None,
+                 random_mtp: bool = False):
     """A fresh drafter for ``name`` from ``cfg.drafter``: ``ngram``, ``draft_model`` (needs
-    ``draft_model``) or ``oracle`` (an :class:`specdec.drafters.OracleDrafter` proposing
+    ``draft_model``), ``oracle`` (an :class:`specdec.drafters.OracleDrafter` proposing
     ``reference [B, L + G]``, the plain output of the same batch with its prompts'
     ``attention_mask``, at per-token ``acceptance``, or a schedule of it per new-token position;
-    seeded with ``cfg.seed``).
+    seeded with ``cfg.seed``) or ``mtp`` (the MTP
+    layers of ``target``'s checkpoint, :meth:`~specdec.drafters.MTPDrafter.for_model`, or with
+    ``random_mtp`` random ones, :meth:`~specdec.drafters.MTPDrafter.random` seeded with
+    ``cfg.seed``; with ``drafter.mtp_draft_vocab=N`` over the N most frequent ids of the zoo's
+    training corpus as ``tokenizer`` encodes it, :func:`mtp_draft_vocab`).
 
-    Raises: ValueError for an unknown name or a missing draft model / reference."""
-    from specdec.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter
+    Raises: ValueError for an unknown name or a missing draft model / reference / target."""
+    from specdec.drafters import DraftModelDrafter, MTPDrafter, NGramDrafter, OracleDrafter
 
     if str(name) == "ngram":
         return NGramDrafter(min_ngram=int(cfg.drafter.ngram.min_ngram), max_ngram=int(cfg.drafter.ngram.max_ngram))
@@ -76,7 +82,42 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
                              "long_run and checks")
         rate = [float(a) for a in acceptance] if isinstance(acceptance, (list, tuple)) else float(acceptance)
         return OracleDrafter(reference, attention_mask, acceptance=rate, seed=int(cfg.seed))
-    raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle")
+    if str(name) == "mtp":
+        if target is None:
+            raise ValueError("drafter mtp runs the target's own MTP layers: it needs the target model")
+        vocab = mtp_draft_vocab(cfg, tokenizer, target.config.get_text_config().vocab_size)
+        if random_mtp:
+            return MTPDrafter.random(target, seed=int(cfg.seed), draft_vocab=vocab)
+        return MTPDrafter.for_model(target, draft_vocab=vocab)
+    raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle, mtp")
+
+
+def mtp_draft_vocab(cfg, tokenizer, vocab_size: int):
+    """``drafter.mtp_draft_vocab=N``: the N most frequent token ids (LongTensor ``[N]``,
+    :func:`specdec.drafters.frequent_token_ids`) of the zoo's training corpus, the stdlib files
+    outside the held-out split that every zoo model trained on, as ``tokenizer`` encodes it
+    (:func:`.train_zoo.corpus_token_counts`; counted once per tokenizer and process, ~10 s); ids
+    the tokenizer never produces rank last, lowest first. None when the key is null.
+
+    Raises: ValueError without a tokenizer or for N outside ``[1, vocab_size]``."""
+    n = cfg.drafter.get("mtp_draft_vocab")
+    if n is None:
+        return None
+    if not 1 <= int(n) <= vocab_size:
+        raise ValueError(f"drafter.mtp_draft_vocab={n}: the draft vocabulary must hold 1 to {vocab_size} ids (the "
+                         "target's vocabulary)")
+    if tokenizer is None:
+        raise ValueError("drafter.mtp_draft_vocab counts tokens of the training corpus: it needs the target's tokenizer")
+    from specdec.drafters import frequent_token_ids
+
+    return frequent_token_ids(int(n), counts=_corpus_counts(tokenizer, int(vocab_size)))
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus_counts(tokenizer, vocab_size: int):
+    from .train_zoo import corpus_token_counts
+
+    return corpus_token_counts(tokenizer, vocab_size)
 
 
 def apply_cpu_threads(cfg, model, device, show: bool = True):

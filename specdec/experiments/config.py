@@ -32,7 +32,7 @@ __all__ = [
     "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
-    "TrainMedusaConfig",
+    "TrainMedusaConfig", "TrainMtpConfig",
     "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
@@ -70,6 +70,7 @@ class DrafterName(StrEnum):
     ngram = "ngram"
     draft_model = "draft_model"
     medusa = "medusa"  # Medusa heads (chain), for targets with model.targets[*].medusa
+    mtp = "mtp"  # the target's own MTP layers (checkpoint mtp.*), for targets with model.targets[*].mtp
     oracle = "oracle"  # OracleDrafter: specdec plain's own output, corrupted at rate 1 - acceptance (timing only)
 
 
@@ -99,6 +100,7 @@ class TargetConfig:
     source: Source = _doc(Source.zoo, "zoo | hf | random_shape")
     draft: Optional[str] = _doc(None, "the draft model (same source) for drafter=draft_model")
     medusa: Optional[str] = _doc(None, "zoo name of the target's Medusa heads for drafter=medusa")
+    mtp: bool = _doc(False, "its checkpoint ships MTP layers (mtp.*) for drafter=mtp")
     tokenizer: Optional[str] = _doc(None, "source hf: a hub id or folder to take the tokenizer from (default: name)")
     model_class: Optional[str] = None
     config_class: Optional[str] = None
@@ -128,6 +130,8 @@ class DrafterConfig:
     tree: Any = _doc(None, "Medusa draft tree: null (chain), default, medusa-63 or a list of paths [[0],[0,0],[1]]")
     oracle_acceptance: List[float] = _doc(help="drafter oracle: per-token acceptance, one run each (bench)",
                                           factory=lambda: [0.8])
+    mtp_draft_vocab: Optional[int] = _doc(None, "drafter mtp: draft over the N most frequent tokens of the zoo's "
+                                                "training corpus (null: the whole vocabulary)")
 
 
 @dataclass
@@ -451,6 +455,43 @@ class TrainMedusaConfig(BaseConfig):
     train: MedusaTrainConfig = field(default_factory=MedusaTrainConfig)
 
 
+@dataclass
+class TrainMtpExperiment:
+    name: str = "train_mtp"
+
+
+@dataclass
+class MtpLayersConfig:
+    num_layers: int = 1  # mtp_num_hidden_layers / num_nextn_predict_layers
+    # per target: config fields the MTP layers are built with, as a checkpoint of the family sets them
+    config: Dict[str, Any] = field(default_factory=dict)
+    init_from_target: bool = True  # start each MTP layer from the target's last layer of its kind (when shapes fit)
+    storage_dtype: DType = DType.bfloat16
+
+
+@dataclass
+class MtpTrainConfig(MedusaTrainConfig):
+    chain_steps: int = 3  # drafting steps trained (1 = predict token t+2 only)
+    soft_labels: bool = False  # with labels=target: the target's distributions, not only its greedy tokens
+    batch_windows: int = 4
+    steps: int = 400
+    batch_positions: int = 1024  # per drafting step
+    lr: float = 3.0e-3
+
+
+@dataclass
+class TrainMtpConfig(BaseConfig):
+    """The MTP recipe's keys (specdec.experiments.train_mtp)."""
+
+    experiment: TrainMtpExperiment = field(default_factory=TrainMtpExperiment)
+    target: str = "gdn-target"
+    out_dir: Optional[str] = None
+    corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
+    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
+    mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
+    train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
+
+
 #: experiment name -> root schema
 SCHEMAS = {
     "acceptance": AcceptanceConfig,
@@ -464,6 +505,7 @@ SCHEMAS = {
     "checks": ChecksConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
+    "train_mtp": TrainMtpConfig,
 }
 
 

@@ -49,8 +49,8 @@ from omegaconf import DictConfig, OmegaConf
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODULE = "specdec.experiments.train_medusa"
 
-__all__ = ["run", "collect_hidden_states", "target_predictions", "medusa_targets", "medusa_loss", "fit_heads",
-           "head_accuracy"]
+__all__ = ["run", "collect_hidden_states", "target_predictions", "training_windows", "medusa_targets", "medusa_loss",
+           "fit", "fit_heads", "head_accuracy", "setup_run", "environment_fields"]
 
 
 def _log(msg: str) -> None:
@@ -114,37 +114,41 @@ def _lr_lambda(warmup: int, steps: int, min_ratio: float):
     return f
 
 
-def fit_heads(heads, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_positions: int = 1024, lr: float = 1e-3,
-              weight_decay: float = 0.0, betas=(0.9, 0.95), warmup_steps: int = 10, min_lr_ratio: float = 0.1,
-              grad_clip: float = 1.0, log_every: int = 25, seed: int = 0, time_budget_s: float | None = None,
-              progress: bool = True, log=_log) -> dict:
-    """Train ``heads`` (its trainable parameters only) on pairs from :func:`medusa_targets`.
+def fit(module, batch_loss, *, steps: int, lr: float = 1e-3, weight_decay: float = 0.0, betas=(0.9, 0.95),
+        warmup_steps: int = 10, min_lr_ratio: float = 0.1, grad_clip: float = 1.0, log_every: int = 25, seed: int = 0,
+        time_budget_s: float | None = None, progress: bool = True, log=_log, part: str = "head") -> dict:
+    """Train ``module``'s trainable parameters: AdamW (weight decay on matrices only), linear
+    warmup then cosine decay to ``min_lr_ratio``, gradient clipping, a tqdm bar and a log line
+    every ``log_every`` steps; stops early (recorded) past ``time_budget_s`` seconds.
 
-    Returns a dict: steps (done), positions_seen, train_loss_per_head (mean over the last
-    ``log_every`` steps), history (per logged step: step, loss per head), seconds, stopped_early."""
+    ``batch_loss(generator)`` draws a batch with the ``torch.Generator`` and returns ``(loss,
+    per_part [P])``: the loss to minimise and its parts (per head, per MTP step, ...), logged as
+    ``loss_per_<part>``.
+
+    Returns a dict: steps (done), train_loss_per_<part> (mean over the last ``log_every`` steps),
+    history (per logged step: step, loss_per_<part>), seconds, stopped_early.
+
+    Raises: ValueError when the module has no trainable parameter."""
     from tqdm.auto import tqdm
 
-    params = [p for p in heads.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("the heads have no trainable parameters")
-    dev = params[0].device
+        raise ValueError(f"{type(module).__name__} has no trainable parameters")
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=tuple(betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(max(1, warmup_steps), steps, min_lr_ratio))
     gen = torch.Generator().manual_seed(seed)
-    N = x.shape[0]
-    bs = min(batch_positions, N)
-    heads.train()
+    key = f"loss_per_{part}"
+    module.train()
     history, window = [], []
     t0 = time.time()
-    bar = tqdm(total=steps, desc="train heads", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=steps, desc=f"train {part}s", unit="step", disable=not progress, dynamic_ncols=True)
     done = 0
     stopped = False
     for step in range(steps):
-        idx = torch.randint(0, N, (bs,), generator=gen)
-        loss, per = medusa_loss(heads, x[idx].to(dev), y[idx].to(dev))
+        loss, per = batch_loss(gen)
         loss.backward()
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -157,19 +161,36 @@ def fit_heads(heads, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_posi
         if done % log_every == 0 or done == steps:
             mean = torch.stack(window).mean(0).tolist()
             window = []
-            history.append({"step": done, "loss_per_head": [round(v, 4) for v in mean]})
-            bar.set_postfix_str(" ".join(f"h{k}={v:.3f}" for k, v in enumerate(mean)))
-            log(f"step {done}/{steps} loss per head " + " ".join(f"{v:.4f}" for v in mean)
+            history.append({"step": done, key: [round(v, 4) for v in mean]})
+            bar.set_postfix_str(" ".join(f"{part[0]}{k}={v:.3f}" for k, v in enumerate(mean)))
+            log(f"step {done}/{steps} loss per {part} " + " ".join(f"{v:.4f}" for v in mean)
                 + f" lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.1f}s")
             if time_budget_s is not None and time.time() - t0 > time_budget_s and done < steps:
                 log(f"time budget {time_budget_s}s reached: stopping at step {done}")
                 stopped = True
                 break
     bar.close()
-    heads.eval()
-    return {"steps": done, "positions_seen": done * bs, "batch_positions": bs,
-            "train_loss_per_head": history[-1]["loss_per_head"] if history else None,
-            "history": history, "seconds": round(time.time() - t0, 2), "stopped_early": stopped}
+    module.eval()
+    return {"steps": done, f"train_{key}": history[-1][key] if history else None, "history": history,
+            "seconds": round(time.time() - t0, 2), "stopped_early": stopped}
+
+
+def fit_heads(heads, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_positions: int = 1024, **kw) -> dict:
+    """Train ``heads`` (its trainable parameters only) on pairs from :func:`medusa_targets`: random
+    batches of ``batch_positions`` pairs, the loss of :func:`medusa_loss`; ``kw`` as :func:`fit`.
+
+    Returns :func:`fit`'s dict (train_loss_per_head, history with loss_per_head, ...) and
+    positions_seen, batch_positions."""
+    dev = next(p for p in heads.parameters() if p.requires_grad).device
+    N = x.shape[0]
+    bs = min(batch_positions, N)
+
+    def batch_loss(gen):
+        idx = torch.randint(0, N, (bs,), generator=gen)
+        return medusa_loss(heads, x[idx].to(dev), y[idx].to(dev))
+
+    out = fit(heads, batch_loss, steps=steps, part="head", **kw)
+    return {**out, "positions_seen": out["steps"] * bs, "batch_positions": bs}
 
 
 @torch.no_grad()
@@ -219,8 +240,9 @@ def target_predictions(model, hidden: torch.Tensor, ids: torch.Tensor, batch: in
 # --------------------------------------------------------------------------------------- data
 
 
-def _training_windows(cfg, tokenizer, log=_log) -> tuple[torch.Tensor, dict]:
-    """``[W, seq_len]`` int64 windows of the packed training files, and the corpus record."""
+def training_windows(cfg, tokenizer, log=_log) -> tuple[torch.Tensor, dict]:
+    """``[W, seq_len]`` int64 windows of the packed training files (``cfg.corpus``, ``cfg.data``,
+    ``cfg.seed``; the zoo's held-out files excluded), and the corpus record."""
     from .train_zoo import _encode, _spread_order, build_corpus
 
     corpus = build_corpus(cfg.corpus)
@@ -266,14 +288,12 @@ def _training_windows(cfg, tokenizer, log=_log) -> tuple[torch.Tensor, dict]:
 # --------------------------------------------------------------------------------------- main
 
 
-def run(cfg: DictConfig) -> dict:
-    """Run the recipe; returns the manifest entry (also written to ``<out>/zoo/MANIFEST.json``)."""
-    import transformers
+def setup_run(cfg: DictConfig) -> tuple[dict, str]:
+    """What a recipe over the target's hidden states does first: ``(resolved config without
+    Hydra's node, device "cpu" | "cuda")``; sets the CPU threads (``cpu_threads``).
 
-    from .. import zoo
-    from ..drafters.medusa import MedusaHeads, WEIGHTS_NAME, CONFIG_NAME
-
-    t_start = time.time()
+    Raises: ValueError for device=cuda without CUDA or a ``data.tokens`` / ``seq_len`` /
+    ``batch_windows`` below 1."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     device = str(cfg.device)
@@ -286,6 +306,30 @@ def run(cfg: DictConfig) -> dict:
     for key in ("tokens", "seq_len", "batch_windows"):
         if int(cfg.data[key]) < 1:
             raise ValueError(f"data.{key} must be >= 1, got {cfg.data[key]}")
+    return resolved, device
+
+
+def environment_fields(device: str) -> dict:
+    """The fields of a manifest record that say where and when it ran: device, cpu_threads, date,
+    python_version, versions (torch, transformers)."""
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python_version": platform.python_version(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the recipe; returns the manifest entry (also written to ``<out>/zoo/MANIFEST.json``)."""
+    from .. import zoo
+    from ..drafters.medusa import MedusaHeads, WEIGHTS_NAME, CONFIG_NAME
+
+    t_start = time.time()
+    resolved, device = setup_run(cfg)
     if int(cfg.train.steps) < 1 or int(cfg.train.batch_positions) < 1:
         raise ValueError("train.steps and train.batch_positions must be >= 1")
     storage = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
@@ -301,7 +345,7 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = zoo.load(target_name, device=device, dtype=torch.float32)
     for p in model.parameters():
         p.requires_grad_(False)
-    windows, corpus_rec = _training_windows(cfg, tokenizer)
+    windows, corpus_rec = training_windows(cfg, tokenizer)
     t0 = time.time()
     hidden = collect_hidden_states(model, windows, int(cfg.data.batch_windows), progress)
     hidden_s = time.time() - t0
@@ -325,7 +369,7 @@ def run(cfg: DictConfig) -> dict:
     x, y = medusa_targets(hidden, label_ids, heads.num_heads)
     del hidden
     tc = cfg.train
-    fit = fit_heads(heads, x, y, steps=int(tc.steps), batch_positions=int(tc.batch_positions), lr=float(tc.lr),
+    trained = fit_heads(heads, x, y, steps=int(tc.steps), batch_positions=int(tc.batch_positions), lr=float(tc.lr),
                     weight_decay=float(tc.weight_decay), betas=tuple(tc.betas), warmup_steps=int(tc.warmup_steps),
                     min_lr_ratio=float(tc.min_lr_ratio), grad_clip=float(tc.grad_clip), log_every=int(tc.log_every),
                     seed=int(cfg.seed) + 1, time_budget_s=tc.time_budget_s, progress=progress)
@@ -362,15 +406,15 @@ def run(cfg: DictConfig) -> dict:
         "stored_parameters": sum(v.numel() for v in heads.state_dict().values()),
         "recipe": {"module": MODULE, "config": resolved, "argv": sys.argv[1:]},
         "seed": int(cfg.seed),
-        "steps": fit["steps"],
+        "steps": trained["steps"],
         "planned_steps": int(tc.steps),
-        "stopped_early": fit["stopped_early"],
-        "batch_positions": fit["batch_positions"],
-        "positions_seen": fit["positions_seen"],
+        "stopped_early": trained["stopped_early"],
+        "batch_positions": trained["batch_positions"],
+        "positions_seen": trained["positions_seen"],
         "train_tokens": int(windows.numel()),
         "corpus": corpus_rec,
-        "train_loss_per_head": fit["train_loss_per_head"],
-        "loss_history": fit["history"],
+        "train_loss_per_head": trained["train_loss_per_head"],
+        "loss_history": trained["history"],
         "heldout_top1": [round(a, 4) for a in ev["top1"]],
         "heldout_cross_entropy": [round(c, 4) for c in ev["cross_entropy"]],
         "heldout_positions": ev["positions"],
@@ -382,13 +426,9 @@ def run(cfg: DictConfig) -> dict:
                         "held-out prefix (k=0: the rate greedy verification accepts d_1 on that text)",
         "labels": labels,
         "hidden_states_seconds": round(hidden_s, 1),
-        "train_seconds": fit["seconds"],
+        "train_seconds": trained["seconds"],
         "total_seconds": round(time.time() - t_start, 1),
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python_version": platform.python_version(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **environment_fields(device),
         "files": files,
         "bytes": sum((save_dir / f).stat().st_size for f in files),
     }

@@ -117,6 +117,27 @@ def build_corpus(ccfg: Any) -> dict:
     }
 
 
+def corpus_token_counts(tokenizer, vocab_size: int, ccfg: Any = None):
+    """How often each token id occurs in the zoo's training files (the stdlib ``.py`` files outside
+    the held-out split, :func:`build_corpus` with ``ccfg``, default the recipes' corpus config) as
+    ``tokenizer`` encodes them, special tokens left out: int64 ``[vocab_size]`` (ids the tokenizer
+    never produces count 0). About 2.7M tokens, ~10 s on one CPU thread.
+
+    Raises: ValueError when the tokenizer produces ids >= ``vocab_size``, and :func:`build_corpus`'s."""
+    import torch
+
+    from .config import MedusaCorpusConfig
+
+    corpus = build_corpus(ccfg if ccfg is not None else OmegaConf.structured(MedusaCorpusConfig))
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in _encode(tokenizer, [t for _, t in corpus["train"]]):
+        ids = torch.tensor(ids, dtype=torch.long)
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise ValueError(f"the tokenizer produces id {int(ids.max())}, outside the model's vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
 # ------------------------------------------------------------------------------------ tokenizer
 
 

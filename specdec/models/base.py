@@ -186,12 +186,14 @@ class HybridAdapter:
         return self.body(**kw)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache):
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
+                all_hidden_states: bool = False):
         """Run the left-padded prompt ``[B, L]`` through the model's own forward (transformers'
         chunked kernels) and load ``cache`` with every state each layer of HF's ``DynamicCache``
         holds (attention KV, conv and recurrent state; a layer may hold both).
 
-        Returns ``(logits [B, V] at the last position, last hidden state [B, D])``.
+        Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
+        ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]``.
         """
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -200,6 +202,8 @@ class HybridAdapter:
             out = self._call_body(input_ids, mask, position_ids, hf_cache)
         hidden = out.last_hidden_state[:, -1]
         logits = self.logits(hidden)
+        if all_hidden_states:
+            hidden = out.last_hidden_state
         L = input_ids.shape[1]
         cache.pad = (L - mask.sum(-1)).to(cache.device)
         cache.seq_len = torch.full_like(cache.pad, L)
