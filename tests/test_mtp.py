@@ -535,6 +535,13 @@ def test_acceptance_experiment_with_mtp(tmp_path):
     records = run_experiment(cfg, tmp_path)
     assert [(r["model"], r["drafter"]) for r in records] == [("gdn-target", "mtp"), ("mamba2-target", "mtp")]
     assert all(r["exact"] and r["mean_accepted_tokens"] >= 1.0 for r in records)
+    # a reduced draft vocabulary: the corpus's 1024 most frequent tokens, its own row
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=gdn-target", "drafter=mtp", "drafter.mtp_draft_vocab=1024", "rollback=replay", "prompts.limit=1",
+            "max_new_tokens=8", "experiment.warmup=false", "device=cpu", "progress=false"])
+    records = run_experiment(cfg, tmp_path / "reduced")
+    assert [(r["drafter"], r["exact"]) for r in records] == [("mtp-vocab:1024", True)]
 
 
 def test_training_recipe_smoke(tmp_path):

@@ -471,10 +471,10 @@ class MtpLayersConfig:
 
 @dataclass
 class MtpTrainConfig(MedusaTrainConfig):
-    chain_steps: int = 3  # drafting steps trained (1 = predict token t+2 only)
+    chain_steps: int = 4  # drafting steps trained (1 = predict token t+2 only)
     soft_labels: bool = False  # with labels=target: the target's distributions, not only its greedy tokens
     batch_windows: int = 4
-    steps: int = 400
+    steps: int = 500
     batch_positions: int = 1024  # per drafting step
     lr: float = 3.0e-3
 
