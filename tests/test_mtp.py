@@ -524,7 +524,7 @@ def test_zoo_targets_ship_mtp_layers(name):
     hidden = collect_hidden_states(model, ids, progress=False)
     ev = mtp_accuracy(sd.drafter, hidden, ids, ids, entry["chain_steps"])
     assert [round(a, 4) for a in ev["top1"]] == pytest.approx(entry["heldout_top1"], abs=2e-4)
-    assert ev["top1"][0] > 0.3
+    assert ev["top1"][0] > 0.25  # trained: a random layer scores ~1/8192
 
 
 def test_acceptance_experiment_with_mtp(tmp_path):
