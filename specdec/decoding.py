@@ -76,6 +76,10 @@ class Decoder(abc.ABC):
         forward always runs the tree's ``step_tokens`` nodes."""
         return num_speculative_tokens + 1
 
+    def prepare(self, widths) -> None:
+        """Make every chain step width in ``widths`` ready to run without first-use work (the
+        CUDA-graph path captures the widths it lacks; other paths have nothing to prepare)."""
+
     @abc.abstractmethod
     def forward(self, tokens: torch.Tensor):
         """Verify forward of ``tokens [B, t]`` (``t = width(...)``; a tree: its N node tokens);
@@ -251,6 +255,13 @@ class StaticDecoder(Decoder):
             self._tables = tree_index.cached_tensors()
         c.set_step_tokens(0)
         return graphs
+
+    def prepare(self, widths) -> None:
+        for t in widths:
+            if not self.cuda_graphs or self._capture_failed:
+                return
+            if t not in self._graphs:
+                self._capture(t)
 
     def forward(self, tokens):
         """With graphs, the outputs are the static tensors of the step's width, valid until the

@@ -143,6 +143,8 @@ class SpeculativeGenerator:
                  decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model: CostModel | None = None,
                  policy: PolicySettings | None = None):
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
+        # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape
+        self._choices: dict[tuple, tuple[str, str]] = {}
         self.adapter = adapter_for(model)
         self.model = model
         self._drafter: Drafter | None = None
@@ -209,6 +211,7 @@ class SpeculativeGenerator:
             raise TypeError(f"cost_model must be a specdec.adaptive.CostModel (e.g. FixedCosts) or None, got "
                             f"{type(value).__name__}")
         self._costs = value
+        self._choices.clear()
 
     @property
     def policy(self) -> PolicySettings:
@@ -220,6 +223,7 @@ class SpeculativeGenerator:
         if value is not None and not isinstance(value, PolicySettings):
             raise TypeError(f"policy must be a specdec.adaptive.PolicySettings or None, got {type(value).__name__}")
         self._policy = value or PolicySettings()
+        self._choices.clear()
 
     @staticmethod
     def _check_adaptive(drafter, K) -> None:
@@ -260,6 +264,7 @@ class SpeculativeGenerator:
         self._check_adaptive(d, self._K)
         self._drafter = d
         self._drafter_key = object()  # names this drafter's proposal times in the cost model (never reused)
+        self._choices.clear()
 
     @property
     def strategy(self) -> RollbackStrategy | None:
@@ -270,6 +275,7 @@ class SpeculativeGenerator:
     @strategy.setter
     def strategy(self, value):
         self._candidates = {name: make_strategy(name) for name in STRATEGIES} if value == AUTO else None
+        self._choices.clear()
         try:
             self._strategy = None if value == AUTO else make_strategy(value)
         except ValueError as err:
@@ -576,6 +582,11 @@ class SpeculativeGenerator:
         if self._candidates is None:
             return self._strategy, None
         B = s.input_ids.shape[0]
+        memo = (path, B, step_tokens, tree, None if adaptive else K)
+        if memo in self._choices:  # decided once per shape: a strategy that changed between calls would
+            name, reason = self._choices[memo]  # drop the kept decoder and its graphs each time
+            self._strategy = self._candidates[name]
+            return self._strategy, reason
         widths = list(range(1, step_tokens + 1)) if adaptive else [step_tokens]
         costs, step_s, nbytes, left_out = self.cost_model, {}, {}, {}
         for name, strategy in self._candidates.items():
@@ -595,13 +606,16 @@ class SpeculativeGenerator:
         choice = choose_strategy(step_s, expected, None if adaptive else K, nbytes, self.policy.memory_budget_bytes,
                                  left_out)
         self._strategy = self._candidates[choice.name]
+        self._choices[memo] = (choice.name, choice.reason)
         return self._strategy, choice.reason
 
     def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int) -> SpeculationPolicy:
         """The call's K policy, after measuring the step widths of ``dec`` (prefilled) whose costs
         are not known yet."""
         key = CostKey(path, strategy_label(strategy), dec.batch)
-        self._measure(dec, key, list(range(1, K + 2)))
+        widths = list(range(1, K + 2))
+        self._measure(dec, key, widths)
+        dec.prepare(widths)  # graphs of widths measured on another decoder: captured now, not mid-decode
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
                                  self.policy.prior_acceptance, s.input_ids.device)
 

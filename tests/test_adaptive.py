@@ -317,6 +317,70 @@ def test_measured_costs_are_kept_per_model_and_batch():
     assert sd.last_stats.k_histogram == [0, 0, sd.last_stats.steps]
 
 
+
+
+def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
+    """rollback="auto" decides once per shape: later calls keep the strategy and the static
+    decoder (with its graphs on CUDA), even when the observed step costs would now rank the
+    strategies otherwise; every step width 1..K+1 is prepared (captured, on CUDA) before the
+    first decode step, so no capture falls inside a step."""
+    import specdec.decoding as decoding
+
+    events = []
+    real_prepare, real_forward = decoding.StaticDecoder.prepare, decoding.StaticDecoder.forward
+    monkeypatch.setattr(decoding.StaticDecoder, "prepare",
+                        lambda self, widths: events.append(("prepare", id(self), list(widths))) or
+                        real_prepare(self, widths))
+    monkeypatch.setattr(decoding.StaticDecoder, "forward",
+                        lambda self, tokens: events.append(("forward", id(self), tokens.shape[1])) or
+                        real_forward(self, tokens))
+    model = make_model("qwen3_5", seed=11)  # a model of its own: no other test measured it
+    ids, mask, eos, _ = reference("qwen3_5")
+    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    ref = model.generate(ids, do_sample=False, **kw)
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                      max_speculative_tokens=3, decode_path="static")
+    out = sd.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    decoder, strategy = sd.decoder, sd.strategy
+    mine = [e for e in events if e[1] == id(decoder)]
+    assert mine[0] == ("prepare", id(decoder), [1, 2, 3, 4])
+    assert all(kind == "forward" for kind, _, _ in mine[1:])
+    # the costs the next call would see: the strategy that ran is now far slower than the others
+    for K in range(4):
+        sd.cost_model.observe(CostKey("static", strategy.name, ids.shape[0]), object(), K, 0.0, 1e3)
+    events.clear()
+    assert torch.equal(sd.generate(ids, **kw), ref)
+    assert sd.decoder is decoder and sd.strategy is strategy
+    assert [e for e in events if e[1] != id(decoder)] == []  # nothing measured or built again
+
+
+def test_static_decoder_prepare_captures_only_missing_widths(monkeypatch):
+    """StaticDecoder.prepare captures each width it lacks once, and nothing without CUDA graphs
+    or after a failed capture."""
+    import specdec.decoding as decoding
+
+    adapter = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=0).adapter
+    captured = []
+
+    def fake_capture(self, t):
+        captured.append(t)
+        self._graphs[t] = object()
+
+    monkeypatch.setattr(decoding.StaticDecoder, "_capture", fake_capture)
+    strategy = specdec.rollback.make_strategy("ring")
+    dec = decoding.StaticDecoder(adapter, strategy, 2, 4, 64, cuda_graphs=True)
+    dec._graphs[4] = object()
+    dec.prepare([1, 2, 3, 4])
+    dec.prepare([2, 3])
+    assert captured == [1, 2, 3]
+    for flag in ("cuda_graphs", "_capture_failed"):
+        other = decoding.StaticDecoder(adapter, strategy, 2, 4, 64, cuda_graphs=flag != "cuda_graphs")
+        other._capture_failed = flag == "_capture_failed"
+        captured.clear()
+        other.prepare([1, 2])
+        assert captured == []
+
 def test_memory_budget_leaves_strategies_out():
     model = make_model("qwen3_next", seed=7)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
