@@ -74,7 +74,11 @@ class PolicySettings:
 
     Attributes:
         acceptance_weight: weight of a new observation in the per-row, per-position acceptance
-            average (exponentially weighted: ``a := (1 - w) a + w x``), in (0, 1].
+            average (exponentially weighted: ``a := (1 - w) a + w x``), in (0, 1], for batches of
+            at least ``acceptance_batch`` rows; a batch of B < ``acceptance_batch`` rows uses
+            ``w * sqrt(B / acceptance_batch)``: E(K) sums fewer rows' estimates, so it is noisier,
+            and a dip of a noisy estimate sends the policy to K = 0 until its next probe.
+        acceptance_batch: see ``acceptance_weight`` (>= 1).
         prior_acceptance: the acceptance of every position of every row before anything was
             observed, in [0, 1] (each call starts from it: its rows are new sequences).
         hysteresis: keep the current K unless another is predicted faster by more than this
@@ -91,12 +95,17 @@ class PolicySettings:
     """
 
     acceptance_weight: float = 0.25
+    acceptance_batch: int = 8
     prior_acceptance: float = 0.6
     hysteresis: float = 0.05
     probe_interval: int = 8
     cost_weight: float = 0.2
     calibration_repeats: int = 3
     memory_budget_bytes: int | None = None
+
+    def acceptance_weight_for(self, batch: int) -> float:
+        """The acceptance average's weight for a batch of ``batch`` rows (see ``acceptance_weight``)."""
+        return float(self.acceptance_weight) * min(1.0, math.sqrt(batch / self.acceptance_batch))
 
     def __post_init__(self):
         def bad(name, want):
@@ -109,7 +118,7 @@ class PolicySettings:
             bad("prior_acceptance", "in [0, 1]")
         if not float(self.hysteresis) >= 0.0:
             bad("hysteresis", ">= 0")
-        for name in ("probe_interval", "calibration_repeats"):
+        for name in ("probe_interval", "calibration_repeats", "acceptance_batch"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
                 bad(name, "an int >= 1")
@@ -476,7 +485,7 @@ class SpeculationPolicy:
         self.key = key
         self.drafter_key = drafter_key
         self.max_k = max_speculative_tokens
-        self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight,
+        self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight_for(batch),
                                               device)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
         self.expected = self.acceptance.expected_tokens(budget, torch.ones(batch, dtype=torch.bool,

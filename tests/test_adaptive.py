@@ -143,7 +143,8 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     plain = get_model(family).generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
     drafter = OracleDrafter(plain, mask, acceptance=[0.0] * 12 + [1.0], seed=0)
     sd = specdec.wrap(get_model(family), drafter=drafter, rollback="replay", num_speculative_tokens="auto",
-                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K))
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K),
+                      policy=PolicySettings(acceptance_batch=1))  # the full weight at this batch of 3
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=0)
     assert torch.equal(out, plain)
     ks = sd.last_stats.k_per_step
@@ -252,6 +253,17 @@ def test_policy_probes_at_k0_and_counts_what_it_predicted():
     assert policy.predicted_tokens_per_s == pytest.approx(2 * 24 / (21 * 1.0 + 3 * 2.0))
 
 
+def test_small_batches_average_acceptance_more_slowly():
+    """A batch of B < acceptance_batch rows weighs a new observation by w * sqrt(B / acceptance_batch);
+    larger batches by w. The policy's estimator takes that weight."""
+    settings = PolicySettings(acceptance_weight=0.2, acceptance_batch=16)
+    for B, want in ((1, 0.2 * 0.25), (4, 0.2 * 0.5), (16, 0.2), (64, 0.2)):
+        assert settings.acceptance_weight_for(B) == pytest.approx(want)
+        policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0 + K), CostKey("eager", "replay", B), None,
+                                   3, B, 50, 0.5, "cpu")
+        assert policy.acceptance.weight == pytest.approx(want)
+
+
 def test_measured_costs_calibration_online_and_draft_line():
     costs = MeasuredCosts(weight=0.5)
     key = CostKey("eager", "replay", 4)
@@ -329,10 +341,10 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
     events = []
     real_prepare, real_forward = decoding.StaticDecoder.prepare, decoding.StaticDecoder.forward
     monkeypatch.setattr(decoding.StaticDecoder, "prepare",
-                        lambda self, widths: events.append(("prepare", id(self), list(widths))) or
+                        lambda self, widths: events.append(("prepare", self, list(widths))) or
                         real_prepare(self, widths))
     monkeypatch.setattr(decoding.StaticDecoder, "forward",
-                        lambda self, tokens: events.append(("forward", id(self), tokens.shape[1])) or
+                        lambda self, tokens: events.append(("forward", self, tokens.shape[1])) or
                         real_forward(self, tokens))
     model = make_model("qwen3_5", seed=11)  # a model of its own: no other test measured it
     ids, mask, eos, _ = reference("qwen3_5")
@@ -343,8 +355,8 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
     out = sd.generate(ids, **kw)
     assert torch.equal(out, ref)
     decoder, strategy = sd.decoder, sd.strategy
-    mine = [e for e in events if e[1] == id(decoder)]
-    assert mine[0] == ("prepare", id(decoder), [1, 2, 3, 4])
+    mine = [e for e in events if e[1] is decoder]
+    assert mine[0] == ("prepare", decoder, [1, 2, 3, 4])
     assert all(kind == "forward" for kind, _, _ in mine[1:])
     # the costs the next call would see: the strategy that ran is now far slower than the others
     for K in range(4):
@@ -352,7 +364,7 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
     events.clear()
     assert torch.equal(sd.generate(ids, **kw), ref)
     assert sd.decoder is decoder and sd.strategy is strategy
-    assert [e for e in events if e[1] != id(decoder)] == []  # nothing measured or built again
+    assert [e for e in events if e[1] is not decoder] == []  # nothing measured or built again
 
 
 def test_static_decoder_prepare_captures_only_missing_widths(monkeypatch):
@@ -416,7 +428,7 @@ def test_bad_adaptive_settings_fail_clearly():
     with pytest.raises(TypeError, match="policy must be a specdec.adaptive.PolicySettings"):
         specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
     for field, value in (("hysteresis", -0.1), ("probe_interval", 0), ("acceptance_weight", 0.0),
-                         ("prior_acceptance", 1.5), ("memory_budget_bytes", -1)):
+                         ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0)):
         with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
             PolicySettings(**{field: value})
     tree = MedusaDrafter(MedusaHeads.from_target(model, num_heads=2), tree="default")
