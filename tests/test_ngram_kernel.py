@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from markers import ON_CUDA, needs_triton_interpreter
+from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 
 from specdec.drafters import NGramDrafter
 from specdec.drafters.ngram import HOST_SEARCH_MAX_BATCH, SEARCHES, propose_ngram_reference
@@ -166,3 +166,50 @@ def test_greedy_speculation_with_the_kernel_is_exact(monkeypatch):
                       pad_token_id=0)
     assert ran, "the kernel never ran"
     assert torch.equal(out, ref)
+
+
+@needs_triton_interpreter
+def test_ngram_proposal_experiment_times_the_kernel(monkeypatch, tmp_path):
+    """experiment=ngram_proposal on the Triton backend: a kernel column beside the loop and the
+    batched search (all checked to propose the same first), the search propose takes, and with
+    experiment.plain_step_ms that search's median as a fraction of the step."""
+    from hydra import compose, initialize_config_dir
+
+    from specdec.experiments.app import CONF_DIR, run_experiment
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "experiment=ngram_proposal", "experiment.batch_grid=[1,3]", "experiment.widths=[24]", "repeats=2",
+            "experiment.warmup=0", "experiment.plain_step_ms=2.5", "device=cpu", "progress=false"])
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["batch"], r["width"], r["search"]) for r in records] == [(1, 24, "kernel"), (3, 24, "kernel")]
+    for r in records:
+        assert r["same_proposals"] and 0 < r["kernel_ms_min"] <= r["kernel_ms"] <= r["kernel_ms_max"]
+        assert r["propose_over_plain_step"] == pytest.approx(r["kernel_ms"] / 2.5)
+        assert r["batched_over_kernel"] == pytest.approx(r["batched_ms"] / r["kernel_ms"])
+    header = next(ln for ln in (tmp_path / "summary.md").read_text().splitlines() if ln.startswith("| batch |"))
+    assert {"kernel ms", "batched ms", "per-row loop ms", "propose takes", "of a plain step"} <= {
+        c.strip() for c in header.split("|")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 16, 64])
+@pytest.mark.parametrize("vocab", [64, 50_000])
+def test_kernel_real_size(B, vocab):
+    """The compiled kernel at a 4k prompt plus 512 new tokens (several default blocks), ragged
+    rows, texts with many repeats (vocab 64) and with few: equal to the reference, and so is
+    NGramDrafter.propose, which takes it on CUDA."""
+    g = torch.Generator().manual_seed(B + vocab)
+    W = 4096 + 512
+    ids = torch.randint(0, vocab, (B, W), generator=g)
+    ids[:, W - 40 :] = ids[:, 100:140]  # a long repeat: the longest n-gram matches early in the text
+    lengths = torch.randint(W - 64, W + 1, (B,), generator=g)
+    lengths[0] = W
+    assert_matches_reference(ids.cuda(), lengths.cuda(), 8, 1, 3)
+    drafter = NGramDrafter(2, 4)
+    assert drafter.search(ids.cuda()) == "kernel"
+    got = drafter.propose(ids.cuda(), lengths.cuda(), 8)
+    ref = propose_ngram_reference(ids, lengths, 8, 2, 4)
+    assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
