@@ -114,7 +114,8 @@ def test_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         ngram_propose_triton(ids, lengths, 2, 3, 2)
     with pytest.raises(ValueError, match=r"out drafts must be a contiguous int64 \[2, 2\]"):
-        ngram_propose_triton(ids, lengths, 2, out=(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long)))
+        ngram_propose_triton(ids, lengths, 2, out=(torch.zeros(2, 3, dtype=torch.long, device=DEVICE),
+                                                   torch.zeros(2, dtype=torch.long, device=DEVICE)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                    "rows_with_drafts": int((ref[1] > 0).sum())}
             if on_triton:
                 rec.update(t["kernel"].fields("kernel_ms"))
-                rec["batched_over_kernel"] = t["batched"].median / t["kernel"].median if t["kernel"].median > 0 else None
+                kernel_ms = t["kernel"].median
+                rec["batched_over_kernel"] = t["batched"].median / kernel_ms if kernel_ms > 0 else None
             if plain_ms:
                 rec["propose_over_plain_step"] = t[search].median / plain_ms
             line = ", ".join(f"{name} {t[name].median:.3f} ms" for name in fns)

@@ -57,6 +57,9 @@ def _ngram_propose_kernel(
     i_b = tl.program_id(0).to(tl.int64)
     p_t = input_ids + i_b * stride_t_b
     L = tl.minimum(tl.maximum(tl.load(lengths + i_b).to(tl.int64), 0), W)  # lengths outside [0, W]: clamped
+    suffix = ()  # the suffix tokens t[L-1], t[L-2], .. (t[L-1-i] for i < MAX_NGRAM; 0 before the start)
+    for i in tl.static_range(MAX_NGRAM):
+        suffix = suffix + (tl.load(p_t + (L - 1 - i) * stride_t_w, mask=L - 1 - i >= 0, other=0),)
     o_k = tl.arange(0, BLOCK)
     # per lane, the largest key r(e) * 2**32 + e seen; -1: no end yet
     b_best = tl.full([BLOCK], -1, tl.int64)
@@ -67,11 +70,11 @@ def _ngram_propose_kernel(
         b_run = m_e
         b_r = tl.zeros([BLOCK], tl.int64)
         for i in tl.static_range(MAX_NGRAM):
-            # suffix token t[L-1-i] against t[e-i]; lanes whose run already broke load nothing
-            b_s = tl.load(p_t + (L - 1 - i) * stride_t_w, mask=L - 1 - i >= 0, other=0)
-            m_i = b_run & (o_e - i >= 0)
+            # t[e-i] against t[L-1-i]; the loads' masks do not depend on earlier compares, so
+            # all MAX_NGRAM loads of a block are in flight at once
+            m_i = m_e & (o_e - i >= 0)
             b_tok = tl.load(p_t + (o_e - i) * stride_t_w, mask=m_i, other=0)
-            b_run = m_i & (b_tok == b_s)
+            b_run = b_run & m_i & (b_tok == suffix[i])
             b_r += b_run.to(tl.int64)
         b_best = tl.maximum(b_best, tl.where(m_e, (b_r << 32) + o_e, -1))
         start += BLOCK
