@@ -150,7 +150,8 @@ def test_propose_takes_the_kernel_on_the_triton_backend(monkeypatch):
 @needs_triton_interpreter
 def test_greedy_speculation_with_the_kernel_is_exact(monkeypatch):
     """Greedy speculative generation with the n-gram drafter on its Triton kernel (the model's own
-    ops on the torch backend) equals the model's greedy ``generate``, ragged batch."""
+    ops on the torch backend: interpreted, they take minutes) equals the model's greedy
+    ``generate``, ragged batch, with drafts accepted and rejected along the way."""
     import specdec
     from helpers import hf_greedy
     from tiny_models import get_model, ragged_prompts
@@ -159,14 +160,14 @@ def test_greedy_speculation_with_the_kernel_is_exact(monkeypatch):
     orig = NGramDrafter.propose_kernel
     monkeypatch.setattr(NGramDrafter, "propose_kernel", lambda self, *a: ran.append(1) or orig(self, *a))
     monkeypatch.setattr(NGramDrafter, "search", lambda self, ids: "kernel")
-    model = get_model("qwen3_5")
+    model = get_model("nemotron_h")
     ids, mask = ragged_prompts(3)
-    ref = hf_greedy(model, ids, mask)
+    ref = hf_greedy(model, ids, mask, 40)
     sd = specdec.wrap(model, drafter=NGramDrafter(1, 3), rollback="replay", num_speculative_tokens=3)
-    out = sd.generate(ids, attention_mask=mask, max_new_tokens=ref.shape[1] - ids.shape[1], do_sample=False,
-                      pad_token_id=0)
-    assert ran, "the kernel never ran"
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert len(ran) == sd.last_stats.steps, "a step drafted without the kernel"
     assert torch.equal(out, ref)
+    assert 0 < sd.last_stats.accepted_tokens < sd.last_stats.proposed_tokens
 
 
 @needs_triton_interpreter
@@ -214,3 +215,22 @@ def test_kernel_real_size(B, vocab):
     got = drafter.propose(ids.cuda(), lengths.cuda(), 8)
     ref = propose_ngram_reference(ids, lengths, 8, 2, 4)
     assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_greedy_speculation_on_cuda_is_exact():
+    """On CUDA (every op and the n-gram search on their Triton kernels, no patching): greedy
+    speculative generation equals the model's greedy ``generate``, ragged batch."""
+    import specdec
+    from helpers import hf_greedy
+    from tiny_models import make_model, ragged_prompts
+
+    model = make_model("nemotron_h").cuda()
+    ids, mask = (t.cuda() for t in ragged_prompts(3))
+    ref = hf_greedy(model, ids, mask, 40)
+    drafter = NGramDrafter(1, 3)
+    assert drafter.search(ids) == "kernel"
+    sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref) and sd.last_stats.proposed_tokens > 0
