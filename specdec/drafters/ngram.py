@@ -75,11 +75,12 @@ class NGramDrafter(Drafter):
     :meth:`propose` takes the Triton kernel on the Triton backend, else the per-row host loop
     up to :data:`HOST_SEARCH_MAX_BATCH` rows and the batched search above (:meth:`search`;
     the module docstring says why). The batched search compares the text, shifted by
-    0 .. max_ngram - 1 tokens, with the row's last
-    tokens in one batched comparison (``[B, W, max_ngram]`` booleans for a ``[B, W]`` text); a
-    running AND over the shifts (``&``) marks where each n-gram length matches, and the last such end
-    before the suffix wins. About 10 + 3 * (max_ngram - min_ngram + 1) kernels on the text's
-    device, O(B * W * max_ngram) work, no host synchronisation.
+    0 .. max_ngram - 1 tokens, with the row's last tokens in one batched comparison
+    (``[B, W, max_ngram]`` booleans for a ``[B, W]`` text); a running AND over the shifts (``&``)
+    marks where each n-gram length matches, and the last such end before the suffix wins. About
+    10 + 3 * (max_ngram - min_ngram + 1) kernels on the text's device, O(B * W * max_ngram) work,
+    no host synchronisation. The kernel does the same per row in one program
+    (:mod:`specdec.kernels.ngram.triton_ngram`).
 
     Raises:
         ValueError: on invalid n-gram sizes.
