@@ -2,25 +2,43 @@
 ``prompt_lookup_num_tokens``): find the longest suffix n-gram of the text that occurred
 earlier in the same row and propose the tokens that followed its most recent occurrence.
 
-:class:`NGramDrafter` searches all rows at once with tensor ops on the text's own device (no
-copy to the host, no per-row work, no host synchronisation: on CUDA the step keeps its one
-sync) when the batch is larger than :data:`HOST_SEARCH_MAX_BATCH`; for smaller batches the
-per-row host loop :func:`propose_ngram_reference` is faster, sync included (H200 and CPU,
-``specdec-run experiment=ngram_proposal``: at batch 1 the loop takes 0.2-0.4 ms on CUDA where the ~25
-small kernels of the batched search take ~1.2 ms; at batch 16 the batched search is 1.5-3x
-faster, at batch 64 6-12x). Both propose the same tokens (property-tested).
+:meth:`NGramDrafter.propose` runs one of three searches, all proposing the same tokens
+(property-tested); :meth:`NGramDrafter.search` says which, by the kernel backend of the text's
+device (:func:`specdec.kernels.backend`) and the batch size:
+
+- ``"kernel"``, on the Triton backend (CUDA with triton installed; ``SPECDEC_BACKEND=triton``
+  elsewhere, where it runs through Triton's interpreter, for tests): one Triton launch for all
+  rows at any batch size (:mod:`specdec.kernels.ngram.triton_ngram`), no host synchronisation.
+  Its time on a GPU is not measured yet (``specdec-run experiment=ngram_proposal`` times it
+  beside the other two).
+- ``"loop"``, on the torch backend (CPU; CUDA without triton) up to
+  :data:`HOST_SEARCH_MAX_BATCH` rows: the per-row host loop :func:`propose_ngram_reference`.
+- ``"batched"``, on the torch backend above that: :meth:`NGramDrafter.propose_batched`, about
+  25 small tensor ops on the text's device, no host synchronisation.
+
+What the threshold rests on (H200 and CPU, ``specdec-run experiment=ngram_proposal``): at batch
+1 the loop takes 0.2-0.4 ms on CUDA, sync included, where the batched search's small kernels
+take ~1.2 ms at any batch (launch-bound); at batch 16 the batched search is 1.5-3x faster, at
+batch 64 6-12x. On one CPU thread (two shared cores) the loop takes 0.17-0.30 ms at batch 1
+where the batched search takes 0.45-0.65 ms (widths 256-4096); at batch 16 and 64 the batched
+search is faster or within the noise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels import backend
+from ..kernels.ngram import NGRAM
 from .base import Drafter
 
-__all__ = ["NGramDrafter", "propose_ngram_reference", "HOST_SEARCH_MAX_BATCH"]
+__all__ = ["NGramDrafter", "propose_ngram_reference", "HOST_SEARCH_MAX_BATCH", "SEARCHES"]
 
-#: batches up to this size use the per-row host loop, larger ones the batched device search
+#: on the torch backend, batches up to this size use the per-row host loop, larger ones the
+#: batched device search (the Triton backend uses its kernel at every batch size)
 HOST_SEARCH_MAX_BATCH = 8
+#: the searches :meth:`NGramDrafter.propose` chooses from (:meth:`NGramDrafter.search`)
+SEARCHES = ("kernel", "loop", "batched")
 
 
 def propose_ngram_reference(input_ids: torch.Tensor, lengths: torch.Tensor, K: int, min_ngram: int = 1,
@@ -54,12 +72,15 @@ class NGramDrafter(Drafter):
     Args:
         min_ngram, max_ngram: suffix lengths tried, longest first (1 <= min <= max).
 
-    Up to :data:`HOST_SEARCH_MAX_BATCH` rows: the per-row host loop. Above: each proposal
-    compares the text, shifted by 0 .. max_ngram - 1 tokens, with the row's last
-    tokens in one batched comparison (``[B, W, max_ngram]`` booleans for a ``[B, W]`` text); a
-    running AND over the shifts (``&``) marks where each n-gram length matches, and the last such end
-    before the suffix wins. About 10 + 3 * (max_ngram - min_ngram + 1) kernels on the text's
-    device, O(B * W * max_ngram) work, no host synchronisation.
+    :meth:`propose` takes the Triton kernel on the Triton backend, else the per-row host loop
+    up to :data:`HOST_SEARCH_MAX_BATCH` rows and the batched search above (:meth:`search`;
+    the module docstring says why). The batched search compares the text, shifted by
+    0 .. max_ngram - 1 tokens, with the row's last tokens in one batched comparison
+    (``[B, W, max_ngram]`` booleans for a ``[B, W]`` text); a running AND over the shifts (``&``)
+    marks where each n-gram length matches, and the last such end before the suffix wins. About
+    10 + 3 * (max_ngram - min_ngram + 1) kernels on the text's device, O(B * W * max_ngram) work,
+    no host synchronisation. The kernel does the same per row in one program
+    (:mod:`specdec.kernels.ngram.triton_ngram`).
 
     Raises:
         ValueError: on invalid n-gram sizes.
@@ -71,14 +92,37 @@ class NGramDrafter(Drafter):
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
+    def search(self, input_ids: torch.Tensor) -> str:
+        """The search :meth:`propose` runs for ``input_ids`` (``[B, W]``), one of :data:`SEARCHES`:
+        ``"kernel"`` where :func:`specdec.kernels.backend` of its device is Triton, else
+        ``"loop"`` up to :data:`HOST_SEARCH_MAX_BATCH` rows and ``"batched"`` above."""
+        if backend(input_ids.device) == "triton":
+            return "kernel"
+        return "loop" if input_ids.shape[0] <= HOST_SEARCH_MAX_BATCH else "batched"
+
     def propose(self, input_ids, lengths, num_speculative_tokens):
-        if input_ids.shape[0] <= HOST_SEARCH_MAX_BATCH:
+        search = self.search(input_ids)
+        if search == "kernel":
+            return self.propose_kernel(input_ids, lengths, num_speculative_tokens)
+        if search == "loop":
             return propose_ngram_reference(input_ids, lengths, num_speculative_tokens, self.min_ngram, self.max_ngram)
         return self.propose_batched(input_ids, lengths, num_speculative_tokens)
 
+    def propose_kernel(self, input_ids, lengths, num_speculative_tokens):
+        """The Triton kernel's search (what :meth:`propose` runs on the Triton backend): one
+        launch for all rows, on CUDA compiled, elsewhere through Triton's interpreter; same
+        arguments and result (:func:`specdec.kernels.ngram.triton_ngram.ngram_propose_triton`).
+
+        Raises:
+            ImportError: triton is not installed.
+        """
+        kernels = NGRAM.on("triton", input_ids.device).kernels
+        return kernels.propose(input_ids, lengths.to(device=input_ids.device), num_speculative_tokens,
+                               self.min_ngram, self.max_ngram)
+
     def propose_batched(self, input_ids, lengths, num_speculative_tokens):
-        """The batched device search (what :meth:`propose` runs above ``HOST_SEARCH_MAX_BATCH``
-        rows); same arguments and result."""
+        """The batched device search (what :meth:`propose` runs on the torch backend above
+        :data:`HOST_SEARCH_MAX_BATCH` rows); same arguments and result."""
         B, W = input_ids.shape
         K = num_speculative_tokens
         dev = input_ids.device

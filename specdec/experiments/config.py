@@ -240,6 +240,9 @@ class NgramProposalExperiment:
     widths: List[int] = _doc(help="text widths W (row lengths in [W/2, W])", factory=lambda: [256, 1024, 4096])
     vocab_size: int = _doc(64, "vocabulary of the random texts (small: most rows find a match)")
     warmup: int = _doc(3, "untimed rounds first")
+    plain_step_ms: Optional[float] = _doc(None, "a plain decode step's median ms of the model the drafter serves "
+                                                "(e.g. checks' step_cost plain_step_ms): the proposal is also "
+                                                "reported as a fraction of it (null: not)")
 
 
 class CheckName(StrEnum):

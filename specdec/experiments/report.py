@@ -228,10 +228,16 @@ NGRAM_COLUMNS = (
     Column("loop_ms", "per-row loop ms", "{:.3f}", spread=True,
            legend=f"specdec.drafters.ngram.propose_ngram_reference, one proposal; {_REPEATS}"),
     Column("batched_ms", "batched ms", "{:.3f}", spread=True, legend="NGramDrafter.propose_batched, one proposal"),
+    Column("kernel_ms", "kernel ms", "{:.3f}", spread=True,
+           legend="NGramDrafter.propose_kernel (one Triton launch), one proposal; Triton backend only"),
     Column("loop_over_batched", "loop / batched", "{:.1f}x", legend="median loop ms / median batched ms"),
-    Column("within_noise", "within noise", None, legend="yes: the min-max ranges of the two overlap"),
+    Column("within_noise", "within noise", None, legend="yes: the min-max ranges of loop and batched overlap"),
+    Column("batched_over_kernel", "batched / kernel", "{:.1f}x", terminal=False, legend="median batched ms / median kernel ms"),
+    Column("search", "propose takes", TEXT, legend="the search NGramDrafter.propose runs here (NGramDrafter.search)"),
+    Column("propose_over_plain_step", "of a plain step", "{:.3f}",
+           legend="median ms of the search propose takes / experiment.plain_step_ms"),
     Column("rows_with_drafts", "rows with drafts", "{:.0f}", legend="rows where an n-gram matched"),
-    Column("same_proposals", "same proposals", None, legend="both propose the same tokens and counts"),
+    Column("same_proposals", "same proposals", None, legend="every search proposes the same tokens and counts"),
 )
 
 _OK = Column("ok", "ok", None, legend="the check's condition holds for this row")

@@ -2,9 +2,11 @@
 
 One folder per op (``mamba2/``, ``gdn/``, ``kda/``, ``conv1d/``): ``naive.py``, the fp32 torch
 reference that is also the CPU path, the Triton kernels next to it, and in ``__init__.py`` the
-op class with its lazy Triton binding. The contracts (:class:`SSMOp`, the fused kernels'
-:class:`RollbackKernels`, :class:`Conv1dKernels`) are in :mod:`specdec.kernels.protocol`;
-Triton plumbing shared by the kernels in :mod:`specdec.kernels.triton_common`.
+op class with its lazy Triton binding. ``ngram/`` holds the n-gram drafter's search kernel
+(:data:`NGRAM`; its torch searches are the drafter's, :mod:`specdec.drafters.ngram`). The
+contracts (:class:`SSMOp`, the fused kernels' :class:`RollbackKernels`, :class:`Conv1dKernels`)
+are in :mod:`specdec.kernels.protocol`; Triton plumbing shared by the kernels in
+:mod:`specdec.kernels.triton_common`.
 
 :func:`get_op` / :func:`conv1d_op` give an op for a device: the torch reference on CPU, the
 Triton kernels on CUDA; ``SPECDEC_BACKEND=torch|triton`` forces one (:func:`backend`).
@@ -26,10 +28,11 @@ from .conv1d import CONV1D, Conv1dOp
 from .gdn import GDNOp
 from .kda import KDAOp
 from .mamba2 import Mamba2Op
+from .ngram import NGRAM, NGramOp
 from .protocol import BACKENDS, Conv1dKernels, LaunchConfig, RollbackKernels, SSMOp
 
 __all__ = ["SSMOp", "OPS", "get_op", "conv1d_op", "backend", "BACKENDS", "RollbackKernels", "Conv1dKernels",
-           "LaunchConfig", "Mamba2Op", "GDNOp", "KDAOp", "Conv1dOp"]
+           "LaunchConfig", "Mamba2Op", "GDNOp", "KDAOp", "Conv1dOp", "NGramOp", "NGRAM"]
 
 
 def backend(device: torch.device | str | None = None) -> str:
