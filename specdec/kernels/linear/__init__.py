@@ -178,15 +178,23 @@ class SkinnyLinear(nn.Linear):
     use_kernel: bool = False
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> "SkinnyLinear":
-        """A SkinnyLinear holding ``linear``'s own weight and bias Parameters (no copy)."""
-        from .. import backend
+    def of(cls, linear: nn.Linear, backend_name: str | None = None) -> "SkinnyLinear":
+        """A SkinnyLinear holding ``linear``'s own weight and bias Parameters (no copy), on
+        ``backend_name`` (``"triton"``: the kernel where it applies; ``"torch"``: ``F.linear``
+        always) or, for None, the backend :func:`specdec.kernels.backend` picks for the weight's device.
 
+        Raises:
+            ValueError: an unknown backend name.
+        """
+        from .. import BACKENDS, backend
+
+        if backend_name is not None and backend_name not in BACKENDS:
+            raise ValueError(f"backend_name must be one of {BACKENDS} or None, got {backend_name!r}")
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         mod.in_features, mod.out_features = linear.in_features, linear.out_features
         mod.weight, mod.bias = linear.weight, linear.bias
-        mod.use_kernel = backend(linear.weight.device) == "triton"
+        mod.use_kernel = (backend_name or backend(linear.weight.device)) == "triton"
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,11 +207,15 @@ class SkinnyLinear(nn.Linear):
 
 
 @contextlib.contextmanager
-def skinny_linears(model: nn.Module):
+def skinny_linears(model: nn.Module, *, backend_name: str | None = None):
     """Within the block, every ``nn.Linear`` of ``model`` (exactly that class: decoder
-    projections, the LM head) is a :class:`SkinnyLinear` sharing its parameters; on exit the
-    original modules are back. Yields the number of modules replaced. Hooks registered on the
-    original modules do not run inside the block.
+    projections, the LM head) is a :class:`SkinnyLinear` sharing its parameters, on
+    ``backend_name`` (:meth:`SkinnyLinear.of`; None: the device's backend, Triton on CUDA); on
+    exit the original modules are back. Yields the number of modules replaced. Hooks registered
+    on the original modules do not run inside the block.
+
+    Raises:
+        ValueError: an unknown backend name.
 
     Example::
 
@@ -211,12 +223,12 @@ def skinny_linears(model: nn.Module):
             out = specdec.wrap(model, ...).generate(ids, max_new_tokens=64)
     """
     swapped: list[tuple[nn.Module, str, nn.Linear]] = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                swapped.append((parent, name, child))
-                setattr(parent, name, SkinnyLinear.of(child))
     try:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, SkinnyLinear.of(child, backend_name))
+                    swapped.append((parent, name, child))
         yield len(swapped)
     finally:
         for parent, name, child in reversed(swapped):
