@@ -128,14 +128,15 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _sweep_configs(N: int, K: int, dtype, sms: int):
-    from specdec.kernels.linear import SkinnyConfig, skinny_config
+    """The launches of :data:`SWEEP` for a ``[N, K]`` weight (block_n capped as the default caps it)."""
+    from specdec.kernels.linear import SkinnyConfig, skinny_config, split_k_for
 
+    cap = skinny_config(N, K, dtype, sms).block_n
     out = []
     for block_n, block_k, warps, stages in SWEEP:
-        n_blocks, k_steps = -(-N // block_n), -(-K // block_k)
-        split = max(1, min(sms // n_blocks, k_steps // 4)) if n_blocks < sms else 1
-        cfg = SkinnyConfig(block_n=min(block_n, skinny_config(N, K, dtype, sms).block_n), block_k=block_k,
-                           split_k=split, num_warps=warps, num_stages=stages)
+        block_n = min(block_n, cap)
+        cfg = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms),
+                           num_warps=warps, num_stages=stages)
         if cfg not in out:
             out.append(cfg)
     return out

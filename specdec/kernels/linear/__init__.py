@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .naive import linear_ref
 
-__all__ = ["MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "skinny_linear", "SkinnyLinear", "skinny_linears",
+__all__ = ["MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for", "skinny_linear", "SkinnyLinear", "skinny_linears",
            "linear_ref", "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
@@ -89,10 +89,15 @@ def skinny_config(N: int, K: int, dtype: torch.dtype, sms: int = DEFAULT_SMS) ->
     """
     block_n = min(64, max(16, 1 << max(0, N - 1).bit_length()))
     block_k = 64 if dtype == torch.float32 else 128
-    n_blocks = -(-N // block_n)
-    k_steps = -(-K // block_k)
-    split = max(1, min(sms // n_blocks, k_steps // 4)) if n_blocks < sms else 1
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms))
+
+
+def split_k_for(N: int, K: int, block_n: int, block_k: int, sms: int = DEFAULT_SMS) -> int:
+    """K splits for ``block_n`` x ``block_k`` tiles of a ``[N, K]`` weight: 1 when the ``block_n``
+    slices fill a wave of ``sms`` SMs, else as many as fit in one wave with each split at least 4
+    ``block_k`` steps long (software pipelining needs a few)."""
+    n_blocks, k_steps = -(-N // block_n), -(-K // block_k)
+    return max(1, min(sms // n_blocks, k_steps // 4)) if n_blocks < sms else 1
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> int:
