@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import hf_greedy
-from markers import ON_CUDA, needs_cuda
+from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 from tiny_models import get_model, ragged_prompts
 
 import specdec
@@ -142,6 +142,7 @@ def test_module_falls_back_where_the_kernel_does_not_apply():
         SkinnyLinear.of(lin, "cuda")
 
 
+@needs_triton_interpreter
 def test_greedy_generation_through_skinny_linears_is_unchanged(monkeypatch):
     """fp32 tiny Qwen3.5: the engine's greedy output with every nn.Linear on the kernel (prefill,
     verify and decode rows all <= 64) equals HF greedy without it; logits agree to 1e-5; the
@@ -187,3 +188,24 @@ def test_bench_shapes_on_gpu(N, K):
         for i, one in rows.items():
             if i < M:
                 assert torch.equal(one, y[i]), f"N={N} K={K}: row {i} of M={M} differs from its 1-row call"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(2560, 9216), (4096, 2560)])
+def test_cuda_graph_replay_on_gpu(N, K):
+    """A call captured in a CUDA graph (split K: its partial buffer from the graph's pool) replays
+    to the eager result on new inputs written into the captured x."""
+    gen = torch.Generator().manual_seed(1)
+    w, b = rand(N, K, dtype=torch.bfloat16, gen=gen), rand(N, dtype=torch.bfloat16, gen=gen)
+    x = rand(5, K, dtype=torch.bfloat16, gen=gen)
+    out = torch.empty(5, N, device=DEVICE, dtype=torch.bfloat16)
+    skinny_linear(x, w, b, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear(x, w, b, out=out)
+    x.copy_(rand(5, K, dtype=torch.bfloat16, gen=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, skinny_linear(x, w, b))

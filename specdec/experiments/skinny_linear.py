@@ -46,9 +46,10 @@ __all__ = ["LinearShape", "SWEEP", "model_spec", "linear_shapes", "validate", "r
 
 #: rotate weight copies until they span at least this many bytes (H200 L2: 50 MiB)
 ROT_BYTES = 256 << 20
-#: launch settings ``experiment.sweep`` times besides the default: (block_n, block_k, num_warps, num_stages),
-#: split K as the default rule chooses it for that block_n
-SWEEP = [(32, 256, 4, 3), (64, 256, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 6)]
+#: launch settings ``experiment.sweep`` times besides the default: (block_n, block_k, num_warps, num_stages, waves),
+#: K split as the default rule splits it for that tile to fill ``waves`` programs per SM
+SWEEP = [(64, 128, 4, 4, 2), (64, 128, 4, 3, 1), (64, 256, 4, 3, 1), (32, 256, 4, 3, 1), (128, 128, 8, 3, 1),
+         (128, 64, 4, 4, 2), (64, 64, 4, 6, 2)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +134,10 @@ def _sweep_configs(N: int, K: int, dtype, sms: int):
 
     cap = skinny_config(N, K, dtype, sms).block_n
     out = []
-    for block_n, block_k, warps, stages in SWEEP:
+    for block_n, block_k, warps, stages, waves in SWEEP:
         block_n = min(block_n, cap)
-        cfg = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms),
+        split = split_k_for(N, K, block_n, block_k, sms * waves)
+        cfg = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split,
                            num_warps=warps, num_stages=stages)
         if cfg not in out:
             out.append(cfg)
