@@ -142,6 +142,20 @@ def test_module_falls_back_where_the_kernel_does_not_apply():
         SkinnyLinear.of(lin, "cuda")
 
 
+def test_module_compiles_without_a_graph_break():
+    """torch.compile(fullgraph=True) of a module around SkinnyLinear: the kernel is one op, and the
+    compiled result equals the eager one."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 24, bias=False)).to(DEVICE)
+    with skinny_linears(mlp, backend_name="triton") as n:
+        assert n == 2
+        x = rand(3, 24)
+        with torch.no_grad():
+            eager = mlp(x)
+            compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, eager)
+    assert rel_err(eager, mlp(x)) < TOL[torch.float32]
+
+
 @needs_triton_interpreter
 def test_greedy_generation_through_skinny_linears_is_unchanged(monkeypatch):
     """fp32 tiny Qwen3.5: the engine's greedy output with every nn.Linear on the kernel (prefill,

@@ -173,12 +173,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+@torch.library.custom_op("specdec::skinny_linear", mutates_args=())
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`skinny_linear` as one opaque op for ``torch.compile`` (no graph break inside a
+    compiled module, e.g. the MLPs :func:`specdec.fusion.fused` compiles)."""
+    return skinny_linear(x, weight, bias)
+
+
+@_skinny_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` whose forward runs :func:`skinny_linear` for inputs of at most :data:`MAX_ROWS`
     rows when the Triton backend is on (:func:`specdec.kernels.backend`: CUDA, or
     ``SPECDEC_BACKEND=triton`` on the CPU with the interpreter), x and the weight share a
     supported dtype, and no gradient is needed; ``F.linear`` otherwise. Built from an
-    ``nn.Linear`` by :meth:`of`, sharing its parameters (tied weights stay tied)."""
+    ``nn.Linear`` by :meth:`of`, sharing its parameters (tied weights stay tied). Under
+    ``torch.compile`` the kernel is one custom op (``torch.ops.specdec.skinny_linear``), so a
+    compiled module around it traces without a graph break."""
 
     use_kernel: bool = False
 
@@ -207,6 +221,8 @@ class SkinnyLinear(nn.Linear):
         if (self.use_kernel and x.dtype == w.dtype and w.dtype in DTYPES and x.device == w.device
                 and x.dim() >= 1 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(1, w.shape[1]) <= MAX_ROWS
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            if torch.compiler.is_compiling():  # traced: one op; eager: the direct call (no dispatcher overhead)
+                return _skinny_linear_op(x, w, self.bias)
             return skinny_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
