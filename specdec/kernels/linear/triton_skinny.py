@@ -1,18 +1,22 @@
 """Triton kernels of the skinny linear layer (:func:`specdec.kernels.linear.skinny_linear`):
 ``y [M, N] = x [M, K] @ weight[N, K].T + bias`` for M <= 64 rows, with the weight streamed once.
 
-Layout ("swap AB", as skinny GEMMs in vLLM / TensorRT-LLM are written): each program owns a
+Layout (the weight as the MMA's M side, "swap AB", as TensorRT-LLM's small-M GEMMs): each program owns a
 ``BLOCK_N`` slice of the weight's rows and, for split ``i_s``, a range of K; it walks its K
 range in ``BLOCK_K`` steps, loading a ``[BLOCK_N, BLOCK_K]`` weight tile (K contiguous: 16-byte
 vector loads, software-pipelined over ``num_stages`` steps) and, for each 16-row tile of x, a
 ``[16, BLOCK_K]`` x tile; every x tile multiplies the same weight tile (``tl.dot``: tensor cores
 for bf16 / fp16, exact fp32 FMAs for fp32), so the weight is read once for all M rows. The
-accumulators are fp32 ``[BLOCK_N, 16]``, one per 16-row tile (at most four).
+accumulators are fp32 ``[BLOCK_N, 16]``, one per 16-row tile (at most four). Off CUDA (Triton's
+interpreter, for tests) bf16 tiles are upcast to fp32 before the dot (``UPCAST``): the
+interpreter cannot multiply bf16, and bf16 products are exact in fp32.
 
-Batch invariance: every 16-row tile runs the same instructions (the same dot shape, the same K
-order), and the launch setting depends on (N, K, dtype) alone, never on M; so each output
-element's reduction order is the same whatever M is, and row i of an M-row call equals the
-1-row call on x[i] bit for bit (tests/test_skinny_linear.py).
+Batch invariance (as in H. He et al., "Defeating Nondeterminism in LLM Inference", Thinking
+Machines Lab, 2025: one kernel configuration for every batch size): every 16-row tile runs the
+same instructions (the same dot shape, the same K order), and the launch setting depends on
+(N, K, dtype) alone, never on M; so each output element's reduction order is the same whatever M
+is, and row i of an M-row call equals the 1-row call on x[i] bit for bit
+(tests/test_skinny_linear.py).
 
 Split K (``split_k > 1``): each split writes its fp32 partial sums to ``[split_k, M, N]``; a
 second small kernel adds them in split order (0, 1, ...), adds the bias and casts: deterministic,
