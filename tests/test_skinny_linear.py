@@ -76,6 +76,14 @@ def test_strided_inputs_and_output():
     assert torch.isnan(big[:, 1::2]).all(), "wrote outside out"
 
 
+def test_empty_dims():
+    """No rows: an empty result; K = 0: the bias (or zeros) in every row."""
+    w, b = rand(6, 0), rand(6)
+    assert skinny_linear(rand(0, 12), rand(6, 12)).shape == (0, 6)
+    assert torch.equal(skinny_linear(rand(2, 3, 0), w, b), b.expand(2, 3, 6))
+    assert torch.equal(skinny_linear(rand(2, 0), w), torch.zeros(2, 6, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype, M, config", [
     pytest.param(torch.bfloat16, 20, SMALL, id="bf16-M20-split"),
     pytest.param(torch.float32, 20, None, id="fp32-M20"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -120,7 +121,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"x is on {x.device}; skinny_linear runs on CUDA (or on the CPU through Triton's "
                          "interpreter, TRITON_INTERPRET=1)")
-    M = x.numel() // K if K else 0
+    M = math.prod(x.shape[:-1])
     if M > MAX_ROWS:
         raise ValueError(f"x has M = {M} rows (the product of its leading dims {tuple(x.shape[:-1])}); skinny_linear "
                          f"takes at most {MAX_ROWS} (use F.linear for more)")
@@ -163,12 +164,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y
     if N == 0 or K == 0:
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-    y2 = y.view(M, N) if y.is_contiguous() else torch.empty(M, N, device=y.device, dtype=y.dtype)
     from .triton_skinny import skinny_launch  # lazy: triton is optional, and the interpreter is decided first
 
     cfg = config if config is not None else skinny_config(N, K, x.dtype, num_sms(x.device))
+    y2 = y.view(M, N) if y.is_contiguous() else torch.empty(M, N, device=y.device, dtype=y.dtype)
     skinny_launch(x.reshape(M, K), weight, bias, y2, cfg)
-    if y2.data_ptr() != y.data_ptr():
+    if not y.is_contiguous():  # a strided out: the contiguous result copied in
         y.copy_(y2.view(y.shape))
     return y
 
