@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from markers import needs_triton_interpreter
 from omegaconf import OmegaConf
 
 from specdec.experiments.app import CONF_DIR, one_line, run_experiment
@@ -541,6 +542,34 @@ def test_ngram_proposal_tiny_cpu(tmp_path: Path):
         assert r["loop_over_batched"] == pytest.approx(r["loop_ms"] / r["batched_ms"])
     head, rows = _table((tmp_path / "summary.md").read_text(), "batch")
     assert [tuple(row[:2]) for row in rows] == [("1", "32"), ("1", "96"), ("3", "32"), ("3", "96")]
+
+
+@needs_triton_interpreter
+def test_skinny_linear_tiny_cpu(tmp_path: Path):
+    """experiment=skinny_linear on the tiny Qwen3.5 shape (the kernel through the interpreter):
+    one record per distinct nn.Linear weight shape of the model config and M, the kernel checked
+    against the fp32 reference and batch-invariant, ratios and bandwidth from the records' own
+    times; experiment.max_weight_mib leaves the LM head out; rows above 64 are refused."""
+    from specdec.experiments.skinny_linear import linear_shapes, model_spec
+
+    cfg = _cfg(["experiment=skinny_linear", "experiment.models=[qwen35-tiny-shape]", "experiment.rows=[1,3]",
+                "experiment.min_calls=1", "experiment.max_weight_mib=1"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    shapes = linear_shapes(model_spec("qwen35-tiny-shape"))
+    timed = [s for s in shapes if s.N * s.K * 4 <= 1 << 20]
+    assert {(s.N, s.K) for s in shapes} - {(s.N, s.K) for s in timed} == {(8192, 64)}  # the LM head
+    assert [(r["N"], r["K"], r["rows"]) for r in records] == [(s.N, s.K, m) for s in timed for m in (1, 3)]
+    assert sum(r["layers"] for r in records if r["rows"] == 1) == sum(len(s.names) for s in timed)
+    for r in records:
+        assert r["rel_err"] < 1e-5 and r["batch_invariant"] and r["torch_us"] > 0 and r["kernel_us"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_us"] / r["kernel_us"])
+        assert r["kernel_GBps"] == pytest.approx(r["bytes"] / r["kernel_us"] / 1e3)
+    summary = (tmp_path / "summary.md").read_text()
+    head, rows = _table(summary)
+    assert head[:3] == ["model", "weight", "rows"] and len(rows) == len(records)
+    assert "## Linear time of one forward" in summary
+    with pytest.raises(ValueError, match=r"experiment.rows must list M in \[1, 64\]"):
+        run_experiment(_cfg(["experiment=skinny_linear", "experiment.rows=[65]"] + CPU), tmp_path / "bad")
 
 
 def test_e2e_divergence_margins():

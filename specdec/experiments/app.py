@@ -4,7 +4,8 @@
 comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
 ``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
-``ngram_proposal`` (n-gram search timing), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
+``ngram_proposal`` (n-gram search timing), ``skinny_linear`` (the skinny linear kernel vs cuBLAS
+on the bench models' weight shapes), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
 recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the MTP layers recipe);
 every one runs as ``specdec-run experiment=<name>`` (or ``python -m specdec
 experiment=<name>``); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to
@@ -55,6 +56,11 @@ def validate(cfg: DictConfig) -> None:
         return
     if name == "ngram_proposal":
         _validate_ngram_proposal(cfg)
+        return
+    if name == "skinny_linear":
+        from .skinny_linear import validate as validate_skinny_linear
+
+        validate_skinny_linear(cfg)
         return
     from specdec.engine import MAX_SPECULATIVE_TOKENS
     from specdec.rollback import STRATEGIES
@@ -355,6 +361,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
         return run(cfg, out_dir)
     if name == "checks":
         from .checks import run
+
+        return run(cfg, out_dir)
+    if name == "skinny_linear":
+        from .skinny_linear import run
 
         return run(cfg, out_dir)
     if name == "train_medusa":

@@ -33,7 +33,7 @@ __all__ = [
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
-    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
+    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig", "SkinnyLinearConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
 
@@ -297,6 +297,20 @@ class KernelsExperiment:
 
 
 @dataclass
+class SkinnyLinearExperiment:
+    name: str = "skinny_linear"
+    models: List[str] = _doc(help="conf/model options (random_shape) whose distinct nn.Linear weight shapes are timed",
+                             factory=lambda: ["qwen35-4b-shape", "nemotronh-4b-shape"])
+    rows: List[int] = _doc(help="M, rows of x (1..64)", factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    reps: int = _doc(20, "CUDA-graph replays per point (median)")
+    min_calls: int = _doc(10, "calls per CUDA graph at least (weights rotated over copies of >= 256 MiB)")
+    check: bool = _doc(True, "the kernel against the fp32 reference and 1-row calls (batch invariance) first")
+    sweep: bool = _doc(False, "also time a small set of launch settings per point and report the fastest (slow)")
+    max_weight_mib: Optional[float] = _doc(None, "time only weights of at most this many MiB (null: all; CPU smoke "
+                                                 "runs leave out the LM head)")
+
+
+@dataclass
 class TrainZooExperiment:
     name: str = "train_zoo"
 
@@ -366,6 +380,11 @@ class ChecksConfig(BaseConfig):
 @dataclass
 class KernelsConfig(BaseConfig):
     experiment: KernelsExperiment = field(default_factory=KernelsExperiment)
+
+
+@dataclass
+class SkinnyLinearConfig(BaseConfig):
+    experiment: SkinnyLinearExperiment = field(default_factory=SkinnyLinearExperiment)
 
 
 @dataclass
@@ -506,6 +525,7 @@ SCHEMAS = {
     "tree_verify": TreeVerifyConfig,
     "ngram_proposal": NgramProposalConfig,
     "checks": ChecksConfig,
+    "skinny_linear": SkinnyLinearConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
     "train_mtp": TrainMtpConfig,

@@ -240,6 +240,28 @@ NGRAM_COLUMNS = (
     Column("same_proposals", "same proposals", None, legend="every search proposes the same tokens and counts"),
 )
 
+SKINNY_LINEAR_COLUMNS = (
+    Column("layers", "layers", "{:.0f}", legend="modules of the model with this weight shape"),
+    Column("torch_us", "F.linear us", "{:.1f}",
+           legend="cuBLAS (F.linear), device time per call in a CUDA graph over weights rotated past L2: median of "
+                  "experiment.reps replays"),
+    Column("kernel_us", "kernel us", "{:.1f}", legend="specdec.kernels.linear.skinny_linear, the same way"),
+    Column("torch_pct_copy_bw", "F.linear % copy BW", "{:.0f}%",
+           legend="(weight + x + output bytes) / time, as a share of a measured device-to-device copy's GB/s"),
+    Column("kernel_pct_copy_bw", "kernel % copy BW", "{:.0f}%", legend="the same for the kernel"),
+    Column("kernel_GBps", "kernel GB/s", "{:.0f}", terminal=False, legend="the kernel's bytes / time"),
+    Column("speedup", "speedup", "{:.2f}x", legend="F.linear us / kernel us"),
+    Column("launch", "launch", TEXT, terminal=False,
+           legend="the kernel's launch (skinny_config): block_n, block_k, K splits, warps, stages"),
+    Column("best_speedup", "best sweep speedup", "{:.2f}x", terminal=False,
+           legend="experiment.sweep: F.linear us / the fastest launch's us"),
+    Column("best_launch", "best launch", TEXT, terminal=False, legend="experiment.sweep: that launch"),
+    Column("rel_err", "rel. err", "{:.1e}", terminal=False,
+           legend="relative RMS error against the fp32 reference at the largest M"),
+    Column("batch_invariant", "batch-invariant", None, terminal=False,
+           legend="rows of the largest-M call equal 1-row calls bit for bit"),
+)
+
 _OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
 
 CHECK_COLUMNS = {
@@ -305,6 +327,7 @@ SECTIONS = {
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
     "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
+    "skinny_linear": (("model", "weight", "rows"), SKINNY_LINEAR_COLUMNS, "runs"),
     "checks.rollback_on_device": (("model", "rollback"), CHECK_COLUMNS["rollback_on_device"], "runs"),
     "checks.step_cost": (("model", "batch", "rollback"), CHECK_COLUMNS["step_cost"], "runs"),
     "checks.memory_budget": (("model", "rollback"), CHECK_COLUMNS["memory_budget"], "runs"),

@@ -11,6 +11,10 @@ are in :mod:`specdec.kernels.protocol`; Triton plumbing shared by the kernels in
 :func:`get_op` / :func:`conv1d_op` give an op for a device: the torch reference on CPU, the
 Triton kernels on CUDA; ``SPECDEC_BACKEND=torch|triton`` forces one (:func:`backend`).
 
+:mod:`specdec.kernels.linear` holds the skinny linear layer (``y = x @ W.T + b`` for at most 64
+rows, the weight read once): :func:`skinny_linear`, and :func:`skinny_linears` to route a model's
+``nn.Linear`` forwards through it (opt in).
+
 Example::
 
     op = get_op("gdn", "cuda")            # op.kernels: the Triton kernel set
@@ -27,12 +31,14 @@ import torch
 from .conv1d import CONV1D, Conv1dOp
 from .gdn import GDNOp
 from .kda import KDAOp
+from .linear import SkinnyLinear, skinny_linear, skinny_linears
 from .mamba2 import Mamba2Op
 from .ngram import NGRAM, NGramOp
 from .protocol import BACKENDS, Conv1dKernels, LaunchConfig, RollbackKernels, SSMOp
 
 __all__ = ["SSMOp", "OPS", "get_op", "conv1d_op", "backend", "BACKENDS", "RollbackKernels", "Conv1dKernels",
-           "LaunchConfig", "Mamba2Op", "GDNOp", "KDAOp", "Conv1dOp", "NGramOp", "NGRAM"]
+           "LaunchConfig", "Mamba2Op", "GDNOp", "KDAOp", "Conv1dOp", "NGramOp", "NGRAM", "skinny_linear",
+           "skinny_linears", "SkinnyLinear"]
 
 
 def backend(device: torch.device | str | None = None) -> str:

@@ -1,0 +1,177 @@
+"""Triton kernels of the skinny linear layer (:func:`specdec.kernels.linear.skinny_linear`):
+``y [M, N] = x [M, K] @ weight[N, K].T + bias`` for M <= 64 rows, with the weight streamed once.
+
+Layout (the weight as the MMA's M side, "swap AB", as TensorRT-LLM's small-M GEMMs): each program owns a
+``BLOCK_N`` slice of the weight's rows and, for split ``i_s``, a range of K; it walks its K
+range in ``BLOCK_K`` steps, loading a ``[BLOCK_N, BLOCK_K]`` weight tile (K contiguous: 16-byte
+vector loads, software-pipelined over ``num_stages`` steps) and, for each 16-row tile of x, a
+``[16, BLOCK_K]`` x tile; every x tile multiplies the same weight tile (``tl.dot``: tensor cores
+for bf16 / fp16, exact fp32 FMAs for fp32), so the weight is read once for all M rows. The
+accumulators are fp32 ``[BLOCK_N, 16]``, one per 16-row tile (at most four). Off CUDA (Triton's
+interpreter, for tests) bf16 tiles are upcast to fp32 before the dot (``UPCAST``): the
+interpreter cannot multiply bf16, and bf16 products are exact in fp32.
+
+Batch invariance (as in H. He et al., "Defeating Nondeterminism in LLM Inference", Thinking
+Machines Lab, 2025: one kernel configuration for every batch size): every 16-row tile runs the
+same instructions (the same dot shape, the same K order), and the launch setting depends on
+(N, K, dtype) alone, never on M; so each output element's reduction order is the same whatever M
+is, and row i of an M-row call equals the 1-row call on x[i] bit for bit
+(tests/test_skinny_linear.py).
+
+Split K (``split_k > 1``): each split writes its fp32 partial sums to ``[split_k, M, N]``; a
+second small kernel adds them in split order (0, 1, ...), adds the bias and casts: deterministic,
+no atomics. Nothing here autotunes, synchronises with the host or reads a device value, so a
+call is safe inside CUDA-graph capture once compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import next_pow2, num_warps_for
+
+__all__ = ["TILE_M", "skinny_launch"]
+
+#: rows of x per tile (the smallest dot dimension Triton accepts)
+TILE_M = 16
+
+
+@triton.jit
+def _tile_dot(b_acc, b_w, x, i_t, M, k, k_hi, stride_xm, stride_xk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``b_acc [BLOCK_N, 16] += b_w [BLOCK_N, BLOCK_K] @ x[rows of tile i_t, k : k + BLOCK_K].T``."""
+    o_m = i_t * 16 + tl.arange(0, 16)
+    o_k = k + tl.arange(0, BLOCK_K)
+    p_x = x + o_m[:, None] * stride_xm + o_k[None, :] * stride_xk
+    if EVEN_K:
+        b_x = tl.load(p_x, mask=(o_m < M)[:, None], other=0.0)
+    else:
+        b_x = tl.load(p_x, mask=(o_m < M)[:, None] & (o_k < k_hi)[None, :], other=0.0)
+    if UPCAST:  # Triton's interpreter multiplies bf16 bit patterns as integers; bf16 x bf16 products are exact in fp32
+        return tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), b_acc, input_precision=DOT_PRECISION)
+    return tl.dot(b_w, tl.trans(b_x), b_acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_store(b_acc, b, y, i_s, i_t, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """Store tile i_t's ``[BLOCK_N, 16]`` sums: fp32 partials of split i_s, or (+ bias) the result."""
+    o_m = i_t * 16 + tl.arange(0, 16)
+    m_y = (o_n < N)[:, None] & (o_m < M)[None, :]
+    p_y = y + o_m[None, :] * stride_ym + o_n[:, None] * stride_yn
+    if PARTIAL:
+        tl.store(p_y + i_s * stride_ys, b_acc, mask=m_y)
+    else:
+        if HAS_BIAS:
+            b_acc += tl.load(b + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x,
+    w,
+    b,
+    y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ys,
+    stride_ym,
+    stride_yn,
+    NUM_TILES: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    k_lo = i_s * K_STEPS * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + K_STEPS * BLOCK_K)
+    o_k = tl.arange(0, BLOCK_K)
+    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + (k_lo + o_k)[None, :] * stride_wk
+    b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for i_k in range(K_STEPS):  # the same trip count in every split; a short last split masks the rest
+        k = k_lo + i_k * BLOCK_K
+        if EVEN_K:
+            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
+        else:
+            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < k_hi)[None, :], other=0.0)
+        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 1:
+            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 2:
+            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 3:
+            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        p_w += BLOCK_K * stride_wk
+    _tile_store(b_acc0, b, y, i_s, 0, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 1:
+        _tile_store(b_acc1, b, y, i_s, 1, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 2:
+        _tile_store(b_acc2, b, y, i_s, 2, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 3:
+        _tile_store(b_acc3, b, y, i_s, 3, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _split_k_reduce_kernel(part, b, y, N, stride_ps, stride_pm, stride_ym, stride_yn, SPLIT_K: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    i_n, i_m = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < N
+    p_p = part + i_m * stride_pm + o_n
+    b_acc = tl.load(p_p, mask=m_n, other=0.0)
+    for i_s in tl.static_range(1, SPLIT_K):  # in split order: the sum does not depend on scheduling
+        b_acc += tl.load(p_p + i_s * stride_ps, mask=m_n, other=0.0)
+    if HAS_BIAS:
+        b_acc += tl.load(b + o_n, mask=m_n, other=0.0).to(tl.float32)
+    tl.store(y + i_m * stride_ym + o_n * stride_yn, b_acc.to(y.dtype.element_ty), mask=m_n)
+
+
+def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, config) -> None:
+    """Launch the kernels for checked arguments: ``y [M, N] = x [M, K] @ weight [N, K].T + bias``.
+
+    Args:
+        x: ``[M, K]``, 1 <= M <= 64. weight: ``[N, K]``. bias: ``[N]`` or None. y: ``[M, N]``,
+            written. All one dtype and device (checked by the caller). config: a
+            :class:`specdec.kernels.linear.SkinnyConfig`.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    num_tiles = triton.cdiv(M, TILE_M)
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)  # every split non-empty
+    even_k = K % k_per_split == 0  # then every split is k_per_split long, whole BLOCK_K steps: no K mask
+    precision = "ieee"  # fp32: exact FMAs, not TF32 (ignored by bf16 / fp16 dots)
+    dst = y if split == 1 else torch.empty(split, M, N, device=y.device, dtype=torch.float32)
+    _skinny_linear_kernel[(triton.cdiv(N, config.block_n), split)](
+        x, weight, bias, dst, M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        dst.stride(0) if split > 1 else 0, dst.stride(-2), dst.stride(-1),
+        NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, DOT_PRECISION=precision,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        block = min(1024, next_pow2(N))
+        _split_k_reduce_kernel[(triton.cdiv(N, block), M)](
+            dst, bias, y, N, dst.stride(0), dst.stride(1), y.stride(0), y.stride(1),
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=num_warps_for(block),
+        )
