@@ -33,7 +33,7 @@ __all__ = [
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
-    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig",
+    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "PrefillConfig", "ChecksConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
 
@@ -242,6 +242,15 @@ class NgramProposalExperiment:
     warmup: int = _doc(3, "untimed rounds first")
 
 
+@dataclass
+class PrefillExperiment:
+    name: str = "prefill"
+    grid: List[List[int]] = _doc(help="[batch, prompt tokens] pairs", factory=lambda: [[64, 128], [1, 4096], [1, 128]])
+    scans: List[str] = _doc(help="Mamba-2 prompt scans: auto (fla on CUDA when installed, else torch) | fla | torch | "
+                                 "hf (transformers' own mixer forward)", factory=lambda: ["auto", "torch", "hf"])
+    warmup: int = _doc(1, "untimed prefills per point and scan first")
+
+
 class CheckName(StrEnum):
     rollback_on_device = "rollback_on_device"
     step_cost = "step_cost"
@@ -353,6 +362,11 @@ class TreeVerifyConfig(BaseConfig):
 @dataclass
 class NgramProposalConfig(BaseConfig):
     experiment: NgramProposalExperiment = field(default_factory=NgramProposalExperiment)
+
+
+@dataclass
+class PrefillConfig(BaseConfig):
+    experiment: PrefillExperiment = field(default_factory=PrefillExperiment)
 
 
 @dataclass
@@ -502,6 +516,7 @@ SCHEMAS = {
     "kernels": KernelsConfig,
     "tree_verify": TreeVerifyConfig,
     "ngram_proposal": NgramProposalConfig,
+    "prefill": PrefillConfig,
     "checks": ChecksConfig,
     "train_zoo": TrainZooConfig,
     "train_medusa": TrainMedusaConfig,
