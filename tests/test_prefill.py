@@ -5,8 +5,9 @@
   segment, an initial state.
 * Every Mamba-2 family on a ragged left-padded batch of prompts longer than its chunk size: each
   layer's conv window and recurrent state after ``prefill`` against HF's own mixer run on the
-  layer's input one token at a time (fp32), the logits against HF's forward, the ``time_step_limit`` clamp against HF's prefill,
-  and speculative generation against ``generate(do_sample=False)``.
+  layer's input one token at a time (fp32), the logits against HF's forward, the
+  ``time_step_limit`` clamp against HF's prefill, and speculative generation against
+  ``generate(do_sample=False)``.
 * ``gpu``: flash-linear-attention's kernel against the torch scan, and a CUDA prefill against HF's.
 """
 
@@ -123,8 +124,10 @@ def test_prefill_states_match_token_by_token(family):
     ids, mask = ragged_prompts(lengths=LENGTHS)
     inputs, hooks = {}, []
     for idx, (mixer, _) in ad.ssm_layers().items():
-        hook = lambda mod, args, kw, idx=idx: inputs.__setitem__(idx, kw.get("hidden_states", args[0] if args else None))
-        hooks.append(mixer.register_forward_pre_hook(hook, with_kwargs=True))
+        def record(mod, args, kw, idx=idx):
+            inputs[idx] = kw["hidden_states"] if "hidden_states" in kw else args[0]
+
+        hooks.append(mixer.register_forward_pre_hook(record, with_kwargs=True))
     try:
         logits, states = prefill(ad, ids, mask, "torch")
     finally:

@@ -4,8 +4,9 @@
 comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
 ``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
-``ngram_proposal`` (n-gram search timing), ``prefill`` (prefill time per Mamba-2 scan), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
-recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the MTP layers recipe);
+``ngram_proposal`` (n-gram search timing), ``prefill`` (prefill time per Mamba-2 scan),
+``checks`` (the GPU checks), ``train_zoo`` (the zoo recipe), ``train_medusa`` (the Medusa heads
+recipe) or ``train_mtp`` (the MTP layers recipe);
 every one runs as ``specdec-run experiment=<name>`` (or ``python -m specdec
 experiment=<name>``); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to
 Hydra's run folder. Every key is checked against the experiment's structured config
@@ -258,8 +259,8 @@ def _validate_prefill(exp) -> None:
     from specdec.kernels.mamba2.chunked import SCANS
 
     if not exp.grid or any(len(p) != 2 or int(p[0]) < 1 or int(p[1]) < 1 for p in exp.grid):
-        raise ValueError(f"experiment.grid must list [batch, prompt tokens] pairs of ints >= 1, e.g. [[64,128],[1,4096]]; "
-                         f"got {[list(p) for p in exp.grid]}")
+        raise ValueError("experiment.grid must list [batch, prompt tokens] pairs of ints >= 1, e.g. "
+                         f"[[64,128],[1,4096]]; got {[list(p) for p in exp.grid]}")
     bad = [str(s) for s in exp.scans if str(s) not in SCANS]
     if not exp.scans or bad:
         raise ValueError(f"experiment.scans must list scans of {', '.join(SCANS)}; got {[str(s) for s in exp.scans]}")
