@@ -5,9 +5,9 @@ For each target (default ``nemotronh-4b-shape``: Nemotron-H 4B shapes, random bf
 CUDA; ``model=nemotronh-tiny-shape`` for CPU runs), each ``[batch, prompt tokens]`` pair of
 ``experiment.grid`` and each scan of ``experiment.scans`` (``auto``, ``fla``, ``torch``, ``hf``:
 :data:`specdec.kernels.mamba2.chunked.SCANS`; a scan that resolves to one already measured at
-the point is skipped, one this machine cannot run is skipped and listed), it prefills random
-prompt ids into one cache: ``experiment.warmup`` untimed runs, then ``repeats`` timed runs, each
-between device syncs: median and min-max (:mod:`.timing`), tokens/s, peak memory on CUDA.
+the point is skipped; one this machine cannot run, or that runs out of device memory, is
+skipped and listed), it prefills random prompt ids into one cache: ``experiment.warmup`` untimed
+runs, then ``repeats`` timed runs, each between device syncs: median and min-max (:mod:`.timing`), tokens/s, peak memory on CUDA.
 
 The roof is the time of the dense matmuls at the device's dense bf16 peak
 (:data:`BF16_PEAK_FLOPS`): ``2 x parameters x tokens / peak``, where the parameters are the
@@ -108,8 +108,13 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             for scan, path in scans:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
-                t, (logits, _) = time_runs(lambda: adapter.prefill(ids, mask, cache, scan=path), int(cfg.repeats),
-                                           device, warmup=int(exp.warmup))
+                try:
+                    t, (logits, _) = time_runs(lambda: adapter.prefill(ids, mask, cache, scan=path), int(cfg.repeats),
+                                               device, warmup=int(exp.warmup))
+                except torch.OutOfMemoryError:
+                    skipped.append(f"{spec.name} B={B} L={L} scan={scan}: out of device memory")
+                    torch.cuda.empty_cache()
+                    continue
                 logits = logits.float()
                 if path == "hf":
                     hf_logits = logits

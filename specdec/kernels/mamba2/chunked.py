@@ -85,11 +85,11 @@ def _chunk_scan_segment(x, dt, A, B, C, chunk_size: int, h0):
     # 1. within each chunk: y_i = sum_{j <= i} (C_i . B_j) exp(a_i - a_j) dt_j x_j
     at = a.permute(0, 1, 3, 2)                                            # [b, c, H, l]
     causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp((at[..., :, None] - at[..., None, :]).masked_fill(~causal, float("-inf")))
-    scores = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)                  # [b, c, G, l, l]
-    scores = decay.view(b, c, G, R, l, l) * scores[:, :, :, None]        # [b, c, G, R, l, l]
+    scores = at[..., :, None] - at[..., None, :]                          # [b, c, H, l, l], in place below
+    scores = scores.masked_fill_(~causal, float("-inf")).exp_().view(b, c, G, R, l, l)
+    scores.mul_(torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)[:, :, :, None])  # (C_i . B_j) exp(a_i - a_j)
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
-    del decay, scores
+    del scores
 
     # 2. each chunk's final state from a zero start: sum_j exp(a_last - a_j) dt_j x_j B_j^T
     to_end = torch.exp(a[:, :, -1:] - a).view(b, c, l, G, R, 1)
