@@ -8,7 +8,8 @@
   layer's input one token at a time (fp32), the logits against HF's forward, the
   ``time_step_limit`` clamp against HF's prefill, and speculative generation against
   ``generate(do_sample=False)``.
-* ``gpu``: flash-linear-attention's kernel against the torch scan, and a CUDA prefill against HF's.
+* With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
+  torch reference; ``gpu``: its kernel against the torch scan, and a CUDA prefill against HF's.
 """
 
 from __future__ import annotations
@@ -184,6 +185,24 @@ def test_speculative_exact_with_long_prompts(family):
     sd = specdec.wrap(model, drafter="ngram", rollback="snapshot", num_speculative_tokens=3)
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
     assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
+
+
+def test_fla_arguments_against_fla_reference(monkeypatch):
+    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
+    1, the state transposed), with fla's own torch reference of ``chunk_simple_gla`` in place of
+    the kernel, so it runs on any device; P != N, so a missing transpose shows."""
+    naive = pytest.importorskip("fla.ops.simple_gla.naive")
+    import fla.ops.simple_gla
+
+    def reference(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, **kw):
+        return naive.naive_recurrent_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state)
+
+    monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", reference)
+    x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
+    y, h = mamba2_chunk_scan(x, dt, A, B, C, 16, D, h0)
+    y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
+    assert rel_err(y_fla, y) < TOL and rel_err(h_fla, h) < TOL
 
 
 # ------------------------------------------------------------------------------ GPU
