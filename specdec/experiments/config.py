@@ -246,8 +246,9 @@ class NgramProposalExperiment:
 class PrefillExperiment:
     name: str = "prefill"
     grid: List[List[int]] = _doc(help="[batch, prompt tokens] pairs", factory=lambda: [[64, 128], [1, 4096], [1, 128]])
-    scans: List[str] = _doc(help="Mamba-2 prompt scans: auto (fla on CUDA when installed, else torch) | fla | torch | "
-                                 "hf (transformers' own mixer forward)", factory=lambda: ["auto", "torch", "hf"])
+    scans: List[str] = _doc(help="Mamba-2 prompt scans: auto (fla for bf16 / fp16 on CUDA when installed, else torch) "
+                                 "| fla | torch | hf (transformers' own mixer forward)",
+                            factory=lambda: ["auto", "torch", "hf"])
     warmup: int = _doc(1, "untimed prefills per point and scan first")
 
 

@@ -57,8 +57,9 @@ def matmul_parameters(adapter) -> int:
     return total
 
 
-def _scans(scans, device, skipped: list[str]) -> list[tuple[str, str]]:
-    """``(scan, resolved path)`` for each distinct path of ``scans`` on ``device``, ``hf`` first
+def _scans(scans, device, dtype, skipped: list[str]) -> list[tuple[str, str]]:
+    """``(scan, resolved path)`` for each distinct path of ``scans`` on ``device`` for a model of
+    ``dtype``, ``hf`` first
     (the others' logits are compared with its); a scan this machine cannot run is added to
     ``skipped`` with the reason."""
     from specdec.kernels.mamba2.chunked import resolve_scan
@@ -66,7 +67,7 @@ def _scans(scans, device, skipped: list[str]) -> list[tuple[str, str]]:
     out, seen = [], set()
     for scan in map(str, scans):
         try:
-            path = resolve_scan(scan, device)
+            path = resolve_scan(scan, device, dtype)
         except ValueError as err:
             skipped.append(f"scan={scan}: {err}")
             continue
@@ -92,7 +93,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     peak = bf16_peak_flops(device)
     log = RunRecords(out_dir)
     skipped: list[str] = []
-    scans = _scans(exp.scans, device, skipped)
+    scans = _scans(exp.scans, device, dtype, skipped)
     for spec in cfg.model.targets:
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
         apply_cpu_threads(cfg, model, device)

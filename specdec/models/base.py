@@ -228,7 +228,8 @@ class HybridAdapter:
         Attention, GDN and KDA layers run transformers' code (its chunked kernels, or
         flash-linear-attention's when installed); Mamba-2 mixers run their family's
         ``mixer_forward`` against a prompt layer (:data:`PROMPT_LAYERS`) whose scan ``scan`` picks:
-        ``"auto"`` (flash-linear-attention on CUDA when installed, else ``"torch"``), ``"fla"``,
+        ``"auto"`` (flash-linear-attention for a bf16 / fp16 model on CUDA when installed, else
+        ``"torch"``), ``"fla"``,
         ``"torch"`` (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"``
         (transformers' own mixer forward).
 
@@ -238,7 +239,7 @@ class HybridAdapter:
         Raises:
             ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
         """
-        scan = resolve_scan(scan, self.device)
+        scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         hf_cache = DynamicCache(config=self.config)

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 __all__ = ["SCANS", "SEGMENT_BYTES", "resolve_scan", "fla_available", "mamba2_chunk_scan", "mamba2_chunk_scan_fla",
            "mamba2_prompt_scan"]
 
-#: the prompt-scan choices: ``auto`` (``fla`` on CUDA when importable, else ``torch``), ``fla``,
+#: the prompt-scan choices: ``auto`` (``fla`` for a bf16 / fp16 model on CUDA when importable,
+#: else ``torch``), ``fla``,
 #: ``torch`` (:func:`mamba2_chunk_scan`), ``hf`` (transformers' own mixer forward)
 SCANS = ("auto", "fla", "torch", "hf")
 #: bytes of fp32 chunk scores (``[B, chunks, H, l, l]``) one segment of :func:`mamba2_chunk_scan` may hold
@@ -39,8 +40,13 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def resolve_scan(scan: str, device: torch.device | str) -> str:
-    """The scan ``scan`` (one of :data:`SCANS`) means on ``device``: ``"fla"``, ``"torch"`` or ``"hf"``.
+def resolve_scan(scan: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The scan ``scan`` (one of :data:`SCANS`) means for a model of ``dtype`` on ``device``:
+    ``"fla"``, ``"torch"`` or ``"hf"``.
+
+    ``auto`` is ``fla`` on CUDA when flash-linear-attention is installed and the model is not
+    fp32 (fla's TF32 matmuls round below a bf16 model's own precision, not an fp32 model's),
+    else ``torch``.
 
     Raises:
         ValueError: ``scan`` is not one of :data:`SCANS`, or ``"fla"`` where flash-linear-attention
@@ -50,7 +56,7 @@ def resolve_scan(scan: str, device: torch.device | str) -> str:
         raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
     on_cuda = torch.device(device).type == "cuda"
     if scan == "auto":
-        return "fla" if on_cuda and fla_available() else "torch"
+        return "fla" if on_cuda and dtype != torch.float32 and fla_available() else "torch"
     if scan == "fla" and not (on_cuda and fla_available()):
         raise ValueError("scan='fla' needs CUDA tensors and flash-linear-attention (pip install 'specdec[fla]'); "
                          f"device is {torch.device(device)}, fla {'is' if fla_available() else 'is not'} installed; "
