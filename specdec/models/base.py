@@ -229,9 +229,9 @@ class HybridAdapter:
         flash-linear-attention's when installed); Mamba-2 mixers run their family's
         ``mixer_forward`` against a prompt layer (:data:`PROMPT_LAYERS`) whose scan ``scan`` picks:
         ``"auto"`` (flash-linear-attention for a bf16 / fp16 model on CUDA when installed, else
-        ``"torch"``), ``"fla"``,
-        ``"torch"`` (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"``
-        (transformers' own mixer forward).
+        ``"torch"``), ``"fla"``, ``"torch"``
+        (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"`` (transformers' own
+        mixer forward).
 
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
         ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]``.
@@ -243,7 +243,8 @@ class HybridAdapter:
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         hf_cache = DynamicCache(config=self.config)
-        with quiet_transformers(self.device), self._prompt_patched(scan):  # quiet: no notes on CPU about GPU kernels
+        # quiet: on CPU, no notes about GPU-only kernel packages
+        with quiet_transformers(self.device), self._prompt_patched(scan):
             out = self._call_body(input_ids, mask, position_ids, hf_cache)
         hidden = out.last_hidden_state[:, -1]
         logits = self.logits(hidden)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable

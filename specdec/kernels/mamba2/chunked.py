@@ -108,7 +108,7 @@ def _chunk_scan_segment(x, dt, A, B, C, chunk_size: int, h0):
     lower = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device)
     seg = seg.masked_fill(~lower.tril(-1), 0).cumsum(-2).masked_fill(~lower.tril(), float("-inf"))
     chunk_decay = torch.exp(seg).view(b, G, R, c + 1, c + 1)               # [z, j]: exp(sum_{j<k<=z} total_k)
-    starts = torch.cat([h0.view(b, 1, G, R, P, N), S], dim=1)              # h0, then chunk 0.. c-1 states
+    starts = torch.cat([h0.reshape(b, 1, G, R, P, N), S], dim=1)           # h0, then chunk 0.. c-1 states
     states = torch.einsum("bgrzj,bjgrpn->bzgrpn", chunk_decay, starts)    # [b, c + 1, G, R, P, N]
     h_in, h_last = states[:, :-1], states[:, -1]
 
