@@ -572,6 +572,34 @@ def test_skinny_linear_tiny_cpu(tmp_path: Path):
         run_experiment(_cfg(["experiment=skinny_linear", "experiment.rows=[65]"] + CPU), tmp_path / "bad")
 
 
+def test_prefill_tiny_cpu(tmp_path: Path):
+    """experiment=prefill times each distinct scan path per (batch, prompt tokens), HF's first
+    (auto is the torch scan on CPU, so it runs once), its logits equal to HF's; no roof on a CPU;
+    a scan this machine cannot run (fla) is skipped and listed; a bad grid is refused."""
+    base = ["experiment=prefill", "model=nemotronh-tiny-shape", "repeats=2", "experiment.warmup=0"] + CPU
+    cfg = _cfg(base + ["experiment.grid=[[2,40],[1,24]]", "experiment.scans=[auto,torch,fla,hf]"])
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["batch"], r["prompt_tokens"], r["scan"], r["scan_path"]) for r in records] == [
+        (2, 40, "hf", "hf"), (2, 40, "auto", "torch"), (1, 24, "hf", "hf"), (1, 24, "auto", "torch")]
+    for r in records:
+        assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
+        tokens = r["batch"] * r["prompt_tokens"]
+        assert r["tokens_per_s_min"] == pytest.approx(tokens / (r["prefill_ms_max"] / 1e3))
+        assert r["tokens_per_s_max"] == pytest.approx(tokens / (r["prefill_ms_min"] / 1e3))
+        assert r["flop"] == 2 * r["matmul_params"] * r["batch"] * r["prompt_tokens"] and r["roof_ms"] is None
+        assert (r["logits_rel_err_vs_hf"] is None) == (r["scan_path"] == "hf")
+        assert r["scan_path"] == "hf" or r["logits_rel_err_vs_hf"] < 1e-5
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Skipped: scan=fla: scan='fla' needs CUDA tensors" in summary
+    head, rows = _table(summary)
+    assert [tuple(row[1:4]) for row in rows] == [("2", "40", "hf"), ("2", "40", "auto"), ("1", "24", "hf"),
+                                                ("1", "24", "auto")]
+    with pytest.raises(ValueError, match="experiment.grid must list"):
+        run_experiment(_cfg(base + ["experiment.grid=[[2]]"]), tmp_path / "bad")
+    with pytest.raises(ValueError, match="experiment.scans must list"):
+        run_experiment(_cfg(base + ["experiment.scans=[triton]"]), tmp_path / "bad2")
+
+
 def test_e2e_divergence_margins():
     """Each diverged row's first divergence and plain decoding's top-2 margin there (teacher-forced
     over the reference): one per diverged row, none otherwise, equal to the model's own logits."""

@@ -4,9 +4,10 @@
 comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
 ``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
-``ngram_proposal`` (n-gram search timing), ``skinny_linear`` (the skinny linear kernel vs cuBLAS
-on the bench models' weight shapes), ``checks`` (the GPU checks), ``train_zoo`` (the zoo
-recipe), ``train_medusa`` (the Medusa heads recipe) or ``train_mtp`` (the MTP layers recipe);
+``ngram_proposal`` (n-gram search timing), ``prefill`` (prefill time per Mamba-2 scan),
+``skinny_linear`` (the skinny linear kernel vs cuBLAS on the bench models' weight shapes),
+``checks`` (the GPU checks), ``train_zoo`` (the zoo recipe), ``train_medusa`` (the Medusa heads
+recipe) or ``train_mtp`` (the MTP layers recipe);
 every one runs as ``specdec-run experiment=<name>`` (or ``python -m specdec
 experiment=<name>``); ``model=``, ``drafter=``, ``rollback=`` narrow the grid; outputs go to
 Hydra's run folder. Every key is checked against the experiment's structured config
@@ -143,6 +144,8 @@ def validate(cfg: DictConfig) -> None:
         _validate_tree_verify(cfg)
     if name == "checks":
         _validate_checks(cfg)
+    if name == "prefill":
+        _validate_prefill(cfg.experiment)
     if name == "rollback":
         exp = cfg.experiment
         if not exp.k_grid or any(not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS for k in exp.k_grid):
@@ -257,6 +260,20 @@ def _validate_checks(cfg) -> None:
     _check_positive(exp, "prompt_tokens", "memory_budget_gib", "context_tokens", "max_dtoh_per_step")
 
 
+def _validate_prefill(exp) -> None:
+    """The prefill grid, scans and warm-up runs."""
+    from specdec.kernels.mamba2.chunked import SCANS
+
+    if not exp.grid or any(len(p) != 2 or int(p[0]) < 1 or int(p[1]) < 1 for p in exp.grid):
+        raise ValueError("experiment.grid must list [batch, prompt tokens] pairs of ints >= 1, e.g. "
+                         f"[[64,128],[1,4096]]; got {[list(p) for p in exp.grid]}")
+    bad = [str(s) for s in exp.scans if str(s) not in SCANS]
+    if not exp.scans or bad:
+        raise ValueError(f"experiment.scans must list scans of {', '.join(SCANS)}; got {[str(s) for s in exp.scans]}")
+    if int(exp.warmup) < 0:
+        raise ValueError(f"experiment.warmup must be >= 0, got {exp.warmup}")
+
+
 def _validate_ngram_proposal(cfg) -> None:
     """The n-gram grid (no model: the common checks do not apply)."""
     from specdec.engine import MAX_SPECULATIVE_TOKENS
@@ -357,6 +374,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
         return run(cfg, out_dir)
     if name == "ngram_proposal":
         from .ngram_proposal import run
+
+        return run(cfg, out_dir)
+    if name == "prefill":
+        from .prefill import run
 
         return run(cfg, out_dir)
     if name == "checks":

@@ -33,7 +33,7 @@ __all__ = [
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
-    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "ChecksConfig", "SkinnyLinearConfig",
+    "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "PrefillConfig", "ChecksConfig", "SkinnyLinearConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
 
@@ -245,6 +245,16 @@ class NgramProposalExperiment:
                                                 "reported as a fraction of it (null: not)")
 
 
+@dataclass
+class PrefillExperiment:
+    name: str = "prefill"
+    grid: List[List[int]] = _doc(help="[batch, prompt tokens] pairs", factory=lambda: [[64, 128], [1, 4096], [1, 128]])
+    scans: List[str] = _doc(help="Mamba-2 prompt scans: auto (fla for bf16 / fp16 on CUDA when installed, else torch) "
+                                 "| fla | torch | hf (transformers' own mixer forward)",
+                            factory=lambda: ["auto", "torch", "hf"])
+    warmup: int = _doc(1, "untimed prefills per point and scan first")
+
+
 class CheckName(StrEnum):
     rollback_on_device = "rollback_on_device"
     step_cost = "step_cost"
@@ -370,6 +380,11 @@ class TreeVerifyConfig(BaseConfig):
 @dataclass
 class NgramProposalConfig(BaseConfig):
     experiment: NgramProposalExperiment = field(default_factory=NgramProposalExperiment)
+
+
+@dataclass
+class PrefillConfig(BaseConfig):
+    experiment: PrefillExperiment = field(default_factory=PrefillExperiment)
 
 
 @dataclass
@@ -524,6 +539,7 @@ SCHEMAS = {
     "kernels": KernelsConfig,
     "tree_verify": TreeVerifyConfig,
     "ngram_proposal": NgramProposalConfig,
+    "prefill": PrefillConfig,
     "checks": ChecksConfig,
     "skinny_linear": SkinnyLinearConfig,
     "train_zoo": TrainZooConfig,

@@ -262,6 +262,21 @@ SKINNY_LINEAR_COLUMNS = (
            legend="rows of the largest-M call equal 1-row calls bit for bit"),
 )
 
+PREFILL_COLUMNS = (
+    Column("scan_path", "scan path", TEXT, legend="what the scan ran as on this device: fla (flash-linear-attention), "
+                                                  "torch (specdec's chunked SSD scan) or hf (transformers' mixer "
+                                                  "forward)"),
+    Column("prefill_ms", "prefill ms", "{:.1f}", spread=True, legend=f"HybridAdapter.prefill of the batch; {_REPEATS}"),
+    Column("tokens_per_s", "tokens/s", "{:.0f}", spread=True, legend="batch x prompt tokens / prefill time"),
+    Column("roof_ms", "roof ms", "{:.1f}", legend="2 x parameters (body, no embedding) x tokens at the device's "
+                                                   "dense bf16 peak: a floor"),
+    Column("x_roof", "x roof", "{:.1f}x", legend="prefill ms / roof ms"),
+    Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
+           legend="torch.cuda.max_memory_allocated over the runs, weights included"),
+    Column("logits_rel_err_vs_hf", "logits vs hf", "{:.1e}", terminal=False,
+           legend="relative error of the last position's logits against the hf scan's"),
+)
+
 _OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
 
 CHECK_COLUMNS = {
@@ -328,6 +343,7 @@ SECTIONS = {
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
     "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
     "skinny_linear": (("model", "weight", "rows"), SKINNY_LINEAR_COLUMNS, "runs"),
+    "prefill": (("model", "batch", "prompt_tokens", "scan"), PREFILL_COLUMNS, "runs"),
     "checks.rollback_on_device": (("model", "rollback"), CHECK_COLUMNS["rollback_on_device"], "runs"),
     "checks.step_cost": (("model", "batch", "rollback"), CHECK_COLUMNS["step_cost"], "runs"),
     "checks.memory_budget": (("model", "rollback"), CHECK_COLUMNS["memory_budget"], "runs"),

@@ -3,8 +3,9 @@
 An adapter wraps a loaded HF causal LM and never copies its weights. It provides
 
 * :meth:`HybridAdapter.prefill`: the prompt through the model's own forward (transformers'
-  chunked kernels, or flash-linear-attention / mamba_ssm when installed), then the final
-  attention KV, conv and SSM states moved into a :class:`~specdec.cache.HybridCache`;
+  chunked kernels, or flash-linear-attention / mamba_ssm when installed), its Mamba-2 mixers
+  through our chunked scan (:data:`PROMPT_LAYERS`), then the final attention KV, conv and SSM
+  states moved into a :class:`~specdec.cache.HybridCache`;
 * :meth:`HybridAdapter.forward`: ``t`` step tokens through the model's own decoder layers with
   our cache: attention modules write into the static KV cache through ``cache.update``, and
   each SSM mixer runs through the family's ``mixer_forward``, which calls the shared op
@@ -23,12 +24,19 @@ from transformers import DynamicCache
 
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
+from ..kernels.mamba2.chunked import resolve_scan
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
 
-__all__ = ["HybridAdapter", "ADAPTERS", "register", "adapter_for", "supported_families"]
+__all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
 
 ADAPTERS: dict[str, type["HybridAdapter"]] = {}
+
+#: op name -> the layer class a family's ``mixer_forward`` runs against during prefill, built as
+#: ``cls(mixer, cache_params, attention_mask, scan)`` (the Mamba-2 op:
+#: :class:`specdec.models.mamba2.Mamba2PromptLayer`); the mixers of other ops run transformers'
+#: own forward during prefill
+PROMPT_LAYERS: dict[str, type] = {}
 
 
 def register(cls):
@@ -137,22 +145,47 @@ class HybridAdapter:
         return cache
 
     @contextlib.contextmanager
-    def _patched(self, cache: HybridCache):
-        """Route each SSM mixer's forward to ``mixer_forward`` with its layer cache, for one call."""
+    def _routed(self, forwards: dict):
+        """Replace SSM mixer ``idx``'s forward by ``forwards[idx](mixer, hidden_states,
+        cache_params=None, attention_mask=None, **kw)`` for one call."""
+        mixers = self.ssm_layers()
         patched = []
         try:
-            for idx, (mixer, _) in self.ssm_layers().items():
-                layer = cache.ssm[idx]
-
-                def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _layer=layer, **kw):
-                    return self.mixer_forward(mod, hidden_states, _layer)
-
+            for idx, fwd in forwards.items():
+                mixer = mixers[idx][0]
                 mixer.forward = types.MethodType(fwd, mixer)
                 patched.append(mixer)
             yield
         finally:
             for mixer in patched:
                 del mixer.forward
+
+    def _patched(self, cache: HybridCache):
+        """Route each SSM mixer's forward to ``mixer_forward`` with its layer cache, for one call."""
+        forwards = {}
+        for idx in self.ssm_layers():
+            def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _layer=cache.ssm[idx], **kw):
+                return self.mixer_forward(mod, hidden_states, _layer)
+
+            forwards[idx] = fwd
+        return self._routed(forwards)
+
+    def _prompt_patched(self, scan: str):
+        """For one prefill, route each SSM mixer whose op has a prompt layer (:data:`PROMPT_LAYERS`)
+        to ``mixer_forward`` against that layer, its input padding masked as HF masks it; with
+        ``scan == "hf"`` every mixer keeps transformers' forward."""
+        forwards = {}
+        for idx, (_, op_name) in self.ssm_layers().items():
+            make = PROMPT_LAYERS.get(op_name)
+            if make is None or scan == "hf":
+                continue
+
+            def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, **kw):
+                layer = _make(mod, cache_params, attention_mask, scan)
+                return self.mixer_forward(mod, layer.mask_padding(hidden_states), layer)
+
+            forwards[idx] = fwd
+        return self._routed(forwards)
 
     #: keyword under which the decoder body takes its cache
     cache_arg = "past_key_values"
@@ -187,18 +220,31 @@ class HybridAdapter:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
-                all_hidden_states: bool = False):
-        """Run the left-padded prompt ``[B, L]`` through the model's own forward (transformers'
-        chunked kernels) and load ``cache`` with every state each layer of HF's ``DynamicCache``
-        holds (attention KV, conv and recurrent state; a layer may hold both).
+                all_hidden_states: bool = False, scan: str = "auto"):
+        """Run the left-padded prompt ``[B, L]`` through the model's own forward and load ``cache``
+        with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
+        recurrent state; a layer may hold both).
+
+        Attention, GDN and KDA layers run transformers' code (its chunked kernels, or
+        flash-linear-attention's when installed); Mamba-2 mixers run their family's
+        ``mixer_forward`` against a prompt layer (:data:`PROMPT_LAYERS`) whose scan ``scan`` picks:
+        ``"auto"`` (flash-linear-attention for a bf16 / fp16 model on CUDA when installed, else
+        ``"torch"``), ``"fla"``, ``"torch"``
+        (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"`` (transformers' own
+        mixer forward).
 
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
         ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]``.
+
+        Raises:
+            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
         """
+        scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         hf_cache = DynamicCache(config=self.config)
-        with quiet_transformers(self.device):  # on CPU: no notes about GPU-only kernel packages
+        # quiet: on CPU, no notes about GPU-only kernel packages
+        with quiet_transformers(self.device), self._prompt_patched(scan):
             out = self._call_body(input_ids, mask, position_ids, hf_cache)
         hidden = out.last_hidden_state[:, -1]
         logits = self.logits(hidden)

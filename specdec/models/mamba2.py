@@ -11,17 +11,26 @@ in the family's adapter.
 The decode path transformers takes (seq_len == 1 with a cache) uses ``dt = softplus(dt +
 dt_bias)`` without the ``time_step_limit`` clamp of its chunked prefill; so does this module,
 since speculative output must equal HF's token-by-token decoding.
+
+During prefill the same ``mixer_forward`` runs against a :class:`Mamba2PromptLayer` instead of a
+layer cache: the causal conv over the whole left-padded prompt and the chunked scan
+(:mod:`specdec.kernels.mamba2.chunked`), with transformers' prefill semantics (padding masked
+before ``in_proj`` and after the conv, ``dt`` clamped to ``time_step_limit``), leaving in HF's
+cache layer the conv window and recurrent state its own prefill leaves.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
-from .base import HybridAdapter, register
+from ..kernels.conv1d.naive import conv1d_verify
+from ..kernels.mamba2.chunked import mamba2_prompt_scan
+from .base import PROMPT_LAYERS, HybridAdapter, register
 
-__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "mamba2_core"]
+__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "mamba2_core"]
 
 
 @fusable
@@ -49,6 +58,60 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
                                          mixer.head_dim, mixer.n_groups, mixer.ssm_state_size)
     y = layer.ssm({"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D})
     return y.reshape(B, t, -1).to(projected.dtype), gate
+
+
+class Mamba2PromptLayer:
+    """What a Mamba-2 ``mixer_forward`` runs against during prefill, in place of its layer cache:
+    the prompt's conv and scan as transformers' chunked prefill computes them (its
+    ``Mamba2Mixer.forward`` and the families' copies, without a previous state), the final conv
+    window and recurrent state written into HF's cache layer ``mixer.layer_idx``.
+
+    Differences from HF's torch fallback, none in fp32: ``dt + dt_bias`` and its softplus are
+    taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's fallback uses the
+    input dtype), and the scan output is rounded to the model dtype before the gated norm (as
+    mamba_ssm's ``mamba_chunk_scan_combined`` returns it).
+
+    Args:
+        mixer: the HF Mamba-2 mixer (``layer_idx``, ``time_step_limit``, ``chunk_size``).
+        cache_params: HF's cache for this prefill (a ``DynamicCache`` with linear-attention layers).
+        attention_mask: the 2-D padding mask ``[B, L]`` (1 = token) HF hands the mixer, or None.
+        scan: ``"fla"`` or ``"torch"`` (:func:`specdec.kernels.mamba2.chunked.resolve_scan`).
+    """
+
+    def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
+        self.layer_idx = mixer.layer_idx
+        self.dt_limit = tuple(mixer.time_step_limit)
+        self.chunk_size = int(mixer.chunk_size)
+        self.cache_params = cache_params
+        self.attention_mask = attention_mask
+        self.scan = scan
+
+    def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [B, L, D]`` with padding positions zeroed (HF's ``apply_mask_to_padding_states``)."""
+        return apply_mask_to_padding_states(hidden_states, self.attention_mask)
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        """Causal depthwise conv of the prompt ``x [B, L, C]`` from a zero history (weight ``[C, W]``)
+        -> ``[B, L, C]`` in ``x.dtype``, padding zeroed; the last ``W`` inputs (left-padded with
+        zeros) become HF's conv state."""
+        B, L, C = x.shape
+        W = weight.shape[-1]
+        self.cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+        out = conv1d_verify(x.new_zeros(B, C, W - 1 + L), x, weight, bias, activation)
+        return self.mask_padding(out)
+
+    def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
+        """The scan over the prompt from a zero state: ``inputs`` x ``[B, L, H, P]``, dt ``[B, L, H]``
+        (softplus'd), B, C ``[B, L, G, N]``; ``params`` A, D ``[H]`` (all fp32). Returns ``y [B, L,
+        H, P]`` fp32 (D skip included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache."""
+        dt = inputs["dt"].clamp(*self.dt_limit)
+        y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
+                                      self.chunk_size, params["D"])
+        self.cache_params.update_recurrent_state(state, self.layer_idx)
+        return y
+
+
+PROMPT_LAYERS["mamba2"] = Mamba2PromptLayer
 
 
 def gated_mamba2_mixer(mixer, hidden_states, layer):

@@ -1,0 +1,250 @@
+"""Prefill of the Mamba-2 families through the chunked SSD scan (:mod:`specdec.kernels.mamba2.chunked`).
+
+* The scan against the per-token recurrence (:func:`specdec.kernels.mamba2.naive.mamba2_verify`):
+  prompts shorter than, equal to and longer than a chunk (not a multiple of it), one chunk per
+  segment, an initial state.
+* Every Mamba-2 family on a ragged left-padded batch of prompts longer than its chunk size: each
+  layer's conv window and recurrent state after ``prefill`` against HF's own mixer run on the
+  layer's input one token at a time (fp32), the logits against HF's forward, the
+  ``time_step_limit`` clamp against HF's prefill, and speculative generation against
+  ``generate(do_sample=False)``.
+* With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
+  torch reference; ``gpu``: its kernel against the torch scan, and a CUDA prefill against HF's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import hf_greedy, rel_err
+from markers import needs_cuda
+from tiny_models import make_model, ragged_prompts
+from transformers import DynamicCache
+
+import specdec
+from specdec.kernels.mamba2.chunked import SCANS, mamba2_chunk_scan, mamba2_chunk_scan_fla, resolve_scan
+from specdec.kernels.mamba2.naive import mamba2_verify
+from specdec.models.mamba2 import Mamba2PromptLayer
+
+MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2")
+#: prompt lengths of the ragged batch: all longer than the tiny models' chunk of 16, none a multiple of it
+LENGTHS = (40, 23, 33)
+TOL = 1e-5
+
+
+def scan_inputs(b, L, H, P, G, N, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, dt, B, C = r(b, L, H, P), torch.nn.functional.softplus(r(b, L, H)), r(b, L, G, N), r(b, L, G, N)
+    A, D, h0 = -torch.rand(H, generator=g) * 2 - 0.05, r(H), r(b, H, P, N)
+    return tuple(t.to(device) for t in (x, dt, A, B, C, D, h0))
+
+
+@pytest.mark.parametrize("L,chunk,G,seg", [
+    pytest.param(1, 16, 2, None, id="L1-l16"),
+    pytest.param(16, 16, 2, None, id="L16-l16"),
+    pytest.param(37, 16, 2, None, id="L37-l16"),
+    pytest.param(37, 16, 1, 1, id="L37-l16-G1-segment1"),
+    pytest.param(70, 8, 4, 3 * 4 * 4 * 8 * 8 * 2, id="L70-l8-G4-segment2"),
+])
+@pytest.mark.parametrize("initial", [False, True], ids=["h0=0", "h0"])
+def test_chunk_scan_matches_recurrence(L, chunk, G, seg, initial):
+    x, dt, A, B, C, D, h0 = scan_inputs(3, L, 4, 8, G, 6)
+    y_ref, states, _ = mamba2_verify(h0 if initial else torch.zeros_like(h0), x, dt, A, B, C, D, return_states=True)
+    kw = {"segment_bytes": seg} if seg is not None else {}
+    y, h = mamba2_chunk_scan(x, dt, A, B, C, chunk, D, h0 if initial else None, **kw)
+    assert y.dtype == h.dtype == torch.float32
+    assert y.shape == x.shape and h.shape == states.shape[:1] + states.shape[2:]
+    assert rel_err(y, y_ref) < TOL and rel_err(h, states[:, -1]) < TOL
+
+
+def test_scan_choice_errors():
+    assert resolve_scan("auto", "cpu") == "torch" and resolve_scan("hf", "cpu") == "hf"
+    with pytest.raises(ValueError, match="scan must be one of"):
+        resolve_scan("triton", "cpu")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        resolve_scan("fla", "cpu")
+    x, dt, A, B, C, D, h0 = scan_inputs(1, 5, 4, 8, 2, 6)
+    with pytest.raises(ValueError, match="shapes"):
+        mamba2_chunk_scan(x, dt[:, :3], A, B, C, 4)
+    with pytest.raises(ValueError, match="initial_state"):
+        mamba2_chunk_scan(x, dt, A, B, C, 4, initial_state=h0[..., :3])
+    assert set(SCANS) == {"auto", "fla", "torch", "hf"}
+
+
+# ------------------------------------------------------------------------------ model level
+
+_MODELS: dict = {}
+
+
+def model_of(family, dt_limit=(0.0, float("inf"))):
+    """The tiny ``family`` model with every mixer's ``time_step_limit`` set to ``dt_limit``
+    (default: no clamp, so HF's prefill and decode step agree), every other head decaying slowly
+    (``A = -0.01``) and random conv biases, so that padding not masked as HF masks it would show
+    in the state; built once per setting."""
+    key = (family, dt_limit)
+    if key not in _MODELS:
+        model = make_model(family)
+        ad = specdec.models.adapter_for(model)
+        for mixer, _ in ad.ssm_layers().values():
+            mixer.time_step_limit = dt_limit
+            with torch.no_grad():
+                mixer.A_log[::2] = math.log(0.01)
+                mixer.conv1d.bias.normal_()  # HF initialises it to zeros, which hides padding the conv sees
+        _MODELS[key] = (model, ad)
+    return _MODELS[key]
+
+
+def prefill(ad, ids, mask, scan):
+    cache = ad.new_cache(ids.shape[0], ids.shape[1] + 8, 4, specdec.rollback.make_strategy("snapshot"))
+    logits, _ = ad.prefill(ids, mask, cache, scan=scan)
+    return logits, {idx: (layer.ssm_state().clone(), layer.conv_state().clone()) for idx, layer in cache.ssm.items()}
+
+
+@torch.no_grad()
+def token_by_token(mixer, config, hidden):
+    """HF's own ``mixer`` over ``hidden [1, n, D]`` one token at a time from an empty cache (the
+    first token through its prefill path, the rest through its decode step): ``(recurrent state
+    [1, H, P, N], conv window [1, C, W])`` fp32."""
+    cache = DynamicCache(config=config)
+    for t in range(hidden.shape[1]):
+        mixer(hidden[:, t : t + 1], cache_params=cache, attention_mask=None)
+    layer = cache.layers[mixer.layer_idx]
+    return layer.recurrent_states[0].float(), layer.conv_states[0].float()
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_prefill_states_match_token_by_token(family):
+    """Ragged left-padded prompts of 23-40 tokens (chunk 16): each Mamba-2 layer's recurrent state
+    and conv window after prefill equal HF's own mixer run on that layer's input one token at a
+    time (fp32, each row without its padding); the logits equal HF's forward's."""
+    model, ad = model_of(family)
+    assert all(op == "mamba2" for _, op in ad.ssm_layers().values())
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    inputs, hooks = {}, []
+    for idx, (mixer, _) in ad.ssm_layers().items():
+        def record(mod, args, kw, idx=idx):
+            inputs[idx] = kw["hidden_states"] if "hidden_states" in kw else args[0]
+
+        hooks.append(mixer.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        logits, states = prefill(ad, ids, mask, "torch")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(inputs) == sorted(states)
+    for idx, (ssm_state, conv_state) in states.items():
+        mixer = ad.ssm_layers()[idx][0]
+        for b in range(ids.shape[0]):
+            ref_state, ref_conv = token_by_token(mixer, model.config, inputs[idx][b : b + 1, mask[b].bool()])
+            W1 = conv_state.shape[-1]
+            assert rel_err(ssm_state[b], ref_state[0]) < TOL, f"layer {idx} row {b}: recurrent state"
+            assert rel_err(conv_state[b].float(), ref_conv[0, :, -W1:]) < TOL, f"layer {idx} row {b}: conv window"
+    with torch.no_grad():
+        hf_logits = model(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+    assert rel_err(logits.float(), hf_logits) < TOL
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_prefill_clamps_dt_as_hf_prefill(family):
+    """With a ``time_step_limit`` that clamps many steps (a bound on each side), the states and
+    logits equal HF's own prefill (which clamps; its decode step does not)."""
+    model, ad = model_of(family, dt_limit=(0.3, 1.5))
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    logits, states = prefill(ad, ids, mask, "torch")
+    hf_logits, hf = prefill(ad, ids, mask, "hf")
+    assert rel_err(logits, hf_logits) < TOL
+    for idx, (ssm_state, conv_state) in states.items():
+        assert rel_err(ssm_state, hf[idx][0]) < TOL and rel_err(conv_state, hf[idx][1]) < TOL
+    unclamped = prefill(model_of(family)[1], ids, mask, "torch")[1]
+    assert max(rel_err(states[i][0], unclamped[i][0]) for i in states) > 1e-2  # the clamp mattered
+
+
+def test_prompt_layer_is_used(monkeypatch):
+    """The Mamba-2 mixers run the prompt layer's scan during prefill (``scan="hf"``: HF's own)."""
+    _, ad = model_of("nemotron_h")
+    calls = []
+    original = Mamba2PromptLayer.ssm
+    monkeypatch.setattr(Mamba2PromptLayer, "ssm", lambda self, *a: calls.append(self.layer_idx) or original(self, *a))
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    prefill(ad, ids, mask, "auto")
+    assert sorted(calls) == sorted(ad.ssm_layers())
+    calls.clear()
+    prefill(ad, ids, mask, "hf")
+    assert calls == []
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_speculative_exact_with_long_prompts(family):
+    """Speculative greedy output equals HF's ``generate`` with prompts longer than the chunk."""
+    model = make_model(family)
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    ref = hf_greedy(model, ids, mask, max_new=10)
+    sd = specdec.wrap(model, drafter="ngram", rollback="snapshot", num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
+
+
+def test_fla_arguments_against_fla_reference(monkeypatch):
+    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
+    1, the state transposed), with fla's own torch reference of ``chunk_simple_gla`` in place of
+    the kernel, so it runs on any device; P != N, so a missing transpose shows."""
+    naive = pytest.importorskip("fla.ops.simple_gla.naive")
+    import fla.ops.simple_gla
+
+    def reference(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, **kw):
+        return naive.naive_recurrent_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state)
+
+    monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", reference)
+    x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
+    y, h = mamba2_chunk_scan(x, dt, A, B, C, 16, D, h0)
+    y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
+    assert rel_err(y_fla, y) < TOL and rel_err(h_fla, h) < TOL
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("b,L", [(2, 1000), (16, 128)], ids=["B2-T1000", "B16-T128"])
+def test_fla_scan_matches_torch_scan(b, L):
+    """fla's ``chunk_simple_gla`` against the fp32 torch scan at a 4B model's head shape
+    (H 16 of 64 x 128, 2 groups); TF32 matmuls bound the agreement at ~1e-3. The torch scan on
+    CUDA against the per-token recurrence, fp32."""
+    pytest.importorskip("fla.ops.simple_gla")
+    x, dt, A, B, C, D, h0 = scan_inputs(b, L, 16, 64, 2, 128, device="cuda")
+    dt = dt * 0.1
+    y, h = mamba2_chunk_scan(x, dt, A, B, C, 128, D, h0)
+    y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
+    assert h_fla.shape == h.shape and y_fla.shape == y.shape
+    assert rel_err(y_fla, y) < 5e-3 and rel_err(h_fla, h) < 5e-3
+    y_ref, states, _ = mamba2_verify(h0, x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], D, return_states=True)
+    y200, h200 = mamba2_chunk_scan(x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], 128, D, h0)
+    assert rel_err(y200, y_ref) < TOL and rel_err(h200, states[:, -1]) < TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fla_prefill_on_cuda():
+    """On CUDA: a Nemotron-H prefill with fla's scan against HF's own (its torch fallback), fp32
+    (TF32 bounds the agreement); ``auto`` picks fla for a bf16 model (the torch scan for fp32),
+    and speculative output with that prefill equals plain decoding's through the same engine."""
+    pytest.importorskip("fla.ops.simple_gla")
+    model = make_model("nemotron_h").cuda()
+    ad = specdec.models.adapter_for(model)
+    ids, mask = (t.cuda() for t in ragged_prompts(lengths=LENGTHS))
+    logits, states = prefill(ad, ids, mask, "fla")
+    hf_logits, hf = prefill(ad, ids, mask, "hf")
+    assert rel_err(logits, hf_logits) < 5e-3
+    for idx in states:
+        assert rel_err(states[idx][0], hf[idx][0]) < 5e-3 and rel_err(states[idx][1], hf[idx][1]) < 5e-3
+    assert resolve_scan("auto", "cuda", torch.float32) == "torch" and resolve_scan("auto", "cuda") == "fla"
+    model = model.bfloat16()
+    kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    plain = specdec.wrap(model, num_speculative_tokens=0).generate(ids, **kw)
+    sd = specdec.wrap(model, drafter="ngram", rollback="snapshot", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, **kw), plain)
