@@ -187,7 +187,7 @@ def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                              output_final_state=True)
     if D is not None:
         y = y + x * D.to(f32)[:, None]
-    return y, ht.transpose(-1, -2)
+    return y, ht.transpose(-1, -2).contiguous()  # [B, H, P, N], as the caches keep it
 
 
 def mamba2_prompt_scan(scan: str, x, dt, A, B, C, chunk_size: int, D=None, initial_state=None):
