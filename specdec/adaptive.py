@@ -83,7 +83,13 @@ class PolicySettings:
             observed, in [0, 1] (each call starts from it: its rows are new sequences).
         hysteresis: keep the current K unless another is predicted faster by more than this
             fraction (>= 0).
-        probe_interval: at K = 0, every this-many-th step runs K = 1 (>= 1).
+        min_gain: speculate (K > 0) only when predicted faster than plain decoding (K = 0) by more
+            than this fraction (>= 0): in a batch that ends with its slowest row, rows that
+            speculate finish steps apart and the batch waits for the last, a loss the per-step
+            prediction does not see.
+        probe_interval: at K = 0, every this-many-th step at least runs K = 1 (>= 1).
+        probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
+            time at K = 0 (in (0, 1]; at a large batch a K = 1 step costs much more than a K = 0 one).
         cost_weight: weight of a new step time in the online cost averages, in (0, 1].
         calibration_repeats: timed runs of each step width when measuring (>= 1; the fastest counts).
         memory_budget_bytes: ``rollback="auto"``: the most bytes a strategy's rollback buffers may
@@ -98,7 +104,9 @@ class PolicySettings:
     acceptance_batch: int = 8
     prior_acceptance: float = 0.6
     hysteresis: float = 0.05
+    min_gain: float = 0.05
     probe_interval: int = 8
+    probe_budget: float = 0.01
     cost_weight: float = 0.2
     calibration_repeats: int = 3
     memory_budget_bytes: int | None = None
@@ -111,13 +119,14 @@ class PolicySettings:
         def bad(name, want):
             raise ValueError(f"PolicySettings.{name} must be {want}, got {getattr(self, name)!r}")
 
-        for name in ("acceptance_weight", "cost_weight"):
+        for name in ("acceptance_weight", "cost_weight", "probe_budget"):
             if not 0.0 < float(getattr(self, name)) <= 1.0:
                 bad(name, "in (0, 1]")
         if not 0.0 <= float(self.prior_acceptance) <= 1.0:
             bad("prior_acceptance", "in [0, 1]")
-        if not float(self.hysteresis) >= 0.0:
-            bad("hysteresis", ">= 0")
+        for name in ("hysteresis", "min_gain"):
+            if not float(getattr(self, name)) >= 0.0:
+                bad(name, ">= 0")
         for name in ("probe_interval", "calibration_repeats", "acceptance_batch"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
@@ -396,15 +405,25 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
 # ------------------------------------------------------------------------------ choices
 
 
-def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float) -> int:
+def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float,
+             min_gain: float = 0.0) -> int:
     """The K of the next step: ``argmax_K expected[K] / step_s[K]`` (the smallest K on a tie),
-    unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``).
+    unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``);
+    a K > 0 (as the best or as the kept ``current``) only when its rate beats K = 0's by more than
+    ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``), else 0.
 
     Args: expected, step_s: per K = 0..M, tokens a step commits and its seconds (> 0).
-        current: the K of the last step, or None."""
+        current: the K of the last step, or None. hysteresis, min_gain: fractions (>= 0)."""
     rate = [e / t for e, t in zip(expected, step_s)]
+
+    def worth(K: int) -> bool:
+        return K == 0 or rate[K] > (1.0 + min_gain) * rate[0]
+
     best = max(range(len(rate)), key=lambda K: (rate[K], -K))
-    if current is not None and current < len(rate) and rate[best] <= (1.0 + hysteresis) * rate[current]:
+    if not worth(best):
+        best = 0
+    if (current is not None and current < len(rate) and worth(current)
+            and rate[best] <= (1.0 + hysteresis) * rate[current]):
         return current
     return best
 
@@ -506,11 +525,11 @@ class SpeculationPolicy:
     def next_k(self) -> int:
         """The K of the next step (host side; no device work)."""
         times = self.step_times()
-        self.current = choose_k(self.expected, times, self.current, self.settings.hysteresis)
+        self.current = choose_k(self.expected, times, self.current, self.settings.hysteresis, self.settings.min_gain)
         K = self.current
         if K == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero % self.settings.probe_interval == 0:
+            if self.steps_at_zero % self.probe_every(times) == 0:
                 K = 1  # probe: observe acceptance again
         else:
             self.steps_at_zero = 0
@@ -518,6 +537,13 @@ class SpeculationPolicy:
         self._predicted_tokens += self.expected[K]
         self._predicted_s += times[K]
         return K
+
+    def probe_every(self, times: list[float]) -> int:
+        """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at
+        K = 1, ``times[1]`` seconds against ``times[0]``) costs more than ``probe_budget`` of the
+        time at K = 0 spread over the interval."""
+        extra = max(0.0, times[1] - times[0]) / times[0] if len(times) > 1 and times[0] > 0 else 0.0
+        return max(self.settings.probe_interval, math.ceil(extra / self.settings.probe_budget - 1e-9))
 
     def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
         """Device side, after the step's acceptance: update the acceptance estimate with the

@@ -141,10 +141,11 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     ids, mask, eos, ref = reference(family)
     L = ids.shape[1]
     plain = get_model(family).generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False, pad_token_id=0)
-    drafter = OracleDrafter(plain, mask, acceptance=[0.0] * 12 + [1.0], seed=0)
+    drafter = OracleDrafter(plain, mask, acceptance=[0.0] * 10 + [1.0], seed=0)
     sd = specdec.wrap(get_model(family), drafter=drafter, rollback="replay", num_speculative_tokens="auto",
                       cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K),
-                      policy=PolicySettings(acceptance_batch=1))  # the full weight at this batch of 3
+                      policy=PolicySettings(acceptance_batch=1, probe_budget=1.0))  # the full weight at this
+    # batch of 3, a probe every 8 steps at K = 0
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=48, pad_token_id=0)
     assert torch.equal(out, plain)
     ks = sd.last_stats.k_per_step
@@ -218,6 +219,30 @@ def test_choose_k_maximises_goodput_with_hysteresis():
         for current in range(M + 1):
             want = current if rates[best] <= 1.05 * rates[current] else best
             assert choose_k(expected, times, current, 0.05) == want
+        # min_gain: a K > 0, chosen or kept, must beat K = 0 by more than the margin
+        for gain in (0.1, 0.5):
+            def worth(K):
+                return K == 0 or rates[K] > (1 + gain) * rates[0]
+            top = best if worth(best) else 0
+            assert choose_k(expected, times, None, 0.05, gain) == top
+            for current in range(M + 1):
+                want = current if worth(current) and rates[top] <= 1.05 * rates[current] else top
+                assert choose_k(expected, times, current, 0.05, gain) == want
+
+
+def test_probes_are_spaced_by_their_cost():
+    """At K = 0 the probe interval is probe_interval, or (t(1) - t(0)) / t(0) / probe_budget steps
+    when probing costs more than that budget."""
+    for t1, budget, want in ((1.05, 0.01, 8), (1.3, 0.01, 30), (2.0, 0.05, 20), (0.9, 0.01, None)):
+        settings = PolicySettings(probe_interval=8, probe_budget=budget)
+        policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0 if K == 0 else t1 + 0.1 * (K - 1)),
+                                   CostKey("eager", "replay", 2), None, 3, 2, 500, 0.0, "cpu")
+        if want is None:  # K = 1 costs less than K = 0: probing costs nothing, the minimum interval holds
+            assert policy.probe_every(policy.step_times()) == 8
+            continue
+        assert policy.probe_every(policy.step_times()) == want
+        ks = [policy.next_k() for _ in range(2 * want)]
+        assert [i for i, K in enumerate(ks) if K] == [want - 1, 2 * want - 1]
 
 
 def test_acceptance_estimator_rule():
@@ -244,7 +269,7 @@ def test_acceptance_estimator_rule():
 def test_policy_probes_at_k0_and_counts_what_it_predicted():
     """K = 0 is best for constant acceptance 0: every 8th step at K = 0 is a K = 1 probe."""
     costs = FixedCosts(lambda strategy, batch, K: 1.0 + K)
-    settings = PolicySettings(probe_interval=8)
+    settings = PolicySettings(probe_interval=8, probe_budget=1.0)  # a probe's cost does not space them further
     policy = SpeculationPolicy(settings, costs, CostKey("eager", "replay", 2), None, 4, 2, 100, 0.0, "cpu")
     ks = [policy.next_k() for _ in range(24)]
     assert ks == ([0] * 7 + [1]) * 3
@@ -355,9 +380,10 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
     out = sd.generate(ids, **kw)
     assert torch.equal(out, ref)
     decoder, strategy = sd.decoder, sd.strategy
-    mine = [e for e in events if e[1] is decoder]
-    assert mine[0] == ("prepare", decoder, [1, 2, 3, 4])
-    assert all(kind == "forward" for kind, _, _ in mine[1:])
+    mine = [e for e in events if e[1] is decoder]  # (a decoder measured for the choice may be kept)
+    at = mine.index(("prepare", decoder, [1, 2, 3, 4]))
+    assert all(kind == "forward" for kind, _, _ in mine[at + 1:])
+    assert len(mine) - at - 1 == sd.last_stats.steps  # every step came after it
     # the costs the next call would see: the strategy that ran is now far slower than the others
     for K in range(4):
         sd.cost_model.observe(CostKey("static", strategy.name, ids.shape[0]), object(), K, 0.0, 1e3)
@@ -427,7 +453,8 @@ def test_bad_adaptive_settings_fail_clearly():
         specdec.wrap(model, num_speculative_tokens="auto", cost_model={"K": 1})
     with pytest.raises(TypeError, match="policy must be a specdec.adaptive.PolicySettings"):
         specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
-    for field, value in (("hysteresis", -0.1), ("probe_interval", 0), ("acceptance_weight", 0.0),
+    for field, value in (("hysteresis", -0.1), ("min_gain", -0.01), ("probe_budget", 0.0), ("probe_interval", 0),
+                         ("acceptance_weight", 0.0),
                          ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0)):
         with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
             PolicySettings(**{field: value})
