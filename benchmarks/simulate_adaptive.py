@@ -1,0 +1,113 @@
+"""Replay ``num_speculative_tokens="auto"``'s policy on the step costs an ``experiment=adaptive`` run
+measured, with the oracle drafter's acceptance drawn on the host: what would auto choose, and
+how would it fare against every fixed K, for policy settings the GPU has not run?
+
+The policy is :class:`specdec.adaptive.SpeculationPolicy` itself (its acceptance estimator,
+``choose_k``, hysteresis, ``min_gain``, probes), driven with :class:`specdec.adaptive.FixedCosts`:
+the step time at K is the fastest strategy's ``decode_ms_per_step`` at that K in the run (K = 0:
+the run's plain ``plain_decode_ms_per_step``), linear between the measured K. Each row accepts
+each draft with the workload's probability, independently, until the first rejection (as
+:class:`specdec.drafters.OracleDrafter` corrupts drafts); a fixed batch runs until its slowest
+row has its ``max_new_tokens``, every step costing the whole batch's time. This predicts; the
+GPU run (``experiment=adaptive``) measures.
+
+    python benchmarks/simulate_adaptive.py benchmarks/results/adaptive_qwen35_shape_b1.jsonl
+    python benchmarks/simulate_adaptive.py RUN/results.jsonl --max-new 256 --seeds 4 --min-gain 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from specdec.adaptive import CostKey, FixedCosts, PolicySettings, SpeculationPolicy
+
+
+def step_costs(records: list[dict], batch: int, max_k: int) -> list[float]:
+    """Seconds of one step at K = 0..max_k for ``batch``: the fastest fixed cell of each measured K
+    over every strategy and workload, K = 0 from plain decoding, linear in between."""
+    rows = [r for r in records if r.get("batch") == batch and isinstance(r.get("num_speculative_tokens"), int)
+            and r.get("rollback") != "auto"]
+    if not rows:
+        raise ValueError(f"no fixed-K records of batch {batch} in the results")
+    measured = {0: statistics.median(r["plain_decode_ms_per_step"] for r in rows)}
+    for r in rows:
+        K = r["num_speculative_tokens"]
+        measured[K] = min(measured.get(K, float("inf")), r["decode_ms_per_step"])
+    ks = sorted(measured)
+    return [float(np.interp(K, ks, [measured[k] for k in ks])) / 1e3 for K in range(max_k + 1)]
+
+
+def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings: PolicySettings,
+             fixed_k: int | None, seed: int) -> tuple[float, list[int]]:
+    """Tokens/s of one batch (``acceptance``: a rate, or a function of a row's new-token count)
+    under the policy (``fixed_k`` None) or a fixed K; and the K of every step."""
+    M = len(costs) - 1
+    gen = torch.Generator().manual_seed(seed)
+    policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None,
+                               M, batch, max_new, settings.prior_acceptance, "cpu")
+    rate = acceptance if callable(acceptance) else (lambda p: acceptance)
+    n_gen = torch.zeros(batch, dtype=torch.long)
+    seconds, ks = 0.0, []
+    while bool((n_gen < max_new).any()):
+        K = policy.next_k() if fixed_k is None else fixed_k
+        live = n_gen < max_new
+        asked = torch.minimum(torch.full((batch,), K), (max_new - n_gen - 1).clamp(min=0)) * live
+        a = torch.tensor([rate(int(p)) for p in n_gen])
+        hit = torch.rand(batch, max(M, 1), generator=gen) < a[:, None]
+        first_miss = torch.where(~hit, torch.arange(hit.shape[1])[None, :], hit.shape[1]).min(1).values
+        n = torch.minimum(first_miss, asked)
+        n_gen = torch.minimum(n_gen + (n + 1) * live, torch.full_like(n_gen, max_new))
+        if fixed_k is None:
+            left = (max_new - n_gen - 1).clamp(min=0)
+            policy.expected = policy.update(n, asked, live, n_gen < max_new, left).tolist()
+        seconds += costs[K]
+        ks.append(K)
+    return batch * max_new / seconds, ks
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="results.jsonl of an experiment=adaptive run")
+    p.add_argument("--max-new", type=int, default=256, help="new tokens per row (default 256)")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--seeds", type=int, default=3, help="acceptance draws averaged per cell")
+    p.add_argument("--phases", type=float, nargs="*", default=[0.9, 0.1], help="the changing workload")
+    for name in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
+    args = p.parse_args(argv)
+    records = [json.loads(line) for line in open(args.results)]
+    given = {k: getattr(args, k) for k in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance",
+                                          "hysteresis") if getattr(args, k) is not None}
+    settings = replace(PolicySettings(), **given)
+    workloads = sorted({r["acceptance"] for r in records if isinstance(r.get("acceptance"), (int, float))})
+    share = max(1, args.max_new // max(1, len(args.phases)))
+    changing = (lambda pos: args.phases[min(pos // share, len(args.phases) - 1)]) if args.phases else None
+    print(f"{args.results}: {args.max_new} new tokens, {args.seeds} draws per cell, {settings}\n")
+    print("| batch | acceptance | best fixed K | auto / best fixed | auto / plain | auto / worst fixed K | auto's K histogram |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for batch in sorted({r["batch"] for r in records if "batch" in r}):
+        costs = step_costs(records, batch, args.max_k)
+        cells = [(f"{a:g}", a) for a in workloads] + ([("->".join(f"{a:g}" for a in args.phases), changing)]
+                                                       if changing else [])
+        for label, acc in cells:
+            def mean_rate(k):
+                return statistics.fmean(simulate(costs, batch, acc, args.max_new, settings, k, s)[0]
+                                        for s in range(args.seeds))
+            fixed = {k: mean_rate(k) for k in range(args.max_k + 1)}
+            runs = [simulate(costs, batch, acc, args.max_new, settings, None, s) for s in range(args.seeds)]
+            auto = statistics.fmean(r for r, _ in runs)
+            best = max(fixed, key=fixed.get)
+            worst = min(v for k, v in fixed.items() if k > 0)
+            hist = np.bincount(runs[0][1], minlength=args.max_k + 1).tolist()
+            print(f"| {batch} | {label} | {best} | {auto / fixed[best]:.3f} | {auto / fixed[0]:.3f} | "
+                  f"{auto / worst:.2f} | {hist} |")
+
+
+if __name__ == "__main__":
+    main()
