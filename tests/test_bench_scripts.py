@@ -71,3 +71,33 @@ def test_sweep_configs_option_tiny_cpu(tmp_path):
                           "cpu", "--tiny", "--configs", "def;8,x,5"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
     assert res.returncode == 2 and "'8,x,5'" in res.stderr and "integers" in res.stderr
+
+
+def test_simulate_adaptive_replays_the_policy(tmp_path):
+    """benchmarks/simulate_adaptive.py: a fixed K at acceptance 1 commits K + 1 tokens per step, so
+    its rate is exact; the step costs come from the results' fastest cells, linear between the
+    measured K; the script prints one row per batch and workload from an experiment=adaptive
+    results file."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("simulate_adaptive", os.path.join(ROOT, "benchmarks",
+                                                                                     "simulate_adaptive.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    records = [{"batch": 4, "num_speculative_tokens": K, "rollback": r, "acceptance": a,
+                "decode_ms_per_step": 2.0 + K * (0.5 if r == "ring" else 0.7), "plain_decode_ms_per_step": 1.5}
+               for K in (1, 4) for r in ("ring", "replay") for a in (0.5, 1.0)]
+    costs = sim.step_costs(records, 4, 4)
+    assert costs == [0.0015, 0.0025, 0.003, 0.0035, 0.004]
+    from specdec.adaptive import PolicySettings
+    rate, ks = sim.simulate(costs, 4, 1.0, 20, PolicySettings(), 3, seed=0)
+    assert ks == [3] * 5 and rate == 4 * 20 / (5 * costs[3])
+    rate0, _ = sim.simulate(costs, 4, 0.0, 20, PolicySettings(), None, seed=0)
+    assert rate0 <= 4 * 20 / (20 * costs[0]) + 1e-9  # nothing accepted: no faster than plain
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = _run("simulate_adaptive.py", str(path), "--max-new", "12", "--max-k", "4", "--seeds", "1",
+                 tmp_path=tmp_path)
+    rows = [x for x in lines if x.startswith("| 4 |")]
+    assert [x.split("|")[2].strip() for x in rows] == ["0.5", "1", "0.9->0.1"]
