@@ -334,6 +334,12 @@ def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
     assert [(r["drafter"], r["mtp_layers"], r["mtp_draft_vocab"]) for r in records] == [
         ("mtp", "random", None), ("mtp-vocab:512", "random", 512)]
     assert all(r["exact"] and r["diverged_rows"] == 0 for r in records)
+    # the proposal's bytes: the layers' weights once, K reads of the head rows drafted over (fp32 here);
+    # no floor in ms without a measured copy bandwidth (CPU)
+    K, V, D = 4, 8192, 64
+    assert records[0]["draft_bytes"] - records[1]["draft_bytes"] == K * (V - 512) * D * 4
+    assert records[1]["draft_bytes"] > K * 512 * D * 4
+    assert all(r["draft_floor_ms"] is None and "draft_vs_floor" not in r for r in records)
     with pytest.raises(ValueError, match="needs drafter=mtp"):
         run_experiment(_cfg(["experiment=bench", "drafter=ngram", "drafter.mtp_draft_vocab=8"] + TINY_SHAPE + CPU),
                        tmp_path / "bad")

@@ -563,6 +563,19 @@ class MTPDrafter(Drafter):
             name = _fetch_hub_mtp_files(name)
         return cls.from_pretrained(name, target=target, tree=tree, draft_vocab=draft_vocab)
 
+    def proposal_bytes(self, num_speculative_tokens: int) -> int:
+        """The bytes a chain proposal of ``num_speculative_tokens`` (K) drafts must read at least: the
+        MTP layers' weights once, and K reads of the LM-head rows it drafts over (all V rows, or
+        ``draft_vocab``'s N) with their bias. Over the device's copy bandwidth this is the
+        proposal's floor (the embedding's K + 1 rows are left out: a few KB)."""
+        layers = sum(p.numel() * p.element_size() for p in self.layers.parameters())
+        if self._head_weight is not None:
+            rows = [self._head_weight] + ([self._head_bias] if self._head_bias is not None else [])
+        else:
+            head = self.target.get_output_embeddings()
+            rows = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+        return layers + int(num_speculative_tokens) * sum(t.numel() * t.element_size() for t in rows)
+
     # --- Drafter interface --------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

@@ -154,7 +154,12 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab}
                     shown = "mtp" if vocab is None else f"mtp-vocab:{vocab}"  # as experiment=acceptance names it
                 for strategy in strategies:
-                    e = speculative_point(model, enc, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
+                    drafter = make_drafter(cfg, drafter_name, draft, **drafter_args)
+                    if hasattr(drafter, "proposal_bytes") and K != "auto":  # the MTP drafter: its proposal's floor
+                        floor = drafter.proposal_bytes(K) / (copy_GBps * 1e9) if copy_GBps else None
+                        mtp_fields.update(draft_bytes=drafter.proposal_bytes(K),
+                                          draft_floor_ms=None if floor is None else 1e3 * floor)
+                    e = speculative_point(model, enc, drafter=drafter,
                                           strategy=strategy, K=K, max_new=max_new,
                                           pad=pad, device=device, dtype=dtype, plain=plain,
                                           reference=plain.plain_out, repeats=repeats, warmup=bool(exp.warmup),
@@ -164,6 +169,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
                            "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields, **e}
+                    if rec.get("draft_floor_ms") and rec.get("draft_ms") is not None:
+                        rec["draft_vs_floor"] = rec["draft_ms"] / rec["draft_floor_ms"]
                     if exp.profile:
                         sd = specdec.wrap(model, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
                                           rollback=strategy, num_speculative_tokens=K, decode_path=path)

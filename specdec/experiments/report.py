@@ -141,6 +141,12 @@ BENCH_COLUMNS = (
            legend="the same for specdec plain (one token per step)"),
     Column("ms_per_step", "ms/step", "{:.2f}", terminal=False, legend="wall time / verify steps, median"),
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", legend=COLUMNS[0].legend),
+    Column("draft_ms", "draft ms/step", "{:.3f}", terminal=False,
+           legend="the drafter's proposal per verify step (specdec.Stats.draft_s / steps), median of the repeats"),
+    Column("draft_floor_ms", "draft floor ms", "{:.3f}", terminal=False,
+           legend="MTP: the bytes a proposal must read (MTPDrafter.proposal_bytes: its layers' weights, K reads "
+                  "of the LM-head rows drafted over) / the copy bandwidth measured by the run"),
+    Column("draft_vs_floor", "draft x floor", "{:.2f}x", terminal=False, legend="draft ms/step / draft floor ms"),
     Column("draft_share", "draft %", "{:.0%}", terminal=False,
            legend="share of the decode steps' time spent drafting (specdec.Stats, summed over the repeats)"),
     Column("verify_share", "verify %", "{:.0%}", terminal=False, legend="share verifying (target forward + acceptance)"),
