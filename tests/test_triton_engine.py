@@ -22,7 +22,7 @@ pytestmark = needs_triton_interpreter
 )
 def test_triton_backend_exact(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    model = get_model(family, "small")  # one layer of each type (target and draft): the interpreter is slow
+    model = get_model(family, "small")  # one SSM and one attention layer (target and draft): the interpreter is slow
     ids, mask = ragged_prompts()
     sd = specdec.wrap(model, drafter=DraftModelDrafter(perturbed_copy(model)), rollback=strategy,
                       num_speculative_tokens=3)
