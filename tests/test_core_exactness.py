@@ -14,7 +14,8 @@ from specdec.drafters import DraftModelDrafter, Drafter
 from specdec.rollback import STRATEGIES
 
 
-@pytest.mark.parametrize("K", [1, 2, 4, 8])
+# K = 1 and 4 in the default run (every K up to 16 per family: test_commit_edge_cases); -m slow adds 2 and 8
+@pytest.mark.parametrize("K", [1, pytest.param(2, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("drafter", ["ngram", "perturbed", "small"])
 def test_greedy_exact_vs_hf(family, drafter, strategy, K):

@@ -330,7 +330,7 @@ def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     monkeypatch.setattr(Mamba2Op, "tree_verify", torch_tree_path)
     monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)  # KDA inherits it
     monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
-    model = make_model(family, seed=0)
+    model = make_model(family, seed=0, small=True)  # one SSM and one attention layer: the interpreter is slow
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     sd = specdec.wrap(model, drafter=OracleTree(reference_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),
@@ -459,7 +459,7 @@ def test_static_path_tree_on_the_triton_backend(monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)
     monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
-    model = make_model("qwen3_5", seed=0)
+    model = make_model("qwen3_5", seed=0, small=True)  # one SSM and one attention layer: the interpreter is slow
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     sd = specdec.wrap(model, drafter=OracleTree(reference_rows(ref, ids, mask), 96, tree=SMALL_TREE, num_heads=3),

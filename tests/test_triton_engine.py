@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import hf_greedy
 from markers import needs_triton_interpreter
-from tiny_models import get_model, ragged_prompts
+from tiny_models import get_model, perturbed_copy, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter
@@ -22,9 +22,9 @@ pytestmark = needs_triton_interpreter
 )
 def test_triton_backend_exact(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    model = get_model(family)
+    model = get_model(family, "small")  # one SSM and one attention layer (target and draft): the interpreter is slow
     ids, mask = ragged_prompts()
-    sd = specdec.wrap(model, drafter=DraftModelDrafter(get_model(family, "perturbed")), rollback=strategy,
+    sd = specdec.wrap(model, drafter=DraftModelDrafter(perturbed_copy(model)), rollback=strategy,
                       num_speculative_tokens=3)
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
     assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
