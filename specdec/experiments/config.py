@@ -511,9 +511,14 @@ class MtpTrainConfig(MedusaTrainConfig):
     chain_steps: int = 4  # drafting steps trained (1 = predict token t+2 only)
     soft_labels: bool = False  # with labels=target: the target's distributions, not only its greedy tokens
     batch_windows: int = 4
-    steps: int = 500
+    steps: int = 1600
     batch_positions: int = 1024  # per drafting step
-    lr: float = 3.0e-3
+    lr: float = 6.0e-3
+
+
+@dataclass
+class MtpDataConfig(MedusaDataConfig):
+    tokens: int = 600_000
 
 
 @dataclass
@@ -524,7 +529,7 @@ class TrainMtpConfig(BaseConfig):
     target: str = "gdn-target"
     out_dir: Optional[str] = None
     corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
-    data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
+    data: MtpDataConfig = field(default_factory=MtpDataConfig)
     mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
     train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
 
