@@ -14,7 +14,9 @@ token (stopping criteria, logits processors, returned scores) are one optional p
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
 :class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
 expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
-prefill (:mod:`specdec.adaptive`).
+prefill (:mod:`specdec.adaptive`). Continuous batching (:meth:`SpeculativeGenerator.generate_batch`,
+:mod:`specdec.batching`) runs the same loop over a pool of rows: each step starts with an admission
+phase in which rows whose request ended take the next waiting prompts.
 """
 
 from __future__ import annotations
@@ -409,10 +411,8 @@ class SpeculativeGenerator:
             of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
             ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
             hook; a drafter with per-row state or a draft tree (supported: ``Drafter.stateless``
-            chain drafters such as the n-gram drafter, and ``num_speculative_tokens=0``),
-            ``num_speculative_tokens="auto"``
-            or ``rollback="auto"``; the static path with a strategy that does not reset rows in
-            place (``RollbackStrategy.resets_in_place``).
+            chain drafters such as the n-gram drafter, and ``num_speculative_tokens=0``); the static
+            path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
         """
         if prefix_caching:
             raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
@@ -420,9 +420,11 @@ class SpeculativeGenerator:
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
-        gc = generation_config if generation_config is not None else self.model.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc is not None and gc.max_new_tokens is not None else 20
+        size = pool_size(max_batch_size, len(inputs) if isinstance(inputs, (list, tuple)) else 0)
+        if max_new_tokens is None:  # (a generation_config of another type is refused by resolve below)
+            gc = generation_config if generation_config is not None else self.model.generation_config
+            max_new_tokens = getattr(gc, "max_new_tokens", None)
+            max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
         V = self.adapter.vocab_size
         requests, results = check_requests(inputs, max_new_tokens, V,
                                            getattr(self.model.config, "max_position_embeddings", None))
@@ -431,7 +433,7 @@ class SpeculativeGenerator:
                                                 status=RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
         if requests:
-            pool = RequestPool(requests, min(pool_size(max_batch_size, len(inputs)), len(requests)))
+            pool = RequestPool(requests, min(size, len(requests)))
             first = pool.take(range(len(pool.slots)))
             ids, mask = left_pad([r.prompt for r in first], self.adapter.device)
             overrides = dict(max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=eos_token_id,
@@ -441,12 +443,11 @@ class SpeculativeGenerator:
             if blockers or settings.return_dict:
                 raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
                                  "; use generate() for these")
-            if self._pick_path(self.adapter.device, None) != "eager":
-                strategy = self._strategy if self._K else _IN_PLACE
-                if not strategy.resets_in_place:
-                    raise ValueError(f"rollback strategy {strategy.name!r} does not reset rows in place "
-                                     "(resets_in_place=False), which the static decode path needs across admissions; "
-                                     "use decode_path='eager' or a built-in strategy")
+            custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
+            if custom and self._pick_path(self.adapter.device, None) != "eager":
+                raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
+                                 "(resets_in_place=False), which the static decode path needs across admissions; "
+                                 "use decode_path='eager' or a built-in strategy")
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -455,12 +456,7 @@ class SpeculativeGenerator:
         return {f"req_{i}": results[i] for i in range(len(inputs))}
 
     def _check_batching(self) -> None:
-        """Raise ValueError when the generator's settings are not supported by :meth:`generate_batch` yet."""
-        if self._K == AUTO:
-            raise ValueError("generate_batch does not support num_speculative_tokens='auto' yet; give an int")
-        if self._candidates is not None:
-            raise ValueError("generate_batch does not support rollback='auto' yet; give a strategy from "
-                             f"{STRATEGIES}")
+        """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
         if self._K and (not self._drafter.stateless or self._drafter.tree is not None):
             raise ValueError(f"generate_batch does not support the drafter {type(self._drafter).__name__} yet ("
                              + ("it drafts a tree" if self._drafter.stateless else "its per-row state is not reset "
@@ -533,8 +529,8 @@ class SpeculativeGenerator:
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
-                live, longest = self._admit(pool, dec, rows, s, finished)
-                done, grown = not live, max(grown, longest + 1)
+                live, longest = self._admit(pool, dec, rows, s, finished, policy)
+                done, grown = not live, max(grown, longest)
             if done:
                 break
             first_mark = clock.marks
@@ -638,21 +634,24 @@ class SpeculativeGenerator:
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
             predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None,
-            # the steps' tokens: every row's first new token came from the prefill
-            measured_tokens_per_s=(new_tokens - B) / step_s if policy is not None and step_s > 0 else None,
+            # the steps' tokens: every row's (request's) first new token came from its prefill
+            measured_tokens_per_s=((new_tokens - (B if pool is None else len(pool.outputs))) / step_s
+                                   if policy is not None and step_s > 0 else None),
         )
         if pool is not None:
             return None
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
 
-    def _admit(self, pool: RequestPool, dec: Decoder, rows: _Rows, s, finished: list[bool]) -> tuple[bool, int]:
+    def _admit(self, pool: RequestPool, dec: Decoder, rows: _Rows, s, finished: list[bool],
+               policy: SpeculationPolicy | None) -> tuple[bool, int]:
         """The admission phase of a continuous-batching step: the rows whose request ended
         (``finished``, the host copy of ``rows.finished``) give their new tokens to ``pool`` and
         take the next queued requests: their prompts are prefilled together (left-padded) into a
         fresh cache of ``dec``'s shape, moved into those rows (:meth:`HybridCache.reset_rows`, in
         place), and each row's first new token is picked from its prefill logits, as in
-        ``generate()``. Repeats while rows end at once (EOS first, a budget of one).
+        ``generate()``; with ``num_speculative_tokens="auto"`` their acceptance estimates restart
+        from the prior. Repeats while rows end at once (EOS first, a budget of one).
 
         Returns ``(live, longest)``: whether any row decodes, and the longest text admitted (0: none)."""
         longest = 0
@@ -676,6 +675,8 @@ class SpeculativeGenerator:
             limit = torch.zeros(rows.text.shape[0], dtype=torch.long, device=dev)
             limit[idx] = 1
             rows.append(new, limit)
+            if policy is not None:
+                policy.acceptance.rates[idx] = self.policy.prior_acceptance
             finished = rows.finished.tolist()
             longest = max(longest, ids.shape[1] + 1)
 

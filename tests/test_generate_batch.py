@@ -10,6 +10,7 @@ from helpers import hf_greedy
 from tiny_models import FAMILIES, VOCAB, get_model
 
 import specdec
+from specdec.adaptive import FixedCosts
 from specdec.batching import RequestStatus
 from specdec.drafters import Drafter
 from specdec.rollback import STRATEGIES, InPlaceUpdate, make_strategy
@@ -123,6 +124,21 @@ def test_static_path_across_admissions(family, strategy):
     assert len(sd._static) == 1
 
 
+def test_auto_speculation_and_rollback():
+    """num_speculative_tokens="auto" and rollback="auto" through the same loop: exact, K varies per
+    step, the strategy is one of STRATEGIES."""
+    family = "qwen3_5"
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), drafter=TextOracle(full), rollback="auto", num_speculative_tokens="auto",
+                      max_speculative_tokens=4, decode_path="eager",
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.2 * K + 0.1 * (strategy == "replay")))
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+           prompts)
+    st = sd.last_stats
+    assert st.rollback in STRATEGIES and st.rollback_reason and max(st.k_per_step) > 0
+    assert st.new_tokens == sum(len(e) for e in expected)
+
+
 def test_plain_decoding_and_one_row():
     """K = 0 (the in-place strategy) on the static path, and a pool of one row (every request alone)."""
     family = "nemotron_h"
@@ -131,6 +147,17 @@ def test_plain_decoding_and_one_row():
         sd = specdec.wrap(get_model(family), num_speculative_tokens=K, decode_path=path)
         _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=rows), expected,
                prompts)
+
+
+def test_sampling_path():
+    """Sampling runs through the pool (the first token of each admitted row is sampled from its
+    prefill logits, drafts by rejection sampling): with top_k=1 it is greedy decoding."""
+    family = "kimi_linear"
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), num_speculative_tokens=3)
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS, do_sample=True,
+                            top_k=1)
+    _check(out, expected, prompts)
 
 
 def test_failed_requests_leave_others_intact():
@@ -176,12 +203,9 @@ def test_argument_errors():
         kw = {"inputs": ok, "max_new_tokens": 3, **kw}
         with pytest.raises(err, match=match):
             sd.generate_batch(kw.pop("inputs"), **kw)
-    for setting, match in ((dict(num_speculative_tokens="auto"), "num_speculative_tokens='auto'"),
-                           (dict(rollback="auto"), "rollback='auto'"),
-                           (dict(drafter=specdec.drafters.DraftModelDrafter(get_model("qwen3_5", "small"))),
-                            "DraftModelDrafter")):
-        with pytest.raises(ValueError, match=match):
-            specdec.wrap(model, **setting).generate_batch(ok, max_new_tokens=3)
+    draft = specdec.wrap(model, drafter=specdec.drafters.DraftModelDrafter(get_model("qwen3_5", "small")))
+    with pytest.raises(ValueError, match="DraftModelDrafter yet .its per-row state"):
+        draft.generate_batch(ok, max_new_tokens=3)
     assert sd.generate_batch([]) == {}
 
 
