@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import hf_greedy
+from markers import needs_triton_interpreter
 from tiny_models import FAMILIES, VOCAB, get_model
 
 import specdec
@@ -158,6 +159,21 @@ def test_sampling_path():
     out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS, do_sample=True,
                             top_k=1)
     _check(out, expected, prompts)
+
+
+@needs_triton_interpreter
+def test_triton_backend(monkeypatch):
+    """The fused kernels stay exact across admissions: eager replay, whose committed history is
+    folded inside the next verify (so an admitted slot's history length must restart); here
+    through Triton's CPU interpreter."""
+    family, strategy = "nemotron_h", "replay"
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), drafter=TextOracle(full), rollback=strategy, num_speculative_tokens=3,
+                      decode_path="eager")
+    _check(sd.generate_batch(prompts[:5], max_new_tokens=budgets[:5], eos_token_id=eos, max_batch_size=2),
+           expected[:5], prompts[:5])
+    assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
 
 
 def test_failed_requests_leave_others_intact():
