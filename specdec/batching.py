@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import numbers
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "GenerationOutput", "Request", "RequestPool", "RequestStatus", "check_requests",
-           "pool_size"]
+           "left_pad", "pool_size"]
 
 #: the pool's rows when ``max_batch_size`` is not given: ``min(len(inputs), DEFAULT_MAX_BATCH_SIZE)``
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -99,7 +100,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int,
         if not ids:
             error = "empty prompt: give at least one token id"
         elif any(t < 0 or t >= vocab_size for t in ids):
-            error = f"token ids outside the vocabulary [0, {vocab_size}): {sorted({t for t in ids if not 0 <= t < vocab_size})}"
+            outside = sorted({t for t in ids if not 0 <= t < vocab_size})
+            error = f"token ids outside the vocabulary [0, {vocab_size}): {outside}"
         elif max_positions is not None and len(ids) + budget > max_positions:
             error = (f"prompt ({len(ids)} tokens) + max_new_tokens ({budget}) exceeds the model's context "
                      f"(max_position_embeddings={max_positions})")
@@ -134,11 +136,8 @@ class RequestPool:
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}
         self.span = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
-        self.on_finish = None  # called once per finished request (the progress bar)
-
-    @property
-    def waiting(self) -> bool:
-        return bool(self.queue)
+        #: called once per finished request (the progress bar), or None
+        self.on_finish: Callable[[], None] | None = None
 
     def take(self, rows: list[int]) -> list[Request]:
         """Give the first queued requests to ``rows`` (as many as there are of both); returns them."""

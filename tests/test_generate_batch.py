@@ -187,7 +187,7 @@ def test_failed_requests_leave_others_intact():
     inputs = [prompts[0], bad[0], prompts[1], bad[1], bad[2], prompts[2], prompts[3]]
     budget = [budgets[0], 4, budgets[1], 4, limit, budgets[2], 0]
     sd = specdec.wrap(model, num_speculative_tokens=3)
-    out = sd.generate_batch(inputs, max_new_tokens=budget, eos_token_id=eos, max_batch_size=2)
+    out = sd.generate_batch(inputs, max_new_tokens=budget, eos_token_id=eos, max_batch_size=2, progress_bar=True)
     assert list(out) == [f"req_{i}" for i in range(len(inputs))]
     for i, e in ((0, expected[0]), (2, expected[1]), (5, expected[2])):
         assert out[f"req_{i}"].status == RequestStatus.FINISHED and out[f"req_{i}"].generated_tokens == e
