@@ -531,6 +531,7 @@ class SpeculativeGenerator:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
                 live, longest = self._admit(pool, dec, rows, s, finished, policy)
                 done, grown = not live, max(grown, longest)
+                clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
             if done:
                 break
             first_mark = clock.marks
