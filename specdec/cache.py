@@ -375,8 +375,9 @@ class HybridCache:
         strategy (:meth:`RollbackStrategy.reset_rows`), which also resets the slot's cursors: a
         ring's head, replay's checkpoint / input history and its length, snapshot buffers. The
         other rows keep their committed state (KV, ``pad``, ``seq_len``, conv window, the state
-        :meth:`SSMLayerCache.ssm_state` returns) bit for bit. A strategy may reallocate its
-        buffers here, so a CUDA graph captured on this cache must be captured again.
+        :meth:`SSMLayerCache.ssm_state` returns) bit for bit. Every buffer is written in place
+        when the strategy's ``resets_in_place`` (every built-in strategy), so CUDA graphs captured
+        on this cache stay valid; a strategy without it reloads its store (new tensors).
 
         Typical use::
 

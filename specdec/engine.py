@@ -14,7 +14,9 @@ token (stopping criteria, logits processors, returned scores) are one optional p
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
 :class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
 expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
-prefill (:mod:`specdec.adaptive`).
+prefill (:mod:`specdec.adaptive`). Continuous batching (:meth:`SpeculativeGenerator.generate_batch`,
+:mod:`specdec.batching`) runs the same loop over a pool of rows: each step starts with an admission
+phase in which rows whose request ended take the next waiting prompts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from __future__ import annotations
 import numbers
 
 import torch
+from tqdm.auto import tqdm
 
 from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
                        costs_for, expected_tokens, rollback_bytes, strategy_label)
+from .batching import GenerationOutput, RequestPool, RequestStatus, check_requests, left_pad, pool_size
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -51,21 +55,36 @@ DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
 class _Rows:
     """Per-row decode state on the device: the text buffer ``[B, width]`` (each row's prompt without
     padding, then its new tokens; the last one pending), ``lengths``, new-token counts ``n_gen``,
-    ``finished``; ``append`` adds a step's tokens, cut at EOS and at the budget."""
+    ``finished`` and each row's budget ``max_new`` (all ``[B]``); ``append`` adds a step's tokens,
+    cut at EOS and at the budget; ``reset`` gives rows to new prompts (continuous batching)."""
 
-    def __init__(self, input_ids, mask, width: int, max_new: int, eos: tuple[int, ...]):
-        B, Lp = input_ids.shape
+    def __init__(self, input_ids, mask, width: int, max_new, eos: tuple[int, ...]):
+        B = input_ids.shape[0]
         dev = input_ids.device
-        self.prompt_len = mask.sum(1)
         self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
-        cols = torch.arange(Lp, device=dev)[None, :]
-        src = (cols + (Lp - self.prompt_len)[:, None]).clamp(max=Lp - 1)
-        self.text[:, :Lp] = torch.where(cols < self.prompt_len[:, None], input_ids.gather(1, src), torch.zeros_like(cols))
-        self.lengths = self.prompt_len.clone()
+        self.prompt_len = torch.zeros(B, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.n_gen = torch.zeros(B, dtype=torch.long, device=dev)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.max_new = max_new
+        self.max_new = torch.zeros(B, dtype=torch.long, device=dev)
         self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        self.reset(torch.arange(B, device=dev), input_ids, mask, max_new)
+
+    def reset(self, rows: torch.Tensor, input_ids, mask, max_new) -> None:
+        """Rows ``rows [n]`` (int64) start the left-padded prompts ``input_ids [n, L]`` (mask 0/1) with
+        budgets ``max_new`` (an int or ``[n]`` int64) and no new tokens."""
+        Lp = input_ids.shape[1]
+        prompt_len = mask.sum(1)
+        cols = torch.arange(Lp, device=input_ids.device)[None, :]
+        src = (cols + (Lp - prompt_len)[:, None]).clamp(max=Lp - 1)
+        text = torch.zeros(rows.shape[0], self.text.shape[1], dtype=torch.long, device=input_ids.device)
+        text[:, :Lp] = torch.where(cols < prompt_len[:, None], input_ids.gather(1, src), torch.zeros_like(cols))
+        self.text[rows] = text
+        self.prompt_len[rows] = prompt_len
+        self.lengths[rows] = prompt_len
+        self.n_gen[rows] = 0
+        self.finished[rows] = False
+        self.max_new[rows] = max_new
 
     def append(self, new: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
         """Append up to ``limit[b]`` of ``new [B, W]`` to each live row, cut after the first EOS and at
@@ -85,6 +104,12 @@ class _Rows:
             done |= first_eos < take
         self.finished |= done
         return take
+
+    def generated(self, rows: list[int]) -> list[list[int]]:
+        """The new tokens of ``rows`` (host lists; one device-to-host copy)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.text.device)
+        text, start, count = self.text[idx].tolist(), self.prompt_len[idx].tolist(), self.n_gen[idx].tolist()
+        return [t[a:a + n] for t, a, n in zip(text, start, count)]
 
     def output(self, input_ids, n_gen, pad: int) -> torch.Tensor:
         """``[B, L + G]``: the prompts as given, then each row's ``n_gen`` new tokens, padded."""
@@ -347,8 +372,103 @@ class SpeculativeGenerator:
                            stopping_criteria=stopping_criteria, generator=generator)
         return self._decode(settings)
 
-    def _decode(self, s):
-        """The decode loop (see the module docstring) for the settings ``s``."""
+    @torch.no_grad()
+    def generate_batch(self, inputs, generation_config=None, *, max_new_tokens=None, eos_token_id=None,
+                       progress_bar: bool = False, max_batch_size: int | None = None, prefix_caching: bool = False,
+                       **generate_kwargs) -> dict[str, GenerationOutput]:
+        """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
+        through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
+        budget) takes the next queued request between two steps, so no row idles while requests
+        wait. The steps are ``generate()``'s decode loop (:mod:`specdec.batching`); every request's
+        tokens are those it gets alone from ``generate()`` (greedy: plain autoregressive decoding).
+
+        Args:
+            inputs: ``list`` of prompts, each a list (or 1-D tensor) of int token ids, any lengths.
+            generation_config: a ``transformers.GenerationConfig`` (default: the model's).
+            max_new_tokens: new tokens per request: one int, or a list of ints (one per request);
+                default: the generation config's ``max_new_tokens``, else 20.
+            eos_token_id: int or list of ints (default from the generation config).
+            progress_bar: show a ``tqdm`` bar of finished requests.
+            max_batch_size: the pool's rows, an int >= 1 (default ``min(len(inputs), 32)``).
+            prefix_caching: not available yet (``True`` raises).
+            **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``
+                and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
+                its per-token hook (stopping criteria, ``max_time``, repetition penalty, minimum
+                lengths, returned scores) and ``max_length``.
+
+        Returns:
+            ``dict[str, GenerationOutput]`` keyed ``"req_0"``, ``"req_1"``, ... in input order
+            (``transformers.generation.continuous_batching.requests.GenerationOutput``):
+            ``prompt_ids`` and ``generated_tokens`` (lists of ints; up to and including EOS),
+            ``status`` ``RequestStatus.FINISHED``. A request that cannot run (an empty prompt, ids
+            outside ``[0, vocab_size)``, prompt + budget beyond ``config.max_position_embeddings``)
+            has ``status=RequestStatus.FAILED``, its reason in ``error`` and no tokens; the other
+            requests run (HF's convention for a failed request). Stats of the call (all requests)
+            in ``self.last_stats``.
+
+        Raises:
+            TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
+            of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
+            ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
+            hook; a drafter with per-row state or a draft tree (supported: ``Drafter.stateless``
+            chain drafters such as the n-gram drafter, and ``num_speculative_tokens=0``); the static
+            path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
+        """
+        if prefix_caching:
+            raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
+                             "prefix_caching=False (every prompt is prefilled in full)")
+        if "max_length" in generate_kwargs:
+            raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
+        self._check_batching()
+        size = pool_size(max_batch_size, len(inputs) if isinstance(inputs, (list, tuple)) else 0)
+        if max_new_tokens is None:  # (a generation_config of another type is refused by resolve below)
+            gc = generation_config if generation_config is not None else self.model.generation_config
+            max_new_tokens = getattr(gc, "max_new_tokens", None)
+            max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
+        V = self.adapter.vocab_size
+        requests, results = check_requests(inputs, max_new_tokens, V,
+                                           getattr(self.model.config, "max_position_embeddings", None))
+        for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
+            results[r.index] = GenerationOutput(request_id=r.request_id, prompt_ids=list(r.prompt),
+                                                status=RequestStatus.FINISHED)
+        requests = [r for r in requests if r.max_new_tokens > 0]
+        if requests:
+            pool = RequestPool(requests, min(size, len(requests)))
+            first = pool.take(range(len(pool.slots)))
+            ids, mask = left_pad([r.prompt for r in first], self.adapter.device)
+            overrides = dict(max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=eos_token_id,
+                             **generate_kwargs)
+            settings = resolve(self.model, V, self.adapter.device, ids, mask, generation_config, overrides=overrides)
+            blockers = settings.per_token_features
+            if blockers or settings.return_dict:
+                raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
+                                 "; use generate() for these")
+            custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
+            if custom and self._pick_path(self.adapter.device, None) != "eager":
+                raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
+                                 "(resets_in_place=False), which the static decode path needs across admissions; "
+                                 "use decode_path='eager' or a built-in strategy")
+            with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
+                bar.update(len(inputs) - len(requests))
+                pool.on_finish = lambda: bar.update(1)
+                self._decode(settings, pool)
+            results.update(pool.outputs)
+        return {f"req_{i}": results[i] for i in range(len(inputs))}
+
+    def _check_batching(self) -> None:
+        """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
+        if self._K and (not self._drafter.stateless or self._drafter.tree is not None):
+            raise ValueError(f"generate_batch does not support the drafter {type(self._drafter).__name__} yet ("
+                             + ("it drafts a tree" if self._drafter.stateless else "its per-row state is not reset "
+                                "when a row takes a new request") + "); supported: drafters that draft chains from "
+                             "the text alone (Drafter.stateless, e.g. drafter='ngram') and plain decoding "
+                             "(num_speculative_tokens=0)")
+
+    def _decode(self, s, pool: RequestPool | None = None):
+        """The decode loop (see the module docstring) for the settings ``s``; returns the output of
+        ``generate()``. With ``pool`` (continuous batching, :meth:`generate_batch`), ``s`` holds the
+        pool's first requests (their budgets in ``pool.slots``), every step starts with an admission
+        phase (:meth:`_admit`) and the outputs go to ``pool.outputs`` (returns None)."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO
@@ -369,7 +489,8 @@ class SpeculativeGenerator:
         T = tree.num_nodes if tree is not None else K + 1  # the most tokens of one verify forward
         W = tree.max_depth + 1 if tree is not None else K + 1  # the most tokens one step commits
         clock = StepClock(dev)
-        needed = Lp + max_new + 2 * T  # KV columns
+        span = Lp + max_new if pool is None else pool.span  # the longest committed text, padding included
+        needed = span + 2 * T  # KV columns
         strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive)
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
@@ -381,7 +502,8 @@ class SpeculativeGenerator:
             clock.lap("prefill")
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
-        rows = _Rows(ids, s.attention_mask, Lp + max_new + T, max_new, s.eos_token_ids)
+        budgets = max_new if pool is None else torch.tensor([r.max_new_tokens for r in pool.slots[:B]], device=dev)
+        rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
         first = self._pick_first(scores[:, 0], s)
@@ -402,14 +524,21 @@ class SpeculativeGenerator:
         bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
-        done = bool(rows.finished.all())
+        finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
+        done = all(finished)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
-        while not done:
+        while True:
+            if pool is not None:  # admission: finished rows take the next requests (continuous batching)
+                live, longest = self._admit(pool, dec, rows, s, finished, policy)
+                done, grown = not live, max(grown, longest)
+                clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
+            if done:
+                break
             first_mark = clock.marks
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
             bound, grown = min(rows.text.shape[1], grown), grown + W
             active = ~rows.finished
-            budget = (max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
+            budget = (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
             if tree is not None:
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
@@ -463,21 +592,25 @@ class SpeculativeGenerator:
             flags = [rows.finished.all()[None].long(), bad.long()]
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
+            if pool is not None:  # ... or which rows ended, for the next admission
+                flags.append(rows.finished.long())
             read = torch.cat(flags)
             if policy is not None:  # the acceptance observed, and E(K) of the next step on the same sync
-                left = (max_new - rows.n_gen - 1).clamp(min=0)
+                left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                 read = torch.cat([read.double(), policy.update(n, budget.clamp(max=K_step), active, ~rows.finished,
                                                                left)])
             synced = read.tolist()  # the step's one host sync
             if policy is not None:
                 expected, synced = synced[-(K + 1):], [int(v) for v in synced[:-(K + 1)]]
-            all_done, bad_counts, bad_ids, *row0 = synced
+            all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
-            if s.streamer is not None:  # row0: how many tokens row 0 kept, then the step's tokens
-                for tok in row0[1:1 + row0[0]]:
+            if s.streamer is not None:  # rest: how many tokens row 0 kept, then the step's tokens
+                for tok in rest[1:1 + rest[0]]:
                     s.streamer.put(torch.tensor([tok]))
+            if pool is not None:
+                finished = [bool(f) for f in rest]
             done = bool(all_done)
             clock.lap("bookkeeping")
             if policy is not None:
@@ -487,7 +620,7 @@ class SpeculativeGenerator:
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
-        new_tokens = int(n_gen.sum())
+        new_tokens = int(n_gen.sum()) if pool is None else sum(len(o.generated_tokens) for o in pool.outputs.values())
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
@@ -502,11 +635,51 @@ class SpeculativeGenerator:
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
             predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None,
-            # the steps' tokens: every row's first new token came from the prefill
-            measured_tokens_per_s=(new_tokens - B) / step_s if policy is not None and step_s > 0 else None,
+            # the steps' tokens: every row's (request's) first new token came from its prefill
+            measured_tokens_per_s=((new_tokens - (B if pool is None else len(pool.outputs))) / step_s
+                                   if policy is not None and step_s > 0 else None),
         )
+        if pool is not None:
+            return None
         out = rows.output(ids, n_gen, s.pad_token_id)
         return self._output(s, out, hook, out.shape[1] - Lp)
+
+    def _admit(self, pool: RequestPool, dec: Decoder, rows: _Rows, s, finished: list[bool],
+               policy: SpeculationPolicy | None) -> tuple[bool, int]:
+        """The admission phase of a continuous-batching step: the rows whose request ended
+        (``finished``, the host copy of ``rows.finished``) give their new tokens to ``pool`` and
+        take the next queued requests: their prompts are prefilled together (left-padded) into a
+        fresh cache of ``dec``'s shape, moved into those rows (:meth:`HybridCache.reset_rows`, in
+        place), and each row's first new token is picked from its prefill logits, as in
+        ``generate()``; with ``num_speculative_tokens="auto"`` their acceptance estimates restart
+        from the prior. Repeats while rows end at once (EOS first, a budget of one).
+
+        Returns ``(live, longest)``: whether any row decodes, and the longest text admitted (0: none)."""
+        longest = 0
+        while True:
+            ended = pool.busy(finished)
+            for row, tokens in zip(ended, rows.generated(ended) if ended else []):
+                pool.finish(row, tokens)
+            free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
+            taken = pool.take(free)
+            if not taken:
+                return not all(finished), longest
+            dev = rows.text.device
+            idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
+            ids, mask = left_pad([r.prompt for r in taken], dev)
+            fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
+            logits, _ = self.adapter.prefill(ids, mask, fresh, False)
+            dec.cache.reset_rows(idx, fresh)
+            rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))
+            new = torch.zeros(rows.text.shape[0], 1, dtype=torch.long, device=dev)
+            new[idx, 0] = self._pick_first(logits.float(), s)
+            limit = torch.zeros(rows.text.shape[0], dtype=torch.long, device=dev)
+            limit[idx] = 1
+            rows.append(new, limit)
+            if policy is not None:
+                policy.acceptance.rates[idx] = self.policy.prior_acceptance
+            finished = rows.finished.tolist()
+            longest = max(longest, ids.shape[1] + 1)
 
     @staticmethod
     def _append(rows, hook, new, limit, scores, raw, pos=None):

@@ -18,7 +18,8 @@ class Stats:
         all row-steps (a tree step proposes its depth limit). steps: target verify forwards.
         new_tokens: tokens generated (all rows, up to and including EOS). draft_s / verify_s /
         rollback_s: time proposing, in the target forward + acceptance, and committing state;
-        prefill_s: the prompt's forward and cache setup; wall_s: the whole call.
+        prefill_s: the prompt's forward and cache setup (``generate_batch``: every admission's);
+        wall_s: the whole call.
         decode_path: how the steps ran: ``"eager"`` (dynamic shapes), ``"static"`` (fixed shapes,
         one host sync per step) or ``"cuda_graph"`` (static, with the verify forward and the
         commit replayed as CUDA graphs).

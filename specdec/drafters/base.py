@@ -76,6 +76,11 @@ class Drafter(abc.ABC):
         ``"static"`` or ``"cuda_graph"``, see ``SpeculativeGenerator``). A drafter may switch to
         fixed-shape, graph-captured proposals on the latter two; the default ignores it."""
 
+    #: True when :meth:`propose` reads nothing but its arguments (no per-row state kept between
+    #: calls, no hidden states): a row may then take a new sequence between two steps, which
+    #: continuous batching (``SpeculativeGenerator.generate_batch``) needs. The n-gram drafter is.
+    stateless: bool = False
+
     #: set True to receive the target's last hidden states through :meth:`observe`
     wants_hidden_states: bool = False
 

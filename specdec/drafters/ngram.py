@@ -86,6 +86,8 @@ class NGramDrafter(Drafter):
         ValueError: on invalid n-gram sizes.
     """
 
+    stateless = True  # proposals read only the text
+
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise ValueError(f"need integers 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

@@ -32,7 +32,7 @@ from ..kernels import SSMOp
 from ..kernels.slots import check_state_indices
 
 __all__ = ["STRATEGIES", "RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite",
-           "check_slot_map"]
+           "check_slot_map", "write_rows"]
 
 #: the built-in strategies' names (each also verifies trees); ``"replay_deferred"`` is replay
 #: that folds only when its history would overflow
@@ -78,6 +78,12 @@ def check_slot_map(state_indices: torch.Tensor, num_slots: int, store: "LayerSto
                          f"store ({_where(store)})")
     if used.unique().numel() != used.numel():
         raise ValueError(f"state_indices {state_indices.tolist()} give two rows one slot ({_where(store)})")
+
+
+def write_rows(buf: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None) -> None:
+    """``buf[rows] = state`` (zeros when None) in place, cast to ``buf``'s dtype (``buf [slots, *S]``,
+    ``rows [n]`` int64, ``state [n, *S]``); ``buf`` may be a view (a ring's position 0)."""
+    buf[rows] = 0 if state is None else state.to(buf)
 
 
 @dataclass
@@ -184,14 +190,34 @@ class RollbackStrategy(abc.ABC):
 
     def reset_rows(self, store: LayerStore, op: SSMOp, params: dict, rows: torch.Tensor,
                    state: torch.Tensor | None = None) -> None:
-        """Give ``rows`` (slots, with a slot map) to new sequences: their committed state becomes
-        ``state`` (or zeros).
+        """Give ``rows`` (``[n]`` int64 slots, with a slot map) to new sequences: their committed
+        state becomes ``state`` (``[n, *S]``, any float dtype; stored fp32) or zeros.
 
-        Other slots keep their committed state exactly; any open step is discarded.
+        Other slots keep their committed state exactly. The built-in strategies write in place
+        (:meth:`_reset_in_place`), so the tensors a captured CUDA graph reads stay valid, and they
+        need a closed step. This fallback, for a strategy that does not override it, discards any
+        open step and reloads the store, which may allocate new tensors (``resets_in_place`` is
+        then False: a captured graph would read stale ones).
+
+        Raises: ValueError when a built-in strategy's step is open (commit it first).
         """
+        if self.resets_in_place:
+            if store.step_tokens:
+                raise ValueError(f"reset_rows needs no open step, but {store.step_tokens} step tokens were run and "
+                                 "not committed: commit the step first (commit zeros to discard it)")
+            self._reset_in_place(store, rows, state)
+            return
         full = self.state(store, op, params).clone()
         full[rows] = 0 if state is None else state.to(full)
         self.load(store, full)
+
+    #: whether :meth:`reset_rows` writes into the store's tensors in place (True for every built-in strategy)
+    resets_in_place: bool = False
+
+    def _reset_in_place(self, store: LayerStore, rows: torch.Tensor, state: torch.Tensor | None) -> None:
+        """:meth:`reset_rows`'s strategy part when ``resets_in_place``: write the slots' committed
+        state (``state`` or zeros) and reset their cursors, into the existing tensors."""
+        raise NotImplementedError(f"{type(self).__name__} sets resets_in_place but does not define _reset_in_place")
 
     def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
         """Bytes this strategy keeps per layer and sequence beyond the live state (the ``extra

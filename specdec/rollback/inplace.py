@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import gather_rows, scatter_rows
-from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled
+from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled, write_rows
 
 __all__ = ["InPlaceUpdate"]
 
@@ -30,6 +30,11 @@ class InPlaceUpdate(RollbackStrategy):
                              f"cache takes {store.max_step_tokens}")
         store.tensors["live"] = state.clone()
         store.step_tokens = 0
+
+    resets_in_place = True
+
+    def _reset_in_place(self, store, rows, state):
+        write_rows(store.tensors["live"], rows, state)
 
     def state(self, store, op, params):
         return store.tensors["live"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import gather_rows, scatter_rows, to_slots
-from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled
+from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled, write_rows
 
 __all__ = ["ReplayRollback"]
 
@@ -71,6 +71,13 @@ class ReplayRollback(RollbackStrategy):
         store.tensors["hist"] = None  # allocated on first verify, when the input shapes are known
         store.step_tokens = 0
         store.replay_fused_step = False
+
+    resets_in_place = True
+
+    def _reset_in_place(self, store, rows, state):
+        # the slots restart from a checkpoint with an empty history; the others keep both as they are
+        write_rows(store.tensors["ckpt"], rows, state)
+        store.tensors["hist_len"][rows] = 0
 
     def _hist(self, store, op, inputs: dict):
         hist = store.tensors["hist"]

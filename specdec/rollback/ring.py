@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import gather_rows, scatter_rows, to_slots
-from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled
+from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled, write_rows
 
 __all__ = ["RingRollback"]
 
@@ -41,6 +41,13 @@ class RingRollback(RollbackStrategy):
         ring[:, 0] = state
         store.tensors.update(ring=ring, head=torch.zeros(state.shape[0], dtype=torch.long, device=state.device))
         store.step_tokens = 0
+
+    resets_in_place = True
+
+    def _reset_in_place(self, store, rows, state):
+        ring, head = store.tensors["ring"], store.tensors["head"]
+        head[rows] = 0
+        write_rows(ring[:, 0], rows, state)
 
     def state(self, store, op, params):
         ring, head = store.tensors["ring"], store.tensors["head"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import gather_rows, scatter_rows, to_slots
-from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled
+from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled, write_rows
 
 __all__ = ["SnapshotRollback"]
 
@@ -27,6 +27,11 @@ class SnapshotRollback(RollbackStrategy):
         if buf is None or buf.shape[2:] != live.shape[1:] or buf.shape[0] != live.shape[0]:
             store.tensors["buf"] = live.new_empty(live.shape[0], store.max_step_tokens, *live.shape[1:])
         store.step_tokens = 0
+
+    resets_in_place = True
+
+    def _reset_in_place(self, store, rows, state):
+        write_rows(store.tensors["live"], rows, state)
 
     def state(self, store, op, params):
         return store.tensors["live"]

@@ -1,0 +1,252 @@
+"""Continuous batching (``SpeculativeGenerator.generate_batch``): with more requests than rows,
+rows refilled between steps, every request's tokens equal HF greedy ``generate`` on its prompt
+alone (fp32); failed requests leave the others intact; bad arguments raise before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy
+from markers import needs_triton_interpreter
+from tiny_models import FAMILIES, VOCAB, get_model
+
+import specdec
+from specdec.adaptive import FixedCosts
+from specdec.batching import RequestStatus
+from specdec.drafters import Drafter
+from specdec.rollback import STRATEGIES, InPlaceUpdate, make_strategy
+
+#: (prompt length, budget) of each request: more requests than rows, of different lengths and budgets
+SHAPES = [(9, 12), (4, 7), (13, 10), (6, 1), (11, 14), (5, 9), (8, 6)]
+ROWS = 3
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts of :data:`SHAPES`' lengths (ids >= 3), each repeating its first half (n-gram matches)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, _ in SHAPES:
+        row = torch.randint(3, VOCAB, (n,), generator=g)
+        half = n // 2
+        row[n - half:] = row[:half]
+        out.append(row.tolist())
+    return out
+
+
+def _alone(model, prompt, budget, eos):
+    """HF greedy new tokens of ``prompt`` alone, up to and including the first EOS."""
+    new = hf_greedy(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), budget,
+                    eos=eos)[0, len(prompt):].tolist()
+    return new[:new.index(eos) + 1] if eos in new else new
+
+
+_REF: dict = {}
+
+
+def _reference(family):
+    """``(prompts, budgets, eos, expected, full)``: eos is request 0's 6th greedy token, so that
+    request 0 stops inside a step (the oracle drafter, which drafts ``full``, the greedy text
+    without EOS, accepts its new tokens 4..7 in one step) and the others run on."""
+    if family not in _REF:
+        model = get_model(family)
+        prompts, budgets = _prompts(), [b for _, b in SHAPES]
+        eos = _alone(model, prompts[0], 6, None)[5]
+        expected = [_alone(model, p, b, eos) for p, b in zip(prompts, budgets)]
+        full = [p + _alone(model, p, b, None) for p, b in zip(prompts, budgets)]
+        assert sum(len(e) < b for e, b in zip(expected, budgets)) < len(SHAPES) - 1, "EOS must not stop most requests"
+        _REF[family] = (prompts, budgets, eos, expected, full)
+    return _REF[family]
+
+
+class TextOracle(Drafter):
+    """A stateless drafter: looks up each row's text among known sequences (prompt + expected new
+    tokens) and proposes what follows, every third position corrupted (partial acceptance)."""
+
+    stateless = True
+
+    def __init__(self, sequences):
+        self.sequences = [list(s) for s in sequences]
+
+    def propose(self, input_ids, lengths, K):
+        drafts = torch.zeros(input_ids.shape[0], K, dtype=torch.long)
+        counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
+        for i, L in enumerate(lengths.tolist()):
+            text = input_ids[i, :L].tolist()
+            for seq in self.sequences:
+                if seq[:L] == text:
+                    nxt = seq[L:L + K]
+                    drafts[i, :len(nxt)] = torch.tensor(nxt, dtype=torch.long)
+                    for j in range(len(nxt)):
+                        if (L + j) % 6 == 0:
+                            drafts[i, j] = (drafts[i, j] + 1) % VOCAB
+                    counts[i] = len(nxt)
+                    break
+        return drafts, counts
+
+
+def _check(out, expected, prompts):
+    assert list(out) == [f"req_{i}" for i in range(len(expected))]
+    for i, (p, e) in enumerate(zip(prompts, expected)):
+        o = out[f"req_{i}"]
+        assert o.request_id == f"req_{i}" and o.status == RequestStatus.FINISHED and o.error is None
+        assert o.prompt_ids == p
+        assert o.generated_tokens == e, f"req_{i}: {o.generated_tokens} != {e}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_generate_alone(family, strategy):
+    """Oracle drafts (EOS inside an accepted chain) and n-gram drafts, eager path: every request
+    equals HF greedy on its prompt alone; the stats count every request's tokens."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    oracle = TextOracle(full)
+    for drafter in (oracle, "ngram"):
+        sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=4, decode_path="eager")
+        out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+        _check(out, expected, prompts)
+        st = sd.last_stats
+        assert st.new_tokens == sum(len(e) for e in expected)
+        if drafter is oracle:
+            assert st.accept_histogram[4] > 0
+
+
+@pytest.mark.parametrize("family, strategy", [("qwen3_5", "snapshot"), ("nemotron_h", "ring"),
+                                              ("kimi_linear", "replay"), ("qwen3_next", "replay_deferred")])
+def test_static_path_across_admissions(family, strategy):
+    """The static path (fixed shapes: the pool's bucket) stays exact across admissions, and a
+    second call reuses the bucket's buffers (rows reset in place)."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), rollback=strategy, num_speculative_tokens=3, decode_path="static")
+    for _ in range(2):
+        out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+        _check(out, expected, prompts)
+        assert sd.last_stats.decode_path == "static"
+    assert len(sd._static) == 1
+
+
+def test_auto_speculation_and_rollback():
+    """num_speculative_tokens="auto" and rollback="auto" through the same loop: exact, K varies per
+    step, the strategy is one of STRATEGIES."""
+    family = "qwen3_5"
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), drafter=TextOracle(full), rollback="auto", num_speculative_tokens="auto",
+                      max_speculative_tokens=4, decode_path="eager",
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.2 * K + 0.1 * (strategy == "replay")))
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+           prompts)
+    st = sd.last_stats
+    assert st.rollback in STRATEGIES and st.rollback_reason and max(st.k_per_step) > 0
+    assert st.new_tokens == sum(len(e) for e in expected)
+
+
+def test_plain_decoding_and_one_row():
+    """K = 0 (the in-place strategy) on the static path, and a pool of one row (every request alone)."""
+    family = "nemotron_h"
+    prompts, budgets, eos, expected, full = _reference(family)
+    for K, rows, path in ((0, ROWS, "static"), (2, 1, "eager")):
+        sd = specdec.wrap(get_model(family), num_speculative_tokens=K, decode_path=path)
+        _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=rows), expected,
+               prompts)
+
+
+def test_sampling_path():
+    """Sampling runs through the pool (the first token of each admitted row is sampled from its
+    prefill logits, drafts by rejection sampling): with top_k=1 it is greedy decoding."""
+    family = "kimi_linear"
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), num_speculative_tokens=3)
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS, do_sample=True,
+                            top_k=1)
+    _check(out, expected, prompts)
+
+
+@needs_triton_interpreter
+def test_triton_backend(monkeypatch):
+    """The fused kernels stay exact across admissions: eager replay, whose committed history is
+    folded inside the next verify (so an admitted slot's history length must restart); here
+    through Triton's CPU interpreter."""
+    family, strategy = "nemotron_h", "replay"
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    prompts, budgets, eos, expected, full = _reference(family)
+    sd = specdec.wrap(get_model(family), drafter=TextOracle(full), rollback=strategy, num_speculative_tokens=3,
+                      decode_path="eager")
+    _check(sd.generate_batch(prompts[:5], max_new_tokens=budgets[:5], eos_token_id=eos, max_batch_size=2),
+           expected[:5], prompts[:5])
+    assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
+
+
+def test_failed_requests_leave_others_intact():
+    """An empty prompt, out-of-vocabulary ids and a prompt + budget beyond max_position_embeddings
+    fail alone (status FAILED, error says why); a zero budget finishes with no tokens."""
+    family = "qwen3_5"
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    limit = model.config.max_position_embeddings
+    bad = [[], [5, VOCAB, 7, -1], list(range(3, 13))]
+    inputs = [prompts[0], bad[0], prompts[1], bad[1], bad[2], prompts[2], prompts[3]]
+    budget = [budgets[0], 4, budgets[1], 4, limit, budgets[2], 0]
+    sd = specdec.wrap(model, num_speculative_tokens=3)
+    out = sd.generate_batch(inputs, max_new_tokens=budget, eos_token_id=eos, max_batch_size=2, progress_bar=True)
+    assert list(out) == [f"req_{i}" for i in range(len(inputs))]
+    for i, e in ((0, expected[0]), (2, expected[1]), (5, expected[2])):
+        assert out[f"req_{i}"].status == RequestStatus.FINISHED and out[f"req_{i}"].generated_tokens == e
+    for i, what in ((1, "empty prompt"), (3, "outside the vocabulary"), (4, "max_position_embeddings")):
+        o = out[f"req_{i}"]
+        assert o.status == RequestStatus.FAILED and what in o.error and o.generated_tokens == []
+    assert str(VOCAB) in out["req_3"].error and "-1" in out["req_3"].error
+    assert out["req_6"].status == RequestStatus.FINISHED and out["req_6"].generated_tokens == []
+
+
+def test_argument_errors():
+    """Bad arguments and settings not supported yet raise before any work, naming what is accepted."""
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, num_speculative_tokens=2)
+    ok = [[5, 6, 7]]
+    cases = [
+        (dict(inputs=torch.tensor([[5, 6]])), TypeError, "list of prompts"),
+        (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
+        (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
+        (dict(max_new_tokens=-1), ValueError, ">= 0"),
+        (dict(max_batch_size="auto"), ValueError, "not available yet"),
+        (dict(max_batch_size=0), ValueError, ">= 1"),
+        (dict(prefix_caching=True), ValueError, "prefix_caching"),
+        (dict(max_length=10), ValueError, "max_new_tokens"),
+        (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
+        (dict(num_beams=2), ValueError, "num_beams"),
+    ]
+    for kw, err, match in cases:
+        kw = {"inputs": ok, "max_new_tokens": 3, **kw}
+        with pytest.raises(err, match=match):
+            sd.generate_batch(kw.pop("inputs"), **kw)
+    draft = specdec.wrap(model, drafter=specdec.drafters.DraftModelDrafter(get_model("qwen3_5", "small")))
+    with pytest.raises(ValueError, match="DraftModelDrafter yet .its per-row state"):
+        draft.generate_batch(ok, max_new_tokens=3)
+    assert sd.generate_batch([]) == {}
+
+
+def test_reset_rows_in_place():
+    """Every built-in strategy's reset_rows writes into the store's own tensors (what a captured
+    CUDA graph reads): same storage, other slots bit for bit, reset slots at the given state."""
+    from helpers import random_inputs
+    from specdec.kernels import get_op
+
+    op = get_op("mamba2")
+    g = torch.Generator().manual_seed(3)
+    for strat in [make_strategy(n) for n in (*STRATEGIES, "replay_deferred")] + [InPlaceUpdate()]:
+        T = 1 if isinstance(strat, InPlaceUpdate) else 3
+        inputs, params, S = random_inputs("mamba2", T, g)
+        store = strat.new_store(3, T)
+        strat.load(store, torch.randn(3, *S, generator=g))
+        strat.verify(store, op, inputs, params)
+        strat.commit(store, op, params, torch.tensor([T, 1, T]))
+        ptrs = {k: v.data_ptr() for k, v in store.tensors.items() if isinstance(v, torch.Tensor)}
+        before = strat.state(store, op, params).clone()
+        new = torch.randn(1, *S, generator=g)
+        strat.reset_rows(store, op, params, torch.tensor([1]), new)
+        assert {k: v.data_ptr() for k, v in store.tensors.items() if isinstance(v, torch.Tensor)} == ptrs
+        after = strat.state(store, op, params)
+        assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2]) and torch.equal(after[1], new[0])
+        strat.verify(store, op, inputs, params)
+        with pytest.raises(ValueError, match="open step"):
+            strat.reset_rows(store, op, params, torch.tensor([1]))
