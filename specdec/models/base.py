@@ -181,6 +181,8 @@ class HybridAdapter:
                 continue
 
             def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, **kw):
+                if cache_params is None:  # transformers >= 5.24 passes the mixer its cache as `cache`
+                    cache_params = kw.get("cache", kw.get("past_key_values"))
                 layer = _make(mod, cache_params, attention_mask, scan)
                 return self.mixer_forward(mod, layer.mask_padding(hidden_states), layer)
 
