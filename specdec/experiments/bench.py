@@ -156,9 +156,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 for strategy in strategies:
                     drafter = make_drafter(cfg, drafter_name, draft, **drafter_args)
                     if hasattr(drafter, "proposal_bytes") and K != "auto":  # the MTP drafter: its proposal's floor
-                        floor = drafter.proposal_bytes(K) / (copy_GBps * 1e9) if copy_GBps else None
-                        mtp_fields.update(draft_bytes=drafter.proposal_bytes(K),
-                                          draft_floor_ms=None if floor is None else 1e3 * floor)
+                        nbytes = drafter.proposal_bytes(K)
+                        mtp_fields.update(draft_bytes=nbytes,
+                                          draft_floor_ms=1e3 * nbytes / (copy_GBps * 1e9) if copy_GBps else None)
                     e = speculative_point(model, enc, drafter=drafter,
                                           strategy=strategy, K=K, max_new=max_new,
                                           pad=pad, device=device, dtype=dtype, plain=plain,

@@ -147,13 +147,25 @@ class HybridAdapter:
     @contextlib.contextmanager
     def _routed(self, forwards: dict):
         """Replace SSM mixer ``idx``'s forward by ``forwards[idx](mixer, hidden_states,
-        cache_params=None, attention_mask=None, **kw)`` for one call."""
+        cache_params=None, attention_mask=None, **kw)`` for one call; HF's cache reaches it as
+        ``cache_params`` whatever keyword the release passes it under (``cache_params``; ``cache``
+        from transformers 5.24)."""
         mixers = self.ssm_layers()
         patched = []
+
+        def route(fwd):
+            def call(mod, hidden_states, cache_params=None, attention_mask=None, **kw):
+                for name in ("cache", "past_key_values"):
+                    other = kw.pop(name, None)
+                    if cache_params is None:
+                        cache_params = other
+                return fwd(mod, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kw)
+            return call
+
         try:
             for idx, fwd in forwards.items():
                 mixer = mixers[idx][0]
-                mixer.forward = types.MethodType(fwd, mixer)
+                mixer.forward = types.MethodType(route(fwd), mixer)
                 patched.append(mixer)
             yield
         finally:
@@ -181,8 +193,6 @@ class HybridAdapter:
                 continue
 
             def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, **kw):
-                if cache_params is None:  # transformers >= 5.24 passes the mixer its cache as `cache`
-                    cache_params = kw.get("cache", kw.get("past_key_values"))
                 layer = _make(mod, cache_params, attention_mask, scan)
                 return self.mixer_forward(mod, layer.mask_padding(hidden_states), layer)
 

@@ -193,13 +193,14 @@ class RollbackStrategy(abc.ABC):
         """Give ``rows`` (``[n]`` int64 slots, with a slot map) to new sequences: their committed
         state becomes ``state`` (``[n, *S]``, any float dtype; stored fp32) or zeros.
 
-        Other slots keep their committed state exactly. The built-in strategies write in place
-        (:meth:`_reset_in_place`), so the tensors a captured CUDA graph reads stay valid, and they
-        need a closed step. This fallback, for a strategy that does not override it, discards any
-        open step and reloads the store, which may allocate new tensors (``resets_in_place`` is
-        then False: a captured graph would read stale ones).
+        Other slots keep their committed state exactly. A strategy that defines
+        ``_reset_in_place(store, rows, state)`` (every built-in one: it writes the slots' committed
+        state and resets their cursors into the existing tensors) keeps the tensors a captured CUDA
+        graph reads valid, and needs a closed step. For one that does not, this discards any open
+        step and reloads the store, which may allocate new tensors (``resets_in_place`` is False: a
+        captured graph would read stale ones).
 
-        Raises: ValueError when a built-in strategy's step is open (commit it first).
+        Raises: ValueError when a strategy that resets in place has an open step (commit it first).
         """
         if self.resets_in_place:
             if store.step_tokens:
@@ -211,13 +212,11 @@ class RollbackStrategy(abc.ABC):
         full[rows] = 0 if state is None else state.to(full)
         self.load(store, full)
 
-    #: whether :meth:`reset_rows` writes into the store's tensors in place (True for every built-in strategy)
-    resets_in_place: bool = False
-
-    def _reset_in_place(self, store: LayerStore, rows: torch.Tensor, state: torch.Tensor | None) -> None:
-        """:meth:`reset_rows`'s strategy part when ``resets_in_place``: write the slots' committed
-        state (``state`` or zeros) and reset their cursors, into the existing tensors."""
-        raise NotImplementedError(f"{type(self).__name__} sets resets_in_place but does not define _reset_in_place")
+    @property
+    def resets_in_place(self) -> bool:
+        """Whether :meth:`reset_rows` writes into the store's tensors in place: the strategy defines
+        ``_reset_in_place`` (every built-in strategy does)."""
+        return callable(getattr(self, "_reset_in_place", None))
 
     def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
         """Bytes this strategy keeps per layer and sequence beyond the live state (the ``extra

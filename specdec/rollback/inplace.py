@@ -31,8 +31,6 @@ class InPlaceUpdate(RollbackStrategy):
         store.tensors["live"] = state.clone()
         store.step_tokens = 0
 
-    resets_in_place = True
-
     def _reset_in_place(self, store, rows, state):
         write_rows(store.tensors["live"], rows, state)
 

@@ -72,8 +72,6 @@ class ReplayRollback(RollbackStrategy):
         store.step_tokens = 0
         store.replay_fused_step = False
 
-    resets_in_place = True
-
     def _reset_in_place(self, store, rows, state):
         # the slots restart from a checkpoint with an empty history; the others keep both as they are
         write_rows(store.tensors["ckpt"], rows, state)

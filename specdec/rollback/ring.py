@@ -42,8 +42,6 @@ class RingRollback(RollbackStrategy):
         store.tensors.update(ring=ring, head=torch.zeros(state.shape[0], dtype=torch.long, device=state.device))
         store.step_tokens = 0
 
-    resets_in_place = True
-
     def _reset_in_place(self, store, rows, state):
         ring, head = store.tensors["ring"], store.tensors["head"]
         head[rows] = 0

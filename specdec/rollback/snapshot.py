@@ -28,8 +28,6 @@ class SnapshotRollback(RollbackStrategy):
             store.tensors["buf"] = live.new_empty(live.shape[0], store.max_step_tokens, *live.shape[1:])
         store.step_tokens = 0
 
-    resets_in_place = True
-
     def _reset_in_place(self, store, rows, state):
         write_rows(store.tensors["live"], rows, state)
 
