@@ -410,8 +410,9 @@ class SpeculativeGenerator:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
             of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
             ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
-            hook; a drafter with per-row state or a draft tree (supported: ``Drafter.stateless``
-            chain drafters such as the n-gram drafter, and ``num_speculative_tokens=0``); the static
+            hook; a draft tree, or a drafter with per-row state that does not define
+            :meth:`Drafter.admit` (supported: chain drafters that are ``Drafter.stateless``, such as
+            the n-gram drafter, or define ``admit``; and ``num_speculative_tokens=0``); the static
             path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
         """
         if prefix_caching:
@@ -457,12 +458,14 @@ class SpeculativeGenerator:
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
-        if self._K and (not self._drafter.stateless or self._drafter.tree is not None):
-            raise ValueError(f"generate_batch does not support the drafter {type(self._drafter).__name__} yet ("
-                             + ("it drafts a tree" if self._drafter.stateless else "its per-row state is not reset "
-                                "when a row takes a new request") + "); supported: drafters that draft chains from "
-                             "the text alone (Drafter.stateless, e.g. drafter='ngram') and plain decoding "
-                             "(num_speculative_tokens=0)")
+        d = self._drafter
+        resets = d.stateless or type(d).admit is not Drafter.admit
+        if self._K and (not resets or d.tree is not None):
+            raise ValueError(f"generate_batch does not support the drafter {type(d).__name__} yet ("
+                             + ("it drafts a tree" if resets else "it keeps per-row state and does not define "
+                                "Drafter.admit, which resets a row that takes a new request") + "); supported: "
+                             "chain drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
+                             "Drafter.admit, and plain decoding (num_speculative_tokens=0)")
 
     def _decode(self, s, pool: RequestPool | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of
@@ -515,9 +518,12 @@ class SpeculativeGenerator:
             drafter.set_speculation(K, adaptive)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
-            if every:
+            if pool is not None:  # continuous batching: the first requests are admitted as the later ones
+                drafter.admit(torch.arange(B, device=dev), ids, s.attention_mask,
+                              hidden if every or drafter.wants_hidden_states else None, pool.slots[:B])
+            elif every:
                 drafter.observe_prompt(hidden, s.attention_mask)
-            if drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
+            if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
                 drafter.observe(hidden[:, -1] if every else hidden)
         hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
@@ -529,7 +535,7 @@ class SpeculativeGenerator:
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
-                live, longest = self._admit(pool, dec, rows, s, finished, policy)
+                live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter)
                 done, grown = not live, max(grown, longest)
                 clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
             if done:
@@ -645,14 +651,15 @@ class SpeculativeGenerator:
         return self._output(s, out, hook, out.shape[1] - Lp)
 
     def _admit(self, pool: RequestPool, dec: Decoder, rows: _Rows, s, finished: list[bool],
-               policy: SpeculationPolicy | None) -> tuple[bool, int]:
+               policy: SpeculationPolicy | None, drafter: Drafter | None) -> tuple[bool, int]:
         """The admission phase of a continuous-batching step: the rows whose request ended
         (``finished``, the host copy of ``rows.finished``) give their new tokens to ``pool`` and
         take the next queued requests: their prompts are prefilled together (left-padded) into a
         fresh cache of ``dec``'s shape, moved into those rows (:meth:`HybridCache.reset_rows`, in
         place), and each row's first new token is picked from its prefill logits, as in
-        ``generate()``; with ``num_speculative_tokens="auto"`` their acceptance estimates restart
-        from the prior. Repeats while rows end at once (EOS first, a budget of one).
+        ``generate()``; the drafter resets those rows (:meth:`Drafter.admit`, with the prompts'
+        hidden states when it wants them); with ``num_speculative_tokens="auto"`` their acceptance
+        estimates restart from the prior. Repeats while rows end at once (EOS first, a budget of one).
 
         Returns ``(live, longest)``: whether any row decodes, and the longest text admitted (0: none)."""
         longest = 0
@@ -668,8 +675,12 @@ class SpeculativeGenerator:
             idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
             ids, mask = left_pad([r.prompt for r in taken], dev)
             fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
-            logits, _ = self.adapter.prefill(ids, mask, fresh, False)
+            every = drafter is not None and drafter.wants_all_hidden_states
+            logits, hidden = self.adapter.prefill(ids, mask, fresh, every)
             dec.cache.reset_rows(idx, fresh)
+            if drafter is not None:
+                wanted = every or drafter.wants_hidden_states
+                drafter.admit(idx, ids, mask, hidden if wanted else None, taken)
             rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))
             new = torch.zeros(rows.text.shape[0], 1, dtype=torch.long, device=dev)
             new[idx, 0] = self._pick_first(logits.float(), s)

@@ -84,6 +84,37 @@ class TextOracle(Drafter):
         return drafts, counts
 
 
+class RequestOracle(Drafter):
+    """A drafter with per-row state: :meth:`admit` tells it which request each row holds; it
+    proposes that request's known continuation, every third position corrupted."""
+
+    def __init__(self, sequences):
+        self.sequences = [list(s) for s in sequences]
+        self.admitted = []
+
+    def start(self, *, target_vocab_size, batch_size, device, sampling=None, generator=None, max_length=None):
+        self.held = [None] * batch_size
+
+    def admit(self, rows, input_ids, attention_mask, hidden_states, requests):
+        assert hidden_states is None and len(requests) == rows.numel() == input_ids.shape[0]
+        for row, req, ids, m in zip(rows.tolist(), requests, input_ids.tolist(), attention_mask.tolist()):
+            assert [t for t, keep in zip(ids, m) if keep] == list(req.prompt)
+            self.held[row] = self.sequences[req.index]
+            self.admitted.append(req.index)
+
+    def propose(self, input_ids, lengths, K):
+        drafts = torch.zeros(input_ids.shape[0], K, dtype=torch.long)
+        counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
+        for i, L in enumerate(lengths.tolist()):
+            seq = self.held[i]
+            assert seq[:L] == input_ids[i, :L].tolist(), "a row's text is not its admitted request's"
+            nxt = seq[L:L + K]
+            drafts[i, :len(nxt)] = torch.tensor(nxt, dtype=torch.long)
+            drafts[i, 2::3] = (drafts[i, 2::3] + 1) % VOCAB
+            counts[i] = len(nxt)
+        return drafts, counts
+
+
 def _check(out, expected, prompts):
     assert list(out) == [f"req_{i}" for i in range(len(expected))]
     for i, (p, e) in enumerate(zip(prompts, expected)):
@@ -109,6 +140,27 @@ def test_matches_generate_alone(family, strategy):
         assert st.new_tokens == sum(len(e) for e in expected)
         if drafter is oracle:
             assert st.accept_histogram[4] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_admit_per_row_state(family):
+    """A drafter with per-row state gets every request through Drafter.admit (the first ones
+    too), with its row and prompt; exact; a per-row drafter without admit is refused."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    oracle = RequestOracle(full)
+    sd = specdec.wrap(model, drafter=oracle, rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+           prompts)
+    assert sorted(oracle.admitted) == list(range(len(prompts))) and oracle.admitted[:ROWS] == [0, 1, 2]
+    assert sd.last_stats.accepted_tokens > 0
+
+    class NoAdmit(Drafter):
+        def propose(self, input_ids, lengths, K):
+            return torch.zeros(input_ids.shape[0], K, dtype=torch.long), torch.zeros(input_ids.shape[0])
+
+    with pytest.raises(ValueError, match="does not define Drafter.admit"):
+        specdec.wrap(model, drafter=NoAdmit(), num_speculative_tokens=2).generate_batch(prompts)
 
 
 @pytest.mark.parametrize("family, strategy", [("qwen3_5", "snapshot"), ("nemotron_h", "ring"),
@@ -220,7 +272,7 @@ def test_argument_errors():
         with pytest.raises(err, match=match):
             sd.generate_batch(kw.pop("inputs"), **kw)
     draft = specdec.wrap(model, drafter=specdec.drafters.DraftModelDrafter(get_model("qwen3_5", "small")))
-    with pytest.raises(ValueError, match="DraftModelDrafter yet .its per-row state"):
+    with pytest.raises(ValueError, match="DraftModelDrafter yet .it keeps per-row state"):
         draft.generate_batch(ok, max_new_tokens=3)
     assert sd.generate_batch([]) == {}
 

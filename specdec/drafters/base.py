@@ -77,9 +77,36 @@ class Drafter(abc.ABC):
         fixed-shape, graph-captured proposals on the latter two; the default ignores it."""
 
     #: True when :meth:`propose` reads nothing but its arguments (no per-row state kept between
-    #: calls, no hidden states): a row may then take a new sequence between two steps, which
-    #: continuous batching (``SpeculativeGenerator.generate_batch``) needs. The n-gram drafter is.
+    #: calls, no hidden states): a row may then take a new sequence between two steps with nothing
+    #: to reset (:meth:`admit` does nothing). The n-gram drafter is.
     stateless: bool = False
+
+    def admit(self, rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              hidden_states: torch.Tensor | None, requests: list) -> None:
+        """Continuous batching (``SpeculativeGenerator.generate_batch``): between two steps, the
+        rows ``rows`` (``[n]`` int64, on the device) drop their sequences and take new ones, whose
+        prompts were just prefilled; reset every per-row state of those rows here, the other rows'
+        untouched. The pool's first requests come the same way: :meth:`start` (which sizes the
+        state for the pool's rows), then ``admit`` of every row, in place of :meth:`observe_prompt`
+        and the first :meth:`observe`.
+
+        Args:
+            rows: the pool rows that take the new sequences.
+            input_ids: ``[n, L]`` int64, the new prompts left-padded (``attention_mask [n, L]``,
+                0 = padding), row i of them going to ``rows[i]``.
+            hidden_states: the target's final hidden states of the prompts as :meth:`observe_prompt`
+                gets them (``[n, L, D]``) with ``wants_all_hidden_states``; as :meth:`observe` gets
+                them (``[n, D]``) with ``wants_hidden_states``; else None.
+            requests: the ``n`` :class:`specdec.batching.Request` s (``index``, ``prompt``,
+                ``max_new_tokens``), e.g. to look a request's reference text up.
+
+        Raises:
+            NotImplementedError: the default, for a drafter with per-row state that does not define
+            it (``stateless`` drafters need nothing and pass).
+        """
+        if not self.stateless:
+            raise NotImplementedError(f"{type(self).__name__} keeps per-row state and does not define admit(), "
+                                      "which continuous batching needs to give a row a new sequence")
 
     #: set True to receive the target's last hidden states through :meth:`observe`
     wants_hidden_states: bool = False
