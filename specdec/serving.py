@@ -149,8 +149,9 @@ class ContinuousBatchingManager:
         (None: no limit; a warning if it is still running then). No new requests are taken from
         the call on, until ``start()``."""
         with self._changed:
-            if self._state == _IDLE:
-                logger.warning("the continuous batching manager is not running")
+            if self._state == _IDLE:  # (not started, or its loop has ended)
+                if self._thread is None:
+                    logger.warning("the continuous batching manager was not started")
                 return
             self._state = _HARD_STOP if hard_stop or self._state == _HARD_STOP else _FLUSHING
             self._changed.notify_all()
