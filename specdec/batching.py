@@ -22,7 +22,6 @@ rows for ``max_batch_size="auto"``, or checks a given count against it.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import re
 import weakref
@@ -36,11 +35,12 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .adaptive import rollback_bytes
 from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
-from .rollback import ReplayRollback, RollbackStrategy, make_strategy
+from .rollback import ReplayRollback, make_strategy
 
 __all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MEMORY_FRACTION", "GenerationOutput",
-           "PoolPlan", "Request", "RequestPool", "RequestStatus", "SequenceBytes", "admission_rows", "bytes_per_sequence",
-           "cache_bytes", "check_requests", "free_memory", "left_pad", "parse_bytes", "plan_rows", "pool_size"]
+           "PoolPlan", "Request", "RequestPool", "RequestStatus", "SequenceBytes", "admission_rows",
+           "bytes_per_sequence", "cache_bytes", "check_requests", "free_memory", "kv_columns", "left_pad",
+           "parse_bytes", "plan_rows", "pool_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -436,9 +436,9 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     A pool of r rows needs ``(r + admission_rows(r)) x per_row().total`` bytes (its rows and one
     admission's fresh cache). ``"auto"``: the most rows that fit the budget (``memory_budget``,
     else :data:`MEMORY_FRACTION` x ``available()``), at most :data:`MAX_AUTO_BATCH_SIZE` and
-    ``num_requests``. An int: checked against ``memory_budget``, else ``available()`` when known.
-    None: ``min(num_requests, DEFAULT_MAX_BATCH_SIZE)`` (``DEFAULT_MAX_BATCH_SIZE`` for a manager),
-    not checked.
+    ``num_requests``. An int: ``min(max_batch_size, num_requests)`` rows, checked against
+    ``memory_budget``, else ``available()`` when known. None: ``min(num_requests,
+    DEFAULT_MAX_BATCH_SIZE)`` (``DEFAULT_MAX_BATCH_SIZE`` for a manager), not checked.
 
     Args:
         max_batch_size: an int >= 1, ``"auto"`` or None.
@@ -453,9 +453,10 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
         budget where free memory is unknown; ``"auto"`` where not one row fits; an int whose
         rows need more than the budget (the message gives the numbers).
     """
-    count = DEFAULT_MAX_BATCH_SIZE if num_requests is None else num_requests
     auto = max_batch_size == "auto"
-    rows = None if auto else pool_size(max_batch_size, count)
+    rows = None if auto else pool_size(max_batch_size, DEFAULT_MAX_BATCH_SIZE if num_requests is None else num_requests)
+    if rows is not None and num_requests is not None:
+        rows = max(1, min(rows, num_requests))
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if max_batch_size is None:
         return PoolPlan(rows)
@@ -477,8 +478,8 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
 
     if not auto:
         if need(rows) > budget:
-            raise ValueError(f"max_batch_size={rows} needs about {_size(need(rows))} ({rows} rows + "
-                             f"{admission_rows(rows)} admission rows x {_size(row.total)}; {row.describe()}, "
+            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {_size(need(rows))} ({rows} "
+                             f"rows + {admission_rows(rows)} admission rows x {_size(row.total)}; {row.describe()}, "
                              f"{row.kv_columns} KV columns) but {source} is less; lower max_batch_size, use "
                              "max_batch_size='auto', or give memory_budget=")
         return PoolPlan(rows, None, row, budget)
@@ -490,11 +491,10 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
         raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {_size(need(1))} with its "
                          f"admission: {row.describe()}, {row.kv_columns} KV columns); give a larger memory_budget or "
                          "lower the requests' length bound")
-    capped = [f"{MAX_AUTO_BATCH_SIZE} (MAX_AUTO_BATCH_SIZE)"] if rows > MAX_AUTO_BATCH_SIZE else []
-    if num_requests is not None and num_requests < min(rows, MAX_AUTO_BATCH_SIZE):
-        capped = [f"{num_requests} requests"]
-    chosen = min(rows, MAX_AUTO_BATCH_SIZE, count if num_requests is not None else rows)
+    cap, why = min([(MAX_AUTO_BATCH_SIZE, "MAX_AUTO_BATCH_SIZE")]
+                   + ([(num_requests, "requests")] if num_requests is not None else []))
+    chosen = max(1, min(rows, cap))
     reason = (f"max_batch_size=auto: {chosen} rows ({row.describe()}, {source}"
-              + (f"; {rows} would fit, capped at {capped[0]}" if capped else "") + ")")
+              + (f"; {rows} rows fit, capped at {cap} ({why})" if rows > cap else "") + ")")
     logger.info(reason)
-    return PoolPlan(max(1, chosen), reason, row, budget)
+    return PoolPlan(chosen, reason, row, budget)

@@ -16,7 +16,8 @@ token (stopping criteria, logits processors, returned scores) are one optional p
 expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
 prefill (:mod:`specdec.adaptive`). Continuous batching (:meth:`SpeculativeGenerator.generate_batch`,
 :mod:`specdec.batching`) runs the same loop over a pool of rows: each step starts with an admission
-phase in which rows whose request ended take the next waiting prompts.
+phase in which rows whose request ended take the next waiting prompts; :mod:`specdec.serving` runs
+it on a background thread over a pool that stays open (``init_continuous_batching``).
 """
 
 from __future__ import annotations
@@ -448,7 +449,7 @@ class SpeculativeGenerator:
         plan = self._plan_pool(max_batch_size, memory_budget, RequestPool.span_of(requests) if requests else 1,
                                len(requests))
         if requests:
-            pool = RequestPool(requests, min(plan.rows, len(requests)))
+            pool = RequestPool(requests, plan.rows)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -492,9 +493,11 @@ class SpeculativeGenerator:
         self._check_batching()
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0 (the default budget of a request), got "
-                             f"{max_new_tokens!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
+                            f"{type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (the default budget of a request), got {max_new_tokens}")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs)
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None)
         return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
@@ -585,9 +588,10 @@ class SpeculativeGenerator:
 
     def _decode(self, s, pool: RequestPool | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of
-        ``generate()``. With ``pool`` (continuous batching, :meth:`generate_batch`), ``s`` holds the
-        pool's first requests (their budgets in ``pool.slots``), every step starts with an admission
-        phase (:meth:`_admit`) and the outputs go to ``pool.outputs`` (returns None)."""
+        ``generate()``. With ``pool`` (continuous batching, :meth:`_run_pool`), ``s`` holds the
+        pool's first requests (their budgets in ``pool.slots``; a row whose slot is None has none
+        and finishes at once), every step starts with an admission phase (:meth:`_admit`) and the
+        outputs go to the pool (:meth:`RequestPool.finish`; returns None)."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO
@@ -621,8 +625,9 @@ class SpeculativeGenerator:
             clock.lap("prefill")
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
-        budgets = max_new if pool is None else torch.tensor([0 if r is None else r.max_new_tokens  # (None: a row
-                                                             for r in pool.slots[:B]], device=dev)  # left for later)
+        # (a pool's row without a request gets no budget: it finishes at once, free for the first admission)
+        budgets = max_new if pool is None else torch.tensor([r.max_new_tokens if r is not None else 0
+                                                             for r in pool.slots[:B]], device=dev)
         rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from test_generate_batch import ROWS, SHAPES, TextOracle, _check, _reference
+from test_generate_batch import ROWS, TextOracle, _check, _reference
 from tiny_models import VOCAB, get_model
 
 import specdec
@@ -204,7 +204,7 @@ def test_generate_batch_auto_exact():
     _check(out, expected, prompts)
     st = sd.last_stats
     assert st.max_batch_size == len(prompts) and "max_batch_size=auto" in st.batch_size_reason
-    assert "snapshot" in st.batch_size_reason and "7 requests" in st.batch_size_reason
+    assert "snapshot" in st.batch_size_reason and "capped at 7 (requests)" in st.batch_size_reason
 
 
 def _row_bytes(config, strategy: str, span: int, K: int) -> int:
@@ -249,8 +249,10 @@ def test_oversize_int_and_budget_errors():
     model = get_model(FAMILY)
     sd = specdec.wrap(model, rollback="replay", num_speculative_tokens=3, decode_path="eager")
     prompts, budgets, eos, expected, full = _reference(FAMILY)
-    with pytest.raises(ValueError, match=r"max_batch_size=100000 needs about .* but memory_budget 1.0 MiB"):
-        sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=100_000, memory_budget="1MiB")
+    with pytest.raises(ValueError, match=r"max_batch_size=100000: 7 rows need about .* but memory_budget 64.0 KiB"):
+        sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=100_000, memory_budget="64KiB")
+    with pytest.raises(ValueError, match=r"max_batch_size=1000: 1000 rows need about .* but memory_budget 1.0 MiB"):
+        sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=1000, memory_budget="1MiB")
     with pytest.raises(ValueError, match="not one row fits"):
         sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget=1000)
     with pytest.raises(ValueError, match="memory_budget"):
@@ -260,7 +262,8 @@ def test_oversize_int_and_budget_errors():
         plan_rows("auto", None, lambda: row, None, lambda: None)
     free = 10 * row.total
     plan = plan_rows("auto", None, lambda: row, None, lambda: free)
-    assert plan.budget == int(free * MEMORY_FRACTION) and (plan.rows + admission_rows(plan.rows)) * row.total <= plan.budget
+    assert plan.budget == int(free * MEMORY_FRACTION)
+    assert (plan.rows + admission_rows(plan.rows)) * row.total <= plan.budget
     assert plan_rows(4, 100, lambda: row, None, lambda: None).rows == 4  # unknown free memory: not checked
     assert parse_bytes("40GiB") == 40 << 30 and parse_bytes("1.5 kB") == 1500 and parse_bytes(7) == 7
     with pytest.raises(TypeError):
