@@ -16,7 +16,7 @@ from tiny_models import VOCAB, get_model
 
 import specdec
 from specdec.batching import (ADMISSION_DIVISOR, MEMORY_FRACTION, GenerationOutput, RequestStatus, admission_rows,
-                              bytes_per_sequence, parse_bytes, plan_rows)
+                              bytes_per_sequence, cache_bytes, parse_bytes, plan_rows)
 
 FAMILY = "qwen3_5"
 #: a bound above every request of the reference (longest prompt 13 + largest budget 14)
@@ -269,3 +269,17 @@ def test_oversize_int_and_budget_errors():
     with pytest.raises(TypeError):
         parse_bytes(1.5)
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("family, strategy", [("qwen3_5", "snapshot"), ("nemotron_h", "replay"),
+                                              ("kimi_linear", "ring")])
+def test_estimate_matches_the_cache(family, strategy):
+    """bytes_per_sequence's KV + state + rollback bytes are what a generate_batch pool's cache holds
+    per row (up to the strategies' int64 per-slot cursors: a ring's head, replay's history length)."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    sd = specdec.wrap(model, rollback=strategy, num_speculative_tokens=3, decode_path="eager")
+    sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+    row = bytes_per_sequence(model, strategy, max(map(len, prompts)) + max(budgets), 3)
+    held = cache_bytes(sd.last_cache) / ROWS
+    assert 0 <= held - (row.kv_bytes + row.state_bytes + row.rollback_bytes) <= 8 * len(sd.last_cache.ssm)
