@@ -95,7 +95,9 @@ class ContinuousBatchingManager:
 
     Made by :meth:`SpeculativeGenerator.init_continuous_batching`, which checks every setting.
     While it runs, the generator is the loop's: do not call its ``generate`` / ``generate_batch``
-    from another thread then; ``last_stats`` describes a run once ``stop()`` has ended it.
+    from another thread then; ``last_stats`` describes a run once ``stop()`` has ended it (not
+    after a hard stop or an error, which end the loop inside a step), idle waits counted in its
+    ``prefill_s`` (the admission phase waits for requests) and ``wall_s``.
 
     Args:
         run: decodes a pool until it has nothing left (the generator's loop, settings bound).
