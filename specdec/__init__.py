@@ -7,6 +7,10 @@ Public API::
     out = sd.generate(input_ids, attention_mask=mask, max_new_tokens=64)
     sd.last_stats  # specdec.Stats
     sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto")  # measured choices
+    out = sd.generate_batch(list_of_prompts, max_new_tokens=64, max_batch_size="auto")  # continuous batching
+    with sd.init_continuous_batching(max_length=512) as manager:  # specdec.ContinuousBatchingManager
+        rid = manager.add_request(prompt_ids)
+        result = manager.get_result(rid)
 """
 
 from __future__ import annotations
@@ -15,21 +19,23 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from . import adaptive, drafters, models, rollback, zoo
+    from . import adaptive, batching, drafters, models, rollback, serving, zoo
     from .engine import SpeculativeGenerator
+    from .serving import ContinuousBatchingManager
     from .stats import Stats
     from .hf_integration import enable_hf_speculation
 
 #: public names -> the submodule that defines them; imported on first use, so that
 #: ``import specdec.experiments.cli`` (``specdec-run --help``) does not import torch
 _LAZY = {
-    "adaptive": None, "drafters": None, "models": None, "rollback": None, "zoo": None,
-    "SpeculativeGenerator": "engine", "Stats": "stats", "enable_hf_speculation": "hf_integration",
+    "adaptive": None, "batching": None, "drafters": None, "models": None, "rollback": None, "serving": None,
+    "zoo": None, "SpeculativeGenerator": "engine", "Stats": "stats", "enable_hf_speculation": "hf_integration",
+    "ContinuousBatchingManager": "serving",
 }
 
 __all__ = [
-    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "adaptive", "drafters", "rollback", "models",
-    "zoo",
+    "wrap", "enable_hf_speculation", "Stats", "SpeculativeGenerator", "ContinuousBatchingManager", "adaptive",
+    "batching", "drafters", "rollback", "models", "serving", "zoo",
     "__version__",
 ]
 __version__ = "0.1.0"

@@ -9,12 +9,22 @@ requests take their slots (prefilled together into a fresh cache and moved in wi
 ``generate_batch`` returns it: ``req_0``, ``req_1``, ... in input order, each a
 ``transformers`` ``GenerationOutput``; a request that cannot run (empty, ids outside the
 vocabulary, longer than the model's context) carries ``status=FAILED`` and its ``error``, as HF
-reports a failed request, and the others run.
+reports a failed request, and the others run. :mod:`specdec.serving` runs the same pool open:
+requests arrive while it decodes (Hugging Face's ``init_continuous_batching`` manager).
+
+Memory: :func:`bytes_per_sequence` estimates what one row holds on the device (attention KV over
+the pool's columns, SSM and conv state, the rollback strategy's extra state, the step's logits),
+measured once per model from a one-token probe; :func:`plan_rows` turns it and a memory budget
+(:func:`parse_bytes`; default: :func:`free_memory` x :data:`MEMORY_FRACTION`) into the pool's
+rows for ``max_batch_size="auto"``, or checks a given count against it.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
+import re
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +32,17 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "GenerationOutput", "Request", "RequestPool", "RequestStatus", "check_requests",
-           "left_pad", "pool_size"]
+from .adaptive import rollback_bytes
+from .graphs import bucket_length
+from .models import HybridAdapter, adapter_for
+from .rollback import ReplayRollback, make_strategy
+
+__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MEMORY_FRACTION", "GenerationOutput",
+           "PoolPlan", "Request", "RequestPool", "RequestStatus", "SequenceBytes", "admission_rows",
+           "bytes_per_sequence", "cache_bytes", "check_requests", "free_memory", "kv_columns", "left_pad",
+           "parse_bytes", "plan_rows", "pool_size"]
+
+logger = logging.getLogger(__name__)
 
 #: the pool's rows when ``max_batch_size`` is not given: ``min(len(inputs), DEFAULT_MAX_BATCH_SIZE)``
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -31,35 +50,46 @@ DEFAULT_MAX_BATCH_SIZE = 32
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt of a ``generate_batch`` call: its position in ``inputs``, token ids and budget."""
+    """One prompt of a ``generate_batch`` call (or of a manager): its position in ``inputs`` (the
+    manager: in submission order), token ids, budget and, when the caller named it, its id."""
 
     index: int
     prompt: tuple[int, ...]
     max_new_tokens: int
+    custom_id: str | None = None
 
     @property
     def request_id(self) -> str:
-        return f"req_{self.index}"
+        """``custom_id``, else ``req_<index>``."""
+        return self.custom_id if self.custom_id is not None else f"req_{self.index}"
+
+    def output(self, status: RequestStatus, generated: list[int] | None = None,
+               error: str | None = None) -> GenerationOutput:
+        """This request's ``GenerationOutput`` with ``status``, its new tokens and ``error``."""
+        return GenerationOutput(request_id=self.request_id, prompt_ids=list(self.prompt),
+                                generated_tokens=[] if generated is None else generated, error=error, status=status)
 
 
 def pool_size(max_batch_size, num_requests: int) -> int:
     """The pool's rows: ``max_batch_size`` (an int >= 1), or ``min(num_requests, 32)`` when None.
 
-    Raises: ValueError for ``"auto"`` (not available yet) or an int < 1; TypeError otherwise."""
+    Raises: ValueError for a string (``"auto"`` is :func:`plan_rows`' to size) or an int < 1;
+    TypeError otherwise."""
     if max_batch_size is None:
         return max(1, min(num_requests, DEFAULT_MAX_BATCH_SIZE))
-    if max_batch_size == "auto":
-        raise ValueError("max_batch_size='auto' (sized from free memory) is not available yet; give an int >= 1 "
-                         f"or None (min(len(inputs), {DEFAULT_MAX_BATCH_SIZE}))")
+    if isinstance(max_batch_size, str):
+        raise ValueError(f"max_batch_size must be an int >= 1, 'auto' (sized from free memory) or None "
+                         f"(min(number of requests, {DEFAULT_MAX_BATCH_SIZE})), got {max_batch_size!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral):
-        raise TypeError(f"max_batch_size must be an int >= 1 or None, got {type(max_batch_size).__name__}")
+        raise TypeError(f"max_batch_size must be an int >= 1, 'auto' or None, got {type(max_batch_size).__name__}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     return int(max_batch_size)
 
 
-def check_requests(inputs, max_new_tokens, vocab_size: int,
-                   max_positions: int | None) -> tuple[list[Request], dict[int, GenerationOutput]]:
+def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int | None, *,
+                   max_length: int | None = None, first_index: int = 0,
+                   request_ids: list | None = None) -> tuple[list[Request], dict[int, GenerationOutput]]:
     """Split ``inputs`` into the requests that can run and the failed outputs of those that cannot.
 
     Args:
@@ -68,10 +98,14 @@ def check_requests(inputs, max_new_tokens, vocab_size: int,
         vocab_size: ids must be in ``[0, vocab_size)``.
         max_positions: the model's context (``config.max_position_embeddings``) or None: prompt +
             budget must not exceed it.
+        max_length: a manager's bound on prompt + budget (its KV columns), or None.
+        first_index: the :attr:`Request.index` of ``inputs[0]`` (the others follow).
+        request_ids: one id (str) or None (``req_<index>``) per prompt, or None for all.
 
     Returns: ``(requests, failed)``: the runnable :class:`Request` s in input order, and for each
     request that cannot run (empty prompt, ids outside the vocabulary, prompt + budget beyond the
-    context) its index -> a ``GenerationOutput`` with ``status=RequestStatus.FAILED`` and ``error``.
+    context or ``max_length``) its index -> a ``GenerationOutput`` with ``status=RequestStatus.FAILED``
+    and ``error``.
 
     Raises:
         TypeError: ``inputs`` not a list/tuple, a prompt not a list of ints, a budget not an int.
@@ -83,18 +117,20 @@ def check_requests(inputs, max_new_tokens, vocab_size: int,
     if len(budgets) != len(inputs):
         raise ValueError(f"max_new_tokens is a list of {len(budgets)} budgets for {len(inputs)} requests; give one "
                          "int, or one per request")
-    for i, b in enumerate(budgets):
+    names = [None] * len(inputs) if request_ids is None else list(request_ids)
+    labels = [Request(first_index + i, (), 0, name).request_id for i, name in enumerate(names)]
+    for label, b in zip(labels, budgets):
         if isinstance(b, bool) or not isinstance(b, numbers.Integral):
-            raise TypeError(f"max_new_tokens of req_{i} must be an int, got {type(b).__name__}")
+            raise TypeError(f"max_new_tokens of {label} must be an int, got {type(b).__name__}")
         if b < 0:
-            raise ValueError(f"max_new_tokens of req_{i} must be >= 0, got {b}")
+            raise ValueError(f"max_new_tokens of {label} must be >= 0, got {b}")
     requests, failed = [], {}
     for i, prompt in enumerate(inputs):
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.reshape(-1).tolist() if prompt.dim() <= 1 else prompt
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise TypeError(f"req_{i}: a prompt must be a list of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got {type(prompt).__name__}")
         ids, budget = tuple(int(t) for t in prompt), int(budgets[i])
         error = None
         if not ids:
@@ -105,11 +141,14 @@ def check_requests(inputs, max_new_tokens, vocab_size: int,
         elif max_positions is not None and len(ids) + budget > max_positions:
             error = (f"prompt ({len(ids)} tokens) + max_new_tokens ({budget}) exceeds the model's context "
                      f"(max_position_embeddings={max_positions})")
+        elif max_length is not None and len(ids) + budget > max_length:
+            error = (f"prompt ({len(ids)} tokens) + max_new_tokens ({budget}) exceeds the manager's "
+                     f"max_length={max_length} (its KV columns are sized once for it)")
+        request = Request(first_index + i, ids, budget, names[i])
         if error is None:
-            requests.append(Request(i, ids, budget))
+            requests.append(request)
         else:
-            failed[i] = GenerationOutput(request_id=f"req_{i}", prompt_ids=list(ids), error=error,
-                                         status=RequestStatus.FAILED)
+            failed[request.index] = request.output(RequestStatus.FAILED, error=error)
     return requests, failed
 
 
@@ -127,36 +166,335 @@ def left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor]:
 class RequestPool:
     """The queue of requests and the request each of the loop's ``size`` rows decodes.
 
-    ``span`` bounds every row's committed length (longest prompt + largest budget): the KV
-    columns and text buffers are sized from it once, for every request of the call.
+    ``span`` bounds every row's committed length: the KV columns and text buffers are sized from
+    it once. Given (a manager's ``max_length``), or the longest prompt + largest budget of
+    ``requests``. One admission takes at most ``admit_limit`` (:func:`admission_rows`) requests,
+    and only requests whose longest prompt + largest budget fit ``span`` together (an admission
+    left-pads its prompts to one width).
     """
 
-    def __init__(self, requests: list[Request], size: int):
+    def __init__(self, requests: list[Request], size: int, span: int | None = None):
         self.queue = deque(requests)
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}
-        self.span = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+        self.span = self.span_of(requests) if span is None else span
+        self.admit_limit = admission_rows(size)
+        #: finished requests and their new tokens, over the pool's life
+        self.num_finished = self.new_tokens = 0
         #: called once per finished request (the progress bar), or None
         self.on_finish: Callable[[], None] | None = None
 
-    def take(self, rows: list[int]) -> list[Request]:
-        """Give the first queued requests to ``rows`` (as many as there are of both); returns them."""
-        taken = []
+    @staticmethod
+    def span_of(requests: list[Request]) -> int:
+        """The longest prompt + the largest budget of ``requests`` (not empty)."""
+        return max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+
+    def take(self, rows, at_most: int | None = None) -> list[Request]:
+        """Give the first queued requests to ``rows`` (as many as there are of both, at most
+        ``at_most``, default ``admit_limit``, and while they fit ``span`` together); returns them."""
+        limit = self.admit_limit if at_most is None else at_most
+        taken, width, budget = [], 0, 0
         for row in rows:
-            if not self.queue:
+            if not self.queue or len(taken) >= limit:
                 break
-            self.slots[row] = req = self.queue.popleft()
+            req = self.queue[0]
+            w, b = max(width, len(req.prompt)), max(budget, req.max_new_tokens)
+            if taken and w + b > self.span:
+                break
+            self.slots[row] = self.queue.popleft()
             taken.append(req)
+            width, budget = w, b
         return taken
 
     def finish(self, row: int, generated: list[int]) -> None:
         """Row ``row``'s request ended with ``generated``: record its output and free the row."""
         req, self.slots[row] = self.slots[row], None
-        self.outputs[req.index] = GenerationOutput(request_id=req.request_id, prompt_ids=list(req.prompt),
-                                                   generated_tokens=generated, status=RequestStatus.FINISHED)
+        self.outputs[req.index] = req.output(RequestStatus.FINISHED, generated)
+        self.num_finished += 1
+        self.new_tokens += len(generated)
         if self.on_finish is not None:
             self.on_finish()
 
     def busy(self, finished: list[bool]) -> list[int]:
         """The rows holding a request that ``finished`` (host copy of the loop's flags) says ended."""
         return [b for b, req in enumerate(self.slots) if req is not None and finished[b]]
+
+
+# ------------------------------------------------------------------------------ memory
+
+#: the share of free device memory ``max_batch_size="auto"`` plans for when no ``memory_budget``
+#: is given (the rest is left to prefill activations, CUDA graph pools and fragmentation)
+MEMORY_FRACTION = 0.9
+#: one admission prefills at most ``ceil(rows / ADMISSION_DIVISOR)`` requests (:func:`admission_rows`)
+ADMISSION_DIVISOR = 8
+#: the most rows ``max_batch_size="auto"`` chooses
+MAX_AUTO_BATCH_SIZE = 1024
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """Bytes from an int >= 1 or a string: a number and a unit, e.g. ``"40GiB"``, ``"512 MiB"``,
+    ``"1.5GB"`` (B; kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024; any case).
+
+    Raises: TypeError for another type; ValueError for a string of another form or a value < 1 byte."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", value)
+        unit = m and _UNITS.get(m.group(2).lower())
+        if not unit:
+            raise ValueError(f"memory_budget {value!r}: give bytes as an int or a number with a unit, e.g. '40GiB', "
+                             "'512MiB', '1.5GB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        nbytes = int(float(m.group(1)) * unit)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"memory_budget must be bytes (an int) or a string such as '40GiB', got {type(value).__name__}")
+    else:
+        nbytes = int(value)
+    if nbytes < 1:
+        raise ValueError(f"memory_budget must be at least 1 byte, got {value!r}")
+    return nbytes
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` for people: ``"1.9 MiB"``, ``"40.0 GiB"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def free_memory(device) -> int | None:
+    """Bytes free for new tensors on ``device``: on CUDA the driver's free memory
+    (``torch.cuda.mem_get_info``) plus what PyTorch's caching allocator holds unused; on CPU the
+    kernel's ``MemAvailable`` (``/proc/meminfo``); None where unknown (other devices, no ``/proc``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of a :class:`~specdec.cache.HybridCache`'s buffers: attention KV, conv windows and the
+    rollback stores (:func:`specdec.adaptive.rollback_bytes`)."""
+    kv = sum(t.numel() * t.element_size() for pair in cache.kv.values() for t in pair)
+    conv = sum(layer.conv_window.numel() * layer.conv_window.element_size()
+               for layer in cache.ssm.values() if layer.conv_window is not None)
+    return kv + conv + rollback_bytes(cache)
+
+
+def kv_columns(span: int, step_tokens: int) -> int:
+    """KV columns of a decode whose rows commit at most ``span`` tokens (prompt with padding + new
+    tokens) in steps of at most ``step_tokens``: the span and two steps of slack."""
+    return span + 2 * step_tokens
+
+
+def admission_rows(size: int) -> int:
+    """The most requests one admission of a pool of ``size`` rows prefills at once:
+    ``ceil(size / ADMISSION_DIVISOR)`` (its fresh cache is a transient of that many rows)."""
+    return max(1, -(-size // ADMISSION_DIVISOR))
+
+
+@dataclass(frozen=True)
+class _SSMLayerBytes:
+    state_bytes: int  # S: one sequence's recurrent state as the strategies store it (fp32); 0: conv only
+    conv_bytes_per_column: int  # one column of the conv window (channels x dtype size); 0: no conv
+    conv_width: int
+    input_bytes_per_token: int  # I: what replay caches per token
+
+
+@dataclass(frozen=True)
+class _ModelBytes:
+    kv_bytes_per_token: int  # keys + values of every attention layer, one column
+    ssm: tuple[_SSMLayerBytes, ...]
+    vocab_size: int
+    dtype_bytes: int
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((dtype, device), _ModelBytes)
+
+
+def _probe(adapter: HybridAdapter) -> _ModelBytes:
+    """Each cached layer's bytes per sequence, read from a one-row cache after a one-token prompt
+    and a one-token replay step (which allocates replay's per-token input history); once per model."""
+    key = (adapter.dtype, adapter.device)
+    found = _PROBED.get(adapter.model)
+    if found is not None and found[0] == key:
+        return found[1]
+    cache = adapter.new_cache(1, kv_columns(1, 1), 1, ReplayRollback())
+    ids = torch.zeros(1, 1, dtype=torch.long, device=adapter.device)
+    adapter.prefill(ids, torch.ones_like(ids), cache)
+    adapter.forward(ids, cache)
+    kv = sum(k[0, :, 0].numel() * k.element_size() + v[0, :, 0].numel() * v.element_size()
+             for k, v in cache.kv.values())
+    layers = []
+    for layer in cache.ssm.values():
+        state = layer.ssm_state() if layer.has_recurrence else None
+        hist = layer.store.tensors.get("hist") if layer.has_recurrence else None
+        win = layer.conv_window
+        layers.append(_SSMLayerBytes(
+            state_bytes=0 if state is None else state[0].numel() * state.element_size(),
+            conv_bytes_per_column=0 if win is None else win.shape[1] * win.element_size(),
+            conv_width=layer.conv_width,
+            input_bytes_per_token=sum(h[0, 0].numel() * h.element_size() for h in (hist or {}).values())))
+    found = _ModelBytes(kv, tuple(layers), adapter.vocab_size, torch.empty((), dtype=adapter.dtype).element_size())
+    _PROBED[adapter.model] = (key, found)
+    return found
+
+
+@dataclass(frozen=True)
+class SequenceBytes:
+    """Device bytes one row (sequence) of a decode pool holds (:func:`bytes_per_sequence`).
+
+    kv_bytes: attention keys and values over ``kv_columns`` columns. state_bytes: every SSM layer's
+    committed recurrent state (fp32) and conv window. rollback_bytes: what the rollback strategy
+    keeps beyond the committed state (:meth:`RollbackStrategy.extra_state_bytes`). workspace_bytes:
+    the step's logits (``T x vocab`` in the model's dtype and an fp32 copy) and the row's text
+    buffer (int64).
+    """
+
+    strategy: str
+    kv_columns: int
+    kv_bytes: int
+    state_bytes: int
+    rollback_bytes: int
+    workspace_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_bytes + self.state_bytes + self.rollback_bytes + self.workspace_bytes
+
+    def describe(self) -> str:
+        """e.g. ``"replay: 1.9 MiB state + 4.0 MiB KV per row"`` (state: committed + rollback)."""
+        return (f"{self.strategy}: {_size(self.state_bytes + self.rollback_bytes)} state + {_size(self.kv_bytes)} KV "
+                f"+ {_size(self.workspace_bytes)} workspace per row")
+
+
+def bytes_per_sequence(model, strategy, span: int, num_speculative_tokens: int, *,
+                       static: bool = False) -> SequenceBytes:
+    """Device bytes one decode row holds, by part (:class:`SequenceBytes`).
+
+    Per row, with T = K + 1 step tokens and C = :func:`kv_columns` ``(span, T)`` KV columns
+    (the static path: rounded up to its bucket, :func:`specdec.graphs.bucket_length`):
+    KV = C x (keys + values of every attention layer per token); state = per SSM layer, its fp32
+    state S and its conv window (channels x (width - 1 + T)); rollback = per SSM layer,
+    ``strategy.extra_state_bytes(S, T, I)`` (I: the bytes replay caches per token); workspace =
+    T x vocab x (dtype size + 4) + (span + T) x 8. The layers' sizes are read once per model from
+    a one-row cache after a one-token prompt and step (a small forward on the model's device).
+    Not counted: the drafter's own state, prefill activations, CUDA graph pools.
+
+    Args:
+        model: a Hugging Face model of a supported family, or its :class:`~specdec.models.HybridAdapter`.
+        strategy: a :class:`~specdec.rollback.RollbackStrategy` or a name (``"snapshot"``,
+            ``"ring"``, ``"replay"``, ``"replay_deferred"``); for plain decoding (K = 0),
+            :class:`~specdec.rollback.InPlaceUpdate`.
+        span: the longest text a row commits, in tokens: prompt (left padding included) + new
+            tokens (``generate_batch``: the longest prompt + the largest budget; a manager: its
+            ``max_length``).
+        num_speculative_tokens: K, the most drafts of one step (with ``"auto"``: ``max_speculative_tokens``).
+        static: the static / CUDA-graph decode path.
+
+    Raises: ValueError / TypeError: an unknown strategy; an unsupported model family.
+    """
+    adapter = model if isinstance(model, HybridAdapter) else adapter_for(model)
+    strategy = make_strategy(strategy)
+    T = int(num_speculative_tokens) + 1
+    cols = kv_columns(int(span), T)
+    cols = bucket_length(cols) if static else cols
+    m = _probe(adapter)
+    state = sum(layer.state_bytes + layer.conv_bytes_per_column * (layer.conv_width - 1 + T) for layer in m.ssm)
+    extra = sum(int(strategy.extra_state_bytes(layer.state_bytes, T, layer.input_bytes_per_token))
+                for layer in m.ssm if layer.state_bytes)
+    workspace = T * m.vocab_size * (m.dtype_bytes + 4) + (int(span) + T) * 8
+    return SequenceBytes(strategy=strategy.name, kv_columns=cols, kv_bytes=m.kv_bytes_per_token * cols,
+                         state_bytes=state, rollback_bytes=extra, workspace_bytes=workspace)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A pool's rows and, with ``max_batch_size="auto"``, how they were chosen (``reason``, also
+    logged on ``specdec.batching``); ``per_row`` and ``budget`` (bytes) when memory was looked at."""
+
+    rows: int
+    reason: str | None = None
+    per_row: SequenceBytes | None = None
+    budget: int | None = None
+
+
+def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], SequenceBytes],
+              memory_budget=None, available: Callable[[], int | None] | None = None) -> PoolPlan:
+    """The rows of a decode pool.
+
+    A pool of r rows needs ``(r + admission_rows(r)) x per_row().total`` bytes (its rows and one
+    admission's fresh cache). ``"auto"``: the most rows that fit the budget (``memory_budget``,
+    else :data:`MEMORY_FRACTION` x ``available()``), at most :data:`MAX_AUTO_BATCH_SIZE` and
+    ``num_requests``. An int: ``min(max_batch_size, num_requests)`` rows, checked against
+    ``memory_budget``, else ``available()`` when known. None: ``min(num_requests,
+    DEFAULT_MAX_BATCH_SIZE)`` (``DEFAULT_MAX_BATCH_SIZE`` for a manager), not checked.
+
+    Args:
+        max_batch_size: an int >= 1, ``"auto"`` or None.
+        num_requests: how many requests will run (``generate_batch``), or None (a manager: any).
+        per_row: gives one row's :class:`SequenceBytes` (called only for an int or ``"auto"``).
+        memory_budget: bytes (an int or a :func:`parse_bytes` string), or None.
+        available: gives the bytes the pool could take (free device memory and what the
+            generator's kept buffers hold), or None where unknown.
+
+    Raises:
+        TypeError / ValueError: a bad ``max_batch_size`` or ``memory_budget``; ``"auto"`` with no
+        budget where free memory is unknown; ``"auto"`` where not one row fits; an int whose
+        rows need more than the budget (the message gives the numbers).
+    """
+    auto = max_batch_size == "auto"
+    rows = None if auto else pool_size(max_batch_size, DEFAULT_MAX_BATCH_SIZE if num_requests is None else num_requests)
+    if rows is not None and num_requests is not None:
+        rows = max(1, min(rows, num_requests))
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    if max_batch_size is None:
+        return PoolPlan(rows)
+    if budget is not None:
+        source = f"memory_budget {_size(budget)}"
+    else:
+        free = available() if available is not None else None
+        if free is None:
+            if auto:
+                raise ValueError("max_batch_size='auto' needs the free memory of the device, which is unknown here; "
+                                 "give memory_budget= (bytes, or e.g. '8GiB')")
+            return PoolPlan(rows)
+        budget = int(free * MEMORY_FRACTION) if auto else free
+        source = (f"{MEMORY_FRACTION:g} x {_size(free)} free" if auto else f"the {_size(free)} free on the device")
+    row = per_row()
+
+    def need(r: int) -> int:
+        return (r + admission_rows(r)) * row.total
+
+    if not auto:
+        if need(rows) > budget:
+            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {_size(need(rows))} ({rows} "
+                             f"rows + {admission_rows(rows)} admission rows x {_size(row.total)}; {row.describe()}, "
+                             f"{row.kv_columns} KV columns) but {source} is less; lower max_batch_size, use "
+                             "max_batch_size='auto', or give memory_budget=")
+        return PoolPlan(rows, None, row, budget)
+    fit = budget // row.total
+    rows = fit * ADMISSION_DIVISOR // (ADMISSION_DIVISOR + 1) + 1
+    while rows > 0 and need(rows) > budget:
+        rows -= 1
+    if rows < 1:
+        raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {_size(need(1))} with its "
+                         f"admission: {row.describe()}, {row.kv_columns} KV columns); give a larger memory_budget or "
+                         "lower the requests' length bound")
+    cap, why = min([(MAX_AUTO_BATCH_SIZE, "MAX_AUTO_BATCH_SIZE")]
+                   + ([(num_requests, "requests")] if num_requests is not None else []))
+    chosen = max(1, min(rows, cap))
+    reason = (f"max_batch_size=auto: {chosen} rows ({row.describe()}, {source}"
+              + (f"; {rows} rows fit, capped at {cap} ({why})" if rows > cap else "") + ")")
+    logger.info(reason)
+    return PoolPlan(chosen, reason, row, budget)

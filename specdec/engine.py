@@ -16,11 +16,14 @@ token (stopping criteria, logits processors, returned scores) are one optional p
 expected tokens per K); with ``rollback="auto"`` the call's strategy is chosen before the
 prefill (:mod:`specdec.adaptive`). Continuous batching (:meth:`SpeculativeGenerator.generate_batch`,
 :mod:`specdec.batching`) runs the same loop over a pool of rows: each step starts with an admission
-phase in which rows whose request ended take the next waiting prompts.
+phase in which rows whose request ended take the next waiting prompts; :mod:`specdec.serving` runs
+it on a background thread over a pool that stays open (``init_continuous_batching``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 
 import torch
@@ -28,13 +31,15 @@ from tqdm.auto import tqdm
 
 from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
                        costs_for, expected_tokens, rollback_bytes, strategy_label)
-from .batching import GenerationOutput, RequestPool, RequestStatus, check_requests, left_pad, pool_size
+from .batching import (GenerationOutput, PoolPlan, RequestPool, RequestStatus, bytes_per_sequence, cache_bytes,
+                       check_requests, free_memory, kv_columns, left_pad, plan_rows)
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
+from .serving import ContinuousBatchingManager
 from .settings import resolve
 from .stats import Stats
 from .step_hook import StepHook
@@ -374,7 +379,8 @@ class SpeculativeGenerator:
 
     @torch.no_grad()
     def generate_batch(self, inputs, generation_config=None, *, max_new_tokens=None, eos_token_id=None,
-                       progress_bar: bool = False, max_batch_size: int | None = None, prefix_caching: bool = False,
+                       progress_bar: bool = False, max_batch_size: int | str | None = None,
+                       memory_budget: int | str | None = None, prefix_caching: bool = False,
                        **generate_kwargs) -> dict[str, GenerationOutput]:
         """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
         through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
@@ -389,7 +395,14 @@ class SpeculativeGenerator:
                 default: the generation config's ``max_new_tokens``, else 20.
             eos_token_id: int or list of ints (default from the generation config).
             progress_bar: show a ``tqdm`` bar of finished requests.
-            max_batch_size: the pool's rows, an int >= 1 (default ``min(len(inputs), 32)``).
+            max_batch_size: the pool's rows: an int >= 1 (checked against the memory it needs,
+                :func:`specdec.batching.plan_rows`), ``"auto"`` (as many as fit the memory budget:
+                :func:`specdec.batching.bytes_per_sequence` of the call's strategy, K and lengths;
+                with ``rollback="auto"``, of the candidate that needs most), or None (default
+                ``min(len(inputs), 32)``).
+            memory_budget: the device bytes the pool may take, an int or a string such as
+                ``"40GiB"``; default: free device memory (x ``specdec.batching.MEMORY_FRACTION``
+                for ``"auto"``). Unused with ``max_batch_size=None``.
             prefix_caching: not available yet (``True`` raises).
             **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``
                 and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
@@ -404,16 +417,20 @@ class SpeculativeGenerator:
             outside ``[0, vocab_size)``, prompt + budget beyond ``config.max_position_embeddings``)
             has ``status=RequestStatus.FAILED``, its reason in ``error`` and no tokens; the other
             requests run (HF's convention for a failed request). Stats of the call (all requests)
-            in ``self.last_stats``.
+            in ``self.last_stats``, with the pool's rows (``max_batch_size``) and, for ``"auto"``,
+            how they were chosen (``batch_size_reason``, also logged on ``specdec.batching``).
 
         Raises:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
-            of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
-            ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
-            hook; a draft tree, or a drafter with per-row state that does not define
-            :meth:`Drafter.admit` (supported: chain drafters that are ``Drafter.stateless``, such as
-            the n-gram drafter, or define ``admit``; and ``num_speculative_tokens=0``); the static
-            path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
+            of lists of ints, bad budgets, ``max_batch_size`` or ``memory_budget``; an int
+            ``max_batch_size`` whose rows need more memory than the budget (or the free memory),
+            ``"auto"`` where not one row fits or free memory is unknown (a device other than CUDA
+            and Linux CPUs) and no budget is given; ``prefix_caching=True``; settings ``generate()``
+            rejects or that need its per-token hook; a draft tree, or a drafter with per-row state
+            that does not define :meth:`Drafter.admit` (supported: chain drafters that are
+            ``Drafter.stateless``, such as the n-gram drafter, or define ``admit``; and
+            ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
+            in place (``RollbackStrategy.resets_in_place``).
         """
         if prefix_caching:
             raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
@@ -421,40 +438,142 @@ class SpeculativeGenerator:
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
-        size = pool_size(max_batch_size, len(inputs) if isinstance(inputs, (list, tuple)) else 0)
-        if max_new_tokens is None:  # (a generation_config of another type is refused by resolve below)
-            gc = generation_config if generation_config is not None else self.model.generation_config
-            max_new_tokens = getattr(gc, "max_new_tokens", None)
-            max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
-        V = self.adapter.vocab_size
-        requests, results = check_requests(inputs, max_new_tokens, V,
-                                           getattr(self.model.config, "max_position_embeddings", None))
+        if max_new_tokens is None:
+            max_new_tokens = self._default_budget(generation_config)
+        requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, self._max_positions())
         for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
-            results[r.index] = GenerationOutput(request_id=r.request_id, prompt_ids=list(r.prompt),
-                                                status=RequestStatus.FINISHED)
+            results[r.index] = r.output(RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
+        settings = self._batching_settings(generation_config, max((r.max_new_tokens for r in requests), default=0),
+                                           eos_token_id, generate_kwargs)
+        plan = self._plan_pool(max_batch_size, memory_budget, RequestPool.span_of(requests) if requests else 1,
+                               len(requests))
         if requests:
-            pool = RequestPool(requests, min(size, len(requests)))
-            first = pool.take(range(len(pool.slots)))
-            ids, mask = left_pad([r.prompt for r in first], self.adapter.device)
-            overrides = dict(max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=eos_token_id,
-                             **generate_kwargs)
-            settings = resolve(self.model, V, self.adapter.device, ids, mask, generation_config, overrides=overrides)
-            blockers = settings.per_token_features
-            if blockers or settings.return_dict:
-                raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
-                                 "; use generate() for these")
-            custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
-            if custom and self._pick_path(self.adapter.device, None) != "eager":
-                raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
-                                 "(resets_in_place=False), which the static decode path needs across admissions; "
-                                 "use decode_path='eager' or a built-in strategy")
+            pool = RequestPool(requests, plan.rows)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
-                self._decode(settings, pool)
+                self._run_pool(settings, plan, pool)
             results.update(pool.outputs)
         return {f"req_{i}": results[i] for i in range(len(inputs))}
+
+    def init_continuous_batching(self, generation_config=None, *, max_length: int,
+                                 max_batch_size: int | str | None = None, memory_budget: int | str | None = None,
+                                 max_new_tokens: int | None = None, eos_token_id=None,
+                                 **generate_kwargs) -> ContinuousBatchingManager:
+        """Continuous batching as a service (Hugging Face's ``init_continuous_batching``): a
+        :class:`specdec.serving.ContinuousBatchingManager` that, once started, runs
+        :meth:`generate_batch`'s decode loop on a background thread over a pool that stays open:
+        requests are added while others decode and each result is taken when its request ends.
+
+        Args:
+            generation_config, eos_token_id, **generate_kwargs: as :meth:`generate_batch` takes them.
+            max_length: the most tokens a request may hold, prompt + ``max_new_tokens`` (an int
+                >= 2, at most ``config.max_position_embeddings``): the KV columns are sized for it
+                once; a longer request fails alone (``status=FAILED``, ``error``).
+            max_batch_size: the pool's rows: an int >= 1, ``"auto"`` (as many as fit the memory
+                budget for requests of ``max_length`` tokens) or None (``DEFAULT_MAX_BATCH_SIZE``, 32).
+            memory_budget: as :meth:`generate_batch` takes it.
+            max_new_tokens: a request's budget when ``add_request`` gives none (default: the
+                generation config's ``max_new_tokens``, else 20).
+
+        Returns: the manager (not started: ``start()``, or use it as a context manager).
+
+        Raises:
+            TypeError / ValueError: as :meth:`generate_batch` raises them, checked here; a bad
+            ``max_length`` or ``max_new_tokens``.
+        """
+        limit = self._max_positions()
+        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+            raise TypeError(f"max_length must be an int (prompt + new tokens of a request), got "
+                            f"{type(max_length).__name__}")
+        if max_length < 2 or (limit is not None and max_length > limit):
+            raise ValueError(f"max_length must be in [2, {limit if limit is not None else 'inf'}] (prompt + new tokens "
+                             f"of a request, at most config.max_position_embeddings), got {max_length}")
+        self._check_batching()
+        if max_new_tokens is None:
+            max_new_tokens = self._default_budget(generation_config)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
+                            f"{type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (the default budget of a request), got {max_new_tokens}")
+        settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs)
+        plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None)
+        return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
+                                         max_length=int(max_length), max_new_tokens=int(max_new_tokens),
+                                         vocab_size=self.adapter.vocab_size, max_positions=limit,
+                                         device=self.adapter.device)
+
+    def _default_budget(self, generation_config) -> int:
+        """A request's budget when none is given: the generation config's ``max_new_tokens``, else 20
+        (a generation_config of another type is refused by ``resolve`` later)."""
+        gc = generation_config if generation_config is not None else self.model.generation_config
+        budget = getattr(gc, "max_new_tokens", None)
+        return 20 if budget is None else budget
+
+    def _max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs):
+        """The settings of a pool's decode loop, checked before any work (resolved on a placeholder
+        prompt: :meth:`_run_pool` gives the loop the pool's first prompts)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.adapter.device)
+        overrides = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **generate_kwargs)
+        settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, ids, torch.ones_like(ids),
+                           generation_config, overrides=overrides)
+        blockers = settings.per_token_features
+        if blockers or settings.return_dict:
+            raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
+                             "; use generate() for these")
+        custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
+        if custom and self._pick_path(self.adapter.device, None) != "eager":
+            raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
+                             "(resets_in_place=False), which the static decode path needs across admissions; "
+                             "use decode_path='eager' or a built-in strategy")
+        return settings
+
+    def _plan_pool(self, max_batch_size, memory_budget, span: int, num_requests: int | None) -> PoolPlan:
+        """The pool's rows (:func:`specdec.batching.plan_rows`) for rows of ``span`` tokens: the bytes
+        of a row under the call's strategy (``rollback="auto"``: the candidate that needs most), K
+        (``"auto"``: ``max_speculative_tokens``) and decode path; the free device memory counts what
+        this generator's kept buffers hold (the call frees or reuses them)."""
+        K = self.max_speculative_tokens if self._K == AUTO else self._K
+        if K == 0:
+            strategies = [_IN_PLACE]
+        else:
+            strategies = list(self._candidates.values()) if self._candidates is not None else [self._strategy]
+        static = self._pick_path(self.adapter.device, None) != "eager"
+
+        def per_row():
+            return max((bytes_per_sequence(self.adapter, st, span, K, static=static) for st in strategies),
+                       key=lambda b: b.total)
+
+        def available():
+            free = free_memory(self.adapter.device)
+            return None if free is None else free + self._held_bytes()
+
+        return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the caches this generator keeps from its last call (its static buckets too)."""
+        caches = {id(c): c for c in [self.last_cache, *(d.cache for d in self._static.values())] if c is not None}
+        return sum(cache_bytes(c) for c in caches.values())
+
+    @torch.no_grad()
+    def _run_pool(self, s, plan: PoolPlan, pool: RequestPool) -> None:
+        """Decode ``pool``'s requests (:meth:`generate_batch`, and a manager's loop thread): its first
+        requests (up to its rows; an open pool waits for one) are prefilled as the loop's batch, rows
+        left over start on a placeholder prompt with no budget (finished at once: the first admission
+        gives them requests), and the decode loop runs until the pool has nothing left to decode."""
+        size = len(pool.slots)
+        first = pool.take(range(size), at_most=size)
+        if not first:
+            return
+        ids, mask = left_pad([r.prompt for r in first] + [(0,)] * (size - len(first)), self.adapter.device)
+        self.decoder = self.last_cache = None  # (their memory was counted as free by the plan)
+        self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool)
+        self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
@@ -469,9 +588,10 @@ class SpeculativeGenerator:
 
     def _decode(self, s, pool: RequestPool | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of
-        ``generate()``. With ``pool`` (continuous batching, :meth:`generate_batch`), ``s`` holds the
-        pool's first requests (their budgets in ``pool.slots``), every step starts with an admission
-        phase (:meth:`_admit`) and the outputs go to ``pool.outputs`` (returns None)."""
+        ``generate()``. With ``pool`` (continuous batching, :meth:`_run_pool`), ``s`` holds the
+        pool's first requests (their budgets in ``pool.slots``; a row whose slot is None has none
+        and finishes at once), every step starts with an admission phase (:meth:`_admit`) and the
+        outputs go to the pool (:meth:`RequestPool.finish`; returns None)."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO
@@ -493,7 +613,7 @@ class SpeculativeGenerator:
         W = tree.max_depth + 1 if tree is not None else K + 1  # the most tokens one step commits
         clock = StepClock(dev)
         span = Lp + max_new if pool is None else pool.span  # the longest committed text, padding included
-        needed = span + 2 * T  # KV columns
+        needed = kv_columns(span, T)
         strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive)
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
@@ -505,7 +625,9 @@ class SpeculativeGenerator:
             clock.lap("prefill")
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
-        budgets = max_new if pool is None else torch.tensor([r.max_new_tokens for r in pool.slots[:B]], device=dev)
+        # (a pool's row without a request gets no budget: it finishes at once, free for the first admission)
+        budgets = max_new if pool is None else torch.tensor([r.max_new_tokens if r is not None else 0
+                                                             for r in pool.slots[:B]], device=dev)
         rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
@@ -519,8 +641,10 @@ class SpeculativeGenerator:
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
             if pool is not None:  # continuous batching: the first requests are admitted as the later ones
-                drafter.admit(torch.arange(B, device=dev), ids, s.attention_mask,
-                              hidden if every or drafter.wants_hidden_states else None, pool.slots[:B])
+                held = [b for b in range(B) if pool.slots[b] is not None]
+                h = hidden[held] if every or drafter.wants_hidden_states else None
+                drafter.admit(torch.tensor(held, device=dev), ids[held], s.attention_mask[held], h,
+                              [pool.slots[b] for b in held])
             elif every:
                 drafter.observe_prompt(hidden, s.attention_mask)
             if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
@@ -626,7 +750,7 @@ class SpeculativeGenerator:
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
-        new_tokens = int(n_gen.sum()) if pool is None else sum(len(o.generated_tokens) for o in pool.outputs.values())
+        new_tokens = int(n_gen.sum()) if pool is None else pool.new_tokens
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
@@ -642,7 +766,7 @@ class SpeculativeGenerator:
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
             predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None,
             # the steps' tokens: every row's (request's) first new token came from its prefill
-            measured_tokens_per_s=((new_tokens - (B if pool is None else len(pool.outputs))) / step_s
+            measured_tokens_per_s=((new_tokens - (B if pool is None else pool.num_finished)) / step_s
                                    if policy is not None and step_s > 0 else None),
         )
         if pool is not None:

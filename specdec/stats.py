@@ -35,6 +35,9 @@ class Stats:
         measured_tokens_per_s: with ``"auto"``, the goodput the policy predicted for the steps it
         chose (sum of expected tokens / sum of predicted step times) and the one measured
         (tokens the steps committed / the steps' time); None with a fixed K.
+        max_batch_size: continuous batching (``generate_batch``, a manager's run): the pool's rows;
+        None for ``generate()``. batch_size_reason: with ``max_batch_size="auto"``, how the rows
+        were chosen (a row's bytes by part, the memory budget); None otherwise.
     """
 
     steps: int = 0
@@ -58,6 +61,8 @@ class Stats:
     calibration_s: float = 0.0
     predicted_tokens_per_s: float | None = None
     measured_tokens_per_s: float | None = None
+    max_batch_size: int | None = None
+    batch_size_reason: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

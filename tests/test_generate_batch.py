@@ -260,7 +260,7 @@ def test_argument_errors():
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
         (dict(max_new_tokens=-1), ValueError, ">= 0"),
-        (dict(max_batch_size="auto"), ValueError, "not available yet"),
+        (dict(max_batch_size="big"), ValueError, "'auto'"),
         (dict(max_batch_size=0), ValueError, ">= 1"),
         (dict(prefix_caching=True), ValueError, "prefix_caching"),
         (dict(max_length=10), ValueError, "max_new_tokens"),

@@ -1,0 +1,318 @@
+"""Continuous batching as a service: requests added and results taken while the pool decodes.
+
+:meth:`specdec.engine.SpeculativeGenerator.init_continuous_batching` returns a
+:class:`ContinuousBatchingManager`, with the methods of Hugging Face's class of that name
+(``transformers.generation.continuous_batching``): ``start``, ``stop``, ``add_request``,
+``add_requests``, ``get_result``, ``request_id_iter``, iteration, ``is_running``, and use as a
+context manager. ``start()`` runs ``generate_batch``'s decode loop on a background thread over a
+:class:`~specdec.batching.RequestPool` that stays open: when every row is idle the loop waits for
+a request (a blocking wait, woken by ``add_request`` and ``stop``) instead of ending, and rows
+whose request ended take waiting requests between two steps, as in ``generate_batch``. A
+request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; tokens
+are not streamed step by step.
+
+Stopping, as Hugging Face's manager does it: ``stop()`` lets the loop finish every request added
+so far (decoding or waiting), then ends it; their results stay available to ``get_result``.
+``stop(hard_stop=True)`` ends it at the next step: decoding requests come back ``FAILED`` with
+the tokens they had, waiting ones ``FAILED`` with none. An exception inside the loop ends it too:
+every unfinished request comes back ``FAILED`` with ``error`` naming the exception, and once the
+ready results are taken, ``get_result`` and iteration raise ``RuntimeError`` from it.
+
+Example::
+
+    manager = sd.init_continuous_batching(max_length=512, max_batch_size="auto")
+    with manager:                                   # start(); stop() on leaving
+        rid = manager.add_request(prompt_ids, max_new_tokens=64)
+        out = manager.get_result(rid, timeout=60)   # GenerationOutput, or None after 60 s
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .batching import GenerationOutput, Request, RequestPool, RequestStatus, check_requests
+
+__all__ = ["ContinuousBatchingManager", "WAIT_S"]
+
+logger = logging.getLogger(__name__)
+
+#: seconds a waiting loop or caller sleeps between checks at most (new requests, results and
+#: ``stop()`` wake them at once)
+WAIT_S = 0.5
+
+_IDLE, _RUNNING, _FLUSHING, _HARD_STOP = "idle", "running", "flushing", "hard_stop"
+
+
+class _HardStop(Exception):
+    """Raised by an open pool's ``take`` to end the decode loop at once (``stop(hard_stop=True)``)."""
+
+
+class _OpenPool(RequestPool):
+    """The pool of one manager run: its queue is the manager's; ``take`` waits while every row is
+    idle and the manager runs, and raises :class:`_HardStop` on a hard stop; ``busy`` then ends
+    every row (with the tokens it has); ``finish`` hands each output to the manager."""
+
+    def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
+        super().__init__([], size, span)
+        self.queue = manager._queue
+        self._manager = manager
+        self._cut: set[int] = set()  # rows a hard stop ended before their request did
+
+    def take(self, rows, at_most: int | None = None) -> list[Request]:
+        m = self._manager
+        with m._changed:
+            while not self.queue and m._state == _RUNNING and all(r is None for r in self.slots):
+                m._changed.wait(WAIT_S)
+            if m._state == _HARD_STOP:
+                raise _HardStop
+            return super().take(rows, at_most)
+
+    def busy(self, finished: list[bool]) -> list[int]:
+        if self._manager._state != _HARD_STOP:
+            return super().busy(finished)
+        held = [b for b, req in enumerate(self.slots) if req is not None]
+        self._cut = {b for b in held if not finished[b]}
+        return held
+
+    def finish(self, row: int, generated: list[int]) -> None:
+        req = self.slots[row]
+        super().finish(row, generated)
+        out = self.outputs.pop(req.index)
+        if row in self._cut:
+            out.status = RequestStatus.FAILED
+            out.error = f"stopped by stop(hard_stop=True) after {len(generated)} new tokens"
+        self._manager._deliver([out])
+
+
+class ContinuousBatchingManager:
+    """Requests in, results out, while a background thread decodes them (see the module docstring).
+
+    Made by :meth:`SpeculativeGenerator.init_continuous_batching`, which checks every setting.
+    While it runs, the generator is the loop's: do not call its ``generate`` / ``generate_batch``
+    from another thread then; ``last_stats`` describes a run once ``stop()`` has ended it (not
+    after a hard stop or an error, which end the loop inside a step), idle waits counted in its
+    ``prefill_s`` (the admission phase waits for requests) and ``wall_s``.
+
+    Args:
+        run: decodes a pool until it has nothing left (the generator's loop, settings bound).
+        rows: the pool's rows (``max_batch_size``). max_length: the most tokens of a request,
+            prompt + budget. max_new_tokens: the budget of a request that gives none.
+        vocab_size, max_positions: what :func:`specdec.batching.check_requests` checks prompts against.
+        device: the model's device (the loop thread makes it current on CUDA).
+
+    Attributes:
+        max_batch_size, max_length, max_new_tokens: as given.
+    """
+
+    def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
+                 vocab_size: int, max_positions: int | None, device):
+        self._run = run
+        self.max_batch_size = rows
+        self.max_length = max_length
+        self.max_new_tokens = max_new_tokens
+        self._vocab_size, self._max_positions, self._device = vocab_size, max_positions, torch.device(device)
+        self._changed = threading.Condition()  # guards everything below; notified on every change
+        self._queue: deque[Request] = deque()  # waiting requests (the open pool's queue)
+        self._in_flight: set[str] = set()  # ids of the requests waiting or decoding
+        self._results: dict[str, GenerationOutput] = {}  # ended requests whose result was not taken
+        self._order: deque[str] = deque()  # their ids, in the order they ended
+        self._count = 0  # requests added so far (the next one's Request.index)
+        self._state = _IDLE
+        self._error: BaseException | None = None  # what ended the last run, if it failed
+        self._thread: threading.Thread | None = None
+
+    # control ---------------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        """Whether the loop thread was started and has not ended."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the loop on a background thread (a warning, nothing else, when it runs already)."""
+        if self.is_running():
+            logger.warning("the continuous batching manager is already running")
+            return
+        pool = _OpenPool(self, self.max_batch_size, self.max_length)
+        with self._changed:
+            self._state, self._error = _RUNNING, None
+        self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
+        """End the loop: by default once every request added so far has ended (their results stay
+        available); with ``hard_stop`` at the next step, unfinished requests ``FAILED`` (see the
+        module docstring). ``block``: wait for the thread to end, at most ``timeout`` seconds
+        (None: no limit; a warning if it is still running then). No new requests are taken from
+        the call on, until ``start()``."""
+        with self._changed:
+            if self._state == _IDLE:  # (not started, or its loop has ended)
+                if self._thread is None:
+                    logger.warning("the continuous batching manager was not started")
+                return
+            self._state = _HARD_STOP if hard_stop or self._state == _HARD_STOP else _FLUSHING
+            self._changed.notify_all()
+        thread = self._thread
+        if block and thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning(f"the continuous batching loop did not end within {timeout} s")
+
+    def __enter__(self) -> ContinuousBatchingManager:
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``stop()``; a hard stop when the block raised."""
+        self.stop(block=True, hard_stop=exc_type is not None)
+
+    # requests --------------------------------------------------------------------------------
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False) -> str:
+        """Queue one request; it decodes as soon as a row is free (after ``start()``).
+
+        Args:
+            input_ids: the prompt, a list (or 1-D tensor) of int token ids.
+            request_id: its id (default ``req_<n>``, n counting the manager's requests); must not
+                name a request that is waiting, decoding or whose result was not taken yet.
+            max_new_tokens: its budget (default: the manager's ``max_new_tokens``).
+            streaming: must be False (results come when a request ends, not per step).
+
+        Returns: the request's id. A request that cannot run (empty prompt, ids outside the
+        vocabulary, prompt + budget beyond ``max_length`` or the model's context) gets a ``FAILED``
+        result at once, with its reason in ``error``; one with a budget of 0 a ``FINISHED`` one.
+
+        Raises:
+            TypeError: a prompt that is not a list of ints, a budget or id of the wrong type.
+            ValueError: a negative budget, an id in use, ``streaming=True``.
+            RuntimeError: the manager is stopping, or its last run failed (``start()`` it again).
+        """
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        return self._add([input_ids], max_new_tokens, [request_id], streaming)[0]
+
+    def add_requests(self, inputs, max_new_tokens=None, streaming: bool = False) -> list[str]:
+        """Queue several requests (``inputs``: a list of prompts; ``max_new_tokens``: None, one int
+        or one per prompt); returns their ids in order. See :meth:`add_request`."""
+        if not isinstance(inputs, (list, tuple)):
+            raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
+        return self._add(inputs, max_new_tokens, [None] * len(inputs), streaming)
+
+    def _add(self, inputs, max_new_tokens, names: list, streaming: bool) -> list[str]:
+        if streaming:
+            raise ValueError("streaming=True (a result per step) is not available: a request's result comes when it "
+                             "ends (get_result, request_id_iter)")
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        with self._changed:
+            if self._state in (_FLUSHING, _HARD_STOP):
+                raise RuntimeError("the manager is stopping (stop() was called): it takes no requests until start()")
+            if self._error is not None:
+                raise RuntimeError(f"the manager's decode loop failed ({type(self._error).__name__}: {self._error}); "
+                                   "start() it again to add requests") from self._error
+            requests, failed = check_requests(inputs, budget, self._vocab_size, self._max_positions,
+                                              max_length=self.max_length, first_index=self._count,
+                                              request_ids=names)
+            ids = [Request(self._count + i, (), 0, name).request_id for i, name in enumerate(names)]
+            repeated = {i for i, n in Counter(ids).items() if n > 1}
+            clash = sorted(repeated | {i for i in ids if i in self._in_flight or i in self._results})
+            if clash:
+                raise ValueError(f"request id(s) {clash} already in use (waiting, decoding, or a result not taken "
+                                 "yet); give other request_id values")
+            self._count += len(ids)
+            ready = list(failed.values())
+            for r in requests:
+                if r.max_new_tokens == 0:
+                    ready.append(r.output(RequestStatus.FINISHED))
+                else:
+                    self._queue.append(r)
+                    self._in_flight.add(r.request_id)
+            self._deliver(ready)
+        return ids
+
+    def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        """Make ``outputs`` the results of their requests (any thread)."""
+        with self._changed:
+            for out in outputs:
+                self._in_flight.discard(out.request_id)
+                self._results[out.request_id] = out
+                self._order.append(out.request_id)
+            self._changed.notify_all()
+
+    # results ---------------------------------------------------------------------------------
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The result of the request that ended first among those not taken (or of ``request_id``),
+        removed from the manager; waits for it while the loop runs, at most ``timeout`` seconds
+        (None: no limit).
+
+        Returns: the ``GenerationOutput`` (``FINISHED``, or ``FAILED`` with ``error``), or None:
+        after ``timeout``, or at once when no request is waiting or decoding (or the loop is not
+        running) and no result is ready.
+
+        Raises:
+            KeyError: ``request_id`` names no request waiting, decoding or with a result to take.
+            RuntimeError: the loop failed and no result is ready (chained to its exception).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if request_id is None and self._order:
+                    return self._results.pop(self._order.popleft())
+                if request_id is not None:
+                    if request_id in self._results:
+                        self._order.remove(request_id)
+                        return self._results.pop(request_id)
+                    if request_id not in self._in_flight:
+                        raise KeyError(f"no request {request_id!r} is waiting, decoding or has a result to take")
+                if self._error is not None:
+                    raise RuntimeError(f"the continuous batching loop failed: {type(self._error).__name__}: "
+                                       f"{self._error}") from self._error
+                if not self._in_flight or not self.is_running():
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._changed.wait(WAIT_S if left is None else min(left, WAIT_S))
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """The results, in the order their requests end, while requests are waiting or decoding;
+        ends when none is (or the loop is not running) and every result was taken. Raises as
+        :meth:`get_result` does."""
+        while (out := self.get_result()) is not None:
+            yield out
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The result of ``request_id`` when it ends (one item: tokens are not streamed per step);
+        nothing if the loop is not running. Raises as :meth:`get_result` does."""
+        out = self.get_result(request_id)
+        if out is not None:
+            yield out
+
+    # the loop thread -------------------------------------------------------------------------
+    def _loop(self, pool: _OpenPool) -> None:
+        error, failure = None, None
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self._run(pool)
+        except _HardStop:
+            error = "stopped by stop(hard_stop=True) before it finished"
+        except BaseException as err:  # (reaches the caller: FAILED results, then get_result raises)
+            logger.error("the continuous batching loop failed", exc_info=True)
+            error, failure = f"the decode loop failed: {type(err).__name__}: {err}", err
+        finally:
+            with self._changed:
+                left = [r for r in pool.slots if r is not None] + list(self._queue)
+                self._queue.clear()
+                self._state, self._error = _IDLE, failure
+                self._deliver([r.output(RequestStatus.FAILED, error=error or "the decode loop ended before it ran")
+                               for r in left])
+
+    def __repr__(self) -> str:
+        return (f"ContinuousBatchingManager(max_batch_size={self.max_batch_size}, max_length={self.max_length}, "
+                f"running={self.is_running()}, waiting={len(self._queue)}, results={len(self._results)})")
