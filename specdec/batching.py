@@ -5,7 +5,8 @@
 (slots) to them: the first requests are prefilled as the loop's batch; whenever rows finish
 (EOS or their own ``max_new_tokens``), between two steps, their outputs are read and the next
 requests take their slots (prefilled together into a fresh cache and moved in with
-:meth:`specdec.cache.HybridCache.reset_rows`). The result is keyed and typed as Hugging Face's
+:meth:`specdec.cache.HybridCache.reset_rows`; with prefix caching each prompt is prefilled on
+its own from its longest cached prefix, :mod:`specdec.prefix_cache`). The result is keyed and typed as Hugging Face's
 ``generate_batch`` returns it: ``req_0``, ``req_1``, ... in input order, each a
 ``transformers`` ``GenerationOutput``; a request that cannot run (empty, ids outside the
 vocabulary, longer than the model's context) carries ``status=FAILED`` and its ``error``, as HF
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from .prefix_cache import PrefixCache
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "GenerationOutput", "Request", "RequestPool", "RequestStatus", "check_requests",
            "left_pad", "pool_size"]
@@ -129,9 +132,12 @@ class RequestPool:
 
     ``span`` bounds every row's committed length (longest prompt + largest budget): the KV
     columns and text buffers are sized from it once, for every request of the call.
+    ``prefix_cache``: the :class:`~specdec.prefix_cache.PrefixCache` every prompt of the pool is
+    prefilled through (``prefix_caching=True``), or None.
     """
 
-    def __init__(self, requests: list[Request], size: int):
+    def __init__(self, requests: list[Request], size: int, prefix_cache: PrefixCache | None = None):
+        self.prefix_cache = prefix_cache
         self.queue = deque(requests)
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}

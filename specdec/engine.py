@@ -34,6 +34,7 @@ from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
+from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .settings import resolve
 from .stats import Stats
@@ -375,6 +376,7 @@ class SpeculativeGenerator:
     @torch.no_grad()
     def generate_batch(self, inputs, generation_config=None, *, max_new_tokens=None, eos_token_id=None,
                        progress_bar: bool = False, max_batch_size: int | None = None, prefix_caching: bool = False,
+                       prefix_block_size: int = PREFIX_BLOCK_SIZE, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                        **generate_kwargs) -> dict[str, GenerationOutput]:
         """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
         through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
@@ -390,7 +392,17 @@ class SpeculativeGenerator:
             eos_token_id: int or list of ints (default from the generation config).
             progress_bar: show a ``tqdm`` bar of finished requests.
             max_batch_size: the pool's rows, an int >= 1 (default ``min(len(inputs), 32)``).
-            prefix_caching: not available yet (``True`` raises).
+            prefix_caching: prefill every prompt through a :class:`specdec.prefix_cache.PrefixCache`
+                kept for the call: prompts that share a prefix of whole blocks reuse its state
+                (attention keys / values and every SSM layer's conv window and recurrent state at
+                the block boundary) instead of computing it. Each prompt is then prefilled on its
+                own (batch 1), in one forward per block; outputs are those without it (the states
+                agree to rounding). Counters in ``last_stats.prefix_cache``.
+            prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64); at most
+                ``sliding_window - 1`` for a model with sliding-window layers.
+            prefix_cache_bytes: the most bytes of state the prefix cache holds (default
+                ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on the model's device); least recently used
+                blocks are evicted.
             **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``
                 and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
                 its per-token hook (stopping criteria, ``max_time``, repetition penalty, minimum
@@ -409,15 +421,19 @@ class SpeculativeGenerator:
         Raises:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
             of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
-            ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
-            hook; a draft tree, or a drafter with per-row state that does not define
-            :meth:`Drafter.admit` (supported: chain drafters that are ``Drafter.stateless``, such as
-            the n-gram drafter, or define ``admit``; and ``num_speculative_tokens=0``); the static
-            path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
+            ``prefix_caching`` not a bool, ``prefix_block_size`` not an int >= 1 (or beyond a
+            sliding window), ``prefix_cache_bytes`` not an int >= 0; settings ``generate()`` rejects
+            or that need its per-token hook; a draft tree, or a drafter with per-row state that does
+            not define :meth:`Drafter.admit` (supported: chain drafters that are
+            ``Drafter.stateless``, such as the n-gram drafter, or define ``admit``; and
+            ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
+            in place (``RollbackStrategy.resets_in_place``).
         """
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
         if prefix_caching:
-            raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
-                             "prefix_caching=False (every prompt is prefilled in full)")
+            self.adapter.check_prefix_block_size(prefix_block_size)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
@@ -434,7 +450,8 @@ class SpeculativeGenerator:
                                                 status=RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
         if requests:
-            pool = RequestPool(requests, min(size, len(requests)))
+            pool = RequestPool(requests, min(size, len(requests)),
+                               PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None)
             first = pool.take(range(len(pool.slots)))
             ids, mask = left_pad([r.prompt for r in first], self.adapter.device)
             overrides = dict(max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=eos_token_id,
@@ -498,7 +515,8 @@ class SpeculativeGenerator:
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
-        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every)
+        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every,
+                                     prefix_cache=pool.prefix_cache if pool is not None else None)
         self.last_cache = dec.cache
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
@@ -644,6 +662,8 @@ class SpeculativeGenerator:
             # the steps' tokens: every row's (request's) first new token came from its prefill
             measured_tokens_per_s=((new_tokens - (B if pool is None else len(pool.outputs))) / step_s
                                    if policy is not None and step_s > 0 else None),
+            prefix_cache=(pool.prefix_cache.stats.as_dict() if pool is not None and pool.prefix_cache is not None
+                          else None),
         )
         if pool is not None:
             return None
@@ -676,7 +696,7 @@ class SpeculativeGenerator:
             ids, mask = left_pad([r.prompt for r in taken], dev)
             fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
             every = drafter is not None and drafter.wants_all_hidden_states
-            logits, hidden = self.adapter.prefill(ids, mask, fresh, every)
+            logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
                 wanted = every or drafter.wants_hidden_states

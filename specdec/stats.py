@@ -35,6 +35,10 @@ class Stats:
         measured_tokens_per_s: with ``"auto"``, the goodput the policy predicted for the steps it
         chose (sum of expected tokens / sum of predicted step times) and the one measured
         (tokens the steps committed / the steps' time); None with a fixed K.
+        prefix_cache: with ``generate_batch(prefix_caching=True)``, the prefix cache's counters
+        for the call (:class:`specdec.prefix_cache.PrefixCacheStats` as a dict: lookups, hit
+        blocks / tokens / bytes, prefilled tokens, inserted / evicted / stored blocks and bytes);
+        None otherwise.
     """
 
     steps: int = 0
@@ -58,6 +62,7 @@ class Stats:
     calibration_s: float = 0.0
     predicted_tokens_per_s: float | None = None
     measured_tokens_per_s: float | None = None
+    prefix_cache: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
