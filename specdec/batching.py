@@ -5,7 +5,8 @@
 (slots) to them: the first requests are prefilled as the loop's batch; whenever rows finish
 (EOS or their own ``max_new_tokens``), between two steps, their outputs are read and the next
 requests take their slots (prefilled together into a fresh cache and moved in with
-:meth:`specdec.cache.HybridCache.reset_rows`). The result is keyed and typed as Hugging Face's
+:meth:`specdec.cache.HybridCache.reset_rows`; with prefix caching each prompt is prefilled on
+its own from its longest cached prefix, :mod:`specdec.prefix_cache`). The result is keyed and typed as Hugging Face's
 ``generate_batch`` returns it: ``req_0``, ``req_1``, ... in input order, each a
 ``transformers`` ``GenerationOutput``; a request that cannot run (empty, ids outside the
 vocabulary, longer than the model's context) carries ``status=FAILED`` and its ``error``, as HF
@@ -35,6 +36,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from .adaptive import rollback_bytes
 from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
+from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
 
 __all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MEMORY_FRACTION", "GenerationOutput",
@@ -170,10 +172,14 @@ class RequestPool:
     it once. Given (a manager's ``max_length``), or the longest prompt + largest budget of
     ``requests``. One admission takes at most ``admit_limit`` (:func:`admission_rows`) requests,
     and only requests whose longest prompt + largest budget fit ``span`` together (an admission
-    left-pads its prompts to one width).
+    left-pads its prompts to one width). ``prefix_cache``: the
+    :class:`~specdec.prefix_cache.PrefixCache` every prompt of the pool is prefilled through
+    (``prefix_caching=True``), or None.
     """
 
-    def __init__(self, requests: list[Request], size: int, span: int | None = None):
+    def __init__(self, requests: list[Request], size: int, span: int | None = None,
+                 prefix_cache: PrefixCache | None = None):
+        self.prefix_cache = prefix_cache
         self.queue = deque(requests)
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}

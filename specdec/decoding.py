@@ -64,9 +64,12 @@ class Decoder(abc.ABC):
     def path(self) -> str: ...
 
     @abc.abstractmethod
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_hidden_states: bool = False):
-        """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state;
-        returns ``(logits [B, V], hidden [B, D])`` at each row's last prompt token (with
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_hidden_states: bool = False,
+                prefix_cache=None):
+        """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state
+        (through ``prefix_cache``, a :class:`~specdec.prefix_cache.PrefixCache`, when given:
+        :meth:`HybridAdapter.prefill <specdec.models.HybridAdapter.prefill>`); returns
+        ``(logits [B, V], hidden [B, D])`` at each row's last prompt token (with
         ``all_hidden_states``, ``hidden [B, L, D]`` of every position)."""
 
     def width(self, num_drafts: torch.Tensor, num_speculative_tokens: int) -> int:
@@ -123,9 +126,9 @@ class EagerDecoder(Decoder):
     def path(self) -> str:
         return "eager"
 
-    def prefill(self, input_ids, attention_mask, all_hidden_states=False):
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None):
         self.cache = self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy)
-        out = self.adapter.prefill(input_ids, attention_mask, self.cache, all_hidden_states)
+        out = self.adapter.prefill(input_ids, attention_mask, self.cache, all_hidden_states, prefix_cache=prefix_cache)
         self.cache.set_tree(self.tree)
         return out
 
@@ -196,9 +199,9 @@ class StaticDecoder(Decoder):
     def path(self) -> str:
         return "cuda_graph" if self._graphs else "static"
 
-    def prefill(self, input_ids, attention_mask, all_hidden_states=False):
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None):
         fresh = self.new_cache()
-        out = self.adapter.prefill(input_ids, attention_mask, fresh, all_hidden_states)
+        out = self.adapter.prefill(input_ids, attention_mask, fresh, all_hidden_states, prefix_cache=prefix_cache)
         self.load(fresh)
         return out
 

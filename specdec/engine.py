@@ -38,6 +38,7 @@ from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
+from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .serving import ContinuousBatchingManager
 from .settings import resolve
@@ -381,6 +382,7 @@ class SpeculativeGenerator:
     def generate_batch(self, inputs, generation_config=None, *, max_new_tokens=None, eos_token_id=None,
                        progress_bar: bool = False, max_batch_size: int | str | None = None,
                        memory_budget: int | str | None = None, prefix_caching: bool = False,
+                       prefix_block_size: int = PREFIX_BLOCK_SIZE, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                        **generate_kwargs) -> dict[str, GenerationOutput]:
         """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
         through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
@@ -403,7 +405,16 @@ class SpeculativeGenerator:
             memory_budget: the device bytes the pool may take, an int or a string such as
                 ``"40GiB"``; default: free device memory (x ``specdec.batching.MEMORY_FRACTION``
                 for ``"auto"``). Unused with ``max_batch_size=None``.
-            prefix_caching: not available yet (``True`` raises).
+                kept for the call: prompts that share a prefix of whole blocks reuse its state
+                (attention keys / values and every SSM layer's conv window and recurrent state at
+                the block boundary) instead of computing it. Each prompt is then prefilled on its
+                own (batch 1), in one forward per block; outputs are those without it (the states
+                agree to rounding). Counters in ``last_stats.prefix_cache``.
+            prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64); at most
+                ``sliding_window - 1`` for a model with sliding-window layers.
+            prefix_cache_bytes: the most bytes of state the prefix cache holds (default
+                ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on the model's device); least recently used
+                blocks are evicted.
             **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``
                 and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
                 its per-token hook (stopping criteria, ``max_time``, repetition penalty, minimum
@@ -425,16 +436,19 @@ class SpeculativeGenerator:
             of lists of ints, bad budgets, ``max_batch_size`` or ``memory_budget``; an int
             ``max_batch_size`` whose rows need more memory than the budget (or the free memory),
             ``"auto"`` where not one row fits or free memory is unknown (a device other than CUDA
-            and Linux CPUs) and no budget is given; ``prefix_caching=True``; settings ``generate()``
-            rejects or that need its per-token hook; a draft tree, or a drafter with per-row state
+            and Linux CPUs) and no budget is given; ``prefix_caching`` not a bool, ``prefix_block_size`` not an int
+            >= 1 (or beyond a sliding window), ``prefix_cache_bytes`` not an int >= 0; settings
+            ``generate()`` rejects or that need its per-token hook; a draft tree, or a drafter with per-row state
             that does not define :meth:`Drafter.admit` (supported: chain drafters that are
             ``Drafter.stateless``, such as the n-gram drafter, or define ``admit``; and
             ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
             in place (``RollbackStrategy.resets_in_place``).
         """
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
         if prefix_caching:
-            raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
-                             "prefix_caching=False (every prompt is prefilled in full)")
+            self.adapter.check_prefix_block_size(prefix_block_size)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
@@ -449,7 +463,8 @@ class SpeculativeGenerator:
         plan = self._plan_pool(max_batch_size, memory_budget, RequestPool.span_of(requests) if requests else 1,
                                len(requests))
         if requests:
-            pool = RequestPool(requests, plan.rows)
+            pool = RequestPool(requests, plan.rows,
+                               prefix_cache=PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -618,7 +633,8 @@ class SpeculativeGenerator:
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
-        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every)
+        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every,
+                                     prefix_cache=pool.prefix_cache if pool is not None else None)
         self.last_cache = dec.cache
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
@@ -768,6 +784,8 @@ class SpeculativeGenerator:
             # the steps' tokens: every row's (request's) first new token came from its prefill
             measured_tokens_per_s=((new_tokens - (B if pool is None else pool.num_finished)) / step_s
                                    if policy is not None and step_s > 0 else None),
+            prefix_cache=(pool.prefix_cache.stats.as_dict() if pool is not None and pool.prefix_cache is not None
+                          else None),
         )
         if pool is not None:
             return None
@@ -800,7 +818,7 @@ class SpeculativeGenerator:
             ids, mask = left_pad([r.prompt for r in taken], dev)
             fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
             every = drafter is not None and drafter.wants_all_hidden_states
-            logits, hidden = self.adapter.prefill(ids, mask, fresh, every)
+            logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
                 wanted = every or drafter.wants_hidden_states

@@ -38,6 +38,10 @@ class Stats:
         max_batch_size: continuous batching (``generate_batch``, a manager's run): the pool's rows;
         None for ``generate()``. batch_size_reason: with ``max_batch_size="auto"``, how the rows
         were chosen (a row's bytes by part, the memory budget); None otherwise.
+        prefix_cache: with ``generate_batch(prefix_caching=True)``, the prefix cache's counters
+        for the call (:class:`specdec.prefix_cache.PrefixCacheStats` as a dict: lookups, hit
+        blocks / tokens / bytes, prefilled tokens, inserted / evicted / stored blocks and bytes);
+        None otherwise.
     """
 
     steps: int = 0
@@ -63,6 +67,7 @@ class Stats:
     measured_tokens_per_s: float | None = None
     max_batch_size: int | None = None
     batch_size_reason: str | None = None
+    prefix_cache: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

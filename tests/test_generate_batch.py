@@ -262,7 +262,7 @@ def test_argument_errors():
         (dict(max_new_tokens=-1), ValueError, ">= 0"),
         (dict(max_batch_size="big"), ValueError, "'auto'"),
         (dict(max_batch_size=0), ValueError, ">= 1"),
-        (dict(prefix_caching=True), ValueError, "prefix_caching"),
+        (dict(prefix_caching=True, prefix_block_size=0), ValueError, "prefix_block_size"),
         (dict(max_length=10), ValueError, "max_new_tokens"),
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
         (dict(num_beams=2), ValueError, "num_beams"),

@@ -25,8 +25,10 @@ from transformers import DynamicCache
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
 from ..kernels.mamba2.chunked import resolve_scan
+from ..prefix_cache import LayerState, PrefixBlock, PrefixCache
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
+from .common import layer_types_of
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
 
@@ -37,6 +39,36 @@ ADAPTERS: dict[str, type["HybridAdapter"]] = {}
 #: :class:`specdec.models.mamba2.Mamba2PromptLayer`); the mixers of other ops run transformers'
 #: own forward during prefill
 PROMPT_LAYERS: dict[str, type] = {}
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``length`` entries (cut to its last ``length``)."""
+    n = t.shape[dim]
+    if n >= length:
+        return t.narrow(dim, n - length, length)
+    shape = list(t.shape)
+    shape[dim] = length - n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
+    """One batch's layer states from each row's (batch 1): keys / values left-padded with zeros to
+    the longest row's, conv and recurrent states concatenated."""
+    out = {}
+    for idx, first in rows[0].items():
+        per = [r[idx] for r in rows]
+
+        def cat(name, pad_dim=None):
+            ts = [getattr(s, name) for s in per]
+            if ts[0] is None:
+                return None
+            if pad_dim is not None:
+                n = max(t.shape[pad_dim] for t in ts)
+                ts = [_left_pad(t, n, pad_dim) for t in ts]
+            return torch.cat(ts)
+
+        out[idx] = LayerState(cat("keys", 2), cat("values", 2), cat("conv_state"), cat("recurrent_state"))
+    return out
 
 
 def register(cls):
@@ -232,7 +264,7 @@ class HybridAdapter:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
-                all_hidden_states: bool = False, scan: str = "auto"):
+                all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None):
         """Run the left-padded prompt ``[B, L]`` through the model's own forward and load ``cache``
         with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
         recurrent state; a layer may hold both).
@@ -245,42 +277,139 @@ class HybridAdapter:
         (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"`` (transformers' own
         mixer forward).
 
+        With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
+        own (batch 1, no padding) in chunks that end at the cache's block boundaries
+        (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, the state at
+        each full block's end is stored, and the states of every row are then loaded into
+        ``cache`` as a batched prefill leaves them (keys left-padded with zeros). The final state
+        equals the uncached prefill's up to rounding (chunked scans with another chunking; fp32:
+        about 1e-6 relative), and does not depend on what the cache held (a hit loads the state a
+        miss computes, bit for bit).
+
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
-        ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]``.
+        ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]`` (zeros at
+        padding with ``prefix_cache``).
 
         Raises:
-            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
+            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla; with
+                ``prefix_cache``, a block size the model's sliding-window layers cannot hold
+                (:meth:`check_prefix_block_size`).
         """
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        if prefix_cache is None:
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            hf_cache = DynamicCache(config=self.config)
+            hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
+            states = self._layer_states(hf_cache)
+        else:
+            self.check_prefix_block_size(prefix_cache.block_size)
+            rows = [self.prefill_cached(ids[m.bool()], prefix_cache, all_hidden_states, scan)
+                    for ids, m in zip(input_ids, mask)]
+            hidden = torch.cat([_left_pad(h, input_ids.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
+            states = _stack_rows([s for _, s in rows])
+        logits = self.logits(hidden[:, -1])
+        self._load(cache, states, mask)
+        return logits, hidden if all_hidden_states else hidden[:, -1]
+
+    def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
+                       scan: str = "torch") -> tuple[torch.Tensor, dict[int, LayerState]]:
+        """One prompt ``tokens [L]`` (int64, no padding) through the model with ``prefix_cache``:
+        the longest cached prefix of full blocks (:meth:`PrefixCache.match`, at most ``L - 1``
+        tokens) is loaded into a fresh ``DynamicCache``, the rest runs in chunks that end at block
+        boundaries (one forward per block, the last one possibly shorter), and the state after
+        each full block is stored (:meth:`PrefixCache.insert`). ``scan`` as :meth:`prefill` takes
+        it, resolved.
+
+        Returns ``(hidden, states)``: the final hidden states ``[1, L, D]`` of every position with
+        ``all_hidden_states`` (cached positions from the cache), else of the last one ``[1, 1,
+        D]``; and each layer's state after the prompt, as :meth:`prefill` reads HF's cache.
+        """
+        bs = prefix_cache.block_size
+        L = tokens.shape[0]
+        chain = prefix_cache.match(tokens.tolist(), all_hidden_states)
         hf_cache = DynamicCache(config=self.config)
+        self._restore(hf_cache, [e.block for e in chain])
+        hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
+        storing = True
+        for start in range(len(chain) * bs, L, bs):
+            end = min(start + bs, L)
+            ids = tokens[None, start:end]
+            out = self._prompt_forward(ids, torch.ones(1, end, dtype=torch.long, device=ids.device),
+                                       torch.arange(start, end, device=ids.device)[None], hf_cache, scan)
+            if all_hidden_states or end == L:
+                hidden.append(out)
+            if storing and end - start == bs:
+                block = PrefixBlock(self._layer_states(hf_cache, bs), out.clone() if all_hidden_states else None)
+                storing = prefix_cache.insert(chain, tokens[start:end].tolist(), block) is not None
+        hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
+        return hidden, self._layer_states(hf_cache)
+
+    def check_prefix_block_size(self, block_size: int) -> None:
+        """Raise ValueError when a sliding-window attention layer keeps fewer than ``block_size``
+        keys (HF keeps ``sliding_window - 1``): a block's keys could not be read back after its
+        forward, so prefix caching needs ``block_size <= sliding_window - 1``."""
+        window = getattr(self.config, "sliding_window", None)
+        if window is not None and "sliding_attention" in layer_types_of(self.config) and block_size > window - 1:
+            raise ValueError(f"prefix_block_size={block_size} exceeds what the model's sliding-window layers keep "
+                             f"(sliding_window - 1 = {window - 1} keys); give prefix_block_size <= {window - 1}")
+
+    def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
+        """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
+        layers routed as ``scan`` says); returns the final hidden states ``[B, t, D]``."""
         # quiet: on CPU, no notes about GPU-only kernel packages
         with quiet_transformers(self.device), self._prompt_patched(scan):
-            out = self._call_body(input_ids, mask, position_ids, hf_cache)
-        hidden = out.last_hidden_state[:, -1]
-        logits = self.logits(hidden)
-        if all_hidden_states:
-            hidden = out.last_hidden_state
-        L = input_ids.shape[1]
+            return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
+
+    def _layer_states(self, hf_cache, last: int | None = None) -> dict[int, LayerState]:
+        """Each layer's state in HF's cache (``{layer index: LayerState}``, layers holding nothing
+        left out); with ``last``, compact copies holding the keys / values of the last ``last``
+        positions only (a prefix block)."""
+        states = {}
+        for idx, layer in enumerate(hf_cache.layers):
+            keys = getattr(layer, "keys", None)
+            keys = keys if keys is not None and keys.numel() > 0 else None
+            values = layer.values if keys is not None else None
+            conv = (getattr(layer, "conv_states", None) or {}).get(0)
+            rec = (getattr(layer, "recurrent_states", None) or {}).get(0)
+            if last is not None:
+                if keys is not None:
+                    if keys.shape[2] < last:  # (check_prefix_block_size prevents it)
+                        raise ValueError(f"layer {idx} keeps {keys.shape[2]} keys, fewer than a block's {last}")
+                    keys, values = keys[:, :, -last:].clone(), values[:, :, -last:].clone()
+                conv, rec = (None if t is None else t.clone() for t in (conv, rec))
+            if any(t is not None for t in (keys, conv, rec)):
+                states[idx] = LayerState(keys, values, conv, rec)
+        return states
+
+    def _restore(self, hf_cache, blocks: list[PrefixBlock]) -> None:
+        """Load into the fresh ``hf_cache`` the state after ``blocks`` (a prompt's first blocks, in
+        order): every attention layer's keys / values of all their positions, every SSM layer's
+        conv window and recurrent state of the last block; HF's layers then continue from it."""
+        if not blocks:
+            return
+        for idx, state in blocks[-1].layers.items():
+            if state.keys is not None:
+                keys = torch.cat([b.layers[idx].keys for b in blocks], dim=2)
+                values = torch.cat([b.layers[idx].values for b in blocks], dim=2)
+                hf_cache.update(keys, values, idx)
+            if state.conv_state is not None:
+                hf_cache.update_conv_state(state.conv_state, idx, conv_kernel_size=state.conv_state.shape[-1])
+            if state.recurrent_state is not None:
+                hf_cache.update_recurrent_state(state.recurrent_state, idx)
+
+    def _load(self, cache: HybridCache, states: dict[int, LayerState], mask: torch.Tensor) -> None:
+        """Load ``cache`` with the prefill's layer ``states`` (batched as HF's cache holds them) of
+        the left-padded prompts whose mask is ``mask [B, L]``."""
+        L = mask.shape[1]
         cache.pad = (L - mask.sum(-1)).to(cache.device)
         cache.seq_len = torch.full_like(cache.pad, L)
         ssm = self.ssm_layers()
-        for idx, hf_layer in enumerate(hf_cache.layers):
+        for idx, state in states.items():
             if idx in ssm:
-                convs = getattr(hf_layer, "conv_states", None) or {}
-                states = getattr(hf_layer, "recurrent_states", None) or {}
-                cache.ssm[idx].load(convs.get(0), states.get(0), self.conv_width(ssm[idx][0]))
-            keys = getattr(hf_layer, "keys", None)
-            if keys is not None and keys.numel() > 0:
-                values = hf_layer.values
-                if keys.shape[2] < L:  # a sliding-window layer keeps only its last columns
-                    keys = torch.cat([keys.new_zeros(*keys.shape[:2], L - keys.shape[2], keys.shape[3]), keys], 2)
-                    values = torch.cat(
-                        [values.new_zeros(*values.shape[:2], L - values.shape[2], values.shape[3]), values], 2
-                    )
-                cache.load_kv(idx, keys, values)
-        return logits, hidden
+                cache.ssm[idx].load(state.conv_state, state.recurrent_state, self.conv_width(ssm[idx][0]))
+            if state.keys is not None:  # a sliding-window layer keeps only its last columns
+                cache.load_kv(idx, _left_pad(state.keys, L, 2), _left_pad(state.values, L, 2))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: HybridCache):

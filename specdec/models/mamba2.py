@@ -63,8 +63,11 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
 class Mamba2PromptLayer:
     """What a Mamba-2 ``mixer_forward`` runs against during prefill, in place of its layer cache:
     the prompt's conv and scan as transformers' chunked prefill computes them (its
-    ``Mamba2Mixer.forward`` and the families' copies, without a previous state), the final conv
-    window and recurrent state written into HF's cache layer ``mixer.layer_idx``.
+    ``Mamba2Mixer.forward`` and the families' copies), the final conv window and recurrent state
+    written into HF's cache layer ``mixer.layer_idx``. When that layer already holds a state
+    (``has_previous_state``: a prompt continued from a cached prefix, as HF's mixers continue a
+    multi-token prefill) the conv starts from its conv window and the scan from its recurrent
+    state; otherwise both start from zeros.
 
     Differences from HF's torch fallback, none in fp32: ``dt + dt_bias`` and its softplus are
     taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's fallback uses the
@@ -85,28 +88,34 @@ class Mamba2PromptLayer:
         self.cache_params = cache_params
         self.attention_mask = attention_mask
         self.scan = scan
+        self.continued = cache_params.has_previous_state(self.layer_idx)
 
     def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [B, L, D]`` with padding positions zeroed (HF's ``apply_mask_to_padding_states``)."""
         return apply_mask_to_padding_states(hidden_states, self.attention_mask)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-        """Causal depthwise conv of the prompt ``x [B, L, C]`` from a zero history (weight ``[C, W]``)
-        -> ``[B, L, C]`` in ``x.dtype``, padding zeroed; the last ``W`` inputs (left-padded with
-        zeros) become HF's conv state."""
+        """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
+        window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
+        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state."""
         B, L, C = x.shape
         W = weight.shape[-1]
+        window = x.new_zeros(B, C, W - 1 + L)
+        if self.continued and W > 1:
+            window[:, :, :W - 1] = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:]
         self.cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        out = conv1d_verify(x.new_zeros(B, C, W - 1 + L), x, weight, bias, activation)
+        out = conv1d_verify(window, x, weight, bias, activation)
         return self.mask_padding(out)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
-        """The scan over the prompt from a zero state: ``inputs`` x ``[B, L, H, P]``, dt ``[B, L, H]``
-        (softplus'd), B, C ``[B, L, G, N]``; ``params`` A, D ``[H]`` (all fp32). Returns ``y [B, L,
-        H, P]`` fp32 (D skip included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache."""
+        """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
+        state: ``inputs`` x ``[B, L, H, P]``, dt ``[B, L, H]`` (softplus'd), B, C ``[B, L, G,
+        N]``; ``params`` A, D ``[H]`` (all fp32). Returns ``y [B, L, H, P]`` fp32 (D skip
+        included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache."""
         dt = inputs["dt"].clamp(*self.dt_limit)
+        h0 = self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
-                                      self.chunk_size, params["D"])
+                                      self.chunk_size, params["D"], h0)
         self.cache_params.update_recurrent_state(state, self.layer_idx)
         return y
 

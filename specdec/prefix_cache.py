@@ -1,0 +1,284 @@
+"""Prefix caching for hybrid models: prompts that share a prefix reuse its state, block by block.
+
+A prompt is cut into blocks of ``block_size`` tokens. Block i is keyed by a hash chain, as
+vLLM's and SGLang's prefix caches key KV blocks: ``block_hash(key of block i-1, tokens of block
+i)``, so a key depends on every token up to the block's end. Hashes only find candidates: an
+entry matches when its own tokens equal the block's and its parent is the entry matched for
+block i-1, so by induction every token of the prefix was compared and a hash collision cannot
+hand a prompt another prompt's state.
+
+An entry's value (:class:`PrefixBlock`) is what a prefill that stops at the block's end leaves
+in each layer of Hugging Face's cache (:class:`LayerState`): an attention layer's keys and
+values of the block's positions only (a hit on n blocks concatenates n of them), an SSM layer's
+conv window and recurrent state at the block's end (in the dtype HF's cache holds them), and,
+when the prefill was asked for them, the final hidden states of the block's positions.
+A hit reuses whole blocks and leaves at least the prompt's last token to compute (its logits
+pick the first new token); only full blocks are stored.
+
+Memory is bounded by ``max_bytes``: the bytes of every stored tensor, counted exactly (each is
+a compact copy, never a view into a larger buffer). Eviction is least-recently-used; a
+chain is touched from its last block to its first, so a block is always more recently used than
+its descendants and eviction takes leaves first (an evicted block never strands a cached child).
+
+The prefill that reads and fills the cache is :meth:`specdec.models.HybridAdapter.prefill`
+(``prefix_cache=``); :meth:`specdec.engine.SpeculativeGenerator.generate_batch` runs it with
+``prefix_caching=True``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "PREFIX_BLOCK_SIZE", "LayerState", "PrefixBlock", "PrefixCache",
+           "PrefixCacheStats", "PrefixEntry", "block_hash", "check_prefix_cache_args"]
+
+#: tokens per block when ``prefix_block_size`` is not given (vLLM's and SGLang's page sizes are 16-64)
+PREFIX_BLOCK_SIZE = 64
+#: the cache's byte bound when ``prefix_cache_bytes`` is not given (1 GiB)
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+#: the parent key of a prompt's first block
+_ROOT = 0
+
+
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """The key of a block of ``tokens`` whose preceding block has key ``parent`` (``0`` for a
+    prompt's first block): Python's hash of the pair, a 64-bit int. Keys only find candidates
+    (:class:`PrefixCache` compares the tokens), so collisions cost time, never exactness."""
+    return hash((parent, tokens))
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What one layer of Hugging Face's cache holds for one sequence (batch 1); None where the
+    layer holds no such state.
+
+    keys, values: ``[1, H_kv, t, D]`` attention keys / values of ``t`` positions (a
+    :class:`PrefixBlock`: the block's own positions). conv_state: ``[1, C, W]`` an SSM layer's
+    last conv inputs (HF keeps the kernel width W). recurrent_state: ``[1, *S]`` its recurrent
+    state (Mamba-2 ``[1, H, P, N]``, GDN / KDA ``[1, H, K, V]``), in the dtype HF's cache holds.
+    """
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    conv_state: torch.Tensor | None = None
+    recurrent_state: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors held."""
+        return sum(_tensor_bytes(getattr(self, f.name)) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class PrefixBlock:
+    """The cached value of one block: ``layers`` maps a layer index to its :class:`LayerState`
+    (attention keys / values of the block's positions, SSM state at the block's end);
+    ``hidden_states`` ``[1, block_size, D]`` the final hidden states of the block's positions, or
+    None when the prefill that stored it was not asked for them."""
+
+    layers: dict[int, LayerState]
+    hidden_states: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor of the block (what it counts against ``max_bytes``)."""
+        return sum(s.nbytes for s in self.layers.values()) + _tensor_bytes(self.hidden_states)
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    """A stored block: its key, tokens, parent entry's id (None for a prompt's first block), value."""
+
+    id: int
+    key: int
+    tokens: tuple[int, ...]
+    parent: int | None
+    block: PrefixBlock
+    live: bool = True
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of a :class:`PrefixCache` (bytes are tensor bytes; tokens are prompt tokens).
+
+    lookups: prompts looked up. hit_blocks / hit_tokens: blocks / tokens whose state a prefill
+    reused instead of computing. hit_bytes: the bytes of cached state those hits read.
+    prefilled_tokens: prompt tokens left to compute after the lookups. inserted_blocks / inserted_bytes:
+    blocks stored. evicted_blocks / evicted_bytes: blocks dropped to stay within ``max_bytes``.
+    stored_blocks / stored_bytes: what the cache holds now.
+    """
+
+    lookups: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    hit_bytes: int = 0
+    prefilled_tokens: int = 0
+    inserted_blocks: int = 0
+    inserted_bytes: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_prefix_cache_args(block_size, max_bytes) -> None:
+    """Raise TypeError / ValueError unless ``block_size`` is an int >= 1 and ``max_bytes`` an int >= 0."""
+    for name, value, low in (("prefix_block_size", block_size, 1), ("prefix_cache_bytes", max_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+class PrefixCache:
+    """Blocks of prompt state keyed by hash chains, LRU-evicted to a byte bound.
+
+    Args:
+        block_size: tokens per block (default :data:`PREFIX_BLOCK_SIZE`).
+        max_bytes: the most bytes of tensors stored (default :data:`DEFAULT_PREFIX_CACHE_BYTES`);
+            a block whose chain (it and its ancestors) does not fit is not stored.
+
+    Attributes:
+        stats: :class:`PrefixCacheStats`, counted since construction.
+
+    Raises:
+        TypeError / ValueError: ``block_size`` not an int >= 1, ``max_bytes`` not an int >= 0.
+    """
+
+    def __init__(self, block_size: int = PREFIX_BLOCK_SIZE, max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+        check_prefix_cache_args(block_size, max_bytes)
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.stats = PrefixCacheStats()
+        self._buckets: dict[int, list[PrefixEntry]] = {}
+        self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every block stored."""
+        return self.stats.stored_bytes
+
+    def entries(self) -> list[PrefixEntry]:
+        """The stored entries, least recently used first."""
+        return list(self._lru.values())
+
+    # --- lookups ------------------------------------------------------------------------------
+    def match(self, tokens, need_hidden_states: bool = False) -> list[PrefixEntry]:
+        """The longest cached chain of full blocks that ``tokens`` (a prompt, a sequence of ints)
+        starts with, leaving at least its last token out (at most ``(len(tokens) - 1) //
+        block_size`` blocks); with ``need_hidden_states`` it ends before the first block stored
+        without hidden states. The chain is marked most recently used and counted in
+        :attr:`stats` (a lookup, its hit blocks, tokens and bytes, and the tokens left to prefill)."""
+        bs = self.block_size
+        chain: list[PrefixEntry] = []
+        for i in range((len(tokens) - 1) // bs):
+            entry = self._find(chain[-1] if chain else None, tuple(tokens[i * bs:(i + 1) * bs]))
+            if entry is None or (need_hidden_states and entry.block.hidden_states is None):
+                break
+            chain.append(entry)
+        self._touch(chain)
+        s = self.stats
+        s.lookups += 1
+        s.hit_blocks += len(chain)
+        s.hit_tokens += len(chain) * bs
+        s.hit_bytes += sum(e.block.nbytes for e in chain)
+        s.prefilled_tokens += len(tokens) - len(chain) * bs
+        return chain
+
+    def insert(self, chain: list[PrefixEntry], tokens, block: PrefixBlock) -> PrefixEntry | None:
+        """Store ``block``, the state after the block of ``tokens`` (``block_size`` ints) that
+        follows ``chain`` (the entries of the prompt's earlier blocks, in order, as :meth:`match`
+        and earlier inserts returned them); on success append its entry to ``chain``.
+
+        A block already stored is kept (its hidden states added when it had none and ``block``
+        has them). Least recently used blocks outside ``chain`` are evicted to make room.
+
+        Returns: the entry, or None when it is not stored: its chain would exceed ``max_bytes``,
+        or an ancestor was evicted (later blocks of the prompt cannot be stored either).
+
+        Raises: ValueError when ``tokens`` is not one block long.
+        """
+        tokens = tuple(tokens)
+        if len(tokens) != self.block_size:
+            raise ValueError(f"a block holds block_size={self.block_size} tokens, got {len(tokens)}")
+        parent = chain[-1] if chain else None
+        if parent is not None and not parent.live:
+            return None
+        entry = self._find(parent, tokens)
+        if entry is not None and (entry.block.hidden_states is not None or block.hidden_states is None):
+            chain.append(entry)
+            self._touch(chain)
+            return entry
+        old = entry.block.nbytes if entry is not None else 0
+        need = block.nbytes
+        if sum(e.block.nbytes for e in chain) + need > self.max_bytes:
+            return None
+        self._evict(self.stats.stored_bytes - old + need, protect={id(e) for e in chain} | {id(entry)})
+        s = self.stats
+        if entry is None:
+            key = block_hash(parent.key if parent is not None else _ROOT, tokens)
+            entry = PrefixEntry(next(self._ids), key, tokens, parent.id if parent is not None else None, block)
+            self._buckets.setdefault(key, []).append(entry)
+            self._lru[entry.id] = entry
+            s.stored_blocks += 1
+        else:  # the same block, now with hidden states
+            entry.block = block
+        s.stored_bytes += need - old
+        s.inserted_blocks += 1
+        s.inserted_bytes += need
+        chain.append(entry)
+        self._touch(chain)
+        return entry
+
+    # --- internals --------------------------------------------------------------------------
+    def _find(self, parent: PrefixEntry | None, tokens: tuple[int, ...]) -> PrefixEntry | None:
+        """The entry of ``tokens`` after ``parent``: same key, same tokens, same parent entry."""
+        key = block_hash(parent.key if parent is not None else _ROOT, tokens)
+        parent_id = parent.id if parent is not None else None
+        for entry in self._buckets.get(key, ()):
+            if entry.parent == parent_id and entry.tokens == tokens:
+                return entry
+        return None
+
+    def _touch(self, chain: list[PrefixEntry]) -> None:
+        """Mark ``chain`` most recently used, its first block last (a parent stays more recent
+        than its children, so LRU order evicts leaves first)."""
+        for entry in reversed(chain):
+            self._lru.move_to_end(entry.id)
+
+    def _evict(self, total: int, protect: set[int]) -> None:
+        """Drop least recently used entries (not those in ``protect``, by ``id()``) until the
+        bytes stored plus the pending change ``total - stored_bytes`` fit ``max_bytes``."""
+        s = self.stats
+        for entry in list(self._lru.values()):
+            if total <= self.max_bytes:
+                return
+            if id(entry) in protect:
+                continue
+            nbytes = entry.block.nbytes
+            del self._lru[entry.id]
+            bucket = self._buckets[entry.key]
+            bucket.remove(entry)
+            if not bucket:
+                del self._buckets[entry.key]
+            entry.live = False
+            total -= nbytes
+            s.stored_blocks -= 1
+            s.stored_bytes -= nbytes
+            s.evicted_blocks += 1
+            s.evicted_bytes += nbytes
