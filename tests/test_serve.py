@@ -1,0 +1,119 @@
+"""Serving: the controlled-acceptance oracle in continuous batching (one reference per request,
+looked up by the request's index when a row takes it), per-request timing of the pool, and
+``experiment=serve`` (continuous batching against fixed batches and continuous plain decoding)
+at a CPU size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate_batch import ROWS, _check, _reference
+from tiny_models import get_model
+
+import specdec
+from specdec.batching import left_pad
+from specdec.drafters import OracleDrafter
+
+K = 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_oracle_for_requests_is_exact_through_generate_batch(family):
+    """OracleDrafter.for_requests (references: each request's prompt + plain greedy output)
+    through generate_batch with more requests than rows: every request equals HF greedy on its
+    prompt alone (EOS inside an accepted chain included); acceptance 1 accepts whole chains,
+    0 none; the batch form (left-padded reference rows, request i = row i) works the same."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    for a in (1.0, 0.6, 0.0):
+        sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full, acceptance=a, seed=1), rollback="replay",
+                          num_speculative_tokens=K, decode_path="eager")
+        _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+               prompts)
+        st = sd.last_stats
+        assert st.proposed_tokens > 0
+        if a == 1.0:
+            assert st.accept_histogram[K] > 0 and st.acceptance_rate == 1.0
+        if a == 0.0:
+            assert st.accepted_tokens == 0
+    ids, mask = left_pad(prompts, "cpu")
+    G = max(len(f) - len(p) for f, p in zip(full, prompts))
+    cont = torch.tensor([f[len(p):] + [0] * (G - len(f) + len(p)) for f, p in zip(full, prompts)])
+    batch_form = OracleDrafter(torch.cat([ids, cont], 1), mask, acceptance=1.0)
+    sd = specdec.wrap(model, drafter=batch_form, num_speculative_tokens=K, decode_path="static")
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+           prompts)
+    assert sd.last_stats.accept_histogram[K] > 0
+
+
+def test_oracle_for_requests_schedule_counts_from_each_prompt():
+    """A schedule's positions count from each request's own prompt end (its length comes with
+    the request): [1, 1, 1, 1, 0] accepts new tokens 1..3 (token 0 comes from the prefill) and
+    nothing after, so every request with room for a 4-draft first step accepts exactly 3."""
+    prompts, budgets, _, _, full = _reference("qwen3_5")
+    model = get_model("qwen3_5")
+    oracle = OracleDrafter.for_requests(full, acceptance=[1.0, 1.0, 1.0, 1.0, 0.0])
+    sd = specdec.wrap(model, drafter=oracle, num_speculative_tokens=K, decode_path="eager")
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=ROWS)
+    _check(out, [f[len(p):] for f, p in zip(full, prompts)], prompts)
+    assert sd.last_stats.accepted_tokens == 3 * sum(b - 2 >= K for b in budgets)
+
+
+def test_oracle_for_requests_measured_acceptance():
+    """On a longer run (8 requests of 96 new tokens through 3 rows, no EOS) the per-draft
+    acceptance measured from the accepted-length histogram (accepted drafts / drafts tried, a
+    step trying drafts up to its first rejection) is the set rate, and the mean accepted tokens
+    per step is 1 + sum_j a^j."""
+    model = get_model("nemotron_h")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 14, (8,), generator=g)]
+    budget, a = 96, 0.6
+    plain = specdec.wrap(model, num_speculative_tokens=0).generate_batch(prompts, max_new_tokens=budget,
+                                                                         max_batch_size=ROWS)
+    full = [p + plain[f"req_{i}"].generated_tokens for i, p in enumerate(prompts)]
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full, acceptance=a, seed=2), num_speculative_tokens=K,
+                      decode_path="static")
+    out = sd.generate_batch(prompts, max_new_tokens=budget, max_batch_size=ROWS)
+    assert all(out[k].generated_tokens == plain[k].generated_tokens for k in plain)
+    h = sd.last_stats.accept_histogram
+    accepted = sum(j * n for j, n in enumerate(h))
+    rejections = sum(h[:K])  # (a request's last steps, cut by its budget, count as rejections: biased low)
+    assert accepted / (accepted + rejections) == pytest.approx(a, abs=0.05)
+    assert sd.last_stats.mean_accepted_tokens == pytest.approx(1 + sum(a ** j for j in range(1, K + 1)), abs=0.2)
+
+
+def test_oracle_for_requests_errors():
+    """Bad references, a request without a reference, a reference that is not its request's,
+    and a schedule in generate() (no prompt lengths there) say what is wrong."""
+    model = get_model("qwen3_5")
+    prompts = [[5, 6, 7], [8, 9]]
+    with pytest.raises(ValueError, match="non-empty list"):
+        OracleDrafter.for_requests([])
+    with pytest.raises(ValueError, match=r"references\[1\] is empty"):
+        OracleDrafter.for_requests([[1, 2], []])
+    with pytest.raises(TypeError, match=r"references\[0\] must be a list of int"):
+        OracleDrafter.for_requests([[1.5, 2]])
+    with pytest.raises(ValueError, match="acceptance must be in"):
+        OracleDrafter.for_requests([[1, 2]], acceptance=1.2)
+    cases = [([[5, 6, 7, 1]], "holds references for 1 requests .* admitted req_1"),
+             ([[5, 6, 7, 1], [8, 10, 1]], "reference of req_1 does not start with its prompt")]
+    for refs, match in cases:
+        sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(refs), num_speculative_tokens=2)
+        with pytest.raises(ValueError, match=match):
+            sd.generate_batch(prompts, max_new_tokens=3, max_batch_size=1)
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests([[5, 6, 7, 1]], acceptance=[1.0, 0.5]),
+                      num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="schedule with OracleDrafter.for_requests runs in generate_batch"):
+        sd.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+
+
+def test_oracle_for_requests_in_generate():
+    """In generate(), batch row i drafts reference i (a scalar acceptance): exact."""
+    prompts, _, _, _, full = _reference("kimi_linear")
+    model = get_model("kimi_linear")
+    ids, mask = left_pad(prompts[:3], "cpu")
+    plain = specdec.wrap(model, num_speculative_tokens=0).generate(ids, attention_mask=mask, max_new_tokens=6,
+                                                                   pad_token_id=0)
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full[:3], acceptance=1.0), num_speculative_tokens=K)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0), plain)
+    assert sd.last_stats.accept_histogram[K] > 0
