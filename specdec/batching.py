@@ -10,11 +10,17 @@ requests take their slots (prefilled together into a fresh cache and moved in wi
 ``transformers`` ``GenerationOutput``; a request that cannot run (empty, ids outside the
 vocabulary, longer than the model's context) carries ``status=FAILED`` and its ``error``, as HF
 reports a failed request, and the others run.
+
+Each request's times (:class:`RequestTiming`: queued, admitted, first token, finished; host
+``time.perf_counter()`` seconds taken where the loop syncs with the device anyway) are in
+``SpeculativeGenerator.last_request_timings``; its output's ``created_time`` and ``lifespan``
+(HF's fields) hold the queued time and (admitted, finished).
 """
 
 from __future__ import annotations
 
 import numbers
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "GenerationOutput", "Request", "RequestPool", "RequestStatus", "check_requests",
-           "left_pad", "pool_size"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "GenerationOutput", "Request", "RequestPool", "RequestStatus", "RequestTiming",
+           "check_requests", "left_pad", "pool_size"]
 
 #: the pool's rows when ``max_batch_size`` is not given: ``min(len(inputs), DEFAULT_MAX_BATCH_SIZE)``
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -40,6 +46,29 @@ class Request:
     @property
     def request_id(self) -> str:
         return f"req_{self.index}"
+
+
+@dataclass
+class RequestTiming:
+    """When a request went through the pool: ``time.perf_counter()`` seconds, each taken on the
+    host at a point where the decode loop syncs with the device anyway (no sync of its own).
+
+    Attributes:
+        queued: the ``generate_batch`` call's start (every request waits in the queue from then).
+        admitted: a row took it, before its prefill (None while queued).
+        first_token: the host sync after its prefill: its first new token exists.
+        finished: the host sync that showed it ended (EOS or its budget), its tokens read.
+    """
+
+    queued: float
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float:
+        """``first_token - queued`` seconds: waiting in the queue and the prefill."""
+        return self.first_token - self.queued
 
 
 def pool_size(max_batch_size, num_requests: int) -> int:
@@ -131,8 +160,11 @@ class RequestPool:
     columns and text buffers are sized from it once, for every request of the call.
     """
 
-    def __init__(self, requests: list[Request], size: int):
+    def __init__(self, requests: list[Request], size: int, queued: float | None = None):
         self.queue = deque(requests)
+        #: each request's times by index; ``queued``: the call's start (default: now)
+        self.timings = {r.index: RequestTiming(time.perf_counter() if queued is None else queued) for r in requests}
+        self._prefilling: list[Request] = []  # admitted, first token not yet seen
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}
         self.span = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
@@ -147,13 +179,28 @@ class RequestPool:
                 break
             self.slots[row] = req = self.queue.popleft()
             taken.append(req)
+        now = time.perf_counter()
+        for req in taken:
+            self.timings[req.index].admitted = now
+        self._prefilling += taken
         return taken
+
+    def prefilled(self) -> None:
+        """Called at the host sync after an admission's prefill: the requests taken since have
+        their first token."""
+        now = time.perf_counter()
+        for req in self._prefilling:
+            self.timings[req.index].first_token = now
+        self._prefilling = []
 
     def finish(self, row: int, generated: list[int]) -> None:
         """Row ``row``'s request ended with ``generated``: record its output and free the row."""
         req, self.slots[row] = self.slots[row], None
+        t = self.timings[req.index]
+        t.finished = time.perf_counter()
         self.outputs[req.index] = GenerationOutput(request_id=req.request_id, prompt_ids=list(req.prompt),
-                                                   generated_tokens=generated, status=RequestStatus.FINISHED)
+                                                   generated_tokens=generated, status=RequestStatus.FINISHED,
+                                                   created_time=t.queued, lifespan=(t.admitted, t.finished))
         if self.on_finish is not None:
             self.on_finish()
 

@@ -22,13 +22,14 @@ phase in which rows whose request ended take the next waiting prompts.
 from __future__ import annotations
 
 import numbers
+import time
 
 import torch
 from tqdm.auto import tqdm
 
 from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
                        costs_for, expected_tokens, rollback_bytes, strategy_label)
-from .batching import GenerationOutput, RequestPool, RequestStatus, check_requests, left_pad, pool_size
+from .batching import GenerationOutput, RequestPool, RequestStatus, RequestTiming, check_requests, left_pad, pool_size
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -154,6 +155,8 @@ class SpeculativeGenerator:
 
     Attributes:
         last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache.
+        last_request_timings: the last ``generate_batch``'s ``{request id: RequestTiming}`` of
+            the requests that decoded (:class:`specdec.batching.RequestTiming`).
         decoder: the :class:`~specdec.decoding.Decoder` of the last ``generate()``.
 
     Raises:
@@ -182,6 +185,7 @@ class SpeculativeGenerator:
         self.cost_model = cost_model
         self.policy = policy
         self.last_stats: Stats | None = None
+        self.last_request_timings: dict[str, RequestTiming] = {}
         self.last_cache = None
         self.decoder: Decoder | None = None
 
@@ -404,7 +408,9 @@ class SpeculativeGenerator:
             outside ``[0, vocab_size)``, prompt + budget beyond ``config.max_position_embeddings``)
             has ``status=RequestStatus.FAILED``, its reason in ``error`` and no tokens; the other
             requests run (HF's convention for a failed request). Stats of the call (all requests)
-            in ``self.last_stats``.
+            in ``self.last_stats``; each decoded request's times (queued, admitted, first token,
+            finished) in ``self.last_request_timings``, and as HF's ``created_time`` / ``lifespan``
+            of its output.
 
         Raises:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
@@ -415,6 +421,7 @@ class SpeculativeGenerator:
             the n-gram drafter, or define ``admit``; and ``num_speculative_tokens=0``); the static
             path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
         """
+        queued = time.perf_counter()
         if prefix_caching:
             raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
                              "prefix_caching=False (every prompt is prefilled in full)")
@@ -433,8 +440,9 @@ class SpeculativeGenerator:
             results[r.index] = GenerationOutput(request_id=r.request_id, prompt_ids=list(r.prompt),
                                                 status=RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
+        self.last_request_timings = {}
         if requests:
-            pool = RequestPool(requests, min(size, len(requests)))
+            pool = RequestPool(requests, min(size, len(requests)), queued)
             first = pool.take(range(len(pool.slots)))
             ids, mask = left_pad([r.prompt for r in first], self.adapter.device)
             overrides = dict(max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=eos_token_id,
@@ -454,6 +462,7 @@ class SpeculativeGenerator:
                 pool.on_finish = lambda: bar.update(1)
                 self._decode(settings, pool)
             results.update(pool.outputs)
+            self.last_request_timings = {f"req_{i}": pool.timings[i] for i in sorted(pool.timings)}
         return {f"req_{i}": results[i] for i in range(len(inputs))}
 
     def _check_batching(self) -> None:
@@ -531,6 +540,8 @@ class SpeculativeGenerator:
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
         finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
+        if pool is not None:
+            pool.prefilled()  # (the first requests' first tokens exist: this sync waited for them)
         done = all(finished)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while True:
@@ -690,6 +701,7 @@ class SpeculativeGenerator:
             if policy is not None:
                 policy.acceptance.rates[idx] = self.policy.prior_acceptance
             finished = rows.finished.tolist()
+            pool.prefilled()
             longest = max(longest, ids.shape[1] + 1)
 
     @staticmethod

@@ -117,3 +117,30 @@ def test_oracle_for_requests_in_generate():
     sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full[:3], acceptance=1.0), num_speculative_tokens=K)
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0), plain)
     assert sd.last_stats.accept_histogram[K] > 0
+
+
+def test_request_timings():
+    """Per-request times of generate_batch: every request queued at the call's start, admitted
+    (the first ROWS at once), its first token after that, finished last; a later request is
+    admitted only after an earlier one finished (its row freed); with one row, in input order.
+    The outputs carry HF's created_time (queued) and lifespan (admitted, finished); a failed
+    request has no timing."""
+    prompts, budgets, eos, expected, _ = _reference("nemotron_h")
+    sd = specdec.wrap(get_model("nemotron_h"), num_speculative_tokens=2)
+    for rows in (ROWS, 1):
+        out = sd.generate_batch(prompts + [[]], max_new_tokens=budgets + [3], eos_token_id=eos, max_batch_size=rows)
+        times = sd.last_request_timings
+        assert list(times) == [f"req_{i}" for i in range(len(prompts))]
+        assert len({t.queued for t in times.values()}) == 1
+        for key, t in times.items():
+            assert t.queued <= t.admitted <= t.first_token <= t.finished
+            assert t.time_to_first_token == t.first_token - t.queued
+            assert (out[key].created_time, out[key].lifespan) == (t.queued, (t.admitted, t.finished))
+        first = [times[f"req_{i}"] for i in range(rows)]
+        assert len({t.admitted for t in first}) == 1
+        for t in list(times.values())[rows:]:
+            assert any(u.finished <= t.admitted for u in times.values() if u is not t)
+        if rows == 1:
+            ordered = list(times.values())
+            assert all(a.finished <= b.admitted for a, b in zip(ordered, ordered[1:]))
+        _check({k: out[k] for k in list(out)[:-1]}, expected, prompts)
