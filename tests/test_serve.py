@@ -5,14 +5,18 @@ at a CPU size."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from test_experiments import CPU, _cfg, _check_summary_matches, _records
 from test_generate_batch import ROWS, _check, _reference
 from tiny_models import get_model
 
 import specdec
 from specdec.batching import left_pad
 from specdec.drafters import OracleDrafter
+from specdec.experiments.app import run_experiment
 
 K = 4
 
@@ -144,3 +148,117 @@ def test_request_timings():
             ordered = list(times.values())
             assert all(a.finished <= b.admitted for a, b in zip(ordered, ordered[1:]))
         _check({k: out[k] for k in list(out)[:-1]}, expected, prompts)
+
+
+# ------------------------------------------------------------------------------ experiment=serve
+
+SERVE = ["experiment=serve", "model=gdn-target", "experiment.requests=5", "experiment.max_batch_size=2",
+         "experiment.prompt_tokens=[16,64]", "experiment.output_tokens=[4,16]",
+         "drafter.oracle_acceptance=[1.0]"] + CPU
+
+
+def test_serve_tiny_run(tmp_path: Path):
+    """experiment=serve on the zoo's gdn-target (5 requests, pool of 2): continuous plain first,
+    then per drafter fixed batches and continuous batching; every request of every run equals
+    continuous plain decoding's; the figures are what the per-request samples give; the ratios
+    are the runs' throughputs over each other's; the summary and the plot are written."""
+    records = run_experiment(_cfg(SERVE), tmp_path)
+    assert [(r["run"], r["drafter"], r["num_speculative_tokens"]) for r in records] == [
+        ("continuous", "plain", 0), ("fixed_batches", "ngram", 4), ("continuous", "ngram", 4),
+        ("fixed_batches", "oracle", 4), ("continuous", "oracle", 4)]
+    plain = records[0]
+    budgets_total = plain["generated_tokens"]
+    assert plain["requests"] == 5 and plain["batch"] == 2 and plain["prompt_source"] == "zoo"
+    for r in records:
+        assert r["error"] is None and r["exact"] and r["diverged_requests"] == 0
+        assert r["generated_tokens"] == budgets_total  # ignore_eos: every request runs its own budget
+        assert 16 <= r["prompt_tokens_mean"] <= r["prompt_tokens_max"] <= 64 and 4 <= r["max_new_tokens"] <= 16
+        assert r["tokens_per_s"] == pytest.approx(budgets_total / r["wall_s"])
+        for name in ("ttft", "tpot"):
+            samples = r[f"{name}_ms_samples"]
+            assert r[f"{name}_p50_ms"] <= r[f"{name}_p90_ms"] <= r[f"{name}_p99_ms"] <= max(samples)
+            assert r[f"{name}_mean_ms"] == pytest.approx(sum(samples) / len(samples)) and min(samples) > 0
+        assert len(r["ttft_ms_samples"]) == 5
+        assert r["vs_continuous_plain"] == (None if r is plain else
+                                            pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"]))
+        assert 0 < r["mean_busy_rows"] <= 2 + 1e-9
+    for fixed, cont in (records[1:3], records[3:5]):
+        assert cont["vs_fixed_batches"] == pytest.approx(cont["tokens_per_s"] / fixed["tokens_per_s"])
+        assert fixed["vs_fixed_batches"] is None and fixed["prefix_caching"] is None
+        assert cont["prefix_caching"] is False
+    assert records[4]["mean_accepted_tokens"] > 2 and records[4]["acceptance_rate"] == 1.0
+    assert (tmp_path / "serve_latency.png").stat().st_size > 1000
+    _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
+        "tokens/s": ("tokens_per_s", "{:.1f}"), "TTFT p50 ms": ("ttft_p50_ms", "{:.1f}"),
+        "TPOT p99 ms": ("tpot_p99_ms", "{:.2f}"), "exact": ("exact", None)}, ["model", "run", "drafter"])
+
+
+def test_serve_prefix_caching_refusal_is_recorded(tmp_path: Path):
+    """A shared prefix on every prompt and prefix_caching=true, which generate_batch refuses:
+    each continuous run records the refusal (the oracle's fixed batches, which need the plain
+    outputs, record why they could not run), and the fixed-batch n-gram run still measures."""
+    cfg = _cfg(SERVE + ["experiment.shared_prefix_tokens=8", "experiment.prefix_caching=true"])
+    records = run_experiment(cfg, tmp_path)
+    by = {(r["run"], r["drafter"]): r for r in records}
+    for key in (("continuous", "plain"), ("continuous", "ngram"), ("continuous", "oracle")):
+        assert "prefix_caching" in by[key]["error"] and by[key]["prefix_caching"] is True
+        assert by[key]["exact"] is None and "tokens_per_s" not in by[key]
+    assert "continuous plain run's outputs, which failed" in by[("fixed_batches", "oracle")]["error"]
+    ngram = by[("fixed_batches", "ngram")]
+    assert ngram["error"] is None and ngram["tokens_per_s"] > 0 and ngram["exact"] is None
+    assert ngram["shared_prefix_tokens"] == 8
+    assert "prefix_caching" in (tmp_path / "summary.md").read_text()
+
+
+def test_serve_workload(tmp_path: Path):
+    """The workload: seeded, log-uniform lengths within the bounds, the shared prefix on every
+    prompt, random ids or zoo prompts cut to length; a request file's prompts (ids or text) and
+    budgets (drawn where a line has none); bad lines and lengths beyond the model say what is wrong."""
+    from types import SimpleNamespace
+
+    from specdec import zoo
+    from specdec.experiments.serve import build_workload
+
+    tok = zoo.load_tokenizer()
+    exp = SimpleNamespace(requests=200, prompt_tokens=[64, 2048], output_tokens=[32, 512], prompt_source="random",
+                          requests_file=None, shared_prefix_tokens=16)
+    w = build_workload(exp, tok, 8192, seed=3)
+    assert w == build_workload(exp, tok, 8192, seed=3) and w != build_workload(exp, tok, 8192, seed=4)
+    own = [len(p) - 16 for p in w.prompts]
+    assert min(own) >= 64 and max(own) <= 2048 and min(w.budgets) >= 32 and max(w.budgets) <= 512
+    assert sorted(own)[100] < (64 + 2048) / 2  # log-uniform: the median is well below the midpoint
+    assert all(p[:16] == w.prompts[0][:16] for p in w.prompts)
+    z = build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo", "requests": 3}), tok, 8192, seed=0)
+    texts = "".join(p["prompt"] for p in zoo.prompts("all"))
+    assert all(tok.decode(p[16:]) in texts for p in z.prompts)
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7], "max_new_tokens": 9}\n\n{"prompt": "def f(x):"}\n'
+                    '{"input_ids": [8, 9]}\n')
+    f = build_workload(SimpleNamespace(**{**vars(exp), "requests_file": str(path), "shared_prefix_tokens": 0}),
+                       tok, 8192, seed=0)
+    assert f.prompts[0] == [5, 6, 7] and f.prompts[1] == list(tok("def f(x):").input_ids) and f.prompts[2] == [8, 9]
+    assert f.budgets[0] == 9 and all(32 <= b <= 512 for b in f.budgets[1:]) and f.source == "file"
+    for text, match in (('{"prompt_ids": []}', "line 1: \"prompt_ids\" must be a non-empty list"),
+                        ('{"prompt_ids": [1], "max_new_tokens": 0}', "line 1: \"max_new_tokens\" must be an int"),
+                        ('[1, 2]', "line 1: expected a JSON object"), ('{"text": "x"}', "needs \"prompt_ids\"")):
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=match):
+            build_workload(SimpleNamespace(**{**vars(exp), "requests_file": str(path)}), tok, 8192, seed=0)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        build_workload(exp, tok, 8192, seed=0, max_positions=1024)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):  # zoo text in a 100-token vocabulary
+        build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo"}), tok, 100, seed=0)
+    with pytest.raises(ValueError, match="zoo's prompts have at most"):
+        build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo", "prompt_tokens": [64, 9000]}), tok,
+                       8192, seed=0)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("experiment.prompt_tokens=[64,32]", "experiment.prompt_tokens must be \\[min, max\\]"),
+    ("experiment.max_batch_size=0", "max_batch_size must be >= 1"),
+    ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1 or auto"),
+    ("drafter.names=[draft_model]", "experiment=serve runs the drafters ngram, oracle, mtp"),
+])
+def test_serve_bad_settings(override, match):
+    with pytest.raises(ValueError, match=match):
+        run_experiment(_cfg(SERVE + [override]), Path("/nonexistent"))
