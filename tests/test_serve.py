@@ -154,7 +154,7 @@ def test_request_timings():
 
 SERVE = ["experiment=serve", "model=gdn-target", "experiment.requests=5", "experiment.max_batch_size=2",
          "experiment.prompt_tokens=[16,64]", "experiment.output_tokens=[4,16]",
-         "drafter.oracle_acceptance=[1.0]"] + CPU
+         "drafter.names=[ngram,oracle]", "drafter.oracle_acceptance=[1.0]"] + CPU
 
 
 def test_serve_tiny_run(tmp_path: Path):

@@ -212,7 +212,7 @@ class PromptSource(StrEnum):
 @dataclass
 class ServeExperiment:
     name: str = "serve"
-    requests: int = _doc(16, "requests in the workload (with requests_file: its first N lines)")
+    requests: int = _doc(8, "requests in the workload (with requests_file: its first N lines)")
     max_batch_size: int = _doc(4, "B: the continuous pool's rows, and the size of each fixed batch")
     prompt_tokens: List[int] = _doc(help="[min, max] prompt tokens per request, drawn log-uniform",
                                     factory=lambda: [64, 2048])
