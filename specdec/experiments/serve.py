@@ -4,7 +4,7 @@ batching, against the same drafter in fixed batches and against continuous plain
 The workload (:func:`build_workload`, seeded with ``seed``): ``experiment.requests`` requests,
 each with a prompt of ``experiment.prompt_tokens = [min, max]`` tokens and a budget
 (``max_new_tokens``) of ``experiment.output_tokens = [min, max]``, both drawn log-uniform
-(many short, a few long, as request lengths of served traffic are skewed); prompts are cut from
+(many short requests, a few long ones); prompts are cut from
 the zoo's held-out code prompts (``prompt_source=zoo``: a prompt's last tokens, so it ends where
 code continues) or random token ids (``random``: speed does not depend on the text), or come
 from a file (``requests_file``: one ``{"prompt_ids": [...]}`` or ``{"prompt": "text"}`` per
@@ -33,8 +33,9 @@ runs with min-max), time to first token (queue wait + prefill) and time per outp
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
 every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), and the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs). One short untimed call
-per configuration first when ``experiment.warmup`` (it compiles the kernels; CUDA graphs are
-captured per length bucket, inside the timed runs, as a server would). Records go to
+per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
+kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed
+run: once in a continuous run, once per length bucket in fixed batches). Records go to
 ``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
 """
 
