@@ -18,6 +18,11 @@ the pool's columns, SSM and conv state, the rollback strategy's extra state, the
 measured once per model from a one-token probe; :func:`plan_rows` turns it and a memory budget
 (:func:`parse_bytes`; default: :func:`free_memory` x :data:`MEMORY_FRACTION`) into the pool's
 rows for ``max_batch_size="auto"``, or checks a given count against it.
+
+Each request's times (:class:`RequestTiming`: queued, admitted, first token, finished; host
+``time.perf_counter()`` seconds taken where the loop syncs with the device anyway) are in
+``SpeculativeGenerator.last_request_timings``; its output's ``created_time`` and ``lifespan``
+(HF's fields) hold the queued time and (admitted, finished).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 import numbers
 import re
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +46,7 @@ from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
 
 __all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MEMORY_FRACTION", "GenerationOutput",
-           "PoolPlan", "Request", "RequestPool", "RequestStatus", "SequenceBytes", "admission_rows",
+           "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_rows",
            "bytes_per_sequence", "cache_bytes", "check_requests", "free_memory", "kv_columns", "left_pad",
            "parse_bytes", "plan_rows", "pool_size"]
 
@@ -70,6 +76,29 @@ class Request:
         """This request's ``GenerationOutput`` with ``status``, its new tokens and ``error``."""
         return GenerationOutput(request_id=self.request_id, prompt_ids=list(self.prompt),
                                 generated_tokens=[] if generated is None else generated, error=error, status=status)
+
+
+@dataclass
+class RequestTiming:
+    """When a request went through the pool: ``time.perf_counter()`` seconds, each taken on the
+    host at a point where the decode loop syncs with the device anyway (no sync of its own).
+
+    Attributes:
+        queued: the ``generate_batch`` call's start (every request waits in the queue from then).
+        admitted: a row took it, before its prefill (None while queued).
+        first_token: the host sync after its prefill: its first new token exists.
+        finished: the host sync that showed it ended (EOS or its budget), its tokens read.
+    """
+
+    queued: float
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float:
+        """``first_token - queued`` seconds: waiting in the queue and the prefill."""
+        return self.first_token - self.queued
 
 
 def pool_size(max_batch_size, num_requests: int) -> int:
@@ -178,9 +207,12 @@ class RequestPool:
     """
 
     def __init__(self, requests: list[Request], size: int, span: int | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, queued: float | None = None):
         self.prefix_cache = prefix_cache
         self.queue = deque(requests)
+        #: each request's times by index; ``queued``: the call's start (default: now)
+        self.timings = {r.index: RequestTiming(time.perf_counter() if queued is None else queued) for r in requests}
+        self._prefilling: list[Request] = []  # admitted, first token not yet seen
         self.slots: list[Request | None] = [None] * size
         self.outputs: dict[int, GenerationOutput] = {}
         self.span = self.span_of(requests) if span is None else span
@@ -210,12 +242,27 @@ class RequestPool:
             self.slots[row] = self.queue.popleft()
             taken.append(req)
             width, budget = w, b
+        now = time.perf_counter()
+        for req in taken:  # (a request an open pool got later is timed from its admission)
+            self.timings.setdefault(req.index, RequestTiming(now)).admitted = now
+        self._prefilling += taken
         return taken
+
+    def prefilled(self) -> None:
+        """Called at the host sync after an admission's prefill: the requests taken since have
+        their first token."""
+        now = time.perf_counter()
+        for req in self._prefilling:
+            self.timings[req.index].first_token = now
+        self._prefilling = []
 
     def finish(self, row: int, generated: list[int]) -> None:
         """Row ``row``'s request ended with ``generated``: record its output and free the row."""
         req, self.slots[row] = self.slots[row], None
-        self.outputs[req.index] = req.output(RequestStatus.FINISHED, generated)
+        t = self.timings[req.index]
+        t.finished = time.perf_counter()
+        out = self.outputs[req.index] = req.output(RequestStatus.FINISHED, generated)
+        out.created_time, out.lifespan = t.queued, (t.admitted, t.finished)
         self.num_finished += 1
         self.new_tokens += len(generated)
         if self.on_finish is not None:

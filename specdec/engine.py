@@ -25,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import time
 
 import torch
 from tqdm.auto import tqdm
 
 from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
                        costs_for, expected_tokens, rollback_bytes, strategy_label)
-from .batching import (GenerationOutput, PoolPlan, RequestPool, RequestStatus, bytes_per_sequence, cache_bytes,
-                       check_requests, free_memory, kv_columns, left_pad, plan_rows)
+from .batching import (GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming, bytes_per_sequence,
+                       cache_bytes, check_requests, free_memory, kv_columns, left_pad, plan_rows)
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -160,6 +161,8 @@ class SpeculativeGenerator:
 
     Attributes:
         last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache.
+        last_request_timings: the last ``generate_batch``'s ``{request id: RequestTiming}`` of
+            the requests that decoded (:class:`specdec.batching.RequestTiming`).
         decoder: the :class:`~specdec.decoding.Decoder` of the last ``generate()``.
 
     Raises:
@@ -188,6 +191,7 @@ class SpeculativeGenerator:
         self.cost_model = cost_model
         self.policy = policy
         self.last_stats: Stats | None = None
+        self.last_request_timings: dict[str, RequestTiming] = {}
         self.last_cache = None
         self.decoder: Decoder | None = None
 
@@ -429,7 +433,9 @@ class SpeculativeGenerator:
             has ``status=RequestStatus.FAILED``, its reason in ``error`` and no tokens; the other
             requests run (HF's convention for a failed request). Stats of the call (all requests)
             in ``self.last_stats``, with the pool's rows (``max_batch_size``) and, for ``"auto"``,
-            how they were chosen (``batch_size_reason``, also logged on ``specdec.batching``).
+            how they were chosen (``batch_size_reason``, also logged on ``specdec.batching``); each decoded request's times (queued, admitted, first
+            token, finished) in ``self.last_request_timings``, and as HF's ``created_time`` /
+            ``lifespan`` of its output.
 
         Raises:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
@@ -444,6 +450,7 @@ class SpeculativeGenerator:
             ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
             in place (``RollbackStrategy.resets_in_place``).
         """
+        queued = time.perf_counter()
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
@@ -462,14 +469,16 @@ class SpeculativeGenerator:
                                            eos_token_id, generate_kwargs)
         plan = self._plan_pool(max_batch_size, memory_budget, RequestPool.span_of(requests) if requests else 1,
                                len(requests))
+        self.last_request_timings = {}
         if requests:
-            pool = RequestPool(requests, plan.rows,
+            pool = RequestPool(requests, plan.rows, queued=queued,
                                prefix_cache=PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
                 self._run_pool(settings, plan, pool)
             results.update(pool.outputs)
+            self.last_request_timings = {f"req_{i}": pool.timings[i] for i in sorted(pool.timings)}
         return {f"req_{i}": results[i] for i in range(len(inputs))}
 
     def init_continuous_batching(self, generation_config=None, *, max_length: int,
@@ -671,6 +680,8 @@ class SpeculativeGenerator:
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
         finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
+        if pool is not None:
+            pool.prefilled()  # (the first requests' first tokens exist: this sync waited for them)
         done = all(finished)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while True:
@@ -832,6 +843,7 @@ class SpeculativeGenerator:
             if policy is not None:
                 policy.acceptance.rates[idx] = self.policy.prior_acceptance
             finished = rows.finished.tolist()
+            pool.prefilled()
             longest = max(longest, ids.shape[1] + 1)
 
     @staticmethod

@@ -3,6 +3,7 @@
 ``experiment=`` picks what runs: ``acceptance`` (default), ``rollback`` (the rollback-strategy
 comparison), ``bench`` (end-to-end decode speed; ``long_run`` its 2,048-token preset),
 ``adaptive`` (``num_speculative_tokens=auto``, ``rollback=auto`` against every fixed choice),
+``serve`` (continuous batching of a mixed-length workload against fixed batches and plain decoding),
 ``kernels`` (the per-layer kernel table), ``tree_verify`` (tree vs chain verify cost),
 ``ngram_proposal`` (n-gram search timing), ``prefill`` (prefill time per Mamba-2 scan),
 ``skinny_linear`` (the skinny linear kernel vs cuBLAS on the bench models' weight shapes),
@@ -140,6 +141,8 @@ def validate(cfg: DictConfig) -> None:
         _validate_bench(cfg, drafters)
     if name == "adaptive":
         _validate_adaptive(cfg, drafters)
+    if name == "serve":
+        _validate_serve(cfg, drafters)
     if name == "tree_verify":
         _validate_tree_verify(cfg)
     if name == "checks":
@@ -165,7 +168,7 @@ def validate(cfg: DictConfig) -> None:
 
 #: the experiments whose runs take ``rollback=auto`` (and ``num_speculative_tokens=auto``: their schema allows it,
 #: except ``adaptive``, which always compares auto with its K grid)
-AUTO_EXPERIMENTS = ("bench", "long_run", "adaptive")
+AUTO_EXPERIMENTS = ("bench", "long_run", "adaptive", "serve")
 
 
 def _validate_adaptive(cfg, drafters: list[str]) -> None:
@@ -189,6 +192,30 @@ def _validate_adaptive(cfg, drafters: list[str]) -> None:
         raise ValueError("experiment=adaptive compares auto with fixed strategies: rollback.strategies must list at "
                          "least one of snapshot, ring, replay, replay_deferred")
     _check_positive(exp, "prompt_tokens")
+    _check_decode_path(exp.decode_path)
+
+
+def _validate_serve(cfg, drafters: list[str]) -> None:
+    """The serving workload's sizes and lengths, its drafters and K."""
+    from .serve import SERVE_DRAFTERS
+
+    exp = cfg.experiment
+    if any(d not in SERVE_DRAFTERS for d in drafters):
+        raise ValueError(f"experiment=serve runs the drafters {', '.join(SERVE_DRAFTERS)}; got {drafters}")
+    accs = [float(a) for a in cfg.drafter.oracle_acceptance]
+    if "oracle" in drafters and (not accs or any(not 0.0 <= a <= 1.0 for a in accs)):
+        raise ValueError(f"drafter.oracle_acceptance must list acceptances in [0, 1], got {accs}")
+    if cfg.num_speculative_tokens != "auto" and int(cfg.num_speculative_tokens) < 1:
+        raise ValueError("experiment=serve compares speculative runs with plain decoding (which it always runs): "
+                         "num_speculative_tokens must be >= 1 or auto")
+    if int(exp.requests) < 1 or int(exp.max_batch_size) < 1 or int(exp.shared_prefix_tokens) < 0:
+        raise ValueError(f"experiment.requests and experiment.max_batch_size must be >= 1 and "
+                         f"experiment.shared_prefix_tokens >= 0; got {exp.requests}, {exp.max_batch_size}, "
+                         f"{exp.shared_prefix_tokens}")
+    for key in ("prompt_tokens", "output_tokens"):
+        pair = [int(v) for v in exp[key]]
+        if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
+            raise ValueError(f"experiment.{key} must be [min, max] with 1 <= min <= max, got {pair}")
     _check_decode_path(exp.decode_path)
 
 
@@ -362,6 +389,10 @@ def _dispatch(name: str, cfg: DictConfig, out_dir: Path, overrides: tuple[str, .
         return run(cfg, out_dir)
     if name == "adaptive":
         from .adaptive import run
+
+        return run(cfg, out_dir)
+    if name == "serve":
+        from .serve import run
 
         return run(cfg, out_dir)
     if name == "kernels":

@@ -31,7 +31,7 @@ from omegaconf import MISSING
 __all__ = [
     "Device", "DType", "DrafterName", "Source", "RecommendBy",
     "TargetConfig", "ModelConfig", "DrafterConfig", "RollbackConfig", "PromptsConfig",
-    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "TrainZooConfig",
+    "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "ServeConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
     "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "PrefillConfig", "ChecksConfig", "SkinnyLinearConfig",
     "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
@@ -204,6 +204,34 @@ class AdaptiveExperiment:
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
 
 
+class PromptSource(StrEnum):
+    zoo = "zoo"  # the zoo's held-out code prompts, cut to the drawn lengths
+    random = "random"  # random token ids (speed does not depend on the text)
+
+
+@dataclass
+class ServeExperiment:
+    name: str = "serve"
+    requests: int = _doc(8, "requests in the workload (with requests_file: its first N lines)")
+    max_batch_size: int = _doc(4, "B: the continuous pool's rows, and the size of each fixed batch")
+    prompt_tokens: List[int] = _doc(help="[min, max] prompt tokens per request, drawn log-uniform",
+                                    factory=lambda: [64, 2048])
+    output_tokens: List[int] = _doc(help="[min, max] max_new_tokens per request, drawn log-uniform",
+                                    factory=lambda: [32, 512])
+    prompt_source: PromptSource = _doc(PromptSource.zoo, "zoo (the shipped code prompts, cut to length) | random "
+                                                         "(token ids)")
+    requests_file: Optional[str] = _doc(None, "your own workload: a .jsonl file, one {\"prompt_ids\": [...]} or "
+                                              "{\"prompt\": text} per line, optionally with \"max_new_tokens\" "
+                                              "(else drawn)")
+    shared_prefix_tokens: int = _doc(0, "one prefix of this many tokens before every request's prompt (0: none)")
+    prefix_caching: bool = _doc(False, "also run every continuous run with generate_batch(prefix_caching=True), side by side")
+    prefix_block_size: int = _doc(64, "generate_batch's prefix_block_size with prefix_caching (tokens per cached block)")
+    fixed_batches: bool = _doc(True, "also run generate() on fixed batches of max_batch_size requests, in order")
+    warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
+    ignore_eos: bool = _doc(True, "clear the target's EOS token: every request runs its own max_new_tokens")
+    decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
+
+
 class TreeKernels(StrEnum):
     default = "default"  # the device's backend (Triton on CUDA)
     torch = "torch"  # the torch reference ops
@@ -370,6 +398,13 @@ class BenchConfig(BaseConfig):
 @dataclass
 class AdaptiveConfig(BaseConfig):
     experiment: AdaptiveExperiment = field(default_factory=AdaptiveExperiment)
+
+
+@dataclass
+class ServeConfig(BaseConfig):
+    num_speculative_tokens: Any = _doc(4, "K, drafts per verify step of the speculative runs, or auto: chosen per "
+                                          "step (specdec.adaptive)")
+    experiment: ServeExperiment = field(default_factory=ServeExperiment)
 
 
 @dataclass
@@ -541,6 +576,7 @@ SCHEMAS = {
     "bench": BenchConfig,
     "long_run": BenchConfig,
     "adaptive": AdaptiveConfig,
+    "serve": ServeConfig,
     "kernels": KernelsConfig,
     "tree_verify": TreeVerifyConfig,
     "ngram_proposal": NgramProposalConfig,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 __all__ = ["Column", "summarize", "recommend", "write_report", "write_summary", "print_table",
            "accept_histogram_plot", "k_over_time_plot", "legend_lines", "COLUMNS", "ROLLBACK_COLUMNS", "BENCH_COLUMNS",
-           "ADAPTIVE_COLUMNS", "SECTIONS",
+           "ADAPTIVE_COLUMNS", "SERVE_COLUMNS", "SERVE_PERCENTILES", "SECTIONS", "serve_plot",
            "TERMINAL_WIDTH"]
 
 #: the terminal tables' width; wider tables keep their key columns there, all columns go to summary.md
@@ -193,6 +193,49 @@ ADAPTIVE_COLUMNS = (
     _BENCH["exact"],
 )
 
+#: the latency percentiles of experiment=serve (record keys ``ttft_p<q>_ms``, ``tpot_p<q>_ms``)
+SERVE_PERCENTILES = (50, 90, 99)
+
+SERVE_COLUMNS = (
+    Column("tokens_per_s", "tokens/s", "{:.1f}", spread=True,
+           legend="generated tokens (each request's own, up to its budget or EOS) / the run's wall time, every "
+                  f"request arriving at its start; {_REPEATS}"),
+    Column("vs_fixed_batches", "vs fixed batches", "{:.2f}x",
+           legend="continuous batching's median tokens/s / generate() on fixed batches of the same size, same "
+                  "drafter and strategy"),
+    Column("vs_continuous_plain", "vs continuous plain", "{:.2f}x",
+           legend="median tokens/s / continuous plain decoding's (num_speculative_tokens=0, same pool size)"),
+    Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}",
+           legend="time to first token: from the run's start (every request queued then) to the host sync after "
+                  "the request's prefill; percentiles over the requests of every repeat"),
+    Column("ttft_p90_ms", "TTFT p90 ms", "{:.1f}", terminal=False, legend="its 90th percentile"),
+    Column("ttft_p99_ms", "TTFT p99 ms", "{:.1f}", terminal=False, legend="its 99th percentile"),
+    Column("ttft_mean_ms", "TTFT mean ms", "{:.1f}", terminal=False, legend="its mean"),
+    Column("tpot_p50_ms", "TPOT p50 ms", "{:.2f}",
+           legend="time per output token after the first: (finished - first token) / (tokens - 1) per request "
+                  "(fixed batches: a request finishes when its batch's generate() returns)"),
+    Column("tpot_p90_ms", "TPOT p90 ms", "{:.2f}", terminal=False, legend="its 90th percentile"),
+    Column("tpot_p99_ms", "TPOT p99 ms", "{:.2f}", terminal=False, legend="its 99th percentile"),
+    Column("tpot_mean_ms", "TPOT mean ms", "{:.2f}", terminal=False, legend="its mean"),
+    Column("mean_busy_rows", "busy rows", "{:.1f}", terminal=False,
+           legend="rows holding a request (admitted, not finished), averaged over the run"),
+    Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False, legend=COLUMNS[0].legend),
+    Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True, legend=f"the run's wall time; {_REPEATS}"),
+    Column("prefix_caching", "prefix caching", None,
+           legend="the run passed prefix_caching=True to generate_batch"),
+    Column("prefix_hit_rate", "prefix hit rate", "{:.2f}",
+           legend="prompt tokens whose state the prefix cache served / prompt tokens looked up (last_stats.prefix_cache)"),
+    Column("ttft_speedup_vs_no_prefix_cache", "TTFT gain from prefix cache", "{:.2f}x",
+           legend="mean time to first token of the same run without prefix caching / with it"),
+    Column("vs_no_prefix_cache", "tokens/s vs no prefix cache", "{:.2f}x", terminal=False,
+           legend="median tokens/s / the same run's without prefix caching"),
+    Column("decode_path", "decode path", TEXT, terminal=False, legend=_BENCH["decode_path"].legend),
+    Column("diverged_requests", "diverged requests", "{:.0f}", terminal=False,
+           legend="requests whose tokens differ from continuous plain decoding's"),
+    Column("exact", "exact", None, legend="every request's tokens equal continuous plain decoding's"),
+    Column("error", "error", TEXT, legend="why the run did not run (a setting the engine refuses)"),
+)
+
 KERNEL_COLUMNS = (
     Column("launches", "launches", "{:.0f}", legend="kernel launches per layer and step"),
     Column("us_per_step", "us/step", "{:.1f}",
@@ -345,6 +388,8 @@ SECTIONS = {
     "bench": (("model", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS,
               "runs"),
     "adaptive": (("model", "acceptance", "batch", "rollback", "num_speculative_tokens"), ADAPTIVE_COLUMNS, "runs"),
+    "serve": (("model", "run", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), SERVE_COLUMNS,
+              "runs"),
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
     "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
@@ -817,6 +862,41 @@ def k_over_time_plot(records: list[dict], path: Path) -> None:
     _save(fig, plt, path)
 
 
+def serve_plot(records: list[dict], path: Path) -> None:
+    """Serving: per run (one bar each), throughput, time to first token and time per output token
+    at p50 / p90 / p99 (a panel each; a row of panels per model). Runs that failed are left out."""
+    runs = [r for r in records if r.get("tokens_per_s") is not None]
+    if not runs:
+        return
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    fig, axes = plt.subplots(len(models), 3, figsize=(16, 4.2 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        mine = [r for r in runs if r["model"] == model]
+        labels = ["\n".join([r["run"].replace("_", " "), r["drafter"]
+                              + (f" a={r['acceptance']}" if r.get("acceptance") is not None else "")]
+                             + ([r["rollback"]] if r["rollback"] != "none" else [])) for r in mine]
+        xs = list(range(len(mine)))
+        row[0].bar(xs, [r["tokens_per_s"] for r in mine], color=[f"C{i}" for i in xs])
+        row[0].set_ylabel("tokens/s")
+        row[0].set_title(f"{model}: throughput", fontsize=10)
+        for ax, name, unit in ((row[1], "ttft", "time to first token (ms)"),
+                               (row[2], "tpot", "time per output token (ms)")):
+            width = 0.8 / len(SERVE_PERCENTILES)
+            for j, q in enumerate(SERVE_PERCENTILES):
+                ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], [r.get(f"{name}_p{q}_ms") or 0.0 for r in mine],
+                       width, label=f"p{q}", color=f"C{j}")
+            ax.set_ylabel(unit)
+            ax.set_title(f"{model}: {unit.split(' (')[0]}", fontsize=10)
+            ax.legend(fontsize=7)
+        for ax in row:
+            ax.set_xticks(xs)
+            ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+    fig.suptitle(f"Serving: continuous batching, fixed batches, plain decoding\n{plot_subtitle(runs)}", fontsize=11)
+    fig.tight_layout()
+    _save(fig, plt, path)
+
+
 # ------------------------------------------------------------------------------- report
 
 
@@ -903,6 +983,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             lines += _divergence_lines(recs)
             decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
             k_over_time_plot(recs, out_dir / f"{prefix}k_over_time.png")
+        elif exp == "serve":
+            serve_plot(recs, out_dir / f"{prefix}serve_latency.png")
         if console:
             import textwrap
 

@@ -1,0 +1,476 @@
+"""Serving (``experiment=serve``): a workload of requests of mixed lengths through continuous
+batching, against the same drafter in fixed batches and against continuous plain decoding.
+
+The workload (:func:`build_workload`, seeded with ``seed``): ``experiment.requests`` requests,
+each with a prompt of ``experiment.prompt_tokens = [min, max]`` tokens and a budget
+(``max_new_tokens``) of ``experiment.output_tokens = [min, max]``, both drawn log-uniform
+(many short requests, a few long ones); prompts are cut from
+the zoo's held-out code prompts (``prompt_source=zoo``: a prompt's last tokens, so it ends where
+code continues) or random token ids (``random``: speed does not depend on the text), or come
+from a file (``requests_file``: one ``{"prompt_ids": [...]}`` or ``{"prompt": "text"}`` per
+line, with an optional ``"max_new_tokens"``; ``"input_ids"`` as the acceptance experiment's
+prompt files name it). ``shared_prefix_tokens`` puts one prefix of that many tokens before every
+prompt (a system prompt); ``prefix_caching`` runs every continuous run a second time with
+``generate_batch(prefix_caching=True)``, which reuses the prefix's state: records with
+``prefix_caching`` true carry ``prefix_hit_rate``, ``vs_no_prefix_cache`` (tokens/s) and
+``ttft_speedup_vs_no_prefix_cache`` (mean time to first token without / with).
+
+Every request arrives at the start of a run (an offline batch). Per target, in this order:
+
+1. continuous plain decoding: ``generate_batch(..., max_batch_size=B)`` with
+   ``num_speculative_tokens=0``: the baseline, and each request's greedy output, the reference
+   every other run is compared with and the text the oracle drafter proposes;
+2. per drafter of ``drafter.names`` (``oracle`` once per ``drafter.oracle_acceptance``:
+   :meth:`specdec.drafters.OracleDrafter.for_requests` over the plain outputs) and rollback
+   strategy: (i) continuous batching, ``generate_batch`` with ``max_batch_size=B``; (ii) the
+   alternative without it: ``generate()`` on fixed batches of B requests in order, left-padded,
+   each batch running until its longest budget (a request counts only its own budget's tokens).
+
+Timing (:class:`specdec.batching.RequestTiming`): continuous runs read each request's times
+from ``sd.last_request_timings``; in fixed batches a request is admitted when its batch's
+``generate()`` starts, its first token exists after the call's prefill (start +
+``Stats.calibration_s + Stats.prefill_s``) and it finishes when the call returns (the caller
+gets its tokens then). Per run: throughput (generated tokens / wall, the median of ``repeats``
+runs with min-max), time to first token (queue wait + prefill) and time per output token
+(``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
+every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), and the ratios
+``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs). One short untimed call
+per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
+kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed
+run: once in a continuous run, once per length bucket in fixed batches). Records go to
+``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ..batching import RequestTiming, left_pad
+from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
+from .models import load_target, resolve_device
+from .report import SERVE_PERCENTILES, write_report
+
+__all__ = ["Workload", "build_workload", "load_requests", "run", "SERVE_DRAFTERS"]
+
+#: drafters the serving comparison runs (continuous batching needs Drafter.admit or a stateless drafter;
+#: one that lacks it is refused by generate_batch, and the refusal is recorded)
+SERVE_DRAFTERS = ("ngram", "oracle", "mtp")
+#: new tokens per request of a warm-up call (on the shortest prompts: it compiles the kernels of the pool's size)
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of a run: ``prompts`` (token-id lists, the shared prefix included) and their
+    ``budgets`` (``max_new_tokens``); ``source`` says where the prompts came from."""
+
+    prompts: list[list[int]]
+    budgets: list[int]
+    source: str
+    shared_prefix_tokens: int = 0
+
+    def shortest(self, n: int) -> list[int]:
+        """The indices of the ``n`` shortest prompts (a warm-up's requests: a full pool, little prefill)."""
+        return sorted(range(len(self.prompts)), key=lambda i: len(self.prompts[i]))[:n]
+
+    def fields(self) -> dict:
+        """The workload's record fields: its source, size and length statistics."""
+        lens = [len(p) for p in self.prompts]
+        return {"requests": len(self.prompts), "prompt_source": self.source,
+                "shared_prefix_tokens": self.shared_prefix_tokens,
+                "prompt_tokens_mean": sum(lens) / len(lens), "prompt_tokens_max": max(lens),
+                "max_new_tokens_mean": sum(self.budgets) / len(self.budgets), "max_new_tokens": max(self.budgets)}
+
+
+def _log_uniform(n: int, bounds, g: torch.Generator) -> list[int]:
+    """``n`` ints in ``[lo, hi]`` drawn log-uniform (``exp(U(log lo, log(hi + 1)))``, floored)."""
+    lo, hi = int(bounds[0]), int(bounds[1])
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    x = torch.exp(math.log(lo) + u * (math.log(hi + 1) - math.log(lo))).floor().clamp(lo, hi)
+    return [int(v) for v in x]
+
+
+def load_requests(path: str | Path, tok, limit: int | None = None) -> list[tuple[list[int], int | None]]:
+    """``(prompt ids, max_new_tokens or None)`` per line of a JSON-lines workload file: each line
+    an object with ``"prompt_ids"`` (or ``"input_ids"``: a non-empty list of ints >= 0) or
+    ``"prompt"`` (text, encoded with ``tok``), and optionally ``"max_new_tokens"`` (an int >= 1);
+    blank lines skipped; the first ``limit`` requests.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not such an object (the message names the line), or no requests.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f'experiment.requests_file={path}: no such file (one JSON object per line, '
+                                '{"prompt_ids": [...], "max_new_tokens": 64} or {"prompt": "..."})')
+    out: list[tuple[list[int], int | None]] = []
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"experiment.requests_file={path}, line {n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f'{where}: expected a JSON object with "prompt_ids" or "prompt", got '
+                                 f"{type(obj).__name__}")
+            key = "prompt_ids" if "prompt_ids" in obj else "input_ids" if "input_ids" in obj else None
+            if key is not None:
+                ids = obj[key]
+                if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              and i >= 0 for i in ids)):
+                    raise ValueError(f'{where}: "{key}" must be a non-empty list of token ids (ints >= 0)')
+            elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                ids = list(tok(obj["prompt"]).input_ids)
+            else:
+                raise ValueError(f'{where}: needs "prompt_ids" (token ids) or a non-empty "prompt" string; keys: '
+                                 f"{sorted(obj)}")
+            budget = obj.get("max_new_tokens")
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+                raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1, got {budget!r}')
+            out.append((ids, budget))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"experiment.requests_file={path}: the file holds no requests")
+    return out
+
+
+def build_workload(exp, tok, vocab_size: int, seed: int, max_positions: int | None = None) -> Workload:
+    """The workload of ``experiment`` (see the module docstring), seeded with ``seed``.
+
+    Raises: ValueError when a drawn length exceeds the longest zoo prompt, a token id is outside
+    ``[0, vocab_size)``, or prompt + budget exceeds ``max_positions`` (the model's context)."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(exp.requests)
+    prefix_len = int(exp.shared_prefix_tokens)
+    if exp.requests_file:
+        given = load_requests(str(exp.requests_file), tok, limit=n)
+        drawn = _log_uniform(len(given), exp.output_tokens, g)
+        own = [ids for ids, _ in given]
+        budgets = [b if b is not None else d for (_, b), d in zip(given, drawn)]
+        source = "file"
+    else:
+        lengths = _log_uniform(n, exp.prompt_tokens, g)
+        budgets = _log_uniform(n, exp.output_tokens, g)
+        source = str(exp.prompt_source)
+    high = min(int(vocab_size), 8192)  # (the zoo tokenizer's ids; random ids as experiment=bench draws them)
+    if source == "zoo":
+        from .. import zoo
+
+        pool = [list(tok(p["prompt"]).input_ids) for p in zoo.prompts("all")]
+        longest = max(len(p) for p in pool)
+        need = max([prefix_len] + ([] if exp.requests_file else lengths))
+        if need > longest:
+            raise ValueError(f"the zoo's prompts have at most {longest} tokens; experiment.prompt_tokens and "
+                             f"experiment.shared_prefix_tokens must not exceed it (or use prompt_source=random)")
+        prefix = max(pool, key=len)[:prefix_len]
+        own = []
+        for L in lengths:  # the last L tokens of a prompt that long (it ends where the code continues)
+            fits = [p for p in pool if len(p) >= L]
+            own.append(fits[int(torch.randint(len(fits), (1,), generator=g))][-L:])
+    else:
+        prefix = torch.randint(10, high, (prefix_len,), generator=g).tolist()
+        if source == "random":
+            own = [torch.randint(10, high, (L,), generator=g).tolist() for L in lengths]
+    prompts = [prefix + p for p in own]
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {i}: token ids outside the model's vocabulary [0, {vocab_size}): {bad[:5]}")
+        if max_positions is not None and len(p) + b > max_positions:
+            raise ValueError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({b}) exceeds the model's "
+                             f"context (max_position_embeddings={max_positions}); lower experiment.prompt_tokens, "
+                             "output_tokens or shared_prefix_tokens")
+    return Workload(prompts, budgets, source, prefix_len)
+
+
+@dataclass
+class RunResult:
+    """One run of the workload: each request's ``tokens`` (last repeat), ``samples`` (a request's
+    timing and token count, over every repeat), the ``walls`` (seconds per repeat), ``stats``
+    (:class:`specdec.Stats` of every call of the last repeat), or the ``error`` that stopped it."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    samples: list[tuple[RequestTiming, int]] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    stats: list = field(default_factory=list)
+    error: str | None = None
+
+
+def _timed(calls, repeats: int, device) -> RunResult:
+    """Run ``calls()`` (returns ``(tokens, samples, stats)`` of one pass over the workload)
+    ``repeats`` times through :func:`.timing.time_runs`; a ValueError (a setting the engine
+    refuses, checked before any work) becomes the result's ``error``."""
+    from .timing import time_runs
+
+    res = RunResult()
+
+    def once():
+        res.tokens, samples, res.stats = calls()
+        res.samples += samples
+
+    try:
+        wall, _ = time_runs(once, repeats, device)
+    except ValueError as err:
+        return RunResult(error=str(err))
+    res.walls = list(wall.samples)
+    return res
+
+
+def _continuous(sd, work: Workload, B: int, prefix_block: int | None, device, repeats: int, warmup: bool,
+                drafter_for=None) -> RunResult:
+    """``sd.generate_batch`` over the workload with ``max_batch_size=B`` and, given
+    ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
+    drafter of a call over those requests (None: keep ``sd``'s)."""
+    kw = {"max_batch_size": B,
+          **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
+
+    def calls():
+        out = sd.generate_batch(work.prompts, max_new_tokens=work.budgets, **kw)
+        tokens = [out[f"req_{i}"].generated_tokens for i in range(len(work.prompts))]
+        times = sd.last_request_timings
+        return tokens, [(times[f"req_{i}"], len(t)) for i, t in enumerate(tokens)], [sd.last_stats]
+
+    if warmup:
+        idx = work.shortest(B)
+        if drafter_for is not None:
+            sd.drafter = drafter_for(idx)
+        try:
+            sd.generate_batch([work.prompts[i] for i in idx], max_new_tokens=WARMUP_TOKENS, **kw)
+        except ValueError as err:
+            return RunResult(error=str(err))
+    if drafter_for is not None:
+        sd.drafter = drafter_for(list(range(len(work.prompts))))
+    return _timed(calls, repeats, device)
+
+
+def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
+    """A request's tokens in a fixed batch's row: its own budget's, up to and including EOS."""
+    new = new[:budget]
+    cut = next((j for j, t in enumerate(new) if t in eos), None)
+    return new if cut is None else new[:cut + 1]
+
+
+def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats: int, warmup: bool,
+           drafter_for=None) -> RunResult:
+    """``sd.generate()`` on fixed batches of ``B`` requests in order (left-padded), each running
+    until its longest budget; ``drafter_for(indices)`` gives the batch's drafter (None: keep
+    ``sd``'s)."""
+    N = len(work.prompts)
+    batches = [list(range(lo, min(N, lo + B))) for lo in range(0, N, B)]
+
+    def one(idx: list[int], budget: int | None = None):
+        if drafter_for is not None:
+            sd.drafter = drafter_for(idx)
+        ids, mask = left_pad([work.prompts[i] for i in idx], device)
+        G = budget or max(work.budgets[i] for i in idx)
+        return ids.shape[1], sd.generate(ids, attention_mask=mask, max_new_tokens=G, pad_token_id=pad)
+
+    def calls():
+        queued = time.perf_counter()
+        tokens, samples, stats = [], [], []
+        for idx in batches:
+            start = time.perf_counter()
+            width, out = one(idx)
+            end = time.perf_counter()  # (generate() returned its Stats: the device is done)
+            st = sd.last_stats
+            first = start + st.calibration_s + st.prefill_s
+            for i, new in zip(idx, out[:, width:].tolist()):
+                tokens.append(_own_tokens(new, work.budgets[i], eos))
+                samples.append((RequestTiming(queued, start, first, end), len(tokens[-1])))
+            stats.append(st)
+        return tokens, samples, stats
+
+    if warmup:
+        one(work.shortest(B), WARMUP_TOKENS)
+    return _timed(calls, repeats, device)
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (linear interpolation, as numpy's default) of ``values``; None if empty."""
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q)) if values else None
+
+
+def _latency_fields(name: str, values_ms: list[float]) -> dict:
+    """``<name>_p50_ms``, ``_p90_ms``, ``_p99_ms`` and ``_mean_ms`` of ``values_ms``."""
+    out = {f"{name}_p{p}_ms": _quantile(values_ms, p / 100) for p in SERVE_PERCENTILES}
+    out[f"{name}_mean_ms"] = sum(values_ms) / len(values_ms) if values_ms else None
+    return out
+
+
+def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
+    """A run's record fields (see the module docstring)."""
+    from .timing import Timing
+
+    if res.error is not None:
+        return {"error": res.error, "exact": None}
+    generated = sum(len(t) for t in res.tokens)
+    wall = Timing(tuple(res.walls))
+    ttft = [1e3 * t.time_to_first_token for t, _ in res.samples]
+    tpot = [1e3 * (t.finished - t.first_token) / (n - 1) for t, n in res.samples if n >= 2]
+    hist = [sum(col) for col in zip(*(st.accept_histogram for st in res.stats))]
+    row_steps = sum(hist)
+    accepted = sum(st.accepted_tokens for st in res.stats)
+    proposed = sum(st.proposed_tokens for st in res.stats)
+    diverged = None if reference is None else [i for i, (a, b) in enumerate(zip(res.tokens, reference)) if a != b]
+    return {
+        "error": None, "generated_tokens": generated,
+        **wall.fields("wall_s"), **wall.rate(generated).fields("tokens_per_s"),
+        **_latency_fields("ttft", ttft), **_latency_fields("tpot", tpot),
+        "ttft_ms_samples": ttft, "tpot_ms_samples": tpot,
+        "mean_busy_rows": sum(t.finished - t.admitted for t, _ in res.samples) / sum(res.walls),
+        "steps": sum(st.steps for st in res.stats),
+        "mean_accepted_tokens": (accepted + row_steps) / row_steps if row_steps else None,
+        "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
+        "decode_path": res.stats[-1].decode_path, "capture_error": res.stats[-1].capture_error,
+        "rollback_used": res.stats[-1].rollback,
+        **_prefix_fields(res.stats),
+        "exact": None if diverged is None else not diverged,
+        "diverged_requests": None if diverged is None else len(diverged), "diverged_request_ids": diverged,
+    }
+
+
+def _prefix_fields(stats) -> dict:
+    """The prefix cache's counters summed over a run's calls (None without caching):
+    ``prefix_hit_tokens`` (prompt tokens whose state was reused), ``prefix_hit_rate`` (their share
+    of the prompt tokens looked up) and ``prefix_cache_stored_mib`` (the cache's size at the end)."""
+    counters = [st.prefix_cache for st in stats if st.prefix_cache is not None]
+    if not counters:
+        return {"prefix_hit_tokens": None, "prefix_hit_rate": None, "prefix_cache_stored_mib": None}
+    hit = sum(c["hit_tokens"] for c in counters)
+    total = hit + sum(c["prefilled_tokens"] for c in counters)
+    return {"prefix_hit_tokens": hit, "prefix_hit_rate": hit / total if total else None,
+            "prefix_cache_stored_mib": counters[-1]["stored_bytes"] / 2**20}
+
+
+def _ratio(a: dict, b: dict | None) -> float | None:
+    if b is None or a.get("tokens_per_s") is None or not b.get("tokens_per_s"):
+        return None
+    return a["tokens_per_s"] / b["tokens_per_s"]
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
+    """Run the serving comparison; returns the records (also in ``out_dir``)."""
+    import specdec
+
+    from .bench import drafter_runs
+    from .e2e import release
+
+    exp = cfg.experiment
+    device, dtype = resolve_device(cfg)
+    seed, repeats, path = int(cfg.seed), int(cfg.repeats), str(exp.decode_path)
+    K = cfg.num_speculative_tokens if cfg.num_speculative_tokens == "auto" else int(cfg.num_speculative_tokens)
+    B, warmup, prefix_caching = int(exp.max_batch_size), bool(exp.warmup), bool(exp.prefix_caching)
+    block = int(exp.prefix_block_size)
+    strategies = [str(s) for s in cfg.rollback.strategies]
+    log = RunRecords(out_dir)
+    bar = None
+    for spec in cfg.model.targets:
+        model, tok = load_target(spec, device, dtype, seed)
+        if exp.ignore_eos:
+            model.generation_config.eos_token_id = None
+        runs = drafter_runs(cfg, spec)
+        if bar is None:
+            apply_cpu_threads(cfg, model, device)
+            total = len(cfg.model.targets) * (1 + prefix_caching) * (1 + len(runs) * len(strategies) * (
+                1 + bool(exp.fixed_batches)))
+            bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
+        work = build_workload(exp, tok, model.config.vocab_size, seed,
+                              getattr(model.config, "max_position_embeddings", None))
+        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+        eos = _eos_ids(model)
+        base = {**common_fields(cfg, "serve", spec, device, dtype), **work.fields(), "prompt_set": work.source,
+                "batch": B, "repeats": repeats}
+
+        def add(res: RunResult, run_name: str, drafter: str, acceptance, strategy: str, k, reference, plain=None,
+                fixed=None, caching: bool = False, uncached=None):
+            rec = {**base, "run": run_name, "drafter": drafter, "acceptance": acceptance, "rollback": strategy,
+                   "num_speculative_tokens": k, "prefix_caching": caching if run_name == "continuous" else None,
+                   **_run_fields(res, reference)}
+            rec["vs_continuous_plain"] = _ratio(rec, plain)
+            rec["vs_fixed_batches"] = _ratio(rec, fixed)
+            # with caching: tokens/s and mean time to first token against the same run without it
+            rec["vs_no_prefix_cache"] = _ratio(rec, uncached)
+            rec["ttft_speedup_vs_no_prefix_cache"] = (
+                uncached["ttft_mean_ms"] / rec["ttft_mean_ms"] if uncached is not None and rec.get("ttft_mean_ms")
+                and uncached.get("ttft_mean_ms") else None)
+            label = f"{drafter}{'' if acceptance is None else f' a={acceptance}'} {strategy}"
+            log.add(rec, f"{spec.name} {run_name} {label}: " + (
+                f"error: {rec['error']}" if rec["error"] else
+                f"{rec['tokens_per_s']:.1f} tokens/s, TTFT p50 {rec['ttft_p50_ms']:.1f} ms, "
+                f"TPOT p50 {_fmt_ms(rec['tpot_p50_ms'])}"))
+            return rec
+
+        sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
+        plain_res = _continuous(sd, work, B, None, device, repeats, warmup)
+        reference = None if plain_res.error else plain_res.tokens
+        plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
+        if prefix_caching:  # the same run with the prefix cache, side by side
+            add(_continuous(sd, work, B, block, device, repeats, warmup), "continuous", "plain", None, "none", 0,
+                reference, caching=True, uncached=plain)
+        sd.release()
+        references = None if reference is None else [p + t for p, t in zip(work.prompts, reference)]
+        for name, acceptance in runs:
+            for strategy in strategies:
+                if name == "oracle" and references is None:
+                    err = RunResult(error=f"the oracle drafts the continuous plain run's outputs, which failed: "
+                                          f"{plain_res.error}")
+                    add(err, "continuous", name, acceptance, strategy, K, None, plain)
+                    if exp.fixed_batches:
+                        add(err, "fixed_batches", name, acceptance, strategy, K, None, plain)
+                    continue
+
+                if name == "oracle":  # a drafter of the requests' references, per call
+                    def drafter_for(idx, acceptance=acceptance):
+                        return specdec.drafters.OracleDrafter.for_requests([references[i] for i in idx],
+                                                                           acceptance=acceptance, seed=seed)
+                    drafter = drafter_for(range(len(references)))
+                else:
+                    drafter_for = None
+                    drafter = make_drafter(cfg, name, target=model, tokenizer=tok,
+                                           random_mtp=str(spec.source) == "random_shape" and not spec.get("mtp"))
+                sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
+                                  decode_path=path)
+                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for)
+                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for) if prefix_caching
+                              else None)
+                sd.release()
+                fixed = None
+                if exp.fixed_batches:
+                    sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
+                                      decode_path=path)
+                    fixed_res = _fixed(sd, work, B, pad, eos, device, repeats, warmup, drafter_for)
+                    sd.release()
+                    fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain)
+                uncached = add(cont_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed)
+                if cached_res is not None:
+                    add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed, True,
+                        uncached)
+                release(device)
+        del model
+        release(device)
+    log.close()
+    title = (f"Serving: {', '.join(t.name for t in cfg.model.targets)}, max_batch_size={B}, K={K}, {device}, "
+             f"{str(dtype).replace('torch.', '')}, {repeats} repeat{'s' if repeats > 1 else ''}")
+    write_report(log.records, log.out_dir, title)
+    return log.records
+
+
+def _fmt_ms(v) -> str:
+    return "-" if v is None else f"{v:.2f} ms"

@@ -1,0 +1,268 @@
+"""Serving: the controlled-acceptance oracle in continuous batching (one reference per request,
+looked up by the request's index when a row takes it), per-request timing of the pool, and
+``experiment=serve`` (continuous batching against fixed batches and continuous plain decoding)
+at a CPU size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_experiments import CPU, _cfg, _check_summary_matches, _records
+from test_generate_batch import ROWS, _check, _reference
+from tiny_models import get_model
+
+import specdec
+from specdec.batching import left_pad
+from specdec.drafters import OracleDrafter
+from specdec.experiments.app import run_experiment
+
+K = 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_oracle_for_requests_is_exact_through_generate_batch(family):
+    """OracleDrafter.for_requests (references: each request's prompt + plain greedy output)
+    through generate_batch with more requests than rows: every request equals HF greedy on its
+    prompt alone (EOS inside an accepted chain included); acceptance 1 accepts whole chains,
+    0 none; the batch form (left-padded reference rows, request i = row i) works the same."""
+    prompts, budgets, eos, expected, full = _reference(family)
+    model = get_model(family)
+    for a in (1.0, 0.6, 0.0):
+        sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full, acceptance=a, seed=1), rollback="replay",
+                          num_speculative_tokens=K, decode_path="eager")
+        _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+               prompts)
+        st = sd.last_stats
+        assert st.proposed_tokens > 0
+        if a == 1.0:
+            assert st.accept_histogram[K] > 0 and st.acceptance_rate == 1.0
+        if a == 0.0:
+            assert st.accepted_tokens == 0
+    ids, mask = left_pad(prompts, "cpu")
+    G = max(len(f) - len(p) for f, p in zip(full, prompts))
+    cont = torch.tensor([f[len(p):] + [0] * (G - len(f) + len(p)) for f, p in zip(full, prompts)])
+    batch_form = OracleDrafter(torch.cat([ids, cont], 1), mask, acceptance=1.0)
+    sd = specdec.wrap(model, drafter=batch_form, num_speculative_tokens=K, decode_path="static")
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
+           prompts)
+    assert sd.last_stats.accept_histogram[K] > 0
+
+
+def test_oracle_for_requests_schedule_counts_from_each_prompt():
+    """A schedule's positions count from each request's own prompt end (its length comes with
+    the request): [1, 1, 1, 1, 0] accepts new tokens 1..3 (token 0 comes from the prefill) and
+    nothing after, so every request with room for a 4-draft first step accepts exactly 3."""
+    prompts, budgets, _, _, full = _reference("qwen3_5")
+    model = get_model("qwen3_5")
+    oracle = OracleDrafter.for_requests(full, acceptance=[1.0, 1.0, 1.0, 1.0, 0.0])
+    sd = specdec.wrap(model, drafter=oracle, num_speculative_tokens=K, decode_path="eager")
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=ROWS)
+    _check(out, [f[len(p):] for f, p in zip(full, prompts)], prompts)
+    assert sd.last_stats.accepted_tokens == 3 * sum(b - 2 >= K for b in budgets)
+
+
+def test_oracle_for_requests_measured_acceptance():
+    """On a longer run (8 requests of 96 new tokens through 3 rows, no EOS) the per-draft
+    acceptance measured from the accepted-length histogram (accepted drafts / drafts tried, a
+    step trying drafts up to its first rejection) is the set rate, and the mean accepted tokens
+    per step is 1 + sum_j a^j."""
+    model = get_model("nemotron_h")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in torch.randint(4, 14, (8,), generator=g)]
+    budget, a = 96, 0.6
+    plain = specdec.wrap(model, num_speculative_tokens=0).generate_batch(prompts, max_new_tokens=budget,
+                                                                         max_batch_size=ROWS)
+    full = [p + plain[f"req_{i}"].generated_tokens for i, p in enumerate(prompts)]
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full, acceptance=a, seed=2), num_speculative_tokens=K,
+                      decode_path="static")
+    out = sd.generate_batch(prompts, max_new_tokens=budget, max_batch_size=ROWS)
+    assert all(out[k].generated_tokens == plain[k].generated_tokens for k in plain)
+    h = sd.last_stats.accept_histogram
+    accepted = sum(j * n for j, n in enumerate(h))
+    rejections = sum(h[:K])  # (a request's last steps, cut by its budget, count as rejections: biased low)
+    assert accepted / (accepted + rejections) == pytest.approx(a, abs=0.05)
+    assert sd.last_stats.mean_accepted_tokens == pytest.approx(1 + sum(a ** j for j in range(1, K + 1)), abs=0.2)
+
+
+def test_oracle_for_requests_errors():
+    """Bad references, a request without a reference, a reference that is not its request's,
+    and a schedule in generate() (no prompt lengths there) say what is wrong."""
+    model = get_model("qwen3_5")
+    prompts = [[5, 6, 7], [8, 9]]
+    with pytest.raises(ValueError, match="non-empty list"):
+        OracleDrafter.for_requests([])
+    with pytest.raises(ValueError, match=r"references\[1\] is empty"):
+        OracleDrafter.for_requests([[1, 2], []])
+    with pytest.raises(TypeError, match=r"references\[0\] must be a list of int"):
+        OracleDrafter.for_requests([[1.5, 2]])
+    with pytest.raises(ValueError, match="acceptance must be in"):
+        OracleDrafter.for_requests([[1, 2]], acceptance=1.2)
+    cases = [([[5, 6, 7, 1]], "holds references for 1 requests .* admitted req_1"),
+             ([[5, 6, 7, 1], [8, 10, 1]], "reference of req_1 does not start with its prompt")]
+    for refs, match in cases:
+        sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(refs), num_speculative_tokens=2)
+        with pytest.raises(ValueError, match=match):
+            sd.generate_batch(prompts, max_new_tokens=3, max_batch_size=1)
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests([[5, 6, 7, 1]], acceptance=[1.0, 0.5]),
+                      num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="schedule with OracleDrafter.for_requests runs in generate_batch"):
+        sd.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+
+
+def test_oracle_for_requests_in_generate():
+    """In generate(), batch row i drafts reference i (a scalar acceptance): exact."""
+    prompts, _, _, _, full = _reference("kimi_linear")
+    model = get_model("kimi_linear")
+    ids, mask = left_pad(prompts[:3], "cpu")
+    plain = specdec.wrap(model, num_speculative_tokens=0).generate(ids, attention_mask=mask, max_new_tokens=6,
+                                                                   pad_token_id=0)
+    sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full[:3], acceptance=1.0), num_speculative_tokens=K)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0), plain)
+    assert sd.last_stats.accept_histogram[K] > 0
+
+
+def test_request_timings():
+    """Per-request times of generate_batch: every request queued at the call's start, admitted
+    (the first ROWS at once), its first token after that, finished last; a later request is
+    admitted only after an earlier one finished (its row freed); with one row, in input order.
+    The outputs carry HF's created_time (queued) and lifespan (admitted, finished); a failed
+    request has no timing."""
+    prompts, budgets, eos, expected, _ = _reference("nemotron_h")
+    sd = specdec.wrap(get_model("nemotron_h"), num_speculative_tokens=2)
+    for rows in (ROWS, 1):
+        out = sd.generate_batch(prompts + [[]], max_new_tokens=budgets + [3], eos_token_id=eos, max_batch_size=rows)
+        times = sd.last_request_timings
+        assert list(times) == [f"req_{i}" for i in range(len(prompts))]
+        assert len({t.queued for t in times.values()}) == 1
+        for key, t in times.items():
+            assert t.queued <= t.admitted <= t.first_token <= t.finished
+            assert t.time_to_first_token == t.first_token - t.queued
+            assert (out[key].created_time, out[key].lifespan) == (t.queued, (t.admitted, t.finished))
+        first = [times[f"req_{i}"] for i in range(rows)]
+        assert len({t.admitted for t in first}) == 1
+        for t in list(times.values())[rows:]:
+            assert any(u.finished <= t.admitted for u in times.values() if u is not t)
+        if rows == 1:
+            ordered = list(times.values())
+            assert all(a.finished <= b.admitted for a, b in zip(ordered, ordered[1:]))
+        _check({k: out[k] for k in list(out)[:-1]}, expected, prompts)
+
+
+# ------------------------------------------------------------------------------ experiment=serve
+
+SERVE = ["experiment=serve", "model=gdn-target", "experiment.requests=5", "experiment.max_batch_size=2",
+         "experiment.prompt_tokens=[16,64]", "experiment.output_tokens=[4,16]",
+         "drafter.names=[ngram,oracle]", "drafter.oracle_acceptance=[1.0]"] + CPU
+
+
+def test_serve_tiny_run(tmp_path: Path):
+    """experiment=serve on the zoo's gdn-target (5 requests, pool of 2): continuous plain first,
+    then per drafter fixed batches and continuous batching; every request of every run equals
+    continuous plain decoding's; the figures are what the per-request samples give; the ratios
+    are the runs' throughputs over each other's; the summary and the plot are written."""
+    records = run_experiment(_cfg(SERVE), tmp_path)
+    assert [(r["run"], r["drafter"], r["num_speculative_tokens"]) for r in records] == [
+        ("continuous", "plain", 0), ("fixed_batches", "ngram", 4), ("continuous", "ngram", 4),
+        ("fixed_batches", "oracle", 4), ("continuous", "oracle", 4)]
+    plain = records[0]
+    budgets_total = plain["generated_tokens"]
+    assert plain["requests"] == 5 and plain["batch"] == 2 and plain["prompt_source"] == "zoo"
+    for r in records:
+        assert r["error"] is None and r["exact"] and r["diverged_requests"] == 0
+        assert r["generated_tokens"] == budgets_total  # ignore_eos: every request runs its own budget
+        assert 16 <= r["prompt_tokens_mean"] <= r["prompt_tokens_max"] <= 64 and 4 <= r["max_new_tokens"] <= 16
+        assert r["tokens_per_s"] == pytest.approx(budgets_total / r["wall_s"])
+        for name in ("ttft", "tpot"):
+            samples = r[f"{name}_ms_samples"]
+            assert r[f"{name}_p50_ms"] <= r[f"{name}_p90_ms"] <= r[f"{name}_p99_ms"] <= max(samples)
+            assert r[f"{name}_mean_ms"] == pytest.approx(sum(samples) / len(samples)) and min(samples) > 0
+        assert len(r["ttft_ms_samples"]) == 5
+        assert r["vs_continuous_plain"] == (None if r is plain else
+                                            pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"]))
+        assert 0 < r["mean_busy_rows"] <= 2 + 1e-9
+    for fixed, cont in (records[1:3], records[3:5]):
+        assert cont["vs_fixed_batches"] == pytest.approx(cont["tokens_per_s"] / fixed["tokens_per_s"])
+        assert fixed["vs_fixed_batches"] is None and fixed["prefix_caching"] is None
+        assert cont["prefix_caching"] is False
+    assert records[4]["mean_accepted_tokens"] > 2 and records[4]["acceptance_rate"] == 1.0
+    assert (tmp_path / "serve_latency.png").stat().st_size > 1000
+    _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
+        "tokens/s": ("tokens_per_s", "{:.1f}"), "TTFT p50 ms": ("ttft_p50_ms", "{:.1f}"),
+        "TPOT p99 ms": ("tpot_p99_ms", "{:.2f}"), "exact": ("exact", None)}, ["model", "run", "drafter"])
+
+
+def test_serve_prefix_caching_side_by_side(tmp_path: Path):
+    """A shared prefix on every prompt and prefix_caching=true: every continuous run runs again
+    with the prefix cache; outputs equal plain's, the hit rate is what the prefix and the block
+    size give, and the ratios are taken against the same run without caching."""
+    cfg = _cfg(SERVE + ["experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
+                       "experiment.prefix_block_size=8"])
+    records = run_experiment(cfg, tmp_path)
+    cont = [r for r in records if r["run"] == "continuous"]
+    assert all(r["error"] is None and r["exact"] is not False for r in records)
+    for drafter in {r["drafter"] for r in cont}:
+        pair = {r["prefix_caching"]: r for r in cont if r["drafter"] == drafter}
+        assert set(pair) == {False, True}
+        off, on = pair[False], pair[True]
+        assert off["prefix_hit_rate"] is None and off["vs_no_prefix_cache"] is None
+        assert on["prefix_hit_tokens"] > 0 and 0 < on["prefix_hit_rate"] < 1
+        assert on["vs_no_prefix_cache"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"])
+        assert on["ttft_speedup_vs_no_prefix_cache"] == pytest.approx(off["ttft_mean_ms"] / on["ttft_mean_ms"])
+    assert all(r["prefix_caching"] is None for r in records if r["run"] == "fixed_batches")
+    assert "prefix hit rate" in (tmp_path / "summary.md").read_text()
+
+
+def test_serve_workload(tmp_path: Path):
+    """The workload: seeded, log-uniform lengths within the bounds, the shared prefix on every
+    prompt, random ids or zoo prompts cut to length; a request file's prompts (ids or text) and
+    budgets (drawn where a line has none); bad lines and lengths beyond the model say what is wrong."""
+    from types import SimpleNamespace
+
+    from specdec import zoo
+    from specdec.experiments.serve import build_workload
+
+    tok = zoo.load_tokenizer()
+    exp = SimpleNamespace(requests=200, prompt_tokens=[64, 2048], output_tokens=[32, 512], prompt_source="random",
+                          requests_file=None, shared_prefix_tokens=16)
+    w = build_workload(exp, tok, 8192, seed=3)
+    assert w == build_workload(exp, tok, 8192, seed=3) and w != build_workload(exp, tok, 8192, seed=4)
+    own = [len(p) - 16 for p in w.prompts]
+    assert min(own) >= 64 and max(own) <= 2048 and min(w.budgets) >= 32 and max(w.budgets) <= 512
+    assert sorted(own)[100] < (64 + 2048) / 2  # log-uniform: the median is well below the midpoint
+    assert all(p[:16] == w.prompts[0][:16] for p in w.prompts)
+    z = build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo", "requests": 3}), tok, 8192, seed=0)
+    texts = "".join(p["prompt"] for p in zoo.prompts("all"))
+    assert all(tok.decode(p[16:]) in texts for p in z.prompts)
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7], "max_new_tokens": 9}\n\n{"prompt": "def f(x):"}\n'
+                    '{"input_ids": [8, 9]}\n')
+    f = build_workload(SimpleNamespace(**{**vars(exp), "requests_file": str(path), "shared_prefix_tokens": 0}),
+                       tok, 8192, seed=0)
+    assert f.prompts[0] == [5, 6, 7] and f.prompts[1] == list(tok("def f(x):").input_ids) and f.prompts[2] == [8, 9]
+    assert f.budgets[0] == 9 and all(32 <= b <= 512 for b in f.budgets[1:]) and f.source == "file"
+    for text, match in (('{"prompt_ids": []}', "line 1: \"prompt_ids\" must be a non-empty list"),
+                        ('{"prompt_ids": [1], "max_new_tokens": 0}', "line 1: \"max_new_tokens\" must be an int"),
+                        ('[1, 2]', "line 1: expected a JSON object"), ('{"text": "x"}', "needs \"prompt_ids\"")):
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=match):
+            build_workload(SimpleNamespace(**{**vars(exp), "requests_file": str(path)}), tok, 8192, seed=0)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        build_workload(exp, tok, 8192, seed=0, max_positions=1024)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):  # zoo text in a 100-token vocabulary
+        build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo"}), tok, 100, seed=0)
+    with pytest.raises(ValueError, match="zoo's prompts have at most"):
+        build_workload(SimpleNamespace(**{**vars(exp), "prompt_source": "zoo", "prompt_tokens": [64, 9000]}), tok,
+                       8192, seed=0)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("experiment.prompt_tokens=[64,32]", "experiment.prompt_tokens must be \\[min, max\\]"),
+    ("experiment.max_batch_size=0", "max_batch_size must be >= 1"),
+    ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1 or auto"),
+    ("drafter.names=[draft_model]", "experiment=serve runs the drafters ngram, oracle, mtp"),
+])
+def test_serve_bad_settings(override, match):
+    with pytest.raises(ValueError, match=match):
+        run_experiment(_cfg(SERVE + [override]), Path("/nonexistent"))
