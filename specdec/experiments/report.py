@@ -221,8 +221,6 @@ SERVE_COLUMNS = (
            legend="rows holding a request (admitted, not finished), averaged over the run"),
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False, legend=COLUMNS[0].legend),
     Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True, legend=f"the run's wall time; {_REPEATS}"),
-    Column("prefix_caching", "prefix caching", None,
-           legend="the run passed prefix_caching=True to generate_batch"),
     Column("prefix_hit_rate", "prefix hit rate", "{:.2f}",
            legend="prompt tokens whose state the prefix cache served / prompt tokens looked up (last_stats.prefix_cache)"),
     Column("ttft_speedup_vs_no_prefix_cache", "TTFT gain from prefix cache", "{:.2f}x",
@@ -388,7 +386,8 @@ SECTIONS = {
     "bench": (("model", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), BENCH_COLUMNS,
               "runs"),
     "adaptive": (("model", "acceptance", "batch", "rollback", "num_speculative_tokens"), ADAPTIVE_COLUMNS, "runs"),
-    "serve": (("model", "run", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens"), SERVE_COLUMNS,
+    "serve": (("model", "run", "drafter", "acceptance", "rollback", "batch", "num_speculative_tokens",
+               "prefix_caching"), SERVE_COLUMNS,
               "runs"),
     "kernels": (("op", "batch", "num_speculative_tokens", "rollback", "launch"), KERNEL_COLUMNS, "runs"),
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
@@ -401,7 +400,7 @@ SECTIONS = {
     "checks.fp32_state": (("model", "rollback"), CHECK_COLUMNS["fp32_state"], "runs"),
 }
 #: column titles of the group keys
-KEY_TITLES = {"num_speculative_tokens": "K"}
+KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
 SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed")
 
