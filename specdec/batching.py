@@ -45,7 +45,8 @@ from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
 
-__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MEMORY_FRACTION", "GenerationOutput",
+__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
+           "GenerationOutput",
            "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_rows",
            "bytes_per_sequence", "cache_bytes", "check_requests", "free_memory", "kv_columns", "left_pad",
            "parse_bytes", "plan_rows", "pool_size"]
@@ -217,6 +218,8 @@ class RequestPool:
         self.outputs: dict[int, GenerationOutput] = {}
         self.span = self.span_of(requests) if span is None else span
         self.admit_limit = admission_rows(size)
+        #: admissions so far, and the steps the free rows have waited for one (see :meth:`take`)
+        self.admissions = self.waited = 0
         #: finished requests and their new tokens, over the pool's life
         self.num_finished = self.new_tokens = 0
         #: called once per finished request (the progress bar), or None
@@ -227,9 +230,18 @@ class RequestPool:
         """The longest prompt + the largest budget of ``requests`` (not empty)."""
         return max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
 
-    def take(self, rows, at_most: int | None = None) -> list[Request]:
+    def take(self, rows, at_most: int | None = None, decoding: bool = False) -> list[Request]:
         """Give the first queued requests to ``rows`` (as many as there are of both, at most
-        ``at_most``, default ``admit_limit``, and while they fit ``span`` together); returns them."""
+        ``at_most``, default ``admit_limit``, and while they fit ``span`` together); returns them.
+
+        While other rows are ``decoding``, free rows wait for a full admission: they take requests
+        when they are ``admit_limit`` (or the whole queue, if shorter), or when they have waited
+        :data:`MAX_WAITING_STEPS` calls (steps) for that; until then nothing is taken."""
+        if decoding and rows and self.queue:
+            if len(rows) < min(self.admit_limit, len(self.queue)) and self.waited < MAX_WAITING_STEPS:
+                self.waited += 1
+                return []
+        self.waited = 0
         limit = self.admit_limit if at_most is None else at_most
         taken, width, budget = [], 0, 0
         for row in rows:
@@ -280,6 +292,11 @@ class RequestPool:
 MEMORY_FRACTION = 0.9
 #: one admission prefills at most ``ceil(rows / ADMISSION_DIVISOR)`` requests (:func:`admission_rows`)
 ADMISSION_DIVISOR = 8
+#: while other rows decode, free rows wait for a full admission (:func:`admission_rows` of them, or
+#: the whole queue if shorter) at most this many steps (Text Generation Inference's
+#: ``max_waiting_tokens``, 20 there too): a prefill of a few prompts costs about as much as one of
+#: a group (its kernels are latency-bound), so a group amortises it over more rows
+MAX_WAITING_STEPS = 20
 #: the most rows ``max_batch_size="auto"`` chooses
 MAX_AUTO_BATCH_SIZE = 1024
 

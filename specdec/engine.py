@@ -813,6 +813,7 @@ class SpeculativeGenerator:
         ``generate()``; the drafter resets those rows (:meth:`Drafter.admit`, with the prompts'
         hidden states when it wants them); with ``num_speculative_tokens="auto"`` their acceptance
         estimates restart from the prior. Repeats while rows end at once (EOS first, a budget of one).
+        While other rows decode, free rows wait for a group (:meth:`RequestPool.take`).
 
         Returns ``(live, longest)``: whether any row decodes, and the longest text admitted (0: none)."""
         longest = 0
@@ -821,9 +822,11 @@ class SpeculativeGenerator:
             for row, tokens in zip(ended, rows.generated(ended) if ended else []):
                 pool.finish(row, tokens)
             free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
-            taken = pool.take(free)
+            live = not all(finished)
+            taken = pool.take(free, decoding=live)
             if not taken:
-                return not all(finished), longest
+                return live, longest
+            pool.admissions += 1
             dev = rows.text.device
             idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
             ids, mask = left_pad([r.prompt for r in taken], dev)

@@ -64,14 +64,14 @@ class _OpenPool(RequestPool):
         self._manager = manager
         self._cut: set[int] = set()  # rows a hard stop ended before their request did
 
-    def take(self, rows, at_most: int | None = None) -> list[Request]:
+    def take(self, rows, at_most: int | None = None, decoding: bool = False) -> list[Request]:
         m = self._manager
         with m._changed:
             while not self.queue and m._state == _RUNNING and all(r is None for r in self.slots):
                 m._changed.wait(WAIT_S)
             if m._state == _HARD_STOP:
                 raise _HardStop
-            return super().take(rows, at_most)
+            return super().take(rows, at_most, decoding)
 
     def busy(self, finished: list[bool]) -> list[int]:
         if self._manager._state != _HARD_STOP:

@@ -192,6 +192,35 @@ def test_auto_speculation_and_rollback():
     assert st.new_tokens == sum(len(e) for e in expected)
 
 
+def test_admission_waits_for_a_group():
+    """While rows decode, free rows take requests in groups of admit_limit (or the rest of the
+    queue), or after MAX_WAITING_STEPS steps of waiting; with no row decoding at once."""
+    from specdec.batching import MAX_WAITING_STEPS, Request, RequestPool
+
+    pool = RequestPool([Request(i, (5, 6), 4) for i in range(5)], 16)
+    assert pool.admit_limit == 2
+    for _ in range(MAX_WAITING_STEPS):
+        assert pool.take([3], decoding=True) == [] and len(pool.queue) == 5
+    assert [r.index for r in pool.take([3], decoding=True)] == [0]  # waited long enough
+    assert pool.take([4], decoding=True) == []
+    assert [r.index for r in pool.take([4, 5], decoding=True)] == [1, 2]  # a full group
+    assert [r.index for r in pool.take([6], decoding=False)] == [3]  # nothing decodes: at once
+    assert [r.index for r in pool.take([7], decoding=True)] == [4]  # the whole (short) queue
+
+
+def test_group_admissions_exact():
+    """A pool whose admissions wait for groups (9 rows: groups of 2) gives every request the
+    tokens it gets alone."""
+    model = get_model("qwen3_5")
+    g = torch.Generator().manual_seed(3)
+    lengths, budgets = torch.randint(3, 12, (20,), generator=g).tolist(), torch.randint(1, 16, (20,), generator=g).tolist()
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    expected = [_alone(model, p, b, None) for p, b in zip(prompts, budgets)]
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9), expected, prompts)
+    assert sd.last_stats.new_tokens == sum(budgets)
+
+
 def test_plain_decoding_and_one_row():
     """K = 0 (the in-place strategy) on the static path, and a pool of one row (every request alone)."""
     family = "nemotron_h"
