@@ -410,10 +410,11 @@ class SpeculativeGenerator:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
             of lists of ints, bad budgets or ``max_batch_size`` (``"auto"`` is not available yet),
             ``prefix_caching=True``, settings ``generate()`` rejects or that need its per-token
-            hook; a draft tree, or a drafter with per-row state that does not define
-            :meth:`Drafter.admit` (supported: chain drafters that are ``Drafter.stateless``, such as
-            the n-gram drafter, or define ``admit``; and ``num_speculative_tokens=0``); the static
-            path with a strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``).
+            hook; a drafter with per-row state that does not define :meth:`Drafter.admit`
+            (supported, chains and trees: ``Drafter.stateless`` drafters such as the n-gram drafter,
+            drafters that define ``admit``, i.e. the draft-model, MTP and Medusa drafters; and
+            ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
+            in place (``RollbackStrategy.resets_in_place``), the target's or a draft model's.
         """
         if prefix_caching:
             raise ValueError("prefix_caching=True is not available yet in specdec's generate_batch; pass "
@@ -457,15 +458,14 @@ class SpeculativeGenerator:
         return {f"req_{i}": results[i] for i in range(len(inputs))}
 
     def _check_batching(self) -> None:
-        """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
+        """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""
         d = self._drafter
-        resets = d.stateless or type(d).admit is not Drafter.admit
-        if self._K and (not resets or d.tree is not None):
-            raise ValueError(f"generate_batch does not support the drafter {type(d).__name__} yet ("
-                             + ("it drafts a tree" if resets else "it keeps per-row state and does not define "
-                                "Drafter.admit, which resets a row that takes a new request") + "); supported: "
-                             "chain drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
-                             "Drafter.admit, and plain decoding (num_speculative_tokens=0)")
+        if self._K and not d.stateless and type(d).admit is Drafter.admit:
+            raise ValueError(f"generate_batch does not support the drafter {type(d).__name__}: it keeps per-row state "
+                             "and does not define Drafter.admit, which resets a row that takes a new request; "
+                             "supported: drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
+                             "Drafter.admit (the draft-model, MTP and Medusa drafters), chains or trees, and plain "
+                             "decoding (num_speculative_tokens=0)")
 
     def _decode(self, s, pool: RequestPool | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of
