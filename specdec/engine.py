@@ -442,13 +442,15 @@ class SpeculativeGenerator:
             of lists of ints, bad budgets, ``max_batch_size`` or ``memory_budget``; an int
             ``max_batch_size`` whose rows need more memory than the budget (or the free memory),
             ``"auto"`` where not one row fits or free memory is unknown (a device other than CUDA
-            and Linux CPUs) and no budget is given; ``prefix_caching`` not a bool, ``prefix_block_size`` not an int
-            >= 1 (or beyond a sliding window), ``prefix_cache_bytes`` not an int >= 0; settings
-            ``generate()`` rejects or that need its per-token hook; a draft tree, or a drafter with per-row state
-            that does not define :meth:`Drafter.admit` (supported: chain drafters that are
-            ``Drafter.stateless``, such as the n-gram drafter, or define ``admit``; and
-            ``num_speculative_tokens=0``); the static path with a strategy that does not reset rows
-            in place (``RollbackStrategy.resets_in_place``).
+            and Linux CPUs) and no budget is given; ``prefix_caching`` not a bool,
+            ``prefix_block_size`` not an int >= 1 (or beyond a sliding window),
+            ``prefix_cache_bytes`` not an int >= 0; settings ``generate()`` rejects or that need its
+            per-token hook; a drafter with per-row state that does not define
+            :meth:`Drafter.admit` (supported, chains and trees: ``Drafter.stateless`` drafters such
+            as the n-gram drafter, drafters that define ``admit``, i.e. the draft-model, MTP,
+            Medusa and oracle drafters; and ``num_speculative_tokens=0``); the static path with a
+            strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``), the
+            target's or a draft model's.
         """
         queued = time.perf_counter()
         if not isinstance(prefix_caching, bool):
@@ -600,15 +602,14 @@ class SpeculativeGenerator:
         self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
 
     def _check_batching(self) -> None:
-        """Raise ValueError when the drafter is not supported by :meth:`generate_batch` yet."""
+        """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""
         d = self._drafter
-        resets = d.stateless or type(d).admit is not Drafter.admit
-        if self._K and (not resets or d.tree is not None):
-            raise ValueError(f"generate_batch does not support the drafter {type(d).__name__} yet ("
-                             + ("it drafts a tree" if resets else "it keeps per-row state and does not define "
-                                "Drafter.admit, which resets a row that takes a new request") + "); supported: "
-                             "chain drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
-                             "Drafter.admit, and plain decoding (num_speculative_tokens=0)")
+        if self._K and not d.stateless and type(d).admit is Drafter.admit:
+            raise ValueError(f"generate_batch does not support the drafter {type(d).__name__}: it keeps per-row state "
+                             "and does not define Drafter.admit, which resets a row that takes a new request; "
+                             "supported: drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
+                             "Drafter.admit (the draft-model, MTP and Medusa drafters), chains or trees, and plain "
+                             "decoding (num_speculative_tokens=0)")
 
     def _decode(self, s, pool: RequestPool | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of

@@ -8,7 +8,7 @@
   :data:`STRATEGY_FACTORIES` (a fresh strategy per name, for the op-level tests).
 * Op-level inputs: :func:`random_inputs`, :func:`slice_inputs`.
 * Medusa heads for the tiny models: :func:`medusa_prompts`, :func:`fit_medusa_heads`,
-  :func:`perturb_heads`.
+  :func:`perturb_heads`; MTP layers: :func:`fit_mtp_layers`.
 * :class:`StreamRecorder`: a streamer that records every ``put()`` and ``end()``.
 * :func:`run_python`: ``python <args>`` in a subprocess that imports this checkout's ``specdec``.
 """
@@ -26,8 +26,9 @@ from scipy.stats import chi2_contingency
 from tiny_models import get_model, ragged_prompts
 from transformers import DynamicCache
 
-from specdec.drafters import DraftModelDrafter, MedusaHeads
+from specdec.drafters import DraftModelDrafter, MedusaHeads, MTPDrafter
 from specdec.experiments.train_medusa import collect_hidden_states, fit_heads, medusa_targets, target_predictions
+from specdec.experiments.train_mtp import fit_mtp
 from specdec.rollback import STRATEGIES, ReplayRollback, make_strategy
 
 #: every rollback strategy name: ``specdec.rollback.STRATEGIES`` and deferred replay
@@ -181,6 +182,15 @@ def perturb_heads(heads: MedusaHeads, scale: float = 1.5, seed: int = 1, relativ
             noise = torch.randn(lin.weight.shape, generator=g)
             lin.weight.add_(noise * lin.weight.std() * scale if relative else noise * scale)
     return heads
+
+
+def fit_mtp_layers(model, layers, seqs, steps: int) -> None:
+    """Fit the MTP ``layers`` of ``model`` in place (``steps`` steps, about a second) to the model's
+    own predictions on the token windows ``seqs [W, L]``, so their drafts are often accepted there."""
+    hidden = collect_hidden_states(model, seqs, progress=False)
+    fit_mtp(MTPDrafter(model, layers), hidden, seqs, target_predictions(model, hidden, seqs), steps=steps,
+            chain_steps=3, batch_windows=3, batch_positions=128, lr=1e-2, warmup_steps=5, log_every=1000,
+            progress=False, log=lambda m: None)
 
 
 # ------------------------------------------------------------------------------ streaming

@@ -1,8 +1,8 @@
 """Where an off-by-one in a commit or a rollback would show: rows of one batch with different
 draft counts, placeholder drafts past a row's count, every K up to 16, every drafter, a partial
 commit followed by one-token steps, hundreds of random commit counts (debug mode), long prompts
-(128 / 1k / 4k tokens), EOS inside accepted drafts, a finished row's slot given to a new prompt,
-a hybrid draft model's own rollback. Expected values come from plain autoregressive decoding
+(128 / 1k / 4k tokens), EOS inside accepted drafts, a finished row's slot given to a new prompt
+(by hand, and through continuous batching with a draft model), a hybrid draft model's own rollback. Expected values come from plain autoregressive decoding
 (HF generate) or from HF's own per-token decode of the accepted tokens."""
 
 from __future__ import annotations
@@ -451,6 +451,86 @@ def test_finished_slot_given_to_new_prompt(family, strategy, monkeypatch):
         assert texts[i] == refs[i][: len(texts[i])], f"row {i}"
     assert len(texts[1]) > len(new_prompt) + after
     assert_committed_state_is_texts(model, cache, [t[:-1] for t in texts], prompt_lens)
+
+
+class AdmitLog(DraftModelDrafter):
+    """A draft model that records which request each row holds (``held``: row -> request index, as
+    admit() gives them) and, at its last proposal, the rows' texts and their requests."""
+
+    def start(self, **kw):
+        super().start(**kw)
+        self.held, self.last = {}, None
+
+    def admit(self, rows, input_ids, attention_mask, hidden_states, requests):
+        self.held.update(zip(rows.tolist(), (r.index for r in requests)))
+        super().admit(rows, input_ids, attention_mask, hidden_states, requests)
+
+    def propose(self, input_ids, lengths, K):
+        self.last = ([input_ids[b, :L].tolist() for b, L in enumerate(lengths.tolist())], dict(self.held))
+        return super().propose(input_ids, lengths, K)
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_finished_slot_given_to_new_prompt_through_generate_batch(family, strategy, monkeypatch):
+    """The scenario above through ``SpeculativeGenerator.generate_batch``, with a draft model that
+    keeps its own cache (rolled back by the same strategy): 6 requests through 3 rows, budgets that
+    end rows at commit counts where the ring (K + 2 slots) has its head away from slot 0, so slots
+    are reset (``HybridCache.reset_rows``, checked as it runs) with cursors away from their reset
+    values: the other rows keep their committed state bit for bit, the slot holds exactly the new
+    prompt's prefill, its cursors restart. Every request == HF greedy of its prompt alone (a row
+    whose text reaches the model's default EOS finishes there); at the end every row's committed
+    state == HF's per-token decode of the text it holds, in the target's cache and in the draft's."""
+    monkeypatch.setenv("SPECDEC_DEBUG", "1")  # bounds checks on every slot index
+    model, draft = get_model(family), get_model(family, "perturbed")
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids, mask = ragged_prompts(batch=6, lengths=(12, 7, 10, 9, 5, 11), seed=3)
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
+    K, budgets = 4, [8, 9, 10, 11, 8, 9]  # (budget - 1) % (K + 2) != 0: a ring head away from 0
+    expected = []
+    for p, b in zip(prompts, budgets):
+        new = hf_greedy_alone(model, p, b)[len(p):]
+        stop = [j for j, t in enumerate(new) if t in eos]
+        expected.append(new[: stop[0] + 1] if stop else new)
+    drafter = AdmitLog(draft, rollback=strategy)
+    sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K)
+    resets = []  # (the target's cache?, the slots' cursors before the reset)
+    original = specdec.cache.HybridCache.reset_rows
+
+    def checked_reset(cache, rows, source, source_rows=None):
+        rows_list = torch.as_tensor(rows).tolist()
+        keep = [b for b in range(cache.batch) if b not in rows_list]
+        kept = committed_rows(cache, keep)
+        cursors = [int(v) for layer in cache.ssm.values() for name in ("head", "hist_len")
+                   if name in layer.store.tensors for v in layer.store.tensors[name][rows_list]]
+        resets.append((cache is sd.last_cache, cursors))
+        original(cache, rows, source, source_rows)
+        for a, b in zip(committed_rows(cache, keep), kept, strict=True):
+            assert torch.equal(a, b)  # rows not reset: bit for bit
+        src = range(len(rows_list)) if source_rows is None else torch.as_tensor(source_rows).tolist()
+        for a, b in zip(committed_rows(cache, rows_list), committed_rows(source, list(src)), strict=True):
+            assert torch.equal(a, b.to(a.dtype))  # the slots hold exactly the new prompts' prefill
+        for layer in cache.ssm.values():  # their cursors restart
+            for name in ("head", "hist_len"):
+                if name in layer.store.tensors:
+                    assert layer.store.tensors[name][rows_list].eq(0).all()
+
+    monkeypatch.setattr(specdec.cache.HybridCache, "reset_rows", checked_reset)
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos or None, max_batch_size=3)
+    for i, e in enumerate(expected):
+        assert out[f"req_{i}"].generated_tokens == e, f"req_{i}"
+    target_resets = [c for on_target, c in resets if on_target]
+    assert len(target_resets) >= 3 and any(resets[i][0] is False for i in range(len(resets)))
+    if strategy in ("ring", "replay_deferred"):
+        assert any(any(c) for c in target_resets), "every reset slot had its cursors at 0: pick other budgets"
+    # the target's rows: the last request each holds, its prompt and new tokens minus the last (pending) one
+    held = [drafter.held[b] for b in range(3)]
+    texts = [prompts[r] + out[f"req_{r}"].generated_tokens[:-1] for r in held]
+    assert_committed_state_is_texts(model, sd.last_cache, texts, [len(prompts[r]) for r in held])
+    # the draft's rows: the texts of its last proposal, which it caught up on in full
+    texts, held = drafter.last
+    assert_committed_state_is_texts(draft, drafter.cache, texts, [len(prompts[held[b]]) for b in range(3)])
 
 
 def test_reset_rows_argument_errors():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from helpers import ALL_STRATEGIES, assert_same_token_distribution, hf_greedy, run_python
+from helpers import ALL_STRATEGIES, assert_same_token_distribution, fit_mtp_layers, hf_greedy, run_python
 from hydra import compose, initialize_config_dir
 from markers import needs_cuda
 from safetensors import safe_open
@@ -27,8 +27,8 @@ import specdec.zoo as zoo
 from specdec.drafters import MTPDrafter, frequent_token_ids, make_drafter
 from specdec.drafters.mtp import mtp_layers_for, write_mtp_tensors
 from specdec.experiments.app import CONF_DIR, run_experiment
-from specdec.experiments.train_medusa import collect_hidden_states, target_predictions
-from specdec.experiments.train_mtp import fit_mtp, mtp_accuracy
+from specdec.experiments.train_medusa import collect_hidden_states
+from specdec.experiments.train_mtp import mtp_accuracy
 from specdec.verify import SamplingConfig
 
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
@@ -66,11 +66,8 @@ def save_with_mtp(family, folder, *, fit_steps=0, seed=0, vocab=None, fields=Non
         ids, mask = ragged_prompts()
         seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
                                          pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
-        hidden = collect_hidden_states(model, seqs, progress=False)
         torch.manual_seed(seed)
-        fit_mtp(MTPDrafter(model, layers), hidden, seqs, target_predictions(model, hidden, seqs), steps=fit_steps,
-                chain_steps=3, batch_windows=3, batch_positions=128, lr=1e-2, warmup_steps=5, log_every=1000,
-                progress=False, log=lambda m: None)
+        fit_mtp_layers(model, layers, seqs, fit_steps)
     write_mtp_tensors(layers, folder, **write_kw)
     return folder
 

@@ -17,13 +17,19 @@ With ``num_speculative_tokens="auto"`` (:meth:`Drafter.set_speculation`) K chang
 step and steps at K = 0 skip the proposal: the cache is sized for the largest K and every
 proposal runs the steps above (the catch-up then covers any unseen text).
 
-On the engine's static / CUDA-graph decode path (greedy) with a fixed K, each proposal after the first is one
-fixed-shape program: commit the kept prefix, a 2-token catch-up forward committed per row
+On the engine's static / CUDA-graph decode path (greedy) with a fixed K, each proposal after the first is two
+fixed-shape programs: commit the kept prefix; then a 2-token catch-up forward committed per row
 (the engine's step semantics bound the unseen text to 1 or 2 tokens: the correction token, and
-on full acceptance the last draft too), then the K - 1 one-token forwards; on CUDA it is
-captured as one CUDA graph at the third proposal (the second runs it eagerly as the warm-up;
+on full acceptance the last draft too) and the K - 1 one-token forwards; on CUDA each is
+captured as a CUDA graph at the third proposal (the second runs them eagerly as the warm-up;
 :class:`specdec.graphs.CapturedProgram`) and replayed from then on, with the draft cache kept
 for the next ``generate()`` of the same shape bucket.
+
+Continuous batching (:meth:`DraftModelDrafter.admit`): a row that takes a new request gets the
+new prompt prefilled into a fresh cache of the draft's shape; the next proposal, once the open
+step is committed (between the two programs on the static path, where no step is open), moves it
+into the row (:meth:`HybridCache.reset_rows`, in place, so the captured programs stay valid) and
+catches up on the row's first new token.
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ class DraftModelDrafter(Drafter):
         self._calls = 0
         self._probs = None
         self._open = None  # [B, K-1] tokens run in the open step
-        self.consumed = None
+        self.consumed = None  # [B] text tokens the draft cache holds, committed or in the open step's kept prefix
+        self._admitted = []  # (rows, prefilled cache) of admit(), moved into the rows by the next proposal
         self.sampling = None
         self.generator = None
         self.max_length = None
@@ -98,6 +105,41 @@ class DraftModelDrafter(Drafter):
 
     def draft_probs(self):
         return self._probs
+
+    @property
+    def _static_proposals(self) -> bool:
+        """Whether proposals run the fixed-shape programs (static path, greedy, fixed K)."""
+        return self._path != "eager" and self.sampling is None and not self._adaptive
+
+    @torch.no_grad()
+    def admit(self, rows, input_ids, attention_mask, hidden_states, requests) -> None:
+        """Rows ``rows`` take the prompts ``input_ids [n, L]`` (left-padded, ``attention_mask``;
+        see :meth:`Drafter.admit`). Before the first proposal nothing is kept (it prefills every
+        row's text). After it, the prompts are prefilled into a fresh draft cache of ``n`` rows
+        and the draft's own shape, which the next proposal moves into the rows once the open step
+        is committed (:meth:`HybridCache.reset_rows`); it then catches up on each row's first new
+        token. The other rows are untouched.
+
+        Raises: ValueError on the static path when the draft's rollback strategy does not reset
+            rows in place (``RollbackStrategy.resets_in_place``), which the captured programs need.
+        """
+        if self._static_proposals and not self.strategy.resets_in_place:
+            raise ValueError(f"the draft model's rollback strategy {self.strategy.name!r} does not reset rows in "
+                             "place (resets_in_place=False), which its static proposal programs need across "
+                             "admissions; use decode_path='eager' or a built-in strategy for the draft")
+        if self.cache is None:  # no proposal yet: the first one prefills every row's text
+            return
+        c = self.cache
+        fresh = self.adapter.new_cache(rows.numel(), c.max_len, c.max_step_tokens, self.strategy, static=c.static)
+        self.adapter.prefill(input_ids.to(self.adapter.device), attention_mask.to(self.adapter.device), fresh)
+        self._admitted.append((rows, fresh))
+        self.consumed[rows] = attention_mask.sum(1).to(self.consumed.device)  # so the open step keeps none of theirs
+
+    def _reset_admitted(self) -> None:
+        """Move the prompts :meth:`admit` prefilled into their rows (the step is closed)."""
+        for rows, fresh in self._admitted:
+            self.cache.reset_rows(rows, fresh)
+        self._admitted.clear()
 
     def _pick(self, logits: torch.Tensor):
         """Next draft token from ``[B, V]`` logits (greedy, or sampled with its distribution)."""
@@ -141,6 +183,7 @@ class DraftModelDrafter(Drafter):
         self.cache.commit(m)
         self.consumed += m
         self._open = None
+        self._reset_admitted()
         last_logits = torch.zeros(B, self.adapter.vocab_size, device=input_ids.device)
         cap = self.cache.max_step_tokens
         while True:
@@ -161,7 +204,7 @@ class DraftModelDrafter(Drafter):
     @torch.no_grad()
     def propose(self, input_ids, lengths, num_speculative_tokens):
         K = num_speculative_tokens
-        if self._path != "eager" and self.sampling is None and not self._adaptive:
+        if self._static_proposals:
             return self._propose_static(input_ids, lengths, K)
         self.last_path = "eager"
         if self.cache is not None and self.cache.max_step_tokens < K + 1:
@@ -199,9 +242,14 @@ class DraftModelDrafter(Drafter):
         if self._calls == 0:
             if st is None or st.key != key:
                 st = self._static = _StaticDraft(key, B, K, width, dev)
+                graphs = self._path == "cuda_graph"
+                if K > 1:  # (a capture's host-side step counts are reset to the program's start on failure)
+                    st.commit_open = CapturedProgram(lambda: self._commit_open(st), model=self.model,
+                                                     what="the draft model's commit", graphs=graphs,
+                                                     on_failure=lambda: st.cache.set_step_tokens(K - 1))
                 st.program = CapturedProgram(lambda: self._body(st, K), model=self.model,
-                                             what="the draft model's proposal", graphs=self._path == "cuda_graph",
-                                             on_failure=lambda: st.cache.set_step_tokens(max(K - 1, 0)))
+                                             what="the draft model's proposal", graphs=graphs,
+                                             on_failure=lambda: st.cache.set_step_tokens(0))
             # prefill (dynamic shapes, HF's own forward) into a fresh static cache, then into st's buffers
             lmax = int(lengths.max())
             cols = torch.arange(lmax, device=dev)[None, :]
@@ -214,7 +262,7 @@ class DraftModelDrafter(Drafter):
             else:
                 st.cache.copy_from(fresh)
             del fresh
-            self.cache = st.cache
+            self.cache, self.consumed = st.cache, st.consumed
             st.consumed.copy_(lengths)
             st.drafts[:, 0] = logits.argmax(-1)
             self._chain(st, K)
@@ -222,8 +270,15 @@ class DraftModelDrafter(Drafter):
         else:
             st.text[:, :W].copy_(input_ids)
             st.lengths.copy_(lengths)
-            self.last_path = st.program()  # the second call is the graph's warm-up, the third captures it
-            self.capture_error = st.program.error
+            # each program: the second call is the graph's warm-up, the third captures it; a replay
+            # leaves the host's step counts as the capture left them, so they are set after each
+            if st.commit_open is not None:
+                st.commit_open()
+                st.cache.set_step_tokens(0)
+            self._reset_admitted()  # (rows given new requests: no step is open here)
+            self.last_path = st.program()
+            st.cache.set_step_tokens(max(K - 1, 0))  # the chain's open step
+            self.capture_error = st.program.error or (st.commit_open.error if st.commit_open is not None else None)
         self._calls += 1
         return st.drafts.clone(), torch.full((B,), K, dtype=torch.long, device=dev)
 
@@ -235,16 +290,22 @@ class DraftModelDrafter(Drafter):
         if K > 1:
             st.open.copy_(st.drafts[:, : K - 1])
 
-    def _body(self, st, K):
-        """One fixed-shape proposal on ``st``'s buffers (what the CUDA graph holds)."""
+    def _commit_open(self, st):
+        """Commit the kept prefix of the open step (K - 1 drafts run) on ``st``'s buffers, fixed
+        shapes (the first captured program): the drafts the text has, all but each row's last
+        unseen token at most."""
         c, text, lengths, consumed = st.cache, st.text, st.lengths, st.consumed
         remaining = (lengths - consumed).clamp(min=0)
-        if K > 1:  # commit the kept prefix of the open step
-            idx = (consumed[:, None] + st.j_open).clamp(max=text.shape[1] - 1)
-            same = (text.gather(1, idx) == st.open) & (st.j_open < remaining[:, None])
-            m = torch.minimum(same.long().cumprod(1).sum(1), (remaining - 1).clamp(min=0))
-            c.commit(m)
-            consumed += m
+        idx = (consumed[:, None] + st.j_open).clamp(max=text.shape[1] - 1)
+        same = (text.gather(1, idx) == st.open) & (st.j_open < remaining[:, None])
+        m = torch.minimum(same.long().cumprod(1).sum(1), (remaining - 1).clamp(min=0))
+        c.commit(m)
+        consumed += m
+
+    def _body(self, st, K):
+        """The rest of a fixed-shape proposal on ``st``'s buffers, no step open (the second captured
+        program): the catch-up, then the chain."""
+        c, text, lengths, consumed = st.cache, st.text, st.lengths, st.consumed
         # catch up on the unseen text (1 or 2 tokens; 0 for a finished row) in one 2-token forward
         r = (lengths - consumed).clamp(min=0, max=2)
         idx = (consumed[:, None] + st.j_two).clamp(max=text.shape[1] - 1)
@@ -265,7 +326,8 @@ class _StaticDraft:
     def __init__(self, key, B, K, width, dev):
         self.key = key
         self.cache = None
-        self.program = None  # the proposal as a CapturedProgram (its graph, once captured)
+        self.commit_open = None  # the commit of the open step's kept prefix as a CapturedProgram (K > 1)
+        self.program = None  # the rest of the proposal as a CapturedProgram (its graph, once captured)
         self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.consumed = torch.zeros(B, dtype=torch.long, device=dev)

@@ -380,6 +380,7 @@ class MedusaDrafter(Drafter):
             self.tree = None
         self._hidden = None
         self._probs = None
+        self._batch = 0  # the rows of the call (start)
         self.sampling = None
         self.generator = None
 
@@ -400,15 +401,35 @@ class MedusaDrafter(Drafter):
         self.sampling = sampling
         self.generator = generator
         self._probs = None
+        self._batch = batch_size
         # the engine may observe the prompt's hidden state before start(): keep it when it fits
         if self._hidden is not None and self._hidden.shape[0] != batch_size:
             self._hidden = None
 
     def observe(self, hidden_states: torch.Tensor) -> None:
-        if hidden_states.dim() != 2:
-            raise ValueError(f"observe() takes the target's hidden states [B, D], got shape {tuple(hidden_states.shape)}")
-        self.heads.check_target(hidden_size=hidden_states.shape[-1])
+        self._check_observed("observe", hidden_states)
         self._hidden = hidden_states.detach()
+
+    def admit(self, rows, input_ids, attention_mask, hidden_states, requests) -> None:
+        """Rows ``rows`` take new prompts (see :meth:`Drafter.admit`): their hidden state becomes
+        ``hidden_states [n, D]``, the target's at each prompt's last position; the other rows keep
+        theirs (before the first :meth:`observe` of the call, zeros).
+
+        Raises: ValueError for hidden states of another shape or hidden size."""
+        self._check_observed("admit", hidden_states)
+        B, D = self._batch, hidden_states.shape[-1]
+        if self._hidden is None or self._hidden.shape != (B, D):
+            hidden = hidden_states.new_zeros(B, D)
+        else:
+            hidden = self._hidden.clone()
+        hidden[rows] = hidden_states.detach().to(hidden.dtype)
+        self._hidden = hidden
+
+    def _check_observed(self, what: str, hidden_states) -> None:
+        if hidden_states is None or hidden_states.dim() != 2:
+            got = None if hidden_states is None else tuple(hidden_states.shape)
+            raise ValueError(f"{what}() takes the target's hidden states [B, D], got {got}")
+        self.heads.check_target(hidden_size=hidden_states.shape[-1])
 
     def draft_probs(self):
         return self._probs

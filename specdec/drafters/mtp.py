@@ -34,7 +34,9 @@ position t. The prompt fills it at the first proposal (entry t = (h_t, x_{t+1}) 
 position but the last); after each target step the engine hands over the target's hidden states
 of every committed position (:meth:`MTPDrafter.observe_tokens`) and the next proposal first runs
 those entries (with the target's states, so the cache never holds a state the MTP guessed) and
-commits them; the speculative entries of steps k > 1 are never committed. With several MTP
+commits them; the speculative entries of steps k > 1 are never committed. In continuous
+batching (:meth:`MTPDrafter.admit`) a row that takes a new request gets the new prompt's entries
+in its rows of the cache, the other rows keeping theirs. With several MTP
 layers, each layer's KV buffer holds the entries that layer ran: the committed entries fill
 layer 0's; a layer j > 0 sees its own speculative entries (and older, stale ones).
 
@@ -591,6 +593,7 @@ class MTPDrafter(Drafter):
         self._num = None  # [B] how many
         self._probs = None
         self._calls = 0
+        self._batch = 0  # the rows of the call (start)
         self.sampling = None
         self.generator = None
         self.max_length = None
@@ -602,12 +605,63 @@ class MTPDrafter(Drafter):
         if torch.device(device) != self.adapter.device:
             raise ValueError(f"the MTP layers are on {self.adapter.device} but the target is on {torch.device(device)}")
         self.sampling, self.generator, self.max_length = sampling, generator, max_length
+        self._batch = batch_size
+
+    @staticmethod
+    def _check_prompt(what: str, hidden_states, attention_mask) -> None:
+        if hidden_states is None or hidden_states.dim() != 3 or hidden_states.shape[:2] != attention_mask.shape:
+            got = None if hidden_states is None else tuple(hidden_states.shape)
+            raise ValueError(f"{what}() takes the target's hidden states [B, L, D] of every prompt position and a "
+                             f"mask [B, L], got {got} and {tuple(attention_mask.shape)}")
 
     def observe_prompt(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        if hidden_states.dim() != 3 or hidden_states.shape[:2] != attention_mask.shape:
-            raise ValueError(f"observe_prompt() takes hidden states [B, L, D] and a mask [B, L], got "
-                             f"{tuple(hidden_states.shape)} and {tuple(attention_mask.shape)}")
+        self._check_prompt("observe_prompt", hidden_states, attention_mask)
         self._prompt = (hidden_states, attention_mask)
+
+    def admit(self, rows, input_ids, attention_mask, hidden_states, requests) -> None:
+        """Rows ``rows`` take the prompts ``input_ids [n, L]`` (left-padded, ``attention_mask``)
+        whose target hidden states are ``hidden_states [n, L, D]`` (see :meth:`Drafter.admit`).
+
+        Before the first proposal they replace those rows' prompts in what the first proposal
+        prefills. After it, the rows of the MTP cache are reset to the new prompts' entries
+        (:meth:`HybridCache.reset_rows`, in place, so a captured proposal program stays valid:
+        prefilled as :meth:`observe_prompt`'s prompts are, into a cache of ``n`` rows), the other
+        rows' untouched, and the next proposal catches each row up from its last prompt
+        position's hidden state, as after a prefill.
+
+        Raises: ValueError for hidden states of another shape than ``[n, L, D]``.
+        """
+        self._check_prompt("admit", hidden_states, attention_mask)
+        if self.cache is None:  # no proposal yet: the first one prefills every row's prompt
+            self._prompt = self._merge_prompts(rows, hidden_states, attention_mask)
+            return
+        cache = self.cache
+        cache.set_step_tokens(0)  # the last proposal's speculative entries: never committed
+        fresh = self._new_cache(rows.numel(), cache.max_len, cache.max_step_tokens, cache.static)
+        last = self._fill(fresh, input_ids, hidden_states, attention_mask)
+        cache.reset_rows(rows, fresh)
+        st = self._static
+        if st is not None and self._path != "eager":  # into the buffers the captured program reads
+            st.hidden[rows, :1] = last.to(st.hidden.dtype)
+            st.num[rows] = 1
+        else:
+            self._hidden, self._num = self._hidden.clone(), self._num.clone()
+            self._hidden[rows, :1] = last.to(self._hidden.dtype)
+            self._num[rows] = 1
+
+    def _merge_prompts(self, rows, hidden_states, attention_mask):
+        """The prompts the first proposal prefills, ``(hidden [B, W, D], mask [B, W])``, with rows
+        ``rows`` set to ``hidden_states [n, L, D]`` / ``attention_mask [n, L]`` (left padding
+        widened to the longer of the two)."""
+        old_h, old_m = self._prompt if self._prompt is not None else (hidden_states[:0], attention_mask[:0])
+        W = max(old_m.shape[1], attention_mask.shape[1])
+        hidden = hidden_states.new_zeros(self._batch, W, hidden_states.shape[2])
+        mask = attention_mask.new_zeros(self._batch, W)
+        if old_m.shape[0]:
+            hidden[:, W - old_m.shape[1]:], mask[:, W - old_m.shape[1]:] = old_h, old_m
+        L = attention_mask.shape[1]
+        hidden[rows, W - L:], mask[rows, W - L:] = hidden_states, attention_mask
+        return hidden, mask
 
     def observe_tokens(self, hidden_states: torch.Tensor, num_tokens: torch.Tensor) -> None:
         st = self._static
@@ -649,7 +703,7 @@ class MTPDrafter(Drafter):
             return self._propose_static(text, lengths, K, pick, tree)
         self.last_path = "eager"
         if first:
-            self.cache = self._new_cache(text.shape[0], K, static=False)
+            self.cache = self._new_cache(text.shape[0], self._columns(K, False), K + 1, static=False)
             self._prefill(self.cache, text, lengths)
         width = max(int(self._num.max()), 1)
         return self._chain(self.cache, text, lengths, self._hidden[:, :width], self._num, K, pick, tree)
@@ -660,8 +714,9 @@ class MTPDrafter(Drafter):
         total = max(self.max_length or 0, 1) + 4 * (K + 1)
         return bucket_length(total) if static else total
 
-    def _new_cache(self, B, K, static):
-        cache = HybridCache(B, self._columns(K, static), K + 1, self.adapter.dtype, self.adapter.device, static=static)
+    def _new_cache(self, B, max_len, max_step_tokens, static):
+        """An empty MTP cache of ``B`` rows, ``max_len`` KV columns, steps of ``max_step_tokens``."""
+        cache = HybridCache(B, max_len, max_step_tokens, self.adapter.dtype, self.adapter.device, static=static)
         for idx, attn in self.layers.attention_layers().items():
             empty = torch.zeros(B, attn.k_proj.out_features // attn.head_dim, 0, attn.head_dim,
                                 dtype=self.adapter.dtype, device=cache.device)
@@ -669,21 +724,30 @@ class MTPDrafter(Drafter):
         return cache
 
     def _prefill(self, cache, text, lengths):
-        """Fill ``cache`` with the prompt's entries (h_t, x_{t+1}) for every prompt position but the
-        last, laid out as the target's prompt (left padding kept: entry t at column pad + t); the
-        last prompt position's entry is the next proposal's first."""
+        """Fill ``cache`` with the observed prompts' entries (:meth:`_fill`; the prompts' tokens read
+        from the text); their last positions' entries are the next proposal's first."""
         hidden, mask = self._prompt
         B, Lp = mask.shape
         cols = torch.arange(Lp, device=text.device)[None, :]
         pad = Lp - mask.sum(1).to(text.device)
         ids = text.gather(1, (cols - pad[:, None]).clamp(min=0))  # the prompt, left-padded again
-        cache.pad = pad.to(cache.device)
+        self._hidden = self._fill(cache, ids, hidden, mask)
+        self._num = torch.ones(B, dtype=torch.long, device=cache.device)
+        self._prompt = None
+
+    def _fill(self, cache, input_ids, hidden, mask) -> torch.Tensor:
+        """Fill the empty ``cache`` with the entries (h_t, x_{t+1}) of the left-padded prompts
+        ``input_ids [B, L]`` (``mask [B, L]``, target hidden states ``hidden [B, L, D]``) for every
+        prompt position but the last, laid out as the target's prompt (left padding kept: entry t
+        at column pad + t). Returns the last positions' hidden states ``[B, 1, D]``, whose entries
+        (with the pending tokens) the next proposal runs first."""
+        Lp = mask.shape[1]
+        cache.pad = (Lp - mask.sum(1)).to(cache.device)
         cache.seq_len = torch.zeros_like(cache.pad)
         if Lp > 1:
-            self._step(cache, ids[:, 1:], hidden[:, :-1], 0)
+            self._step(cache, input_ids[:, 1:].to(cache.device), hidden[:, :-1], 0)
             cache.commit(torch.full_like(cache.pad, Lp - 1))
-        self._hidden, self._num = hidden[:, -1:], torch.ones(B, dtype=torch.long, device=cache.device)
-        self._prompt = None
+        return hidden[:, -1:]
 
     def _step(self, cache, tokens, hidden, step):
         """One MTP forward (step ``step + 1``) of ``tokens [B, t]`` / ``hidden [B, t, D]`` at the
@@ -770,7 +834,7 @@ class MTPDrafter(Drafter):
                     lambda: st.out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K,
                                                      self._argmax, tree)),
                     model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph")
-            fresh = self._new_cache(B, K, static=True)
+            fresh = self._new_cache(B, width, K + 1, static=True)
             self._prefill(fresh, text, lengths)
             if st.cache is None:
                 st.cache = fresh
