@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import fit_mtp_layers, perturb_heads, rel_err
-from markers import needs_triton_interpreter
+from markers import needs_cuda, needs_triton_interpreter
 from test_generate_batch import ROWS, _check, _reference
 from test_mtp import MTP_FIELDS
 from tiny_models import FAMILIES, VOCAB, get_model, make_model
@@ -310,3 +310,34 @@ def test_draft_strategy_must_reset_in_place_on_the_static_path():
         else:
             _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS),
                    expected, prompts)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family, kind, strategy", [("qwen3_5", "draft_model", "snapshot"),
+                                                    ("kimi_linear", "draft_model", "replay"),
+                                                    ("nemotron_h", "mtp", "ring"),
+                                                    ("qwen3_5", "mtp_tree", "replay")])
+def test_cuda_graph_path_across_admissions(family, kind, strategy):
+    """On CUDA (fp32 tiny models): generate_batch with the captured verify and proposal programs
+    (the draft model's two, the MTP layers') across admissions gives every request the eager
+    path's tokens on the same device."""
+    prompts, budgets, eos, _, _ = _reference(family)
+    target, make = setup(kind, family, strategy)
+    moved = [target, mtp_target(family)[1] if kind.startswith("mtp") else get_model(family, "perturbed")]
+    for m in moved:
+        m.cuda()
+    try:
+        outs = {}
+        for path in ("eager", "cuda_graph"):
+            drafter = make()
+            sd = specdec.wrap(target, drafter=drafter, rollback=strategy, num_speculative_tokens=K, decode_path=path)
+            out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+            assert sd.last_stats.decode_path == path, sd.last_stats.capture_error
+            assert getattr(drafter, "last_path", path) == path
+            outs[path] = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+            sd.release()
+        assert outs["eager"] == outs["cuda_graph"]
+    finally:
+        for m in moved:
+            m.cpu()
