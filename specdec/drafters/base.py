@@ -87,8 +87,10 @@ class Drafter(abc.ABC):
         rows ``rows`` (``[n]`` int64, on the device) drop their sequences and take new ones, whose
         prompts were just prefilled; reset every per-row state of those rows here, the other rows'
         untouched. The pool's first requests come the same way: :meth:`start` (which sizes the
-        state for the pool's rows), then ``admit`` of every row, in place of :meth:`observe_prompt`
-        and the first :meth:`observe`.
+        state for the pool's rows), then ``admit`` of every row that holds a request, in place of
+        :meth:`observe_prompt` and the first :meth:`observe`. A row that holds none (a pool with
+        more rows than requests, a manager's pool waiting for requests) is still in the batch
+        :meth:`propose` gets: its proposals are never used, whatever they are.
 
         Args:
             rows: the pool rows that take the new sequences.
