@@ -14,10 +14,44 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["load_prompt_file", "experiment_prompts", "FILE_SET"]
+__all__ = ["load_prompt_file", "experiment_prompts", "json_objects", "check_token_ids", "FILE_SET"]
 
 #: the ``set`` of prompts from a user's file
 FILE_SET = "file"
+
+
+def json_objects(path: str | Path, option: str, example: str):
+    """``(where, object)`` for each non-blank line of the JSON-lines file ``path`` given as the
+    config key ``option``; ``where`` names the option, file and line for error messages.
+
+    Raises:
+        FileNotFoundError: no such file (the message shows ``example``, a valid line).
+        ValueError: a line that is not valid JSON or not a JSON object.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"{option}={path}: no such file (one JSON object per line, {example})")
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{option}={path}, line {n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg}); each line is one object such as "
+                                 f"{example}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object such as {example}, got {type(obj).__name__}")
+            yield n, where, obj
+
+
+def check_token_ids(ids, where: str, key: str) -> list[int]:
+    """``ids`` if it is a non-empty list of ints >= 0, else ValueError naming ``where`` and ``key``."""
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in ids)):
+        raise ValueError(f'{where}: "{key}" must be a non-empty list of token ids (ints >= 0)')
+    return ids
 
 
 def load_prompt_file(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -30,39 +64,19 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> list[dict]:
             nor a non-empty ``input_ids`` list of ints >= 0 (the message names the line number),
             or a file without prompts.
     """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"prompts.path={path}: no such file (one JSON object per line, "
-                                '{"prompt": "..."} or {"input_ids": [...]})')
     out: list[dict] = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"prompts.path={path}, line {n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg}); each line is one object such as "
-                                 '{"prompt": "def f(x):"}') from None
-            if not isinstance(obj, dict):
-                raise ValueError(f'{where}: expected a JSON object with "prompt" or "input_ids", got '
-                                 f"{type(obj).__name__}")
-            rec = {"id": str(obj.get("id", f"file-{n}")), "set": FILE_SET}
-            if isinstance(obj.get("prompt"), str) and obj["prompt"]:
-                rec["prompt"] = obj["prompt"]
-            elif "input_ids" in obj:
-                ids = obj["input_ids"]
-                if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool)
-                                                              and i >= 0 for i in ids)):
-                    raise ValueError(f'{where}: "input_ids" must be a non-empty list of token ids (ints >= 0)')
-                rec["input_ids"] = ids
-            else:
-                raise ValueError(f'{where}: needs a non-empty "prompt" string or an "input_ids" list; keys: '
-                                 f"{sorted(obj)}")
-            out.append(rec)
-            if limit is not None and len(out) >= limit:
-                break
+    for n, where, obj in json_objects(path, "prompts.path", '{"prompt": "def f(x):"} or {"input_ids": [...]}'):
+        rec = {"id": str(obj.get("id", f"file-{n}")), "set": FILE_SET}
+        if isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            rec["prompt"] = obj["prompt"]
+        elif "input_ids" in obj:
+            rec["input_ids"] = check_token_ids(obj["input_ids"], where, "input_ids")
+        else:
+            raise ValueError(f'{where}: needs a non-empty "prompt" string or an "input_ids" list; keys: '
+                             f"{sorted(obj)}")
+        out.append(rec)
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"prompts.path={path}: the file holds no prompts")
     return out

@@ -43,7 +43,6 @@ run: once in a continuous run, once per length bucket in fixed batches). Records
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from omegaconf import DictConfig
 from ..batching import RequestTiming, left_pad
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
+from .prompts import check_token_ids, json_objects
 from .report import SERVE_PERCENTILES, write_report
 
 __all__ = ["Workload", "build_workload", "load_requests", "run", "SERVE_DRAFTERS"]
@@ -107,40 +107,23 @@ def load_requests(path: str | Path, tok, limit: int | None = None) -> list[tuple
         FileNotFoundError: no such file.
         ValueError: a line that is not such an object (the message names the line), or no requests.
     """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f'experiment.requests_file={path}: no such file (one JSON object per line, '
-                                '{"prompt_ids": [...], "max_new_tokens": 64} or {"prompt": "..."})')
     out: list[tuple[list[int], int | None]] = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"experiment.requests_file={path}, line {n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f'{where}: expected a JSON object with "prompt_ids" or "prompt", got '
-                                 f"{type(obj).__name__}")
-            key = "prompt_ids" if "prompt_ids" in obj else "input_ids" if "input_ids" in obj else None
-            if key is not None:
-                ids = obj[key]
-                if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool)
-                                                              and i >= 0 for i in ids)):
-                    raise ValueError(f'{where}: "{key}" must be a non-empty list of token ids (ints >= 0)')
-            elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
-                ids = list(tok(obj["prompt"]).input_ids)
-            else:
-                raise ValueError(f'{where}: needs "prompt_ids" (token ids) or a non-empty "prompt" string; keys: '
-                                 f"{sorted(obj)}")
-            budget = obj.get("max_new_tokens")
-            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-                raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1, got {budget!r}')
-            out.append((ids, budget))
-            if limit is not None and len(out) >= limit:
-                break
+    example = '{"prompt_ids": [...], "max_new_tokens": 64} or {"prompt": "..."}'
+    for _, where, obj in json_objects(path, "experiment.requests_file", example):
+        key = "prompt_ids" if "prompt_ids" in obj else "input_ids" if "input_ids" in obj else None
+        if key is not None:
+            ids = check_token_ids(obj[key], where, key)
+        elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            ids = list(tok(obj["prompt"]).input_ids)
+        else:
+            raise ValueError(f'{where}: needs "prompt_ids" (token ids) or a non-empty "prompt" string; keys: '
+                             f"{sorted(obj)}")
+        budget = obj.get("max_new_tokens")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f'{where}: "max_new_tokens" must be an int >= 1, got {budget!r}')
+        out.append((ids, budget))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"experiment.requests_file={path}: the file holds no requests")
     return out
