@@ -314,6 +314,7 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "ttft_ms_samples": ttft, "tpot_ms_samples": tpot,
         "mean_busy_rows": sum(t.finished - t.admitted for t, _ in res.samples) / sum(res.walls),
         "steps": sum(st.steps for st in res.stats),
+        **_time_split(res.stats),
         "mean_accepted_tokens": (accepted + row_steps) / row_steps if row_steps else None,
         "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
         "decode_path": res.stats[-1].decode_path, "capture_error": res.stats[-1].capture_error,
@@ -322,6 +323,19 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "exact": None if diverged is None else not diverged,
         "diverged_requests": None if diverged is None else len(diverged), "diverged_request_ids": diverged,
     }
+
+
+def _time_split(stats) -> dict:
+    """Where a run's calls spent their time (``Stats`` of each call, summed): ``admission_s``
+    (prefills: the first requests' and every admission's), ``step_ms`` (draft + verify + commit
+    per decode step) and ``other_s`` (the rest of the calls' wall time: host bookkeeping between
+    steps, calibration, graph captures)."""
+    wall = sum(st.wall_s for st in stats)
+    admission = sum(st.prefill_s for st in stats)
+    steps = sum(st.steps for st in stats)
+    step_s = sum(st.draft_s + st.verify_s + st.rollback_s for st in stats)
+    return {"admission_s": admission, "step_ms": 1e3 * step_s / steps if steps else None,
+            "other_s": wall - admission - step_s}
 
 
 def _prefix_fields(stats) -> dict:
