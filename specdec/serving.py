@@ -215,16 +215,16 @@ class ContinuousBatchingManager:
             if self._error is not None:
                 raise RuntimeError(f"the manager's decode loop failed ({type(self._error).__name__}: {self._error}); "
                                    "start() it again to add requests") from self._error
+            first = self._first_free_index(names)
             requests, failed = check_requests(inputs, budget, self._vocab_size, self._max_positions,
-                                              max_length=self.max_length, first_index=self._count,
-                                              request_ids=names)
-            ids = [Request(self._count + i, (), 0, name).request_id for i, name in enumerate(names)]
+                                              max_length=self.max_length, first_index=first, request_ids=names)
+            ids = [Request(first + i, (), 0, name).request_id for i, name in enumerate(names)]
             repeated = {i for i, n in Counter(ids).items() if n > 1}
-            clash = sorted(repeated | {i for i in ids if i in self._in_flight or i in self._results})
+            clash = sorted(repeated | {i for i in ids if self._in_use(i)})
             if clash:
                 raise ValueError(f"request id(s) {clash} already in use (waiting, decoding, or a result not taken "
                                  "yet); give other request_id values")
-            self._count += len(ids)
+            self._count = first + len(ids)
             ready = list(failed.values())
             for r in requests:
                 if r.max_new_tokens == 0:
@@ -234,6 +234,19 @@ class ContinuousBatchingManager:
                     self._in_flight.add(r.request_id)
             self._deliver(ready)
         return ids
+
+    def _in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request waiting, decoding or whose result was not taken."""
+        return request_id in self._in_flight or request_id in self._results
+
+    def _first_free_index(self, names: list) -> int:
+        """The first :attr:`Request.index` from ``_count`` on at which the automatic ids of the
+        unnamed requests of ``names`` (``req_<index>``, one index per name) are all free (a
+        caller may have named a request ``req_<n>``)."""
+        first = self._count
+        while any(name is None and self._in_use(Request(first + i, (), 0).request_id) for i, name in enumerate(names)):
+            first += 1
+        return first
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         """Make ``outputs`` the results of their requests (any thread)."""
