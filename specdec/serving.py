@@ -71,7 +71,10 @@ class _OpenPool(RequestPool):
                 m._changed.wait(WAIT_S)
             if m._state == _HARD_STOP:
                 raise _HardStop
-            return super().take(rows, at_most, decoding)
+            taken = super().take(rows, at_most, decoding)
+            for req in taken:  # (queued when it was added, as HF's created_time)
+                self.timings[req.index].queued = m._added.pop(req.index)
+            return taken
 
     def busy(self, finished: list[bool]) -> list[int]:
         if self._manager._state != _HARD_STOP:
@@ -123,6 +126,7 @@ class ContinuousBatchingManager:
         self._results: dict[str, GenerationOutput] = {}  # ended requests whose result was not taken
         self._order: deque[str] = deque()  # their ids, in the order they ended
         self._count = 0  # requests added so far (the next one's Request.index)
+        self._added: dict[int, float] = {}  # Request.index of each waiting request -> time.perf_counter() it was added
         self._state = _IDLE
         self._error: BaseException | None = None  # what ended the last run, if it failed
         self._thread: threading.Thread | None = None
@@ -209,6 +213,7 @@ class ContinuousBatchingManager:
             raise ValueError("streaming=True (a result per step) is not available: a request's result comes when it "
                              "ends (get_result, request_id_iter)")
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        now = time.perf_counter()
         with self._changed:
             if self._state in (_FLUSHING, _HARD_STOP):
                 raise RuntimeError("the manager is stopping (stop() was called): it takes no requests until start()")
@@ -232,6 +237,7 @@ class ContinuousBatchingManager:
                 else:
                     self._queue.append(r)
                     self._in_flight.add(r.request_id)
+                    self._added[r.index] = now
             self._deliver(ready)
         return ids
 
@@ -322,6 +328,7 @@ class ContinuousBatchingManager:
             with self._changed:
                 left = [r for r in pool.slots if r is not None] + list(self._queue)
                 self._queue.clear()
+                self._added.clear()
                 self._state, self._error = _IDLE, failure
                 self._deliver([r.output(RequestStatus.FAILED, error=error or "the decode loop ended before it ran")
                                for r in left])

@@ -3,6 +3,8 @@ call with nothing to decode, and a manager's automatic request ids next to ids a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import hf_greedy
@@ -62,3 +64,23 @@ def test_manager_automatic_ids_skip_ids_a_caller_chose():
         out = {i: m.get_result(i, timeout=60) for i in ids}
     for rid, prompt in zip(ids, [prompts[0], prompts[1], prompts[2], prompts[1]]):
         assert out[rid].status == RequestStatus.FINISHED and out[rid].generated_tokens == _alone(model, prompt, 5)
+
+
+def test_manager_created_time_is_when_a_request_was_added():
+    """HF's ``created_time`` is when a request was created: a manager's result carries the time of
+    its ``add_request``, so requests that waited for the one row show the wait (created before
+    admitted, admitted in turn), not their admission time."""
+    model = get_model(FAMILY)
+    prompts = _prompts()
+    sd = specdec.wrap(model, num_speculative_tokens=3)
+    m = sd.init_continuous_batching(max_length=24, max_batch_size=1, max_new_tokens=5)
+    before = time.perf_counter()
+    ids = m.add_requests(prompts)
+    added = time.perf_counter()
+    with m:
+        out = [m.get_result(i, timeout=60) for i in ids]
+    for o in out:
+        assert before <= o.created_time <= added
+        assert o.created_time <= o.lifespan[0] <= o.lifespan[1]
+    # one row: each request is admitted after the previous one finished
+    assert all(a.lifespan[1] <= b.lifespan[0] for a, b in zip(out, out[1:]))
