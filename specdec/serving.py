@@ -56,7 +56,8 @@ class _HardStop(Exception):
 class _OpenPool(RequestPool):
     """The pool of one manager run: its queue is the manager's; ``take`` waits while every row is
     idle and the manager runs, and raises :class:`_HardStop` on a hard stop; ``busy`` then ends
-    every row (with the tokens it has); ``finish`` hands each output to the manager."""
+    every row (with the tokens it has); ``finish`` hands each output to the manager (and drops
+    the request's times, which its output carries)."""
 
     def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
         super().__init__([], size, span)
@@ -87,6 +88,7 @@ class _OpenPool(RequestPool):
         req = self.slots[row]
         super().finish(row, generated)
         out = self.outputs.pop(req.index)
+        del self.timings[req.index]  # (its times are in out; the pool serves on)
         if row in self._cut:
             out.status = RequestStatus.FAILED
             out.error = f"stopped by stop(hard_stop=True) after {len(generated)} new tokens"

@@ -3,6 +3,7 @@ call with nothing to decode, and a manager's automatic request ids next to ids a
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from helpers import hf_greedy
 from tiny_models import VOCAB, get_model
 
 import specdec
-from specdec.batching import RequestStatus
+from specdec.batching import RequestStatus, RequestTiming
 
 FAMILY = "qwen3_5"
 
@@ -84,3 +85,22 @@ def test_manager_created_time_is_when_a_request_was_added():
         assert o.created_time <= o.lifespan[0] <= o.lifespan[1]
     # one row: each request is admitted after the previous one finished
     assert all(a.lifespan[1] <= b.lifespan[0] for a, b in zip(out, out[1:]))
+
+
+def _live_timings() -> int:
+    return sum(type(o) is RequestTiming for o in gc.get_objects())
+
+
+def test_manager_keeps_no_timings_of_delivered_requests():
+    """A manager's loop runs for as long as it serves: the times of a request whose result was
+    delivered are in its output (``created_time``, ``lifespan``), and the open pool does not keep
+    them (memory would grow with every request served)."""
+    prompts = _prompts() * 4
+    sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=3)
+    m = sd.init_continuous_batching(max_length=24, max_batch_size=2, max_new_tokens=3)
+    with m:
+        before = _live_timings()
+        out = [m.get_result(i, timeout=60) for i in m.add_requests(prompts)]
+        assert all(o.status == RequestStatus.FINISHED for o in out)
+        gc.collect()
+        assert _live_timings() - before <= m.max_batch_size
