@@ -85,7 +85,8 @@ class RequestTiming:
     host at a point where the decode loop syncs with the device anyway (no sync of its own).
 
     Attributes:
-        queued: the ``generate_batch`` call's start (every request waits in the queue from then).
+        queued: the ``generate_batch`` call's start (every request waits in the queue from then);
+            a manager's request: its ``add_request``.
         admitted: a row took it, before its prefill (None while queued).
         first_token: the host sync after its prefill: its first new token exists.
         finished: the host sync that showed it ended (EOS or its budget), its tokens read.
@@ -255,7 +256,7 @@ class RequestPool:
             taken.append(req)
             width, budget = w, b
         now = time.perf_counter()
-        for req in taken:  # (a request an open pool got later is timed from its admission)
+        for req in taken:  # (a request an open pool got later: queued set by its manager)
             self.timings.setdefault(req.index, RequestTiming(now)).admitted = now
         self._prefilling += taken
         return taken

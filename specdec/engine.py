@@ -481,6 +481,8 @@ class SpeculativeGenerator:
                 self._run_pool(settings, plan, pool)
             results.update(pool.outputs)
             self.last_request_timings = {f"req_{i}": pool.timings[i] for i in sorted(pool.timings)}
+        else:  # (nothing to decode: the call's stats say so, not the previous call's)
+            self._idle_stats(plan)
         return {f"req_{i}": results[i] for i in range(len(inputs))}
 
     def init_continuous_batching(self, generation_config=None, *, max_length: int,
@@ -595,11 +597,19 @@ class SpeculativeGenerator:
         size = len(pool.slots)
         first = pool.take(range(size), at_most=size)
         if not first:
+            self._idle_stats(plan)
             return
         ids, mask = left_pad([r.prompt for r in first] + [(0,)] * (size - len(first)), self.adapter.device)
         self.decoder = self.last_cache = None  # (their memory was counted as free by the plan)
         self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool)
         self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
+
+    def _idle_stats(self, plan: PoolPlan) -> None:
+        """``last_stats`` of a pool that decoded nothing (every request finished or failed before a
+        step, or a manager stopped before a request came): no steps, no tokens, the pool's rows."""
+        K = self.max_speculative_tokens if self._K == AUTO else self._K
+        self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1),
+                                max_batch_size=plan.rows, batch_size_reason=plan.reason)
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""

@@ -56,7 +56,8 @@ class _HardStop(Exception):
 class _OpenPool(RequestPool):
     """The pool of one manager run: its queue is the manager's; ``take`` waits while every row is
     idle and the manager runs, and raises :class:`_HardStop` on a hard stop; ``busy`` then ends
-    every row (with the tokens it has); ``finish`` hands each output to the manager."""
+    every row (with the tokens it has); ``finish`` hands each output to the manager (and drops
+    the request's times, which its output carries)."""
 
     def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
         super().__init__([], size, span)
@@ -71,7 +72,10 @@ class _OpenPool(RequestPool):
                 m._changed.wait(WAIT_S)
             if m._state == _HARD_STOP:
                 raise _HardStop
-            return super().take(rows, at_most, decoding)
+            taken = super().take(rows, at_most, decoding)
+            for req in taken:  # (queued when it was added, as HF's created_time)
+                self.timings[req.index].queued = m._added.pop(req.index)
+            return taken
 
     def busy(self, finished: list[bool]) -> list[int]:
         if self._manager._state != _HARD_STOP:
@@ -84,6 +88,7 @@ class _OpenPool(RequestPool):
         req = self.slots[row]
         super().finish(row, generated)
         out = self.outputs.pop(req.index)
+        del self.timings[req.index]  # (its times are in out; the pool serves on)
         if row in self._cut:
             out.status = RequestStatus.FAILED
             out.error = f"stopped by stop(hard_stop=True) after {len(generated)} new tokens"
@@ -123,6 +128,7 @@ class ContinuousBatchingManager:
         self._results: dict[str, GenerationOutput] = {}  # ended requests whose result was not taken
         self._order: deque[str] = deque()  # their ids, in the order they ended
         self._count = 0  # requests added so far (the next one's Request.index)
+        self._added: dict[int, float] = {}  # Request.index of each waiting request -> time.perf_counter() it was added
         self._state = _IDLE
         self._error: BaseException | None = None  # what ended the last run, if it failed
         self._thread: threading.Thread | None = None
@@ -209,22 +215,23 @@ class ContinuousBatchingManager:
             raise ValueError("streaming=True (a result per step) is not available: a request's result comes when it "
                              "ends (get_result, request_id_iter)")
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        now = time.perf_counter()
         with self._changed:
             if self._state in (_FLUSHING, _HARD_STOP):
                 raise RuntimeError("the manager is stopping (stop() was called): it takes no requests until start()")
             if self._error is not None:
                 raise RuntimeError(f"the manager's decode loop failed ({type(self._error).__name__}: {self._error}); "
                                    "start() it again to add requests") from self._error
+            first = self._first_free_index(names)
             requests, failed = check_requests(inputs, budget, self._vocab_size, self._max_positions,
-                                              max_length=self.max_length, first_index=self._count,
-                                              request_ids=names)
-            ids = [Request(self._count + i, (), 0, name).request_id for i, name in enumerate(names)]
+                                              max_length=self.max_length, first_index=first, request_ids=names)
+            ids = [Request(first + i, (), 0, name).request_id for i, name in enumerate(names)]
             repeated = {i for i, n in Counter(ids).items() if n > 1}
-            clash = sorted(repeated | {i for i in ids if i in self._in_flight or i in self._results})
+            clash = sorted(repeated | {i for i in ids if self._in_use(i)})
             if clash:
                 raise ValueError(f"request id(s) {clash} already in use (waiting, decoding, or a result not taken "
                                  "yet); give other request_id values")
-            self._count += len(ids)
+            self._count = first + len(ids)
             ready = list(failed.values())
             for r in requests:
                 if r.max_new_tokens == 0:
@@ -232,8 +239,22 @@ class ContinuousBatchingManager:
                 else:
                     self._queue.append(r)
                     self._in_flight.add(r.request_id)
+                    self._added[r.index] = now
             self._deliver(ready)
         return ids
+
+    def _in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request waiting, decoding or whose result was not taken."""
+        return request_id in self._in_flight or request_id in self._results
+
+    def _first_free_index(self, names: list) -> int:
+        """The first :attr:`Request.index` from ``_count`` on at which the automatic ids of the
+        unnamed requests of ``names`` (``req_<index>``, one index per name) are all free (a
+        caller may have named a request ``req_<n>``)."""
+        first = self._count
+        while any(name is None and self._in_use(Request(first + i, (), 0).request_id) for i, name in enumerate(names)):
+            first += 1
+        return first
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         """Make ``outputs`` the results of their requests (any thread)."""
@@ -309,6 +330,7 @@ class ContinuousBatchingManager:
             with self._changed:
                 left = [r for r in pool.slots if r is not None] + list(self._queue)
                 self._queue.clear()
+                self._added.clear()
                 self._state, self._error = _IDLE, failure
                 self._deliver([r.output(RequestStatus.FAILED, error=error or "the decode loop ended before it ran")
                                for r in left])

@@ -1,0 +1,106 @@
+"""Edge cases of continuous batching found by review: ``last_stats`` of a ``generate_batch``
+call with nothing to decode, and a manager's automatic request ids next to ids a caller chose."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+from helpers import hf_greedy
+from tiny_models import VOCAB, get_model
+
+import specdec
+from specdec.batching import RequestStatus, RequestTiming
+
+FAMILY = "qwen3_5"
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(3, VOCAB, (16,), generator=g).tolist()
+    return [base[:8], base[:5], base[:11]]
+
+
+def _alone(model, prompt, budget) -> list[int]:
+    return hf_greedy(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
+                     budget)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", ["zero_budgets", "all_failed"])
+def test_last_stats_of_a_call_with_nothing_to_decode(case):
+    """A generate_batch call whose requests all have a budget of 0 (or all fail) describes itself in
+    last_stats (no steps, no tokens, its pool's rows), not the previous call."""
+    sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=3)
+    prompts = _prompts()
+    sd.generate_batch(prompts, max_new_tokens=4, max_batch_size=2)
+    assert sd.last_stats.new_tokens == 4 * len(prompts)
+    if case == "zero_budgets":
+        out = sd.generate_batch(prompts, max_new_tokens=0, max_batch_size=2)
+        assert all(o.status == RequestStatus.FINISHED and o.generated_tokens == [] for o in out.values())
+    else:
+        out = sd.generate_batch([[], [VOCAB + 1]], max_new_tokens=4)
+        assert all(o.status == RequestStatus.FAILED for o in out.values())
+    st = sd.last_stats
+    assert st is not None and st.steps == 0 and st.new_tokens == 0 and st.proposed_tokens == 0
+    assert st.accept_histogram == [0] * 4 and st.k_per_step == []
+    assert sd.last_request_timings == {}
+
+
+def test_manager_automatic_ids_skip_ids_a_caller_chose():
+    """A caller names a request ``req_1``; unnamed requests added while it is in flight get ids
+    that are free (not an error telling the caller to choose ids they did not give), and every
+    request is exact."""
+    model = get_model(FAMILY)
+    prompts = _prompts()
+    sd = specdec.wrap(model, num_speculative_tokens=3)
+    m = sd.init_continuous_batching(max_length=24, max_batch_size=2, max_new_tokens=5)
+    named = m.add_request(prompts[0], request_id="req_1")
+    first = m.add_request(prompts[1])
+    rest = m.add_requests([prompts[2], prompts[1]])
+    ids = [named, first, *rest]
+    assert named == "req_1" and len(set(ids)) == len(ids)
+    with m:
+        out = {i: m.get_result(i, timeout=60) for i in ids}
+    for rid, prompt in zip(ids, [prompts[0], prompts[1], prompts[2], prompts[1]]):
+        assert out[rid].status == RequestStatus.FINISHED and out[rid].generated_tokens == _alone(model, prompt, 5)
+
+
+def test_manager_created_time_is_when_a_request_was_added():
+    """HF's ``created_time`` is when a request was created: a manager's result carries the time of
+    its ``add_request``, so requests that waited for the one row show the wait (created before
+    admitted, admitted in turn), not their admission time."""
+    model = get_model(FAMILY)
+    prompts = _prompts()
+    sd = specdec.wrap(model, num_speculative_tokens=3)
+    m = sd.init_continuous_batching(max_length=24, max_batch_size=1, max_new_tokens=5)
+    before = time.perf_counter()
+    ids = m.add_requests(prompts)
+    added = time.perf_counter()
+    with m:
+        out = [m.get_result(i, timeout=60) for i in ids]
+    for o in out:
+        assert before <= o.created_time <= added
+        assert o.created_time <= o.lifespan[0] <= o.lifespan[1]
+    # one row: each request is admitted after the previous one finished
+    assert all(a.lifespan[1] <= b.lifespan[0] for a, b in zip(out, out[1:]))
+
+
+def _live_timings() -> int:
+    return sum(type(o) is RequestTiming for o in gc.get_objects())
+
+
+def test_manager_keeps_no_timings_of_delivered_requests():
+    """A manager's loop runs for as long as it serves: the times of a request whose result was
+    delivered are in its output (``created_time``, ``lifespan``), and the open pool does not keep
+    them (memory would grow with every request served)."""
+    prompts = _prompts() * 4
+    sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=3)
+    m = sd.init_continuous_batching(max_length=24, max_batch_size=2, max_new_tokens=3)
+    with m:
+        before = _live_timings()
+        out = [m.get_result(i, timeout=60) for i in m.add_requests(prompts)]
+        assert all(o.status == RequestStatus.FINISHED for o in out)
+        gc.collect()
+        assert _live_timings() - before <= m.max_batch_size
