@@ -1,5 +1,5 @@
-"""Edge cases of continuous batching found by review: ``last_stats`` of a ``generate_batch``
-call with nothing to decode, and a manager's automatic request ids next to ids a caller chose."""
+"""Edge cases of continuous batching: ``last_stats`` of a ``generate_batch`` call with nothing
+to decode, a manager's automatic request ids next to ids a caller chose, and its requests' timings."""
 
 from __future__ import annotations
 
