@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import fit_mtp_layers, perturb_heads, rel_err
 from markers import needs_cuda, needs_triton_interpreter
-from test_generate_batch import ROWS, _check, _reference
+from test_generate_batch import ROWS, _alone, _check, _reference
 from test_mtp import MTP_FIELDS
 from tiny_models import FAMILIES, VOCAB, get_model, make_model
 from tree_drafters import SMALL_TREE, OracleTree
@@ -341,3 +341,24 @@ def test_cuda_graph_path_across_admissions(family, kind, strategy):
     finally:
         for m in moved:
             m.cpu()
+
+
+@pytest.mark.parametrize("family, kind, strategy", [("qwen3_5", "draft_model", "ring"), ("qwen3_5", "mtp", "replay"),
+                                                    ("nemotron_h", "mtp", "snapshot"),
+                                                    ("nemotron_h", "draft_model", "replay")])
+def test_prefix_caching_with_drafters(family, kind, strategy):
+    """Prefix caching with a drafter that keeps per-row state (the draft model prefills its own
+    cache; MTP layers get every prompt position's hidden state, cached with the blocks): prompts
+    sharing a prefix of several blocks give every request HF greedy's tokens alone, the same as
+    without the cache, and the prefix is served from it."""
+    prompts, budgets, eos, _, _ = _reference(family)
+    shared = prompts[0][:6] + prompts[1][:6]
+    prompts = [shared + p for p in prompts]
+    target, make = setup(kind, family, strategy)
+    expected = [_alone(target, p, b, eos) for p, b in zip(prompts, budgets)]
+    for caching in (False, True):
+        sd = specdec.wrap(target, drafter=make(), rollback=strategy, num_speculative_tokens=K, decode_path="eager")
+        out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS,
+                                prefix_caching=caching, prefix_block_size=4)
+        _check(out, expected, prompts)
+    assert sd.last_stats.prefix_cache["hit_tokens"] >= (len(prompts) - ROWS) * 12
