@@ -412,8 +412,9 @@ class SpeculativeGenerator:
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
-                own (batch 1), in one forward per block; outputs are those without it (the states
-                agree to rounding). Counters in ``last_stats.prefix_cache``.
+                own (batch 1), in one forward (two where it makes a branch point, see
+                :mod:`specdec.prefix_cache`); outputs are those without it (the states agree to
+                rounding). Counters in ``last_stats.prefix_cache``.
             prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64); at most
                 ``sliding_window - 1`` for a model with sliding-window layers.
             prefix_cache_bytes: the most bytes of state the prefix cache holds (default
