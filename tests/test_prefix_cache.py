@@ -322,9 +322,19 @@ def test_argument_errors():
     ]:
         with pytest.raises(err, match=match):
             sd.generate_batch([[5, 6, 7]], max_new_tokens=2, **kw)
-    mistral = specdec.wrap(get_model("mistral"), num_speculative_tokens=2)  # sliding_window = 8
-    with pytest.raises(ValueError, match="prefix_block_size <= 7"):
-        mistral.generate_batch([[5, 6, 7]], max_new_tokens=2, prefix_caching=True, prefix_block_size=8)
+
+
+def test_blocks_longer_than_a_sliding_window():
+    """Sliding-window layers that keep fewer keys than a block (window 8: 7 keys; blocks of 8
+    tokens): a block's keys / values are taken as the layers receive them in the forward, so the
+    outputs still equal HF greedy and a hit serves the shared blocks."""
+    family = "mistral"
+    assert get_model(family).config.sliding_window == 8
+    prompts = _prompts()
+    sd = specdec.wrap(get_model(family), rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    _check(_run(sd, prompts, prefix_caching=True, prefix_block_size=8), _expected(family), prompts)
+    want = _counters(prompts, bs=8, ssm=False)
+    assert want["hit_blocks"] > 0 and sd.last_stats.prefix_cache["hit_blocks"] == want["hit_blocks"]
 
 
 # --- the PrefixCache itself, on synthetic blocks -------------------------------------------------
@@ -413,7 +423,8 @@ def test_prefix_cache_branch_points():
     assert branch == chain[:2] and chain[1].block.kv[0].keys is kv  # keys / values kept
     after = pc.stats.as_dict()
     assert after["inserted_blocks"] == before["inserted_blocks"] and len(pc) == 3
-    assert after["inserted_bytes"] - before["inserted_bytes"] == with_state - kv_only == pc.nbytes - before["stored_bytes"]
+    added = with_state - kv_only
+    assert after["inserted_bytes"] - before["inserted_bytes"] == added == pc.nbytes - before["stored_bytes"]
     pc.insert(branch, b[4:6], _block(8, state=False))  # the second forward's block
     found = pc.match([5, 6, 7, 8, 20, 21, 22])  # a third suffix after the shared prefix: hits it, one forward
     assert (len(found.chain), found.hit, found.forward_ends) == (2, 2, (7,))

@@ -28,7 +28,6 @@ from ..kernels.mamba2.chunked import resolve_scan
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
-from .common import layer_types_of
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
 
@@ -305,9 +304,7 @@ class HybridAdapter:
         padding with ``prefix_cache``).
 
         Raises:
-            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla; with
-                ``prefix_cache``, a block size the model's sliding-window layers cannot hold
-                (:meth:`check_prefix_block_size`).
+            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
         """
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
@@ -317,7 +314,6 @@ class HybridAdapter:
             hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
             states = self._layer_states(hf_cache)
         else:
-            self.check_prefix_block_size(prefix_cache.block_size)
             rows = [self.prefill_cached(ids[m.bool()], prefix_cache, all_hidden_states, scan)
                     for ids, m in zip(input_ids, mask)]
             hidden = torch.cat([_left_pad(h, input_ids.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
@@ -368,15 +364,6 @@ class HybridAdapter:
             start = end
         hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
         return hidden, self._layer_states(hf_cache)
-
-    def check_prefix_block_size(self, block_size: int) -> None:
-        """Raise ValueError when a sliding-window attention layer keeps fewer than ``block_size``
-        keys (HF keeps ``sliding_window - 1``): a block's keys could not be read back after its
-        forward, so prefix caching needs ``block_size <= sliding_window - 1``."""
-        window = getattr(self.config, "sliding_window", None)
-        if window is not None and "sliding_attention" in layer_types_of(self.config) and block_size > window - 1:
-            raise ValueError(f"prefix_block_size={block_size} exceeds what the model's sliding-window layers keep "
-                             f"(sliding_window - 1 = {window - 1} keys); give prefix_block_size <= {window - 1}")
 
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
