@@ -15,7 +15,9 @@ prompt is stored. An SSM layer's conv window and recurrent state exist only wher
 ends, so a block holds them (``ssm_state``) only at selected boundaries, as SGLang's Mamba radix
 cache keeps SSM states at branch points and vLLM's ``align`` mode at block-aligned ends:
 
-* the prompt's end, when it falls on a block boundary;
+* the prompt's end, when it falls on a block boundary (a forward returns only its final state,
+  so storing it at the last boundary before an unaligned end would cost every miss a second
+  forward; a prompt that extends this one makes that boundary a branch point instead);
 * branch points: when a lookup finds a chain of cached blocks that goes further than the deepest
   block holding SSM state, the prompt is prefilled in two forwards, the first ending at the
   chain's last block, whose state is stored there (later prompts sharing that prefix hit it).
