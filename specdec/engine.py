@@ -412,10 +412,10 @@ class SpeculativeGenerator:
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
-                own (batch 1), in one forward per block; outputs are those without it (the states
-                agree to rounding). Counters in ``last_stats.prefix_cache``.
-            prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64); at most
-                ``sliding_window - 1`` for a model with sliding-window layers.
+                own (batch 1), in one forward (two where it makes a branch point, see
+                :mod:`specdec.prefix_cache`); outputs are those without it (the states agree to
+                rounding). Counters in ``last_stats.prefix_cache``.
+            prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64).
             prefix_cache_bytes: the most bytes of state the prefix cache holds (default
                 ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on the model's device); least recently used
                 blocks are evicted.
@@ -443,7 +443,7 @@ class SpeculativeGenerator:
             ``max_batch_size`` whose rows need more memory than the budget (or the free memory),
             ``"auto"`` where not one row fits or free memory is unknown (a device other than CUDA
             and Linux CPUs) and no budget is given; ``prefix_caching`` not a bool,
-            ``prefix_block_size`` not an int >= 1 (or beyond a sliding window),
+            ``prefix_block_size`` not an int >= 1,
             ``prefix_cache_bytes`` not an int >= 0; settings ``generate()`` rejects or that need its
             per-token hook; a drafter with per-row state that does not define
             :meth:`Drafter.admit` (supported, chains and trees: ``Drafter.stateless`` drafters such
@@ -456,8 +456,6 @@ class SpeculativeGenerator:
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
-        if prefix_caching:
-            self.adapter.check_prefix_block_size(prefix_block_size)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()

@@ -7,18 +7,33 @@ entry matches when its own tokens equal the block's and its parent is the entry 
 block i-1, so by induction every token of the prefix was compared and a hash collision cannot
 hand a prompt another prompt's state.
 
-An entry's value (:class:`PrefixBlock`) is what a prefill that stops at the block's end leaves
-in each layer of Hugging Face's cache (:class:`LayerState`): an attention layer's keys and
-values of the block's positions only (a hit on n blocks concatenates n of them), an SSM layer's
-conv window and recurrent state at the block's end (in the dtype HF's cache holds them), and,
-when the prefill was asked for them, the final hidden states of the block's positions.
-A hit reuses whole blocks and leaves at least the prompt's last token to compute (its logits
-pick the first new token); only full blocks are stored.
+An entry's value (:class:`PrefixBlock`) holds what a prefill that runs past the block leaves
+for its positions: each attention layer's keys and values of the block's positions (a hit on n
+blocks concatenates n of them) and, when the prefill was asked for them, the final hidden states
+of those positions. These come out of any forward over the block, so every full block of a
+prompt is stored. An SSM layer's conv window and recurrent state exist only where a forward
+ends, so a block holds them (``ssm_state``) only at selected boundaries, as SGLang's Mamba radix
+cache keeps SSM states at branch points and vLLM's ``align`` mode at block-aligned ends:
+
+* the prompt's end, when it falls on a block boundary (a forward returns only its final state,
+  so storing it at the last boundary before an unaligned end would cost every miss a second
+  forward; a prompt that extends this one makes that boundary a branch point instead);
+* branch points: when a lookup finds a chain of cached blocks that goes further than the deepest
+  block holding SSM state, the prompt is prefilled in two forwards, the first ending at the
+  chain's last block, whose state is stored there (later prompts sharing that prefix hit it).
+
+A lookup's hit is the longest chain of cached blocks whose last block holds SSM state (a model
+without SSM layers: every block). So prompts with a shared prefix of several blocks and their
+own suffixes take 1 forward (the first), 2 (the second: the shared blocks' K/V are found, their
+end gets its state) and from then on 1 over their own suffix, loading the shared prefix. A hit
+reuses whole blocks and leaves at least the prompt's last token to compute (its logits pick the
+first new token).
 
 Memory is bounded by ``max_bytes``: the bytes of every stored tensor, counted exactly (each is
-a compact copy, never a view into a larger buffer). Eviction is least-recently-used; a
-chain is touched from its last block to its first, so a block is always more recently used than
-its descendants and eviction takes leaves first (an evicted block never strands a cached child).
+a compact copy, made by :meth:`PrefixCache.insert`, never a view into a larger buffer). Eviction
+is least-recently-used, whole blocks at a time; a chain is touched from its last block to its
+first, so a block is always more recently used than its descendants and eviction takes leaves
+first (an evicted block never strands a cached child).
 
 The prefill that reads and fills the cache is :meth:`specdec.models.HybridAdapter.prefill`
 (``prefix_cache=``); :meth:`specdec.engine.SpeculativeGenerator.generate_batch` runs it with
@@ -34,7 +49,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 __all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "PREFIX_BLOCK_SIZE", "LayerState", "PrefixBlock", "PrefixCache",
-           "PrefixCacheStats", "PrefixEntry", "block_hash", "check_prefix_cache_args"]
+           "PrefixCacheStats", "PrefixEntry", "PrefixMatch", "block_hash", "check_prefix_cache_args"]
 
 #: tokens per block when ``prefix_block_size`` is not given (vLLM's and SGLang's page sizes are 16-64)
 PREFIX_BLOCK_SIZE = 64
@@ -53,6 +68,11 @@ def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
 
 def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A compact copy of ``t`` (its own storage, exactly ``t``'s bytes)."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
 
 
 @dataclass(frozen=True)
@@ -76,21 +96,54 @@ class LayerState:
         """Bytes of the tensors held."""
         return sum(_tensor_bytes(getattr(self, f.name)) for f in fields(self))
 
+    def copy(self) -> "LayerState":
+        """Compact copies of the tensors held."""
+        return LayerState(*(_copy(getattr(self, f.name)) for f in fields(self)))
+
+
+def _states_bytes(states: dict[int, LayerState] | None) -> int:
+    return 0 if states is None else sum(s.nbytes for s in states.values())
+
+
+def _copy_states(states: dict[int, LayerState] | None) -> dict[int, LayerState] | None:
+    return None if states is None else {idx: s.copy() for idx, s in states.items()}
+
 
 @dataclass(frozen=True)
 class PrefixBlock:
-    """The cached value of one block: ``layers`` maps a layer index to its :class:`LayerState`
-    (attention keys / values of the block's positions, SSM state at the block's end);
-    ``hidden_states`` ``[1, block_size, D]`` the final hidden states of the block's positions, or
-    None when the prefill that stored it was not asked for them."""
+    """The cached value of one block.
 
-    layers: dict[int, LayerState]
+    kv: layer index -> :class:`LayerState` holding an attention layer's ``keys`` / ``values`` of
+    the block's positions. ssm_state: layer index -> :class:`LayerState` holding an SSM layer's
+    ``conv_state`` and ``recurrent_state`` at the block's end; None when the block does not hold
+    them (only boundaries where a prefill's forward ended do), ``{}`` for a model without SSM
+    layers. hidden_states: ``[1, block_size, D]`` the final hidden states of the block's
+    positions, or None when the prefill that stored it was not asked for them.
+    """
+
+    kv: dict[int, LayerState]
+    ssm_state: dict[int, LayerState] | None = None
     hidden_states: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor of the block (what it counts against ``max_bytes``)."""
-        return sum(s.nbytes for s in self.layers.values()) + _tensor_bytes(self.hidden_states)
+        return _states_bytes(self.kv) + _states_bytes(self.ssm_state) + _tensor_bytes(self.hidden_states)
+
+    def merged(self, new: "PrefixBlock") -> "PrefixBlock":
+        """This block with what ``new`` (the same block from another prefill) holds and it lacks
+        (SSM state, hidden states) added as compact copies; ``self`` when ``new`` adds nothing.
+        Keys / values are kept: a block's are stored once."""
+        add_state = self.ssm_state is None and new.ssm_state is not None
+        add_hidden = self.hidden_states is None and new.hidden_states is not None
+        if not (add_state or add_hidden):
+            return self
+        return PrefixBlock(self.kv, _copy_states(new.ssm_state) if add_state else self.ssm_state,
+                           _copy(new.hidden_states) if add_hidden else self.hidden_states)
+
+    def copy(self) -> "PrefixBlock":
+        """Compact copies of every tensor of the block."""
+        return PrefixBlock(_copy_states(self.kv), _copy_states(self.ssm_state), _copy(self.hidden_states))
 
 
 @dataclass(eq=False)
@@ -105,15 +158,36 @@ class PrefixEntry:
     live: bool = True
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What :meth:`PrefixCache.match` found for a prompt of ``length`` tokens.
+
+    chain: the entries of the longest run of the prompt's leading full blocks that are cached (at
+    most ``(length - 1) // block_size``; with ``need_hidden_states``, blocks holding them).
+    hit: how many of them a prefill loads: up to the deepest one holding SSM state (0: none).
+    forward_ends: the token positions where the prefill's forwards end, from ``hit * block_size``:
+    ``(len(chain) * block_size, length)`` when the chain goes past the hit (a branch point: the
+    first forward ends at the chain's last block and stores its SSM state there), else ``(length,)``.
+    """
+
+    chain: list[PrefixEntry]
+    hit: int
+    forward_ends: tuple[int, ...]
+
+
 @dataclass
 class PrefixCacheStats:
     """Counters of a :class:`PrefixCache` (bytes are tensor bytes; tokens are prompt tokens).
 
     lookups: prompts looked up. hit_blocks / hit_tokens: blocks / tokens whose state a prefill
-    reused instead of computing. hit_bytes: the bytes of cached state those hits read.
-    prefilled_tokens: prompt tokens left to compute after the lookups. inserted_blocks / inserted_bytes:
-    blocks stored. evicted_blocks / evicted_bytes: blocks dropped to stay within ``max_bytes``.
-    stored_blocks / stored_bytes: what the cache holds now.
+    loaded instead of computing. hit_bytes: the bytes of cached state those hits read (keys /
+    values and hidden states of each hit block, SSM state of the last). prefilled_tokens: prompt
+    tokens left to compute after the lookups. prefill_forwards: forwards those prefills run (one
+    per prompt, two where a prompt makes a branch point; per prompt: ``prefill_forwards /
+    lookups``). inserted_blocks: blocks stored. inserted_bytes: bytes added (blocks stored, and
+    SSM or hidden states added to a stored block). evicted_blocks / evicted_bytes: blocks dropped
+    to stay within ``max_bytes``. stored_blocks / stored_bytes: what the cache holds now
+    (``stored_bytes == inserted_bytes - evicted_bytes``).
     """
 
     lookups: int = 0
@@ -121,6 +195,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     hit_bytes: int = 0
     prefilled_tokens: int = 0
+    prefill_forwards: int = 0
     inserted_blocks: int = 0
     inserted_bytes: int = 0
     evicted_blocks: int = 0
@@ -178,12 +253,14 @@ class PrefixCache:
         return list(self._lru.values())
 
     # --- lookups ------------------------------------------------------------------------------
-    def match(self, tokens, need_hidden_states: bool = False) -> list[PrefixEntry]:
-        """The longest cached chain of full blocks that ``tokens`` (a prompt, a sequence of ints)
-        starts with, leaving at least its last token out (at most ``(len(tokens) - 1) //
-        block_size`` blocks); with ``need_hidden_states`` it ends before the first block stored
-        without hidden states. The chain is marked most recently used and counted in
-        :attr:`stats` (a lookup, its hit blocks, tokens and bytes, and the tokens left to prefill)."""
+    def match(self, tokens, need_hidden_states: bool = False) -> PrefixMatch:
+        """Look up ``tokens`` (a prompt, a sequence of ints): the longest cached chain of full
+        blocks it starts with, leaving at least its last token out (at most ``(len(tokens) - 1) //
+        block_size`` blocks; with ``need_hidden_states`` it ends before the first block stored
+        without hidden states), its hit (up to the deepest block holding SSM state) and the
+        forwards that prefill the rest (:class:`PrefixMatch`). The chain is marked most recently
+        used and counted in :attr:`stats` (a lookup, its hit blocks, tokens and bytes, the tokens
+        left to prefill and the forwards)."""
         bs = self.block_size
         chain: list[PrefixEntry] = []
         for i in range((len(tokens) - 1) // bs):
@@ -191,22 +268,30 @@ class PrefixCache:
             if entry is None or (need_hidden_states and entry.block.hidden_states is None):
                 break
             chain.append(entry)
+        hit = next((n for n in range(len(chain), 0, -1) if chain[n - 1].block.ssm_state is not None), 0)
+        ends = (len(chain) * bs, len(tokens)) if len(chain) > hit else (len(tokens),)
         self._touch(chain)
         s = self.stats
         s.lookups += 1
-        s.hit_blocks += len(chain)
-        s.hit_tokens += len(chain) * bs
-        s.hit_bytes += sum(e.block.nbytes for e in chain)
-        s.prefilled_tokens += len(tokens) - len(chain) * bs
-        return chain
+        s.hit_blocks += hit
+        s.hit_tokens += hit * bs
+        if hit:
+            s.hit_bytes += _states_bytes(chain[hit - 1].block.ssm_state) + sum(
+                _states_bytes(e.block.kv) + (_tensor_bytes(e.block.hidden_states) if need_hidden_states else 0)
+                for e in chain[:hit])
+        s.prefilled_tokens += len(tokens) - hit * bs
+        s.prefill_forwards += len(ends)
+        return PrefixMatch(chain, hit, ends)
 
     def insert(self, chain: list[PrefixEntry], tokens, block: PrefixBlock) -> PrefixEntry | None:
-        """Store ``block``, the state after the block of ``tokens`` (``block_size`` ints) that
-        follows ``chain`` (the entries of the prompt's earlier blocks, in order, as :meth:`match`
-        and earlier inserts returned them); on success append its entry to ``chain``.
+        """Store ``block``, the block of ``tokens`` (``block_size`` ints) that follows ``chain``
+        (the entries of the prompt's earlier blocks, in order, as :meth:`match` and earlier
+        inserts returned them); on success append its entry to ``chain``. ``block``'s tensors may
+        be views: what is stored are compact copies.
 
-        A block already stored is kept (its hidden states added when it had none and ``block``
-        has them). Least recently used blocks outside ``chain`` are evicted to make room.
+        A block already stored keeps its keys / values; SSM state and hidden states it lacks and
+        ``block`` holds are added (:meth:`PrefixBlock.merged`). Least recently used blocks outside
+        ``chain`` are evicted to make room.
 
         Returns: the entry, or None when it is not stored: its chain would exceed ``max_bytes``,
         or an ancestor was evicted (later blocks of the prompt cannot be stored either).
@@ -220,27 +305,28 @@ class PrefixCache:
         if parent is not None and not parent.live:
             return None
         entry = self._find(parent, tokens)
-        if entry is not None and (entry.block.hidden_states is not None or block.hidden_states is None):
+        stored = entry.block.merged(block) if entry is not None else block.copy()
+        if entry is not None and stored is entry.block:  # nothing to add
             chain.append(entry)
             self._touch(chain)
             return entry
         old = entry.block.nbytes if entry is not None else 0
-        need = block.nbytes
+        need = stored.nbytes
         if sum(e.block.nbytes for e in chain) + need > self.max_bytes:
             return None
         self._evict(self.stats.stored_bytes - old + need, protect={id(e) for e in chain} | {id(entry)})
         s = self.stats
         if entry is None:
             key = block_hash(parent.key if parent is not None else _ROOT, tokens)
-            entry = PrefixEntry(next(self._ids), key, tokens, parent.id if parent is not None else None, block)
+            entry = PrefixEntry(next(self._ids), key, tokens, parent.id if parent is not None else None, stored)
             self._buckets.setdefault(key, []).append(entry)
             self._lru[entry.id] = entry
             s.stored_blocks += 1
-        else:  # the same block, now with hidden states
-            entry.block = block
+            s.inserted_blocks += 1
+        else:  # the same block, now with SSM state or hidden states
+            entry.block = stored
         s.stored_bytes += need - old
-        s.inserted_blocks += 1
-        s.inserted_bytes += need
+        s.inserted_bytes += need - old
         chain.append(entry)
         self._touch(chain)
         return entry

@@ -40,8 +40,8 @@ class Stats:
         were chosen (a row's bytes by part, the memory budget); None otherwise.
         prefix_cache: with ``generate_batch(prefix_caching=True)``, the prefix cache's counters
         for the call (:class:`specdec.prefix_cache.PrefixCacheStats` as a dict: lookups, hit
-        blocks / tokens / bytes, prefilled tokens, inserted / evicted / stored blocks and bytes);
-        None otherwise.
+        blocks / tokens / bytes, prefilled tokens, prefill forwards (one per prompt, two where it
+        makes a branch point), inserted / evicted / stored blocks and bytes); None otherwise.
     """
 
     steps: int = 0

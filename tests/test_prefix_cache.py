@@ -25,24 +25,26 @@ EOS = VOCAB - 1
 
 
 def _prompts() -> list[list[int]]:
-    """Seven prompts (ids >= 3): five share a 14-token prefix (3 full blocks and 2 tokens) or part
-    of it, one continues another, one repeats another, two are unrelated."""
+    """Nine prompts (ids >= 3): seven share a 14-token prefix (3 full blocks and 2 tokens) or part
+    of it, two continue others, one repeats another, two are unrelated."""
     g = torch.Generator().manual_seed(7)
 
     def rand(n):
         return torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()
 
     shared, a, b, c, d = rand(14), rand(5), rand(2), rand(6), rand(3)
-    return [shared + a,            # 19 tokens: 4 full blocks
-            shared + b,            # 16: 4 full blocks, the last one its own
+    return [shared + a,            # 19 tokens: 4 full blocks, one forward
+            shared + b,            # 16: finds 3 blocks, none with SSM state: a branch point at 12
             rand(9),               # unrelated
-            shared[:8] + c,        # shares 2 blocks
-            shared + a + d,        # continues request 0: its 4 blocks, then one more
-            shared + b,            # repeats request 1: a hit stops one block short (its last token is run)
-            rand(3)]               # shorter than a block
+            shared[:8] + c,        # finds 2 blocks: a branch point at 8
+            shared + a + d,        # continues request 0: hits 3 blocks, a branch point at 16
+            shared + b,            # repeats request 1: hits 3 blocks (its last token is run)
+            rand(3),               # shorter than a block
+            shared + d,            # a third suffix after the shared blocks: hits them, one forward
+            shared[:8] + c + a]    # continues request 3: hits 2 blocks, a branch point at 12
 
 
-BUDGETS = [6, 5, 7, 4, 6, 5, 3]
+BUDGETS = [6, 5, 7, 4, 6, 5, 3, 4, 5]
 _REF: dict = {}
 
 
@@ -58,21 +60,36 @@ def _expected(family) -> list[list[int]]:
     return _REF[family]
 
 
-def _counters(prompts, bs=BS) -> dict:
-    """The counters of an unbounded prefix cache, computed from the prompts alone: each prompt
-    (in order) hits its longest run of leading full blocks some earlier prompt stored, at most
-    ``(len - 1) // bs`` of them, then stores every full block of its own."""
-    stored, hits, inserted = set(), 0, 0
+def _simulate(prompts, bs=BS, ssm=True) -> list[tuple[int, int, int]]:
+    """What an unbounded prefix cache does with each prompt (in order), worked out from the
+    prompts alone: ``(hit blocks, forwards, blocks stored)``. A prompt finds its longest run of
+    leading full blocks some earlier prompt stored (at most ``(len - 1) // bs``) and hits up to
+    the deepest one holding SSM state (any, for a model without SSM layers: ``ssm=False``); when
+    the run goes past the hit it runs two forwards, the first storing SSM state at the run's
+    end; it stores every full block of its own, with SSM state at its end if that is a boundary."""
+    kv, states, out = set(), set(), []
     for p in prompts:
-        n = 0
-        while n < (len(p) - 1) // bs and tuple(p[:(n + 1) * bs]) in stored:
-            n += 1
-        hits += n
-        for j in range(len(p) // bs):
-            inserted += tuple(p[:(j + 1) * bs]) not in stored
-            stored.add(tuple(p[:(j + 1) * bs]))
+        blocks = [tuple(p[:(j + 1) * bs]) for j in range(len(p) // bs)]  # each block by its whole prefix
+        run = 0
+        while run < (len(p) - 1) // bs and blocks[run] in kv:
+            run += 1
+        hit = max(n for n in range(run + 1) if n == 0 or not ssm or blocks[n - 1] in states)
+        if run > hit:
+            states.add(blocks[run - 1])
+        if len(p) % bs == 0:
+            states.add(blocks[-1])
+        out.append((hit, 1 + (run > hit), len(set(blocks) - kv)))
+        kv.update(blocks)
+    return out
+
+
+def _counters(prompts, bs=BS, ssm=True) -> dict:
+    """The counters of an unbounded prefix cache after ``prompts`` (:func:`_simulate`)."""
+    sim = _simulate(prompts, bs, ssm)
+    hits = sum(h for h, _, _ in sim)
     return dict(lookups=len(prompts), hit_blocks=hits, hit_tokens=hits * bs,
-                prefilled_tokens=sum(map(len, prompts)) - hits * bs, inserted_blocks=inserted, evicted_blocks=0)
+                prefilled_tokens=sum(map(len, prompts)) - hits * bs, prefill_forwards=sum(f for _, f, _ in sim),
+                inserted_blocks=sum(n for _, _, n in sim), evicted_blocks=0)
 
 
 def _check(out, expected, prompts):
@@ -94,7 +111,8 @@ def test_matches_uncached_and_hf(family, strategy):
     computed from the prompts."""
     prompts, expected = _prompts(), _expected(family)
     want = _counters(prompts)
-    assert want["hit_blocks"] >= 10 and want["inserted_blocks"] >= 8  # the setting exercises the cache
+    assert want["hit_blocks"] >= 10 and want["inserted_blocks"] >= 8  # the setting exercises the cache,
+    assert want["lookups"] < want["prefill_forwards"] < 2 * want["lookups"]  # branch points included
     model = get_model(family)
     for K in (3, 0) if strategy == "replay" else (3,):
         sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=K, decode_path="eager")
@@ -138,19 +156,21 @@ def _cache_tensors(cache) -> dict:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_prefill_states(family):
-    """adapter.prefill with a prefix cache: cold (the prompts share blocks among themselves) and
-    warm (every prompt hits), against the uncached batched prefill: logits, every position's
-    hidden state, and every tensor of the cache each rollback strategy keeps after the rows are
-    moved into a pool (reset_rows), within 1e-5 relative (KV compared at real columns); warm
-    equals cold bit for bit."""
+    """adapter.prefill with a prefix cache against the uncached batched prefill: cold (the prompts
+    share blocks among themselves), warm (every block is cached; branch points cost a second
+    forward) and hot (every prompt hits in one forward): logits, every position's hidden state,
+    and every tensor of the cache each rollback strategy keeps after the rows are moved into a
+    pool (reset_rows), within 1e-5 relative (KV compared at real columns); two hot prefills agree
+    bit for bit (a hit loads the state stored); the counters are those worked out from the prompts."""
     adapter = adapter_for(get_model(family))
-    prompts = [p for p in _prompts()][:5]
+    prompts = _prompts()[:5]
     ids, mask = _ragged(prompts)
     L = ids.shape[1]
     pc = PrefixCache(BS)
-    for strategy in map(make_strategy, STRATEGIES):
+    for n, strategy in enumerate(map(make_strategy, STRATEGIES)):
         runs = []
-        for prefix_cache in (None, pc, pc):  # uncached, then cold, then warm (pc filled by the first strategy)
+        # uncached, then (first strategy) cold and warm, then hot twice
+        for prefix_cache in (None, pc, pc, pc, pc) if n == 0 else (None, pc, pc):
             fresh = adapter.new_cache(len(prompts), L + 8, 3, strategy)
             logits, hidden = adapter.prefill(ids, mask, fresh, True, prefix_cache=prefix_cache)
             pool = adapter.new_cache(len(prompts) + 1, L + 8, 3, strategy)
@@ -158,21 +178,61 @@ def test_cached_prefill_states(family):
             rows = torch.arange(1, len(prompts) + 1)
             pool.reset_rows(rows, fresh)
             runs.append((logits, hidden, _cache_tensors(pool)))
-        (lr, hr, ref), (lc, hc, cold), (lw, hw, warm) = runs
+        (lr, hr, ref), *cached = runs
         real = mask.bool()
-        assert rel_err(lc, lr) < 1e-5 and rel_err(hc[real], hr[real]) < 1e-5
-        assert torch.equal(lw, lc) and torch.equal(hw, hc)
-        assert ref.keys() == cold.keys() == warm.keys()
         cols = torch.arange(pool.max_len)[None, :] >= pool.pad[:, None]  # [rows, max_len] real KV columns
-        for name, t in ref.items():
-            assert torch.equal(warm[name], cold[name]), name
-            if name.startswith(("k", "v")):
-                a, b = cold[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]
-            else:
-                a, b = cold[name], t
-            assert a.dtype == b.dtype and a.shape == b.shape, name
-            assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
-    assert pc.stats.hit_blocks > 0 and pc.stats.lookups == 2 * len(STRATEGIES) * len(prompts)
+        for lc, hc, got in cached:
+            assert rel_err(lc, lr) < 1e-5 and rel_err(hc[real], hr[real]) < 1e-5
+            assert ref.keys() == got.keys()
+            for name, t in ref.items():
+                if name.startswith(("k", "v")):
+                    a, b = got[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]
+                else:
+                    a, b = got[name], t
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
+        (lh, hh, hot), (lh2, hh2, hot2) = cached[-2:]
+        assert torch.equal(lh2, lh) and torch.equal(hh2, hh)
+        assert all(torch.equal(hot2[name], t) for name, t in hot.items())
+    everything = prompts * (4 + 2 * (len(STRATEGIES) - 1))
+    sim = _simulate(everything)
+    assert [f for _, f, _ in sim[2 * len(prompts):]] == [1] * (len(everything) - 2 * len(prompts))  # hot
+    assert {k: v for k, v in pc.stats.as_dict().items() if k in _counters(everything)} == _counters(everything)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_forwards(family):
+    """A prefix of 4 blocks shared by 5 prompts with their own suffixes, prefilled one at a time:
+    the model's body runs 1, 2, then 1 forward(s) per prompt (counted by a hook, and so counted
+    in prefill_forwards); from the third prompt on each hits the 4 shared blocks; every prompt's
+    logits and the cache it leaves equal its uncached prefill within 1e-5 relative."""
+    adapter = adapter_for(get_model(family))
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, VOCAB - 1, (4 * BS,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (5, 2, 7, 3, 9)]
+    sim = _simulate(prompts)
+    assert [(h, f) for h, f, _ in sim] == [(0, 1), (0, 2), (4, 1), (4, 1), (4, 1)]
+    pc, forwards = PrefixCache(BS), []
+    hook = adapter.body.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    try:
+        for p, (hit, n, _) in zip(prompts, sim):
+            ids, mask = torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)
+            runs = []
+            for prefix_cache in (None, pc):
+                cache = adapter.new_cache(1, len(p) + 4, 3, make_strategy("snapshot"))
+                before, hits = len(forwards), pc.stats.hit_blocks
+                logits, _ = adapter.prefill(ids, mask, cache, prefix_cache=prefix_cache)
+                runs.append((logits, _cache_tensors(cache), len(forwards) - before, pc.stats.hit_blocks - hits))
+            (lr, ref, _, _), (lc, got, calls, hits) = runs
+            assert calls == n and hits == hit
+            assert rel_err(lc, lr) < 1e-5 and ref.keys() == got.keys()
+            for name, t in ref.items():
+                assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+                err = rel_err(got[name].float(), t.float()) if t.is_floating_point() else float((got[name] != t).sum())
+                assert err < 1e-5, name
+    finally:
+        hook.remove()
+    assert pc.stats.prefill_forwards == 1 + 2 + 1 + 1 + 1 and pc.stats.hit_tokens == 3 * len(shared)
 
 
 def test_eviction_under_a_tiny_bound():
@@ -262,23 +322,35 @@ def test_argument_errors():
     ]:
         with pytest.raises(err, match=match):
             sd.generate_batch([[5, 6, 7]], max_new_tokens=2, **kw)
-    mistral = specdec.wrap(get_model("mistral"), num_speculative_tokens=2)  # sliding_window = 8
-    with pytest.raises(ValueError, match="prefix_block_size <= 7"):
-        mistral.generate_batch([[5, 6, 7]], max_new_tokens=2, prefix_caching=True, prefix_block_size=8)
+
+
+def test_blocks_longer_than_a_sliding_window():
+    """Sliding-window layers that keep fewer keys than a block (window 8: 7 keys; blocks of 8
+    tokens): a block's keys / values are taken as the layers receive them in the forward, so the
+    outputs still equal HF greedy and a hit serves the shared blocks."""
+    family = "mistral"
+    assert get_model(family).config.sliding_window == 8
+    prompts = _prompts()
+    sd = specdec.wrap(get_model(family), rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    _check(_run(sd, prompts, prefix_caching=True, prefix_block_size=8), _expected(family), prompts)
+    want = _counters(prompts, bs=8, ssm=False)
+    assert want["hit_blocks"] > 0 and sd.last_stats.prefix_cache["hit_blocks"] == want["hit_blocks"]
 
 
 # --- the PrefixCache itself, on synthetic blocks -------------------------------------------------
-def _block(head_dim: int, hidden: bool = False) -> PrefixBlock:
-    """A block of one attention layer (keys / values ``[1, 1, 2, head_dim]`` fp32) and one SSM
-    layer (conv ``[1, 3, 4]`` fp32, state ``[1, 2, 2, 2]`` fp64); hidden states ``[1, 2, 5]``."""
+def _block(head_dim: int, hidden: bool = False, state: bool = True) -> PrefixBlock:
+    """A block of one attention layer (keys / values ``[1, 1, 2, head_dim]`` fp32) and, with
+    ``state``, one SSM layer's state (conv ``[1, 3, 4]`` fp32, recurrent ``[1, 2, 2, 2]`` fp64);
+    hidden states ``[1, 2, 5]``."""
     kv = torch.randn(1, 1, 2, head_dim)
     ssm = LayerState(conv_state=torch.randn(1, 3, 4), recurrent_state=torch.randn(1, 2, 2, 2, dtype=torch.float64))
-    layers = {0: LayerState(keys=kv.clone(), values=kv.clone()), 1: ssm}
-    return PrefixBlock(layers, torch.randn(1, 2, 5) if hidden else None)
+    return PrefixBlock({0: LayerState(keys=kv.clone(), values=kv.clone())}, {1: ssm} if state else None,
+                       torch.randn(1, 2, 5) if hidden else None)
 
 
 def _storage_bytes(block: PrefixBlock) -> int:
-    ts = [t for s in block.layers.values() for t in (s.keys, s.values, s.conv_state, s.recurrent_state)]
+    states = [*block.kv.values(), *(block.ssm_state or {}).values()]
+    ts = [t for s in states for t in (s.keys, s.values, s.conv_state, s.recurrent_state)]
     return sum(t.untyped_storage().nbytes() for t in [*ts, block.hidden_states] if t is not None)
 
 
@@ -291,44 +363,90 @@ def test_prefix_cache_lru_and_bytes():
     assert size == _storage_bytes(blk) == 2 * 2 * 8 * 4 + 12 * 4 + 8 * 8
     pc = PrefixCache(block_size=2, max_bytes=4 * size)
     a, b = [5, 6, 7, 8, 9, 10], [5, 6, 11, 12]
-    chain = pc.match(a)
-    assert chain == [] and pc.stats.lookups == 1 and pc.stats.prefilled_tokens == 6
+    found = pc.match(a)
+    assert found.chain == [] and found.hit == 0 and found.forward_ends == (6,)
+    assert pc.stats.lookups == 1 and pc.stats.prefilled_tokens == 6
+    chain = []
     for j in range(3):
         assert pc.insert(chain, a[2 * j:2 * j + 2], _block(8)) is chain[-1]
     assert len(pc) == 3 and pc.nbytes == 3 * size
-    assert len(pc.match(a)) == 2  # (6 - 1) // 2: the last block is recomputed for its logits
-    assert len(pc.match(a + [1])) == 3 and pc.stats.hit_tokens == 10
-    chain_b = pc.match(b)
+    assert pc.match(a).hit == 2  # (6 - 1) // 2: the last block is recomputed for its logits
+    assert pc.match(a + [1]).hit == 3 and pc.stats.hit_tokens == 10
+    chain_b = pc.match(b).chain
     assert len(chain_b) == 1  # shares a's first block
     pc.insert(chain_b, b[2:], _block(8))  # 4 blocks: full
     assert pc.stats.evicted_blocks == 0 and pc.nbytes == 4 * size
-    chain_c = pc.match([20, 21, 22])
+    chain_c = pc.match([20, 21, 22]).chain
     pc.insert(chain_c, [20, 21], _block(8))  # evicts the least recently used leaf: a's third block
     assert pc.stats.evicted_blocks == 1 and pc.nbytes == 4 * size
     live = {e.id for e in pc.entries()}
     assert all(e.parent is None or e.parent in live for e in pc.entries())
-    assert len(pc.match(a + [1])) == 2 and len(pc.match(b + [1])) == 2
+    assert pc.match(a + [1]).hit == 2 and pc.match(b + [1]).hit == 2
     # a chain that cannot fit is not stored, nor anything after it
     small = PrefixCache(block_size=2, max_bytes=size + 50)  # one block, and room for its hidden states
-    chain = small.match(a)
+    chain = small.match(a).chain
     assert small.insert(chain, a[:2], _block(8)) is not None
     assert small.insert(chain, a[2:4], _block(8)) is None and len(small) == 1
     # hidden states: a lookup that needs them stops at a block without; storing them upgrades it
-    assert small.match(a, need_hidden_states=True) == []
+    assert small.match(a, need_hidden_states=True).chain == []
     assert small.insert([], a[:2], _block(8, hidden=True)) is not None
-    assert len(small.match(a[:3], need_hidden_states=True)) == 1 and small.nbytes == _block(8, True).nbytes
+    assert small.match(a[:3], need_hidden_states=True).hit == 1 and small.nbytes == _block(8, True).nbytes
+    assert small.stats.stored_bytes == small.stats.inserted_bytes - small.stats.evicted_bytes
     with pytest.raises(ValueError, match="block_size=2"):
         small.insert([], [1, 2, 3], _block(8))
     with pytest.raises(ValueError, match="prefix_block_size must be >= 1"):
         PrefixCache(0)
 
 
+def test_prefix_cache_branch_points():
+    """Blocks stored without SSM state are found but not hit: a lookup hits up to the deepest
+    block holding state and plans a first forward to a branch point at the end of the blocks
+    found; storing the state there adds exactly its bytes to the block (its keys / values kept)
+    and later lookups hit it in one forward. Stored tensors are compact copies of views."""
+    pc = PrefixCache(block_size=2)
+    a, b = [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12, 13]
+    chain = []
+    for j in range(3):  # a prefill of a in one forward: state only at its end (a block boundary)
+        pc.insert(chain, a[2 * j:2 * j + 2], _block(8, state=j == 2))
+    kv_only, with_state = chain[0].block.nbytes, chain[2].block.nbytes
+    assert kv_only == 2 * 2 * 8 * 4 and with_state == kv_only + 12 * 4 + 8 * 8
+    found = pc.match(a + [1])  # extends a: hits all of it
+    assert (len(found.chain), found.hit, found.forward_ends) == (3, 3, (7,))
+    assert pc.stats.hit_bytes == 3 * kv_only + (with_state - kv_only)
+    found = pc.match(b)  # shares a's first two blocks, which hold no state: a branch point at 4
+    assert (len(found.chain), found.hit, found.forward_ends) == (2, 0, (4, 7))
+    assert pc.stats.prefill_forwards == 1 + 2 and pc.stats.prefilled_tokens == 1 + 7
+    before, kv = pc.stats.as_dict(), chain[1].block.kv[0].keys
+    branch = []
+    pc.insert(branch, b[:2], _block(8, state=False))  # the first forward's blocks, the last with state
+    pc.insert(branch, b[2:4], _block(8))
+    assert branch == chain[:2] and chain[1].block.kv[0].keys is kv  # keys / values kept
+    after = pc.stats.as_dict()
+    assert after["inserted_blocks"] == before["inserted_blocks"] and len(pc) == 3
+    added = with_state - kv_only
+    assert after["inserted_bytes"] - before["inserted_bytes"] == added == pc.nbytes - before["stored_bytes"]
+    pc.insert(branch, b[4:6], _block(8, state=False))  # the second forward's block
+    found = pc.match([5, 6, 7, 8, 20, 21, 22])  # a third suffix after the shared prefix: hits it, one forward
+    assert (len(found.chain), found.hit, found.forward_ends) == (2, 2, (7,))
+    found = pc.match(b + [14])  # extends b, whose last block holds no state: a branch point at 6
+    assert (len(found.chain), found.hit, found.forward_ends) == (3, 2, (6, 8))
+    view = torch.randn(1, 1, 10, 8)[:, :, 4:6]  # a view into a larger buffer
+    entry = pc.insert([], [30, 31], PrefixBlock({0: LayerState(view, view)}, {}))
+    assert entry.block.nbytes == _storage_bytes(entry.block) == 2 * 2 * 8 * 4
+    assert pc.stats.stored_bytes == pc.stats.inserted_bytes == pc.nbytes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", EXTRA_FAMILIES + ("llama", "mistral"))
 def test_other_families(family):
     """The further hybrid families and two attention-only ones (one with sliding-window layers):
-    prefix caching stays exact."""
+    prefix caching stays exact; without SSM layers every cached block is a hit (one forward each)."""
     prompts = _prompts()
     sd = specdec.wrap(get_model(family), rollback="replay", num_speculative_tokens=3, decode_path="eager")
     _check(_run(sd, prompts, prefix_caching=True, prefix_block_size=BS), _expected(family), prompts)
-    assert sd.last_stats.prefix_cache["hit_blocks"] == _counters(prompts)["hit_blocks"]
+    ssm = family in EXTRA_FAMILIES
+    assert bool(sd.adapter.ssm_layers()) == ssm
+    want = _counters(prompts, ssm=ssm)
+    got = sd.last_stats.prefix_cache
+    assert got["hit_blocks"] == want["hit_blocks"] and got["prefill_forwards"] == want["prefill_forwards"]
+    assert ssm or want["prefill_forwards"] == len(prompts)

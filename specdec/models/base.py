@@ -28,7 +28,6 @@ from ..kernels.mamba2.chunked import resolve_scan
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
-from .common import layer_types_of
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
 
@@ -69,6 +68,20 @@ def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
 
         out[idx] = LayerState(cat("keys", 2), cat("values", 2), cat("conv_state"), cat("recurrent_state"))
     return out
+
+
+class _KVRecordingCache(DynamicCache):
+    """Hugging Face's ``DynamicCache`` that also keeps, in ``new_kv`` (layer index -> ``(keys,
+    values)``, ``[1, H_kv, t, D]``), the keys / values each attention layer's last ``update`` got:
+    those of every position of a forward, also where a sliding-window layer keeps fewer."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.new_kv[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def register(cls):
@@ -278,22 +291,20 @@ class HybridAdapter:
         mixer forward).
 
         With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
-        own (batch 1, no padding) in chunks that end at the cache's block boundaries
-        (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, the state at
-        each full block's end is stored, and the states of every row are then loaded into
-        ``cache`` as a batched prefill leaves them (keys left-padded with zeros). The final state
-        equals the uncached prefill's up to rounding (chunked scans with another chunking; fp32:
-        about 1e-6 relative), and does not depend on what the cache held (a hit loads the state a
-        miss computes, bit for bit).
+        own (batch 1, no padding) in one forward, or two where it makes a branch point
+        (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, its full blocks
+        are stored, and the states of every row are then loaded into ``cache`` as a batched
+        prefill leaves them (keys left-padded with zeros). The final state equals the uncached
+        prefill's up to rounding (chunked scans with another chunking; fp32: about 1e-6
+        relative); which rounding depends on where the forwards were cut, so on what the cache
+        held (a hit loads bit for bit the state stored).
 
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
         ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]`` (zeros at
         padding with ``prefix_cache``).
 
         Raises:
-            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla; with
-                ``prefix_cache``, a block size the model's sliding-window layers cannot hold
-                (:meth:`check_prefix_block_size`).
+            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
         """
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
@@ -303,7 +314,6 @@ class HybridAdapter:
             hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
             states = self._layer_states(hf_cache)
         else:
-            self.check_prefix_block_size(prefix_cache.block_size)
             rows = [self.prefill_cached(ids[m.bool()], prefix_cache, all_hidden_states, scan)
                     for ids, m in zip(input_ids, mask)]
             hidden = torch.cat([_left_pad(h, input_ids.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
@@ -315,11 +325,13 @@ class HybridAdapter:
     def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
                        scan: str = "torch") -> tuple[torch.Tensor, dict[int, LayerState]]:
         """One prompt ``tokens [L]`` (int64, no padding) through the model with ``prefix_cache``:
-        the longest cached prefix of full blocks (:meth:`PrefixCache.match`, at most ``L - 1``
-        tokens) is loaded into a fresh ``DynamicCache``, the rest runs in chunks that end at block
-        boundaries (one forward per block, the last one possibly shorter), and the state after
-        each full block is stored (:meth:`PrefixCache.insert`). ``scan`` as :meth:`prefill` takes
-        it, resolved.
+        its hit (:meth:`PrefixCache.match`: the longest cached run of full blocks whose last block
+        holds SSM state, at most ``L - 1`` tokens) is loaded into a fresh ``DynamicCache`` and the
+        rest runs in the forwards the match plans (one; two when the cached blocks go past the hit:
+        the first ends at a branch point). Every full block a forward runs is stored with its keys
+        / values (and hidden states with ``all_hidden_states``), the block a forward ends on also
+        with every SSM layer's state (:meth:`PrefixCache.insert`). ``scan`` as :meth:`prefill`
+        takes it, resolved.
 
         Returns ``(hidden, states)``: the final hidden states ``[1, L, D]`` of every position with
         ``all_hidden_states`` (cached positions from the cache), else of the last one ``[1, 1,
@@ -327,32 +339,31 @@ class HybridAdapter:
         """
         bs = prefix_cache.block_size
         L = tokens.shape[0]
-        chain = prefix_cache.match(tokens.tolist(), all_hidden_states)
-        hf_cache = DynamicCache(config=self.config)
+        found = prefix_cache.match(tokens.tolist(), all_hidden_states)
+        chain = found.chain[:found.hit]
+        hf_cache = _KVRecordingCache(self.config)
         self._restore(hf_cache, [e.block for e in chain])
         hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
-        storing = True
-        for start in range(len(chain) * bs, L, bs):
-            end = min(start + bs, L)
+        every_block_state = {} if not self.ssm_layers() else None  # no SSM layer: every boundary is a state
+        start, storing = found.hit * bs, True
+        for end in found.forward_ends:
             ids = tokens[None, start:end]
+            hf_cache.new_kv.clear()
             out = self._prompt_forward(ids, torch.ones(1, end, dtype=torch.long, device=ids.device),
                                        torch.arange(start, end, device=ids.device)[None], hf_cache, scan)
             if all_hidden_states or end == L:
                 hidden.append(out)
-            if storing and end - start == bs:
-                block = PrefixBlock(self._layer_states(hf_cache, bs), out.clone() if all_hidden_states else None)
-                storing = prefix_cache.insert(chain, tokens[start:end].tolist(), block) is not None
+            for j in range(start // bs, end // bs):  # the full blocks this forward ran (start is a boundary)
+                if not storing:
+                    break
+                lo, hi = j * bs - start, (j + 1) * bs - start  # the block's positions in this forward
+                kv = {idx: LayerState(k[:, :, lo:hi], v[:, :, lo:hi]) for idx, (k, v) in hf_cache.new_kv.items()}
+                state = self._layer_states(hf_cache, keys=False) if (j + 1) * bs == end else every_block_state
+                block = PrefixBlock(kv, state, out[:, lo:hi] if all_hidden_states else None)
+                storing = prefix_cache.insert(chain, tokens[j * bs:(j + 1) * bs].tolist(), block) is not None
+            start = end
         hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
         return hidden, self._layer_states(hf_cache)
-
-    def check_prefix_block_size(self, block_size: int) -> None:
-        """Raise ValueError when a sliding-window attention layer keeps fewer than ``block_size``
-        keys (HF keeps ``sliding_window - 1``): a block's keys could not be read back after its
-        forward, so prefix caching needs ``block_size <= sliding_window - 1``."""
-        window = getattr(self.config, "sliding_window", None)
-        if window is not None and "sliding_attention" in layer_types_of(self.config) and block_size > window - 1:
-            raise ValueError(f"prefix_block_size={block_size} exceeds what the model's sliding-window layers keep "
-                             f"(sliding_window - 1 = {window - 1} keys); give prefix_block_size <= {window - 1}")
 
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
@@ -361,38 +372,32 @@ class HybridAdapter:
         with quiet_transformers(self.device), self._prompt_patched(scan):
             return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
 
-    def _layer_states(self, hf_cache, last: int | None = None) -> dict[int, LayerState]:
+    def _layer_states(self, hf_cache, keys: bool = True) -> dict[int, LayerState]:
         """Each layer's state in HF's cache (``{layer index: LayerState}``, layers holding nothing
-        left out); with ``last``, compact copies holding the keys / values of the last ``last``
-        positions only (a prefix block)."""
+        left out); with ``keys=False`` only the SSM layers' conv window and recurrent state."""
         states = {}
         for idx, layer in enumerate(hf_cache.layers):
-            keys = getattr(layer, "keys", None)
-            keys = keys if keys is not None and keys.numel() > 0 else None
-            values = layer.values if keys is not None else None
+            k = getattr(layer, "keys", None) if keys else None
+            k = k if k is not None and k.numel() > 0 else None
+            v = layer.values if k is not None else None
             conv = (getattr(layer, "conv_states", None) or {}).get(0)
             rec = (getattr(layer, "recurrent_states", None) or {}).get(0)
-            if last is not None:
-                if keys is not None:
-                    if keys.shape[2] < last:  # (check_prefix_block_size prevents it)
-                        raise ValueError(f"layer {idx} keeps {keys.shape[2]} keys, fewer than a block's {last}")
-                    keys, values = keys[:, :, -last:].clone(), values[:, :, -last:].clone()
-                conv, rec = (None if t is None else t.clone() for t in (conv, rec))
-            if any(t is not None for t in (keys, conv, rec)):
-                states[idx] = LayerState(keys, values, conv, rec)
+            if any(t is not None for t in (k, conv, rec)):
+                states[idx] = LayerState(k, v, conv, rec)
         return states
 
     def _restore(self, hf_cache, blocks: list[PrefixBlock]) -> None:
         """Load into the fresh ``hf_cache`` the state after ``blocks`` (a prompt's first blocks, in
-        order): every attention layer's keys / values of all their positions, every SSM layer's
-        conv window and recurrent state of the last block; HF's layers then continue from it."""
+        order, the last holding SSM state): every attention layer's keys / values of all their
+        positions, every SSM layer's conv window and recurrent state of the last block; HF's layers
+        then continue from it."""
         if not blocks:
             return
-        for idx, state in blocks[-1].layers.items():
-            if state.keys is not None:
-                keys = torch.cat([b.layers[idx].keys for b in blocks], dim=2)
-                values = torch.cat([b.layers[idx].values for b in blocks], dim=2)
-                hf_cache.update(keys, values, idx)
+        for idx in blocks[-1].kv:
+            keys = torch.cat([b.kv[idx].keys for b in blocks], dim=2)
+            values = torch.cat([b.kv[idx].values for b in blocks], dim=2)
+            hf_cache.update(keys, values, idx)
+        for idx, state in blocks[-1].ssm_state.items():
             if state.conv_state is not None:
                 hf_cache.update_conv_state(state.conv_state, idx, conv_kernel_size=state.conv_state.shape[-1])
             if state.recurrent_state is not None:
