@@ -352,7 +352,7 @@ def test_prefix_caching_with_drafters(family, kind, strategy):
     sharing a prefix of several blocks give every request HF greedy's tokens alone, the same as
     without the cache, and the prefix is served from it."""
     prompts, budgets, eos, _, _ = _reference(family)
-    shared = prompts[0][:6] + prompts[1][:6]
+    shared = prompts[0][:6] + prompts[2][:6]  # three blocks of 4
     prompts = [shared + p for p in prompts]
     target, make = setup(kind, family, strategy)
     expected = [_alone(target, p, b, eos) for p, b in zip(prompts, budgets)]
@@ -361,4 +361,6 @@ def test_prefix_caching_with_drafters(family, kind, strategy):
         out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS,
                                 prefix_caching=caching, prefix_block_size=4)
         _check(out, expected, prompts)
-    assert sd.last_stats.prefix_cache["hit_tokens"] >= (len(prompts) - ROWS) * 12
+    # the first prompt stores the blocks' keys / values, the second their SSM state (a branch
+    # point), every later one loads the shared blocks
+    assert sd.last_stats.prefix_cache["hit_tokens"] >= (len(prompts) - 2) * 12
