@@ -341,13 +341,17 @@ def _time_split(stats) -> dict:
 def _prefix_fields(stats) -> dict:
     """The prefix cache's counters summed over a run's calls (None without caching):
     ``prefix_hit_tokens`` (prompt tokens whose state was reused), ``prefix_hit_rate`` (their share
-    of the prompt tokens looked up) and ``prefix_cache_stored_mib`` (the cache's size at the end)."""
+    of the prompt tokens looked up), ``prefix_forwards_per_prompt`` (prefill forwards per prompt
+    looked up) and ``prefix_cache_stored_mib`` (the cache's size at the end)."""
     counters = [st.prefix_cache for st in stats if st.prefix_cache is not None]
     if not counters:
-        return {"prefix_hit_tokens": None, "prefix_hit_rate": None, "prefix_cache_stored_mib": None}
+        return {"prefix_hit_tokens": None, "prefix_hit_rate": None, "prefix_forwards_per_prompt": None,
+                "prefix_cache_stored_mib": None}
     hit = sum(c["hit_tokens"] for c in counters)
     total = hit + sum(c["prefilled_tokens"] for c in counters)
+    lookups = sum(c["lookups"] for c in counters)
     return {"prefix_hit_tokens": hit, "prefix_hit_rate": hit / total if total else None,
+            "prefix_forwards_per_prompt": sum(c["prefill_forwards"] for c in counters) / lookups if lookups else None,
             "prefix_cache_stored_mib": counters[-1]["stored_bytes"] / 2**20}
 
 
