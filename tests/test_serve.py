@@ -14,7 +14,8 @@ from test_generate_batch import ROWS, _check, _reference
 from tiny_models import get_model
 
 import specdec
-from specdec.batching import left_pad
+from specdec import zoo
+from specdec.batching import Request, RequestPool, bytes_per_sequence, left_pad, plan_rows
 from specdec.drafters import OracleDrafter
 from specdec.experiments.app import run_experiment
 
@@ -220,7 +221,6 @@ def test_serve_workload(tmp_path: Path):
     budgets (drawn where a line has none); bad lines and lengths beyond the model say what is wrong."""
     from types import SimpleNamespace
 
-    from specdec import zoo
     from specdec.experiments.serve import build_workload
 
     tok = zoo.load_tokenizer()
@@ -259,10 +259,39 @@ def test_serve_workload(tmp_path: Path):
 
 @pytest.mark.parametrize("override, match", [
     ("experiment.prompt_tokens=[64,32]", "experiment.prompt_tokens must be \\[min, max\\]"),
-    ("experiment.max_batch_size=0", "max_batch_size must be >= 1"),
+    ("experiment.max_batch_size=0", "max_batch_size must be an int >= 1 or auto"),
+    ("experiment.max_batch_size=big", "max_batch_size must be an int >= 1 or auto"),
+    ("experiment.memory_budget=lots", "memory_budget 'lots': give bytes as an int or a number with a unit"),
     ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1 or auto"),
     ("drafter.names=[draft_model]", "experiment=serve runs the drafters ngram, oracle, mtp"),
 ])
 def test_serve_bad_settings(override, match):
     with pytest.raises(ValueError, match=match):
         run_experiment(_cfg(SERVE + [override]), Path("/nonexistent"))
+
+
+def test_serve_auto_pool_size(tmp_path: Path):
+    """max_batch_size=auto with a memory budget: each continuous run has the rows generate_batch
+    planned for its strategy (replay more than snapshot in the same budget, each as
+    bytes_per_sequence gives them), its fixed batches that many requests, outputs equal plain's."""
+    from specdec.experiments.serve import build_workload
+
+    budget = "6MiB"
+    cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=24", "experiment.max_batch_size=auto",
+                f"experiment.memory_budget={budget}", "experiment.prompt_tokens=[16,64]",
+                "experiment.output_tokens=[4,16]", "drafter.names=[ngram]", "rollback.strategies=[snapshot,replay]",
+                "experiment.warmup=false"] + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert all(r["error"] is None and r["exact"] is not False for r in records)
+    cont = {r["rollback"]: r for r in records if r["run"] == "continuous" and r["drafter"] == "ngram"}
+    fixed = {r["rollback"]: r for r in records if r["run"] == "fixed_batches"}
+    model, tok = zoo.load("gdn-target")
+    work = build_workload(cfg.experiment, tok, model.config.vocab_size, int(cfg.seed),
+                          model.config.max_position_embeddings)
+    span = RequestPool.span_of([Request(i, tuple(p), b) for i, (p, b) in enumerate(zip(work.prompts, work.budgets))])
+    for strategy in ("snapshot", "replay"):
+        want = plan_rows("auto", len(work.prompts), lambda s=strategy: bytes_per_sequence(model, s, span, 4),
+                         budget).rows
+        assert cont[strategy]["batch"] == fixed[strategy]["batch"] == want
+        assert "MiB" in cont[strategy]["batch_size_reason"]
+    assert cont["replay"]["batch"] > cont["snapshot"]["batch"]

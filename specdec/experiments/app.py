@@ -208,10 +208,16 @@ def _validate_serve(cfg, drafters: list[str]) -> None:
     if cfg.num_speculative_tokens != "auto" and int(cfg.num_speculative_tokens) < 1:
         raise ValueError("experiment=serve compares speculative runs with plain decoding (which it always runs): "
                          "num_speculative_tokens must be >= 1 or auto")
-    if int(exp.requests) < 1 or int(exp.max_batch_size) < 1 or int(exp.shared_prefix_tokens) < 0:
-        raise ValueError(f"experiment.requests and experiment.max_batch_size must be >= 1 and "
-                         f"experiment.shared_prefix_tokens >= 0; got {exp.requests}, {exp.max_batch_size}, "
-                         f"{exp.shared_prefix_tokens}")
+    rows = exp.max_batch_size
+    if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"experiment.max_batch_size must be an int >= 1 or auto, got {rows!r}")
+    if int(exp.requests) < 1 or int(exp.shared_prefix_tokens) < 0:
+        raise ValueError(f"experiment.requests must be >= 1 and experiment.shared_prefix_tokens >= 0; got "
+                         f"{exp.requests}, {exp.shared_prefix_tokens}")
+    if exp.memory_budget is not None:
+        from ..batching import parse_bytes
+
+        parse_bytes(str(exp.memory_budget))  # a bad string says what is accepted, before any work
     for key in ("prompt_tokens", "output_tokens"):
         pair = [int(v) for v in exp[key]]
         if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:

@@ -213,7 +213,10 @@ class PromptSource(StrEnum):
 class ServeExperiment:
     name: str = "serve"
     requests: int = _doc(8, "requests in the workload (with requests_file: its first N lines)")
-    max_batch_size: int = _doc(4, "B: the continuous pool's rows, and the size of each fixed batch")
+    max_batch_size: Any = _doc(4, "B: the continuous pool's rows, and the size of each fixed batch; or auto: the rows "
+                                  "generate_batch sizes from memory_budget per strategy (fixed batches of the rows "
+                                  "the same drafter and strategy's continuous run chose)")
+    memory_budget: Optional[str] = _doc(None, "generate_batch's memory_budget, e.g. 40GiB (null: free device memory)")
     prompt_tokens: List[int] = _doc(help="[min, max] prompt tokens per request, drawn log-uniform",
                                     factory=lambda: [64, 2048])
     output_tokens: List[int] = _doc(help="[min, max] max_new_tokens per request, drawn log-uniform",

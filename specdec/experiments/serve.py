@@ -15,6 +15,11 @@ prompt (a system prompt); ``prefix_caching`` runs every continuous run a second 
 ``prefix_caching`` true carry ``prefix_hit_rate``, ``vs_no_prefix_cache`` (tokens/s) and
 ``ttft_speedup_vs_no_prefix_cache`` (mean time to first token without / with).
 
+``max_batch_size=auto`` (with ``memory_budget``, e.g. ``40GiB``) lets ``generate_batch`` size each
+continuous run's pool for its strategy (:func:`specdec.batching.bytes_per_sequence`: replay fits
+more rows than snapshot in one budget); the record's ``batch`` is the rows it chose, and the same
+drafter and strategy's fixed batches take that many requests.
+
 Every request arrives at the start of a run (an offline batch). Per target, in this order:
 
 1. continuous plain decoding: ``generate_batch(..., max_batch_size=B)`` with
@@ -64,6 +69,8 @@ __all__ = ["Workload", "build_workload", "load_requests", "run", "SERVE_DRAFTERS
 SERVE_DRAFTERS = ("ngram", "oracle", "mtp")
 #: new tokens per request of a warm-up call (on the shortest prompts: it compiles the kernels of the pool's size)
 WARMUP_TOKENS = 4
+#: requests of the warm-up call with ``max_batch_size="auto"`` (the shortest ones)
+WARMUP_REQUESTS = 8
 
 
 @dataclass(frozen=True)
@@ -211,12 +218,13 @@ def _timed(calls, repeats: int, device) -> RunResult:
     return res
 
 
-def _continuous(sd, work: Workload, B: int, prefix_block: int | None, device, repeats: int, warmup: bool,
-                drafter_for=None) -> RunResult:
-    """``sd.generate_batch`` over the workload with ``max_batch_size=B`` and, given
-    ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
+def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
+                drafter_for=None, memory_budget=None) -> RunResult:
+    """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
+    with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``) and,
+    given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
     drafter of a call over those requests (None: keep ``sd``'s)."""
-    kw = {"max_batch_size": B,
+    kw = {"max_batch_size": B, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
     def calls():
@@ -226,7 +234,7 @@ def _continuous(sd, work: Workload, B: int, prefix_block: int | None, device, re
         return tokens, [(times[f"req_{i}"], len(t)) for i, t in enumerate(tokens)], [sd.last_stats]
 
     if warmup:
-        idx = work.shortest(B)
+        idx = work.shortest(B if isinstance(B, int) else WARMUP_REQUESTS)
         if drafter_for is not None:
             sd.drafter = drafter_for(idx)
         try:
@@ -377,7 +385,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     device, dtype = resolve_device(cfg)
     seed, repeats, path = int(cfg.seed), int(cfg.repeats), str(exp.decode_path)
     K = cfg.num_speculative_tokens if cfg.num_speculative_tokens == "auto" else int(cfg.num_speculative_tokens)
-    B, warmup, prefix_caching = int(exp.max_batch_size), bool(exp.warmup), bool(exp.prefix_caching)
+    B = "auto" if exp.max_batch_size == "auto" else int(exp.max_batch_size)
+    budget = None if exp.memory_budget is None else str(exp.memory_budget)
+    warmup, prefix_caching = bool(exp.warmup), bool(exp.prefix_caching)
     block = int(exp.prefix_block_size)
     strategies = [str(s) for s in cfg.rollback.strategies]
     log = RunRecords(out_dir)
@@ -397,12 +407,15 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         eos = _eos_ids(model)
         base = {**common_fields(cfg, "serve", spec, device, dtype), **work.fields(), "prompt_set": work.source,
-                "batch": B, "repeats": repeats}
+                "repeats": repeats, "memory_budget": budget}
 
         def add(res: RunResult, run_name: str, drafter: str, acceptance, strategy: str, k, reference, plain=None,
-                fixed=None, caching: bool = False, uncached=None):
+                fixed=None, caching: bool = False, uncached=None, rows=None):
+            rows = rows or next((st.max_batch_size for st in res.stats if st.max_batch_size is not None), None)
             rec = {**base, "run": run_name, "drafter": drafter, "acceptance": acceptance, "rollback": strategy,
                    "num_speculative_tokens": k, "prefix_caching": caching if run_name == "continuous" else None,
+                   "batch": rows if rows is not None else B if isinstance(B, int) else None,
+                   "batch_size_reason": res.stats[-1].batch_size_reason if res.stats else None,
                    **_run_fields(res, reference)}
             rec["vs_continuous_plain"] = _ratio(rec, plain)
             rec["vs_fixed_batches"] = _ratio(rec, fixed)
@@ -419,11 +432,12 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             return rec
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
-        plain_res = _continuous(sd, work, B, None, device, repeats, warmup)
+        plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
-            add(_continuous(sd, work, B, block, device, repeats, warmup), "continuous", "plain", None, "none", 0,
+            add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget), "continuous", "plain",
+                None, "none", 0,
                 reference, caching=True, uncached=plain)
         sd.release()
         references = None if reference is None else [p + t for p, t in zip(work.prompts, reference)]
@@ -448,17 +462,21 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                            random_mtp=str(spec.source) == "random_shape" and not spec.get("mtp"))
                 sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                   decode_path=path)
-                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for)
-                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for) if prefix_caching
-                              else None)
+                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget)
+                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget)
+                              if prefix_caching else None)
                 sd.release()
                 fixed = None
                 if exp.fixed_batches:
                     sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                       decode_path=path)
-                    fixed_res = _fixed(sd, work, B, pad, eos, device, repeats, warmup, drafter_for)
+                    # with "auto", batches of the rows the continuous run chose
+                    rows = B if isinstance(B, int) else next(
+                        (st.max_batch_size for st in cont_res.stats if st.max_batch_size), None)
+                    fixed_res = (_fixed(sd, work, rows, pad, eos, device, repeats, warmup, drafter_for) if rows else
+                                 RunResult(error=f"no fixed batch size: the continuous run failed ({cont_res.error})"))
                     sd.release()
-                    fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain)
+                    fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain, rows=rows)
                 uncached = add(cont_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed)
                 if cached_res is not None:
                     add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed, True,
