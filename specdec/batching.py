@@ -219,8 +219,8 @@ class RequestPool:
         self.outputs: dict[int, GenerationOutput] = {}
         self.span = self.span_of(requests) if span is None else span
         self.admit_limit = admission_rows(size)
-        #: admissions so far, and the steps the free rows have waited for one (see :meth:`take`)
-        self.admissions = self.waited = 0
+        #: the steps the free rows have waited for a full admission (see :meth:`take`)
+        self.waited = 0
         #: finished requests and their new tokens, over the pool's life
         self.num_finished = self.new_tokens = 0
         #: called once per finished request (the progress bar), or None

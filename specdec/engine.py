@@ -223,6 +223,12 @@ class SpeculativeGenerator:
         """The largest K ``num_speculative_tokens="auto"`` may choose."""
         return self._max_K
 
+    @property
+    def _most_drafts(self) -> int:
+        """The most drafts one step of a call asks for: ``max_speculative_tokens`` with
+        ``num_speculative_tokens="auto"``, else K."""
+        return self._max_K if self._K == AUTO else self._K
+
     @max_speculative_tokens.setter
     def max_speculative_tokens(self, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -433,9 +439,9 @@ class SpeculativeGenerator:
             has ``status=RequestStatus.FAILED``, its reason in ``error`` and no tokens; the other
             requests run (HF's convention for a failed request). Stats of the call (all requests)
             in ``self.last_stats``, with the pool's rows (``max_batch_size``) and, for ``"auto"``,
-            how they were chosen (``batch_size_reason``, also logged on ``specdec.batching``); each decoded request's times (queued, admitted, first
-            token, finished) in ``self.last_request_timings``, and as HF's ``created_time`` /
-            ``lifespan`` of its output.
+            how they were chosen (``batch_size_reason``, also logged on ``specdec.batching``);
+            each decoded request's times (queued, admitted, first token, finished) in
+            ``self.last_request_timings``, and as HF's ``created_time`` / ``lifespan`` of its output.
 
         Raises:
             TypeError / ValueError: bad arguments, checked before any work: ``inputs`` not a list
@@ -471,8 +477,8 @@ class SpeculativeGenerator:
                                len(requests))
         self.last_request_timings = {}
         if requests:
-            pool = RequestPool(requests, plan.rows, queued=queued,
-                               prefix_cache=PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None)
+            cache = PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
+            pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -564,7 +570,7 @@ class SpeculativeGenerator:
         of a row under the call's strategy (``rollback="auto"``: the candidate that needs most), K
         (``"auto"``: ``max_speculative_tokens``) and decode path; the free device memory counts what
         this generator's kept buffers hold (the call frees or reuses them)."""
-        K = self.max_speculative_tokens if self._K == AUTO else self._K
+        K = self._most_drafts
         if K == 0:
             strategies = [_IN_PLACE]
         else:
@@ -605,14 +611,14 @@ class SpeculativeGenerator:
     def _idle_stats(self, plan: PoolPlan) -> None:
         """``last_stats`` of a pool that decoded nothing (every request finished or failed before a
         step, or a manager stopped before a request came): no steps, no tokens, the pool's rows."""
-        K = self.max_speculative_tokens if self._K == AUTO else self._K
+        K = self._most_drafts
         self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1),
                                 max_batch_size=plan.rows, batch_size_reason=plan.reason)
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""
         d = self._drafter
-        if self._K and not d.stateless and type(d).admit is Drafter.admit:
+        if self._K and not d.resets_rows:
             raise ValueError(f"generate_batch does not support the drafter {type(d).__name__}: it keeps per-row state "
                              "and does not define Drafter.admit, which resets a row that takes a new request; "
                              "supported: drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
@@ -628,7 +634,7 @@ class SpeculativeGenerator:
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO
-        K = self.max_speculative_tokens if adaptive else self._K  # the most drafts of one step
+        K = self._most_drafts
         V, max_new = self.adapter.vocab_size, s.max_new_tokens
         if max_new == 0:
             self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1))
@@ -676,9 +682,8 @@ class SpeculativeGenerator:
                           max_length=rows.text.shape[1])
             if pool is not None:  # continuous batching: the first requests are admitted as the later ones
                 held = [b for b in range(B) if pool.slots[b] is not None]
-                h = hidden[held] if every or drafter.wants_hidden_states else None
-                drafter.admit(torch.tensor(held, device=dev), ids[held], s.attention_mask[held], h,
-                              [pool.slots[b] for b in held])
+                self._admit_drafter(drafter, torch.tensor(held, device=dev), ids[held], s.attention_mask[held],
+                                    hidden[held], [pool.slots[b] for b in held])
             elif every:
                 drafter.observe_prompt(hidden, s.attention_mask)
             if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
@@ -835,7 +840,6 @@ class SpeculativeGenerator:
             taken = pool.take(free, decoding=live)
             if not taken:
                 return live, longest
-            pool.admissions += 1
             dev = rows.text.device
             idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
             ids, mask = left_pad([r.prompt for r in taken], dev)
@@ -844,8 +848,7 @@ class SpeculativeGenerator:
             logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
-                wanted = every or drafter.wants_hidden_states
-                drafter.admit(idx, ids, mask, hidden if wanted else None, taken)
+                self._admit_drafter(drafter, idx, ids, mask, hidden, taken)
             rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))
             new = torch.zeros(rows.text.shape[0], 1, dtype=torch.long, device=dev)
             new[idx, 0] = self._pick_first(logits.float(), s)
@@ -857,6 +860,13 @@ class SpeculativeGenerator:
             finished = rows.finished.tolist()
             pool.prefilled()
             longest = max(longest, ids.shape[1] + 1)
+
+    @staticmethod
+    def _admit_drafter(drafter: Drafter, rows, input_ids, attention_mask, hidden, requests) -> None:
+        """:meth:`Drafter.admit` of ``rows`` with their prompts' prefill ``hidden`` states (every
+        position's or the last one's, as the prefill gave them) when the drafter wants them."""
+        wanted = drafter.wants_all_hidden_states or drafter.wants_hidden_states
+        drafter.admit(rows, input_ids, attention_mask, hidden if wanted else None, requests)
 
     @staticmethod
     def _append(rows, hook, new, limit, scores, raw, pos=None):

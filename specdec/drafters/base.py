@@ -81,6 +81,12 @@ class Drafter(abc.ABC):
     #: to reset (:meth:`admit` does nothing). The n-gram drafter is.
     stateless: bool = False
 
+    @property
+    def resets_rows(self) -> bool:
+        """Whether a row may take a new sequence between two steps (continuous batching): the
+        drafter is ``stateless`` or defines :meth:`admit`."""
+        return self.stateless or type(self).admit is not Drafter.admit
+
     def admit(self, rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               hidden_states: torch.Tensor | None, requests: list) -> None:
         """Continuous batching (``SpeculativeGenerator.generate_batch``): between two steps, the
