@@ -28,6 +28,7 @@ from ..kernels.mamba2.chunked import resolve_scan
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
+from .step_attention import grouped_attention_configs, grouped_step_attention_for
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
 
@@ -141,6 +142,7 @@ class HybridAdapter:
         self.body, self.lm_head = _causal_lm_parts(model)
         self.config = model.config
         self._ssm: dict | None = None
+        self._grouped_attention = grouped_attention_configs(model)  # step attention without repeat_kv
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
 
     # --- family specifics ------------------------------------------------------------------
@@ -421,7 +423,7 @@ class HybridAdapter:
         """Run ``t`` more step tokens ``input_ids [B, t]`` through the model's own decoder layers with
         ``cache``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
         t = input_ids.shape[1]
-        with self._patched(cache):
+        with self._patched(cache), grouped_step_attention_for(self._grouped_attention):
             out = self._call_body(input_ids, self.step_attention_mask(cache, t), cache.position_ids(t), cache)
         cache.advance(t)
         hidden = out.last_hidden_state

@@ -1,0 +1,88 @@
+"""Attention of a decode / verify step with grouped-query heads, without copying the KV cache per
+query head.
+
+A step reads the whole KV cache (in static mode every column of the pool's span) under an
+additive mask ``[B, 1, t, L]``. transformers' ``sdpa`` attention then repeats the keys and values
+of every KV head for each of its query heads (``repeat_kv``: ``torch.nn.functional.scaled_dot_product_attention``
+accepts ``enable_gqa`` only without a mask), so a layer of ``H`` query heads over ``H_kv`` KV
+heads copies ``2 * B * H * L * D`` cache elements per step; with a 2,560-column pool that copy
+outweighs the attention itself.
+
+:func:`grouped_step_attention` folds each KV head's ``R = H / H_kv`` query heads into the query
+length instead (the multi-query form of grouped-query attention, as decoding kernels such as
+FlashDecoding order it): ``q [B, H, t, D] -> [B, H_kv, R t, D]`` and the mask's rows repeated
+``R`` times, so one SDPA call reads each cached key once. Every query row keeps its own softmax
+over the same keys under the same mask, so the result is the same attention (up to the kernel's
+rounding for another query count). :meth:`HybridAdapter.forward
+<specdec.models.base.HybridAdapter.forward>` routes the step's attention layers through it when
+the model runs transformers' ``sdpa`` (:func:`grouped_step_attention_for`); prefill keeps
+transformers' own path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+__all__ = ["GROUPED_STEP_ATTENTION", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
+
+#: the name :func:`grouped_step_attention` is registered under in transformers' ``AttentionInterface``
+GROUPED_STEP_ATTENTION = "specdec_grouped_sdpa"
+
+
+def grouped_step_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [B, H, t, D]``, ``key`` / ``value [B,
+    H_kv, L, D]`` (any float dtype), ``attention_mask`` additive or boolean, ``[B, 1, t, L]``.
+    Returns ``(output [B, t, H, D], None)`` as ``sdpa_attention_forward`` does.
+
+    With a mask of one head row, ``H_kv < H`` and no position bias, the query heads of each KV
+    head are folded into the query length (see the module docstring); anything else goes to
+    transformers' ``sdpa_attention_forward`` unchanged."""
+    B, H, t, D = query.shape
+    Hkv = key.shape[1]
+    folds = (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+             and Hkv < H and H % Hkv == 0 and kwargs.get("position_bias") is None
+             and not kwargs.get("output_attentions", False) and value.shape[1] == Hkv)
+    if not folds:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    R, L, Dv = H // Hkv, key.shape[2], value.shape[-1]
+    q = query.reshape(B, Hkv, R * t, D)  # query head h = j R + r (repeat_kv's order) -> KV head j, rows r t ...
+    mask = attention_mask.expand(B, 1, t, L)[:, :, None].expand(B, 1, R, t, L).reshape(B, 1, R * t, L)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(B, H, t, Dv).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_STEP_ATTENTION, grouped_step_attention)
+
+
+def grouped_step_attention_for(configs) -> contextlib.AbstractContextManager:
+    """A context in which the attention layers of ``configs`` (:func:`grouped_attention_configs`)
+    that run transformers' ``sdpa`` run :func:`grouped_step_attention`: those configs' attention
+    implementation is switched for the context and restored after it; other implementations are
+    left as they are."""
+    return _switched([cfg for cfg in configs if getattr(cfg, "_attn_implementation_internal", None) == "sdpa"])
+
+
+def grouped_attention_configs(model) -> list:
+    """The configs of ``model``'s grouped-query attention layers (``num_key_value_groups > 1``), one
+    per config object."""
+    return list({id(m.config): m.config for m in model.modules()
+                 if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}.values())
+
+
+@contextlib.contextmanager
+def _switched(configs):
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = GROUPED_STEP_ATTENTION
+        yield
+    finally:
+        for cfg in configs:
+            cfg._attn_implementation_internal = "sdpa"

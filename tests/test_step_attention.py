@@ -1,0 +1,79 @@
+"""The step attention that folds grouped query heads into the query length
+(:mod:`specdec.models.step_attention`): the same attention as transformers' ``sdpa`` with
+``repeat_kv`` on fresh random inputs, the route it takes during a step, and the configs it
+restores."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from tiny_models import get_model
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import specdec
+from specdec.models.step_attention import (GROUPED_STEP_ATTENTION, grouped_attention_configs, grouped_step_attention,
+                                           grouped_step_attention_for)
+
+
+def _inputs(B, H, Hkv, t, L, D, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, t, H, D, generator=g, dtype=dtype).transpose(1, 2)  # as the layers hand it over
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, L, D, generator=g, dtype=dtype)
+    visible = torch.rand(B, 1, t, L, generator=g) < 0.7
+    visible[..., 0] = True  # every query sees at least one key
+    mask = torch.zeros(B, 1, t, L, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("B, H, Hkv, t, L", [(3, 8, 2, 5, 37), (2, 4, 1, 1, 64), (1, 6, 3, 9, 20)])
+def test_same_attention_as_repeat_kv(B, H, Hkv, t, L):
+    q, k, v, mask = _inputs(B, H, Hkv, t, L, 16, seed=B * 100 + t)
+    module = types.SimpleNamespace(num_key_value_groups=H // Hkv, is_causal=True)
+    out, weights = grouped_step_attention(module, q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert weights is None and out.shape == ref.shape == (B, t, H, 16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_falls_back_to_sdpa_without_a_mask_or_groups():
+    """No mask (transformers then uses enable_gqa) or one KV head per query head: transformers'
+    sdpa unchanged, bit for bit."""
+    q, k, v, mask = _inputs(2, 4, 4, 3, 10, 8, seed=7)
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    assert torch.equal(grouped_step_attention(module, q, k, v, mask)[0], sdpa_attention_forward(module, q, k, v, mask)[0])
+    q, k, v, _ = _inputs(2, 4, 2, 3, 3, 8, seed=8)
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    assert torch.equal(grouped_step_attention(module, q, k, v, None)[0], sdpa_attention_forward(module, q, k, v, None)[0])
+
+
+def test_step_routes_grouped_layers_and_restores_sdpa():
+    """A step of a model with grouped-query attention (``sdpa``) calls the folded attention, and
+    the configs read ``sdpa`` again after it; an ``eager`` model keeps its implementation."""
+    import specdec.models.step_attention as step_attention
+
+    model = get_model("qwen3_5")
+    configs = grouped_attention_configs(model)
+    assert configs and all(c._attn_implementation == "sdpa" for c in configs)
+    calls = []
+    real = step_attention.grouped_step_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    from transformers import AttentionInterface
+    AttentionInterface.register(GROUPED_STEP_ATTENTION, counting)
+    try:
+        ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=2)
+        sd.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
+        assert calls, "the step's attention did not go through the grouped step attention"
+        assert all(c._attn_implementation == "sdpa" for c in configs)
+        eager = types.SimpleNamespace(_attn_implementation_internal="eager")
+        with grouped_step_attention_for([eager]):
+            assert eager._attn_implementation_internal == "eager"
+    finally:
+        AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
