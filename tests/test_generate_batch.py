@@ -35,8 +35,8 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 
 def _alone(model, prompt, budget, eos):
     """HF greedy new tokens of ``prompt`` alone, up to and including the first EOS."""
-    new = hf_greedy(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), budget,
-                    eos=eos)[0, len(prompt):].tolist()
+    ids = torch.tensor([prompt], device=model.device)
+    new = hf_greedy(model, ids, torch.ones_like(ids), budget, eos=eos)[0, len(prompt):].tolist()
     return new[:new.index(eos) + 1] if eos in new else new
 
 

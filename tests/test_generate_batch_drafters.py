@@ -30,12 +30,13 @@ MTP_FAMILIES = tuple(f for f in FAMILIES if f != "kimi_linear")
 _MTP: dict = {}
 
 
-def mtp_target(family):
-    """``(target, layers)``: a copy of ``family``'s tiny target (same weights as ``get_model``) whose
-    config declares one MTP layer (``test_mtp.MTP_FIELDS``), and MTP layers fitted to the target's
-    own greedy continuations of the test prompts, so that steps accept none, some or all drafts."""
-    if family not in _MTP:
-        target = make_model(family)
+def mtp_target(family, device: str = "cpu"):
+    """``(target, layers)``: a copy of ``family``'s tiny target (same weights as ``get_model``) on
+    ``device`` whose config declares one MTP layer (``test_mtp.MTP_FIELDS``), and MTP layers fitted
+    there to the target's own greedy continuations of the test prompts, so that steps accept none,
+    some or all drafts."""
+    if (family, device) not in _MTP:
+        target = make_model(family).to(device)
         for k, v in MTP_FIELDS[family].items():
             setattr(target.config, k, v)
         full = _reference(family)[4]
@@ -44,8 +45,8 @@ def mtp_target(family):
         layers = mtp_layers_for(target)
         layers.init_weights(target)
         fit_mtp_layers(target, layers, torch.tensor([f + f[-1:] * (width - len(f)) for f in full]), 40)
-        _MTP[family] = (target, layers)
-    return _MTP[family]
+        _MTP[family, device] = (target, layers)
+    return _MTP[family, device]
 
 
 def setup(kind, family, strategy="snapshot"):
@@ -321,13 +322,21 @@ def test_draft_strategy_must_reset_in_place_on_the_static_path():
 def test_cuda_graph_path_across_admissions(family, kind, strategy):
     """On CUDA (fp32 tiny models): generate_batch with the captured verify and proposal programs
     (the draft model's two, the MTP layers') across admissions gives every request the eager
-    path's tokens on the same device."""
-    prompts, budgets, eos, _, _ = _reference(family)
-    target, make = setup(kind, family, strategy)
-    moved = [target, mtp_target(family)[1] if kind.startswith("mtp") else get_model(family, "perturbed")]
+    path's tokens on the same device. Everything runs on CUDA, the references too (with
+    flash-linear-attention installed, transformers runs its kernels on CPU tensors as well)."""
+    moved = [get_model(family), get_model(family, "perturbed")]
     for m in moved:
         m.cuda()
     try:
+        prompts, budgets, eos, _, _ = _reference(family)
+        if kind.startswith("mtp"):
+            target, layers = mtp_target(family, "cuda")
+            def make():
+                return MTPDrafter(target, layers, tree=SMALL_TREE if kind == "mtp_tree" else None)
+        else:
+            target = moved[0]
+            def make():
+                return DraftModelDrafter(moved[1], rollback=strategy)
         outs = {}
         for path in ("eager", "cuda_graph"):
             drafter = make()
