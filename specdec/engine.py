@@ -353,7 +353,10 @@ class SpeculativeGenerator:
         Args:
             input_ids: ``[B, L]`` int64 left-padded prompts (moved to the model's device if elsewhere).
             attention_mask: ``[B, L]`` 0/1 (default: inferred from ``pad_token_id`` as HF does, else ones).
-            max_new_tokens: new tokens per row (default from the generation config).
+            max_new_tokens: new tokens per row (default from the generation config); or one per row
+                (a list of ints or a 1-D integer tensor, an extension of HF's ``generate()``): row b
+                ends after its own ``max_new_tokens[b]`` tokens as it would at EOS, and is padded
+                with ``pad_token_id`` after them; the output is as wide as the longest row.
             do_sample, temperature, top_k, top_p: sampling (lossless rejection sampling) or greedy.
             eos_token_id: int or list of ints; pad_token_id: fills rows that stopped early.
             generator: ``torch.Generator`` for reproducible sampling.
@@ -666,8 +669,10 @@ class SpeculativeGenerator:
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
         # (a pool's row without a request gets no budget: it finishes at once, free for the first admission)
-        budgets = max_new if pool is None else torch.tensor([r.max_new_tokens if r is not None else 0
-                                                             for r in pool.slots[:B]], device=dev)
+        if pool is not None:
+            budgets = torch.tensor([r.max_new_tokens if r is not None else 0 for r in pool.slots[:B]], device=dev)
+        else:
+            budgets = max_new if s.row_budgets is None else torch.tensor(s.row_budgets, device=dev)
         rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw

@@ -72,7 +72,9 @@ class GenerationSettings:
     Attributes:
         input_ids: ``[B, L]`` int64 left-padded prompts on the model's device.
         attention_mask: ``[B, L]`` int64, 0 = padding (left), 1 = token.
-        max_new_tokens: new tokens per row (>= 0).
+        max_new_tokens: new tokens per row (>= 0); with ``row_budgets``, the largest of them.
+        row_budgets: each row's own budget ``(B,)`` when ``max_new_tokens`` was given per row
+            (a row ends at its budget as at EOS), else None.
         sampling: the sampling settings, or None for greedy decoding.
         eos_token_ids: the EOS ids (empty: no EOS).
         pad_token_id: the id that fills rows that stopped early.
@@ -91,6 +93,7 @@ class GenerationSettings:
     sampling: SamplingConfig | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    row_budgets: tuple[int, ...] | None = None
     generator: torch.Generator | None = None
     streamer: object | None = None
     stopping_criteria: object | None = None
@@ -187,6 +190,29 @@ def _check_mask(attention_mask, input_ids, pad, eos) -> torch.Tensor:
     return mask
 
 
+def _row_budgets(max_new_tokens, batch: int):
+    """``max_new_tokens`` given per row (a list / tuple of ints, or a 1-D integer tensor) as a tuple
+    of ``batch`` budgets; None for anything else (an int or None: checked with the config).
+
+    Raises: ValueError / TypeError for a per-row budget of another length, a negative or a
+        non-integer entry."""
+    if isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 1:
+        if max_new_tokens.is_floating_point() or max_new_tokens.dtype == torch.bool:
+            raise TypeError(f"max_new_tokens per row must hold integers, got a {max_new_tokens.dtype} tensor")
+        max_new_tokens = max_new_tokens.tolist()
+    if not isinstance(max_new_tokens, (list, tuple)):
+        return None
+    if len(max_new_tokens) != batch:
+        raise ValueError(f"max_new_tokens per row needs one budget per row: got {len(max_new_tokens)} for a batch of "
+                         f"{batch}")
+    for b, n in enumerate(max_new_tokens):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"max_new_tokens[{b}] must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"max_new_tokens[{b}] must be >= 0, got {n}")
+    return tuple(int(n) for n in max_new_tokens)
+
+
 def _max_new_tokens(gc, model, prompt_width: int) -> int:
     max_new = gc.max_new_tokens
     if max_new is None and gc.max_length is not None:
@@ -263,6 +289,9 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     else:
         raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
                         f"{type(generation_config).__name__}")
+    row_budgets = _row_budgets(overrides.get("max_new_tokens"), input_ids.shape[0])
+    if row_budgets is not None:
+        overrides["max_new_tokens"] = max(row_budgets)
     for key, val in overrides.items():
         if val is not None:
             setattr(gc, key, val)
@@ -310,7 +339,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     criteria = _stopping_criteria(stopping_criteria, max_time)
     return_dict = bool(gc.return_dict_in_generate)
     return GenerationSettings(
-        input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos,
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, row_budgets=row_budgets,
+        sampling=sampling, eos_token_ids=eos,
         pad_token_id=int(pad if pad is not None else (eos[0] if eos else 0)), generator=generator, streamer=streamer,
         stopping_criteria=criteria, repetition_penalty=penalty, min_new_tokens=min_new, min_length=min_len,
         return_dict=return_dict, output_scores=bool(gc.output_scores) and return_dict,

@@ -549,3 +549,39 @@ def test_bad_stopping_criteria_type():
     ids, mask = ragged_prompts()
     with pytest.raises(TypeError, match="stopping_criteria"):
         wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, stopping_criteria=3)
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_max_new_tokens_per_row(path):
+    """max_new_tokens given per row: each row equals HF greedy with its own budget (ended as at
+    EOS, then padded), under speculation (the n-gram drafter, K = 3) on a ragged batch with an
+    EOS that stops row 1 early; a budget of 0 gives the prompt alone."""
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    budgets = [7, 12, 0][:ids.shape[0]] + [5] * max(0, ids.shape[0] - 3)
+    full = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    eos = int(full[1, ids.shape[1] + 3])
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
+    for given in (budgets, torch.tensor(budgets)):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=given, eos_token_id=eos, pad_token_id=0)
+        assert out.shape[0] == ids.shape[0] and out.shape[1] <= ids.shape[1] + max(budgets)
+        for b, n in enumerate(budgets):
+            alone = model.generate(ids[b:b + 1], attention_mask=mask[b:b + 1], max_new_tokens=max(n, 1),
+                                   do_sample=False, pad_token_id=0, eos_token_id=eos)[0, ids.shape[1]:].tolist()
+            alone = alone[:n]
+            row = out[b, ids.shape[1]:].tolist()
+            assert row[:len(alone)] == alone and all(t == 0 for t in row[len(alone):]), (b, row, alone)
+
+
+@pytest.mark.parametrize("given, error, match", [
+    ([4, 4], ValueError, "one budget per row: got 2 for a batch of 3"),
+    ([4, -1, 4], ValueError, r"max_new_tokens\[1\] must be >= 0"),
+    ([4, 2.5, 4], TypeError, r"max_new_tokens\[1\] must be an int"),
+    (torch.tensor([1.0, 2.0, 3.0]), TypeError, "must hold integers"),
+])
+def test_max_new_tokens_per_row_errors(given, error, match):
+    ids, mask = ragged_prompts()
+    assert ids.shape[0] == 3
+    sd = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=2)
+    with pytest.raises(error, match=match):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)
