@@ -29,7 +29,8 @@ Every request arrives at the start of a run (an offline batch). Per target, in t
    :meth:`specdec.drafters.OracleDrafter.for_requests` over the plain outputs) and rollback
    strategy: (i) continuous batching, ``generate_batch`` with ``max_batch_size=B``; (ii) the
    alternative without it: ``generate()`` on fixed batches of B requests in order, left-padded,
-   each batch running until its longest budget (a request counts only its own budget's tokens).
+   each row ending at its request's budget (``max_new_tokens`` per row: as the request would end
+   at EOS; its row then idles) and each batch running until its last row ends.
 
 Timing (:class:`specdec.batching.RequestTiming`): continuous runs read each request's times
 from ``sd.last_request_timings``; in fixed batches a request is admitted when its batch's
@@ -255,8 +256,9 @@ def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
 
 def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats: int, warmup: bool,
            drafter_for=None) -> RunResult:
-    """``sd.generate()`` on fixed batches of ``B`` requests in order (left-padded), each running
-    until its longest budget; ``drafter_for(indices)`` gives the batch's drafter (None: keep
+    """``sd.generate()`` on fixed batches of ``B`` requests in order (left-padded), each row ending
+    at its request's budget (``max_new_tokens`` per row, as a request would end at EOS) and the
+    batch running until its last row ends; ``drafter_for(indices)`` gives the batch's drafter (None: keep
     ``sd``'s)."""
     N = len(work.prompts)
     batches = [list(range(lo, min(N, lo + B))) for lo in range(0, N, B)]
@@ -265,8 +267,8 @@ def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats:
         if drafter_for is not None:
             sd.drafter = drafter_for(idx)
         ids, mask = left_pad([work.prompts[i] for i in idx], device)
-        G = budget or max(work.budgets[i] for i in idx)
-        return ids.shape[1], sd.generate(ids, attention_mask=mask, max_new_tokens=G, pad_token_id=pad)
+        budgets = [budget or work.budgets[i] for i in idx]  # each row ends at its own budget, as at EOS
+        return ids.shape[1], sd.generate(ids, attention_mask=mask, max_new_tokens=budgets, pad_token_id=pad)
 
     def calls():
         queued = time.perf_counter()
