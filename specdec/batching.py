@@ -45,16 +45,35 @@ from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
 
-__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
+__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS", "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
            "GenerationOutput",
            "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_rows",
-           "bytes_per_sequence", "cache_bytes", "check_requests", "free_memory", "kv_columns", "left_pad",
+           "bytes_per_sequence", "cache_bytes", "check_batch_tokens", "check_requests", "free_memory", "kv_columns",
+           "left_pad",
            "parse_bytes", "plan_rows", "pool_size"]
 
 logger = logging.getLogger(__name__)
 
 #: the pool's rows when ``max_batch_size`` is not given: ``min(len(inputs), DEFAULT_MAX_BATCH_SIZE)``
 DEFAULT_MAX_BATCH_SIZE = 32
+#: the most prompt tokens one admission's prefill forward runs, padding included (requests x the
+#: longest prompt among them), unless ``max_batch_tokens`` says otherwise: it bounds the prefill's
+#: activations, which the pool's memory plan does not count (16,384 tokens fill an H200's tensor
+#: cores with a 4B model)
+DEFAULT_MAX_BATCH_TOKENS = 16384
+
+
+def check_batch_tokens(max_batch_tokens) -> int:
+    """``max_batch_tokens`` (an int >= 1) as an int.
+
+    Raises: TypeError / ValueError naming what is accepted."""
+    if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, numbers.Integral):
+        raise TypeError(f"max_batch_tokens must be an int (prompt tokens of one prefill forward, padding included), "
+                        f"got {type(max_batch_tokens).__name__}")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1 (prompt tokens of one prefill forward, padding included), "
+                         f"got {max_batch_tokens}")
+    return int(max_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -202,15 +221,18 @@ class RequestPool:
     ``span`` bounds every row's committed length: the KV columns and text buffers are sized from
     it once. Given (a manager's ``max_length``), or the longest prompt + largest budget of
     ``requests``. One admission takes at most ``admit_limit`` (:func:`admission_rows`) requests,
-    and only requests whose longest prompt + largest budget fit ``span`` together (an admission
-    left-pads its prompts to one width). ``prefix_cache``: the
+    and only requests whose longest prompt + largest budget fit ``span`` together and whose
+    prompts, left-padded to one width, hold at most ``max_batch_tokens`` tokens (one request
+    always: a longer prompt is prefilled alone). ``prefix_cache``: the
     :class:`~specdec.prefix_cache.PrefixCache` every prompt of the pool is prefilled through
     (``prefix_caching=True``), or None.
     """
 
     def __init__(self, requests: list[Request], size: int, span: int | None = None,
-                 prefix_cache: PrefixCache | None = None, queued: float | None = None):
+                 prefix_cache: PrefixCache | None = None, queued: float | None = None,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
         self.prefix_cache = prefix_cache
+        self.max_batch_tokens = max_batch_tokens
         self.queue = deque(requests)
         #: each request's times by index; ``queued``: the call's start (default: now)
         self.timings = {r.index: RequestTiming(time.perf_counter() if queued is None else queued) for r in requests}
@@ -233,7 +255,8 @@ class RequestPool:
 
     def take(self, rows, at_most: int | None = None, decoding: bool = False) -> list[Request]:
         """Give the first queued requests to ``rows`` (as many as there are of both, at most
-        ``at_most``, default ``admit_limit``, and while they fit ``span`` together); returns them.
+        ``at_most``, default ``admit_limit``, and while they fit ``span`` and ``max_batch_tokens``
+        together); returns them.
 
         While other rows are ``decoding``, free rows wait for a full admission: they take requests
         when they are ``admit_limit`` (or the whole queue, if shorter), or when they have waited
@@ -250,7 +273,7 @@ class RequestPool:
                 break
             req = self.queue[0]
             w, b = max(width, len(req.prompt)), max(budget, req.max_new_tokens)
-            if taken and w + b > self.span:
+            if taken and (w + b > self.span or (len(taken) + 1) * w > self.max_batch_tokens):
                 break
             self.slots[row] = self.queue.popleft()
             taken.append(req)

@@ -32,8 +32,9 @@ from tqdm.auto import tqdm
 
 from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
                        costs_for, expected_tokens, rollback_bytes, strategy_label)
-from .batching import (GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming, bytes_per_sequence,
-                       cache_bytes, check_requests, free_memory, kv_columns, left_pad, plan_rows)
+from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming,
+                       bytes_per_sequence, cache_bytes, check_batch_tokens, check_requests, free_memory, kv_columns,
+                       left_pad, plan_rows)
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -396,6 +397,7 @@ class SpeculativeGenerator:
                        progress_bar: bool = False, max_batch_size: int | str | None = None,
                        memory_budget: int | str | None = None, prefix_caching: bool = False,
                        prefix_block_size: int = PREFIX_BLOCK_SIZE, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                       max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                        **generate_kwargs) -> dict[str, GenerationOutput]:
         """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
         through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
@@ -418,6 +420,10 @@ class SpeculativeGenerator:
             memory_budget: the device bytes the pool may take, an int or a string such as
                 ``"40GiB"``; default: free device memory (x ``specdec.batching.MEMORY_FRACTION``
                 for ``"auto"``). Unused with ``max_batch_size=None``.
+            max_batch_tokens: the most prompt tokens one prefill forward runs, left padding
+                included (requests x their longest prompt; default ``DEFAULT_MAX_BATCH_TOKENS``,
+                16,384): an admission (the first requests' too) takes requests while they fit,
+                at least one, so a large pool's prefill activations stay bounded.
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
@@ -451,7 +457,8 @@ class SpeculativeGenerator:
             of lists of ints, bad budgets, ``max_batch_size`` or ``memory_budget``; an int
             ``max_batch_size`` whose rows need more memory than the budget (or the free memory),
             ``"auto"`` where not one row fits or free memory is unknown (a device other than CUDA
-            and Linux CPUs) and no budget is given; ``prefix_caching`` not a bool,
+            and Linux CPUs) and no budget is given; ``max_batch_tokens`` not an int >= 1;
+            ``prefix_caching`` not a bool,
             ``prefix_block_size`` not an int >= 1,
             ``prefix_cache_bytes`` not an int >= 0; settings ``generate()`` rejects or that need its
             per-token hook; a drafter with per-row state that does not define
@@ -465,6 +472,7 @@ class SpeculativeGenerator:
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
+        max_batch_tokens = check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
@@ -481,7 +489,7 @@ class SpeculativeGenerator:
         self.last_request_timings = {}
         if requests:
             cache = PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
-            pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache)
+            pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache, max_batch_tokens=max_batch_tokens)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -495,6 +503,7 @@ class SpeculativeGenerator:
     def init_continuous_batching(self, generation_config=None, *, max_length: int,
                                  max_batch_size: int | str | None = None, memory_budget: int | str | None = None,
                                  max_new_tokens: int | None = None, eos_token_id=None,
+                                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                                  **generate_kwargs) -> ContinuousBatchingManager:
         """Continuous batching as a service (Hugging Face's ``init_continuous_batching``): a
         :class:`specdec.serving.ContinuousBatchingManager` that, once started, runs
@@ -508,7 +517,7 @@ class SpeculativeGenerator:
                 once; a longer request fails alone (``status=FAILED``, ``error``).
             max_batch_size: the pool's rows: an int >= 1, ``"auto"`` (as many as fit the memory
                 budget for requests of ``max_length`` tokens) or None (``DEFAULT_MAX_BATCH_SIZE``, 32).
-            memory_budget: as :meth:`generate_batch` takes it.
+            memory_budget, max_batch_tokens: as :meth:`generate_batch` takes them.
             max_new_tokens: a request's budget when ``add_request`` gives none (default: the
                 generation config's ``max_new_tokens``, else 20).
 
@@ -526,6 +535,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_length must be in [2, {limit if limit is not None else 'inf'}] (prompt + new tokens "
                              f"of a request, at most config.max_position_embeddings), got {max_length}")
         self._check_batching()
+        max_batch_tokens = check_batch_tokens(max_batch_tokens)
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
@@ -537,6 +547,7 @@ class SpeculativeGenerator:
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None)
         return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
                                          max_length=int(max_length), max_new_tokens=int(max_new_tokens),
+                                         max_batch_tokens=max_batch_tokens,
                                          vocab_size=self.adapter.vocab_size, max_positions=limit,
                                          device=self.adapter.device)
 

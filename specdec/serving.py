@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .batching import GenerationOutput, Request, RequestPool, RequestStatus, check_requests
+from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, check_requests
 
 __all__ = ["ContinuousBatchingManager", "WAIT_S"]
 
@@ -60,7 +60,7 @@ class _OpenPool(RequestPool):
     the request's times, which its output carries)."""
 
     def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
-        super().__init__([], size, span)
+        super().__init__([], size, span, max_batch_tokens=manager.max_batch_tokens)
         self.queue = manager._queue
         self._manager = manager
         self._cut: set[int] = set()  # rows a hard stop ended before their request did
@@ -110,17 +110,19 @@ class ContinuousBatchingManager:
             prompt + budget. max_new_tokens: the budget of a request that gives none.
         vocab_size, max_positions: what :func:`specdec.batching.check_requests` checks prompts against.
         device: the model's device (the loop thread makes it current on CUDA).
+        max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
 
     Attributes:
-        max_batch_size, max_length, max_new_tokens: as given.
+        max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
     """
 
     def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
-                 vocab_size: int, max_positions: int | None, device):
+                 vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
         self._run = run
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
+        self.max_batch_tokens = max_batch_tokens
         self._vocab_size, self._max_positions, self._device = vocab_size, max_positions, torch.device(device)
         self._changed = threading.Condition()  # guards everything below; notified on every change
         self._queue: deque[Request] = deque()  # waiting requests (the open pool's queue)

@@ -208,6 +208,20 @@ def test_admission_waits_for_a_group():
     assert [r.index for r in pool.take([7], decoding=True)] == [4]  # the whole (short) queue
 
 
+def test_admission_bounded_by_batch_tokens():
+    """An admission takes requests while their prompts, left-padded to one width, hold at most
+    max_batch_tokens tokens; a longer prompt alone; the first requests of a pool too."""
+    from specdec.batching import Request, RequestPool
+
+    reqs = [Request(0, (5,) * 4, 2), Request(1, (5,) * 6, 2), Request(2, (5,) * 3, 2), Request(3, (5,) * 20, 2),
+            Request(4, (5,) * 2, 2)]
+    pool = RequestPool(reqs, 5, max_batch_tokens=12)
+    assert [r.index for r in pool.take(range(5), at_most=5)] == [0, 1]  # 2 x 6 = 12; with 2: 3 x 6 > 12
+    assert [r.index for r in pool.take([2, 3, 4])] == [2]  # with 3: 2 x 20 > 12
+    assert [r.index for r in pool.take([3, 4])] == [3]  # 20 > 12: alone
+    assert [r.index for r in pool.take([4])] == [4] and not pool.queue
+
+
 def test_group_admissions_exact():
     """A pool whose admissions wait for groups (9 rows: groups of 2) gives every request the
     tokens it gets alone."""
@@ -219,6 +233,9 @@ def test_group_admissions_exact():
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9), expected, prompts)
     assert sd.last_stats.new_tokens == sum(budgets)
+    # prefill forwards of at most 12 tokens: mostly one request each, the first ones too
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9, max_batch_tokens=12), expected,
+           prompts)
 
 
 def test_plain_decoding_and_one_row():
@@ -292,6 +309,8 @@ def test_argument_errors():
         (dict(max_batch_size="big"), ValueError, "'auto'"),
         (dict(max_batch_size=0), ValueError, ">= 1"),
         (dict(prefix_caching=True, prefix_block_size=0), ValueError, "prefix_block_size"),
+        (dict(max_batch_tokens=0), ValueError, "max_batch_tokens must be >= 1"),
+        (dict(max_batch_tokens=2.5), TypeError, "max_batch_tokens must be an int"),
         (dict(max_length=10), ValueError, "max_new_tokens"),
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
         (dict(num_beams=2), ValueError, "num_beams"),

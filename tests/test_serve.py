@@ -296,3 +296,14 @@ def test_serve_auto_pool_size(tmp_path: Path):
         assert cont[strategy]["batch"] == fixed[strategy]["batch"] == want
         assert "MiB" in cont[strategy]["batch_size_reason"]
     assert cont["replay"]["batch"] > cont["snapshot"]["batch"]
+
+
+def test_serve_defaults_are_the_library_defaults():
+    """The serve experiment's generate_batch settings default to the library's own constants (the
+    config module stays import-light, so it repeats them: this keeps them one value)."""
+    from specdec.batching import DEFAULT_MAX_BATCH_TOKENS
+    from specdec.experiments.config import ServeExperiment
+    from specdec.prefix_cache import PREFIX_BLOCK_SIZE
+
+    exp = ServeExperiment()
+    assert (exp.max_batch_tokens, exp.prefix_block_size) == (DEFAULT_MAX_BATCH_TOKENS, PREFIX_BLOCK_SIZE)

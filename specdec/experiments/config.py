@@ -229,6 +229,8 @@ class ServeExperiment:
     shared_prefix_tokens: int = _doc(0, "one prefix of this many tokens before every request's prompt (0: none)")
     prefix_caching: bool = _doc(False, "also run every continuous run with generate_batch(prefix_caching=True), side by side")
     prefix_block_size: int = _doc(64, "generate_batch's prefix_block_size with prefix_caching (tokens per cached block)")
+    max_batch_tokens: int = _doc(16384, "generate_batch's max_batch_tokens: the most prompt tokens of one prefill "
+                                        "forward, padding included")
     fixed_batches: bool = _doc(True, "also run generate() on fixed batches of max_batch_size requests, in order")
     warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
     ignore_eos: bool = _doc(True, "clear the target's EOS token: every request runs its own max_new_tokens")

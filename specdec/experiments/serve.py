@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..batching import RequestTiming, left_pad
+from ..batching import DEFAULT_MAX_BATCH_TOKENS, RequestTiming, left_pad
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -220,12 +220,13 @@ def _timed(calls, repeats: int, device) -> RunResult:
 
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
-                drafter_for=None, memory_budget=None) -> RunResult:
+                drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
-    with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``) and,
+    with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
+    ``max_batch_tokens`` and,
     given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
     drafter of a call over those requests (None: keep ``sd``'s)."""
-    kw = {"max_batch_size": B, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
+    kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
     def calls():
@@ -391,6 +392,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     budget = None if exp.memory_budget is None else str(exp.memory_budget)
     warmup, prefix_caching = bool(exp.warmup), bool(exp.prefix_caching)
     block = int(exp.prefix_block_size)
+    batch_tokens = int(exp.max_batch_tokens)
     strategies = [str(s) for s in cfg.rollback.strategies]
     log = RunRecords(out_dir)
     bar = None
@@ -434,11 +436,13 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             return rec
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
-        plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget)
+        plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
+                                max_batch_tokens=batch_tokens)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
-            add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget), "continuous", "plain",
+            add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
+                                max_batch_tokens=batch_tokens), "continuous", "plain",
                 None, "none", 0,
                 reference, caching=True, uncached=plain)
         sd.release()
@@ -464,8 +468,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                            random_mtp=str(spec.source) == "random_shape" and not spec.get("mtp"))
                 sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                   decode_path=path)
-                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget)
-                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget)
+                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens)
+                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens)
                               if prefix_caching else None)
                 sd.release()
                 fixed = None
