@@ -233,6 +233,8 @@ class RequestPool:
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
         self.prefix_cache = prefix_cache
         self.max_batch_tokens = max_batch_tokens
+        #: the long prompt being prefilled a chunk per step (the decode loop's record), or None
+        self.prefilling_chunks = None
         self.queue = deque(requests)
         #: each request's times by index; ``queued``: the call's start (default: now)
         self.timings = {r.index: RequestTiming(time.perf_counter() if queued is None else queued) for r in requests}
@@ -305,8 +307,10 @@ class RequestPool:
             self.on_finish()
 
     def busy(self, finished: list[bool]) -> list[int]:
-        """The rows holding a request that ``finished`` (host copy of the loop's flags) says ended."""
-        return [b for b, req in enumerate(self.slots) if req is not None and finished[b]]
+        """The rows holding a request that ``finished`` (host copy of the loop's flags) says ended
+        (not the row whose prompt is being prefilled in chunks: it has not started)."""
+        chunked = self.prefilling_chunks.row if self.prefilling_chunks is not None else None
+        return [b for b, req in enumerate(self.slots) if req is not None and finished[b] and b != chunked]
 
 
 # ------------------------------------------------------------------------------ memory

@@ -127,6 +127,20 @@ class _Rows:
         return torch.cat([input_ids, torch.where(cols < n_gen[:, None], gen, torch.full_like(gen, pad))], dim=1)
 
 
+@dataclasses.dataclass
+class _ChunkedPrefill:
+    """A long prompt being prefilled a chunk per step into row ``row`` (continuous batching): the
+    row index as a tensor ``idx [1]``, the prompt ``ids`` / ``mask [1, L]``, the fresh cache it is
+    loaded into and ``steps``, the :meth:`HybridAdapter.prefill_chunked` generator."""
+
+    row: int
+    idx: torch.Tensor
+    ids: torch.Tensor
+    mask: torch.Tensor
+    cache: object
+    steps: object
+
+
 def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
     """``t [B, w, ...]`` cut or zero-padded to ``cols`` columns along dim 1 (the step's draft columns)."""
     if t.shape[1] >= cols:
@@ -423,7 +437,9 @@ class SpeculativeGenerator:
             max_batch_tokens: the most prompt tokens one prefill forward runs, left padding
                 included (requests x their longest prompt; default ``DEFAULT_MAX_BATCH_TOKENS``,
                 16,384): an admission (the first requests' too) takes requests while they fit,
-                at least one, so a large pool's prefill activations stay bounded.
+                at least one, so a large pool's prefill activations stay bounded; a longer prompt
+                is prefilled in chunks of that many tokens, one per step while other rows decode
+                (without prefix caching).
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
@@ -609,17 +625,18 @@ class SpeculativeGenerator:
     @torch.no_grad()
     def _run_pool(self, s, plan: PoolPlan, pool: RequestPool) -> None:
         """Decode ``pool``'s requests (:meth:`generate_batch`, and a manager's loop thread): its first
-        requests (up to its rows; an open pool waits for one) are prefilled as the loop's batch, rows
-        left over start on a placeholder prompt with no budget (finished at once: the first admission
-        gives them requests), and the decode loop runs until the pool has nothing left to decode."""
+        requests (up to its rows and ``max_batch_tokens``; an open pool waits for one) are taken, every
+        row starts on a placeholder prompt with no budget (finished at once), the first admission
+        prefills the first requests into their rows as any admission does, and the decode loop runs
+        until the pool has nothing left to decode."""
         size = len(pool.slots)
         first = pool.take(range(size), at_most=size)
         if not first:
             self._idle_stats(plan)
             return
-        ids, mask = left_pad([r.prompt for r in first] + [(0,)] * (size - len(first)), self.adapter.device)
+        ids, mask = left_pad([(0,)] * size, self.adapter.device)  # placeholders; the first admission takes `first`
         self.decoder = self.last_cache = None  # (their memory was counted as free by the plan)
-        self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool)
+        self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool, first)
         self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
 
     def _idle_stats(self, plan: PoolPlan) -> None:
@@ -639,12 +656,13 @@ class SpeculativeGenerator:
                              "Drafter.admit (the draft-model, MTP and Medusa drafters), chains or trees, and plain "
                              "decoding (num_speculative_tokens=0)")
 
-    def _decode(self, s, pool: RequestPool | None = None):
+    def _decode(self, s, pool: RequestPool | None = None, first_requests: list | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of
-        ``generate()``. With ``pool`` (continuous batching, :meth:`_run_pool`), ``s`` holds the
-        pool's first requests (their budgets in ``pool.slots``; a row whose slot is None has none
-        and finishes at once), every step starts with an admission phase (:meth:`_admit`) and the
-        outputs go to the pool (:meth:`RequestPool.finish`; returns None)."""
+        ``generate()``. With ``pool`` (continuous batching, :meth:`_run_pool`), ``s`` holds one
+        placeholder prompt per row (no budget: every row finishes at once), every step starts with
+        an admission phase (:meth:`_admit`; the first one admits ``first_requests``, the requests the pool
+        took for its rows before the loop) and the outputs go to the pool
+        (:meth:`RequestPool.finish`; returns None)."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO
@@ -671,17 +689,15 @@ class SpeculativeGenerator:
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
-        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every,
-                                     prefix_cache=pool.prefix_cache if pool is not None else None)
+        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every)  # (a pool's: placeholders)
         self.last_cache = dec.cache
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
             clock.lap("prefill")
             policy = self._speculation_policy(s, path, dec, strategy, K)
             clock.lap("calibration")
-        # (a pool's row without a request gets no budget: it finishes at once, free for the first admission)
-        if pool is not None:
-            budgets = torch.tensor([r.max_new_tokens if r is not None else 0 for r in pool.slots[:B]], device=dev)
+        if pool is not None:  # placeholders: no budget, every row finishes at once for the first admission
+            budgets = torch.zeros(B, dtype=torch.long, device=dev)
         else:
             budgets = max_new if s.row_budgets is None else torch.tensor(s.row_budgets, device=dev)
         rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
@@ -697,9 +713,7 @@ class SpeculativeGenerator:
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
             if pool is not None:  # continuous batching: the first requests are admitted as the later ones
-                held = [b for b in range(B) if pool.slots[b] is not None]
-                self._admit_drafter(drafter, torch.tensor(held, device=dev), ids[held], s.attention_mask[held],
-                                    hidden[held], [pool.slots[b] for b in held])
+                pass
             elif every:
                 drafter.observe_prompt(hidden, s.attention_mask)
             if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
@@ -710,14 +724,12 @@ class SpeculativeGenerator:
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
         finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
-        if pool is not None:
-            pool.prefilled()  # (the first requests' first tokens exist: this sync waited for them)
         done = all(finished)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
-                live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter)
-                done, grown = not live, max(grown, longest)
+                live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter, first_requests)
+                first_requests, done, grown = None, not live, max(grown, longest)
                 clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
             if done:
                 break
@@ -834,7 +846,8 @@ class SpeculativeGenerator:
         return self._output(s, out, hook, out.shape[1] - Lp)
 
     def _admit(self, pool: RequestPool, dec: Decoder, rows: _Rows, s, finished: list[bool],
-               policy: SpeculationPolicy | None, drafter: Drafter | None) -> tuple[bool, int]:
+               policy: SpeculationPolicy | None, drafter: Drafter | None, first: list | None = None
+               ) -> tuple[bool, int]:
         """The admission phase of a continuous-batching step: the rows whose request ended
         (``finished``, the host copy of ``rows.finished``) give their new tokens to ``pool`` and
         take the next queued requests: their prompts are prefilled together (left-padded) into a
@@ -845,23 +858,58 @@ class SpeculativeGenerator:
         estimates restart from the prior. Repeats while rows end at once (EOS first, a budget of one).
         While other rows decode, free rows wait for a group (:meth:`RequestPool.take`).
 
+        A prompt longer than ``pool.max_batch_tokens`` (without prefix caching) is prefilled in
+        chunks of that many tokens (:meth:`HybridAdapter.prefill_chunked`): one chunk per step
+        while other rows decode, so it does not stall them for its whole prefill (its row waits,
+        and no other request is admitted meanwhile); all at once when nothing decodes.
+
+        ``first``: requests the pool already gave rows (its first ones, :meth:`_run_pool`), admitted
+        before anything else.
+
         Returns ``(live, longest)``: whether any row decodes, and the longest text admitted (0: none)."""
         longest = 0
+        dev = rows.text.device
+        every = drafter is not None and drafter.wants_all_hidden_states
         while True:
-            ended = pool.busy(finished)
-            for row, tokens in zip(ended, rows.generated(ended) if ended else []):
-                pool.finish(row, tokens)
-            free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
-            live = not all(finished)
-            taken = pool.take(free, decoding=live)
-            if not taken:
-                return live, longest
-            dev = rows.text.device
-            idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
-            ids, mask = left_pad([r.prompt for r in taken], dev)
-            fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
-            every = drafter is not None and drafter.wants_all_hidden_states
-            logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
+            job = None
+            if first:  # the rows the pool gave its first requests (they hold them, finished as placeholders)
+                taken, first = first, None
+                free = [b for b, req in enumerate(pool.slots) if req is not None]
+            else:
+                ended = pool.busy(finished)
+                generated = rows.generated(ended) if ended else []
+                job = pool.prefilling_chunks
+                if job is not None and job.row in ended:  # a hard stop ends it before its first token
+                    generated[ended.index(job.row)] = []
+                    pool.prefilling_chunks = job = None
+                for row, tokens in zip(ended, generated):
+                    pool.finish(row, tokens)
+                live = not all(finished)
+                if job is not None:  # a long prompt, a chunk a step
+                    try:
+                        next(job.steps)
+                        if live:
+                            return live, longest
+                        continue  # nothing else decodes: its next chunk now
+                    except StopIteration as stop:
+                        pool.prefilling_chunks = None
+                        logits, hidden = stop.value
+                        taken, idx, ids, mask, fresh = [pool.slots[job.row]], job.idx, job.ids, job.mask, job.cache
+                else:
+                    free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
+                    taken = pool.take(free, decoding=live)
+                    if not taken:
+                        return live, longest
+            if job is None:
+                idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
+                ids, mask = left_pad([r.prompt for r in taken], dev)
+                fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
+                if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens and pool.prefix_cache is None:
+                    pool.prefilling_chunks = _ChunkedPrefill(
+                        free[0], idx, ids, mask, fresh,
+                        self.adapter.prefill_chunked(ids[0], fresh, pool.max_batch_tokens, every))
+                    continue  # its first chunk now
+                logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)

@@ -81,7 +81,8 @@ class _OpenPool(RequestPool):
         if self._manager._state != _HARD_STOP:
             return super().busy(finished)
         held = [b for b, req in enumerate(self.slots) if req is not None]
-        self._cut = {b for b in held if not finished[b]}
+        chunked = self.prefilling_chunks.row if self.prefilling_chunks is not None else None
+        self._cut = {b for b in held if not finished[b] or b == chunked}  # (a prefill in chunks ends too)
         return held
 
     def finish(self, row: int, generated: list[int]) -> None:

@@ -238,6 +238,46 @@ def test_group_admissions_exact():
            prompts)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_prompts_prefill_in_chunks_exact(family):
+    """Prompts longer than max_batch_tokens are prefilled a chunk per step while the other rows
+    decode (and all at once when nothing decodes): every request gets the tokens it gets alone;
+    each chunk is one forward of at most max_batch_tokens tokens."""
+    model = get_model(family)
+    g = torch.Generator().manual_seed(5)
+    lengths = [30, 4, 41, 6, 5, 23, 3]
+    budgets = [5, 12, 7, 9, 3, 6, 10]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    expected = [_alone(model, p, b, None) for p, b in zip(prompts, budgets)]
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    forwards = []
+    real = sd.adapter._prompt_forward
+
+    def counting(input_ids, *args, **kwargs):
+        forwards.append(input_ids.numel())
+        return real(input_ids, *args, **kwargs)
+
+    sd.adapter._prompt_forward = counting
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=3, max_batch_tokens=8), expected, prompts)
+    assert max(forwards) <= 8 and len(forwards) >= sum(-(-n // 8) for n in lengths if n > 8) + 1
+    assert sd.last_stats.new_tokens == sum(budgets)
+
+
+def test_long_prompt_chunks_with_mtp():
+    """The MTP drafter gets every position's hidden state of a prompt prefilled in chunks."""
+    from test_generate_batch_drafters import mtp_target
+    from specdec.drafters import MTPDrafter
+
+    family = "qwen3_5"
+    prompts, budgets, eos, expected, _ = _reference(family)
+    target, layers = mtp_target(family)
+    sd = specdec.wrap(target, drafter=MTPDrafter(target, layers), rollback="snapshot", num_speculative_tokens=3,
+                      decode_path="eager")
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS,
+                             max_batch_tokens=max(1, max(len(p) for p in prompts) // 3)), expected, prompts)
+    assert sd.last_stats.accepted_tokens > 0
+
+
 def test_plain_decoding_and_one_row():
     """K = 0 (the in-place strategy) on the static path, and a pool of one row (every request alone)."""
     family = "nemotron_h"

@@ -318,11 +318,50 @@ class HybridAdapter:
         else:
             rows = [self.prefill_cached(ids[m.bool()], prefix_cache, all_hidden_states, scan)
                     for ids, m in zip(input_ids, mask)]
-            hidden = torch.cat([_left_pad(h, input_ids.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
-            states = _stack_rows([s for _, s in rows])
+            return self._load_rows(rows, mask, cache, all_hidden_states)
         logits = self.logits(hidden[:, -1])
         self._load(cache, states, mask)
         return logits, hidden if all_hidden_states else hidden[:, -1]
+
+    def _load_rows(self, rows, mask: torch.Tensor, cache: HybridCache, all_hidden_states: bool):
+        """Load ``cache`` with prompts prefilled one by one: ``rows`` holds each one's ``(hidden,
+        states)`` as :meth:`prefill_cached` returns them, ``mask [B, L]`` their left padding.
+        Returns :meth:`prefill`'s ``(logits, hidden)``."""
+        hidden = torch.cat([_left_pad(h, mask.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
+        self._load(cache, _stack_rows([s for _, s in rows]), mask.to(torch.long))
+        return self.logits(hidden[:, -1]), hidden if all_hidden_states else hidden[:, -1]
+
+    @torch.no_grad()
+    def prefill_chunked(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int,
+                        all_hidden_states: bool = False, scan: str = "auto"):
+        """A generator that prefills one prompt ``tokens [L]`` (int64, no padding) in forwards of
+        at most ``chunk_tokens`` tokens, each continuing HF's cache where the last one ended (as
+        :meth:`prefill_cached` continues a cached prefix), so a caller can run other work between
+        them (continuous batching: the decode steps of the other rows). It yields after every
+        forward but the last; then it loads ``cache`` (batch 1) and returns :meth:`prefill`'s
+        ``(logits [1, V], hidden)``. The final state equals one forward's up to the chunked
+        scans' rounding (fp32: about 1e-6 relative), as with :meth:`prefill_cached`.
+
+        Raises:
+            ValueError: ``chunk_tokens`` < 1, an empty prompt, ``scan`` as :meth:`prefill`."""
+        if chunk_tokens < 1 or tokens.dim() != 1 or tokens.shape[0] == 0:
+            raise ValueError(f"prefill_chunked needs a non-empty 1-D prompt and chunk_tokens >= 1, got "
+                             f"{tuple(tokens.shape)} and {chunk_tokens}")
+        scan = resolve_scan(scan, self.device, self.dtype)
+        L, dev = tokens.shape[0], tokens.device
+        hf_cache = DynamicCache(config=self.config)
+        hidden = []
+        for start in range(0, L, chunk_tokens):
+            end = min(L, start + chunk_tokens)
+            out = self._prompt_forward(tokens[None, start:end], torch.ones(1, end, dtype=torch.long, device=dev),
+                                       torch.arange(start, end, device=dev)[None], hf_cache, scan)
+            if all_hidden_states or end == L:
+                hidden.append(out)
+            if end < L:
+                yield
+        hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
+        return self._load_rows([(hidden, self._layer_states(hf_cache))], torch.ones(1, L, dtype=torch.long, device=dev),
+                               cache, all_hidden_states)
 
     def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
                        scan: str = "torch") -> tuple[torch.Tensor, dict[int, LayerState]]:
