@@ -79,12 +79,14 @@ def check_batch_tokens(max_batch_tokens) -> int:
 @dataclass(frozen=True)
 class Request:
     """One prompt of a ``generate_batch`` call (or of a manager): its position in ``inputs`` (the
-    manager: in submission order), token ids, budget and, when the caller named it, its id."""
+    manager: in submission order), token ids, budget, when the caller named it, its id, and
+    whether its tokens are streamed as they are committed (a manager's ``streaming=True``)."""
 
     index: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     custom_id: str | None = None
+    streaming: bool = False
 
     @property
     def request_id(self) -> str:
@@ -235,6 +237,11 @@ class RequestPool:
         self.max_batch_tokens = max_batch_tokens
         #: the long prompt being prefilled a chunk per step (the decode loop's record), or None
         self.prefilling_chunks = None
+        #: called with a streaming request's partial output (status DECODING, its tokens so far)
+        #: whenever the loop commits tokens to it (:meth:`stream`), or None
+        self.on_stream: Callable[[GenerationOutput], None] | None = None
+        self._streamed: dict[int, list[int]] = {}  # a streaming request's tokens so far, by index
+        self.num_streaming = 0  # rows holding a streaming request
         self.queue = deque(requests)
         #: each request's times by index; ``queued``: the call's start (default: now)
         self.timings = {r.index: RequestTiming(time.perf_counter() if queued is None else queued) for r in requests}
@@ -284,6 +291,7 @@ class RequestPool:
         for req in taken:  # (a request an open pool got later: queued set by its manager)
             self.timings.setdefault(req.index, RequestTiming(now)).admitted = now
         self._prefilling += taken
+        self.num_streaming += sum(r.streaming for r in taken)
         return taken
 
     def prefilled(self) -> None:
@@ -297,6 +305,9 @@ class RequestPool:
     def finish(self, row: int, generated: list[int]) -> None:
         """Row ``row``'s request ended with ``generated``: record its output and free the row."""
         req, self.slots[row] = self.slots[row], None
+        if req.streaming:
+            self.num_streaming -= 1
+            self._streamed.pop(req.index, None)
         t = self.timings[req.index]
         t.finished = time.perf_counter()
         out = self.outputs[req.index] = req.output(RequestStatus.FINISHED, generated)
@@ -305,6 +316,21 @@ class RequestPool:
         self.new_tokens += len(generated)
         if self.on_finish is not None:
             self.on_finish()
+
+    def streaming_rows(self) -> list[int]:
+        """The rows holding a request whose tokens are streamed."""
+        if not self.num_streaming:
+            return []
+        return [b for b, req in enumerate(self.slots) if req is not None and req.streaming]
+
+    def stream(self, row: int, tokens: list[int]) -> None:
+        """Row ``row``'s (streaming) request committed ``tokens``: hand its partial output, every
+        token so far with status ``DECODING``, to :attr:`on_stream`."""
+        req = self.slots[row]
+        so_far = self._streamed.setdefault(req.index, [])
+        so_far += tokens
+        if tokens and self.on_stream is not None:
+            self.on_stream(req.output(RequestStatus.DECODING, list(so_far)))
 
     def busy(self, finished: list[bool]) -> list[int]:
         """The rows holding a request that ``finished`` (host copy of the loop's flags) says ended

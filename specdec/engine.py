@@ -791,8 +791,11 @@ class SpeculativeGenerator:
             flags = [rows.finished.all()[None].long(), bad.long()]
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
+            streaming = pool.streaming_rows() if pool is not None else []
             if pool is not None:  # ... or which rows ended, for the next admission
                 flags.append(rows.finished.long())
+            if streaming:  # ... and the committed tokens of every row, for the streaming requests
+                flags += [take, new.reshape(-1)]
             read = torch.cat(flags)
             if policy is not None:  # the acceptance observed, and E(K) of the next step on the same sync
                 left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
@@ -809,7 +812,11 @@ class SpeculativeGenerator:
                 for tok in rest[1:1 + rest[0]]:
                     s.streamer.put(torch.tensor([tok]))
             if pool is not None:
-                finished = [bool(f) for f in rest]
+                finished = [bool(f) for f in rest[:B]]
+                if streaming:
+                    kept, committed, w_new = rest[B:2 * B], rest[2 * B:], new.shape[1]
+                    for b in streaming:
+                        pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
             done = bool(all_done)
             clock.lap("bookkeeping")
             if policy is not None:
@@ -923,6 +930,10 @@ class SpeculativeGenerator:
                 policy.acceptance.rates[idx] = self.policy.prior_acceptance
             finished = rows.finished.tolist()
             pool.prefilled()
+            if any(r.streaming for r in taken):  # their first tokens, from the prefill
+                for b, tok in zip(idx.tolist(), new[idx, 0].tolist()):
+                    if pool.slots[b].streaming:
+                        pool.stream(b, [tok])
             longest = max(longest, ids.shape[1] + 1)
 
     @staticmethod

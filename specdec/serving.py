@@ -8,8 +8,10 @@ context manager. ``start()`` runs ``generate_batch``'s decode loop on a backgrou
 :class:`~specdec.batching.RequestPool` that stays open: when every row is idle the loop waits for
 a request (a blocking wait, woken by ``add_request`` and ``stop``) instead of ending, and rows
 whose request ended take waiting requests between two steps, as in ``generate_batch``. A
-request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; tokens
-are not streamed step by step.
+request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
+``add_request(..., streaming=True)`` its partial results come before that, one per step that
+commits tokens to it (status ``DECODING``, every token so far: a step commits up to K + 1), a
+newer one replacing one not taken yet.
 
 Stopping, as Hugging Face's manager does it: ``stop()`` lets the loop finish every request added
 so far (decoding or waiting), then ends it; their results stay available to ``get_result``.
@@ -28,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -61,6 +64,7 @@ class _OpenPool(RequestPool):
 
     def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
         super().__init__([], size, span, max_batch_tokens=manager.max_batch_tokens)
+        self.on_stream = manager._deliver_partial
         self.queue = manager._queue
         self._manager = manager
         self._cut: set[int] = set()  # rows a hard stop ended before their request did
@@ -191,7 +195,9 @@ class ContinuousBatchingManager:
             request_id: its id (default ``req_<n>``, n counting the manager's requests); must not
                 name a request that is waiting, decoding or whose result was not taken yet.
             max_new_tokens: its budget (default: the manager's ``max_new_tokens``).
-            streaming: must be False (results come when a request ends, not per step).
+            streaming: also hand out partial results while it decodes (``get_result`` /
+                ``request_id_iter`` / iteration give them: status ``DECODING``, every new token so
+                far; a newer one replaces one not taken yet), then its final result.
 
         Returns: the request's id. A request that cannot run (empty prompt, ids outside the
         vocabulary, prompt + budget beyond ``max_length`` or the model's context) gets a ``FAILED``
@@ -199,7 +205,7 @@ class ContinuousBatchingManager:
 
         Raises:
             TypeError: a prompt that is not a list of ints, a budget or id of the wrong type.
-            ValueError: a negative budget, an id in use, ``streaming=True``.
+            ValueError: a negative budget, an id in use.
             RuntimeError: the manager is stopping, or its last run failed (``start()`` it again).
         """
         if request_id is not None and not isinstance(request_id, str):
@@ -214,9 +220,8 @@ class ContinuousBatchingManager:
         return self._add(inputs, max_new_tokens, [None] * len(inputs), streaming)
 
     def _add(self, inputs, max_new_tokens, names: list, streaming: bool) -> list[str]:
-        if streaming:
-            raise ValueError("streaming=True (a result per step) is not available: a request's result comes when it "
-                             "ends (get_result, request_id_iter)")
+        if not isinstance(streaming, bool):
+            raise TypeError(f"streaming must be a bool, got {type(streaming).__name__}")
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         now = time.perf_counter()
         with self._changed:
@@ -236,6 +241,8 @@ class ContinuousBatchingManager:
                                  "yet); give other request_id values")
             self._count = first + len(ids)
             ready = list(failed.values())
+            if streaming:
+                requests = [dataclasses.replace(r, streaming=True) for r in requests]
             for r in requests:
                 if r.max_new_tokens == 0:
                     ready.append(r.output(RequestStatus.FINISHED))
@@ -260,13 +267,25 @@ class ContinuousBatchingManager:
         return first
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        """Make ``outputs`` the results of their requests (any thread)."""
+        """Make ``outputs`` the (final) results of their requests (any thread)."""
         with self._changed:
             for out in outputs:
                 self._in_flight.discard(out.request_id)
-                self._results[out.request_id] = out
-                self._order.append(out.request_id)
+                self._post(out)
             self._changed.notify_all()
+
+    def _deliver_partial(self, out: GenerationOutput) -> None:
+        """A streaming request's partial result (the loop thread): it replaces one not taken yet."""
+        with self._changed:
+            self._post(out)
+            self._changed.notify_all()
+
+    def _post(self, out: GenerationOutput) -> None:
+        """``out`` becomes its request's result to take, in the order results came (a request
+        keeps its place while a newer result of it replaces one not taken)."""
+        if out.request_id not in self._results:
+            self._order.append(out.request_id)
+        self._results[out.request_id] = out
 
     # results ---------------------------------------------------------------------------------
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
@@ -274,7 +293,8 @@ class ContinuousBatchingManager:
         removed from the manager; waits for it while the loop runs, at most ``timeout`` seconds
         (None: no limit).
 
-        Returns: the ``GenerationOutput`` (``FINISHED``, or ``FAILED`` with ``error``), or None:
+        Returns: the ``GenerationOutput`` (``FINISHED``, or ``FAILED`` with ``error``; a streaming
+        request's partial result, ``DECODING``, while it decodes), or None:
         after ``timeout``, or at once when no request is waiting or decoding (or the loop is not
         running) and no result is ready.
 
@@ -311,11 +331,13 @@ class ContinuousBatchingManager:
             yield out
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
-        """The result of ``request_id`` when it ends (one item: tokens are not streamed per step);
-        nothing if the loop is not running. Raises as :meth:`get_result` does."""
-        out = self.get_result(request_id)
-        if out is not None:
+        """The results of ``request_id``: its partial ones if it streams (status ``DECODING``), then
+        its final one (``FINISHED`` or ``FAILED``); ends after that, or when the loop is not
+        running. Raises as :meth:`get_result` does."""
+        while (out := self.get_result(request_id)) is not None:
             yield out
+            if out.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                return
 
     # the loop thread -------------------------------------------------------------------------
     def _loop(self, pool: _OpenPool) -> None:

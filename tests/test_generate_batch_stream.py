@@ -97,6 +97,46 @@ def test_results_by_id_and_in_finish_order():
     assert len(streamed) == 1 and streamed[0].request_id == "mine" and streamed[0].generated_tokens == expected[6]
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_streaming_requests(drafter):
+    """streaming=True: the loop hands out a partial result (DECODING) at the prefill's first token
+    and at every step that commits tokens, each the final tokens' next longer prefix, the last
+    one all of them; requests that do not stream hand out none. request_id_iter gives partial
+    results (a newer one replacing one not taken) and then the final one, equal to generate
+    alone."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager(TextOracle(full) if drafter == "oracle" else "ngram")
+    handed = []
+    deliver = m._deliver_partial
+
+    def record(out):
+        handed.append(out)
+        deliver(out)
+
+    m._deliver_partial = record  # (the pool takes it when start() makes it)
+    with m:
+        ids = [m.add_request(p, max_new_tokens=b, streaming=i % 2 == 0)
+               for i, (p, b) in enumerate(zip(prompts, budgets))]
+        seen = {rid: list(m.request_id_iter(rid)) for rid in ids}
+    growth = []
+    for i, rid in enumerate(ids):
+        final = seen[rid][-1]
+        assert final.status == RequestStatus.FINISHED and final.generated_tokens == expected[i]
+        partial = [o.generated_tokens for o in handed if o.request_id == rid]
+        assert all(o.status == RequestStatus.DECODING for o in handed)
+        if i % 2:
+            assert partial == [] and len(seen[rid]) == 1
+            continue
+        lengths = [len(t) for t in partial]
+        assert lengths[0] == 1 and lengths[-1] == len(expected[i])
+        assert all(a < b for a, b in zip(lengths, lengths[1:]))
+        assert all(t == expected[i][:len(t)] for t in partial)
+        assert all(o.generated_tokens in partial for o in seen[rid][:-1])  # what the caller got was handed out
+        growth += [b - a for a, b in zip(lengths, lengths[1:])]
+    if drafter == "oracle":  # accepted drafts: a step commits several tokens at once
+        assert max(growth) > 1
+
+
 def test_failed_requests_and_bad_arguments():
     """A request beyond max_length or with ids outside the vocabulary fails at once, alone and
     clearly; the others run; bad arguments raise."""
@@ -114,8 +154,8 @@ def test_failed_requests_and_bad_arguments():
     assert out[zero].status == RequestStatus.FINISHED and out[zero].generated_tokens == []
     with pytest.raises(TypeError, match="list of int token ids"):
         m.add_request("hello")
-    with pytest.raises(ValueError, match="streaming"):
-        m.add_request(prompts[0], streaming=True)
+    with pytest.raises(TypeError, match="streaming must be a bool"):
+        m.add_request(prompts[0], streaming="yes")
     sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
     for kw, err, match in [(dict(), TypeError, "max_length"), (dict(max_length=1), ValueError, "max_length"),
                            (dict(max_length=10**6), ValueError, "max_position_embeddings"),
