@@ -102,3 +102,13 @@ def test_simulate_adaptive_replays_the_policy(tmp_path):
                  tmp_path=tmp_path)
     rows = [x for x in lines if x.startswith("| 4 |")]
     assert [x.split("|")[2].strip() for x in rows] == ["0.5", "1", "0.9->0.1"]
+
+
+def test_step_attention_tiny_cpu(tmp_path):
+    """benchmarks/step_attention.py times the step with the grouped step attention and with
+    transformers' sdpa side by side and checks both give the same tokens (zoo tiny target, CPU)."""
+    lines = _run("step_attention.py", "--tiny", "--device", "cpu", "--batch", "2", "--columns", "16", "--new", "4",
+                 "--repeats", "2", tmp_path=tmp_path)
+    line = _line(lines, "B=  2 L=   16:")
+    assert "same tokens: True" in line and "grouped" in line and "sdpa/grouped" in line
+    assert "1 grouped-query attention config(s)" in lines[0]
