@@ -438,8 +438,8 @@ class SpeculativeGenerator:
                 included (requests x their longest prompt; default ``DEFAULT_MAX_BATCH_TOKENS``,
                 16,384): an admission (the first requests' too) takes requests while they fit,
                 at least one, so a large pool's prefill activations stay bounded; a longer prompt
-                is prefilled in chunks of that many tokens, one per step while other rows decode
-                (without prefix caching).
+                is prefilled in chunks of that many tokens (with prefix caching: of whole blocks,
+                after its hit), one per step while other rows decode.
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
@@ -865,8 +865,9 @@ class SpeculativeGenerator:
         estimates restart from the prior. Repeats while rows end at once (EOS first, a budget of one).
         While other rows decode, free rows wait for a group (:meth:`RequestPool.take`).
 
-        A prompt longer than ``pool.max_batch_tokens`` (without prefix caching) is prefilled in
-        chunks of that many tokens (:meth:`HybridAdapter.prefill_chunked`): one chunk per step
+        A prompt longer than ``pool.max_batch_tokens`` is prefilled in chunks of that many tokens
+        (:meth:`HybridAdapter.prefill_chunked`; with prefix caching, after its hit, in whole
+        blocks): one chunk per step
         while other rows decode, so it does not stall them for its whole prefill (its row waits,
         and no other request is admitted meanwhile); all at once when nothing decodes.
 
@@ -911,10 +912,11 @@ class SpeculativeGenerator:
                 idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
                 ids, mask = left_pad([r.prompt for r in taken], dev)
                 fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
-                if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens and pool.prefix_cache is None:
+                if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens:
                     pool.prefilling_chunks = _ChunkedPrefill(
                         free[0], idx, ids, mask, fresh,
-                        self.adapter.prefill_chunked(ids[0], fresh, pool.max_batch_tokens, every))
+                        self.adapter.prefill_chunked(ids[0], fresh, pool.max_batch_tokens, every,
+                                                     prefix_cache=pool.prefix_cache))
                     continue  # its first chunk now
                 logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
             dec.cache.reset_rows(idx, fresh)

@@ -127,6 +127,33 @@ def test_matches_uncached_and_hf(family, strategy):
         assert got["stored_bytes"] == got["inserted_bytes"] > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_with_prefix_cache(family):
+    """Prompts longer than max_batch_tokens, prefilled a chunk (of whole blocks) per step after
+    their cache hit: every request equals HF greedy alone, and the cache holds and hits the same
+    blocks as without chunks."""
+    prompts, expected = _prompts(), _expected(family)
+    want = _counters(prompts)
+    assert max(map(len, prompts)) > 2 * BS + 1  # several chunks for the longest prompts
+    sd = specdec.wrap(get_model(family), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                      decode_path="eager")
+    widths = []
+    real = sd.adapter._prompt_forward
+
+    def counting(input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return real(input_ids, *args, **kwargs)
+
+    sd.adapter._prompt_forward = counting
+    cached = _run(sd, prompts, prefix_caching=True, prefix_block_size=BS, max_batch_tokens=BS + 1)
+    _check(cached, expected, prompts)
+    got = sd.last_stats.prefix_cache
+    assert len(widths) > got["prefill_forwards"] + 1 and max(widths[1:]) <= BS + 1  # [0]: the placeholder rows'
+
+    assert {k: got[k] for k in ("lookups", "hit_blocks", "hit_tokens", "inserted_blocks")} == {
+        k: want[k] for k in ("lookups", "hit_blocks", "hit_tokens", "inserted_blocks")}
+
+
 def _ragged(prompts):
     L = max(map(len, prompts))
     ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])

@@ -333,14 +333,16 @@ class HybridAdapter:
 
     @torch.no_grad()
     def prefill_chunked(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int,
-                        all_hidden_states: bool = False, scan: str = "auto"):
+                        all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None):
         """A generator that prefills one prompt ``tokens [L]`` (int64, no padding) in forwards of
         at most ``chunk_tokens`` tokens, each continuing HF's cache where the last one ended (as
         :meth:`prefill_cached` continues a cached prefix), so a caller can run other work between
         them (continuous batching: the decode steps of the other rows). It yields after every
         forward but the last; then it loads ``cache`` (batch 1) and returns :meth:`prefill`'s
         ``(logits [1, V], hidden)``. The final state equals one forward's up to the chunked
-        scans' rounding (fp32: about 1e-6 relative), as with :meth:`prefill_cached`.
+        scans' rounding (fp32: about 1e-6 relative), as with :meth:`prefill_cached`. With
+        ``prefix_cache``, :meth:`prefill_cached_steps` runs it (its hit loaded, its forwards cut
+        into chunks of whole blocks).
 
         Raises:
             ValueError: ``chunk_tokens`` < 1, an empty prompt, ``scan`` as :meth:`prefill`."""
@@ -349,6 +351,10 @@ class HybridAdapter:
                              f"{tuple(tokens.shape)} and {chunk_tokens}")
         scan = resolve_scan(scan, self.device, self.dtype)
         L, dev = tokens.shape[0], tokens.device
+        mask = torch.ones(1, L, dtype=torch.long, device=dev)
+        if prefix_cache is not None:
+            row = yield from self.prefill_cached_steps(tokens, prefix_cache, all_hidden_states, scan, chunk_tokens)
+            return self._load_rows([row], mask, cache, all_hidden_states)
         hf_cache = DynamicCache(config=self.config)
         hidden = []
         for start in range(0, L, chunk_tokens):
@@ -360,8 +366,7 @@ class HybridAdapter:
             if end < L:
                 yield
         hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
-        return self._load_rows([(hidden, self._layer_states(hf_cache))], torch.ones(1, L, dtype=torch.long, device=dev),
-                               cache, all_hidden_states)
+        return self._load_rows([(hidden, self._layer_states(hf_cache))], mask, cache, all_hidden_states)
 
     def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
                        scan: str = "torch") -> tuple[torch.Tensor, dict[int, LayerState]]:
@@ -378,6 +383,19 @@ class HybridAdapter:
         ``all_hidden_states`` (cached positions from the cache), else of the last one ``[1, 1,
         D]``; and each layer's state after the prompt, as :meth:`prefill` reads HF's cache.
         """
+        steps = self.prefill_cached_steps(tokens, prefix_cache, all_hidden_states, scan)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def prefill_cached_steps(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
+                             scan: str = "torch", chunk_tokens: int | None = None):
+        """:meth:`prefill_cached` as a generator that yields between its forwards and returns what
+        it returns. With ``chunk_tokens``, each forward it plans is cut at block boundaries into
+        forwards of at most ``max(block_size, chunk_tokens rounded down to whole blocks)``
+        tokens; the cache stores what the uncut forwards store (SSM state at their ends)."""
         bs = prefix_cache.block_size
         L = tokens.shape[0]
         found = prefix_cache.match(tokens.tolist(), all_hidden_states)
@@ -387,7 +405,13 @@ class HybridAdapter:
         hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
         every_block_state = {} if not self.ssm_layers() else None  # no SSM layer: every boundary is a state
         start, storing = found.hit * bs, True
-        for end in found.forward_ends:
+        ends, cut = [], None if chunk_tokens is None else max(bs, chunk_tokens - chunk_tokens % bs)
+        for planned in found.forward_ends:
+            from_ = ends[-1] if ends else start
+            ends += ([] if cut is None else list(range(from_ + cut, planned, cut))) + [planned]
+        for end in ends:
+            if end != ends[0]:
+                yield
             ids = tokens[None, start:end]
             hf_cache.new_kv.clear()
             out = self._prompt_forward(ids, torch.ones(1, end, dtype=torch.long, device=ids.device),
@@ -399,7 +423,8 @@ class HybridAdapter:
                     break
                 lo, hi = j * bs - start, (j + 1) * bs - start  # the block's positions in this forward
                 kv = {idx: LayerState(k[:, :, lo:hi], v[:, :, lo:hi]) for idx, (k, v) in hf_cache.new_kv.items()}
-                state = self._layer_states(hf_cache, keys=False) if (j + 1) * bs == end else every_block_state
+                state = (self._layer_states(hf_cache, keys=False) if (j + 1) * bs == end and end in found.forward_ends
+                         else every_block_state)
                 block = PrefixBlock(kv, state, out[:, lo:hi] if all_hidden_states else None)
                 storing = prefix_cache.insert(chain, tokens[j * bs:(j + 1) * bs].tolist(), block) is not None
             start = end
