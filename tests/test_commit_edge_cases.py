@@ -330,7 +330,7 @@ def hf_greedy_alone(model, prompt: list, max_new: int) -> list:
 def committed_rows(cache, rows):
     """Bit-level copy of everything ``rows`` of ``cache`` hold between steps: pad, seq_len, every
     KV column, each SSM layer's committed state and conv window."""
-    rows = torch.as_tensor(rows)
+    rows = torch.as_tensor(rows, dtype=torch.long)  # (none: the pool's first admission resets every row)
     out = [cache.pad[rows].clone(), cache.seq_len[rows].clone()]
     for k, v in cache.kv.values():
         out += [k[rows].clone(), v[rows].clone()]
