@@ -31,19 +31,6 @@ def _prompts(seed=11, lengths=LENGTHS):
     return out
 
 
-def _counting_prefill(sd):
-    """Record the token count of every prompt forward of ``sd``'s adapter."""
-    forwards = []
-    real = sd.adapter._prompt_forward
-
-    def counting(input_ids, *args, **kwargs):
-        forwards.append(input_ids.numel())
-        return real(input_ids, *args, **kwargs)
-
-    sd.adapter._prompt_forward = counting
-    return forwards
-
-
 @pytest.mark.parametrize("family", ["mamba2", "zamba2", "falcon_h1", "lfm2", "bamba"])
 def test_extra_families_exact(family):
     """Further families (Mamba-2 alone, shared attention blocks, parallel attention + SSM, short
@@ -52,9 +39,10 @@ def test_extra_families_exact(family):
     prompts = _prompts()
     expected = [_alone(model, p, b, None) for p, b in zip(prompts, BUDGETS)]
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
-    forwards = _counting_prefill(sd)
+    log = _events(sd)
     _check(sd.generate_batch(prompts, max_new_tokens=BUDGETS, max_batch_size=2, max_batch_tokens=CHUNK), expected,
            prompts)
+    forwards = [n for kind, n in log if kind == "prefill"]
     assert max(forwards) <= CHUNK and len(forwards) >= -(-29 // CHUNK) + -(-23 // CHUNK)
 
 
