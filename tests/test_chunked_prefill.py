@@ -109,8 +109,9 @@ def test_eos_first_and_tiny_budgets(family, kw):
     assert sum(len(e) == b for e, b in zip(expected, budgets)) >= 5, "EOS must not stop most requests"
     sd = specdec.wrap(model, **kw)
     log = _events(sd)
-    _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=3, max_batch_tokens=CHUNK),
-           expected, prompts)
+    out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=3,
+                            max_batch_tokens=CHUNK)
+    _check(out, expected, prompts)
     assert max(n for kind, n in log if kind == "prefill") <= CHUNK
     # a chunk, a decode step, the next chunk: the prompt of 31 tokens is prefilled while row 0 decodes
     chunks = [i for i, (kind, n) in enumerate(log) if kind == "prefill" and n == CHUNK]
@@ -252,5 +253,6 @@ def test_prefill_chunked_checks_its_arguments_when_called():
     with pytest.raises(StopIteration) as stop:
         next(steps)
     logits, _ = stop.value.value
-    want, _ = ad.prefill(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), ad.new_cache(1, 32, 3, sd._strategy))
+    fresh = ad.new_cache(1, 32, 3, sd._strategy)
+    want, _ = ad.prefill(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), fresh)
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)

@@ -114,7 +114,8 @@ def test_models_route_and_stay_exact(family, implementation, grouped):
             step = sd.adapter.forward
 
             def forward(input_ids, cache):
-                seen.extend(m.config._attn_implementation for m in model.modules() if hasattr(m, "num_key_value_groups"))
+                seen.extend(m.config._attn_implementation for m in model.modules()
+                            if hasattr(m, "num_key_value_groups"))
                 return step(input_ids, cache)
 
             sd.adapter.forward = forward
