@@ -224,7 +224,9 @@ def _max_new_tokens(gc, model, prompt_width: int) -> int:
         max_pos = getattr(model.config, "max_position_embeddings", None)
         max_new = 20 if max_pos is None else max(0, min(20, max_pos - prompt_width))
     if isinstance(max_new, bool) or not isinstance(max_new, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new).__name__}")
+        shape = f" of shape {tuple(max_new.shape)}" if isinstance(max_new, torch.Tensor) else ""
+        raise TypeError(f"max_new_tokens must be an int, or one per row (a list of ints or a 1-D integer tensor), "
+                        f"got {type(max_new).__name__}{shape}")
     if max_new < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
     return max_new

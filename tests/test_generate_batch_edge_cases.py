@@ -1,5 +1,7 @@
 """Edge cases of continuous batching: ``last_stats`` of a ``generate_batch`` call with nothing
-to decode, a manager's automatic request ids next to ids a caller chose, and its requests' timings."""
+to decode, a manager's automatic request ids next to ids a caller chose, and its requests' timings;
+``generate()`` with a budget per row (the engine's per-row budgets) and returned scores, a minimum
+length, a streamer, or budgets of a type it does not take."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import time
 import pytest
 import torch
 from helpers import hf_greedy
-from tiny_models import VOCAB, get_model
+from helpers import StreamRecorder
+from tiny_models import VOCAB, get_model, ragged_prompts
 
 import specdec
 from specdec.batching import RequestStatus, RequestTiming
@@ -104,3 +107,47 @@ def test_manager_keeps_no_timings_of_delivered_requests():
         assert all(o.status == RequestStatus.FINISHED for o in out)
         gc.collect()
         assert _live_timings() - before <= m.max_batch_size
+
+
+def test_generate_budget_per_row_with_scores_min_length_and_streamer():
+    """max_new_tokens per row with return_dict_in_generate / output_scores: each row's tokens and
+    its scores up to its budget are HF's for that row alone with its budget; with min_new_tokens
+    (an EOS that would end row 0 early) too; a batch of one streams its tokens as with an int."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    L, budgets = ids.shape[1], [7, 12, 3]
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=budgets, pad_token_id=0, return_dict_in_generate=True,
+                      output_scores=True)
+    assert out.sequences.shape == (3, L + 12) and len(out.scores) == 12
+    eos = int(out.sequences[0, L + 1])
+    floor = sd.generate(ids, attention_mask=mask, max_new_tokens=budgets, pad_token_id=0, eos_token_id=eos,
+                        min_new_tokens=4)
+    for b, n in enumerate(budgets):
+        kw = dict(attention_mask=mask[b:b + 1], max_new_tokens=n, do_sample=False, pad_token_id=0)
+        ref = model.generate(ids[b:b + 1], return_dict_in_generate=True, output_scores=True, **kw)
+        assert out.sequences[b, L:L + n].tolist() == ref.sequences[0, L:].tolist()
+        assert (out.sequences[b, L + n:] == 0).all()
+        for i in range(n):
+            torch.testing.assert_close(out.scores[i][b], ref.scores[i][0], rtol=1e-4, atol=1e-4)
+        want = model.generate(ids[b:b + 1], eos_token_id=eos, min_new_tokens=min(4, n), **kw)[0, L:].tolist()
+        assert floor[b, L:L + len(want)].tolist() == want and (floor[b, L + len(want):] == 0).all(), b
+    rec = StreamRecorder()
+    one = sd.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=torch.tensor([5]), pad_token_id=0, streamer=rec)
+    assert sum(rec.puts, []) == one[0].tolist() and rec.ended and rec.new_tokens() == one[0, L:].tolist()
+
+
+@pytest.mark.parametrize("given, error, match", [
+    (torch.tensor([[4], [4], [4]]), TypeError, r"one per row \(a list of ints or a 1-D integer tensor\), got Tensor"),
+    (torch.tensor(4), TypeError, "one per row"),
+    ("4", TypeError, "one per row"),
+    ([[4], [4], [4]], TypeError, r"max_new_tokens\[0\] must be an int, got list"),
+    ([4, True, 4], TypeError, r"max_new_tokens\[1\] must be an int, got bool"),
+])
+def test_generate_budget_per_row_of_a_wrong_type(given, error, match):
+    """Budgets of a type generate() does not take: the error says what it takes (an int, or one
+    per row), not only that an int was expected."""
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
+    with pytest.raises(error, match=match):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)

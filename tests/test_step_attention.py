@@ -77,3 +77,50 @@ def test_step_routes_grouped_layers_and_restores_sdpa():
             assert eager._attn_implementation_internal == "eager"
     finally:
         AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
+
+
+@pytest.mark.parametrize("family, implementation, grouped", [
+    ("mistral", "sdpa", True),  # a sliding window shorter than prompt + new tokens
+    ("qwen3_5", "eager", False),  # loaded with eager attention: it keeps it
+    ("kimi_linear", "sdpa", False),  # one KV head per query head: transformers' sdpa as it is
+])
+def test_models_route_and_stay_exact(family, implementation, grouped):
+    """A step runs the folded attention only for grouped-query layers under ``sdpa``: a model set
+    to ``eager`` runs eager attention in every step (its configs never switched), one without
+    grouped heads keeps ``sdpa``; every output equals HF greedy ``generate`` with the model's own
+    attention, on the eager and static paths."""
+    from helpers import hf_greedy
+    from tiny_models import make_model, ragged_prompts
+
+    import specdec.models.step_attention as step_attention
+    from transformers import AttentionInterface
+
+    model = make_model(family)
+    if implementation == "eager":
+        model.set_attn_implementation("eager")
+    ids, mask = ragged_prompts()
+    ref = hf_greedy(model, ids, mask, 12)
+    seen, calls = [], []
+    real = step_attention.grouped_step_attention
+
+    def counting(module, *args, **kwargs):
+        calls.append(module)
+        return real(module, *args, **kwargs)
+
+    AttentionInterface.register(GROUPED_STEP_ATTENTION, counting)
+    try:
+        for path in ("eager", "static"):
+            sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
+            step = sd.adapter.forward
+
+            def forward(input_ids, cache):
+                seen.extend(m.config._attn_implementation for m in model.modules()
+                            if hasattr(m, "num_key_value_groups"))
+                return step(input_ids, cache)
+
+            sd.adapter.forward = forward
+            assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), ref), path
+    finally:
+        AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
+    assert bool(calls) == grouped
+    assert set(seen) == {implementation}  # (outside the step's own forward: switched back)

@@ -331,7 +331,6 @@ class HybridAdapter:
         self._load(cache, _stack_rows([s for _, s in rows]), mask.to(torch.long))
         return self.logits(hidden[:, -1]), hidden if all_hidden_states else hidden[:, -1]
 
-    @torch.no_grad()
     def prefill_chunked(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int,
                         all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None):
         """A generator that prefills one prompt ``tokens [L]`` (int64, no padding) in forwards of
@@ -349,7 +348,14 @@ class HybridAdapter:
         if chunk_tokens < 1 or tokens.dim() != 1 or tokens.shape[0] == 0:
             raise ValueError(f"prefill_chunked needs a non-empty 1-D prompt and chunk_tokens >= 1, got "
                              f"{tuple(tokens.shape)} and {chunk_tokens}")
-        scan = resolve_scan(scan, self.device, self.dtype)
+        return self._prefill_chunks(tokens, cache, chunk_tokens, all_hidden_states,
+                                    resolve_scan(scan, self.device, self.dtype))
+
+    @torch.no_grad()
+    def _prefill_chunks(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int, all_hidden_states: bool,
+                        scan: str):
+        """:meth:`prefill_chunked`'s generator, its arguments checked (raising at the call, not at
+        the first ``next``)."""
         L, dev = tokens.shape[0], tokens.device
         mask = torch.ones(1, L, dtype=torch.long, device=dev)
         if prefix_cache is not None:
