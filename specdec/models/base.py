@@ -349,11 +349,11 @@ class HybridAdapter:
             raise ValueError(f"prefill_chunked needs a non-empty 1-D prompt and chunk_tokens >= 1, got "
                              f"{tuple(tokens.shape)} and {chunk_tokens}")
         return self._prefill_chunks(tokens, cache, chunk_tokens, all_hidden_states,
-                                    resolve_scan(scan, self.device, self.dtype))
+                                    resolve_scan(scan, self.device, self.dtype), prefix_cache)
 
     @torch.no_grad()
     def _prefill_chunks(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int, all_hidden_states: bool,
-                        scan: str):
+                        scan: str, prefix_cache: PrefixCache | None):
         """:meth:`prefill_chunked`'s generator, its arguments checked (raising at the call, not at
         the first ``next``)."""
         L, dev = tokens.shape[0], tokens.device
