@@ -268,10 +268,11 @@ class RequestPool:
         together); returns them.
 
         While other rows are ``decoding``, free rows wait for a full admission: they take requests
-        when they are ``admit_limit`` (or the whole queue, if shorter), or when they have waited
+        when they are ``admit_limit`` (or as many as the first queued requests that fit
+        ``max_batch_tokens`` together, or the whole queue, if fewer), or when they have waited
         :data:`MAX_WAITING_STEPS` calls (steps) for that; until then nothing is taken."""
         if decoding and rows and self.queue:
-            if len(rows) < min(self.admit_limit, len(self.queue)) and self.waited < MAX_WAITING_STEPS:
+            if len(rows) < min(self.admit_limit, self._fitting()) and self.waited < MAX_WAITING_STEPS:
                 self.waited += 1
                 return []
         self.waited = 0
@@ -293,6 +294,17 @@ class RequestPool:
         self._prefilling += taken
         self.num_streaming += sum(r.streaming for r in taken)
         return taken
+
+    def _fitting(self) -> int:
+        """How many of the first queued requests one admission could take together (their
+        left-padded prompts within ``max_batch_tokens``; at least one, at most ``admit_limit``)."""
+        width = n = 0
+        for req in self.queue:
+            width = max(width, len(req.prompt))
+            if n == self.admit_limit or (n and (n + 1) * width > self.max_batch_tokens):
+                break
+            n += 1
+        return max(n, 1)
 
     def prefilled(self) -> None:
         """Called at the host sync after an admission's prefill: the requests taken since have

@@ -220,6 +220,9 @@ def test_admission_bounded_by_batch_tokens():
     assert [r.index for r in pool.take([2, 3, 4])] == [2]  # with 3: 2 x 20 > 12
     assert [r.index for r in pool.take([3, 4])] == [3]  # 20 > 12: alone
     assert [r.index for r in pool.take([4])] == [4] and not pool.queue
+    # while rows decode, free rows do not wait for a group that would not fit in one admission
+    pool = RequestPool([Request(i, (5,) * 10, 2) for i in range(4)], 16, max_batch_tokens=12)
+    assert pool.admit_limit == 2 and [r.index for r in pool.take([0], decoding=True)] == [0]
 
 
 def test_group_admissions_exact():
