@@ -450,8 +450,9 @@ class SpeculativeGenerator:
             prefix_cache_bytes: the most bytes of state the prefix cache holds (default
                 ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on the model's device); least recently used
                 blocks are evicted.
-            **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``pad_token_id``
-                and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
+            **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``generator``
+                (a ``torch.Generator``: the same call with the same seed samples the same tokens),
+                ``pad_token_id`` and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
                 its per-token hook (stopping criteria, ``max_time``, repetition penalty, minimum
                 lengths, returned scores) and ``max_length``.
 
@@ -579,11 +580,14 @@ class SpeculativeGenerator:
 
     def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs):
         """The settings of a pool's decode loop, checked before any work (resolved on a placeholder
-        prompt: :meth:`_run_pool` gives the loop the pool's first prompts)."""
+        prompt: :meth:`_run_pool` gives the loop its rows' placeholders); ``generator`` (a
+        ``torch.Generator`` for sampling) may be among ``generate_kwargs``."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.adapter.device)
+        generate_kwargs = dict(generate_kwargs)
+        generator = generate_kwargs.pop("generator", None)
         overrides = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **generate_kwargs)
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, ids, torch.ones_like(ids),
-                           generation_config, overrides=overrides)
+                           generation_config, overrides=overrides, generator=generator)
         blockers = settings.per_token_features
         if blockers or settings.return_dict:
             raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"

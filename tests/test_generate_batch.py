@@ -300,6 +300,13 @@ def test_sampling_path():
     out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS, do_sample=True,
                             top_k=1)
     _check(out, expected, prompts)
+    # a generator makes sampling reproducible; another seed samples other tokens
+    runs = [sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=ROWS, do_sample=True,
+                              generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
+    tokens = [[o.generated_tokens for o in r.values()] for r in runs]
+    assert tokens[0] == tokens[1] != tokens[2]
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        sd.generate_batch(prompts, max_new_tokens=2, do_sample=True, generator=1)
 
 
 @needs_triton_interpreter
