@@ -27,6 +27,7 @@ Each request's times (:class:`RequestTiming`: queued, admitted, first token, fin
 
 from __future__ import annotations
 
+import itertools
 import logging
 import numbers
 import re
@@ -45,7 +46,7 @@ from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
 
-__all__ = ["ADMISSION_DIVISOR", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS", "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
+__all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS", "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
            "GenerationOutput",
            "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_rows",
            "bytes_per_sequence", "cache_bytes", "check_batch_tokens", "check_requests", "free_memory", "kv_columns",
@@ -263,31 +264,29 @@ class RequestPool:
         return max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
 
     def take(self, rows, at_most: int | None = None, decoding: bool = False) -> list[Request]:
-        """Give the first queued requests to ``rows`` (as many as there are of both, at most
-        ``at_most``, default ``admit_limit``, and while they fit ``span`` and ``max_batch_tokens``
-        together); returns them.
+        """Give queued requests to ``rows`` (as many as there are of both, at most ``at_most``,
+        default ``admit_limit``); returns them. An admission takes the oldest waiting request,
+        then, among the next ``ADMISSION_LOOKAHEAD`` x its limit, those whose prompt lengths are
+        closest to its (ties in queue order), while they fit ``span`` and ``max_batch_tokens``
+        together: its prompts are left-padded to one width, so requests of like lengths waste
+        less of the prefill, and the oldest request is never passed over.
 
         While other rows are ``decoding``, free rows wait for a full admission: they take requests
-        when they are ``admit_limit`` (or as many as the first queued requests that fit
-        ``max_batch_tokens`` together, or the whole queue, if fewer), or when they have waited
-        :data:`MAX_WAITING_STEPS` calls (steps) for that; until then nothing is taken."""
+        when they are ``admit_limit`` (or as many as one admission could take, if fewer), or when
+        they have waited :data:`MAX_WAITING_STEPS` calls (steps) for that; until then nothing is
+        taken."""
         if decoding and rows and self.queue:
-            if len(rows) < min(self.admit_limit, self._fitting()) and self.waited < MAX_WAITING_STEPS:
+            if len(rows) < len(self._select(self.admit_limit)) and self.waited < MAX_WAITING_STEPS:
                 self.waited += 1
                 return []
         self.waited = 0
-        limit = self.admit_limit if at_most is None else at_most
-        taken, width, budget = [], 0, 0
-        for row in rows:
-            if not self.queue or len(taken) >= limit:
-                break
-            req = self.queue[0]
-            w, b = max(width, len(req.prompt)), max(budget, req.max_new_tokens)
-            if taken and (w + b > self.span or (len(taken) + 1) * w > self.max_batch_tokens):
-                break
-            self.slots[row] = self.queue.popleft()
-            taken.append(req)
-            width, budget = w, b
+        limit = min(len(rows), self.admit_limit if at_most is None else at_most)
+        chosen = self._select(limit) if limit > 0 else []
+        taken = [self.queue[i] for i in chosen]
+        for i in sorted(chosen, reverse=True):
+            del self.queue[i]
+        for row, req in zip(rows, taken):
+            self.slots[row] = req
         now = time.perf_counter()
         for req in taken:  # (a request an open pool got later: queued set by its manager)
             self.timings.setdefault(req.index, RequestTiming(now)).admitted = now
@@ -295,16 +294,25 @@ class RequestPool:
         self.num_streaming += sum(r.streaming for r in taken)
         return taken
 
-    def _fitting(self) -> int:
-        """How many of the first queued requests one admission could take together (their
-        left-padded prompts within ``max_batch_tokens``; at least one, at most ``admit_limit``)."""
-        width = n = 0
-        for req in self.queue:
-            width = max(width, len(req.prompt))
-            if n == self.admit_limit or (n and (n + 1) * width > self.max_batch_tokens):
+    def _select(self, limit: int) -> list[int]:
+        """The queue positions an admission of at most ``limit`` requests takes (see :meth:`take`),
+        in the order it takes them: the oldest first; none from an empty queue."""
+        if not self.queue or limit < 1:
+            return []
+        # (with prefix caching each prompt is prefilled alone, without padding: queue order)
+        window = list(itertools.islice(self.queue, ADMISSION_LOOKAHEAD * limit if self.prefix_cache is None else limit))
+        head = len(window[0].prompt)
+        order = sorted(range(1, len(window)), key=lambda i: (abs(len(window[i].prompt) - head), i))
+        chosen, width, budget = [0], head, window[0].max_new_tokens
+        for i in order:
+            if len(chosen) == limit:
                 break
-            n += 1
-        return max(n, 1)
+            w, b = max(width, len(window[i].prompt)), max(budget, window[i].max_new_tokens)
+            if w + b > self.span or (len(chosen) + 1) * w > self.max_batch_tokens:
+                continue
+            chosen.append(i)
+            width, budget = w, b
+        return chosen
 
     def prefilled(self) -> None:
         """Called at the host sync after an admission's prefill: the requests taken since have
@@ -363,6 +371,9 @@ ADMISSION_DIVISOR = 8
 #: ``max_waiting_tokens``, 20 there too): a prefill of a few prompts costs about as much as one of
 #: a group (its kernels are latency-bound), so a group amortises it over more rows
 MAX_WAITING_STEPS = 20
+#: an admission picks its requests, after the oldest waiting one, among the next
+#: ``ADMISSION_LOOKAHEAD`` x its limit queued requests (:meth:`RequestPool.take`)
+ADMISSION_LOOKAHEAD = 4
 #: the most rows ``max_batch_size="auto"`` chooses
 MAX_AUTO_BATCH_SIZE = 1024
 

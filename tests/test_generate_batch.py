@@ -152,7 +152,8 @@ def test_drafter_admit_per_row_state(family):
     sd = specdec.wrap(model, drafter=oracle, rollback="replay", num_speculative_tokens=3, decode_path="eager")
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS), expected,
            prompts)
-    assert sorted(oracle.admitted) == list(range(len(prompts))) and oracle.admitted[:ROWS] == [0, 1, 2]
+    # every request once; the oldest first (the first admission fills the rows, by like lengths)
+    assert sorted(oracle.admitted) == list(range(len(prompts))) and oracle.admitted[0] == 0
     assert sd.last_stats.accepted_tokens > 0
 
     class NoAdmit(Drafter):
@@ -216,13 +217,28 @@ def test_admission_bounded_by_batch_tokens():
     reqs = [Request(0, (5,) * 4, 2), Request(1, (5,) * 6, 2), Request(2, (5,) * 3, 2), Request(3, (5,) * 20, 2),
             Request(4, (5,) * 2, 2)]
     pool = RequestPool(reqs, 5, max_batch_tokens=12)
-    assert [r.index for r in pool.take(range(5), at_most=5)] == [0, 1]  # 2 x 6 = 12; with 2: 3 x 6 > 12
-    assert [r.index for r in pool.take([2, 3, 4])] == [2]  # with 3: 2 x 20 > 12
-    assert [r.index for r in pool.take([3, 4])] == [3]  # 20 > 12: alone
-    assert [r.index for r in pool.take([4])] == [4] and not pool.queue
+    # the oldest (4 tokens), then by closeness to its length: 3 (2 x 4 = 8), not 6 (3 x 6 > 12), 2 (3 x 4 = 12)
+    assert [r.index for r in pool.take(range(5), at_most=5)] == [0, 2, 4]
+    assert [r.index for r in pool.take([1, 3])] == [1]  # with 3: 2 x 20 > 12
+    assert [r.index for r in pool.take([3])] == [3] and not pool.queue  # 20 > 12: alone
     # while rows decode, free rows do not wait for a group that would not fit in one admission
     pool = RequestPool([Request(i, (5,) * 10, 2) for i in range(4)], 16, max_batch_tokens=12)
     assert pool.admit_limit == 2 and [r.index for r in pool.take([0], decoding=True)] == [0]
+
+
+def test_admission_groups_like_lengths():
+    """An admission takes the oldest request, then those of the next ADMISSION_LOOKAHEAD x its
+    limit whose prompt lengths are closest to its (ties in queue order), so a group pads little;
+    the oldest is never passed over; requests beyond the window wait."""
+    from specdec.batching import ADMISSION_LOOKAHEAD, Request, RequestPool
+
+    lengths = [10, 40, 11, 9, 38, 12, 41, 10, 10, 10]
+    pool = RequestPool([Request(i, (5,) * n, 2) for i, n in enumerate(lengths)], 16)  # admit_limit 2
+    assert ADMISSION_LOOKAHEAD * pool.admit_limit == 8  # the window: requests 0..7
+    assert [r.index for r in pool.take([0, 1])] == [0, 7]  # 10: the next 10 in the window (7), not 11 (2)
+    assert [r.index for r in pool.take([2, 3])] == [1, 6]  # the oldest is now 40: 41 is closest
+    assert [r.index for r in pool.take([4, 5])] == [2, 5]  # 11, then 12 (the 10s are as close, later in the queue)
+    assert [len(r.prompt) for r in pool.take([6, 7, 8])] == [9, 10]
 
 
 def test_group_admissions_exact():
