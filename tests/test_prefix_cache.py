@@ -312,19 +312,23 @@ class HiddenRecorder(Drafter):
 
 def test_drafter_with_all_hidden_states():
     """A drafter that wants every prompt position's hidden state gets them with prefix caching
-    too (cached blocks store them): equal to the uncached prefill's within 1e-5."""
+    too (cached blocks store them), and with prompts prefilled in chunks after their hit: equal
+    to the uncached prefill's within 1e-5."""
     family = "nemotron_h"
     prompts, expected = _prompts(), _expected(family)
     got = {}
-    for caching in (False, True):
+    for caching, chunk in ((False, None), (True, None), (True, BS + 1)):
         rec = HiddenRecorder()
         sd = specdec.wrap(get_model(family), drafter=rec, num_speculative_tokens=2, decode_path="eager")
-        _check(_run(sd, prompts, prefix_caching=caching, prefix_block_size=BS), expected, prompts)
-        got[caching] = rec.seen
-    assert sd.last_stats.prefix_cache["hit_blocks"] == _counters(prompts)["hit_blocks"]
-    for i, p in enumerate(prompts):
-        assert got[True][i].shape == (len(p), got[False][i].shape[-1])
-        assert rel_err(got[True][i], got[False][i]) < 1e-5, f"req_{i}"
+        kw = {} if chunk is None else {"max_batch_tokens": chunk}
+        _check(_run(sd, prompts, prefix_caching=caching, prefix_block_size=BS, **kw), expected, prompts)
+        got[caching, chunk] = rec.seen
+        if caching:
+            assert sd.last_stats.prefix_cache["hit_blocks"] == _counters(prompts)["hit_blocks"]
+    for key in ((True, None), (True, BS + 1)):
+        for i, p in enumerate(prompts):
+            assert got[key][i].shape == (len(p), got[False, None][i].shape[-1])
+            assert rel_err(got[key][i], got[False, None][i]) < 1e-5, f"req_{i} {key}"
 
 
 def test_static_path():
