@@ -201,6 +201,7 @@ class SpeculativeGenerator:
         self.max_speculative_tokens = max_speculative_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.decode_path = decode_path
+        self.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
         self.drafter = drafter
         self.strategy = rollback
         self.cost_model = cost_model
@@ -288,6 +289,19 @@ class SpeculativeGenerator:
             raise ValueError(f"num_speculative_tokens='auto' chooses a chain length per step, but {drafter!r} drafts a "
                              "tree (MedusaDrafter(tree=...) or acceptance='typical'); give it an int K, or use "
                              "MedusaDrafter(heads) (a chain)")
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The most prompt tokens, left padding included, one prefill forward runs (default
+        ``DEFAULT_MAX_BATCH_TOKENS``, 16,384): ``generate()`` prefills more rows in several
+        forwards (each group at its own width) and a longer prompt in chunks, so a prefill's
+        activations stay bounded; ``generate_batch``'s default. Raises TypeError / ValueError
+        when set to anything but an int >= 1."""
+        return self.adapter.max_prefill_tokens
+
+    @max_batch_tokens.setter
+    def max_batch_tokens(self, value):
+        self.adapter.max_prefill_tokens = check_batch_tokens(value)
 
     @property
     def decode_path(self) -> str:
@@ -411,7 +425,7 @@ class SpeculativeGenerator:
                        progress_bar: bool = False, max_batch_size: int | str | None = None,
                        memory_budget: int | str | None = None, prefix_caching: bool = False,
                        prefix_block_size: int = PREFIX_BLOCK_SIZE, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                       max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                       max_batch_tokens: int | None = None,
                        **generate_kwargs) -> dict[str, GenerationOutput]:
         """Continuous batching (Hugging Face's ``generate_batch`` interface): prompts of any lengths
         through a pool of ``max_batch_size`` decode rows; a row whose request ends (EOS or its own
@@ -435,8 +449,8 @@ class SpeculativeGenerator:
                 ``"40GiB"``; default: free device memory (x ``specdec.batching.MEMORY_FRACTION``
                 for ``"auto"``). Unused with ``max_batch_size=None``.
             max_batch_tokens: the most prompt tokens one prefill forward runs, left padding
-                included (requests x their longest prompt; default ``DEFAULT_MAX_BATCH_TOKENS``,
-                16,384): an admission (the first requests' too) takes requests while they fit,
+                included (requests x their longest prompt; default: :attr:`max_batch_tokens`,
+                16,384 unless set): an admission (the first requests' too) takes requests while they fit,
                 at least one, so a large pool's prefill activations stay bounded; a longer prompt
                 is prefilled in chunks of that many tokens (with prefix caching: of whole blocks,
                 after its hit), one per step while other rows decode.
@@ -489,7 +503,7 @@ class SpeculativeGenerator:
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
-        max_batch_tokens = check_batch_tokens(max_batch_tokens)
+        max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
@@ -520,7 +534,7 @@ class SpeculativeGenerator:
     def init_continuous_batching(self, generation_config=None, *, max_length: int,
                                  max_batch_size: int | str | None = None, memory_budget: int | str | None = None,
                                  max_new_tokens: int | None = None, eos_token_id=None,
-                                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                                 max_batch_tokens: int | None = None,
                                  **generate_kwargs) -> ContinuousBatchingManager:
         """Continuous batching as a service (Hugging Face's ``init_continuous_batching``): a
         :class:`specdec.serving.ContinuousBatchingManager` that, once started, runs
@@ -552,7 +566,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_length must be in [2, {limit if limit is not None else 'inf'}] (prompt + new tokens "
                              f"of a request, at most config.max_position_embeddings), got {max_length}")
         self._check_batching()
-        max_batch_tokens = check_batch_tokens(max_batch_tokens)
+        max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):

@@ -585,3 +585,34 @@ def test_max_new_tokens_per_row_errors(given, error, match):
     sd = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=2)
     with pytest.raises(error, match=match):
         sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "kimi_linear", "qwen3_next"])
+def test_prefill_in_groups_of_rows_and_chunks(family):
+    """With a small max_batch_tokens, generate() prefills its rows in groups (each at its own
+    width) and a long prompt in chunks: every forward within the bound, the output HF greedy's."""
+    model = get_model(family)
+    ids, mask = ragged_prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="eager")
+    widths = []
+    real = sd.adapter._prompt_forward
+
+    def counting(input_ids, *args, **kwargs):
+        widths.append(input_ids.numel())
+        return real(input_ids, *args, **kwargs)
+
+    sd.adapter._prompt_forward = counting
+    bound = int(mask.sum(-1).max()) - 2  # below the longest prompt: it runs in chunks
+    sd.max_batch_tokens = bound
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0), ref)
+    assert len(widths) > ids.shape[0] and max(widths) <= bound
+    long = ids[:1, -int(mask[0].sum()):]  # one prompt alone
+    widths.clear()
+    alone = model.generate(long, attention_mask=torch.ones_like(long), max_new_tokens=8, do_sample=False)
+    sd.max_batch_tokens = 3
+    assert torch.equal(sd.generate(long, attention_mask=torch.ones_like(long), max_new_tokens=8), alone)
+    assert len(widths) >= -(-long.shape[1] // 3) and max(widths) <= 3
+    for bad, err in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(err, match="max_batch_tokens"):
+            sd.max_batch_tokens = bad

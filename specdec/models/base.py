@@ -51,9 +51,27 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+def _row_groups(mask: torch.Tensor, max_tokens: int | None) -> list[slice] | None:
+    """Consecutive groups of the rows of ``mask [B, L]`` (left padding) whose prompts, padded to
+    the group's longest, hold at most ``max_tokens`` tokens together (a longer prompt alone);
+    None when the whole batch fits or ``max_tokens`` is None."""
+    B, L = mask.shape
+    if max_tokens is None or B * L <= max_tokens:
+        return None
+    lengths = mask.sum(-1).tolist()
+    groups, start, width = [], 0, 0
+    for b, n in enumerate(lengths):
+        w = max(width, n)
+        if b > start and (b - start + 1) * w > max_tokens:
+            groups.append(slice(start, b))
+            start, w = b, n
+        width = w
+    return groups + [slice(start, B)]
+
+
 def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
-    """One batch's layer states from each row's (batch 1): keys / values left-padded with zeros to
-    the longest row's, conv and recurrent states concatenated."""
+    """One batch's layer states from each group of rows' (in order): keys / values left-padded
+    with zeros to the longest group's, conv and recurrent states concatenated."""
     out = {}
     for idx, first in rows[0].items():
         per = [r[idx] for r in rows]
@@ -143,6 +161,9 @@ class HybridAdapter:
         self.config = model.config
         self._ssm: dict | None = None
         self._grouped_attention = grouped_attention_configs(model)  # step attention without repeat_kv
+        #: the most prompt tokens (left padding included) one prefill forward runs; more rows run
+        #: in several forwards, a longer prompt in chunks (:meth:`prefill`); None: one forward
+        self.max_prefill_tokens: int | None = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
 
     # --- family specifics ------------------------------------------------------------------
@@ -292,6 +313,11 @@ class HybridAdapter:
         (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"`` (transformers' own
         mixer forward).
 
+        Without ``prefix_cache``, a batch of more than :attr:`max_prefill_tokens` tokens (rows x
+        ``L``) runs in consecutive groups of rows that fit it, each at its own width (its longest
+        prompt), a single longer prompt in chunks of that many tokens; the states agree with one
+        forward's up to the chunked scans' rounding (fp32: about 1e-6 relative).
+
         With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
         own (batch 1, no padding) in one forward, or two where it makes a branch point
         (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, its full blocks
@@ -310,6 +336,10 @@ class HybridAdapter:
         """
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
+        groups = _row_groups(mask, self.max_prefill_tokens) if prefix_cache is None else None
+        if groups is not None:  # rows in groups within max_prefill_tokens
+            rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan) for g in groups]
+            return self._load_rows(rows, mask, cache, all_hidden_states)
         if prefix_cache is None:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             hf_cache = DynamicCache(config=self.config)
@@ -323,10 +353,27 @@ class HybridAdapter:
         self._load(cache, states, mask)
         return logits, hidden if all_hidden_states else hidden[:, -1]
 
+    def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str):
+        """One group of :meth:`prefill`'s rows (``[g, L]``, left-padded) in one forward at their own
+        width, or, a single prompt longer than ``max_prefill_tokens``, in chunks
+        (:meth:`_chunk_forwards`); returns ``(hidden, states)`` as :meth:`prefill_cached` does."""
+        W = int(mask.sum(-1).max())
+        input_ids, mask = input_ids[:, -W:], mask[:, -W:]  # (left padding: every token is in the last W columns)
+        if input_ids.shape[0] == 1 and W > self.max_prefill_tokens:
+            steps = self._chunk_forwards(input_ids[0], self.max_prefill_tokens, all_hidden_states, scan)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value
+        hf_cache = DynamicCache(config=self.config)
+        hidden = self._prompt_forward(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), hf_cache, scan)
+        return (hidden if all_hidden_states else hidden[:, -1:]), self._layer_states(hf_cache)
+
     def _load_rows(self, rows, mask: torch.Tensor, cache: HybridCache, all_hidden_states: bool):
-        """Load ``cache`` with prompts prefilled one by one: ``rows`` holds each one's ``(hidden,
-        states)`` as :meth:`prefill_cached` returns them, ``mask [B, L]`` their left padding.
-        Returns :meth:`prefill`'s ``(logits, hidden)``."""
+        """Load ``cache`` with prompts prefilled in groups of rows (in order): ``rows`` holds each
+        group's ``(hidden, states)`` as :meth:`prefill_cached` returns them for one row, ``mask
+        [B, L]`` their left padding. Returns :meth:`prefill`'s ``(logits, hidden)``."""
         hidden = torch.cat([_left_pad(h, mask.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
         self._load(cache, _stack_rows([s for _, s in rows]), mask.to(torch.long))
         return self.logits(hidden[:, -1]), hidden if all_hidden_states else hidden[:, -1]
@@ -356,11 +403,18 @@ class HybridAdapter:
                         scan: str, prefix_cache: PrefixCache | None):
         """:meth:`prefill_chunked`'s generator, its arguments checked (raising at the call, not at
         the first ``next``)."""
-        L, dev = tokens.shape[0], tokens.device
-        mask = torch.ones(1, L, dtype=torch.long, device=dev)
+        mask = torch.ones(1, tokens.shape[0], dtype=torch.long, device=tokens.device)
         if prefix_cache is not None:
             row = yield from self.prefill_cached_steps(tokens, prefix_cache, all_hidden_states, scan, chunk_tokens)
-            return self._load_rows([row], mask, cache, all_hidden_states)
+        else:
+            row = yield from self._chunk_forwards(tokens, chunk_tokens, all_hidden_states, scan)
+        return self._load_rows([row], mask, cache, all_hidden_states)
+
+    def _chunk_forwards(self, tokens: torch.Tensor, chunk_tokens: int, all_hidden_states: bool, scan: str):
+        """A generator: one prompt ``tokens [L]`` in forwards of at most ``chunk_tokens`` tokens,
+        each continuing HF's cache; yields after every forward but the last and returns ``(hidden,
+        states)`` as :meth:`prefill_cached` does."""
+        L, dev = tokens.shape[0], tokens.device
         hf_cache = DynamicCache(config=self.config)
         hidden = []
         for start in range(0, L, chunk_tokens):
@@ -372,7 +426,7 @@ class HybridAdapter:
             if end < L:
                 yield
         hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
-        return self._load_rows([(hidden, self._layer_states(hf_cache))], mask, cache, all_hidden_states)
+        return hidden, self._layer_states(hf_cache)
 
     def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
                        scan: str = "torch") -> tuple[torch.Tensor, dict[int, LayerState]]:
