@@ -616,3 +616,27 @@ def test_prefill_in_groups_of_rows_and_chunks(family):
     for bad, err in ((0, ValueError), (2.5, TypeError)):
         with pytest.raises(err, match="max_batch_tokens"):
             sd.max_batch_tokens = bad
+
+
+def test_prefill_groups_rows_by_length():
+    """Grouped prefill takes rows of like lengths together (less padding) and gives every row its
+    own state back in the batch's order: outputs as HF greedy on a batch whose short and long
+    prompts alternate, with the n-gram and a draft-model drafter."""
+    from specdec.models.base import _row_groups
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
+    assert [g.tolist() for g in _row_groups(mask, 6)] == [[2, 0], [3], [1]]  # 2 x 2; 3 alone: 2 x 3 > 6
+    assert _row_groups(mask, 16) is None
+    model = get_model("nemotron_h")
+    g = torch.Generator().manual_seed(11)
+    lengths = [3, 14, 4, 13, 5, 12]
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, L - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+    mask = (ids != 0).long()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for drafter in ("ngram", DraftModelDrafter(get_model("nemotron_h", "perturbed"))):
+        sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens=3, decode_path="eager")
+        sd.max_batch_tokens = 28  # groups: [3, 4, 5] x 5, [12, 13] x 13; 14 alone
+        assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0), ref)

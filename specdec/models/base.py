@@ -51,22 +51,25 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def _row_groups(mask: torch.Tensor, max_tokens: int | None) -> list[slice] | None:
-    """Consecutive groups of the rows of ``mask [B, L]`` (left padding) whose prompts, padded to
-    the group's longest, hold at most ``max_tokens`` tokens together (a longer prompt alone);
+def _row_groups(mask: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor] | None:
+    """Groups of the rows of ``mask [B, L]`` (left padding), by prompt length (so a group pads
+    little), whose prompts, padded to the group's longest, hold at most ``max_tokens`` tokens
+    together (a longer prompt alone): each an int64 tensor of row indices on ``mask``'s device;
     None when the whole batch fits or ``max_tokens`` is None."""
     B, L = mask.shape
     if max_tokens is None or B * L <= max_tokens:
         return None
-    lengths = mask.sum(-1).tolist()
-    groups, start, width = [], 0, 0
-    for b, n in enumerate(lengths):
-        w = max(width, n)
-        if b > start and (b - start + 1) * w > max_tokens:
-            groups.append(slice(start, b))
-            start, w = b, n
-        width = w
-    return groups + [slice(start, B)]
+    lengths = mask.sum(-1)
+    order = torch.sort(lengths, stable=True).indices.tolist()
+    sizes = lengths.tolist()
+    groups, group = [], []
+    for b in order:  # ascending lengths: the newest row is the group's longest
+        if group and (len(group) + 1) * sizes[b] > max_tokens:
+            groups.append(group)
+            group = []
+        group.append(b)
+    groups.append(group)
+    return [torch.tensor(g, dtype=torch.long, device=mask.device) for g in groups]
 
 
 def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
@@ -314,8 +317,8 @@ class HybridAdapter:
         mixer forward).
 
         Without ``prefix_cache``, a batch of more than :attr:`max_prefill_tokens` tokens (rows x
-        ``L``) runs in consecutive groups of rows that fit it, each at its own width (its longest
-        prompt), a single longer prompt in chunks of that many tokens; the states agree with one
+        ``L``) runs in groups of rows of like lengths that fit it, each at its own width (its
+        longest prompt), a single longer prompt in chunks of that many tokens; the states agree with one
         forward's up to the chunked scans' rounding (fp32: about 1e-6 relative).
 
         With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
@@ -339,7 +342,7 @@ class HybridAdapter:
         groups = _row_groups(mask, self.max_prefill_tokens) if prefix_cache is None else None
         if groups is not None:  # rows in groups within max_prefill_tokens
             rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan) for g in groups]
-            return self._load_rows(rows, mask, cache, all_hidden_states)
+            return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups))
         if prefix_cache is None:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             hf_cache = DynamicCache(config=self.config)
@@ -370,12 +373,23 @@ class HybridAdapter:
         hidden = self._prompt_forward(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), hf_cache, scan)
         return (hidden if all_hidden_states else hidden[:, -1:]), self._layer_states(hf_cache)
 
-    def _load_rows(self, rows, mask: torch.Tensor, cache: HybridCache, all_hidden_states: bool):
-        """Load ``cache`` with prompts prefilled in groups of rows (in order): ``rows`` holds each
-        group's ``(hidden, states)`` as :meth:`prefill_cached` returns them for one row, ``mask
-        [B, L]`` their left padding. Returns :meth:`prefill`'s ``(logits, hidden)``."""
+    def _load_rows(self, rows, mask: torch.Tensor, cache: HybridCache, all_hidden_states: bool,
+                   order: torch.Tensor | None = None):
+        """Load ``cache`` with prompts prefilled in groups of rows: ``rows`` holds each group's
+        ``(hidden, states)`` as :meth:`prefill_cached` returns them for one row, the groups
+        holding the batch's rows ``order`` (int64 ``[B]``; default: in order), ``mask [B, L]``
+        their left padding. Returns :meth:`prefill`'s ``(logits, hidden)``."""
         hidden = torch.cat([_left_pad(h, mask.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
-        self._load(cache, _stack_rows([s for _, s in rows]), mask.to(torch.long))
+        states = _stack_rows([s for _, s in rows])
+        if order is not None:  # back to the batch's order
+            back = torch.empty_like(order)
+            back[order] = torch.arange(order.numel(), device=order.device)
+            back = back.to(hidden.device)
+            hidden = hidden[back]
+            names = ("keys", "values", "conv_state", "recurrent_state")
+            states = {idx: LayerState(*(None if (t := getattr(st, n)) is None else t[back.to(t.device)] for n in names))
+                      for idx, st in states.items()}
+        self._load(cache, states, mask.to(torch.long))
         return self.logits(hidden[:, -1]), hidden if all_hidden_states else hidden[:, -1]
 
     def prefill_chunked(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int,
