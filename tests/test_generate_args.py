@@ -18,7 +18,7 @@ import io
 
 import pytest
 import torch
-from helpers import StreamRecorder
+from helpers import StreamRecorder, rel_err
 from tiny_models import VOCAB, get_model, make_model, ragged_prompts, tiny_tokenizer
 from transformers import (
     GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
@@ -29,6 +29,7 @@ from tree_drafters import OracleTree, reference_rows
 
 import specdec
 from specdec.drafters import Drafter, DraftModelDrafter
+from specdec.rollback import ReplayRollback
 
 FAMILY = "qwen3_5"
 MAX_NEW = 12
@@ -640,3 +641,29 @@ def test_prefill_groups_rows_by_length():
         sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens=3, decode_path="eager")
         sd.max_batch_tokens = 28  # groups: [3, 4, 5] x 5, [12, 13] x 13; 14 alone
         assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0), ref)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "mistral"])
+def test_prefill_in_groups_gives_each_row_its_own_state(family):
+    """Grouped and chunked prefill (rows of like lengths together, out of the batch's order) gives
+    every row the state one forward gives it: its logits, every position's hidden state (what an
+    MTP drafter reads) and the cache a verify step runs on, on layers holding both KV and SSM
+    state (Falcon-H1) and sliding-window attention layers (Mistral, window 8), with columns of
+    padding every row shares and rows of equal lengths."""
+    sd = specdec.wrap(get_model(family), drafter="ngram", num_speculative_tokens=2, decode_path="eager")
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 14, 3, 13, 5, 12]
+    ids = torch.zeros(len(lengths), max(lengths) + 2, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, ids.shape[1] - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+    mask = (ids != 0).long()
+    step = torch.randint(3, VOCAB, (len(lengths), 3), generator=g)
+    outs = {}
+    for bound in (None, 13, 1):  # one forward; [3, 5] x 5, [5], [12], [13], 14 in chunks; all in 1-token chunks
+        sd.adapter.max_prefill_tokens = bound
+        cache = sd.adapter.new_cache(len(lengths), ids.shape[1] + 8, 4, ReplayRollback())
+        logits, hidden = sd.adapter.prefill(ids, mask, cache, all_hidden_states=True, scan="torch")
+        outs[bound] = (logits, hidden * mask[..., None], sd.adapter.forward(step, cache)[0])
+    for bound in (13, 1):
+        for got, want in zip(outs[bound], outs[None]):
+            assert got.shape == want.shape and rel_err(got, want) < 1e-5
