@@ -6,6 +6,7 @@ length, a streamer, or budgets of a type it does not take."""
 from __future__ import annotations
 
 import gc
+import random
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from helpers import StreamRecorder
 from tiny_models import VOCAB, get_model, ragged_prompts
 
 import specdec
-from specdec.batching import RequestStatus, RequestTiming
+from specdec.batching import Request, RequestPool, RequestStatus, RequestTiming
 
 FAMILY = "qwen3_5"
 
@@ -151,3 +152,36 @@ def test_generate_budget_per_row_of_a_wrong_type(given, error, match):
     sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
     with pytest.raises(error, match=match):
         sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [1, 12, 40, 16384])
+def test_admissions_take_the_oldest_and_leave_no_request_behind(max_batch_tokens):
+    """Admissions of a pool whose requests of mixed prompt lengths and budgets come in random
+    rows, some while rows decode: each takes the oldest waiting request first, at most its limit
+    and the free rows, the others only where their longest prompt + largest budget fit ``span``
+    and their padded prompts ``max_batch_tokens`` (the oldest alone may exceed it); a request
+    that never fits beside another still gets its turn, and every request is taken once."""
+    rng = random.Random(max_batch_tokens)
+    lengths = [rng.choice([1, 3, 10, 30]) for _ in range(60)]
+    reqs = [Request(i, (5,) * n, rng.choice([1, 10] if n == 30 else [1, 10, 30])) for i, n in enumerate(lengths)]
+    pool = RequestPool(reqs, 64, span=40, max_batch_tokens=max_batch_tokens)  # (a manager: max_length)
+    seen, calls, groups = [], 0, 0
+    while pool.queue:
+        calls += 1
+        assert calls < 1000, "a request is never admitted"
+        oldest = pool.queue[0]
+        rows = rng.sample(range(64), rng.randint(1, 10))  # admit_limit 8
+        taken = pool.take(rows, decoding=rng.random() < 0.5)
+        for row, req in zip(rows, taken):
+            assert pool.slots[row] is req
+            pool.slots[row] = None
+        if not taken:
+            continue
+        assert taken[0] is oldest and len(taken) <= min(len(rows), pool.admit_limit)
+        width = max(len(r.prompt) for r in taken)
+        assert len(taken) == 1 or (width + max(r.max_new_tokens for r in taken) <= pool.span
+                                   and len(taken) * width <= max_batch_tokens)
+        seen += [r.index for r in taken]
+        groups += len(taken) > 1
+    assert sorted(seen) == list(range(len(reqs)))
+    assert groups > 0 or max_batch_tokens == 1
