@@ -646,7 +646,8 @@ class SpeculativeGenerator:
         requests (up to its rows and ``max_batch_tokens``; an open pool waits for one) are taken, every
         row starts on a placeholder prompt with no budget (finished at once), the first admission
         prefills the first requests into their rows as any admission does, and the decode loop runs
-        until the pool has nothing left to decode."""
+        until the pool has nothing left to decode. Every prefill forward of the run holds at most
+        the pool's ``max_batch_tokens`` tokens (the adapter's bound is the pool's for the run)."""
         size = len(pool.slots)
         first = pool.take(range(size), at_most=size)
         if not first:
@@ -654,7 +655,11 @@ class SpeculativeGenerator:
             return
         ids, mask = left_pad([(0,)] * size, self.adapter.device)  # placeholders; the first admission takes `first`
         self.decoder = self.last_cache = None  # (their memory was counted as free by the plan)
-        self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool, first)
+        bound, self.adapter.max_prefill_tokens = self.adapter.max_prefill_tokens, pool.max_batch_tokens
+        try:
+            self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool, first)
+        finally:
+            self.adapter.max_prefill_tokens = bound
         self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
 
     def _idle_stats(self, plan: PoolPlan) -> None:

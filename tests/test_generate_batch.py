@@ -255,6 +255,19 @@ def test_group_admissions_exact():
     # prefill forwards of at most 12 tokens: mostly one request each, the first ones too
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9, max_batch_tokens=12), expected,
            prompts)
+    # the call's max_batch_tokens bounds its forwards, not the wrapper's (restored after the call)
+    widths = []
+    real = sd.adapter._prompt_forward
+
+    def counting(input_ids, *args, **kwargs):
+        widths.append(input_ids.numel())
+        return real(input_ids, *args, **kwargs)
+
+    sd.adapter._prompt_forward = counting
+    sd.max_batch_tokens = 4
+    _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9, max_batch_tokens=40), expected,
+           prompts)
+    assert 4 < max(widths) <= 40 and sd.max_batch_tokens == 4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
