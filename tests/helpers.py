@@ -235,3 +235,17 @@ def run_python(args, timeout: float = 300) -> subprocess.CompletedProcess:
     first on ``PYTHONPATH``; stdout and stderr captured as text."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def record_prompt_forwards(sd) -> list[tuple[int, int]]:
+    """Record the shape ``(rows, tokens)`` of every prompt forward ``sd``'s adapter runs from now
+    on (prefills, their groups and chunks, admissions) in the returned list."""
+    shapes = []
+    real = sd.adapter._prompt_forward
+
+    def recording(input_ids, *args, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return real(input_ids, *args, **kwargs)
+
+    sd.adapter._prompt_forward = recording
+    return shapes

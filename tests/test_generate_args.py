@@ -18,7 +18,7 @@ import io
 
 import pytest
 import torch
-from helpers import StreamRecorder, rel_err
+from helpers import StreamRecorder, record_prompt_forwards, rel_err
 from tiny_models import VOCAB, get_model, make_model, ragged_prompts, tiny_tokenizer
 from transformers import (
     GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer,
@@ -596,24 +596,17 @@ def test_prefill_in_groups_of_rows_and_chunks(family):
     ids, mask = ragged_prompts()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="eager")
-    widths = []
-    real = sd.adapter._prompt_forward
-
-    def counting(input_ids, *args, **kwargs):
-        widths.append(input_ids.numel())
-        return real(input_ids, *args, **kwargs)
-
-    sd.adapter._prompt_forward = counting
+    shapes = record_prompt_forwards(sd)
     bound = int(mask.sum(-1).max()) - 2  # below the longest prompt: it runs in chunks
     sd.max_batch_tokens = bound
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0), ref)
-    assert len(widths) > ids.shape[0] and max(widths) <= bound
+    assert len(shapes) > ids.shape[0] and max(r * t for r, t in shapes) <= bound
     long = ids[:1, -int(mask[0].sum()):]  # one prompt alone
-    widths.clear()
+    shapes.clear()
     alone = model.generate(long, attention_mask=torch.ones_like(long), max_new_tokens=8, do_sample=False)
     sd.max_batch_tokens = 3
     assert torch.equal(sd.generate(long, attention_mask=torch.ones_like(long), max_new_tokens=8), alone)
-    assert len(widths) >= -(-long.shape[1] // 3) and max(widths) <= 3
+    assert len(shapes) >= -(-long.shape[1] // 3) and max(r * t for r, t in shapes) <= 3
     for bad, err in ((0, ValueError), (2.5, TypeError)):
         with pytest.raises(err, match="max_batch_tokens"):
             sd.max_batch_tokens = bad

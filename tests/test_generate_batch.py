@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, record_prompt_forwards
 from markers import needs_triton_interpreter
 from tiny_models import FAMILIES, VOCAB, get_model
 
@@ -256,18 +256,11 @@ def test_group_admissions_exact():
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9, max_batch_tokens=12), expected,
            prompts)
     # the call's max_batch_tokens bounds its forwards, not the wrapper's (restored after the call)
-    widths = []
-    real = sd.adapter._prompt_forward
-
-    def counting(input_ids, *args, **kwargs):
-        widths.append(input_ids.numel())
-        return real(input_ids, *args, **kwargs)
-
-    sd.adapter._prompt_forward = counting
+    shapes = record_prompt_forwards(sd)
     sd.max_batch_tokens = 4
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=9, max_batch_tokens=40), expected,
            prompts)
-    assert 4 < max(widths) <= 40 and sd.max_batch_tokens == 4
+    assert 4 < max(r * t for r, t in shapes) <= 40 and sd.max_batch_tokens == 4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -282,15 +275,9 @@ def test_long_prompts_prefill_in_chunks_exact(family):
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     expected = [_alone(model, p, b, None) for p, b in zip(prompts, budgets)]
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
-    forwards = []
-    real = sd.adapter._prompt_forward
-
-    def counting(input_ids, *args, **kwargs):
-        forwards.append(input_ids.numel())
-        return real(input_ids, *args, **kwargs)
-
-    sd.adapter._prompt_forward = counting
+    shapes = record_prompt_forwards(sd)
     _check(sd.generate_batch(prompts, max_new_tokens=budgets, max_batch_size=3, max_batch_tokens=8), expected, prompts)
+    forwards = [r * t for r, t in shapes]
     assert max(forwards) <= 8 and len(forwards) >= sum(-(-n // 8) for n in lengths if n > 8) + 1
     assert sd.last_stats.new_tokens == sum(budgets)
 

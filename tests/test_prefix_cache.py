@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy, rel_err
+from helpers import hf_greedy, record_prompt_forwards, rel_err
 from tiny_models import EXTRA_FAMILIES, FAMILIES, VOCAB, get_model
 
 import specdec
@@ -137,18 +137,12 @@ def test_chunked_prefill_with_prefix_cache(family):
     assert max(map(len, prompts)) > 2 * BS + 1  # several chunks for the longest prompts
     sd = specdec.wrap(get_model(family), drafter="ngram", rollback="replay", num_speculative_tokens=3,
                       decode_path="eager")
-    widths = []
-    real = sd.adapter._prompt_forward
-
-    def counting(input_ids, *args, **kwargs):
-        widths.append(input_ids.shape[1])
-        return real(input_ids, *args, **kwargs)
-
-    sd.adapter._prompt_forward = counting
+    shapes = record_prompt_forwards(sd)
     cached = _run(sd, prompts, prefix_caching=True, prefix_block_size=BS, max_batch_tokens=BS + 1)
     _check(cached, expected, prompts)
     got = sd.last_stats.prefix_cache
-    assert len(widths) > got["prefill_forwards"] + 1 and max(widths[1:]) <= BS + 1  # [0]: the placeholder rows'
+    # more forwards than the cache planned, each within the bound ([0]: the pool's placeholder rows')
+    assert len(shapes) > got["prefill_forwards"] + 1 and max(t for _, t in shapes[1:]) <= BS + 1
 
     assert {k: got[k] for k in ("lookups", "hit_blocks", "hit_tokens", "inserted_blocks")} == {
         k: want[k] for k in ("lookups", "hit_blocks", "hit_tokens", "inserted_blocks")}
