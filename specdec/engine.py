@@ -130,13 +130,11 @@ class _Rows:
 @dataclasses.dataclass
 class _ChunkedPrefill:
     """A long prompt being prefilled a chunk per step into row ``row`` (continuous batching): the
-    row index as a tensor ``idx [1]``, the prompt ``ids`` / ``mask [1, L]``, the fresh cache it is
-    loaded into and ``steps``, the :meth:`HybridAdapter.prefill_chunked` generator."""
+    prompt ``ids [1, L]`` (no padding), the fresh cache it is loaded into and ``steps``, the
+    :meth:`HybridAdapter.prefill_chunked` generator."""
 
     row: int
-    idx: torch.Tensor
     ids: torch.Tensor
-    mask: torch.Tensor
     cache: object
     steps: object
 
@@ -520,7 +518,8 @@ class SpeculativeGenerator:
         self.last_request_timings = {}
         if requests:
             cache = PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
-            pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache, max_batch_tokens=max_batch_tokens)
+            pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache,
+                               max_batch_tokens=max_batch_tokens)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
                 bar.update(len(inputs) - len(requests))
                 pool.on_finish = lambda: bar.update(1)
@@ -646,8 +645,8 @@ class SpeculativeGenerator:
         requests (up to its rows and ``max_batch_tokens``; an open pool waits for one) are taken, every
         row starts on a placeholder prompt with no budget (finished at once), the first admission
         prefills the first requests into their rows as any admission does, and the decode loop runs
-        until the pool has nothing left to decode. Every prefill forward of the run holds at most
-        the pool's ``max_batch_tokens`` tokens (the adapter's bound is the pool's for the run)."""
+        until the pool has nothing left to decode. Every admission's prefill forward holds at most
+        the pool's ``max_batch_tokens`` tokens (:meth:`_admit`)."""
         size = len(pool.slots)
         first = pool.take(range(size), at_most=size)
         if not first:
@@ -655,11 +654,7 @@ class SpeculativeGenerator:
             return
         ids, mask = left_pad([(0,)] * size, self.adapter.device)  # placeholders; the first admission takes `first`
         self.decoder = self.last_cache = None  # (their memory was counted as free by the plan)
-        bound, self.adapter.max_prefill_tokens = self.adapter.max_prefill_tokens, pool.max_batch_tokens
-        try:
-            self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool, first)
-        finally:
-            self.adapter.max_prefill_tokens = bound
+        self._decode(dataclasses.replace(s, input_ids=ids, attention_mask=mask), pool, first)
         self.last_stats.max_batch_size, self.last_stats.batch_size_reason = size, plan.reason
 
     def _idle_stats(self, plan: PoolPlan) -> None:
@@ -735,9 +730,7 @@ class SpeculativeGenerator:
             drafter.set_speculation(K, adaptive)
             drafter.start(target_vocab_size=V, batch_size=B, device=dev, sampling=s.sampling, generator=s.generator,
                           max_length=rows.text.shape[1])
-            if pool is not None:  # continuous batching: the first requests are admitted as the later ones
-                pass
-            elif every:
+            if pool is None and every:  # (a pool's rows get their prompts' states at admission)
                 drafter.observe_prompt(hidden, s.attention_mask)
             if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
                 drafter.observe(hidden[:, -1] if every else hidden)
@@ -925,7 +918,8 @@ class SpeculativeGenerator:
                     except StopIteration as stop:
                         pool.prefilling_chunks = None
                         logits, hidden = stop.value
-                        taken, idx, ids, mask, fresh = [pool.slots[job.row]], job.idx, job.ids, job.mask, job.cache
+                        taken, ids, fresh = [pool.slots[job.row]], job.ids, job.cache
+                        idx, mask = torch.tensor([job.row], device=dev), torch.ones_like(ids)
                 else:
                     free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
                     taken = pool.take(free, decoding=live)
@@ -937,11 +931,12 @@ class SpeculativeGenerator:
                 fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
                 if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens:
                     pool.prefilling_chunks = _ChunkedPrefill(
-                        free[0], idx, ids, mask, fresh,
+                        free[0], ids, fresh,
                         self.adapter.prefill_chunked(ids[0], fresh, pool.max_batch_tokens, every,
                                                      prefix_cache=pool.prefix_cache))
                     continue  # its first chunk now
-                logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache)
+                logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache,
+                                                      max_tokens=pool.max_batch_tokens)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)

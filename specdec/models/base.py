@@ -51,6 +51,16 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+def _drain(steps):
+    """Run a generator of forwards (:meth:`HybridAdapter._chunk_forwards`,
+    :meth:`HybridAdapter.prefill_cached_steps`) to its end; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 def _row_groups(mask: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor] | None:
     """Groups of the rows of ``mask [B, L]`` (left padding), by prompt length (so a group pads
     little), whose prompts, padded to the group's longest, hold at most ``max_tokens`` tokens
@@ -303,7 +313,8 @@ class HybridAdapter:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
-                all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None):
+                all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None,
+                max_tokens: int | None = None):
         """Run the left-padded prompt ``[B, L]`` through the model's own forward and load ``cache``
         with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
         recurrent state; a layer may hold both).
@@ -316,10 +327,11 @@ class HybridAdapter:
         (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`) or ``"hf"`` (transformers' own
         mixer forward).
 
-        Without ``prefix_cache``, a batch of more than :attr:`max_prefill_tokens` tokens (rows x
-        ``L``) runs in groups of rows of like lengths that fit it, each at its own width (its
-        longest prompt), a single longer prompt in chunks of that many tokens; the states agree with one
-        forward's up to the chunked scans' rounding (fp32: about 1e-6 relative).
+        Without ``prefix_cache``, a batch of more than ``max_tokens`` tokens (default
+        :attr:`max_prefill_tokens`; rows x ``L``) runs in groups of rows of like lengths that fit
+        it, each at its own width (its longest prompt), a single longer prompt in chunks of that
+        many tokens; the states agree with one forward's up to the chunked scans' rounding (fp32:
+        about 1e-6 relative).
 
         With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
         own (batch 1, no padding) in one forward, or two where it makes a branch point
@@ -339,9 +351,10 @@ class HybridAdapter:
         """
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
-        groups = _row_groups(mask, self.max_prefill_tokens) if prefix_cache is None else None
-        if groups is not None:  # rows in groups within max_prefill_tokens
-            rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan) for g in groups]
+        max_tokens = self.max_prefill_tokens if max_tokens is None else max_tokens
+        groups = _row_groups(mask, max_tokens) if prefix_cache is None else None
+        if groups is not None:  # rows in groups within max_tokens
+            rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan, max_tokens) for g in groups]
             return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups))
         if prefix_cache is None:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -356,19 +369,14 @@ class HybridAdapter:
         self._load(cache, states, mask)
         return logits, hidden if all_hidden_states else hidden[:, -1]
 
-    def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str):
+    def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str, max_tokens: int):
         """One group of :meth:`prefill`'s rows (``[g, L]``, left-padded) in one forward at their own
-        width, or, a single prompt longer than ``max_prefill_tokens``, in chunks
+        width, or, a single prompt longer than ``max_tokens``, in chunks
         (:meth:`_chunk_forwards`); returns ``(hidden, states)`` as :meth:`prefill_cached` does."""
         W = int(mask.sum(-1).max())
         input_ids, mask = input_ids[:, -W:], mask[:, -W:]  # (left padding: every token is in the last W columns)
-        if input_ids.shape[0] == 1 and W > self.max_prefill_tokens:
-            steps = self._chunk_forwards(input_ids[0], self.max_prefill_tokens, all_hidden_states, scan)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as stop:
-                    return stop.value
+        if input_ids.shape[0] == 1 and W > max_tokens:
+            return _drain(self._chunk_forwards(input_ids[0], max_tokens, all_hidden_states, scan))
         hf_cache = DynamicCache(config=self.config)
         hidden = self._prompt_forward(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), hf_cache, scan)
         return (hidden if all_hidden_states else hidden[:, -1:]), self._layer_states(hf_cache)
@@ -457,12 +465,7 @@ class HybridAdapter:
         ``all_hidden_states`` (cached positions from the cache), else of the last one ``[1, 1,
         D]``; and each layer's state after the prompt, as :meth:`prefill` reads HF's cache.
         """
-        steps = self.prefill_cached_steps(tokens, prefix_cache, all_hidden_states, scan)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        return _drain(self.prefill_cached_steps(tokens, prefix_cache, all_hidden_states, scan))
 
     def prefill_cached_steps(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool = False,
                              scan: str = "torch", chunk_tokens: int | None = None):
