@@ -71,6 +71,8 @@ def test_scan_choice_errors():
         mamba2_chunk_scan(x, dt[:, :3], A, B, C, 4)
     with pytest.raises(ValueError, match="initial_state"):
         mamba2_chunk_scan(x, dt, A, B, C, 4, initial_state=h0[..., :3])
+    with pytest.raises(ValueError, match="operand_dtype must be"):
+        mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0, operand_dtype=torch.int8)
     assert set(SCANS) == {"auto", "fla", "torch", "hf"}
 
 
@@ -189,14 +191,19 @@ def test_speculative_exact_with_long_prompts(family):
 
 def test_fla_arguments_against_fla_reference(monkeypatch):
     """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
-    1, the state transposed), with fla's own torch reference of ``chunk_simple_gla`` in place of
-    the kernel, so it runs on any device; P != N, so a missing transpose shows."""
+    1, the state V-first), with fla's own torch reference of ``chunk_simple_gla`` in place of
+    the kernel, so it runs on any device; P != N, so a state in the wrong layout shows."""
     naive = pytest.importorskip("fla.ops.simple_gla.naive")
     import fla.ops.simple_gla
 
-    def reference(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, **kw):
-        return naive.naive_recurrent_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+    def reference(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+                  **kw):
+        # fla's reference keeps the state [K, V]; state_v_first asks for [V, K] in and out
+        flip = (lambda s: s.transpose(-1, -2)) if state_v_first else (lambda s: s)
+        y, h = naive.naive_recurrent_simple_gla(q, k, v, g, scale=scale,
+                                                initial_state=None if initial_state is None else flip(initial_state),
                                                 output_final_state=output_final_state)
+        return y, flip(h)
 
     monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", reference)
     x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
@@ -222,6 +229,10 @@ def test_fla_scan_matches_torch_scan(b, L):
     y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
     assert h_fla.shape == h.shape and y_fla.shape == y.shape
     assert rel_err(y_fla, y) < 5e-3 and rel_err(h_fla, h) < 5e-3
+    # bf16 operands (a bf16 model's prefill): bf16 rounding of q, k, v bounds the agreement
+    y16, h16 = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0, operand_dtype=torch.bfloat16)
+    assert y16.dtype == h16.dtype == torch.float32
+    assert rel_err(y16, y) < 2e-2 and rel_err(h16, h) < 2e-2
     y_ref, states, _ = mamba2_verify(h0, x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], D, return_states=True)
     y200, h200 = mamba2_chunk_scan(x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], 128, D, h0)
     assert rel_err(y200, y_ref) < TOL and rel_err(h200, states[:, -1]) < TOL

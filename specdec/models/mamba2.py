@@ -88,6 +88,8 @@ class Mamba2PromptLayer:
         self.cache_params = cache_params
         self.attention_mask = attention_mask
         self.scan = scan
+        dtype = mixer.in_proj.weight.dtype
+        self.operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         self.continued = cache_params.has_previous_state(self.layer_idx)
 
     def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -111,11 +113,12 @@ class Mamba2PromptLayer:
         """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
         state: ``inputs`` x ``[B, L, H, P]``, dt ``[B, L, H]`` (softplus'd), B, C ``[B, L, G,
         N]``; ``params`` A, D ``[H]`` (all fp32). Returns ``y [B, L, H, P]`` fp32 (D skip
-        included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache."""
+        included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache. fla's matmul
+        operands are in a bf16 / fp16 model's dtype (its ``in_proj`` weight's), else fp32."""
         dt = inputs["dt"].clamp(*self.dt_limit)
         h0 = self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
-                                      self.chunk_size, params["D"], h0)
+                                      self.chunk_size, params["D"], h0, self.operand_dtype)
         self.cache_params.update_recurrent_state(state, self.layer_idx)
         return y
 

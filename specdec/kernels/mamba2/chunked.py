@@ -13,8 +13,9 @@ scores of at most :data:`SEGMENT_BYTES` are alive at once.
 
 :func:`mamba2_chunk_scan_fla` runs the same scan through ``fla.ops.simple_gla.chunk_simple_gla``
 (flash-linear-attention, CUDA): q = C, k = B (groups expanded to heads), v = dt x, log decay
-``g = dt A``, scale 1. Its matmuls run in TF32 for fp32 inputs, so it agrees with the fp32 scan
-to about 1e-3 relative, not 1e-6.
+``g = dt A``, scale 1. Its matmuls run in TF32 for fp32 operands, so it agrees with the fp32 scan
+to about 1e-3 relative, not 1e-6; a bf16 model's prefill hands it bf16 operands, as mamba_ssm's
+kernels take them (about 1e-2).
 """
 
 from __future__ import annotations
@@ -161,38 +162,49 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
 
 def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None = None,
-                          initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          initial_state: torch.Tensor | None = None,
+                          operand_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mamba2_chunk_scan` through flash-linear-attention's ``chunk_simple_gla`` (CUDA only).
 
     Mamba-2 is scalar-gated linear attention: ``q = C``, ``k = B`` (groups expanded to heads),
-    ``v = dt x``, log decay ``g = dt A``, scale 1; fla keeps the state as ``[B, H, K, V] = [B, H,
-    N, P]``, the transpose of this module's ``[B, H, P, N]``. Arguments and returns as
-    :func:`mamba2_chunk_scan` (fla picks its own chunk size); inputs are cast to fp32, and fla's
-    matmuls on them run in TF32.
+    ``v = dt x``, log decay ``g = dt A``, scale 1; fla keeps the state V-first, ``[B, H, V, K] =
+    [B, H, P, N]``, this module's layout. Arguments and returns as :func:`mamba2_chunk_scan` (fla
+    picks its own chunk size).
+
+    ``operand_dtype`` is the dtype of the matmul operands ``q``, ``k``, ``v``: fp32 (fla's matmuls
+    then run in TF32), or a bf16 / fp16 model's own dtype, as mamba_ssm's
+    ``mamba_chunk_scan_combined`` takes them (Dao & Gu, "Transformers are SSMs", 2024): half the
+    bytes of the head-expanded ``q`` and ``k``. The decay, the state and the accumulation stay fp32
+    either way; ``y`` is returned fp32.
 
     Raises:
-        ValueError: inconsistent shapes.
+        ValueError: inconsistent shapes, or ``operand_dtype`` not a floating dtype.
         ImportError: flash-linear-attention is not installed.
     """
     _check(x, dt, A, B, C, initial_state)
+    if operand_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"operand_dtype must be torch.float32, torch.bfloat16 or torch.float16; got {operand_dtype}")
     from fla.ops.simple_gla import chunk_simple_gla
 
     f32 = torch.float32
-    x, dt, A, B, C = (t.to(f32) for t in (x, dt, A, B, C))
     R = x.shape[2] // B.shape[2]
-    q = C.repeat_interleave(R, dim=2)
-    k = B.repeat_interleave(R, dim=2)
-    h0 = initial_state.to(f32).transpose(-1, -2).contiguous() if initial_state is not None else None
-    y, ht = chunk_simple_gla(q, k, x * dt[..., None], g=dt * A, scale=1.0, initial_state=h0,
-                             output_final_state=True)
+    q = C.to(operand_dtype).repeat_interleave(R, dim=2)
+    k = B.to(operand_dtype).repeat_interleave(R, dim=2)
+    v = (x.to(f32) * dt.to(f32)[..., None]).to(operand_dtype)
+    h0 = initial_state.to(f32) if initial_state is not None else None
+    y, ht = chunk_simple_gla(q, k, v, g=dt.to(f32) * A.to(f32), scale=1.0, initial_state=h0,
+                             output_final_state=True, state_v_first=True)
+    y = y.to(f32)
     if D is not None:
-        y = y + x * D.to(f32)[:, None]
-    return y, ht.transpose(-1, -2).contiguous()  # [B, H, P, N], as the caches keep it
+        y = y + x.to(f32) * D.to(f32)[:, None]
+    return y, ht  # [B, H, P, N], as the caches keep it
 
 
-def mamba2_prompt_scan(scan: str, x, dt, A, B, C, chunk_size: int, D=None, initial_state=None):
-    """:func:`mamba2_chunk_scan_fla` for ``scan == "fla"``, else :func:`mamba2_chunk_scan`
-    (``scan`` as :func:`resolve_scan` returns it); arguments and returns as those."""
+def mamba2_prompt_scan(scan: str, x, dt, A, B, C, chunk_size: int, D=None, initial_state=None,
+                       operand_dtype: torch.dtype = torch.float32):
+    """:func:`mamba2_chunk_scan_fla` for ``scan == "fla"`` (with ``operand_dtype``), else
+    :func:`mamba2_chunk_scan` (fp32 throughout); ``scan`` as :func:`resolve_scan` returns it;
+    arguments and returns as those."""
     if scan == "fla":
-        return mamba2_chunk_scan_fla(x, dt, A, B, C, D, initial_state)
+        return mamba2_chunk_scan_fla(x, dt, A, B, C, D, initial_state, operand_dtype)
     return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D, initial_state)
