@@ -307,3 +307,33 @@ def test_serve_defaults_are_the_library_defaults():
 
     exp = ServeExperiment()
     assert (exp.max_batch_tokens, exp.prefix_block_size) == (DEFAULT_MAX_BATCH_TOKENS, PREFIX_BLOCK_SIZE)
+
+
+def test_warm_prefill_meets_every_admission_group_size(monkeypatch):
+    """The serving warm-up prefills one group of each size an admission can take (1 ..
+    admission_rows), of the workload's own prompts, longer with the group size, the last the
+    longest, each through the adapter's prefill with the run's token bound."""
+    from specdec.batching import admission_rows
+    from specdec.experiments.serve import _warm_prefill, build_workload
+    from specdec.models.base import HybridAdapter
+
+    cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=30", "experiment.prompt_tokens=[16,64]"]
+               + CPU)
+    model, tok = zoo.load("gdn-target")
+    work = build_workload(cfg.experiment, tok, model.config.vocab_size, 0, model.config.max_position_embeddings)
+    calls, original = [], HybridAdapter.prefill
+
+    def record(self, ids, mask, cache, *a, max_tokens=None, **kw):
+        calls.append((ids.shape[0], int(mask.sum(-1).max()), int(mask.sum(-1).min()), max_tokens))
+        return original(self, ids, mask, cache, *a, max_tokens=max_tokens, **kw)
+
+    monkeypatch.setattr(HybridAdapter, "prefill", record)
+    sd = specdec.wrap(model, num_speculative_tokens=0)
+    lengths = sorted(len(p) for p in work.prompts)
+    for rows in (1, 20, 64):
+        calls.clear()
+        _warm_prefill(sd, work, rows, 1000)
+        limit = admission_rows(rows)
+        assert [c[0] for c in calls] == list(range(1, limit + 1)) and {c[3] for c in calls} == {1000}
+        widths = [c[1] for c in calls]
+        assert widths == sorted(widths) and widths[-1] == lengths[-1]

@@ -43,7 +43,10 @@ every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run)
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs). One short untimed call
 per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
 kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed
-run: once in a continuous run, once per length bucket in fixed batches). Records go to
+run: once in a continuous run, once per length bucket in fixed batches), and before the first run
+of a model one untimed prefill of each admission group size over the workload's prompts
+(:func:`_warm_prefill`: kernels that compile per prompt shape do so there, not in the first timed
+run). Records go to
 ``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
 """
 
@@ -220,12 +223,14 @@ def _timed(calls, repeats: int, device) -> RunResult:
 
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
-                drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> RunResult:
+                drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                warm_prefill: bool = False) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
     with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
     ``max_batch_tokens`` and,
     given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
-    drafter of a call over those requests (None: keep ``sd``'s)."""
+    drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and
+    ``warm_prefill``, :func:`_warm_prefill` after the warm-up call."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
@@ -243,9 +248,35 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
             sd.generate_batch([work.prompts[i] for i in idx], max_new_tokens=WARMUP_TOKENS, **kw)
         except ValueError as err:
             return RunResult(error=str(err))
+        if warm_prefill:
+            _warm_prefill(sd, work, B if isinstance(B, int) else sd.last_stats.max_batch_size, max_batch_tokens)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
     return _timed(calls, repeats, device)
+
+
+def _warm_prefill(sd, work: Workload, rows: int, max_batch_tokens: int) -> None:
+    """Prefill, untimed, one group of each size an admission of a ``rows``-row pool can take (1 ..
+    :func:`specdec.batching.admission_rows`), of the workload's own prompts (the group of ``b``
+    the ``b`` prompts by length below its ``b / limit`` quantile: the last group holds the longest).
+
+    An admission's prefill compiles or autotunes kernels per shape the first time it meets it
+    (flash-linear-attention autotunes some per batch size: about 10 s each for Qwen3.5's GDN on an
+    H200). The warm-up call's shortest prompts meet few of those shapes; without this the run that
+    goes first (continuous plain decoding) would pay for every later run's kernels.
+    """
+    from ..batching import admission_rows
+    from ..rollback import make_strategy
+
+    ad, n = sd.adapter, len(work.prompts)
+    by_length = sorted(range(n), key=lambda i: len(work.prompts[i]))
+    limit = min(admission_rows(rows), n)
+    for b in range(1, limit + 1):
+        start = max(0, b * n // limit - b)  # group b ends at the (b / limit) length quantile
+        ids, mask = left_pad([work.prompts[i] for i in by_length[start:start + b]], ad.device)
+        cache = ad.new_cache(b, ids.shape[1] + 8, 1, make_strategy("snapshot"))
+        ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens)
+        del cache
 
 
 def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
@@ -437,7 +468,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
         plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens)
+                                max_batch_tokens=batch_tokens, warm_prefill=True)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
