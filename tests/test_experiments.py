@@ -600,6 +600,14 @@ def test_prefill_tiny_cpu(tmp_path: Path):
     head, rows = _table(summary)
     assert [tuple(row[1:4]) for row in rows] == [("2", "40", "hf"), ("2", "40", "auto"), ("1", "24", "hf"),
                                                 ("1", "24", "auto")]
+    assert not (tmp_path / "profile.md").exists() and "profile_host_ops" not in records[0]
+    # experiment.profile: one profiled prefill per point and scan, its counts in the record
+    prof = run_experiment(_cfg(base + ["experiment.grid=[[2,40]]", "experiment.scans=[auto]",
+                                       "experiment.profile=true"]), tmp_path / "prof")
+    assert len(prof) == 1 and prof[0]["profile_host_ops"] > 50 and prof[0]["profile_host_ms"] > 0
+    assert prof[0]["profile_gpu_kernels"] == 0 and prof[0]["profile_device_ms"] is None
+    text = (tmp_path / "prof" / "profile.md").read_text()
+    assert text.count("\n## ") == 1 and "batch 2 x 40 prompt tokens, scan torch" in text and "Self CPU" in text
     with pytest.raises(ValueError, match="experiment.grid must list"):
         run_experiment(_cfg(base + ["experiment.grid=[[2]]"]), tmp_path / "bad")
     with pytest.raises(ValueError, match="experiment.scans must list"):

@@ -286,6 +286,7 @@ class PrefillExperiment:
                                  "| fla | torch | hf (transformers' own mixer forward)",
                             factory=lambda: ["auto", "torch", "hf"])
     warmup: int = _doc(1, "untimed prefills per point and scan first")
+    profile: bool = _doc(False, "one prefill per point and scan under torch.profiler: profile.md and profile_* fields")
 
 
 class CheckName(StrEnum):

@@ -15,6 +15,10 @@ decoder body's without the input embedding (a lookup; the LM head runs at one po
 row). Attention's ``L^2`` term and the scan are not in it, so it is a floor. Each scan's logits
 are compared with the ``hf`` scan's at the same point when both ran (``logits_rel_err_vs_hf``).
 
+``experiment.profile`` adds one prefill per point and scan under ``torch.profiler``
+(:mod:`.profiling`): its kernels, GPU busy time and host time in the record, and ``profile.md``
+with the top ops by GPU time (by host time on a CPU), to see where a prefill's time goes.
+
 Records are appended to ``results.jsonl`` as measured; ``summary.md`` at the end.
 """
 
@@ -94,6 +98,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     log = RunRecords(out_dir)
     skipped: list[str] = []
     scans = _scans(exp.scans, device, dtype, skipped)
+    profiles: list[str] = []
     for spec in cfg.model.targets:
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
         apply_cpu_threads(cfg, model, device)
@@ -117,6 +122,13 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     torch.cuda.empty_cache()
                     continue
                 logits = logits.float()
+                prof = None
+                if exp.profile:
+                    from .profiling import profile_call
+
+                    prof, _ = profile_call(lambda: adapter.prefill(ids, mask, cache, scan=path), device, top=30)
+                    profiles.append(f"## {spec.name}, batch {B} x {L} prompt tokens, scan {path}\n\n"
+                                    f"```\n{prof.table}\n```\n")
                 if path == "hf":
                     hf_logits = logits
                 flop = 2.0 * params * B * L
@@ -127,7 +139,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                        "roof_ms": roof_ms, "x_roof": t.median * 1e3 / roof_ms if roof_ms else None,
                        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
                        "logits_rel_err_vs_hf": (float((logits - hf_logits).norm() / hf_logits.norm().clamp(min=1e-30))
-                                                if hf_logits is not None and path != "hf" else None)}
+                                                if hf_logits is not None and path != "hf" else None),
+                       **({f"profile_{k}": v for k, v in prof.fields().items()} if prof is not None else {})}
                 log.add(rec, f"{spec.name} B={B} L={L} {path}: {rec['prefill_ms']:.1f} ms, "
                              f"{rec['tokens_per_s']:.0f} tokens/s"
                              + (f", {rec['x_roof']:.1f}x roof" if roof_ms else ""))
@@ -139,6 +152,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     title = (f"Prefill: {', '.join(t.name for t in cfg.model.targets)}, {str(dtype).replace('torch.', '')}, "
              f"{device}" + (f" (dense bf16 peak {peak / 1e12:.0f} TFLOP/s)" if peak else ""))
     text = write_report(log.records, log.out_dir, title)
+    if profiles:
+        (log.out_dir / "profile.md").write_text("# torch.profiler: one prefill per point and scan\n\n"
+                                                + "\n".join(profiles))
     if skipped:
         text += "\nSkipped: " + "; ".join(skipped) + "\n"
         (log.out_dir / "summary.md").write_text(text)
