@@ -616,11 +616,11 @@ def test_prefill_groups_rows_by_length():
     """Grouped prefill takes rows of like lengths together (less padding) and gives every row its
     own state back in the batch's order: outputs as HF greedy on a batch whose short and long
     prompts alternate, with the n-gram and a draft-model drafter."""
-    from specdec.models.base import _row_groups
+    from specdec.models.base import prefill_groups
 
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
-    assert [g.tolist() for g in _row_groups(mask, 6)] == [[2, 0], [3], [1]]  # 2 x 2; 3 alone: 2 x 3 > 6
-    assert _row_groups(mask, 16) is None
+    assert [g.tolist() for g in prefill_groups(mask, 6)] == [[2, 0], [3], [1]]  # 2 x 2; 3 alone: 2 x 3 > 6
+    assert prefill_groups(mask, 16) is None
     model = get_model("nemotron_h")
     g = torch.Generator().manual_seed(11)
     lengths = [3, 14, 4, 13, 5, 12]

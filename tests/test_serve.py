@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import record_prompt_forwards
 from test_experiments import CPU, _cfg, _check_summary_matches, _records
 from test_generate_batch import ROWS, _check, _reference
 from tiny_models import get_model
@@ -309,31 +310,38 @@ def test_serve_defaults_are_the_library_defaults():
     assert (exp.max_batch_tokens, exp.prefix_block_size) == (DEFAULT_MAX_BATCH_TOKENS, PREFIX_BLOCK_SIZE)
 
 
-def test_warm_prefill_meets_every_admission_group_size(monkeypatch):
-    """The serving warm-up prefills one group of each size an admission can take (1 ..
-    admission_rows), of the workload's own prompts, longer with the group size, the last the
-    longest, each through the adapter's prefill with the run's token bound."""
+def test_warm_prefill_meets_every_prefill_group_size():
+    """The serving warm-up prefills one group of each size it is given that the model has not met
+    (the admissions' 1 .. admission_rows; the fixed batches' groups, as generate() splits them),
+    of the workload's own prompts, longer with the group size, the largest group the longest
+    prompts, each within the run's token bound."""
     from specdec.batching import admission_rows
-    from specdec.experiments.serve import _warm_prefill, build_workload
-    from specdec.models.base import HybridAdapter
+    from specdec.experiments.serve import _fixed_groups, _warm_prefill, build_workload
 
     cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=30", "experiment.prompt_tokens=[16,64]"]
                + CPU)
     model, tok = zoo.load("gdn-target")
     work = build_workload(cfg.experiment, tok, model.config.vocab_size, 0, model.config.max_position_embeddings)
-    calls, original = [], HybridAdapter.prefill
-
-    def record(self, ids, mask, cache, *a, max_tokens=None, **kw):
-        calls.append((ids.shape[0], int(mask.sum(-1).max()), int(mask.sum(-1).min()), max_tokens))
-        return original(self, ids, mask, cache, *a, max_tokens=max_tokens, **kw)
-
-    monkeypatch.setattr(HybridAdapter, "prefill", record)
     sd = specdec.wrap(model, num_speculative_tokens=0)
+    calls = record_prompt_forwards(sd)
     lengths = sorted(len(p) for p in work.prompts)
     for rows in (1, 20, 64):
         calls.clear()
-        _warm_prefill(sd, work, rows, 1000)
-        limit = admission_rows(rows)
-        assert [c[0] for c in calls] == list(range(1, limit + 1)) and {c[3] for c in calls} == {1000}
+        warmed = set()
+        _warm_prefill(sd, work, range(1, admission_rows(rows) + 1), 1000, warmed)
+        assert [c[0] for c in calls] == list(range(1, admission_rows(rows) + 1)) == sorted(warmed)
         widths = [c[1] for c in calls]
         assert widths == sorted(widths) and widths[-1] == lengths[-1]
+    calls.clear()
+    _warm_prefill(sd, work, [2, 3, 5], 1000, warmed)  # all met already (rows=64: 1 .. 8)
+    assert calls == [] and warmed == set(range(1, 9))
+    _warm_prefill(sd, work, [9, 3], 1000, warmed)
+    assert [c[0] for c in calls] == [9] and 9 in warmed
+    # the fixed batches' groups are the rows of the forwards generate() runs on them
+    for B, bound in ((8, 200), (16, 400), (30, 10**6)):
+        calls.clear()
+        sd.max_batch_tokens = bound
+        for lo in range(0, len(work.prompts), B):
+            ids, mask = left_pad(work.prompts[lo:lo + B], "cpu")
+            sd.generate(ids, attention_mask=mask, max_new_tokens=1, pad_token_id=0)
+        assert _fixed_groups(work, B, bound) == {c[0] for c in calls}

@@ -43,10 +43,10 @@ every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run)
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs). One short untimed call
 per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
 kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed
-run: once in a continuous run, once per length bucket in fixed batches), and before the first run
-of a model one untimed prefill of each admission group size over the workload's prompts
-(:func:`_warm_prefill`: kernels that compile per prompt shape do so there, not in the first timed
-run). Records go to
+run: once in a continuous run, once per length bucket in fixed batches), and one untimed prefill of
+each group size (rows per prefill forward) a run's admissions or fixed batches will use that the
+model has not met yet, over the workload's prompts (:func:`_warm_prefill`: kernels that compile
+or autotune per prompt shape do so there, not in whichever timed run meets the shape first). Records go to
 ``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
 """
 
@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..batching import DEFAULT_MAX_BATCH_TOKENS, RequestTiming, left_pad
+from ..batching import DEFAULT_MAX_BATCH_TOKENS, RequestTiming, admission_rows, left_pad
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -224,13 +224,14 @@ def _timed(calls, repeats: int, device) -> RunResult:
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
                 drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                warm_prefill: bool = False) -> RunResult:
+                warmed: set[int] | None = None) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
     with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
     ``max_batch_tokens`` and,
     given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
-    drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and
-    ``warm_prefill``, :func:`_warm_prefill` after the warm-up call."""
+    drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and ``warmed``
+    (the model's prefill sizes warmed so far), :func:`_warm_prefill` of every admission size after
+    the warm-up call."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
@@ -248,35 +249,52 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
             sd.generate_batch([work.prompts[i] for i in idx], max_new_tokens=WARMUP_TOKENS, **kw)
         except ValueError as err:
             return RunResult(error=str(err))
-        if warm_prefill:
-            _warm_prefill(sd, work, B if isinstance(B, int) else sd.last_stats.max_batch_size, max_batch_tokens)
+        if warmed is not None:
+            rows = B if isinstance(B, int) else sd.last_stats.max_batch_size
+            _warm_prefill(sd, work, range(1, admission_rows(rows) + 1), max_batch_tokens, warmed)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
     return _timed(calls, repeats, device)
 
 
-def _warm_prefill(sd, work: Workload, rows: int, max_batch_tokens: int) -> None:
-    """Prefill, untimed, one group of each size an admission of a ``rows``-row pool can take (1 ..
-    :func:`specdec.batching.admission_rows`), of the workload's own prompts (the group of ``b``
-    the ``b`` prompts by length below its ``b / limit`` quantile: the last group holds the longest).
+def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set[int]) -> None:
+    """Prefill, untimed, one group of each size in ``sizes`` (rows per prefill forward) not yet in
+    ``warmed`` (then added to it), of the workload's own prompts: the group of ``b`` rows is the
+    ``b`` prompts by length just below the ``b / max(sizes)`` length quantile (the largest group
+    holds the longest prompts).
 
-    An admission's prefill compiles or autotunes kernels per shape the first time it meets it
-    (flash-linear-attention autotunes some per batch size: about 10 s each for Qwen3.5's GDN on an
-    H200). The warm-up call's shortest prompts meet few of those shapes; without this the run that
-    goes first (continuous plain decoding) would pay for every later run's kernels.
+    A prefill compiles or autotunes kernels per shape the first time it meets it
+    (flash-linear-attention autotunes some per batch size or token-count bucket: about 10 s each
+    for Qwen3.5's GDN on an H200). A warm-up call on the shortest prompts meets few of those
+    shapes; without this the first timed run of a model would pay for every later run's kernels.
     """
-    from ..batching import admission_rows
     from ..rollback import make_strategy
 
     ad, n = sd.adapter, len(work.prompts)
     by_length = sorted(range(n), key=lambda i: len(work.prompts[i]))
-    limit = min(admission_rows(rows), n)
-    for b in range(1, limit + 1):
-        start = max(0, b * n // limit - b)  # group b ends at the (b / limit) length quantile
+    sizes = sorted({min(int(b), n) for b in sizes})
+    for b in sizes:
+        if b in warmed:
+            continue
+        warmed.add(b)
+        start = max(0, b * n // sizes[-1] - b)
         ids, mask = left_pad([work.prompts[i] for i in by_length[start:start + b]], ad.device)
         cache = ad.new_cache(b, ids.shape[1] + 8, 1, make_strategy("snapshot"))
         ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens)
         del cache
+
+
+def _fixed_groups(work: Workload, B: int, max_batch_tokens: int) -> set[int]:
+    """The rows per prefill forward of ``generate()`` on the workload's fixed batches of ``B``
+    (:func:`specdec.models.base.prefill_groups` of each batch)."""
+    from ..models.base import prefill_groups
+
+    sizes = set()
+    for lo in range(0, len(work.prompts), B):
+        _, mask = left_pad(work.prompts[lo:lo + B], "cpu")
+        groups = prefill_groups(mask, max_batch_tokens)
+        sizes |= {mask.shape[0]} if groups is None else {len(g) for g in groups}
+    return sizes
 
 
 def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
@@ -287,11 +305,15 @@ def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
 
 
 def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats: int, warmup: bool,
-           drafter_for=None) -> RunResult:
+           drafter_for=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+           warmed: set[int] | None = None) -> RunResult:
     """``sd.generate()`` on fixed batches of ``B`` requests in order (left-padded), each row ending
     at its request's budget (``max_new_tokens`` per row, as a request would end at EOS) and the
-    batch running until its last row ends; ``drafter_for(indices)`` gives the batch's drafter (None: keep
-    ``sd``'s)."""
+    batch running until its last row ends, its prefill forwards within ``max_batch_tokens``;
+    ``drafter_for(indices)`` gives the batch's drafter (None: keep ``sd``'s). With ``warmup``, a
+    warm-up call on the shortest prompts, and given ``warmed``, :func:`_warm_prefill` of the
+    batches' prefill group sizes."""
+    sd.max_batch_tokens = max_batch_tokens
     N = len(work.prompts)
     batches = [list(range(lo, min(N, lo + B))) for lo in range(0, N, B)]
 
@@ -319,6 +341,8 @@ def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats:
 
     if warmup:
         one(work.shortest(B), WARMUP_TOKENS)
+        if warmed is not None:
+            _warm_prefill(sd, work, _fixed_groups(work, B, max_batch_tokens), max_batch_tokens, warmed)
     return _timed(calls, repeats, device)
 
 
@@ -467,8 +491,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             return rec
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
+        warmed: set[int] = set()  # rows per prefill forward this model has met (_warm_prefill)
         plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens, warm_prefill=True)
+                                max_batch_tokens=batch_tokens, warmed=warmed)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
@@ -499,7 +524,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                            random_mtp=str(spec.source) == "random_shape" and not spec.get("mtp"))
                 sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                   decode_path=path)
-                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens)
+                cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens,
+                                       warmed)
                 cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens)
                               if prefix_caching else None)
                 sd.release()
@@ -510,7 +536,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     # with "auto", batches of the rows the continuous run chose
                     rows = B if isinstance(B, int) else next(
                         (st.max_batch_size for st in cont_res.stats if st.max_batch_size), None)
-                    fixed_res = (_fixed(sd, work, rows, pad, eos, device, repeats, warmup, drafter_for) if rows else
+                    fixed_res = (_fixed(sd, work, rows, pad, eos, device, repeats, warmup, drafter_for, batch_tokens,
+                                        warmed) if rows else
                                  RunResult(error=f"no fixed batch size: the continuous run failed ({cont_res.error})"))
                     sd.release()
                     fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain, rows=rows)

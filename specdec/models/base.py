@@ -30,7 +30,7 @@ from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
 from .step_attention import grouped_attention_configs, grouped_step_attention_for
 
-__all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "supported_families"]
+__all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "prefill_groups", "supported_families"]
 
 ADAPTERS: dict[str, type["HybridAdapter"]] = {}
 
@@ -61,11 +61,12 @@ def _drain(steps):
             return stop.value
 
 
-def _row_groups(mask: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor] | None:
-    """Groups of the rows of ``mask [B, L]`` (left padding), by prompt length (so a group pads
-    little), whose prompts, padded to the group's longest, hold at most ``max_tokens`` tokens
-    together (a longer prompt alone): each an int64 tensor of row indices on ``mask``'s device;
-    None when the whole batch fits or ``max_tokens`` is None."""
+def prefill_groups(mask: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor] | None:
+    """The forwards :meth:`HybridAdapter.prefill` splits a batch into: groups of the rows of
+    ``mask [B, L]`` (left padding), by prompt length (so a group pads little), whose prompts,
+    padded to the group's longest, hold at most ``max_tokens`` tokens together (a longer prompt
+    alone): each an int64 tensor of row indices on ``mask``'s device; None when the whole batch
+    fits or ``max_tokens`` is None."""
     B, L = mask.shape
     if max_tokens is None or B * L <= max_tokens:
         return None
@@ -352,7 +353,7 @@ class HybridAdapter:
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
         max_tokens = self.max_prefill_tokens if max_tokens is None else max_tokens
-        groups = _row_groups(mask, max_tokens) if prefix_cache is None else None
+        groups = prefill_groups(mask, max_tokens) if prefix_cache is None else None
         if groups is not None:  # rows in groups within max_tokens
             rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan, max_tokens) for g in groups]
             return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups))
