@@ -311,15 +311,16 @@ def test_serve_defaults_are_the_library_defaults():
 
 
 def test_warm_prefill_meets_every_prefill_group_size():
-    """The serving warm-up prefills one group of each size it is given that the model has not met
-    (the admissions' 1 .. admission_rows; the fixed batches' groups, as generate() splits them),
-    of the workload's own prompts, longer with the group size, the largest group the longest
-    prompts, each within the run's token bound."""
+    """The serving warm-up runs one prefill forward of each row count it is given that the model
+    has not met and that some prompts of the workload fit within the token bound, of the
+    workload's own prompts (longer with the count); every forward a continuous run (its first
+    admission and the later ones; a fixed or an auto-sized pool) or generate() on fixed batches
+    then runs has a row count the warm-up met."""
     from specdec.batching import admission_rows
-    from specdec.experiments.serve import _fixed_groups, _warm_prefill, build_workload
+    from specdec.experiments.serve import _admission_sizes, _fixed_groups, _warm_prefill, build_workload
 
-    cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=30", "experiment.prompt_tokens=[16,64]"]
-               + CPU)
+    cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=30", "experiment.prompt_tokens=[16,64]",
+                "experiment.output_tokens=[2,6]"] + CPU)
     model, tok = zoo.load("gdn-target")
     work = build_workload(cfg.experiment, tok, model.config.vocab_size, 0, model.config.max_position_embeddings)
     sd = specdec.wrap(model, num_speculative_tokens=0)
@@ -337,7 +338,19 @@ def test_warm_prefill_meets_every_prefill_group_size():
     assert calls == [] and warmed == set(range(1, 9))
     _warm_prefill(sd, work, [9, 3], 1000, warmed)
     assert [c[0] for c in calls] == [9] and 9 in warmed
-    # the fixed batches' groups are the rows of the forwards generate() runs on them
+    # each forward within the bound: the longest prompts that fit, or (fewer fit) the shortest cut
+    calls.clear()
+    _warm_prefill(sd, work, [12, 30, 31], 12 * lengths[11], warmed)  # (31: more than the workload's requests)
+    assert [c[0] for c in calls] == [12, 30] and warmed >= {12, 30} and 31 not in warmed
+    assert calls[0][1] == lengths[11] and calls[1][1] == 12 * lengths[11] // 30
+    # every forward a timed run then runs was warmed
+    for B, bound, budget in ((16, 400, None), (4, 10**6, None), ("auto", 400, "6MiB")):
+        warmed = set()
+        _warm_prefill(sd, work, _admission_sizes(sd, work, B, bound, budget), bound, warmed)
+        calls.clear()
+        sd.generate_batch(work.prompts, max_new_tokens=work.budgets, max_batch_size=B, max_batch_tokens=bound,
+                          **({"memory_budget": budget} if budget else {}))
+        assert calls and {c[0] for c in calls} <= warmed, (B, bound, sorted({c[0] for c in calls}), sorted(warmed))
     for B, bound in ((8, 200), (16, 400), (30, 10**6)):
         calls.clear()
         sd.max_batch_tokens = bound

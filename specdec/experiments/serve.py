@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..batching import DEFAULT_MAX_BATCH_TOKENS, RequestTiming, admission_rows, left_pad
+from ..batching import DEFAULT_MAX_BATCH_TOKENS, Request, RequestPool, RequestTiming, admission_rows, left_pad
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -230,8 +230,8 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
     ``max_batch_tokens`` and,
     given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
     drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and ``warmed``
-    (the model's prefill sizes warmed so far), :func:`_warm_prefill` of every admission size after
-    the warm-up call."""
+    (the model's prefill row counts warmed so far), :func:`_warm_prefill` of every admission's
+    (:func:`_admission_sizes`) after the warm-up call."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
@@ -250,38 +250,59 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
         except ValueError as err:
             return RunResult(error=str(err))
         if warmed is not None:
-            rows = B if isinstance(B, int) else sd.last_stats.max_batch_size
-            _warm_prefill(sd, work, range(1, admission_rows(rows) + 1), max_batch_tokens, warmed)
+            _warm_prefill(sd, work, _admission_sizes(sd, work, B, max_batch_tokens, memory_budget), max_batch_tokens,
+                          warmed)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
     return _timed(calls, repeats, device)
 
 
 def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set[int]) -> None:
-    """Prefill, untimed, one group of each size in ``sizes`` (rows per prefill forward) not yet in
-    ``warmed`` (then added to it), of the workload's own prompts: the group of ``b`` rows is the
-    ``b`` prompts by length just below the ``b / max(sizes)`` length quantile (the largest group
-    holds the longest prompts).
+    """Prefill, untimed, one forward of each row count in ``sizes`` not yet in ``warmed`` (then
+    added to it), of the workload's own prompts: the ``b`` rows are ``b`` prompts short enough to
+    run in one forward of at most ``max_batch_tokens`` padded tokens (as any ``b``-row forward's
+    are), taken by length just below the ``b / max(sizes)`` quantile of those (the largest count
+    gets the longest that fit); where fewer than ``b`` prompts fit (the pool's one-token
+    placeholder rows), the ``b`` shortest cut to ``max_batch_tokens // b`` tokens.
 
     A prefill compiles or autotunes kernels per shape the first time it meets it
     (flash-linear-attention autotunes some per batch size or token-count bucket: about 10 s each
     for Qwen3.5's GDN on an H200). A warm-up call on the shortest prompts meets few of those
     shapes; without this the first timed run of a model would pay for every later run's kernels.
+    Prefills continued from a saved state (prefix-cache hits, the later chunks of a prompt longer
+    than ``max_batch_tokens``) are not warmed.
     """
     from ..rollback import make_strategy
 
-    ad, n = sd.adapter, len(work.prompts)
-    by_length = sorted(range(n), key=lambda i: len(work.prompts[i]))
-    sizes = sorted({min(int(b), n) for b in sizes})
+    ad = sd.adapter
+    by_length = sorted(work.prompts, key=len)
+    sizes = sorted({int(b) for b in sizes if int(b) >= 1})
     for b in sizes:
-        if b in warmed:
+        if b in warmed or b > min(len(by_length), max_batch_tokens):
             continue
         warmed.add(b)
-        start = max(0, b * n // sizes[-1] - b)
-        ids, mask = left_pad([work.prompts[i] for i in by_length[start:start + b]], ad.device)
+        fits = [p for p in by_length if len(p) * b <= max_batch_tokens]
+        if len(fits) >= b:
+            start = max(0, b * len(fits) // sizes[-1] - b)
+            prompts = fits[start:start + b]
+        else:
+            prompts = [p[:max_batch_tokens // b] for p in by_length[:b]]
+        ids, mask = left_pad(prompts, ad.device)
         cache = ad.new_cache(b, ids.shape[1] + 8, 1, make_strategy("snapshot"))
         ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens)
         del cache
+
+
+def _admission_sizes(sd, work: Workload, B, max_batch_tokens: int, memory_budget) -> set[int]:
+    """The row counts of the prefill forwards of a continuous run: the pool's rows (its one-token
+    placeholders), :meth:`RequestPool.take` of its first requests (up to its rows, within
+    ``max_batch_tokens``: predicted with the pool's own selection), then 1 .. ``admission_rows``.
+    ``B``: ``max_batch_size`` (``"auto"`` with ``memory_budget``: planned as the call plans it)."""
+    requests = [Request(i, tuple(p), b) for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    rows = sd._plan_pool(B, memory_budget, RequestPool.span_of(requests), len(requests)).rows
+    pool = RequestPool(requests, rows, max_batch_tokens=max_batch_tokens)
+    first = len(pool.take(range(rows), at_most=rows))
+    return {rows, first, *range(1, admission_rows(rows) + 1)}
 
 
 def _fixed_groups(work: Workload, B: int, max_batch_tokens: int) -> set[int]:
