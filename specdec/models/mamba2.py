@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
-from ..kernels.conv1d.naive import conv1d_verify
+from ..kernels import conv1d_op
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
@@ -69,10 +69,12 @@ class Mamba2PromptLayer:
     multi-token prefill) the conv starts from its conv window and the scan from its recurrent
     state; otherwise both start from zeros.
 
-    Differences from HF's torch fallback, none in fp32: ``dt + dt_bias`` and its softplus are
-    taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's fallback uses the
-    input dtype), and the scan output is rounded to the model dtype before the gated norm (as
-    mamba_ssm's ``mamba_chunk_scan_combined`` returns it).
+    Differences from HF's torch fallback, none in fp32 but rounding: ``dt + dt_bias`` and its
+    softplus are taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's
+    fallback uses the input dtype), the conv in fp32 with one rounding to the model dtype (as
+    ``causal_conv1d_fn`` computes it; HF rounds the conv before its activation), and the scan
+    output is rounded to the model dtype before the gated norm (as mamba_ssm's
+    ``mamba_chunk_scan_combined`` returns it).
 
     Args:
         mixer: the HF Mamba-2 mixer (``layer_idx``, ``time_step_limit``, ``chunk_size``).
@@ -90,6 +92,7 @@ class Mamba2PromptLayer:
         self.scan = scan
         dtype = mixer.in_proj.weight.dtype
         self.operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        self.conv_op = conv1d_op(mixer.in_proj.weight.device)
         self.continued = cache_params.has_previous_state(self.layer_idx)
 
     def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -99,14 +102,14 @@ class Mamba2PromptLayer:
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
         window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
-        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state."""
-        B, L, C = x.shape
+        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state. Computed in
+        the prompt's own layout, in fp32 (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`)."""
         W = weight.shape[-1]
-        window = x.new_zeros(B, C, W - 1 + L)
-        if self.continued and W > 1:
-            window[:, :, :W - 1] = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:]
-        self.cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        out = conv1d_verify(window, x, weight, bias, activation)
+        history = None
+        if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
+            history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
+        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history is a view
+        self.cache_params.update_conv_state(x[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
         return self.mask_padding(out)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
