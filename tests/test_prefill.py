@@ -10,8 +10,7 @@
   ``generate(do_sample=False)``.
 * The prompt conv (:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt` and its Triton
   kernel, through the interpreter) against ``F.conv1d``, with and without a history, and a
-  prefill with the Triton conv against the torch one; the head expansion of B and C against
-  ``repeat_interleave``, bit for bit.
+  prefill with the Triton conv against the torch one.
 * With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
   torch reference, with fp32 and bf16 operands; ``gpu``: its kernel against the torch scan, and
   a CUDA prefill against HF's.
@@ -295,10 +294,10 @@ def test_speculative_exact_with_long_prompts(family):
     assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
 
 
-def test_fla_arguments_against_fla_reference(monkeypatch):
-    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
-    1, the state V-first), with fla's own torch reference of ``chunk_simple_gla`` in place of
-    the kernel, so it runs on any device; P != N, so a state in the wrong layout shows."""
+@pytest.fixture
+def fla_reference(monkeypatch):
+    """fla's own torch reference of ``chunk_simple_gla`` in place of the kernel, so the fla scan
+    runs on any device (skipped without flash-linear-attention)."""
     naive = pytest.importorskip("fla.ops.simple_gla.naive")
     import fla.ops.simple_gla
 
@@ -312,10 +311,32 @@ def test_fla_arguments_against_fla_reference(monkeypatch):
         return y, flip(h)
 
     monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", reference)
+
+
+def test_fla_arguments_against_fla_reference(fla_reference):
+    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
+    1, the state V-first), through fla's reference; P != N, so a state in the wrong layout shows."""
     x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
     y, h = mamba2_chunk_scan(x, dt, A, B, C, 16, D, h0)
     y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
+    assert y_fla.dtype == h_fla.dtype == torch.float32
     assert rel_err(y_fla, y) < TOL and rel_err(h_fla, h) < TOL
+
+
+def test_fla_bf16_operands_against_fla_reference(fla_reference):
+    """bf16 operands (a bf16 model's prefill): ``y`` comes back in bf16, the state in fp32; x, B, C
+    handed in bf16 give bit for bit what their fp32 copies give (v = dt x and y + D x are formed in
+    fp32 and rounded once either way), and the scan agrees with the fp32 torch scan to bf16's
+    rounding."""
+    x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
+    x16, B16, C16 = (t.bfloat16() for t in (x, B, C))
+    y16, h16 = mamba2_chunk_scan_fla(x16, dt, A, B16, C16, D, h0, operand_dtype=torch.bfloat16)
+    y32, h32 = mamba2_chunk_scan_fla(x16.float(), dt, A, B16.float(), C16.float(), D, h0,
+                                     operand_dtype=torch.bfloat16)
+    assert y16.dtype == y32.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    assert torch.equal(y16, y32) and torch.equal(h16, h32)
+    y, h = mamba2_chunk_scan(x16, dt, A, B16, C16, 16, D, h0)
+    assert rel_err(y16.float(), y) < 2e-2 and rel_err(h16, h) < 2e-2
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -337,8 +358,8 @@ def test_fla_scan_matches_torch_scan(b, L):
     assert rel_err(y_fla, y) < 5e-3 and rel_err(h_fla, h) < 5e-3
     # bf16 operands (a bf16 model's prefill): bf16 rounding of q, k, v bounds the agreement
     y16, h16 = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0, operand_dtype=torch.bfloat16)
-    assert y16.dtype == h16.dtype == torch.float32
-    assert rel_err(y16, y) < 2e-2 and rel_err(h16, h) < 2e-2
+    assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    assert rel_err(y16.float(), y) < 2e-2 and rel_err(h16, h) < 2e-2
     y_ref, states, _ = mamba2_verify(h0, x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], D, return_states=True)
     y200, h200 = mamba2_chunk_scan(x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], 128, D, h0)
     assert rel_err(y200, y_ref) < TOL and rel_err(h200, states[:, -1]) < TOL
