@@ -10,7 +10,8 @@
   ``generate(do_sample=False)``.
 * The prompt conv (:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt` and its Triton
   kernel, through the interpreter) against ``F.conv1d``, with and without a history, and a
-  prefill with the Triton conv against the torch one.
+  prefill with the Triton conv against the torch one; the head expansion of B and C against
+  ``repeat_interleave``, bit for bit.
 * With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
   torch reference, with fp32 and bf16 operands; ``gpu``: its kernel against the torch scan, and
   a CUDA prefill against HF's.
@@ -31,7 +32,8 @@ from transformers import DynamicCache
 import specdec
 from specdec.kernels import conv1d_op
 from specdec.kernels.conv1d.naive import causal_conv1d_prompt
-from specdec.kernels.mamba2.chunked import SCANS, mamba2_chunk_scan, mamba2_chunk_scan_fla, resolve_scan
+from specdec.kernels.mamba2.chunked import (SCANS, expand_groups, mamba2_chunk_scan, mamba2_chunk_scan_fla,
+                                            resolve_scan)
 from specdec.kernels.mamba2.naive import mamba2_verify
 from specdec.models.mamba2 import Mamba2PromptLayer
 
@@ -156,6 +158,24 @@ def test_prompt_conv_errors():
             prompt(x, weight[:5], bias, "silu")
         with pytest.raises(ValueError, match=r"bias must be \[C\] = \[6\]"):
             prompt(x, weight, bias[:4], "silu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_expand_groups_is_repeat_interleave(dtype):
+    """The head expansion of B / C equals ``repeat_interleave`` bit for bit: contiguous, a slice of
+    a projection whose rows are whole 8-byte words, one whose rows are not (odd offset), one group
+    per head."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 5, 32, generator=g).to(dtype)
+    cases = [(wide[..., :24].contiguous().view(2, 5, 3, 8), 12),  # contiguous, 4 heads per group
+             (wide[..., 4:28].view(2, 5, 3, 8), 6),               # aligned slice (offset 4), 2 heads per group
+             (wide[..., 1:25].view(2, 5, 3, 8), 6),               # unaligned slice (offset 1)
+             (wide[..., 4:28].view(2, 5, 3, 8), 3)]               # one head per group
+    assert cases[1][0].view(torch.int64).shape[-1] == 8 * cases[1][0].element_size() // 8  # rows of whole words
+    for t, heads in cases:
+        got, want = expand_groups(t, heads), t.repeat_interleave(heads // 3, dim=2)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------ model level
