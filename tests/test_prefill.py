@@ -13,8 +13,8 @@
   prefill with the Triton conv against the torch one; the head expansion of B and C against
   ``repeat_interleave``, bit for bit.
 * With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
-  torch reference, with fp32 and bf16 operands; ``gpu``: its kernel against the torch scan, and
-  a CUDA prefill against HF's.
+  torch reference, with fp32 and bf16 operands; ``gpu``: its kernel against the torch scan, the
+  Triton prompt conv at a 4B model's width, and a CUDA prefill against HF's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import hf_greedy, rel_err
-from markers import ON_CUDA, needs_cuda
+from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 from tiny_models import make_model, ragged_prompts
 from transformers import DynamicCache
 
@@ -146,8 +146,8 @@ def test_prompt_conv_triton_matches_reference(dtype, W, with_history):
 
 def test_prompt_conv_errors():
     """Bad prompt-conv input gets a ValueError naming what is accepted, on both backends."""
-    x, weight, bias, history = conv_inputs(2, 5, 6, 4, seed=0)
-    for prompt in (causal_conv1d_prompt, conv1d_op("cpu", backend_name="triton").prompt):
+    x, weight, bias, history = conv_inputs(2, 5, 6, 4, seed=0, device=DEVICE)
+    for prompt in (causal_conv1d_prompt, conv1d_op(DEVICE, backend_name="triton").prompt):
         with pytest.raises(ValueError, match="unsupported conv activation 'relu'; supported: 'silu', None"):
             prompt(x, weight, bias, "relu")
         with pytest.raises(ValueError, match=r"history must be \[B, W-1, C\] = \(2, 3, 6\)"):
@@ -280,6 +280,7 @@ def test_prompt_layer_is_used(monkeypatch):
     assert calls == []
 
 
+@needs_triton_interpreter
 def test_prefill_triton_conv_matches_torch(monkeypatch):
     """The prompt conv on the triton backend (``SPECDEC_BACKEND=triton``; the interpreter on CPU)
     leaves the states and logits the torch conv leaves: a ragged left-padded batch, and a prompt
@@ -383,6 +384,20 @@ def test_fla_scan_matches_torch_scan(b, L):
     y_ref, states, _ = mamba2_verify(h0, x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], D, return_states=True)
     y200, h200 = mamba2_chunk_scan(x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], 128, D, h0)
     assert rel_err(y200, y_ref) < TOL and rel_err(h200, states[:, -1]) < TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_conv_on_cuda(dtype):
+    """The Triton prompt conv at a 4B Mamba-2 model's conv width (9216 channels, W 4), a strided
+    prompt of 1000 tokens and a history, against the torch reference."""
+    op = conv1d_op("cuda")
+    assert op.backend == "triton"
+    x, weight, bias, history = conv_inputs(3, 1000, 9216, 4, seed=5, device="cuda", dtype=dtype)
+    for h in (None, history):
+        y, ref = op.prompt(x, weight, bias, "silu", h), causal_conv1d_prompt(x, weight, bias, "silu", h)
+        assert y.dtype == dtype and rel_err(y.double(), ref.double()) < (TOL if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.gpu
