@@ -8,8 +8,13 @@
   layer's input one token at a time (fp32), the logits against HF's forward, the
   ``time_step_limit`` clamp against HF's prefill, and speculative generation against
   ``generate(do_sample=False)``.
+* The prompt conv (:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt` and its Triton
+  kernel, through the interpreter) against ``F.conv1d``, with and without a history, and a
+  prefill with the Triton conv against the torch one; the head expansion of B and C against
+  ``repeat_interleave``, bit for bit.
 * With flash-linear-attention installed: the scan's mapping onto its simple GLA, through fla's
-  torch reference; ``gpu``: its kernel against the torch scan, and a CUDA prefill against HF's.
+  torch reference, with fp32 and bf16 operands; ``gpu``: its kernel against the torch scan, the
+  Triton prompt conv at a 4B model's width, and a CUDA prefill against HF's.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import hf_greedy, rel_err
-from markers import needs_cuda
+from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 from tiny_models import make_model, ragged_prompts
 from transformers import DynamicCache
 
 import specdec
-from specdec.kernels.mamba2.chunked import SCANS, mamba2_chunk_scan, mamba2_chunk_scan_fla, resolve_scan
+from specdec.kernels import conv1d_op
+from specdec.kernels.conv1d.naive import causal_conv1d_prompt
+from specdec.kernels.mamba2.chunked import (SCANS, expand_groups, mamba2_chunk_scan, mamba2_chunk_scan_fla,
+                                            resolve_scan)
 from specdec.kernels.mamba2.naive import mamba2_verify
 from specdec.models.mamba2 import Mamba2PromptLayer
 
@@ -32,6 +41,8 @@ MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamb
 #: prompt lengths of the ragged batch: all longer than the tiny models' chunk of 16, none a multiple of it
 LENGTHS = (40, 23, 33)
 TOL = 1e-5
+#: where the Triton kernels run: compiled on CUDA in a CUDA test run, else the CPU interpreter
+DEVICE = "cuda" if ON_CUDA else "cpu"
 
 
 def scan_inputs(b, L, H, P, G, N, seed=0, device="cpu"):
@@ -76,6 +87,97 @@ def test_scan_choice_errors():
     assert set(SCANS) == {"auto", "fla", "torch", "hf"}
 
 
+# ------------------------------------------------------------------------------ prompt conv
+
+
+def conv_reference(x, weight, bias, activation, history):
+    """``F.conv1d`` (channels first, fp32) over the history (zeros without one) followed by ``x``."""
+    B, L, C = x.shape
+    W = weight.shape[1]
+    past = history if history is not None else x.new_zeros(B, W - 1, C)
+    u = torch.cat([past, x], dim=1).transpose(1, 2).double()
+    out = F.conv1d(u, weight.double().unsqueeze(1), None if bias is None else bias.double(), groups=C)
+    return (F.silu(out) if activation is not None else out).transpose(1, 2)
+
+
+def conv_inputs(B, L, C, W, seed, device="cpu", dtype=torch.float32):
+    """Fresh random conv inputs, in the layouts the prompt layer hands them: ``x`` a slice of a
+    wider projection, the history a transposed view of a ``[B, C, W]`` conv state."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    x = r(B, L, C + 9)[:, :, 5 : 5 + C].to(dtype)
+    history = r(B, C, W)[:, :, 1:].transpose(1, 2).to(dtype)
+    return x, r(C, W), r(C), history
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+@pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "act=None"])
+@pytest.mark.parametrize("with_history", [False, True], ids=["zeros", "history"])
+def test_prompt_conv_matches_conv1d(W, activation, with_history):
+    """The torch prompt conv (sum of W shifted products, fp32) against ``F.conv1d``; prompts
+    shorter and longer than the kernel, with and without bias."""
+    for seed, (B, L, C) in enumerate([(2, 11, 6), (3, 2, 5), (1, 1, 4)]):
+        x, weight, bias, history = conv_inputs(B, L, C, W, seed)
+        history = history if with_history else None
+        for b in (bias, None):
+            y = causal_conv1d_prompt(x, weight, b, activation, history)
+            assert y.dtype == x.dtype and y.shape == x.shape and y.is_contiguous()
+            assert rel_err(y.double(), conv_reference(x, weight, b, activation, history)) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("W", [1, 4])
+@pytest.mark.parametrize("with_history", [False, True], ids=["zeros", "history"])
+def test_prompt_conv_triton_matches_reference(dtype, W, with_history):
+    """The Triton prompt conv (``Conv1dOp.prompt`` on the triton backend; the interpreter on CPU)
+    against the torch reference: two token blocks and two channel blocks (both partial), strided
+    inputs; both compute in fp32 and round once, so bf16 agrees to its rounding."""
+    op = conv1d_op(DEVICE, backend_name="triton")
+    x, weight, bias, history = conv_inputs(2, 37, 136, W, seed=W, device=DEVICE, dtype=dtype)
+    history = history if with_history else None
+    for activation in ("silu", None):
+        y = op.prompt(x, weight, bias, activation, history)
+        ref = causal_conv1d_prompt(x, weight, bias, activation, history)
+        assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous() and torch.isfinite(y).all()
+        assert rel_err(y.double(), ref.double()) < (TOL if dtype == torch.float32 else 1e-2)
+        assert rel_err(y.double(), conv_reference(x.float(), weight, bias, activation,
+                                                  None if history is None else history.float())) < 1e-2
+
+
+def test_prompt_conv_errors():
+    """Bad prompt-conv input gets a ValueError naming what is accepted, on both backends."""
+    x, weight, bias, history = conv_inputs(2, 5, 6, 4, seed=0, device=DEVICE)
+    for prompt in (causal_conv1d_prompt, conv1d_op(DEVICE, backend_name="triton").prompt):
+        with pytest.raises(ValueError, match="unsupported conv activation 'relu'; supported: 'silu', None"):
+            prompt(x, weight, bias, "relu")
+        with pytest.raises(ValueError, match=r"history must be \[B, W-1, C\] = \(2, 3, 6\)"):
+            prompt(x, weight, bias, "silu", history[:, 1:])
+        with pytest.raises(ValueError, match=r"history must be \[B, W-1, C\]"):
+            prompt(x, weight, bias, "silu", history.transpose(1, 2))  # the conv state's [B, C, W-1] layout
+        with pytest.raises(ValueError, match=r"expected x \[B, L, C\] and weight \[C, W\]"):
+            prompt(x, weight[:5], bias, "silu")
+        with pytest.raises(ValueError, match=r"bias must be \[C\] = \[6\]"):
+            prompt(x, weight, bias[:4], "silu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_expand_groups_is_repeat_interleave(dtype):
+    """The head expansion of B / C equals ``repeat_interleave`` bit for bit: contiguous, a slice of
+    a projection whose rows are whole 8-byte words, one whose rows are not (odd offset), one group
+    per head."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 5, 32, generator=g).to(dtype)
+    cases = [(wide[..., :24].contiguous().view(2, 5, 3, 8), 12),  # contiguous, 4 heads per group
+             (wide[..., 4:28].view(2, 5, 3, 8), 6),               # aligned slice (offset 4), 2 heads per group
+             (wide[..., 1:25].view(2, 5, 3, 8), 6),               # unaligned slice (offset 1)
+             (wide[..., 4:28].view(2, 5, 3, 8), 3)]               # one head per group
+    assert cases[1][0].view(torch.int64).shape[-1] == 8 * cases[1][0].element_size() // 8  # rows of whole words
+    for t, heads in cases:
+        got, want = expand_groups(t, heads), t.repeat_interleave(heads // 3, dim=2)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
 # ------------------------------------------------------------------------------ model level
 
 _MODELS: dict = {}
@@ -99,9 +201,9 @@ def model_of(family, dt_limit=(0.0, float("inf"))):
     return _MODELS[key]
 
 
-def prefill(ad, ids, mask, scan):
+def prefill(ad, ids, mask, scan, max_tokens=None):
     cache = ad.new_cache(ids.shape[0], ids.shape[1] + 8, 4, specdec.rollback.make_strategy("snapshot"))
-    logits, _ = ad.prefill(ids, mask, cache, scan=scan)
+    logits, _ = ad.prefill(ids, mask, cache, scan=scan, max_tokens=max_tokens)
     return logits, {idx: (layer.ssm_state().clone(), layer.conv_state().clone()) for idx, layer in cache.ssm.items()}
 
 
@@ -178,6 +280,30 @@ def test_prompt_layer_is_used(monkeypatch):
     assert calls == []
 
 
+@needs_triton_interpreter
+def test_prefill_triton_conv_matches_torch(monkeypatch):
+    """The prompt conv on the triton backend (``SPECDEC_BACKEND=triton``; the interpreter on CPU)
+    leaves the states and logits the torch conv leaves: a ragged left-padded batch, and a prompt
+    continued in forwards of 3 tokens (fewer than the conv's 4, so its history spans forwards)."""
+    from specdec.kernels.conv1d.triton_conv import Conv1dTritonKernels
+
+    _, ad = model_of("nemotron_h")
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    calls = []
+    original = Conv1dTritonKernels.prompt
+    monkeypatch.setattr(Conv1dTritonKernels, "prompt",
+                        lambda self, *a: calls.append(a[-1] is not None) or original(self, *a))  # a[-1]: history
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SPECDEC_BACKEND", backend)
+        runs[backend] = [prefill(ad, ids, mask, "torch"), prefill(ad, ids[:1], mask[:1], "torch", max_tokens=3)]
+    assert False in calls and True in calls  # the kernel ran, from zeros and from a history
+    for (logits, states), (logits_t, states_t) in zip(runs["torch"], runs["triton"]):
+        assert rel_err(logits_t, logits) < TOL
+        for idx, (ssm_state, conv_state) in states.items():
+            assert rel_err(states_t[idx][0], ssm_state) < TOL and rel_err(states_t[idx][1], conv_state) < TOL
+
+
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
 def test_speculative_exact_with_long_prompts(family):
     """Speculative greedy output equals HF's ``generate`` with prompts longer than the chunk."""
@@ -189,10 +315,10 @@ def test_speculative_exact_with_long_prompts(family):
     assert torch.equal(out, ref), f"\n{out[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
 
 
-def test_fla_arguments_against_fla_reference(monkeypatch):
-    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
-    1, the state V-first), with fla's own torch reference of ``chunk_simple_gla`` in place of
-    the kernel, so it runs on any device; P != N, so a state in the wrong layout shows."""
+@pytest.fixture
+def fla_reference(monkeypatch):
+    """fla's own torch reference of ``chunk_simple_gla`` in place of the kernel, so the fla scan
+    runs on any device (skipped without flash-linear-attention)."""
     naive = pytest.importorskip("fla.ops.simple_gla.naive")
     import fla.ops.simple_gla
 
@@ -206,10 +332,32 @@ def test_fla_arguments_against_fla_reference(monkeypatch):
         return y, flip(h)
 
     monkeypatch.setattr(fla.ops.simple_gla, "chunk_simple_gla", reference)
+
+
+def test_fla_arguments_against_fla_reference(fla_reference):
+    """The scan's mapping onto fla's simple GLA (q = C, k = B per head, v = dt x, g = dt A, scale
+    1, the state V-first), through fla's reference; P != N, so a state in the wrong layout shows."""
     x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
     y, h = mamba2_chunk_scan(x, dt, A, B, C, 16, D, h0)
     y_fla, h_fla = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0)
+    assert y_fla.dtype == h_fla.dtype == torch.float32
     assert rel_err(y_fla, y) < TOL and rel_err(h_fla, h) < TOL
+
+
+def test_fla_bf16_operands_against_fla_reference(fla_reference):
+    """bf16 operands (a bf16 model's prefill): ``y`` comes back in bf16, the state in fp32; x, B, C
+    handed in bf16 give bit for bit what their fp32 copies give (v = dt x and y + D x are formed in
+    fp32 and rounded once either way), and the scan agrees with the fp32 torch scan to bf16's
+    rounding."""
+    x, dt, A, B, C, D, h0 = scan_inputs(2, 37, 4, 12, 2, 20)
+    x16, B16, C16 = (t.bfloat16() for t in (x, B, C))
+    y16, h16 = mamba2_chunk_scan_fla(x16, dt, A, B16, C16, D, h0, operand_dtype=torch.bfloat16)
+    y32, h32 = mamba2_chunk_scan_fla(x16.float(), dt, A, B16.float(), C16.float(), D, h0,
+                                     operand_dtype=torch.bfloat16)
+    assert y16.dtype == y32.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    assert torch.equal(y16, y32) and torch.equal(h16, h32)
+    y, h = mamba2_chunk_scan(x16, dt, A, B16, C16, 16, D, h0)
+    assert rel_err(y16.float(), y) < 2e-2 and rel_err(h16, h) < 2e-2
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -231,11 +379,25 @@ def test_fla_scan_matches_torch_scan(b, L):
     assert rel_err(y_fla, y) < 5e-3 and rel_err(h_fla, h) < 5e-3
     # bf16 operands (a bf16 model's prefill): bf16 rounding of q, k, v bounds the agreement
     y16, h16 = mamba2_chunk_scan_fla(x, dt, A, B, C, D, h0, operand_dtype=torch.bfloat16)
-    assert y16.dtype == h16.dtype == torch.float32
-    assert rel_err(y16, y) < 2e-2 and rel_err(h16, h) < 2e-2
+    assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    assert rel_err(y16.float(), y) < 2e-2 and rel_err(h16, h) < 2e-2
     y_ref, states, _ = mamba2_verify(h0, x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], D, return_states=True)
     y200, h200 = mamba2_chunk_scan(x[:, :200], dt[:, :200], A, B[:, :200], C[:, :200], 128, D, h0)
     assert rel_err(y200, y_ref) < TOL and rel_err(h200, states[:, -1]) < TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_conv_on_cuda(dtype):
+    """The Triton prompt conv at a 4B Mamba-2 model's conv width (9216 channels, W 4), a strided
+    prompt of 1000 tokens and a history, against the torch reference."""
+    op = conv1d_op("cuda")
+    assert op.backend == "triton"
+    x, weight, bias, history = conv_inputs(3, 1000, 9216, 4, seed=5, device="cuda", dtype=dtype)
+    for h in (None, history):
+        y, ref = op.prompt(x, weight, bias, "silu", h), causal_conv1d_prompt(x, weight, bias, "silu", h)
+        assert y.dtype == dtype and rel_err(y.double(), ref.double()) < (TOL if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.gpu

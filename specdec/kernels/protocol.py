@@ -169,6 +169,11 @@ class Conv1dKernels(Protocol):
         """History := the W-1 conv inputs ending at each row's ``num_tokens[b]``-th step token."""
         ...
 
+    def prompt(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+               history: torch.Tensor | None = None) -> torch.Tensor:
+        """The conv of a whole prompt ``x [B, L, C]`` from ``history [B, W-1, C]`` or zeros (no window)."""
+        ...
+
 
 class BackendOp(abc.ABC):
     """An op with a torch reference and a lazily bound Triton kernel set.

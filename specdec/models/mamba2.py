@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
-from ..kernels.conv1d.naive import conv1d_verify
+from ..kernels import conv1d_op
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
@@ -34,19 +34,23 @@ __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2Pr
 
 
 @fusable
-def _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, heads: int, head_dim: int, groups: int, state: int):
-    """The recurrence's fp32 inputs, as transformers' decode step computes them (element-wise;
-    fused on the CUDA-graph path)."""
+def _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, heads: int, head_dim: int, groups: int, state: int,
+                   dtype: torch.dtype):
+    """The recurrence's inputs, as transformers' decode step computes them (element-wise; fused on
+    the CUDA-graph path): ``x``, ``B``, ``C`` in ``dtype`` (fp32 for a layer cache), ``dt``, ``A``,
+    ``D`` in fp32."""
     B, t = x.shape[:2]
     dt = F.softplus(dt.float() + dt_bias.float())
-    return (x.reshape(B, t, heads, head_dim).float(), dt, Bm.reshape(B, t, groups, state).float(),
-            Cm.reshape(B, t, groups, state).float(), -torch.exp(A_log.float()), D.float())
+    return (x.reshape(B, t, heads, head_dim).to(dtype), dt, Bm.reshape(B, t, groups, state).to(dtype),
+            Cm.reshape(B, t, groups, state).to(dtype), -torch.exp(A_log.float()), D.float())
 
 
 def mamba2_core(mixer, layer, projected: torch.Tensor):
     """Mamba-2 mixer body from ``projected = in_proj(h)`` ``[B, t, I + conv_dim + H]``.
 
-    Returns ``(y [B, t, I] in projected.dtype (before the gate/norm), gate [B, t, I])``.
+    Returns ``(y [B, t, I] in projected.dtype (before the gate/norm), gate [B, t, I])``. The scan's
+    ``x``, ``B``, ``C`` are fp32, except for a :class:`Mamba2PromptLayer`, which names their dtype
+    (``input_dtype``).
     """
     B, t, _ = projected.shape
     gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
@@ -54,8 +58,9 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     x, Bm, Cm = torch.split(
         xBC, [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size], dim=-1
     )
+    dtype = layer.input_dtype if isinstance(layer, Mamba2PromptLayer) else torch.float32
     x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
-                                         mixer.head_dim, mixer.n_groups, mixer.ssm_state_size)
+                                         mixer.head_dim, mixer.n_groups, mixer.ssm_state_size, dtype)
     y = layer.ssm({"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D})
     return y.reshape(B, t, -1).to(projected.dtype), gate
 
@@ -69,10 +74,15 @@ class Mamba2PromptLayer:
     multi-token prefill) the conv starts from its conv window and the scan from its recurrent
     state; otherwise both start from zeros.
 
-    Differences from HF's torch fallback, none in fp32: ``dt + dt_bias`` and its softplus are
-    taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's fallback uses the
-    input dtype), and the scan output is rounded to the model dtype before the gated norm (as
-    mamba_ssm's ``mamba_chunk_scan_combined`` returns it).
+    Differences from HF's torch fallback, none in fp32 but rounding: ``dt + dt_bias`` and its
+    softplus are taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's
+    fallback uses the input dtype), the conv in fp32 with one rounding to the model dtype (as
+    ``causal_conv1d_fn`` computes it; HF rounds the conv before its activation), and the scan
+    output is rounded to the model dtype before the gated norm (as mamba_ssm's
+    ``mamba_chunk_scan_combined`` returns it).
+
+    With fla's scan a bf16 / fp16 model's scan inputs stay in its dtype (``input_dtype``; fla
+    takes its matmul operands in it and returns ``y`` in it); the torch scan takes them in fp32.
 
     Args:
         mixer: the HF Mamba-2 mixer (``layer_idx``, ``time_step_limit``, ``chunk_size``).
@@ -90,6 +100,9 @@ class Mamba2PromptLayer:
         self.scan = scan
         dtype = mixer.in_proj.weight.dtype
         self.operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        #: the dtype of the scan's x, B, C (:func:`mamba2_core` casts them to it)
+        self.input_dtype = self.operand_dtype if scan == "fla" else torch.float32
+        self.conv_op = conv1d_op(mixer.in_proj.weight.device)
         self.continued = cache_params.has_previous_state(self.layer_idx)
 
     def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -99,22 +112,23 @@ class Mamba2PromptLayer:
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
         window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
-        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state."""
-        B, L, C = x.shape
+        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state. Computed in
+        the prompt's own layout, in fp32 (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`)."""
         W = weight.shape[-1]
-        window = x.new_zeros(B, C, W - 1 + L)
-        if self.continued and W > 1:
-            window[:, :, :W - 1] = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:]
-        self.cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        out = conv1d_verify(window, x, weight, bias, activation)
+        history = None
+        if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
+            history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
+        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history is a view
+        self.cache_params.update_conv_state(x[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
         return self.mask_padding(out)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
-        state: ``inputs`` x ``[B, L, H, P]``, dt ``[B, L, H]`` (softplus'd), B, C ``[B, L, G,
-        N]``; ``params`` A, D ``[H]`` (all fp32). Returns ``y [B, L, H, P]`` fp32 (D skip
-        included); the final state ``[B, H, P, N]`` fp32 goes to HF's cache. fla's matmul
-        operands are in a bf16 / fp16 model's dtype (its ``in_proj`` weight's), else fp32."""
+        state: ``inputs`` x ``[B, L, H, P]``, B, C ``[B, L, G, N]`` (in ``input_dtype``), dt
+        ``[B, L, H]`` (softplus'd, fp32); ``params`` A, D ``[H]`` (fp32). Returns ``y [B, L, H,
+        P]`` (D skip included) in ``input_dtype``; the final state ``[B, H, P, N]`` fp32 goes to
+        HF's cache. fla's matmul operands are in a bf16 / fp16 model's dtype (its ``in_proj``
+        weight's), else fp32."""
         dt = inputs["dt"].clamp(*self.dt_limit)
         h0 = self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],

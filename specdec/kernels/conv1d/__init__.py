@@ -3,7 +3,8 @@ reference (:mod:`.naive`) and its Triton kernels (:mod:`.triton_conv`, imported 
 
 Every SSM layer here (Mamba-2, GDN, KDA, LFM2 short-conv) runs this conv before its
 recurrence; a layer cache gets the op for its backend once (``conv1d_op`` in
-:mod:`specdec.kernels`) and calls it for every step.
+:mod:`specdec.kernels`) and calls it for every step. A prefill's prompt layer calls
+:meth:`Conv1dOp.prompt` over the whole prompt.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from ..protocol import BackendOp, Conv1dKernels
 from ..slots import gather_rows, scatter_rows
-from .naive import conv1d_commit, conv1d_tree_verify, conv1d_verify
+from .naive import causal_conv1d_prompt, conv1d_commit, conv1d_tree_verify, conv1d_verify
 
 __all__ = ["Conv1dOp", "CONV1D"]
 
@@ -33,6 +34,7 @@ class Conv1dOp(BackendOp):
         op = conv1d_op(device)                          # specdec.kernels.conv1d_op
         y = op.verify(window, x, weight, bias, "silu", offset=0)
         op.commit(window, num_tokens, weight.shape[-1])
+        y = op.prompt(x, weight, bias, "silu")          # a whole prompt, no window
     """
 
     name = "conv1d"
@@ -78,6 +80,20 @@ class Conv1dOp(BackendOp):
             self.kernels.commit(window, num_tokens, width, state_indices=state_indices)
             return
         _on_rows(conv1d_commit, window, state_indices, num_tokens, width)
+
+    def prompt(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+               history: torch.Tensor | None = None) -> torch.Tensor:
+        """The conv of a whole prompt ``x [B, L, C]`` in its own layout, from ``history [B, W-1, C]``
+        (the inputs before it, oldest first) or zeros: ``[B, L, C]`` in ``x.dtype``, computed in
+        fp32 (:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt`; with ``kernels`` set one
+        Triton kernel). No window is read or written.
+
+        Raises:
+            ValueError: bad shapes or an unknown activation.
+        """
+        if self.kernels is not None:
+            return self.kernels.prompt(x, weight, bias, activation, history)
+        return causal_conv1d_prompt(x, weight, bias, activation, history)
 
 
 def _on_rows(fn, window: torch.Tensor, state_indices: torch.Tensor | None, *args):

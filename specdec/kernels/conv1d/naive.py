@@ -9,6 +9,9 @@ last ``W - 1`` committed conv inputs followed by room for this step's tokens::
 
 The output for step token j is the conv over columns ``j .. j+W-1``. Committing n tokens moves
 the history by n columns (``conv1d_commit``); nothing is recomputed.
+
+A whole prompt needs no window: :func:`causal_conv1d_prompt` convolves it in its own ``[B, L, C]``
+layout, from the W-1 inputs before it (a continued prompt's conv state) or zeros.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv1d_verify", "conv1d_tree_verify", "conv1d_commit"]
+__all__ = ["conv1d_verify", "conv1d_tree_verify", "conv1d_commit", "causal_conv1d_prompt", "check_prompt_conv_args"]
 
 
 def conv1d_verify(window, x, weight, bias=None, activation=None, offset: int = 0):
@@ -102,3 +105,71 @@ def conv1d_commit(window: torch.Tensor, num_tokens: torch.Tensor, kernel_width: 
     idx = num_tokens.view(-1, 1, 1) + torch.arange(hist, device=window.device).view(1, 1, -1)
     new_hist = window.gather(2, idx.expand(window.shape[0], window.shape[1], hist))
     window[:, :, :hist] = new_hist
+
+
+def check_prompt_conv_args(x, weight, bias=None, activation=None, history=None) -> None:
+    """Check the arguments of :func:`causal_conv1d_prompt` (and of its Triton kernel).
+
+    Raises:
+        ValueError: ``x`` not ``[B, L, C]``, ``weight`` not ``[C, W]`` (W >= 1), ``bias`` not
+            ``[C]``, ``history`` not ``[B, W-1, C]``, or an activation other than ``"silu"`` /
+            ``"swish"`` / None.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported conv activation {activation!r}; supported: 'silu', None")
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1] or weight.shape[1] < 1:
+        raise ValueError(f"expected x [B, L, C] and weight [C, W] with W >= 1; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    B, _, C = x.shape
+    W = weight.shape[1]
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias must be [C] = [{C}]; got {tuple(bias.shape)}")
+    if history is not None and history.shape != (B, W - 1, C):
+        raise ValueError(f"history must be [B, W-1, C] = {(B, W - 1, C)} (the W-1 conv inputs before x[:, 0], "
+                         f"oldest first); got {tuple(history.shape)}")
+
+
+def causal_conv1d_prompt(x, weight, bias=None, activation=None, history=None):
+    """Causal depthwise conv1d of a whole prompt in its ``[B, L, C]`` layout, torch reference.
+
+    ``out[b, t, c] = act(bias[c] + sum_k weight[c, k] * u[b, t + k - (W-1), c])`` where ``u`` is
+    ``x`` preceded by the W-1 inputs of ``history`` (zeros without it): ``F.conv1d`` with W-1
+    zeros of left padding and ``groups=C`` (the ``nn.Conv1d`` of every Mamba-2 mixer), as the
+    sum of W shifted products. Products and sums, bias and activation in fp32 (as
+    ``causal_conv1d_fn`` of Dao-AILab/causal-conv1d computes them); one rounding to ``x.dtype``.
+    The Triton kernel :func:`specdec.kernels.conv1d.triton_conv.causal_conv1d_prompt_triton`
+    computes the same in one pass over ``x``.
+
+    Args:
+        x: ``[B, L, C]`` conv inputs (any float dtype, any strides).
+        weight: ``[C, W]`` depthwise kernel; bias: ``[C]`` or None (any float dtype).
+        activation: ``"silu"`` / ``"swish"`` or None.
+        history: ``[B, W-1, C]`` the conv inputs before ``x[:, 0]``, oldest first (any float
+            dtype, any strides: e.g. ``conv_state[:, :, 1:].transpose(1, 2)`` of a ``[B, C, W]``
+            conv state), or None for zeros.
+
+    Returns:
+        ``[B, L, C]`` outputs in ``x.dtype``, contiguous.
+
+    Raises:
+        ValueError: as :func:`check_prompt_conv_args`.
+
+    Example::
+
+        y = causal_conv1d_prompt(x, conv1d.weight.squeeze(1), conv1d.bias, "silu")
+    """
+    check_prompt_conv_args(x, weight, bias, activation, history)
+    B, L, C = x.shape
+    W = weight.shape[1]
+    f32 = torch.float32
+    past = history.to(f32) if history is not None else x.new_zeros(B, W - 1, C, dtype=f32)
+    u = torch.cat([past, x.to(f32)], dim=1)  # [B, W-1+L, C]
+    w = weight.to(f32)
+    out = u[:, :L] * w[:, 0]
+    for k in range(1, W):
+        out += u[:, k : k + L] * w[:, k]
+    if bias is not None:
+        out += bias.to(f32)
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype)

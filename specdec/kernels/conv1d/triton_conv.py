@@ -13,6 +13,11 @@ history by ``num_tokens`` columns. One program owns one (row, block of BC channe
 tokens of a call are one ``[BT, BC]`` register block. Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
 No host sync, no allocation besides the output, no autotuning (both kernels write the window
 in place): launch parameters are chosen by hand below.
+
+A whole prompt (:func:`causal_conv1d_prompt_triton`) needs no window: its kernel reads the
+prompt in its ``[B, L, C]`` layout (any strides: a slice of ``in_proj``'s output) and the W-1
+inputs before it, and writes ``[B, L, C]``, one pass (the layout of ``causal_conv1d_fn``'s
+channel-last path and of fla's ``causal_conv1d``).
 """
 
 from __future__ import annotations
@@ -23,13 +28,18 @@ import triton.language as tl
 
 from ..tree_index import check_parents, conv_tree_columns_i32
 from ..triton_common import check_state_indices, load_slot, next_pow2
+from .naive import check_prompt_conv_args
 
-__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton", "Conv1dTritonKernels"]
+__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton", "causal_conv1d_prompt_triton",
+           "Conv1dTritonKernels"]
 
 # 128 channels x up to 16 tokens per program: at most 16 fp32 accumulators per thread with 4
 # warps, and B * C / 128 programs (e.g. 64 x 8192 / 128 = 4096 at batch 64 for Mamba-2).
 BLOCK_C = 128
 NUM_WARPS = 4
+# a prompt: [32 tokens, 128 channels] per program (32 fp32 accumulators per thread with 4 warps);
+# each program reads its 32 + W-1 rows once from DRAM (the taps' overlapping rows hit the cache)
+PROMPT_BLOCK_T = 32
 
 
 @triton.jit
@@ -123,6 +133,56 @@ def _conv1d_commit_kernel(
     b_hist = tl.load(p_win + n * stride_win_t, mask=m)
     tl.debug_barrier()  # source and destination columns overlap when n < W - 1: read all, then write
     tl.store(p_win, b_hist, mask=m)
+
+
+@triton.jit
+def _causal_conv1d_prompt_kernel(
+    x,  # [B, L, C], strided
+    weight,  # [C, W]
+    bias,  # [C] (HAS_BIAS)
+    history,  # [B, W-1, C], strided (HAS_HISTORY)
+    out,  # [B, L, C], contiguous
+    L,
+    C,
+    stride_x_b,
+    stride_x_t,
+    stride_x_c,
+    stride_h_b,
+    stride_h_t,
+    stride_h_c,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)  # time blocks first: any L
+    o_c = i_c * BC + tl.arange(0, BC)
+    o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    m_c = o_c < C
+    m_t = o_t < L
+    p_x = x + i_b * stride_x_b + o_c[None, :] * stride_x_c  # [1, BC]
+    p_h = history + i_b * stride_h_b + o_c[None, :] * stride_h_c  # [1, BC]
+
+    # output t = sum over taps w of weight[:, w] * input t + w - (W-1): from x, or before it from the history
+    b_acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        o_s = o_t + (w - (W - 1))
+        m_x = (o_s >= 0) & m_t
+        b_val = tl.load(p_x + o_s[:, None] * stride_x_t, mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        if HAS_HISTORY:
+            m_h = (o_s < 0) & m_t
+            b_val += tl.load(p_h + (o_s + (W - 1))[:, None] * stride_h_t, mask=m_h[:, None] & m_c[None, :],
+                             other=0.0).to(tl.float32)
+        b_w = tl.load(weight + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
+        b_acc += b_val * b_w[None, :]
+    if HAS_BIAS:
+        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        b_acc = b_acc * tl.sigmoid(b_acc)
+    p_out = out + i_b * L * C + o_t[:, None] * C + o_c[None, :]
+    tl.store(p_out, b_acc.to(out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
 def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: int = 0, state_indices=None,
@@ -227,6 +287,41 @@ def conv1d_commit_triton(window: torch.Tensor, num_tokens: torch.Tensor, kernel_
     )
 
 
+def causal_conv1d_prompt_triton(x, weight, bias=None, activation=None, history=None):
+    """:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt` in one kernel: reads ``x`` once
+    (and the history), writes the ``[B, L, C]`` outputs; fp32 arithmetic, one rounding to
+    ``x.dtype``. No window, no transposes.
+
+    Args:
+        x: ``[B, L, C]`` conv inputs (fp32/bf16/fp16, any strides).
+        weight: ``[C, W]`` depthwise kernel; bias: ``[C]`` or None.
+        activation: ``"silu"`` / ``"swish"`` or None.
+        history: ``[B, W-1, C]`` the conv inputs before ``x[:, 0]``, oldest first (any strides), or
+            None for zeros.
+
+    Returns:
+        ``[B, L, C]`` outputs in ``x.dtype``, contiguous.
+
+    Raises:
+        ValueError: as :func:`specdec.kernels.conv1d.naive.check_prompt_conv_args`.
+    """
+    check_prompt_conv_args(x, weight, bias, activation, history)
+    Bsz, L, C = x.shape
+    W = weight.shape[1]
+    out = torch.empty(Bsz, L, C, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    has_history = history is not None and W > 1
+    h = history if has_history else x  # an unread placeholder without history
+    _causal_conv1d_prompt_kernel[(triton.cdiv(L, PROMPT_BLOCK_T), triton.cdiv(C, BLOCK_C), Bsz)](
+        x, weight.contiguous(), bias, h, out, L, C,
+        x.stride(0), x.stride(1), x.stride(2), h.stride(0), h.stride(1), h.stride(2),
+        W=W, BT=PROMPT_BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, HAS_HISTORY=has_history,
+        SILU=activation is not None, num_warps=NUM_WARPS,
+    )
+    return out
+
+
 class Conv1dTritonKernels:
     """The ``kernels`` of :class:`specdec.kernels.conv1d.Conv1dOp` on the Triton backend
     (:class:`specdec.kernels.protocol.Conv1dKernels` over this module's entry points)."""
@@ -239,3 +334,6 @@ class Conv1dTritonKernels:
 
     def commit(self, window, num_tokens, width, *, state_indices=None):
         conv1d_commit_triton(window, num_tokens, width, state_indices)
+
+    def prompt(self, x, weight, bias, activation, history=None):
+        return causal_conv1d_prompt_triton(x, weight, bias, activation, history)

@@ -12,10 +12,10 @@ of transformers' torch fallback; long prompts run in segments that carry the sta
 scores of at most :data:`SEGMENT_BYTES` are alive at once.
 
 :func:`mamba2_chunk_scan_fla` runs the same scan through ``fla.ops.simple_gla.chunk_simple_gla``
-(flash-linear-attention, CUDA): q = C, k = B (groups expanded to heads), v = dt x, log decay
-``g = dt A``, scale 1. Its matmuls run in TF32 for fp32 operands, so it agrees with the fp32 scan
-to about 1e-3 relative, not 1e-6; a bf16 model's prefill hands it bf16 operands, as mamba_ssm's
-kernels take them (about 1e-2).
+(flash-linear-attention, CUDA): q = C, k = B (groups expanded to heads, :func:`expand_groups`),
+v = dt x, log decay ``g = dt A``, scale 1. Its matmuls run in TF32 for fp32 operands, so it agrees
+with the fp32 scan to about 1e-3 relative, not 1e-6; a bf16 model's prefill hands it bf16
+operands and gets ``y`` back in bf16, as mamba_ssm's kernels take and return them (about 1e-2).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["SCANS", "SEGMENT_BYTES", "resolve_scan", "fla_available", "mamba2_chunk_scan", "mamba2_chunk_scan_fla",
-           "mamba2_prompt_scan"]
+           "mamba2_prompt_scan", "expand_groups"]
 
 #: the prompt-scan choices: ``auto`` (``fla`` for a bf16 / fp16 model on CUDA when importable,
 #: else ``torch``), ``fla``,
@@ -160,6 +160,28 @@ def mamba2_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     return y, h
 
 
+def expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``t [B, L, G, N]`` with each group repeated for its ``heads / G`` consecutive heads:
+    ``[B, L, heads, N]``, bit for bit ``t.repeat_interleave(heads // G, dim=2)`` (a contiguous
+    copy; ``t`` itself where ``G == heads``).
+
+    ``repeat_interleave`` by a number is an expand and a copy whose source repeats along one dim
+    (stride 0): PyTorch's element-wise copy cannot vectorise it and moves one element per thread
+    step, 2 bytes for bf16. Where each row's ``N`` elements are whole 8-byte words (row, strides
+    and offset aligned) the same copy moves them as int64 words: the same bytes in a quarter of
+    the element steps (bf16; half for fp32). ``heads`` must be a multiple of ``G`` (checked by
+    the scans' callers).
+    """
+    b, L, G, N = t.shape
+    R = heads // G
+    ratio = 8 // t.element_size()
+    words = (ratio > 1 and t.stride(-1) == 1 and N % ratio == 0 and t.storage_offset() % ratio == 0
+             and all(s % ratio == 0 for s in t.stride()[:-1]))
+    src = t.view(torch.int64) if words else t
+    out = src.unsqueeze(3).expand(b, L, G, R, src.shape[-1]).reshape(b, L, heads, src.shape[-1])
+    return out.view(t.dtype) if words else out
+
+
 def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None = None,
                           initial_state: torch.Tensor | None = None,
@@ -168,14 +190,19 @@ def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 
     Mamba-2 is scalar-gated linear attention: ``q = C``, ``k = B`` (groups expanded to heads),
     ``v = dt x``, log decay ``g = dt A``, scale 1; fla keeps the state V-first, ``[B, H, V, K] =
-    [B, H, P, N]``, this module's layout. Arguments and returns as :func:`mamba2_chunk_scan` (fla
-    picks its own chunk size).
+    [B, H, P, N]``, this module's layout. Arguments as :func:`mamba2_chunk_scan` (fla picks its own
+    chunk size).
 
-    ``operand_dtype`` is the dtype of the matmul operands ``q``, ``k``, ``v``: fp32 (fla's matmuls
-    then run in TF32), or a bf16 / fp16 model's own dtype, as mamba_ssm's
-    ``mamba_chunk_scan_combined`` takes them (Dao & Gu, "Transformers are SSMs", 2024): half the
-    bytes of the head-expanded ``q`` and ``k``. The decay, the state and the accumulation stay fp32
-    either way; ``y`` is returned fp32.
+    ``operand_dtype`` is the dtype of the matmul operands ``q``, ``k``, ``v`` and of ``y``: fp32
+    (fla's matmuls then run in TF32), or a bf16 / fp16 model's own dtype, as mamba_ssm's
+    ``mamba_chunk_scan_combined`` takes them and returns ``y`` (Dao & Gu, "Transformers are SSMs",
+    2024): half the bytes of the head-expanded ``q`` and ``k``. ``x``, ``B``, ``C`` may come in
+    that dtype (a bf16 model's prefill hands them so) or any other float dtype; ``v = dt x`` is
+    formed in fp32 and rounded once, the skip ``y + D x`` added in fp32 and rounded once (as
+    mamba_ssm's kernel adds it). The decay, the state and the accumulation stay fp32 either way.
+
+    Returns:
+        ``(y [B, L, H, P] in operand_dtype, final_state [B, H, P, N] fp32)``.
 
     Raises:
         ValueError: inconsistent shapes, or ``operand_dtype`` not a floating dtype.
@@ -187,24 +214,23 @@ def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     from fla.ops.simple_gla import chunk_simple_gla
 
     f32 = torch.float32
-    R = x.shape[2] // B.shape[2]
-    q = C.to(operand_dtype).repeat_interleave(R, dim=2)
-    k = B.to(operand_dtype).repeat_interleave(R, dim=2)
-    v = (x.to(f32) * dt.to(f32)[..., None]).to(operand_dtype)
+    H = x.shape[2]
+    q = expand_groups(C.to(operand_dtype), H)
+    k = expand_groups(B.to(operand_dtype), H)
+    v = torch.mul(x, dt.to(f32)[..., None], out=x.new_empty(x.shape, dtype=operand_dtype))  # fp32 product, one rounding
     h0 = initial_state.to(f32) if initial_state is not None else None
     y, ht = chunk_simple_gla(q, k, v, g=dt.to(f32) * A.to(f32), scale=1.0, initial_state=h0,
-                             output_final_state=True, state_v_first=True)
-    y = y.to(f32)
+                             output_final_state=True, state_v_first=True)  # y in operand_dtype
     if D is not None:
-        y = y + x.to(f32) * D.to(f32)[:, None]
+        y.addcmul_(x, D.to(f32)[:, None])  # y + D x in fp32, one rounding
     return y, ht  # [B, H, P, N], as the caches keep it
 
 
 def mamba2_prompt_scan(scan: str, x, dt, A, B, C, chunk_size: int, D=None, initial_state=None,
                        operand_dtype: torch.dtype = torch.float32):
-    """:func:`mamba2_chunk_scan_fla` for ``scan == "fla"`` (with ``operand_dtype``), else
-    :func:`mamba2_chunk_scan` (fp32 throughout); ``scan`` as :func:`resolve_scan` returns it;
-    arguments and returns as those."""
+    """:func:`mamba2_chunk_scan_fla` for ``scan == "fla"`` (with ``operand_dtype``; ``y`` in that
+    dtype), else :func:`mamba2_chunk_scan` (fp32 throughout); ``scan`` as :func:`resolve_scan`
+    returns it; arguments and returns as those."""
     if scan == "fla":
         return mamba2_chunk_scan_fla(x, dt, A, B, C, D, initial_state, operand_dtype)
     return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D, initial_state)
