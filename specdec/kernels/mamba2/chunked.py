@@ -199,13 +199,15 @@ def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     2024): half the bytes of the head-expanded ``q`` and ``k``. ``x``, ``B``, ``C`` may come in
     that dtype (a bf16 model's prefill hands them so) or any other float dtype; ``v = dt x`` is
     formed in fp32 and rounded once, the skip ``y + D x`` added in fp32 and rounded once (as
-    mamba_ssm's kernel adds it). The decay, the state and the accumulation stay fp32 either way.
+    mamba_ssm's kernel adds it). The decay, the accumulation and the final state are fp32; fla keeps
+    the per-chunk states the output is read from in ``operand_dtype`` (as mamba_ssm's chunk scan
+    does), so with fp16 operands a large state can overflow.
 
     Returns:
         ``(y [B, L, H, P] in operand_dtype, final_state [B, H, P, N] fp32)``.
 
     Raises:
-        ValueError: inconsistent shapes, or ``operand_dtype`` not a floating dtype.
+        ValueError: inconsistent shapes, or ``operand_dtype`` not fp32, bf16 or fp16.
         ImportError: flash-linear-attention is not installed.
     """
     _check(x, dt, A, B, C, initial_state)
