@@ -129,6 +129,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     prof, _ = profile_call(lambda: adapter.prefill(ids, mask, cache, scan=path), device, top=30)
                     profiles.append(f"## {spec.name}, batch {B} x {L} prompt tokens, scan {path}\n\n"
                                     f"```\n{prof.table}\n```\n")
+                    (log.out_dir / "profile.md").write_text(  # as they come: a later failure keeps them
+                        "# torch.profiler: one prefill per point and scan\n\n" + "\n".join(profiles))
                 if path == "hf":
                     hf_logits = logits
                 flop = 2.0 * params * B * L
@@ -152,9 +154,6 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     title = (f"Prefill: {', '.join(t.name for t in cfg.model.targets)}, {str(dtype).replace('torch.', '')}, "
              f"{device}" + (f" (dense bf16 peak {peak / 1e12:.0f} TFLOP/s)" if peak else ""))
     text = write_report(log.records, log.out_dir, title)
-    if profiles:
-        (log.out_dir / "profile.md").write_text("# torch.profiler: one prefill per point and scan\n\n"
-                                                + "\n".join(profiles))
     if skipped:
         text += "\nSkipped: " + "; ".join(skipped) + "\n"
         (log.out_dir / "summary.md").write_text(text)
