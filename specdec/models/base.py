@@ -396,11 +396,14 @@ class HybridAdapter:
         many tokens; the states agree with one forward's up to the chunked scans' rounding (fp32:
         about 1e-6 relative).
 
-        With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
-        own (batch 1, no padding) in one forward, or two where it makes a branch point
-        (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, its full blocks
-        are stored, and the states of every row are then loaded into ``cache`` as a batched
-        prefill leaves them (keys left-padded with zeros). The final state equals the uncached
+        With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs in
+        one forward, or two where it makes a branch point (:meth:`prefill_cached`): its cached
+        prefix is loaded instead of computed, its full blocks are stored, and the states of every
+        row are then loaded into ``cache`` as a batched prefill leaves them (keys left-padded with
+        zeros). Where :meth:`batches_cached_prefill` allows (Mamba-2 families, attention-only
+        models without sliding windows), the forwards of several prompts run together,
+        left-padded, within ``max_tokens`` (:meth:`_prefill_cached_batch`); otherwise each prompt
+        runs on its own (batch 1, no padding). The final state equals the uncached
         prefill's up to rounding (chunked scans with another chunking; fp32: about 1e-6
         relative); which rounding depends on where the forwards were cut, so on what the cache
         held (a hit loads bit for bit the state stored).
