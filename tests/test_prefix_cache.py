@@ -475,3 +475,172 @@ def test_other_families(family):
     got = sd.last_stats.prefix_cache
     assert got["hit_blocks"] == want["hit_blocks"] and got["prefill_forwards"] == want["prefill_forwards"]
     assert ssm or want["prefill_forwards"] == len(prompts)
+
+
+# --- prompts prefilled together through the cache (Mamba-2 families) ------------------------------
+BATCHED_FAMILIES = ("nemotron_h", "bamba")
+
+
+def _batch_prompts():
+    """``(warm, batch)``: two prompts that fill the cache (the first stores SSM state at 16, the
+    second a branch point at 8 and state at its end, 12, on its own branch), then seven that hit
+    it at 4, 4, 3, 2, 0, 0 and 3 blocks, with suffixes of 2-10 tokens; two make branch points (at
+    12, at 4). The last shares 3 blocks with the fourth, which hits 2 and stores state at 12, so
+    it waits for a second round (and then hits 3)."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(n):
+        return torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()
+
+    shared, u = rand(16), rand(4)
+    warm = [shared, shared[:8] + u]
+    batch = [shared + rand(5),  # hits 4 blocks, one forward of 5 tokens
+             shared + rand(2),  # hits 4 blocks, one forward of 2
+             shared[:8] + u + rand(3),  # hits warm[1]'s 3 blocks, one forward of 3
+             shared[:12] + rand(6),  # hits 2 and finds 3 blocks: forwards to 12 and to 18
+             rand(7),  # unrelated: one forward
+             shared[:4] + rand(9),  # finds 1 block without state: forwards to 4 and to 13
+             shared[:12] + rand(3)]  # after the fourth stored state at 12: hits 3, one forward
+    return warm, batch
+
+
+def _per_row(adapter, monkeypatch):
+    """``adapter`` with its cached prefill taking each prompt on its own."""
+    monkeypatch.setattr(adapter, "batches_cached_prefill", lambda scan: False)
+
+
+def _block_path(pc) -> dict:
+    """Every stored block of ``pc`` by the tokens of its whole prefix."""
+    by_id = {e.id: e for e in pc.entries()}
+
+    def path(e):
+        return (path(by_id[e.parent]) if e.parent is not None else ()) + e.tokens
+
+    return {path(e): e.block for e in pc.entries()}
+
+
+def _assert_blocks_close(got, ref):
+    assert got.keys() == ref.keys()
+    for key, want in ref.items():
+        have = got[key]
+        for name in ("kv", "ssm_state"):
+            a, b = getattr(have, name), getattr(want, name)
+            assert (a is None) == (b is None) and (a is None or a.keys() == b.keys()), (name, key)
+            for idx in (b or {}):
+                for f in ("keys", "values", "conv_state", "recurrent_state"):
+                    x, y = getattr(a[idx], f), getattr(b[idx], f)
+                    assert (x is None) == (y is None) and (x is None or (x.shape == y.shape and rel_err(x, y) < 1e-5))
+        assert (have.hidden_states is None) == (want.hidden_states is None)
+        assert have.hidden_states is None or rel_err(have.hidden_states, want.hidden_states) < 1e-5
+
+
+@pytest.mark.parametrize("family", BATCHED_FAMILIES)
+def test_batched_cached_prefill_matches_per_row(family, monkeypatch):
+    """Seven prompts continued from cached prefixes of 16, 16, 12, 8, 0, 0 (and, in a second
+    round, 12) tokens with suffixes of 2-10 tokens, two with branch points, prefilled together:
+    the body runs one forward per wave (2 waves, then 1: 3) where the per-row path runs 9, one
+    per planned forward; logits, every
+    position's hidden state and every tensor of the cache it leaves equal the per-row path's
+    within 1e-5 relative (KV at real columns), and the prefix cache stores the same blocks (by
+    their whole prefix), states and hidden states within 1e-5, with the same counters."""
+    adapter = adapter_for(get_model(family))
+    assert adapter.batches_cached_prefill("torch") and not adapter.batches_cached_prefill("hf")
+    warm, batch = _batch_prompts()
+    runs, forwards = [], []
+    hook = adapter.body.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    try:
+        for batched in (False, True):
+            with monkeypatch.context() as m:
+                if not batched:
+                    _per_row(adapter, m)
+                pc = PrefixCache(BS)
+                for prompts in (warm, batch):
+                    ids, mask = _ragged(prompts)
+                    cache = adapter.new_cache(len(prompts), ids.shape[1] + 4, 3, make_strategy("snapshot"))
+                    before = len(forwards)
+                    logits, hidden = adapter.prefill(ids, mask, cache, True, prefix_cache=pc)
+                runs.append((logits, hidden, _cache_tensors(cache), pc, len(forwards) - before))
+    finally:
+        hook.remove()
+    (lr, hr, ref, pc_ref, n_ref), (lb, hb, got, pc_b, n_b) = runs
+    assert n_ref == 9 and n_b == 3
+    assert pc_b.stats.as_dict() == pc_ref.stats.as_dict()
+    hits = _simulate(warm + batch)[len(warm):]
+    assert [h for h, _, _ in hits] == [4, 4, 3, 2, 0, 0, 3] and [f for _, f, _ in hits] == [1, 1, 1, 2, 1, 2, 1]
+    real = _ragged(batch)[1].bool()
+    assert rel_err(lb, lr) < 1e-5 and rel_err(hb[real], hr[real]) < 1e-5
+    cols = torch.arange(cache.max_len)[None, :] >= cache.pad[:, None]
+    assert ref.keys() == got.keys()
+    for name, t in ref.items():
+        a, b = (got[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]) if name.startswith(("k", "v")) else (got[name], t)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
+    _assert_blocks_close(_block_path(pc_b), _block_path(pc_ref))
+
+
+@pytest.mark.parametrize("family", BATCHED_FAMILIES)
+@torch.no_grad()
+def test_left_padding_is_state_neutral(family):
+    """A prompt continued from a prefix's state with padding columns before it (3, and more than
+    the conv width before a suffix shorter than it) ends in the state it ends in alone: every
+    layer's conv window, recurrent state and keys / values (at real columns), and its last
+    hidden state, within 1e-5 relative (equal but for the chunked scan's rounding)."""
+    adapter = adapter_for(get_model(family))
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, VOCAB - 1, (1, 9), generator=g)
+    P = prefix.shape[1]
+    base = _KV(adapter)
+    adapter._prompt_forward(prefix, torch.ones_like(prefix), torch.arange(P)[None], base, "torch")
+    start = adapter._layer_states(base)
+    for n, pad in ((6, 3), (2, 7)):
+        suffix = torch.randint(3, VOCAB - 1, (1, n), generator=g)
+        runs = []
+        for p in (0, pad):
+            hf = _KV(adapter)
+            adapter._restore(hf, [start], P)
+            ids = torch.cat([torch.zeros(1, p, dtype=torch.long), suffix], 1)
+            mask = torch.cat([torch.ones(1, P), torch.zeros(1, p), torch.ones(1, n)], 1).long()
+            pos = torch.cat([torch.zeros(1, p, dtype=torch.long), torch.arange(P, P + n)[None]], 1)
+            out = adapter._prompt_forward(ids, mask, pos, hf, "torch")
+            states = adapter._layer_states(hf)
+            real = mask[0].bool()
+            runs.append((out[:, -1], {idx: (s.keys[:, :, real] if s.keys is not None else None,
+                                            s.values[:, :, real] if s.values is not None else None,
+                                            s.conv_state, s.recurrent_state) for idx, s in states.items()}))
+        (h_alone, alone), (h_pad, padded) = runs
+        assert rel_err(h_pad, h_alone) < 1e-5 and alone.keys() == padded.keys()
+        kinds = set()
+        for idx, ts in alone.items():
+            for kind, a, b in zip(("keys", "values", "conv", "recurrent"), padded[idx], ts):
+                assert (a is None) == (b is None), (idx, kind)
+                if b is not None:
+                    kinds.add(kind)
+                    assert a.shape == b.shape and rel_err(a, b) < 1e-5, (idx, kind, n, pad)
+        assert kinds == {"keys", "values", "conv", "recurrent"}
+
+
+def _KV(adapter):
+    from specdec.models.base import _KVRecordingCache
+
+    return _KVRecordingCache(adapter.config)
+
+
+@pytest.mark.parametrize("family", BATCHED_FAMILIES)
+def test_batched_cached_generate(family):
+    """generate_batch with prefix caching and every request admitted at once (the nine prompts,
+    then again warm): outputs identical to caching off and to HF greedy alone; the admissions'
+    prompt forwards are fewer than the forwards the cache planned (one per prompt, two at a
+    branch point), which the per-row path runs one by one."""
+    prompts = _prompts()
+    sd = specdec.wrap(get_model(family), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                      decode_path="eager")
+    uncached = sd.generate_batch(prompts, max_new_tokens=BUDGETS, eos_token_id=EOS, max_batch_size=len(prompts))
+    _check(uncached, _expected(family), prompts)
+    shapes = record_prompt_forwards(sd)
+    cached = sd.generate_batch(prompts + prompts, max_new_tokens=BUDGETS + BUDGETS, eos_token_id=EOS,
+                               max_batch_size=len(prompts), prefix_caching=True, prefix_block_size=BS)
+    want = [o.generated_tokens for o in uncached.values()]
+    assert [o.generated_tokens for o in cached.values()] == want + want
+    planned = sd.last_stats.prefix_cache["prefill_forwards"]
+    assert planned == _counters(prompts + prompts)["prefill_forwards"]
+    assert len(shapes) - 1 < planned  # ([0]: the pool's placeholder rows' forward)

@@ -17,6 +17,7 @@ Subclasses set ``model_types`` and implement :meth:`ssm_layers` and :meth:`mixer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import torch
@@ -25,7 +26,7 @@ from transformers import DynamicCache
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
 from ..kernels.mamba2.chunked import resolve_scan
-from ..prefix_cache import LayerState, PrefixBlock, PrefixCache
+from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
 from .step_attention import grouped_attention_configs, grouped_step_attention_for
@@ -101,6 +102,67 @@ def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
 
         out[idx] = LayerState(cat("keys", 2), cat("values", 2), cat("conv_state"), cat("recurrent_state"))
     return out
+
+
+def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """How many leading full blocks of ``block_size`` tokens the prompts ``a`` and ``b`` share."""
+    n = 0
+    while (n + 1) * block_size <= min(len(a), len(b)) and a[n * block_size:(n + 1) * block_size] == \
+            b[n * block_size:(n + 1) * block_size]:
+        n += 1
+    return n
+
+
+@dataclasses.dataclass(eq=False)
+class _CachedRow:
+    """One prompt of a prefill with a prefix cache, between its forwards: ``tokens [L]`` (int64),
+    its lookup ``found``, the ``chain`` of entries its next block is stored after, the position
+    ``start`` its next forward starts at, the ``ends`` of the forwards left to run, its layer
+    ``state`` at ``start`` (keys / values of every position so far; empty before any), the final
+    hidden states its forwards returned so far (``hidden``: cached blocks' first), and whether its
+    blocks are still stored (``storing``: False once one was not)."""
+
+    tokens: torch.Tensor
+    found: PrefixMatch
+    chain: list[PrefixEntry]
+    start: int
+    ends: list[int]
+    state: dict[int, LayerState]
+    hidden: list[torch.Tensor]
+    storing: bool = True
+
+    def result(self, all_hidden_states: bool) -> tuple[torch.Tensor, dict[int, LayerState]]:
+        """What :meth:`HybridAdapter.prefill_cached` returns for it, once every forward ran."""
+        hidden = torch.cat(self.hidden, dim=1) if all_hidden_states else self.hidden[-1][:, -1:]
+        return hidden, self.state
+
+
+def _prefix_state(blocks: list[PrefixBlock]) -> dict[int, LayerState]:
+    """The layer states after ``blocks`` (a prompt's first blocks, in order, the last holding SSM
+    state): every attention layer's keys / values of all their positions, every SSM layer's conv
+    window and recurrent state of the last block (one :class:`LayerState` per layer; ``{}`` for
+    no blocks)."""
+    if not blocks:
+        return {}
+    out = {idx: LayerState(torch.cat([b.kv[idx].keys for b in blocks], dim=2),
+                           torch.cat([b.kv[idx].values for b in blocks], dim=2)) for idx in blocks[-1].kv}
+    for idx, state in blocks[-1].ssm_state.items():
+        kv = out.get(idx, LayerState())
+        out[idx] = dataclasses.replace(state, keys=kv.keys, values=kv.values)
+    return out
+
+
+def _row_state(state: LayerState, b: int, columns: torch.Tensor | None = None) -> LayerState:
+    """Row ``b`` of a batch's layer ``state`` (batch dim kept): its keys / values at ``columns``
+    (int64 indices along the position axis; None: none), its conv and recurrent state."""
+    def row(t, cols=None):
+        if t is None:
+            return None
+        return t[b:b + 1] if cols is None else t[b:b + 1].index_select(2, cols)
+
+    keys = None if columns is None else row(state.keys, columns)
+    return LayerState(keys, None if keys is None else row(state.values, columns), row(state.conv_state),
+                      row(state.recurrent_state))
 
 
 class _KVRecordingCache(DynamicCache):
@@ -334,11 +396,14 @@ class HybridAdapter:
         many tokens; the states agree with one forward's up to the chunked scans' rounding (fp32:
         about 1e-6 relative).
 
-        With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs on its
-        own (batch 1, no padding) in one forward, or two where it makes a branch point
-        (:meth:`prefill_cached`): its cached prefix is loaded instead of computed, its full blocks
-        are stored, and the states of every row are then loaded into ``cache`` as a batched
-        prefill leaves them (keys left-padded with zeros). The final state equals the uncached
+        With ``prefix_cache`` (a :class:`specdec.prefix_cache.PrefixCache`) each prompt runs in
+        one forward, or two where it makes a branch point (:meth:`prefill_cached`): its cached
+        prefix is loaded instead of computed, its full blocks are stored, and the states of every
+        row are then loaded into ``cache`` as a batched prefill leaves them (keys left-padded with
+        zeros). Where :meth:`batches_cached_prefill` allows (Mamba-2 families, attention-only
+        models without sliding windows), the forwards of several prompts run together,
+        left-padded, within ``max_tokens`` (:meth:`_prefill_cached_batch`); otherwise each prompt
+        runs on its own (batch 1, no padding). The final state equals the uncached
         prefill's up to rounding (chunked scans with another chunking; fp32: about 1e-6
         relative); which rounding depends on where the forwards were cut, so on what the cache
         held (a hit loads bit for bit the state stored).
@@ -363,8 +428,11 @@ class HybridAdapter:
             hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
             states = self._layer_states(hf_cache)
         else:
-            rows = [self.prefill_cached(ids[m.bool()], prefix_cache, all_hidden_states, scan)
-                    for ids, m in zip(input_ids, mask)]
+            prompts = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
+            if self.batches_cached_prefill(scan):
+                rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens)
+            else:
+                rows = [self.prefill_cached(p, prefix_cache, all_hidden_states, scan) for p in prompts]
             return self._load_rows(rows, mask, cache, all_hidden_states)
         logits = self.logits(hidden[:, -1])
         self._load(cache, states, mask)
@@ -475,39 +543,162 @@ class HybridAdapter:
         forwards of at most ``max(block_size, chunk_tokens rounded down to whole blocks)``
         tokens; the cache stores what the uncut forwards store (SSM state at their ends)."""
         bs = prefix_cache.block_size
-        L = tokens.shape[0]
-        found = prefix_cache.match(tokens.tolist(), all_hidden_states)
-        chain = found.chain[:found.hit]
+        row = self._cached_row(tokens, prefix_cache, all_hidden_states)
         hf_cache = _KVRecordingCache(self.config)
-        self._restore(hf_cache, [e.block for e in chain])
-        hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
-        every_block_state = {} if not self.ssm_layers() else None  # no SSM layer: every boundary is a state
-        start, storing = found.hit * bs, True
+        self._restore(hf_cache, [row.state], row.start)
         ends, cut = [], None if chunk_tokens is None else max(bs, chunk_tokens - chunk_tokens % bs)
-        for planned in found.forward_ends:
-            from_ = ends[-1] if ends else start
+        for planned in row.ends:
+            from_ = ends[-1] if ends else row.start
             ends += ([] if cut is None else list(range(from_ + cut, planned, cut))) + [planned]
         for end in ends:
             if end != ends[0]:
                 yield
-            ids = tokens[None, start:end]
+            start, dev = row.start, tokens.device
             hf_cache.new_kv.clear()
-            out = self._prompt_forward(ids, torch.ones(1, end, dtype=torch.long, device=ids.device),
-                                       torch.arange(start, end, device=ids.device)[None], hf_cache, scan)
-            if all_hidden_states or end == L:
-                hidden.append(out)
-            for j in range(start // bs, end // bs):  # the full blocks this forward ran (start is a boundary)
-                if not storing:
-                    break
-                lo, hi = j * bs - start, (j + 1) * bs - start  # the block's positions in this forward
-                kv = {idx: LayerState(k[:, :, lo:hi], v[:, :, lo:hi]) for idx, (k, v) in hf_cache.new_kv.items()}
-                state = (self._layer_states(hf_cache, keys=False) if (j + 1) * bs == end and end in found.forward_ends
-                         else every_block_state)
-                block = PrefixBlock(kv, state, out[:, lo:hi] if all_hidden_states else None)
-                storing = prefix_cache.insert(chain, tokens[j * bs:(j + 1) * bs].tolist(), block) is not None
-            start = end
-        hidden = torch.cat(hidden, dim=1) if all_hidden_states else hidden[-1][:, -1:]
-        return hidden, self._layer_states(hf_cache)
+            out = self._prompt_forward(tokens[None, start:end], torch.ones(1, end, dtype=torch.long, device=dev),
+                                       torch.arange(start, end, device=dev)[None], hf_cache, scan)
+            if all_hidden_states or end == tokens.shape[0]:
+                row.hidden.append(out)
+            self._store_blocks(prefix_cache, row, end, hf_cache.new_kv, out, 0,
+                               lambda: self._layer_states(hf_cache, keys=False), all_hidden_states)
+            row.start = end
+        row.state = self._layer_states(hf_cache)
+        return row.result(all_hidden_states)
+
+    def _cached_row(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool) -> _CachedRow:
+        """Look ``tokens [L]`` up in ``prefix_cache`` (:meth:`PrefixCache.match`): the prompt's
+        :class:`_CachedRow` at its hit, its state and hidden states those of the hit blocks."""
+        found = prefix_cache.match(tokens.tolist(), all_hidden_states)
+        chain = found.chain[:found.hit]
+        hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
+        return _CachedRow(tokens, found, chain, found.hit * prefix_cache.block_size, list(found.forward_ends),
+                          _prefix_state([e.block for e in chain]), hidden)
+
+    def _store_blocks(self, prefix_cache: PrefixCache, row: _CachedRow, end: int, new_kv: dict, out: torch.Tensor,
+                      offset: int, end_state, all_hidden_states: bool) -> None:
+        """Store in ``prefix_cache`` every full block of ``row`` that its forward from ``row.start``
+        (a block boundary) to ``end`` ran, after ``row.chain`` (:meth:`PrefixCache.insert`):
+        ``new_kv`` (layer index -> ``(keys, values)`` ``[1, H_kv, t, D]``) and ``out [1, t, D]``
+        are the forward's keys / values and final hidden states of the row, position ``row.start``
+        at column ``offset``; ``end_state()`` gives every SSM layer's state at ``end``
+        (:meth:`_layer_states` with ``keys=False``), which the block ending there holds when a
+        planned forward ends there (``row.found.forward_ends``; a model without SSM layers: every
+        block holds ``{}``). Stops at the first block not stored (``row.storing``)."""
+        bs = prefix_cache.block_size
+        every_block_state = {} if not self.ssm_layers() else None  # no SSM layer: every boundary is a state
+        for j in range(row.start // bs, end // bs):
+            if not row.storing:
+                break
+            lo = j * bs - row.start + offset  # the block's columns in this forward
+            hi = lo + bs
+            kv = {idx: LayerState(k[:, :, lo:hi], v[:, :, lo:hi]) for idx, (k, v) in new_kv.items()}
+            state = end_state() if (j + 1) * bs == end and end in row.found.forward_ends else every_block_state
+            block = PrefixBlock(kv, state, out[:, lo:hi] if all_hidden_states else None)
+            row.storing = prefix_cache.insert(row.chain, row.tokens[j * bs:(j + 1) * bs].tolist(), block) is not None
+
+    def batches_cached_prefill(self, scan: str) -> bool:
+        """Whether :meth:`prefill` with a prefix cache runs several prompts in one forward
+        (left-padded, each continued from its own hit): every SSM layer runs a prompt layer
+        whose left padding is state-neutral (``state_neutral_padding``, as
+        :class:`~specdec.models.mamba2.Mamba2PromptLayer`; so not with ``scan == "hf"``) and no
+        attention layer keeps a sliding window (padding inside a row would count in it). GDN,
+        KDA and short-conv layers run transformers' code, whose padding decays the state: their
+        prompts run one at a time (:meth:`prefill_cached`)."""
+        ssm = self.ssm_layers()
+        if ssm and (scan == "hf" or not all(getattr(PROMPT_LAYERS.get(op), "state_neutral_padding", False)
+                                            for _, op in ssm.values())):
+            return False
+        if not hasattr(self, "_sliding"):
+            self._sliding = any(getattr(DynamicCache(config=self.config), "is_sliding", ()))
+        return not self._sliding
+
+    def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
+                              scan: str, max_tokens: int | None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
+        """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding), with their
+        forwards run together: returns what it returns for each, and the cache stores what it
+        stores when run on them in order.
+
+        Prompts run in rounds; a round looks its prompts up in order and runs in waves: wave k
+        runs each prompt's k-th forward (:attr:`PrefixMatch.forward_ends`; a branch point makes
+        two), left-padded, in groups of at most ``max_tokens`` tokens (rows x widest forward,
+        :func:`prefill_groups`; None: one group), each group one forward
+        (:meth:`_cached_forward`). A prompt waits for a later round when what the cache finds
+        for it depends on what an earlier prompt of the batch stores: it shares more leading
+        blocks with an earlier prompt of this round than that one hit (that one stores blocks or
+        states it would find), or shares a block with a prompt already waiting. So each lookup
+        finds what it finds after the earlier prompts' prefills, as one at a time.
+
+        The states equal :meth:`prefill_cached`'s up to the chunked scans' rounding (fp32: about
+        1e-6 relative): padding is state-neutral (:meth:`batches_cached_prefill`)."""
+        bs = prefix_cache.block_size
+        tokens = [p.tolist() for p in prompts]
+        results = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        while pending:
+            rows, waiting = {}, []
+            for k in pending:
+                limit = (len(tokens[k]) - 1) // bs  # the most blocks a lookup of k finds
+                if any(_shared_blocks(tokens[k], tokens[i], bs) for i in waiting) or any(
+                        min(_shared_blocks(tokens[k], tokens[i], bs), limit) > row.found.hit for i, row in rows.items()):
+                    waiting.append(k)
+                else:
+                    rows[k] = self._cached_row(prompts[k], prefix_cache, all_hidden_states)
+            wave = list(rows.values())
+            while wave:
+                lengths = torch.tensor([row.ends[0] - row.start for row in wave])
+                width = int(lengths.max())
+                groups = prefill_groups(torch.arange(width)[None] >= width - lengths[:, None], max_tokens)
+                for group in (groups or [torch.arange(len(wave))]):
+                    self._cached_forward([wave[i] for i in group.tolist()], prefix_cache, all_hidden_states, scan)
+                wave = [row for row in wave if row.ends]
+            for k, row in rows.items():
+                results[k] = row.result(all_hidden_states)
+            pending = waiting
+        return results
+
+    def _cached_forward(self, rows: list[_CachedRow], prefix_cache: PrefixCache, all_hidden_states: bool,
+                        scan: str) -> None:
+        """The next forward of each of ``rows`` in one forward of the body: each row's state
+        (``row.state``, at ``row.start``) loaded into a fresh HF cache, keys / values left-padded
+        to the longest row's prefix ``P``; its tokens ``row.start .. row.ends[0]`` left-padded to
+        the widest ``T``; the 2-D mask ``[B, P + T]`` zero at both paddings, position ids from
+        each row's own start. Then, per row, as :meth:`prefill_cached_steps` after a forward: its
+        full blocks stored (:meth:`_store_blocks`), its hidden states kept, ``row.state`` (keys /
+        values of its real columns only), ``row.start`` and ``row.ends`` advanced."""
+        dev = rows[0].tokens.device
+        lengths = [row.ends[0] - row.start for row in rows]
+        T = max(lengths)
+        kv = any(st.keys is not None for row in rows for st in row.state.values())
+        P = max(row.start for row in rows) if kv else 0  # attention columns before the forward's
+        hf_cache = _KVRecordingCache(self.config)
+        self._restore(hf_cache, [row.state for row in rows], P)
+        ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(rows), P + T, dtype=torch.long, device=dev)
+        positions = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            ids[b, T - n:] = row.tokens[row.start:row.start + n]
+            mask[b, P - min(row.start, P):P] = 1  # (P = 0 for a model without attention layers)
+            mask[b, P + T - n:] = 1
+            positions[b, T - n:] = torch.arange(row.start, row.start + n, device=dev)
+        out = self._prompt_forward(ids, mask, positions, hf_cache, scan)
+        final = self._layer_states(hf_cache)
+        at_end = []  # the SSM layers' states at the forward's end, read once
+
+        def end_state(b):
+            if not at_end:
+                at_end.append(self._layer_states(hf_cache, keys=False))
+            return {idx: _row_state(st, b) for idx, st in at_end[0].items()}
+
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            end, off = row.ends.pop(0), T - n
+            if all_hidden_states or end == row.tokens.shape[0]:
+                row.hidden.append(out[b:b + 1, off:])
+            new_kv = {idx: (k[b:b + 1], v[b:b + 1]) for idx, (k, v) in hf_cache.new_kv.items()}
+            self._store_blocks(prefix_cache, row, end, new_kv, out[b:b + 1], off, lambda b=b: end_state(b),
+                               all_hidden_states)
+            real = torch.cat([torch.arange(P - min(row.start, P), P), torch.arange(P + off, P + T)]).to(dev)
+            row.state = {idx: _row_state(st, b, real) for idx, st in final.items()}
+            row.start = end
 
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
@@ -530,22 +721,27 @@ class HybridAdapter:
                 states[idx] = LayerState(k, v, conv, rec)
         return states
 
-    def _restore(self, hf_cache, blocks: list[PrefixBlock]) -> None:
-        """Load into the fresh ``hf_cache`` the state after ``blocks`` (a prompt's first blocks, in
-        order, the last holding SSM state): every attention layer's keys / values of all their
-        positions, every SSM layer's conv window and recurrent state of the last block; HF's layers
-        then continue from it."""
-        if not blocks:
-            return
-        for idx in blocks[-1].kv:
-            keys = torch.cat([b.kv[idx].keys for b in blocks], dim=2)
-            values = torch.cat([b.kv[idx].values for b in blocks], dim=2)
-            hf_cache.update(keys, values, idx)
-        for idx, state in blocks[-1].ssm_state.items():
-            if state.conv_state is not None:
-                hf_cache.update_conv_state(state.conv_state, idx, conv_kernel_size=state.conv_state.shape[-1])
-            if state.recurrent_state is not None:
-                hf_cache.update_recurrent_state(state.recurrent_state, idx)
+    def _restore(self, hf_cache, states: list[dict[int, LayerState]], width: int) -> None:
+        """Load into the fresh ``hf_cache`` the batch of rows whose layer states are ``states``
+        (one dict per row, as :func:`_prefix_state` builds them; ``{}``: a row starting from
+        nothing): every attention layer's keys / values left-padded with zeros to ``width``
+        columns, every SSM layer's conv window and recurrent state (zeros for a row without);
+        HF's layers then continue from it. Nothing is loaded when no row holds a state."""
+        shapes: dict[int, LayerState] = {}
+        for st in states:
+            for idx, layer in st.items():
+                shapes.setdefault(idx, layer)
+        for idx, ref in shapes.items():
+            def stack(name, pad=False):
+                ts = [getattr(st[idx], name) if idx in st else torch.zeros_like(getattr(ref, name)) for st in states]
+                return torch.cat([_left_pad(t, width, 2) for t in ts] if pad else ts)
+
+            if ref.keys is not None and width:
+                hf_cache.update(stack("keys", True), stack("values", True), idx)
+            if ref.conv_state is not None:
+                hf_cache.update_conv_state(stack("conv_state"), idx, conv_kernel_size=ref.conv_state.shape[-1])
+            if ref.recurrent_state is not None:
+                hf_cache.update_recurrent_state(stack("recurrent_state"), idx)
 
     def _load(self, cache: HybridCache, states: dict[int, LayerState], mask: torch.Tensor) -> None:
         """Load ``cache`` with the prefill's layer ``states`` (batched as HF's cache holds them) of

@@ -84,12 +84,25 @@ class Mamba2PromptLayer:
     With fla's scan a bf16 / fp16 model's scan inputs stay in its dtype (``input_dtype``; fla
     takes its matmul operands in it and returns ``y`` in it); the torch scan takes them in fp32.
 
+    Left padding is state-neutral (:attr:`state_neutral_padding`): each row's conv sees the
+    inputs before its first token (its conv window, or zeros) right before that token, not before
+    column 0 of the padded prompt; padding positions get ``dt = 0`` (``exp(dt * A) = 1`` and no
+    input: the recurrent state passes them unchanged, in either scan). So a left-padded row
+    continued from a state ends in the state it ends in alone, and the rows of a batch may
+    continue from different states (:meth:`specdec.models.HybridAdapter.prefill` with a prefix
+    cache runs them together). Without a state this is HF's padded prefill whenever ``in_proj``
+    has no bias (zero inputs at padding either way).
+
     Args:
         mixer: the HF Mamba-2 mixer (``layer_idx``, ``time_step_limit``, ``chunk_size``).
         cache_params: HF's cache for this prefill (a ``DynamicCache`` with linear-attention layers).
-        attention_mask: the 2-D padding mask ``[B, L]`` (1 = token) HF hands the mixer, or None.
+        attention_mask: the 2-D left-padding mask ``[B, L]`` (1 = token) of the prompt's columns,
+            or None (no padding).
         scan: ``"fla"`` or ``"torch"`` (:func:`specdec.kernels.mamba2.chunked.resolve_scan`).
     """
+
+    #: left padding leaves the conv window and recurrent state as the row's tokens alone leave them
+    state_neutral_padding = True
 
     def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
         self.layer_idx = mixer.layer_idx
@@ -112,24 +125,40 @@ class Mamba2PromptLayer:
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
         window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
-        zeroed; the last ``W`` inputs (left-padded with zeros) become HF's conv state. Computed in
-        the prompt's own layout, in fp32 (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`)."""
+        zeroed; each row's last ``W`` inputs (its tokens', then its history's, then zeros) become
+        HF's conv state. Computed in the prompt's own layout, in fp32
+        (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`). With left padding each row's history
+        is placed right before its first token, the padding's inputs taken as zeros."""
         W = weight.shape[-1]
         history = None
         if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
             history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
-        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history is a view
-        self.cache_params.update_conv_state(x[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        return self.mask_padding(out)
+        if self.attention_mask is None:
+            out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history is a view
+            self.cache_params.update_conv_state(x[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+            return out
+        B, L, C = x.shape
+        real = self.attention_mask.bool()[:, :, None]
+        u = x.new_zeros(B, W - 1 + L, C)  # [zeros, history, tokens] per row, right-aligned
+        u[:, W - 1:] = torch.where(real, x, 0)
+        if history is not None:
+            first = (L - self.attention_mask.sum(-1)).to(x.device)  # each row's first token's column
+            cols = first[:, None] + torch.arange(W - 1, device=x.device)  # its history's columns in u
+            u.scatter_(1, cols[:, :, None].expand(B, W - 1, C), history.to(u.dtype))
+        out = self.conv_op.prompt(u[:, W - 1:], weight, bias, activation, u[:, :W - 1])
+        self.cache_params.update_conv_state(u[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+        return torch.where(real, out, 0)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
         state: ``inputs`` x ``[B, L, H, P]``, B, C ``[B, L, G, N]`` (in ``input_dtype``), dt
-        ``[B, L, H]`` (softplus'd, fp32); ``params`` A, D ``[H]`` (fp32). Returns ``y [B, L, H,
-        P]`` (D skip included) in ``input_dtype``; the final state ``[B, H, P, N]`` fp32 goes to
-        HF's cache. fla's matmul operands are in a bf16 / fp16 model's dtype (its ``in_proj``
-        weight's), else fp32."""
+        ``[B, L, H]`` (softplus'd, fp32; set to 0 at padding); ``params`` A, D ``[H]`` (fp32).
+        Returns ``y [B, L, H, P]`` (D skip included) in ``input_dtype``; the final state ``[B, H,
+        P, N]`` fp32 goes to HF's cache. fla's matmul operands are in a bf16 / fp16 model's dtype
+        (its ``in_proj`` weight's), else fp32."""
         dt = inputs["dt"].clamp(*self.dt_limit)
+        if self.attention_mask is not None:  # padding: no decay, no input
+            dt = torch.where(self.attention_mask.bool()[:, :, None], dt, 0)
         h0 = self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
                                       self.chunk_size, params["D"], h0, self.operand_dtype)
