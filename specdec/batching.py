@@ -300,7 +300,7 @@ class RequestPool:
         in the order it takes them: the oldest first; none from an empty queue."""
         if not self.queue or limit < 1:
             return []
-        # (with prefix caching each prompt is prefilled alone, without padding: queue order)
+        # (with prefix caching a forward pads the rests after each prompt's hit, not whole prompts: queue order)
         window = list(itertools.islice(self.queue, ADMISSION_LOOKAHEAD * limit if self.prefix_cache is None else limit))
         head = len(window[0].prompt)
         order = sorted(range(1, len(window)), key=lambda i: (abs(len(window[i].prompt) - head), i))
