@@ -142,6 +142,13 @@ def test_prompt_conv_triton_matches_reference(dtype, W, with_history):
         assert rel_err(y.double(), ref.double()) < (TOL if dtype == torch.float32 else 1e-2)
         assert rel_err(y.double(), conv_reference(x.float(), weight, bias, activation,
                                                   None if history is None else history.float())) < 1e-2
+    # a strided bias (a view of every other element) and a strided weight, read by their strides
+    strided_bias = torch.stack([bias, torch.full_like(bias, 1e3)], -1)[..., 0]
+    strided_weight = torch.stack([weight, torch.full_like(weight, 1e3)], -1)[..., 0]
+    assert not strided_bias.is_contiguous() and not strided_weight.is_contiguous()
+    y = op.prompt(x, strided_weight, strided_bias, "silu", history)
+    ref = causal_conv1d_prompt(x, weight, bias, "silu", history)
+    assert rel_err(y.double(), ref.double()) < (TOL if dtype == torch.float32 else 1e-2)
 
 
 def test_prompt_conv_errors():

@@ -615,8 +615,8 @@ class HybridAdapter:
     def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
                               scan: str, max_tokens: int | None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
         """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding), with their
-        forwards run together: returns what it returns for each, and the cache stores what it
-        stores when run on them in order.
+        forwards run together: returns what it returns for each, and (while nothing is evicted)
+        the cache stores what it stores when run on them in order.
 
         Prompts run in rounds; a round looks its prompts up in order and runs in waves: wave k
         runs each prompt's k-th forward (:attr:`PrefixMatch.forward_ends`; a branch point makes
@@ -626,7 +626,11 @@ class HybridAdapter:
         for it depends on what an earlier prompt of the batch stores: it shares more leading
         blocks with an earlier prompt of this round than that one hit (that one stores blocks or
         states it would find), or shares a block with a prompt already waiting. So each lookup
-        finds what it finds after the earlier prompts' prefills, as one at a time.
+        finds what it finds after the earlier prompts' prefills, as one at a time. Under the
+        cache's byte bound a round's lookups all precede its inserts, so an insert can evict a
+        block a later prompt of the round already matched: that prompt still runs from the states
+        it loaded (the result is the same), but what the cache holds and counts afterwards can
+        differ from an in-order run's.
 
         The states equal :meth:`prefill_cached`'s up to the chunked scans' rounding (fp32: about
         1e-6 relative): padding is state-neutral (:meth:`batches_cached_prefill`)."""

@@ -314,7 +314,7 @@ def causal_conv1d_prompt_triton(x, weight, bias=None, activation=None, history=N
     has_history = history is not None and W > 1
     h = history if has_history else x  # an unread placeholder without history
     _causal_conv1d_prompt_kernel[(triton.cdiv(L, PROMPT_BLOCK_T), triton.cdiv(C, BLOCK_C), Bsz)](
-        x, weight.contiguous(), bias, h, out, L, C,
+        x, weight.contiguous(), None if bias is None else bias.contiguous(), h, out, L, C,
         x.stride(0), x.stride(1), x.stride(2), h.stride(0), h.stride(1), h.stride(2),
         W=W, BT=PROMPT_BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, HAS_HISTORY=has_history,
         SILU=activation is not None, num_warps=NUM_WARPS,
