@@ -343,6 +343,13 @@ def test_warm_prefill_meets_every_prefill_group_size():
     _warm_prefill(sd, work, [12, 30, 31], 12 * lengths[11], warmed)  # (31: more than the workload's requests)
     assert [c[0] for c in calls] == [12, 30] and warmed >= {12, 30} and 31 not in warmed
     assert calls[0][1] == lengths[11] and calls[1][1] == 12 * lengths[11] // 30
+    # with a prefix cache: each group stored up to a block boundary near its middle, then continued
+    calls.clear()
+    cached = set()
+    _warm_prefill(sd, work, [2], 1000, cached, prefix_block=4)
+    fits = sorted(work.prompts, key=len)[-2:]  # the largest count gets the longest prompts that fit
+    cuts = [len(p) // 2 // 4 * 4 for p in fits]
+    assert cached == {("cached", 2)} and calls == [(1, c) for c in cuts] + [(1, len(p) - c) for p, c in zip(fits, cuts)]
     # every forward a timed run then runs was warmed
     for B, bound, budget in ((16, 400, None), (4, 10**6, None), ("auto", 400, "6MiB")):
         warmed = set()

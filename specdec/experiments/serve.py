@@ -61,6 +61,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..batching import DEFAULT_MAX_BATCH_TOKENS, Request, RequestPool, RequestTiming, admission_rows, left_pad
+from ..prefix_cache import PrefixCache
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -224,14 +225,15 @@ def _timed(calls, repeats: int, device) -> RunResult:
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
                 drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                warmed: set[int] | None = None) -> RunResult:
+                warmed: set | None = None) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
     with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
     ``max_batch_tokens`` and,
     given ``prefix_block`` (tokens per block), prefix caching; ``drafter_for(indices)`` gives the
     drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and ``warmed``
-    (the model's prefill row counts warmed so far), :func:`_warm_prefill` of every admission's
-    (:func:`_admission_sizes`) after the warm-up call."""
+    (the model's prefill shapes warmed so far), :func:`_warm_prefill` of every admission's row
+    count (:func:`_admission_sizes`; through a prefix cache with ``prefix_block``) after the
+    warm-up call."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
@@ -251,13 +253,14 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
             return RunResult(error=str(err))
         if warmed is not None:
             _warm_prefill(sd, work, _admission_sizes(sd, work, B, max_batch_tokens, memory_budget), max_batch_tokens,
-                          warmed)
+                          warmed, prefix_block)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
     return _timed(calls, repeats, device)
 
 
-def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set[int]) -> None:
+def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set,
+                  prefix_block: int | None = None) -> None:
     """Prefill, untimed, one forward of each row count in ``sizes`` not yet in ``warmed`` (then
     added to it), of the workload's own prompts: the ``b`` rows are ``b`` prompts short enough to
     run in one forward of at most ``max_batch_tokens`` padded tokens (as any ``b``-row forward's
@@ -269,8 +272,12 @@ def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set[
     (flash-linear-attention autotunes some per batch size or token-count bucket: about 10 s each
     for Qwen3.5's GDN on an H200). A warm-up call on the shortest prompts meets few of those
     shapes; without this the first timed run of a model would pay for every later run's kernels.
-    Prefills continued from a saved state (prefix-cache hits, the later chunks of a prompt longer
-    than ``max_batch_tokens``) are not warmed.
+    With ``prefix_block`` (a prefix-caching run's block size) the forwards are those of a prefix
+    cache instead, which run other kernels (prompts continued from a saved state): each group is
+    prefilled through a fresh :class:`~specdec.prefix_cache.PrefixCache` first cut at the block
+    boundary nearest its middle (stored), then whole (continued from there); ``warmed`` holds
+    ``("cached", b)`` for those. The later chunks of a prompt longer than ``max_batch_tokens``
+    are not warmed.
     """
     from ..rollback import make_strategy
 
@@ -278,19 +285,28 @@ def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set[
     by_length = sorted(work.prompts, key=len)
     sizes = sorted({int(b) for b in sizes if int(b) >= 1})
     for b in sizes:
-        if b in warmed or b > min(len(by_length), max_batch_tokens):
+        key = b if prefix_block is None else ("cached", b)
+        if key in warmed or b > min(len(by_length), max_batch_tokens):
             continue
-        warmed.add(b)
+        warmed.add(key)
         fits = [p for p in by_length if len(p) * b <= max_batch_tokens]
         if len(fits) >= b:
             start = max(0, b * len(fits) // sizes[-1] - b)
             prompts = fits[start:start + b]
         else:
             prompts = [p[:max_batch_tokens // b] for p in by_length[:b]]
-        ids, mask = left_pad(prompts, ad.device)
-        cache = ad.new_cache(b, ids.shape[1] + 8, 1, make_strategy("snapshot"))
-        ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens)
-        del cache
+        if prefix_block is None:
+            passes, prefix_cache = [prompts], None
+        else:  # stored up to a block boundary, then continued from it
+            cut = [len(p) // 2 // prefix_block * prefix_block for p in prompts]
+            passes, prefix_cache = [[p[:c] for p, c in zip(prompts, cut) if c], prompts], PrefixCache(prefix_block)
+        for group in passes:
+            if not group:
+                continue
+            ids, mask = left_pad(group, ad.device)
+            cache = ad.new_cache(len(group), ids.shape[1] + 8, 1, make_strategy("snapshot"))
+            ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens, prefix_cache=prefix_cache)
+            del cache
 
 
 def _admission_sizes(sd, work: Workload, B, max_batch_tokens: int, memory_budget) -> set[int]:
@@ -327,7 +343,7 @@ def _own_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
 
 def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats: int, warmup: bool,
            drafter_for=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-           warmed: set[int] | None = None) -> RunResult:
+           warmed: set | None = None) -> RunResult:
     """``sd.generate()`` on fixed batches of ``B`` requests in order (left-padded), each row ending
     at its request's budget (``max_new_tokens`` per row, as a request would end at EOS) and the
     batch running until its last row ends, its prefill forwards within ``max_batch_tokens``;
@@ -512,7 +528,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             return rec
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
-        warmed: set[int] = set()  # rows per prefill forward this model has met (_warm_prefill)
+        warmed: set = set()  # prefill shapes this model has met (_warm_prefill)
         plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
                                 max_batch_tokens=batch_tokens, warmed=warmed)
         reference = None if plain_res.error else plain_res.tokens
