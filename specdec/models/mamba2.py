@@ -133,21 +133,23 @@ class Mamba2PromptLayer:
         history = None
         if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
             history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
-        if self.attention_mask is None:
-            out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history is a view
-            self.cache_params.update_conv_state(x[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-            return out
-        B, L, C = x.shape
-        real = self.attention_mask.bool()[:, :, None]
-        u = x.new_zeros(B, W - 1 + L, C)  # [zeros, history, tokens] per row, right-aligned
-        u[:, W - 1:] = torch.where(real, x, 0)
-        if history is not None:
+        real = None if self.attention_mask is None else self.attention_mask.bool()[:, :, None]
+        if real is not None:
+            x = torch.where(real, x, 0)  # padding's inputs are zeros
+        if real is not None and history is not None:  # each row's history right before its first token
+            B, L, C = x.shape
+            u = x.new_zeros(B, W - 1 + L, C)  # [zeros, history, tokens] per row, right-aligned
+            u[:, W - 1:] = x
             first = (L - self.attention_mask.sum(-1)).to(x.device)  # each row's first token's column
             cols = first[:, None] + torch.arange(W - 1, device=x.device)  # its history's columns in u
             u.scatter_(1, cols[:, :, None].expand(B, W - 1, C), history.to(u.dtype))
-        out = self.conv_op.prompt(u[:, W - 1:], weight, bias, activation, u[:, :W - 1])
-        self.cache_params.update_conv_state(u[:, -W:].transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        return torch.where(real, out, 0)
+            x, history = u[:, W - 1:], u[:, :W - 1]
+            last = u[:, -W:]
+        else:
+            last = x[:, -W:]
+        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history may be a view
+        self.cache_params.update_conv_state(last.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+        return out if real is None else torch.where(real, out, 0)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
