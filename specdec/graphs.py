@@ -157,18 +157,41 @@ class CapturedProgram:
     warns, keeps the reason in ``error``, calls ``on_failure()`` (e.g. to reset host-side
     counters the capture advanced) and runs eagerly from then on.
 
+    With ``compile_whole`` (and fusion on, :func:`specdec.fusion.fusion_enabled`) the warm-up and
+    the capture run the whole program through ``torch.compile(fullgraph=True)`` instead: one
+    Inductor graph fuses everything between the GEMMs (norms, rotary, masks, the KV write,
+    casts, argmax), not only the norms / MLPs, for a program of many small ops whose kernels,
+    not bytes, bound it. ``fullgraph`` means the compile either traces all of it before anything
+    runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception; an error of the
+    compiled program's run is raised) is kept in ``compile_error``, warned about once, and the
+    program runs as without ``compile_whole`` (still captured).
+
     Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
-        what: its name, for messages. graphs: capture at all (CUDA only).
+        what: its name, for messages. graphs: capture at all (CUDA only). compile_whole: compile
+        the whole program before capturing it (only where it is captured).
 
     Calling it runs the program once and returns how: ``"static"`` or ``"cuda_graph"``.
     """
 
-    def __init__(self, fn, *, model: torch.nn.Module, what: str, graphs: bool, on_failure=None):
+    def __init__(self, fn, *, model: torch.nn.Module, what: str, graphs: bool, on_failure=None,
+                 compile_whole: bool = False):
         self.fn, self.model, self.what, self.graphs, self.on_failure = fn, model, what, bool(graphs), on_failure
         self.graph = None
         self.calls = 0
         #: why the capture failed (``"Type: message"``), or None
         self.error: str | None = None
+        self.compile_whole = bool(compile_whole)
+        self._compiled = None
+        #: why compiling the whole program failed (``"Type: message"``), or None
+        self.compile_error: str | None = None
+
+    def _program(self):
+        """What the warm-up and the capture run: the compiled program (see the class), or ``fn``."""
+        if not (self.compile_whole and self.graphs and self.compile_error is None and fusion_enabled()):
+            return self.fn
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
+        return self._compiled
 
     def __call__(self) -> str:
         self.calls += 1
@@ -177,7 +200,7 @@ class CapturedProgram:
             return "cuda_graph"
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
-                self.graph, _ = capture(self.fn, model=self.model, what=self.what, warmup=0)
+                self.graph, _ = capture(self._program(), model=self.model, what=self.what, warmup=0)
             except CaptureFailure as err:  # keep the static program, eagerly
                 self.error = err.reason
                 warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
@@ -189,5 +212,15 @@ class CapturedProgram:
         warm = self.graphs and self.error is None
         with fused(self.model, warm and fusion_enabled()), (
                 graph_safe_experts(self.model) if warm else contextlib.nullcontext()):
-            self.fn()
+            program = self._program() if warm else self.fn
+            if program is self.fn:
+                self.fn()
+            else:
+                try:  # fullgraph: a failed trace or compile has run nothing of the program
+                    program()
+                except torch._dynamo.exc.TorchDynamoException as err:  # tracing / Inductor failed: uncompiled
+                    self.compile_error = f"{type(err).__name__}: {err}"
+                    warnings.warn(f"torch.compile of {self.what} failed ({self.compile_error}); it runs uncompiled",
+                                  RuntimeWarning, stacklevel=3)
+                    self.fn()
         return "static"

@@ -269,7 +269,45 @@ def test_cuda_graph_proposals_exact(saved, family):
             out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
             assert torch.equal(out, ref), (family, tree)
         assert drafter.last_path == "cuda_graph", drafter.capture_error
+        assert drafter.compile_error is None, drafter.compile_error  # captured as one compiled graph
         assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [3, 5, 7, 11, 40]], ids=["full-vocab", "draft-vocab"])
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_static_proposal_traces_as_one_graph(saved, family, draft_vocab):
+    """The captured proposal is compiled whole with ``fullgraph=True`` (CapturedProgram's
+    ``compile_whole``): dynamo must trace it (catch-up, K - 1 steps, the LM head, argmax, the
+    cache's bookkeeping) without a graph break, and the traced program must propose what the
+    eager one does and leave the MTP cache as it does. Checked here with the ``aot_eager``
+    backend (dynamo and functionalisation, no Inductor): on CPU the program is never captured."""
+    folder, model = saved[family]
+    ids, mask = ragged_prompts()
+    drafter = MTPDrafter.from_pretrained(folder, target=model, draft_vocab=draft_vocab)
+    sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=4, decode_path="static")
+    sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    st = drafter._static
+    cache = st.cache
+    before = (cache.seq_len.clone(), {i: (k.clone(), v.clone()) for i, (k, v) in cache.kv.items()})
+
+    def run(program):
+        cache.seq_len.copy_(before[0])
+        for i, (k, v) in before[1].items():
+            cache.kv[i][0].copy_(k)
+            cache.kv[i][1].copy_(v)
+        st.out.fill_(-1)  # poisoned: the program writes every draft
+        with torch.no_grad():
+            program()
+        return st.out.clone(), cache.seq_len.clone(), {i: (k.clone(), v.clone()) for i, (k, v) in cache.kv.items()}
+
+    eager = run(st.program.fn)
+    torch._dynamo.reset()
+    traced = run(torch.compile(st.program.fn, fullgraph=True, dynamic=False, backend="aot_eager"))
+    assert (eager[0] >= 0).all()
+    assert torch.equal(traced[0], eager[0]) and torch.equal(traced[1], eager[1]), family
+    for i in eager[2]:
+        # every KV column, the committed ones and the open step's: the same ops, so bit for bit
+        assert torch.equal(traced[2][i][0], eager[2][i][0]) and torch.equal(traced[2][i][1], eager[2][i][1]), i
 
 
 @pytest.mark.parametrize("draft_vocab", [None, [1, 3, 4, 6]], ids=["full-vocab", "draft-vocab-4-of-8"])

@@ -45,7 +45,11 @@ sampling) or a draft tree in Medusa's path format (``tree=``): the chain of top-
 and node ``p`` holds the rank ``p[-1]`` token of step ``len(p)``'s distribution, as Medusa heads
 fill a tree. On the engine's static / CUDA-graph decode path each proposal after the first is one
 fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
-graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`.
+graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`. Before its capture the
+program is compiled whole with ``torch.compile`` (:class:`specdec.graphs.CapturedProgram`'s
+``compile_whole``): a proposal is K passes of a decoder layer at one to K + 1 tokens a row,
+hundreds of small kernels (norms, rotary, masks, the KV write, casts) around a few GEMMs, and
+the kernels, not its weight bytes, bound it.
 
 Reduced draft vocabulary (``draft_vocab=``; FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating
 Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"; EAGLE-3's draft
@@ -502,6 +506,9 @@ class MTPDrafter(Drafter):
         self.last_path = "eager"
         #: why the proposal's CUDA-graph capture failed (its error), or None
         self.capture_error: str | None = None
+        #: why compiling the captured proposal as one ``torch.compile`` graph failed (it then runs
+        #: with fused norms / MLPs only), or None
+        self.compile_error: str | None = None
         self._reset()
 
     @classmethod
@@ -833,7 +840,7 @@ class MTPDrafter(Drafter):
                 st.program = CapturedProgram(
                     lambda: st.out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K,
                                                      self._argmax, tree)),
-                    model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph")
+                    model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph", compile_whole=True)
             fresh = self._new_cache(B, width, K + 1, static=True)
             self._prefill(fresh, text, lengths)
             if st.cache is None:
@@ -851,6 +858,7 @@ class MTPDrafter(Drafter):
             return self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K, pick, tree)
         self.last_path = st.program()
         self.capture_error = st.program.error
+        self.compile_error = st.program.compile_error
         return st.out.clone()
 
     def __repr__(self):
