@@ -60,6 +60,17 @@ _IN_PLACE = InPlaceUpdate()
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
 
 
+def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> PrefixCache | None:
+    """The prefix cache of a ``generate_batch`` call or a manager (empty), or None without
+    ``prefix_caching``; every argument checked either way.
+
+    Raises: TypeError (``prefix_caching`` not a bool) / as :func:`check_prefix_cache_args`."""
+    if not isinstance(prefix_caching, bool):
+        raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
+    return PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
+
+
 class _Rows:
     """Per-row decode state on the device: the text buffer ``[B, width]`` (each row's prompt without
     padding, then its new tokens; the last one pending), ``lengths``, new-token counts ``n_gen``,
@@ -452,6 +463,7 @@ class SpeculativeGenerator:
                 at least one, so a large pool's prefill activations stay bounded; a longer prompt
                 is prefilled in chunks of that many tokens (with prefix caching: of whole blocks,
                 after its hit), one per step while other rows decode.
+            prefix_caching: prefill every prompt through a :class:`~specdec.prefix_cache.PrefixCache`
                 kept for the call: prompts that share a prefix of whole blocks reuse its state
                 (attention keys / values and every SSM layer's conv window and recurrent state at
                 the block boundary) instead of computing it. Each prompt is then prefilled on its
@@ -498,9 +510,7 @@ class SpeculativeGenerator:
             target's or a draft model's.
         """
         queued = time.perf_counter()
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-        check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
+        cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
@@ -517,7 +527,6 @@ class SpeculativeGenerator:
                                len(requests))
         self.last_request_timings = {}
         if requests:
-            cache = PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
             pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache,
                                max_batch_tokens=max_batch_tokens)
             with tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
@@ -533,7 +542,9 @@ class SpeculativeGenerator:
     def init_continuous_batching(self, generation_config=None, *, max_length: int,
                                  max_batch_size: int | str | None = None, memory_budget: int | str | None = None,
                                  max_new_tokens: int | None = None, eos_token_id=None,
-                                 max_batch_tokens: int | None = None,
+                                 max_batch_tokens: int | None = None, prefix_caching: bool = False,
+                                 prefix_block_size: int = PREFIX_BLOCK_SIZE,
+                                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                                  **generate_kwargs) -> ContinuousBatchingManager:
         """Continuous batching as a service (Hugging Face's ``init_continuous_batching``): a
         :class:`specdec.serving.ContinuousBatchingManager` that, once started, runs
@@ -550,6 +561,12 @@ class SpeculativeGenerator:
             memory_budget, max_batch_tokens: as :meth:`generate_batch` takes them.
             max_new_tokens: a request's budget when ``add_request`` gives none (default: the
                 generation config's ``max_new_tokens``, else 20).
+            prefix_caching, prefix_block_size, prefix_cache_bytes: as :meth:`generate_batch` takes
+                them, but the cache is the manager's (``manager.prefix_cache``): it lives as long as
+                the manager, across its ``start()`` / ``stop()`` runs, so a request reuses the
+                prefixes of every request prefilled before it, as a server's cache does. Its
+                counters (``last_stats.prefix_cache`` after ``stop()``) count since the manager was
+                made; bounded by ``prefix_cache_bytes`` as in :meth:`generate_batch`.
 
         Returns: the manager (not started: ``start()``, or use it as a context manager).
 
@@ -565,6 +582,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_length must be in [2, {limit if limit is not None else 'inf'}] (prompt + new tokens "
                              f"of a request, at most config.max_position_embeddings), got {max_length}")
         self._check_batching()
+        cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config)
@@ -577,7 +595,7 @@ class SpeculativeGenerator:
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None)
         return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
                                          max_length=int(max_length), max_new_tokens=int(max_new_tokens),
-                                         max_batch_tokens=max_batch_tokens,
+                                         max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                          vocab_size=self.adapter.vocab_size, max_positions=limit,
                                          device=self.adapter.device)
 

@@ -11,7 +11,10 @@ whose request ended take waiting requests between two steps, as in ``generate_ba
 request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
 ``add_request(..., streaming=True)`` its partial results come before that, one per step that
 commits tokens to it (status ``DECODING``, every token so far: a step commits up to K + 1), a
-newer one replacing one not taken yet.
+newer one replacing one not taken yet. With ``prefix_caching=True`` the manager holds one
+:class:`~specdec.prefix_cache.PrefixCache` for its life: every run's prompts are prefilled through
+it, so a request reuses the prefix state of any request prefilled before it, in this run or an
+earlier one (``start()`` after ``stop()`` keeps it).
 
 Stopping, as Hugging Face's manager does it: ``stop()`` lets the loop finish every request added
 so far (decoding or waiting), then ends it; their results stay available to ``get_result``.
@@ -40,6 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, check_requests
+from .prefix_cache import PrefixCache
 
 __all__ = ["ContinuousBatchingManager", "WAIT_S"]
 
@@ -63,7 +67,7 @@ class _OpenPool(RequestPool):
     the request's times, which its output carries)."""
 
     def __init__(self, manager: ContinuousBatchingManager, size: int, span: int):
-        super().__init__([], size, span, max_batch_tokens=manager.max_batch_tokens)
+        super().__init__([], size, span, prefix_cache=manager.prefix_cache, max_batch_tokens=manager.max_batch_tokens)
         self.on_stream = manager._deliver_partial
         self.queue = manager._queue
         self._manager = manager
@@ -116,18 +120,25 @@ class ContinuousBatchingManager:
         vocab_size, max_positions: what :func:`specdec.batching.check_requests` checks prompts against.
         device: the model's device (the loop thread makes it current on CUDA).
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
+        prefix_cache: the :class:`~specdec.prefix_cache.PrefixCache` every run's pool prefills its
+            prompts through (``prefix_caching=True``), or None.
 
     Attributes:
         max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
+        prefix_cache: as given: kept for the manager's life, across ``start()`` / ``stop()`` runs
+            (a request reuses the prefixes of every request prefilled before it, in any run);
+            ``last_stats.prefix_cache`` holds its counters, counted since the manager was made.
     """
 
     def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
-                 vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+                 vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 prefix_cache: PrefixCache | None = None):
         self._run = run
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.max_batch_tokens = max_batch_tokens
+        self.prefix_cache = prefix_cache
         self._vocab_size, self._max_positions, self._device = vocab_size, max_positions, torch.device(device)
         self._changed = threading.Condition()  # guards everything below; notified on every change
         self._queue: deque[Request] = deque()  # waiting requests (the open pool's queue)

@@ -337,7 +337,8 @@ def test_static_path():
 
 
 def test_argument_errors():
-    """Bad prefix-caching arguments raise before any work, naming what is accepted."""
+    """Bad prefix-caching arguments raise before any work, naming what is accepted, the same from
+    generate_batch and init_continuous_batching."""
     sd = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=2)
     for kw, err, match in [
         (dict(prefix_caching="yes"), TypeError, "prefix_caching must be a bool"),
@@ -347,6 +348,69 @@ def test_argument_errors():
     ]:
         with pytest.raises(err, match=match):
             sd.generate_batch([[5, 6, 7]], max_new_tokens=2, **kw)
+        with pytest.raises(err, match=match):
+            sd.init_continuous_batching(max_length=8, **kw)
+
+
+#: a manager's bound above every request of _prompts() (longest prompt 22 + largest budget 7)
+MAX_LENGTH = 32
+
+
+def _manager(family, rows=ROWS, **kw):
+    sd = specdec.wrap(get_model(family), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                      decode_path="eager")
+    return sd, sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=rows, eos_token_id=EOS, **kw)
+
+
+def _add(m, prompts, budgets, offset=0) -> list[str]:
+    return [m.add_request(p, request_id=f"req_{offset + i}", max_new_tokens=b)
+            for i, (p, b) in enumerate(zip(prompts, budgets))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_manager_matches_uncached_and_hf(family):
+    """init_continuous_batching(prefix_caching=True): requests sharing a prefix, more than the
+    pool's rows, most added while the first ones decode: each equals HF greedy on its prompt alone
+    (the tokens of the manager without caching); the cache was hit."""
+    prompts, expected = _prompts(), _expected(family)
+    sd, m = _manager(family, prefix_caching=True, prefix_block_size=BS)
+    assert m.prefix_cache is not None and m.prefix_cache.block_size == BS
+    with m:
+        _add(m, prompts[:3], BUDGETS[:3])
+        got = [m.get_result(timeout=60)]
+        _add(m, prompts[3:], BUDGETS[3:], offset=3)
+        got += list(m)
+    _check({o.request_id: o for o in sorted(got, key=lambda o: int(o.request_id[4:]))}, expected, prompts)
+    counters = sd.last_stats.prefix_cache
+    assert counters["lookups"] == len(prompts) and counters["hit_blocks"] > 0
+    assert counters["hit_tokens"] == BS * counters["hit_blocks"] and counters["stored_bytes"] > 0
+    sd, plain = _manager(family)
+    assert plain.prefix_cache is None
+    with plain:
+        _add(plain, prompts, BUDGETS)
+        uncached = {o.request_id: o for o in plain}
+    assert [uncached[f"req_{i}"].generated_tokens for i in range(len(prompts))] == expected
+    assert sd.last_stats.prefix_cache is None
+
+
+def test_manager_cache_persists_across_runs():
+    """One row (requests prefilled in the order they were added): the counters after a run are
+    those an unbounded cache gives for its prompts; a second run of the same manager (start()
+    after stop()) finds the first run's blocks, its counters those of both runs' prompts in
+    order; outputs exact in both; a new manager starts with an empty cache."""
+    family = "qwen3_next"
+    prompts, expected = _prompts(), _expected(family)
+    sd, m = _manager(family, rows=1, prefix_caching=True, prefix_block_size=BS)
+    for run in range(2):
+        with m:
+            _add(m, prompts, BUDGETS, offset=run * len(prompts))
+            got = {o.request_id: o for o in m}
+        assert [got[f"req_{run * len(prompts) + i}"].generated_tokens for i in range(len(prompts))] == expected
+        want = _counters(prompts * (run + 1))
+        assert {k: sd.last_stats.prefix_cache[k] for k in want} == want
+    assert want["hit_blocks"] > 2 * _counters(prompts)["hit_blocks"]  # the second run reused the first's blocks
+    _, fresh = _manager(family, rows=1, prefix_caching=True, prefix_block_size=BS)
+    assert fresh.prefix_cache is not m.prefix_cache and len(fresh.prefix_cache) == 0
 
 
 def test_blocks_longer_than_a_sliding_window():

@@ -217,6 +217,76 @@ def test_serve_prefix_caching_side_by_side(tmp_path: Path):
     assert "prefix hit rate" in (tmp_path / "summary.md").read_text()
 
 
+def test_poisson_arrivals():
+    """Arrival times: the first at 0, non-decreasing, seeded (the same for a seed, other for
+    another), exponential gaps of mean 1 / rate; bad arguments raise."""
+    from specdec.experiments.serve import poisson_arrivals
+
+    a = poisson_arrivals(20000, 50.0, seed=1)
+    assert a[0] == 0.0 and len(a) == 20000 and all(x <= y for x, y in zip(a, a[1:]))
+    assert a == poisson_arrivals(20000, 50.0, seed=1) and a != poisson_arrivals(20000, 50.0, seed=2)
+    gaps = torch.tensor(a, dtype=torch.float64).diff()
+    assert float(gaps.mean()) == pytest.approx(1 / 50, rel=0.03)
+    assert float(gaps.std()) == pytest.approx(1 / 50, rel=0.05)  # (an exponential's spread is its mean)
+    assert poisson_arrivals(1, 3.0, seed=0) == (0.0,)
+    for n, rate in ((0, 1.0), (3, 0.0), (3, float("inf"))):
+        with pytest.raises(ValueError, match="poisson_arrivals needs"):
+            poisson_arrivals(n, rate, seed=0)
+
+
+def _serve_with(*overrides: str) -> list[str]:
+    """SERVE with ``overrides`` in place of its settings of the same keys."""
+    keys = {o.split("=")[0] for o in overrides}
+    return [o for o in SERVE if o.split("=")[0] not in keys] + list(overrides)
+
+
+def _check_arrival_runs(records, rate: float, requests: int, seed: int):
+    """Every run: exact, ``request_rate`` recorded, each TTFT >= 0 and measured from its request's
+    arrival (arrival + TTFT within the wall, which runs from the first arrival to the last
+    finish and so covers the last arrival), throughput = tokens / that wall."""
+    from specdec.experiments.serve import poisson_arrivals
+
+    arrivals = poisson_arrivals(requests, rate, seed)
+    for r in records:
+        assert r["error"] is None and r["exact"] and r["request_rate"] == rate, r
+        assert r["wall_s"] >= arrivals[-1]
+        ttft = r["ttft_ms_samples"]
+        assert len(ttft) == requests and min(ttft) >= 0
+        assert all(a + t / 1e3 <= r["wall_s"] for a, t in zip(arrivals, ttft))
+        assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
+
+
+def test_serve_poisson_arrivals(tmp_path: Path):
+    """experiment.request_rate: the requests arrive at seeded Poisson times over the run; each
+    continuous run goes through init_continuous_batching, fixed batches wait for their last
+    request; outputs equal plain's; every TTFT counts from its request's arrival (with 6
+    requests at 4/s the run spans over a second, longer than any request's own time)."""
+    rate, n = 4.0, 6
+    cfg = _cfg(_serve_with(f"experiment.requests={n}", "drafter.names=[oracle]", f"experiment.request_rate={rate}",
+                           "experiment.output_tokens=[4,8]"))
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["run"], r["drafter"]) for r in records] == [
+        ("continuous", "plain"), ("fixed_batches", "oracle"), ("continuous", "oracle")]
+    _check_arrival_runs(records, rate, n, seed=int(cfg.seed))
+    assert records[2]["mean_accepted_tokens"] > 2  # (the oracle drafted its request's reference)
+    assert "Poisson arrivals at 4 requests/s" in (tmp_path / "summary.md").read_text()
+
+
+def test_serve_poisson_arrivals_prefix_caching(tmp_path: Path):
+    """experiment.request_rate with a shared prefix and prefix_caching: the cached runs' managers
+    hit the prefix (the cache spans the requests of a run), outputs equal plain's."""
+    rate, n = 50.0, 8
+    cfg = _cfg(_serve_with(f"experiment.requests={n}", "drafter.names=[ngram]", f"experiment.request_rate={rate}",
+                           "experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
+                           "experiment.prefix_block_size=8", "experiment.fixed_batches=false"))
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["drafter"], r["prefix_caching"]) for r in records] == [
+        ("plain", False), ("plain", True), ("ngram", False), ("ngram", True)]
+    _check_arrival_runs(records, rate, n, seed=int(cfg.seed))
+    for r in records:
+        assert (r["prefix_hit_rate"] is not None and r["prefix_hit_rate"] > 0) == r["prefix_caching"]
+
+
 def test_serve_workload(tmp_path: Path):
     """The workload: seeded, log-uniform lengths within the bounds, the shared prefix on every
     prompt, random ids or zoo prompts cut to length; a request file's prompts (ids or text) and
@@ -266,6 +336,7 @@ def test_serve_workload(tmp_path: Path):
     ("experiment.memory_budget=lots", "memory_budget 'lots': give bytes as an int or a number with a unit"),
     ("num_speculative_tokens=0", "num_speculative_tokens must be >= 1 or auto"),
     ("drafter.names=[draft_model]", "experiment=serve runs the drafters ngram, oracle, mtp"),
+    ("experiment.request_rate=0", "experiment.request_rate must be a number of requests per second > 0"),
 ])
 def test_serve_bad_settings(override, match):
     with pytest.raises(ValueError, match=match):

@@ -24,6 +24,7 @@ acceptance experiment splits its prompts across the processes (:mod:`.distribute
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import shutil
@@ -214,6 +215,10 @@ def _validate_serve(cfg, drafters: list[str]) -> None:
     if int(exp.requests) < 1 or int(exp.shared_prefix_tokens) < 0:
         raise ValueError(f"experiment.requests must be >= 1 and experiment.shared_prefix_tokens >= 0; got "
                          f"{exp.requests}, {exp.shared_prefix_tokens}")
+    rate = exp.request_rate
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
+        raise ValueError(f"experiment.request_rate must be a number of requests per second > 0, or null (every "
+                         f"request at the start), got {rate!r}")
     if exp.memory_budget is not None:
         from ..batching import parse_bytes
 

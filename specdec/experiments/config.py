@@ -232,6 +232,9 @@ class ServeExperiment:
     max_batch_tokens: int = _doc(16384, "generate_batch's max_batch_tokens: the most prompt tokens of one prefill "
                                         "forward, padding included")
     fixed_batches: bool = _doc(True, "also run generate() on fixed batches of max_batch_size requests, in order")
+    request_rate: Optional[float] = _doc(None, "requests per second arriving at Poisson times (seeded; the first at "
+                                               "0), each continuous run served by init_continuous_batching and TTFT "
+                                               "measured from each request's arrival; null: every request at the start")
     warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
     ignore_eos: bool = _doc(True, "clear the target's EOS token: every request runs its own max_new_tokens")
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")

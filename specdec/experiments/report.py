@@ -199,15 +199,17 @@ SERVE_PERCENTILES = (50, 90, 99)
 SERVE_COLUMNS = (
     Column("tokens_per_s", "tokens/s", "{:.1f}", spread=True,
            legend="generated tokens (each request's own, up to its budget or EOS) / the run's wall time, every "
-                  f"request arriving at its start; {_REPEATS}"),
+                  "request arriving at its start (with experiment.request_rate: at Poisson times, the wall from the "
+                  f"first arrival to the last request's finish); {_REPEATS}"),
     Column("vs_fixed_batches", "vs fixed batches", "{:.2f}x",
            legend="continuous batching's median tokens/s / generate() on fixed batches of the same size, same "
                   "drafter and strategy"),
     Column("vs_continuous_plain", "vs continuous plain", "{:.2f}x",
            legend="median tokens/s / continuous plain decoding's (num_speculative_tokens=0, same pool size)"),
     Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}",
-           legend="time to first token: from the run's start (every request queued then) to the host sync after "
-                  "the request's prefill; percentiles over the requests of every repeat"),
+           legend="time to first token: from the request's arrival (the run's start; with experiment.request_rate "
+                  "its Poisson arrival) to the host sync after its prefill (with request_rate, continuous runs: the "
+                  "client's receipt of its first streamed token); percentiles over the requests of every repeat"),
     Column("ttft_p90_ms", "TTFT p90 ms", "{:.1f}", terminal=False, legend="its 90th percentile"),
     Column("ttft_p99_ms", "TTFT p99 ms", "{:.1f}", terminal=False, legend="its 99th percentile"),
     Column("ttft_mean_ms", "TTFT mean ms", "{:.1f}", terminal=False, legend="its mean"),
@@ -222,7 +224,8 @@ SERVE_COLUMNS = (
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False, legend=COLUMNS[0].legend),
     Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True, legend=f"the run's wall time; {_REPEATS}"),
     Column("admission_s", "prefill s", "{:.2f}", terminal=False,
-           legend="time in prefills (the first requests' and every admission's), summed over the run's calls"),
+           legend="time in prefills (the first requests' and every admission's), summed over the run's calls "
+                  "(with experiment.request_rate, continuous runs: also the loop's idle waits for arrivals)"),
     Column("step_ms", "step ms", "{:.2f}", terminal=False,
            legend="draft + verify + commit time per decode step (host time between the step's marks)"),
     Column("other_s", "other s", "{:.2f}", terminal=False,
@@ -408,7 +411,7 @@ SECTIONS = {
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
-SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed")
+SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate")
 
 
 def _experiment(r: dict) -> str:

@@ -11,7 +11,8 @@ from a file (``requests_file``: one ``{"prompt_ids": [...]}`` or ``{"prompt": "t
 line, with an optional ``"max_new_tokens"``; ``"input_ids"`` as the acceptance experiment's
 prompt files name it). ``shared_prefix_tokens`` puts one prefix of that many tokens before every
 prompt (a system prompt); ``prefix_caching`` runs every continuous run a second time with
-``generate_batch(prefix_caching=True)``, which reuses the prefix's state: records with
+``generate_batch(prefix_caching=True)`` (with ``request_rate``: a manager made with
+``prefix_caching=True``), which reuses the prefix's state: records with
 ``prefix_caching`` true carry ``prefix_hit_rate``, ``vs_no_prefix_cache`` (tokens/s) and
 ``ttft_speedup_vs_no_prefix_cache`` (mean time to first token without / with).
 
@@ -20,7 +21,20 @@ continuous run's pool for its strategy (:func:`specdec.batching.bytes_per_sequen
 more rows than snapshot in one budget); the record's ``batch`` is the rows it chose, and the same
 drafter and strategy's fixed batches take that many requests.
 
-Every request arrives at the start of a run (an offline batch). Per target, in this order:
+Arrivals: with ``request_rate: null`` every request arrives at the start of a run (an offline
+batch: time to first token is mostly the wait behind a full pool). With ``request_rate`` (requests
+per second) request i arrives at ``Workload.arrivals[i]`` seconds after the run's start, a Poisson
+process seeded with ``seed`` (:func:`poisson_arrivals`: exponential gaps of mean ``1 / rate``, the
+first at 0; the same arrivals in every run), as vLLM's ``benchmark_serving --request-rate`` and
+SGLang's ``bench_serving`` send them: each continuous run is then served by
+``sd.init_continuous_batching`` (one manager per pass, its own prefix cache with
+``prefix_caching``), a client adding each request at its arrival with ``streaming=True`` and timing
+it from there (:func:`_serve_arrivals`: time to first token = the receipt of its first streamed
+token - its arrival; its finish = the receipt of its final result); throughput is generated tokens
+/ (last finish - first arrival). Fixed batches wait too: a batch starts once its last request has
+arrived and the previous batch has ended. Records carry ``request_rate``.
+
+Per target, in this order:
 
 1. continuous plain decoding: ``generate_batch(..., max_batch_size=B)`` with
    ``num_speculative_tokens=0``: the baseline, and each request's greedy output, the reference
@@ -32,8 +46,10 @@ Every request arrives at the start of a run (an offline batch). Per target, in t
    each row ending at its request's budget (``max_new_tokens`` per row: as the request would end
    at EOS; its row then idles) and each batch running until its last row ends.
 
-Timing (:class:`specdec.batching.RequestTiming`): continuous runs read each request's times
-from ``sd.last_request_timings``; in fixed batches a request is admitted when its batch's
+Timing (:class:`specdec.batching.RequestTiming`): offline continuous runs read each request's times
+from ``sd.last_request_timings`` (with ``request_rate``: the client's, above; the loop's idle waits
+for arrivals count in its ``Stats.prefill_s``, the ``prefill s`` column); in fixed batches a request
+is queued at its arrival and admitted when its batch's
 ``generate()`` starts, its first token exists after the call's prefill (start +
 ``Stats.calibration_s + Stats.prefill_s``) and it finishes when the call returns (the caller
 gets its tokens then). Per run: throughput (generated tokens / wall, the median of ``repeats``
@@ -54,20 +70,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from ..batching import DEFAULT_MAX_BATCH_TOKENS, Request, RequestPool, RequestTiming, admission_rows, left_pad
+from ..batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, RequestTiming,
+                        admission_rows, left_pad)
 from ..prefix_cache import PrefixCache
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
 from .report import SERVE_PERCENTILES, write_report
 
-__all__ = ["Workload", "build_workload", "load_requests", "run", "SERVE_DRAFTERS"]
+__all__ = ["Workload", "build_workload", "load_requests", "poisson_arrivals", "run", "SERVE_DRAFTERS"]
 
 #: drafters the serving comparison runs (continuous batching needs Drafter.admit or a stateless drafter;
 #: one that lacks it is refused by generate_batch, and the refusal is recorded)
@@ -87,18 +104,47 @@ class Workload:
     budgets: list[int]
     source: str
     shared_prefix_tokens: int = 0
+    #: requests per second of the arrivals (None: every request at the start)
+    request_rate: float | None = None
+    #: request i's arrival, seconds after the run's start (non-decreasing, the first 0), or None
+    arrivals: tuple[float, ...] | None = None
+
+    def arriving(self, request_rate: float | None, seed: int) -> Workload:
+        """This workload with the requests arriving at ``request_rate`` per second
+        (:func:`poisson_arrivals` seeded with ``seed``); None: every request at the start."""
+        arrivals = None if request_rate is None else poisson_arrivals(len(self.prompts), request_rate, seed)
+        return replace(self, request_rate=request_rate, arrivals=arrivals)
+
+    def requests(self) -> list[Request]:
+        """The requests as the engine's pool holds them (``req_i`` is request i)."""
+        return [Request(i, tuple(p), b) for i, (p, b) in enumerate(zip(self.prompts, self.budgets))]
 
     def shortest(self, n: int) -> list[int]:
         """The indices of the ``n`` shortest prompts (a warm-up's requests: a full pool, little prefill)."""
         return sorted(range(len(self.prompts)), key=lambda i: len(self.prompts[i]))[:n]
 
     def fields(self) -> dict:
-        """The workload's record fields: its source, size and length statistics."""
+        """The workload's record fields: its source, size, arrival rate and length statistics."""
         lens = [len(p) for p in self.prompts]
-        return {"requests": len(self.prompts), "prompt_source": self.source,
+        return {"requests": len(self.prompts), "prompt_source": self.source, "request_rate": self.request_rate,
                 "shared_prefix_tokens": self.shared_prefix_tokens,
                 "prompt_tokens_mean": sum(lens) / len(lens), "prompt_tokens_max": max(lens),
                 "max_new_tokens_mean": sum(self.budgets) / len(self.budgets), "max_new_tokens": max(self.budgets)}
+
+
+def poisson_arrivals(n: int, request_rate: float, seed: int) -> tuple[float, ...]:
+    """The arrival times (seconds from the start) of ``n`` requests of a Poisson process of
+    ``request_rate`` requests per second, the first at 0: the gaps between arrivals are drawn
+    exponential with mean ``1 / request_rate`` from a ``torch.Generator`` seeded with ``seed``
+    (as vLLM's ``benchmark_serving --request-rate`` and SGLang's ``bench_serving`` send requests).
+
+    Raises: ValueError for ``n < 1`` or a rate that is not a finite number > 0."""
+    if n < 1 or not 0 < request_rate < math.inf:
+        raise ValueError(f"poisson_arrivals needs n >= 1 and 0 < request_rate < inf, got n={n}, "
+                         f"request_rate={request_rate}")
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n - 1, dtype=torch.float64).exponential_(request_rate, generator=g)
+    return (0.0, *torch.cumsum(gaps, 0).tolist())
 
 
 def _log_uniform(n: int, bounds, g: torch.Generator) -> list[int]:
@@ -203,23 +249,27 @@ class RunResult:
     error: str | None = None
 
 
-def _timed(calls, repeats: int, device) -> RunResult:
+def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
     """Run ``calls()`` (returns ``(tokens, samples, stats)`` of one pass over the workload)
     ``repeats`` times through :func:`.timing.time_runs`; a ValueError (a setting the engine
-    refuses, checked before any work) becomes the result's ``error``."""
+    refuses, checked before any work) becomes the result's ``error``. A pass's wall is the
+    call's; with ``arrivals`` (requests arriving over the pass) from the first request's arrival
+    to the last one's finish (the client's view: no setup or shutdown around them)."""
     from .timing import time_runs
 
     res = RunResult()
+    spans = []
 
     def once():
         res.tokens, samples, res.stats = calls()
         res.samples += samples
+        spans.append(max(t.finished for t, _ in samples) - min(t.queued for t, _ in samples))
 
     try:
         wall, _ = time_runs(once, repeats, device)
     except ValueError as err:
         return RunResult(error=str(err))
-    res.walls = list(wall.samples)
+    res.walls = spans if arrivals else list(wall.samples)
     return res
 
 
@@ -238,6 +288,8 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
     def calls():
+        if work.arrivals is not None:
+            return _serve_arrivals(sd, work, kw)
         out = sd.generate_batch(work.prompts, max_new_tokens=work.budgets, **kw)
         tokens = [out[f"req_{i}"].generated_tokens for i in range(len(work.prompts))]
         times = sd.last_request_timings
@@ -256,7 +308,61 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
                           warmed, prefix_block)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
-    return _timed(calls, repeats, device)
+    return _timed(calls, repeats, device, arrivals=work.arrivals is not None)
+
+
+def _serve_arrivals(sd, work: Workload, kw: dict):
+    """One pass over ``work`` as a client of a server: a new manager (``sd.init_continuous_batching
+    (**kw)``, ``max_length`` the longest prompt + the largest budget; so a new prefix cache) is
+    started, request i added (``add_request(..., request_id="req_i", streaming=True)``) at its
+    arrival ``work.arrivals[i]`` after the pass's start, and the results taken as they come; one
+    thread adds and takes (it waits for a result until the next arrival, or sleeps until then
+    while no request is in flight). Each request's times are the client's: ``queued`` = its
+    arrival (the scheduled time: a late add counts in its wait), ``first_token`` = the receipt
+    of its first result holding a token (partial or final), ``finished`` = the receipt of its
+    final result; ``admitted`` is the pool's (the output's ``lifespan[0]``, the same clock).
+    The manager is stopped after the last result (``last_stats`` then describes the pass).
+
+    Returns: ``(tokens, samples, [sd.last_stats])`` as the offline pass's.
+
+    Raises: RuntimeError when a request fails (its ``error``) or the loop ends before every
+    request finished."""
+    n = len(work.prompts)
+    manager = sd.init_continuous_batching(max_length=RequestPool.span_of(work.requests()), **kw)
+    final: dict[int, GenerationOutput] = {}
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    manager.start()
+    try:
+        start = time.perf_counter()
+        due = [start + a for a in work.arrivals]
+        sent = 0
+        while len(final) < n:
+            now = time.perf_counter()
+            while sent < n and due[sent] <= now:
+                manager.add_request(work.prompts[sent], request_id=f"req_{sent}", max_new_tokens=work.budgets[sent],
+                                    streaming=True)
+                sent += 1
+            out = manager.get_result(timeout=None if sent == n else due[sent] - now)
+            received = time.perf_counter()
+            if out is None:
+                if sent == n:
+                    raise RuntimeError(f"the continuous batching loop ended with {n - len(final)} requests unfinished")
+                time.sleep(max(0.0, due[sent] - received))  # (nothing in flight: get_result did not wait)
+                continue
+            i = int(out.request_id.removeprefix("req_"))
+            if out.status == RequestStatus.FAILED:
+                raise RuntimeError(f"{out.request_id} failed: {out.error}")
+            if out.generated_tokens:
+                first.setdefault(i, received)
+            if out.status == RequestStatus.FINISHED:
+                final[i], done[i] = out, received
+    finally:
+        manager.stop(hard_stop=len(final) < n)
+    tokens = [final[i].generated_tokens for i in range(n)]
+    samples = [(RequestTiming(start + work.arrivals[i], final[i].lifespan[0], first[i], done[i]), len(tokens[i]))
+               for i in range(n)]
+    return tokens, samples, [sd.last_stats]
 
 
 def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set,
@@ -314,7 +420,7 @@ def _admission_sizes(sd, work: Workload, B, max_batch_tokens: int, memory_budget
     placeholders), :meth:`RequestPool.take` of its first requests (up to its rows, within
     ``max_batch_tokens``: predicted with the pool's own selection), then 1 .. ``admission_rows``.
     ``B``: ``max_batch_size`` (``"auto"`` with ``memory_budget``: planned as the call plans it)."""
-    requests = [Request(i, tuple(p), b) for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    requests = work.requests()
     rows = sd._plan_pool(B, memory_budget, RequestPool.span_of(requests), len(requests)).rows
     pool = RequestPool(requests, rows, max_batch_tokens=max_batch_tokens)
     first = len(pool.take(range(rows), at_most=rows))
@@ -361,10 +467,13 @@ def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats:
         budgets = [budget or work.budgets[i] for i in idx]  # each row ends at its own budget, as at EOS
         return ids.shape[1], sd.generate(ids, attention_mask=mask, max_new_tokens=budgets, pad_token_id=pad)
 
+    arrivals = work.arrivals if work.arrivals is not None else (0.0,) * N
+
     def calls():
-        queued = time.perf_counter()
+        begin = time.perf_counter()
         tokens, samples, stats = [], [], []
-        for idx in batches:
+        for idx in batches:  # (a batch starts once its last request arrived and the previous one ended)
+            time.sleep(max(0.0, begin + arrivals[idx[-1]] - time.perf_counter()))
             start = time.perf_counter()
             width, out = one(idx)
             end = time.perf_counter()  # (generate() returned its Stats: the device is done)
@@ -372,7 +481,7 @@ def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats:
             first = start + st.calibration_s + st.prefill_s
             for i, new in zip(idx, out[:, width:].tolist()):
                 tokens.append(_own_tokens(new, work.budgets[i], eos))
-                samples.append((RequestTiming(queued, start, first, end), len(tokens[-1])))
+                samples.append((RequestTiming(begin + arrivals[i], start, first, end), len(tokens[-1])))
             stats.append(st)
         return tokens, samples, stats
 
@@ -380,7 +489,7 @@ def _fixed(sd, work: Workload, B: int, pad: int, eos: set[int], device, repeats:
         one(work.shortest(B), WARMUP_TOKENS)
         if warmed is not None:
             _warm_prefill(sd, work, _fixed_groups(work, B, max_batch_tokens), max_batch_tokens, warmed)
-    return _timed(calls, repeats, device)
+    return _timed(calls, repeats, device, arrivals=work.arrivals is not None)
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -500,6 +609,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
         work = build_workload(exp, tok, model.config.vocab_size, seed,
                               getattr(model.config, "max_position_embeddings", None))
+        work = work.arriving(None if exp.request_rate is None else float(exp.request_rate), seed)
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         eos = _eos_ids(model)
         base = {**common_fields(cfg, "serve", spec, device, dtype), **work.fields(), "prompt_set": work.source,
@@ -586,8 +696,10 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         del model
         release(device)
     log.close()
-    title = (f"Serving: {', '.join(t.name for t in cfg.model.targets)}, max_batch_size={B}, K={K}, {device}, "
-             f"{str(dtype).replace('torch.', '')}, {repeats} repeat{'s' if repeats > 1 else ''}")
+    arriving = ("every request at the start" if exp.request_rate is None else
+                f"Poisson arrivals at {float(exp.request_rate):g} requests/s")
+    title = (f"Serving: {', '.join(t.name for t in cfg.model.targets)}, max_batch_size={B}, K={K}, {arriving}, "
+             f"{device}, {str(dtype).replace('torch.', '')}, {repeats} repeat{'s' if repeats > 1 else ''}")
     write_report(log.records, log.out_dir, title)
     return log.records
 
