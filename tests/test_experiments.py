@@ -331,8 +331,8 @@ def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
     records = run_experiment(_cfg(base), tmp_path / "full")
     records += run_experiment(_cfg(base + ["drafter.mtp_draft_vocab=512"]), tmp_path / "reduced")
     assert "qwen35-tiny-shape has no MTP weights: drafter=mtp runs MTPDrafter.random layers" in capsys.readouterr().out
-    assert [(r["drafter"], r["mtp_layers"], r["mtp_draft_vocab"]) for r in records] == [
-        ("mtp", "random", None), ("mtp-vocab:512", "random", 512)]
+    assert [(r["drafter"], r["mtp_layers"], r["mtp_draft_vocab"], r["mtp_compile"]) for r in records] == [
+        ("mtp", "random", None, False), ("mtp-vocab:512", "random", 512, False)]
     assert all(r["exact"] and r["diverged_rows"] == 0 for r in records)
     # the proposal's bytes: the layers' weights once, K reads of the head rows drafted over (fp32 here);
     # no floor in ms without a measured copy bandwidth (CPU)
@@ -340,9 +340,9 @@ def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
     assert records[0]["draft_bytes"] - records[1]["draft_bytes"] == K * (V - 512) * D * 4
     assert records[1]["draft_bytes"] > K * 512 * D * 4
     assert all(r["draft_floor_ms"] is None and "draft_vs_floor" not in r for r in records)
-    with pytest.raises(ValueError, match="needs drafter=mtp"):
-        run_experiment(_cfg(["experiment=bench", "drafter=ngram", "drafter.mtp_draft_vocab=8"] + TINY_SHAPE + CPU),
-                       tmp_path / "bad")
+    for bad in ("drafter.mtp_draft_vocab=8", "drafter.mtp_compile=true"):
+        with pytest.raises(ValueError, match="needs drafter=mtp"):
+            run_experiment(_cfg(["experiment=bench", "drafter=ngram", bad] + TINY_SHAPE + CPU), tmp_path / "bad")
 
 
 def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):

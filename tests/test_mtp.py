@@ -254,30 +254,32 @@ def test_tree_nodes_are_top_k_of_each_step(saved):
 @needs_cuda
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_cuda_graph_proposals_exact(saved, family):
-    """On CUDA (fp32): the MTP proposal captured as a CUDA graph (chain and tree) keeps the output
-    equal to plain greedy decoding; from the second proposal on it replays the graph."""
+    """On CUDA (fp32): the MTP proposal captured as a CUDA graph (chain and tree; Qwen3.5's chain also
+    compiled whole, ``compile_proposal=True``) keeps the output equal to plain greedy decoding;
+    from the second proposal on it replays the graph."""
     folder = saved[family][0]
     model = load(family, folder).cuda()
     ids, mask = (t.cuda() for t in ragged_prompts())
     L = ids.shape[1]
     eos = int(hf_greedy(model, ids, mask)[1, L + 3])
     ref = hf_greedy(model, ids, mask, eos=eos)
-    for tree in (None, "default"):
-        drafter = MTPDrafter.from_pretrained(folder, target=model, tree=tree)
+    # compiled whole (about a minute per shape): the chain of one family
+    for tree, compiled in ((None, False), ("default", False), (None, family == "qwen3_5")):
+        drafter = MTPDrafter.from_pretrained(folder, target=model, tree=tree, compile_proposal=compiled)
         sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path="cuda_graph")
         for _ in range(2):
             out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
-            assert torch.equal(out, ref), (family, tree)
+            assert torch.equal(out, ref), (family, tree, compiled)
         assert drafter.last_path == "cuda_graph", drafter.capture_error
-        assert drafter.compile_error is None, drafter.compile_error  # captured as one compiled graph
+        assert drafter.compile_error is None, drafter.compile_error  # (compiled: captured as one compiled graph)
         assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
 
 
 @pytest.mark.parametrize("draft_vocab", [None, [3, 5, 7, 11, 40]], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_static_proposal_traces_as_one_graph(saved, family, draft_vocab):
-    """The captured proposal is compiled whole with ``fullgraph=True`` (CapturedProgram's
-    ``compile_whole``): dynamo must trace it (catch-up, K - 1 steps, the LM head, argmax, the
+    """With ``compile_proposal=True`` the captured proposal is compiled whole with ``fullgraph=True``
+    (CapturedProgram's ``compile_whole``): dynamo must trace it (catch-up, K - 1 steps, the LM head, argmax, the
     cache's bookkeeping) without a graph break, and the traced program must propose what the
     eager one does and leave the MTP cache as it does. Checked here with the ``aot_eager``
     backend (dynamo and functionalisation, no Inductor): on CPU the program is never captured."""
@@ -534,6 +536,8 @@ def test_what_the_drafter_needs_is_checked():
     layers = mtp_layers_for(model)
     with pytest.raises(RuntimeError, match="before observe_prompt"):
         MTPDrafter(model, layers).propose(torch.ones(1, 4, dtype=torch.long), torch.tensor([4]), 2)
+    with pytest.raises(TypeError, match="compile_proposal must be a bool, got int"):
+        MTPDrafter(model, layers, compile_proposal=1)
 
 
 # ------------------------------------------------------------------------ the zoo

@@ -45,11 +45,13 @@ sampling) or a draft tree in Medusa's path format (``tree=``): the chain of top-
 and node ``p`` holds the rank ``p[-1]`` token of step ``len(p)``'s distribution, as Medusa heads
 fill a tree. On the engine's static / CUDA-graph decode path each proposal after the first is one
 fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
-graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`. Before its capture the
-program is compiled whole with ``torch.compile`` (:class:`specdec.graphs.CapturedProgram`'s
+graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`, its norms and MLPs
+fused as the target's are. With ``compile_proposal=True`` the program is compiled whole with
+``torch.compile`` before its capture (:class:`specdec.graphs.CapturedProgram`'s
 ``compile_whole``): a proposal is K passes of a decoder layer at one to K + 1 tokens a row,
-hundreds of small kernels (norms, rotary, masks, the KV write, casts) around a few GEMMs, and
-the kernels, not its weight bytes, bound it.
+hundreds of small kernels (norms, rotary, masks, the KV write, casts) around a few GEMMs, so
+the kernels, not its weight bytes, bound it. Compiling takes about a minute per shape (batch,
+K, KV bucket) on the first call, which is why it is not the default (BENCH.md has both).
 
 Reduced draft vocabulary (``draft_vocab=``; FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating
 Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"; EAGLE-3's draft
@@ -462,15 +464,22 @@ class MTPDrafter(Drafter):
             :func:`frequent_token_ids`): the LM head's N rows are copied into an ``[N, D]``
             buffer now, each step scores only them (see the module docstring). A tree's ranks
             must be < N.
+        compile_proposal: on the CUDA-graph path, compile each proposal program whole with
+            ``torch.compile`` before capturing it (see the module docstring): a faster proposal
+            after about a minute of compiling per shape; a failed compile is reported in
+            ``compile_error`` and the proposal is captured uncompiled.
 
-    Raises: TypeError for layers of another type or non-integer ``draft_vocab``; ValueError for
+    Raises: TypeError for layers of another type, non-integer ``draft_vocab`` or a non-bool
+        ``compile_proposal``; ValueError for
         layers on another device or of another hidden size than the target's, a bad tree, or a
         ``draft_vocab`` that is empty, not 1-D, out of range or repeats ids.
     """
 
     wants_all_hidden_states = True
 
-    def __init__(self, target, layers: MTPLayers, tree=None, draft_vocab=None):
+    def __init__(self, target, layers: MTPLayers, tree=None, draft_vocab=None, compile_proposal: bool = False):
+        if not isinstance(compile_proposal, bool):
+            raise TypeError(f"compile_proposal must be a bool, got {type(compile_proposal).__name__}")
         if not isinstance(layers, MTPLayers):
             raise TypeError(f"MTPDrafter needs specdec.drafters.mtp.MTPLayers, got {type(layers).__name__}; load "
                             "them with MTPDrafter.from_pretrained(path, target=model)")
@@ -500,22 +509,24 @@ class MTPDrafter(Drafter):
                 self._head_bias = head.bias.detach().index_select(0, ids)
         drafted = self.adapter.vocab_size if self.draft_vocab is None else self.draft_vocab.numel()
         self.tree = make_tree(tree, MAX_TREE_DEPTH, drafted) if tree is not None else None
+        #: compile each captured proposal whole before capturing it (see the class)
+        self.compile_proposal = compile_proposal
         self._path = "eager"
         self._static = None  # _StaticMTP of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
         #: why the proposal's CUDA-graph capture failed (its error), or None
         self.capture_error: str | None = None
-        #: why compiling the captured proposal as one ``torch.compile`` graph failed (it then runs
-        #: with fused norms / MLPs only), or None
+        #: with ``compile_proposal``: why compiling the captured proposal as one ``torch.compile``
+        #: graph failed (it then runs with fused norms / MLPs only), or None
         self.compile_error: str | None = None
         self._reset()
 
     @classmethod
-    def from_pretrained(cls, path, *, target, tree=None, draft_vocab=None) -> "MTPDrafter":
+    def from_pretrained(cls, path, *, target, tree=None, draft_vocab=None, compile_proposal=False) -> "MTPDrafter":
         """The MTP layers of the checkpoint folder ``path`` (one ``model.safetensors`` or shards with
         ``model.safetensors.index.json``), built from ``target``'s config with its family's layer
-        classes, in its dtype on its device; ``tree`` and ``draft_vocab`` as in the class.
+        classes, in its dtype on its device; ``tree``, ``draft_vocab``, ``compile_proposal`` as in the class.
 
         Raises:
             FileNotFoundError: ``path`` is not a folder with a safetensors checkpoint.
@@ -534,17 +545,19 @@ class MTPDrafter(Drafter):
             raise ValueError(f"no MTP tensors (names starting with {' or '.join(_PREFIXES)}) in {files}; "
                              f"the config declares {layers.count_field}={layers.num_steps}")
         layers.load_checkpoint_tensors(tensors, files)
-        return cls(target, layers, tree=tree, draft_vocab=draft_vocab)
+        return cls(target, layers, tree=tree, draft_vocab=draft_vocab, compile_proposal=compile_proposal)
 
     @classmethod
-    def random(cls, target, num_layers: int = 1, seed: int = 0, *, tree=None, draft_vocab=None) -> "MTPDrafter":
+    def random(cls, target, num_layers: int = 1, seed: int = 0, *, tree=None, draft_vocab=None,
+               compile_proposal=False) -> "MTPDrafter":
         """MTP layers with random weights, for timing a checkpoint shape that ships none: built
         from ``target``'s config as :func:`mtp_layers_for` builds them (``num_layers`` layers /
         steps; Nemotron-H: the blocks of ``config.mtp_layers_block_type``, transformers' default
         attention then MoE with the config's MoE sizes), initialised as transformers initialises
         the family (:meth:`MTPLayers.init_weights`) from ``torch.manual_seed(seed)`` without
         changing the caller's random state. Its drafts are accepted about as often as random
-        tokens: use it for speed, not acceptance. ``tree`` and ``draft_vocab`` as in the class.
+        tokens: use it for speed, not acceptance. ``tree``, ``draft_vocab``, ``compile_proposal`` as in
+        the class.
 
         Raises: ValueError as :func:`mtp_layers_for` (a family without an MTP layout,
             ``num_layers < 1``) and as the class."""
@@ -553,10 +566,10 @@ class MTPDrafter(Drafter):
             torch.manual_seed(int(seed))
             layers = mtp_layers_for(target, num_steps=int(num_layers))
             layers.init_weights(target)
-        return cls(target, layers, tree=tree, draft_vocab=draft_vocab)
+        return cls(target, layers, tree=tree, draft_vocab=draft_vocab, compile_proposal=compile_proposal)
 
     @classmethod
-    def for_model(cls, target, tree=None, draft_vocab=None) -> "MTPDrafter":
+    def for_model(cls, target, tree=None, draft_vocab=None, compile_proposal=False) -> "MTPDrafter":
         """:meth:`from_pretrained` on the folder the target was loaded from
         (``target.config._name_or_path``: a local folder, or a hub id whose files are fetched
         through ``huggingface_hub``: only the index and the shards holding ``mtp.*``).
@@ -570,7 +583,8 @@ class MTPDrafter(Drafter):
                              "MTPDrafter.from_pretrained(path, target=model)")
         if not Path(name).is_dir():
             name = _fetch_hub_mtp_files(name)
-        return cls.from_pretrained(name, target=target, tree=tree, draft_vocab=draft_vocab)
+        return cls.from_pretrained(name, target=target, tree=tree, draft_vocab=draft_vocab,
+                                   compile_proposal=compile_proposal)
 
     def proposal_bytes(self, num_speculative_tokens: int) -> int:
         """The bytes a chain proposal of ``num_speculative_tokens`` (K) drafts must read at least: the
@@ -840,7 +854,8 @@ class MTPDrafter(Drafter):
                 st.program = CapturedProgram(
                     lambda: st.out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K,
                                                      self._argmax, tree)),
-                    model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph", compile_whole=True)
+                    model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph",
+                    compile_whole=self.compile_proposal)
             fresh = self._new_cache(B, width, K + 1, static=True)
             self._prefill(fresh, text, lengths)
             if st.cache is None:

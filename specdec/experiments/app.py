@@ -123,6 +123,9 @@ def validate(cfg: DictConfig) -> None:
                              "drafter.names with mtp)")
         if int(vocab) < 1:
             raise ValueError(f"drafter.mtp_draft_vocab must be >= 1 (tokens drafted over) or null (all), got {vocab}")
+    if cfg.drafter.get("mtp_compile") and "mtp" not in [str(d) for d in cfg.drafter.names]:
+        raise ValueError("drafter.mtp_compile compiles the MTP drafter's proposals; it needs drafter=mtp (or "
+                         "drafter.names with mtp)")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     drafters = [str(d) for d in cfg.drafter.names]

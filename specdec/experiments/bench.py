@@ -151,7 +151,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 mtp_fields, shown = {}, drafter_name
                 if drafter_name == "mtp":
                     vocab = cfg.drafter.get("mtp_draft_vocab")
-                    mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab}
+                    mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab,
+                                  "mtp_compile": bool(cfg.drafter.get("mtp_compile", False))}
                     shown = "mtp" if vocab is None else f"mtp-vocab:{vocab}"  # as experiment=acceptance names it
                 for strategy in strategies:
                     drafter = make_drafter(cfg, drafter_name, draft, **drafter_args)

@@ -65,7 +65,8 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
     layers of ``target``'s checkpoint, :meth:`~specdec.drafters.MTPDrafter.for_model`, or with
     ``random_mtp`` random ones, :meth:`~specdec.drafters.MTPDrafter.random` seeded with
     ``cfg.seed``; with ``drafter.mtp_draft_vocab=N`` over the N most frequent ids of the zoo's
-    training corpus as ``tokenizer`` encodes it, :func:`mtp_draft_vocab`).
+    training corpus as ``tokenizer`` encodes it, :func:`mtp_draft_vocab`; with
+    ``drafter.mtp_compile=true`` its captured proposals compiled whole, ``compile_proposal``).
 
     Raises: ValueError for an unknown name or a missing draft model / reference / target."""
     from specdec.drafters import DraftModelDrafter, MTPDrafter, NGramDrafter, OracleDrafter
@@ -86,9 +87,10 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
         if target is None:
             raise ValueError("drafter mtp runs the target's own MTP layers: it needs the target model")
         vocab = mtp_draft_vocab(cfg, tokenizer, target.config.get_text_config().vocab_size)
+        compiled = bool(cfg.drafter.get("mtp_compile", False))
         if random_mtp:
-            return MTPDrafter.random(target, seed=int(cfg.seed), draft_vocab=vocab)
-        return MTPDrafter.for_model(target, draft_vocab=vocab)
+            return MTPDrafter.random(target, seed=int(cfg.seed), draft_vocab=vocab, compile_proposal=compiled)
+        return MTPDrafter.for_model(target, draft_vocab=vocab, compile_proposal=compiled)
     raise ValueError(f"unknown drafter {name!r}; available: ngram, draft_model, oracle, mtp")
 
 

@@ -132,6 +132,8 @@ class DrafterConfig:
                                           factory=lambda: [0.8])
     mtp_draft_vocab: Optional[int] = _doc(None, "drafter mtp: draft over the N most frequent tokens of the zoo's "
                                                 "training corpus (null: the whole vocabulary)")
+    mtp_compile: bool = _doc(False, "drafter mtp: torch.compile each captured proposal whole (CUDA-graph path; "
+                                    "about a minute of compiling per shape)")
 
 
 @dataclass
