@@ -196,13 +196,25 @@ def test_serve_tiny_run(tmp_path: Path):
         "TPOT p99 ms": ("tpot_p99_ms", "{:.2f}"), "exact": ("exact", None)}, ["model", "run", "drafter"])
 
 
-def test_serve_prefix_caching_side_by_side(tmp_path: Path):
+def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):
     """A shared prefix on every prompt and prefix_caching=true: every continuous run runs again
     with the prefix cache; outputs equal plain's, the hit rate is what the prefix and the block
-    size give, and the ratios are taken against the same run without caching."""
+    size give, and the ratios are taken against the same run without caching. The warm-up also
+    warms the prefix cache's forwards, of the run's block size."""
+    from specdec.experiments import serve
+
+    warm_blocks = []
+    real_warm = serve._warm_prefill
+
+    def recording_warm(sd, work, sizes, max_batch_tokens, warmed, prefix_block=None):
+        warm_blocks.append(prefix_block)
+        return real_warm(sd, work, sizes, max_batch_tokens, warmed, prefix_block)
+
+    monkeypatch.setattr(serve, "_warm_prefill", recording_warm)
     cfg = _cfg(SERVE + ["experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
                        "experiment.prefix_block_size=8"])
     records = run_experiment(cfg, tmp_path)
+    assert None in warm_blocks and 8 in warm_blocks, warm_blocks
     cont = [r for r in records if r["run"] == "continuous"]
     assert all(r["error"] is None and r["exact"] is not False for r in records)
     for drafter in {r["drafter"] for r in cont}:

@@ -645,7 +645,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
             add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens), "continuous", "plain",
+                            max_batch_tokens=batch_tokens, warmed=warmed), "continuous", "plain",
                 None, "none", 0,
                 reference, caching=True, uncached=plain)
         sd.release()
@@ -673,8 +673,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                   decode_path=path)
                 cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens,
                                        warmed)
-                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens)
-                              if prefix_caching else None)
+                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens,
+                                          warmed) if prefix_caching else None)
                 sd.release()
                 fixed = None
                 if exp.fixed_batches:
