@@ -382,6 +382,31 @@ def test_serve_auto_pool_size(tmp_path: Path):
     assert cont["replay"]["batch"] > cont["snapshot"]["batch"]
 
 
+def test_serve_auto_pool_size_with_arrivals(tmp_path: Path):
+    """max_batch_size=auto with request_rate: each manager's pool is planned as generate_batch
+    plans it, at most one row per request (a budget that fits more rows than there are requests),
+    the reason says so; fixed batches take that many; outputs equal plain's."""
+    from specdec.experiments.serve import build_workload
+
+    budget, n = "10MiB", 4
+    cfg = _cfg(["experiment=serve", "model=gdn-target", f"experiment.requests={n}", "experiment.max_batch_size=auto",
+                f"experiment.memory_budget={budget}", "experiment.prompt_tokens=[16,64]",
+                "experiment.output_tokens=[4,16]", "drafter.names=[ngram]", "rollback.strategies=[replay]",
+                "experiment.request_rate=50", "experiment.warmup=false"] + CPU)
+    model, tok = zoo.load("gdn-target")
+    work = build_workload(cfg.experiment, tok, model.config.vocab_size, int(cfg.seed),
+                          model.config.max_position_embeddings)
+    span = RequestPool.span_of(work.requests())
+    assert plan_rows("auto", None, lambda: bytes_per_sequence(model, "replay", span, 4), budget).rows > n
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["run"], r["drafter"]) for r in records] == [
+        ("continuous", "plain"), ("fixed_batches", "ngram"), ("continuous", "ngram")]
+    for r in records:
+        assert r["error"] is None and r["exact"] is not False and r["batch"] == n, r
+    for r in (records[0], records[2]):
+        assert f"capped at {n} (requests)" in r["batch_size_reason"], r["batch_size_reason"]
+
+
 def test_serve_defaults_are_the_library_defaults():
     """The serve experiment's generate_batch settings default to the library's own constants (the
     config module stays import-light, so it repeats them: this keeps them one value)."""
