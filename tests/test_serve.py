@@ -196,13 +196,25 @@ def test_serve_tiny_run(tmp_path: Path):
         "TPOT p99 ms": ("tpot_p99_ms", "{:.2f}"), "exact": ("exact", None)}, ["model", "run", "drafter"])
 
 
-def test_serve_prefix_caching_side_by_side(tmp_path: Path):
+def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):
     """A shared prefix on every prompt and prefix_caching=true: every continuous run runs again
     with the prefix cache; outputs equal plain's, the hit rate is what the prefix and the block
-    size give, and the ratios are taken against the same run without caching."""
+    size give, and the ratios are taken against the same run without caching. The warm-up also
+    warms the prefix cache's forwards, of the run's block size."""
+    from specdec.experiments import serve
+
+    warm_blocks = []
+    real_warm = serve._warm_prefill
+
+    def recording_warm(sd, work, sizes, max_batch_tokens, warmed, prefix_block=None):
+        warm_blocks.append(prefix_block)
+        return real_warm(sd, work, sizes, max_batch_tokens, warmed, prefix_block)
+
+    monkeypatch.setattr(serve, "_warm_prefill", recording_warm)
     cfg = _cfg(SERVE + ["experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
                        "experiment.prefix_block_size=8"])
     records = run_experiment(cfg, tmp_path)
+    assert None in warm_blocks and 8 in warm_blocks, warm_blocks
     cont = [r for r in records if r["run"] == "continuous"]
     assert all(r["error"] is None and r["exact"] is not False for r in records)
     for drafter in {r["drafter"] for r in cont}:
@@ -368,6 +380,31 @@ def test_serve_auto_pool_size(tmp_path: Path):
         assert cont[strategy]["batch"] == fixed[strategy]["batch"] == want
         assert "MiB" in cont[strategy]["batch_size_reason"]
     assert cont["replay"]["batch"] > cont["snapshot"]["batch"]
+
+
+def test_serve_auto_pool_size_with_arrivals(tmp_path: Path):
+    """max_batch_size=auto with request_rate: each manager's pool is planned as generate_batch
+    plans it, at most one row per request (a budget that fits more rows than there are requests),
+    the reason says so; fixed batches take that many; outputs equal plain's."""
+    from specdec.experiments.serve import build_workload
+
+    budget, n = "10MiB", 4
+    cfg = _cfg(["experiment=serve", "model=gdn-target", f"experiment.requests={n}", "experiment.max_batch_size=auto",
+                f"experiment.memory_budget={budget}", "experiment.prompt_tokens=[16,64]",
+                "experiment.output_tokens=[4,16]", "drafter.names=[ngram]", "rollback.strategies=[replay]",
+                "experiment.request_rate=50", "experiment.warmup=false"] + CPU)
+    model, tok = zoo.load("gdn-target")
+    work = build_workload(cfg.experiment, tok, model.config.vocab_size, int(cfg.seed),
+                          model.config.max_position_embeddings)
+    span = RequestPool.span_of(work.requests())
+    assert plan_rows("auto", None, lambda: bytes_per_sequence(model, "replay", span, 4), budget).rows > n
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["run"], r["drafter"]) for r in records] == [
+        ("continuous", "plain"), ("fixed_batches", "ngram"), ("continuous", "ngram")]
+    for r in records:
+        assert r["error"] is None and r["exact"] is not False and r["batch"] == n, r
+    for r in (records[0], records[2]):
+        assert f"capped at {n} (requests)" in r["batch_size_reason"], r["batch_size_reason"]
 
 
 def test_serve_defaults_are_the_library_defaults():

@@ -222,7 +222,9 @@ SERVE_COLUMNS = (
     Column("mean_busy_rows", "busy rows", "{:.1f}", terminal=False,
            legend="rows holding a request (admitted, not finished), averaged over the run"),
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False, legend=COLUMNS[0].legend),
-    Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True, legend=f"the run's wall time; {_REPEATS}"),
+    Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True,
+           legend=f"the run's wall time (with experiment.request_rate: from the first arrival to the last request's "
+                  f"finish); {_REPEATS}"),
     Column("admission_s", "prefill s", "{:.2f}", terminal=False,
            legend="time in prefills (the first requests' and every admission's), summed over the run's calls "
                   "(with experiment.request_rate, continuous runs: also the loop's idle waits for arrivals)"),

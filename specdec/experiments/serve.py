@@ -321,14 +321,20 @@ def _serve_arrivals(sd, work: Workload, kw: dict):
     arrival (the scheduled time: a late add counts in its wait), ``first_token`` = the receipt
     of its first result holding a token (partial or final), ``finished`` = the receipt of its
     final result; ``admitted`` is the pool's (the output's ``lifespan[0]``, the same clock).
-    The manager is stopped after the last result (``last_stats`` then describes the pass).
+    The manager is stopped after the last result (``last_stats`` then describes the pass). With
+    ``max_batch_size="auto"`` its rows are planned as ``generate_batch`` plans them, at most one
+    per request of ``work`` (as the warm-up predicted them); a manager left to plan them alone
+    counts no requests: up to :data:`~specdec.batching.MAX_AUTO_BATCH_SIZE` rows, idle ones
+    decoded too.
 
     Returns: ``(tokens, samples, [sd.last_stats])`` as the offline pass's.
 
     Raises: RuntimeError when a request fails (its ``error``) or the loop ends before every
     request finished."""
     n = len(work.prompts)
-    manager = sd.init_continuous_batching(max_length=RequestPool.span_of(work.requests()), **kw)
+    span = RequestPool.span_of(work.requests())
+    plan = sd._plan_pool("auto", kw.get("memory_budget"), span, n) if kw["max_batch_size"] == "auto" else None
+    manager = sd.init_continuous_batching(max_length=span, **{**kw, **({"max_batch_size": plan.rows} if plan else {})})
     final: dict[int, GenerationOutput] = {}
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -362,6 +368,8 @@ def _serve_arrivals(sd, work: Workload, kw: dict):
     tokens = [final[i].generated_tokens for i in range(n)]
     samples = [(RequestTiming(start + work.arrivals[i], final[i].lifespan[0], first[i], done[i]), len(tokens[i]))
                for i in range(n)]
+    if plan is not None:  # (the manager was given the planned rows as an int)
+        sd.last_stats.batch_size_reason = plan.reason
     return tokens, samples, [sd.last_stats]
 
 
@@ -645,7 +653,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
             add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens), "continuous", "plain",
+                            max_batch_tokens=batch_tokens, warmed=warmed), "continuous", "plain",
                 None, "none", 0,
                 reference, caching=True, uncached=plain)
         sd.release()
@@ -673,8 +681,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                   decode_path=path)
                 cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens,
                                        warmed)
-                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens)
-                              if prefix_caching else None)
+                cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens,
+                                          warmed) if prefix_caching else None)
                 sd.release()
                 fixed = None
                 if exp.fixed_batches:
