@@ -162,8 +162,8 @@ class CapturedProgram:
     Inductor graph fuses everything between the GEMMs (norms, rotary, masks, the KV write,
     casts, argmax), not only the norms / MLPs, for a program of many small ops whose kernels,
     not bytes, bound it. ``fullgraph`` means the compile either traces all of it before anything
-    runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception; an error of the
-    compiled program's run is raised) is kept in ``compile_error``, warned about once, and the
+    runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception, a recompile limit
+    hit included; an error of the compiled program's run is raised) is kept in ``compile_error``, warned about once, and the
     program runs as without ``compile_whole`` (still captured).
 
     Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
@@ -218,7 +218,8 @@ class CapturedProgram:
             else:
                 try:  # fullgraph: a failed trace or compile has run nothing of the program
                     program()
-                except torch._dynamo.exc.TorchDynamoException as err:  # tracing / Inductor failed: uncompiled
+                except (torch._dynamo.exc.TorchDynamoException,  # tracing / Inductor failed: uncompiled
+                        torch._dynamo.exc.FailOnRecompileLimitHit) as err:  # (not a TorchDynamoException)
                     self.compile_error = f"{type(err).__name__}: {err}"
                     warnings.warn(f"torch.compile of {self.what} failed ({self.compile_error}); it runs uncompiled",
                                   RuntimeWarning, stacklevel=3)

@@ -20,7 +20,7 @@ import specdec
 from specdec.drafters import Drafter, OracleDrafter
 from specdec.engine import MAX_SPECULATIVE_TOKENS
 from specdec.fusion import fused
-from specdec.graphs import _host_syncing_experts, capture_blocker, graph_safe_experts
+from specdec.graphs import CapturedProgram, _host_syncing_experts, capture_blocker, graph_safe_experts
 from specdec.rollback import STRATEGIES, InPlaceUpdate
 
 
@@ -275,6 +275,31 @@ def test_fused_patches_and_restores_the_model():
         assert dynamo_config.recompile_limit >= 64
     assert not any("forward" in vars(m) for m in norms)
     assert dynamo_config.recompile_limit == before
+
+
+def test_compile_whole_falls_back_when_the_trace_fails():
+    """CapturedProgram(compile_whole=True) on a program dynamo cannot trace as one graph (a branch on
+    a tensor's value, read on the host): the warm-up call runs it uncompiled, exactly once, with the
+    reason in ``compile_error`` and a warning; later calls run it too (here uncaptured: no CUDA)."""
+    x = torch.arange(1.0, 5.0)
+    out = torch.full((4,), -1.0)  # poisoned: the program writes it
+    runs = []
+
+    def program():
+        runs.append(len(runs))
+        out.copy_(x * 2 if float(x.sum()) > 0 else x)
+
+    prog = CapturedProgram(program, model=torch.nn.Linear(2, 2), what="a test program", graphs=True,
+                           compile_whole=True)
+    with pytest.warns(RuntimeWarning, match="torch.compile of a test program failed"):
+        assert prog() == "static"
+    assert runs == [0] and torch.equal(out, x * 2)
+    # "Type: message" of dynamo's refusal (its type differs between torch versions)
+    assert prog.compile_error is not None and prog.compile_error.split(":")[0].isidentifier(), prog.compile_error
+    out.fill_(-1.0)
+    with pytest.warns(RuntimeWarning):  # the capture, refused on a CPU test run, falls back too
+        prog()
+    assert runs == [0, 1] and torch.equal(out, x * 2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

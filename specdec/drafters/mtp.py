@@ -467,7 +467,8 @@ class MTPDrafter(Drafter):
         compile_proposal: on the CUDA-graph path, compile each proposal program whole with
             ``torch.compile`` before capturing it (see the module docstring): a faster proposal
             after about a minute of compiling per shape; a failed compile is reported in
-            ``compile_error`` and the proposal is captured uncompiled.
+            ``compile_error`` and the proposal is captured uncompiled. ``SPECDEC_FUSE=0`` (no
+            fusion at all, :mod:`specdec.fusion`) turns it off too.
 
     Raises: TypeError for layers of another type, non-integer ``draft_vocab`` or a non-bool
         ``compile_proposal``; ValueError for
