@@ -578,7 +578,7 @@ class PoolPlan:
 
 
 def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], SequenceBytes],
-              memory_budget=None, available: Callable[[], int | None] | None = None) -> PoolPlan:
+              memory_budget=None, available: Callable[[], int | None] | None = None, reserved: int = 0) -> PoolPlan:
     """The rows of a decode pool.
 
     A pool of r rows needs ``(r + admission_rows(r)) x per_row().total`` bytes (its rows and one
@@ -595,6 +595,8 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
         memory_budget: bytes (an int or a :func:`parse_bytes` string), or None.
         available: gives the bytes the pool could take (free device memory and what the
             generator's kept buffers hold), or None where unknown.
+        reserved: bytes the budget must leave to something beside the pool that grows while it
+            decodes (a prefix cache's ``max_bytes``): the rows get the budget less these.
 
     Raises:
         TypeError / ValueError: a bad ``max_batch_size`` or ``memory_budget``; ``"auto"`` with no
@@ -619,6 +621,13 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
             return PoolPlan(rows)
         budget = int(free * MEMORY_FRACTION) if auto else free
         source = (f"{MEMORY_FRACTION:g} x {_size(free)} free" if auto else f"the {_size(free)} free on the device")
+    if reserved:
+        if reserved >= budget:
+            raise ValueError(f"the prefix cache may hold {_size(reserved)} (prefix_cache_bytes), as much as {source} "
+                             "or more: nothing is left for the pool's rows; lower prefix_cache_bytes or raise "
+                             "memory_budget")
+        budget -= reserved
+        source += f" less the prefix cache's {_size(reserved)}"
     row = per_row()
 
     def need(r: int) -> int:

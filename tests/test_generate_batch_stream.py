@@ -305,6 +305,20 @@ def test_oversize_int_and_budget_errors():
     assert plan.budget == int(free * MEMORY_FRACTION)
     assert (plan.rows + admission_rows(plan.rows)) * row.total <= plan.budget
     assert plan_rows(4, 100, lambda: row, None, lambda: None).rows == 4  # unknown free memory: not checked
+    # a prefix cache's byte bound comes out of the budget (it fills while the pool decodes)
+    budget = 40 * row.total
+    alone = plan_rows("auto", None, lambda: row, budget)
+    shared = plan_rows("auto", None, lambda: row, budget, reserved=20 * row.total)
+    assert shared.budget == budget - 20 * row.total and "less the prefix cache's" in shared.reason
+    assert (shared.rows + admission_rows(shared.rows)) * row.total <= shared.budget < alone.budget
+    assert shared.rows < alone.rows
+    with pytest.raises(ValueError, match="nothing is left for the pool's rows"):
+        plan_rows("auto", None, lambda: row, budget, reserved=budget)
+    nbytes = 10 * row.total  # through the engine: with prefix_caching the rows chosen leave its bound free
+    assert sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget=budget,
+                                       prefix_caching=True, prefix_cache_bytes=nbytes).max_batch_size == \
+        plan_rows("auto", None, lambda: row, budget, reserved=nbytes).rows < \
+        sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget=budget).max_batch_size
     assert parse_bytes("40GiB") == 40 << 30 and parse_bytes("1.5 kB") == 1500 and parse_bytes(7) == 7
     with pytest.raises(TypeError):
         parse_bytes(1.5)
