@@ -229,6 +229,18 @@ def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):
     assert "prefix hit rate" in (tmp_path / "summary.md").read_text()
 
 
+def test_serve_says_when_the_shared_prefix_is_shorter_than_a_block(tmp_path: Path, capsys):
+    """A shared prefix shorter than one cached block gives the cache nothing to reuse: said on the
+    console (the run goes on, every request exact)."""
+    records = run_experiment(_cfg(_serve_with("experiment.requests=2", "drafter.names=[ngram]",
+                                              "experiment.shared_prefix_tokens=4", "experiment.prefix_caching=true",
+                                              "experiment.prefix_block_size=8", "experiment.fixed_batches=false")),
+                             tmp_path)
+    assert "experiment.shared_prefix_tokens=4 is less than one cached block (experiment.prefix_block_size=8)" in \
+        capsys.readouterr().out
+    assert all(r["exact"] is not False for r in records)
+
+
 def test_poisson_arrivals():
     """Arrival times: the first at 0, non-decreasing, seeded (the same for a seed, other for
     another), exponential gaps of mean 1 / rate; bad arguments raise."""

@@ -601,6 +601,10 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     budget = None if exp.memory_budget is None else str(exp.memory_budget)
     warmup, prefix_caching = bool(exp.warmup), bool(exp.prefix_caching)
     block = int(exp.prefix_block_size)
+    if prefix_caching and int(exp.shared_prefix_tokens) < block:
+        print(f"specdec-run: experiment.shared_prefix_tokens={int(exp.shared_prefix_tokens)} is less than one cached "
+              f"block (experiment.prefix_block_size={block}): the prefix cache reuses whole blocks, so the shared "
+              "prefix alone gives it nothing to hit", flush=True)
     batch_tokens = int(exp.max_batch_tokens)
     strategies = [str(s) for s in cfg.rollback.strategies]
     log = RunRecords(out_dir)
