@@ -275,8 +275,8 @@ def test_cuda_graph_proposals_exact(saved, family):
         assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
 
 
-@pytest.mark.parametrize("draft_vocab", [None, [3, 5, 7, 11, 40]], ids=["full-vocab", "draft-vocab"])
-@pytest.mark.parametrize("family", MTP_FAMILIES)
+@pytest.mark.parametrize("family, draft_vocab", [(f, None) for f in MTP_FAMILIES] + [("qwen3_5", [3, 5, 7, 11, 40])],
+                         ids=[*MTP_FAMILIES, "qwen3_5-draft-vocab"])
 def test_static_proposal_traces_as_one_graph(saved, family, draft_vocab):
     """With ``compile_proposal=True`` the captured proposal is compiled whole with ``fullgraph=True``
     (CapturedProgram's ``compile_whole``): dynamo must trace it (catch-up, K - 1 steps, the LM head, argmax, the
