@@ -162,9 +162,10 @@ class CapturedProgram:
     Inductor graph fuses everything between the GEMMs (norms, rotary, masks, the KV write,
     casts, argmax), not only the norms / MLPs, for a program of many small ops whose kernels,
     not bytes, bound it. ``fullgraph`` means the compile either traces all of it before anything
-    runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception, a recompile limit
-    hit included; an error of the compiled program's run is raised) is kept in ``compile_error``, warned about once, and the
-    program runs as without ``compile_whole`` (still captured).
+    runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception, a recompile
+    limit hit included; an error of the compiled program's run is raised) is kept in
+    ``compile_error``, warned about once, and the program runs as without ``compile_whole``
+    (still captured).
 
     Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
         what: its name, for messages. graphs: capture at all (CUDA only). compile_whole: compile
