@@ -525,7 +525,7 @@ class SpeculativeGenerator:
         settings = self._batching_settings(generation_config, max((r.max_new_tokens for r in requests), default=0),
                                            eos_token_id, generate_kwargs)
         plan = self._plan_pool(max_batch_size, memory_budget, RequestPool.span_of(requests) if requests else 1,
-                               len(requests), cache)
+                               len(requests), cache.max_bytes if cache is not None else 0)
         self.last_request_timings = {}
         if requests:
             pool = RequestPool(requests, plan.rows, queued=queued, prefix_cache=cache,
@@ -593,7 +593,8 @@ class SpeculativeGenerator:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (the default budget of a request), got {max_new_tokens}")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs)
-        plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None, cache)
+        plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
+                               cache.max_bytes if cache is not None else 0)
         return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
                                          max_length=int(max_length), max_new_tokens=int(max_new_tokens),
                                          max_batch_tokens=max_batch_tokens, prefix_cache=cache,
@@ -632,12 +633,12 @@ class SpeculativeGenerator:
         return settings
 
     def _plan_pool(self, max_batch_size, memory_budget, span: int, num_requests: int | None,
-                   prefix_cache: PrefixCache | None = None) -> PoolPlan:
+                   reserved: int = 0) -> PoolPlan:
         """The pool's rows (:func:`specdec.batching.plan_rows`) for rows of ``span`` tokens: the bytes
         of a row under the call's strategy (``rollback="auto"``: the candidate that needs most), K
         (``"auto"``: ``max_speculative_tokens``) and decode path; the free device memory counts what
-        this generator's kept buffers hold (the call frees or reuses them); a prefix cache's byte
-        bound is left out of the budget (it fills while the pool decodes)."""
+        this generator's kept buffers hold (the call frees or reuses them); ``reserved`` bytes (a
+        prefix cache's ``max_bytes``: it fills while the pool decodes) are left out of the budget."""
         K = self._most_drafts
         if K == 0:
             strategies = [_IN_PLACE]
@@ -653,8 +654,7 @@ class SpeculativeGenerator:
             free = free_memory(self.adapter.device)
             return None if free is None else free + self._held_bytes()
 
-        return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available,
-                         reserved=prefix_cache.max_bytes if prefix_cache is not None else 0)
+        return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available, reserved)
 
     def _held_bytes(self) -> int:
         """Bytes of the caches this generator keeps from its last call (its static buckets too)."""

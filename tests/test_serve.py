@@ -478,6 +478,15 @@ def test_warm_prefill_meets_every_prefill_group_size():
         sd.generate_batch(work.prompts, max_new_tokens=work.budgets, max_batch_size=B, max_batch_tokens=bound,
                           **({"memory_budget": budget} if budget else {}))
         assert calls and {c[0] for c in calls} <= warmed, (B, bound, sorted({c[0] for c in calls}), sorted(warmed))
+    # with prefix caching an auto pool leaves the cache's default byte bound out of the budget: the
+    # prediction plans as the call does
+    from specdec.experiments.serve import _pool_plan
+
+    budget = (1 << 30) + (6 << 20)  # the default 1 GiB cache bound and 6 MiB for the pool
+    sd.generate_batch(work.prompts, max_new_tokens=work.budgets, max_batch_size="auto", memory_budget=budget,
+                      prefix_caching=True)
+    rows = _pool_plan(sd, work, "auto", budget, True).rows
+    assert rows == sd.last_stats.max_batch_size < _pool_plan(sd, work, "auto", budget, False).rows
     for B, bound in ((8, 200), (16, 400), (30, 10**6)):
         calls.clear()
         sd.max_batch_tokens = bound

@@ -78,7 +78,7 @@ from omegaconf import DictConfig
 
 from ..batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, RequestTiming,
                         admission_rows, left_pad)
-from ..prefix_cache import PrefixCache
+from ..prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -304,7 +304,8 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
         except ValueError as err:
             return RunResult(error=str(err))
         if warmed is not None:
-            _warm_prefill(sd, work, _admission_sizes(sd, work, B, max_batch_tokens, memory_budget), max_batch_tokens,
+            _warm_prefill(sd, work, _admission_sizes(sd, work, B, max_batch_tokens, memory_budget,
+                                                     prefix_block is not None), max_batch_tokens,
                           warmed, prefix_block)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
@@ -333,7 +334,8 @@ def _serve_arrivals(sd, work: Workload, kw: dict):
     request finished."""
     n = len(work.prompts)
     span = RequestPool.span_of(work.requests())
-    plan = sd._plan_pool("auto", kw.get("memory_budget"), span, n) if kw["max_batch_size"] == "auto" else None
+    plan = _pool_plan(sd, work, "auto", kw.get("memory_budget"), kw.get("prefix_caching", False)) \
+        if kw["max_batch_size"] == "auto" else None
     manager = sd.init_continuous_batching(max_length=span, **{**kw, **({"max_batch_size": plan.rows} if plan else {})})
     final: dict[int, GenerationOutput] = {}
     first: dict[int, float] = {}
@@ -423,13 +425,23 @@ def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set,
             del cache
 
 
-def _admission_sizes(sd, work: Workload, B, max_batch_tokens: int, memory_budget) -> set[int]:
+def _pool_plan(sd, work: Workload, B, memory_budget, prefix_caching: bool):
+    """The pool ``sd.generate_batch`` plans for ``work`` with ``max_batch_size=B``, ``memory_budget``
+    and ``prefix_caching`` (its cache's default byte bound set aside), as the call plans it."""
+    requests = work.requests()
+    return sd._plan_pool(B, memory_budget, RequestPool.span_of(requests), len(requests),
+                         DEFAULT_PREFIX_CACHE_BYTES if prefix_caching else 0)
+
+
+def _admission_sizes(sd, work: Workload, B, max_batch_tokens: int, memory_budget,
+                     prefix_caching: bool = False) -> set[int]:
     """The row counts of the prefill forwards of a continuous run: the pool's rows (its one-token
     placeholders), :meth:`RequestPool.take` of its first requests (up to its rows, within
     ``max_batch_tokens``: predicted with the pool's own selection), then 1 .. ``admission_rows``.
-    ``B``: ``max_batch_size`` (``"auto"`` with ``memory_budget``: planned as the call plans it)."""
+    ``B``: ``max_batch_size`` (``"auto"`` with ``memory_budget``: planned as the call plans it,
+    :func:`_pool_plan`)."""
     requests = work.requests()
-    rows = sd._plan_pool(B, memory_budget, RequestPool.span_of(requests), len(requests)).rows
+    rows = _pool_plan(sd, work, B, memory_budget, prefix_caching).rows
     pool = RequestPool(requests, rows, max_batch_tokens=max_batch_tokens)
     first = len(pool.take(range(rows), at_most=rows))
     return {rows, first, *range(1, admission_rows(rows) + 1)}
