@@ -124,3 +124,48 @@ def test_models_route_and_stay_exact(family, implementation, grouped):
         AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
     assert bool(calls) == grouped
     assert set(seen) == {implementation}  # (outside the step's own forward: switched back)
+
+
+def test_prompt_sdpa_backends_leave_out_cudnn_and_restore():
+    """On CUDA, a prompt's forward may use every SDPA backend but cuDNN's (its per-shape plans);
+    the flags come back as they were, after an error too; on a CPU nothing changes."""
+    from specdec.models.step_attention import prompt_sdpa_backends
+
+    cuda = torch.backends.cuda
+    flags = (cuda.cudnn_sdp_enabled, cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled)
+    before = [f() for f in flags]
+    with prompt_sdpa_backends("cuda"):
+        assert [f() for f in flags] == [False, True, True, True]
+    assert [f() for f in flags] == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with prompt_sdpa_backends(torch.device("cuda", 0)):
+            raise RuntimeError("inside")
+    assert [f() for f in flags] == before
+    with prompt_sdpa_backends("cpu"):
+        assert [f() for f in flags] == before
+
+
+def test_prefill_runs_under_the_prompt_backends(monkeypatch):
+    """Every prompt forward of a prefill (here: one uncached, then two through a prefix cache)
+    enters :func:`prompt_sdpa_backends` with the model's device."""
+    import contextlib
+
+    import specdec.models.base as base
+
+    entered = []
+
+    @contextlib.contextmanager
+    def spy(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(base, "prompt_sdpa_backends", spy)
+    model = get_model("qwen3_5")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, model.config.vocab_size, (8,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, model.config.vocab_size, (3,), generator=g).tolist() for _ in range(2)]
+    sd = specdec.wrap(model, num_speculative_tokens=0)
+    sd.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
+    assert entered == [torch.device("cpu")]
+    sd.generate_batch(prompts, max_new_tokens=2, prefix_caching=True, prefix_block_size=4)
+    assert len(entered) >= 3 and set(entered) == {torch.device("cpu")}

@@ -29,7 +29,7 @@ from ..kernels.mamba2.chunked import resolve_scan
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
-from .step_attention import grouped_attention_configs, grouped_step_attention_for
+from .step_attention import grouped_attention_configs, grouped_step_attention_for, prompt_sdpa_backends
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "prefill_groups", "supported_families"]
 
@@ -707,8 +707,8 @@ class HybridAdapter:
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
         layers routed as ``scan`` says); returns the final hidden states ``[B, t, D]``."""
-        # quiet: on CPU, no notes about GPU-only kernel packages
-        with quiet_transformers(self.device), self._prompt_patched(scan):
+        # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
+        with quiet_transformers(self.device), self._prompt_patched(scan), prompt_sdpa_backends(self.device):
             return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
 
     def _layer_states(self, hf_cache, keys: bool = True) -> dict[int, LayerState]:

@@ -17,6 +17,14 @@ rounding for another query count). :meth:`HybridAdapter.forward
 <specdec.models.base.HybridAdapter.forward>` routes the step's attention layers through it when
 the model runs transformers' ``sdpa`` (:func:`grouped_step_attention_for`); prefill keeps
 transformers' own path.
+
+:func:`prompt_sdpa_backends` picks the SDPA kernels of a prompt's forward: torch (2.5 and later)
+tries cuDNN's attention first on Hopper and newer GPUs when a mask is given, and cuDNN builds an
+execution plan for every new shape it meets. Prompts come in every length, so nearly every
+prefill meets a new shape: on an H200 each attention call of a prefill then spent 13-21 ms of
+host time building its plan (four attention layers: 50-80 ms a forward, whatever the prompt's
+length). Without cuDNN, torch runs FlashAttention (no mask) or its memory-efficient kernel (a
+mask), which need no plan.
 """
 
 from __future__ import annotations
@@ -25,13 +33,30 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["GROUPED_STEP_ATTENTION", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
+__all__ = ["GROUPED_STEP_ATTENTION", "PROMPT_SDPA_BACKENDS", "prompt_sdpa_backends", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
 
 #: the name :func:`grouped_step_attention` is registered under in transformers' ``AttentionInterface``
 GROUPED_STEP_ATTENTION = "specdec_grouped_sdpa"
+#: the SDPA backends a prompt's forward may use on CUDA, in torch's order of preference: all but cuDNN's
+PROMPT_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+@contextlib.contextmanager
+def prompt_sdpa_backends(device):
+    """Within the block, ``scaled_dot_product_attention`` on CUDA uses only
+    :data:`PROMPT_SDPA_BACKENDS` (see the module docstring: no per-shape cuDNN plans); on other
+    devices nothing changes. torch keeps the allowed backends in process-wide flags
+    (:func:`torch.nn.attention.sdpa_kernel`), so attention run by another thread inside the block
+    is held to them too; they are restored on exit."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    with sdpa_kernel(list(PROMPT_SDPA_BACKENDS)):
+        yield
 
 
 def grouped_step_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
