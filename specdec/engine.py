@@ -38,7 +38,7 @@ from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, Req
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
-from .drafters.base import check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
+from .drafters.base import chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
 from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
@@ -75,18 +75,22 @@ class _Rows:
     """Per-row decode state on the device: the text buffer ``[B, width]`` (each row's prompt without
     padding, then its new tokens; the last one pending), ``lengths``, new-token counts ``n_gen``,
     ``finished`` and each row's budget ``max_new`` (all ``[B]``); ``append`` adds a step's tokens,
-    cut at EOS and at the budget; ``reset`` gives rows to new prompts (continuous batching)."""
+    cut at EOS and at the budget; ``reset`` gives rows to new prompts (continuous batching).
+    ``lengths`` and ``n_gen`` are the two rows of one ``[2, B]`` buffer (a step adds to both at once)."""
 
     def __init__(self, input_ids, mask, width: int, max_new, eos: tuple[int, ...]):
         B = input_ids.shape[0]
         dev = input_ids.device
         self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
         self.prompt_len = torch.zeros(B, dtype=torch.long, device=dev)
-        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        self.n_gen = torch.zeros(B, dtype=torch.long, device=dev)
+        self._counts = torch.zeros(2, B, dtype=torch.long, device=dev)
+        self.lengths, self.n_gen = self._counts
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
         self.max_new = torch.zeros(B, dtype=torch.long, device=dev)
-        self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        # one EOS id compares as a scalar (one kernel); several as a tensor
+        self.eos = (eos[0] if len(eos) == 1 else torch.tensor(eos, dtype=torch.long, device=dev)) if eos else None
+        # column indices, sliced by append (no arange per step); the last one, width + 1, stands for "no EOS"
+        self._cols = torch.arange(width + 2, device=dev)
         self.reset(torch.arange(B, device=dev), input_ids, mask, max_new)
 
     def reset(self, rows: torch.Tensor, input_ids, mask, max_new) -> None:
@@ -108,19 +112,20 @@ class _Rows:
     def append(self, new: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
         """Append up to ``limit[b]`` of ``new [B, W]`` to each live row, cut after the first EOS and at
         the budget; returns the appended counts ``[B]`` (columns past them are scratch)."""
-        j = torch.arange(new.shape[1], device=new.device)[None, :]
+        W = new.shape[1]
         take = limit
         if self.eos is not None:
-            is_eos = (new[..., None] == self.eos).any(-1) & (j < limit[:, None])  # (isin may sync for many ids)
-            first_eos = (is_eos.long().cumsum(1) == 0).sum(1)  # index of the first EOS (W if none)
-            take = torch.minimum(take, first_eos + 1)
+            is_eos = new == self.eos if isinstance(self.eos, int) else (new[..., None] == self.eos).any(-1)
+            # 1 + the first EOS's index (> W if none); an EOS at or past limit[b] changes nothing
+            # (stop > limit >= take), so the columns past the limit need no mask
+            stop = torch.where(is_eos, self._cols[None, 1:W + 1], self._cols[-1]).amin(1)
+            take = torch.minimum(take, stop)
         take = torch.minimum(take, self.max_new - self.n_gen).masked_fill(self.finished, 0)
-        self.text.scatter_(1, self.lengths[:, None] + j, new)
-        self.lengths += take
-        self.n_gen += take
+        self.text.scatter_(1, self.lengths[:, None] + self._cols[None, :W], new)
+        self._counts += take  # lengths and n_gen
         done = self.n_gen >= self.max_new
         if self.eos is not None:
-            done |= first_eos < take
+            done |= stop <= take  # the first EOS was appended
         self.finished |= done
         return take
 
@@ -758,7 +763,9 @@ class SpeculativeGenerator:
                 drafter.observe(hidden[:, -1] if every else hidden)
         hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
-        bad = torch.zeros(2, dtype=torch.bool, device=dev)  # drafter returned bad counts / token ids
+        no_errors = torch.zeros(2, dtype=torch.bool, device=dev)  # (errors of a step without a proposal)
+        no_drafts, empty = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, 0, dtype=torch.long, device=dev)
+        ones = torch.ones(B, dtype=torch.long, device=dev)
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
         finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
@@ -774,27 +781,25 @@ class SpeculativeGenerator:
             first_mark = clock.marks
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
             bound, grown = min(rows.text.shape[1], grown), grown + W
-            active = ~rows.finished
-            budget = (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
+            active = ~rows.finished  # the rows that run this step
+            # drafts each row may use: its budget after the pending token (a live row has n_gen < max_new)
+            budget = (rows.max_new - rows.n_gen - 1).masked_fill(rows.finished, 0)
             if tree is not None:
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
-                bad |= proposal_errors(nodes, torch.ones_like(nodes, dtype=torch.bool), V)
+                errors = proposal_errors(nodes, None, V)
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts, width = nodes.clamp(0, V - 1), T
             elif proposed := drafter is not None and K_step > 0:
                 drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                 K_step), B, K_step)
-                drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
-                w = drafts.shape[1]
-                k = torch.minimum(counts.clamp(0, w), budget)
+                counts, w = counts.to(dev).long(), drafts.shape[1]
+                drafts, k, errors = chain_drafts(drafts.to(dev).long(), counts, budget, V)
                 width = dec.width(k, K_step)
-                used = torch.arange(w, device=dev)[None, :] < k[:, None]
-                bad |= proposal_errors(drafts, used, V, counts, w)
-                drafts = _to_width(torch.where(used, drafts.clamp(0, V - 1), torch.zeros_like(drafts)), width - 1)
+                drafts = _to_width(drafts, width - 1)
             else:
-                k = torch.zeros(B, dtype=torch.long, device=dev)
-                drafts, width = torch.zeros(B, 0, dtype=torch.long, device=dev), 1
+                k, errors = no_drafts, no_errors
+                drafts, width = empty, 1
             clock.lap("draft")
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)
             logits, hidden = dec.forward(tokens)
@@ -822,11 +827,10 @@ class SpeculativeGenerator:
             if every:  # the committed positions' hidden states (a tree step: its accepted path's)
                 drafter.observe_tokens(hidden if path is None else hidden[idx[:, None], path], take)
             clock.lap("rollback")
-            a = active.long()
-            hist.index_add_(0, n, a)
-            totals += torch.stack([a.sum(), (k * a).sum(), (n * a).sum()])
+            hist.index_add_(0, n, ones)  # (a finished row has k = n = 0: its steps leave bin 0 after the loop)
+            totals += torch.stack([active, k, n]).sum(1)
             steps += 1
-            flags = [rows.finished.all()[None].long(), bad.long()]
+            flags = [rows.finished.all()[None], errors]  # (cat promotes the flags to the parts' int64)
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
             streaming = pool.streaming_rows() if pool is not None else []
@@ -863,6 +867,7 @@ class SpeculativeGenerator:
             s.streamer.end()
         times = clock.totals()
         row_steps, proposed, accepted = totals.tolist()
+        hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         new_tokens = int(n_gen.sum()) if pool is None else pool.new_tokens
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))

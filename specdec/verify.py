@@ -105,9 +105,8 @@ def greedy_accept(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: 
     k = T - 1
     if k == 0:
         return torch.zeros(B, dtype=torch.long, device=logits.device), pred[:, 0]
-    j = torch.arange(k, device=logits.device)[None, :]
-    match = (draft_tokens[:, :k] == pred[:, :k]) & (j < num_drafts[:, None])
-    n = match.long().cumprod(dim=1).sum(dim=1)
+    # the leading matches, cut at k_b (the count of leading matches among the first k_b drafts)
+    n = torch.minimum((draft_tokens[:, :k] == pred[:, :k]).cumprod(dim=1).sum(dim=1), num_drafts)
     return n, pred.gather(1, n[:, None])[:, 0]
 
 
@@ -135,29 +134,25 @@ def sample_accept(
     dev = logits.device
     p = process_logits(logits, sampling)  # [B, T, V]
     k = T - 1
-    rows = torch.arange(B, device=dev)
     if k > 0:
         d = draft_tokens[:, :k]
         p_d = p[:, :k].gather(2, d[..., None])[..., 0]  # [B, k]
-        if draft_probs is None:
-            q_d = torch.ones_like(p_d)
-        else:
-            q_d = draft_probs[:, :k].float().gather(2, d[..., None])[..., 0]
         u = torch.rand(B, k, device=dev, generator=generator)
-        ok = u * q_d < p_d  # accept with probability min(1, p/q)
-        ok &= torch.arange(k, device=dev)[None, :] < num_drafts[:, None]
-        n = ok.long().cumprod(dim=1).sum(dim=1)
+        if draft_probs is None:  # q(d_j) = 1
+            ok = u < p_d
+        else:
+            ok = u * draft_probs[:, :k].float().gather(2, d[..., None])[..., 0] < p_d  # accept w.p. min(1, p/q)
+        n = torch.minimum(ok.cumprod(dim=1).sum(dim=1), num_drafts)  # leading acceptances among the k_b drafts
     else:
         n = torch.zeros(B, dtype=torch.long, device=dev)
-    target = p[rows, n]  # [B, V]
+    target = _at(p, n)  # [B, V]
     rejected = n < num_drafts
     if k > 0:  # computed for every row and selected on the device: no host sync
         d_rej = draft_tokens.gather(1, n.clamp(max=max(draft_tokens.shape[1] - 1, 0))[:, None])[:, 0]
         if draft_probs is None:
-            q = torch.zeros_like(target)
-            q[rows, d_rej] = 1.0
+            q = torch.zeros_like(target).scatter_(1, d_rej[:, None], 1.0)
         else:
-            q = draft_probs[rows, n.clamp(max=draft_probs.shape[1] - 1)].float()
+            q = _at(draft_probs, n.clamp(max=draft_probs.shape[1] - 1)).float()
         resid = (target - q).clamp(min=0)
         mass = resid.sum(-1, keepdim=True)
         # if the residual vanishes (p == q up to rounding), fall back to p: the rejection had
@@ -166,6 +161,11 @@ def sample_accept(
         target = torch.where(rejected[:, None], resid, target)
     next_token = torch.multinomial(target, 1, generator=generator)[:, 0]
     return n, next_token
+
+
+def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[b, idx[b]]`` of ``x [B, T, V]`` and ``idx [B]`` int64: ``[B, V]`` (one gather)."""
+    return x.gather(1, idx[:, None, None].expand(-1, 1, x.shape[2]))[:, 0]
 
 
 def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, spec, limit: torch.Tensor,

@@ -8,7 +8,8 @@ import torch
 
 from ..verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
-__all__ = ["Drafter", "check_draft_probs", "check_proposal", "check_tree_proposal", "proposal_errors"]
+__all__ = ["Drafter", "chain_drafts", "check_draft_probs", "check_proposal", "check_tree_proposal",
+           "proposal_errors"]
 
 
 class Drafter(abc.ABC):
@@ -218,15 +219,48 @@ def check_tree_proposal(nodes, batch: int, tree) -> torch.Tensor:
     return nodes
 
 
-def proposal_errors(tokens: torch.Tensor, used: torch.Tensor, vocab_size: int, counts: torch.Tensor | None = None,
-                    width: int = 0) -> torch.Tensor:
+def proposal_errors(tokens: torch.Tensor, used: torch.Tensor | None, vocab_size: int,
+                    counts: torch.Tensor | None = None, width: int = 0) -> torch.Tensor:
     """Device-side value checks of a proposal, without a host sync: ``[2]`` bool, (counts outside
     ``[0, width]``, a used token outside ``[0, vocab_size)``).
 
-    Args: tokens ``[B, w]`` int64 on the device; used ``[B, w]`` bool, the entries the step uses;
-    counts ``[B]`` (chains) or None (trees); width: the drafts' column count ``w``.
+    Args: tokens ``[B, w]`` int64 on the device; used ``[B, w]`` bool, the entries the step uses
+    (None: every entry); counts ``[B]`` (chains) or None (trees); width: the drafts' column count ``w``.
     """
-    bad_count = ((counts < 0) | (counts > width)).any() if counts is not None else torch.zeros(
-        (), dtype=torch.bool, device=tokens.device)
-    bad_token = (((tokens < 0) | (tokens >= vocab_size)) & used).any()
-    return torch.stack([bad_count, bad_token])
+    return _errors(tokens, tokens.clamp(0, vocab_size - 1), used, counts,
+                   None if counts is None else counts.clamp(0, width))
+
+
+def _errors(tokens, ids, used, counts, counts_in_range) -> torch.Tensor:
+    """:func:`proposal_errors` of ``tokens`` whose ids clamped to the vocabulary are ``ids`` and
+    whose ``counts`` clamped to ``[0, w]`` are ``counts_in_range`` (an entry differs iff it was out of range)."""
+    bad_token = ids != tokens
+    if used is not None:
+        bad_token &= used
+    if counts is None:
+        return torch.stack([torch.zeros((), dtype=torch.bool, device=tokens.device), bad_token.any()])
+    return torch.stack([(counts_in_range != counts).any(), bad_token.any()])
+
+
+def chain_drafts(drafts: torch.Tensor, counts: torch.Tensor, budget: torch.Tensor,
+                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain proposal made safe to verify, and its value checks, on the device without a host
+    sync (a few element-wise ops: no per-check kernels).
+
+    Args:
+        drafts: ``[B, w]`` int64 on the device, what :meth:`Drafter.propose` returned.
+        counts: ``[B]`` int64 on the device, its ``num_draft_tokens``.
+        budget: ``[B]`` int64, the most drafts each row may use (>= 0).
+
+    Returns:
+        ``(drafts [B, w], num_drafts [B], errors [2] bool)``: the drafts with the unused entries
+        (past ``num_drafts``) 0 and ids clamped to ``[0, vocab_size)``; ``num_drafts =
+        min(clamp(counts, 0, w), budget)``; :func:`proposal_errors` of the used entries.
+    """
+    w = drafts.shape[1]
+    counts_in_range = counts.clamp(0, w)
+    k = torch.minimum(counts_in_range, budget)
+    used = torch.arange(w, device=drafts.device)[None, :] < k[:, None]
+    ids = drafts.clamp(0, vocab_size - 1)
+    errors = _errors(drafts, ids, used, counts, counts_in_range)
+    return ids * used, k, errors

@@ -1,0 +1,133 @@
+"""The decode step's glue around the verify forward: the proposal's normalisation and checks
+(:func:`specdec.drafters.base.chain_drafts`), acceptance, and the text bookkeeping
+(``_Rows.append``) equal their plain per-element definitions on random inputs (out-of-range
+counts and ids, EOS before / at / past the limit, several EOS ids, finished rows, spent budgets),
+issue at most the device ops their expressions name (one kernel each on CUDA), and never read a
+value back to the host."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specdec.drafters.base import chain_drafts
+from specdec.engine import _Rows
+from specdec.verify import greedy_accept
+
+#: ops that launch no kernel (views, allocation without a fill)
+_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
+              "expand", "as_strided", "t", "transpose", "alias", "detach", "lift_fresh", "unbind"}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values())
+
+
+def _no_sync(ops: _Ops):
+    assert not {"_local_scalar_dense", "item", "is_nonzero", "nonzero"} & set(ops.ops), ops.ops
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_drafts_is_the_per_element_definition(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, w, V = 7, 5, 11
+    drafts = torch.randint(-3, V + 3, (B, w), generator=g)
+    counts = torch.randint(-2, w + 3, (B,), generator=g)
+    budget = torch.randint(0, w + 2, (B,), generator=g)
+    with _Ops() as ops:
+        out, k, errors = chain_drafts(drafts, counts, budget, V)
+    _no_sync(ops)
+    # counts and ids clamped, the bound and the mask, two checks, stacked, the unused zeroed: 12 kernels
+    assert ops.launches <= 12, ops.ops
+    for b in range(B):
+        want_k = min(max(0, min(int(counts[b]), w)), int(budget[b]))
+        assert int(k[b]) == want_k
+        for j in range(w):
+            want = min(max(int(drafts[b, j]), 0), V - 1) if j < want_k else 0
+            assert int(out[b, j]) == want
+    assert bool(errors[0]) == any(not 0 <= int(c) <= w for c in counts)
+    assert bool(errors[1]) == any(not 0 <= int(drafts[b, j]) < V for b in range(B) for j in range(int(k[b])))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_accept_is_the_leading_matches(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 6, 5, 4  # a small vocabulary: long runs of matches
+    logits = torch.randn(B, T, V, generator=g)
+    drafts = torch.randint(0, V, (B, T - 1), generator=g)
+    k = torch.randint(0, T, (B,), generator=g)
+    with _Ops() as ops:
+        n, c = greedy_accept(logits, drafts, k)
+    _no_sync(ops)
+    pred = logits.argmax(-1)
+    for b in range(B):
+        want = 0
+        while want < int(k[b]) and int(drafts[b, want]) == int(pred[b, want]):
+            want += 1
+        assert (int(n[b]), int(c[b])) == (want, int(pred[b, want]))
+
+
+def _append_by_hand(text, lengths, n_gen, finished, max_new, eos, new, limit):
+    """``_Rows.append`` one row and one token at a time (host lists; mutated in place)."""
+    takes = []
+    for b in range(len(text)):
+        take = 0
+        if not finished[b]:
+            for j in range(int(limit[b])):
+                if n_gen[b] >= max_new[b]:
+                    break
+                text[b][lengths[b]] = int(new[b, j])
+                lengths[b] += 1
+                n_gen[b] += 1
+                take += 1
+                if int(new[b, j]) in eos:
+                    finished[b] = True
+                    break
+            finished[b] = finished[b] or n_gen[b] >= max_new[b]
+        takes.append(take)
+    return takes
+
+
+@pytest.mark.parametrize("eos", [(), (2,), (2, 5)], ids=["no-eos", "one-eos", "two-eos"])
+@pytest.mark.parametrize("seed", range(3))
+def test_append_is_the_per_token_definition(eos, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, L, W, V = 8, 4, 5, 7
+    ids = torch.randint(3, V, (B, L), generator=g)
+    budgets = torch.randint(1, 12, (B,), generator=g)
+    rows = _Rows(ids, torch.ones_like(ids), L + 40, budgets, eos)
+    text = [r.tolist() for r in rows.text]
+    lengths, n_gen = rows.lengths.tolist(), rows.n_gen.tolist()
+    finished, max_new = rows.finished.tolist(), budgets.tolist()
+    for step in range(8):
+        new = torch.randint(0, V, (B, W), generator=g)
+        limit = torch.randint(0, W + 1, (B,), generator=g)
+        with _Ops() as ops:
+            take = rows.append(new, limit)
+        _no_sync(ops)
+        # EOS: compare(s), where + amin, cut; budget: sub, minimum, masked_fill; write: add, scatter;
+        # counts: add; finished: ge, le, or, or
+        assert ops.launches <= 14 + (1 if len(eos) > 1 else 0), ops.ops
+        want = _append_by_hand(text, lengths, n_gen, finished, max_new, set(eos), new, limit)
+        assert take.tolist() == want
+        assert rows.lengths.tolist() == lengths and rows.n_gen.tolist() == n_gen
+        assert rows.finished.tolist() == finished
+        for b in range(B):
+            assert rows.text[b, :lengths[b]].tolist() == text[b][:lengths[b]]
