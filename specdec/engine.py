@@ -782,8 +782,9 @@ class SpeculativeGenerator:
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
             bound, grown = min(rows.text.shape[1], grown), grown + W
             active = ~rows.finished  # the rows that run this step
-            # drafts each row may use: its budget after the pending token (a live row has n_gen < max_new)
-            budget = (rows.max_new - rows.n_gen - 1).masked_fill(rows.finished, 0)
+            # drafts each row may use: its budget after the pending token (>= 0 for a live row, which has n_gen
+            # < max_new; clamped all the same, as chain_drafts and the histogram need it)
+            budget = (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
             if tree is not None:
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
