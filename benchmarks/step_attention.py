@@ -24,21 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def _model(name: str, device: str):
-    from hydra import compose, initialize_config_dir
-
-    from specdec.experiments.config import CONF_DIR, register_configs
-    from specdec.experiments.models import load_target, resolve_device
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"model={name}", f"device={device}"])
-    dev, dtype = resolve_device(cfg)
-    model, _ = load_target(cfg.model.targets[0], dev, dtype, 0)
-    model.generation_config.eos_token_id = None
-    return model, dev
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="nemotronh-4b-shape")
@@ -50,10 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the zoo's tiny target (smoke test)")
     args = ap.parse_args(argv)
     import specdec
+    from specdec.experiments.models import load_app_model
     from specdec.experiments.timing import time_side_by_side
 
     name = "gdn-target" if args.tiny else args.model
-    model, dev = _model(name, args.device)
+    model, dev = load_app_model(name, args.device)
     sd = specdec.wrap(model, num_speculative_tokens=0)
     grouped = sd.adapter._grouped_attention
     g = torch.Generator().manual_seed(0)

@@ -112,3 +112,15 @@ def test_step_attention_tiny_cpu(tmp_path):
     line = _line(lines, "B=  2 L=   16:")
     assert "same tokens: True" in line and "grouped" in line and "sdpa/grouped" in line
     assert "1 grouped-query attention config(s)" in lines[0]
+
+
+def test_profile_admission_tiny_cpu(tmp_path):
+    """benchmarks/profile_admission.py times and profiles admissions with and without the prefix
+    cache (zoo tiny target, CPU): a wall time per call of each, then each one's profile totals."""
+    lines = _run("profile_admission.py", "--tiny", "--device", "cpu", "--batch", "2", "--prefix", "8", "--suffix",
+                 "3,5", "--block", "4", "--warmup", "1", "--repeats", "1", "--rows", "4", tmp_path=tmp_path)
+    assert _line(lines, "prefix cache off: wall ms per call") and _line(lines, "prefix cache on: wall ms per call")
+    for state in ("off", "on"):
+        totals = _line(lines, f"=== prefix cache {state}:")
+        ops = int(totals.split(" aten ops")[0].rsplit(" ", 1)[1])
+        assert ops > 0 and "kernel launches" in totals

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["resolve_device", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
+__all__ = ["resolve_device", "load_app_model", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
            "damp_residual_branches", "weight_bytes", "layer_counts", "SSMShape", "ssm_shape", "target_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -261,6 +261,23 @@ def load_hf(spec, device, dtype):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def load_app_model(name: str, device: str = "cuda", seed: int = 0):
+    """``(model, torch.device)``: the app's ``model=<name>`` (a ``conf/model`` entry: its first
+    target, at the device's dtype as the app resolves it) with EOS switched off, for scripts
+    that time a model outside the app. Raises as :func:`load_target` does."""
+    from hydra import compose, initialize_config_dir
+
+    from .config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"model={name}", f"device={device}"])
+    dev, dtype = resolve_device(cfg)
+    model, _ = load_target(cfg.model.targets[0], dev, dtype, seed)
+    model.generation_config.eos_token_id = None
+    return model, dev
 
 
 def load_target(spec, device, dtype, seed: int = 0):
