@@ -29,8 +29,11 @@ end gets its state) and from then on 1 over their own suffix, loading the shared
 reuses whole blocks and leaves at least the prompt's last token to compute (its logits pick the
 first new token).
 
-Memory is bounded by ``max_bytes``: the bytes of every stored tensor, counted exactly (each is
-a compact copy, made by :meth:`PrefixCache.insert`, never a view into a larger buffer). Eviction
+Memory is bounded by ``max_bytes``: the bytes of every stored tensor, counted exactly. Each is
+a compact copy, made by :meth:`PrefixCache.insert`, never a view into a larger buffer; or, where
+the caller hands over a block's keys / values already copied (``kv_copied``), views that
+together cover buffers of that block's own (the prefill copies each new block's keys / values of
+every attention layer in one copy, a view per layer: one op per block, not one per layer). Eviction
 is least-recently-used, whole blocks at a time; a chain is touched from its last block to its
 first, so a block is always more recently used than its descendants and eviction takes leaves
 first (an evicted block never strands a cached child).
@@ -42,6 +45,7 @@ The prefill that reads and fills the cache is :meth:`specdec.models.HybridAdapte
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
@@ -91,9 +95,9 @@ class LayerState:
     conv_state: torch.Tensor | None = None
     recurrent_state: torch.Tensor | None = None
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of the tensors held."""
+        """Bytes of the tensors held (counted once: the state is frozen)."""
         return sum(_tensor_bytes(getattr(self, f.name)) for f in fields(self))
 
     def copy(self) -> "LayerState":
@@ -125,9 +129,10 @@ class PrefixBlock:
     ssm_state: dict[int, LayerState] | None = None
     hidden_states: torch.Tensor | None = None
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of every tensor of the block (what it counts against ``max_bytes``)."""
+        """Bytes of every tensor of the block (what it counts against ``max_bytes``; the block is
+        frozen, so counted once)."""
         return _states_bytes(self.kv) + _states_bytes(self.ssm_state) + _tensor_bytes(self.hidden_states)
 
     def merged(self, new: "PrefixBlock") -> "PrefixBlock":
@@ -283,11 +288,13 @@ class PrefixCache:
         s.prefill_forwards += len(ends)
         return PrefixMatch(chain, hit, ends)
 
-    def insert(self, chain: list[PrefixEntry], tokens, block: PrefixBlock) -> PrefixEntry | None:
+    def insert(self, chain: list[PrefixEntry], tokens, block: PrefixBlock, kv_copied: bool = False) -> PrefixEntry | None:
         """Store ``block``, the block of ``tokens`` (``block_size`` ints) that follows ``chain``
         (the entries of the prompt's earlier blocks, in order, as :meth:`match` and earlier
         inserts returned them); on success append its entry to ``chain``. ``block``'s tensors may
-        be views: what is stored are compact copies.
+        be views: what is stored are compact copies. With ``kv_copied`` its keys / values are
+        stored as they are: the caller made them for this block alone (compact tensors, or views
+        that together cover buffers nothing else holds), so their bytes are the buffers'.
 
         A block already stored keeps its keys / values; SSM state and hidden states it lacks and
         ``block`` holds are added (:meth:`PrefixBlock.merged`). Least recently used blocks outside
@@ -305,7 +312,12 @@ class PrefixCache:
         if parent is not None and not parent.live:
             return None
         entry = self._find(parent, tokens)
-        stored = entry.block.merged(block) if entry is not None else block.copy()
+        if entry is not None:
+            stored = entry.block.merged(block)
+        elif kv_copied:
+            stored = PrefixBlock(block.kv, _copy_states(block.ssm_state), _copy(block.hidden_states))
+        else:
+            stored = block.copy()
         if entry is not None and stored is entry.block:  # nothing to add
             chain.append(entry)
             self._touch(chain)
@@ -350,6 +362,8 @@ class PrefixCache:
     def _evict(self, total: int, protect: set[int]) -> None:
         """Drop least recently used entries (not those in ``protect``, by ``id()``) until the
         bytes stored plus the pending change ``total - stored_bytes`` fit ``max_bytes``."""
+        if total <= self.max_bytes:
+            return
         s = self.stats
         for entry in list(self._lru.values()):
             if total <= self.max_bytes:

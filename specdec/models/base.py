@@ -43,9 +43,12 @@ PROMPT_LAYERS: dict[str, type] = {}
 
 
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """``t`` with zeros prepended along ``dim`` up to ``length`` entries (cut to its last ``length``)."""
+    """``t`` with zeros prepended along ``dim`` up to ``length`` entries (cut to its last
+    ``length``; ``t`` itself when it has ``length``)."""
     n = t.shape[dim]
-    if n >= length:
+    if n == length:
+        return t
+    if n > length:
         return t.narrow(dim, n - length, length)
     shape = list(t.shape)
     shape[dim] = length - n
@@ -86,7 +89,10 @@ def prefill_groups(mask: torch.Tensor, max_tokens: int | None) -> list[torch.Ten
 
 def _stack_rows(rows: list[dict[int, LayerState]]) -> dict[int, LayerState]:
     """One batch's layer states from each group of rows' (in order): keys / values left-padded
-    with zeros to the longest group's, conv and recurrent states concatenated."""
+    with zeros to the longest group's, conv and recurrent states concatenated (one group: its
+    states, not copied)."""
+    if len(rows) == 1:
+        return rows[0]
     out = {}
     for idx, first in rows[0].items():
         per = [r[idx] for r in rows]
@@ -113,16 +119,56 @@ def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
     return n
 
 
+def _stack_kv(new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list[tuple[int, str]], torch.Tensor]]:
+    """The keys / values of ``new_kv`` (layer index -> ``(keys, values)``, ``[B, H_kv, t, D]``)
+    stacked, one tensor per group of them that share shape and dtype: ``(names, data)``, ``data
+    [m, B, H_kv, t, D]`` holding ``names[i] = (layer index, "keys" or "values")`` at ``i``. So
+    one slice of a group holds a block's columns of every layer (one copy per block, not per
+    layer: :meth:`HybridAdapter._store_blocks`)."""
+    groups: dict[tuple, list[tuple[int, str, torch.Tensor]]] = {}
+    for idx, (k, v) in new_kv.items():
+        for name, t in (("keys", k), ("values", v)):
+            groups.setdefault((tuple(t.shape), t.dtype), []).append((idx, name, t))
+    return [([(idx, name) for idx, name, _ in g], torch.stack([t for _, _, t in g])) for g in groups.values()]
+
+
+def _right_aligned(columns: list[list[int]], width: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Index and padding tensors that gather each row's ``columns[b]`` (increasing positions
+    along the third axis of a ``[B, H, width, D]`` tensor) into ``W = max(len(c))`` columns,
+    right-aligned: ``(index [B, 1, W, 1] int64, pad [B, 1, W, 1] bool or None when no row is
+    shorter than W)``; ``(None, None)`` when every row's columns are the last ``W`` (nothing to
+    gather: :func:`_gather_columns` narrows)."""
+    W = max(len(c) for c in columns)
+    if all(c == list(range(width - W, width)) for c in columns):
+        return None, None
+    index = torch.tensor([[0] * (W - len(c)) + c for c in columns], dtype=torch.long, device=device)
+    pad = None
+    if any(len(c) < W for c in columns):
+        pad = torch.tensor([[True] * (W - len(c)) + [False] * len(c) for c in columns], device=device)[:, None, :, None]
+    return index[:, None, :, None], pad
+
+
+def _gather_columns(t: torch.Tensor, index: torch.Tensor | None, pad: torch.Tensor | None, W: int) -> torch.Tensor:
+    """``t [B, H, C, D]`` at :func:`_right_aligned`'s columns: ``[B, H, W, D]``, zeros at padding
+    (``index`` None: ``t``'s last ``W`` columns, a view)."""
+    if index is None:
+        return _left_pad(t, W, 2)
+    out = t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3]))
+    return out if pad is None else out.masked_fill_(pad, 0)
+
+
 @dataclasses.dataclass(eq=False)
 class _CachedRow:
     """One prompt of a prefill with a prefix cache, between its forwards: ``tokens [L]`` (int64),
     its lookup ``found``, the ``chain`` of entries its next block is stored after, the position
     ``start`` its next forward starts at, the ``ends`` of the forwards left to run, its layer
-    ``state`` at ``start`` (keys / values of every position so far; empty before any), the final
-    hidden states its forwards returned so far (``hidden``: cached blocks' first), and whether its
-    blocks are still stored (``storing``: False once one was not)."""
+    ``state`` at ``start`` (keys / values of every position so far, right-aligned: after a
+    batched forward zero columns may precede them; empty before any), the final hidden states its
+    forwards returned so far (``hidden``: cached blocks' first), and whether its blocks are still
+    stored (``storing``: False once one was not); ``ids``: ``tokens`` as a list of ints."""
 
     tokens: torch.Tensor
+    ids: list[int]
     found: PrefixMatch
     chain: list[PrefixEntry]
     start: int
@@ -152,17 +198,12 @@ def _prefix_state(blocks: list[PrefixBlock]) -> dict[int, LayerState]:
     return out
 
 
-def _row_state(state: LayerState, b: int, columns: torch.Tensor | None = None) -> LayerState:
-    """Row ``b`` of a batch's layer ``state`` (batch dim kept): its keys / values at ``columns``
-    (int64 indices along the position axis; None: none), its conv and recurrent state."""
-    def row(t, cols=None):
-        if t is None:
-            return None
-        return t[b:b + 1] if cols is None else t[b:b + 1].index_select(2, cols)
+def _row_state(state: LayerState, b: int) -> LayerState:
+    """Row ``b`` of a batch's SSM layer ``state`` (batch dim kept): its conv and recurrent state."""
+    def row(t):
+        return None if t is None else t[b:b + 1]
 
-    keys = None if columns is None else row(state.keys, columns)
-    return LayerState(keys, None if keys is None else row(state.values, columns), row(state.conv_state),
-                      row(state.recurrent_state))
+    return LayerState(conv_state=row(state.conv_state), recurrent_state=row(state.recurrent_state))
 
 
 class _KVRecordingCache(DynamicCache):
@@ -559,7 +600,7 @@ class HybridAdapter:
                                        torch.arange(start, end, device=dev)[None], hf_cache, scan)
             if all_hidden_states or end == tokens.shape[0]:
                 row.hidden.append(out)
-            self._store_blocks(prefix_cache, row, end, hf_cache.new_kv, out, 0,
+            self._store_blocks(prefix_cache, row, end, _stack_kv(hf_cache.new_kv), 0, out, 0,
                                lambda: self._layer_states(hf_cache, keys=False), all_hidden_states)
             row.start = end
         row.state = self._layer_states(hf_cache)
@@ -568,33 +609,45 @@ class HybridAdapter:
     def _cached_row(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool) -> _CachedRow:
         """Look ``tokens [L]`` up in ``prefix_cache`` (:meth:`PrefixCache.match`): the prompt's
         :class:`_CachedRow` at its hit, its state and hidden states those of the hit blocks."""
-        found = prefix_cache.match(tokens.tolist(), all_hidden_states)
+        ids = tokens.tolist()
+        found = prefix_cache.match(ids, all_hidden_states)
         chain = found.chain[:found.hit]
         hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
-        return _CachedRow(tokens, found, chain, found.hit * prefix_cache.block_size, list(found.forward_ends),
+        return _CachedRow(tokens, ids, found, chain, found.hit * prefix_cache.block_size, list(found.forward_ends),
                           _prefix_state([e.block for e in chain]), hidden)
 
-    def _store_blocks(self, prefix_cache: PrefixCache, row: _CachedRow, end: int, new_kv: dict, out: torch.Tensor,
-                      offset: int, end_state, all_hidden_states: bool) -> None:
+    def _store_blocks(self, prefix_cache: PrefixCache, row: _CachedRow, end: int, kv: list, b: int,
+                      out: torch.Tensor, offset: int, end_state, all_hidden_states: bool) -> None:
         """Store in ``prefix_cache`` every full block of ``row`` that its forward from ``row.start``
         (a block boundary) to ``end`` ran, after ``row.chain`` (:meth:`PrefixCache.insert`):
-        ``new_kv`` (layer index -> ``(keys, values)`` ``[1, H_kv, t, D]``) and ``out [1, t, D]``
-        are the forward's keys / values and final hidden states of the row, position ``row.start``
-        at column ``offset``; ``end_state()`` gives every SSM layer's state at ``end``
-        (:meth:`_layer_states` with ``keys=False``), which the block ending there holds when a
-        planned forward ends there (``row.found.forward_ends``; a model without SSM layers: every
-        block holds ``{}``). Stops at the first block not stored (``row.storing``)."""
+        ``kv`` (:func:`_stack_kv` of the forward's keys / values, row ``b``) and ``out [1, t, D]``
+        (the row's final hidden states) hold position ``row.start`` at column ``offset``;
+        ``end_state()`` gives every SSM layer's state at ``end`` (:meth:`_layer_states` with
+        ``keys=False``), which the block ending there holds when a planned forward ends there
+        (``row.found.forward_ends``; a model without SSM layers: every block holds ``{}``). A new
+        block's keys / values are copied once per group of :func:`_stack_kv` (each layer's a view
+        of that copy); blocks the lookup found stored keep theirs, so theirs are not copied.
+        Stops at the first block not stored (``row.storing``)."""
         bs = prefix_cache.block_size
+        first, last = row.start // bs, end // bs
+        if not row.storing or first == last:
+            return
         every_block_state = {} if not self.ssm_layers() else None  # no SSM layer: every boundary is a state
-        for j in range(row.start // bs, end // bs):
+        blocks = [(names, data[:, b:b + 1, :, offset:offset + (last - first) * bs].split(bs, dim=3)) for names, data in kv]
+        for i, j in enumerate(range(first, last)):
             if not row.storing:
                 break
-            lo = j * bs - row.start + offset  # the block's columns in this forward
-            hi = lo + bs
-            kv = {idx: LayerState(k[:, :, lo:hi], v[:, :, lo:hi]) for idx, (k, v) in new_kv.items()}
+            new = j >= len(row.found.chain)
+            layers: dict[int, dict[str, torch.Tensor]] = {}
+            for names, data in blocks:
+                block_kv = data[i].clone(memory_format=torch.contiguous_format) if new else data[i]
+                for (idx, name), t in zip(names, block_kv.unbind(0)):
+                    layers.setdefault(idx, {})[name] = t
             state = end_state() if (j + 1) * bs == end and end in row.found.forward_ends else every_block_state
-            block = PrefixBlock(kv, state, out[:, lo:hi] if all_hidden_states else None)
-            row.storing = prefix_cache.insert(row.chain, row.tokens[j * bs:(j + 1) * bs].tolist(), block) is not None
+            lo = i * bs + offset  # the block's columns in this forward
+            block = PrefixBlock({idx: LayerState(t["keys"], t["values"]) for idx, t in layers.items()}, state,
+                                out[:, lo:lo + bs] if all_hidden_states else None)
+            row.storing = prefix_cache.insert(row.chain, row.ids[j * bs:(j + 1) * bs], block, kv_copied=new) is not None
 
     def batches_cached_prefill(self, scan: str) -> bool:
         """Whether :meth:`prefill` with a prefix cache runs several prompts in one forward
@@ -685,7 +738,21 @@ class HybridAdapter:
             mask[b, P + T - n:] = 1
             positions[b, T - n:] = torch.arange(row.start, row.start + n, device=dev)
         out = self._prompt_forward(ids, mask, positions, hf_cache, scan)
+        kv_new = _stack_kv(hf_cache.new_kv)
         final = self._layer_states(hf_cache)
+        # each row's state, split once per tensor: keys / values at the row's real columns, right-aligned
+        columns = [list(range(P - min(row.start, P), P)) + list(range(P + T - n, P + T)) for row, n in zip(rows, lengths)]
+        W = max(map(len, columns))
+        index, pad = _right_aligned(columns, P + T, dev)
+
+        def split(t, name):
+            if t is None:
+                return (None,) * len(rows)
+            t = _gather_columns(t, index, pad, W) if name in ("keys", "values") else t
+            return t.split(1) if len(rows) > 1 else (t,)
+
+        names = ("keys", "values", "conv_state", "recurrent_state")
+        per_row = {idx: [split(getattr(st, name), name) for name in names] for idx, st in final.items()}
         at_end = []  # the SSM layers' states at the forward's end, read once
 
         def end_state(b):
@@ -697,11 +764,9 @@ class HybridAdapter:
             end, off = row.ends.pop(0), T - n
             if all_hidden_states or end == row.tokens.shape[0]:
                 row.hidden.append(out[b:b + 1, off:])
-            new_kv = {idx: (k[b:b + 1], v[b:b + 1]) for idx, (k, v) in hf_cache.new_kv.items()}
-            self._store_blocks(prefix_cache, row, end, new_kv, out[b:b + 1], off, lambda b=b: end_state(b),
+            self._store_blocks(prefix_cache, row, end, kv_new, b, out[b:b + 1], off, lambda b=b: end_state(b),
                                all_hidden_states)
-            real = torch.cat([torch.arange(P - min(row.start, P), P), torch.arange(P + off, P + T)]).to(dev)
-            row.state = {idx: _row_state(st, b, real) for idx, st in final.items()}
+            row.state = {idx: LayerState(*(ts[b] for ts in parts)) for idx, parts in per_row.items()}
             row.start = end
 
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
@@ -736,9 +801,10 @@ class HybridAdapter:
             for idx, layer in st.items():
                 shapes.setdefault(idx, layer)
         for idx, ref in shapes.items():
-            def stack(name, pad=False):
+            def stack(name, pad=False):  # (one row: no copy, HF's cache copies what it is given)
                 ts = [getattr(st[idx], name) if idx in st else torch.zeros_like(getattr(ref, name)) for st in states]
-                return torch.cat([_left_pad(t, width, 2) for t in ts] if pad else ts)
+                ts = [_left_pad(t, width, 2) for t in ts] if pad else ts
+                return torch.cat(ts) if len(ts) > 1 else ts[0]
 
             if ref.keys is not None and width:
                 hf_cache.update(stack("keys", True), stack("values", True), idx)
