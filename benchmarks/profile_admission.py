@@ -1,23 +1,40 @@
 """Where an admission's time goes: prompts prefilled through ``generate_batch`` with and without
-the prefix cache, host time against GPU time (a diagnostic: ``torch.profiler`` tables, not a
+the prefix cache, per region of the prefill, host time against GPU time (a diagnostic, not a
 speed claim; the serving experiment measures speed).
 
-    python benchmarks/profile_admission.py --model nemotronh-4b-shape --batch 8 --prefix 1024
+    python benchmarks/profile_admission.py --model nemotronh-4b-shape --prompts 8 --rows 8   # GPU
+    python benchmarks/profile_admission.py --device cpu --prompts 32 --rows 8 --prefix 64 --block 4 \\
+        --suffix 24,40 --override model.targets.0.config.hidden_size=64 \\
+        model.targets.0.config.intermediate_size=128 model.targets.0.config.num_attention_heads=4 \\
+        model.targets.0.config.num_key_value_heads=2 model.targets.0.config.head_dim=16 \\
+        model.targets.0.config.mamba_num_heads=8 model.targets.0.config.mamba_head_dim=16 \\
+        model.targets.0.config.ssm_state_size=16 model.targets.0.config.n_groups=2 \\
+        model.targets.0.config.vocab_size=512                                                    # CPU
 
-Each call admits ``--batch`` prompts of a ``--prefix``-token shared prefix followed by their own
-``--suffix`` random tokens (one new token each, one row per prompt) into a fresh
-``generate_batch`` call: without the cache, then with it (``prefix_block_size=--block``; each call
-has its own cache, so its first prompts store the prefix and the rest hit it). After
-``--warmup`` untimed calls of each kind, it prints the wall time of ``--repeats`` calls of each,
-then one profiled call of each: kernel launches, aten ops, GPU busy time and the ops with the
-most host time and the most GPU time. The models are the app's (``model=`` names of
-``conf/model``). ``--device cpu --tiny`` is a smoke test on the zoo's tiny target.
+The second form keeps the Nemotron-H-4B shape's 52 layers in their order with tiny widths:
+a forward's CPU time is then mostly per-op overhead, the host cost the same forward pays on a
+GPU. ``--prompts`` prompts share a prefix of ``--prefix`` random tokens and have their own
+``--suffix`` tokens (min,max, uniform); they run through the library's
+``generate_batch(max_new_tokens=1, max_batch_size=--rows)`` with ``prefix_caching`` off, then on
+(``prefix_block_size=--block``; each call has its own cache, so its first prompts store the prefix
+and the rest hit it): ``--warmup`` untimed calls of each, ``--repeats`` timed calls, then one under
+``torch.profiler``, with the adapter's prefill and the cache's steps wrapped (:data:`REGIONS`: a
+wall clock in the timed calls, a ``record_function`` in the profiled one).
+
+Prints per mode: the wall time of each timed call; per region (nested regions count in their
+parents too) its calls, aten ops per prompt (the ``aten::`` calls made from Python, not those an
+op makes inside) and host milliseconds per prompt (median of the timed calls); the cache's
+counters; kernel launches and GPU busy time; with ``--top N`` the N ops with the most host time
+(and GPU time); then whether the first tokens agree with the cache on and off. The models are the
+app's (``model=`` names of ``conf/model``, ``--override``: more Hydra overrides).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -25,73 +42,147 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import specdec  # noqa: E402
+from specdec import prefix_cache as prefix_cache_module  # noqa: E402
+from specdec.models import base as base_module  # noqa: E402
+
+#: the regions marked: (label, owner, attribute); nested regions count in their parents too
+REGIONS = (
+    ("prefill", base_module.HybridAdapter, "prefill"),
+    ("forward", base_module.HybridAdapter, "_prompt_forward"),
+    ("lookup", base_module.HybridAdapter, "_cached_row"),
+    ("restore", base_module.HybridAdapter, "_restore"),
+    ("store", base_module.HybridAdapter, "_store_blocks"),
+    ("insert", prefix_cache_module.PrefixCache, "insert"),
+    ("load rows", base_module.HybridAdapter, "_load_rows"),
+)
 #: the profiler's names for a kernel launch from the host
-_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+#: the cache counters printed
+COUNTERS = ("lookups", "hit_tokens", "prefilled_tokens", "prefill_forwards", "inserted_blocks", "stored_bytes")
+
+
+@contextlib.contextmanager
+def marked(seconds: dict | None = None, sync=lambda: None):
+    """Each of :data:`REGIONS` wrapped, for the block, in a ``record_function`` of its label, or,
+    with ``seconds``, in a wall clock (``sync`` before each reading) that adds its calls' seconds
+    to ``seconds[label]``."""
+    saved = []
+    for label, owner, name in REGIONS:
+        fn = owner.__dict__[name]
+
+        def wrap(*a, _fn=fn, _label=label, **kw):
+            if seconds is None:
+                with torch.profiler.record_function(f"## {_label}"):
+                    return _fn(*a, **kw)
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                sync()
+                seconds[_label] = seconds.get(_label, 0.0) + time.perf_counter() - t0
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, wrap)
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def workload(n: int, prefix: int, suffix: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts: one shared prefix of ``prefix`` random ids, then each one's own
+    ``suffix[0]..suffix[1]`` random ids (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+    return [shared + torch.randint(0, vocab, (int(k),), generator=g).tolist()
+            for k in torch.randint(suffix[0], suffix[1] + 1, (n,), generator=g)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="nemotronh-4b-shape")
-    ap.add_argument("--batch", type=int, default=8, help="prompts per call (and rows)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--override", nargs="*", default=[], help="more Hydra overrides of the app's config")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=8, help="max_batch_size")
     ap.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens")
-    ap.add_argument("--suffix", default="300,800", help="own tokens per prompt: min,max (uniform)")
+    ap.add_argument("--suffix", default="300,800", help="own tokens per prompt: min,max")
     ap.add_argument("--block", type=int, default=64, help="prefix_block_size")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="the zoo's tiny target (smoke test)")
+    ap.add_argument("--top", type=int, default=0, help="rows of the top-ops tables (0: none)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
-    import specdec
     from specdec.experiments.models import load_app_model
 
-    name = "gdn-target" if args.tiny else args.model
-    model, dev = load_app_model(name, args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, dev = load_app_model(args.model, args.device, overrides=args.override)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     lo, hi = (int(x) for x in args.suffix.split(","))
-    V = model.config.vocab_size
-    shared = torch.randint(0, V, (args.prefix,), generator=torch.Generator().manual_seed(0)).tolist()
-
-    def prompts(seed: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(seed)
-        return [shared + torch.randint(0, V, (int(n),), generator=g).tolist()
-                for n in torch.randint(lo, hi + 1, (args.batch,), generator=g)]
-
+    vocab = model.config.vocab_size
     sd = specdec.wrap(model, num_speculative_tokens=0)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    n = args.prompts
+    print(f"{args.model} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
+          f"{next(model.parameters()).dtype}), {torch.cuda.get_device_name() if cuda else 'cpu'}: {n} prompts of "
+          f"{args.prefix} shared + {lo}-{hi} own tokens, {args.rows} rows, blocks of {args.block}", flush=True)
 
-    def admit(ps, cache: bool) -> float:
-        kw = {"prefix_caching": True, "prefix_block_size": args.block} if cache else {}
-        sync()
-        t0 = time.perf_counter()
-        sd.generate_batch(ps, max_batch_size=args.batch, max_new_tokens=1, **kw)
-        sync()
-        return time.perf_counter() - t0
+    def call(prompts, cached: bool):
+        kw = {"prefix_caching": True, "prefix_block_size": args.block} if cached else {}
+        return sd.generate_batch(prompts, max_new_tokens=1, max_batch_size=args.rows, **kw)
 
-    print(f"{name}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, {args.batch} prompts of "
-          f"{args.prefix} shared + {lo}-{hi} own tokens, blocks of {args.block}", flush=True)
     for i in range(args.warmup):
-        admit(prompts(100 + i), False)
-        admit(prompts(200 + i), True)
-    for cache in (False, True):
-        ms = [admit(prompts(300 + 10 * cache + i), cache) * 1e3 for i in range(args.repeats)]
-        print(f"prefix cache {'on' if cache else 'off'}: wall ms per call {', '.join(f'{m:.1f}' for m in ms)}",
-              flush=True)
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    for cache in (False, True):
-        ps = prompts(999 + cache)
-        with torch.profiler.profile(activities=activities) as prof:
-            wall = admit(ps, cache)
+        for cached in (False, True):
+            call(workload(n, args.prefix, (lo, hi), vocab, 100 + 2 * i + cached), cached)
+    prompts = workload(n, args.prefix, (lo, hi), vocab, 0)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    firsts = {}
+    for cached in (False, True):
+        timed = []
+        for _ in range(args.repeats):
+            seconds: dict = {}
+            with marked(seconds, sync):
+                sync()
+                t0 = time.perf_counter()
+                out = call(prompts, cached)
+                sync()
+                seconds["generate_batch"] = time.perf_counter() - t0
+            timed.append(seconds)
+        firsts[cached] = [o.generated_tokens for o in out.values()]
+        counters = sd.last_stats.prefix_cache
+        with marked(), torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+            with torch.profiler.record_function("## generate_batch"):
+                call(prompts, cached)
+        events = prof.events()
+        aten = [e.time_range.start for e in events if e.name.startswith("aten::")
+                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        state = "on" if cached else "off"
+        walls = ", ".join(f"{t['generate_batch'] * 1e3:.1f}" for t in timed)
+        print(f"\nprefix cache {state}: wall ms per call {walls}")
+        print(f"  {'region':<16}{'calls':>7}{'aten ops/prompt':>17}{'ms/prompt':>11}")
+        for label in ["generate_batch"] + [r[0] for r in REGIONS]:
+            spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == f"## {label}"]
+            if spans:
+                ops = sum(1 for t in aten if any(s <= t < e for s, e in spans))
+                ms = statistics.median(t.get(label, 0.0) for t in timed) * 1e3
+                print(f"  {label:<16}{len(spans):>7}{ops / n:>17.0f}{ms / n:>11.2f}")
+        if counters:
+            print("  counters:", {k: v for k, v in counters.items() if k in COUNTERS})
         ev = prof.key_averages()
-        ops = sum(e.count for e in ev if e.key.startswith("aten::"))
-        launches = sum(e.count for e in ev if e.key in _LAUNCHES)
-        gpu_ms = sum(e.self_device_time_total for e in ev) / 1e3
-        print(f"\n=== prefix cache {'on' if cache else 'off'}: {wall * 1e3:.1f} ms profiled, {ops} aten ops, "
-              f"{launches} kernel launches, GPU busy {gpu_ms:.1f} ms")
-        print(ev.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
-        if dev.type == "cuda":
-            print(ev.table(sort_by="self_device_time_total", row_limit=args.rows // 2, max_name_column_width=60))
-    return 0
+        launches = sum(e.count for e in ev if e.key in LAUNCHES)
+        busy = sum(e.self_device_time_total for e in ev) / 1e3 if cuda else 0.0
+        print(f"  profiled call: {len(aten)} aten ops, {launches} kernel launches, GPU busy {busy:.1f} ms")
+        if args.top:
+            print(ev.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+            if cuda:
+                print(ev.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+    same = firsts[False] == firsts[True]
+    print(f"\nfirst tokens identical with the cache on and off: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

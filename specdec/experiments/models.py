@@ -263,17 +263,18 @@ def load_hf(spec, device, dtype):
     return model, tok
 
 
-def load_app_model(name: str, device: str = "cuda", seed: int = 0):
+def load_app_model(name: str, device: str = "cuda", seed: int = 0, overrides=()):
     """``(model, torch.device)``: the app's ``model=<name>`` (a ``conf/model`` entry: its first
     target, at the device's dtype as the app resolves it) with EOS switched off, for scripts
-    that time a model outside the app. Raises as :func:`load_target` does."""
+    that time a model outside the app; ``overrides``: more Hydra overrides of the app's config
+    (e.g. ``model.targets.0.config.hidden_size=64``). Raises as :func:`load_target` does."""
     from hydra import compose, initialize_config_dir
 
     from .config import CONF_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[f"model={name}", f"device={device}"])
+        cfg = compose("config", overrides=[f"model={name}", f"device={device}", *overrides])
     dev, dtype = resolve_device(cfg)
     model, _ = load_target(cfg.model.targets[0], dev, dtype, seed)
     model.generation_config.eos_token_id = None
