@@ -41,6 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import prefix_cache as prefix_cache_module  # noqa: E402
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
             print("  counters:", {k: v for k, v in counters.items() if k in COUNTERS})
         ev = prof.key_averages()
         launches = sum(e.count for e in ev if e.key in LAUNCHES)
-        busy = sum(e.self_device_time_total for e in ev) / 1e3 if cuda else 0.0
+        # the device's own events (kernels, copies): each once (a CPU op's device time repeats them)
+        busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3
         print(f"  profiled call: {len(aten)} aten ops, {launches} kernel launches, GPU busy {busy:.1f} ms")
         if args.top:
             print(ev.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
