@@ -145,6 +145,22 @@ def test_prompt_sdpa_backends_leave_out_cudnn_and_restore():
         assert [f() for f in flags] == before
 
 
+
+def test_prompt_sdpa_backends_overlapping_blocks_restore_the_flags():
+    """Blocks of two threads that overlap (the first opened closes first) leave the flags as
+    they were before both, and cuDNN stays out until the last one closes."""
+    from specdec.models.step_attention import prompt_sdpa_backends
+
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled
+    before = cudnn()
+    a, b = prompt_sdpa_backends("cuda"), prompt_sdpa_backends("cuda")
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert not cudnn()  # b is still open
+    b.__exit__(None, None, None)
+    assert cudnn() == before
+
 def test_prefill_runs_under_the_prompt_backends(monkeypatch):
     """Every prompt forward of a prefill (here: one uncached, then two through a prefix cache)
     enters :func:`prompt_sdpa_backends` with the model's device."""

@@ -30,6 +30,7 @@ mask), which need no plan.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -45,18 +46,38 @@ GROUPED_STEP_ATTENTION = "specdec_grouped_sdpa"
 PROMPT_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
+#: the blocks of :func:`prompt_sdpa_backends` open now, across threads, and the flags' context of
+#: the first of them (restored when the last one closes), under the lock
+_PROMPT_SDPA = {"open": 0, "flags": None}
+_PROMPT_SDPA_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def prompt_sdpa_backends(device):
     """Within the block, ``scaled_dot_product_attention`` on CUDA uses only
     :data:`PROMPT_SDPA_BACKENDS` (see the module docstring: no per-shape cuDNN plans); on other
     devices nothing changes. torch keeps the allowed backends in process-wide flags
     (:func:`torch.nn.attention.sdpa_kernel`), so attention run by another thread inside the block
-    is held to them too; they are restored on exit."""
+    is held to them too. Blocks of several threads may overlap in any order: the first to open
+    sets the flags, the last to close restores them as they were before the first (each block
+    restoring its own entry's flags would leave cuDNN off for good when two overlap)."""
     if torch.device(device).type != "cuda":
         yield
         return
-    with sdpa_kernel(list(PROMPT_SDPA_BACKENDS)):
+    with _PROMPT_SDPA_LOCK:
+        if _PROMPT_SDPA["open"] == 0:
+            flags = sdpa_kernel(list(PROMPT_SDPA_BACKENDS))
+            flags.__enter__()
+            _PROMPT_SDPA["flags"] = flags
+        _PROMPT_SDPA["open"] += 1
+    try:
         yield
+    finally:
+        with _PROMPT_SDPA_LOCK:
+            _PROMPT_SDPA["open"] -= 1
+            if _PROMPT_SDPA["open"] == 0:
+                flags, _PROMPT_SDPA["flags"] = _PROMPT_SDPA["flags"], None
+                flags.__exit__(None, None, None)
 
 
 def grouped_step_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
