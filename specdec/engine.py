@@ -1058,7 +1058,8 @@ class SpeculativeGenerator:
         """The call's rollback strategy and, for ``rollback="auto"``, why: every candidate is
         measured (once per path and batch, on a decoder prefilled with the call's prompts; see
         :mod:`specdec.adaptive`) and compared at K (a fixed K) or at its best K under the
-        acceptance known now ("auto")."""
+        acceptance known now ("auto"). A tree step always runs the tree's ``step_tokens`` nodes, so
+        trees are compared at that width (as a chain of ``step_tokens - 1`` drafts)."""
         if K == 0 and not adaptive:
             plain = "plain decoding (num_speculative_tokens=0) updates the state in place: nothing to roll back"
             return _IN_PLACE, None if self._candidates is None else plain
@@ -1071,6 +1072,7 @@ class SpeculativeGenerator:
             self._strategy = self._candidates[name]
             return self._strategy, reason
         widths = list(range(1, step_tokens + 1)) if adaptive else [step_tokens]
+        at = step_tokens - 1 if tree is not None else K  # the drafts of the width a step runs (fixed K)
         costs, step_s, nbytes, left_out = self.cost_model, {}, {}, {}
         for name, strategy in self._candidates.items():
             key = CostKey(path, name, B)
@@ -1081,12 +1083,13 @@ class SpeculativeGenerator:
                     self._static.clear()
                     left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"
                     continue
-            step_s[name] = {k: costs.step_s(key, self._drafter_key, k) for k in (range(K + 1) if adaptive else [K])}
+            step_s[name] = {k: costs.step_s(key, self._drafter_key, k) for k in (range(K + 1) if adaptive else [at])}
             nbytes[name] = costs.rollback_bytes(key)
-        rates = torch.full((B, K), self.policy.prior_acceptance, device=s.input_ids.device)
+        rates = torch.full((B, at), self.policy.prior_acceptance, device=s.input_ids.device)
         budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)
+        # (at a fixed width every strategy commits the same tokens: the choice is the fastest step)
         expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool)).tolist()
-        choice = choose_strategy(step_s, expected, None if adaptive else K, nbytes, self.policy.memory_budget_bytes,
+        choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, self.policy.memory_budget_bytes,
                                  left_out)
         self._strategy = self._candidates[choice.name]
         self._choices[memo] = (choice.name, choice.reason)

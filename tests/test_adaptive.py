@@ -121,6 +121,20 @@ def test_auto_rollback_takes_the_cheapest_strategy(family):
     assert sd.last_stats.rollback == "ring" and sd.last_stats.rollback_reason.startswith("ring: ")
 
 
+@pytest.mark.parametrize("K", [2, 4])
+def test_tree_drafter_with_auto_rollback_exact(K):
+    """rollback="auto" with a tree drafter compares the strategies at the tree's width (every tree
+    step runs all its nodes, whatever K), stays exact against HF greedy and picks a strategy."""
+    from tree_drafters import SMALL_TREE
+
+    model = get_model("qwen3_5")
+    drafter = MedusaDrafter(MedusaHeads.from_target(model, num_heads=3), tree=SMALL_TREE)
+    sd = specdec.wrap(model, drafter=drafter, rollback="auto", num_speculative_tokens=K)
+    out, ref = _generate(sd, "qwen3_5")
+    assert torch.equal(out, ref)
+    assert sd.last_stats.rollback in STRATEGIES and sd.last_stats.rollback_reason
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_medusa_chain_auto_exact(strategy):
     model = get_model("qwen3_5")
