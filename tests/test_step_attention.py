@@ -126,34 +126,33 @@ def test_models_route_and_stay_exact(family, implementation, grouped):
     assert set(seen) == {implementation}  # (outside the step's own forward: switched back)
 
 
-def test_prompt_sdpa_backends_leave_out_cudnn_and_restore():
-    """On CUDA, a prompt's forward may use every SDPA backend but cuDNN's (its per-shape plans);
+def test_sdpa_without_cudnn_leaves_out_cudnn_and_restores():
+    """On CUDA, attention in the block may use every SDPA backend but cuDNN's (its per-shape plans);
     the flags come back as they were, after an error too; on a CPU nothing changes."""
-    from specdec.models.step_attention import prompt_sdpa_backends
+    from specdec.models.step_attention import sdpa_without_cudnn
 
     cuda = torch.backends.cuda
     flags = (cuda.cudnn_sdp_enabled, cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled)
     before = [f() for f in flags]
-    with prompt_sdpa_backends("cuda"):
+    with sdpa_without_cudnn("cuda"):
         assert [f() for f in flags] == [False, True, True, True]
     assert [f() for f in flags] == before
     with pytest.raises(RuntimeError, match="inside"):
-        with prompt_sdpa_backends(torch.device("cuda", 0)):
+        with sdpa_without_cudnn(torch.device("cuda", 0)):
             raise RuntimeError("inside")
     assert [f() for f in flags] == before
-    with prompt_sdpa_backends("cpu"):
+    with sdpa_without_cudnn("cpu"):
         assert [f() for f in flags] == before
 
 
-
-def test_prompt_sdpa_backends_overlapping_blocks_restore_the_flags():
+def test_sdpa_without_cudnn_overlapping_blocks_restore_the_flags():
     """Blocks of two threads that overlap (the first opened closes first) leave the flags as
     they were before both, and cuDNN stays out until the last one closes."""
-    from specdec.models.step_attention import prompt_sdpa_backends
+    from specdec.models.step_attention import sdpa_without_cudnn
 
     cudnn = torch.backends.cuda.cudnn_sdp_enabled
     before = cudnn()
-    a, b = prompt_sdpa_backends("cuda"), prompt_sdpa_backends("cuda")
+    a, b = sdpa_without_cudnn("cuda"), sdpa_without_cudnn("cuda")
     a.__enter__()
     b.__enter__()
     a.__exit__(None, None, None)
@@ -161,9 +160,12 @@ def test_prompt_sdpa_backends_overlapping_blocks_restore_the_flags():
     b.__exit__(None, None, None)
     assert cudnn() == before
 
-def test_prefill_runs_under_the_prompt_backends(monkeypatch):
-    """Every prompt forward of a prefill (here: one uncached, then two through a prefix cache)
-    enters :func:`prompt_sdpa_backends` with the model's device."""
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_prompts_and_growing_cache_steps_run_without_cudnn(monkeypatch, path):
+    """Every prompt forward (one uncached, then those through a prefix cache) enters
+    :func:`sdpa_without_cudnn` with the model's device, and so does every step of the eager path
+    (its KV cache grows a column a step); a static cache's steps (one shape per bucket) do not."""
     import contextlib
 
     import specdec.models.base as base
@@ -175,13 +177,15 @@ def test_prefill_runs_under_the_prompt_backends(monkeypatch):
         entered.append(torch.device(device))
         yield
 
-    monkeypatch.setattr(base, "prompt_sdpa_backends", spy)
+    monkeypatch.setattr(base, "sdpa_without_cudnn", spy)
     model = get_model("qwen3_5")
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(1, model.config.vocab_size, (8,), generator=g).tolist()
     prompts = [shared + torch.randint(1, model.config.vocab_size, (3,), generator=g).tolist() for _ in range(2)]
-    sd = specdec.wrap(model, num_speculative_tokens=0)
-    sd.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
-    assert entered == [torch.device("cpu")]
+    sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
+    sd.generate(torch.tensor([prompts[0]]), max_new_tokens=4)
+    steps = sd.last_stats.steps
+    assert steps == 3 and entered == [torch.device("cpu")] * (1 + (steps if path == "eager" else 0))
+    entered.clear()
     sd.generate_batch(prompts, max_new_tokens=2, prefix_caching=True, prefix_block_size=4)
     assert len(entered) >= 3 and set(entered) == {torch.device("cpu")}

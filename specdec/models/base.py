@@ -29,7 +29,7 @@ from ..kernels.mamba2.chunked import resolve_scan
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
-from .step_attention import grouped_attention_configs, grouped_step_attention_for, prompt_sdpa_backends
+from .step_attention import grouped_attention_configs, grouped_step_attention_for, sdpa_without_cudnn
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "prefill_groups", "supported_families"]
 
@@ -773,7 +773,7 @@ class HybridAdapter:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
         layers routed as ``scan`` says); returns the final hidden states ``[B, t, D]``."""
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
-        with quiet_transformers(self.device), self._prompt_patched(scan), prompt_sdpa_backends(self.device):
+        with quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device):
             return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
 
     def _layer_states(self, hf_cache, keys: bool = True) -> dict[int, LayerState]:
@@ -831,7 +831,9 @@ class HybridAdapter:
         """Run ``t`` more step tokens ``input_ids [B, t]`` through the model's own decoder layers with
         ``cache``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
         t = input_ids.shape[1]
-        with self._patched(cache), grouped_step_attention_for(self._grouped_attention):
+        # a growing cache reads one more KV column each step: no cuDNN attention (a plan per shape)
+        backends = contextlib.nullcontext() if cache.static else sdpa_without_cudnn(self.device)
+        with self._patched(cache), grouped_step_attention_for(self._grouped_attention), backends:
             out = self._call_body(input_ids, self.step_attention_mask(cache, t), cache.position_ids(t), cache)
         cache.advance(t)
         hidden = out.last_hidden_state

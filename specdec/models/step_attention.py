@@ -18,13 +18,15 @@ rounding for another query count). :meth:`HybridAdapter.forward
 the model runs transformers' ``sdpa`` (:func:`grouped_step_attention_for`); prefill keeps
 transformers' own path.
 
-:func:`prompt_sdpa_backends` picks the SDPA kernels of a prompt's forward: torch (2.5 and later)
-tries cuDNN's attention first on Hopper and newer GPUs when a mask is given, and cuDNN builds an
-execution plan for every new shape it meets. Prompts come in every length, so nearly every
-prefill meets a new shape: on an H200 each attention call of a prefill then spent 13-21 ms of
-host time building its plan (four attention layers: 50-80 ms a forward, whatever the prompt's
-length). Without cuDNN, torch runs FlashAttention (no mask) or its memory-efficient kernel (a
-mask), which need no plan.
+:func:`sdpa_without_cudnn` picks the SDPA kernels of attention whose shapes change from call to
+call: a prompt's forward (prompts come in every length) and a step over a growing KV cache (the
+eager path reads one more column each step). torch (2.5 and later) tries cuDNN's attention first
+on Hopper and newer GPUs when a mask is given, and cuDNN builds an execution plan for every new
+shape it meets: on an H200 each attention call of a prefill spent 13-21 ms of host time building
+its plan (four attention layers: 50-80 ms a forward, whatever the prompt's length). Without
+cuDNN, torch runs FlashAttention (no mask) or its memory-efficient kernel (a mask), which need no
+plan. A static cache's steps (the static and CUDA-graph paths) keep one shape per bucket and
+torch's own choice.
 """
 
 from __future__ import annotations
@@ -38,24 +40,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["GROUPED_STEP_ATTENTION", "PROMPT_SDPA_BACKENDS", "prompt_sdpa_backends", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
+__all__ = ["GROUPED_STEP_ATTENTION", "SDPA_BACKENDS_WITHOUT_CUDNN", "sdpa_without_cudnn", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
 
 #: the name :func:`grouped_step_attention` is registered under in transformers' ``AttentionInterface``
 GROUPED_STEP_ATTENTION = "specdec_grouped_sdpa"
-#: the SDPA backends a prompt's forward may use on CUDA, in torch's order of preference: all but cuDNN's
-PROMPT_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+#: the SDPA backends :func:`sdpa_without_cudnn` allows on CUDA, in torch's order of preference: all but cuDNN's
+SDPA_BACKENDS_WITHOUT_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
-#: the blocks of :func:`prompt_sdpa_backends` open now, across threads, and the flags' context of
+#: the blocks of :func:`sdpa_without_cudnn` open now, across threads, and the flags' context of
 #: the first of them (restored when the last one closes), under the lock
-_PROMPT_SDPA = {"open": 0, "flags": None}
-_PROMPT_SDPA_LOCK = threading.Lock()
+_NO_CUDNN = {"open": 0, "flags": None}
+_NO_CUDNN_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def prompt_sdpa_backends(device):
+def sdpa_without_cudnn(device):
     """Within the block, ``scaled_dot_product_attention`` on CUDA uses only
-    :data:`PROMPT_SDPA_BACKENDS` (see the module docstring: no per-shape cuDNN plans); on other
+    :data:`SDPA_BACKENDS_WITHOUT_CUDNN` (see the module docstring: no per-shape cuDNN plans); on other
     devices nothing changes. torch keeps the allowed backends in process-wide flags
     (:func:`torch.nn.attention.sdpa_kernel`), so attention run by another thread inside the block
     is held to them too. Blocks of several threads may overlap in any order: the first to open
@@ -64,19 +66,19 @@ def prompt_sdpa_backends(device):
     if torch.device(device).type != "cuda":
         yield
         return
-    with _PROMPT_SDPA_LOCK:
-        if _PROMPT_SDPA["open"] == 0:
-            flags = sdpa_kernel(list(PROMPT_SDPA_BACKENDS))
+    with _NO_CUDNN_LOCK:
+        if _NO_CUDNN["open"] == 0:
+            flags = sdpa_kernel(list(SDPA_BACKENDS_WITHOUT_CUDNN))
             flags.__enter__()
-            _PROMPT_SDPA["flags"] = flags
-        _PROMPT_SDPA["open"] += 1
+            _NO_CUDNN["flags"] = flags
+        _NO_CUDNN["open"] += 1
     try:
         yield
     finally:
-        with _PROMPT_SDPA_LOCK:
-            _PROMPT_SDPA["open"] -= 1
-            if _PROMPT_SDPA["open"] == 0:
-                flags, _PROMPT_SDPA["flags"] = _PROMPT_SDPA["flags"], None
+        with _NO_CUDNN_LOCK:
+            _NO_CUDNN["open"] -= 1
+            if _NO_CUDNN["open"] == 0:
+                flags, _NO_CUDNN["flags"] = _NO_CUDNN["flags"], None
                 flags.__exit__(None, None, None)
 
 
