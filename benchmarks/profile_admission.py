@@ -166,7 +166,8 @@ def main(argv=None) -> int:
         print(f"\nprefix cache {state}: wall ms per call {walls}")
         print(f"  {'region':<16}{'calls':>7}{'aten ops/prompt':>17}{'ms/prompt':>11}")
         for label in ["generate_batch"] + [r[0] for r in REGIONS]:
-            spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == f"## {label}"]
+            spans = [(e.time_range.start, e.time_range.end) for e in events
+                     if e.name == f"## {label}" and e.device_type == DeviceType.CPU]  # (not its GPU-side copy)
             if spans:
                 ops = sum(1 for t in aten if any(s <= t < e for s, e in spans))
                 ms = statistics.median(t.get(label, 0.0) for t in timed) * 1e3
@@ -175,8 +176,10 @@ def main(argv=None) -> int:
             print("  counters:", {k: v for k, v in counters.items() if k in COUNTERS})
         ev = prof.key_averages()
         launches = sum(e.count for e in ev if e.key in LAUNCHES)
-        # the device's own events (kernels, copies): each once (a CPU op's device time repeats them)
-        busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) / 1e3
+        # the device's own events (kernels, copies): each once (a CPU op's device time repeats them; the
+        # regions' GPU-side spans cover them)
+        busy = sum(e.time_range.elapsed_us() for e in events
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith("## ")) / 1e3
         print(f"  profiled call: {len(aten)} aten ops, {launches} kernel launches, GPU busy {busy:.1f} ms")
         if args.top:
             print(ev.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))

@@ -130,4 +130,6 @@ def test_profile_admission_cpu(tmp_path):
     regions = [x.split() for x in lines if x.strip().startswith(("prefill ", "forward ", "store ", "lookup "))]
     assert {r[0] for r in regions} >= {"prefill", "forward", "store", "lookup"}
     assert all(int(r[1]) > 0 and float(r[2]) > 0 for r in regions)
+    calls = [x.split() for x in lines if x.strip().startswith("generate_batch ")]
+    assert [int(c[1]) for c in calls] == [1, 1]  # one profiled call per mode, counted once
     assert _line(lines, "first tokens identical with the cache on and off: True")
