@@ -23,7 +23,7 @@ call: a prompt's forward (prompts come in every length) and a step over a growin
 eager path reads one more column each step). torch (2.5 and later) tries cuDNN's attention first
 on Hopper and newer GPUs when a mask is given, and cuDNN builds an execution plan for every new
 shape it meets: on an H200 each attention call of a prefill spent 13-21 ms of host time building
-its plan (four attention layers: 50-80 ms a forward, whatever the prompt's length). Without
+its plan (four attention layers: 54-84 ms a masked forward, whatever the prompt's length). Without
 cuDNN, torch runs FlashAttention (no mask) or its memory-efficient kernel (a mask), which need no
 plan. A static cache's steps (the static and CUDA-graph paths) keep one shape per bucket and
 torch's own choice.
