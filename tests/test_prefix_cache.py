@@ -737,3 +737,27 @@ def test_batched_cached_generate(family):
     planned = sd.last_stats.prefix_cache["prefill_forwards"]
     assert planned == _counters(prompts + prompts)["prefill_forwards"]
     assert len(shapes) - 1 < planned  # ([0]: the pool's placeholder rows' forward)
+
+
+def test_right_aligned_columns_match_their_definition():
+    """The gather index of a batched cached forward's keys / values (built on the device) picks, per
+    row, its last ``prefix[b]`` prefix columns then its last ``new[b]`` new ones, right-aligned and
+    padded at the left; the no-gather case only when that is every row's last W columns."""
+    import random
+
+    from specdec.models.base import _right_aligned
+
+    rng = random.Random(0)
+    for _ in range(300):
+        B, P, T = rng.randint(1, 4), rng.randint(0, 6), rng.randint(1, 6)
+        prefix, new = [rng.randint(0, P) for _ in range(B)], [rng.randint(1, T) for _ in range(B)]
+        cols = [list(range(P - p, P)) + list(range(P + T - n, P + T)) for p, n in zip(prefix, new)]
+        W = max(map(len, cols))
+        index, pad = _right_aligned(prefix, new, P, T, "cpu")
+        if index is None:
+            assert all(c == list(range(P + T - W, P + T)) for c in cols)
+            continue
+        padded = pad[:, 0, :, 0].tolist() if pad is not None else [[False] * W] * B
+        for b, c in enumerate(cols):
+            assert padded[b] == [True] * (W - len(c)) + [False] * len(c)
+            assert index[b, 0, W - len(c):, 0].tolist() == c

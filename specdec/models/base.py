@@ -132,19 +132,23 @@ def _stack_kv(new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[tupl
     return [([(idx, name) for idx, name, _ in g], torch.stack([t for _, _, t in g])) for g in groups.values()]
 
 
-def _right_aligned(columns: list[list[int]], width: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Index and padding tensors that gather each row's ``columns[b]`` (increasing positions
-    along the third axis of a ``[B, H, width, D]`` tensor) into ``W = max(len(c))`` columns,
-    right-aligned: ``(index [B, 1, W, 1] int64, pad [B, 1, W, 1] bool or None when no row is
-    shorter than W)``; ``(None, None)`` when every row's columns are the last ``W`` (nothing to
-    gather: :func:`_gather_columns` narrows)."""
-    W = max(len(c) for c in columns)
-    if all(c == list(range(width - W, width)) for c in columns):
+def _right_aligned(prefix: list[int], new: list[int], P: int, T: int, device) -> tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
+    """Index and padding tensors that gather, from the ``P + T`` columns (third axis) of a batched
+    forward's keys / values (a prefix left-padded to ``P``, then ``T`` new columns left-padded),
+    row b's real columns: its last ``prefix[b]`` prefix columns, then its last ``new[b]`` new
+    ones, right-aligned in ``W = max(prefix[b] + new[b])`` columns: ``(index [B, 1, W, 1] int64,
+    pad [B, 1, W, 1] bool or None when no row is shorter than W)``, built on the device without
+    a per-column host list; ``(None, None)`` when every row's columns are the last ``W`` (no new
+    padding or no prefix, equal rows: nothing to gather, :func:`_gather_columns` narrows)."""
+    if len(set(prefix)) == 1 and len(set(new)) == 1 and (new[0] == T or prefix[0] == 0):
         return None, None
-    index = torch.tensor([[0] * (W - len(c)) + c for c in columns], dtype=torch.long, device=device)
-    pad = None
-    if any(len(c) < W for c in columns):
-        pad = torch.tensor([[True] * (W - len(c)) + [False] * len(c) for c in columns], device=device)[:, None, :, None]
+    p = torch.tensor(prefix, device=device)[:, None]
+    n = torch.tensor(new, device=device)[:, None]
+    W = int(max(a + b for a, b in zip(prefix, new)))
+    k = torch.arange(W, device=device)[None, :] - (W - p - n)  # the position within the row's own columns
+    index = torch.where(k < p, P - p + k, P + T - n + k - p).clamp(min=0)
+    pad = (k < 0)[:, None, :, None] if any(a + b < W for a, b in zip(prefix, new)) else None
     return index[:, None, :, None], pad
 
 
@@ -741,9 +745,9 @@ class HybridAdapter:
         kv_new = _stack_kv(hf_cache.new_kv)
         final = self._layer_states(hf_cache)
         # each row's state, split once per tensor: keys / values at the row's real columns, right-aligned
-        columns = [list(range(P - min(row.start, P), P)) + list(range(P + T - n, P + T)) for row, n in zip(rows, lengths)]
-        W = max(map(len, columns))
-        index, pad = _right_aligned(columns, P + T, dev)
+        prefix = [min(row.start, P) for row in rows]
+        W = max(a + n for a, n in zip(prefix, lengths))
+        index, pad = _right_aligned(prefix, lengths, P, T, dev)
 
         def split(t, name):
             if t is None:
