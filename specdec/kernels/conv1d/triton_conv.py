@@ -43,6 +43,22 @@ PROMPT_BLOCK_T = 32
 
 
 @triton.jit
+def _tap(weight, o_c, m_c, W: tl.constexpr, w: tl.constexpr):
+    """Tap ``w`` of the depthwise ``weight [C, W]`` for channels ``o_c``, fp32 ``[BC]``."""
+    return tl.load(weight + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bias_silu(b_acc, bias, o_c, m_c, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The conv's epilogue on the fp32 sums ``b_acc [BT, BC]``: ``+ bias[o_c]`` (HAS_BIAS), then SiLU."""
+    if HAS_BIAS:
+        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        b_acc = b_acc * tl.sigmoid(b_acc)
+    return b_acc
+
+
+@triton.jit
 def _conv1d_verify_kernel(
     window,  # [S, C, W-1+T_max]
     x,  # [B, T, C]
@@ -95,12 +111,8 @@ def _conv1d_verify_kernel(
         b_new = tl.load(p_x + (o_col - start)[:, None] * C, mask=(~m_old)[:, None] & m_tc, other=0.0)
         b_new = b_new.to(window.dtype.element_ty)  # the value the window holds, as in the reference
         b_val = tl.where(m_old[:, None], b_old.to(tl.float32), b_new.to(tl.float32))
-        b_w = tl.load(weight + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
-        b_acc += b_val * b_w[None, :]
-    if HAS_BIAS:
-        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        b_acc = b_acc * tl.sigmoid(b_acc)
+        b_acc += b_val * _tap(weight, o_c, m_c, W, w)[None, :]
+    b_acc = _bias_silu(b_acc, bias, o_c, m_c, HAS_BIAS, SILU)
     tl.store(out + i_b * T * C + o_t[:, None] * C + o_c[None, :], b_acc.to(out.dtype.element_ty), mask=m_tc)
 
 
@@ -175,12 +187,8 @@ def _causal_conv1d_prompt_kernel(
             m_h = (o_s < 0) & m_t
             b_val += tl.load(p_h + (o_s + (W - 1))[:, None] * stride_h_t, mask=m_h[:, None] & m_c[None, :],
                              other=0.0).to(tl.float32)
-        b_w = tl.load(weight + o_c * W + w, mask=m_c, other=0.0).to(tl.float32)
-        b_acc += b_val * b_w[None, :]
-    if HAS_BIAS:
-        b_acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        b_acc = b_acc * tl.sigmoid(b_acc)
+        b_acc += b_val * _tap(weight, o_c, m_c, W, w)[None, :]
+    b_acc = _bias_silu(b_acc, bias, o_c, m_c, HAS_BIAS, SILU)
     p_out = out + i_b * L * C + o_t[:, None] * C + o_c[None, :]
     tl.store(p_out, b_acc.to(out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
