@@ -169,14 +169,19 @@ class CapturedProgram:
 
     Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
         what: its name, for messages. graphs: capture at all (CUDA only). compile_whole: compile
-        the whole program before capturing it (only where it is captured).
+        the whole program before capturing it (only where it is captured). fuse: run the norms /
+        MLPs fused while warming up and capturing (default :func:`~specdec.fusion.fusion_enabled`;
+        False for programs of many shapes, each of which would compile anew). pool: a graph
+        memory pool to capture into (:func:`torch.cuda.graph_pool_handle`, shared by programs
+        that are never replayed at once and whose outputs live outside the pool).
 
     Calling it runs the program once and returns how: ``"static"`` or ``"cuda_graph"``.
     """
 
     def __init__(self, fn, *, model: torch.nn.Module, what: str, graphs: bool, on_failure=None,
-                 compile_whole: bool = False):
+                 compile_whole: bool = False, fuse: bool | None = None, pool=None):
         self.fn, self.model, self.what, self.graphs, self.on_failure = fn, model, what, bool(graphs), on_failure
+        self.fuse, self.pool = fuse, pool
         self.graph = None
         self.calls = 0
         #: why the capture failed (``"Type: message"``), or None
@@ -188,11 +193,14 @@ class CapturedProgram:
 
     def _program(self):
         """What the warm-up and the capture run: the compiled program (see the class), or ``fn``."""
-        if not (self.compile_whole and self.graphs and self.compile_error is None and fusion_enabled()):
+        if not (self.compile_whole and self.graphs and self.compile_error is None and self._fusing()):
             return self.fn
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
         return self._compiled
+
+    def _fusing(self) -> bool:
+        return fusion_enabled() if self.fuse is None else bool(self.fuse)
 
     def __call__(self) -> str:
         self.calls += 1
@@ -201,7 +209,8 @@ class CapturedProgram:
             return "cuda_graph"
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
-                self.graph, _ = capture(self._program(), model=self.model, what=self.what, warmup=0)
+                self.graph, _ = capture(self._program(), model=self.model, what=self.what, warmup=0,
+                                        fuse=self._fusing(), pool=self.pool)
             except CaptureFailure as err:  # keep the static program, eagerly
                 self.error = err.reason
                 warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
@@ -211,7 +220,7 @@ class CapturedProgram:
                 self.graph.replay()  # capturing does not run the work: run this call's
                 return "cuda_graph"
         warm = self.graphs and self.error is None
-        with fused(self.model, warm and fusion_enabled()), (
+        with fused(self.model, warm and self._fusing()), (
                 graph_safe_experts(self.model) if warm else contextlib.nullcontext()):
             program = self._program() if warm else self.fn
             if program is self.fn:
