@@ -44,6 +44,7 @@ class Decoder(abc.ABC):
         tree: the draft tree every step verifies, or None (chains).
         step_tokens: the most tokens one forward runs (T = K + 1, or the tree's node count N).
         path: ``"eager"``, ``"static"`` or ``"cuda_graph"``: how the steps run.
+        prompt_path: the same for prompt forwards (:meth:`specdec.models.HybridAdapter.prefill`).
         capture_error: why CUDA graphs were asked for but not used (the capture's error), or None.
     """
 
@@ -65,9 +66,10 @@ class Decoder(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, all_hidden_states: bool = False,
-                prefix_cache=None):
+                prefix_cache=None, max_tokens: int | None = None):
         """Run the prompts ``[B, L]`` (left-padded, int64; mask 0/1) into a fresh committed state
-        (through ``prefix_cache``, a :class:`~specdec.prefix_cache.PrefixCache`, when given:
+        (through ``prefix_cache``, a :class:`~specdec.prefix_cache.PrefixCache`, when given; in
+        forwards of at most ``max_tokens`` tokens, padding included, when given:
         :meth:`HybridAdapter.prefill <specdec.models.HybridAdapter.prefill>`); returns
         ``(logits [B, V], hidden [B, D])`` at each row's last prompt token (with
         ``all_hidden_states``, ``hidden [B, L, D]`` of every position)."""
@@ -126,9 +128,12 @@ class EagerDecoder(Decoder):
     def path(self) -> str:
         return "eager"
 
-    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None):
+    prompt_path = "eager"
+
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None, max_tokens=None):
         self.cache = self.adapter.new_cache(self.batch, self.max_len, self.step_tokens, self.strategy)
-        out = self.adapter.prefill(input_ids, attention_mask, self.cache, all_hidden_states, prefix_cache=prefix_cache)
+        out = self.adapter.prefill(input_ids, attention_mask, self.cache, all_hidden_states, prefix_cache=prefix_cache,
+                                   max_tokens=max_tokens)
         self.cache.set_tree(self.tree)
         return out
 
@@ -199,9 +204,16 @@ class StaticDecoder(Decoder):
     def path(self) -> str:
         return "cuda_graph" if self._graphs else "static"
 
-    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None):
+    @property
+    def prompt_path(self) -> str:
+        """How prompts run (:meth:`specdec.models.HybridAdapter.prefill`'s ``prompt_path``): at
+        bucketed shapes, captured as CUDA graphs when the steps are."""
+        return "cuda_graph" if self.cuda_graphs else "static"
+
+    def prefill(self, input_ids, attention_mask, all_hidden_states=False, prefix_cache=None, max_tokens=None):
         fresh = self.new_cache()
-        out = self.adapter.prefill(input_ids, attention_mask, fresh, all_hidden_states, prefix_cache=prefix_cache)
+        out = self.adapter.prefill(input_ids, attention_mask, fresh, all_hidden_states, prefix_cache=prefix_cache,
+                                   max_tokens=max_tokens, prompt_path=self.prompt_path)
         self.load(fresh)
         return out
 

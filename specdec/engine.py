@@ -734,7 +734,8 @@ class SpeculativeGenerator:
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
-        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every)  # (a pool's: placeholders)
+        logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every,  # (a pool's: placeholders)
+                                     max_tokens=None if pool is None else pool.max_batch_tokens)
         self.last_cache = dec.cache
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
@@ -964,7 +965,7 @@ class SpeculativeGenerator:
                                                      prefix_cache=pool.prefix_cache))
                     continue  # its first chunk now
                 logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache,
-                                                      max_tokens=pool.max_batch_tokens)
+                                                      max_tokens=pool.max_batch_tokens, prompt_path=dec.prompt_path)
             dec.cache.reset_rows(idx, fresh)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)

@@ -31,9 +31,12 @@ from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
 from .step_attention import grouped_attention_configs, grouped_step_attention_for, sdpa_without_cudnn
 
-__all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "register", "adapter_for", "prefill_groups", "supported_families"]
+__all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "PROMPT_PATHS", "register", "adapter_for", "prefill_groups", "supported_families"]
 
 ADAPTERS: dict[str, type["HybridAdapter"]] = {}
+
+#: how :meth:`HybridAdapter.prefill` runs its prompt forwards (see there)
+PROMPT_PATHS = ("eager", "static", "cuda_graph")
 
 #: op name -> the layer class a family's ``mixer_forward`` runs against during prefill, built as
 #: ``cls(mixer, cache_params, attention_mask, scan)`` (the Mamba-2 op:
@@ -285,6 +288,7 @@ class HybridAdapter:
         #: the most prompt tokens (left padding included) one prefill forward runs; more rows run
         #: in several forwards, a longer prompt in chunks (:meth:`prefill`); None: one forward
         self.max_prefill_tokens: int | None = None
+        self._prompt_graphs = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
 
     # --- family specifics ------------------------------------------------------------------
@@ -402,6 +406,28 @@ class HybridAdapter:
         """What the body takes as ``attention_mask`` for ``t`` step tokens."""
         return self.attention_mask_arg(cache.attention_mask(t, self.dtype))
 
+    def prompt_mask_arg(self, mask: torch.Tensor, padding: torch.Tensor):
+        """What the body takes as ``attention_mask`` for a prompt forward given its additive
+        attention mask ``mask [B, 1, L, L]`` and 2-D padding mask ``padding [B, L]`` (int64, 1 =
+        token): :meth:`attention_mask_arg`'s dict, its SSM / conv layers given ``padding``."""
+        return {k: padding if v is None else v for k, v in self.attention_mask_arg(mask).items()}
+
+    def has_sliding_window(self) -> bool:
+        """Whether an attention layer keeps a sliding window."""
+        if not hasattr(self, "_sliding"):
+            self._sliding = any(getattr(DynamicCache(config=self.config), "is_sliding", ()))
+        return self._sliding
+
+    @property
+    def prompt_graphs(self):
+        """This adapter's :class:`~specdec.models.prompt_graphs.PromptGraphs` (prompt forwards
+        at bucketed shapes, captured as CUDA graphs on the ``"cuda_graph"`` prompt path)."""
+        if self._prompt_graphs is None:
+            from .prompt_graphs import PromptGraphs
+
+            self._prompt_graphs = PromptGraphs(self)
+        return self._prompt_graphs
+
     # --- body calls ---------------------------------------------------------------------------
     def _cache_keyword(self) -> str:
         """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers
@@ -422,7 +448,7 @@ class HybridAdapter:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
                 all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None,
-                max_tokens: int | None = None):
+                max_tokens: int | None = None, prompt_path: str = "eager"):
         """Run the left-padded prompt ``[B, L]`` through the model's own forward and load ``cache``
         with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
         recurrent state; a layer may hold both).
@@ -453,25 +479,42 @@ class HybridAdapter:
         relative); which rounding depends on where the forwards were cut, so on what the cache
         held (a hit loads bit for bit the state stored).
 
+        ``prompt_path`` runs the forwards without ``prefix_cache`` (each group's, or the batch's):
+        ``"eager"`` at the prompts' own shape; ``"static"`` at a bucketed shape
+        (:class:`~specdec.models.prompt_graphs.PromptGraphs`: rows and width rounded up, more left
+        padding) where a bucket holds them; ``"cuda_graph"`` the same, each bucket captured as a
+        CUDA graph from its second use (CUDA only; elsewhere, or when a capture fails, as
+        ``"static"``). Forwards no bucket holds (too many rows or tokens, a long prompt's chunks,
+        a family the buckets do not serve: :attr:`PromptGraphs.available`) run eagerly.
+
         Returns ``(logits [B, V] at the last position, last hidden state [B, D])``; with
         ``all_hidden_states`` the final hidden states of every position, ``[B, L, D]`` (zeros at
         padding with ``prefix_cache``).
 
         Raises:
-            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla.
+            ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla;
+                ``prompt_path`` is not one of :data:`PROMPT_PATHS`.
         """
+        if prompt_path not in PROMPT_PATHS:
+            raise ValueError(f"prompt_path must be one of {PROMPT_PATHS}, got {prompt_path!r}")
         scan = resolve_scan(scan, self.device, self.dtype)
         mask = attention_mask.to(torch.long)
         max_tokens = self.max_prefill_tokens if max_tokens is None else max_tokens
         groups = prefill_groups(mask, max_tokens) if prefix_cache is None else None
         if groups is not None:  # rows in groups within max_tokens
-            rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan, max_tokens) for g in groups]
+            rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan, max_tokens, prompt_path)
+                    for g in groups]
             return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups))
         if prefix_cache is None:
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            hf_cache = DynamicCache(config=self.config)
-            hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
-            states = self._layer_states(hf_cache)
+            bucketed = self._bucketed(input_ids, mask, scan, prompt_path, max_tokens)
+            if bucketed is None:
+                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+                hf_cache = DynamicCache(config=self.config)
+                hidden = self._prompt_forward(input_ids, mask, position_ids, hf_cache, scan)
+                states = self._layer_states(hf_cache)
+            else:  # views of the buckets' output buffers: loaded (copied) below, hidden states copied
+                hidden, states = bucketed
+                hidden = hidden.clone() if all_hidden_states else hidden[:, -1:].clone()
         else:
             prompts = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
             if self.batches_cached_prefill(scan):
@@ -483,14 +526,32 @@ class HybridAdapter:
         self._load(cache, states, mask)
         return logits, hidden if all_hidden_states else hidden[:, -1]
 
-    def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str, max_tokens: int):
+    def _bucketed(self, input_ids, mask, scan: str, prompt_path: str, max_tokens: int | None):
+        """The prompt forward of ``input_ids [B, L]`` at its bucket's shape
+        (:meth:`PromptGraphs.run`: views of shared buffers) on the ``"static"`` and
+        ``"cuda_graph"`` prompt paths, or None (the eager path, or no bucket of at most
+        ``max_tokens`` tokens holds it)."""
+        if prompt_path == "eager":
+            return None
+        return self.prompt_graphs.run(input_ids, mask, scan, graphs=prompt_path == "cuda_graph", max_tokens=max_tokens)
+
+    def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str, max_tokens: int,
+                      prompt_path: str = "eager"):
         """One group of :meth:`prefill`'s rows (``[g, L]``, left-padded) in one forward at their own
-        width, or, a single prompt longer than ``max_tokens``, in chunks
-        (:meth:`_chunk_forwards`); returns ``(hidden, states)`` as :meth:`prefill_cached` does."""
+        width (on ``prompt_path``, :meth:`prefill`), or, a single prompt longer than
+        ``max_tokens``, in chunks (:meth:`_chunk_forwards`); returns ``(hidden, states)`` as
+        :meth:`prefill_cached` does."""
         W = int(mask.sum(-1).max())
         input_ids, mask = input_ids[:, -W:], mask[:, -W:]  # (left padding: every token is in the last W columns)
         if input_ids.shape[0] == 1 and W > max_tokens:
             return _drain(self._chunk_forwards(input_ids[0], max_tokens, all_hidden_states, scan))
+        bucketed = self._bucketed(input_ids, mask, scan, prompt_path, max_tokens)
+        if bucketed is not None:  # copies: the next group's forward reuses the buffers
+            hidden, states = bucketed
+            names = ("keys", "values", "conv_state", "recurrent_state")
+            states = {idx: LayerState(*(None if (t := getattr(st, n)) is None else t.clone() for n in names))
+                      for idx, st in states.items()}
+            return (hidden if all_hidden_states else hidden[:, -1:]).clone(), states
         hf_cache = DynamicCache(config=self.config)
         hidden = self._prompt_forward(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), hf_cache, scan)
         return (hidden if all_hidden_states else hidden[:, -1:]), self._layer_states(hf_cache)
@@ -665,9 +726,7 @@ class HybridAdapter:
         if ssm and (scan == "hf" or not all(getattr(PROMPT_LAYERS.get(op), "state_neutral_padding", False)
                                             for _, op in ssm.values())):
             return False
-        if not hasattr(self, "_sliding"):
-            self._sliding = any(getattr(DynamicCache(config=self.config), "is_sliding", ()))
-        return not self._sliding
+        return not self.has_sliding_window()
 
     def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
                               scan: str, max_tokens: int | None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:

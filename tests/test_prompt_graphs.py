@@ -1,0 +1,166 @@
+"""Prompt forwards at bucketed shapes (``specdec.models.prompt_graphs``): the same states as an
+eager prefill of the same prompts, every output written, nothing read back to the host inside
+the forward (what lets CUDA capture it), captured and replayed on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import MAX_NEW, hf_greedy
+from markers import needs_cuda
+from tiny_models import get_model, make_model, ragged_prompts
+from torch.overrides import TorchFunctionMode
+from transformers import DynamicCache
+
+import specdec
+from specdec.models import adapter_for
+from specdec.models.prompt_graphs import PromptGraphs, prompt_bucket
+
+#: families whose prompts the buckets serve on CPU (the MoE families' experts sync with the host)
+SERVED = ["qwen3_5", "nemotron_h"]
+NAMES = ("keys", "values", "conv_state", "recurrent_state")
+
+
+def test_prompt_bucket_shapes():
+    """Rows round up to a power of two, widths to 32, 48, 64, 96, ...: never less than asked,
+    never more than a third of a bucket beyond the width (from 32 on); None past the limits."""
+    widths = [prompt_bucket(1, w, 1, 10 ** 6)[1] for w in range(1, 3000)]
+    assert sorted(set(widths))[:8] == [32, 48, 64, 96, 128, 192, 256, 384]
+    for w, b in zip(range(1, 3000), widths):
+        assert b >= w and (w <= 32 or b <= 1.5 * w)
+    assert [prompt_bucket(r, 32, 64, 10 ** 6)[0] for r in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert prompt_bucket(9, 32, max_rows=8) is None
+    assert prompt_bucket(4, 600, max_rows=8, max_tokens=2048) is None  # 4 x 768 tokens
+    assert prompt_bucket(2, 600, max_rows=8, max_tokens=2048) == (2, 768)
+    with pytest.raises(ValueError, match="rows >= 1 and width >= 1"):
+        prompt_bucket(0, 10)
+
+
+def _eager(ad, ids, mask):
+    hf = DynamicCache(config=ad.config)
+    hidden = ad._prompt_forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), hf, "torch")
+    return hidden, ad._layer_states(hf)
+
+
+@pytest.mark.parametrize("fam", SERVED)
+def test_bucketed_forward_equals_eager(fam):
+    """Ragged prompts through a bucket (more rows and columns of padding): hidden states at every
+    real position, keys / values of every column, conv windows and recurrent states equal the
+    eager forward's to fp32 rounding; the output buffers, poisoned first, are written wherever
+    read. A second shape through the same buffers gives its own eager result."""
+    model = make_model(fam).float()
+    ad = adapter_for(model)
+    graphs = PromptGraphs(ad)
+    for batch, lengths in ((3, (12, 7, 10)), (2, (5, 40))):
+        ids, mask = ragged_prompts(batch, lengths=lengths, seed=batch)
+        if graphs._outputs is not None:  # poison what the last shape left
+            for buf in [graphs._outputs.hidden] + [b for bufs in graphs._outputs.states.values() for b in bufs]:
+                if buf is not None:
+                    buf.fill_(float("nan"))
+        got_hidden, got = graphs.run(ids, mask, "torch", graphs=False)
+        want_hidden, want = _eager(ad, ids, mask)
+        real = mask.bool()
+        torch.testing.assert_close(got_hidden[real], want_hidden[real], rtol=1e-5, atol=1e-5)
+        assert set(got) == set(want)
+        for idx in want:
+            for n in NAMES:
+                w, g = getattr(want[idx], n), getattr(got[idx], n)
+                assert (w is None) == (g is None), (idx, n)
+                if w is None:
+                    continue
+                assert g.shape == w.shape, (idx, n)
+                if n in ("keys", "values"):  # real columns only: padding columns are masked
+                    w, g = w.transpose(1, 2)[real], g.transpose(1, 2)[real]
+                assert not torch.isnan(g).any(), (idx, n)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {n}")
+    assert graphs.counts == {"cuda_graph": 0, "static": 2}
+
+
+class _HostReads(TorchFunctionMode):
+    """Records every read of a tensor's value by the host (``bool``, ``item``, ``tolist``, ...)."""
+
+    READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fam", SERVED)
+def test_bucketed_forward_reads_nothing_back(fam):
+    """The program a bucket captures reads no tensor value on the host (a CUDA graph cannot
+    capture a host sync); an eager prefill with padding reads some (transformers' mask
+    shortcuts), which the bucket's masks avoid."""
+    model = make_model(fam).float()
+    ad = adapter_for(model)
+    graphs = PromptGraphs(ad)
+    ids, mask = ragged_prompts(3)
+    graphs.run(ids, mask, "torch", graphs=False)  # builds the bucket and the output buffers
+    bucket = next(iter(graphs._buckets.values()))
+    with _HostReads() as probe:
+        bucket.program()
+    assert probe.reads == []
+    with _HostReads() as probe:
+        _eager(ad, ids, mask)
+    assert probe.reads  # the probe sees what it must not see in the bucket
+
+
+def test_families_the_buckets_do_not_serve_prefill_eagerly():
+    """A model whose experts sync with the host (on CPU: the MoE families) says why, and its
+    prompts run eagerly on every prompt path, with the same result."""
+    model = make_model("qwen3_next").float()
+    ad = adapter_for(model)
+    assert "experts" in ad.prompt_graphs.available
+    ids, mask = ragged_prompts(3)
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="static")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, MAX_NEW))
+
+
+@pytest.mark.parametrize("fam", SERVED)
+def test_static_path_prefills_through_buckets_exactly(fam):
+    """``generate()`` on the static decode path prefills through a bucket (counted) and stays
+    exact against HF's greedy output; a prompt path the adapter does not know is refused."""
+    model = get_model(fam)
+    ids, mask = ragged_prompts(3)
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="static")
+    before = dict(sd.adapter.prompt_graphs.counts)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+    assert sd.adapter.prompt_graphs.counts["static"] == before["static"] + 1
+    assert torch.equal(out, hf_greedy(model, ids, mask, MAX_NEW))
+    ad = adapter_for(model)
+    cache = ad.new_cache(3, 32, 4, sd._strategy)
+    with pytest.raises(ValueError, match="prompt_path must be one of"):
+        ad.prefill(ids, mask, cache, prompt_path="graph")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fam", SERVED)
+def test_cuda_graph_prompts_replay_exactly(fam):
+    """On CUDA (fp32 tiny models): the second prefill of a bucket replays its captured graph, and
+    generate() on the CUDA-graph path equals the eager path token for token, with other prompts
+    in the same bucket too."""
+    model = get_model(fam).cuda()
+    try:
+        for seed in (0, 1, 2):
+            ids, mask = ragged_prompts(3, seed=seed)
+            ids, mask = ids.cuda(), mask.cuda()
+            outs = {}
+            for path in ("eager", "cuda_graph"):
+                sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
+                outs[path] = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+            assert torch.equal(outs["eager"], outs["cuda_graph"]), seed
+        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="cuda_graph")
+        for _ in range(3):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+        pg = sd.adapter.prompt_graphs
+        assert pg.error is None and pg.counts["cuda_graph"] >= 2, (pg.counts, pg.error)
+    finally:
+        get_model(fam).cpu()
