@@ -290,6 +290,9 @@ class PrefillExperiment:
     scans: List[str] = _doc(help="Mamba-2 prompt scans: auto (fla for bf16 / fp16 on CUDA when installed, else torch) "
                                  "| fla | torch | hf (transformers' own mixer forward)",
                             factory=lambda: ["auto", "torch", "hf"])
+    prompt_paths: List[str] = _doc(help="how prompt forwards run: eager | static (a bucketed shape) | cuda_graph "
+                                        "(the bucket captured as a CUDA graph; two untimed runs first)",
+                                   factory=lambda: ["eager"])
     warmup: int = _doc(1, "untimed prefills per point and scan first")
     profile: bool = _doc(False, "one prefill per point and scan under torch.profiler: profile.md and profile_* fields")
 

@@ -15,6 +15,12 @@ decoder body's without the input embedding (a lookup; the LM head runs at one po
 row). Attention's ``L^2`` term and the scan are not in it, so it is a floor. Each scan's logits
 are compared with the ``hf`` scan's at the same point when both ran (``logits_rel_err_vs_hf``).
 
+Each point also runs on each prompt path of ``experiment.prompt_paths`` (default ``[eager]``;
+``static``, ``cuda_graph``: :meth:`HybridAdapter.prefill <specdec.models.base.HybridAdapter.prefill>`'s
+``prompt_path``, the prompts at a bucketed shape, captured as a CUDA graph; at least two
+untimed runs first, so the bucket is captured), its logits compared with the eager path's
+(``logits_rel_err_vs_eager``), its bucket and any capture error recorded.
+
 ``experiment.profile`` adds one prefill per point and scan under ``torch.profiler``
 (:mod:`.profiling`): its kernels, GPU busy time and host time in the record, and ``profile.md``
 with the top ops by GPU time (by host time on a CPU), to see where a prefill's time goes.
@@ -81,6 +87,18 @@ def _scans(scans, device, dtype, skipped: list[str]) -> list[tuple[str, str]]:
     return sorted(out, key=lambda sp: sp[1] != "hf")
 
 
+def _prompt_paths(paths) -> list[str]:
+    """``experiment.prompt_paths`` checked, ``"eager"`` first (the others' logits are compared with
+    its). Raises ValueError for a name not in :data:`specdec.models.base.PROMPT_PATHS`."""
+    from specdec.models.base import PROMPT_PATHS
+
+    out = list(dict.fromkeys(map(str, paths)))
+    bad = [p for p in out if p not in PROMPT_PATHS]
+    if bad or not out:
+        raise ValueError(f"experiment.prompt_paths must be a non-empty list of {PROMPT_PATHS}, got {list(paths)}")
+    return sorted(out, key=lambda p: p != "eager")
+
+
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the timing grid; returns the records (also in ``out_dir``).
 
@@ -98,27 +116,34 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     log = RunRecords(out_dir)
     skipped: list[str] = []
     scans = _scans(exp.scans, device, dtype, skipped)
+    prompt_paths = _prompt_paths(exp.prompt_paths)
     profiles: list[str] = []
     for spec in cfg.model.targets:
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
         apply_cpu_threads(cfg, model, device)
         adapter = adapter_for(model)
         params = matmul_parameters(adapter)
-        log.bar = progress_bar(cfg, len(points) * len(scans), "prefill")
+        log.bar = progress_bar(cfg, len(points) * len(scans) * len(prompt_paths), "prefill")
         for B, L in points:
             gen = torch.Generator().manual_seed(int(cfg.seed) + B * L)
             ids = torch.randint(0, 8192, (B, L), generator=gen).to(device)
             mask = torch.ones_like(ids)
             cache = adapter.new_cache(B, L + 8, 1, make_strategy("snapshot"))
-            hf_logits = None
-            for scan, path in scans:
+            hf_logits = eager_logits = None
+            for (scan, path), prompt_path in [(sp, pp) for sp in scans for pp in prompt_paths]:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
+
+                def once(scan_path=path, prompt_path=prompt_path):
+                    return adapter.prefill(ids, mask, cache, scan=scan_path, prompt_path=prompt_path)
+
+                # a bucket runs eagerly first, is captured at its second use
+                warmup = max(int(exp.warmup), 2 if prompt_path == "cuda_graph" else 0)
                 try:
-                    t, (logits, _) = time_runs(lambda: adapter.prefill(ids, mask, cache, scan=path), int(cfg.repeats),
-                                               device, warmup=int(exp.warmup))
+                    t, (logits, _) = time_runs(once, int(cfg.repeats), device, warmup=warmup)
                 except torch.OutOfMemoryError:
-                    skipped.append(f"{spec.name} B={B} L={L} scan={scan}: out of device memory")
+                    skipped.append(f"{spec.name} B={B} L={L} scan={scan} prompt_path={prompt_path}: "
+                                   "out of device memory")
                     torch.cuda.empty_cache()
                     continue
                 logits = logits.float()
@@ -126,24 +151,33 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 if exp.profile:
                     from .profiling import profile_call
 
-                    prof, _ = profile_call(lambda: adapter.prefill(ids, mask, cache, scan=path), device, top=30)
-                    profiles.append(f"## {spec.name}, batch {B} x {L} prompt tokens, scan {path}\n\n"
-                                    f"```\n{prof.table}\n```\n")
+                    prof, _ = profile_call(once, device, top=30)
+                    profiles.append(f"## {spec.name}, batch {B} x {L} prompt tokens, scan {path}, "
+                                    f"prompt path {prompt_path}\n\n```\n{prof.table}\n```\n")
                     (log.out_dir / "profile.md").write_text(  # as they come: a later failure keeps them
                         "# torch.profiler: one prefill per point and scan\n\n" + "\n".join(profiles))
-                if path == "hf":
+                if path == "hf" and prompt_path == "eager":
                     hf_logits = logits
+                if prompt_path == "eager":
+                    eager_logits = logits
+                graphs = adapter.prompt_graphs
                 flop = 2.0 * params * B * L
                 roof_ms = 1e3 * flop / peak if peak else None
                 rec = {**common_fields(cfg, "prefill", spec, device, dtype), "batch": B, "prompt_tokens": L,
-                       "scan": scan, "scan_path": path, **t.scaled(1e3).fields("prefill_ms"),
+                       "scan": scan, "scan_path": path, "prompt_path": prompt_path,
+                       "prompt_bucket": (list(graphs.bucket(B, L) or []) or None) if prompt_path != "eager" else None,
+                       "prompt_graph_error": graphs.error if prompt_path == "cuda_graph" else None,
+                       **t.scaled(1e3).fields("prefill_ms"),
                        **t.rate(B * L).fields("tokens_per_s"), "matmul_params": params, "flop": flop,
                        "roof_ms": roof_ms, "x_roof": t.median * 1e3 / roof_ms if roof_ms else None,
                        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
                        "logits_rel_err_vs_hf": (float((logits - hf_logits).norm() / hf_logits.norm().clamp(min=1e-30))
                                                 if hf_logits is not None and path != "hf" else None),
+                       "logits_rel_err_vs_eager": (float((logits - eager_logits).norm()
+                                                         / eager_logits.norm().clamp(min=1e-30))
+                                                   if prompt_path != "eager" and eager_logits is not None else None),
                        **({f"profile_{k}": v for k, v in prof.fields().items()} if prof is not None else {})}
-                log.add(rec, f"{spec.name} B={B} L={L} {path}: {rec['prefill_ms']:.1f} ms, "
+                log.add(rec, f"{spec.name} B={B} L={L} {path} {prompt_path}: {rec['prefill_ms']:.1f} ms, "
                              f"{rec['tokens_per_s']:.0f} tokens/s"
                              + (f", {rec['x_roof']:.1f}x roof" if roof_ms else ""))
             del cache

@@ -333,6 +333,12 @@ PREFILL_COLUMNS = (
            legend="torch.cuda.max_memory_allocated over the runs, weights included"),
     Column("logits_rel_err_vs_hf", "logits vs hf", "{:.1e}", terminal=False,
            legend="relative error of the last position's logits against the hf scan's"),
+    Column("prompt_bucket", "bucket", TEXT, terminal=False,
+           legend="the [rows, width] the static / cuda_graph prompt path ran the batch at"),
+    Column("logits_rel_err_vs_eager", "logits vs eager", "{:.1e}", terminal=False,
+           legend="relative error of the last position's logits against the eager prompt path's"),
+    Column("prompt_graph_error", "capture error", TEXT, terminal=False,
+           legend="why the cuda_graph prompt path ran without a graph, if it did"),
 )
 
 _OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
@@ -404,7 +410,7 @@ SECTIONS = {
     "tree_verify": (("model", "decode_path", "rollback", "batch", "variant"), TREE_VERIFY_COLUMNS, "runs"),
     "ngram_proposal": (("batch", "width"), NGRAM_COLUMNS, "runs"),
     "skinny_linear": (("model", "weight", "rows"), SKINNY_LINEAR_COLUMNS, "runs"),
-    "prefill": (("model", "batch", "prompt_tokens", "scan"), PREFILL_COLUMNS, "runs"),
+    "prefill": (("model", "batch", "prompt_tokens", "scan", "prompt_path"), PREFILL_COLUMNS, "runs"),
     "checks.rollback_on_device": (("model", "rollback"), CHECK_COLUMNS["rollback_on_device"], "runs"),
     "checks.step_cost": (("model", "batch", "rollback"), CHECK_COLUMNS["step_cost"], "runs"),
     "checks.memory_budget": (("model", "rollback"), CHECK_COLUMNS["memory_budget"], "runs"),
