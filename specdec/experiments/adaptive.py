@@ -17,19 +17,19 @@ For each target and batch size of ``experiment.batch_grid``, on one batch:
    keeps its static decoder, so its CUDA graphs are captured once per cell and batch) and timed by
    :func:`.e2e.speculative_point`: one untimed call first when ``experiment.warmup``, on the
    first workload (it compiles, captures and measures auto's step costs) and, for auto, on every
-   workload, as a new generator had (its policy measures the new drafter's proposal times there,
-   and ``rollback="auto"`` chooses the strategy again); then ``repeats`` timed calls, median and
-   min-max. One generator is alive at a time (each holds a batch's caches), freed after its cell.
+   workload (its policy measures the new drafter's proposal times there and ``rollback="auto"``
+   chooses the strategy again, so the timed calls start as on a new generator); then ``repeats``
+   timed calls, median and min-max. One generator is alive at a time (each holds a batch's
+   caches), freed after its cell.
 
 The auto record also holds ``vs_best_fixed`` (its decode tokens/s over the best fixed cell's of the
 same workload and batch), ``best_fixed`` (that cell), ``vs_worst_fixed_k`` (over the best
 strategy of the worst fixed K: where every fixed K loses, auto must beat each of them), the K it
 chose at each step (``k_per_step``), the strategy it ran and why, and its predicted and measured
 tokens/s. Records are appended to ``results.jsonl`` as measured (cell by cell); the returned
-records and ``summary.md``'s table are per target, batch and workload, the cells in the order
-above. ``summary.md`` has the table,
-``speedup_vs_batch.png`` the decode speedup of every cell and ``k_over_time.png`` auto's K per
-step on each workload with the workload's acceptance.
+records, like ``summary.md``'s table, are per target, batch and workload, the cells in the order
+above. ``summary.md`` has the table, ``speedup_vs_batch.png`` the decode speedup of every cell and
+``k_over_time.png`` auto's K per step on each workload with the workload's acceptance.
 """
 
 from __future__ import annotations
