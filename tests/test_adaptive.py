@@ -171,6 +171,37 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     assert sd.last_stats.accepted_tokens > 0 and out.shape[1] == L + 48
 
 
+def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
+    """A generator given a new drafter (experiment=adaptive runs one per cell on every workload)
+    keeps its static decoder and its rollback="auto" choice, and its policy starts from the prior
+    acceptance, not from the last call's: after a call whose drafts were all wrong, the next
+    drafter's call chooses the K of every step as a new generator does; both exact."""
+    family = "qwen3_5"
+    ids, mask, _, _ = reference(family)
+    model = get_model(family)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    kw = dict(attention_mask=mask, max_new_tokens=24, pad_token_id=0)
+    costs = FixedCosts(lambda strategy, batch, K: (1.0 if strategy == "ring" else 2.0) + 0.3 * K)
+    policy = PolicySettings(acceptance_batch=1)  # the full weight at this batch of 3: the estimates move fast
+
+    def wrap(acceptance):
+        return specdec.wrap(model, drafter=OracleDrafter(plain, mask, acceptance=acceptance, seed=0),
+                            rollback="auto", num_speculative_tokens="auto", max_speculative_tokens=4,
+                            decode_path="static", cost_model=costs, policy=policy)
+
+    sd = wrap(0.0)
+    assert torch.equal(sd.generate(ids, **kw), plain)
+    assert sd.last_stats.k_per_step[-1] <= 1  # plain steps (or a probe): every draft was wrong
+    decoder = sd.decoder
+    sd.drafter = OracleDrafter(plain, mask, acceptance=1.0, seed=0)
+    assert torch.equal(sd.generate(ids, **kw), plain)
+    fresh = wrap(1.0)
+    assert torch.equal(fresh.generate(ids, **kw), plain)
+    assert sd.decoder is decoder and sd.last_stats.rollback == fresh.last_stats.rollback == "ring"
+    assert sd.last_stats.k_per_step == fresh.last_stats.k_per_step
+    assert fresh.last_stats.k_per_step[0] > 0  # (from the prior: a new call speculates at once)
+
+
 # ------------------------------------------------------------------------------ exactness, sampling
 
 V, N, POSITIONS = 8, 3000, 4

@@ -451,6 +451,56 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         ["model", "acceptance", "batch", "rollback", "num_speculative_tokens"])
 
 
+def test_adaptive_reuses_one_generator_per_cell(tmp_path: Path, monkeypatch):
+    """experiment=adaptive builds, per batch, one generator for each (K, strategy) and one for auto,
+    and runs it on every workload: a fixed cell's static decoder (on CUDA, its graphs) serves
+    every workload, and so does auto's while its strategy stays; a fixed cell warms up on its
+    first workload only, auto on each; every output equals plain decoding's (fp32)."""
+    from specdec.engine import SpeculativeGenerator
+    from specdec.experiments import e2e
+
+    built, points = [], []
+    real_init, real_point = SpeculativeGenerator.__init__, e2e.speculative_point
+
+    def counting_init(self, *args, **kwargs):
+        built.append(kwargs.get("num_speculative_tokens"))
+        real_init(self, *args, **kwargs)
+
+    def point(*args, sd, warmup, **kwargs):
+        rec = real_point(*args, sd=sd, warmup=warmup, **kwargs)
+        points.append(((kwargs["K"], kwargs["strategy"]), sd, warmup, sd.decoder))
+        return rec
+
+    monkeypatch.setattr(SpeculativeGenerator, "__init__", counting_init)
+    monkeypatch.setattr(e2e, "speculative_point", point)
+    cfg = _cfg(["experiment=adaptive", "rollback=replay", "experiment.k_grid=[1,2]",
+                "drafter.oracle_acceptance=[0.4,0.9]", "experiment.acceptance_phases=[1.0,0.0]", "max_new_tokens=12",
+                "experiment.batch_grid=[2]", "repeats=1", "experiment.decode_path=static"] + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    cells, loads = [(1, "replay"), (2, "replay"), ("auto", "auto")], [0.4, 0.9, "1->0"]
+    assert [cell for cell, *_ in points] == [c for c in cells for _ in loads]  # cells outer, workloads inner
+    assert built == [0, 1, 2, "auto"]  # plain decoding's, then one per cell (not one per cell and workload)
+    for c in cells:
+        mine = [p for p in points if p[0] == c]
+        assert len({id(sd) for _, sd, _, _ in mine}) == 1
+        assert [warm for _, _, warm, _ in mine] == ([True] * 3 if c[0] == "auto" else [True, False, False])
+        if c[0] != "auto":
+            assert len({id(dec) for *_, dec in mine}) == 1
+    # the records in the order the report and the caller see them: per workload, the cells in order
+    assert [(r["acceptance"], r["num_speculative_tokens"]) for r in records] == [(a, K) for a in loads
+                                                                                for K, _ in cells]
+    assert all(r["exact"] and r["diverged_rows"] == 0 and r["decode_path"] == "static" for r in records)
+    auto = [r for r in records if r["num_speculative_tokens"] == "auto"]
+    decoders = [dec for cell, *_, dec in points if cell == ("auto", "auto")]
+    for i in range(1, len(auto)):  # a strategy chosen again keeps its decoder
+        if auto[i]["rollback_used"] == auto[i - 1]["rollback_used"]:
+            assert decoders[i] is decoders[i - 1]
+    for r in auto:  # compared with the fixed cells of its own workload
+        best = max((f for f in records if f["acceptance"] == r["acceptance"] and f["rollback"] != "auto"),
+                   key=lambda f: f["decode_tokens_per_s"])
+        assert r["vs_best_fixed"] == pytest.approx(r["decode_tokens_per_s"] / best["decode_tokens_per_s"])
+
+
 def test_bench_takes_auto_choices(tmp_path: Path):
     """num_speculative_tokens=auto and rollback=auto through experiment=bench: exact, and the record
     names the strategy that ran; both are refused where they do not apply."""

@@ -11,19 +11,25 @@ For each target and batch size of ``experiment.batch_grid``, on one batch:
    and the changing workload, whose acceptance follows ``experiment.acceptance_phases`` over
    equal shares of the ``max_new_tokens`` new tokens (e.g. ``[0.9, 0.1]``: rows that switch from
    copy-heavy text to free text half way);
-3. per workload, every fixed K of ``experiment.k_grid`` with every strategy of
-   ``rollback.strategies``, then auto (both choices, K up to the largest of ``k_grid``), each
-   timed by :func:`.e2e.speculative_point` (one untimed call first when ``experiment.warmup``: it
-   compiles, captures and measures auto's step costs; then ``repeats`` timed calls, median and
-   min-max).
+3. every fixed K of ``experiment.k_grid`` with every strategy of ``rollback.strategies``, then
+   auto (both choices, K up to the largest of ``k_grid``), each run on every workload by one
+   generator (:func:`.e2e.speculative_generator`; each workload assigns it a new drafter, which
+   keeps its static decoder, so its CUDA graphs are captured once per cell and batch) and timed by
+   :func:`.e2e.speculative_point`: one untimed call first when ``experiment.warmup``, on the
+   first workload (it compiles, captures and measures auto's step costs) and, for auto, on every
+   workload (its policy measures the new drafter's proposal times there and ``rollback="auto"``
+   chooses the strategy again, so the timed calls start as on a new generator); then ``repeats``
+   timed calls, median and min-max. One generator is alive at a time (each holds a batch's
+   caches), freed after its cell.
 
 The auto record also holds ``vs_best_fixed`` (its decode tokens/s over the best fixed cell's of the
 same workload and batch), ``best_fixed`` (that cell), ``vs_worst_fixed_k`` (over the best
 strategy of the worst fixed K: where every fixed K loses, auto must beat each of them), the K it
 chose at each step (``k_per_step``), the strategy it ran and why, and its predicted and measured
-tokens/s. Records are appended to ``results.jsonl`` as measured; ``summary.md`` has the table,
-``speedup_vs_batch.png`` the decode speedup of every cell and ``k_over_time.png`` auto's K per
-step on each workload with the workload's acceptance.
+tokens/s. Records are appended to ``results.jsonl`` as measured (cell by cell); the returned
+records, like ``summary.md``'s table, are per target, batch and workload, the cells in the order
+above. ``summary.md`` has the table, ``speedup_vs_batch.png`` the decode speedup of every cell and
+``k_over_time.png`` auto's K per step on each workload with the workload's acceptance.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def _compare(auto: dict, fixed: list[dict]) -> dict:
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the comparison; returns the records (also in ``out_dir``)."""
     from .. import zoo
-    from .e2e import plain_reference, release, speculative_point, timing_batch
+    from .e2e import plain_reference, release, speculative_generator, speculative_point, timing_batch
     from .report import write_report
 
     exp = cfg.experiment
@@ -83,10 +89,12 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     batches = [int(b) for b in exp.batch_grid]
     k_grid = [int(k) for k in exp.k_grid]
     strategies = [str(s) for s in cfg.rollback.strategies if str(s) != "auto"]
+    cells = [(K, s) for K in k_grid for s in strategies] + [("auto", "auto")]  # auto last: it compares
     loads = workloads(cfg)
     prompts = [] if exp.prompt_tokens is not None else zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
     log = RunRecords(out_dir)
-    total = len(cfg.model.targets) * len(batches) * len(loads) * (len(k_grid) * len(strategies) + 1)
+    records: list[dict] = []  # per target, batch and workload, the cells in order
+    total = len(cfg.model.targets) * len(batches) * len(loads) * len(cells)
     bar = None
     for spec in cfg.model.targets:
         model, tok = load_target(spec, device, dtype, int(cfg.seed))
@@ -100,32 +108,39 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                     int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=False, decode_path=path)
-            for label, acceptance in loads:
-                fixed = []
-                cells = [(K, s) for K in k_grid for s in strategies] + [("auto", "auto")]
-                for K, strategy in cells:
+            measured: dict[tuple[int, int], dict] = {}  # (workload, cell) -> record
+            for c, (K, strategy) in enumerate(cells):
+                sd = None
+                for w, (label, acceptance) in enumerate(loads):
                     drafter = make_drafter(cfg, "oracle", reference=plain.plain_out,
                                            attention_mask=enc["attention_mask"], acceptance=acceptance)
+                    if sd is None:
+                        sd = speculative_generator(model, drafter=drafter, strategy=strategy, K=K, decode_path=path,
+                                                   max_speculative_tokens=max(k_grid))
                     e = speculative_point(model, enc, drafter=drafter, strategy=strategy, K=K, max_new=max_new,
                                           pad=pad, device=device, dtype=dtype, plain=plain, reference=plain.plain_out,
-                                          repeats=repeats, warmup=bool(exp.warmup), check_state=False,
-                                          decode_path=path, max_speculative_tokens=max(k_grid))
+                                          repeats=repeats, warmup=bool(exp.warmup) and (w == 0 or K == "auto"),
+                                          check_state=False, decode_path=path, max_speculative_tokens=max(k_grid),
+                                          sd=sd)
                     rec = {**common_fields(cfg, "adaptive", spec, device, dtype), "drafter": "oracle",
                            "acceptance": label, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), **e,
                            "mean_k": sum(k * n for k, n in enumerate(e["k_histogram"])) / max(1, e["steps"])}
                     if K == "auto":
-                        rec.update(_compare(rec, fixed))
+                        rec.update(_compare(rec, [measured[w, f] for f in range(c)]))
                         if not isinstance(acceptance, float):
                             rec["acceptance_schedule"] = acceptance
-                    else:
-                        fixed.append(rec)
+                    measured[w, c] = rec
                     log.add(rec, f"{spec.name} B={B} a={label} K={K} {strategy}: decode "
                                  f"{e['decode_tokens_per_s']:.1f} tokens/s ({e['decode_speedup']:.2f}x plain)")
+                sd.release()  # its static buffers and graphs, before the next cell's
+                del sd
+                release(device)
+            records += [measured[w, c] for w in range(len(loads)) for c in range(len(cells))]
         del model
         release(device)
     log.close()
     title = (f"Adaptive speculation vs fixed (K, strategy): {', '.join(t.name for t in cfg.model.targets)}, "
              f"K in {k_grid}, {max_new} new tokens, {device}, {str(dtype).replace('torch.', '')}, {repeats} repeats")
-    write_report(log.records, log.out_dir, title)
-    return log.records
+    write_report(records, log.out_dir, title)
+    return records

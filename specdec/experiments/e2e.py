@@ -5,7 +5,8 @@ specdec's own plain decoding (``num_speculative_tokens=0``: the speed baseline, 
 benchmark's reference output) and, when asked, transformers' greedy ``generate()`` (the
 rollback comparison's exactness reference: its output, and its cache's SSM states after the
 last token). :func:`speculative_point` runs ``specdec.wrap(...).generate()`` on the same batch
-and returns its timing (median and min-max of the repeats, end to end and of the decode loop
+(a new generator, or one the caller keeps across points: :func:`speculative_generator`) and
+returns its timing (median and min-max of the repeats, end to end and of the decode loop
 alone), :class:`specdec.Stats`, peak memory and exactness against a reference output: each
 diverging row's first divergence with plain decoding's top-2 logit margin there
 (:func:`divergence_margins`; in bf16 a divergence is allowed only at a near-tie: docs/design.md,
@@ -23,8 +24,8 @@ import torch
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "speculative_point", "PlainRun",
-           "state_tolerance", "row_divergences", "divergence_margins", "release"]
+__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "speculative_generator",
+           "speculative_point", "PlainRun", "state_tolerance", "row_divergences", "divergence_margins", "release"]
 
 
 def batch_encoding(tok, prompts: list[dict], batch: int, device):
@@ -213,14 +214,35 @@ def _per_step(values: list[float], steps: list[int]) -> tuple[float, float, floa
     return statistics.median(ms), min(ms), max(ms)
 
 
+def speculative_generator(model, *, drafter, strategy: str, K: int | str, decode_path: str = "auto",
+                          max_speculative_tokens: int = 8):
+    """``specdec.wrap(model, drafter, rollback=strategy, num_speculative_tokens=K, decode_path,
+    max_speculative_tokens)``: the generator :func:`speculative_point` runs. ``strategy`` / ``K``
+    may be ``"auto"`` (K up to ``max_speculative_tokens``)."""
+    import specdec
+
+    return specdec.wrap(model, drafter=drafter, rollback=str(strategy),
+                        num_speculative_tokens=K if K == "auto" else int(K),
+                        decode_path=decode_path, max_speculative_tokens=max_speculative_tokens)
+
+
 @torch.no_grad()
 def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_new: int, pad: int, device, dtype,
                       plain: PlainRun, reference: torch.Tensor, repeats: int = 1, warmup: bool = False,
-                      check_state: bool = True, decode_path: str = "auto", max_speculative_tokens: int = 8) -> dict:
+                      check_state: bool = True, decode_path: str = "auto", max_speculative_tokens: int = 8,
+                      sd=None) -> dict:
     """Run ``specdec.wrap(model, drafter, strategy, K, decode_path).generate`` on ``enc`` ``repeats`` times
     (after one untimed call of the same shape when ``warmup``: it compiles, captures and, for
     ``"auto"``, measures the step costs). ``strategy`` / ``K`` may be ``"auto"`` (K up to
     ``max_speculative_tokens``).
+
+    ``sd``: a generator the caller keeps across points instead of a new one (made by
+    :func:`speculative_generator` with the same ``strategy``, ``K``, ``decode_path`` and
+    ``max_speculative_tokens``): ``drafter`` is assigned to it, which keeps its static decoder
+    and CUDA graphs (once it has run this shape, a ``warmup`` compiles and captures nothing; with
+    ``"auto"`` it still measures the new drafter's proposal times and chooses the strategy
+    again, as for a new generator), and the caller releases it. Without ``sd`` the new generator
+    is released before returning.
 
     Returns a dict: ``steps``, ``new_tokens``, ``mean_accepted_tokens``, ``acceptance_rate``,
     ``accept_histogram`` (of the last run); ``wall_s``, ``tokens_per_s`` (end to end),
@@ -243,11 +265,12 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     ``k_per_step`` (the last run's K of every step) and ``predicted_tokens_per_s`` /
     ``measured_tokens_per_s`` (the policy's, median); with ``strategy="auto"`` ``rollback_reason``.
     """
-    import specdec
-
-    sd = specdec.wrap(model, drafter=drafter, rollback=str(strategy),
-                      num_speculative_tokens=K if K == "auto" else int(K),
-                      decode_path=decode_path, max_speculative_tokens=max_speculative_tokens)
+    own = sd is None
+    if own:
+        sd = speculative_generator(model, drafter=drafter, strategy=strategy, K=K, decode_path=decode_path,
+                                   max_speculative_tokens=max_speculative_tokens)
+    elif sd.drafter is not drafter:
+        sd.drafter = drafter
     stats = []
 
     def once():
@@ -328,6 +351,7 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     if plain.hf is not None:
         rec.update(plain.hf.rate(_new_tokens(plain.hf_out, L, pad, _eos_ids(model))).fields("hf_tokens_per_s"))
         rec["hf_speedup"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"] if rec["hf_tokens_per_s"] > 0 else 0.0
-    sd.release()
-    release(device)
+    if own:
+        sd.release()
+        release(device)
     return rec
