@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 import specdec
 from specdec.models import adapter_for
-from specdec.models.prompt_graphs import PromptGraphs, prompt_bucket
+from specdec.models.prompt_graphs import PromptGraphs, bucket_width, prompt_bucket
 
 #: families whose prompts the buckets serve on CPU (the MoE families' experts sync with the host)
 SERVED = ["qwen3_5", "nemotron_h"]
@@ -24,6 +24,7 @@ NAMES = ("keys", "values", "conv_state", "recurrent_state")
 def test_prompt_bucket_shapes():
     """Rows round up to a power of two, widths to 32, 48, 64, 96, ...: never less than asked,
     never more than a third of a bucket beyond the width (from 32 on); None past the limits."""
+    assert bucket_width(0) == 0 and bucket_width(1) == 32 and bucket_width(1000) == 1024
     widths = [prompt_bucket(1, w, 1, 10 ** 6)[1] for w in range(1, 3000)]
     assert sorted(set(widths))[:8] == [32, 48, 64, 96, 128, 192, 256, 384]
     for w, b in zip(range(1, 3000), widths):
@@ -46,18 +47,16 @@ def _eager(ad, ids, mask):
 def test_bucketed_forward_equals_eager(fam):
     """Ragged prompts through a bucket (more rows and columns of padding): hidden states at every
     real position, keys / values of every column, conv windows and recurrent states equal the
-    eager forward's to fp32 rounding; the output buffers, poisoned first, are written wherever
+    eager forward's to fp32 rounding; the shared buffers, poisoned first, are written wherever
     read. A second shape through the same buffers gives its own eager result."""
     model = make_model(fam).float()
     ad = adapter_for(model)
     graphs = PromptGraphs(ad)
     for batch, lengths in ((3, (12, 7, 10)), (2, (5, 40))):
         ids, mask = ragged_prompts(batch, lengths=lengths, seed=batch)
-        if graphs._outputs is not None:  # poison what the last shape left
-            for buf in [graphs._outputs.hidden] + [b for bufs in graphs._outputs.states.values() for b in bufs]:
-                if buf is not None:
-                    buf.fill_(float("nan"))
-        got_hidden, got = graphs.run(ids, mask, "torch", graphs=False)
+        for buf in graphs._arena.buffers.values():  # poison what the last shape left
+            buf.fill_(float("nan"))
+        got_hidden, _, got = graphs.run(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), "torch", graphs=False)
         want_hidden, want = _eager(ad, ids, mask)
         real = mask.bool()
         torch.testing.assert_close(got_hidden[real], want_hidden[real], rtol=1e-5, atol=1e-5)
@@ -101,7 +100,7 @@ def test_bucketed_forward_reads_nothing_back(fam):
     ad = adapter_for(model)
     graphs = PromptGraphs(ad)
     ids, mask = ragged_prompts(3)
-    graphs.run(ids, mask, "torch", graphs=False)  # builds the bucket and the output buffers
+    graphs.run(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), "torch", graphs=False)  # the bucket, the buffers
     bucket = next(iter(graphs._buckets.values()))
     with _HostReads() as probe:
         bucket.program()
@@ -109,6 +108,32 @@ def test_bucketed_forward_reads_nothing_back(fam):
     with _HostReads() as probe:
         _eager(ad, ids, mask)
     assert probe.reads  # the probe sees what it must not see in the bucket
+
+
+def test_continued_forward_reads_nothing_back():
+    """The same for a bucket that continues prompts from a prefix cache's hit (HF's cache loaded
+    from restored keys / values, conv windows and recurrent states inside the program)."""
+    from specdec.prefix_cache import PrefixCache
+    from specdec.rollback import make_strategy
+
+    model = make_model("nemotron_h").float()
+    ad = adapter_for(model)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 100, (8,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, 100, (n,), generator=g)]) for n in (3, 5)]
+    pc = PrefixCache(4)
+    for batch in ([prompts[0]], prompts):
+        ids, mask = ragged_prompts(len(batch), lengths=[len(p) for p in batch])
+        for b, p in enumerate(batch):
+            ids[b, ids.shape[1] - len(p):] = p
+        cache = ad.new_cache(len(batch), ids.shape[1] + 4, 3, make_strategy("snapshot"))
+        ad.prefill(ids, mask, cache, prefix_cache=pc, prompt_path="static")
+    continued = [b for b in ad.prompt_graphs._buckets.values() if b.restored and b.P]
+    assert continued and pc.stats.hit_blocks > 0
+    for bucket in continued:
+        with _HostReads() as probe:
+            bucket.program()
+        assert probe.reads == [], (bucket.B, bucket.T, bucket.P)
 
 
 def test_families_the_buckets_do_not_serve_prefill_eagerly():

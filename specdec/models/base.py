@@ -518,7 +518,8 @@ class HybridAdapter:
         else:
             prompts = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
             if self.batches_cached_prefill(scan):
-                rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens)
+                rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens,
+                                                  prompt_path)
             else:
                 rows = [self.prefill_cached(p, prefix_cache, all_hidden_states, scan) for p in prompts]
             return self._load_rows(rows, mask, cache, all_hidden_states)
@@ -533,7 +534,9 @@ class HybridAdapter:
         ``max_tokens`` tokens holds it)."""
         if prompt_path == "eager":
             return None
-        return self.prompt_graphs.run(input_ids, mask, scan, graphs=prompt_path == "cuda_graph", max_tokens=max_tokens)
+        out = self.prompt_graphs.run(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), scan,
+                                     graphs=prompt_path == "cuda_graph", max_tokens=max_tokens)
+        return None if out is None else (out[0], out[2])
 
     def _prefill_rows(self, input_ids, mask, all_hidden_states: bool, scan: str, max_tokens: int,
                       prompt_path: str = "eager"):
@@ -729,7 +732,8 @@ class HybridAdapter:
         return not self.has_sliding_window()
 
     def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
-                              scan: str, max_tokens: int | None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
+                              scan: str, max_tokens: int | None,
+                              prompt_path: str = "eager") -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
         """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding), with their
         forwards run together: returns what it returns for each, and (while nothing is evicted)
         the cache stores what it stores when run on them in order.
@@ -769,7 +773,8 @@ class HybridAdapter:
                 width = int(lengths.max())
                 groups = prefill_groups(torch.arange(width)[None] >= width - lengths[:, None], max_tokens)
                 for group in (groups or [torch.arange(len(wave))]):
-                    self._cached_forward([wave[i] for i in group.tolist()], prefix_cache, all_hidden_states, scan)
+                    self._cached_forward([wave[i] for i in group.tolist()], prefix_cache, all_hidden_states, scan,
+                                         prompt_path, max_tokens)
                 wave = [row for row in wave if row.ends]
             for k, row in rows.items():
                 results[k] = row.result(all_hidden_states)
@@ -777,21 +782,22 @@ class HybridAdapter:
         return results
 
     def _cached_forward(self, rows: list[_CachedRow], prefix_cache: PrefixCache, all_hidden_states: bool,
-                        scan: str) -> None:
+                        scan: str, prompt_path: str = "eager", max_tokens: int | None = None) -> None:
         """The next forward of each of ``rows`` in one forward of the body: each row's state
         (``row.state``, at ``row.start``) loaded into a fresh HF cache, keys / values left-padded
         to the longest row's prefix ``P``; its tokens ``row.start .. row.ends[0]`` left-padded to
         the widest ``T``; the 2-D mask ``[B, P + T]`` zero at both paddings, position ids from
         each row's own start. Then, per row, as :meth:`prefill_cached_steps` after a forward: its
         full blocks stored (:meth:`_store_blocks`), its hidden states kept, ``row.state`` (keys /
-        values of its real columns only), ``row.start`` and ``row.ends`` advanced."""
+        values of its real columns only), ``row.start`` and ``row.ends`` advanced. On the
+        ``"static"`` / ``"cuda_graph"`` prompt paths (:meth:`prefill`) the forward runs at a
+        bucketed shape (:meth:`PromptGraphs.run`, its prefix columns left-padded further) where a
+        bucket of at most ``max_tokens`` tokens holds it."""
         dev = rows[0].tokens.device
         lengths = [row.ends[0] - row.start for row in rows]
         T = max(lengths)
         kv = any(st.keys is not None for row in rows for st in row.state.values())
         P = max(row.start for row in rows) if kv else 0  # attention columns before the forward's
-        hf_cache = _KVRecordingCache(self.config)
-        self._restore(hf_cache, [row.state for row in rows], P)
         ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
         mask = torch.zeros(len(rows), P + T, dtype=torch.long, device=dev)
         positions = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
@@ -800,9 +806,19 @@ class HybridAdapter:
             mask[b, P - min(row.start, P):P] = 1  # (P = 0 for a model without attention layers)
             mask[b, P + T - n:] = 1
             positions[b, T - n:] = torch.arange(row.start, row.start + n, device=dev)
-        out = self._prompt_forward(ids, mask, positions, hf_cache, scan)
-        kv_new = _stack_kv(hf_cache.new_kv)
-        final = self._layer_states(hf_cache)
+        got = None
+        if prompt_path != "eager":  # copies: rows keep views of the states and hidden states
+            got = self.prompt_graphs.run(ids, mask, positions, scan, graphs=prompt_path == "cuda_graph",
+                                         max_tokens=max_tokens, restore=self._restored([row.state for row in rows], P),
+                                         copy=True)
+        if got is None:
+            hf_cache = _KVRecordingCache(self.config)
+            self._restore(hf_cache, [row.state for row in rows], P)
+            out = self._prompt_forward(ids, mask, positions, hf_cache, scan)
+            new_kv, final = hf_cache.new_kv, self._layer_states(hf_cache)
+        else:
+            out, new_kv, final = got
+        kv_new = _stack_kv(new_kv)
         # each row's state, split once per tensor: keys / values at the row's real columns, right-aligned
         prefix = [min(row.start, P) for row in rows]
         W = max(a + n for a, n in zip(prefix, lengths))
@@ -816,12 +832,10 @@ class HybridAdapter:
 
         names = ("keys", "values", "conv_state", "recurrent_state")
         per_row = {idx: [split(getattr(st, name), name) for name in names] for idx, st in final.items()}
-        at_end = []  # the SSM layers' states at the forward's end, read once
+        at_end = {idx: st for idx, st in final.items() if st.conv_state is not None or st.recurrent_state is not None}
 
-        def end_state(b):
-            if not at_end:
-                at_end.append(self._layer_states(hf_cache, keys=False))
-            return {idx: _row_state(st, b) for idx, st in at_end[0].items()}
+        def end_state(b):  # the SSM layers' states at the forward's end
+            return {idx: _row_state(st, b) for idx, st in at_end.items()}
 
         for b, (row, n) in enumerate(zip(rows, lengths)):
             end, off = row.ends.pop(0), T - n
@@ -859,22 +873,35 @@ class HybridAdapter:
         nothing): every attention layer's keys / values left-padded with zeros to ``width``
         columns, every SSM layer's conv window and recurrent state (zeros for a row without);
         HF's layers then continue from it. Nothing is loaded when no row holds a state."""
+        for idx, st in self._restored(states, width).items():
+            if st.keys is not None:
+                hf_cache.update(st.keys, st.values, idx)
+            if st.conv_state is not None:
+                hf_cache.update_conv_state(st.conv_state, idx, conv_kernel_size=st.conv_state.shape[-1])
+            if st.recurrent_state is not None:
+                hf_cache.update_recurrent_state(st.recurrent_state, idx)
+
+    @staticmethod
+    def _restored(states: list[dict[int, LayerState]], width: int) -> dict[int, LayerState]:
+        """The batch :meth:`_restore` loads: per layer, the rows' keys / values left-padded with
+        zeros to ``width`` columns (none when ``width`` is 0) and their conv windows and
+        recurrent states, stacked (zeros for a row without; one row: its own tensors, no copy)."""
         shapes: dict[int, LayerState] = {}
         for st in states:
             for idx, layer in st.items():
                 shapes.setdefault(idx, layer)
+        out = {}
         for idx, ref in shapes.items():
-            def stack(name, pad=False):  # (one row: no copy, HF's cache copies what it is given)
+            def stack(name, pad=False):
+                if getattr(ref, name) is None or (pad and not width):
+                    return None
                 ts = [getattr(st[idx], name) if idx in st else torch.zeros_like(getattr(ref, name)) for st in states]
                 ts = [_left_pad(t, width, 2) for t in ts] if pad else ts
                 return torch.cat(ts) if len(ts) > 1 else ts[0]
 
-            if ref.keys is not None and width:
-                hf_cache.update(stack("keys", True), stack("values", True), idx)
-            if ref.conv_state is not None:
-                hf_cache.update_conv_state(stack("conv_state"), idx, conv_kernel_size=ref.conv_state.shape[-1])
-            if ref.recurrent_state is not None:
-                hf_cache.update_recurrent_state(stack("recurrent_state"), idx)
+            out[idx] = LayerState(stack("keys", True), stack("values", True), stack("conv_state"),
+                                  stack("recurrent_state"))
+        return out
 
     def _load(self, cache: HybridCache, states: dict[int, LayerState], mask: torch.Tensor) -> None:
         """Load ``cache`` with the prefill's layer ``states`` (batched as HF's cache holds them) of

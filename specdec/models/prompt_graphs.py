@@ -13,106 +13,102 @@ bucket's width (extra rows hold one token, so no attention row is fully masked),
 mask built on the device as the additive ``[B, 1, W, W]`` causal-and-padding mask, and the
 mamba / linear-attention layers given the 2-D padding mask, both passed in the per-layer-type
 dict the body accepts (as the decode steps pass theirs), so transformers builds no mask and
-reads nothing back to the host. HF's cache is created inside the graph; its final states and
-the final hidden states are copied into output buffers shared by every bucket, so a captured
-bucket holds no memory of its own beyond its inputs (:meth:`PromptGraphs.run` returns views
-of them: consume or copy them before the next prompt forward).
+reads nothing back to the host. HF's cache is created inside the graph (loaded, for a prompt
+continued from a prefix cache's hit, from the restored states: their keys / values left-padded
+to a bucketed prefix width too); its final states, the forward's new keys / values and the
+final hidden states are copied into buffers shared by every bucket, so a captured bucket holds
+no memory of its own beyond its small token inputs (:meth:`PromptGraphs.run` returns views of
+them, or copies: consume views before the next prompt forward).
 
-Left padding leaves every layer's state as the row's own tokens leave it (the prompt layers
-and transformers' linear-attention code zero the padding's inputs; attention masks its
-columns); the results equal an eager prefill of the same prompts up to the rounding of the
+Left padding leaves every layer's state as the row's own tokens leave it from a zero state (the
+prompt layers and transformers' linear-attention code zero the padding's inputs; attention
+masks its columns), and from a restored state where the SSM layers' padding is state-neutral
+(:meth:`~specdec.models.HybridAdapter.batches_cached_prefill`); the results equal an eager prefill of the same prompts up to the rounding of the
 chunked scans at another chunk offset and of the masked attention kernel.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from ..graphs import CapturedProgram, _host_syncing_experts, capture_blocker
 
-__all__ = ["PROMPT_GRAPH_ROWS", "PROMPT_GRAPH_TOKENS", "PromptGraphs", "prompt_bucket"]
+__all__ = ["PROMPT_GRAPH_COLUMNS", "PROMPT_GRAPH_ROWS", "PROMPT_GRAPH_TOKENS", "PromptGraphs", "bucket_width",
+           "prompt_bucket"]
 
-#: the most rows of one captured prompt forward (its output buffers hold this many rows' states)
+#: the most rows of one captured prompt forward (the shared buffers hold this many rows' states)
 PROMPT_GRAPH_ROWS = 8
-#: the most tokens, padding included, of one captured prompt forward: beyond about this many the
-#: GPU's work outlasts the eager forward's host time and a graph gains little
+#: the most new tokens, padding included, of one captured prompt forward: beyond about this many
+#: the GPU's work outlasts the eager forward's host time and a graph gains little
 PROMPT_GRAPH_TOKENS = 2048
+#: the most attention columns (restored prefix and new tokens, padding included, x rows) of one
+#: captured prompt forward
+PROMPT_GRAPH_COLUMNS = 4096
 #: the narrowest bucket
 _MIN_WIDTH = 32
 #: the tensors of a :class:`~specdec.prefix_cache.LayerState`, in order
 _NAMES = ("keys", "values", "conv_state", "recurrent_state")
 
 
+def bucket_width(n: int) -> int:
+    """``n`` rounded up to the next of 32, 48, 64, 96, 128, 192, ... (``2^k`` and ``3 * 2^(k-1)``:
+    at most a third of the result is beyond ``n``, from 32 on); 0 for 0."""
+    if n <= 0:
+        return 0
+    W = _MIN_WIDTH
+    while W < n:
+        W = W * 3 // 2 if W & (W - 1) == 0 else W // 3 * 4  # 32 -> 48 -> 64 -> 96 -> 128 ...
+    return W
+
+
 def prompt_bucket(rows: int, width: int, max_rows: int = PROMPT_GRAPH_ROWS,
                   max_tokens: int = PROMPT_GRAPH_TOKENS) -> tuple[int, int] | None:
     """The captured shape ``(rows, width)`` that holds ``rows`` prompts of at most ``width``
-    tokens: rows rounded up to a power of two, the width to the next of 32, 48, 64, 96, 128, ...
-    (``2^k`` and ``3 * 2^(k-1)``: at most a third of a bucket is padding beyond the longest
-    prompt). None when the bucket has more than ``max_rows`` rows or ``max_tokens`` tokens."""
+    tokens: rows rounded up to a power of two, the width by :func:`bucket_width`. None when the
+    bucket has more than ``max_rows`` rows or ``max_tokens`` tokens."""
     if rows < 1 or width < 1:
         raise ValueError(f"a prompt bucket needs rows >= 1 and width >= 1, got {rows} and {width}")
-    B = 1 << (rows - 1).bit_length()
-    W = _MIN_WIDTH
-    while W < width:
-        W = W * 3 // 2 if W & (W - 1) == 0 else W // 3 * 4  # 32 -> 48 -> 64 -> 96 -> 128 ...
+    B, W = 1 << (rows - 1).bit_length(), bucket_width(width)
     if B > max_rows or B * W > max_tokens:
         return None
     return B, W
 
 
-class _Outputs:
-    """The output buffers every bucket's forward writes: the final hidden states (room for
-    ``tokens`` positions) and each layer's state (keys / values for ``tokens`` columns, conv and
-    recurrent state for ``rows`` rows), allocated from the first forward's shapes."""
+class _Arena:
+    """Flat buffers shared by every bucket, each allocated once, at its capacity, on the first
+    (eager) run that needs it, and viewed at each bucket's shapes."""
 
-    def __init__(self, hidden: torch.Tensor, states: dict, rows: int, tokens: int):
-        self.hidden = torch.empty(tokens * hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-        self.states = {}
-        for idx, st in states.items():
-            keys = None if st.keys is None else torch.empty(tokens * st.keys.shape[1] * st.keys.shape[3],
-                                                            dtype=st.keys.dtype, device=st.keys.device)
-            values = None if st.values is None else torch.empty(tokens * st.values.shape[1] * st.values.shape[3],
-                                                                dtype=st.values.dtype, device=st.values.device)
-            conv = None if st.conv_state is None else torch.empty(rows * st.conv_state[0].numel(),
-                                                                  dtype=st.conv_state.dtype, device=st.conv_state.device)
-            rec = None if st.recurrent_state is None else torch.empty(
-                rows * st.recurrent_state[0].numel(), dtype=st.recurrent_state.dtype, device=st.recurrent_state.device)
-            self.states[idx] = (keys, values, conv, rec)
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
 
-    @staticmethod
-    def _view(buf: torch.Tensor | None, shape) -> torch.Tensor | None:
+    def view(self, name: str, shape, dtype, device, capacity: int) -> torch.Tensor:
+        """Buffer ``name`` (``capacity`` elements) as a contiguous ``shape`` tensor."""
+        buf = self.buffers.get(name)
         if buf is None:
-            return None
+            buf = self.buffers[name] = torch.empty(capacity, dtype=dtype, device=device)
         n = 1
         for s in shape:
-            n *= s
+            n *= int(s)
         if n > buf.numel():
-            raise RuntimeError(f"prompt graph output buffer too small: {tuple(shape)} needs {n} of {buf.numel()}")
-        return buf[:n].view(shape)
-
-    def views(self, hidden_shape, state_shapes: dict):
-        """``(hidden [B, W, D], {idx: LayerState})`` views of the buffers at one bucket's shapes."""
-        from ..prefix_cache import LayerState
-
-        hidden = self._view(self.hidden, hidden_shape)
-        states = {idx: LayerState(*(self._view(buf, shape) for buf, shape in zip(self.states[idx], shapes)))
-                  for idx, shapes in state_shapes.items()}
-        return hidden, states
+            raise RuntimeError(f"prompt graph buffer {name} holds {buf.numel()} elements, {tuple(shape)} needs {n}")
+        return buf[:n].view(tuple(shape))
 
 
 class _Bucket:
-    """One bucket's fixed inputs and its program (:class:`~specdec.graphs.CapturedProgram`)."""
+    """One bucket's token inputs (ids ``[B, T]``, mask ``[B, P + T]``, positions ``[B, T]``), the
+    names of the layers it restores, and its program (:class:`~specdec.graphs.CapturedProgram`)."""
 
-    def __init__(self, owner: "PromptGraphs", B: int, W: int, scan: str, graphs: bool):
+    def __init__(self, owner: "PromptGraphs", B: int, T: int, P: int, restored: tuple, scan: str, graphs: bool):
         dev = owner.adapter.device
-        self.B, self.W = B, W
-        self.ids = torch.zeros(B, W, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(B, W, dtype=torch.long, device=dev)
-        self.shapes: dict | None = None  # each output's shape, from the first run
-        self.program = CapturedProgram(lambda: owner._forward(self, scan), model=owner.adapter.model,
-                                       what=f"the prompt forward of {B} x {W} tokens", graphs=graphs, fuse=False,
-                                       pool=owner.pool() if graphs else None)
+        self.B, self.T, self.P, self.restored = B, T, P, restored
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(B, P + T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.shapes: tuple | None = None  # each output's shape and dtype, from the first run
+        self.restore_views: dict[int, dict[str, torch.Tensor]] = {}  # the restored states' buffers
+        what = f"the prompt forward of {B} x {T} tokens" + (f" after {P} restored columns" if P else "")
+        self.program = CapturedProgram(lambda: owner._forward(self, scan), model=owner.adapter.model, what=what,
+                                       graphs=graphs, fuse=False, pool=owner.pool() if graphs else None)
 
 
 class PromptGraphs:
@@ -121,18 +117,20 @@ class PromptGraphs:
 
     Args:
         adapter: the :class:`~specdec.models.HybridAdapter` whose prompts run here.
-        max_rows / max_tokens: the largest bucket (:func:`prompt_bucket`).
+        max_rows / max_tokens: the largest bucket (:func:`prompt_bucket`); max_columns: the most
+            attention columns (rows x (prefix + new tokens), bucketed).
 
     ``counts`` holds how many forwards ran as a captured graph (``"cuda_graph"``) and eagerly at
     a bucket's shape (``"static"``: each bucket's first, its warm-up); ``error`` the first
     capture failure's reason (from then on no bucket is captured).
     """
 
-    def __init__(self, adapter, max_rows: int = PROMPT_GRAPH_ROWS, max_tokens: int = PROMPT_GRAPH_TOKENS):
+    def __init__(self, adapter, max_rows: int = PROMPT_GRAPH_ROWS, max_tokens: int = PROMPT_GRAPH_TOKENS,
+                 max_columns: int = PROMPT_GRAPH_COLUMNS):
         self.adapter = adapter
-        self.max_rows, self.max_tokens = int(max_rows), int(max_tokens)
+        self.max_rows, self.max_tokens, self.max_columns = int(max_rows), int(max_tokens), int(max_columns)
         self._buckets: dict[tuple, _Bucket] = {}
-        self._outputs: _Outputs | None = None
+        self._arena = _Arena()
         self.counts = {"cuda_graph": 0, "static": 0}
         self.error: str | None = None
         self._pool = None
@@ -164,75 +162,165 @@ class PromptGraphs:
         """None when prompts can run here, else why not."""
         return self._blocker
 
-    def bucket(self, rows: int, width: int) -> tuple[int, int] | None:
-        """The bucket of ``rows`` prompts ``width`` wide, or None (too large, or not available)."""
+    def bucket(self, rows: int, width: int, prefix: int = 0, max_tokens: int | None = None) -> tuple | None:
+        """The bucket ``(rows, width, prefix)`` of ``rows`` prompts of ``width`` new tokens after
+        ``prefix`` restored columns, or None: not available here, or more than ``max_rows`` rows,
+        ``max_tokens`` new tokens (this object's, and the caller's ``max_tokens``) or
+        ``max_columns`` attention columns."""
         if self._blocker is not None:
             return None
-        return prompt_bucket(rows, width, self.max_rows, self.max_tokens)
+        key = prompt_bucket(rows, width, self.max_rows, self.max_tokens)
+        if key is None:
+            return None
+        B, T = key
+        P = bucket_width(prefix)
+        if (max_tokens is not None and B * T > max_tokens) or B * (P + T) > self.max_columns:
+            return None
+        return B, T, P
 
-    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, scan: str, graphs: bool, max_tokens: int | None = None):
-        """The prompts ``input_ids [B, W]`` (int64, left-padded as ``mask [B, W]`` says) through
-        the body at their bucket's shape, captured as a CUDA graph from the bucket's second use
-        when ``graphs`` (CUDA, nothing blocking captures), else eagerly at that shape.
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, scan: str, graphs: bool,
+            max_tokens: int | None = None, restore: dict | None = None, copy: bool = False):
+        """The prompts ``input_ids [B, T]`` (int64, left-padded) through the body at their
+        bucket's shape, captured as a CUDA graph from the bucket's second use when ``graphs``
+        (CUDA, nothing blocking captures), else eagerly at that shape.
 
-        Returns ``(hidden [B, W, D], {layer index: LayerState})``: the final hidden states and
-        each layer's state (keys / values of the ``W`` columns), as an eager prefill leaves them;
-        views of buffers the next call overwrites. None when no bucket holds these prompts
-        (:meth:`bucket`) in at most ``max_tokens`` tokens (the caller's bound on one forward).
+        Args:
+            mask: ``[B, P + T]`` (int64, 1 = token): the ``P`` restored columns, then the new ones.
+            positions: ``[B, T]`` the new tokens' position ids.
+            scan: the Mamba-2 prompt scan (resolved). graphs: capture.
+            max_tokens: the caller's bound on one forward's tokens, padding included.
+            restore: ``{layer index: LayerState}`` the batch's states before the forward (keys /
+                values ``[B, H, P, D]``, left-padded; conv / recurrent ``[B, ...]``), or None
+                (``P = 0``: every row starts from nothing).
+            copy: return copies, not views of the shared buffers.
+
+        Returns ``(hidden [B, T, D], new_kv, states)``: the final hidden states, each attention
+        layer's keys / values of the ``T`` new columns (``{idx: (keys, values)}``) and each layer's state after the forward (keys / values of the ``P + T``
+        columns), as the eager forward leaves them; views of buffers the next call overwrites
+        unless ``copy``. None when no bucket holds the batch (:meth:`bucket`).
         """
-        B, W = input_ids.shape
-        key = self.bucket(B, W)
-        if key is None or (max_tokens is not None and key[0] * key[1] > max_tokens):
+        from ..prefix_cache import LayerState
+
+        B, T = input_ids.shape
+        P = mask.shape[1] - T
+        key = self.bucket(B, T, P, max_tokens)
+        if key is None:
             return None
         graphs = bool(graphs) and self.error is None and capture_blocker() is None and input_ids.is_cuda
-        full = key + (scan, graphs)
+        restored = tuple(sorted(restore)) if restore else ()
+        full = key + (restored, scan, graphs)
         bucket = self._buckets.get(full)
         if bucket is None:
-            bucket = self._buckets[full] = _Bucket(self, *key, scan, graphs)
-        Bb, Wb = key
+            bucket = self._buckets[full] = _Bucket(self, *key, restored, scan, graphs)
+        Bb, Tb, Pb = key
         bucket.ids.zero_()
-        bucket.ids[:B, Wb - W:] = input_ids
+        bucket.ids[:B, Tb - T:] = input_ids
+        bucket.positions.zero_()
+        bucket.positions[:B, Tb - T:] = positions
         bucket.mask.zero_()
-        bucket.mask[:B, Wb - W:] = mask
+        bucket.mask[:B, Pb - P:Pb] = mask[:, :P]
+        bucket.mask[:B, Pb + Tb - T:] = mask[:, P:]
         bucket.mask[B:, -1] = 1  # rows beyond the prompts hold one token each
+        for idx, st in (restore or {}).items():
+            for n in _NAMES:
+                if (src := getattr(st, n)) is None:
+                    continue
+                shape = (Bb, src.shape[1], Pb, src.shape[3]) if n in ("keys", "values") else (Bb, *src.shape[1:])
+                dst = self._arena.view(f"in.{idx}.{n}", shape, src.dtype, src.device, self._capacity(n, shape))
+                bucket.restore_views.setdefault(idx, {})[n] = dst
+                dst.zero_()
+                (dst[:B, :, Pb - P:] if n in ("keys", "values") else dst[:B]).copy_(src)
         how = bucket.program()
         if bucket.program.error is not None and self.error is None:
             self.error = bucket.program.error
         self.counts[how] += 1
-        hidden, states = self._outputs.views(*bucket.shapes)
+        hidden, new_kv, states = self._output_views(bucket)
+
+        def own(t):
+            return t.clone() if copy else t
+
+        def columns(t):  # the real P + T columns of a [Bb, H, Pb + Tb, D] tensor
+            if t is None:
+                return None
+            if not P:
+                return own(t[:B].narrow(2, Tb - T, T))
+            return torch.cat([t[:B, :, Pb - P:Pb], t[:B, :, Pb + Tb - T:]], dim=2)
+
+        states = {idx: LayerState(columns(st.keys), columns(st.values),
+                                  None if st.conv_state is None else own(st.conv_state[:B]),
+                                  None if st.recurrent_state is None else own(st.recurrent_state[:B]))
+                  for idx, st in states.items()}
+        new_kv = {idx: (own(k[:B, :, Tb - T:]), own(v[:B, :, Tb - T:])) for idx, (k, v) in new_kv.items()}
+        return own(hidden[:B, Tb - T:]), new_kv, states
+
+    # --- buffers ------------------------------------------------------------------------------
+    def _capacity(self, n: str, shape) -> int:
+        """Elements a shared buffer of kind ``n`` (a :class:`LayerState` field or ``"hidden"``)
+        needs at the largest bucket, given one bucket's ``shape``: keys / values (``[B, H, C,
+        D]``) ``max_columns`` columns, a hidden state (``[B, T, D]``) ``max_tokens`` positions, a
+        conv / recurrent state (``[B, ...]``) ``max_rows`` rows."""
+        if n in ("keys", "values"):
+            return self.max_columns * shape[1] * shape[3]
+        if n == "hidden":
+            return self.max_tokens * shape[-1]
+        return self.max_rows * int(torch.Size(shape[1:]).numel())
+
+    def _output_views(self, bucket: _Bucket):
+        """``(hidden, new_kv, states)`` views of the output buffers at ``bucket``'s shapes."""
         from ..prefix_cache import LayerState
 
-        def cut(t, dim):
-            return None if t is None else t[:B].narrow(dim, Wb - W, W) if dim is not None else t[:B]
+        hidden_spec, kv_specs, state_specs = bucket.shapes
+        dev = bucket.ids.device
 
-        states = {idx: LayerState(cut(st.keys, 2), cut(st.values, 2), cut(st.conv_state, None),
-                                  cut(st.recurrent_state, None)) for idx, st in states.items()}
-        return cut(hidden, 1), states
+        def view(name, spec, n):
+            return None if spec is None else self._arena.view(name, spec[0], spec[1], dev, self._capacity(n, spec[0]))
+
+        hidden = view("out.hidden", hidden_spec, "hidden")
+        new_kv = {idx: (view(f"new.{idx}.keys", ks, "keys"), view(f"new.{idx}.values", vs, "values"))
+                  for idx, (ks, vs) in kv_specs.items()}
+        states = {idx: LayerState(*(view(f"out.{idx}.{n}", spec, n) for n, spec in zip(_NAMES, specs)))
+                  for idx, specs in state_specs.items()}
+        return hidden, new_kv, states
 
     def _forward(self, bucket: _Bucket, scan: str) -> None:
-        """The program a bucket runs (and captures): the body on its buffers, outputs copied out."""
+        """The program a bucket runs (and captures): HF's cache loaded from the restored states,
+        the body on the bucket's tokens, the outputs copied out."""
+        from .base import _KVRecordingCache
+
         ad = self.adapter
-        B, W = bucket.B, bucket.W
-        mask2d = bucket.mask
-        dtype = ad.dtype
-        real = mask2d.bool()
-        causal = torch.ones(W, W, dtype=torch.bool, device=mask2d.device).tril_()
-        visible = causal[None] & real[:, None, :]
-        mask4d = torch.zeros(B, 1, W, W, dtype=dtype, device=mask2d.device).masked_fill_(
-            ~visible[:, None], torch.finfo(dtype).min)
-        positions = (mask2d.cumsum(-1) - 1).clamp_(min=0)
-        hf_cache = DynamicCache(config=ad.config)
-        hidden = ad._prompt_forward(bucket.ids, ad.prompt_mask_arg(mask4d, mask2d), positions, hf_cache, scan)
+        B, T, P = bucket.B, bucket.T, bucket.P
+        mask2d, dev, dtype = bucket.mask, bucket.ids.device, ad.dtype
+        visible = (torch.arange(P + T, device=dev)[None, :] <= torch.arange(P, P + T, device=dev)[:, None])
+        visible = visible[None] & mask2d.bool()[:, None, :]  # [B, T, P + T]: causal, not padding
+        mask4d = torch.zeros(B, 1, T, P + T, dtype=dtype, device=dev).masked_fill_(~visible[:, None],
+                                                                                   torch.finfo(dtype).min)
+        hf_cache = _KVRecordingCache(ad.config)
+        for idx in bucket.restored:
+            views = bucket.restore_views[idx]
+            if "keys" in views and P:
+                hf_cache.update(views["keys"], views["values"], idx)
+            if "conv_state" in views:
+                hf_cache.update_conv_state(views["conv_state"], idx, conv_kernel_size=views["conv_state"].shape[-1])
+            if "recurrent_state" in views:
+                hf_cache.update_recurrent_state(views["recurrent_state"], idx)
+        hf_cache.new_kv.clear()
+        hidden = ad._prompt_forward(bucket.ids, ad.prompt_mask_arg(mask4d, mask2d[:, P:]), bucket.positions,
+                                    hf_cache, scan)
         states = ad._layer_states(hf_cache)
-        if self._outputs is None:
-            self._outputs = _Outputs(hidden, states, self.max_rows, self.max_tokens)
+        new_kv = dict(hf_cache.new_kv)
         if bucket.shapes is None:
-            bucket.shapes = (tuple(hidden.shape), {idx: tuple(None if (t := getattr(st, n)) is None else tuple(t.shape)
-                                                              for n in _NAMES) for idx, st in states.items()})
-        out_hidden, out_states = self._outputs.views(*bucket.shapes)
+            def spec(t):
+                return None if t is None else (tuple(t.shape), t.dtype)
+
+            bucket.shapes = ((tuple(hidden.shape), hidden.dtype),
+                             {idx: (spec(k), spec(v)) for idx, (k, v) in new_kv.items()},
+                             {idx: tuple(spec(getattr(st, n)) for n in _NAMES) for idx, st in states.items()})
+        out_hidden, out_kv, out_states = self._output_views(bucket)
         out_hidden.copy_(hidden)
+        for idx, (k, v) in new_kv.items():
+            out_kv[idx][0].copy_(k)
+            out_kv[idx][1].copy_(v)
         for idx, st in states.items():
             for n in _NAMES:
                 if (src := getattr(st, n)) is not None:
                     getattr(out_states[idx], n).copy_(src)
-
