@@ -494,3 +494,27 @@ def test_warm_prefill_meets_every_prefill_group_size():
             ids, mask = left_pad(work.prompts[lo:lo + B], "cpu")
             sd.generate(ids, attention_mask=mask, max_new_tokens=1, pad_token_id=0)
         assert _fixed_groups(work, B, bound) == {c[0] for c in calls}
+
+
+def test_serve_rehearsal_passes_over_the_workload_untimed(tmp_path: Path, monkeypatch):
+    """experiment.rehearse=true: each continuous run calls generate_batch on the whole workload
+    once more, before its timed passes (the warm-up call, the rehearsal, the timed call), on the
+    static path so its prompt forwards run in buckets; outputs stay exact and the records keep
+    one timed pass's samples."""
+    from specdec.engine import SpeculativeGenerator
+
+    calls = []
+    real = SpeculativeGenerator.generate_batch
+
+    def counting(self, inputs, *args, **kwargs):
+        calls.append(len(inputs))
+        return real(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate_batch", counting)
+    records = run_experiment(_cfg(_serve_with("experiment.rehearse=true", "experiment.fixed_batches=false",
+                                               "drafter.names=[ngram]", "experiment.decode_path=static")), tmp_path)
+    assert [(r["run"], r["drafter"]) for r in records] == [("continuous", "plain"), ("continuous", "ngram")]
+    for r in records:
+        assert r["error"] is None and r["exact"] and len(r["ttft_ms_samples"]) == 5
+    whole = [n for n in calls if n == 5]
+    assert len(whole) == 4  # per run: the rehearsal and the timed pass over the 5 requests

@@ -238,6 +238,8 @@ class ServeExperiment:
                                                "0), each continuous run served by init_continuous_batching and TTFT "
                                                "measured from each request's arrival; null: every request at the start")
     warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
+    rehearse: bool = _doc(False, "one untimed pass over the whole workload per continuous run first (a server in "
+                                 "its steady state: the prompt-forward buckets it meets are captured)")
     ignore_eos: bool = _doc(True, "clear the target's EOS token: every request runs its own max_new_tokens")
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
 

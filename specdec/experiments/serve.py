@@ -62,7 +62,11 @@ kernels for the pool's size; the CUDA graphs of a run's KV length are captured i
 run: once in a continuous run, once per length bucket in fixed batches), and one untimed prefill of
 each group size (rows per prefill forward) a run's admissions or fixed batches will use that the
 model has not met yet, over the workload's prompts (:func:`_warm_prefill`: kernels that compile
-or autotune per prompt shape do so there, not in whichever timed run meets the shape first). Records go to
+or autotune per prompt shape do so there, not in whichever timed run meets the shape first).
+With ``experiment.rehearse`` each continuous run passes over the whole workload once, untimed,
+before its timed passes: the prompt forwards' buckets (captured as CUDA graphs on their second
+use, :mod:`specdec.models.prompt_graphs`) are then captured, as in a server that has run a
+while; without it a short run pays a capture per bucket it meets. Records go to
 ``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
 """
 
@@ -275,7 +279,7 @@ def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
                 drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                warmed: set | None = None) -> RunResult:
+                warmed: set | None = None, rehearse: bool = False) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
     with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
     ``max_batch_tokens`` and,
@@ -283,7 +287,9 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
     drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and ``warmed``
     (the model's prefill shapes warmed so far), :func:`_warm_prefill` of every admission's row
     count (:func:`_admission_sizes`; through a prefix cache with ``prefix_block``) after the
-    warm-up call."""
+    warm-up call. With ``rehearse``, one untimed pass over the whole workload before the timed
+    ones: the prompt forwards' buckets it meets (:mod:`specdec.models.prompt_graphs`) are
+    captured then, as in a server that has run a while."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
@@ -309,6 +315,11 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
                           warmed, prefix_block)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
+    if rehearse:  # a server in its steady state: the prompt buckets this workload meets are captured
+        try:
+            calls()
+        except ValueError as err:
+            return RunResult(error=str(err))
     return _timed(calls, repeats, device, arrivals=work.arrivals is not None)
 
 
@@ -662,14 +673,15 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             return rec
 
         sd = specdec.wrap(model, num_speculative_tokens=0, decode_path=path)
+        rehearse = bool(exp.rehearse)
         warmed: set = set()  # prefill shapes this model has met (_warm_prefill)
         plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens, warmed=warmed)
+                                max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         if prefix_caching:  # the same run with the prefix cache, side by side
             add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
-                            max_batch_tokens=batch_tokens, warmed=warmed), "continuous", "plain",
+                            max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse), "continuous", "plain",
                 None, "none", 0,
                 reference, caching=True, uncached=plain)
         sd.release()
@@ -696,9 +708,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                   decode_path=path)
                 cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens,
-                                       warmed)
+                                       warmed, rehearse)
                 cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens,
-                                          warmed) if prefix_caching else None)
+                                          warmed, rehearse) if prefix_caching else None)
                 sd.release()
                 fixed = None
                 if exp.fixed_batches:
