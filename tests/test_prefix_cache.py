@@ -598,6 +598,22 @@ def _assert_blocks_close(got, ref):
         assert have.hidden_states is None or rel_err(have.hidden_states, want.hidden_states) < 1e-5
 
 
+def _assert_prefills_close(have, want, batch, cache):
+    """Two cached prefills of ``batch`` agree: ``(logits, hidden, cache tensors, prefix cache)``
+    of each within 1e-5 relative (hidden states at real positions, keys / values at ``cache``'s
+    real columns), and their prefix caches hold the same blocks and states."""
+    (lb, hb, got, pc_b), (lr, hr, ref, pc_ref) = have, want
+    real = _ragged(batch)[1].bool()
+    assert rel_err(lb, lr) < 1e-5 and rel_err(hb[real], hr[real]) < 1e-5
+    cols = torch.arange(cache.max_len)[None, :] >= cache.pad[:, None]
+    assert ref.keys() == got.keys()
+    for name, t in ref.items():
+        a, b = (got[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]) if name.startswith(("k", "v")) else (got[name], t)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
+    _assert_blocks_close(_block_path(pc_b), _block_path(pc_ref))
+
+
 @pytest.mark.parametrize("family", BATCHED_FAMILIES)
 def test_batched_cached_prefill_matches_per_row(family, monkeypatch):
     """Seven prompts continued from cached prefixes of 16, 16, 12, 8, 0, 0 (and, in a second
@@ -631,15 +647,7 @@ def test_batched_cached_prefill_matches_per_row(family, monkeypatch):
     assert pc_b.stats.as_dict() == pc_ref.stats.as_dict()
     hits = _simulate(warm + batch)[len(warm):]
     assert [h for h, _, _ in hits] == [4, 4, 3, 2, 0, 0, 3] and [f for _, f, _ in hits] == [1, 1, 1, 2, 1, 2, 1]
-    real = _ragged(batch)[1].bool()
-    assert rel_err(lb, lr) < 1e-5 and rel_err(hb[real], hr[real]) < 1e-5
-    cols = torch.arange(cache.max_len)[None, :] >= cache.pad[:, None]
-    assert ref.keys() == got.keys()
-    for name, t in ref.items():
-        a, b = (got[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]) if name.startswith(("k", "v")) else (got[name], t)
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
-    _assert_blocks_close(_block_path(pc_b), _block_path(pc_ref))
+    _assert_prefills_close((lb, hb, got, pc_b), (lr, hr, ref, pc_ref), batch, cache)
 
 
 @torch.no_grad()
@@ -789,12 +797,4 @@ def test_batched_cached_prefill_through_buckets(family):
     (lr, hr, ref, pc_ref, n_ref), (lb, hb, got, pc_b, n_b) = runs
     assert n_ref[0] == 0 and n_b[0] == n_b[1] == n_ref[1] > 3  # every forward of the eager path, in a bucket
     assert pc_b.stats.as_dict() == pc_ref.stats.as_dict()
-    real = _ragged(batch)[1].bool()
-    assert rel_err(lb, lr) < 1e-5 and rel_err(hb[real], hr[real]) < 1e-5
-    cols = torch.arange(cache.max_len)[None, :] >= cache.pad[:, None]
-    assert ref.keys() == got.keys()
-    for name, t in ref.items():
-        a, b = (got[name].transpose(1, 2)[cols], t.transpose(1, 2)[cols]) if name.startswith(("k", "v")) else (got[name], t)
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert (rel_err(a.float(), b.float()) if b.is_floating_point() else float((a != b).sum())) < 1e-5, name
-    _assert_blocks_close(_block_path(pc_b), _block_path(pc_ref))
+    _assert_prefills_close((lb, hb, got, pc_b), (lr, hr, ref, pc_ref), batch, cache)
