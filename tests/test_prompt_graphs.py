@@ -189,3 +189,27 @@ def test_cuda_graph_prompts_replay_exactly(fam):
         assert pg.error is None and pg.counts["cuda_graph"] >= 2, (pg.counts, pg.error)
     finally:
         get_model(fam).cpu()
+
+
+def test_padding_columns_of_every_row_are_left_out():
+    """Prompts padded to a fixed length (columns that are padding in every row) run in the bucket
+    of their longest real prompt, and leave the same logits and cache as the eager prefill."""
+    from specdec.rollback import make_strategy
+
+    model = make_model("nemotron_h").float()
+    ad = adapter_for(model)
+    ids, mask = ragged_prompts(3)  # longest prompt: 12 tokens
+    ids = torch.cat([torch.zeros(3, 60, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(3, 60, dtype=torch.long), mask], dim=1)
+    out = {}
+    for path in ("eager", "static"):
+        cache = ad.new_cache(3, ids.shape[1] + 4, 3, make_strategy("snapshot"))
+        out[path] = ad.prefill(ids, mask, cache, prompt_path=path), cache
+    assert [k[:3] for k in ad.prompt_graphs._buckets] == [(4, 32, 0)]
+    (l1, h1), c1 = out["eager"]
+    (l2, h2), c2 = out["static"]
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2, h1, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c1.pad, c2.pad) and torch.equal(c1.seq_len, c2.seq_len)
+    step = l1.argmax(-1, keepdim=True)  # a decode step reads every state the prefill left
+    torch.testing.assert_close(ad.forward(step, c2)[0], ad.forward(step, c1)[0], rtol=1e-5, atol=1e-5)

@@ -514,7 +514,7 @@ class HybridAdapter:
                 states = self._layer_states(hf_cache)
             else:  # views of the buckets' output buffers: loaded (copied) below, hidden states copied
                 hidden, states = bucketed
-                hidden = hidden.clone() if all_hidden_states else hidden[:, -1:].clone()
+                hidden = _left_pad(hidden, mask.shape[1], 1).clone() if all_hidden_states else hidden[:, -1:].clone()
         else:
             prompts = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
             if self.batches_cached_prefill(scan):
@@ -529,11 +529,15 @@ class HybridAdapter:
 
     def _bucketed(self, input_ids, mask, scan: str, prompt_path: str, max_tokens: int | None):
         """The prompt forward of ``input_ids [B, L]`` at its bucket's shape
-        (:meth:`PromptGraphs.run`: views of shared buffers) on the ``"static"`` and
-        ``"cuda_graph"`` prompt paths, or None (the eager path, or no bucket of at most
-        ``max_tokens`` tokens holds it)."""
+        (:meth:`PromptGraphs.run`: views of shared buffers; the columns that are padding in
+        every row left out, so hidden states and keys / values may be narrower than ``L``) on the
+        ``"static"`` and ``"cuda_graph"`` prompt paths, or None (the eager path, or no bucket of
+        at most ``max_tokens`` tokens holds it)."""
         if prompt_path == "eager":
             return None
+        W = int(mask.sum(-1).max())  # columns of padding in every row are left out (left padding)
+        if 0 < W < mask.shape[1]:
+            input_ids, mask = input_ids[:, -W:], mask[:, -W:]
         out = self.prompt_graphs.run(input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), scan,
                                      graphs=prompt_path == "cuda_graph", max_tokens=max_tokens)
         return None if out is None else (out[0], out[2])
