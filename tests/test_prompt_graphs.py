@@ -72,7 +72,7 @@ def test_bucketed_forward_equals_eager(fam):
                     w, g = w.transpose(1, 2)[real], g.transpose(1, 2)[real]
                 assert not torch.isnan(g).any(), (idx, n)
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {n}")
-    assert graphs.counts == {"cuda_graph": 0, "static": 2}
+    assert graphs.counts == {"cuda_graph": 0, "static": 2, "eager": 0}
 
 
 class _HostReads(TorchFunctionMode):
@@ -213,3 +213,15 @@ def test_padding_columns_of_every_row_are_left_out():
     assert torch.equal(c1.pad, c2.pad) and torch.equal(c1.seq_len, c2.seq_len)
     step = l1.argmax(-1, keepdim=True)  # a decode step reads every state the prefill left
     torch.testing.assert_close(ad.forward(step, c2)[0], ad.forward(step, c1)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_forwards_no_bucket_holds_are_counted_eager():
+    """More rows than a bucket holds, or more tokens than the caller allows: no bucket runs them
+    (None) and they are counted as eager forwards."""
+    ad = adapter_for(make_model("nemotron_h").float())
+    graphs = PromptGraphs(ad, max_rows=2)
+    ids, mask = ragged_prompts(3)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert graphs.run(ids, mask, pos, "torch", graphs=False) is None  # 3 rows -> a bucket of 4 > 2
+    assert graphs.run(ids[:2], mask[:2], pos[:2], "torch", graphs=False, max_tokens=40) is None  # 2 x 32 > 40
+    assert graphs.counts == {"cuda_graph": 0, "static": 0, "eager": 2}

@@ -55,8 +55,12 @@ is queued at its arrival and admitted when its batch's
 gets its tokens then). Per run: throughput (generated tokens / wall, the median of ``repeats``
 runs with min-max), time to first token (queue wait + prefill) and time per output token
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
-every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), and the ratios
-``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs). One short untimed call
+every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
+``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs) and, for continuous
+runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
+forwards replayed as a captured bucket, run at a bucket's shape uncaptured (a bucket's first
+use), or run eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
+eager decode path no prompt forward is counted). One short untimed call
 per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
 kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed
 run: once in a continuous run, once per length bucket in fixed batches), and one untimed prefill of
@@ -251,6 +255,8 @@ class RunResult:
     walls: list[float] = field(default_factory=list)
     stats: list = field(default_factory=list)
     error: str | None = None
+    #: prompt forwards of the timed passes by how they ran (:attr:`PromptGraphs.counts`)
+    prompt_forwards: dict | None = None
 
 
 def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
@@ -320,7 +326,10 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
             calls()
         except ValueError as err:
             return RunResult(error=str(err))
-    return _timed(calls, repeats, device, arrivals=work.arrivals is not None)
+    before = dict(sd.adapter.prompt_graphs.counts)
+    res = _timed(calls, repeats, device, arrivals=work.arrivals is not None)
+    res.prompt_forwards = {k: v - before[k] for k, v in sd.adapter.prompt_graphs.counts.items()}
+    return res
 
 
 def _serve_arrivals(sd, work: Workload, kw: dict):
@@ -561,6 +570,7 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "mean_accepted_tokens": (accepted + row_steps) / row_steps if row_steps else None,
         "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
         "decode_path": res.stats[-1].decode_path, "capture_error": res.stats[-1].capture_error,
+        **{f"prompt_forwards_{k}": v for k, v in (res.prompt_forwards or {}).items()},
         "rollback_used": res.stats[-1].rollback,
         **_prefix_fields(res.stats),
         "exact": None if diverged is None else not diverged,

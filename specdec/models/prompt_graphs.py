@@ -120,9 +120,11 @@ class PromptGraphs:
         max_rows / max_tokens: the largest bucket (:func:`prompt_bucket`); max_columns: the most
             attention columns (rows x (prefix + new tokens), bucketed).
 
-    ``counts`` holds how many forwards ran as a captured graph (``"cuda_graph"``) and eagerly at
-    a bucket's shape (``"static"``: each bucket's first, its warm-up); ``error`` the first
-    capture failure's reason (from then on no bucket is captured).
+    ``counts`` holds how many forwards ran as a captured graph (``"cuda_graph"``), eagerly at a
+    bucket's shape (``"static"``: on the CUDA-graph path each bucket's first, its warm-up) and
+    eagerly at their own shape because no bucket held them (``"eager"``: too many rows, tokens or
+    columns, or not :attr:`available`); ``error`` the first capture failure's reason (from then
+    on no bucket is captured).
     """
 
     def __init__(self, adapter, max_rows: int = PROMPT_GRAPH_ROWS, max_tokens: int = PROMPT_GRAPH_TOKENS,
@@ -131,7 +133,7 @@ class PromptGraphs:
         self.max_rows, self.max_tokens, self.max_columns = int(max_rows), int(max_tokens), int(max_columns)
         self._buckets: dict[tuple, _Bucket] = {}
         self._arena = _Arena()
-        self.counts = {"cuda_graph": 0, "static": 0}
+        self.counts = {"cuda_graph": 0, "static": 0, "eager": 0}
         self.error: str | None = None
         self._pool = None
         self._blocker = self._why_not()
@@ -205,6 +207,7 @@ class PromptGraphs:
         P = mask.shape[1] - T
         key = self.bucket(B, T, P, max_tokens)
         if key is None:
+            self.counts["eager"] += 1
             return None
         graphs = bool(graphs) and self.error is None and capture_blocker() is None and input_ids.is_cuda
         restored = tuple(sorted(restore)) if restore else ()
