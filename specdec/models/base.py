@@ -479,8 +479,9 @@ class HybridAdapter:
         relative); which rounding depends on where the forwards were cut, so on what the cache
         held (a hit loads bit for bit the state stored).
 
-        ``prompt_path`` runs the forwards without ``prefix_cache`` (each group's, or the batch's):
-        ``"eager"`` at the prompts' own shape; ``"static"`` at a bucketed shape
+        ``prompt_path`` runs the forwards without ``prefix_cache`` (each group's, or the batch's)
+        and, with it, the batched continued forwards (:meth:`_cached_forward`; a prompt continued
+        on its own runs eagerly): ``"eager"`` at the prompts' own shape; ``"static"`` at a bucketed shape
         (:class:`~specdec.models.prompt_graphs.PromptGraphs`: rows and width rounded up, more left
         padding) where a bucket holds them; ``"cuda_graph"`` the same, each bucket captured as a
         CUDA graph from its second use (CUDA only; elsewhere, or when a capture fails, as
