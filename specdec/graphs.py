@@ -19,12 +19,27 @@ import torch
 
 from .fusion import fused, fusion_enabled
 
-__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "capture", "capture_blocker", "graph_safe_experts"]
+__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "graph_safe_experts"]
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
     """KV columns for ``n`` needed ones, rounded up so nearby lengths share one CUDA graph."""
     return -(-n // multiple) * multiple
+
+
+#: the narrowest :func:`bucket_width`
+_MIN_WIDTH = 32
+
+
+def bucket_width(n: int) -> int:
+    """``n`` rounded up to the next of 32, 48, 64, 96, 128, 192, ... (``2^k`` and ``3 * 2^(k-1)``:
+    at most a third of the result is beyond ``n``, from 32 on); 0 for 0."""
+    if n <= 0:
+        return 0
+    W = _MIN_WIDTH
+    while W < n:
+        W = W * 3 // 2 if W & (W - 1) == 0 else W // 3 * 4  # 32 -> 48 -> 64 -> 96 -> 128 ...
+    return W
 
 
 def _grouped_mm_is_graph_safe(weight: torch.Tensor) -> bool:

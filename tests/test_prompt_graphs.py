@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 import specdec
 from specdec.models import adapter_for
-from specdec.models.prompt_graphs import PromptGraphs, bucket_width, prompt_bucket
+from specdec.graphs import bucket_width
+from specdec.models.prompt_graphs import PromptGraphs, prompt_bucket
 
 #: families whose prompts the buckets serve on CPU (the MoE families' experts sync with the host)
 SERVED = ["qwen3_5", "nemotron_h"]

@@ -29,12 +29,13 @@ chunked scans at another chunk offset and of the masked attention kernel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..graphs import CapturedProgram, _host_syncing_experts, capture_blocker
+from ..graphs import CapturedProgram, _host_syncing_experts, bucket_width, capture_blocker
 
-__all__ = ["PROMPT_GRAPH_COLUMNS", "PROMPT_GRAPH_ROWS", "PROMPT_GRAPH_TOKENS", "PromptGraphs", "bucket_width",
-           "prompt_bucket"]
+__all__ = ["PROMPT_GRAPH_COLUMNS", "PROMPT_GRAPH_ROWS", "PROMPT_GRAPH_TOKENS", "PromptGraphs", "prompt_bucket"]
 
 #: the most rows of one captured prompt forward (the shared buffers hold this many rows' states)
 PROMPT_GRAPH_ROWS = 8
@@ -44,21 +45,8 @@ PROMPT_GRAPH_TOKENS = 2048
 #: the most attention columns (restored prefix and new tokens, padding included, x rows) of one
 #: captured prompt forward
 PROMPT_GRAPH_COLUMNS = 4096
-#: the narrowest bucket
-_MIN_WIDTH = 32
 #: the tensors of a :class:`~specdec.prefix_cache.LayerState`, in order
 _NAMES = ("keys", "values", "conv_state", "recurrent_state")
-
-
-def bucket_width(n: int) -> int:
-    """``n`` rounded up to the next of 32, 48, 64, 96, 128, 192, ... (``2^k`` and ``3 * 2^(k-1)``:
-    at most a third of the result is beyond ``n``, from 32 on); 0 for 0."""
-    if n <= 0:
-        return 0
-    W = _MIN_WIDTH
-    while W < n:
-        W = W * 3 // 2 if W & (W - 1) == 0 else W // 3 * 4  # 32 -> 48 -> 64 -> 96 -> 128 ...
-    return W
 
 
 def prompt_bucket(rows: int, width: int, max_rows: int = PROMPT_GRAPH_ROWS,
@@ -86,9 +74,7 @@ class _Arena:
         buf = self.buffers.get(name)
         if buf is None:
             buf = self.buffers[name] = torch.empty(capacity, dtype=dtype, device=device)
-        n = 1
-        for s in shape:
-            n *= int(s)
+        n = math.prod(shape)
         if n > buf.numel():
             raise RuntimeError(f"prompt graph buffer {name} holds {buf.numel()} elements, {tuple(shape)} needs {n}")
         return buf[:n].view(tuple(shape))
@@ -106,6 +92,7 @@ class _Bucket:
         self.positions = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.shapes: tuple | None = None  # each output's shape and dtype, from the first run
         self.restore_views: dict[int, dict[str, torch.Tensor]] = {}  # the restored states' buffers
+        self.outputs: tuple | None = None  # views of the output buffers at these shapes
         what = f"the prompt forward of {B} x {T} tokens" + (f" after {P} restored columns" if P else "")
         self.program = CapturedProgram(lambda: owner._forward(self, scan), model=owner.adapter.model, what=what,
                                        graphs=graphs, fuse=False, pool=owner.pool() if graphs else None)
@@ -231,8 +218,12 @@ class PromptGraphs:
                 shape = (Bb, src.shape[1], Pb, src.shape[3]) if n in ("keys", "values") else (Bb, *src.shape[1:])
                 dst = self._arena.view(f"in.{idx}.{n}", shape, src.dtype, src.device, self._capacity(n, shape))
                 bucket.restore_views.setdefault(idx, {})[n] = dst
-                dst.zero_()
-                (dst[:B, :, Pb - P:] if n in ("keys", "values") else dst[:B]).copy_(src)
+                if n in ("keys", "values"):  # the rows' columns right-aligned; zeros before them
+                    dst[:B, :, :Pb - P].zero_()
+                    dst[:B, :, Pb - P:].copy_(src)
+                else:
+                    dst[:B].copy_(src)
+                dst[B:].zero_()  # rows beyond the prompts start from nothing
         how = bucket.program()
         if bucket.program.error is not None and self.error is None:
             self.error = bucket.program.error
@@ -269,7 +260,13 @@ class PromptGraphs:
         return self.max_rows * int(torch.Size(shape[1:]).numel())
 
     def _output_views(self, bucket: _Bucket):
-        """``(hidden, new_kv, states)`` views of the output buffers at ``bucket``'s shapes."""
+        """``(hidden, new_kv, states)`` views of the output buffers at ``bucket``'s shapes (built
+        once per bucket: the buffers never move)."""
+        if bucket.outputs is None:
+            bucket.outputs = self._new_output_views(bucket)
+        return bucket.outputs
+
+    def _new_output_views(self, bucket: _Bucket):
         from ..prefix_cache import LayerState
 
         hidden_spec, kv_specs, state_specs = bucket.shapes
@@ -285,6 +282,7 @@ class PromptGraphs:
                   for idx, specs in state_specs.items()}
         return hidden, new_kv, states
 
+    @torch.no_grad()
     def _forward(self, bucket: _Bucket, scan: str) -> None:
         """The program a bucket runs (and captures): HF's cache loaded from the restored states,
         the body on the bucket's tokens, the outputs copied out."""
