@@ -8,7 +8,9 @@ the step time at K is the fastest strategy's ``decode_ms_per_step`` at that K in
 the run's plain ``plain_decode_ms_per_step``), linear between the measured K. Each row accepts
 each draft with the workload's probability, independently, until the first rejection (as
 :class:`specdec.drafters.OracleDrafter` corrupts drafts); a fixed batch runs until its slowest
-row has its ``max_new_tokens``, every step costing the whole batch's time. This predicts; the
+row has its ``max_new_tokens``, every step costing the whole batch's time, and the policy counts
+E(K) until that row ends, as ``generate()`` does (``--per-step``: per step, as continuous batching
+does). This predicts; the
 GPU run (``experiment=adaptive``) measures.
 
     python benchmarks/simulate_adaptive.py benchmarks/results/adaptive_qwen35_shape_b1.jsonl
@@ -44,13 +46,13 @@ def step_costs(records: list[dict], batch: int, max_k: int) -> list[float]:
 
 
 def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings: PolicySettings,
-             fixed_k: int | None, seed: int) -> tuple[float, list[int]]:
+             fixed_k: int | None, seed: int, until_last: bool = True) -> tuple[float, list[int]]:
     """Tokens/s of one batch (``acceptance``: a rate, or a function of a row's new-token count)
     under the policy (``fixed_k`` None) or a fixed K; and the K of every step."""
     M = len(costs) - 1
     gen = torch.Generator().manual_seed(seed)
     policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None,
-                               M, batch, max_new, settings.prior_acceptance, "cpu")
+                               M, batch, max_new, settings.prior_acceptance, "cpu", until_last)
     rate = acceptance if callable(acceptance) else (lambda p: acceptance)
     n_gen = torch.zeros(batch, dtype=torch.long)
     seconds, ks = 0.0, []
@@ -78,6 +80,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--seeds", type=int, default=3, help="acceptance draws averaged per cell")
     p.add_argument("--phases", type=float, nargs="*", default=[0.9, 0.1], help="the changing workload")
+    p.add_argument("--per-step", action="store_true",
+                   help="E(K) per step, as continuous batching uses it (default: until the batch's slowest row ends, "
+                        "as generate() does)")
     for name in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     args = p.parse_args(argv)
@@ -100,7 +105,7 @@ def main(argv=None) -> None:
                 return statistics.fmean(simulate(costs, batch, acc, args.max_new, settings, k, s)[0]
                                         for s in range(args.seeds))
             fixed = {k: mean_rate(k) for k in range(args.max_k + 1)}
-            runs = [simulate(costs, batch, acc, args.max_new, settings, None, s) for s in range(args.seeds)]
+            runs = [simulate(costs, batch, acc, args.max_new, settings, None, s, not args.per_step) for s in range(args.seeds)]
             auto = statistics.fmean(r for r, _ in runs)
             best = max(fixed, key=fixed.get)
             worst = min(v for k, v in fixed.items() if k > 0)

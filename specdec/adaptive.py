@@ -17,13 +17,20 @@ every step, for each K in ``[0, max_speculative_tokens]``::
 ``t(K)`` the predicted seconds of one step of the whole batch (:class:`CostModel`). K = 0 is plain
 decoding through the same engine (the drafter is not called).
 
-:class:`SpeculationPolicy` turns K* into the step's K with two rules:
+:class:`SpeculationPolicy` turns K* into the step's K with these rules:
 
 * **hysteresis**: the current K is kept unless K* is predicted faster by more than
   ``hysteresis`` (default 5%), so measurement noise does not switch between step widths (each
   width of the static path is its own captured CUDA graph) every step;
+* **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
+  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
   step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes.
+
+For a batch that ends with its slowest row (``generate()``, not continuous batching), E(K) is
+instead the tokens the rows have left over the steps the slowest row is expected to need at K
+(:func:`expected_tokens` with ``until_last``): rows that speculate finish at different steps and
+the batch waits for the last.
 
 Every row runs the step's K: the verify forward pads rows to one width, so a per-row count below
 the step's K would save no time in this loop (the drafter and the forward cost the same) and
@@ -83,10 +90,9 @@ class PolicySettings:
             observed, in [0, 1] (each call starts from it: its rows are new sequences).
         hysteresis: keep the current K unless another is predicted faster by more than this
             fraction (>= 0).
-        min_gain: speculate (K > 0) only when predicted faster than plain decoding (K = 0) by more
-            than this fraction (>= 0): in a batch that ends with its slowest row, rows that
-            speculate finish steps apart and the batch waits for the last, a loss the per-step
-            prediction does not see.
+        min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
+            faster than plain decoding (K = 0) by more than this fraction (>= 0); speculation
+            that runs stops when predicted slower than K = 0 (:func:`choose_k`).
         probe_interval: at K = 0, every this-many-th step at least runs K = 1 (>= 1).
         probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
             time at K = 0 (in (0, 1]; at a large batch a K = 1 step costs much more than a K = 0 one).
@@ -184,23 +190,55 @@ class AcceptanceEstimator:
         drift = ~observed & active[:, None] & (j >= 1)
         self.rates = torch.where(drift, (1 - w) * new + w * left, new)
 
-    def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor, until_last: bool = False) -> torch.Tensor:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
-        summed over the ``active [B]`` rows; ``budget [B]`` int64: the drafts each row can still use."""
-        return expected_tokens(self.rates, budget, active)
+        summed over the ``active [B]`` rows; ``budget [B]`` int64: the drafts each row can still use;
+        ``until_last``: per step until the slowest row ends (:func:`expected_tokens`)."""
+        return expected_tokens(self.rates, budget, active, until_last)
 
 
-def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor,
+                    until_last: bool = False) -> torch.Tensor:
     """E(K) for K = 0..M (``[M + 1]`` fp64): ``sum_r active[r] (1 + sum_{j <= min(K, budget[r])}
     prod_{i <= j} rates[r, i])``, the expected tokens a step commits when every row is asked for
-    K drafts (per-position rates ``[B, M]``, Leviathan et al. 2023, section 3.1)."""
+    K drafts (per-position rates ``[B, M]``, Leviathan et al. 2023, section 3.1).
+
+    With ``until_last`` (a batch that ends with its slowest row, as ``generate()``'s does), the
+    tokens the active rows have left, ``L = sum_r l_r`` with ``l_r = budget[r] + 1``, over the
+    steps the batch is expected to need to commit them at K: ``L / max_r S_r(K)``. Committing
+    ``mu`` tokens a step with variance ``v``, row r needs ``S_r = l_r / mu + z sqrt(l_r v / mu^3)``
+    steps (the normal approximation of a renewal count); ``z``, the expected largest of n standard
+    normals for n active rows (Blom's approximation ``Phi^-1((n - 0.375) / (n + 0.25))``), is how
+    far the slowest of them falls behind. ``mu`` and ``v`` come from the active rows' mean rates:
+    the largest of many noisy per-row estimates would always find a row that looks slow. At K = 0
+    every row commits one token a step, so this is ``L / max_r l_r``; at batch 1 it is E(K) at the
+    start of a call. Speculation makes rows finish at different steps and the batch waits for the
+    last one: the per-step E(K) does not see that loss, this does."""
     B, M = rates.shape
-    reach = torch.cumprod(rates.double(), dim=1)  # P(drafts 1..j all accepted)
-    gain = torch.cat([reach.new_zeros(B, 1), torch.cumsum(reach, dim=1)], dim=1)  # [B, M + 1]
     K = torch.arange(M + 1, device=rates.device)[None, :]
     cols = torch.minimum(K, budget.clamp(min=0)[:, None])
-    per_row = 1.0 + gain.gather(1, cols)
-    return (per_row * active[:, None].double()).sum(0)
+    live = active[:, None].double()
+    if not until_last:
+        return ((1.0 + _reached(rates.double()).gather(1, cols)) * live).sum(0)
+    n = active.sum().double()
+    mean = (rates.double() * live).sum(0, keepdim=True) / n.clamp(min=1.0)  # [1, M]
+    reach = torch.cumprod(mean, dim=1)  # P(drafts 1..j all accepted)
+    odd = torch.arange(1, 2 * M, 2, device=rates.device, dtype=torch.float64)[None, :]  # 2j - 1
+    mu = 1.0 + _reached(mean).expand(B, -1).gather(1, cols)
+    second = torch.cat([reach.new_zeros(1, 1), torch.cumsum(reach * odd, dim=1)], dim=1)  # E[n^2], n accepted
+    var = (second.expand(B, -1).gather(1, cols) - (mu - 1.0) ** 2).clamp(min=0.0)
+    left = (budget.clamp(min=0) + 1).double()[:, None]
+    z = torch.special.ndtri(((n - 0.375) / (n + 0.25)).clamp(min=0.5))
+    steps = left / mu + z * torch.sqrt(left * var / mu ** 3)
+    slowest = torch.where(active[:, None], steps, torch.zeros_like(steps)).amax(0)
+    return (left * live).sum() / slowest.clamp(min=1.0)
+
+
+def _reached(rates: torch.Tensor) -> torch.Tensor:
+    """``[B, M + 1]``: column j is the expected accepted drafts of a step asked for j,
+    ``sum_{i <= j} prod_{l <= i} rates[:, l]``."""
+    reach = torch.cumprod(rates, dim=1)
+    return torch.cat([reach.new_zeros(rates.shape[0], 1), torch.cumsum(reach, dim=1)], dim=1)
 
 
 # ------------------------------------------------------------------------------ costs
@@ -408,16 +446,19 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
 def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float,
              min_gain: float = 0.0) -> int:
     """The K of the next step: ``argmax_K expected[K] / step_s[K]`` (the smallest K on a tie),
-    unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``);
-    a K > 0 (as the best or as the kept ``current``) only when its rate beats K = 0's by more than
-    ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``), else 0.
+    unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``).
+    Speculation starts (a K > 0 after K = 0 or at the first step) only when its rate beats K = 0's
+    by more than ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``), and a speculating ``current``
+    is kept while its rate is not below K = 0's: the band between the two keeps an acceptance
+    estimate near the threshold from switching speculation on and off.
 
     Args: expected, step_s: per K = 0..M, tokens a step commits and its seconds (> 0).
         current: the K of the last step, or None. hysteresis, min_gain: fractions (>= 0)."""
     rate = [e / t for e, t in zip(expected, step_s)]
+    speculating = current is not None and 0 < current < len(rate)
 
     def worth(K: int) -> bool:
-        return K == 0 or rate[K] > (1.0 + min_gain) * rate[0]
+        return K == 0 or rate[K] > (1.0 + (0.0 if speculating else min_gain)) * rate[0]
 
     best = max(range(len(rate)), key=lambda K: (rate[K], -K))
     if not worth(best):
@@ -495,11 +536,16 @@ class SpeculationPolicy:
             :class:`CostKey`. drafter_key: names the drafter in ``costs``.
         max_speculative_tokens: M. batch: B. max_new_tokens: each row's budget.
         prior: ``[M]`` starting acceptance rates. device: the decode loop's device.
+        until_last: the call ends when its slowest row does (a fixed batch, as ``generate()``'s;
+            not continuous batching, whose rows are refilled): E(K) counts the steps until then
+            (:func:`expected_tokens`).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
-                 max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device):
+                 max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device,
+                 until_last: bool = False):
         self.settings = settings
+        self.until_last = until_last
         self.costs = costs
         self.key = key
         self.drafter_key = drafter_key
@@ -507,8 +553,8 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight_for(batch),
                                               device)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
-        self.expected = self.acceptance.expected_tokens(budget, torch.ones(batch, dtype=torch.bool,
-                                                                           device=device)).tolist()
+        self.expected = self.acceptance.expected_tokens(budget, torch.ones(batch, dtype=torch.bool, device=device),
+                                                        until_last).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
         self.steps_at_zero = 0
         #: the K of every step, in order
@@ -551,7 +597,7 @@ class SpeculationPolicy:
         bool); returns ``[M + 1]`` fp64, E(K) for the next step's ``live [B]`` rows with
         ``budget [B]`` drafts left each. No host sync."""
         self.acceptance.update(num_accepted, num_asked, ran)
-        return self.acceptance.expected_tokens(budget, live)
+        return self.acceptance.expected_tokens(budget, live, self.until_last)
 
     def after_step(self, expected: list[float], clock: StepClock, first_mark: int) -> None:
         """Host side, after the step's sync: keep E(K) for the next choice and feed the costs with

@@ -740,7 +740,7 @@ class SpeculativeGenerator:
         policy = None
         if adaptive:  # measures the step widths on this decoder if its costs are not known yet
             clock.lap("prefill")
-            policy = self._speculation_policy(s, path, dec, strategy, K)
+            policy = self._speculation_policy(s, path, dec, strategy, K, until_last=pool is None)
             clock.lap("calibration")
         if pool is not None:  # placeholders: no budget, every row finishes at once for the first admission
             budgets = torch.zeros(B, dtype=torch.long, device=dev)
@@ -1096,15 +1096,15 @@ class SpeculativeGenerator:
         self._choices[memo] = (choice.name, choice.reason)
         return self._strategy, choice.reason
 
-    def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int) -> SpeculationPolicy:
+    def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int, until_last: bool) -> SpeculationPolicy:
         """The call's K policy, after measuring the step widths of ``dec`` (prefilled) whose costs
-        are not known yet."""
+        are not known yet; ``until_last``: the call ends with its slowest row (no pool)."""
         key = CostKey(path, strategy_label(strategy), dec.batch)
         widths = list(range(1, K + 2))
         self._measure(dec, key, widths)
         dec.prepare(widths)  # graphs of widths measured on another decoder: captured now, not mid-decode
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
-                                 self.policy.prior_acceptance, s.input_ids.device)
+                                 self.policy.prior_acceptance, s.input_ids.device, until_last)
 
     @staticmethod
     def _output(s, sequences, hook, G):
