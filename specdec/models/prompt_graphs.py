@@ -43,8 +43,9 @@ PROMPT_GRAPH_ROWS = 8
 #: the GPU's work outlasts the eager forward's host time and a graph gains little
 PROMPT_GRAPH_TOKENS = 2048
 #: the most attention columns (restored prefix and new tokens, padding included, x rows) of one
-#: captured prompt forward
-PROMPT_GRAPH_COLUMNS = 4096
+#: captured prompt forward: four rows of a 1,024-token cached prefix and ~1,000 new tokens each.
+#: The shared key/value buffers hold this many columns per attention layer
+PROMPT_GRAPH_COLUMNS = 8192
 #: the tensors of a :class:`~specdec.prefix_cache.LayerState`, in order
 _NAMES = ("keys", "values", "conv_state", "recurrent_state")
 
