@@ -67,7 +67,8 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
         n_gen = torch.minimum(n_gen + (n + 1) * live, torch.full_like(n_gen, max_new))
         if fixed_k is None:
             left = (max_new - n_gen - 1).clamp(min=0)
-            policy.expected = policy.update(n, asked, live, n_gen < max_new, left).tolist()
+            values = policy.update(n, asked, live, n_gen < max_new, left)
+            policy.receive(None if values is None else values.tolist())
         seconds += costs[K]
         ks.append(K)
     return batch * max_new / seconds, ks

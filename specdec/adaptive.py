@@ -263,6 +263,12 @@ class CostModel(abc.ABC):
         """Seconds of one step at K (the drafter's proposal, the verify forward with acceptance,
         the commit and the step's bookkeeping) for ``key``; ``drafter_key`` names the drafter."""
 
+    def comparable_step_s(self, key: CostKey, drafter_key, K: int) -> float:
+        """Seconds of one step at K measured the same way for every ``key`` (what ``rollback="auto"``
+        compares strategies by): :meth:`step_s` unless a model refines it online for the strategy
+        that ran."""
+        return self.step_s(key, drafter_key, K)
+
     def needs_widths(self, key: CostKey, widths) -> list[int]:
         """The step widths (T = K + 1) of ``widths`` that still have to be measured for ``key``."""
         return []
@@ -365,6 +371,13 @@ class MeasuredCosts(CostModel):
 
     def step_s(self, key, drafter_key, K):
         return self.draft_s(drafter_key, key, K) + self.target_s(key, K)
+
+    def comparable_step_s(self, key, drafter_key, K):
+        """``draft(K)`` plus the calibrated verify + commit of width K + 1, without the online
+        refinements: only the strategy that ran has them (they add its acceptance, bookkeeping and
+        host gaps), so comparing them with another's calibration would favour the one not run."""
+        calib = self.calibrated_s(key, K)
+        return self.step_s(key, drafter_key, K) if calib is None else self.draft_s(drafter_key, key, K) + calib
 
 
 class FixedCosts(CostModel):
@@ -553,8 +566,11 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight_for(batch),
                                               device)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
-        self.expected = self.acceptance.expected_tokens(budget, torch.ones(batch, dtype=torch.bool, device=device),
-                                                        until_last).tolist()
+        every = torch.ones(batch, dtype=torch.bool, device=device)
+        #: E(K), K = 0..M, the next choice maximises against the step times (with ``until_last``: per
+        #: step until the slowest row ends); and the tokens one step at K is expected to commit
+        self.expected = self.acceptance.expected_tokens(budget, every, until_last).tolist()
+        self.step_expected = self.acceptance.expected_tokens(budget, every).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
         self.steps_at_zero = 0
         #: the K of every step, in order
@@ -580,7 +596,7 @@ class SpeculationPolicy:
         else:
             self.steps_at_zero = 0
         self.k_per_step.append(K)
-        self._predicted_tokens += self.expected[K]
+        self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
         return K
 
@@ -591,19 +607,43 @@ class SpeculationPolicy:
         extra = max(0.0, times[1] - times[0]) / times[0] if len(times) > 1 and times[0] > 0 else 0.0
         return max(self.settings.probe_interval, math.ceil(extra / self.settings.probe_budget - 1e-9))
 
-    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
+    @property
+    def read_size(self) -> int:
+        """How many values :meth:`update` returns when it returns any: E(K) for the choice and,
+        with ``until_last``, after them the per-step E(K) the prediction counts."""
+        return (self.max_k + 1) * (2 if self.until_last else 1)
+
+    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | None:
         """Device side, after the step's acceptance: update the acceptance estimate with the
         step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
-        bool); returns ``[M + 1]`` fp64, E(K) for the next step's ``live [B]`` rows with
-        ``budget [B]`` drafts left each. No host sync."""
-        self.acceptance.update(num_accepted, num_asked, ran)
-        return self.acceptance.expected_tokens(budget, live, self.until_last)
+        bool); returns ``[read_size]`` fp64, E(K) for the next step's ``live [B]`` rows with
+        ``budget [B]`` drafts left each (see :attr:`read_size`). No host sync.
 
-    def after_step(self, expected: list[float], clock: StepClock, first_mark: int) -> None:
-        """Host side, after the step's sync: keep E(K) for the next choice and feed the costs with
+        Returns None, and changes nothing, after a step at K = 0 of a fixed batch (``until_last``):
+        it observed no draft, and with the estimate unchanged and every row one token nearer its
+        end, speculating can only have become less worth it (``L / max_r S_r(K)`` against
+        ``L / max_r l_r`` falls as the ``l_r`` do), so the last values stand until a probe; the
+        step is spared the estimate's ~80 device ops, as a plain step would be."""
+        if self.until_last and self.k_per_step and self.k_per_step[-1] == 0:
+            return None
+        self.acceptance.update(num_accepted, num_asked, ran)
+        if not self.until_last:
+            return self.acceptance.expected_tokens(budget, live)
+        return torch.cat([self.acceptance.expected_tokens(budget, live, True),
+                          self.acceptance.expected_tokens(budget, live)])
+
+    def receive(self, values: list[float] | None) -> None:
+        """Keep what :meth:`update` returned (read on the host) for the next choice; None: keep the last."""
+        if values is None:
+            return
+        M1 = self.max_k + 1
+        self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
+
+    def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int) -> None:
+        """Host side, after the step's sync: :meth:`receive` ``expected`` and feed the costs with
         the laps of the previous step (complete now: this step's sync came after them);
         ``first_mark`` is ``clock.marks`` before this step's first lap."""
-        self.expected = expected
+        self.receive(expected)
         if self._last is not None:
             K, start, end = self._last
             laps = clock.laps(start, end)

@@ -841,13 +841,15 @@ class SpeculativeGenerator:
             if streaming:  # ... and the committed tokens of every row, for the streaming requests
                 flags += [take, new.reshape(-1)]
             read = torch.cat(flags)
+            expected = None
             if policy is not None:  # the acceptance observed, and E(K) of the next step on the same sync
                 left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
-                read = torch.cat([read.double(), policy.update(n, budget.clamp(max=K_step), active, ~rows.finished,
-                                                               left)])
+                expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
+                if expected is not None:
+                    read = torch.cat([read.double(), expected])
             synced = read.tolist()  # the step's one host sync
-            if policy is not None:
-                expected, synced = synced[-(K + 1):], [int(v) for v in synced[:-(K + 1)]]
+            if expected is not None:
+                expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
             all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
@@ -1084,7 +1086,8 @@ class SpeculativeGenerator:
                     self._static.clear()
                     left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"
                     continue
-            step_s[name] = {k: costs.step_s(key, self._drafter_key, k) for k in (range(K + 1) if adaptive else [at])}
+            step_s[name] = {k: costs.comparable_step_s(key, self._drafter_key, k)
+                            for k in (range(K + 1) if adaptive else [at])}
             nbytes[name] = costs.rollback_bytes(key)
         rates = torch.full((B, at), self.policy.prior_acceptance, device=s.input_ids.device)
         budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)

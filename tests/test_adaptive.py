@@ -323,6 +323,50 @@ def test_speculation_starts_above_the_margin_and_stops_below_plain():
     assert choose_k([1.0, 0.99], times, 1, 0.05, 0.05) == 0  # stopped: slower than plain
 
 
+def test_strategies_are_compared_by_their_calibrations():
+    """rollback="auto" compares every strategy by its calibrated step (plus the shared draft time):
+    the online refinement, which only the strategy that ran gets (its acceptance, bookkeeping and
+    host gaps), must not make a never-run strategy look faster."""
+    costs = MeasuredCosts()
+    run, other = CostKey("cuda_graph", "replay", 64), CostKey("cuda_graph", "ring", 64)
+    for T in range(1, 4):
+        costs.record_width(run, T, 0.010 + 0.001 * T, 0.001)
+        costs.record_width(other, T, 0.011 + 0.001 * T, 0.001)
+    for _ in range(20):  # real steps of the strategy that ran: 30% above its calibration
+        costs.observe(run, "d", 2, 0.002, 1.3 * costs.calibrated_s(run, 2))
+    assert costs.step_s(run, "d", 2) > costs.step_s(other, "d", 2)  # refined vs calibrated: not comparable
+    assert costs.comparable_step_s(run, "d", 2) == pytest.approx(costs.draft_s("d", run, 2) + 0.013 + 0.001)
+    assert costs.comparable_step_s(run, "d", 2) < costs.comparable_step_s(other, "d", 2)
+    fixed = FixedCosts(lambda strategy, batch, K: 1.0 + K)
+    assert fixed.comparable_step_s(run, None, 3) == fixed.step_s(run, None, 3) == 4.0
+
+
+def test_plain_steps_of_a_fixed_batch_leave_the_estimate():
+    """until_last: after a step at K = 0 update() returns None and changes nothing; after a probe
+    it returns E(K) for the choice and the per-step E(K), and the prediction counts the latter."""
+    costs = FixedCosts(lambda strategy, batch, K: 1.0 + 0.9 * K)  # speculation never pays: K = 0
+    B, M = 4, 3
+    policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=1.0), costs, CostKey("eager", "replay", B),
+                               None, M, B, 50, 0.6, "cpu", until_last=True)
+    assert policy.read_size == 2 * (M + 1)
+    n, asked, every = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.bool)
+    left = torch.full((B,), 40)
+    assert policy.next_k() == 0
+    before = policy.acceptance.rates.clone()
+    assert policy.update(n, asked, every, every, left) is None
+    assert torch.equal(policy.acceptance.rates, before)
+    assert policy.next_k() == 1  # the probe
+    values = policy.update(n, torch.ones(B, dtype=torch.long), every, every, left)
+    assert values.shape == (policy.read_size,)
+    assert not torch.equal(policy.acceptance.rates, before)
+    policy.receive(values.tolist())
+    assert policy.expected == values[:M + 1].tolist()
+    assert policy.step_expected == expected_tokens(policy.acceptance.rates, left, every).tolist()
+    assert policy.step_expected[0] == B and policy.expected[0] == pytest.approx(B)  # (equal budgets)
+    policy.receive(None)  # kept
+    assert policy.expected == values[:M + 1].tolist()
+
+
 def test_probes_are_spaced_by_their_cost():
     """At K = 0 the probe interval is probe_interval, or (t(1) - t(0)) / t(0) / probe_budget steps
     when probing costs more than that budget."""
