@@ -451,6 +451,29 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         ["model", "acceptance", "batch", "rollback", "num_speculative_tokens"])
 
 
+def test_adaptive_skips_a_cell_that_runs_out_of_memory(tmp_path: Path, monkeypatch):
+    """A cell that runs out of device memory (snapshot at a large K and batch) is skipped and listed
+    in summary.md; the other cells run, and auto is compared with those."""
+    from specdec.experiments import e2e
+
+    real_point = e2e.speculative_point
+
+    def point(*args, **kwargs):
+        if kwargs["K"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 896.00 MiB.")
+        return real_point(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "speculative_point", point)
+    cfg = _cfg(["experiment=adaptive", "rollback=replay", "experiment.k_grid=[1,2]", "drafter.oracle_acceptance=[0.9]",
+                "experiment.acceptance_phases=[]", "max_new_tokens=8", "experiment.batch_grid=[2]", "repeats=1"]
+               + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [r["num_speculative_tokens"] for r in records] == [1, "auto"]
+    assert records[1]["best_fixed"] == "K=1 replay" and all(r["exact"] for r in records)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Skipped:" in summary and "K=2 replay: out of device memory" in summary
+
+
 def test_adaptive_reuses_one_generator_per_cell(tmp_path: Path, monkeypatch):
     """experiment=adaptive builds, per batch, one generator for each (K, strategy) and one for auto,
     and runs it on every workload: a fixed cell's static decoder (on CUDA, its graphs) serves

@@ -26,7 +26,9 @@ The auto record also holds ``vs_best_fixed`` (its decode tokens/s over the best 
 same workload and batch), ``best_fixed`` (that cell), ``vs_worst_fixed_k`` (over the best
 strategy of the worst fixed K: where every fixed K loses, auto must beat each of them), the K it
 chose at each step (``k_per_step``), the strategy it ran and why, and its predicted and measured
-tokens/s. Records are appended to ``results.jsonl`` as measured (cell by cell); the returned
+tokens/s. A cell (or a batch's plain decoding) that runs out of device memory is skipped and
+listed at the end of ``summary.md``; the others run. Records are appended to ``results.jsonl`` as
+measured (cell by cell); the returned
 records, like ``summary.md``'s table, are per target, batch and workload, the cells in the order
 above. ``summary.md`` has the table, ``speedup_vs_batch.png`` the decode speedup of every cell and
 ``k_over_time.png`` auto's K per step on each workload with the workload's acceptance.
@@ -63,7 +65,9 @@ def workloads(cfg) -> list[tuple[str | float, float | list[float]]]:
 
 
 def _compare(auto: dict, fixed: list[dict]) -> dict:
-    """auto's decode tokens/s against the fixed cells of its workload and batch."""
+    """auto's decode tokens/s against the fixed cells of its workload and batch (none: no comparison)."""
+    if not fixed:
+        return {}
     best = max(fixed, key=lambda r: r["decode_tokens_per_s"])
     per_k: dict = {}
     for r in fixed:
@@ -93,6 +97,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     loads = workloads(cfg)
     prompts = [] if exp.prompt_tokens is not None else zoo.prompts(str(cfg.prompts.set), limit=cfg.prompts.limit)
     log = RunRecords(out_dir)
+    skipped: list[str] = []  # cells that ran out of device memory
     records: list[dict] = []  # per target, batch and workload, the cells in order
     total = len(cfg.model.targets) * len(batches) * len(loads) * len(cells)
     bar = None
@@ -106,41 +111,55 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         for B in batches:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
                                     int(cfg.seed))
-            plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
-                                    hf=False, decode_path=path)
+            try:
+                plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
+                                        hf=False, decode_path=path)
+            except torch.OutOfMemoryError as err:  # not even plain decoding fits: the next batch
+                skipped.append(f"{spec.name} B={B}: plain decoding ran out of device memory "
+                               f"({str(err).splitlines()[0][:120]})")
+                release(device)
+                continue
             measured: dict[tuple[int, int], dict] = {}  # (workload, cell) -> record
             for c, (K, strategy) in enumerate(cells):
                 sd = None
-                for w, (label, acceptance) in enumerate(loads):
-                    drafter = make_drafter(cfg, "oracle", reference=plain.plain_out,
-                                           attention_mask=enc["attention_mask"], acceptance=acceptance)
-                    if sd is None:
-                        sd = speculative_generator(model, drafter=drafter, strategy=strategy, K=K, decode_path=path,
-                                                   max_speculative_tokens=max(k_grid))
-                    e = speculative_point(model, enc, drafter=drafter, strategy=strategy, K=K, max_new=max_new,
-                                          pad=pad, device=device, dtype=dtype, plain=plain, reference=plain.plain_out,
-                                          repeats=repeats, warmup=bool(exp.warmup) and (w == 0 or K == "auto"),
-                                          check_state=False, decode_path=path, max_speculative_tokens=max(k_grid),
-                                          sd=sd)
-                    rec = {**common_fields(cfg, "adaptive", spec, device, dtype), "drafter": "oracle",
-                           "acceptance": label, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
-                           "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), **e,
-                           "mean_k": sum(k * n for k, n in enumerate(e["k_histogram"])) / max(1, e["steps"])}
-                    if K == "auto":
-                        rec.update(_compare(rec, [measured[w, f] for f in range(c)]))
-                        if not isinstance(acceptance, float):
-                            rec["acceptance_schedule"] = acceptance
-                    measured[w, c] = rec
-                    log.add(rec, f"{spec.name} B={B} a={label} K={K} {strategy}: decode "
-                                 f"{e['decode_tokens_per_s']:.1f} tokens/s ({e['decode_speedup']:.2f}x plain)")
-                sd.release()  # its static buffers and graphs, before the next cell's
+                try:
+                    for w, (label, acceptance) in enumerate(loads):
+                        drafter = make_drafter(cfg, "oracle", reference=plain.plain_out,
+                                               attention_mask=enc["attention_mask"], acceptance=acceptance)
+                        if sd is None:
+                            sd = speculative_generator(model, drafter=drafter, strategy=strategy, K=K,
+                                                       decode_path=path, max_speculative_tokens=max(k_grid))
+                        e = speculative_point(model, enc, drafter=drafter, strategy=strategy, K=K, max_new=max_new,
+                                              pad=pad, device=device, dtype=dtype, plain=plain,
+                                              reference=plain.plain_out, repeats=repeats,
+                                              warmup=bool(exp.warmup) and (w == 0 or K == "auto"), check_state=False,
+                                              decode_path=path, max_speculative_tokens=max(k_grid), sd=sd)
+                        rec = {**common_fields(cfg, "adaptive", spec, device, dtype), "drafter": "oracle",
+                               "acceptance": label, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
+                               "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), **e,
+                               "mean_k": sum(k * n for k, n in enumerate(e["k_histogram"])) / max(1, e["steps"])}
+                        if K == "auto":
+                            rec.update(_compare(rec, [measured[w, f] for f in range(c) if (w, f) in measured]))
+                            if not isinstance(acceptance, float):
+                                rec["acceptance_schedule"] = acceptance
+                        measured[w, c] = rec
+                        log.add(rec, f"{spec.name} B={B} a={label} K={K} {strategy}: decode "
+                                     f"{e['decode_tokens_per_s']:.1f} tokens/s ({e['decode_speedup']:.2f}x plain)")
+                except torch.OutOfMemoryError as err:  # the cell does not fit this batch: the grid goes on
+                    skipped.append(f"{spec.name} B={B} K={K} {strategy}: out of device memory "
+                                   f"({str(err).splitlines()[0][:120]})")
+                if sd is not None:
+                    sd.release()  # its static buffers and graphs, before the next cell's
                 del sd
                 release(device)
-            records += [measured[w, c] for w in range(len(loads)) for c in range(len(cells))]
+            records += [measured[w, c] for w in range(len(loads)) for c in range(len(cells)) if (w, c) in measured]
         del model
         release(device)
     log.close()
     title = (f"Adaptive speculation vs fixed (K, strategy): {', '.join(t.name for t in cfg.model.targets)}, "
              f"K in {k_grid}, {max_new} new tokens, {device}, {str(dtype).replace('torch.', '')}, {repeats} repeats")
-    write_report(records, log.out_dir, title)
+    text = write_report(records, log.out_dir, title)
+    if skipped:
+        text += "\nSkipped: " + "; ".join(skipped) + "\n"
+        (log.out_dir / "summary.md").write_text(text)
     return records
