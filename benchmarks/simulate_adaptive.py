@@ -68,7 +68,7 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
         if fixed_k is None:
             left = (max_new - n_gen - 1).clamp(min=0)
             values = policy.update(n, asked, live, n_gen < max_new, left)
-            policy.receive(None if values is None else values.tolist())
+            policy.receive(None if values is None else values.tolist(), int((n_gen < max_new).sum()))
         seconds += costs[K]
         ks.append(K)
     return batch * max_new / seconds, ks

@@ -193,45 +193,70 @@ class AcceptanceEstimator:
     def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor, until_last: bool = False) -> torch.Tensor:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
         summed over the ``active [B]`` rows; ``budget [B]`` int64: the drafts each row can still use;
-        ``until_last``: per step until the slowest row ends (:func:`expected_tokens`)."""
-        return expected_tokens(self.rates, budget, active, until_last)
+        ``until_last``: per step until the slowest row ends, the rows' rates shrunk by this
+        estimator's weight (:func:`expected_tokens`)."""
+        return expected_tokens(self.rates, budget, active, until_last, self.weight)
 
 
 def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor,
-                    until_last: bool = False) -> torch.Tensor:
+                    until_last: bool = False, noise_weight: float | None = None) -> torch.Tensor:
     """E(K) for K = 0..M (``[M + 1]`` fp64): ``sum_r active[r] (1 + sum_{j <= min(K, budget[r])}
     prod_{i <= j} rates[r, i])``, the expected tokens a step commits when every row is asked for
     K drafts (per-position rates ``[B, M]``, Leviathan et al. 2023, section 3.1).
 
-    With ``until_last`` (a batch that ends with its slowest row, as ``generate()``'s does), the
+    With ``until_last`` (a batch that ends with its slowest row, as ``generate()``'s does): the
     tokens the active rows have left, ``L = sum_r l_r`` with ``l_r = budget[r] + 1``, over the
-    steps the batch is expected to need to commit them at K: ``L / max_r S_r(K)``. Committing
-    ``mu`` tokens a step with variance ``v``, row r needs ``S_r = l_r / mu + z sqrt(l_r v / mu^3)``
-    steps (the normal approximation of a renewal count); ``z``, the expected largest of n standard
-    normals for n active rows (Blom's approximation ``Phi^-1((n - 0.375) / (n + 0.25))``), is how
-    far the slowest of them falls behind. ``mu`` and ``v`` come from the active rows' mean rates:
-    the largest of many noisy per-row estimates would always find a row that looks slow. At K = 0
-    every row commits one token a step, so this is ``L / max_r l_r``; at batch 1 it is E(K) at the
-    start of a call. Speculation makes rows finish at different steps and the batch waits for the
-    last one: the per-step E(K) does not see that loss, this does."""
+    steps the batch is expected to need to commit them, ``L / E[max_r N_r(K)]``. Row r commits
+    ``X`` tokens a step (mean ``mu_r``, variance ``v_r``); the steps it needs to reach ``l_r``
+    are taken as normal, with the renewal mean ``(l_r + E[X (X - 1)] / (2 mu_r)) / mu_r`` (the
+    last step's unused drafts included) and variance ``l_r v_r / mu_r^3``; the expected largest
+    of these independent normals is integrated numerically over :data:`_MAX_GRID` points. At K = 0
+    every row commits one token a step, so this is ``L / max_r l_r``. Speculation makes rows finish
+    at different steps and the batch waits for the last one: the per-step E(K) does not see that
+    loss, this does.
+
+    ``noise_weight``: the weight w of the exponentially weighted rates; each row's rate at a
+    position is shrunk towards the active rows' mean by the share of their spread that the
+    estimate's own noise explains (an empirical-Bayes shrinkage: an average of Bernoulli
+    observations with weight w varies by ``w / (2 - w) p (1 - p)`` about its mean p), since
+    the largest of many noisy estimates would otherwise always find a row that looks slow. None:
+    the rates are taken as exact."""
     B, M = rates.shape
     K = torch.arange(M + 1, device=rates.device)[None, :]
-    cols = torch.minimum(K, budget.clamp(min=0)[:, None])
     live = active[:, None].double()
     if not until_last:
+        cols = torch.minimum(K, budget.clamp(min=0)[:, None])
         return ((1.0 + _reached(rates.double()).gather(1, cols)) * live).sum(0)
-    n = active.sum().double()
-    mean = (rates.double() * live).sum(0, keepdim=True) / n.clamp(min=1.0)  # [1, M]
-    reach = torch.cumprod(mean, dim=1)  # P(drafts 1..j all accepted)
-    odd = torch.arange(1, 2 * M, 2, device=rates.device, dtype=torch.float64)[None, :]  # 2j - 1
-    mu = 1.0 + _reached(mean).expand(B, -1).gather(1, cols)
-    second = torch.cat([reach.new_zeros(1, 1), torch.cumsum(reach * odd, dim=1)], dim=1)  # E[n^2], n accepted
-    var = (second.expand(B, -1).gather(1, cols) - (mu - 1.0) ** 2).clamp(min=0.0)
+    r = rates.double()
+    if noise_weight is not None:
+        n = live.sum().clamp(min=1.0)
+        mean = (r * live).sum(0, keepdim=True) / n
+        spread = (((r - mean) ** 2) * live).sum(0, keepdim=True) / n
+        noise = noise_weight / (2.0 - noise_weight) * mean * (1.0 - mean)
+        share = (1.0 - noise / spread.clamp(min=1e-12)).clamp(0.0, 1.0)
+        r = mean + share * (r - mean)
+    reach = torch.cumprod(r, dim=1)  # P(drafts 1..j all accepted)
+    zero = r.new_zeros(B, 1)
+    mu = 1.0 + torch.cat([zero, torch.cumsum(reach, dim=1)], dim=1)  # E[X], X = 1 + accepted, K = 0..M
+    odd = torch.arange(1, 2 * M, 2, device=r.device, dtype=torch.float64)[None, :]  # 2j - 1
+    second = torch.cat([zero, torch.cumsum(reach * odd, dim=1)], dim=1)  # E[n^2], n accepted
+    ex2 = 2.0 * mu - 1.0 + second  # E[X^2] = 1 + 2 E[n] + E[n^2]
     left = (budget.clamp(min=0) + 1).double()[:, None]
-    z = torch.special.ndtri(((n - 0.375) / (n + 0.25)).clamp(min=0.5))
-    steps = left / mu + z * torch.sqrt(left * var / mu ** 3)
-    slowest = torch.where(active[:, None], steps, torch.zeros_like(steps)).amax(0)
+    mean_steps = torch.where(active[:, None], (left + (ex2 - mu) / (2.0 * mu)) / mu, 0.0)
+    sd = torch.where(active[:, None], torch.sqrt((left * (ex2 - mu * mu).clamp(min=0.0)) / mu ** 3), 0.0)
+    lo = (mean_steps - 6.0 * sd).amax(0)  # [M + 1]: below this the largest is certainly higher
+    hi = (mean_steps + 6.0 * sd).amax(0)
+    grid = torch.linspace(0.0, 1.0, _MAX_GRID, device=r.device, dtype=torch.float64)[:, None]
+    t = lo + grid * (hi - lo)  # [G, M + 1]
+    z = (t[:, None, :] - mean_steps[None]) / sd.clamp(min=1e-12)[None]  # [G, B, M + 1]
+    below = torch.where(sd[None] > 0, torch.special.log_ndtr(z), torch.where(z >= 0, 0.0, -math.inf))
+    cdf = torch.exp(torch.where(active[None, :, None], below, 0.0).sum(1))  # P(max < t)  [G, M + 1]
+    slowest = lo + torch.trapezoid(1.0 - cdf, dx=1.0, dim=0) * (hi - lo) / (_MAX_GRID - 1)
     return (left * live).sum() / slowest.clamp(min=1.0)
+
+
+#: grid points of the numerical integral of the largest row's steps in :func:`expected_tokens`
+_MAX_GRID = 128
 
 
 def _reached(rates: torch.Tensor) -> torch.Tensor:
@@ -542,7 +567,8 @@ class SpeculationPolicy:
 
     Per step the engine calls :meth:`next_k` (host: the K to ask the drafter for), then, on the
     device, :meth:`update` with what the step accepted (returns E(K) for the next step, read at
-    the step's one host sync), then :meth:`after_step` with those values and the step clock.
+    the step's one host sync, or None when nothing changed), then :meth:`after_step` with those
+    values, the live rows and the step clock.
 
     Args:
         settings: :class:`PolicySettings`. costs: the :class:`CostModel`. key: the call's
@@ -577,6 +603,8 @@ class SpeculationPolicy:
         self.k_per_step: list[int] = []
         self._predicted_tokens = 0.0
         self._predicted_s = 0.0
+        self._live: int | None = None  # live rows after the last step (read at its sync)
+        self._live_estimated: int | None = None  # ... when the values held were computed
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
         self._last: tuple | None = None  # (K, first mark, last mark) of the step whose laps are pending
 
@@ -619,12 +647,14 @@ class SpeculationPolicy:
         bool); returns ``[read_size]`` fp64, E(K) for the next step's ``live [B]`` rows with
         ``budget [B]`` drafts left each (see :attr:`read_size`). No host sync.
 
-        Returns None, and changes nothing, after a step at K = 0 of a fixed batch (``until_last``):
-        it observed no draft, and with the estimate unchanged and every row one token nearer its
-        end, speculating can only have become less worth it (``L / max_r S_r(K)`` against
-        ``L / max_r l_r`` falls as the ``l_r`` do), so the last values stand until a probe; the
-        step is spared the estimate's ~80 device ops, as a plain step would be."""
-        if self.until_last and self.k_per_step and self.k_per_step[-1] == 0:
+        Returns None, and changes nothing, after a step at K = 0 of a fixed batch (``until_last``)
+        while the live rows are those the last values were computed for (as :meth:`receive` was
+        told, one step late): such a step observed no draft, and with the estimate and the live
+        rows unchanged and every row one token nearer its end, speculating can only have become
+        less worth it, so the last values stand until a probe or until a row ends; the step is
+        spared the estimate's device ops, as a plain step would be."""
+        if (self.until_last and self.k_per_step and self.k_per_step[-1] == 0
+                and self._live is not None and self._live == self._live_estimated):
             return None
         self.acceptance.update(num_accepted, num_asked, ran)
         if not self.until_last:
@@ -632,18 +662,21 @@ class SpeculationPolicy:
         return torch.cat([self.acceptance.expected_tokens(budget, live, True),
                           self.acceptance.expected_tokens(budget, live)])
 
-    def receive(self, values: list[float] | None) -> None:
-        """Keep what :meth:`update` returned (read on the host) for the next choice; None: keep the last."""
-        if values is None:
-            return
-        M1 = self.max_k + 1
-        self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
+    def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
+        """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the
+        last), and ``live_rows``, the rows not finished after the step (None: not known)."""
+        if values is not None:
+            M1 = self.max_k + 1
+            self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
+            self._live_estimated = live_rows
+        self._live = live_rows
 
-    def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int) -> None:
-        """Host side, after the step's sync: :meth:`receive` ``expected`` and feed the costs with
-        the laps of the previous step (complete now: this step's sync came after them);
-        ``first_mark`` is ``clock.marks`` before this step's first lap."""
-        self.receive(expected)
+    def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int,
+                   live_rows: int | None = None) -> None:
+        """Host side, after the step's sync: :meth:`receive` ``expected`` and ``live_rows`` and feed
+        the costs with the laps of the previous step (complete now: this step's sync came after
+        them); ``first_mark`` is ``clock.marks`` before this step's first lap."""
+        self.receive(expected, live_rows)
         if self._last is not None:
             K, start, end = self._last
             laps = clock.laps(start, end)

@@ -730,7 +730,7 @@ class SpeculativeGenerator:
         clock = StepClock(dev)
         span = Lp + max_new if pool is None else pool.span  # the longest committed text, padding included
         needed = kv_columns(span, T)
-        strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive)
+        strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive, until_last=pool is None)
         clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
@@ -840,9 +840,11 @@ class SpeculativeGenerator:
                 flags.append(rows.finished.long())
             if streaming:  # ... and the committed tokens of every row, for the streaming requests
                 flags += [take, new.reshape(-1)]
+            expected = live_rows = None
+            if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
+                flags.append((~rows.finished).sum()[None])
             read = torch.cat(flags)
-            expected = None
-            if policy is not None:  # the acceptance observed, and E(K) of the next step on the same sync
+            if policy is not None:
                 left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                 expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
                 if expected is not None:
@@ -850,6 +852,8 @@ class SpeculativeGenerator:
             synced = read.tolist()  # the step's one host sync
             if expected is not None:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
+            if policy is not None:
+                *synced, live_rows = synced
             all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
@@ -866,7 +870,7 @@ class SpeculativeGenerator:
             done = bool(all_done)
             clock.lap("bookkeeping")
             if policy is not None:
-                policy.after_step(expected, clock, first_mark)
+                policy.after_step(expected, clock, first_mark, int(live_rows))
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
@@ -1057,19 +1061,20 @@ class SpeculativeGenerator:
         costs.record_bytes(key, rollback_bytes(dec.cache))
 
     def _rollback(self, s, path: str, needed_len: int, step_tokens: int, tree, K: int,
-                  adaptive: bool) -> tuple[RollbackStrategy, str | None]:
+                  adaptive: bool, until_last: bool = False) -> tuple[RollbackStrategy, str | None]:
         """The call's rollback strategy and, for ``rollback="auto"``, why: every candidate is
         measured (once per path and batch, on a decoder prefilled with the call's prompts; see
         :mod:`specdec.adaptive`) and compared at K (a fixed K) or at its best K under the
         acceptance known now ("auto"). A tree step always runs the tree's ``step_tokens`` nodes, so
-        trees are compared at that width (as a chain of ``step_tokens - 1`` drafts)."""
+        trees are compared at that width (as a chain of ``step_tokens - 1`` drafts); ``until_last``:
+        E(K) counts the steps until the slowest row ends, as the call's policy does (no pool)."""
         if K == 0 and not adaptive:
             plain = "plain decoding (num_speculative_tokens=0) updates the state in place: nothing to roll back"
             return _IN_PLACE, None if self._candidates is None else plain
         if self._candidates is None:
             return self._strategy, None
         B = s.input_ids.shape[0]
-        memo = (path, B, step_tokens, tree, None if adaptive else K)
+        memo = (path, B, step_tokens, tree, None if adaptive else K, until_last)
         if memo in self._choices:  # decided once per shape: a strategy that changed between calls would
             name, reason = self._choices[memo]  # drop the kept decoder and its graphs each time
             self._strategy = self._candidates[name]
@@ -1092,7 +1097,7 @@ class SpeculativeGenerator:
         rates = torch.full((B, at), self.policy.prior_acceptance, device=s.input_ids.device)
         budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)
         # (at a fixed width every strategy commits the same tokens: the choice is the fastest step)
-        expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool)).tolist()
+        expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool), until_last).tolist()
         choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, self.policy.memory_budget_bytes,
                                  left_out)
         self._strategy = self._candidates[choice.name]

@@ -162,4 +162,5 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     if skipped:
         text += "\nSkipped: " + "; ".join(skipped) + "\n"
         (log.out_dir / "summary.md").write_text(text)
+        print("Skipped: " + "; ".join(skipped))
     return records

@@ -44,7 +44,9 @@ PROMPT_GRAPH_ROWS = 8
 PROMPT_GRAPH_TOKENS = 2048
 #: the most attention columns (restored prefix and new tokens, padding included, x rows) of one
 #: captured prompt forward: four rows of a 1,024-token cached prefix and ~1,000 new tokens each.
-#: The shared key/value buffers hold this many columns per attention layer
+#: The shared key/value buffers hold this many columns per attention layer, allocated at a model's
+#: first bucket (Nemotron-H shape, 4 attention layers of 8 x 128 bf16 keys and values: 128 MiB, and
+#: as much again for the restored prefixes of a prefix cache's continued forwards)
 PROMPT_GRAPH_COLUMNS = 8192
 #: the tensors of a :class:`~specdec.prefix_cache.LayerState`, in order
 _NAMES = ("keys", "values", "conv_state", "recurrent_state")
