@@ -46,13 +46,16 @@ def step_costs(records: list[dict], batch: int, max_k: int) -> list[float]:
 
 
 def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings: PolicySettings,
-             fixed_k: int | None, seed: int, until_last: bool = True) -> tuple[float, list[int]]:
+             fixed_k: int | None, seed: int, until_last: bool = True, prior=None):
     """Tokens/s of one batch (``acceptance``: a rate, or a function of a row's new-token count)
-    under the policy (``fixed_k`` None) or a fixed K; and the K of every step."""
+    under the policy (``fixed_k`` None) or a fixed K; the K of every step; and the per-position
+    acceptance the policy saw over the call (where the drafter's next call starts; None for a
+    fixed K). ``prior``: where the policy starts (None: ``settings.prior_acceptance``)."""
     M = len(costs) - 1
     gen = torch.Generator().manual_seed(seed)
     policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None,
-                               M, batch, max_new, settings.prior_acceptance, "cpu", until_last)
+                               M, batch, max_new, settings.prior_acceptance if prior is None else prior, "cpu",
+                               until_last)
     rate = acceptance if callable(acceptance) else (lambda p: acceptance)
     n_gen = torch.zeros(batch, dtype=torch.long)
     seconds, ks = 0.0, []
@@ -71,7 +74,7 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
             policy.receive(None if values is None else values.tolist(), int((n_gen < max_new).sum()))
         seconds += costs[K]
         ks.append(K)
-    return batch * max_new / seconds, ks
+    return batch * max_new / seconds, ks, None if fixed_k is not None else policy.acceptance.overall(policy.prior)
 
 
 def main(argv=None) -> None:
@@ -106,8 +109,12 @@ def main(argv=None) -> None:
                 return statistics.fmean(simulate(costs, batch, acc, args.max_new, settings, k, s)[0]
                                         for s in range(args.seeds))
             fixed = {k: mean_rate(k) for k in range(args.max_k + 1)}
-            runs = [simulate(costs, batch, acc, args.max_new, settings, None, s, not args.per_step) for s in range(args.seeds)]
-            auto = statistics.fmean(r for r, _ in runs)
+            runs = []
+            for s in range(args.seeds):  # a warm-up call first, as the experiment runs: the timed call
+                # starts from the acceptance the warm-up ended with
+                learned = simulate(costs, batch, acc, args.max_new, settings, None, 1000 + s, not args.per_step)[2]
+                runs.append(simulate(costs, batch, acc, args.max_new, settings, None, s, not args.per_step, learned))
+            auto = statistics.fmean(r for r, *_ in runs)
             best = max(fixed, key=fixed.get)
             worst = min(v for k, v in fixed.items() if k > 0)
             hist = np.bincount(runs[0][1], minlength=args.max_k + 1).tolist()

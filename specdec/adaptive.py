@@ -87,7 +87,8 @@ class PolicySettings:
             and a dip of a noisy estimate sends the policy to K = 0 until its next probe.
         acceptance_batch: see ``acceptance_weight`` (>= 1).
         prior_acceptance: the acceptance of every position of every row before anything was
-            observed, in [0, 1] (each call starts from it: its rows are new sequences).
+            observed, in [0, 1]: a drafter's first call starts from it, later calls with the same
+            drafter from what it showed over the last call (:meth:`AcceptanceEstimator.overall`).
         hysteresis: keep the current K unless another is predicted faster by more than this
             fraction (>= 0).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
@@ -177,6 +178,9 @@ class AcceptanceEstimator:
         self.rates = prior[None, :].expand(batch, max_drafts).clone()
         self.weight = float(weight)
         self._pos = torch.arange(max_drafts, device=device)[None, :]
+        #: per position, over every update: drafts observed, and of them accepted (``[M]`` fp32)
+        self.observed = torch.zeros(max_drafts, device=device)
+        self.accepted = torch.zeros(max_drafts, device=device)
 
     def update(self, num_accepted: torch.Tensor, num_asked: torch.Tensor, active: torch.Tensor) -> None:
         """One step's observations: ``num_accepted [B]`` / ``num_asked [B]`` int64 (n <= asked),
@@ -185,10 +189,19 @@ class AcceptanceEstimator:
         n, asked = num_accepted[:, None], num_asked[:, None]
         accepted = j < n
         observed = (accepted | ((j == n) & (n < asked))) & active[:, None]
+        self.observed += observed.sum(0)
+        self.accepted += (accepted & observed).sum(0)
         new = torch.where(observed, (1 - w) * self.rates + w * accepted.float(), self.rates)
         left = torch.cat([new[:, :1], new[:, :-1]], dim=1)
         drift = ~observed & active[:, None] & (j >= 1)
         self.rates = torch.where(drift, (1 - w) * new + w * left, new)
+
+    def overall(self, prior, strength: float = 4.0) -> torch.Tensor:
+        """``[M]``: each position's acceptance over every observation so far (not the recent ones
+        the rates weigh), pulled towards ``prior`` (a float or ``[M]``) by ``strength`` pseudo-
+        observations, so a position seldom observed stays near it. No host sync."""
+        prior = torch.as_tensor(prior, dtype=torch.float32, device=self.accepted.device)
+        return (self.accepted + strength * prior) / (self.observed + strength)
 
     def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor, until_last: bool = False) -> torch.Tensor:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
@@ -586,6 +599,7 @@ class SpeculationPolicy:
                  until_last: bool = False):
         self.settings = settings
         self.until_last = until_last
+        self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
         self.key = key
         self.drafter_key = drafter_key

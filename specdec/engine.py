@@ -208,6 +208,9 @@ class SpeculativeGenerator:
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape
         self._choices: dict[tuple, tuple[str, str]] = {}
+        # num_speculative_tokens="auto": the drafter's per-position acceptance over the last call,
+        # where the next call with the same drafter starts (None: the policy's prior)
+        self._learned_acceptance: torch.Tensor | None = None
         self.adapter = adapter_for(model)
         self.model = model
         self._drafter: Drafter | None = None
@@ -294,6 +297,7 @@ class SpeculativeGenerator:
         if value is not None and not isinstance(value, PolicySettings):
             raise TypeError(f"policy must be a specdec.adaptive.PolicySettings or None, got {type(value).__name__}")
         self._policy = value or PolicySettings()
+        self._learned_acceptance = None
         self._choices.clear()
 
     @staticmethod
@@ -348,6 +352,7 @@ class SpeculativeGenerator:
         self._check_adaptive(d, self._K)
         self._drafter = d
         self._drafter_key = object()  # names this drafter's proposal times in the cost model (never reused)
+        self._learned_acceptance = None
         self._choices.clear()
 
     @property
@@ -881,6 +886,7 @@ class SpeculativeGenerator:
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
+            self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)
         else:
             k_histogram, k_per_step = [0] * K + [steps], [K] * steps
         self.last_stats = Stats(
@@ -1106,13 +1112,19 @@ class SpeculativeGenerator:
 
     def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int, until_last: bool) -> SpeculationPolicy:
         """The call's K policy, after measuring the step widths of ``dec`` (prefilled) whose costs
-        are not known yet; ``until_last``: the call ends with its slowest row (no pool)."""
+        are not known yet; ``until_last``: the call ends with its slowest row (no pool). Its rows
+        start from the acceptance the drafter showed over the last call (per draft position, all
+        its steps: the end of a call need not be like the start of the next), or from
+        ``prior_acceptance`` for a drafter's first call."""
         key = CostKey(path, strategy_label(strategy), dec.batch)
         widths = list(range(1, K + 2))
         self._measure(dec, key, widths)
         dec.prepare(widths)  # graphs of widths measured on another decoder: captured now, not mid-decode
+        learned = self._learned_acceptance
+        prior = (learned.to(s.input_ids.device) if learned is not None and learned.shape[0] == K
+                 else self.policy.prior_acceptance)
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
-                                 self.policy.prior_acceptance, s.input_ids.device, until_last)
+                                 prior, s.input_ids.device, until_last)
 
     @staticmethod
     def _output(s, sequences, hook, G):

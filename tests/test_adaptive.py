@@ -174,7 +174,7 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
 def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
     """A generator given a new drafter (experiment=adaptive runs one per cell on every workload)
     keeps its static decoder and its rollback="auto" choice, and its policy starts from the prior
-    acceptance, not from the last call's: after a call whose drafts were all wrong, the next
+    acceptance, not from the last drafter's (the same drafter's next call starts from its own): after a call whose drafts were all wrong, the next
     drafter's call chooses the K of every step as a new generator does; both exact."""
     family = "qwen3_5"
     ids, mask, _, _ = reference(family)
@@ -200,6 +200,12 @@ def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
     assert sd.decoder is decoder and sd.last_stats.rollback == fresh.last_stats.rollback == "ring"
     assert sd.last_stats.k_per_step == fresh.last_stats.k_per_step
     assert fresh.last_stats.k_per_step[0] > 0  # (from the prior: a new call speculates at once)
+    # the same drafter's next call starts from the acceptance its last call ended with: all wrong,
+    # so it starts at K = 0, where a new drafter's first call (above) speculates at once
+    sd.drafter = OracleDrafter(plain, mask, acceptance=0.0, seed=0)
+    assert torch.equal(sd.generate(ids, **kw), plain) and sd.last_stats.k_per_step[0] > 0
+    assert torch.equal(sd.generate(ids, **kw), plain)
+    assert sd.last_stats.k_per_step[0] == 0
 
 
 # ------------------------------------------------------------------------------ exactness, sampling
@@ -374,6 +380,22 @@ def test_strategies_are_compared_by_their_calibrations():
     assert costs.comparable_step_s(run, "d", 2) < costs.comparable_step_s(other, "d", 2)
     fixed = FixedCosts(lambda strategy, batch, K: 1.0 + K)
     assert fixed.comparable_step_s(run, None, 3) == fixed.step_s(run, None, 3) == 4.0
+
+
+def test_overall_acceptance_counts_every_observation():
+    """overall(): per position, accepted / observed over every update, pulled towards the prior
+    by `strength` pseudo-observations; with nothing observed, the prior."""
+    est = AcceptanceEstimator(3, 3, 0.6, 0.25, "cpu")
+    est.update(torch.tensor([2, 0, 1]), torch.tensor([3, 3, 1]), torch.tensor([True, True, True]))
+    est.update(torch.tensor([1, 0, 0]), torch.tensor([1, 2, 2]), torch.tensor([True, False, True]))
+    # step 1: row 0 accepts drafts 1, 2 and rejects 3; row 1 rejects 1; row 2 accepts the one it was
+    # asked (draft 2 not observed). Step 2: row 0 accepts its one; row 1 did not run; row 2 rejects 1
+    observed = torch.tensor([3.0 + 2.0, 1.0, 1.0])
+    accepted = torch.tensor([2.0 + 1.0, 1.0, 0.0])
+    assert torch.equal(est.observed, observed) and torch.equal(est.accepted, accepted)
+    assert torch.allclose(est.overall(0.6, strength=4.0), (accepted + 2.4) / (observed + 4.0))
+    fresh = AcceptanceEstimator(2, 3, 0.6, 0.25, "cpu")
+    assert torch.allclose(fresh.overall(0.6), torch.full((3,), 0.6))  # nothing observed: the prior
 
 
 def test_plain_steps_of_a_fixed_batch_leave_the_estimate():
