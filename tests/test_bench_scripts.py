@@ -92,10 +92,11 @@ def test_simulate_adaptive_replays_the_policy(tmp_path):
     costs = sim.step_costs(records, 4, 4)
     assert costs == [0.0015, 0.0025, 0.003, 0.0035, 0.004]
     from specdec.adaptive import PolicySettings
-    rate, ks = sim.simulate(costs, 4, 1.0, 20, PolicySettings(), 3, seed=0)
-    assert ks == [3] * 5 and rate == 4 * 20 / (5 * costs[3])
-    rate0, _ = sim.simulate(costs, 4, 0.0, 20, PolicySettings(), None, seed=0)
+    rate, ks, learned = sim.simulate(costs, 4, 1.0, 20, PolicySettings(), 3, seed=0)
+    assert ks == [3] * 5 and rate == 4 * 20 / (5 * costs[3]) and learned is None
+    rate0, _, learned = sim.simulate(costs, 4, 0.0, 20, PolicySettings(), None, seed=0)
     assert rate0 <= 4 * 20 / (20 * costs[0]) + 1e-9  # nothing accepted: no faster than plain
+    assert learned.shape == (4,) and float(learned[0]) < PolicySettings().prior_acceptance  # draft 1: rejected
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = _run("simulate_adaptive.py", str(path), "--max-new", "12", "--max-k", "4", "--seeds", "1",
