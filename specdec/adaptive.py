@@ -55,6 +55,7 @@ is chosen once per call, after the measured warm-up.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import numbers
 import statistics
@@ -469,7 +470,10 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
     (prefilled): per width one untimed run (compiles its kernels; on the CUDA-graph path it
     captures the width's graphs), then ``repeats`` timed runs of a forward of ``T`` placeholder
     tokens followed by a commit of zero tokens, which leaves the committed state as it was (a
-    tree decoder: its tree's ``T`` nodes, and a commit of no path).
+    tree decoder: its tree's ``T`` nodes, and a commit of no path). A chain step of one token is
+    timed as the plain step K = 0 runs (:meth:`Decoder.forward`'s ``plain``), inside
+    :meth:`HybridCache.plain_state_kept <specdec.cache.HybridCache.plain_state_kept>`, which
+    writes the state it updated in place back afterwards.
 
     Returns ``{T: (verify seconds, commit seconds)}``, each the fastest of the timed runs (other
     work on the device or host only adds time; the online refinement then adds what real steps
@@ -480,12 +484,14 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
     clock = StepClock(dev)
     for T in widths:
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for rep in range(repeats + 1):
-            clock.lap(None)
-            decoder.forward(tokens)
-            clock.lap(("verify", T, rep))
-            decoder.commit(zeros, path)
-            clock.lap(("commit", T, rep))
+        plain = T == 1 and tree is None and decoder.strategy.has_plain_steps
+        with decoder.cache.plain_state_kept() if plain else contextlib.nullcontext():
+            for rep in range(repeats + 1):
+                clock.lap(None)
+                decoder.forward(tokens, plain=plain)
+                clock.lap(("verify", T, rep))
+                decoder.commit(zeros, path)
+                clock.lap(("commit", T, rep))
     clock.totals()  # waits for the device
     spans = {phase: s for phase, s in clock.laps() if phase is not None}
     return {T: (min(spans["verify", T, r] for r in range(1, repeats + 1)),

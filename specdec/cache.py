@@ -22,9 +22,15 @@ Wu et al. 2025, "STree: Speculative Tree Decoding for Hybrid State-Space Models"
 :meth:`HybridCache.commit_path` then moves each row's accepted path to the step's first
 positions (KV columns, conv inputs, per-node SSM data) and commits it exactly as a chain step
 that ran the path's tokens.
+
+Plain steps (:meth:`HybridCache.set_plain`): a step of one token that every row keeps (K = 0)
+updates each SSM layer's committed state in place, as plain decoding does, instead of keeping
+rollback data (:meth:`RollbackStrategy.plain_verify <specdec.rollback.RollbackStrategy.plain_verify>`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -66,6 +72,8 @@ class SSMLayerCache:
         #: the tree of the cache's tree mode (``parents``, ``parents[j] < j``, -1 = the committed
         #: state), or None for chain steps; set by :meth:`HybridCache.set_tree`
         self.tree_parents: tuple[int, ...] | None = None
+        #: plain mode (:meth:`HybridCache.set_plain`): steps update the state in place
+        self.plain = False
 
     @property
     def state_indices(self) -> torch.Tensor | None:
@@ -113,6 +121,8 @@ class SSMLayerCache:
         self.params = params
         if self.tree_parents is not None:
             return self.strategy.tree_verify(self.store, self.op, inputs, params, self.tree_parents)
+        if self.plain:
+            return self.strategy.plain_verify(self.store, self.op, inputs, params)
         return self.strategy.verify(self.store, self.op, inputs, params)
 
     def advance(self, t: int) -> None:
@@ -141,7 +151,8 @@ class SSMLayerCache:
         if self.conv_window is not None:
             self.conv_op.commit(self.conv_window, num_tokens, self.conv_width, state_indices=self.state_indices)
         if self.has_recurrence:
-            self.strategy.commit(self.store, self.op, self.params, num_tokens)
+            commit = self.strategy.plain_commit if self.plain else self.strategy.commit
+            commit(self.store, self.op, self.params, num_tokens)
         self.step_tokens = 0
 
     def ssm_state(self) -> torch.Tensor:
@@ -187,6 +198,9 @@ class HybridCache:
         self.step_tokens = 0
         #: the draft tree of the cache's tree mode (:meth:`set_tree`), or None for chain steps
         self.tree = None
+        #: plain mode (:meth:`set_plain`): one-token steps that update the SSM states in place
+        self.plain = False
+        self._kept = 0  # depth of open plain_state_kept() blocks
 
     # --- attention KV ----------------------------------------------------------------------
     def _buffers(self, layer_idx: int, like: torch.Tensor):
@@ -291,9 +305,63 @@ class HybridCache:
         Raises: ValueError when a step is open."""
         if self.step_tokens:
             raise ValueError(f"set_tree needs no open step; this step already ran {self.step_tokens} tokens")
+        if tree is not None and self.plain:
+            raise ValueError("tree steps are not plain steps: leave plain mode first (set_plain(False))")
         self.tree = tree
         for layer in self.ssm.values():
             layer.tree_parents = None if tree is None else tuple(tree.parents)
+
+    @property
+    def has_plain_steps(self) -> bool:
+        """Whether every SSM layer's strategy runs plain steps in place
+        (:attr:`RollbackStrategy.has_plain_steps`), so :meth:`set_plain` may enter plain mode."""
+        return all(layer.strategy.has_plain_steps for layer in self.ssm.values() if layer.has_recurrence)
+
+    def set_plain(self, plain: bool) -> None:
+        """Enter (True) or leave plain mode. In plain mode every forward is a plain decoding step of
+        one token per row: each SSM layer updates its committed state in place
+        (:meth:`RollbackStrategy.plain_verify`: one state read and one write, as plain decoding,
+        where a speculative step also keeps rollback data), and the step's token is kept: commit 1
+        for every row whose state is read again. Entering flushes each strategy's pending rollback
+        data into the state (:meth:`RollbackStrategy.flush`: replay folds its input history);
+        leaving needs nothing. A step that speculates no tokens (K = 0) runs in plain mode.
+
+        Raises: ValueError when a step is open, in tree mode, or when a layer's strategy has no
+        plain steps (:attr:`has_plain_steps`)."""
+        plain = bool(plain)
+        if plain == self.plain:
+            return
+        if self.step_tokens:
+            raise ValueError(f"set_plain needs no open step; this step already ran {self.step_tokens} tokens")
+        if plain and self.tree is not None:
+            raise ValueError("plain steps are chain steps: leave tree mode first (set_tree(None))")
+        if plain and not self.has_plain_steps:
+            names = sorted({layer.strategy.name for layer in self.ssm.values() if not layer.strategy.has_plain_steps})
+            raise ValueError(f"rollback strategy {names} has no plain steps; strategies with them: "
+                             "snapshot, replay and the in-place update of plain decoding")
+        for layer in self.ssm.values():
+            if plain and layer.has_recurrence:
+                layer.strategy.flush(layer.store, layer.op, layer.params)
+            layer.plain = plain
+        self.plain = plain
+
+    @contextlib.contextmanager
+    def plain_state_kept(self):
+        """Plain mode (:meth:`set_plain`) for steps whose tokens are placeholders (a CUDA-graph
+        capture's warm-up, a calibration): every SSM layer's committed state is copied on entry and
+        written back on exit, in place. Holds one copy of every SSM state meanwhile; nested blocks
+        share the outermost one's copy. KV columns and conv windows need no copy: a commit of zero
+        tokens leaves them as they were."""
+        self.set_plain(True)
+        saved = [] if self._kept else [(layer, layer.strategy.plain_state(layer.store).clone())
+                                        for layer in self.ssm.values() if layer.has_recurrence]
+        self._kept += 1
+        try:
+            yield
+        finally:
+            self._kept -= 1
+            for layer, state in saved:
+                layer.strategy.plain_state(layer.store).copy_(state)
 
     def commit_path(self, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Commit each row's accepted path of the open tree step.

@@ -24,6 +24,7 @@ row's accepted path.
 from __future__ import annotations
 
 import abc
+import contextlib
 import warnings
 
 import torch
@@ -86,9 +87,20 @@ class Decoder(abc.ABC):
         CUDA-graph path captures the widths it lacks; other paths have nothing to prepare)."""
 
     @abc.abstractmethod
-    def forward(self, tokens: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, plain: bool = False):
         """Verify forward of ``tokens [B, t]`` (``t = width(...)``; a tree: its N node tokens);
-        returns ``(logits [B, t, V], hidden [B, t, D])``."""
+        returns ``(logits [B, t, V], hidden [B, t, D])``.
+
+        ``plain``: a step of one token per row that speculates nothing (K = 0) runs as plain
+        decoding, updating the SSM states in place (:meth:`HybridCache.set_plain`) where the
+        strategy can (:attr:`RollbackStrategy.has_plain_steps`); its commit must keep the token of
+        every row whose state is read again. A decoder of one-token steps always runs them so."""
+
+    def _plain(self, t: int, plain: bool) -> bool:
+        """Whether a chain forward of ``t`` tokens runs as a plain step (see :meth:`forward`)."""
+        if t != 1 or self.tree is not None or not self.strategy.has_plain_steps:
+            return False
+        return plain or self.step_tokens == 1
 
     @abc.abstractmethod
     def commit(self, num_tokens: torch.Tensor, path: torch.Tensor | None = None) -> None:
@@ -140,7 +152,8 @@ class EagerDecoder(Decoder):
     def width(self, num_drafts, num_speculative_tokens):
         return 1 + int(num_drafts.max())  # the longest row's drafts (one host sync)
 
-    def forward(self, tokens):
+    def forward(self, tokens, plain=False):
+        self.cache.set_plain(self._plain(tokens.shape[1], plain))
         return self.adapter.forward(tokens, self.cache)
 
     def commit(self, num_tokens, path=None):
@@ -149,8 +162,8 @@ class EagerDecoder(Decoder):
 
 
 class _Graphs:
-    """The CUDA graphs of one step width t: the verify forward of ``ids [B, t]`` (outputs
-    ``logits`` / ``hidden``) and the commit that follows it."""
+    """The CUDA graphs of one step width t (a plain step or not): the verify forward of
+    ``ids [B, t]`` (outputs ``logits`` / ``hidden``) and the commit that follows it."""
 
     def __init__(self, forward, commit, ids, logits, hidden):
         self.forward, self.commit = forward, commit
@@ -171,7 +184,11 @@ class StaticDecoder(Decoder):
 
     A chain step may run any width ``t <= step_tokens`` (``num_speculative_tokens="auto"`` varies
     it per step): each width is its own static shape, with its own pair of graphs, captured on
-    its first forward (the full width ``step_tokens`` at the first prefill).
+    its first forward (the full width ``step_tokens`` at the first prefill); a plain step
+    (``forward(..., plain=True)``) has its own pair too. A capture's warm-up commits zero tokens,
+    which leaves the committed state as it was, except in a plain step, which writes it in place:
+    that one is captured inside :meth:`HybridCache.plain_state_kept` (one copy of the SSM states
+    while it runs).
 
     Raises: ValueError when ``tree`` does not have ``step_tokens`` nodes.
     """
@@ -182,7 +199,7 @@ class StaticDecoder(Decoder):
         self.max_len = max_len
         self.cuda_graphs = bool(cuda_graphs)
         self.fuse = fuse
-        self._graphs: dict[int, _Graphs] = {}  # step width -> its graphs
+        self._graphs: dict[tuple[int, bool], _Graphs] = {}  # (step width, plain step) -> its graphs
         self._open: _Graphs | None = None  # the graphs of the open step's forward
         self._capture_failed = False  # a capture failed: every width runs without graphs
 
@@ -224,13 +241,34 @@ class StaticDecoder(Decoder):
             self.cache = fresh
             self.cache.set_tree(self.tree)
             if self.cuda_graphs:
-                self._capture(self.step_tokens)
+                self._capture(self.step_tokens, self._plain(self.step_tokens, False))
         else:
             self.cache.copy_from(fresh)
 
-    def _capture(self, t: int) -> _Graphs | None:
-        """Capture the forward of ``t`` step tokens and its commit (no committed state changes:
-        the warm-up commits zero tokens); on failure record why and run without graphs from now on."""
+    def _capture(self, t: int, plain: bool) -> _Graphs | None:
+        """Capture the forward of ``t`` step tokens (a plain step or not) and its commit (no
+        committed state changes: the warm-up commits zero tokens, and a plain step's runs inside
+        :meth:`HybridCache.plain_state_kept`); on failure record why and run without graphs from now on."""
+        c, B = self.cache, self.batch
+        with contextlib.ExitStack() as stack:
+            c.set_plain(plain)
+            if plain:
+                try:
+                    stack.enter_context(c.plain_state_kept())
+                except torch.OutOfMemoryError as err:
+                    return self._capture_failed_with(CaptureFailure("a plain step (its warm-up's copy of the SSM "
+                                                                    "states)", err))
+            return self._capture_step(t, plain)
+
+    def _capture_failed_with(self, err: CaptureFailure) -> None:
+        self.capture_error = err.reason
+        warnings.warn(f"{err}; decoding runs the static path without graphs (slower: one kernel launch per op)",
+                      RuntimeWarning, stacklevel=5)
+        self._capture_failed = True
+        self._graphs.clear()
+        self.cache.set_step_tokens(0)
+
+    def _capture_step(self, t: int, plain: bool) -> _Graphs | None:
         c, B = self.cache, self.batch
         dev = c.device
         ids = torch.zeros(B, t, dtype=torch.long, device=dev)
@@ -258,14 +296,8 @@ class StaticDecoder(Decoder):
             com, _ = capture(lambda: self._commit(num, path), model=model, what="the commit", warmup=0,
                              fuse=self.fuse, pool=fwd.pool())
         except CaptureFailure as err:
-            self.capture_error = err.reason
-            warnings.warn(f"{err}; decoding runs the static path without graphs (slower: one kernel launch per op)",
-                          RuntimeWarning, stacklevel=4)
-            self._capture_failed = True
-            self._graphs.clear()
-            c.set_step_tokens(0)
-            return None
-        graphs = self._graphs[t] = _Graphs(fwd, com, ids, logits, hidden)
+            return self._capture_failed_with(err)
+        graphs = self._graphs[t, plain] = _Graphs(fwd, com, ids, logits, hidden)
         if self.tree is not None:  # the graphs read the tree's index tables: own them (module caches evict)
             self._tables = tree_index.cached_tensors()
         c.set_step_tokens(0)
@@ -275,17 +307,19 @@ class StaticDecoder(Decoder):
         for t in widths:
             if not self.cuda_graphs or self._capture_failed:
                 return
-            if t not in self._graphs:
-                self._capture(t)
+            key = t, self._plain(t, t == 1)  # (a step of one token speculates nothing: a plain step)
+            if key not in self._graphs:
+                self._capture(*key)
 
-    def forward(self, tokens):
+    def forward(self, tokens, plain=False):
         """With graphs, the outputs are the static tensors of the step's width, valid until the
         next forward of that width."""
-        t = tokens.shape[1]
-        graphs = self._graphs.get(t)
+        key = t, plain = tokens.shape[1], self._plain(tokens.shape[1], plain)
+        graphs = self._graphs.get(key)
         if graphs is None and self.cuda_graphs and not self._capture_failed:
-            graphs = self._capture(t)
+            graphs = self._capture(t, plain)
         self._open = graphs
+        self.cache.set_plain(plain)  # (entering plain mode flushes the strategies' rollback data)
         if graphs is None:
             return self.adapter.forward(tokens, self.cache)
         graphs.ids.copy_(tokens)

@@ -809,7 +809,7 @@ class SpeculativeGenerator:
                 drafts, width = empty, 1
             clock.lap("draft")
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)
-            logits, hidden = dec.forward(tokens)
+            logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             scores = hook.process(logits, tokens, rows.n_gen, tree) if hook else logits
             if tree is not None:
                 best, n, c = accept_tree(scores, tokens, tree, k, s.sampling, s.generator, drafter.acceptance,

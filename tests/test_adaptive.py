@@ -18,7 +18,7 @@ import specdec
 from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, FixedCosts, MeasuredCosts, PolicySettings,
                               SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, OracleDrafter
-from specdec.rollback import STRATEGIES
+from specdec.rollback import STRATEGIES, RollbackStrategy
 
 
 class ScriptedCosts(CostModel):
@@ -74,9 +74,14 @@ def test_auto_greedy_exact_vs_hf(family, drafter):
 
 @pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_auto_k_through_every_width_exact(family, strategy, path):
+def test_auto_k_through_every_width_exact(family, strategy, path, monkeypatch):
     """K forced through 0..8 in a scripted order (up, down, to 0 and back): exact on both decode
-    paths (the static path runs each width as its own static shape)."""
+    paths (the static path runs each width as its own static shape); every K = 0 step is a plain
+    step (the state updated in place) where the strategy has them (snapshot, replay)."""
+    plain_steps = []
+    real = RollbackStrategy.plain_verify
+    monkeypatch.setattr(RollbackStrategy, "plain_verify",
+                        lambda self, store, *a: plain_steps.append(store.layer) or real(self, store, *a))
     costs = ScriptedCosts(ORDER)
     sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback=strategy,
                       num_speculative_tokens="auto", decode_path=path, cost_model=costs)
@@ -85,6 +90,8 @@ def test_auto_k_through_every_width_exact(family, strategy, path):
     st = sd.last_stats
     _check_stats(st, 8)
     assert st.k_per_step == ORDER[:st.steps]  # hysteresis never holds a K that costs 100x
+    layers = sum(layer.has_recurrence for layer in sd.last_cache.ssm.values())
+    assert len(plain_steps) == (st.k_per_step.count(0) * layers if strategy != "ring" else 0)
     assert st.decode_path == path and st.rollback == strategy and st.rollback_reason is None
     assert sd.cost_model is costs
 
@@ -574,8 +581,8 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
                         lambda self, widths: events.append(("prepare", self, list(widths))) or
                         real_prepare(self, widths))
     monkeypatch.setattr(decoding.StaticDecoder, "forward",
-                        lambda self, tokens: events.append(("forward", self, tokens.shape[1])) or
-                        real_forward(self, tokens))
+                        lambda self, tokens, plain=False: events.append(("forward", self, tokens.shape[1])) or
+                        real_forward(self, tokens, plain))
     model = make_model("qwen3_5", seed=11)  # a model of its own: no other test measured it
     ids, mask, eos, _ = reference("qwen3_5")
     kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
@@ -599,24 +606,27 @@ def test_auto_strategy_and_decoder_are_kept_for_later_calls(monkeypatch):
 
 
 def test_static_decoder_prepare_captures_only_missing_widths(monkeypatch):
-    """StaticDecoder.prepare captures each width it lacks once, and nothing without CUDA graphs
-    or after a failed capture."""
+    """StaticDecoder.prepare captures each width it lacks once (a width of one token as the plain
+    step where the strategy has plain steps), and nothing without CUDA graphs or after a failed
+    capture."""
     import specdec.decoding as decoding
 
     adapter = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=0).adapter
     captured = []
 
-    def fake_capture(self, t):
-        captured.append(t)
-        self._graphs[t] = object()
+    def fake_capture(self, t, plain):
+        captured.append((t, plain))
+        self._graphs[t, plain] = object()
 
     monkeypatch.setattr(decoding.StaticDecoder, "_capture", fake_capture)
-    strategy = specdec.rollback.make_strategy("ring")
-    dec = decoding.StaticDecoder(adapter, strategy, 2, 4, 64, cuda_graphs=True)
-    dec._graphs[4] = object()
-    dec.prepare([1, 2, 3, 4])
-    dec.prepare([2, 3])
-    assert captured == [1, 2, 3]
+    for name, plain in (("ring", False), ("replay", True), ("snapshot", True)):
+        strategy = specdec.rollback.make_strategy(name)
+        dec = decoding.StaticDecoder(adapter, strategy, 2, 4, 64, cuda_graphs=True)
+        dec._graphs[4, False] = object()
+        captured.clear()
+        dec.prepare([1, 2, 3, 4])
+        dec.prepare([2, 3])
+        assert captured == [(1, plain), (2, False), (3, False)], name
     for flag in ("cuda_graphs", "_capture_failed"):
         other = decoding.StaticDecoder(adapter, strategy, 2, 4, 64, cuda_graphs=flag != "cuda_graphs")
         other._capture_failed = flag == "_capture_failed"

@@ -156,6 +156,76 @@ def test_state_indices_pool_equals_identity(op_name, strategy, backend):
         check(f"step {step}")
 
 
+PLAIN_STRATS = ["snapshot", "replay", "replay_deferred", "replay_deferred_L8"]
+#: a run of step kinds: a speculative step of T tokens, or "plain" (K = 0: one token, in place)
+PLAIN_SCRIPT = [3, "plain", "plain", 4, 2, "plain", 1, "plain", 4, 4, "plain", "plain", "plain", 2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("strategy", PLAIN_STRATS)
+@pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
+def test_plain_steps_between_speculative_steps_exact(op_name, strategy, backend):
+    """Plain steps (flush, then one token updated in place) mixed with speculative steps and
+    commits of every count, over a pool with a permuted slot map and a padding row: outputs and
+    committed states equal the reference recurrence over exactly the committed tokens, and slots
+    no row maps to stay bit for bit (flush folds only the batch's slots)."""
+    op = OPS[op_name].on(backend, "cpu")  # triton: the kernels through Triton's interpreter
+    g = torch.Generator().manual_seed(7)
+    Tmax, slots = 4, 6
+    si = torch.tensor([4, 0, 3, -1])
+    real, unused = si[:3], torch.tensor([1, 2, 5])
+    strat = STRATEGY_FACTORIES[strategy]()
+    assert strat.has_plain_steps
+    store = strat.new_store(4, Tmax, state_indices=si)
+    _, params, S = random_inputs(op_name, 1, g)
+    pool = torch.randn(slots, *S, generator=g)
+    strat.load(store, pool)
+    unused0 = pool[unused].clone()
+    ref = pool[real].clone()
+    for step, kind in enumerate(PLAIN_SCRIPT):
+        plain = kind == "plain"
+        T = 1 if plain else kind
+        inputs, _, _ = random_inputs(op_name, T, g, batch=4)  # row 3 (padding) has inputs of its own
+        if plain:
+            strat.flush(store, op, params)
+            torch.testing.assert_close(strat.plain_state(store)[real], ref, rtol=1e-5, atol=1e-5)
+            y = strat.plain_verify(store, op, inputs, params)
+            n = torch.ones(4, dtype=torch.long)
+        else:
+            y = strat.verify(store, op, inputs, params)
+            n = torch.tensor([step % (T + 1), T, 0, T])  # the padding row's count is never used
+        y_ref, states, _ = op.verify(ref, {k: v[:3] for k, v in inputs.items()}, params, True)
+        torch.testing.assert_close(y[:3], y_ref, rtol=1e-4, atol=1e-4)
+        (strat.plain_commit if plain else strat.commit)(store, op, params, n)
+        pick = states[torch.arange(3), (n[:3] - 1).clamp(min=0)]
+        ref = torch.where((n[:3] == 0).view(-1, *[1] * len(S)), ref, pick)
+        got = strat.state(store, op, params)
+        torch.testing.assert_close(got[real], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(got[unused], unused0), f"step {step}: a slot no row maps to changed"
+
+
+def test_plain_step_errors():
+    """A plain step runs one token as its step's only call, and a strategy without plain steps
+    (ring) says so; flush needs a closed step."""
+    op = OPS["gdn"]
+    g = torch.Generator().manual_seed(3)
+    _, params, S = random_inputs("gdn", 1, g)
+    snap = SnapshotRollback()
+    store = snap.new_store(B, 4)
+    snap.load(store, torch.randn(B, *S, generator=g))
+    with pytest.raises(ValueError, match="exactly 1 token"):
+        snap.plain_verify(store, op, random_inputs("gdn", 2, g)[0], params)
+    snap.verify(store, op, random_inputs("gdn", 2, g)[0], params)
+    with pytest.raises(ValueError, match="exactly 1 token"):
+        snap.plain_verify(store, op, random_inputs("gdn", 1, g)[0], params)
+    with pytest.raises(ValueError, match="flush needs no open step"):
+        snap.flush(store, op, params)
+    ring = RingRollback()
+    assert not ring.has_plain_steps
+    with pytest.raises(ValueError, match="has no plain steps"):
+        ring.plain_state(ring.new_store(B, 4))
+
+
 def test_state_indices_checks():
     strat = SnapshotRollback()
     with pytest.raises(ValueError, match="state_indices"):

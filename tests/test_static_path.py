@@ -224,6 +224,23 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
+def test_cuda_graph_plain_decoding_exact_from_the_first_call(fam):
+    """On CUDA (fp32 tiny models): plain decoding (K = 0, the in-place update) through CUDA graphs
+    equals HF's greedy on a fresh wrapper's first call, whose prefill captures the step's graphs
+    (the capture's warm-up runs the in-place update on placeholder tokens), and on the second."""
+    model = get_model(fam).cuda()
+    ids, mask, eos, ref = (t.cuda() if isinstance(t, torch.Tensor) else t for t in reference(fam))
+    sd = specdec.wrap(model, num_speculative_tokens=0, decode_path="cuda_graph")
+    for call in range(2):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
+        assert torch.equal(out, ref), call
+    get_model(fam).cpu()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_tree_exact_vs_eager(fam, strategy):

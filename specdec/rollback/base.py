@@ -15,6 +15,10 @@ ring       s^(j) into slot (head + j) mod R             move ``head``           
 replay     outputs from s^(0) + cached inputs, no state fold n cached inputs         L token inputs
 =========  ===========================================  ===========================  ================
 
+A step of one token that every row keeps (K = 0) needs no rollback: strategies with
+``has_plain_steps`` run it as a *plain step* (:meth:`RollbackStrategy.plain_verify`), which
+updates the committed state in place after :meth:`RollbackStrategy.flush`.
+
 Stores are per layer; a strategy object is stateless and can be shared by all layers. A store
 keeps one committed state per *slot*; by default row b of the batch is slot b, and a store made
 with ``state_indices`` runs its B rows over a pool of slots (see :class:`LayerStore`).
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import SSMOp
-from ..kernels.slots import check_state_indices
+from ..kernels.slots import check_state_indices, gather_rows, scatter_rows
 
 __all__ = ["STRATEGIES", "RollbackStrategy", "LayerStore", "debug_enabled", "check_index_bounds", "check_finite",
            "check_slot_map", "write_rows"]
@@ -217,6 +221,55 @@ class RollbackStrategy(abc.ABC):
         """Whether :meth:`reset_rows` writes into the store's tensors in place: the strategy defines
         ``_reset_in_place`` (every built-in strategy does)."""
         return callable(getattr(self, "_reset_in_place", None))
+
+    # plain steps: one token per row, always kept (K = 0 chosen for a step) ------------------------
+    #: whether the strategy runs plain steps in place (:meth:`plain_verify`); without them a
+    #: one-token step runs as a one-token :meth:`verify` and :meth:`commit`
+    has_plain_steps: bool = False
+
+    def plain_state(self, store: LayerStore) -> torch.Tensor:
+        """The ``[num_slots, *S]`` fp32 tensor that plain steps update in place; it holds the
+        committed state after :meth:`flush` (and until the next :meth:`verify`).
+
+        Raises: ValueError when the strategy has no plain steps."""
+        raise ValueError(f"rollback strategy {self.name!r} has no plain steps (has_plain_steps is False)")
+
+    def flush(self, store: LayerStore, op: SSMOp, params: dict) -> None:
+        """Make :meth:`plain_state` hold the batch's committed states (replay: fold each row's
+        input history into the checkpoint); other slots keep what they hold. Needs no open step.
+
+        Raises: ValueError when a step is open."""
+        if store.step_tokens:
+            raise ValueError(f"flush needs no open step, but {store.step_tokens} step tokens were run and not "
+                             "committed: commit the step first")
+
+    def plain_verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict) -> torch.Tensor:
+        """A plain decoding step: one token per row (inputs ``[B, 1, ...]``) advances
+        :meth:`plain_state` in place (one state read and one write, no rollback data) and returns
+        its outputs. The step's token is committed as it runs: :meth:`plain_commit` of 0 tokens
+        does not undo it (for rows whose state is never read again, e.g. finished ones).
+        :meth:`flush` must have run since the last :meth:`verify`.
+
+        Raises: ValueError when the step has more than one token or one is already open."""
+        t = next(iter(inputs.values())).shape[1]
+        if t != 1 or store.step_tokens:
+            raise ValueError(f"a plain step runs exactly 1 token per row as the step's only call; got {t} "
+                             f"after {store.step_tokens}")
+        live, si = self.plain_state(store), store.state_indices
+        if op.kernels is not None:
+            y = op.kernels.update(live, inputs, params, state_indices=si)
+        else:
+            y, states, _ = op.verify(gather_rows(live, si), inputs, params, True)
+            scatter_rows(live, si, states[:, -1])
+        store.step_tokens = 1
+        return y
+
+    def plain_commit(self, store: LayerStore, op: SSMOp, params: dict, num_tokens: torch.Tensor) -> None:
+        """Close a plain step (``num_tokens [B]`` int64: 1 for every row whose state is read again)."""
+        self._check_commit(store, num_tokens)
+        store.step_tokens = 0
+        if debug_enabled():
+            check_finite(self.plain_state(store), store)
 
     def extra_state_bytes(self, state_bytes: int, max_step_tokens: int, input_bytes_per_token: int) -> int:
         """Bytes this strategy keeps per layer and sequence beyond the live state (the ``extra

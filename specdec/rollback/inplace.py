@@ -6,15 +6,16 @@ once out per step — what a plain decode step costs — where snapshot (verify 
 (verify + fold) move it three times. The engine uses it for ``num_speculative_tokens=0``.
 
 Committing 0 tokens does not restore the state: in the engine only a finished row commits 0,
-and its state is never read again. Not one of ``STRATEGIES``: the engine picks it itself.
+and its state is never read again. Not one of ``STRATEGIES``: the engine picks it itself. Its
+steps are :meth:`RollbackStrategy.plain_verify`, the plain steps that snapshot and replay also
+run when a step speculates no tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.slots import gather_rows, scatter_rows
-from .base import LayerStore, RollbackStrategy, check_finite, debug_enabled, write_rows
+from .base import LayerStore, RollbackStrategy, write_rows
 
 __all__ = ["InPlaceUpdate"]
 
@@ -34,23 +35,16 @@ class InPlaceUpdate(RollbackStrategy):
     def _reset_in_place(self, store, rows, state):
         write_rows(store.tensors["live"], rows, state)
 
+    has_plain_steps = True
+
+    def plain_state(self, store):
+        return store.tensors["live"]
+
     def state(self, store, op, params):
         return store.tensors["live"]
 
     def verify(self, store, op, inputs, params):
-        t = next(iter(inputs.values())).shape[1]
-        self._check_step(store, t)
-        live, si = store.tensors["live"], store.state_indices
-        if op.kernels is not None:
-            y = op.kernels.update(live, inputs, params, state_indices=si)
-        else:
-            y, states, _ = op.verify(gather_rows(live, si), inputs, params, True)
-            scatter_rows(live, si, states[:, -1])
-        store.step_tokens += t
-        return y
+        return self.plain_verify(store, op, inputs, params)
 
     def commit(self, store, op, params, num_tokens):
-        self._check_commit(store, num_tokens)
-        store.step_tokens = 0
-        if debug_enabled():
-            check_finite(store.tensors["live"], store)
+        self.plain_commit(store, op, params, num_tokens)

@@ -90,6 +90,35 @@ class ReplayRollback(RollbackStrategy):
             store.tensors["hist"] = hist
         return hist
 
+    has_plain_steps = True
+
+    def plain_state(self, store):
+        return store.tensors["ckpt"]
+
+    def flush(self, store, op, params):
+        super().flush(store, op, params)
+        store.replay_fused_step = False
+        if store.tensors["hist"] is not None:
+            self._fold(store, op, params, self._batch_slots(store))
+
+    def _batch_slots(self, store) -> torch.Tensor:
+        """``[num_slots]`` bool: the slots of the batch's rows (all slots without a slot map)."""
+        hist_len, si = store.tensors["hist_len"], store.state_indices
+        ones = torch.ones_like(hist_len, dtype=torch.bool)
+        return ones if si is None else to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0],
+                                                fill=False)
+
+    def _fold(self, store, op, params, flush: torch.Tensor) -> None:
+        """Fold the committed history of the slots ``flush`` (``[num_slots]`` bool) into the
+        checkpoint and empty it; the other slots keep their history in place."""
+        hist, hist_len, si = store.tensors["hist"], store.tensors["hist_len"], store.state_indices
+        n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
+        if op.kernels is not None:
+            op.kernels.replay_fold(store.tensors["ckpt"], hist, params, gather_rows(n, si), state_indices=si)
+        elif not self.deferred or bool(flush.any()):
+            store.tensors["ckpt"].copy_(op.fold(store.tensors["ckpt"], hist, params, n))
+        hist_len.masked_fill_(flush, 0)
+
     def state(self, store, op, params):
         hist = store.tensors["hist"]
         if hist is None or (store.step_tokens and getattr(store, "replay_fused_step", False)):
@@ -194,21 +223,13 @@ class ReplayRollback(RollbackStrategy):
         hist_len += to_slots(num_tokens, si, hist_len.shape[0])
         hist = store.tensors["hist"]
         if hist is not None:
-            L = next(iter(hist.values())).shape[1]
+            # only the batch's slots fold (the others keep their history as it is); slots that keep
+            # their history keep it in place (positions [0, hist_len)), slots that fold restart at 0.
+            # Eager replay folds every slot every commit (no host sync needed).
+            flush = self._batch_slots(store)
             if self.deferred:
-                flush = hist_len + store.max_step_tokens > L
-            else:
-                flush = torch.ones_like(hist_len, dtype=torch.bool)
-            if si is not None:  # only the batch's slots fold (the others keep their history as it is)
-                flush &= to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0], fill=False)
-            # slots that keep their history keep it in place (positions [0, hist_len)); slots that
-            # fold restart at 0. Eager replay folds every slot every commit (no host sync needed).
-            n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
-            if op.kernels is not None:
-                op.kernels.replay_fold(store.tensors["ckpt"], hist, params, gather_rows(n, si), state_indices=si)
-            elif not self.deferred or bool(flush.any()):
-                store.tensors["ckpt"].copy_(op.fold(store.tensors["ckpt"], hist, params, n))
-            hist_len.masked_fill_(flush, 0)
+                flush &= hist_len + store.max_step_tokens > next(iter(hist.values())).shape[1]
+            self._fold(store, op, params, flush)
         store.step_tokens = 0
         if debug_enabled():
             check_finite(self.state(store, op, params), store)

@@ -31,6 +31,11 @@ class SnapshotRollback(RollbackStrategy):
     def _reset_in_place(self, store, rows, state):
         write_rows(store.tensors["live"], rows, state)
 
+    has_plain_steps = True  # the committed state is always the live state: flush has nothing to do
+
+    def plain_state(self, store):
+        return store.tensors["live"]
+
     def state(self, store, op, params):
         return store.tensors["live"]
 
