@@ -59,6 +59,7 @@ import contextlib
 import math
 import numbers
 import statistics
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -66,10 +67,11 @@ from typing import Callable
 import torch
 
 from .clock import StepClock
+from .graphs import CaptureFailure, capture
 from .rollback import ReplayRollback
 
-__all__ = ["AUTO", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "MeasuredCosts", "FixedCosts",
-           "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
+__all__ = ["AUTO", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "DrafterKey", "MeasuredCosts",
+           "FixedCosts", "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
            "expected_tokens", "rollback_bytes", "strategy_label"]
 
 #: the value of ``num_speculative_tokens`` / ``rollback`` that asks for the adaptive choice
@@ -183,6 +185,12 @@ class AcceptanceEstimator:
         self.observed = torch.zeros(max_drafts, device=device)
         self.accepted = torch.zeros(max_drafts, device=device)
 
+    def reset(self, prior) -> None:
+        """Start again from ``prior`` (``[M]`` or a float): every row's rates and the counts, in place."""
+        self.rates.copy_(torch.as_tensor(prior, dtype=torch.float32, device=self.rates.device).expand(self.rates.shape))
+        self.observed.zero_()
+        self.accepted.zero_()
+
     def update(self, num_accepted: torch.Tensor, num_asked: torch.Tensor, active: torch.Tensor) -> None:
         """One step's observations: ``num_accepted [B]`` / ``num_asked [B]`` int64 (n <= asked),
         ``active [B]`` bool (rows that ran the step). No host sync."""
@@ -195,7 +203,7 @@ class AcceptanceEstimator:
         new = torch.where(observed, (1 - w) * self.rates + w * accepted.float(), self.rates)
         left = torch.cat([new[:, :1], new[:, :-1]], dim=1)
         drift = ~observed & active[:, None] & (j >= 1)
-        self.rates = torch.where(drift, (1 - w) * new + w * left, new)
+        self.rates.copy_(torch.where(drift, (1 - w) * new + w * left, new))  # in place: a captured update reads it
 
     def overall(self, prior, strength: float = 4.0) -> torch.Tensor:
         """``[M]``: each position's acceptance over every observation so far (not the recent ones
@@ -210,6 +218,16 @@ class AcceptanceEstimator:
         ``until_last``: per step until the slowest row ends, the rows' rates shrunk by this
         estimator's weight (:func:`expected_tokens`)."""
         return expected_tokens(self.rates, budget, active, until_last, self.weight)
+
+
+def _update(est: AcceptanceEstimator, until_last: bool, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
+    """:meth:`SpeculationPolicy.update`'s device work (what its graph captures): ``est`` observes
+    the step, then E(K) of the next one (with ``until_last``: per step until the slowest row
+    ends, then per step)."""
+    est.update(num_accepted, num_asked, ran)
+    if not until_last:
+        return est.expected_tokens(budget, live)
+    return torch.cat([est.expected_tokens(budget, live, True), est.expected_tokens(budget, live)])
 
 
 def expected_tokens(rates: torch.Tensor, budget: torch.Tensor, active: torch.Tensor,
@@ -327,6 +345,17 @@ class CostModel(abc.ABC):
         """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
 
 
+class DrafterKey:
+    """Names one drafter's proposal times in a :class:`CostModel` (the engine makes a new one for
+    each drafter it is given: never reused), with ``sequential``, the drafter's
+    :attr:`~specdec.drafters.Drafter.drafts_sequentially`: whether its proposal time grows with K."""
+
+    __slots__ = ("sequential",)
+
+    def __init__(self, sequential: bool):
+        self.sequential = bool(sequential)
+
+
 class MeasuredCosts(CostModel):
     """Step costs measured on the device: the verify forward and the commit of each width (from
     :func:`calibrate`), refined online by real steps.
@@ -336,10 +365,13 @@ class MeasuredCosts(CostModel):
     * ``target(K)``: the exponentially weighted mean (weight ``weight``) of the target's time in
       real steps at K (verify + acceptance + commit + bookkeeping); before any real step at K, the
       calibrated verify + commit of width K + 1 plus the mean gap between real steps and their
-      calibration (acceptance and bookkeeping, which the calibration does not run);
+      calibration (acceptance and bookkeeping, which the calibration does not run), kept apart
+      for plain steps (K = 0: no proposal, nothing to accept or observe; 0 until one ran) and
+      speculative ones, whose gap would make a plain step look up to 7% slower than it is;
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
-      run, a least-squares line through the measured K (one measured K: proportional to K);
-      0 before any measurement and at K = 0.
+      run, a least-squares line through the measured K (one measured K: proportional to K for a
+      drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
+      any measurement and at K = 0.
 
     Args:
         weight: the online averages' weight of a new step, in (0, 1].
@@ -349,7 +381,7 @@ class MeasuredCosts(CostModel):
         self.weight = float(weight)
         self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
-        self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds
+        self._gap: dict[tuple, float] = {}  # (key, K > 0) -> mean (real - calibrated) seconds
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
 
@@ -373,7 +405,7 @@ class MeasuredCosts(CostModel):
         self._ewma(self._target, (key, K), target_s)
         calib = self._widths.get((key, K + 1))
         if calib is not None:
-            self._ewma(self._gap, key, target_s - sum(calib))
+            self._ewma(self._gap, (key, K > 0), target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
 
@@ -390,7 +422,7 @@ class MeasuredCosts(CostModel):
         calib = self.calibrated_s(key, K)
         if calib is None:
             raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
-        return calib + self._gap.get(key, 0.0)
+        return calib + self._gap.get((key, K > 0), 0.0)
 
     def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
         """``draft(K)`` (see the class docstring)."""
@@ -403,7 +435,7 @@ class MeasuredCosts(CostModel):
             return 0.0
         if len(seen) == 1:
             (k1, v1), = seen.items()
-            return v1 * K / k1
+            return v1 * K / k1 if getattr(drafter_key, "sequential", True) else v1
         ks, vs = list(seen), list(seen.values())
         mk, mv = statistics.fmean(ks), statistics.fmean(vs)
         slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
@@ -598,20 +630,36 @@ class SpeculationPolicy:
         until_last: the call ends when its slowest row does (a fixed batch, as ``generate()``'s;
             not continuous batching, whose rows are refilled): E(K) counts the steps until then
             (:func:`expected_tokens`).
+        graphs: a dict in which to keep :meth:`update` as CUDA graphs (the CUDA-graph decode
+            path; None: eager). The first call of a shape (batch, M, ``until_last``, weight) runs
+            eagerly, the second captures it (:func:`specdec.graphs.capture`) and every call from
+            then on, in later policies of the same shape too, replays it: a step launches a
+            handful of kernels for it instead of about 140 small ones (with ``until_last``). A
+            later policy takes the captured estimator's tensors and resets them to its prior. A
+            failed capture warns and runs eagerly.
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
                  max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device,
-                 until_last: bool = False):
+                 until_last: bool = False, graphs: dict | None = None):
         self.settings = settings
+        self._graphs = graphs
+        self._graph = None  # (graph, its input tensors, its output): update() captured
+        self._updates = 0  # update() calls that computed
         self.until_last = until_last
         self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
         self.key = key
         self.drafter_key = drafter_key
         self.max_k = max_speculative_tokens
-        self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, settings.acceptance_weight_for(batch),
-                                              device)
+        weight = settings.acceptance_weight_for(batch)
+        self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
+        captured = None if graphs is None else graphs.get(self._graph_key)
+        if captured is None:
+            self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device)
+        else:  # the captured graph reads and writes that estimator's tensors
+            self.acceptance, self._graph = captured[0], captured[1:]
+            self.acceptance.reset(prior)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
         every = torch.ones(batch, dtype=torch.bool, device=device)
         #: E(K), K = 0..M, the next choice maximises against the step times (with ``until_last``: per
@@ -677,11 +725,32 @@ class SpeculationPolicy:
         if (self.until_last and self.k_per_step and self.k_per_step[-1] == 0
                 and self._live is not None and self._live == self._live_estimated):
             return None
-        self.acceptance.update(num_accepted, num_asked, ran)
-        if not self.until_last:
-            return self.acceptance.expected_tokens(budget, live)
-        return torch.cat([self.acceptance.expected_tokens(budget, live, True),
-                          self.acceptance.expected_tokens(budget, live)])
+        args = (num_accepted, num_asked, ran, live, budget)
+        if self._graph is None and self._graphs is not None and self._updates:  # (the first call ran eagerly)
+            self._capture(args)
+        self._updates += 1
+        if self._graph is None:
+            return _update(self.acceptance, self.until_last, *args)
+        graph, inputs, out = self._graph
+        for dst, src in zip(inputs, args):
+            dst.copy_(src)
+        graph.replay()
+        return out
+
+    def _capture(self, args) -> None:
+        """Capture the update on copies of ``args`` (capturing runs nothing: the estimate is
+        unchanged) and keep it in the ``graphs`` dict; on failure warn and update eagerly."""
+        inputs = [a.clone() for a in args]
+        est, until_last = self.acceptance, self.until_last
+        try:
+            graph, out = capture(lambda: _update(est, until_last, *inputs), model=None,
+                                 what="the speculation policy's update", warmup=0, fuse=False)
+        except CaptureFailure as err:
+            self._graphs = None
+            warnings.warn(f"{err}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
+            return
+        self._graph = (graph, inputs, out)
+        self._graphs[self._graph_key] = (est, graph, inputs, out)
 
     def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
         """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the

@@ -30,8 +30,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .adaptive import (AUTO, CostKey, CostModel, PolicySettings, SpeculationPolicy, calibrate, choose_strategy,
-                       costs_for, expected_tokens, rollback_bytes, strategy_label)
+from .adaptive import (AUTO, CostKey, CostModel, DrafterKey, PolicySettings, SpeculationPolicy, calibrate,
+                       choose_strategy, costs_for, expected_tokens, rollback_bytes, strategy_label)
 from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming,
                        bytes_per_sequence, cache_bytes, check_batch_tokens, check_requests, free_memory, kv_columns,
                        left_pad, plan_rows)
@@ -206,6 +206,7 @@ class SpeculativeGenerator:
                  decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model: CostModel | None = None,
                  policy: PolicySettings | None = None):
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
+        self._policy_graphs: dict = {}  # the speculation policy's captured updates, per shape (SpeculationPolicy)
         # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape
         self._choices: dict[tuple, tuple[str, str]] = {}
         # num_speculative_tokens="auto": the drafter's per-position acceptance over the last call,
@@ -351,7 +352,7 @@ class SpeculativeGenerator:
             )
         self._check_adaptive(d, self._K)
         self._drafter = d
-        self._drafter_key = object()  # names this drafter's proposal times in the cost model (never reused)
+        self._drafter_key = DrafterKey(d.drafts_sequentially)  # its proposal times in the cost model
         self._learned_acceptance = None
         self._choices.clear()
 
@@ -1124,7 +1125,8 @@ class SpeculativeGenerator:
         prior = (learned.to(s.input_ids.device) if learned is not None and learned.shape[0] == K
                  else self.policy.prior_acceptance)
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
-                                 prior, s.input_ids.device, until_last)
+                                 prior, s.input_ids.device, until_last,
+                                 graphs=self._policy_graphs if dec.path == "cuda_graph" else None)
 
     @staticmethod
     def _output(s, sequences, hook, G):

@@ -118,7 +118,7 @@ class CaptureFailure(RuntimeError):
         super().__init__(f"CUDA-graph capture of {what} failed ({self.reason})")
 
 
-def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn=None, fuse: bool | None = None,
+def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, warmup_fn=None, fuse: bool | None = None,
             pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """Capture ``fn()`` (no arguments; it reads and writes fixed tensors) as a CUDA graph.
 
@@ -129,7 +129,8 @@ def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn
     this call's result.
 
     Args:
-        fn: the program. model: the HF model it runs. what: its name, for errors.
+        fn: the program. model: the HF model it runs (None: a program that runs none). what: its
+            name, for errors.
         warmup: side-stream runs before the capture (0 when the caller ran ``fn`` already).
         warmup_fn: what the warm-up runs instead of ``fn`` (e.g. a forward and its commit).
         pool: a graph memory pool to share (``other_graph.pool()``).
@@ -145,8 +146,10 @@ def capture(fn, *, model: torch.nn.Module, what: str, warmup: int = 2, warmup_fn
         raise CaptureFailure(what, RuntimeError(blocker))
     fuse = fusion_enabled() if fuse is None else bool(fuse)
     dev = torch.cuda.current_device()
+    model_ctx = ((fused(model, fuse), graph_safe_experts(model)) if model is not None
+                 else (contextlib.nullcontext(), contextlib.nullcontext()))
     try:
-        with fused(model, fuse), graph_safe_experts(model):
+        with model_ctx[0], model_ctx[1]:
             if warmup:
                 side = torch.cuda.Stream(device=dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

@@ -15,9 +15,9 @@ from markers import needs_cuda
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
-from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, FixedCosts, MeasuredCosts, PolicySettings,
-                              SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
-from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, OracleDrafter
+from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts, MeasuredCosts,
+                              PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
+from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.rollback import STRATEGIES, RollbackStrategy
 
 
@@ -117,6 +117,31 @@ def test_auto_on_the_cuda_graph_path_exact(fam, strategy):
             assert costs is None or len(set(sd.last_stats.k_per_step)) > 2  # scripted: several widths
     get_model(fam).cpu()
     get_model(fam, "perturbed").cpu()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("until_last", [False, True])
+def test_policy_update_graph_equals_eager(until_last):
+    """On CUDA: the captured policy update gives bit for bit the eager update's E(K) and rates
+    over steps of random outcomes (its first step eager, then captured and replayed), and a
+    later policy of the same shape replays the kept graph from its own prior."""
+    B, M = 16, 6
+    costs, graphs = FixedCosts(lambda s, b, K: 1.0 + K), {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for prior in (0.6, 0.3):
+        pols = [SpeculationPolicy(PolicySettings(), costs, CostKey("cuda_graph", "replay", B), None, M, B, 64, prior,
+                                  "cuda", until_last, graphs=kept) for kept in (graphs, None)]
+        for step in range(6):
+            asked = torch.randint(0, M + 1, (B,), device="cuda", generator=g)
+            n = torch.minimum((torch.rand(B, device="cuda", generator=g) * (asked + 1)).long(), asked)
+            ran = torch.rand(B, device="cuda", generator=g) < 0.9
+            budget = torch.randint(0, 60, (B,), device="cuda", generator=g)
+            graphed, eager = (p.update(n, asked, ran, ran, budget).clone() for p in pols)
+            assert torch.equal(graphed, eager), (prior, step)
+            assert torch.equal(pols[0].acceptance.rates, pols[1].acceptance.rates), (prior, step)
+        assert pols[0]._graph is not None and pols[1]._graph is None
+    assert len(graphs) == 1
 
 
 def test_auto_rollback_takes_the_cheapest_strategy(family):
@@ -522,6 +547,30 @@ def test_measured_costs_calibration_online_and_draft_line():
     assert costs.draft_s("d", key, 0) == 0.0 and costs.draft_s("other", key, 3) == 0.0
     with pytest.raises(KeyError, match="calibrate"):
         costs.target_s(CostKey("eager", "ring", 4), 1)
+    # plain steps keep their own gap: the speculative steps' one is not theirs (0 until one ran)
+    assert costs.target_s(key, 0) == pytest.approx(0.011)
+    costs.observe(key, "d", 0, draft_s=0.0, target_s=0.0115)
+    assert costs.target_s(key, 0) == pytest.approx(0.0115)
+    costs.record_width(key, 4, verify_s=0.040, commit_s=0.001)  # K = 3, not run: the speculative gap
+    assert costs.target_s(key, 3) == pytest.approx(0.041 + 0.5 * 0.5 * 0.004 + 0.5 * 0.5 * 0.006 + 0.5 * 0.009)
+
+
+def test_one_measured_k_extrapolates_by_how_the_drafter_drafts():
+    """From one measured K, a sequential drafter's proposal time grows in proportion to K; a
+    one-pass drafter's (n-gram, Medusa, oracle) stays the same, as the engine's keys say."""
+    costs = MeasuredCosts()
+    key = CostKey("eager", "replay", 4)
+    for sequential in (True, False):
+        d = DrafterKey(sequential)
+        costs.observe(key, d, 1, draft_s=0.002, target_s=0.02)
+        assert costs.draft_s(d, key, 4) == pytest.approx(0.008 if sequential else 0.002)
+    assert DraftModelDrafter.drafts_sequentially and MTPDrafter.drafts_sequentially
+    assert not (NGramDrafter.drafts_sequentially or MedusaDrafter.drafts_sequentially
+                or OracleDrafter.drafts_sequentially)
+    sd = specdec.wrap(get_model("qwen3_5"), drafter="ngram", num_speculative_tokens="auto")
+    assert sd._drafter_key.sequential is False
+    sd.drafter = make_drafter("perturbed", "qwen3_5")
+    assert sd._drafter_key.sequential is True
 
 
 def test_choose_strategy_rules():

@@ -32,6 +32,11 @@ class Drafter(abc.ABC):
     #: typical acceptance's epsilon and delta (threshold ``min(eps, delta * exp(-entropy))``)
     posterior_threshold: float = POSTERIOR_THRESHOLD
     posterior_alpha: float = POSTERIOR_ALPHA
+    #: True when each draft costs the drafter a forward of its own (a draft model, chained MTP
+    #: layers), so a proposal's time grows with K; False when one pass proposes every draft (an
+    #: n-gram lookup, Medusa heads). ``num_speculative_tokens="auto"`` extrapolates the proposal
+    #: time of a K not yet run from one measured K by it (proportional to K, or the same).
+    drafts_sequentially: bool = False
 
     def propose_tree(self, input_ids: torch.Tensor, lengths: torch.Tensor, tree) -> torch.Tensor:
         """With ``tree`` set: the tokens of the tree's nodes 1..N-1, ``[B, N-1]`` int64 (node 0 is

@@ -56,6 +56,8 @@ class DraftModelDrafter(Drafter):
         TypeError / ValueError: if the model is not a supported causal LM.
     """
 
+    drafts_sequentially = True  # one draft-model forward per draft
+
     def __init__(self, draft_model, rollback="snapshot"):
         self.adapter = adapter_for(draft_model)
         self.strategy = make_strategy(rollback)

@@ -477,6 +477,7 @@ class MTPDrafter(Drafter):
     """
 
     wants_all_hidden_states = True
+    drafts_sequentially = True  # one MTP forward per draft
 
     def __init__(self, target, layers: MTPLayers, tree=None, draft_vocab=None, compile_proposal: bool = False):
         if not isinstance(compile_proposal, bool):
