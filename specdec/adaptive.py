@@ -631,21 +631,20 @@ class SpeculationPolicy:
             not continuous batching, whose rows are refilled): E(K) counts the steps until then
             (:func:`expected_tokens`).
         graphs: a dict in which to keep :meth:`update` as CUDA graphs (the CUDA-graph decode
-            path; None: eager). The first call of a shape (batch, M, ``until_last``, weight) runs
-            eagerly, the second captures it (:func:`specdec.graphs.capture`) and every call from
-            then on, in later policies of the same shape too, replays it: a step launches a
-            handful of kernels for it instead of about 140 small ones (with ``until_last``). A
-            later policy takes the captured estimator's tensors and resets them to its prior. A
-            failed capture warns and runs eagerly.
+            path; None: eager). The first policy of a shape (batch, M, ``until_last``, weight)
+            captures it when it is made, before the decode loop (:func:`specdec.graphs.capture`,
+            after a warm-up run on a scratch estimator), and every :meth:`update` of it and of
+            later policies of the shape replays it: a step launches a handful of kernels for it
+            instead of about 140 small ones (with ``until_last``). A later policy takes the
+            captured estimator's tensors and resets them to its prior. A failed capture warns and
+            updates eagerly.
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
                  max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device,
                  until_last: bool = False, graphs: dict | None = None):
         self.settings = settings
-        self._graphs = graphs
         self._graph = None  # (graph, its input tensors, its output): update() captured
-        self._updates = 0  # update() calls that computed
         self.until_last = until_last
         self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
@@ -655,6 +654,8 @@ class SpeculationPolicy:
         weight = settings.acceptance_weight_for(batch)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
         captured = None if graphs is None else graphs.get(self._graph_key)
+        if captured is None and graphs is not None:
+            captured = self._capture(graphs, AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device))
         if captured is None:
             self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device)
         else:  # the captured graph reads and writes that estimator's tensors
@@ -726,9 +727,6 @@ class SpeculationPolicy:
                 and self._live is not None and self._live == self._live_estimated):
             return None
         args = (num_accepted, num_asked, ran, live, budget)
-        if self._graph is None and self._graphs is not None and self._updates:  # (the first call ran eagerly)
-            self._capture(args)
-        self._updates += 1
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
         graph, inputs, out = self._graph
@@ -737,20 +735,25 @@ class SpeculationPolicy:
         graph.replay()
         return out
 
-    def _capture(self, args) -> None:
-        """Capture the update on copies of ``args`` (capturing runs nothing: the estimate is
-        unchanged) and keep it in the ``graphs`` dict; on failure warn and update eagerly."""
-        inputs = [a.clone() for a in args]
-        est, until_last = self.acceptance, self.until_last
+    def _capture(self, graphs: dict, est: AcceptanceEstimator) -> tuple | None:
+        """Capture the update of ``est`` (capturing runs nothing: its estimate is unchanged) after
+        one eager run on a scratch estimator of the same shape (loads the kernels), keep it in
+        ``graphs`` and return ``(est, graph, inputs, output)``; on failure warn and return None."""
+        B, M = est.rates.shape
+        dev = est.rates.device
+        counts = torch.zeros(B, dtype=torch.long, device=dev)
+        every = torch.ones(B, dtype=torch.bool, device=dev)
+        inputs = [counts, counts.clone(), every, every.clone(), counts.clone()]
+        _update(AcceptanceEstimator(B, M, 0.5, est.weight, dev), self.until_last, *inputs)
+        until_last = self.until_last
         try:
             graph, out = capture(lambda: _update(est, until_last, *inputs), model=None,
                                  what="the speculation policy's update", warmup=0, fuse=False)
         except CaptureFailure as err:
-            self._graphs = None
             warnings.warn(f"{err}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
-            return
-        self._graph = (graph, inputs, out)
-        self._graphs[self._graph_key] = (est, graph, inputs, out)
+            return None
+        graphs[self._graph_key] = captured = (est, graph, inputs, out)
+        return captured
 
     def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
         """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the
