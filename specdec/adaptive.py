@@ -70,8 +70,8 @@ from .clock import StepClock
 from .graphs import CaptureFailure, capture
 from .rollback import ReplayRollback
 
-__all__ = ["AUTO", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "DrafterKey", "MeasuredCosts",
-           "FixedCosts", "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
+__all__ = ["AUTO", "POLICY_GRAPHS_KEPT", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "DrafterKey",
+           "MeasuredCosts", "FixedCosts", "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
            "expected_tokens", "rollback_bytes", "strategy_label"]
 
 #: the value of ``num_speculative_tokens`` / ``rollback`` that asks for the adaptive choice
@@ -220,6 +220,26 @@ class AcceptanceEstimator:
         return expected_tokens(self.rates, budget, active, until_last, self.weight)
 
 
+#: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
+POLICY_GRAPHS_KEPT = 8
+
+
+def _nobody():
+    return None
+
+
+class _KeptUpdate:
+    """A captured :meth:`SpeculationPolicy.update` (``graph`` None: its capture failed) with the
+    estimator and input / output tensors it reads and writes, and ``holder``, a weak reference to
+    the policy using it (or a function returning None while no policy does)."""
+
+    __slots__ = ("estimator", "graph", "inputs", "output", "holder")
+
+    def __init__(self, estimator, graph, inputs, output):
+        self.estimator, self.graph, self.inputs, self.output = estimator, graph, inputs, output
+        self.holder = _nobody
+
+
 def _update(est: AcceptanceEstimator, until_last: bool, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
     """:meth:`SpeculationPolicy.update`'s device work (what its graph captures): ``est`` observes
     the step, then E(K) of the next one (with ``until_last``: per step until the slowest row
@@ -364,10 +384,10 @@ class MeasuredCosts(CostModel):
 
     * ``target(K)``: the exponentially weighted mean (weight ``weight``) of the target's time in
       real steps at K (verify + acceptance + commit + bookkeeping); before any real step at K, the
-      calibrated verify + commit of width K + 1 plus the mean gap between real steps and their
-      calibration (acceptance and bookkeeping, which the calibration does not run), kept apart
-      for plain steps (K = 0: no proposal, nothing to accept or observe; 0 until one ran) and
-      speculative ones, whose gap would make a plain step look up to 7% slower than it is;
+      calibrated verify + commit of width K + 1 plus, for K > 0, the mean gap between real
+      speculative steps and their calibration (acceptance and bookkeeping, which the calibration
+      does not run); a plain step (K = 0: nothing proposed, accepted or observed) not yet run is
+      its bare calibration, as that gap would make it look up to 7% slower than it is;
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
       run, a least-squares line through the measured K (one measured K: proportional to K for a
       drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
@@ -381,7 +401,7 @@ class MeasuredCosts(CostModel):
         self.weight = float(weight)
         self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
-        self._gap: dict[tuple, float] = {}  # (key, K > 0) -> mean (real - calibrated) seconds
+        self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds of speculative steps
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
 
@@ -392,7 +412,8 @@ class MeasuredCosts(CostModel):
         self._widths[key, T] = (float(verify_s), float(commit_s))
 
     def record_bytes(self, key, nbytes):
-        self._bytes[key] = int(nbytes)
+        # the largest seen: a calibration of the plain width alone leaves replay's history unallocated
+        self._bytes[key] = max(int(nbytes), self._bytes.get(key, 0))
 
     def rollback_bytes(self, key):
         return self._bytes.get(key)
@@ -405,7 +426,8 @@ class MeasuredCosts(CostModel):
         self._ewma(self._target, (key, K), target_s)
         calib = self._widths.get((key, K + 1))
         if calib is not None:
-            self._ewma(self._gap, (key, K > 0), target_s - sum(calib))
+            if K > 0:  # (K = 0 is the only plain K: once run, its own mean replaces any estimate)
+                self._ewma(self._gap, key, target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
 
@@ -422,7 +444,7 @@ class MeasuredCosts(CostModel):
         calib = self.calibrated_s(key, K)
         if calib is None:
             raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
-        return calib + self._gap.get((key, K > 0), 0.0)
+        return calib + (self._gap.get(key, 0.0) if K > 0 else 0.0)
 
     def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
         """``draft(K)`` (see the class docstring)."""
@@ -636,15 +658,17 @@ class SpeculationPolicy:
             after a warm-up run on a scratch estimator), and every :meth:`update` of it and of
             later policies of the shape replays it: a step launches a handful of kernels for it
             instead of about 140 small ones (with ``until_last``). A later policy takes the
-            captured estimator's tensors and resets them to its prior. A failed capture warns and
-            updates eagerly.
+            captured estimator's tensors and resets them to its prior, unless a policy not yet
+            closed (:meth:`close`: a decode loop running alongside) holds them; it then updates
+            eagerly. A failed capture warns once per shape and updates eagerly. At most
+            :data:`POLICY_GRAPHS_KEPT` shapes are kept (the least recently made go first).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
                  max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device,
                  until_last: bool = False, graphs: dict | None = None):
         self.settings = settings
-        self._graph = None  # (graph, its input tensors, its output): update() captured
+        self._graph: _KeptUpdate | None = None  # the captured update() this policy replays
         self.until_last = until_last
         self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
@@ -653,13 +677,19 @@ class SpeculationPolicy:
         self.max_k = max_speculative_tokens
         weight = settings.acceptance_weight_for(batch)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
-        captured = None if graphs is None else graphs.get(self._graph_key)
-        if captured is None and graphs is not None:
-            captured = self._capture(graphs, AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device))
-        if captured is None:
+        self._held: _KeptUpdate | None = None  # the kept graph this policy holds
+        kept = None if graphs is None else graphs.pop(self._graph_key, None)
+        if graphs is not None:
+            if kept is None:  # (a shape seen last goes last: the oldest are dropped first)
+                kept = self._capture(AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device))
+            graphs[self._graph_key] = kept
+            while len(graphs) > POLICY_GRAPHS_KEPT:
+                graphs.pop(next(iter(graphs)))
+        if kept is None or kept.graph is None or kept.holder() is not None:
             self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device)
         else:  # the captured graph reads and writes that estimator's tensors
-            self.acceptance, self._graph = captured[0], captured[1:]
+            self.acceptance, self._graph, self._held = kept.estimator, kept, kept
+            kept.holder = weakref.ref(self)
             self.acceptance.reset(prior)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
         every = torch.ones(batch, dtype=torch.bool, device=device)
@@ -729,16 +759,23 @@ class SpeculationPolicy:
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
-        graph, inputs, out = self._graph
-        for dst, src in zip(inputs, args):
+        kept = self._graph
+        for dst, src in zip(kept.inputs, args):
             dst.copy_(src)
-        graph.replay()
-        return out
+        kept.graph.replay()
+        return kept.output
 
-    def _capture(self, graphs: dict, est: AcceptanceEstimator) -> tuple | None:
+    def close(self) -> None:
+        """The decode loop is over: a kept update graph this policy holds may serve the next policy
+        of its shape (which resets the estimator: read :attr:`acceptance` before making it)."""
+        if self._held is not None and self._held.holder() is self:
+            self._held.holder = _nobody
+        self._held = None
+
+    def _capture(self, est: AcceptanceEstimator) -> _KeptUpdate:
         """Capture the update of ``est`` (capturing runs nothing: its estimate is unchanged) after
-        one eager run on a scratch estimator of the same shape (loads the kernels), keep it in
-        ``graphs`` and return ``(est, graph, inputs, output)``; on failure warn and return None."""
+        one eager run on a scratch estimator of the same shape (loads the kernels); on failure
+        warn and return a :class:`_KeptUpdate` without a graph (the shape then updates eagerly)."""
         B, M = est.rates.shape
         dev = est.rates.device
         counts = torch.zeros(B, dtype=torch.long, device=dev)
@@ -751,9 +788,8 @@ class SpeculationPolicy:
                                  what="the speculation policy's update", warmup=0, fuse=False)
         except CaptureFailure as err:
             warnings.warn(f"{err}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
-            return None
-        graphs[self._graph_key] = captured = (est, graph, inputs, out)
-        return captured
+            return _KeptUpdate(est, None, inputs, None)
+        return _KeptUpdate(est, graph, inputs, out)
 
     def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
         """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the

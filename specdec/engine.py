@@ -189,7 +189,9 @@ class SpeculativeGenerator:
         policy: :class:`specdec.adaptive.PolicySettings` of the ``"auto"`` choices (default: its defaults).
 
     Attributes:
-        last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache.
+        last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache (the
+            SSM state of a row that ended before the call's last step is unspecified where later
+            steps ran at K = 0: a plain step updates every row's state in place).
         last_request_timings: the last ``generate_batch``'s ``{request id: RequestTiming}`` of
             the requests that decoded (:class:`specdec.batching.RequestTiming`).
         decoder: the :class:`~specdec.decoding.Decoder` of the last ``generate()``.
@@ -888,6 +890,7 @@ class SpeculativeGenerator:
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)
+            policy.close()  # (its kept update graph may serve the next call)
         else:
             k_histogram, k_per_step = [0] * K + [steps], [K] * steps
         self.last_stats = Stats(

@@ -18,6 +18,7 @@ import specdec
 from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts, MeasuredCosts,
                               PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
+from specdec.graphs import CaptureFailure
 from specdec.rollback import STRATEGIES, RollbackStrategy
 
 
@@ -119,6 +120,69 @@ def test_auto_on_the_cuda_graph_path_exact(fam, strategy):
     get_model(fam, "perturbed").cpu()
 
 
+class _ReplayingGraph:
+    """A stand-in for a captured CUDA graph on CPU: replay() runs the captured function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        out = self.fn()
+        self.out.copy_(out)
+
+
+def _fake_capture(calls, fail=False):
+    def capture(fn, **kw):
+        calls.append(kw["what"])
+        if fail:
+            raise CaptureFailure(kw["what"], RuntimeError("no graphs here"))
+        graph = _ReplayingGraph(fn)
+        graph.out = fn().clone()  # (a real capture runs nothing; this run's updates are reset below)
+        return graph, graph.out
+    return capture
+
+
+def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
+    """The kept update graphs (CPU, a replaying stand-in for the capture): a policy that adopts one
+    computes what an eager policy does from its own prior; one made while another has not closed
+    updates eagerly; a failed capture is tried once per shape; at most POLICY_GRAPHS_KEPT shapes."""
+    import specdec.adaptive as adaptive
+
+    calls = []
+    monkeypatch.setattr(adaptive, "capture", _fake_capture(calls))
+    costs, graphs, B, M = FixedCosts(lambda s, b, K: 1.0 + K), {}, 4, 3
+
+    def policy(prior, batch=B, kept=graphs):
+        return SpeculationPolicy(PolicySettings(), costs, CostKey("cuda_graph", "replay", batch), None, M, batch, 32,
+                                 prior, "cpu", True, graphs=kept)
+
+    first = policy(0.6)
+    assert calls == ["the speculation policy's update"] and first._graph is not None
+    first.acceptance.reset(0.6)  # (the stand-in ran the update once while "capturing")
+    alongside = policy(0.3)  # the first has not closed: its estimator is not taken
+    assert alongside._graph is None and alongside.acceptance is not first.acceptance
+    first.close()
+    later, eager = policy(0.3), policy(0.3, kept=None)
+    assert later.acceptance is first.acceptance and len(calls) == 1  # adopted, not captured again
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        asked = torch.randint(0, M + 1, (B,), generator=g)
+        n = torch.minimum(torch.randint(0, M + 1, (B,), generator=g), asked)
+        ran, budget = torch.ones(B, dtype=torch.bool), torch.randint(0, 30, (B,), generator=g)
+        assert torch.equal(later.update(n, asked, ran, ran, budget), eager.update(n, asked, ran, ran, budget))
+        assert torch.equal(later.acceptance.rates, eager.acceptance.rates)
+    later.close()
+    for batch in range(5, 5 + adaptive.POLICY_GRAPHS_KEPT):
+        policy(0.5, batch=batch).close()
+    assert len(graphs) == adaptive.POLICY_GRAPHS_KEPT and later._graph_key not in graphs  # the oldest went
+    failing, failed = [], {}
+    monkeypatch.setattr(adaptive, "capture", _fake_capture(failing, fail=True))
+    with pytest.warns(RuntimeWarning, match="updates without a graph"):
+        policy(0.5, kept=failed).close()
+    again = policy(0.5, kept=failed)
+    assert len(failing) == 1 and again._graph is None  # tried once for the shape
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("until_last", [False, True])
@@ -141,6 +205,7 @@ def test_policy_update_graph_equals_eager(until_last):
             assert torch.equal(graphed, eager), (prior, step)
             assert torch.equal(pols[0].acceptance.rates, pols[1].acceptance.rates), (prior, step)
         assert pols[0]._graph is not None and pols[1]._graph is None
+        pols[0].close()  # (the next policy of the shape may take the kept graph)
     assert len(graphs) == 1
 
 
