@@ -249,7 +249,7 @@ class StaticDecoder(Decoder):
         """Capture the forward of ``t`` step tokens (a plain step or not) and its commit (no
         committed state changes: the warm-up commits zero tokens, and a plain step's runs inside
         :meth:`HybridCache.plain_state_kept`); on failure record why and run without graphs from now on."""
-        c, B = self.cache, self.batch
+        c = self.cache
         with contextlib.ExitStack() as stack:
             c.set_plain(plain)
             if plain:
