@@ -538,7 +538,7 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
     clock = StepClock(dev)
     for T in widths:
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        plain = T == 1 and tree is None and decoder.strategy.has_plain_steps
+        plain = decoder.runs_plain(T, True)
         with decoder.cache.plain_state_kept() if plain else contextlib.nullcontext():
             for rep in range(repeats + 1):
                 clock.lap(None)
@@ -741,6 +741,13 @@ class SpeculationPolicy:
         with ``until_last``, after them the per-step E(K) the prediction counts."""
         return (self.max_k + 1) * (2 if self.until_last else 1)
 
+    @property
+    def skips_update(self) -> bool:
+        """Whether the next :meth:`update` returns None without computing (see there): the caller
+        may then spare building its arguments."""
+        return bool(self.until_last and self.k_per_step and self.k_per_step[-1] == 0
+                    and self._live is not None and self._live == self._live_estimated)
+
     def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | None:
         """Device side, after the step's acceptance: update the acceptance estimate with the
         step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
@@ -753,8 +760,7 @@ class SpeculationPolicy:
         rows unchanged and every row one token nearer its end, speculating can only have become
         less worth it, so the last values stand until a probe or until a row ends; the step is
         spared the estimate's device ops, as a plain step would be."""
-        if (self.until_last and self.k_per_step and self.k_per_step[-1] == 0
-                and self._live is not None and self._live == self._live_estimated):
+        if self.skips_update:
             return None
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:

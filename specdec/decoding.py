@@ -96,8 +96,9 @@ class Decoder(abc.ABC):
         strategy can (:attr:`RollbackStrategy.has_plain_steps`); its commit must keep the token of
         every row whose state is read again. A decoder of one-token steps always runs them so."""
 
-    def _plain(self, t: int, plain: bool) -> bool:
-        """Whether a chain forward of ``t`` tokens runs as a plain step (see :meth:`forward`)."""
+    def runs_plain(self, t: int, plain: bool) -> bool:
+        """Whether a chain forward of ``t`` tokens asked with ``plain`` runs as a plain step (see
+        :meth:`forward`)."""
         if t != 1 or self.tree is not None or not self.strategy.has_plain_steps:
             return False
         return plain or self.step_tokens == 1
@@ -153,7 +154,7 @@ class EagerDecoder(Decoder):
         return 1 + int(num_drafts.max())  # the longest row's drafts (one host sync)
 
     def forward(self, tokens, plain=False):
-        self.cache.set_plain(self._plain(tokens.shape[1], plain))
+        self.cache.set_plain(self.runs_plain(tokens.shape[1], plain))
         return self.adapter.forward(tokens, self.cache)
 
     def commit(self, num_tokens, path=None):
@@ -241,7 +242,7 @@ class StaticDecoder(Decoder):
             self.cache = fresh
             self.cache.set_tree(self.tree)
             if self.cuda_graphs:
-                self._capture(self.step_tokens, self._plain(self.step_tokens, False))
+                self._capture(self.step_tokens, self.runs_plain(self.step_tokens, False))
         else:
             self.cache.copy_from(fresh)
 
@@ -307,14 +308,14 @@ class StaticDecoder(Decoder):
         for t in widths:
             if not self.cuda_graphs or self._capture_failed:
                 return
-            key = t, self._plain(t, t == 1)  # (a step of one token speculates nothing: a plain step)
+            key = t, self.runs_plain(t, t == 1)  # (a step of one token speculates nothing: a plain step)
             if key not in self._graphs:
                 self._capture(*key)
 
     def forward(self, tokens, plain=False):
         """With graphs, the outputs are the static tensors of the step's width, valid until the
         next forward of that width."""
-        key = t, plain = tokens.shape[1], self._plain(tokens.shape[1], plain)
+        key = t, plain = tokens.shape[1], self.runs_plain(tokens.shape[1], plain)
         graphs = self._graphs.get(key)
         if graphs is None and self.cuda_graphs and not self._capture_failed:
             graphs = self._capture(t, plain)

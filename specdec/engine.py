@@ -852,11 +852,10 @@ class SpeculativeGenerator:
             if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
                 flags.append((~rows.finished).sum()[None])
             read = torch.cat(flags)
-            if policy is not None:
+            if policy is not None and not policy.skips_update:  # (a skipped update needs no arguments)
                 left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                 expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
-                if expected is not None:
-                    read = torch.cat([read.double(), expected])
+                read = torch.cat([read.double(), expected])
             synced = read.tolist()  # the step's one host sync
             if expected is not None:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]

@@ -513,6 +513,7 @@ def test_plain_steps_of_a_fixed_batch_leave_the_estimate():
     policy.receive(first.tolist(), B)
     assert policy.next_k() == 0
     before = policy.acceptance.rates.clone()
+    assert policy.skips_update  # (the engine then builds no arguments for it)
     assert policy.update(n, asked, every, every, left) is None
     assert torch.equal(policy.acceptance.rates, before)
     policy.receive(None, B - 1)  # a row ended in that step
