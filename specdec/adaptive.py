@@ -25,7 +25,10 @@ decoding through the same engine (the drafter is not called).
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
   more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
-  step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes.
+  step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes;
+  probes are spaced further where one costs more than ``probe_budget`` of the steps between
+  them (its own extra time and that of the plain step after it, which may first flush the
+  strategy's rollback data: replay folds its input history into the state).
 
 For a batch that ends with its slowest row (``generate()``, not continuous batching), E(K) is
 instead the tokens the rows have left over the steps the slowest row is expected to need at K
@@ -364,6 +367,15 @@ class CostModel(abc.ABC):
     def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
         """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
 
+    def observe_leave(self, key: CostKey, extra_s: float) -> None:
+        """The first plain step (K = 0) after speculative ones took ``extra_s`` seconds more than
+        a plain step was predicted to (:meth:`step_s` at K = 0 when it was chosen): the strategy's flush into its
+        plain state (:meth:`specdec.rollback.RollbackStrategy.flush`; replay folds its history)."""
+
+    def leave_s(self, key: CostKey) -> float:
+        """Seconds a switch from speculation to plain steps costs once (see :meth:`observe_leave`)."""
+        return 0.0
+
 
 class DrafterKey:
     """Names one drafter's proposal times in a :class:`CostModel` (the engine makes a new one for
@@ -391,7 +403,12 @@ class MeasuredCosts(CostModel):
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
       run, a least-squares line through the measured K (one measured K: proportional to K for a
       drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
-      any measurement and at K = 0.
+      any measurement and at K = 0;
+    * the switch from speculation to plain steps (:meth:`leave_s`): the weighted mean of the
+      extra seconds of the first plain step after speculative ones (:meth:`observe_leave`), which
+      is not counted in ``target(0)``: with replay that step first folds the input history into
+      the state (at Nemotron-H 4B shape, batch 64, about one more state read and write), and
+      counted there, each probe would make plain decoding look slower for the steps after it.
 
     Args:
         weight: the online averages' weight of a new step, in (0, 1].
@@ -404,6 +421,7 @@ class MeasuredCosts(CostModel):
         self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds of speculative steps
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
+        self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
 
     def needs_widths(self, key, widths):
         return [T for T in widths if (key, T) not in self._widths]
@@ -430,6 +448,12 @@ class MeasuredCosts(CostModel):
                 self._ewma(self._gap, key, target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
+
+    def observe_leave(self, key, extra_s):
+        self._ewma(self._leave, key, max(0.0, float(extra_s)))
+
+    def leave_s(self, key):
+        return self._leave.get(key, 0.0)
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
         """The calibrated verify + commit of width K + 1 (seconds), or None."""
@@ -706,7 +730,9 @@ class SpeculationPolicy:
         self._live: int | None = None  # live rows after the last step (read at its sync)
         self._live_estimated: int | None = None  # ... when the values held were computed
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
-        self._last: tuple | None = None  # (K, first mark, last mark) of the step whose laps are pending
+        self._plain_s = 0.0  # the predicted seconds of a plain step when the last K was chosen
+        # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
+        self._last: tuple | None = None
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
@@ -724,15 +750,18 @@ class SpeculationPolicy:
         else:
             self.steps_at_zero = 0
         self.k_per_step.append(K)
+        self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
         return K
 
     def probe_every(self, times: list[float]) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at
-        K = 1, ``times[1]`` seconds against ``times[0]``) costs more than ``probe_budget`` of the
-        time at K = 0 spread over the interval."""
-        extra = max(0.0, times[1] - times[0]) / times[0] if len(times) > 1 and times[0] > 0 else 0.0
+        K = 1, ``times[1]`` seconds against ``times[0]``, and the switch back to plain steps after
+        it, :meth:`CostModel.leave_s`) costs more than ``probe_budget`` of the time at K = 0
+        spread over the interval."""
+        extra = (max(0.0, times[1] - times[0] + self.costs.leave_s(self.key)) / times[0]
+                 if len(times) > 1 and times[0] > 0 else 0.0)
         return max(self.settings.probe_interval, math.ceil(extra / self.settings.probe_budget - 1e-9))
 
     @property
@@ -810,16 +839,27 @@ class SpeculationPolicy:
                    live_rows: int | None = None) -> None:
         """Host side, after the step's sync: :meth:`receive` ``expected`` and ``live_rows`` and feed
         the costs with the laps of the previous step (complete now: this step's sync came after
-        them); ``first_mark`` is ``clock.marks`` before this step's first lap."""
+        them); ``first_mark`` is ``clock.marks`` before this step's first lap.
+
+        A step at K = 0 proposes nothing: all of it is the target's time (its ``draft`` lap is the
+        loop's own host and budget work, which the step pays as well). The first step at K = 0
+        after speculative ones is counted as the switch's extra time instead
+        (:meth:`CostModel.observe_leave`)."""
         self.receive(expected, live_rows)
         if self._last is not None:
-            K, start, end = self._last
+            K, start, end, before, plain_s = self._last
             laps = clock.laps(start, end)
-            if K in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
-                draft = sum(s for phase, s in laps if phase == "draft")
-                self.costs.observe(self.key, self.drafter_key, K, draft, sum(s for _, s in laps) - draft)
+            total = sum(s for _, s in laps)
+            if K not in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
+                pass
+            elif K == 0 and before:
+                self.costs.observe_leave(self.key, total - plain_s)
+            else:
+                draft = sum(s for phase, s in laps if phase == "draft") if K else 0.0
+                self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
             self._seen.add(K)
-        self._last = (self.k_per_step[-1], first_mark - 1, clock.marks)
+        ks = self.k_per_step
+        self._last = (ks[-1], first_mark - 1, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
 
     def k_histogram(self) -> list[int]:
         """Steps run at each K = 0..M."""

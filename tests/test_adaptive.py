@@ -621,6 +621,60 @@ def test_measured_costs_calibration_online_and_draft_line():
     assert costs.target_s(key, 3) == pytest.approx(0.041 + 0.5 * 0.5 * 0.004 + 0.5 * 0.5 * 0.006 + 0.5 * 0.009)
 
 
+class _LapClock:
+    """A :class:`specdec.clock.StepClock` stand-in whose laps are given: ``step(laps)`` adds one
+    step's ``[(phase, seconds)]``."""
+
+    def __init__(self):
+        self.spans: list = []
+
+    @property
+    def marks(self) -> int:
+        return len(self.spans) + 1
+
+    def laps(self, start, end):
+        return self.spans[start:end - 1]
+
+    def step(self, laps):
+        self.spans += laps
+
+
+def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
+    """The policy feeds the costs with each step's laps: a step at K = 0 counts whole (its draft
+    lap is the loop's own work), the first step at each K is not counted (compiles), and the first
+    plain step after speculative ones (replay: it first folds the input history) is the switch's
+    extra time, not a plain step's: counted there, each probe would make plain decoding look
+    slower for the steps after it. Probes are spaced by their cost with that switch included."""
+    costs = MeasuredCosts(weight=0.5)
+    key = CostKey("eager", "replay", 2)
+    costs.record_width(key, 1, verify_s=1.0, commit_s=0.0)
+    costs.record_width(key, 2, verify_s=1.5, commit_s=0.1)
+    costs.record_width(key, 3, verify_s=2.0, commit_s=0.1)
+    order = [0, 0, 1, 1, 0, 0, 0]
+    script = iter(order)
+    monkeypatch.setattr(specdec.adaptive, "choose_k", lambda *a: next(script))  # the K of each step, scripted
+    policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1), costs, key, DrafterKey(False),
+                               2, 2, 100, 0.6, "cpu")
+    plain = [("draft", 0.2), ("verify", 1.0), ("rollback", 0.0), ("bookkeeping", 0.0)]
+    spec = [("draft", 0.3), ("verify", 1.4), ("rollback", 0.2), ("bookkeeping", 0.0)]
+    flush = [("draft", 0.2), ("verify", 3.2), ("rollback", 0.0), ("bookkeeping", 0.0)]
+    clock = _LapClock()
+    for laps in (plain, plain, spec, spec, flush, plain, plain):
+        first = clock.marks
+        policy.next_k()
+        clock.step(laps)
+        policy.after_step(None, clock, first, 2)  # counts the step before
+    assert policy.k_per_step == order  # (no probe: spaced 6 steps or more)
+    assert costs.target_s(key, 0) == pytest.approx(1.2)  # two plain steps, the flush's not among them
+    assert costs.leave_s(key) == pytest.approx(3.4 - 1.2)
+    assert costs.draft_s(policy.drafter_key, key, 1) == pytest.approx(0.3)
+    assert costs.target_s(key, 1) == pytest.approx(1.6)
+    times = policy.step_times()
+    assert times[:2] == pytest.approx([1.2, 1.9])
+    assert policy.probe_every(times) == math.ceil((1.9 - 1.2 + 2.2) / 1.2 / 0.1)  # 25, not 6
+    assert FixedCosts(lambda s, b, K: 1.0).leave_s(key) == 0.0  # given costs: no switch cost
+
+
 def test_one_measured_k_extrapolates_by_how_the_drafter_drafts():
     """From one measured K, a sequential drafter's proposal time grows in proportion to K; a
     one-pass drafter's (n-gram, Medusa, oracle) stays the same, as the engine's keys say."""
