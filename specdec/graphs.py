@@ -12,6 +12,7 @@ warns once).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 
@@ -19,7 +20,8 @@ import torch
 
 from .fusion import fused, fusion_enabled
 
-__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "graph_safe_experts"]
+__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "gc_paused",
+           "graph_safe_experts"]
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
@@ -125,8 +127,8 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
     PyTorch's recipe: ``warmup`` runs on a side stream (compiles kernels, allocates lazy
     buffers), then one capture. Inside, the model's norms / MLPs run through ``torch.compile``
     (:mod:`specdec.fusion`; ``fuse`` defaults to ``SPECDEC_FUSE``) and host-syncing MoE experts
-    through :func:`graph_safe_experts`. Capturing does not run the work: replay the graph for
-    this call's result.
+    through :func:`graph_safe_experts`. Python's garbage collector is paused during the capture
+    (:func:`gc_paused`). Capturing does not run the work: replay the graph for this call's result.
 
     Args:
         fn: the program. model: the HF model it runs (None: a program that runs none). what: its
@@ -158,13 +160,30 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
                         (warmup_fn or fn)()
                 torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with gc_paused(), torch.cuda.graph(graph, pool=pool):
                 out = fn()
     except Exception as err:  # noqa: BLE001 -- any failure (an op that syncs with the host, out of memory)
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
         raise CaptureFailure(what, err) from err
     return graph, out
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's automatic garbage collection off inside (as it was after). A collection during a
+    capture may free an unreachable CUDA graph (e.g. of a generator no longer referenced), whose
+    destruction is not permitted while a stream captures: it invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator mid-capture, so later
+    random ops fail. ``torch.cuda.graph`` collected before capturing up to PyTorch 2.8; later
+    versions do not (pytorch/pytorch#161037)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CapturedProgram:

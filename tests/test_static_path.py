@@ -5,6 +5,8 @@ controlled-acceptance OracleDrafter the benchmarks use."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ import specdec
 from specdec.drafters import Drafter, OracleDrafter
 from specdec.engine import MAX_SPECULATIVE_TOKENS
 from specdec.fusion import fused
-from specdec.graphs import CapturedProgram, _host_syncing_experts, capture_blocker, graph_safe_experts
+from specdec.graphs import CapturedProgram, _host_syncing_experts, capture, capture_blocker, gc_paused, graph_safe_experts
 from specdec.rollback import STRATEGIES, InPlaceUpdate
 
 
@@ -278,6 +280,61 @@ def test_capture_blocker_names_the_triton_interpreter(monkeypatch):
     assert capture_blocker() is None
     monkeypatch.delenv("TRITON_INTERPRET")
     assert capture_blocker() is None
+
+
+def test_gc_paused_restores_the_collector():
+    """gc_paused turns automatic collection off inside and back to what it was after, also when
+    the block raises or the collector was off already."""
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), gc_paused():
+        raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+class _Cycle:
+    def __init__(self, obj):
+        self.obj, self.me = obj, self
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_capture_survives_a_collection_of_a_stray_graph():
+    """A CUDA graph only a reference cycle holds (a generator dropped without being freed) is
+    destroyed by the next automatic collection; one during a capture invalidated it, failing
+    every later random op (PyTorch >= 2.9 no longer collects before capturing). capture() pauses
+    the collector: the capture succeeds, its replay computes, random ops work after."""
+    x = torch.randn(64, device="cuda")
+    y = torch.empty_like(x)
+
+    def fn():
+        junk = [[i] for i in range(5000)]  # container allocations: past the collector's threshold
+        y.copy_(x * 2.0)
+        return len(junk)
+
+    fn()  # (the warm-up, before the stray graph: the capture below is the first collection's chance)
+    stray = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(stray):
+        x.mul_(1.0)
+    gc.collect()
+    _Cycle(stray)
+    del stray
+    graph, _ = capture(fn, model=None, what="a test program", warmup=0, fuse=False)
+    y.fill_(float("nan"))  # poisoned: the replay must write it
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2.0)
+    assert torch.randn(4, device="cuda").isfinite().all()
+    gc.collect()
 
 
 def test_fused_patches_and_restores_the_model():

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..graphs import gc_paused
 from .models import SSMShape
 
 __all__ = ["synthetic_inputs", "synthetic_params", "input_bytes_per_token", "design_bytes", "accepted_counts",
@@ -351,7 +352,7 @@ def time_in_graph(run: Callable[[], None], calls: int, device, reps: int) -> flo
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         run()
     graph.replay()
     torch.cuda.synchronize()
