@@ -396,10 +396,14 @@ class MeasuredCosts(CostModel):
 
     * ``target(K)``: the exponentially weighted mean (weight ``weight``) of the target's time in
       real steps at K (verify + acceptance + commit + bookkeeping); before any real step at K, the
-      calibrated verify + commit of width K + 1 plus, for K > 0, the mean gap between real
-      speculative steps and their calibration (acceptance and bookkeeping, which the calibration
-      does not run); a plain step (K = 0: nothing proposed, accepted or observed) not yet run is
-      its bare calibration, as that gap would make it look up to 7% slower than it is;
+      calibrated verify + commit of width K + 1 plus, for K > 0, the gap between real steps and
+      their calibration at K: the acceptance and bookkeeping, which the calibration does not
+      run, and for replay the verify's replay of the tokens the last step committed (the
+      calibration commits none), which grows with K; measured per K run (weighted mean) and, for
+      a K not yet run, on a least-squares line through those (one measured K: the same), at
+      least the smallest measured; a plain step (K = 0: nothing proposed, accepted or observed)
+      not yet run is its bare calibration, as a speculative gap would make it look up to 7%
+      slower than it is;
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
       run, a least-squares line through the measured K (one measured K: proportional to K for a
       drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
@@ -418,7 +422,7 @@ class MeasuredCosts(CostModel):
         self.weight = float(weight)
         self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
-        self._gap: dict[CostKey, float] = {}  # key -> mean (real - calibrated) seconds of speculative steps
+        self._gap: dict[CostKey, dict[int, float]] = {}  # key -> {K: mean (real - calibrated) seconds}
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
@@ -445,7 +449,7 @@ class MeasuredCosts(CostModel):
         calib = self._widths.get((key, K + 1))
         if calib is not None:
             if K > 0:  # (K = 0 is the only plain K: once run, its own mean replaces any estimate)
-                self._ewma(self._gap, key, target_s - sum(calib))
+                self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
 
@@ -468,24 +472,17 @@ class MeasuredCosts(CostModel):
         calib = self.calibrated_s(key, K)
         if calib is None:
             raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
-        return calib + (self._gap.get(key, 0.0) if K > 0 else 0.0)
+        if K == 0:
+            return calib
+        gaps = self._gap.get(key, {})
+        return calib + (max(min(gaps.values()), _line(gaps, K, proportional=False)) if gaps else 0.0)
 
     def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
         """``draft(K)`` (see the class docstring)."""
         if K == 0:
             return 0.0
         seen = self._draft.get((drafter_key, key.path, key.batch), {})
-        if K in seen:
-            return seen[K]
-        if not seen:
-            return 0.0
-        if len(seen) == 1:
-            (k1, v1), = seen.items()
-            return v1 * K / k1 if getattr(drafter_key, "sequential", True) else v1
-        ks, vs = list(seen), list(seen.values())
-        mk, mv = statistics.fmean(ks), statistics.fmean(vs)
-        slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
-        return max(0.0, mv + slope * (K - mk))
+        return max(0.0, _line(seen, K, proportional=getattr(drafter_key, "sequential", True))) if seen else 0.0
 
     def step_s(self, key, drafter_key, K):
         return self.draft_s(drafter_key, key, K) + self.target_s(key, K)
@@ -496,6 +493,21 @@ class MeasuredCosts(CostModel):
         host gaps), so comparing them with another's calibration would favour the one not run."""
         calib = self.calibrated_s(key, K)
         return self.step_s(key, drafter_key, K) if calib is None else self.draft_s(drafter_key, key, K) + calib
+
+
+def _line(seen: dict[int, float], K: int, proportional: bool) -> float:
+    """The value at K of measurements ``seen`` ({K: value}, not empty): the measured one, else a
+    least-squares line through them; from one measured K, in proportion to K (``proportional``)
+    or the same."""
+    if K in seen:
+        return seen[K]
+    if len(seen) == 1:
+        (k1, v1), = seen.items()
+        return v1 * K / k1 if proportional else v1
+    ks, vs = list(seen), list(seen.values())
+    mk, mv = statistics.fmean(ks), statistics.fmean(vs)
+    slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
+    return mv + slope * (K - mk)
 
 
 class FixedCosts(CostModel):

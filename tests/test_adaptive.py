@@ -617,8 +617,11 @@ def test_measured_costs_calibration_online_and_draft_line():
     assert costs.target_s(key, 0) == pytest.approx(0.011)
     costs.observe(key, "d", 0, draft_s=0.0, target_s=0.0115)
     assert costs.target_s(key, 0) == pytest.approx(0.0115)
-    costs.record_width(key, 4, verify_s=0.040, commit_s=0.001)  # K = 3, not run: the speculative gap
-    assert costs.target_s(key, 3) == pytest.approx(0.041 + 0.5 * 0.5 * 0.004 + 0.5 * 0.5 * 0.006 + 0.5 * 0.009)
+    costs.record_width(key, 4, verify_s=0.040, commit_s=0.001)  # K = 3, not run: the gaps' line
+    gap1, gap2 = 0.5 * 0.004 + 0.5 * 0.006, 0.040 - 0.031  # per K: (1, 0.005), (2, 0.009)
+    assert costs.target_s(key, 3) == pytest.approx(0.041 + gap2 + (gap2 - gap1))
+    costs.observe(key, "d", 2, draft_s=0.007, target_s=0.031 - 0.010)  # gap(2) := 0.5 (0.009 - 0.010)
+    assert costs.target_s(key, 3) == pytest.approx(0.041 - 0.0005)  # a falling line stays at the smallest gap
 
 
 class _LapClock:

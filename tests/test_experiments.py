@@ -426,6 +426,9 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         assert r["exact"] and r["diverged_rows"] == 0 and r["batch"] == 2 and r["new_tokens"] == 48
         assert sum(r["k_histogram"]) == r["steps"] and r["mean_k"] == pytest.approx(
             sum(k * n for k, n in enumerate(r["k_histogram"])) / r["steps"])
+        for phase in ("draft", "verify", "commit"):  # the plain steps' phases, beside the decode time
+            assert 0 < r[f"plain_{phase}_ms_min"] <= r[f"plain_{phase}_ms"] <= r[f"plain_{phase}_ms_max"]
+        assert r["plain_draft_ms"] + r["plain_verify_ms"] + r["plain_commit_ms"] <= r["plain_decode_ms_per_step_max"]
     for a in (0.5, "1->0"):
         auto = next(r for r in records if r["acceptance"] == a and r["rollback"] == "auto")
         fixed = [r for r in records if r["acceptance"] == a and r["rollback"] != "auto"]

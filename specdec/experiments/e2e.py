@@ -253,7 +253,9 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     plain overlap); per verify step ``verify_ms`` / ``commit_ms`` / ``draft_ms`` (from
     :class:`specdec.Stats`; ``commit`` is its ``rollback_s``, the fold included), ``step_ms``
     (verify + commit), ``ms_per_step`` (wall / steps), ``decode_ms_per_step`` and
-    ``plain_decode_ms_per_step`` ((wall - prefill) / steps), with min-max; ``draft_share``,
+    ``plain_decode_ms_per_step`` ((wall - prefill) / steps), with min-max; the plain steps'
+    ``plain_draft_ms`` / ``plain_verify_ms`` / ``plain_commit_ms`` the same way (their draft is
+    the loop's own work before the forward: no drafter runs); ``draft_share``,
     ``verify_share``, ``rollback_share`` of the decode steps' time; ``decode_path``,
     ``capture_error``, ``prefill_s``, ``peak_gib`` (CUDA); ``exact`` (output == ``reference``
     token for token), ``diverged_rows``, ``diverged_row_ids``, ``first_divergence`` (new-token
@@ -339,6 +341,10 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
                          ("draft_ms", [s.draft_s for s in stats]),
                          ("step_ms", [s.verify_s + s.rollback_s for s in stats]), ("ms_per_step", list(wall.samples))):
         rec[name], rec[f"{name}_min"], rec[f"{name}_max"] = _per_step(values, steps)
+    plain_steps = [s.steps for s in plain.plain_stats]
+    for name, attr in (("plain_draft_ms", "draft_s"), ("plain_verify_ms", "verify_s"), ("plain_commit_ms", "rollback_s")):
+        rec[name], rec[f"{name}_min"], rec[f"{name}_max"] = _per_step([getattr(s, attr) for s in plain.plain_stats],
+                                                                      plain_steps)
     plain_rate, plain_ms = plain.decode()
     rec.update(plain.plain.rate(new).fields("plain_tokens_per_s"))
     rec.update(plain_rate.fields("plain_decode_tokens_per_s"))
