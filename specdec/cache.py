@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from .kernels import SSMOp, conv1d_op
+from .kernels.conv1d import new_conv_window
 from .kernels.slots import to_slots
 from .rollback import RollbackStrategy
 
@@ -93,7 +94,7 @@ class SSMLayerCache:
         if conv_state is not None:
             hist = conv_width - 1
             B, C = conv_state.shape[:2]
-            win = conv_state.new_zeros(B, C, hist + self.max_step_tokens)
+            win = new_conv_window(B, C, hist + self.max_step_tokens, conv_state)  # time-major
             if hist:
                 win[:, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist :]
             self.conv_window = win

@@ -410,12 +410,21 @@ CONV_GRID = [
 ]
 
 
+def _conv_window(S, C, cols, layout, dtype=torch.float32):
+    """A random conv window ``[S, C, cols]``: channel-major (contiguous) or time-major (the layer
+    caches' layout, :func:`specdec.kernels.conv1d.new_conv_window`)."""
+    if layout == "time-major":
+        return torch.randn(S, cols, C, device=DEVICE).to(dtype).transpose(1, 2)
+    return torch.randn(S, C, cols, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["channel-major", "time-major"])
 @pytest.mark.parametrize("B,C,W,T_max,calls,dtype,bias,act,use_si", CONV_GRID)
-def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si):
+def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout):
     torch.manual_seed(11)
     S, si, rows = _layout(B, use_si, 12)
     slots = _slots(si, rows)
-    window = torch.randn(S, C, W - 1 + T_max, device=DEVICE).to(dtype)
+    window = _conv_window(S, C, W - 1 + T_max, layout, dtype)
     weight = torch.randn(C, W, device=DEVICE)
     b = torch.randn(C, device=DEVICE) if bias else None
     ref = window.clone()
@@ -451,12 +460,14 @@ def test_conv1d_rejects_overflow():
         conv.verify(window, torch.randn(1, 1, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE), None, "gelu", 0)
 
 
+@pytest.mark.parametrize("layout", ["channel-major", "time-major"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("use_si", [False, True], ids=["rows", "pool-si"])
-def test_conv1d_op_matches_reference(backend, use_si, monkeypatch):
+def test_conv1d_op_matches_reference(backend, use_si, layout, monkeypatch):
     """The layer caches' conv op (``conv1d_op``) on each backend, over a window pool with a
-    permuted row -> slot map and a padding row: chain calls, a tree step and the commits equal
-    the reference on the rows' own windows; slots no row maps to stay bit for bit."""
+    permuted row -> slot map and a padding row, in both window layouts: chain calls, a tree step
+    and the commits equal the reference on the rows' own (contiguous) windows; slots no row maps
+    to stay bit for bit."""
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     conv = conv1d_op(DEVICE)
     assert conv.backend == backend and (conv.kernels is not None) == (backend == "triton")
@@ -465,9 +476,9 @@ def test_conv1d_op_matches_reference(backend, use_si, monkeypatch):
     S, si, rows = _layout(B, use_si, 32)
     slots = _slots(si, rows)
     idx = torch.tensor(slots, device=DEVICE)
-    window = torch.randn(S, C, W - 1 + T_max, device=DEVICE)
+    window = _conv_window(S, C, W - 1 + T_max, layout)
     weight, bias = torch.randn(C, W, device=DEVICE), torch.randn(C, device=DEVICE)
-    ref = window[idx].clone()
+    ref = window[idx].contiguous()
     off = 0
     for t in (2, 1):
         x = torch.randn(B, t, C, device=DEVICE)

@@ -269,6 +269,9 @@ def test_layer_cache_state_indices(backend):
     assert pooled.conv_op.backend == backend and pooled.state_indices is si
     ident.load(conv0[si].clone(), ssm0[si].clone(), W)
     pooled.load(conv0.clone(), ssm0.clone(), W)
+    for layer, n in ((ident, B), (pooled, slots)):  # time-major windows: a column is contiguous over channels
+        assert layer.conv_window.shape == (n, C, W - 1 + Tmax) and layer.conv_window.stride() == (
+            (W - 1 + Tmax) * C, 1, C)
     weight = torch.randn(C, W, generator=g)
     for step in range(3):
         inputs, _, _ = random_inputs("gdn", 2, g, batch=B)

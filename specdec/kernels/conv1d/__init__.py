@@ -15,14 +15,15 @@ from ..protocol import BackendOp, Conv1dKernels
 from ..slots import gather_rows, scatter_rows
 from .naive import causal_conv1d_prompt, conv1d_commit, conv1d_tree_verify, conv1d_verify
 
-__all__ = ["Conv1dOp", "CONV1D"]
+__all__ = ["Conv1dOp", "CONV1D", "new_conv_window"]
 
 
 class Conv1dOp(BackendOp):
     """The conv of one step (window layout: :mod:`specdec.kernels.conv1d.naive`).
 
     ``window``: ``[num_slots, C, W-1+T_max]`` (committed history at columns ``0 .. W-2``,
-    step token j at ``W-1+j``), written in place; ``x``: ``[B, t, C]`` conv inputs; ``weight``:
+    step token j at ``W-1+j``), written in place, in any strides (the layer caches' is
+    time-major, :func:`new_conv_window`); ``x``: ``[B, t, C]`` conv inputs; ``weight``:
     ``[C, W]`` depthwise kernel; ``bias``: ``[C]`` or None; ``activation``: ``"silu"`` /
     ``"swish"`` or None. ``state_indices``: ``[B]`` window slot of each row (negative: a
     padding row, its window untouched and its outputs unspecified); None = row b uses slot b
@@ -103,6 +104,19 @@ def _on_rows(fn, window: torch.Tensor, state_indices: torch.Tensor | None, *args
     out = fn(rows, *args)
     scatter_rows(window, state_indices, rows)
     return out
+
+
+def new_conv_window(num_slots: int, channels: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """A zeroed conv window ``[num_slots, channels, columns]`` (dtype and device of ``like``),
+    stored time-major: the view of a contiguous ``[num_slots, columns, channels]`` tensor.
+
+    A step reads and writes a few of a window's columns for every channel (the W - 1 history
+    columns, the step's tokens, the commit's shift); time-major, each such column is one
+    contiguous run over the channels. Stored channel-major, consecutive channels lie
+    ``columns`` elements apart, so every column access touches the memory of all the columns:
+    a window sized for long drafts (``columns = W - 1 + K + 1``) then costs every step,
+    a plain one included, about ``columns / (W - 1)`` times the bytes of its history."""
+    return like.new_zeros(num_slots, columns, channels).transpose(1, 2)
 
 
 #: the conv op, torch reference (``CONV1D.on("triton")`` binds the Triton kernels)
