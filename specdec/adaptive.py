@@ -233,14 +233,24 @@ def _nobody():
 
 class _KeptUpdate:
     """A captured :meth:`SpeculationPolicy.update` (``graph`` None: its capture failed) with the
-    estimator and input / output tensors it reads and writes, and ``holder``, a weak reference to
-    the policy using it (or a function returning None while no policy does)."""
+    estimator and input / output tensors it reads and writes, ``holder``, a weak reference to
+    the policy using it (or a function returning None while no policy does), the side stream it
+    is replayed on and ``done``, the event recorded after its last replay (None before any; off
+    CUDA, as a test's stand-in for a graph, both stay None and a replay runs in order)."""
 
-    __slots__ = ("estimator", "graph", "inputs", "output", "holder")
+    __slots__ = ("estimator", "graph", "inputs", "output", "holder", "stream", "done")
 
     def __init__(self, estimator, graph, inputs, output):
         self.estimator, self.graph, self.inputs, self.output = estimator, graph, inputs, output
         self.holder = _nobody
+        dev = estimator.rates.device
+        self.stream = torch.cuda.Stream(device=dev) if graph is not None and dev.type == "cuda" else None
+        self.done: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last replay (its estimate, inputs and output)."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.estimator.rates.device).wait_event(self.done)
 
 
 def _update(est: AcceptanceEstimator, until_last: bool, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
@@ -698,6 +708,10 @@ class SpeculationPolicy:
             closed (:meth:`close`: a decode loop running alongside) holds them; it then updates
             eagerly. A failed capture warns once per shape and updates eagerly. At most
             :data:`POLICY_GRAPHS_KEPT` shapes are kept (the least recently made go first).
+            The graph is replayed on a side stream, so its work (some 100 small kernels: a few
+            tenths of a millisecond of device time) runs beside the next step's forward instead
+            of before the step's sync; its values are read at the next step's sync instead,
+            one step late (:meth:`update`).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
@@ -741,6 +755,7 @@ class SpeculationPolicy:
         self._predicted_s = 0.0
         self._live: int | None = None  # live rows after the last step (read at its sync)
         self._live_estimated: int | None = None  # ... when the values held were computed
+        self._pending = False  # a side-stream update ran whose values were not read yet
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
         self._plain_s = 0.0  # the predicted seconds of a plain step when the last K was chosen
         # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
@@ -792,29 +807,68 @@ class SpeculationPolicy:
     def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | None:
         """Device side, after the step's acceptance: update the acceptance estimate with the
         step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
-        bool); returns ``[read_size]`` fp64, E(K) for the next step's ``live [B]`` rows with
-        ``budget [B]`` drafts left each (see :attr:`read_size`). No host sync.
+        bool) and compute E(K) for the next step's ``live [B]`` rows with ``budget [B]`` drafts
+        left each. Returns the values to read at this step's sync, ``[read_size]`` fp64 (see
+        :attr:`read_size`), or None when there are none. No host sync.
 
-        Returns None, and changes nothing, after a step at K = 0 of a fixed batch (``until_last``)
-        while the live rows are those the last values were computed for (as :meth:`receive` was
-        told, one step late): such a step observed no draft, and with the estimate and the live
-        rows unchanged and every row one token nearer its end, speculating can only have become
-        less worth it, so the last values stand until a probe or until a row ends; the step is
-        spared the estimate's device ops, as a plain step would be."""
+        Eagerly these are this update's values. With a kept graph the update is replayed on a
+        side stream and runs beside the next step's forward; the values returned are the last
+        replay's (None after a step that launched none), and the ones of this replay come at the
+        next step's sync: the choice reads them one step late.
+
+        After a step at K = 0 of a fixed batch (``until_last``), while the live rows are those
+        the last values were computed for (as :meth:`receive` was told, one step late), nothing
+        is computed and the estimate is unchanged (only pending values are returned): such a
+        step observed no draft, and with the estimate and the live rows unchanged and every row
+        one token nearer its end, speculating can only have become less worth it, so the last
+        values stand until a probe or until a row ends; the step is spared the estimate's device
+        ops, as a plain step would be. :attr:`skips_update` says so ahead: :meth:`pending` then
+        gives the same without the arguments."""
         if self.skips_update:
-            return None
+            return self.pending()
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
         kept = self._graph
-        for dst, src in zip(kept.inputs, args):
+        out = self.pending()  # (waits for the last replay: it read the inputs and wrote the output)
+        for dst, src in zip(kept.inputs, args):  # on this stream, after the tensors it made
             dst.copy_(src)
-        kept.graph.replay()
-        return kept.output
+        if kept.stream is None:
+            kept.graph.replay()
+        else:
+            kept.stream.wait_stream(torch.cuda.current_stream(self.acceptance.rates.device))
+            with torch.cuda.stream(kept.stream):
+                kept.graph.replay()
+                kept.done = torch.cuda.Event()
+                kept.done.record()
+        self._pending = True
+        return out
+
+    def pending(self) -> torch.Tensor | None:
+        """The values of a side-stream update not read yet (a copy, ``[read_size]`` fp64, ordered
+        after that update on the current stream), or None."""
+        if not self._pending:
+            return None
+        self._graph.wait()
+        self._pending = False
+        return self._graph.output.clone()
+
+    def settle(self) -> None:
+        """Order the current stream after a side-stream update still running (before reading or
+        writing :attr:`acceptance` on it)."""
+        if self._graph is not None:
+            self._graph.wait()
+
+    def restart_rows(self, rows: torch.Tensor, prior: float) -> None:
+        """Rows that took new requests (continuous batching) start from ``prior`` again."""
+        self.settle()
+        self.acceptance.rates[rows] = prior
 
     def close(self) -> None:
         """The decode loop is over: a kept update graph this policy holds may serve the next policy
         of its shape (which resets the estimator: read :attr:`acceptance` before making it)."""
+        self.settle()
+        self._pending = False
         if self._held is not None and self._held.holder() is self:
             self._held.holder = _nobody
         self._held = None
@@ -840,11 +894,12 @@ class SpeculationPolicy:
 
     def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
         """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the
-        last), and ``live_rows``, the rows not finished after the step (None: not known)."""
+        last), and ``live_rows``, the rows not finished after the step (None: not known). Values
+        of a side-stream update (a kept graph) were computed for the step before's live rows."""
         if values is not None:
             M1 = self.max_k + 1
             self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
-            self._live_estimated = live_rows
+            self._live_estimated = self._live if self._graph is not None else live_rows
         self._live = live_rows
 
     def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int,

@@ -852,10 +852,14 @@ class SpeculativeGenerator:
             if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
                 flags.append((~rows.finished).sum()[None])
             read = torch.cat(flags)
-            if policy is not None and not policy.skips_update:  # (a skipped update needs no arguments)
-                left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
-                expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
-                read = torch.cat([read.double(), expected])
+            if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
+                if policy.skips_update:
+                    expected = policy.pending()
+                else:
+                    left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
+                    expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
+                if expected is not None:
+                    read = torch.cat([read.double(), expected])
             synced = read.tolist()  # the step's one host sync
             if expected is not None:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
@@ -888,6 +892,7 @@ class SpeculativeGenerator:
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
+            policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)
             policy.close()  # (its kept update graph may serve the next call)
         else:
@@ -991,7 +996,7 @@ class SpeculativeGenerator:
             limit[idx] = 1
             rows.append(new, limit)
             if policy is not None:
-                policy.acceptance.rates[idx] = self.policy.prior_acceptance
+                policy.restart_rows(idx, self.policy.prior_acceptance)
             finished = rows.finished.tolist()
             pool.prefilled()
             if any(r.streaming for r in taken):  # their first tokens, from the prefill

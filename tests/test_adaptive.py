@@ -144,8 +144,9 @@ def _fake_capture(calls, fail=False):
 
 def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
     """The kept update graphs (CPU, a replaying stand-in for the capture): a policy that adopts one
-    computes what an eager policy does from its own prior; one made while another has not closed
-    updates eagerly; a failed capture is tried once per shape; at most POLICY_GRAPHS_KEPT shapes."""
+    computes what an eager policy does from its own prior, its values read one step late (on CUDA
+    the replay runs beside the next step); one made while another has not closed updates eagerly;
+    a failed capture is tried once per shape; at most POLICY_GRAPHS_KEPT shapes."""
     import specdec.adaptive as adaptive
 
     calls = []
@@ -165,12 +166,16 @@ def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
     later, eager = policy(0.3), policy(0.3, kept=None)
     assert later.acceptance is first.acceptance and len(calls) == 1  # adopted, not captured again
     g = torch.Generator().manual_seed(1)
+    last = None  # the eager values of the step before
     for _ in range(4):
         asked = torch.randint(0, M + 1, (B,), generator=g)
         n = torch.minimum(torch.randint(0, M + 1, (B,), generator=g), asked)
         ran, budget = torch.ones(B, dtype=torch.bool), torch.randint(0, 30, (B,), generator=g)
-        assert torch.equal(later.update(n, asked, ran, ran, budget), eager.update(n, asked, ran, ran, budget))
+        got, want = later.update(n, asked, ran, ran, budget), eager.update(n, asked, ran, ran, budget)
+        assert got is None if last is None else torch.equal(got, last)
         assert torch.equal(later.acceptance.rates, eager.acceptance.rates)
+        last = want.clone()
+    assert torch.equal(later.pending(), last) and later.pending() is None  # read once
     later.close()
     for batch in range(5, 5 + adaptive.POLICY_GRAPHS_KEPT):
         policy(0.5, batch=batch).close()
@@ -187,23 +192,27 @@ def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("until_last", [False, True])
 def test_policy_update_graph_equals_eager(until_last):
-    """On CUDA: the captured policy update gives bit for bit the eager update's E(K) and rates
-    over steps of random outcomes (its first step eager, then captured and replayed), and a
-    later policy of the same shape replays the kept graph from its own prior."""
+    """On CUDA: the captured policy update, replayed on its side stream, gives bit for bit the
+    eager update's E(K) (one step late) and rates over steps of random outcomes, and a later
+    policy of the same shape replays the kept graph from its own prior."""
     B, M = 16, 6
     costs, graphs = FixedCosts(lambda s, b, K: 1.0 + K), {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for prior in (0.6, 0.3):
         pols = [SpeculationPolicy(PolicySettings(), costs, CostKey("cuda_graph", "replay", B), None, M, B, 64, prior,
                                   "cuda", until_last, graphs=kept) for kept in (graphs, None)]
+        last = None
         for step in range(6):
             asked = torch.randint(0, M + 1, (B,), device="cuda", generator=g)
             n = torch.minimum((torch.rand(B, device="cuda", generator=g) * (asked + 1)).long(), asked)
             ran = torch.rand(B, device="cuda", generator=g) < 0.9
             budget = torch.randint(0, 60, (B,), device="cuda", generator=g)
-            graphed, eager = (p.update(n, asked, ran, ran, budget).clone() for p in pols)
-            assert torch.equal(graphed, eager), (prior, step)
+            graphed, eager = (p.update(n, asked, ran, ran, budget) for p in pols)
+            assert graphed is None if last is None else torch.equal(graphed, last), (prior, step)
+            pols[0].settle()
             assert torch.equal(pols[0].acceptance.rates, pols[1].acceptance.rates), (prior, step)
+            last = eager.clone()
+        assert torch.equal(pols[0].pending(), last)
         assert pols[0]._graph is not None and pols[1]._graph is None
         pols[0].close()  # (the next policy of the shape may take the kept graph)
     assert len(graphs) == 1
