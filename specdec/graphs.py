@@ -176,7 +176,7 @@ def gc_paused():
     destruction is not permitted while a stream captures: it invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator mid-capture, so later
     random ops fail. ``torch.cuda.graph`` collected before capturing up to PyTorch 2.8; later
-    versions do not (pytorch/pytorch#161037)."""
+    versions do not (https://github.com/pytorch/pytorch/pull/161037)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
