@@ -740,6 +740,7 @@ class SpeculationPolicy:
         else:  # the captured graph reads and writes that estimator's tensors
             self.acceptance, self._graph, self._held = kept.estimator, kept, kept
             kept.holder = weakref.ref(self)
+            kept.wait()  # (a policy dropped without close() may have left a replay running)
             self.acceptance.reset(prior)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
         every = torch.ones(batch, dtype=torch.bool, device=device)
