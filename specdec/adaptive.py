@@ -61,7 +61,6 @@ import abc
 import contextlib
 import math
 import numbers
-import statistics
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -354,6 +353,10 @@ class CostModel(abc.ABC):
         """Seconds of one step at K (the drafter's proposal, the verify forward with acceptance,
         the commit and the step's bookkeeping) for ``key``; ``drafter_key`` names the drafter."""
 
+    def step_times(self, key: CostKey, drafter_key, max_k: int) -> list[float]:
+        """:meth:`step_s` at every K = 0..``max_k``."""
+        return [self.step_s(key, drafter_key, K) for K in range(max_k + 1)]
+
     def comparable_step_s(self, key: CostKey, drafter_key, K: int) -> float:
         """Seconds of one step at K measured the same way for every ``key`` (what ``rollback="auto"``
         compares strategies by): :meth:`step_s` unless a model refines it online for the strategy
@@ -484,18 +487,44 @@ class MeasuredCosts(CostModel):
             raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
         if K == 0:
             return calib
-        gaps = self._gap.get(key, {})
-        return calib + (max(min(gaps.values()), _line(gaps, K, proportional=False)) if gaps else 0.0)
+        return calib + self._gap_fit(key)(K)
+
+    def _gap_fit(self, key: CostKey) -> Callable[[int], float]:
+        """The real-minus-calibrated gap at each K > 0 (see the class docstring)."""
+        gaps = self._gap.get(key)
+        if not gaps:
+            return lambda K: 0.0
+        low, line = min(gaps.values()), _fit(gaps, proportional=False)
+        return lambda K: max(low, line(K))
+
+    def _draft_fit(self, drafter_key, key: CostKey) -> Callable[[int], float]:
+        """``draft(K)`` at each K (see the class docstring)."""
+        seen = self._draft.get((drafter_key, key.path, key.batch))
+        if not seen:
+            return lambda K: 0.0
+        line = _fit(seen, proportional=getattr(drafter_key, "sequential", True))
+        return lambda K: max(0.0, line(K)) if K else 0.0
 
     def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
         """``draft(K)`` (see the class docstring)."""
-        if K == 0:
-            return 0.0
-        seen = self._draft.get((drafter_key, key.path, key.batch), {})
-        return max(0.0, _line(seen, K, proportional=getattr(drafter_key, "sequential", True))) if seen else 0.0
+        return self._draft_fit(drafter_key, key)(K)
 
     def step_s(self, key, drafter_key, K):
         return self.draft_s(drafter_key, key, K) + self.target_s(key, K)
+
+    def step_times(self, key, drafter_key, max_k):
+        # each line fitted once for all K (the policy asks every step, between its sync and the next launch)
+        draft, gap = self._draft_fit(drafter_key, key), self._gap_fit(key)
+        out = []
+        for K in range(max_k + 1):
+            real = self._target.get((key, K))
+            if real is None:
+                calib = self.calibrated_s(key, K)
+                if calib is None:
+                    raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
+                real = calib + (gap(K) if K else 0.0)
+            out.append(draft(K) + real)
+        return out
 
     def comparable_step_s(self, key, drafter_key, K):
         """``draft(K)`` plus the calibrated verify + commit of width K + 1, without the online
@@ -505,19 +534,24 @@ class MeasuredCosts(CostModel):
         return self.step_s(key, drafter_key, K) if calib is None else self.draft_s(drafter_key, key, K) + calib
 
 
-def _line(seen: dict[int, float], K: int, proportional: bool) -> float:
-    """The value at K of measurements ``seen`` ({K: value}, not empty): the measured one, else a
-    least-squares line through them; from one measured K, in proportion to K (``proportional``)
-    or the same."""
-    if K in seen:
-        return seen[K]
+def _fit(seen: dict[int, float], proportional: bool) -> Callable[[int], float]:
+    """The values at every K of measurements ``seen`` ({K: value}, not empty), as a function of K:
+    the measured one, else a least-squares line through them; from one measured K, in
+    proportion to K (``proportional``) or the same. Fitted once, read at any K."""
     if len(seen) == 1:
         (k1, v1), = seen.items()
-        return v1 * K / k1 if proportional else v1
-    ks, vs = list(seen), list(seen.values())
-    mk, mv = statistics.fmean(ks), statistics.fmean(vs)
-    slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
-    return mv + slope * (K - mk)
+        at = (lambda K: v1 * K / k1) if proportional else (lambda K: v1)
+    else:
+        ks, vs = list(seen), list(seen.values())
+        mk, mv = sum(ks) / len(ks), sum(vs) / len(vs)
+        slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
+        at = lambda K: mv + slope * (K - mk)  # noqa: E731
+    return lambda K: seen[K] if K in seen else at(K)
+
+
+def _line(seen: dict[int, float], K: int, proportional: bool) -> float:
+    """The value at K of measurements ``seen`` (see :func:`_fit`)."""
+    return _fit(seen, proportional)(K)
 
 
 class FixedCosts(CostModel):
@@ -764,7 +798,7 @@ class SpeculationPolicy:
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
-        return [self.costs.step_s(self.key, self.drafter_key, K) for K in range(self.max_k + 1)]
+        return self.costs.step_times(self.key, self.drafter_key, self.max_k)
 
     def next_k(self) -> int:
         """The K of the next step (host side; no device work)."""

@@ -631,6 +631,10 @@ def test_measured_costs_calibration_online_and_draft_line():
     assert costs.target_s(key, 3) == pytest.approx(0.041 + gap2 + (gap2 - gap1))
     costs.observe(key, "d", 2, draft_s=0.007, target_s=0.031 - 0.010)  # gap(2) := 0.5 (0.009 - 0.010)
     assert costs.target_s(key, 3) == pytest.approx(0.041 - 0.0005)  # a falling line stays at the smallest gap
+    for d in ("d", DrafterKey(True), DrafterKey(False)):  # every K at once (one fit per line) is step_s at each K
+        assert costs.step_times(key, d, 3) == [costs.step_s(key, d, K) for K in range(4)]
+    with pytest.raises(KeyError, match="calibrate"):
+        costs.step_times(key, "d", 4)  # width 5 was never measured
 
 
 class _LapClock:
