@@ -179,6 +179,8 @@ class SpeculativeGenerator:
             costs and the acceptance observed so far (:mod:`specdec.adaptive`).
         decode_path: ``"auto"`` (default: the static path with CUDA graphs on CUDA when the call
             allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
+            A model whose weights accelerate loads for each forward (``device_map`` offloading to
+            ``"cpu"`` or ``"disk"``: :mod:`specdec.placement`) runs eager or static, without graphs.
             The static path needs greedy or plain sampling without stopping criteria, repetition
             penalty, min length or returned scores; forcing it with those raises.
         max_speculative_tokens: with ``num_speculative_tokens="auto"``, the largest K a step may
@@ -201,7 +203,9 @@ class SpeculativeGenerator:
             K not an int or ``"auto"``.
         ValueError: unsupported family, unknown drafter/strategy name, K or
             ``max_speculative_tokens`` out of range, a drafter whose vocabulary differs from the
-            target's, ``"auto"`` with a drafter that drafts a fixed tree.
+            target's, ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
+            accelerate whose layers compute on several devices, ``decode_path="cuda_graph"`` for
+            one whose weights are offloaded.
     """
 
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
@@ -215,6 +219,7 @@ class SpeculativeGenerator:
         # where the next call with the same drafter starts (None: the policy's prior)
         self._learned_acceptance: torch.Tensor | None = None
         self.adapter = adapter_for(model)
+        self.adapter.device  # (a model dispatched by accelerate over several devices raises here, not at generate)
         self.model = model
         self._drafter: Drafter | None = None
         self._K: int | str = 0
@@ -333,6 +338,10 @@ class SpeculativeGenerator:
     def decode_path(self, value):
         if value not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {value!r}")
+        if value == "cuda_graph" and self.adapter.offloads_weights:
+            raise ValueError("decode_path='cuda_graph' cannot replay a model whose weights accelerate loads for each "
+                             "forward (offloaded to 'cpu' or 'disk' by its device_map): a graph would read the "
+                             "weights of its capture; use 'static', 'eager' or 'auto' (which picks the eager path)")
         if value == "cuda_graph" and self.adapter.device.type != "cuda":
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {self.adapter.device}; "
                              "use 'static' or 'eager'")
@@ -1034,8 +1043,8 @@ class SpeculativeGenerator:
         """``"eager"``, ``"static"`` or ``"cuda_graph"`` for this call (see ``decode_path``)."""
         blockers = hook.settings.per_token_features if hook is not None else []
         want = self.decode_path
-        if want == "auto":
-            return "eager" if blockers or dev.type != "cuda" else "cuda_graph"
+        if want == "auto":  # (accelerate's per-forward weight loading cannot be replayed: see the setter)
+            return "eager" if blockers or dev.type != "cuda" or self.adapter.offloads_weights else "cuda_graph"
         if want != "eager" and blockers:
             raise ValueError(f"decode_path={want!r} does not support {', '.join(blockers)}; use decode_path='eager' "
                              "or 'auto' (which picks the eager path for such calls)")

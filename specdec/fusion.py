@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from .placement import routed_forward
+
 __all__ = ["fusable", "fused", "fusion_enabled"]
 
 _ACTIVE = [False]
@@ -65,7 +67,6 @@ def fused(model: torch.nn.Module, enabled: bool = True):
     if not enabled:
         yield
         return
-    patched = []
     # one compiled forward serves every layer of a class, but input shapes/strides differ per
     # call site (hidden states, per-head q/k norms) and per bucket (batch, T): allow enough
     # recompiles, or dynamo silently falls back to the unfused forward after 8 of them
@@ -77,16 +78,14 @@ def fused(model: torch.nn.Module, enabled: bool = True):
     try:
         for k, v in limits.items():
             setattr(dynamo_config, k, v)
-        for mod in model.modules():
-            if _is_fusable_module(mod):
-                cls = type(mod)
-                mod.forward = functools.partial(_compiled(cls, cls.forward), mod)
-                patched.append(mod)
-        _ACTIVE[0] = True
-        yield
+        with contextlib.ExitStack() as stack:
+            for mod in model.modules():
+                if _is_fusable_module(mod):
+                    cls = type(mod)
+                    stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+            _ACTIVE[0] = True
+            yield
     finally:
         _ACTIVE[0] = False
-        for mod in patched:
-            del mod.forward
         for k, v in saved.items():
             setattr(dynamo_config, k, v)

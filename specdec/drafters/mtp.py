@@ -83,6 +83,7 @@ from torch import nn
 from ..cache import HybridCache
 from ..graphs import CapturedProgram, bucket_length
 from ..models import adapter_for
+from ..placement import materialized
 from ..tree import make_tree
 from ..verify import process_logits
 from .base import Drafter
@@ -314,8 +315,8 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
                          f"{getattr(config, cls.count_field, None)}); the checkpoint ships no MTP module to draft with")
     if getattr(config, "mtp_use_dedicated_embeddings", False):
         raise ValueError("mtp_use_dedicated_embeddings=True: MTP layers with their own embedding are not supported")
-    p = target.get_output_embeddings().weight
-    return cls(config, body, n).to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+    p = target.get_output_embeddings().weight  # (its dtype; its device may be meta under accelerate's offloading)
+    return cls(config, body, n).to(device=adapter_for(target).device, dtype=p.dtype).eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------ checkpoint files
@@ -506,9 +507,10 @@ class MTPDrafter(Drafter):
             ids = _check_draft_vocab(draft_vocab, self.adapter.vocab_size).to(self.adapter.device)
             head = target.get_output_embeddings()
             self.draft_vocab = ids
-            self._head_weight = head.weight.detach().index_select(0, ids)  # a copy: N contiguous rows
-            if getattr(head, "bias", None) is not None:
-                self._head_bias = head.bias.detach().index_select(0, ids)
+            with materialized(head, own=True):  # (an LM head offloaded by accelerate: loaded for the copy)
+                self._head_weight = head.weight.detach().index_select(0, ids)  # a copy: N contiguous rows
+                if getattr(head, "bias", None) is not None:
+                    self._head_bias = head.bias.detach().index_select(0, ids)
         drafted = self.adapter.vocab_size if self.draft_vocab is None else self.draft_vocab.numel()
         self.tree = make_tree(tree, MAX_TREE_DEPTH, drafted) if tree is not None else None
         #: compile each captured proposal whole before capturing it (see the class)
@@ -541,8 +543,7 @@ class MTPDrafter(Drafter):
             raise FileNotFoundError(f"MTP layers are read from a checkpoint folder; {str(path)!r} is not one")
         layers = mtp_layers_for(target)
         files = ", ".join(str(f) for f in _checkpoint_files(path)) or f"{path / _INDEX} (no shard holds mtp.*)"
-        p = target.get_output_embeddings().weight
-        tensors = read_mtp_tensors(path, device=p.device, dtype=p.dtype)
+        tensors = read_mtp_tensors(path, device=adapter_for(target).device, dtype=target.get_output_embeddings().weight.dtype)
         if not tensors:
             raise ValueError(f"no MTP tensors (names starting with {' or '.join(_PREFIXES)}) in {files}; "
                              f"the config declares {layers.count_field}={layers.num_steps}")
@@ -563,8 +564,8 @@ class MTPDrafter(Drafter):
 
         Raises: ValueError as :func:`mtp_layers_for` (a family without an MTP layout,
             ``num_layers < 1``) and as the class."""
-        p = target.get_output_embeddings().weight
-        with torch.random.fork_rng(devices=[p.device] if p.device.type == "cuda" else []):
+        dev = adapter_for(target).device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(int(seed))
             layers = mtp_layers_for(target, num_steps=int(num_layers))
             layers.init_weights(target)

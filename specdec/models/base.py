@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 
 import torch
 from transformers import DynamicCache
@@ -26,6 +25,7 @@ from transformers import DynamicCache
 from ..cache import HybridCache, SSMLayerCache
 from ..kernels import get_op
 from ..kernels.mamba2.chunked import resolve_scan
+from ..placement import check_placement, materialized, offloads_weights, routed_forward
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
@@ -290,6 +290,8 @@ class HybridAdapter:
         self.max_prefill_tokens: int | None = None
         self._prompt_graphs = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
+        #: accelerate's hooks on some module (dispatched without a ``device_map`` attribute, e.g. by hand)
+        self._hooked = any(hasattr(mod, "_hf_hook") for mod in model.modules())
 
     # --- family specifics ------------------------------------------------------------------
     #: the decoder-layer attribute that holds an SSM layer's mixer (None: no SSM layers), and the
@@ -324,7 +326,32 @@ class HybridAdapter:
     # --- shared machinery ------------------------------------------------------------------
     @property
     def device(self):
-        return self.lm_head.weight.device
+        """The device the model computes on: its LM head's, or for a model dispatched by accelerate
+        (``device_map``: :mod:`specdec.placement`) the one execution device of every decoder layer
+        and the LM head.
+
+        Raises: ValueError for a dispatched model whose layers compute on several devices."""
+        placed = self._placement()
+        return self.lm_head.weight.device if placed is None else placed[0]
+
+    @property
+    def offloads_weights(self) -> bool:
+        """Whether accelerate's hooks load some weights for each forward (:func:`specdec.placement.offloads_weights`)."""
+        placed = self._placement()
+        return placed is not None and placed[1]
+
+    def _placement(self) -> tuple[torch.device, bool] | None:
+        """(device, offloads weights) of a model dispatched by accelerate (``hf_device_map``, or
+        hooks found when the adapter was made; checked once per device map), None for one that is
+        not (it may still be moved: its device is read each time)."""
+        device_map = getattr(self.model, "hf_device_map", None)
+        if device_map is None and not self._hooked:
+            return None
+        kept = getattr(self, "_placed", None)
+        if kept is None or kept[0] is not device_map:
+            self._placed = kept = (device_map, check_placement(self.model, self.body.layers, self.lm_head),
+                                   offloads_weights(self.model))
+        return kept[1:]
 
     @property
     def dtype(self):
@@ -342,9 +369,9 @@ class HybridAdapter:
         """Replace SSM mixer ``idx``'s forward by ``forwards[idx](mixer, hidden_states,
         cache_params=None, attention_mask=None, **kw)`` for one call; HF's cache reaches it as
         ``cache_params`` whatever keyword the release passes it under (``cache_params``; ``cache``
-        from transformers 5.24)."""
+        from transformers 5.24). Under accelerate's hooks (:mod:`specdec.placement`) the hook stays
+        in front of it and every weight of the mixer's submodules is loaded while it runs."""
         mixers = self.ssm_layers()
-        patched = []
 
         def route(fwd):
             def call(mod, hidden_states, cache_params=None, attention_mask=None, **kw):
@@ -352,18 +379,14 @@ class HybridAdapter:
                     other = kw.pop(name, None)
                     if cache_params is None:
                         cache_params = other
-                return fwd(mod, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kw)
+                with materialized(mod):
+                    return fwd(mod, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kw)
             return call
 
-        try:
+        with contextlib.ExitStack() as stack:
             for idx, fwd in forwards.items():
-                mixer = mixers[idx][0]
-                mixer.forward = types.MethodType(route(fwd), mixer)
-                patched.append(mixer)
+                stack.enter_context(routed_forward(mixers[idx][0], route(fwd)))
             yield
-        finally:
-            for mixer in patched:
-                del mixer.forward
 
     def _patched(self, cache: HybridCache):
         """Route each SSM mixer's forward to ``mixer_forward`` with its layer cache, for one call."""

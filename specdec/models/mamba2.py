@@ -28,6 +28,7 @@ from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_sta
 from ..fusion import fusable
 from ..kernels import conv1d_op
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
+from ..placement import execution_device
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
 __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "mamba2_core"]
@@ -115,7 +116,7 @@ class Mamba2PromptLayer:
         self.operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         #: the dtype of the scan's x, B, C (:func:`mamba2_core` casts them to it)
         self.input_dtype = self.operand_dtype if scan == "fla" else torch.float32
-        self.conv_op = conv1d_op(mixer.in_proj.weight.device)
+        self.conv_op = conv1d_op(execution_device(mixer))
         self.continued = cache_params.has_previous_state(self.layer_idx)
 
     def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:

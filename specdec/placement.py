@@ -1,0 +1,126 @@
+"""Models dispatched by accelerate (``from_pretrained(..., device_map=...)``, ``dispatch_model``).
+
+accelerate's big-model dispatch places each module on a device and attaches a hook
+(``accelerate.hooks.AlignDevicesHook``, module attribute ``_hf_hook``) that moves a module's
+inputs to its *execution device* before its forward. With offloading (``device_map`` entries
+``"cpu"`` on a GPU machine, or ``"disk"``), a module's weights stay on the ``meta`` device and the
+hook loads them for the length of that module's own forward, then drops them again
+(https://huggingface.co/docs/accelerate/usage_guides/big_modeling).
+
+specdec runs its own forward for each SSM mixer and reads some weights directly (the conv
+kernel's ``conv1d.weight``, ``A_log``, ``dt_bias``), which a hook on a submodule would not have
+loaded. This module gives what the adapters need to work under such hooks:
+
+* :func:`execution_device`: where a module computes (its hook's execution device, else where its
+  weights are);
+* :func:`routed_forward`: replace a module's forward for a while, keeping its hook in front of it;
+* :func:`materialized`: the weights of a module and all its submodules loaded for a block of code;
+* :func:`check_placement`: the layouts specdec decodes (every layer computing on one device), with
+  a clear error for the others, and :func:`offloads_weights`: whether weights are loaded per
+  forward, which CUDA graphs cannot replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+__all__ = ["check_placement", "execution_device", "materialized", "offloads_weights", "routed_forward"]
+
+
+def _hooks(module: torch.nn.Module) -> list:
+    """The accelerate hooks on ``module`` (a ``SequentialHook``'s parts), or []."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or [hook])
+
+
+def execution_device(module: torch.nn.Module) -> torch.device | None:
+    """The device ``module`` computes on: the execution device of its accelerate hook (or of the
+    nearest hooked submodule), else the device of its first weight or buffer not on ``meta``;
+    None when it has neither."""
+    for mod in module.modules():
+        for hook in _hooks(mod):
+            dev = getattr(hook, "execution_device", None)
+            if dev is not None:
+                return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return None
+
+
+def offloads_weights(module: torch.nn.Module) -> bool:
+    """Whether any weight of ``module`` is loaded by a hook for each forward (accelerate's
+    ``offload``), or is still on the ``meta`` device."""
+    return any(getattr(h, "offload", False) for mod in module.modules() for h in _hooks(mod)) or any(
+        p.device.type == "meta" for p in module.parameters())
+
+
+@contextlib.contextmanager
+def routed_forward(module: torch.nn.Module, forward):
+    """Within the block, calling ``module(...)`` runs ``forward(module, ...)``: behind the module's
+    accelerate hook when it has one (the hook still loads its weights and moves the inputs),
+    and whatever forward the instance had before is back afterwards."""
+    bound = types.MethodType(forward, module)
+    attr = "_old_forward" if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward") \
+        else "forward"
+    before = module.__dict__.get(attr, None)
+    setattr(module, attr, bound)
+    try:
+        yield
+    finally:
+        if before is None:
+            module.__dict__.pop(attr, None)
+        else:
+            setattr(module, attr, before)
+
+
+@contextlib.contextmanager
+def materialized(module: torch.nn.Module, own: bool = False):
+    """Within the block, every offloaded weight of ``module``'s submodules (and with ``own`` of
+    ``module`` itself; without, its hook loads those around its forward) is loaded on its
+    execution device, so code that reads them directly (``mixer.conv1d.weight``) sees real
+    tensors; they are dropped again afterwards. A no-op without offloading hooks."""
+    hooked = [(mod, h) for mod in module.modules() if own or mod is not module for h in _hooks(mod)
+              if getattr(h, "offload", False)]
+    done = []
+    try:
+        for mod, hook in hooked:
+            hook.pre_forward(mod)
+            done.append((mod, hook))
+        yield
+    finally:
+        for mod, hook in reversed(done):
+            hook.post_forward(mod, None)
+
+
+def check_placement(model: torch.nn.Module, layers, lm_head: torch.nn.Module) -> torch.device:
+    """The one device every decoder layer of ``layers`` and ``lm_head`` compute on (their weights
+    may be offloaded to the CPU or disk by accelerate's hooks).
+
+    Raises:
+        ValueError: they compute on several devices (``device_map`` spreading the layers over
+            several GPUs, or over a GPU and the CPU), or a module has no weights anywhere but on
+            ``meta`` and no hook to load them; the message names the devices and their layers.
+    """
+    head = execution_device(lm_head)
+    where: dict[str, list[str]] = {}
+    for i, layer in enumerate(layers):
+        dev = execution_device(layer)
+        where.setdefault("no device (weights on meta, no hook)" if dev is None else str(dev), []).append(str(i))
+    if head is None:
+        where.setdefault("no device (weights on meta, no hook)", []).append("lm_head")
+    else:
+        where.setdefault(str(head), []).append("lm_head")
+    if len(where) > 1 or head is None:
+        spread = "; ".join(f"{dev}: layers {', '.join(names)}" for dev, names in where.items())
+        raise ValueError(
+            f"specdec decodes a model whose decoder layers and LM head all compute on one device; this "
+            f"{type(model).__name__} computes on several ({spread}). Load it with a device_map that puts every "
+            "layer on one execution device (weights may be offloaded to 'cpu' or 'disk': accelerate's hooks "
+            "load them per forward), e.g. device_map='auto' with max_memory for one GPU and the CPU")
+    return head

@@ -1,0 +1,203 @@
+"""Models dispatched by accelerate (``from_pretrained(..., device_map=...)``): decoder layers whose
+weights are offloaded to disk or kept on the CPU, loaded by accelerate's hooks for each forward.
+specdec must decode them exactly, leave the hooks as they were, and refuse a layout it cannot
+run with a clear error (:mod:`specdec.placement`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+from helpers import MAX_NEW, hf_greedy, reference
+from tiny_models import EXTRA_FAMILIES, FAMILIES, VOCAB, get_model, make_model, ragged_prompts
+from transformers import AutoModelForCausalLM
+
+import specdec
+from specdec.drafters import DraftModelDrafter
+from specdec.placement import execution_device, offloads_weights
+
+STRATEGIES = ("snapshot", "ring", "replay")
+
+
+def _device_map(model, lm_head: str = "cpu") -> dict:
+    """Every other decoder layer offloaded to disk (the first included), the others and the
+    embeddings on the CPU; the LM head on ``lm_head``."""
+    base = model.base_model_prefix
+    body = getattr(model, base)
+    dm = {f"{base}.{name}": "cpu" for name, _ in body.named_children() if name != "layers"}
+    dm.update({f"{base}.layers.{i}": "disk" if i % 2 == 0 else "cpu" for i in range(len(body.layers))})
+    dm.update({name: lm_head for name, _ in model.named_children() if name != base})
+    return dm
+
+
+_DISPATCHED: dict = {}
+
+
+def dispatched(family: str, tmp_path_factory, lm_head: str = "cpu"):
+    """``family``'s tiny target saved and loaded back with :func:`_device_map` (shared per module)."""
+    key = (family, lm_head)
+    if key not in _DISPATCHED:
+        model = get_model(family)
+        folder = tmp_path_factory.mktemp(f"{family}_dispatched")
+        model.save_pretrained(folder)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, device_map=_device_map(model, lm_head),
+                                                      offload_folder=str(folder / "offload"), dtype=torch.float32)
+        loaded.generation_config = model.generation_config
+        assert offloads_weights(loaded) and any(p.device.type == "meta" for p in loaded.parameters())
+        _DISPATCHED[key] = loaded.eval()
+    return _DISPATCHED[key]
+
+
+def _hooks(model) -> list:
+    return [(name, id(mod._hf_hook), mod.forward.__func__ if hasattr(mod.forward, "__func__") else mod.forward)
+            for name, mod in model.named_modules() if hasattr(mod, "_hf_hook")]
+
+
+@pytest.mark.filterwarnings("ignore:You are calling .generate\\(\\) with the `input_ids` being on a device type")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offloaded_layers_decode_exactly(family, strategy, tmp_path_factory):
+    """Half the decoder layers offloaded to disk: greedy output == HF's greedy on the model in
+    memory (ragged batch, EOS), on the eager and static paths; the accelerate hooks are the same
+    objects afterwards and HF's own generate still gives the same output."""
+    ids, mask, eos, ref = reference(family)
+    model = dispatched(family, tmp_path_factory)
+    hooks = _hooks(model)
+    for path in ("auto", "static"):
+        sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=2, decode_path=path)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), (family, strategy, path)
+        assert sd.last_stats.decode_path == ("eager" if path == "auto" else "static")
+    assert _hooks(model) == hooks
+    assert any(p.device.type == "meta" for p in model.parameters())  # the offloaded weights were dropped again
+    assert torch.equal(hf_greedy(model, ids, mask, eos=eos), ref)
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2", "olmo_hybrid"])
+def test_offloaded_layers_of_other_families(family, tmp_path_factory):
+    """The families whose mixers read other weights directly (Mamba-2 in Bamba, LFM2's short
+    conv, OLMo-hybrid's GDN with its own projections) decode offloaded layers exactly too."""
+    assert family in EXTRA_FAMILIES
+    ids, mask, eos, ref = reference(family)
+    sd = specdec.wrap(dispatched(family, tmp_path_factory), drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_offloaded_lm_head_and_draft_model(family, tmp_path_factory):
+    """The LM head offloaded too, and a draft model that is itself dispatched with offloaded layers:
+    exact; plain decoding (K = 0) and K = "auto" through the same path as well."""
+    ids, mask, eos, ref = reference(family)
+    model = dispatched(family, tmp_path_factory, lm_head="disk")
+    draft = DraftModelDrafter(dispatched(family, tmp_path_factory))  # (the same weights: every draft accepted)
+    for K in (0, 3, "auto"):
+        sd = specdec.wrap(model, drafter=draft, rollback="replay", num_speculative_tokens=K)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), K
+    assert sd.last_stats.decode_path == "eager"
+
+
+def test_placement_queries_and_errors(tmp_path_factory):
+    """The execution device comes from the hooks (the offloaded weights are on meta); graphs are
+    refused for offloaded weights; layers computing on several devices are refused at wrap with
+    the devices and their layers named; the model is left as it was."""
+    model = dispatched("qwen3_5", tmp_path_factory)
+    body = model.model
+    assert execution_device(body.layers[0]) == torch.device("cpu")  # its weights: on meta
+    assert all(p.device.type == "meta" for p in body.layers[0].parameters())
+    with pytest.raises(ValueError, match="cannot replay a model whose weights accelerate loads"):
+        specdec.wrap(model, decode_path="cuda_graph")
+
+    plain = get_model("nemotron_h")  # in memory: one layer given a hook with another execution device
+    layer = plain.model.layers[1]
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cuda", 1), io_same_device=True))
+    try:
+        with pytest.raises(ValueError, match=r"several \(cpu: layers 0, 2, .*lm_head; cuda:1: layers 1\)"):
+            specdec.wrap(plain)
+    finally:
+        remove_hook_from_module(layer)
+    assert not hasattr(layer, "_hf_hook")
+    ids, mask, eos, ref = reference("nemotron_h")
+    out = specdec.wrap(plain, rollback="replay").generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
+                                                          eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_mtp_drafter_beside_an_offloaded_lm_head(family, tmp_path):
+    """drafter="mtp" on a checkpoint loaded with its decoder layers and LM head offloaded: the MTP
+    layers are built on the execution device (not meta), the reduced draft vocabulary copies the
+    head's rows through its hook, and both decode exactly."""
+    from test_mtp import save_with_mtp
+
+    from specdec.drafters import MTPDrafter
+
+    folder = save_with_mtp(family, tmp_path, fit_steps=0)
+    in_memory = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids, mask = ragged_prompts()
+    ref = hf_greedy(in_memory, ids, mask)
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map=_device_map(in_memory, "disk"),
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    vocab = torch.arange(0, VOCAB, 2)
+    for drafter in ("mtp", MTPDrafter.from_pretrained(folder, target=model, draft_vocab=vocab)):
+        sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=2)
+        assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0), ref)
+        assert next(sd.drafter.layers.parameters()).device == torch.device("cpu")
+
+
+def test_app_loads_an_hf_target_with_a_device_map(tmp_path):
+    """specdec-run model=hf with model.targets.0.device_map=auto and a CPU budget that sends the
+    layers to disk: the run decodes the offloaded model exactly; a device_map accelerate does not
+    know, or max_memory without a device_map, is one clear error."""
+    from omegaconf import OmegaConf
+    from test_experiments import _cfg
+
+    import specdec.zoo
+    from specdec.experiments.app import run_experiment
+    from specdec.experiments.models import load_hf
+
+    folder = tmp_path / "model"
+    make_model("qwen3_5", vocab=8192).save_pretrained(folder)  # the zoo tokenizer's vocabulary
+    tok = specdec.zoo.path("tokenizer")
+    spec = OmegaConf.create({"name": str(folder), "source": "hf", "tokenizer": str(tok), "device_map": "auto",
+                             "max_memory": {"cpu": "60KB"}, "offload_folder": str(tmp_path / "offload")})
+    model, _ = load_hf(spec, torch.device("cpu"), torch.float32)
+    assert offloads_weights(model) and (tmp_path / "offload").is_dir()
+    cfg = _cfg(["model=hf", f"model.targets.0.name={folder}", f"model.targets.0.tokenizer={tok}",
+                "model.targets.0.device_map=auto", "model.targets.0.max_memory={cpu: 60KB}", "drafter=ngram",
+                "rollback=replay", "prompts.limit=1", "max_new_tokens=4", "repeats=1", "device=cpu", "progress=false"])
+    records = run_experiment(cfg, tmp_path / "run")
+    assert len(records) == 1 and records[0]["exact"]
+    for bad, match in (({"device_map": "everywhere"}, "device_map must be one of auto, balanced"),
+                       ({"max_memory": {"cpu": "1GiB"}}, "need model.targets.N.device_map")):
+        with pytest.raises(ValueError, match=match):
+            load_hf(OmegaConf.create({"name": str(folder), "source": "hf", **bad}), torch.device("cpu"), torch.float32)
+
+
+def test_routed_forward_stays_behind_the_hook():
+    """A forward swapped in by routed_forward runs behind the module's accelerate hook (its
+    pre_forward still sees each call) and the hooked forward is the same after the block; a
+    module without a hook gets back the instance forward it had (or none)."""
+    from accelerate.hooks import ModelHook
+
+    from specdec.placement import routed_forward
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    lin = torch.nn.Linear(3, 3)
+    add_hook_to_module(lin, Count())
+    hooked, old = lin.forward, lin._old_forward
+    x = torch.randn(2, 3)
+    with routed_forward(lin, lambda mod, inp: inp * 2):
+        assert torch.equal(lin(x), x * 2) and Count.calls == 1
+    assert lin.forward is hooked and lin._old_forward is old and torch.equal(lin(x), old(x)) and Count.calls == 2
+    plain = torch.nn.Linear(3, 3)
+    with routed_forward(plain, lambda mod, inp: inp + 1):
+        assert torch.equal(plain(x), x + 1)
+    assert "forward" not in plain.__dict__
