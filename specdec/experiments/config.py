@@ -102,6 +102,13 @@ class TargetConfig:
     medusa: Optional[str] = _doc(None, "zoo name of the target's Medusa heads for drafter=medusa")
     mtp: bool = _doc(False, "its checkpoint ships MTP layers (mtp.*) for drafter=mtp")
     tokenizer: Optional[str] = _doc(None, "source hf: a hub id or folder to take the tokenizer from (default: name)")
+    device_map: Optional[Any] = _doc(None, "source hf: accelerate's device_map for from_pretrained (auto, balanced, "
+                                           "balanced_low_0, sequential, or {module: device}); null: all on the "
+                                           "run's device")
+    max_memory: Optional[Any] = _doc(None, "source hf, with device_map: the most memory per device, e.g. "
+                                                      "{0: 70GiB, cpu: 200GiB} (GPU index, cpu or disk)")
+    offload_folder: Optional[str] = _doc(None, "source hf, with device_map: where weights mapped to disk go "
+                                               "(default: a folder in the run's temporary directory)")
     model_class: Optional[str] = None
     config_class: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)

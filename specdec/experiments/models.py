@@ -218,15 +218,53 @@ def check_tokenizer(tok, where: str) -> None:
                          "model.targets.0.tokenizer=<folder or hub id>")
 
 
+#: ``device_map`` strings accelerate places a model by (``from_pretrained(device_map=...)``)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def placement_kwargs(spec) -> dict:
+    """``from_pretrained`` keywords of an ``hf`` target's ``device_map``, ``max_memory`` and
+    ``offload_folder`` ({} without a device_map): accelerate's big-model dispatch, layers on
+    several devices or offloaded to the CPU / disk (:mod:`specdec.placement` says which layouts
+    specdec decodes). ``max_memory`` keys that are digits become GPU indices.
+
+    Raises: ValueError for a device_map string accelerate does not know, a max_memory that is not
+        a map, or max_memory / offload_folder without a device_map."""
+    device_map = spec.get("device_map")
+    max_memory, offload = spec.get("max_memory"), spec.get("offload_folder")
+    if device_map is None:
+        if max_memory is not None or offload is not None:
+            raise ValueError("model.targets.N.max_memory and offload_folder need model.targets.N.device_map "
+                             f"(one of {', '.join(DEVICE_MAP_STRATEGIES)} or a {{module: device}} map)")
+        return {}
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise ValueError(f"model.targets.N.device_map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
+                             f"{{module: device}} map, got {device_map!r}")
+    else:
+        device_map = {str(k): v for k, v in dict(device_map).items()}
+    kw = {"device_map": device_map}
+    if max_memory is not None and not hasattr(max_memory, "items"):
+        raise ValueError(f"model.targets.N.max_memory must be a map of device to memory (e.g. {{0: 70GiB, cpu: "
+                         f"200GiB}}), got {max_memory!r}")
+    if max_memory is not None:
+        kw["max_memory"] = {int(k) if str(k).isdigit() else str(k): str(v) for k, v in dict(max_memory).items()}
+    if offload is not None:
+        kw["offload_folder"] = str(offload)
+    return kw
+
+
 def load_hf(spec, device, dtype):
     """``(model, tokenizer)`` of an ``hf`` target: ``AutoModelForCausalLM`` and ``AutoTokenizer``
     from ``spec.name`` (a local folder or a hub id; the tokenizer from ``spec.tokenizer`` when
-    set), eval mode, on ``device``, left padding (pad = eos when the tokenizer has no pad).
+    set), eval mode, on ``device`` or placed by ``spec.device_map`` (:func:`placement_kwargs`),
+    left padding (pad = eos when the tokenizer has no pad).
 
     Raises:
         ValueError: one line for a missing folder, an unreachable / unknown hub id
-            (:func:`hub_access`), a model transformers cannot load, or a missing or unusable
-            tokenizer (:func:`check_tokenizer`).
+            (:func:`hub_access`), a model transformers cannot load, a bad placement
+            (:func:`placement_kwargs`), or a missing or unusable tokenizer
+            (:func:`check_tokenizer`).
     """
     from pathlib import Path
 
@@ -242,13 +280,21 @@ def load_hf(spec, device, dtype):
 
     name = str(spec.name)
     tok_name = str(spec.get("tokenizer") or name)
+    placed = placement_kwargs(spec)
     kw = access(name)
+    if placed.get("device_map") is not None and "offload_folder" not in placed:
+        import atexit
+        import shutil
+        import tempfile
+
+        placed["offload_folder"] = tempfile.mkdtemp(prefix="specdec_offload_")  # (removed when the process ends)
+        atexit.register(shutil.rmtree, placed["offload_folder"], True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw, **placed)
     except (OSError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model {name!r} could not be loaded as a causal LM: {first}") from None
-    model = model.to(device).eval()
+    model = (model if placed else model.to(device)).eval()
     where = f"model {name!r}" if tok_name == name else f"tokenizer {tok_name!r}"
     try:
         tok = AutoTokenizer.from_pretrained(tok_name, **(kw if tok_name == name else access(tok_name)))
