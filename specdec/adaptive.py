@@ -767,8 +767,8 @@ class SpeculationPolicy:
             if kept is None:  # (a shape seen last goes last: the oldest are dropped first)
                 kept = self._capture(AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device))
             graphs[self._graph_key] = kept
-            while len(graphs) > POLICY_GRAPHS_KEPT:
-                graphs.pop(next(iter(graphs)))
+            while len(graphs) > POLICY_GRAPHS_KEPT:  # (a replay of a policy dropped without close() may still run)
+                graphs.pop(next(iter(graphs))).wait()
         if kept is None or kept.graph is None or kept.holder() is not None:
             self.acceptance = AcceptanceEstimator(batch, max_speculative_tokens, prior, weight, device)
         else:  # the captured graph reads and writes that estimator's tensors

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import warnings
 
 import torch
@@ -176,14 +177,26 @@ def gc_paused():
     destruction is not permitted while a stream captures: it invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator mid-capture, so later
     random ops fail. ``torch.cuda.graph`` collected before capturing up to PyTorch 2.8; later
-    versions do not (https://github.com/pytorch/pytorch/pull/161037)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    versions do not (https://github.com/pytorch/pytorch/pull/161037).
+
+    The collector is one switch for the process: blocks on several threads at once are counted,
+    and the last one out turns it back to what it was before the first one came in."""
+    with _GC_LOCK:
+        if not _GC_PAUSES[0]:
+            _GC_PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES[0] += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _GC_LOCK:
+            _GC_PAUSES[0] -= 1
+            if not _GC_PAUSES[0] and _GC_PAUSES[1]:
+                gc.enable()
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = [0, False]  # blocks inside gc_paused, and whether the collector was on before the first
 
 
 class CapturedProgram:

@@ -16,7 +16,7 @@ import specdec
 from specdec.drafters import DraftModelDrafter
 from specdec.placement import execution_device, offloads_weights
 
-STRATEGIES = ("snapshot", "ring", "replay")
+STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
 
 
 def _device_map(model, lm_head: str = "cpu") -> dict:

@@ -299,6 +299,27 @@ def test_gc_paused_restores_the_collector():
         assert not gc.isenabled()
     finally:
         gc.enable()
+    # two threads' blocks overlapping (A in, B in, A out, B out): off until the last one is out
+    import threading
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def thread_b():
+        a_in.wait()
+        with gc_paused():
+            b_in.set()
+            a_out.wait()
+            seen.append(gc.isenabled())
+
+    b = threading.Thread(target=thread_b)
+    b.start()
+    with gc_paused():
+        a_in.set()
+        b_in.wait()
+    a_out.set()
+    b.join()
+    assert seen == [False] and gc.isenabled()
 
 
 class _Cycle:
