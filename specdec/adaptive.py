@@ -477,8 +477,9 @@ class MeasuredCosts(CostModel):
         calib = self._widths.get((key, K + 1))
         return None if calib is None else sum(calib)
 
-    def target_s(self, key: CostKey, K: int) -> float:
-        """``target(K)`` (see the class docstring). Raises KeyError when K was neither run nor calibrated."""
+    def target_s(self, key: CostKey, K: int, gap: Callable[[int], float] | None = None) -> float:
+        """``target(K)`` (see the class docstring); ``gap``: :meth:`_gap_fit` of ``key`` when the
+        caller fitted it already. Raises KeyError when K was neither run nor calibrated."""
         real = self._target.get((key, K))
         if real is not None:
             return real
@@ -487,7 +488,7 @@ class MeasuredCosts(CostModel):
             raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
         if K == 0:
             return calib
-        return calib + self._gap_fit(key)(K)
+        return calib + (gap or self._gap_fit(key))(K)
 
     def _gap_fit(self, key: CostKey) -> Callable[[int], float]:
         """The real-minus-calibrated gap at each K > 0 (see the class docstring)."""
@@ -515,16 +516,7 @@ class MeasuredCosts(CostModel):
     def step_times(self, key, drafter_key, max_k):
         # each line fitted once for all K (the policy asks every step, between its sync and the next launch)
         draft, gap = self._draft_fit(drafter_key, key), self._gap_fit(key)
-        out = []
-        for K in range(max_k + 1):
-            real = self._target.get((key, K))
-            if real is None:
-                calib = self.calibrated_s(key, K)
-                if calib is None:
-                    raise KeyError(f"no measurement of step width {K + 1} for {key}: calibrate() it first")
-                real = calib + (gap(K) if K else 0.0)
-            out.append(draft(K) + real)
-        return out
+        return [draft(K) + self.target_s(key, K, gap) for K in range(max_k + 1)]
 
     def comparable_step_s(self, key, drafter_key, K):
         """``draft(K)`` plus the calibrated verify + commit of width K + 1, without the online
@@ -547,11 +539,6 @@ def _fit(seen: dict[int, float], proportional: bool) -> Callable[[int], float]:
         slope = sum((k - mk) * (v - mv) for k, v in zip(ks, vs)) / sum((k - mk) ** 2 for k in ks)
         at = lambda K: mv + slope * (K - mk)  # noqa: E731
     return lambda K: seen[K] if K in seen else at(K)
-
-
-def _line(seen: dict[int, float], K: int, proportional: bool) -> float:
-    """The value at K of measurements ``seen`` (see :func:`_fit`)."""
-    return _fit(seen, proportional)(K)
 
 
 class FixedCosts(CostModel):

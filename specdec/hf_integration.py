@@ -340,11 +340,13 @@ def enable_hf_speculation(model, rollback="replay"):
             enable_hf_speculation(draft, rollback=strategy)
         return original_generate(*args, **kwargs)
 
+    # what the instance held before (e.g. accelerate's hooked forward on a dispatched model), put back by disable
+    before = {name: model.__dict__[name] for name in _PATCHED if name in model.__dict__}
     model.forward = forward
     model.generate = generate
     model._prepare_cache_for_generation = _prepare_cache_for_generation
     model._is_stateful = False
-    model._specdec_hf = {"adapter": adapter, "strategy": strategy}
+    model._specdec_hf = {"adapter": adapter, "strategy": strategy, "before": before}
     return model
 
 
@@ -352,7 +354,12 @@ def disable_hf_speculation(model):
     """Undo :func:`enable_hf_speculation` on ``model`` (HF's behaviour returns)."""
     if getattr(model, "_specdec_hf", None) is None:
         return model
-    for name in ("forward", "generate", "_prepare_cache_for_generation", "_is_stateful", "_specdec_hf"):
-        if name in model.__dict__:
-            del model.__dict__[name]
+    before = model._specdec_hf.get("before", {})
+    for name in (*_PATCHED, "_specdec_hf"):
+        model.__dict__.pop(name, None)
+    model.__dict__.update(before)
     return model
+
+
+#: the instance attributes enable_hf_speculation sets (disable_hf_speculation puts back what they were)
+_PATCHED = ("forward", "generate", "_prepare_cache_for_generation", "_is_stateful")

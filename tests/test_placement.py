@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import specdec
 from specdec.drafters import DraftModelDrafter
+from specdec.hf_integration import disable_hf_speculation
 from specdec.placement import execution_device, offloads_weights
 
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
@@ -69,6 +70,10 @@ def test_offloaded_layers_decode_exactly(family, strategy, tmp_path_factory):
         assert torch.equal(out, ref), (family, strategy, path)
         assert sd.last_stats.decode_path == ("eager" if path == "auto" else "static")
     assert _hooks(model) == hooks
+    if strategy == "replay":  # HF's own assisted generation switched on and off leaves the hooks too
+        specdec.enable_hf_speculation(model)
+        disable_hf_speculation(model)
+        assert _hooks(model) == hooks
     assert any(p.device.type == "meta" for p in model.parameters())  # the offloaded weights were dropped again
     assert torch.equal(hf_greedy(model, ids, mask, eos=eos), ref)
 
@@ -170,6 +175,7 @@ def test_app_loads_an_hf_target_with_a_device_map(tmp_path):
     records = run_experiment(cfg, tmp_path / "run")
     assert len(records) == 1 and records[0]["exact"]
     for bad, match in (({"device_map": "everywhere"}, "device_map must be one of auto, balanced"),
+                       ({"device_map": 0}, "device_map must be one of auto, balanced"),
                        ({"max_memory": {"cpu": "1GiB"}}, "need model.targets.N.device_map")):
         with pytest.raises(ValueError, match=match):
             load_hf(OmegaConf.create({"name": str(folder), "source": "hf", **bad}), torch.device("cpu"), torch.float32)

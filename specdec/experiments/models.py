@@ -237,17 +237,16 @@ def placement_kwargs(spec) -> dict:
             raise ValueError("model.targets.N.max_memory and offload_folder need model.targets.N.device_map "
                              f"(one of {', '.join(DEVICE_MAP_STRATEGIES)} or a {{module: device}} map)")
         return {}
-    if isinstance(device_map, str):
-        if device_map not in DEVICE_MAP_STRATEGIES:
-            raise ValueError(f"model.targets.N.device_map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
-                             f"{{module: device}} map, got {device_map!r}")
-    else:
+    if hasattr(device_map, "items"):
         device_map = {str(k): v for k, v in dict(device_map).items()}
+    elif device_map not in DEVICE_MAP_STRATEGIES:
+        raise ValueError(f"model.targets.N.device_map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
+                         f"{{module: device}} map, got {device_map!r}")
     kw = {"device_map": device_map}
-    if max_memory is not None and not hasattr(max_memory, "items"):
-        raise ValueError(f"model.targets.N.max_memory must be a map of device to memory (e.g. {{0: 70GiB, cpu: "
-                         f"200GiB}}), got {max_memory!r}")
     if max_memory is not None:
+        if not hasattr(max_memory, "items"):
+            raise ValueError(f"model.targets.N.max_memory must be a map of device to memory (e.g. {{0: 70GiB, cpu: "
+                             f"200GiB}}), got {max_memory!r}")
         kw["max_memory"] = {int(k) if str(k).isdigit() else str(k): str(v) for k, v in dict(max_memory).items()}
     if offload is not None:
         kw["offload_folder"] = str(offload)
