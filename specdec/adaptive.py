@@ -69,6 +69,7 @@ from typing import Callable
 import torch
 
 from .clock import StepClock
+from .fusion import fusable, fusion_enabled
 from .graphs import CaptureFailure, capture
 from .rollback import ReplayRollback
 
@@ -252,8 +253,10 @@ class _KeptUpdate:
             torch.cuda.current_stream(self.estimator.rates.device).wait_event(self.done)
 
 
+@fusable
 def _update(est: AcceptanceEstimator, until_last: bool, num_accepted, num_asked, ran, live, budget) -> torch.Tensor:
-    """:meth:`SpeculationPolicy.update`'s device work (what its graph captures): ``est`` observes
+    """:meth:`SpeculationPolicy.update`'s device work (what its graph captures, compiled while
+    fusing: :meth:`SpeculationPolicy._capture`): ``est`` observes
     the step, then E(K) of the next one (with ``until_last``: per step until the slowest row
     ends, then per step)."""
     est.update(num_accepted, num_asked, ran)
@@ -897,22 +900,30 @@ class SpeculationPolicy:
 
     def _capture(self, est: AcceptanceEstimator) -> _KeptUpdate:
         """Capture the update of ``est`` (capturing runs nothing: its estimate is unchanged) after
-        one eager run on a scratch estimator of the same shape (loads the kernels); on failure
-        warn and return a :class:`_KeptUpdate` without a graph (the shape then updates eagerly)."""
+        one warm-up run on a scratch estimator of the same shape (loads the kernels). The update
+        is :func:`~specdec.fusion.fusable`: with fusion on (``SPECDEC_FUSE``), its ~100 small
+        element-wise and reduction ops become a few compiled kernels, so its replay beside the next
+        step takes microseconds of the device instead of ~0.2 ms; if compiling or capturing the
+        fused update fails, the update is captured unfused. On failure of both, warn and return a
+        :class:`_KeptUpdate` without a graph (the shape then updates eagerly)."""
         B, M = est.rates.shape
         dev = est.rates.device
         counts = torch.zeros(B, dtype=torch.long, device=dev)
         every = torch.ones(B, dtype=torch.bool, device=dev)
         inputs = [counts, counts.clone(), every, every.clone(), counts.clone()]
-        _update(AcceptanceEstimator(B, M, 0.5, est.weight, dev), self.until_last, *inputs)
+        scratch = AcceptanceEstimator(B, M, 0.5, est.weight, dev)
         until_last = self.until_last
-        try:
-            graph, out = capture(lambda: _update(est, until_last, *inputs), model=None,
-                                 what="the speculation policy's update", warmup=0, fuse=False)
-        except CaptureFailure as err:
-            warnings.warn(f"{err}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
-            return _KeptUpdate(est, None, inputs, None)
-        return _KeptUpdate(est, graph, inputs, out)
+        tries = (None, False) if fusion_enabled() else (False,)  # fused (SPECDEC_FUSE), then unfused
+        for fuse in tries:
+            try:
+                graph, out = capture(lambda: _update(est, until_last, *inputs), model=None,
+                                     what="the speculation policy's update", warmup=1,
+                                     warmup_fn=lambda: _update(scratch, until_last, *inputs), fuse=fuse)
+                return _KeptUpdate(est, graph, inputs, out)
+            except CaptureFailure as err:
+                failure = err
+        warnings.warn(f"{failure}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
+        return _KeptUpdate(est, None, inputs, None)
 
     def receive(self, values: list[float] | None, live_rows: int | None = None) -> None:
         """Keep what :meth:`update` returned (read on the host) for the next choice (None: keep the

@@ -62,8 +62,9 @@ def _is_fusable_module(mod: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def fused(model: torch.nn.Module, enabled: bool = True):
-    """Within the block, norms/MLPs of ``model`` and :func:`fusable` functions run compiled."""
+def fused(model: torch.nn.Module | None, enabled: bool = True):
+    """Within the block, norms/MLPs of ``model`` (None: no model) and :func:`fusable` functions
+    run compiled."""
     if not enabled:
         yield
         return
@@ -79,7 +80,7 @@ def fused(model: torch.nn.Module, enabled: bool = True):
         for k, v in limits.items():
             setattr(dynamo_config, k, v)
         with contextlib.ExitStack() as stack:
-            for mod in model.modules():
+            for mod in model.modules() if model is not None else ():
                 if _is_fusable_module(mod):
                     cls = type(mod)
                     stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))

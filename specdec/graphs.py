@@ -126,8 +126,9 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
     """Capture ``fn()`` (no arguments; it reads and writes fixed tensors) as a CUDA graph.
 
     PyTorch's recipe: ``warmup`` runs on a side stream (compiles kernels, allocates lazy
-    buffers), then one capture. Inside, the model's norms / MLPs run through ``torch.compile``
-    (:mod:`specdec.fusion`; ``fuse`` defaults to ``SPECDEC_FUSE``) and host-syncing MoE experts
+    buffers), then one capture. Inside, the model's norms / MLPs and the :func:`~specdec.fusion.fusable`
+    functions run through ``torch.compile`` (:mod:`specdec.fusion`; ``fuse`` defaults to
+    ``SPECDEC_FUSE``; the warm-up compiles, so fusing needs ``warmup >= 1``) and host-syncing MoE experts
     through :func:`graph_safe_experts`. Python's garbage collector is paused during the capture
     (:func:`gc_paused`). Capturing does not run the work: replay the graph for this call's result.
 
@@ -150,7 +151,7 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
     fuse = fusion_enabled() if fuse is None else bool(fuse)
     dev = torch.cuda.current_device()
     model_ctx = ((fused(model, fuse), graph_safe_experts(model)) if model is not None
-                 else (contextlib.nullcontext(), contextlib.nullcontext()))
+                 else (fused(None, fuse), contextlib.nullcontext()))
     try:
         with model_ctx[0], model_ctx[1]:
             if warmup:
