@@ -1,0 +1,107 @@
+"""Where ``num_speculative_tokens="auto"`` spends a step's time against fixed K: one batch of a
+bench-shaped model with the oracle drafter, one warmed-up ``generate()`` per setting timed, then
+the same call under ``cProfile`` (host: which Python functions take the time between the step's
+sync and the next launch) and under ``torch.profiler`` (device: per-kernel time; compare a kernel's
+time per call between the settings).
+
+    python benchmarks/profile_adaptive.py nemotronh-4b-shape 16 0.6 3,4,auto --out profile.txt
+
+Arguments: a ``specdec/conf/model`` name with a random-shape target, the batch, the oracle's
+acceptance, and the settings (a fixed K or ``auto``; every one with ``rollback="replay"`` and
+``max_speculative_tokens`` 8). Prompts are random (``--prompt-tokens``), ``--new-tokens`` new
+tokens, EOS ignored; each setting's output is checked against plain decoding first. Prints a line
+per setting (wall ms per step, prefill included, K histogram, device time per step) and writes
+the three reports per setting to ``--out``. bf16 on CUDA, fp32 on a CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+import specdec  # noqa: E402
+from specdec.drafters import OracleDrafter  # noqa: E402
+from specdec.experiments.e2e import timing_batch  # noqa: E402
+from specdec.experiments.models import load_target  # noqa: E402
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specdec", "conf", "model")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("batch", type=int)
+    ap.add_argument("acceptance", type=float)
+    ap.add_argument("settings", help="comma-separated: fixed K values and/or auto")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default="profile_adaptive.txt")
+    args = ap.parse_args(argv)
+    settings = [s if s == "auto" else int(s) for s in args.settings.split(",")]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.type == "cuda"
+    spec = OmegaConf.load(os.path.join(CONF, f"{args.model}.yaml")).targets[0]
+    defaults = dict(device_map=None, max_memory=None, offload_folder=None, layers=None, medusa=None, mtp=False,
+                    tokenizer=None, draft=None)
+    for key, value in defaults.items():
+        spec.setdefault(key, value)
+    model, tok = load_target(spec, dev, torch.bfloat16 if cuda else torch.float32, 0)
+    model.generation_config.eos_token_id = None
+    enc, pad = timing_batch(args.batch, args.prompt_tokens, [], tok, model.config.vocab_size, dev, 0)
+    kw = dict(**enc, max_new_tokens=args.new_tokens, pad_token_id=pad)
+    ref = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0).generate(**kw)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    report = []
+    for K in settings:
+        drafter = OracleDrafter(ref, enc["attention_mask"], acceptance=args.acceptance)
+        sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=K,
+                          max_speculative_tokens=8)
+        for _ in range(2):  # compile, capture, calibrate
+            sd.generate(**kw)
+        sync()
+        start = time.perf_counter()
+        out = sd.generate(**kw)
+        sync()
+        wall, steps, hist = time.perf_counter() - start, sd.last_stats.steps, sd.last_stats.k_histogram
+        if not torch.equal(out, ref):
+            raise SystemExit(f"K={K}: output differs from plain decoding")
+        host = cProfile.Profile()
+        host.enable()
+        sd.generate(**kw)
+        host.disable()
+        by_self, by_total = io.StringIO(), io.StringIO()
+        pstats.Stats(host, stream=by_self).sort_stats("tottime").print_stats(30)
+        pstats.Stats(host, stream=by_total).sort_stats("cumulative").print_stats(45)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            sd.generate(**kw)
+        events = prof.key_averages()
+        device_ms = sum(e.self_device_time_total for e in events) / 1e3 if cuda else float("nan")
+        profiled_steps = sd.last_stats.steps
+        head = (f"K={K} batch {args.batch} acceptance {args.acceptance}: {wall * 1e3 / steps:.3f} ms a step "
+                f"(prefill included, {steps} steps), K histogram {hist}; device time "
+                f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
+        print(head, flush=True)
+        table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+        report += [f"== {head}", "-- cProfile, by own time", by_self.getvalue(), "-- cProfile, cumulative",
+                   by_total.getvalue(), "-- torch.profiler", table]
+        sd.release()
+        del sd
+    with open(args.out, "w") as f:
+        f.write("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
