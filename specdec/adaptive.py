@@ -235,16 +235,20 @@ class _KeptUpdate:
     """A captured :meth:`SpeculationPolicy.update` (``graph`` None: its capture failed) with the
     estimator and input / output tensors it reads and writes, ``holder``, a weak reference to
     the policy using it (or a function returning None while no policy does), the side stream it
-    is replayed on and ``done``, the event recorded after its last replay (None before any; off
-    CUDA, as a test's stand-in for a graph, both stay None and a replay runs in order)."""
+    is replayed on, ``host``, the host copy of its output each replay makes (pinned memory on
+    CUDA), and ``done``, the event recorded after its last replay and copy (None before any;
+    off CUDA, as a test's stand-in for a graph, both stay None and a replay runs in order)."""
 
-    __slots__ = ("estimator", "graph", "inputs", "output", "holder", "stream", "done")
+    __slots__ = ("estimator", "graph", "inputs", "output", "host", "holder", "stream", "done")
 
     def __init__(self, estimator, graph, inputs, output):
         self.estimator, self.graph, self.inputs, self.output = estimator, graph, inputs, output
         self.holder = _nobody
         dev = estimator.rates.device
-        self.stream = torch.cuda.Stream(device=dev) if graph is not None and dev.type == "cuda" else None
+        cuda = graph is not None and dev.type == "cuda"
+        self.stream = torch.cuda.Stream(device=dev) if cuda else None
+        self.host = (None if output is None else
+                     torch.empty(output.shape, dtype=output.dtype, pin_memory=cuda))
         self.done: torch.cuda.Event | None = None
 
     def wait(self) -> None:
@@ -712,7 +716,11 @@ class SpeculationPolicy:
     Per step the engine calls :meth:`next_k` (host: the K to ask the drafter for), then, on the
     device, :meth:`update` with what the step accepted (returns E(K) for the next step, read at
     the step's one host sync, or None when nothing changed), then :meth:`after_step` with those
-    values, the live rows and the step clock.
+    values, the live rows and the step clock. With a kept update graph (:attr:`reads_ahead`)
+    the values :meth:`update` returns are already on the host (the last replay's), and the
+    engine calls :meth:`before_sync` with them before the step's blocking sync, which chooses
+    the next K while the device still runs the step, and :meth:`after_sync` with the live rows
+    after it: the policy's host work leaves the gap between a step's sync and the next launch.
 
     Args:
         settings: :class:`PolicySettings`. costs: the :class:`CostModel`. key: the call's
@@ -734,8 +742,8 @@ class SpeculationPolicy:
             :data:`POLICY_GRAPHS_KEPT` shapes are kept (the least recently made go first).
             The graph is replayed on a side stream, so its work (some 100 small kernels: a few
             tenths of a millisecond of device time) runs beside the next step's forward instead
-            of before the step's sync; its values are read at the next step's sync instead,
-            one step late (:meth:`update`).
+            of before the step's sync, and copies its values to the host; they are read at
+            the next step, one step late (:meth:`update`), before its sync (:meth:`before_sync`).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
@@ -785,27 +793,35 @@ class SpeculationPolicy:
         self._plain_s = 0.0  # the predicted seconds of a plain step when the last K was chosen
         # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
         self._last: tuple | None = None
+        self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
         return self.costs.step_times(self.key, self.drafter_key, self.max_k)
 
     def next_k(self) -> int:
-        """The K of the next step (host side; no device work)."""
-        times = self.step_times()
-        self.current = choose_k(self.expected, times, self.current, self.settings.hysteresis, self.settings.min_gain)
-        K = self.current
-        if K == 0:
-            self.steps_at_zero += 1
-            if self.steps_at_zero % self.probe_every(times) == 0:
-                K = 1  # probe: observe acceptance again
-        else:
-            self.steps_at_zero = 0
+        """The K of the next step (host side; no device work): the one :meth:`before_sync` chose
+        ahead, or chosen now."""
+        (K, self.current, self.steps_at_zero, times), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
         self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
         return K
+
+    def _decide(self) -> tuple[int, int, int, list[float]]:
+        """(K of the next step, the K settled on, steps at K = 0 so far, the step times) from the
+        values and costs held now; changes nothing (:meth:`next_k` takes it)."""
+        times = self.step_times()
+        current = choose_k(self.expected, times, self.current, self.settings.hysteresis, self.settings.min_gain)
+        K, at_zero = current, self.steps_at_zero
+        if K == 0:
+            at_zero += 1
+            if at_zero % self.probe_every(times) == 0:
+                K = 1  # probe: observe acceptance again
+        else:
+            at_zero = 0
+        return K, current, at_zero, times
 
     def probe_every(self, times: list[float]) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at
@@ -829,17 +845,19 @@ class SpeculationPolicy:
         return bool(self.until_last and self.k_per_step and self.k_per_step[-1] == 0
                     and self._live is not None and self._live == self._live_estimated)
 
-    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | None:
+    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | list[float] | None:
         """Device side, after the step's acceptance: update the acceptance estimate with the
         step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
         bool) and compute E(K) for the next step's ``live [B]`` rows with ``budget [B]`` drafts
-        left each. Returns the values to read at this step's sync, ``[read_size]`` fp64 (see
-        :attr:`read_size`), or None when there are none. No host sync.
+        left each. Returns the values (see :attr:`read_size`), or None when there are none.
 
-        Eagerly these are this update's values. With a kept graph the update is replayed on a
-        side stream and runs beside the next step's forward; the values returned are the last
-        replay's (None after a step that launched none), and the ones of this replay come at the
-        next step's sync: the choice reads them one step late.
+        Eagerly these are this update's values, ``[read_size]`` fp64 on the device, to read at
+        this step's sync (no host sync here). With a kept graph (:attr:`reads_ahead`) the update
+        is replayed on a side stream and runs beside the next step's forward, and copies its
+        values to the host; the values returned are the last replay's, already on the host (a
+        list; None after a step that launched none: the host waits for that replay, which ran
+        beside this step's forward, and so for nothing in the common case), and the ones of
+        this replay come at the next step: the choice reads them one step late.
 
         After a step at K = 0 of a fixed batch (``until_last``), while the live rows are those
         the last values were computed for (as :meth:`receive` was told, one step late), nothing
@@ -855,28 +873,38 @@ class SpeculationPolicy:
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
         kept = self._graph
-        out = self.pending()  # (waits for the last replay: it read the inputs and wrote the output)
+        out = self.pending()  # (the host waited for the last replay: it read the inputs and wrote the output)
         for dst, src in zip(kept.inputs, args):  # on this stream, after the tensors it made
             dst.copy_(src)
         if kept.stream is None:
             kept.graph.replay()
+            kept.host.copy_(kept.output)
         else:
             kept.stream.wait_stream(torch.cuda.current_stream(self.acceptance.rates.device))
             with torch.cuda.stream(kept.stream):
                 kept.graph.replay()
+                kept.host.copy_(kept.output, non_blocking=True)
                 kept.done = torch.cuda.Event()
                 kept.done.record()
         self._pending = True
         return out
 
-    def pending(self) -> torch.Tensor | None:
-        """The values of a side-stream update not read yet (a copy, ``[read_size]`` fp64, ordered
-        after that update on the current stream), or None."""
+    def pending(self) -> list[float] | None:
+        """The values of a side-stream update not read yet (``read_size`` floats, read on the host
+        after waiting for that replay and its copy), or None. Read them before the next
+        :meth:`update`, whose copy overwrites them."""
         if not self._pending:
             return None
-        self._graph.wait()
+        if self._graph.done is not None:
+            self._graph.done.synchronize()
         self._pending = False
-        return self._graph.output.clone()
+        return self._graph.host.tolist()
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`update` returns host values (a kept graph), so that the engine calls
+        :meth:`before_sync` / :meth:`after_sync` instead of :meth:`after_step`."""
+        return self._graph is not None
 
     def settle(self) -> None:
         """Order the current stream after a side-stream update still running (before reading or
@@ -893,7 +921,7 @@ class SpeculationPolicy:
         """The decode loop is over: a kept update graph this policy holds may serve the next policy
         of its shape (which resets the estimator: read :attr:`acceptance` before making it)."""
         self.settle()
-        self._pending = False
+        self._pending, self._ahead = False, None
         if self._held is not None and self._held.holder() is self:
             self._held.holder = _nobody
         self._held = None
@@ -946,6 +974,27 @@ class SpeculationPolicy:
         after speculative ones is counted as the switch's extra time instead
         (:meth:`CostModel.observe_leave`)."""
         self.receive(expected, live_rows)
+        self._observe(clock, first_mark)
+
+    def before_sync(self, expected: list[float] | None, clock: StepClock, first_mark: int) -> None:
+        """Host side, with a kept graph (:attr:`reads_ahead`), after the step's last lap and
+        before its blocking sync: keep ``expected`` (the host values :meth:`update` returned),
+        feed the costs with the previous step's laps (complete: that step's sync came after
+        them), as :meth:`after_step` does, and choose the next step's K now, while the device
+        runs this step (:meth:`next_k` returns it). The choice is the one :meth:`next_k` would
+        make after the sync: it reads nothing the sync brings. :meth:`after_sync` then takes
+        the live rows."""
+        if expected is not None:
+            self.receive(expected, self._live)  # (the live rows are told after the sync)
+        self._observe(clock, first_mark)
+        self._ahead = self._decide()
+
+    def after_sync(self, live_rows: int | None) -> None:
+        """Host side, after the step's sync (with :meth:`before_sync`): the rows not finished."""
+        self._live = live_rows
+
+    def _observe(self, clock: StepClock, first_mark: int) -> None:
+        """Feed the costs with the laps of the step before this one, and hold this step's."""
         if self._last is not None:
             K, start, end, before, plain_s = self._last
             laps = clock.laps(start, end)

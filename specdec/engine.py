@@ -861,16 +861,20 @@ class SpeculativeGenerator:
             if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
                 flags.append((~rows.finished).sum()[None])
             read = torch.cat(flags)
+            ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
                 if policy.skips_update:
                     expected = policy.pending()
                 else:
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                     expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
-                if expected is not None:
+                if ahead:  # the next K is chosen while the device still runs this step
+                    clock.lap("bookkeeping")
+                    policy.before_sync(expected, clock, first_mark)
+                elif expected is not None:
                     read = torch.cat([read.double(), expected])
             synced = read.tolist()  # the step's one host sync
-            if expected is not None:
+            if expected is not None and not ahead:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
             if policy is not None:
                 *synced, live_rows = synced
@@ -888,9 +892,12 @@ class SpeculativeGenerator:
                     for b in streaming:
                         pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
             done = bool(all_done)
-            clock.lap("bookkeeping")
-            if policy is not None:
-                policy.after_step(expected, clock, first_mark, int(live_rows))
+            if ahead:
+                policy.after_sync(int(live_rows))
+            else:
+                clock.lap("bookkeeping")
+                if policy is not None:
+                    policy.after_step(expected, clock, first_mark, int(live_rows))
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
