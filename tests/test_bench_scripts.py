@@ -137,3 +137,15 @@ def test_profile_admission_cpu(tmp_path):
     calls = [x.split() for x in lines if x.strip().startswith("generate_batch ")]
     assert [int(c[1]) for c in calls] == [1, 1]  # one profiled call per mode, counted once
     assert _line(lines, "first tokens identical with the cache on and off: True")
+
+
+def test_profile_adaptive_cpu(tmp_path):
+    """benchmarks/profile_adaptive.py on a tiny random-shape model (CPU, fp32): one line per
+    setting (its output checked against plain decoding first), the K histogram of auto's call,
+    and the host and device reports per setting in --out."""
+    lines = _run("profile_adaptive.py", "qwen35-tiny-shape", "2", "0.6", "1,auto", "--prompt-tokens", "8",
+                 "--new-tokens", "8", "--out", "p.txt", tmp_path=tmp_path)
+    fixed, auto = _line(lines, "K=1 batch 2"), _line(lines, "K=auto batch 2")
+    assert "K histogram [0, " in fixed and "ms a step" in auto
+    report = (tmp_path / "p.txt").read_text()
+    assert report.count("-- cProfile, by own time") == 2 and report.count("-- torch.profiler") == 2
