@@ -13,7 +13,7 @@ from tiny_models import EXTRA_FAMILIES, FAMILIES, VOCAB, get_model, make_model, 
 from transformers import AutoModelForCausalLM
 
 import specdec
-from specdec.drafters import DraftModelDrafter
+from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads
 from specdec.hf_integration import disable_hf_speculation
 from specdec.placement import execution_device, offloads_weights
 
@@ -149,6 +149,34 @@ def test_mtp_drafter_beside_an_offloaded_lm_head(family, tmp_path):
         sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=2)
         assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0), ref)
         assert next(sd.drafter.layers.parameters()).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_medusa_heads_beside_an_offloaded_lm_head(family, tmp_path_factory, tmp_path):
+    """MedusaHeads.from_target on a model whose LM head is offloaded to disk: the heads are built
+    on the execution device (not meta) and copy the head's weight through its hook (owned and
+    shared projections equal the weight as saved); heads loaded back with from_pretrained(target=)
+    land there too; chain and tree drafting decode exactly; the LM head's weight is dropped again."""
+    from tree_drafters import SMALL_TREE
+
+    ids, mask, eos, ref = reference(family)
+    model = dispatched(family, tmp_path_factory, lm_head="disk")
+    saved = get_model(family).lm_head.weight
+    assert model.lm_head.weight.device.type == "meta"
+    heads = MedusaHeads.from_target(model, num_heads=3)
+    assert {p.device for p in heads.parameters()} == {torch.device("cpu")}
+    assert all(torch.equal(lin.weight, saved) for lin in heads.lm_heads)
+    shared = MedusaHeads.from_target(model, num_heads=2, shared_lm_head=True)
+    assert torch.equal(shared.shared_weight, saved)
+    heads.save_pretrained(tmp_path)
+    back = MedusaHeads.from_pretrained(tmp_path, target=model)
+    assert {p.device for p in back.parameters()} == {torch.device("cpu")}
+    for drafter in (MedusaDrafter(heads), MedusaDrafter(back, tree=SMALL_TREE), MedusaDrafter(shared, tree="default")):
+        sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=3)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), drafter
+    assert sd.last_stats.proposed_tokens > 0
+    assert model.lm_head.weight.device.type == "meta"
 
 
 def test_app_loads_an_hf_target_with_a_device_map(tmp_path):

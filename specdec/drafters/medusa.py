@@ -29,6 +29,7 @@ not distribution-preserving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -36,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models import ADAPTERS, adapter_for
+from ..placement import execution_device, materialized
 from ..tree import TreeSpec, make_tree
 from ..verify import ACCEPTANCE_MODES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, process_logits
 from .base import Drafter
@@ -61,8 +64,12 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-def _lm_head_weight(lm_head) -> torch.Tensor:
-    """The ``[V, D]`` weight of an LM head given as a module with ``.weight``, a tensor, or a causal LM."""
+def _lm_head_of(lm_head):
+    """The LM head itself of ``lm_head`` given as a module with ``.weight``, a tensor (returned as
+    it is) or a causal LM (its output embeddings).
+
+    Raises: ValueError for a causal LM without output embeddings; TypeError for anything else
+    without a ``.weight`` tensor."""
     if isinstance(lm_head, torch.Tensor):
         return lm_head
     if hasattr(lm_head, "get_output_embeddings") and callable(lm_head.get_output_embeddings):
@@ -70,11 +77,49 @@ def _lm_head_weight(lm_head) -> torch.Tensor:
         if emb is None:
             raise ValueError(f"{type(lm_head).__name__} has no output embeddings (LM head)")
         lm_head = emb
-    w = getattr(lm_head, "weight", None)
-    if not isinstance(w, torch.Tensor):
+    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         raise TypeError(f"expected an LM head (a module with .weight [vocab, hidden]), a tensor or a causal LM; "
                         f"got {type(lm_head).__name__}")
-    return w
+    return lm_head
+
+
+def _lm_head_weight(lm_head) -> torch.Tensor:
+    """The ``[V, D]`` weight of an LM head given as for :func:`_lm_head_of`; on ``meta`` when
+    accelerate offloaded it (its shape is right; read its values within :func:`_loaded`)."""
+    head = _lm_head_of(lm_head)
+    return head if isinstance(head, torch.Tensor) else head.weight
+
+
+def _lm_head_device(lm_head) -> torch.device:
+    """The device an LM head given as for :func:`_lm_head_of` computes on: for a causal LM of a
+    family specdec supports, its adapter's device (with accelerate's ``device_map`` the one
+    execution device of its layers and LM head, whose weights may be on ``meta``); else the LM
+    head module's execution device (:func:`specdec.placement.execution_device`), or the weight's
+    device.
+
+    Raises: ValueError for a dispatched causal LM whose layers compute on several devices."""
+    family = getattr(getattr(lm_head, "config", None), "model_type", None)
+    if isinstance(lm_head, torch.nn.Module) and family in ADAPTERS:
+        return adapter_for(lm_head).device
+    head = _lm_head_of(lm_head)
+    if isinstance(head, torch.Tensor):
+        return head.device
+    dev = execution_device(head)
+    return dev if dev is not None else head.weight.device
+
+
+@contextlib.contextmanager
+def _loaded(lm_head):
+    """Within the block, yields ``(weight [V, D], bias [V] or None)`` of an LM head given as for
+    :func:`_lm_head_of`, loaded on its execution device when accelerate offloaded it (its hook
+    drops them again afterwards; tensors taken from them stay valid)."""
+    head = _lm_head_of(lm_head)
+    if isinstance(head, torch.Tensor):
+        yield head, None
+        return
+    with materialized(head, own=True):
+        bias = getattr(head, "bias", None)
+        yield head.weight, bias if isinstance(bias, torch.Tensor) else None
 
 
 class MedusaHeads(nn.Module):
@@ -173,7 +218,9 @@ class MedusaHeads(nn.Module):
         ``.weight [V, D]``, the weight tensor, or the causal LM itself); returns ``self``.
 
         Owned projections copy the weight (and the LM head's bias when both have one); shared
-        heads keep a reference to it (frozen, not saved).
+        heads keep a reference to it (frozen, not saved). An LM head offloaded by accelerate (its
+        weight on ``meta``) is loaded through its hook for this and dropped from the module again
+        afterwards; shared heads keep a reference to the loaded weight (held in memory).
 
         Raises: ValueError when the LM head's shape is not ``[vocab_size, hidden_size]``.
         """
@@ -181,30 +228,34 @@ class MedusaHeads(nn.Module):
         if w.dim() != 2:
             raise ValueError(f"LM-head weight must be 2-D [vocab, hidden], got shape {tuple(w.shape)}")
         self.check_target(hidden_size=w.shape[1], vocab_size=w.shape[0])
-        if self.shared_lm_head:
-            ref = next(self.parameters(), None)
-            dev = ref.device if ref is not None else w.device
-            dt = ref.dtype if ref is not None else torch.float32
-            self.shared_weight = w.detach().to(device=dev, dtype=dt)
-        else:
-            bias = getattr(lm_head, "bias", None) if not isinstance(lm_head, torch.Tensor) else None
-            for lin in self.lm_heads:
-                lin.weight.copy_(w.detach().to(lin.weight.dtype))
-                if lin.bias is not None:
-                    if isinstance(bias, torch.Tensor):
-                        lin.bias.copy_(bias.detach().to(lin.bias.dtype))
-                    else:
-                        lin.bias.zero_()
+        with _loaded(lm_head) as (w, bias):  # (an LM head offloaded by accelerate: loaded for the copy)
+            if self.shared_lm_head:
+                ref = next(self.parameters(), None)
+                dev = ref.device if ref is not None else _lm_head_device(lm_head)
+                dt = ref.dtype if ref is not None else torch.float32
+                self.shared_weight = w.detach().to(device=dev, dtype=dt)
+            else:
+                for lin in self.lm_heads:
+                    lin.weight.copy_(w.detach().to(lin.weight.dtype))
+                    if lin.bias is not None:
+                        if bias is not None:
+                            lin.bias.copy_(bias.detach().to(lin.bias.dtype))
+                        else:
+                            lin.bias.zero_()
         return self
 
     @classmethod
     def from_target(cls, model, num_heads: int = 4, num_layers: int = 1, **kwargs) -> "MedusaHeads":
         """Fresh heads for the HF causal LM ``model``: sizes from its LM head, projections
-        initialised from it, on its device, fp32. ``kwargs``: ``shared_lm_head``, ``vocab_bias``,
-        ``lm_head_rank``."""
+        initialised from it (its weight, and its bias where the heads have one), fp32, on the
+        device its LM head computes on (for a model dispatched by accelerate, the execution device:
+        an offloaded LM head's weights are on ``meta`` and are loaded for the copy). ``kwargs``:
+        ``shared_lm_head``, ``vocab_bias``, ``lm_head_rank``.
+
+        Raises: ValueError for a dispatched model whose layers compute on several devices."""
         w = _lm_head_weight(model)
-        heads = cls(int(w.shape[1]), int(w.shape[0]), num_heads, num_layers, **kwargs).to(w.device)
-        return heads.init_from_lm_head(w)
+        heads = cls(int(w.shape[1]), int(w.shape[0]), num_heads, num_layers, **kwargs).to(_lm_head_device(model))
+        return heads.init_from_lm_head(model)
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
@@ -260,15 +311,17 @@ class MedusaHeads(nn.Module):
     def from_pretrained(cls, path: str | Path, *, target=None, lm_head=None, device=None,
                         dtype: torch.dtype = torch.float32) -> "MedusaHeads":
         """Load heads saved by :meth:`save_pretrained`, in ``dtype`` on ``device`` (default: the
-        target's LM-head device, else CPU).
+        device the target's LM head computes on, its execution device when accelerate dispatched
+        it; else CPU).
 
         Heads with ``shared_lm_head`` need the target's LM head: pass ``target=`` (the HF causal
         LM) or ``lm_head=``; without either they load unbound (call :meth:`init_from_lm_head`).
 
         Raises:
             FileNotFoundError: no config or weights in ``path``.
-            ValueError: a config of another kind, weights that do not match it, or a target
-                whose hidden size / vocabulary differs from the heads'.
+            ValueError: a config of another kind, weights that do not match it, a target
+                whose hidden size / vocabulary differs from the heads', or a target dispatched by
+                accelerate whose layers compute on several devices.
         """
         from safetensors.torch import load_file
 
@@ -294,7 +347,7 @@ class MedusaHeads(nn.Module):
         heads.load_state_dict(state)
         source = lm_head if lm_head is not None else target
         if device is None:
-            device = _lm_head_weight(source).device if source is not None else "cpu"
+            device = _lm_head_device(source) if source is not None else "cpu"
         heads = heads.to(device=device, dtype=dtype)
         if source is not None:
             w = _lm_head_weight(source)
