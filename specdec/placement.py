@@ -12,12 +12,13 @@ kernel's ``conv1d.weight``, ``A_log``, ``dt_bias``), which a hook on a submodule
 loaded. This module gives what the adapters need to work under such hooks:
 
 * :func:`execution_device`: where a module computes (its hook's execution device, else where its
-  weights are);
+  weights are), and :func:`execution_devices`: where each of its hooked parts computes;
 * :func:`routed_forward`: replace a module's forward for a while, keeping its hook in front of it;
 * :func:`materialized`: the weights of a module and all its submodules loaded for a block of code;
-* :func:`check_placement`: the layouts specdec decodes (every layer computing on one device), with
-  a clear error for the others, and :func:`offloads_weights`: whether weights are loaded per
-  forward, which CUDA graphs cannot replay.
+* :func:`check_placement`: the layouts specdec decodes (every layer, each of its submodules
+  included, computing on one device), with a clear error for the others, and
+  :func:`offloads_weights`: whether weights are loaded per forward, which CUDA graphs cannot
+  replay.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import types
 
 import torch
 
-__all__ = ["check_placement", "execution_device", "materialized", "offloads_weights", "routed_forward"]
+__all__ = ["check_placement", "execution_device", "execution_devices", "materialized", "offloads_weights",
+           "routed_forward"]
 
 
 def _hooks(module: torch.nn.Module) -> list:
@@ -38,19 +40,52 @@ def _hooks(module: torch.nn.Module) -> list:
     return list(getattr(hook, "hooks", None) or [hook])
 
 
+def _hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The execution device named by ``module``'s own accelerate hook (an int: that CUDA device),
+    or None when it has no hook naming one."""
+    for hook in _hooks(module):
+        dev = getattr(hook, "execution_device", None)
+        if dev is not None:
+            return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    return None
+
+
 def execution_device(module: torch.nn.Module) -> torch.device | None:
     """The device ``module`` computes on: the execution device of its accelerate hook (or of the
-    nearest hooked submodule), else the device of its first weight or buffer not on ``meta``;
-    None when it has neither."""
+    first hooked submodule, in ``module.modules()`` order), else the device of its first weight or
+    buffer not on ``meta``; None when it has neither. Submodules hooked to other devices are not
+    looked at: :func:`execution_devices` gives every part's device."""
     for mod in module.modules():
-        for hook in _hooks(mod):
-            dev = getattr(hook, "execution_device", None)
-            if dev is not None:
-                return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+        dev = _hook_device(mod)
+        if dev is not None:
+            return dev
     for t in (*module.parameters(), *module.buffers()):
         if t.device.type != "meta":
             return t.device
     return None
+
+
+def execution_devices(module: torch.nn.Module) -> dict[torch.device | None, list[str]]:
+    """Where the parts of ``module`` compute, from the accelerate hooks on it and on every
+    submodule: ``{device: names}``, in the order first met, the names (relative to ``module``,
+    ``""`` for ``module`` itself) of the outermost hooked modules on that device; a hooked
+    submodule inside one hooked to the same device is not named again. Without any hook naming a
+    device, ``{execution_device(module): [""]}`` (the key None: no weights anywhere but ``meta``)."""
+    hooked: dict[str, torch.device] = {}
+    found: dict[torch.device | None, list[str]] = {}
+    for name, mod in module.named_modules():
+        dev = _hook_device(mod)
+        if dev is None:
+            continue
+        hooked[name] = dev
+        outer = name
+        while outer:  # the nearest hooked module around this one
+            outer = outer.rpartition(".")[0]
+            if outer in hooked:
+                break
+        if outer not in hooked or outer == name or hooked[outer] != dev:
+            found.setdefault(dev, []).append(name)
+    return found or {execution_device(module): [""]}
 
 
 def offloads_weights(module: torch.nn.Module) -> bool:
@@ -99,28 +134,35 @@ def materialized(module: torch.nn.Module, own: bool = False):
 
 
 def check_placement(model: torch.nn.Module, layers, lm_head: torch.nn.Module) -> torch.device:
-    """The one device every decoder layer of ``layers`` and ``lm_head`` compute on (their weights
-    may be offloaded to the CPU or disk by accelerate's hooks).
+    """The one device every decoder layer of ``layers`` (each of its submodules included) and
+    ``lm_head`` compute on (their weights may be offloaded to the CPU or disk by accelerate's
+    hooks).
 
     Raises:
         ValueError: they compute on several devices (``device_map`` spreading the layers over
-            several GPUs, or over a GPU and the CPU), or a module has no weights anywhere but on
-            ``meta`` and no hook to load them; the message names the devices and their layers.
+            several GPUs, or over a GPU and the CPU, or a layer's submodules over several
+            devices), or a module has no weights anywhere but on ``meta`` and no hook to load
+            them; the message names the devices and their layers (``"3"``), or for a layer split
+            between devices its parts (``"3.mlp"``, see :func:`execution_devices`).
     """
-    head = execution_device(lm_head)
-    where: dict[str, list[str]] = {}
+    where: dict[torch.device | None, list[str]] = {}
+
+    def add(module, label):
+        parts = execution_devices(module)
+        for dev, names in parts.items():
+            where.setdefault(dev, []).extend(
+                [label] if len(parts) == 1 else [f"{label}.{n}" if n else label for n in names])
+
     for i, layer in enumerate(layers):
-        dev = execution_device(layer)
-        where.setdefault("no device (weights on meta, no hook)" if dev is None else str(dev), []).append(str(i))
-    if head is None:
-        where.setdefault("no device (weights on meta, no hook)", []).append("lm_head")
-    else:
-        where.setdefault(str(head), []).append("lm_head")
-    if len(where) > 1 or head is None:
-        spread = "; ".join(f"{dev}: layers {', '.join(names)}" for dev, names in where.items())
+        add(layer, str(i))
+    add(lm_head, "lm_head")
+    if len(where) > 1 or None in where:
+        spread = "; ".join(f"{'no device (weights on meta, no hook)' if dev is None else dev}: layers "
+                           f"{', '.join(names)}" for dev, names in where.items())
         raise ValueError(
             f"specdec decodes a model whose decoder layers and LM head all compute on one device; this "
             f"{type(model).__name__} computes on several ({spread}). Load it with a device_map that puts every "
-            "layer on one execution device (weights may be offloaded to 'cpu' or 'disk': accelerate's hooks "
-            "load them per forward), e.g. device_map='auto' with max_memory for one GPU and the CPU")
-    return head
+            "layer, each of its submodules included, on one execution device (weights may be offloaded to 'cpu' "
+            "or 'disk': accelerate's hooks load them per forward), e.g. device_map='auto' with max_memory for one "
+            "GPU and the CPU")
+    return next(iter(where))

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import specdec
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads
 from specdec.hf_integration import disable_hf_speculation
-from specdec.placement import execution_device, offloads_weights
+from specdec.placement import execution_device, execution_devices, offloads_weights
 
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
 
@@ -127,6 +127,47 @@ def test_placement_queries_and_errors(tmp_path_factory):
     out = specdec.wrap(plain, rollback="replay").generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
                                                           eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def _split_layer_map(model, layer: int, parts: dict) -> dict:
+    """Everything on the CPU, decoder layer ``layer`` mapped per submodule: ``parts[name]``, else "cpu"."""
+    dm = {k: "cpu" for k in _device_map(model)}
+    del dm[f"model.layers.{layer}"]
+    dm.update({f"model.layers.{layer}.{name}": parts.get(name, "cpu")
+               for name, _ in model.model.layers[layer].named_children()})
+    return dm
+
+
+def test_layer_split_between_execution_devices(tmp_path):
+    """A device_map that maps one decoder layer's submodules separately: split between "cpu" and
+    "disk" (both computing on the CPU) it decodes exactly; with its MLP on another execution device
+    ("meta" stands in for a second GPU: on a CPU-only machine "cpu" and "disk" both compute on the
+    CPU) wrap() refuses it, naming the devices, the whole layers and the split layer's parts."""
+    from accelerate import dispatch_model
+
+    ids, mask, eos, ref = reference("qwen3_5")
+    saved = get_model("qwen3_5")
+    saved.save_pretrained(tmp_path)
+    split = AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map=_split_layer_map(saved, 1, {"linear_attn": "disk"}),
+        offload_folder=str(tmp_path / "offload"), dtype=torch.float32).eval()
+    assert all(p.device.type == "meta" for p in split.model.layers[1].linear_attn.parameters())
+    assert execution_devices(split.model.layers[1]) == {
+        torch.device("cpu"): ["linear_attn", "mlp", "input_layernorm", "post_attention_layernorm"]}
+    sd = specdec.wrap(split, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+
+    model = dispatch_model(make_model("qwen3_5").eval(), device_map=_split_layer_map(saved, 1, {"mlp": "meta"}),
+                           main_device="cpu")
+    layer = model.model.layers[1]
+    assert execution_device(layer) == torch.device("cpu")  # the first hooked submodule's: not the whole story
+    assert execution_devices(layer) == {torch.device("cpu"): ["linear_attn", "input_layernorm",
+                                                              "post_attention_layernorm"],
+                                        torch.device("meta"): ["mlp"]}
+    with pytest.raises(ValueError, match=r"several \(cpu: layers 0, 1\.linear_attn, 1\.input_layernorm, "
+                                         r"1\.post_attention_layernorm, 2, 3, lm_head; meta: layers 1\.mlp\)"):
+        specdec.wrap(model)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
