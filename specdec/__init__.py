@@ -67,9 +67,10 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     Returns:
         A :class:`SpeculativeGenerator` with ``.generate(...)`` and ``.last_stats``.
 
-    On CPU, a model too small to gain from intra-op threads gets one torch thread unless you chose
-    a count (``OMP_NUM_THREADS``, ``torch.set_num_threads``): see
-    :func:`specdec.threads.configure_cpu_threads` (logged on the ``specdec.threads`` logger).
+    On CPU (where the model computes: for a model dispatched by accelerate, its execution device,
+    whatever device its offloaded weights are on), a model too small to gain from intra-op threads
+    gets one torch thread unless you chose a count (``OMP_NUM_THREADS``, ``torch.set_num_threads``):
+    see :func:`specdec.threads.configure_cpu_threads` (logged on the ``specdec.threads`` logger).
 
     Raises:
         TypeError, ValueError: see :class:`SpeculativeGenerator`.
@@ -80,7 +81,7 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     sd = SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
                               decode_path=decode_path, max_speculative_tokens=max_speculative_tokens,
                               cost_model=cost_model, policy=policy)
-    configure_cpu_threads(model)
+    configure_cpu_threads(model, device=sd.adapter.device)  # (offloaded weights: on meta; it computes here)
     return sd
 
 

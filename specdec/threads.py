@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .placement import execution_device
+
 __all__ = ["ThreadChoice", "configure_cpu_threads", "available_cpus", "free_cpus", "SMALL_MODEL_PARAMETERS",
            "THREAD_ENV_VARS"]
 
@@ -88,11 +90,10 @@ def _parameters(model) -> int | None:
 def _device_type(model, device) -> str:
     if device is not None:
         return torch.device(device).type
-    if model is not None:
-        try:
-            return next(model.parameters()).device.type
-        except (AttributeError, StopIteration, TypeError):
-            pass
+    if isinstance(model, torch.nn.Module):
+        dev = execution_device(model)  # (not the first parameter's: on meta when accelerate offloads it)
+        if dev is not None:
+            return dev.type
     return "cpu"
 
 
@@ -119,7 +120,9 @@ def configure_cpu_threads(model=None, threads: int | None = None, *, device=None
 
     Rules, in order:
 
-    1. Not on CPU (``device``, else the model's first parameter): nothing changes.
+    1. Not on CPU (``device``, else where the model computes: its accelerate hook's execution
+       device, else its first weight not on ``meta``; :func:`specdec.placement.execution_device`):
+       nothing changes.
     2. ``threads`` given: ``torch.set_num_threads(threads)`` (the caller's explicit choice).
     3. The user chose a count: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
        ``torch.set_num_threads`` called with a count other than torch's default (the CPUs
@@ -131,7 +134,7 @@ def configure_cpu_threads(model=None, threads: int | None = None, *, device=None
     Args:
         model: a torch module (its parameters give the size and the device), or None.
         threads: an explicit count (>= 1), or None to choose.
-        device: the device decoding runs on; default the model's.
+        device: the device decoding runs on; default the model's (as in rule 1).
         num_parameters: the model size when no model is given (default: counted from ``model``;
             unknown counts as small).
 

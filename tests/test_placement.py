@@ -20,12 +20,14 @@ from specdec.placement import execution_device, execution_devices, offloads_weig
 STRATEGIES = ("snapshot", "ring", "replay", "replay_deferred")
 
 
-def _device_map(model, lm_head: str = "cpu") -> dict:
-    """Every other decoder layer offloaded to disk (the first included), the others and the
-    embeddings on the CPU; the LM head on ``lm_head``."""
+def _device_map(model, lm_head: str = "cpu", embeddings: str = "cpu") -> dict:
+    """Every other decoder layer offloaded to disk (the first included), the others and the final
+    norm on the CPU; the LM head on ``lm_head``, the input embeddings on ``embeddings``."""
     base = model.base_model_prefix
     body = getattr(model, base)
-    dm = {f"{base}.{name}": "cpu" for name, _ in body.named_children() if name != "layers"}
+    emb = body.get_input_embeddings()
+    dm = {f"{base}.{name}": embeddings if mod is emb else "cpu" for name, mod in body.named_children()
+          if name != "layers"}
     dm.update({f"{base}.layers.{i}": "disk" if i % 2 == 0 else "cpu" for i in range(len(body.layers))})
     dm.update({name: lm_head for name, _ in model.named_children() if name != base})
     return dm
@@ -34,14 +36,14 @@ def _device_map(model, lm_head: str = "cpu") -> dict:
 _DISPATCHED: dict = {}
 
 
-def dispatched(family: str, tmp_path_factory, lm_head: str = "cpu"):
+def dispatched(family: str, tmp_path_factory, lm_head: str = "cpu", embeddings: str = "cpu"):
     """``family``'s tiny target saved and loaded back with :func:`_device_map` (shared per module)."""
-    key = (family, lm_head)
+    key = (family, lm_head, embeddings)
     if key not in _DISPATCHED:
         model = get_model(family)
         folder = tmp_path_factory.mktemp(f"{family}_dispatched")
         model.save_pretrained(folder)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, device_map=_device_map(model, lm_head),
+        loaded = AutoModelForCausalLM.from_pretrained(folder, device_map=_device_map(model, lm_head, embeddings),
                                                       offload_folder=str(folder / "offload"), dtype=torch.float32)
         loaded.generation_config = model.generation_config
         assert offloads_weights(loaded) and any(p.device.type == "meta" for p in loaded.parameters())
@@ -218,6 +220,29 @@ def test_medusa_heads_beside_an_offloaded_lm_head(family, tmp_path_factory, tmp_
         assert torch.equal(out, ref), drafter
     assert sd.last_stats.proposed_tokens > 0
     assert model.lm_head.weight.device.type == "meta"
+
+
+def test_cpu_threads_for_offloaded_first_parameters(tmp_path_factory, monkeypatch):
+    """The model's first parameters (its input embeddings) offloaded to disk, so on meta: wrap()
+    picks the CPU thread count for the device the model computes on (the CPU), not "not on CPU";
+    configure_cpu_threads(model) without a device too; the decoding is exact."""
+    from specdec import threads
+
+    ids, mask, eos, ref = reference("qwen3_5")
+    model = dispatched("qwen3_5", tmp_path_factory, embeddings="disk")
+    assert next(model.parameters()).device.type == "meta"
+    real, seen = threads.configure_cpu_threads, []
+
+    def record(*args, **kwargs):
+        seen.append((kwargs.get("device"), real(*args, **kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(threads, "configure_cpu_threads", record)
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    assert [(dev, choice.source != "not on CPU") for dev, choice in seen] == [(torch.device("cpu"), True)]
+    assert real(model).source != "not on CPU"
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
 
 
 def test_app_loads_an_hf_target_with_a_device_map(tmp_path):
