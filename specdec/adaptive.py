@@ -223,6 +223,10 @@ class AcceptanceEstimator:
         return expected_tokens(self.rates, budget, active, until_last, self.weight)
 
 
+#: why compiling or capturing the fused policy update failed in this process (None: it has not);
+#: once set, :meth:`SpeculationPolicy._capture` captures the update unfused at once
+_FUSED_UPDATE_FAILED: list[str | None] = [None]
+
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
 
@@ -932,7 +936,8 @@ class SpeculationPolicy:
         is :func:`~specdec.fusion.fusable`: with fusion on (``SPECDEC_FUSE``), its ~100 small
         element-wise and reduction ops become a few compiled kernels, so its replay beside the next
         step takes microseconds of the device instead of ~0.2 ms; if compiling or capturing the
-        fused update fails, the update is captured unfused. On failure of both, warn and return a
+        fused update fails, warn (once: :data:`_FUSED_UPDATE_FAILED` keeps the reason, and later
+        shapes are captured unfused at once) and capture it unfused. On failure of both, warn and return a
         :class:`_KeptUpdate` without a graph (the shape then updates eagerly)."""
         B, M = est.rates.shape
         dev = est.rates.device
@@ -941,8 +946,8 @@ class SpeculationPolicy:
         inputs = [counts, counts.clone(), every, every.clone(), counts.clone()]
         scratch = AcceptanceEstimator(B, M, 0.5, est.weight, dev)
         until_last = self.until_last
-        tries = (None, False) if fusion_enabled() else (False,)  # fused (SPECDEC_FUSE), then unfused
-        for fuse in tries:
+        fuse_first = fusion_enabled() and _FUSED_UPDATE_FAILED[0] is None
+        for fuse in (None, False) if fuse_first else (False,):  # fused (SPECDEC_FUSE), then unfused
             try:
                 graph, out = capture(lambda: _update(est, until_last, *inputs), model=None,
                                      what="the speculation policy's update", warmup=1,
@@ -950,6 +955,10 @@ class SpeculationPolicy:
                 return _KeptUpdate(est, graph, inputs, out)
             except CaptureFailure as err:
                 failure = err
+                if fuse is None:  # said once; later shapes go unfused at once
+                    _FUSED_UPDATE_FAILED[0] = str(err)
+                    warnings.warn(f"{err}; the speculation policy's update is captured unfused from now on",
+                                  RuntimeWarning, stacklevel=3)
         warnings.warn(f"{failure}; the speculation policy updates without a graph", RuntimeWarning, stacklevel=3)
         return _KeptUpdate(est, None, inputs, None)
 
@@ -994,10 +1003,14 @@ class SpeculationPolicy:
         self._live = live_rows
 
     def _observe(self, clock: StepClock, first_mark: int) -> None:
-        """Feed the costs with the laps of the step before this one, and hold this step's."""
+        """Feed the costs with the laps of the step before this one, and hold this step's: the
+        laps from the end of the step before's up to the last lap now (without ``prefill`` laps:
+        a pool's admissions between steps). Chained so, a lap recorded after the point a step's
+        window ended (:meth:`before_sync`'s: the work after the step's sync) counts in the next
+        step's, not in none."""
         if self._last is not None:
             K, start, end, before, plain_s = self._last
-            laps = clock.laps(start, end)
+            laps = [(phase, s) for phase, s in clock.laps(start, end) if phase != "prefill"]
             total = sum(s for _, s in laps)
             if K not in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
                 pass
@@ -1008,7 +1021,8 @@ class SpeculationPolicy:
                 self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
             self._seen.add(K)
         ks = self.k_per_step
-        self._last = (ks[-1], first_mark - 1, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
+        start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
+        self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
 
     def k_histogram(self) -> list[int]:
         """Steps run at each K = 0..M."""

@@ -892,12 +892,11 @@ class SpeculativeGenerator:
                     for b in streaming:
                         pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
             done = bool(all_done)
+            clock.lap("bookkeeping")  # (ahead: the step's second bookkeeping lap, its work after the sync)
             if ahead:
                 policy.after_sync(int(live_rows))
-            else:
-                clock.lap("bookkeeping")
-                if policy is not None:
-                    policy.after_step(expected, clock, first_mark, int(live_rows))
+            elif policy is not None:
+                policy.after_step(expected, clock, first_mark, int(live_rows))
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()

@@ -183,12 +183,17 @@ def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
     assert len(graphs) == adaptive.POLICY_GRAPHS_KEPT and later._graph_key not in graphs  # the oldest went
     failing, failed = [], {}
     monkeypatch.setattr(adaptive, "capture", _fake_capture(failing, fail=True))
+    monkeypatch.setattr(adaptive, "_FUSED_UPDATE_FAILED", [None])
     with pytest.warns(RuntimeWarning, match="updates without a graph"):
         policy(0.5, kept=failed).close()
     tried = len(failing)  # fused, then unfused (SPECDEC_FUSE on), or unfused only
     assert tried == (2 if fusion_enabled() else 1)
+    assert (adaptive._FUSED_UPDATE_FAILED[0] is not None) == fusion_enabled()
     again = policy(0.5, kept=failed)
     assert len(failing) == tried and again._graph is None  # tried once for the shape
+    with pytest.warns(RuntimeWarning, match="updates without a graph"):
+        policy(0.5, batch=B + 1, kept=failed).close()
+    assert len(failing) == tried + 1  # a new shape: unfused at once after a fused failure
 
 
 def test_choice_before_the_sync_is_the_choice_after_it(monkeypatch):
@@ -238,6 +243,34 @@ def test_choice_before_the_sync_is_the_choice_after_it(monkeypatch):
     assert pols[1]._ahead is None
 
 
+def test_work_after_the_sync_counts_in_the_next_window_not_the_draft(monkeypatch):
+    """Choosing before the sync, a step's window of laps ends before its sync; the work after it
+    (a second bookkeeping lap: waking, streaming, reading the flags) counts in the next step's
+    window as the target's time, not as drafting and not in none; a pool's prefill laps between
+    steps count in neither."""
+    import specdec.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "capture", _fake_capture([]))
+    monkeypatch.setattr(adaptive, "choose_k", lambda *a: 2)
+    costs, key = MeasuredCosts(weight=0.5), CostKey("cuda_graph", "replay", 2)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(), costs, key, DrafterKey(False), 2, 2, 100, 0.6, "cpu", True,
+                               graphs={})
+    clock = _LapClock()
+    for step in range(5):
+        if step == 3:
+            clock.step([("prefill", 7.0)])  # (an admission between steps)
+        first = clock.marks
+        assert policy.next_k() == 2
+        clock.step([("draft", 0.3), ("verify", 1.4), ("rollback", 0.2), ("bookkeeping", 0.1)])
+        policy.before_sync(None, clock, first)
+        clock.step([("bookkeeping", 5.0)])  # after the sync
+        policy.after_sync(2)
+    assert costs.draft_s(policy.drafter_key, key, 2) == pytest.approx(0.3)
+    assert costs.target_s(key, 2) == pytest.approx(1.4 + 0.2 + 0.1 + 5.0)
+
+
 def test_engine_chooses_before_the_sync_with_a_kept_update(monkeypatch):
     """The decode loop with a kept update graph (CPU: a replaying stand-in, the policy made as on
     the CUDA-graph path) chooses each K before the step's sync: the output stays exact, every
@@ -276,7 +309,10 @@ def test_policy_update_graph_equals_eager(until_last, fuse, monkeypatch):
     E(K) (one step late) and rates over steps of random outcomes -- bit for bit unfused; fused
     (compiled kernels, another order of floating-point operations) to fp32 rounding -- and a
     later policy of the same shape replays the kept graph from its own prior."""
+    import specdec.adaptive as adaptive
+
     monkeypatch.setenv("SPECDEC_FUSE", "1" if fuse else "0")
+    monkeypatch.setattr(adaptive, "_FUSED_UPDATE_FAILED", [None])
     same = ((lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)) if fuse else
             (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)))
     B, M = 16, 6
@@ -301,6 +337,7 @@ def test_policy_update_graph_equals_eager(until_last, fuse, monkeypatch):
             last = eager.clone()
         same(torch.tensor(pols[0].pending(), dtype=torch.float64, device="cuda"), last)
         assert pols[0]._graph is not None and pols[1]._graph is None
+        assert adaptive._FUSED_UPDATE_FAILED[0] is None  # (fused: compiled and captured, not fallen back)
         pols[0].close()  # (the next policy of the shape may take the kept graph)
     assert len(graphs) == 1
 
