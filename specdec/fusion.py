@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -29,8 +30,12 @@ from .placement import routed_forward
 
 __all__ = ["fusable", "fused", "fusion_enabled"]
 
-_ACTIVE = [False]
+_ACTIVE = threading.local()  # .depth: fused blocks this thread is inside (another thread's are not its own)
 _COMPILED: dict = {}
+
+
+def _active() -> bool:
+    return getattr(_ACTIVE, "depth", 0) > 0
 
 
 def fusion_enabled() -> bool:
@@ -49,7 +54,7 @@ def fusable(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _ACTIVE[0]:
+        if _active():
             return _compiled(fn, fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 
@@ -63,8 +68,9 @@ def _is_fusable_module(mod: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def fused(model: torch.nn.Module | None, enabled: bool = True):
-    """Within the block, norms/MLPs of ``model`` (None: no model) and :func:`fusable` functions
-    run compiled."""
+    """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread,
+    :func:`fusable` functions run compiled (blocks nest; another thread's calls stay eager).
+    Dynamo's recompile limits are raised for the block, for the process."""
     if not enabled:
         yield
         return
@@ -76,6 +82,7 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
     limits = {k: max(getattr(dynamo_config, k), 64) for k in ("recompile_limit", "cache_size_limit")
               if hasattr(dynamo_config, k)}
     saved = {k: getattr(dynamo_config, k) for k in limits}
+    entered = False
     try:
         for k, v in limits.items():
             setattr(dynamo_config, k, v)
@@ -84,9 +91,11 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
                 if _is_fusable_module(mod):
                     cls = type(mod)
                     stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
-            _ACTIVE[0] = True
+            _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+            entered = True
             yield
     finally:
-        _ACTIVE[0] = False
+        if entered:
+            _ACTIVE.depth -= 1
         for k, v in saved.items():
             setattr(dynamo_config, k, v)

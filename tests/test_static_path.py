@@ -558,3 +558,38 @@ def test_graph_safe_experts_switches_syncing_moe_and_restores():
     assert model.config._experts_implementation == impl
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     assert not _host_syncing_experts(get_model("qwen3_5"))  # no MoE: nothing to switch
+
+
+def test_fusable_is_compiled_only_inside_this_threads_fused_blocks(monkeypatch):
+    """A :func:`specdec.fusion.fusable` function runs compiled only while the calling thread is
+    inside a ``fused`` block (blocks nest: leaving an inner one keeps the outer active); another
+    thread's block leaves this thread's calls eager."""
+    import threading
+
+    from specdec import fusion
+
+    compiled = []
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn: (compiled.append(key), fn)[1])
+    add_one = fusion.fusable(lambda x: x + 1)
+    inside, release = threading.Event(), threading.Event()
+
+    def other_thread():
+        with fusion.fused(None):
+            inside.set()
+            release.wait(30)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        assert inside.wait(30)
+        assert add_one(1) == 2 and compiled == []  # the other thread's block is not this thread's
+        with fusion.fused(None):
+            with fusion.fused(None):
+                assert add_one(2) == 3 and len(compiled) == 1
+            assert add_one(3) == 4 and len(compiled) == 2  # still inside the outer block
+        assert add_one(4) == 5 and len(compiled) == 2
+        with fusion.fused(None, enabled=False):
+            assert add_one(5) == 6 and len(compiled) == 2
+    finally:
+        release.set()
+        t.join()
