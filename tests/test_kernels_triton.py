@@ -299,7 +299,26 @@ def test_replay(op, dims, block, B, calls, dtype, use_si):
             assert_close(ckpt[s], states_ref[b, n[b] - 1], TOL[dtype], f"replay fold row {b} (n = {int(n[b])})")
 
 
-@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
+#: fused replay with T_max >= 6 (the fold's loads predicated, 4 ahead: triton_common.fold_launch),
+#: several calls per step (offset > 0: the step's first tokens folded too) and each op
+MASKED_FOLD_GRID = [
+    pytest.param("gdn", (2, 8, 16), 8, 3, (3, 2, 1), torch.float32, True, id="gdn-T3+2+1-si"),
+    pytest.param("kda", (1, 8, 16), 8, 2, (8,), torch.float32, False, id="kda-T8"),
+    pytest.param("mamba2", (2, 8, 16, 2), 8, 3, (4, 4), torch.float32, True, id="mamba2-T4+4-si"),
+]
+
+
+def test_fused_replay_grids_reach_both_fold_launches():
+    """GRID's single steps of T <= 4 and the small tree fold with every load issued unmasked;
+    MASKED_FOLD_GRID's steps (T_max = T + 1 >= 6) with predicated loads, 4 ahead."""
+    from specdec.kernels.triton_common import fold_launch
+
+    assert {fold_launch(sum(p.values[4]) + 1) for p in MASKED_FOLD_GRID} == {(4, True)}
+    assert any(fold_launch(sum(p.values[4]) + 1) == (sum(p.values[4]) + 1, False) for p in GRID)
+    assert fold_launch(len(TREES["small4"]) + 1) == (5, False)
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID + MASKED_FOLD_GRID)
 def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     """Fused (eager) replay: the step's first call folds the committed history into the checkpoint,
     every call appends at T_max + offset, and the commit moves the accepted prefix to 0.. ."""
@@ -524,6 +543,7 @@ TREES = {
     "default16": None,  # Medusa's "default" 16-node tree (built lazily: specdec.tree)
     "random7": _random_tree(7, 0),  # includes a second root (parent -1) and non-adjacent parents
     "random9": _random_tree(9, 3, extra_roots=False),  # one root, deeper ancestor chains
+    "small4": (-1, 0, 0, 1),  # T_max <= 5: fused replay's fold issues every history load unmasked
 }
 
 
@@ -543,6 +563,8 @@ TREE_GRID = [
     pytest.param("gdn", (1, 8, 8), 8, 1, "medusa63", torch.float32, False, id="gdn-medusa63-B1"),
     pytest.param("kda", (2, 8, 16), 16, 2, "random7", torch.bfloat16, True, id="kda-random7-B2-bf16-si"),
     pytest.param("kda", (1, 8, 8), 8, 1, "chain", torch.float32, False, id="kda-chain-B1"),
+    pytest.param("gdn", (2, 8, 16), 8, 2, "small4", torch.float32, True, id="gdn-small4-B2-si"),
+    pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "small4", torch.float32, True, id="mamba2-small4-B2-si"),
     pytest.param("mamba2", (2, 8, 8, 1), 8, 2, "random7", torch.float32, False, id="mamba2-random7-B2-H2-G1"),
     pytest.param("mamba2", (1, 8, 8, 1), 8, 1, "random9", torch.float32, False, id="mamba2-random9-B1"),
     pytest.param("mamba2", (2, 8, 8, 2), 8, 1, "default16", torch.bfloat16, False, id="mamba2-default16-B1-bf16"),
