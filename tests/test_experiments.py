@@ -414,8 +414,8 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
     """experiment=adaptive on a tiny random-shape model: every cell (fixed K x strategy, then auto)
     equals specdec plain's output (fp32); auto's record compares it with the fixed cells of its
     workload (recomputed here from the records), says which strategy it ran and why and the K of
-    every step; on the changing workload (every draft right, then every draft wrong) it asks for
-    long drafts first; the summary and both plots are written."""
+    every step; the changing workload (every draft right, then every draft wrong) is recorded
+    with its schedule; the summary and both plots are written."""
     cfg = _cfg(["experiment=adaptive", "rollback=replay", "experiment.k_grid=[1,4]", "drafter.oracle_acceptance=[0.5]",
                 "experiment.acceptance_phases=[1.0,0.0]", "max_new_tokens=24", "experiment.batch_grid=[2]", "repeats=1"]
                + TINY_SHAPE + CPU)
@@ -443,10 +443,9 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         assert auto["predicted_tokens_per_s"] > 0 and auto["measured_tokens_per_s"] > 0
     changing = next(r for r in records if r["acceptance"] == "1->0" and r["rollback"] == "auto")
     assert changing["acceptance_schedule"] == [1.0] * 12 + [0.0] * 12
-    ks = changing["k_per_step"]
-    quarter = max(1, len(ks) // 4)
-    early, late = sum(ks[:quarter]) / quarter, sum(ks[-quarter:]) / quarter
-    assert early >= 2 and early >= late, ks  # every early draft is accepted: long drafts pay
+    # (which K auto chooses here follows this CPU's measured step times, which other processes
+    # disturb: the policy's choices on such a workload are tested with fixed costs in
+    # tests/test_adaptive.py and tests/test_bench_scripts.py's simulation)
     assert (tmp_path / "k_over_time.png").stat().st_size > 1000 and (tmp_path / "speedup_vs_batch.png").exists()
     _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
         "decode tokens/s": ("decode_tokens_per_s", "{:.1f}"), "mean K": ("mean_k", "{:.2f}"),
