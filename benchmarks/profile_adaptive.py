@@ -11,7 +11,8 @@ acceptance, and the settings (a fixed K or ``auto``; every one with ``rollback="
 ``max_speculative_tokens`` 8). Prompts are random (``--prompt-tokens``), ``--new-tokens`` new
 tokens, EOS ignored; each setting's output is checked against plain decoding first. Prints a line
 per setting (wall ms per step, prefill included, K histogram, device time per step) and writes
-the three reports per setting to ``--out``. bf16 on CUDA, fp32 on a CPU (a smoke test).
+the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype
+for the device, bf16 on CUDA); on a CPU this is a smoke test.
 """
 
 from __future__ import annotations
@@ -27,15 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.drafters import OracleDrafter  # noqa: E402
 from specdec.experiments.e2e import timing_batch  # noqa: E402
-from specdec.experiments.models import load_target  # noqa: E402
-
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specdec", "conf", "model")
-
+from specdec.experiments.models import load_app_model  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,16 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="profile_adaptive.txt")
     args = ap.parse_args(argv)
     settings = [s if s == "auto" else int(s) for s in args.settings.split(",")]
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, dev = load_app_model(args.model, "cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
-    spec = OmegaConf.load(os.path.join(CONF, f"{args.model}.yaml")).targets[0]
-    defaults = dict(device_map=None, max_memory=None, offload_folder=None, layers=None, medusa=None, mtp=False,
-                    tokenizer=None, draft=None)
-    for key, value in defaults.items():
-        spec.setdefault(key, value)
-    model, tok = load_target(spec, dev, torch.bfloat16 if cuda else torch.float32, 0)
-    model.generation_config.eos_token_id = None
-    enc, pad = timing_batch(args.batch, args.prompt_tokens, [], tok, model.config.vocab_size, dev, 0)
+    enc, pad = timing_batch(args.batch, args.prompt_tokens, [], None, model.config.vocab_size, dev, 0)
     kw = dict(**enc, max_new_tokens=args.new_tokens, pad_token_id=pad)
     ref = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0).generate(**kw)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
