@@ -75,7 +75,7 @@ from .rollback import ReplayRollback
 
 __all__ = ["AUTO", "POLICY_GRAPHS_KEPT", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "DrafterKey",
            "MeasuredCosts", "FixedCosts", "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
-           "expected_tokens", "rollback_bytes", "strategy_label"]
+           "expected_tokens", "rollback_bytes", "speculation_gain", "strategy_label"]
 
 #: the value of ``num_speculative_tokens`` / ``rollback`` that asks for the adaptive choice
 AUTO = "auto"
@@ -633,6 +633,13 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
 # ------------------------------------------------------------------------------ choices
 
 
+def speculation_gain(expected: list[float], step_s: list[float]) -> float:
+    """The predicted goodput of the best K > 0 over that of K = 0: ``max_{K > 0} (expected[K] /
+    step_s[K]) / (expected[0] / step_s[0])`` (1.0 when there is no K > 0). Args as :func:`choose_k`."""
+    rate = [e / t for e, t in zip(expected, step_s)]
+    return max(rate[1:], default=rate[0]) / rate[0] if rate[0] > 0 else float("inf")
+
+
 def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float,
              min_gain: float = 0.0) -> int:
     """The K of the next step: ``argmax_K expected[K] / step_s[K]`` (the smallest K on a tie),
@@ -798,6 +805,10 @@ class SpeculationPolicy:
         # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
         self._last: tuple | None = None
         self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
+        #: per step, the predicted goodput of the best K > 0 over plain decoding's (K = 0) when its K
+        #: was chosen: above 1 + ``min_gain`` speculation starts, below 1 it stops (:func:`choose_k`)
+        self.gain_per_step: list[float] = []
+        self._measured: dict[int, list[float]] = {}  # K -> seconds of this call's steps at K the costs took
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
@@ -808,6 +819,7 @@ class SpeculationPolicy:
         ahead, or chosen now."""
         (K, self.current, self.steps_at_zero, times), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
+        self.gain_per_step.append(speculation_gain(self.expected, times))
         self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
@@ -1019,10 +1031,18 @@ class SpeculationPolicy:
             else:
                 draft = sum(s for phase, s in laps if phase == "draft") if K else 0.0
                 self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
+                self._measured.setdefault(K, []).append(total)
             self._seen.add(K)
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
         self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
+
+    def measured_step_s(self) -> list[float | None]:
+        """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none
+        ran, or only a K's first step, which is not counted; switches to K = 0 count apart, as
+        :meth:`CostModel.observe_leave`); to set against :meth:`step_times`, what the policy
+        predicted."""
+        return [sum(v) / len(v) if (v := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 
     def k_histogram(self) -> list[int]:
         """Steps run at each K = 0..M."""

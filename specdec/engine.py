@@ -907,11 +907,14 @@ class SpeculativeGenerator:
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
+            policy_view = dict(predicted_step_s=policy.step_times(), measured_step_s=policy.measured_step_s(),
+                               speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)
             policy.close()  # (its kept update graph may serve the next call)
         else:
             k_histogram, k_per_step = [0] * K + [steps], [K] * steps
+            policy_view = {}
         self.last_stats = Stats(
             steps=steps, new_tokens=new_tokens, proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
@@ -920,7 +923,7 @@ class SpeculativeGenerator:
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
-            predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None,
+            predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None, **policy_view,
             # the steps' tokens: every row's (request's) first new token came from its prefill
             measured_tokens_per_s=((new_tokens - (B if pool is None else pool.num_finished)) / step_s
                                    if policy is not None and step_s > 0 else None),

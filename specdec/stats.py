@@ -35,6 +35,14 @@ class Stats:
         measured_tokens_per_s: with ``"auto"``, the goodput the policy predicted for the steps it
         chose (sum of expected tokens / sum of predicted step times) and the one measured
         (tokens the steps committed / the steps' time); None with a fixed K.
+        predicted_step_s / measured_step_s: with ``"auto"``, per K = 0..``max_speculative_tokens``,
+        the seconds of one step the policy's cost model predicts at the call's end, and the mean
+        of the call's own steps at K that the model took (None where none ran; a K's first step
+        in a call and the first plain step after speculative ones are not counted): how far the
+        predictions behind its choices were from what the steps took. speculation_gain_per_step:
+        with ``"auto"``, per step, the predicted goodput of the best K > 0 over plain decoding's
+        when the step's K was chosen (speculation starts above ``1 + min_gain`` and stops below 1,
+        :class:`specdec.adaptive.PolicySettings`). Empty lists with a fixed K.
         max_batch_size: continuous batching (``generate_batch``, a manager's run): the pool's rows;
         None for ``generate()``. batch_size_reason: with ``max_batch_size="auto"``, how the rows
         were chosen (a row's bytes by part, the memory budget); None otherwise.
@@ -65,6 +73,9 @@ class Stats:
     calibration_s: float = 0.0
     predicted_tokens_per_s: float | None = None
     measured_tokens_per_s: float | None = None
+    predicted_step_s: list = field(default_factory=list)
+    measured_step_s: list = field(default_factory=list)
+    speculation_gain_per_step: list = field(default_factory=list)
     max_batch_size: int | None = None
     batch_size_reason: str | None = None
     prefix_cache: dict | None = None

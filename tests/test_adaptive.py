@@ -16,7 +16,8 @@ from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
 from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts, MeasuredCosts,
-                              PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens)
+                              PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens,
+                              speculation_gain)
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.fusion import fusion_enabled
 from specdec.graphs import CaptureFailure
@@ -398,7 +399,19 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     zeros = ks[first_zero:first_zero + 7]
     assert zeros == [0] * 7 and ks[first_zero + 7] == 1  # plain steps, then the probe
     assert max(ks[first_zero + 8:]) >= 2  # and speculation resumed, with longer drafts than the probe's
-    assert sd.last_stats.accepted_tokens > 0 and out.shape[1] == L + 48
+    st = sd.last_stats
+    assert st.accepted_tokens > 0 and out.shape[1] == L + 48
+    # what the policy predicted behind its choices: the given costs, and per step its gain over K = 0
+    assert st.predicted_step_s == pytest.approx([1.0 + 0.3 * K for K in range(9)])
+    gains = st.speculation_gain_per_step
+    assert len(gains) == st.steps and gains[0] > 1.05 and ks[0] > 0  # (min_gain 0.05: speculation started)
+    assert gains[first_zero] <= 1.0  # speculating, it stopped: no K > 0 predicted faster than K = 0
+    assert all(gain <= 1.05 for gain in gains[first_zero:first_zero + 7])  # plain steps: not worth starting
+    # the steps' own times per K (measured on the host clock here), where the costs took any
+    assert len(st.measured_step_s) == 9
+    for K, (n, t) in enumerate(zip(st.k_histogram, st.measured_step_s)):
+        assert (t is None) if n == 0 else (t is None or t > 0), (K, n, t)
+    assert any(t is not None for t in st.measured_step_s)
 
 
 def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
@@ -556,6 +569,21 @@ def test_until_last_shrinks_noisy_row_estimates():
         for K in (1, 2, 4):
             assert float(raw[K]) < 0.9 * float(true[K])
             assert float(shrunk[K]) == pytest.approx(float(true[K]), rel=0.06)
+
+
+def test_speculation_gain_is_the_margin_choose_k_starts_on():
+    """speculation_gain: the best K > 0's goodput over K = 0's (a worked case), and choose_k starts
+    speculating (from no current K) exactly when it exceeds 1 + min_gain."""
+    assert speculation_gain([10.0, 13.0, 14.0], [1.0, 1.2, 1.5]) == pytest.approx((13.0 / 1.2) / 10.0)
+    assert speculation_gain([10.0], [1.0]) == 1.0
+    g = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        M = int(torch.randint(1, 9, (), generator=g))
+        expected = (1 + torch.rand(M + 1, generator=g).cumsum(0) * 0.3).tolist()
+        times = (1 + torch.rand(M + 1, generator=g) * torch.arange(M + 1) * 0.2).tolist()
+        for min_gain in (0.0, 0.05, 0.2):
+            starts = choose_k(expected, times, None, 0.05, min_gain) > 0
+            assert starts == (speculation_gain(expected, times) > 1 + min_gain), (expected, times, min_gain)
 
 
 def test_choose_k_maximises_goodput_with_hysteresis():

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -441,6 +442,12 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         assert auto["rollback_reason"].startswith(f"{auto['rollback_used']}: the best predicted goodput")
         assert len(auto["k_per_step"]) == auto["steps"] and max(auto["k_per_step"]) <= 4
         assert auto["predicted_tokens_per_s"] > 0 and auto["measured_tokens_per_s"] > 0
+        # what the policy predicted per K against the steps it ran, and its margin over plain steps
+        assert len(auto["predicted_step_ms"]) == len(auto["measured_step_ms"]) == 5
+        assert all(t > 0 for t in auto["predicted_step_ms"])
+        assert all(t is None or t > 0 for t in auto["measured_step_ms"])
+        assert len(auto["speculation_gain_per_step"]) == auto["steps"]
+        assert auto["speculation_gain"] == pytest.approx(statistics.median(auto["speculation_gain_per_step"]))
     changing = next(r for r in records if r["acceptance"] == "1->0" and r["rollback"] == "auto")
     assert changing["acceptance_schedule"] == [1.0] * 12 + [0.0] * 12
     # (which K auto chooses here follows this CPU's measured step times, which other processes

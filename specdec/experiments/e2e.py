@@ -265,7 +265,10 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     ``k_histogram`` (steps per K), ``rollback_used`` (the strategy that ran) and
     ``calibration_s`` (median; the cost measurements of ``"auto"``); with ``K="auto"`` also
     ``k_per_step`` (the last run's K of every step) and ``predicted_tokens_per_s`` /
-    ``measured_tokens_per_s`` (the policy's, median); with ``strategy="auto"`` ``rollback_reason``.
+    ``measured_tokens_per_s`` (the policy's, median), the last run's ``predicted_step_ms`` /
+    ``measured_step_ms`` per K (:class:`specdec.Stats`' ``predicted_step_s`` / ``measured_step_s``)
+    and ``speculation_gain_per_step`` with its median ``speculation_gain``; with
+    ``strategy="auto"`` ``rollback_reason``.
     """
     own = sd is None
     if own:
@@ -335,6 +338,11 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
         rec["k_per_step"] = list(st.k_per_step)
         for name in ("predicted_tokens_per_s", "measured_tokens_per_s"):
             rec[name] = Timing(tuple(getattr(s, name) or 0.0 for s in stats)).median
+        rec["predicted_step_ms"] = [t * 1e3 for t in st.predicted_step_s]
+        rec["measured_step_ms"] = [None if t is None else t * 1e3 for t in st.measured_step_s]
+        rec["speculation_gain_per_step"] = list(st.speculation_gain_per_step)
+        rec["speculation_gain"] = (statistics.median(st.speculation_gain_per_step)
+                                   if st.speculation_gain_per_step else None)
     if strategy == "auto":
         rec["rollback_reason"] = st.rollback_reason
     for name, values in (("verify_ms", [s.verify_s for s in stats]), ("commit_ms", [s.rollback_s for s in stats]),
