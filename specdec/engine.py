@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import re
 import time
 
 import torch
@@ -69,6 +70,13 @@ def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> Pref
         raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
     check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
     return PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
+
+
+def _first_sentences(text: str, n: int) -> str:
+    """The first ``n`` sentences of ``text``'s first line (an out-of-memory error's opening: what
+    failed and the size asked for, without the allocator's advice)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return " ".join(re.split(r"(?<=\.)\s+", line)[:n])
 
 
 class _Rows:
@@ -1121,7 +1129,7 @@ class SpeculativeGenerator:
                     self._measure(self._prefilled(s, path, needed_len, step_tokens, tree, strategy), key, widths)
                 except torch.OutOfMemoryError as err:
                     self._static.clear()
-                    left_out[name] = f"out of memory while measuring it ({str(err).splitlines()[0]})"
+                    left_out[name] = f"out of memory while measuring it ({_first_sentences(str(err), 2)})"
                     continue
             step_s[name] = {k: costs.comparable_step_s(key, self._drafter_key, k)
                             for k in (range(K + 1) if adaptive else [at])}

@@ -75,6 +75,34 @@ def test_auto_greedy_exact_vs_hf(family, drafter):
     assert sd.strategy is not None and sd.strategy.name == st.rollback.replace("_deferred", "")
 
 
+def test_rollback_auto_leaves_out_a_strategy_that_runs_out_of_memory(monkeypatch):
+    """rollback="auto" whose measurement of one strategy runs out of device memory chooses among
+    the others, and its reason names the one left out with what the allocator asked for, not the
+    allocator's whole advice; the output stays exact."""
+    from specdec.engine import SpeculativeGenerator
+    family = "nemotron_h"
+    advice = ("CUDA out of memory. Tried to allocate 4.38 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+              "3.36 GiB is free. Including non-PyTorch memory, this process has 136.44 GiB memory in use. If reserved "
+              "but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    real = SpeculativeGenerator._measure
+
+    def measure(self, dec, key, widths):
+        if key.strategy == "snapshot":
+            raise torch.OutOfMemoryError(advice)
+        return real(self, dec, key, widths)
+
+    monkeypatch.setattr(SpeculativeGenerator, "_measure", measure)
+    sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback="auto",
+                      num_speculative_tokens="auto")
+    out, ref = _generate(sd, family)
+    assert torch.equal(out, ref)
+    reason = sd.last_stats.rollback_reason
+    assert sd.last_stats.rollback != "snapshot"
+    assert "snapshot left out: out of memory while measuring it (CUDA out of memory. Tried to allocate 4.38 GiB.)" \
+        in reason, reason
+    assert "total capacity" not in reason and "PYTORCH_CUDA_ALLOC_CONF" not in reason
+
+
 @pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_auto_k_through_every_width_exact(family, strategy, path, monkeypatch):
