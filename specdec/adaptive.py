@@ -817,17 +817,18 @@ class SpeculationPolicy:
     def next_k(self) -> int:
         """The K of the next step (host side; no device work): the one :meth:`before_sync` chose
         ahead, or chosen now."""
-        (K, self.current, self.steps_at_zero, times), self._ahead = self._ahead or self._decide(), None
+        (K, self.current, self.steps_at_zero, times, gain), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
-        self.gain_per_step.append(speculation_gain(self.expected, times))
+        self.gain_per_step.append(gain)
         self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
         return K
 
-    def _decide(self) -> tuple[int, int, int, list[float]]:
-        """(K of the next step, the K settled on, steps at K = 0 so far, the step times) from the
-        values and costs held now; changes nothing (:meth:`next_k` takes it)."""
+    def _decide(self) -> tuple[int, int, int, list[float], float]:
+        """(K of the next step, the K settled on, steps at K = 0 so far, the step times, the
+        :func:`speculation_gain` they give) from the values and costs held now; changes nothing
+        (:meth:`next_k` takes it). With a kept graph it runs before the step's sync."""
         times = self.step_times()
         current = choose_k(self.expected, times, self.current, self.settings.hysteresis, self.settings.min_gain)
         K, at_zero = current, self.steps_at_zero
@@ -837,7 +838,7 @@ class SpeculationPolicy:
                 K = 1  # probe: observe acceptance again
         else:
             at_zero = 0
-        return K, current, at_zero, times
+        return K, current, at_zero, times, speculation_gain(self.expected, times)
 
     def probe_every(self, times: list[float]) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at

@@ -93,7 +93,7 @@ def test_rollback_auto_leaves_out_a_strategy_that_runs_out_of_memory(monkeypatch
 
     monkeypatch.setattr(SpeculativeGenerator, "_measure", measure)
     sd = specdec.wrap(get_model(family), drafter=make_drafter("perturbed", family), rollback="auto",
-                      num_speculative_tokens="auto")
+                      num_speculative_tokens="auto", cost_model=MeasuredCosts())  # (nothing measured yet)
     out, ref = _generate(sd, family)
     assert torch.equal(out, ref)
     reason = sd.last_stats.rollback_reason
