@@ -635,9 +635,12 @@ def calibrate(decoder, widths, repeats: int) -> dict[int, tuple[float, float]]:
 
 def speculation_gain(expected: list[float], step_s: list[float]) -> float:
     """The predicted goodput of the best K > 0 over that of K = 0: ``max_{K > 0} (expected[K] /
-    step_s[K]) / (expected[0] / step_s[0])`` (1.0 when there is no K > 0). Args as :func:`choose_k`."""
+    step_s[K]) / (expected[0] / step_s[0])`` (1.0 when there is no K > 0, or when K = 0 is expected
+    to commit nothing: no live rows). From plain steps (or none) :func:`choose_k` starts speculating
+    when it exceeds ``1 + max(min_gain, hysteresis)`` (no current K: ``1 + min_gain``); speculating,
+    it stops when it falls below 1. Args as :func:`choose_k`."""
     rate = [e / t for e, t in zip(expected, step_s)]
-    return max(rate[1:], default=rate[0]) / rate[0] if rate[0] > 0 else float("inf")
+    return max(rate[1:], default=rate[0]) / rate[0] if rate[0] > 0 else 1.0
 
 
 def choose_k(expected: list[float], step_s: list[float], current: int | None, hysteresis: float,
@@ -806,9 +809,10 @@ class SpeculationPolicy:
         self._last: tuple | None = None
         self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
         #: per step, the predicted goodput of the best K > 0 over plain decoding's (K = 0) when its K
-        #: was chosen: above 1 + ``min_gain`` speculation starts, below 1 it stops (:func:`choose_k`)
+        #: was chosen (:func:`speculation_gain`: where speculation starts and stops)
         self.gain_per_step: list[float] = []
-        self._measured: dict[int, list[float]] = {}  # K -> seconds of this call's steps at K the costs took
+        self._predicted: list[list[float]] = []  # per step, the seconds of a step at each K when its K was chosen
+        self._measured: dict[int, list[float]] = {}  # K -> [seconds, steps] of this call's steps the costs took
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
@@ -820,6 +824,7 @@ class SpeculationPolicy:
         (K, self.current, self.steps_at_zero, times, gain), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
         self.gain_per_step.append(gain)
+        self._predicted.append(times)
         self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
         self._predicted_s += times[K]
@@ -1032,18 +1037,29 @@ class SpeculationPolicy:
             else:
                 draft = sum(s for phase, s in laps if phase == "draft") if K else 0.0
                 self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
-                self._measured.setdefault(K, []).append(total)
+                seen = self._measured.setdefault(K, [0.0, 0])
+                seen[0], seen[1] = seen[0] + total, seen[1] + 1
             self._seen.add(K)
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
         self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
 
+    def predicted_step_s(self) -> list[float]:
+        """Per K = 0..M, the mean over this call's steps of the seconds the policy predicted for a
+        step at K when it chose each step's K (before the costs took that step): what its choices
+        rested on, every K included (:meth:`step_times` after the call has taken the call's own
+        steps in)."""
+        if not self._predicted:
+            return self.step_times()
+        return [sum(col) / len(self._predicted) for col in zip(*self._predicted)]
+
     def measured_step_s(self) -> list[float | None]:
         """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none
-        ran, or only a K's first step, which is not counted; switches to K = 0 count apart, as
-        :meth:`CostModel.observe_leave`); to set against :meth:`step_times`, what the policy
-        predicted."""
-        return [sum(v) / len(v) if (v := self._measured.get(K)) else None for K in range(self.max_k + 1)]
+        did). Not counted: a K's first step in the call (its first proposal, compiles), the first
+        plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), and
+        the call's last step (its laps complete after the loop). Set against
+        :meth:`predicted_step_s`."""
+        return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 
     def k_histogram(self) -> list[int]:
         """Steps run at each K = 0..M."""

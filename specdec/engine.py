@@ -915,7 +915,7 @@ class SpeculativeGenerator:
         step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
-            policy_view = dict(predicted_step_s=policy.step_times(), measured_step_s=policy.measured_step_s(),
+            policy_view = dict(predicted_step_s=policy.predicted_step_s(), measured_step_s=policy.measured_step_s(),
                                speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)

@@ -36,13 +36,14 @@ class Stats:
         chose (sum of expected tokens / sum of predicted step times) and the one measured
         (tokens the steps committed / the steps' time); None with a fixed K.
         predicted_step_s / measured_step_s: with ``"auto"``, per K = 0..``max_speculative_tokens``,
-        the seconds of one step the policy's cost model predicts at the call's end, and the mean
-        of the call's own steps at K that the model took (None where none ran; a K's first step
-        in a call and the first plain step after speculative ones are not counted): how far the
-        predictions behind its choices were from what the steps took. speculation_gain_per_step:
-        with ``"auto"``, per step, the predicted goodput of the best K > 0 over plain decoding's
-        when the step's K was chosen (speculation starts above ``1 + min_gain`` and stops below 1,
-        :class:`specdec.adaptive.PolicySettings`). Empty lists with a fixed K.
+        the mean over the call's steps of the seconds a step at K was predicted to take when each
+        step's K was chosen, and the mean of the call's own steps at K that the cost model took
+        (None where none did: a K's first step in a call, the first plain step after speculative
+        ones and the call's last step are not counted): how far the predictions behind the choices
+        were from what the steps took. speculation_gain_per_step: with ``"auto"``, per step, the
+        predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
+        (:func:`specdec.adaptive.speculation_gain`: speculation starts above ``1 + min_gain``, and
+        above ``1 + hysteresis`` from plain steps; it stops below 1). Empty lists with a fixed K.
         max_batch_size: continuous batching (``generate_batch``, a manager's run): the pool's rows;
         None for ``generate()``. batch_size_reason: with ``max_batch_size="auto"``, how the rows
         were chosen (a row's bytes by part, the memory budget); None otherwise.

@@ -268,6 +268,10 @@ def test_choice_before_the_sync_is_the_choice_after_it(monkeypatch):
         new.after_sync(int(live.sum()))
     assert pols[0].k_per_step == pols[1].k_per_step and {0, 1, 2, 3} <= set(pols[0].k_per_step)
     assert costs[0].step_times(key, pols[0].drafter_key, M) == costs[1].step_times(key, pols[1].drafter_key, M)
+    # and what Stats reports of the choices: the same predictions, margins and measured steps
+    assert pols[0].gain_per_step == pols[1].gain_per_step and len(pols[0].gain_per_step) == 40
+    assert pols[0].predicted_step_s() == pols[1].predicted_step_s()
+    assert pols[0].measured_step_s() == pols[1].measured_step_s()
     pols[1].close()
     assert pols[1]._ahead is None
 
@@ -298,6 +302,11 @@ def test_work_after_the_sync_counts_in_the_next_window_not_the_draft(monkeypatch
         policy.after_sync(2)
     assert costs.draft_s(policy.drafter_key, key, 2) == pytest.approx(0.3)
     assert costs.target_s(key, 2) == pytest.approx(1.4 + 0.2 + 0.1 + 5.0)
+    # steps 1-3 were taken (step 0: the first at K = 2; step 4: its window closes after the loop),
+    # each with the work after the sync before it; predicted when choosing: the calibration (1 s) for
+    # steps 0-2 (step 1 is taken in before_sync of step 2, which chooses step 3), then 7 s
+    assert policy.measured_step_s() == [None, None, pytest.approx(0.3 + 1.4 + 0.2 + 0.1 + 5.0)]
+    assert policy.predicted_step_s()[2] == pytest.approx((3 * 1.0 + 2 * 7.0) / 5)
 
 
 def test_engine_chooses_before_the_sync_with_a_kept_update(monkeypatch):
@@ -610,8 +619,13 @@ def test_speculation_gain_is_the_margin_choose_k_starts_on():
         expected = (1 + torch.rand(M + 1, generator=g).cumsum(0) * 0.3).tolist()
         times = (1 + torch.rand(M + 1, generator=g) * torch.arange(M + 1) * 0.2).tolist()
         for min_gain in (0.0, 0.05, 0.2):
+            gain = speculation_gain(expected, times)
             starts = choose_k(expected, times, None, 0.05, min_gain) > 0
-            assert starts == (speculation_gain(expected, times) > 1 + min_gain), (expected, times, min_gain)
+            assert starts == (gain > 1 + min_gain), (expected, times, min_gain)
+            for hysteresis in (0.0, 0.1):  # from plain steps the hysteresis holds K = 0 as well
+                starts = choose_k(expected, times, 0, hysteresis, min_gain) > 0
+                assert starts == (gain > 1 + max(min_gain, hysteresis)), (expected, times, min_gain, hysteresis)
+    assert speculation_gain([0.0, 0.0], [1.0, 1.2]) == 1.0  # no live rows: no margin either way
 
 
 def test_choose_k_maximises_goodput_with_hysteresis():
