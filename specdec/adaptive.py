@@ -210,10 +210,18 @@ class AcceptanceEstimator:
 
     def overall(self, prior, strength: float = 4.0) -> torch.Tensor:
         """``[M]``: each position's acceptance over every observation so far (not the recent ones
-        the rates weigh), pulled towards ``prior`` (a float or ``[M]``) by ``strength`` pseudo-
-        observations, so a position seldom observed stays near it. No host sync."""
-        prior = torch.as_tensor(prior, dtype=torch.float32, device=self.accepted.device)
-        return (self.accepted + strength * prior) / (self.observed + strength)
+        the rates weigh), pulled by ``strength`` pseudo-observations towards, for the first
+        position, ``prior`` (a float, or ``[M]`` of which the first value counts), and for each
+        later one the value this gives the position before it: a position seldom observed follows
+        the one before it, the i.i.d. assumption the rates' drift makes within a call (where the
+        prior would leave the drafts a call never reached at the prior, e.g. above a low
+        acceptance). No host sync."""
+        prior = torch.as_tensor(prior, dtype=torch.float32, device=self.accepted.device).reshape(-1)
+        out, towards = [], prior[0]
+        for j in range(self.accepted.shape[0]):
+            towards = (self.accepted[j] + strength * towards) / (self.observed[j] + strength)
+            out.append(towards)
+        return torch.stack(out)
 
     def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor, until_last: bool = False) -> torch.Tensor:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,

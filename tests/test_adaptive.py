@@ -683,8 +683,10 @@ def test_strategies_are_compared_by_their_calibrations():
 
 
 def test_overall_acceptance_counts_every_observation():
-    """overall(): per position, accepted / observed over every update, pulled towards the prior
-    by `strength` pseudo-observations; with nothing observed, the prior."""
+    """overall(): per position, accepted / observed over every update, pulled by `strength`
+    pseudo-observations towards the prior (the first position) or the position before's overall
+    value (the others: a position seldom observed follows the one before it, as the rates'
+    drift does within a call); with nothing observed, the prior."""
     est = AcceptanceEstimator(3, 3, 0.6, 0.25, "cpu")
     est.update(torch.tensor([2, 0, 1]), torch.tensor([3, 3, 1]), torch.tensor([True, True, True]))
     est.update(torch.tensor([1, 0, 0]), torch.tensor([1, 2, 2]), torch.tensor([True, False, True]))
@@ -693,9 +695,18 @@ def test_overall_acceptance_counts_every_observation():
     observed = torch.tensor([3.0 + 2.0, 1.0, 1.0])
     accepted = torch.tensor([2.0 + 1.0, 1.0, 0.0])
     assert torch.equal(est.observed, observed) and torch.equal(est.accepted, accepted)
-    assert torch.allclose(est.overall(0.6, strength=4.0), (accepted + 2.4) / (observed + 4.0))
+    first = (3.0 + 4.0 * 0.6) / (5.0 + 4.0)  # 0.6
+    second = (1.0 + 4.0 * first) / (1.0 + 4.0)  # 0.68
+    third = (0.0 + 4.0 * second) / (1.0 + 4.0)  # 0.544
+    assert torch.allclose(est.overall(0.6, strength=4.0), torch.tensor([first, second, third]))
     fresh = AcceptanceEstimator(2, 3, 0.6, 0.25, "cpu")
     assert torch.allclose(fresh.overall(0.6), torch.full((3,), 0.6))  # nothing observed: the prior
+    # a position never observed takes the one before's value, not the prior
+    low = AcceptanceEstimator(1, 3, 0.6, 0.25, "cpu")
+    for _ in range(20):
+        low.update(torch.tensor([0]), torch.tensor([1]), torch.tensor([True]))  # draft 1 always rejected
+    out = low.overall(0.6)
+    assert out[0] == pytest.approx(2.4 / 24.0) and out[1] == out[2] == out[0]
 
 
 def test_plain_steps_of_a_fixed_batch_leave_the_estimate():
