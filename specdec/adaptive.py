@@ -807,12 +807,10 @@ class SpeculationPolicy:
         #: the K of every step, in order
         self.k_per_step: list[int] = []
         self._predicted_tokens = 0.0
-        self._predicted_s = 0.0
         self._live: int | None = None  # live rows after the last step (read at its sync)
         self._live_estimated: int | None = None  # ... when the values held were computed
         self._pending = False  # a side-stream update ran whose values were not read yet
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
-        self._plain_s = 0.0  # the predicted seconds of a plain step when the last K was chosen
         # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
         self._last: tuple | None = None
         self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
@@ -833,9 +831,7 @@ class SpeculationPolicy:
         self.k_per_step.append(K)
         self.gain_per_step.append(gain)
         self._predicted.append(times)
-        self._plain_s = times[0]
         self._predicted_tokens += self.step_expected[K]
-        self._predicted_s += times[K]
         return K
 
     def _decide(self) -> tuple[int, int, int, list[float], float]:
@@ -1050,7 +1046,7 @@ class SpeculationPolicy:
             self._seen.add(K)
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
-        self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._plain_s)
+        self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._predicted[-1][0])
 
     def predicted_step_s(self) -> list[float]:
         """Per K = 0..M, the mean over this call's steps of the seconds the policy predicted for a
@@ -1079,4 +1075,5 @@ class SpeculationPolicy:
     @property
     def predicted_tokens_per_s(self) -> float | None:
         """The predicted goodput of the steps run: sum of E(K) / sum of t(K) over the chosen K."""
-        return self._predicted_tokens / self._predicted_s if self._predicted_s > 0 else None
+        seconds = sum(times[K] for times, K in zip(self._predicted, self.k_per_step))
+        return self._predicted_tokens / seconds if seconds > 0 else None

@@ -42,8 +42,8 @@ class Stats:
         ones and the call's last step are not counted): how far the predictions behind the choices
         were from what the steps took. speculation_gain_per_step: with ``"auto"``, per step, the
         predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
-        (:func:`specdec.adaptive.speculation_gain`: speculation starts above ``1 + min_gain``, and
-        above ``1 + hysteresis`` from plain steps; it stops below 1). Empty lists with a fixed K.
+        (:func:`specdec.adaptive.speculation_gain`, which says where speculation starts and stops).
+        Empty lists with a fixed K.
         max_batch_size: continuous batching (``generate_batch``, a manager's run): the pool's rows;
         None for ``generate()``. batch_size_reason: with ``max_batch_size="auto"``, how the rows
         were chosen (a row's bytes by part, the memory budget); None otherwise.
