@@ -322,20 +322,51 @@ def test_fused_replay_grids_reach_both_fold_launches():
 def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     """Fused (eager) replay: the step's first call folds the committed history into the checkpoint,
     every call appends at T_max + offset, and the commit moves the accepted prefix to 0.. ."""
+    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, sum(calls) + 1, None)
+
+
+#: a decoder sized for more drafts than its step (num_speculative_tokens="auto"): T_max > T, the
+#: fold sized for fold_max committed tokens (the step's own width, as the decoder sets it; or any)
+FOLD_MAX_GRID = [
+    pytest.param("mamba2", (2, 8, 16, 2), 8, 3, (2,), torch.float32, True, 5, 2, id="mamba2-T2-Tmax5-fold2-si"),
+    pytest.param("gdn", (2, 8, 16), 8, 3, (3,), torch.bfloat16, False, 9, 3, id="gdn-T3-Tmax9-fold3"),
+    pytest.param("kda", (1, 8, 16), 8, 2, (1, 2), torch.float32, False, 9, 6, id="kda-T1+2-Tmax9-fold6"),
+    pytest.param("mamba2", (2, 8, 16, 2), 8, 2, (1,), torch.float32, False, 5, 0, id="mamba2-T1-Tmax5-fold0"),
+]
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si,T_max,fold_max", FOLD_MAX_GRID)
+def test_replay_fused_fold_max(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
+    """Fused replay in a decoder sized for T_max > T with ``fold_max``: every committed history
+    of at most fold_max tokens (fold_max itself included) is folded exactly; the committed half's
+    positions past it hold garbage that must not count."""
+    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max)
+    kern = kernels(op, block)
+    gen = torch.Generator().manual_seed(3)
+    hist = random_history(op, dims, B, 2 * T_max, gen)
+    inp = step_inputs(op, dims, B, 1, dtype, gen)
+    ckpt = torch.randn(B, *op_shape(op, dims).state_shape, device=DEVICE)
+    hist_len = torch.zeros(B, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"fold_max must be in \[0, T_max = {T_max}\].*got {T_max + 1}"):
+        kern.replay_verify(ckpt, hist, hist_len, inp, op_params(op, dims, gen), 0, fused=True, fold_max=T_max + 1)
+
+
+def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
     torch.manual_seed(16)
     gen = torch.Generator().manual_seed(16)
     kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
-    T_max = T + 1  # one spare position per half: it must stay intact
+    assert T < T_max  # at least one spare position per half: it must stay intact
+    longest = T_max if fold_max is None else fold_max
     L = 2 * T_max
     S, si, rows = _layout(B, use_si, 17)
     slots = _slots(si, rows)
     ckpt = torch.randn(S, *S_shape, device=DEVICE)
     hist = random_history(op, dims, S, L, gen)  # positions >= hist_len (committed half) hold garbage that must not count
-    hist_len = torch.randint(0, T_max + 1, (S,), device=DEVICE)
+    hist_len = torch.randint(0, longest + 1, (S,), device=DEVICE)
     hist_len[slots[0]] = 0  # a row with no committed history: its checkpoint must stay bit-exact
     if len(slots) > 1:
-        hist_len[slots[1]] = T_max
+        hist_len[slots[1]] = longest
     ckpt0, hist0, len0 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}, hist_len.clone()
     s0 = OPS[op].fold(ckpt, hist, params, hist_len)  # the committed state
     idx = si.clamp(min=0) if si is not None else slice(None)
@@ -345,7 +376,8 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     for inp in inps:
         t = inp[next(iter(inp))].shape[1]
         y = nan_like(y_ref[:, off:off + t])
-        kern.replay_verify(ckpt, hist, hist_len, inp, params, off, fused=True, state_indices=si, out=y)
+        kern.replay_verify(ckpt, hist, hist_len, inp, params, off, fused=True, state_indices=si, out=y,
+                           fold_max=fold_max)
         _check_outputs(y, y_ref[:, off:off + t], rows, B, TOL[dtype], f"fused replay y (offset {off})")
         off += t
     assert torch.equal(hist_len, len0), "fused replay verify wrote hist_len"

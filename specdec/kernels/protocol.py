@@ -114,7 +114,8 @@ class RollbackKernels(Protocol):
 
     def replay_verify(self, ckpt: torch.Tensor, hist: dict, hist_len: torch.Tensor, inputs: dict, params: dict,
                       offset: int, *, fused: bool = False, state_indices: torch.Tensor | None = None,
-                      parents: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      parents: tuple | None = None, out: torch.Tensor | None = None,
+                      fold_max: int | None = None) -> torch.Tensor:
         """Replay verify: outputs from the checkpoint ``ckpt [num_slots, *S]`` and the input history
         ``hist`` (``{key: [num_slots, L, ...]}``, the keys of ``op.replay_spec``), writing no step state.
 
@@ -129,6 +130,9 @@ class RollbackKernels(Protocol):
           ``offset`` tokens (positions ``T_max ..``); appends at ``T_max + offset + j``.
           Commit: :meth:`replay_commit` (no state traffic). A fused step must be closed by that
           commit (zero tokens to discard it): the checkpoint already holds its starting state.
+          ``fold_max`` (offset 0): the most committed positions any slot's history holds
+          (``hist_len <= fold_max <= T_max``, not checked on device; None: ``T_max``): the fold
+          is sized for it, as in a decoder sized for the step.
         """
         ...
 

@@ -290,6 +290,7 @@ def _delta_rule_step_kernel(
     FOLD_LA: tl.constexpr,  # REPLAY, FUSED: history items whose loads run ahead (_fold_launch)
     FOLD_MASKED: tl.constexpr,  # REPLAY, FUSED: predicate the history loads on the committed length
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
+    FOLD_N: tl.constexpr,  # REPLAY, FUSED, FIRST: the most committed positions a slot's history holds (<= HALF)
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
@@ -347,7 +348,7 @@ def _delta_rule_step_kernel(
                 n_prev = tl.load(hist_len + i_n).to(tl.int64)
                 b_s = tl.load(p_s0 + o_kv, mask=m_kv, other=0.0)
                 b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, 0, n_prev, i_h, o_k, o_v, m_k, m_v, H, K, V,
-                                   PER_CHANNEL, HALF, FOLD_LA, FOLD_MASKED)
+                                   PER_CHANNEL, FOLD_N, FOLD_LA, FOLD_MASKED)
                 if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
                     tl.debug_barrier()  # in place: every thread has read its block before any writes back
                     tl.store(p_s0 + o_kv, b_s, mask=m_kv)
@@ -524,7 +525,7 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None):
+          parents=None, tree_loop=None, fold_max=None):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
     tree = tree_table(parents, T, offset, q.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
@@ -534,7 +535,12 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         h_k, h_g, h_u = hist
         _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
         half = replay_half(h_k.shape[1], offset, T, fused)
-    fold_la, fold_masked = fold_launch(half)
+    first = bool(fused) and offset == 0
+    fold_n = half if fold_max is None or not first else int(fold_max)
+    if not 0 <= fold_n <= half:
+        raise ValueError(f"fold_max must be in [0, T_max = {half}] (the most committed positions a slot's "
+                         f"history holds), got {fold_max}")
+    fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None,
                                        deferred=hist is not None and not fused)
@@ -550,7 +556,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         *strides,
         T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
-        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
+        FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=0 if tree_loop else min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
         num_warps=num_warps,
@@ -633,7 +639,7 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
 
 @with_common_args(_COMMON_ARGS)
 def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
-                             *, fused=False, parents=None, out=None, **tune):
+                             *, fused=False, parents=None, out=None, fold_max=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[n]`` advanced by the first
@@ -659,6 +665,11 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
             (any float dtype; fp32 keeps replay exact for u).
         hist_len: ``[N]`` int committed history length per slot (read only).
         fused: the protocol (above).
+        fold_max: ``fused=True``, ``offset == 0``: the most committed positions any slot's history
+            holds (``hist_len <= fold_max <= T_max``, not checked on device; None: T_max). The
+            in-kernel fold is unrolled for ``fold_max`` positions, so a decoder sized for more
+            drafts than the step commits (``num_speculative_tokens="auto"``) folds at the cost of
+            a decoder sized for the step. Raises ValueError outside ``[0, T_max]``.
         parents: None (a chain) or a tree of the T tokens (offset 0; token j's inputs are
             appended at position ``pos0 + j`` as for a chain). Replay writes no per-token state,
             so a token whose parent is not the token before it rebuilds its starting state in
@@ -669,7 +680,8 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
             and a read of K x V fp32 per node, the traffic replay exists to avoid).
     """
     return _step(REPLAY, ckpt, None, q, k, v, g, beta, offset=offset, hist=(hist_k, hist_g, hist_u),
-                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents, **tune)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents,
+                 fold_max=fold_max, **tune)
 
 
 def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None):
@@ -759,9 +771,10 @@ class DeltaRuleKernels(KernelSet):
         ring_commit(head, num_tokens, ring_size, state_indices)
 
     def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
-                      parents=None, out=None):
+                      parents=None, out=None, fold_max=None):
         return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
-                                        state_indices, fused=fused, parents=parents, out=out, **self._tune())
+                                        state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
+                                        **self._tune())
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
         delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens, state_indices)

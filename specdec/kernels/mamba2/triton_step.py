@@ -254,6 +254,7 @@ def _mamba2_step_kernel(
     FOLD_LA: tl.constexpr,  # REPLAY, FUSED: history items whose loads run ahead (_fold_launch)
     FOLD_MASKED: tl.constexpr,  # REPLAY, FUSED: predicate the history loads on the committed length
     HALF: tl.constexpr,  # REPLAY: FUSED: T_max (history of 2 * T_max positions); else the history length L
+    FOLD_N: tl.constexpr,  # REPLAY, FUSED, FIRST: the most committed positions a slot's history holds (<= HALF)
     PREFETCH: tl.constexpr,  # tokens whose inputs are loaded ahead of their arithmetic
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
@@ -311,7 +312,7 @@ def _mamba2_step_kernel(
                 n_prev = tl.load(hist_len + i_n).to(tl.int64)
                 b_h = tl.load(p_h0 + o_pn, mask=m_pn, other=0.0)
                 b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, 0, n_prev, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G,
-                                   HALF, FOLD_LA, FOLD_MASKED)
+                                   FOLD_N, FOLD_LA, FOLD_MASKED)
                 if n_prev > 0:  # absorb the committed history: the checkpoint is now s^(0)
                     tl.debug_barrier()  # in place: every thread has read its block before any writes back
                     tl.store(p_h0 + o_pn, b_h, mask=m_pn)
@@ -477,7 +478,7 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None):
+          parents=None, tree_loop=None, fold_max=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
     tree = tree_table(parents, T, offset, x.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
@@ -487,7 +488,12 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         h_x, h_dt, h_B = hist
         _check_hist(h_x, h_dt, h_B, H, P, G, N)
         half = replay_half(h_x.shape[1], offset, T, fused)
-    fold_la, fold_masked = fold_launch(half)
+    first = bool(fused) and offset == 0
+    fold_n = half if fold_max is None or not first else int(fold_max)
+    if not 0 <= fold_n <= half:
+        raise ValueError(f"fold_max must be in [0, T_max = {half}] (the most committed positions a slot's "
+                         f"history holds), got {fold_max}")
+    fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
                                                  tree=tree is not None)
@@ -502,7 +508,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
-        FUSED=bool(fused), FIRST=bool(fused) and offset == 0, HALF=half, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
+        FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=0 if tree_loop else prefetch,
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
         num_warps=num_warps,
@@ -585,7 +591,7 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
-                         state_indices=None, *, fused=False, parents=None, out=None, **tune):
+                         state_indices=None, *, fused=False, parents=None, out=None, fold_max=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[s]`` advanced by the first
@@ -606,6 +612,8 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
             (any float dtype able to hold the inputs exactly, e.g. the input dtype or fp32).
         hist_len: ``[num_slots]`` int committed history length per slot (read only).
         fused: the protocol (above).
+        fold_max: ``fused=True``, ``offset == 0``: the most committed positions any slot's history
+            holds (as in ``delta_rule_replay_verify``; None: T_max).
         parents: None (a chain) or a tree of the T tokens (offset 0; token j's inputs are
             appended at ``pos0 + j`` as for a chain). A token whose parent is not the token
             before it rebuilds its starting state in registers from the step's starting state
@@ -613,7 +621,8 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
             instead of a state-sized scratch buffer (see ``delta_rule_replay_verify``).
     """
     return _step(REPLAY, ckpt, None, x, dt, A, Bm, Cm, D, offset=offset, hist=(hist_x, hist_dt, hist_B),
-                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents, **tune)
+                 hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents,
+                 fold_max=fold_max, **tune)
 
 
 def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None):
@@ -691,9 +700,10 @@ class Mamba2Kernels(KernelSet):
         ring_commit(head, num_tokens, ring_size, state_indices)
 
     def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
-                      parents=None, out=None):
+                      parents=None, out=None, fold_max=None):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
-                                    offset, state_indices, fused=fused, parents=parents, out=out, **self._tune())
+                                    offset, state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
+                                    **self._tune())
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
         mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices)
