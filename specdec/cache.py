@@ -340,11 +340,37 @@ class HybridCache:
             names = sorted({layer.strategy.name for layer in self.ssm.values() if not layer.strategy.has_plain_steps})
             raise ValueError(f"rollback strategy {names} has no plain steps; strategies with them: "
                              "snapshot, replay and the in-place update of plain decoding")
+        if plain:
+            self.flush()
         for layer in self.ssm.values():
-            if plain and layer.has_recurrence:
-                layer.strategy.flush(layer.store, layer.op, layer.params)
             layer.plain = plain
         self.plain = plain
+
+    def flush(self) -> None:
+        """Flush every SSM layer's pending rollback data into its committed state
+        (:meth:`RollbackStrategy.flush`: replay folds its input history; the others hold none).
+        Changes no committed state.
+
+        Raises: ValueError when a step is open."""
+        if self.step_tokens:
+            raise ValueError(f"flush needs no open step; this step already ran {self.step_tokens} tokens")
+        for layer in self.ssm.values():
+            if layer.has_recurrence:
+                layer.strategy.flush(layer.store, layer.op, layer.params)
+
+    def set_fold_max(self, n: int | None) -> None:
+        """Promise that no row's rollback history holds more than ``n`` committed tokens when the
+        next step starts (None: no promise): fused replay then sizes the fold inside that step's
+        first verify for ``n`` tokens instead of ``max_step_tokens`` (:attr:`LayerStore.fold_max`),
+        as a decoder sized for the step's own width does. A CUDA graph captured meanwhile keeps
+        the size, so the caller keeps the promise at every replay (a step narrower than the one
+        committed before it: :meth:`flush` first). Debug mode checks it at each eager verify.
+
+        Raises: ValueError when ``n`` is not None or an int in ``[0, max_step_tokens]``."""
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_step_tokens):
+            raise ValueError(f"fold_max must be None or an int in [0, {self.max_step_tokens}], got {n!r}")
+        for layer in self.ssm.values():
+            layer.store.fold_max = n
 
     @contextlib.contextmanager
     def plain_state_kept(self):

@@ -203,6 +203,8 @@ class StaticDecoder(Decoder):
         self._graphs: dict[tuple[int, bool], _Graphs] = {}  # (step width, plain step) -> its graphs
         self._open: _Graphs | None = None  # the graphs of the open step's forward
         self._capture_failed = False  # a capture failed: every width runs without graphs
+        self._open_width = 0  # tokens of the open chain step that keeps rollback data (0: none, or plain)
+        self._history = 0  # the most committed tokens a row's rollback history may hold (_size_fold)
 
     @classmethod
     def bucket(cls, adapter, strategy, batch: int, step_tokens: int, needed_len: int, cuda_graphs: bool, tree=None):
@@ -238,6 +240,7 @@ class StaticDecoder(Decoder):
     def load(self, fresh: HybridCache) -> None:
         """Make ``fresh`` (just prefilled) the committed state: adopt it on first use (and capture
         the graphs of the full width), else copy it into the buffers the graphs point at."""
+        self._history = 0  # (a prefilled cache holds no rollback history)
         if self.cache is None:
             self.cache = fresh
             self.cache.set_tree(self.tree)
@@ -246,11 +249,28 @@ class StaticDecoder(Decoder):
         else:
             self.cache.copy_from(fresh)
 
+    def _size_fold(self, t: int, plain: bool) -> None:
+        """Before a forward (or capture) of ``t`` tokens: a chain step narrower than the decoder
+        (``num_speculative_tokens="auto"`` runs every K on one decoder sized for the largest) folds
+        replay's committed history as a decoder sized for ``t`` would
+        (:meth:`HybridCache.set_fold_max`); when the step committed before it was wider, its
+        history is flushed first (one fold per SSM layer, eagerly; at most once per change to a
+        smaller K)."""
+        c = self.cache
+        if plain or self.tree is not None or t >= self.step_tokens:
+            c.set_fold_max(None)
+            return
+        if self._history > t:
+            c.flush()
+            self._history = 0
+        c.set_fold_max(t)
+
     def _capture(self, t: int, plain: bool) -> _Graphs | None:
         """Capture the forward of ``t`` step tokens (a plain step or not) and its commit (no
         committed state changes: the warm-up commits zero tokens, and a plain step's runs inside
         :meth:`HybridCache.plain_state_kept`); on failure record why and run without graphs from now on."""
         c = self.cache
+        self._size_fold(t, plain)  # (the warm-up verifies on the committed state: its fold must fit)
         with contextlib.ExitStack() as stack:
             c.set_plain(plain)
             if plain:
@@ -319,8 +339,12 @@ class StaticDecoder(Decoder):
         graphs = self._graphs.get(key)
         if graphs is None and self.cuda_graphs and not self._capture_failed:
             graphs = self._capture(t, plain)
+        self._size_fold(t, plain)
         self._open = graphs
         self.cache.set_plain(plain)  # (entering plain mode flushes the strategies' rollback data)
+        self._open_width = 0 if plain else t
+        if plain:
+            self._history = 0
         if graphs is None:
             return self.adapter.forward(tokens, self.cache)
         graphs.ids.copy_(tokens)
@@ -331,6 +355,7 @@ class StaticDecoder(Decoder):
     def commit(self, num_tokens, path=None):
         self._check_path(path)
         graphs, self._open = self._open, None
+        self._history, self._open_width = self._open_width, 0
         if graphs is None:
             self._commit(num_tokens, path)
             return

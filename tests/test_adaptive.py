@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from helpers import MAX_NEW, assert_same_token_distribution, make_drafter, reference
-from markers import needs_cuda
+from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
@@ -125,6 +125,45 @@ def test_auto_k_through_every_width_exact(family, strategy, path, monkeypatch):
     assert len(plain_steps) == (st.k_per_step.count(0) * layers if strategy != "ring" else 0)
     assert st.decode_path == path and st.rollback == strategy and st.rollback_reason is None
     assert sd.cost_model is costs
+
+
+@needs_triton_interpreter
+def test_auto_k_fused_replay_folds_for_the_step_width(monkeypatch):
+    """Fused replay on the Triton kernels (here through the interpreter), the static path, K
+    scripted up and down: each verify narrower than the decoder folds only as many committed
+    tokens as its own width (the decoder flushes first after a wider step; SPECDEC_DEBUG checks
+    every row's history against it), and the output equals plain greedy (Mamba-2 layers; the GDN
+    and KDA kernels' fold_max against the reference in test_kernels_triton.py)."""
+    fam = "nemotron_h"
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setenv("SPECDEC_DEBUG", "1")
+    from specdec.cache import HybridCache
+    from specdec.kernels.gdn.triton_step import DeltaRuleKernels
+    from specdec.kernels.mamba2.triton_step import Mamba2Kernels
+
+    seen, flushes = [], []
+    real_flush = HybridCache.flush
+    monkeypatch.setattr(HybridCache, "flush", lambda self: flushes.append(len(seen)) or real_flush(self))
+    for cls in (DeltaRuleKernels, Mamba2Kernels):
+        def record(self, ckpt, hist, hist_len, inputs, params, offset, real=cls.replay_verify, **kw):
+            seen.append((next(iter(inputs.values())).shape[1], kw.get("fold_max")))
+            return real(self, ckpt, hist, hist_len, inputs, params, offset, **kw)
+        monkeypatch.setattr(cls, "replay_verify", record)
+    sd = specdec.wrap(get_model(fam), drafter=make_drafter("perturbed", fam), rollback="replay",
+                      num_speculative_tokens="auto", decode_path="static", cost_model=ScriptedCosts(ORDER))
+    out, ref = _generate(sd, fam)
+    assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values() if layer.has_recurrence)
+    assert torch.equal(out, ref), f"\n{out}\n{ref}"
+    ks = sd.last_stats.k_per_step
+    assert ks == ORDER[:len(ks)] and max(ks) == 8
+    assert set(seen) == {(K + 1, K + 1 if K < 8 else None) for K in set(ks) if K > 0}, set(seen)
+    # a flush before each speculative step narrower than the one before it (without it the debug
+    # check fails), besides those entering plain steps
+    narrower = [(a, b) for a, b in zip(ks, ks[1:]) if 0 < b < a]
+    assert narrower and len(flushes) >= len(narrower)
+    for bad in (10, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"fold_max must be None or an int in \[0, 9\]"):
+            sd.last_cache.set_fold_max(bad)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,10 @@ class LayerStore:
     step_tokens: int = 0  # tokens of the open step already run (uniform over rows)
     steps: int = 0  # commits so far (reported by debug-mode errors)
     state_indices: torch.Tensor | None = None
+    #: the most committed tokens any row's rollback history holds before the next step's first
+    #: forward, when its caller guarantees one (:meth:`specdec.cache.HybridCache.set_fold_max`):
+    #: fused replay sizes the fold inside its verify for that many instead of ``max_step_tokens``
+    fold_max: int | None = None
 
 
 class RollbackStrategy(abc.ABC):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import gather_rows, scatter_rows, to_slots
-from .base import LayerStore, RollbackStrategy, check_finite, check_index_bounds, debug_enabled, write_rows
+from .base import (LayerStore, RollbackStrategy, _where, check_finite, check_index_bounds, debug_enabled,
+                   write_rows)
 
 __all__ = ["ReplayRollback"]
 
@@ -159,13 +160,31 @@ class ReplayRollback(RollbackStrategy):
         start, pos = self._positions(store, hist, j, t)
         if op.kernels is not None:
             fused = self._fused(op)
-            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j, fused=fused, state_indices=si)
+            fold_max = store.fold_max if fused and j == 0 else None
+            if fold_max is not None and debug_enabled():
+                self._check_fold_max(store, fold_max)
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, j, fused=fused, state_indices=si,
+                                         fold_max=fold_max)
             if fused:
                 store.replay_fused_step = True
         else:
             y = self._torch_verify(store, op, inputs, params, hist, start, pos, None)
         store.step_tokens = j + t
         return y
+
+    @staticmethod
+    def _check_fold_max(store, fold_max: int) -> None:
+        """Raise ValueError when a row's committed history is longer than ``store.fold_max`` (the
+        fold would skip its last tokens)."""
+        si = store.state_indices
+        n = gather_rows(store.tensors["hist_len"], si)
+        if si is not None:
+            n = n * (si >= 0)
+        if bool((n > fold_max).any()):
+            row = int((n > fold_max).nonzero()[0, 0])
+            raise ValueError(f"replay: row {row}'s committed history holds {int(n[row])} tokens, more than the "
+                             f"fold_max {fold_max} set for this step ({_where(store)}): flush the cache first "
+                             "(HybridCache.flush) or leave fold_max None")
 
     def tree_verify(self, store, op, inputs, params, parents):
         t = next(iter(inputs.values())).shape[1]
