@@ -359,14 +359,15 @@ class HybridCache:
                 layer.strategy.flush(layer.store, layer.op, layer.params)
 
     def set_fold_max(self, n: int | None) -> None:
-        """Promise that no row's rollback history holds more than ``n`` committed tokens when the
-        next step starts (None: no promise): fused replay then sizes the fold inside that step's
-        first verify for ``n`` tokens instead of ``max_step_tokens`` (:attr:`LayerStore.fold_max`),
-        as a decoder sized for the step's own width does. A CUDA graph captured meanwhile keeps
-        the size, so the caller keeps the promise at every replay (a step narrower than the one
-        committed before it: :meth:`flush` first). Debug mode checks it at each eager verify.
+        """Promise that no row's rollback history holds more than ``n`` committed tokens when a
+        step starts, for every step until the next call (None: no promise): fused replay then
+        sizes the fold inside each step's first verify for ``n`` tokens instead of
+        ``max_step_tokens`` (:attr:`LayerStore.fold_max`), as a decoder sized for the step's own
+        width does. A CUDA graph captured meanwhile keeps the size, so the caller keeps the
+        promise at every replay: after a step wider than ``n``, :meth:`flush` first. Debug mode
+        checks it at each eager verify (not inside graphs); a broken promise folds too few tokens.
 
-        Raises: ValueError when ``n`` is not None or an int in ``[0, max_step_tokens]``."""
+        Raises: ValueError when ``n`` is neither None nor an int in ``[0, max_step_tokens]``."""
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_step_tokens):
             raise ValueError(f"fold_max must be None or an int in [0, {self.max_step_tokens}], got {n!r}")
         for layer in self.ssm.values():

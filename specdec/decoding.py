@@ -260,7 +260,7 @@ class StaticDecoder(Decoder):
         if plain or self.tree is not None or t >= self.step_tokens:
             c.set_fold_max(None)
             return
-        if self._history > t:
+        if self._history > t and self.strategy.sizes_fold:
             c.flush()
             self._history = 0
         c.set_fold_max(t)

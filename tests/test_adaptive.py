@@ -166,6 +166,30 @@ def test_auto_k_fused_replay_folds_for_the_step_width(monkeypatch):
             sd.last_cache.set_fold_max(bad)
 
 
+@pytest.mark.parametrize("strategy", ["replay", "replay_deferred", "snapshot"])
+def test_narrower_steps_flush_only_where_the_verify_sizes_its_fold(strategy, monkeypatch):
+    """The static decoder flushes before a step narrower than the one committed before it only
+    for eager replay (whose verify folds the history it meets, sized by fold_max); deferred
+    replay keeps its deferral and snapshot holds no history. Every step at K = 0 flushes on
+    entering plain mode, whatever the strategy."""
+    from specdec.cache import HybridCache
+    from specdec.rollback import ReplayRollback
+
+    flushes = []
+    real_flush = HybridCache.flush
+    monkeypatch.setattr(HybridCache, "flush", lambda self: flushes.append(1) or real_flush(self))
+    rollback = ReplayRollback(deferred=True) if strategy == "replay_deferred" else strategy
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=make_drafter("perturbed", "nemotron_h"), rollback=rollback,
+                      num_speculative_tokens="auto", decode_path="static", cost_model=ScriptedCosts(ORDER))
+    out, ref = _generate(sd, "nemotron_h")
+    assert torch.equal(out, ref)
+    ks = sd.last_stats.k_per_step
+    entering_plain = sum(1 for i, K in enumerate(ks) if K == 0 and (i == 0 or ks[i - 1] > 0))
+    narrower = sum(1 for a, b in zip(ks, ks[1:]) if 0 < b < a)
+    assert narrower > 0 and entering_plain > 0
+    assert len(flushes) == entering_plain + (narrower if strategy == "replay" else 0)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "auto"])

@@ -161,20 +161,21 @@ def replay_half(L: int, offset: int, T: int, fused: bool) -> int:
 
 
 def fold_launch(half: int):
-    """(lookahead, masked) of fused replay's in-kernel fold of the committed history (``T_max`` =
-    ``half`` positions).
+    """(lookahead, masked) of fused replay's in-kernel fold of the committed history, unrolled
+    over ``half`` positions (the step's first call: ``fold_max``, by default T_max; later calls
+    of a step: T_max).
 
-    * T_max <= 5 (chains of K <= 4, the settings the launch sweeps tuned): every position's
-      loads are issued at once, unmasked, ahead of the arithmetic (one memory round trip; the
-      absent ones are skipped after).
-    * Larger T_max (a step sized for more drafts than it may commit: ``num_speculative_tokens=
-      "auto"`` sizes every step for ``max_speculative_tokens``; trees of 16 .. 64 nodes, whose
-      committed history is at most the accepted path): the loads are predicated on the
-      committed length (no traffic for absent positions) with a 4-item lookahead. On an H200
-      (bf16 inputs, fp32 state, T_max = 9) that made the fused replay verify 10-20% faster
-      than issuing all nine unmasked, for 2, 4 and all 9 positions committed, Mamba-2 and GDN,
-      batch 16 and 64 -- within 2-5% of a step sized T_max = T; issuing 64 unmasked items at
-      once cost 255 registers and minutes of compile time for the 64-node tree."""
+    * ``half`` <= 5 (chains of K <= 4, and the narrower steps of ``num_speculative_tokens=
+      "auto"``, whose decoder sizes the fold for the step's own width: the settings the launch
+      sweeps tuned): every position's loads are issued at once, unmasked, ahead of the
+      arithmetic (one memory round trip; the absent ones are skipped after).
+    * Larger (steps of K >= 5, auto's widest steps; trees of 16 .. 64 nodes, whose committed
+      history is at most the accepted path): the loads are predicated on the committed length
+      (no traffic for absent positions) with a 4-item lookahead. On an H200 (bf16 inputs, fp32
+      state, T_max = 9) that made the fused replay verify 10-20% faster than issuing all nine
+      unmasked, for 2, 4 and all 9 positions committed, Mamba-2 and GDN, batch 16 and 64 --
+      within 2-5% of a step sized T_max = T; issuing 64 unmasked items at once cost 255
+      registers and minutes of compile time for the 64-node tree."""
     return (half, False) if half <= 5 else (4, True)
 
 

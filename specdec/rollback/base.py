@@ -231,6 +231,11 @@ class RollbackStrategy(abc.ABC):
     #: one-token step runs as a one-token :meth:`verify` and :meth:`commit`
     has_plain_steps: bool = False
 
+    #: whether a verify folds the committed history it meets, sized by
+    #: :attr:`LayerStore.fold_max` (fused replay): a decoder that narrows its steps flushes
+    #: (:meth:`flush`) after a wider one only for such strategies
+    sizes_fold: bool = False
+
     def plain_state(self, store: LayerStore) -> torch.Tensor:
         """The ``[num_slots, *S]`` fp32 tensor that plain steps update in place; it holds the
         committed state after :meth:`flush` (and until the next :meth:`verify`).

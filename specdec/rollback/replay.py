@@ -48,6 +48,10 @@ class ReplayRollback(RollbackStrategy):
         self.deferred = bool(deferred)
         self.history = history
 
+    @property
+    def sizes_fold(self) -> bool:
+        return not self.deferred  # (eager replay: fused on the Triton kernels, where fold_max applies)
+
     def _fused(self, op) -> bool:
         """Eager replay on fused kernels: the commit's fold runs inside the next verify."""
         return not self.deferred and op.kernels is not None

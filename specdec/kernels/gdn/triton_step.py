@@ -669,7 +669,8 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
             holds (``hist_len <= fold_max <= T_max``, not checked on device; None: T_max). The
             in-kernel fold is unrolled for ``fold_max`` positions, so a decoder sized for more
             drafts than the step commits (``num_speculative_tokens="auto"``) folds at the cost of
-            a decoder sized for the step. Raises ValueError outside ``[0, T_max]``.
+            a decoder sized for the step. Ignored by later calls of a step and without ``fused``;
+            for the first fused call, ValueError outside ``[0, T_max]``.
         parents: None (a chain) or a tree of the T tokens (offset 0; token j's inputs are
             appended at position ``pos0 + j`` as for a chain). Replay writes no per-token state,
             so a token whose parent is not the token before it rebuilds its starting state in
