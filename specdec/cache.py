@@ -202,6 +202,7 @@ class HybridCache:
         #: plain mode (:meth:`set_plain`): one-token steps that update the SSM states in place
         self.plain = False
         self._kept = 0  # depth of open plain_state_kept() blocks
+        self._fold_max: tuple = (None, 0)  # (the last set_fold_max, the SSM layers it was set on)
 
     # --- attention KV ----------------------------------------------------------------------
     def _buffers(self, layer_idx: int, like: torch.Tensor):
@@ -370,8 +371,11 @@ class HybridCache:
         Raises: ValueError when ``n`` is neither None nor an int in ``[0, max_step_tokens]``."""
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_step_tokens):
             raise ValueError(f"fold_max must be None or an int in [0, {self.max_step_tokens}], got {n!r}")
+        if self._fold_max == (n, len(self.ssm)):  # (set before every step: the layers only when it changes)
+            return
         for layer in self.ssm.values():
             layer.store.fold_max = n
+        self._fold_max = (n, len(self.ssm))
 
     @contextlib.contextmanager
     def plain_state_kept(self):
