@@ -132,8 +132,9 @@ def test_auto_k_fused_replay_folds_for_the_step_width(monkeypatch):
     """Fused replay on the Triton kernels (here through the interpreter), the static path, K
     scripted up and down: each verify narrower than the decoder folds only as many committed
     tokens as its own width (the decoder flushes first after a wider step; SPECDEC_DEBUG checks
-    every row's history against it), and the output equals plain greedy (Mamba-2 layers; the GDN
-    and KDA kernels' fold_max against the reference in test_kernels_triton.py)."""
+    every row's history against it), and the output equals plain greedy, also in a second call on
+    the kept decoder (Mamba-2 layers; the GDN and KDA kernels' fold_max against the reference in
+    test_kernels_triton.py)."""
     fam = "nemotron_h"
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     monkeypatch.setenv("SPECDEC_DEBUG", "1")
@@ -161,6 +162,8 @@ def test_auto_k_fused_replay_folds_for_the_step_width(monkeypatch):
     # check fails), besides those entering plain steps
     narrower = [(a, b) for a, b in zip(ks, ks[1:]) if 0 < b < a]
     assert narrower and len(flushes) >= len(narrower)
+    out, ref = _generate(sd, fam)  # a second call on the kept decoder (its history and promise from the first)
+    assert torch.equal(out, ref) and len(set(sd.last_stats.k_per_step)) > 3
     for bad in (10, -1, 2.0, True):
         with pytest.raises(ValueError, match=r"fold_max must be None or an int in \[0, 9\]"):
             sd.last_cache.set_fold_max(bad)
