@@ -34,6 +34,7 @@ __all__ = [
     "check_history",
     "replay_half",
     "fold_launch",
+    "fold_size",
     "tree_table",
     "runtime_tree_loop",
     "step_state_args",
@@ -158,6 +159,21 @@ def replay_half(L: int, offset: int, T: int, fused: bool) -> int:
         raise ValueError(f"fused replay needs a history of 2 * T_max positions and offset + t <= T_max; "
                          f"got L = {L}, offset {offset} + {T} tokens")
     return L // 2
+
+
+def fold_size(half: int, fold_max: int | None, first: bool) -> int:
+    """History positions a fused replay call's in-kernel fold unrolls: ``fold_max`` for a step's
+    first call when given (the most committed tokens any slot's history holds), else ``half``
+    (T_max).
+
+    Raises:
+        ValueError: ``fold_max`` outside ``[0, half]`` on a first call.
+    """
+    n = half if fold_max is None or not first else int(fold_max)
+    if not 0 <= n <= half:
+        raise ValueError(f"fold_max must be in [0, T_max = {half}] (the most committed positions a slot's "
+                         f"history holds), got {fold_max}")
+    return n
 
 
 def fold_launch(half: int):

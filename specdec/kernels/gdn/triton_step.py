@@ -56,6 +56,7 @@ from ..triton_common import (
     check_state,
     check_state_indices,
     fold_launch,
+    fold_size,
     load_slot,
     next_pow2,
     num_warps_for,
@@ -536,10 +537,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
         _check_hist(h_k, h_g, h_u, H, K, V, per_channel)
         half = replay_half(h_k.shape[1], offset, T, fused)
     first = bool(fused) and offset == 0
-    fold_n = half if fold_max is None or not first else int(fold_max)
-    if not 0 <= fold_n <= half:
-        raise ValueError(f"fold_max must be in [0, T_max = {half}] (the most committed positions a slot's "
-                         f"history holds), got {fold_max}")
+    fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None,

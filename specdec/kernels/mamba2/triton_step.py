@@ -49,6 +49,7 @@ from ..triton_common import (
     check_state,
     check_state_indices,
     fold_launch,
+    fold_size,
     load_slot,
     next_pow2,
     num_warps_for,
@@ -489,10 +490,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         _check_hist(h_x, h_dt, h_B, H, P, G, N)
         half = replay_half(h_x.shape[1], offset, T, fused)
     first = bool(fused) and offset == 0
-    fold_n = half if fold_max is None or not first else int(fold_max)
-    if not 0 <= fold_n <= half:
-        raise ValueError(f"fold_max must be in [0, T_max = {half}] (the most committed positions a slot's "
-                         f"history holds), got {fold_max}")
+    fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
