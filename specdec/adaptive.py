@@ -152,6 +152,19 @@ class PolicySettings:
 # ------------------------------------------------------------------------------ acceptance
 
 
+def _rates_on(prior, size: int, device) -> torch.Tensor:
+    """``prior`` (a float, or ``[size]`` rates on any device) as ``[size]`` fp32 on ``device``
+    without a host sync (a fill, or a copy through pinned memory: a plain host-to-device copy
+    waits for the device's queued work, e.g. a prefill)."""
+    device = torch.device(device)
+    if not isinstance(prior, torch.Tensor):
+        return torch.full((size,), float(prior), device=device)
+    prior = prior.to(torch.float32).reshape(-1)
+    if prior.device.type == "cpu" and device.type == "cuda":
+        prior = prior.pin_memory()
+    return prior.to(device, non_blocking=True).expand(size)
+
+
 class AcceptanceEstimator:
     """Per-row, per-draft-position acceptance, exponentially weighted, on the device.
 
@@ -180,8 +193,7 @@ class AcceptanceEstimator:
     """
 
     def __init__(self, batch: int, max_drafts: int, prior, weight: float, device):
-        prior = torch.as_tensor(prior, dtype=torch.float32, device=device).expand(max_drafts)
-        self.rates = prior[None, :].expand(batch, max_drafts).clone()
+        self.rates = _rates_on(prior, max_drafts, device)[None, :].expand(batch, max_drafts).clone()
         self.weight = float(weight)
         self._pos = torch.arange(max_drafts, device=device)[None, :]
         #: per position, over every update: drafts observed, and of them accepted (``[M]`` fp32)
@@ -190,7 +202,7 @@ class AcceptanceEstimator:
 
     def reset(self, prior) -> None:
         """Start again from ``prior`` (``[M]`` or a float): every row's rates and the counts, in place."""
-        self.rates.copy_(torch.as_tensor(prior, dtype=torch.float32, device=self.rates.device).expand(self.rates.shape))
+        self.rates.copy_(_rates_on(prior, self.rates.shape[1], self.rates.device).expand(self.rates.shape))
         self.observed.zero_()
         self.accepted.zero_()
 
@@ -215,13 +227,16 @@ class AcceptanceEstimator:
         later one the value this gives the position before it: a position seldom observed follows
         the one before it, the i.i.d. assumption the rates' drift makes within a call (where the
         prior would leave the drafts a call never reached at the prior, e.g. above a low
-        acceptance). No host sync."""
-        prior = torch.as_tensor(prior, dtype=torch.float32, device=self.accepted.device).reshape(-1)
-        out, towards = [], prior[0]
-        for j in range(self.accepted.shape[0]):
-            towards = (self.accepted[j] + strength * towards) / (self.observed[j] + strength)
+        acceptance). On the host (fp32 on the CPU): one read of the counts, a host sync, made
+        where a decode loop ends (its device work is done), as ``M`` device ops would cost more
+        host time there."""
+        accepted, observed = torch.stack([self.accepted, self.observed]).tolist()
+        towards = float(torch.as_tensor(prior, dtype=torch.float32).reshape(-1)[0])
+        out = []
+        for a, n in zip(accepted, observed):
+            towards = (a + strength * towards) / (n + strength)
             out.append(towards)
-        return torch.stack(out)
+        return torch.tensor(out, dtype=torch.float32)
 
     def expected_tokens(self, budget: torch.Tensor, active: torch.Tensor, until_last: bool = False) -> torch.Tensor:
         """``[M + 1]`` fp64: E(K) for K = 0..M, the tokens one step at K is expected to commit,
@@ -748,7 +763,8 @@ class SpeculationPolicy:
         settings: :class:`PolicySettings`. costs: the :class:`CostModel`. key: the call's
             :class:`CostKey`. drafter_key: names the drafter in ``costs``.
         max_speculative_tokens: M. batch: B. max_new_tokens: each row's budget.
-        prior: ``[M]`` starting acceptance rates. device: the decode loop's device.
+        prior: ``[M]`` starting acceptance rates, or a float (a tensor on the host keeps making
+            the policy free of host syncs). device: the decode loop's device.
         until_last: the call ends when its slowest row does (a fixed batch, as ``generate()``'s;
             not continuous batching, whose rows are refilled): E(K) counts the steps until then
             (:func:`expected_tokens`).
@@ -796,12 +812,15 @@ class SpeculationPolicy:
             kept.holder = weakref.ref(self)
             kept.wait()  # (a policy dropped without close() may have left a replay running)
             self.acceptance.reset(prior)
-        budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long, device=device)
-        every = torch.ones(batch, dtype=torch.bool, device=device)
+        # every row starts at the prior with the same budget: E(K) computed on the host (the
+        # estimator's function on CPU tensors), so that making the policy leaves the prefill running
+        rates = torch.as_tensor(prior, dtype=torch.float32).cpu().reshape(-1).expand(max_speculative_tokens)
+        rates, every = rates[None, :].expand(batch, -1), torch.ones(batch, dtype=torch.bool)
+        budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long)
         #: E(K), K = 0..M, the next choice maximises against the step times (with ``until_last``: per
         #: step until the slowest row ends); and the tokens one step at K is expected to commit
-        self.expected = self.acceptance.expected_tokens(budget, every, until_last).tolist()
-        self.step_expected = self.acceptance.expected_tokens(budget, every).tolist()
+        self.expected = expected_tokens(rates, budget, every, until_last, weight).tolist()
+        self.step_expected = expected_tokens(rates, budget, every, False, weight).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
         self.steps_at_zero = 0
         #: the K of every step, in order

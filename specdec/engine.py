@@ -918,7 +918,7 @@ class SpeculativeGenerator:
             policy_view = dict(predicted_step_s=policy.predicted_step_s(), measured_step_s=policy.measured_step_s(),
                                speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
-            self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the device: no sync)
+            self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the host)
             policy.close()  # (its kept update graph may serve the next call)
         else:
             k_histogram, k_per_step = [0] * K + [steps], [K] * steps
@@ -1155,8 +1155,7 @@ class SpeculativeGenerator:
         self._measure(dec, key, widths)
         dec.prepare(widths)  # graphs of widths measured on another decoder: captured now, not mid-decode
         learned = self._learned_acceptance
-        prior = (learned.to(s.input_ids.device) if learned is not None and learned.shape[0] == K
-                 else self.policy.prior_acceptance)
+        prior = learned if learned is not None and learned.shape[0] == K else self.policy.prior_acceptance
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
                                  prior, s.input_ids.device, until_last,
                                  graphs=self._policy_graphs if dec.path == "cuda_graph" else None)
