@@ -10,7 +10,9 @@ launches replayed 10 times, the median: ``kernel_timing.time_in_graph``) against
 
 * ``all, unmasked``: every one of the ``T_max`` positions' loads issued at once, unmasked;
 * ``all, masked``: the same, predicated on the committed length;
-* ``4 ahead, masked`` / ``2 ahead, masked``: a lookahead of 4 (2) positions, predicated.
+* ``4 ahead, masked`` / ``2 ahead, masked``: a lookahead of 4 (2) positions, predicated;
+* ``fold_max = T``: the library's rule with the fold sized for the step, as the static decoder
+  runs a step narrower than itself (``HybridCache.set_fold_max``).
 
 The shapes are the bench models' layers (Mamba-2: 112 heads x 64 x 128, 8 groups; GDN: 32 heads,
 128 x 128), bf16 inputs, fp32 state::
@@ -57,7 +59,7 @@ def median_us(fn, launches: int = 20, repeats: int = 10) -> float:
 SHAPES = {False: ((112, 64, 128, 8), (32, 128, 128)), True: ((4, 16, 16, 2), (2, 16, 16))}
 
 
-def mamba2_layer(B: int, T: int, t_max: int, dev, dims):
+def mamba2_layer(B: int, T: int, t_max: int, dev, dims, fold_max=None):
     """A fused replay verify of one Mamba-2 layer (its history holds T committed positions)."""
     H, P, N, G = dims
     bf = torch.bfloat16
@@ -70,10 +72,10 @@ def mamba2_layer(B: int, T: int, t_max: int, dev, dims):
     Bm, Cm = torch.randn(B, T, G, N, device=dev, dtype=bf), torch.randn(B, T, G, N, device=dev, dtype=bf)
     out = torch.empty(B, T, H, P, device=dev)
     return lambda: mamba2_step.mamba2_replay_verify(ckpt, hx, hdt, hB, hist_len, x, dt, A, Bm, Cm, D, fused=True,
-                                                    out=out)
+                                                    out=out, fold_max=fold_max)
 
 
-def gdn_layer(B: int, T: int, t_max: int, dev, dims):
+def gdn_layer(B: int, T: int, t_max: int, dev, dims, fold_max=None):
     """A fused replay verify of one GDN layer (its history holds T committed positions)."""
     H, K, V = dims
     L = 2 * t_max
@@ -85,7 +87,8 @@ def gdn_layer(B: int, T: int, t_max: int, dev, dims):
     k, v = q.clone(), torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
     g, beta = -torch.rand(B, T, H, device=dev) * 0.1, torch.rand(B, T, H, device=dev)
     out = torch.empty(B, T, H, V, device=dev)
-    return lambda: gdn_step.delta_rule_replay_verify(ckpt, hk, hg, hu, hist_len, q, k, v, g, beta, fused=True, out=out)
+    return lambda: gdn_step.delta_rule_replay_verify(ckpt, hk, hg, hu, hist_len, q, k, v, g, beta, fused=True, out=out,
+                                                    fold_max=fold_max)
 
 
 def main(argv=None) -> int:
@@ -108,8 +111,9 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (not a timing)"
     print(f"# fused replay verify, one layer, microseconds (median), {where}, "
           f"T_max = {t_max}; library rule: {mamba2_step.fold_launch(t_max)}\n")
-    print("| op | batch | T = committed | sized T_max = T | " + " | ".join(RULES) + " |")
-    print("|---|---:|---:|---:|" + "---:|" * len(RULES))
+    hints = ("fold_max = T",)
+    print("| op | batch | T = committed | sized T_max = T | " + " | ".join([*RULES, *hints]) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * (len(RULES) + len(hints)))
     for name, layer, module in (("mamba2", mamba2_layer, mamba2_step), ("gdn", gdn_layer, gdn_step)):
         rule = module.fold_launch
         for B in (int(b) for b in args.batches.split(",")):
@@ -122,6 +126,7 @@ def main(argv=None) -> int:
                         cells.append(median_us(layer(B, T, t_max, dev, shapes[name])))
                     finally:
                         module.fold_launch = rule
+                cells.append(median_us(layer(B, T, t_max, dev, shapes[name], fold_max=T)))
                 print(f"| {name} | {B} | {T} | {sized:.1f} | " + " | ".join(f"{c:.1f}" for c in cells) + " |",
                       flush=True)
     return 0

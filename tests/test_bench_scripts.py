@@ -153,10 +153,11 @@ def test_profile_adaptive_cpu(tmp_path):
 
 def test_fold_launch_tiny_cpu(tmp_path):
     """benchmarks/fold_launch.py on tiny layers through Triton's interpreter: one row per op,
-    batch and T, a column per launch rule, and the library's rule for the T_max asked."""
+    batch and T, a column per launch rule and one with the fold sized for the step, and the
+    library's rule for the T_max asked."""
     lines = _run("fold_launch.py", "--device", "cpu", "--tiny", "--batches", "2", "--t-max", "6", "--steps", "2",
                  tmp_path=tmp_path, TRITON_INTERPRET="1")
     assert "library rule: (4, True)" in _line(lines, "# fused replay verify")
     for op in ("mamba2", "gdn"):
         cells = _line(lines, f"| {op} | 2 | 2 |").strip("|").split("|")
-        assert len(cells) == 8 and all(float(c) > 0 for c in cells[3:])
+        assert len(cells) == 9 and all(float(c) > 0 for c in cells[3:])
