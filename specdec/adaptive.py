@@ -853,6 +853,12 @@ class SpeculationPolicy:
         self._predicted_tokens += self.step_expected[K]
         return K
 
+    @property
+    def upcoming_k(self) -> int | None:
+        """The K :meth:`next_k` will return, where :meth:`before_sync` chose it (None before
+        that): the decode loop proposes for it before the step's sync."""
+        return None if self._ahead is None else self._ahead[0]
+
     def _decide(self) -> tuple[int, int, int, list[float], float]:
         """(K of the next step, the K settled on, steps at K = 0 so far, the step times, the
         :func:`speculation_gain` they give) from the values and costs held now; changes nothing

@@ -9,7 +9,9 @@ One loop body (:meth:`SpeculativeGenerator._decode`) runs every call: chains and
 either :class:`~specdec.decoding.Decoder` (eager: dynamic shapes; static: fixed shapes,
 optionally CUDA graphs). Acceptance, EOS, the budget, the text buffer and the statistics stay
 on the device; the step's one host sync reads whether every row has finished (with the
-drafter-output checks and, for a streamer, row 0's new tokens). HF features that work token by
+drafter-output checks and, for a streamer, row 0's new tokens); in a fixed batch the next step's
+proposal is launched before that sync, after the step has committed, so that the host's work of
+proposing overlaps the device's (:func:`overlap_proposals`). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
 :class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import os
 import re
 import time
 
@@ -59,6 +62,13 @@ _IN_PLACE = InPlaceUpdate()
 #: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
 #: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
+
+
+def overlap_proposals() -> bool:
+    """Whether a fixed batch's decode loop makes each step's proposal before the last step's
+    sync (``SPECDEC_OVERLAP``, default on; ``0`` makes every proposal after the sync, as a
+    baseline to time it against). The outputs are the same either way."""
+    return os.environ.get("SPECDEC_OVERLAP", "1") not in ("0", "false", "False", "")
 
 
 def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> PrefixCache | None:
@@ -797,27 +807,27 @@ class SpeculativeGenerator:
         finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
         done = all(finished)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
-        while True:
-            if pool is not None:  # admission: finished rows take the next requests (continuous batching)
-                live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter, first_requests)
-                first_requests, done, grown = None, not live, max(grown, longest)
-                clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
-            if done:
-                break
-            first_mark = clock.marks
-            K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
+        # the next step's proposal is made before this step's sync where nothing the sync brings can
+        # change it: a fixed batch (no admissions) whose next K is known on the host
+        overlap = pool is None and drafter is not None and overlap_proposals()
+
+        def propose(K_step: int):
+            """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
+            (device work only: it may run before the last step's sync)."""
+            nonlocal grown
             bound, grown = min(rows.text.shape[1], grown), grown + W
             active = ~rows.finished  # the rows that run this step
             # drafts each row may use: its budget after the pending token (>= 0 for a live row, which has n_gen
             # < max_new; clamped all the same, as chain_drafts and the histogram need it)
             budget = (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
+            counts, w = None, 0
             if tree is not None:
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
                 errors = proposal_errors(nodes, None, V)
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts, width = nodes.clamp(0, V - 1), T
-            elif proposed := drafter is not None and K_step > 0:
+            elif drafter is not None and K_step > 0:
                 drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                 K_step), B, K_step)
                 counts, w = counts.to(dev).long(), drafts.shape[1]
@@ -827,6 +837,26 @@ class SpeculativeGenerator:
             else:
                 k, errors = no_drafts, no_errors
                 drafts, width = empty, 1
+            return K_step, active, budget, drafts, k, errors, width, counts, w
+
+        ready = None  # the next step's inputs, made before this step's sync (overlap)
+        while True:
+            if pool is not None:  # admission: finished rows take the next requests (continuous batching)
+                live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter, first_requests)
+                first_requests, done, grown = None, not live, max(grown, longest)
+                clock.lap("prefill")  # (the newcomers' prefill is not the step's drafting)
+            if done:
+                break
+            first_mark = clock.marks
+            K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
+            if ready is None:
+                ready = propose(K_step)
+            elif isinstance(ready, Exception):
+                raise ready
+            (K_ready, active, budget, drafts, k, errors, width, counts, w), ready = ready, None
+            if K_ready != K_step:  # (the K known before the sync must be the one the step runs)
+                raise RuntimeError(f"the proposal made before the sync asked for {K_ready} drafts, the step {K_step}")
+            proposed = counts is not None
             clock.lap("draft")
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
@@ -881,6 +911,12 @@ class SpeculativeGenerator:
                     policy.before_sync(expected, clock, first_mark)
                 elif expected is not None:
                     read = torch.cat([read.double(), expected])
+            if overlap and (policy is None or ahead):  # the next step's proposal, launched while the device runs
+                try:  # this one; unused, with any error it raised, if this step ends the call
+                    ready = propose(K if policy is None else policy.upcoming_k)
+                except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
+                    ready = err
+                clock.lap("draft")
             synced = read.tolist()  # the step's one host sync
             if expected is not None and not ahead:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specdec.drafters import NGramDrafter
 from specdec.drafters.base import chain_drafts
 from specdec.engine import _Rows
 from specdec.verify import greedy_accept
@@ -131,3 +132,64 @@ def test_append_is_the_per_token_definition(eos, seed):
         assert rows.finished.tolist() == finished
         for b in range(B):
             assert rows.text[b, :lengths[b]].tolist() == text[b][:lengths[b]]
+
+
+# ------------------------------------------------- the next proposal, made before the step's sync
+
+
+class _Counting(NGramDrafter):
+    """The n-gram drafter, counting its proposals; raises ``fail`` at proposal number ``fail_at``."""
+
+    def __init__(self, fail_at=None, fail=None):
+        super().__init__()
+        self.calls, self.fail_at, self.fail = 0, fail_at, fail
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.fail
+        return super().propose(input_ids, lengths, num_speculative_tokens)
+
+
+def _overlap_run(monkeypatch, overlap: str, drafter, path, **kw):
+    import specdec
+    from helpers import reference
+    from tiny_models import get_model
+
+    monkeypatch.setenv("SPECDEC_OVERLAP", overlap)
+    ids, mask, eos, _ = reference("nemotron_h")
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=drafter, num_speculative_tokens=3, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos, **kw)
+    return out, sd.last_stats
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_the_next_proposal_is_made_before_the_sync(monkeypatch, path):
+    """With the overlap (default) a fixed batch proposes once more than it steps (the proposal
+    for the step after the last, made before the last sync and dropped), without it once per
+    step; greedy and sampled outputs (one generator) are the same either way: the proposals
+    see the same text and draw in the same order."""
+    from helpers import reference
+
+    expected = reference("nemotron_h")[3]
+    runs = {}
+    for overlap in ("1", "0"):
+        greedy = _Counting()
+        out, stats = _overlap_run(monkeypatch, overlap, greedy, path)
+        assert torch.equal(out, expected)
+        assert greedy.calls == stats.steps + (overlap == "1")
+        sampled = _Counting()
+        g = torch.Generator().manual_seed(3)
+        runs[overlap] = _overlap_run(monkeypatch, overlap, sampled, path, do_sample=True, temperature=1.3,
+                                     generator=g)[0]
+        assert sampled.calls >= 1
+    assert torch.equal(runs["1"], runs["0"])
+
+
+def test_an_error_of_a_proposal_made_ahead_is_raised_when_its_step_runs(monkeypatch):
+    """A drafter error in a proposal made before the sync is raised if its step runs (here the
+    third proposal of a call that runs more steps), as it would be without the overlap."""
+    failing = _Counting(fail_at=3, fail=ValueError("drafter broke at its third proposal"))
+    with pytest.raises(ValueError, match="third proposal"):
+        _overlap_run(monkeypatch, "1", failing, "static")
+    assert failing.calls == 3

@@ -60,6 +60,15 @@ class Drafter(abc.ABC):
             ``(draft_tokens [B, K] int64, num_draft_tokens [B] int64)`` with
             ``0 <= num_draft_tokens[i] <= K``; only the first ``num_draft_tokens[i]`` of row i
             are used. Zero drafts make that row's step a plain decode step.
+
+        When it is called: in ``generate()`` (a fixed batch; ``SPECDEC_OVERLAP=0`` turns this
+        off) the proposal of a step is made right after the step before has committed and
+        before that step's host sync, so that its launches overlap the device's work; once per
+        call it is therefore made for a step that never runs (the call ended at the sync
+        before): its drafts are dropped, and so is an error it raises (a drafter past the end
+        of its reference text, say). Continuous batching proposes after each step's sync and
+        admissions. The inputs are the same either way: the text every earlier step
+        committed.
         """
 
     def start(self, *, target_vocab_size: int, batch_size: int, device, sampling=None, generator=None,
