@@ -862,3 +862,20 @@ def test_summary_groups_the_gpus_of_one_run_and_counts_near_ties():
     (cpu,) = summarize([{**base, "device": "cpu", "exact": True, "near_tie": None}])
     assert cpu["exact"] == "yes" and cpu["near_tie"] is None
     assert len(summarize(recs + [{**base, "device": "cpu", "exact": True}])) == 2  # a device sweep keeps its rows
+
+
+def test_bench_times_each_point_with_and_without_the_overlap(tmp_path: Path):
+    """experiment.overlap=[true,false]: each point twice against one plain run, the proposals made
+    before and after the step's sync (the same outputs), a summary row for each; a bad value is
+    refused before anything runs."""
+    cfg = _cfg(["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[0.8]", "rollback=replay",
+                "max_new_tokens=9", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=1",
+                "experiment.overlap=[true,false]"] + TINY_SHAPE + CPU)
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["rollback"], r["overlap"], r["exact"]) for r in records] == [("replay", True, True),
+                                                                            ("replay", False, True)]
+    assert records[0]["plain_decode_tokens_per_s"] == records[1]["plain_decode_tokens_per_s"]  # one plain run
+    header, rows = _table((tmp_path / "summary.md").read_text())
+    assert "overlap" in header and len(rows) == 2
+    with pytest.raises(ValueError, match="experiment.overlap"):
+        run_experiment(_cfg(["experiment=bench", "experiment.overlap=[]"] + TINY_SHAPE + CPU), tmp_path / "bad")

@@ -13,7 +13,10 @@ applies (``draft_model`` where the target has a draft model; ``oracle`` once per
    (:func:`.e2e.plain_reference`); the plain output is the reference of every speculative row
    and the text the :class:`specdec.drafters.OracleDrafter` proposes (each token corrupted with
    probability 1 - a, so the acceptance is known);
-2. ``specdec.wrap(...).generate()`` with each rollback strategy (:func:`.e2e.speculative_point`).
+2. ``specdec.wrap(...).generate()`` with each rollback strategy (:func:`.e2e.speculative_point`),
+   once per value of ``experiment.overlap`` (default ``[true]``; ``[true, false]`` also times
+   each point with every proposal made after the step's sync, ``SPECDEC_OVERLAP=0``, the
+   record's ``overlap``), side by side against the same plain run.
 
 Every run takes ``experiment.decode_path`` (``auto``: CUDA graphs on CUDA). Every timing is
 ``repeats`` calls after one untimed call of the same shape (it compiles the kernels and
@@ -37,6 +40,8 @@ top kernels.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -49,6 +54,20 @@ __all__ = ["run", "drafter_runs"]
 
 #: drafters the benchmark runs (Medusa heads run in experiment=acceptance)
 BENCH_DRAFTERS = ("ngram", "draft_model", "oracle", "mtp")
+
+
+@contextlib.contextmanager
+def _overlapping(on: bool):
+    """``SPECDEC_OVERLAP`` set to ``on`` inside the block (the engine reads it per call), then restored."""
+    before = os.environ.get("SPECDEC_OVERLAP")
+    os.environ["SPECDEC_OVERLAP"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SPECDEC_OVERLAP"]
+        else:
+            os.environ["SPECDEC_OVERLAP"] = before
 
 
 def drafter_runs(cfg, spec) -> list[tuple[str, float | None]]:
@@ -105,6 +124,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     path = str(exp.decode_path)
     batches = [int(b) for b in exp.batch_grid]
     strategies = [str(s) for s in cfg.rollback.strategies]
+    overlaps = list(exp.get("overlap", [True]))
+    if not overlaps or any(not isinstance(o, bool) for o in overlaps):
+        raise ValueError(f"experiment.overlap must be a non-empty list of true / false, got {overlaps}")
     plan = {str(spec.name): drafter_runs(cfg, spec) for spec in cfg.model.targets}
     if not any(plan.values()):
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))}: no selected model has a draft model "
@@ -114,7 +136,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     log = RunRecords(out_dir)
     copy_GBps = copy_bandwidth(device) / 1e9 if device.type == "cuda" else None
     profiles: list[str] = []
-    total = sum(len(p) for p in plan.values()) * len(batches) * len(strategies)
+    total = sum(len(p) for p in plan.values()) * len(batches) * len(strategies) * len(overlaps)
     bar = None
     for spec in cfg.model.targets:
         runs = plan[str(spec.name)]
@@ -154,19 +176,21 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab,
                                   "mtp_compile": bool(cfg.drafter.get("mtp_compile", False))}
                     shown = "mtp" if vocab is None else f"mtp-vocab:{vocab}"  # as experiment=acceptance names it
-                for strategy in strategies:
+                for strategy, overlap in ((st, o) for st in strategies for o in overlaps):
                     drafter = make_drafter(cfg, drafter_name, draft, **drafter_args)
                     if hasattr(drafter, "proposal_bytes") and K != "auto":  # the MTP drafter: its proposal's floor
                         nbytes = drafter.proposal_bytes(K)
                         mtp_fields.update(draft_bytes=nbytes,
                                           draft_floor_ms=1e3 * nbytes / (copy_GBps * 1e9) if copy_GBps else None)
-                    e = speculative_point(model, enc, drafter=drafter,
-                                          strategy=strategy, K=K, max_new=max_new,
-                                          pad=pad, device=device, dtype=dtype, plain=plain,
-                                          reference=plain.plain_out, repeats=repeats, warmup=bool(exp.warmup),
-                                          check_state=False, decode_path=path)
+                    with _overlapping(overlap):
+                        e = speculative_point(model, enc, drafter=drafter,
+                                              strategy=strategy, K=K, max_new=max_new,
+                                              pad=pad, device=device, dtype=dtype, plain=plain,
+                                              reference=plain.plain_out, repeats=repeats, warmup=bool(exp.warmup),
+                                              check_state=False, decode_path=path)
                     rec = {**common_fields(cfg, "bench", spec, device, dtype), "drafter": shown,
-                           "acceptance": acceptance, "rollback": strategy, "batch": B, "num_speculative_tokens": K,
+                           "acceptance": acceptance, "rollback": strategy, "overlap": overlap, "batch": B,
+                           "num_speculative_tokens": K,
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
                            "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields, **e}
@@ -176,12 +200,14 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                         sd = specdec.wrap(model, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
                                           rollback=strategy, num_speculative_tokens=K, decode_path=path)
                         label = shown if acceptance is None else f"{shown} a={acceptance}"
-                        fields, section = _profiled(sd, enc, max_new, pad, device,
-                                                    f"{spec.name}, batch {B}, {label}, {strategy}")
+                        with _overlapping(overlap):
+                            fields, section = _profiled(sd, enc, max_new, pad, device,
+                                                        f"{spec.name}, batch {B}, {label}, {strategy}"
+                                                        + ("" if overlap else ", proposals after the sync"))
                         rec.update(fields)
                         profiles.append(section)
                     log.add(rec, f"{spec.name} B={B} {shown}{'' if acceptance is None else f' a={acceptance}'} "
-                                 f"{strategy}: decode {e['decode_tokens_per_s']:.1f} tokens/s "
+                                 f"{strategy}{'' if overlap else ' (proposals after the sync)'}: decode {e['decode_tokens_per_s']:.1f} tokens/s "
                                  f"({e['decode_speedup']:.2f}x plain), {e['diverged_rows']} diverged rows")
         del model, draft
         release(device)

@@ -197,6 +197,8 @@ class BenchExperiment:
     ignore_eos: bool = _doc(False, "clear the target's EOS token: every row runs max_new_tokens")
     profile: bool = _doc(False, "one more generate() per point under torch.profiler (profile.md)")
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
+    overlap: List[bool] = _doc(help="per point, the next proposal made before the step's sync (true) and/or after "
+                                    "it (false: SPECDEC_OVERLAP=0), timed side by side", factory=lambda: [True])
 
 
 @dataclass

@@ -424,7 +424,7 @@ SECTIONS = {
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
-SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate")
+SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "overlap")
 
 
 def _experiment(r: dict) -> str:
