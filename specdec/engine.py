@@ -912,6 +912,8 @@ class SpeculativeGenerator:
                 elif expected is not None:
                     read = torch.cat([read.double(), expected])
             if overlap and (policy is None or ahead):  # the next step's proposal, launched while the device runs
+                if not ahead:
+                    clock.lap("bookkeeping")  # (the flags above; ahead, already lapped)
                 try:  # this one; unused, with any error it raised, if this step ends the call
                     ready = propose(K if policy is None else policy.upcoming_k)
                 except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
