@@ -30,6 +30,7 @@ import numbers
 import os
 import re
 import time
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -62,6 +63,25 @@ _IN_PLACE = InPlaceUpdate()
 #: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
 #: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
+
+
+class _StepInputs(NamedTuple):
+    """What one step verifies, made by the decode loop's ``propose`` (with the overlap, before
+    the sync of the step before): the K asked for; per row ``[B]``: running, draft budget,
+    drafts used ``k``; the drafts ``[B, width - 1]``, the drafter-output error flags, the
+    forward's width, the drafter's raw counts (None: no chain proposal) and width ``w``, and the
+    step's tokens ``[B, width]`` (pending token, drafts)."""
+
+    K: int
+    active: torch.Tensor
+    budget: torch.Tensor
+    drafts: torch.Tensor
+    k: torch.Tensor
+    errors: torch.Tensor
+    width: int
+    counts: torch.Tensor | None
+    w: int
+    tokens: torch.Tensor
 
 
 def overlap_proposals() -> bool:
@@ -811,7 +831,7 @@ class SpeculativeGenerator:
         # change it: a fixed batch (no admissions) whose next K is known on the host
         overlap = pool is None and drafter is not None and overlap_proposals()
 
-        def propose(K_step: int):
+        def propose(K_step: int) -> _StepInputs:
             """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
             (device work only: it may run before the last step's sync)."""
             nonlocal grown
@@ -837,7 +857,8 @@ class SpeculativeGenerator:
             else:
                 k, errors = no_drafts, no_errors
                 drafts, width = empty, 1
-            return K_step, active, budget, drafts, k, errors, width, counts, w
+            tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)  # [pending, drafts]
+            return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
 
         ready = None  # the next step's inputs, made before this step's sync (overlap)
         while True:
@@ -853,12 +874,11 @@ class SpeculativeGenerator:
                 ready = propose(K_step)
             elif isinstance(ready, Exception):
                 raise ready
-            (K_ready, active, budget, drafts, k, errors, width, counts, w), ready = ready, None
+            (K_ready, active, budget, drafts, k, errors, width, counts, w, tokens), ready = ready, None
             if K_ready != K_step:  # (the K known before the sync must be the one the step runs)
                 raise RuntimeError(f"the proposal made before the sync asked for {K_ready} drafts, the step {K_step}")
             proposed = counts is not None
             clock.lap("draft")
-            tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             scores = hook.process(logits, tokens, rows.n_gen, tree) if hook else logits
             if tree is not None:
