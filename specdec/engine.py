@@ -9,9 +9,10 @@ One loop body (:meth:`SpeculativeGenerator._decode`) runs every call: chains and
 either :class:`~specdec.decoding.Decoder` (eager: dynamic shapes; static: fixed shapes,
 optionally CUDA graphs). Acceptance, EOS, the budget, the text buffer and the statistics stay
 on the device; the step's one host sync reads whether every row has finished (with the
-drafter-output checks and, for a streamer, row 0's new tokens); in a fixed batch the next step's
-proposal is launched before that sync, after the step has committed, so that the host's work of
-proposing overlaps the device's (:func:`overlap_proposals`). HF features that work token by
+drafter-output checks and, for a streamer, row 0's new tokens); in a fixed batch whose next K is
+known on the host (a fixed K, or ``"auto"`` choosing before the sync) the next step's proposal is
+launched before that sync, after the step has committed, so that the host's work of proposing
+overlaps the device's (:func:`overlap_proposals`). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
 :class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
@@ -89,6 +90,24 @@ def overlap_proposals() -> bool:
     sync (``SPECDEC_OVERLAP``, default on; ``0`` makes every proposal after the sync, as a
     baseline to time it against). The outputs are the same either way."""
     return os.environ.get("SPECDEC_OVERLAP", "1") not in ("0", "false", "False", "")
+
+
+def _random_state(generator, device) -> tuple:
+    """What a proposal may draw from, saved: the call's ``generator`` (if any), torch's CPU
+    generator and, on CUDA, the device's default generator (host copies; no device sync)."""
+    dev = torch.device(device)
+    return (generator, None if generator is None else generator.get_state(), torch.get_rng_state(), dev,
+            torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+
+def _restore_random_state(saved: tuple) -> None:
+    """Put back what :func:`_random_state` saved."""
+    generator, state, cpu, dev, cuda = saved
+    if generator is not None:
+        generator.set_state(state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, dev)
 
 
 def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> PrefixCache | None:
@@ -873,7 +892,8 @@ class SpeculativeGenerator:
             if ready is None:
                 ready = propose(K_step)
             elif isinstance(ready, Exception):
-                raise ready
+                err, ready = ready, None  # (no reference cycle through this frame)
+                raise err
             (K_ready, active, budget, drafts, k, errors, width, counts, w, tokens), ready = ready, None
             if K_ready != K_step:  # (the K known before the sync must be the one the step runs)
                 raise RuntimeError(f"the proposal made before the sync asked for {K_ready} drafts, the step {K_step}")
@@ -934,6 +954,7 @@ class SpeculativeGenerator:
             if overlap and (policy is None or ahead):  # the next step's proposal, launched while the device runs
                 if not ahead:
                     clock.lap("bookkeeping")  # (the flags above; ahead, already lapped)
+                drawn = _random_state(s.generator, dev)  # (put back if its step never runs)
                 try:  # this one; unused, with any error it raised, if this step ends the call
                     ready = propose(K if policy is None else policy.upcoming_k)
                 except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
@@ -963,6 +984,9 @@ class SpeculativeGenerator:
                 policy.after_sync(int(live_rows))
             elif policy is not None:
                 policy.after_step(expected, clock, first_mark, int(live_rows))
+        if ready is not None:  # the proposal for a step that never ran: dropped, its random draws undone
+            ready = None
+            _restore_random_state(drawn)
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()

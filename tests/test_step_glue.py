@@ -193,3 +193,71 @@ def test_an_error_of_a_proposal_made_ahead_is_raised_when_its_step_runs(monkeypa
     with pytest.raises(ValueError, match="third proposal"):
         _overlap_run(monkeypatch, "1", failing, "static")
     assert failing.calls == 3
+
+
+def test_the_dropped_proposal_leaves_the_random_state_as_without_the_overlap(monkeypatch):
+    """A sampling draft model draws from the call's generator (or torch's global one): the
+    proposal made before the last sync, dropped, has its draws put back, so the generator after
+    the call, a second call with it, and torch's global stream afterwards are as without the
+    overlap."""
+    import specdec
+    from helpers import reference
+    from tiny_models import get_model
+
+    from specdec.drafters import DraftModelDrafter
+
+    ids, mask, _, _ = reference("qwen3_5")
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=1.3, pad_token_id=0)
+    runs = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_OVERLAP", overlap)
+        sd = specdec.wrap(get_model("qwen3_5"), drafter=DraftModelDrafter(get_model("qwen3_5", "perturbed")),
+                          num_speculative_tokens=3)
+        g = torch.Generator().manual_seed(7)
+        first = sd.generate(ids, generator=g, **kw)
+        state = g.get_state().clone()
+        second = sd.generate(ids, generator=g, **kw)
+        torch.manual_seed(11)
+        third, fourth = sd.generate(ids, **kw), sd.generate(ids, **kw)
+        runs[overlap] = (first, state, second, third, fourth, torch.rand(3))
+    for a, b in zip(runs["1"], runs["0"]):
+        assert torch.equal(a, b)
+
+
+def test_a_dropped_error_keeps_nothing_alive():
+    """The error of the proposal for a step that never ran is dropped without a reference cycle
+    through the decode loop: what its frame held is freed when generate() returns, no garbage
+    collection needed."""
+    import gc
+    import weakref
+
+    import specdec
+    from helpers import reference
+    from tiny_models import get_model
+
+    class PastTheEnd(NGramDrafter):
+        calls, held = 0, None
+
+        def propose(self, input_ids, lengths, num_speculative_tokens):
+            self.calls += 1
+            if self.calls == self.stop:  # the proposal made before the last sync
+                scratch = torch.ones(1024)
+                self.held = weakref.ref(scratch)
+                raise RuntimeError("past the end of the text")
+            return super().propose(input_ids, lengths, num_speculative_tokens)
+
+    ids, mask, eos, expected = reference("nemotron_h")
+    kw = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
+    probe = _Counting()
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=probe, num_speculative_tokens=3)
+    sd.generate(ids, **kw)
+    drafter = PastTheEnd()
+    drafter.stop = probe.calls  # the last proposal of the same call
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=drafter, num_speculative_tokens=3)
+    gc.disable()
+    try:
+        out = sd.generate(ids, **kw)
+        assert torch.equal(out, expected) and drafter.calls == drafter.stop
+        assert drafter.held is not None and drafter.held() is None
+    finally:
+        gc.enable()

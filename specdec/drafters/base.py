@@ -16,7 +16,8 @@ class Drafter(abc.ABC):
     """Proposes up to K draft tokens per row each step.
 
     Only :meth:`propose` is required. The engine calls :meth:`start` once per ``generate()``
-    (before the first proposal) and reads :meth:`draft_probs` after each proposal when sampling.
+    (before the first proposal) and, when sampling, reads :meth:`draft_probs` after the verify
+    of each step that drafted (before the next proposal).
 
     Tree drafting (:mod:`specdec.tree`): a drafter whose ``tree`` attribute is a
     :class:`specdec.tree.TreeSpec` is asked instead for :meth:`propose_tree`, the tokens of the
@@ -61,14 +62,18 @@ class Drafter(abc.ABC):
             ``0 <= num_draft_tokens[i] <= K``; only the first ``num_draft_tokens[i]`` of row i
             are used. Zero drafts make that row's step a plain decode step.
 
-        When it is called: in ``generate()`` (a fixed batch; ``SPECDEC_OVERLAP=0`` turns this
-        off) the proposal of a step is made right after the step before has committed and
-        before that step's host sync, so that its launches overlap the device's work; once per
-        call it is therefore made for a step that never runs (the call ended at the sync
-        before): its drafts are dropped, and so is an error it raises (a drafter past the end
-        of its reference text, say). Continuous batching proposes after each step's sync and
-        admissions. The inputs are the same either way: the text every earlier step
-        committed.
+        When it is called: in ``generate()`` (a fixed batch, with a fixed K or where
+        ``num_speculative_tokens="auto"`` chose the next K before the sync: the CUDA-graph
+        path; ``SPECDEC_OVERLAP=0`` turns this off) the proposal of a step is made right after
+        the step before has committed and before that step's host sync, so that its launches
+        overlap the device's work. At most once per call it is therefore made for a step that
+        never runs (the call ended at that sync): its drafts are dropped, so is an error it
+        raises (a drafter past the end of its reference text, say), and the engine puts back
+        the random state it drew from (the call's ``generator`` and torch's default
+        generators); state the drafter keeps itself has seen one more proposal, so reset it
+        in :meth:`start`. Otherwise (continuous batching; ``"auto"`` off the CUDA-graph path)
+        it proposes after each step's sync. The inputs are the same either way: the text
+        every earlier step committed.
         """
 
     def start(self, *, target_vocab_size: int, batch_size: int, device, sampling=None, generator=None,
