@@ -1143,3 +1143,22 @@ def test_bad_adaptive_settings_fail_clearly():
         OracleDrafter(ids, acceptance=[0.5, 0.9])
     with pytest.raises(ValueError, match="acceptance must be in"):
         OracleDrafter(ids, mask, acceptance=[0.5, 1.2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_auto_mtp_on_the_static_path_exact(family):
+    """MTP layers with K chosen per step on the static decode path (each width in ORDER, up to
+    the most drafts, after a first step at a smaller one): the proposals run eagerly, as the
+    fixed-K program's buffers are for one K; the output equals plain greedy decoding's."""
+    from test_generate_batch_drafters import mtp_target
+    from tiny_models import ragged_prompts
+
+    target, layers = mtp_target(family)
+    ids, mask = ragged_prompts(batch=2)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    drafter = MTPDrafter(target, layers)
+    sd = specdec.wrap(target, drafter=drafter, num_speculative_tokens="auto", max_speculative_tokens=8,
+                      decode_path="static", cost_model=ScriptedCosts(ORDER))
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert len({K for K in sd.last_stats.k_per_step if K}) >= 3 and drafter.last_path == "eager"

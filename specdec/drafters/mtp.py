@@ -43,7 +43,8 @@ layer 0's; a layer j > 0 sees its own speculative entries (and older, stale ones
 Drafting is a chain (greedy, or sampled with :meth:`draft_probs` as q for lossless rejection
 sampling) or a draft tree in Medusa's path format (``tree=``): the chain of top-1 tokens is run
 and node ``p`` holds the rank ``p[-1]`` token of step ``len(p)``'s distribution, as Medusa heads
-fill a tree. On the engine's static / CUDA-graph decode path each proposal after the first is one
+fill a tree. On the engine's static / CUDA-graph decode path, with a fixed K (with
+``num_speculative_tokens="auto"`` proposals run eagerly), each proposal after the first is one
 fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
 graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`, its norms and MLPs
 fused as the target's are. With ``compile_proposal=True`` the program is compiled whole with
@@ -516,6 +517,7 @@ class MTPDrafter(Drafter):
         #: compile each captured proposal whole before capturing it (see the class)
         self.compile_proposal = compile_proposal
         self._path = "eager"
+        self._adaptive = False  # K changes per step: the fixed-K static program does not apply
         self._static = None  # _StaticMTP of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
@@ -610,6 +612,15 @@ class MTPDrafter(Drafter):
     def set_decode_path(self, path: str) -> None:
         self._path = path
 
+    def set_speculation(self, max_speculative_tokens: int, adaptive: bool) -> None:
+        self._adaptive = bool(adaptive)
+
+    @property
+    def _static_proposals(self) -> bool:
+        """Whether proposals run the fixed-shape program (static / CUDA-graph path, a fixed K: the
+        program and its buffers are for one K; with K chosen per step they run eagerly)."""
+        return self._path != "eager" and not self._adaptive
+
     def _reset(self):
         self.cache = None
         self._prompt = None  # (hidden [B, L, D], attention_mask [B, L]) until the first proposal
@@ -665,7 +676,7 @@ class MTPDrafter(Drafter):
         last = self._fill(fresh, input_ids, hidden_states, attention_mask)
         cache.reset_rows(rows, fresh)
         st = self._static
-        if st is not None and self._path != "eager":  # into the buffers the captured program reads
+        if st is not None and self._static_proposals:  # into the buffers the captured program reads
             st.hidden[rows, :1] = last.to(st.hidden.dtype)
             st.num[rows] = 1
         else:
@@ -689,7 +700,7 @@ class MTPDrafter(Drafter):
 
     def observe_tokens(self, hidden_states: torch.Tensor, num_tokens: torch.Tensor) -> None:
         st = self._static
-        if st is not None and self._path != "eager":  # into the buffers the captured program reads
+        if st is not None and self._static_proposals:  # into the buffers the captured program reads
             st.hidden[:, : hidden_states.shape[1]].copy_(hidden_states)
             st.num.copy_(num_tokens)
         else:
@@ -718,12 +729,12 @@ class MTPDrafter(Drafter):
     def _propose(self, text, lengths, K, greedy, tree=None):
         """Greedy: the drafts ``[B, K]`` (a tree: its node tokens ``[B, N-1]``); sampling:
         ``(drafts [B, K], probs [B, K, V])``."""
-        first = self.cache is None if self._path == "eager" else self._calls == 0
+        first = self._calls == 0 if self._static_proposals else self.cache is None
         if first and self._prompt is None:
             raise RuntimeError("MTPDrafter.propose() before observe_prompt(): the engine must pass the target's "
                                "prompt hidden states (Drafter.wants_all_hidden_states)")
         pick = self._argmax if greedy else self._sample
-        if self._path != "eager":
+        if self._static_proposals:
             return self._propose_static(text, lengths, K, pick, tree)
         self.last_path = "eager"
         if first:
