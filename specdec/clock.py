@@ -35,6 +35,11 @@ class StepClock:
         self._marks.append(mark)
         self._phases.append(phase)
 
+    def relabel(self, mark: int, phase) -> None:
+        """Count the lap that ended at mark ``mark`` (``marks - 1`` right after its :meth:`lap`)
+        as ``phase`` instead."""
+        self._phases[mark] = phase
+
     @property
     def marks(self) -> int:
         """Marks so far (the first is the clock's start); a lap adds one."""

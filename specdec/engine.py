@@ -960,6 +960,7 @@ class SpeculativeGenerator:
                 except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
                     ready = err
                 clock.lap("draft")
+                drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
             synced = read.tolist()  # the step's one host sync
             if expected is not None and not ahead:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
@@ -987,6 +988,7 @@ class SpeculativeGenerator:
         if ready is not None:  # the proposal for a step that never ran: dropped, its random draws undone
             ready = None
             _restore_random_state(drawn)
+            clock.relabel(drafted_at, "dropped proposal")  # (in the wall time, not in a step's)
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
