@@ -106,8 +106,13 @@ class SpeculativeCache(Cache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
-    def activate_past_recording(self):
-        """Nothing to do: every token since the last crop can be rolled back."""
+    def activate_past_recording(self, **kwargs):
+        """Nothing to do: every token since the last crop can be rolled back (transformers'
+        ``recurrent_states_to_keep`` and other options do not apply)."""
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: the rollback store keeps what a crop needs; transformers' layers record no states."""
+        return 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (a positive value is the absolute length
