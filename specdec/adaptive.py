@@ -160,9 +160,9 @@ def _rates_on(prior, size: int, device) -> torch.Tensor:
     if not isinstance(prior, torch.Tensor):
         return torch.full((size,), float(prior), device=device)
     prior = prior.to(torch.float32).reshape(-1)
-    if prior.device.type == "cpu" and device.type == "cuda":
-        prior = prior.pin_memory()
-    return prior.to(device, non_blocking=True).expand(size)
+    if prior.device.type == "cpu" and device.type == "cuda":  # (to the host: a plain, waiting copy)
+        return prior.pin_memory().to(device, non_blocking=True).expand(size)
+    return prior.to(device).expand(size)
 
 
 class AcceptanceEstimator:
@@ -814,8 +814,8 @@ class SpeculationPolicy:
             self.acceptance.reset(prior)
         # every row starts at the prior with the same budget: E(K) computed on the host (the
         # estimator's function on CPU tensors), so that making the policy leaves the prefill running
-        rates = torch.as_tensor(prior, dtype=torch.float32).cpu().reshape(-1).expand(max_speculative_tokens)
-        rates, every = rates[None, :].expand(batch, -1), torch.ones(batch, dtype=torch.bool)
+        rates = _rates_on(prior, max_speculative_tokens, "cpu")[None, :].expand(batch, -1)
+        every = torch.ones(batch, dtype=torch.bool)
         budget = torch.full((batch,), max(0, max_new_tokens - 1), dtype=torch.long)
         #: E(K), K = 0..M, the next choice maximises against the step times (with ``until_last``: per
         #: step until the slowest row ends); and the tokens one step at K is expected to commit

@@ -40,8 +40,8 @@ top kernels.
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -56,18 +56,9 @@ __all__ = ["run", "drafter_runs"]
 BENCH_DRAFTERS = ("ngram", "draft_model", "oracle", "mtp")
 
 
-@contextlib.contextmanager
 def _overlapping(on: bool):
     """``SPECDEC_OVERLAP`` set to ``on`` inside the block (the engine reads it per call), then restored."""
-    before = os.environ.get("SPECDEC_OVERLAP")
-    os.environ["SPECDEC_OVERLAP"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["SPECDEC_OVERLAP"]
-        else:
-            os.environ["SPECDEC_OVERLAP"] = before
+    return mock.patch.dict(os.environ, {"SPECDEC_OVERLAP": "1" if on else "0"})
 
 
 def drafter_runs(cfg, spec) -> list[tuple[str, float | None]]:
