@@ -3,7 +3,7 @@ measured, with the oracle drafter's acceptance drawn on the host: what would aut
 how would it fare against every fixed K, for policy settings the GPU has not run?
 
 The policy is :class:`specdec.adaptive.SpeculationPolicy` itself (its acceptance estimator,
-``choose_k``, hysteresis, ``min_gain``, probes), driven with :class:`specdec.adaptive.FixedCosts`:
+``choose_k``, hysteresis and its sum, ``min_gain``, probes), driven with :class:`specdec.adaptive.FixedCosts`:
 the step time at K is the fastest strategy's ``decode_ms_per_step`` at that K in the run (K = 0:
 the run's plain ``plain_decode_ms_per_step``), linear between the measured K. Each row accepts
 each draft with the workload's probability, independently, until the first rejection (as
@@ -87,12 +87,12 @@ def main(argv=None) -> None:
     p.add_argument("--per-step", action="store_true",
                    help="E(K) per step, as continuous batching uses it (default: until the batch's slowest row ends, "
                         "as generate() does)")
-    for name in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis"):
+    for name in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis", "hysteresis_sum"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     args = p.parse_args(argv)
     records = [json.loads(line) for line in open(args.results)]
     given = {k: getattr(args, k) for k in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance",
-                                          "hysteresis") if getattr(args, k) is not None}
+                                          "hysteresis", "hysteresis_sum") if getattr(args, k) is not None}
     settings = replace(PolicySettings(), **given)
     workloads = sorted({r["acceptance"] for r in records if isinstance(r.get("acceptance"), (int, float))})
     share = max(1, args.max_new // max(1, len(args.phases)))

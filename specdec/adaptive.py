@@ -21,7 +21,11 @@ decoding through the same engine (the drafter is not called).
 
 * **hysteresis**: the current K is kept unless K* is predicted faster by more than
   ``hysteresis`` (default 5%), so measurement noise does not switch between step widths (each
-  width of the static path is its own captured CUDA graph) every step;
+  width of the static path is its own captured CUDA graph) every step; a smaller gain that
+  persists moves it too: once the predicted gains of the steps' K* over the current K, summed
+  over consecutive steps in which the current K was not the best, pass ``hysteresis_sum``
+  (default 0.2: a steady 4% after five steps), so the band cannot hold a K a few percent slower
+  for a whole call;
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
   more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
@@ -96,7 +100,11 @@ class PolicySettings:
             observed, in [0, 1]: a drafter's first call starts from it, later calls with the same
             drafter from what it showed over the last call (:meth:`AcceptanceEstimator.overall`).
         hysteresis: keep the current K unless another is predicted faster by more than this
-            fraction (>= 0).
+            fraction (>= 0), or (``hysteresis_sum``) by less, but for long enough.
+        hysteresis_sum: leave the current K for the best one also once the best's predicted
+            gains over it (``rate(best) / rate(current) - 1``), summed over the consecutive steps in
+            which the current K was not the best, pass this (>= 0, or ``math.inf``: never; the
+            sum restarts when the current K is the best again or the K changes).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
             faster than plain decoding (K = 0) by more than this fraction (>= 0); speculation
             that runs stops when predicted slower than K = 0 (:func:`choose_k`).
@@ -117,6 +125,7 @@ class PolicySettings:
     acceptance_batch: int = 8
     prior_acceptance: float = 0.6
     hysteresis: float = 0.05
+    hysteresis_sum: float = 0.2
     min_gain: float = 0.05
     probe_interval: int = 8
     probe_budget: float = 0.01
@@ -137,7 +146,7 @@ class PolicySettings:
                 bad(name, "in (0, 1]")
         if not 0.0 <= float(self.prior_acceptance) <= 1.0:
             bad("prior_acceptance", "in [0, 1]")
-        for name in ("hysteresis", "min_gain"):
+        for name in ("hysteresis", "hysteresis_sum", "min_gain"):
             if not float(getattr(self, name)) >= 0.0:
                 bad(name, ">= 0")
         for name in ("probe_interval", "calibration_repeats", "acceptance_batch"):
@@ -823,6 +832,7 @@ class SpeculationPolicy:
         self.step_expected = expected_tokens(rates, budget, every, False, weight).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
         self.steps_at_zero = 0
+        self.held_gain = 0.0  # the best K's predicted gains over ``current``, summed while the hysteresis held it
         #: the K of every step, in order
         self.k_per_step: list[int] = []
         self._predicted_tokens = 0.0
@@ -846,7 +856,7 @@ class SpeculationPolicy:
     def next_k(self) -> int:
         """The K of the next step (host side; no device work): the one :meth:`before_sync` chose
         ahead, or chosen now."""
-        (K, self.current, self.steps_at_zero, times, gain), self._ahead = self._ahead or self._decide(), None
+        (K, self.current, self.steps_at_zero, self.held_gain, times, gain), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
         self.gain_per_step.append(gain)
         self._predicted.append(times)
@@ -859,12 +869,20 @@ class SpeculationPolicy:
         that): the decode loop proposes for it before the step's sync."""
         return None if self._ahead is None else self._ahead[0]
 
-    def _decide(self) -> tuple[int, int, int, list[float], float]:
-        """(K of the next step, the K settled on, steps at K = 0 so far, the step times, the
-        :func:`speculation_gain` they give) from the values and costs held now; changes nothing
-        (:meth:`next_k` takes it). With a kept graph it runs before the step's sync."""
-        times = self.step_times()
-        current = choose_k(self.expected, times, self.current, self.settings.hysteresis, self.settings.min_gain)
+    def _decide(self) -> tuple[int, int, int, float, list[float], float]:
+        """(K of the next step, the K settled on, steps at K = 0 so far, the summed gains the
+        hysteresis held back (see ``hysteresis_sum``), the step times, the :func:`speculation_gain`
+        they give) from the values and costs held now; changes nothing (:meth:`next_k` takes it).
+        With a kept graph it runs before the step's sync."""
+        times, expected, settings = self.step_times(), self.expected, self.settings
+        current = choose_k(expected, times, self.current, settings.hysteresis, settings.min_gain)
+        held = 0.0
+        if current == self.current and math.isfinite(settings.hysteresis_sum):  # held: by how much?
+            best = choose_k(expected, times, current, 0.0, settings.min_gain)
+            if best != current and expected[current] > 0:
+                held = self.held_gain + (expected[best] / times[best]) / (expected[current] / times[current]) - 1.0
+                if held > settings.hysteresis_sum:
+                    current, held = best, 0.0
         K, at_zero = current, self.steps_at_zero
         if K == 0:
             at_zero += 1
@@ -872,7 +890,7 @@ class SpeculationPolicy:
                 K = 1  # probe: observe acceptance again
         else:
             at_zero = 0
-        return K, current, at_zero, times, speculation_gain(self.expected, times)
+        return K, current, at_zero, held, times, speculation_gain(self.expected, times)
 
     def probe_every(self, times: list[float]) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at

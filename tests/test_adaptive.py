@@ -720,6 +720,28 @@ def test_choose_k_maximises_goodput_with_hysteresis():
                 assert choose_k(expected, times, current, 0.05, gain) == want, (current, gain)
 
 
+def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
+    """A K the hysteresis holds gives way once the best K's predicted gains over it, summed over
+    consecutive steps, pass ``hysteresis_sum``: a steady 3% gain (inside the 5% band) moves K = 1
+    to K = 2 at the 7th step (0.2 / 0.03); a gain that comes and goes (K = 1 the best every other
+    step) never adds up; with ``math.inf`` the band holds for good."""
+    def run(settings, expected_at):
+        policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0), CostKey("eager", "replay", 1), None,
+                                   2, 1, 1000, 0.6, "cpu")
+        policy.current = 1  # settled on K = 1
+        ks = []
+        for step in range(10):
+            policy.expected = expected_at(step)  # E(K), K = 0..2, as an update would leave them
+            ks.append(policy.next_k())
+        return ks
+
+    steady = [1.0, 1.2, 1.2 * 1.03]
+    assert run(PolicySettings(), lambda step: steady) == [1] * 6 + [2] * 4
+    assert run(PolicySettings(), lambda step: steady if step % 2 else [1.0, 1.2, 1.1]) == [1] * 10
+    assert run(PolicySettings(hysteresis_sum=math.inf), lambda step: steady) == [1] * 10
+    assert run(PolicySettings(hysteresis_sum=0.0), lambda step: steady) == [2] * 10  # no band at all
+
+
 def test_speculation_starts_above_the_margin_and_stops_below_plain():
     """The band between min_gain and K = 0: a rate 3% above plain neither starts nor stops speculation."""
     times = [1.0, 1.0]
@@ -940,8 +962,8 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     order = [0, 0, 1, 1, 0, 0, 0]
     script = iter(order)
     monkeypatch.setattr(specdec.adaptive, "choose_k", lambda *a: next(script))  # the K of each step, scripted
-    policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1), costs, key, DrafterKey(False),
-                               2, 2, 100, 0.6, "cpu")
+    policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1, hysteresis_sum=math.inf),
+                               costs, key, DrafterKey(False), 2, 2, 100, 0.6, "cpu")  # (one choose_k a step)
     plain = [("draft", 0.2), ("verify", 1.0), ("rollback", 0.0), ("bookkeeping", 0.0)]
     spec = [("draft", 0.3), ("verify", 1.4), ("rollback", 0.2), ("bookkeeping", 0.0)]
     flush = [("draft", 0.2), ("verify", 3.2), ("rollback", 0.0), ("bookkeeping", 0.0)]
@@ -1124,8 +1146,8 @@ def test_bad_adaptive_settings_fail_clearly():
         specdec.wrap(model, num_speculative_tokens="auto", cost_model={"K": 1})
     with pytest.raises(TypeError, match="policy must be a specdec.adaptive.PolicySettings"):
         specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
-    for field, value in (("hysteresis", -0.1), ("min_gain", -0.01), ("probe_budget", 0.0), ("probe_interval", 0),
-                         ("acceptance_weight", 0.0),
+    for field, value in (("hysteresis", -0.1), ("hysteresis_sum", -0.5), ("min_gain", -0.01), ("probe_budget", 0.0),
+                         ("probe_interval", 0), ("acceptance_weight", 0.0),
                          ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0)):
         with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
             PolicySettings(**{field: value})
