@@ -420,6 +420,10 @@ class CostModel(abc.ABC):
         """The recorded bytes of ``key``'s rollback buffers (None: not known)."""
         return None
 
+    def calibrated_s(self, key: CostKey, K: int) -> float | None:
+        """The measured verify + commit of width K + 1 for ``key`` (seconds; None: not measured)."""
+        return None
+
     def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
         """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
 
@@ -847,6 +851,7 @@ class SpeculationPolicy:
         #: was chosen (:func:`speculation_gain`: where speculation starts and stops)
         self.gain_per_step: list[float] = []
         self._predicted: list[list[float]] = []  # per step, the seconds of a step at each K when its K was chosen
+        self._expected_seen: list[list[float]] = []  # per step, the E(K) its K was chosen by
         self._measured: dict[int, list[float]] = {}  # K -> [seconds, steps] of this call's steps the costs took
 
     def step_times(self) -> list[float]:
@@ -860,6 +865,7 @@ class SpeculationPolicy:
         self.k_per_step.append(K)
         self.gain_per_step.append(gain)
         self._predicted.append(times)
+        self._expected_seen.append(self.expected)
         self._predicted_tokens += self.step_expected[K]
         return K
 
@@ -1099,6 +1105,20 @@ class SpeculationPolicy:
         if not self._predicted:
             return self.step_times()
         return [sum(col) / len(self._predicted) for col in zip(*self._predicted)]
+
+    def expected_tokens_seen(self) -> list[float]:
+        """Per K = 0..M, the mean over this call's steps of the E(K) each step's K was chosen by
+        (with ``until_last``: the tokens per step until the slowest row ends): with
+        :meth:`predicted_step_s`, the goodput the choices compared."""
+        if not self._expected_seen:
+            return list(self.expected)
+        return [sum(col) / len(self._expected_seen) for col in zip(*self._expected_seen)]
+
+    def calibrated_step_s(self) -> list[float | None]:
+        """Per K = 0..M, the cost model's measured verify + commit of width K + 1 alone (None: not
+        measured; :meth:`CostModel.calibrated_s`): what :meth:`predicted_step_s` adds the online
+        refinements and the drafter's time to, for a K the call did not run."""
+        return [self.costs.calibrated_s(self.key, K) for K in range(self.max_k + 1)]
 
     def measured_step_s(self) -> list[float | None]:
         """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none

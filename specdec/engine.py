@@ -1000,6 +1000,8 @@ class SpeculativeGenerator:
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
             policy_view = dict(predicted_step_s=policy.predicted_step_s(), measured_step_s=policy.measured_step_s(),
+                               calibrated_step_s=policy.calibrated_step_s(),
+                               expected_tokens=policy.expected_tokens_seen(),
                                speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the host)

@@ -40,7 +40,11 @@ class Stats:
         step's K was chosen, and the mean of the call's own steps at K that the cost model took
         (None where none did: a K's first step in a call, the first plain step after speculative
         ones and the call's last step are not counted): how far the predictions behind the choices
-        were from what the steps took. speculation_gain_per_step: with ``"auto"``, per step, the
+        were from what the steps took. calibrated_step_s: with ``"auto"``, per K, the measured
+        verify + commit of width K + 1 alone, which the prediction for a K not run refines (None:
+        not measured, e.g. with ``FixedCosts``). expected_tokens: with ``"auto"``, per K, the mean
+        over the call's steps of the tokens a step at K was expected to commit when each step's
+        K was chosen (a fixed batch: per step until its slowest row ends). speculation_gain_per_step: with ``"auto"``, per step, the
         predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
         (:func:`specdec.adaptive.speculation_gain`, which says where speculation starts and stops).
         Empty lists with a fixed K.
@@ -76,6 +80,8 @@ class Stats:
     measured_tokens_per_s: float | None = None
     predicted_step_s: list = field(default_factory=list)
     measured_step_s: list = field(default_factory=list)
+    calibrated_step_s: list = field(default_factory=list)
+    expected_tokens: list = field(default_factory=list)
     speculation_gain_per_step: list = field(default_factory=list)
     max_batch_size: int | None = None
     batch_size_reason: str | None = None

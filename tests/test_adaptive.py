@@ -373,6 +373,7 @@ def test_work_after_the_sync_counts_in_the_next_window_not_the_draft(monkeypatch
     # steps 0-2 (step 1 is taken in before_sync of step 2, which chooses step 3), then 7 s
     assert policy.measured_step_s() == [None, None, pytest.approx(0.3 + 1.4 + 0.2 + 0.1 + 5.0)]
     assert policy.predicted_step_s()[2] == pytest.approx((3 * 1.0 + 2 * 7.0) / 5)
+    assert policy.calibrated_step_s() == [1.0, 1.0, 1.0]  # the widths alone, as recorded
 
 
 def test_engine_chooses_before_the_sync_with_a_kept_update(monkeypatch):
@@ -515,6 +516,11 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     for K, (n, t) in enumerate(zip(st.k_histogram, st.measured_step_s)):
         assert (t is None) if n == 0 else (t is None or t > 0), (K, n, t)
     assert any(t is not None for t in st.measured_step_s)
+    assert st.calibrated_step_s == [None] * 9  # given costs: nothing measured
+    # E(K) behind the choices, averaged over the steps: one token at K = 0 per live row, and more
+    # for longer drafts (the oracle's drafts all right after the first 10 tokens)
+    assert len(st.expected_tokens) == 9 and 0 < st.expected_tokens[0] <= 3
+    assert all(a < b for a, b in zip(st.expected_tokens, st.expected_tokens[1:]))
 
 
 def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
