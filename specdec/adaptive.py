@@ -28,6 +28,11 @@ decoding through the same engine (the drafter is not called).
   for a whole call;
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
   more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
+* **measuring a neighbour**: a width next to the current K (K - 1 or K + 1) whose step time the
+  costs only calibrated, never measured in a real step (:meth:`CostModel.measured`), runs in
+  place of K while its predicted goodput is within ``hysteresis`` of K's, until a real step has
+  measured it (``measure_neighbours``): a calibration a few percent off would otherwise hold the
+  policy off a faster width for good, since only a width that runs is refined;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
   step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes;
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
@@ -105,6 +110,9 @@ class PolicySettings:
             gains over it (``rate(best) / rate(current) - 1``), summed over the consecutive steps in
             which the current K was not the best, pass this (>= 0, or ``math.inf``: never; the
             sum restarts when the current K is the best again or the K changes).
+        measure_neighbours: run a width next to the current K whose cost was only calibrated
+            while its predicted goodput is within ``hysteresis`` of K's, until a real step has
+            measured it (see the module docstring).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
             faster than plain decoding (K = 0) by more than this fraction (>= 0); speculation
             that runs stops when predicted slower than K = 0 (:func:`choose_k`).
@@ -126,6 +134,7 @@ class PolicySettings:
     prior_acceptance: float = 0.6
     hysteresis: float = 0.05
     hysteresis_sum: float = 0.2
+    measure_neighbours: bool = True
     min_gain: float = 0.05
     probe_interval: int = 8
     probe_budget: float = 0.01
@@ -153,6 +162,8 @@ class PolicySettings:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
                 bad(name, "an int >= 1")
+        if not isinstance(self.measure_neighbours, bool):
+            bad("measure_neighbours", "a bool")
         budget = self.memory_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0):
             bad("memory_budget_bytes", "None or an int >= 0")
@@ -424,6 +435,11 @@ class CostModel(abc.ABC):
         """The measured verify + commit of width K + 1 for ``key`` (seconds; None: not measured)."""
         return None
 
+    def measured(self, key: CostKey, K: int) -> bool:
+        """Whether real steps at K refined :meth:`step_s` for ``key`` (a model that learns nothing
+        from real steps: True, nothing is left to measure)."""
+        return True
+
     def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
         """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
 
@@ -518,6 +534,9 @@ class MeasuredCosts(CostModel):
 
     def leave_s(self, key):
         return self._leave.get(key, 0.0)
+
+    def measured(self, key, K):
+        return (key, K) in self._target
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
         """The calibrated verify + commit of width K + 1 (seconds), or None."""
@@ -896,7 +915,18 @@ class SpeculationPolicy:
                 K = 1  # probe: observe acceptance again
         else:
             at_zero = 0
+            if settings.measure_neighbours:
+                K = self._neighbour_to_measure(K, expected, times)
         return K, current, at_zero, held, times, speculation_gain(self.expected, times)
+
+    def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
+        """K, or the width next to it (K - 1 or K + 1, >= 1; the better predicted of two) whose
+        cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's."""
+        def rate(k):
+            return expected[k] / times[k]
+        near = [k for k in (K - 1, K + 1) if 1 <= k <= self.max_k and not self.costs.measured(self.key, k)
+                and rate(k) * (1.0 + self.settings.hysteresis) >= rate(K)]
+        return max(near, key=rate, default=K)
 
     def probe_every(self, times: list[float]) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at

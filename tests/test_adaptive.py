@@ -748,6 +748,29 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
     assert run(PolicySettings(hysteresis_sum=0.0), lambda step: steady) == [2] * 10  # no band at all
 
 
+def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
+    """A width next to the current K whose cost is only calibrated runs in its place while its
+    predicted goodput is within the hysteresis of K's (3% below here), until a real step has
+    measured it; one predicted 10% below does not, nor any with measure_neighbours off."""
+    def policy_at(expected_2, **settings):
+        costs, key, dk = MeasuredCosts(), CostKey("eager", "replay", 1), DrafterKey(False)
+        for T in (1, 2, 3):
+            costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+        costs.observe(key, dk, 1, 0.0, 1.0)  # K = 1 ran: measured (and no gap to its calibration)
+        policy = SpeculationPolicy(PolicySettings(**settings), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
+        policy.current, policy.expected = 1, [1.0, 1.5, 1.5 * expected_2]
+        return policy, costs, key, dk
+
+    policy, costs, key, dk = policy_at(0.97)
+    assert policy.step_times() == pytest.approx([1.0, 1.0, 1.0])
+    assert not costs.measured(key, 2) and costs.measured(key, 1)
+    assert [policy.next_k(), policy.next_k()] == [2, 2] and policy.current == 1  # measuring, not settled
+    costs.observe(key, dk, 2, 0.0, 1.0)  # (what the policy's step windows feed in a real loop)
+    assert policy.next_k() == 1
+    assert policy_at(0.90)[0].next_k() == 1
+    assert policy_at(0.97, measure_neighbours=False)[0].next_k() == 1
+
+
 def test_speculation_starts_above_the_margin_and_stops_below_plain():
     """The band between min_gain and K = 0: a rate 3% above plain neither starts nor stops speculation."""
     times = [1.0, 1.0]
@@ -1153,7 +1176,7 @@ def test_bad_adaptive_settings_fail_clearly():
     with pytest.raises(TypeError, match="policy must be a specdec.adaptive.PolicySettings"):
         specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
     for field, value in (("hysteresis", -0.1), ("hysteresis_sum", -0.5), ("min_gain", -0.01), ("probe_budget", 0.0),
-                         ("probe_interval", 0), ("acceptance_weight", 0.0),
+                         ("probe_interval", 0), ("acceptance_weight", 0.0), ("measure_neighbours", 1),
                          ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0)):
         with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
             PolicySettings(**{field: value})
