@@ -27,7 +27,11 @@ decoding through the same engine (the drafter is not called).
   (default 0.2: a steady 4% after five steps), so the band cannot hold a K a few percent slower
   for a whole call;
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
-  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
+  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0, and (as a move
+  inside the hysteresis) once the predicted gains of stopping, summed over consecutive steps,
+  pass ``hysteresis_sum``: a dip of the acceptance estimate for a step or two does not stop a
+  speculation worth a few percent (which would then resume only above ``min_gain``), a drop
+  of the acceptance does at once (a gain of 20% or more);
 * **measuring a neighbour**: a width next to the current K (K - 1 or K + 1) whose step time the
   costs only calibrated, never measured in a real step (:meth:`CostModel.measured`), runs in
   place of K while its predicted goodput is within ``hysteresis`` of K's, until a real step has
@@ -109,7 +113,8 @@ class PolicySettings:
         hysteresis_sum: leave the current K for the best one also once the best's predicted
             gains over it (``rate(best) / rate(current) - 1``), summed over the consecutive steps in
             which the current K was not the best, pass this (>= 0, or ``math.inf``: never; the
-            sum restarts when the current K is the best again or the K changes).
+            sum restarts when the current K is the best again or the K changes); a speculating
+            K stops (K = 0 predicted faster) only once such a sum passes it, too.
         measure_neighbours: run a width next to the current K whose cost was only calibrated
             while its predicted goodput is within ``hysteresis`` of K's, until a real step has
             measured it (see the module docstring).
@@ -901,13 +906,19 @@ class SpeculationPolicy:
         With a kept graph it runs before the step's sync."""
         times, expected, settings = self.step_times(), self.expected, self.settings
         current = choose_k(expected, times, self.current, settings.hysteresis, settings.min_gain)
-        held = 0.0
-        if current == self.current and math.isfinite(settings.hysteresis_sum):  # held: by how much?
-            best = choose_k(expected, times, current, 0.0, settings.min_gain)
-            if best != current and expected[current] > 0:
-                held = self.held_gain + (expected[best] / times[best]) / (expected[current] / times[current]) - 1.0
+        held, last = 0.0, self.current
+        if last is not None and math.isfinite(settings.hysteresis_sum):
+            if current == last:  # the band held it: by how much?
+                target = choose_k(expected, times, last, 0.0, settings.min_gain)
+            elif last > 0 and current == 0:  # a stop: held as well, until its gains add up
+                target, current = 0, last
+            else:  # a move the band lets through
+                target = last
+            if target != last:
+                held = (math.inf if expected[last] <= 0 else
+                        self.held_gain + (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0)
                 if held > settings.hysteresis_sum:
-                    current, held = best, 0.0
+                    current, held = target, 0.0
         K, at_zero = current, self.steps_at_zero
         if K == 0:
             at_zero += 1

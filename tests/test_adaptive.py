@@ -518,9 +518,10 @@ def test_policy_goes_to_plain_decoding_and_speculates_again(family):
     assert any(t is not None for t in st.measured_step_s)
     assert st.calibrated_step_s == [None] * 9  # given costs: nothing measured
     # E(K) behind the choices, averaged over the steps: one token at K = 0 per live row, and more
-    # for longer drafts (the oracle's drafts all right after the first 10 tokens)
+    # with drafts (the oracle's drafts all right after the first 10 tokens; counted until the
+    # slowest row ends, E(K) need not grow with every further draft)
     assert len(st.expected_tokens) == 9 and 0 < st.expected_tokens[0] <= 3
-    assert all(a < b for a, b in zip(st.expected_tokens, st.expected_tokens[1:]))
+    assert all(e > st.expected_tokens[0] for e in st.expected_tokens[1:])
 
 
 def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
@@ -730,7 +731,7 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
     """A K the hysteresis holds gives way once the best K's predicted gains over it, summed over
     consecutive steps, pass ``hysteresis_sum``: a steady 3% gain (inside the 5% band) moves K = 1
     to K = 2 at the 7th step (0.2 / 0.03); a gain that comes and goes (K = 1 the best every other
-    step) never adds up; with ``math.inf`` the band holds for good."""
+    step) never adds up; with ``math.inf`` the band holds for good. Speculation stops the same way."""
     def run(settings, expected_at):
         policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0), CostKey("eager", "replay", 1), None,
                                    2, 1, 1000, 0.6, "cpu")
@@ -746,6 +747,13 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
     assert run(PolicySettings(), lambda step: steady if step % 2 else [1.0, 1.2, 1.1]) == [1] * 10
     assert run(PolicySettings(hysteresis_sum=math.inf), lambda step: steady) == [1] * 10
     assert run(PolicySettings(hysteresis_sum=0.0), lambda step: steady) == [2] * 10  # no band at all
+    # stopping: K = 0 predicted 2% faster stops speculation at the 10th step (0.2 / 0.0204), a
+    # dip every other step never, a drop of 43% at once, and without the sum at once, too
+    slower = [1.0, 0.98, 0.9]
+    assert run(PolicySettings(), lambda step: slower) == [1] * 9 + [0]
+    assert run(PolicySettings(), lambda step: slower if step % 2 else [1.0, 1.02, 0.9]) == [1] * 10
+    assert run(PolicySettings(), lambda step: [1.0, 0.7, 0.5])[0] == 0
+    assert run(PolicySettings(hysteresis_sum=math.inf), lambda step: slower)[0] == 0
 
 
 def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
