@@ -275,6 +275,11 @@ class AcceptanceEstimator:
 #: once set, :meth:`SpeculationPolicy._capture` captures the update unfused at once
 _FUSED_UPDATE_FAILED: list[str | None] = [None]
 
+#: the most steps a call runs at a width next to its K to measure that width's cost
+#: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, and
+#: with the choice made before the sync the step after the counted one is chosen before it is in
+MEASURING_STEPS = 3
+
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
 
@@ -868,6 +873,7 @@ class SpeculationPolicy:
         self._live_estimated: int | None = None  # ... when the values held were computed
         self._pending = False  # a side-stream update ran whose values were not read yet
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
+        self._measuring: dict[int, int] = {}  # K -> steps run at it in this call to measure a neighbour
         # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
         self._last: tuple | None = None
         self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
@@ -891,6 +897,8 @@ class SpeculationPolicy:
         self._predicted.append(times)
         self._expected_seen.append(self.expected)
         self._predicted_tokens += self.step_expected[K]
+        if self.current and K != self.current:  # (a probe from K = 0 is not a neighbour's)
+            self._measuring[K] = self._measuring.get(K, 0) + 1
         return K
 
     @property
@@ -932,10 +940,15 @@ class SpeculationPolicy:
 
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
         """K, or the width next to it (K - 1 or K + 1, >= 1; the better predicted of two) whose
-        cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's."""
+        cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's; at
+        most :data:`MEASURING_STEPS` steps per width and call (a real step measures a width at
+        its second step in a call, :meth:`_observe`; a cost model that never takes it in would
+        otherwise hold the call at the neighbour)."""
         def rate(k):
             return expected[k] / times[k]
-        near = [k for k in (K - 1, K + 1) if 1 <= k <= self.max_k and not self.costs.measured(self.key, k)
+        near = [k for k in (K - 1, K + 1)
+                if 1 <= k <= self.max_k and not self.costs.measured(self.key, k)
+                and self._measuring.get(k, 0) < MEASURING_STEPS
                 and rate(k) * (1.0 + self.settings.hysteresis) >= rate(K)]
         return max(near, key=rate, default=K)
 

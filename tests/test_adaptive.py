@@ -15,9 +15,9 @@ from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
-from specdec.adaptive import (AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts, MeasuredCosts,
-                              PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for, expected_tokens,
-                              speculation_gain)
+from specdec.adaptive import (MEASURING_STEPS, AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts,
+                              MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
+                              expected_tokens, speculation_gain)
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.fusion import fusion_enabled
 from specdec.graphs import CaptureFailure
@@ -759,7 +759,8 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
 def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     """A width next to the current K whose cost is only calibrated runs in its place while its
     predicted goodput is within the hysteresis of K's (3% below here), until a real step has
-    measured it; one predicted 10% below does not, nor any with measure_neighbours off."""
+    measured it (for at most MEASURING_STEPS steps a call); one predicted 10% below does not,
+    nor any with measure_neighbours off."""
     def policy_at(expected_2, **settings):
         costs, key, dk = MeasuredCosts(), CostKey("eager", "replay", 1), DrafterKey(False)
         for T in (1, 2, 3):
@@ -775,6 +776,9 @@ def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     assert [policy.next_k(), policy.next_k()] == [2, 2] and policy.current == 1  # measuring, not settled
     costs.observe(key, dk, 2, 0.0, 1.0)  # (what the policy's step windows feed in a real loop)
     assert policy.next_k() == 1
+    # a cost model that never takes the steps in: the call measures for at most MEASURING_STEPS steps
+    policy = policy_at(0.97)[0]
+    assert [policy.next_k() for _ in range(6)] == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS)
     assert policy_at(0.90)[0].next_k() == 1
     assert policy_at(0.97, measure_neighbours=False)[0].next_k() == 1
 
