@@ -22,21 +22,18 @@ decoding through the same engine (the drafter is not called).
 * **hysteresis**: the current K is kept unless K* is predicted faster by more than
   ``hysteresis`` (default 5%), so measurement noise does not switch between step widths (each
   width of the static path is its own captured CUDA graph) every step; a smaller gain that
-  persists moves it too: once the predicted gains of the steps' K* over the current K, summed
-  over consecutive steps in which the current K was not the best, pass ``hysteresis_sum``
-  (default 0.2: a steady 4% after five steps), so the band cannot hold a K a few percent slower
-  for a whole call;
+  persists moves it too: once the predicted gains of one K* over the current K, summed over
+  consecutive steps in which the band held the current K from that same K*, pass
+  ``hysteresis_sum`` (default 0.2: a steady 3% after seven steps), so the band cannot hold a K
+  a few percent slower for a whole call;
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
-  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0, and (as a move
-  inside the hysteresis) once the predicted gains of stopping, summed over consecutive steps,
-  pass ``hysteresis_sum``: a dip of the acceptance estimate for a step or two does not stop a
-  speculation worth a few percent (which would then resume only above ``min_gain``), a drop
-  of the acceptance does at once (a gain of 20% or more);
-* **measuring a neighbour**: a width next to the current K (K - 1 or K + 1) whose step time the
-  costs only calibrated, never measured in a real step (:meth:`CostModel.measured`), runs in
-  place of K while its predicted goodput is within ``hysteresis`` of K's, until a real step has
-  measured it (``measure_neighbours``): a calibration a few percent off would otherwise hold the
-  policy off a faster width for good, since only a width that runs is refined;
+  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
+* **measuring a neighbour**: once the current K's own step time is measured, a width next to it
+  (K - 1 or K + 1) whose step time the costs only calibrated, never measured in a real step
+  (:meth:`CostModel.measured`), runs in place of K while its predicted goodput is within
+  ``hysteresis`` of K's, until a real step has measured it, at most :data:`MEASURING_STEPS`
+  steps per width and call (``measure_neighbours``): a calibration a few percent off would
+  otherwise hold the policy off a faster width for good, since only a width that runs is refined;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
   step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes;
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
@@ -112,12 +109,13 @@ class PolicySettings:
             fraction (>= 0), or (``hysteresis_sum``) by less, but for long enough.
         hysteresis_sum: leave the current K for the best one also once the best's predicted
             gains over it (``rate(best) / rate(current) - 1``), summed over the consecutive steps in
-            which the current K was not the best, pass this (>= 0, or ``math.inf``: never; the
-            sum restarts when the current K is the best again or the K changes); a speculating
-            K stops (K = 0 predicted faster) only once such a sum passes it, too.
-        measure_neighbours: run a width next to the current K whose cost was only calibrated
-            while its predicted goodput is within ``hysteresis`` of K's, until a real step has
-            measured it (see the module docstring).
+            which the band held the current K from that same K, pass this (the sum restarts when
+            the current K is the best again, the best changes or the K changes). >= 0;
+            ``math.inf``: off, the band alone.
+        measure_neighbours: once the current K's cost is measured, run a width next to it whose
+            cost was only calibrated while its predicted goodput is within ``hysteresis`` of K's,
+            until a real step has measured it (at most :data:`MEASURING_STEPS` steps per width and
+            call; see the module docstring).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
             faster than plain decoding (K = 0) by more than this fraction (>= 0); speculation
             that runs stops when predicted slower than K = 0 (:func:`choose_k`).
@@ -865,7 +863,9 @@ class SpeculationPolicy:
         self.step_expected = expected_tokens(rates, budget, every, False, weight).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
         self.steps_at_zero = 0
-        self.held_gain = 0.0  # the best K's predicted gains over ``current``, summed while the hysteresis held it
+        #: (the K the hysteresis held ``current`` from, its predicted gains over ``current`` summed
+        #: over the consecutive steps it did so), or None (see ``hysteresis_sum``)
+        self.held: tuple[int, float] | None = None
         #: the K of every step, in order
         self.k_per_step: list[int] = []
         self._predicted_tokens = 0.0
@@ -891,7 +891,7 @@ class SpeculationPolicy:
     def next_k(self) -> int:
         """The K of the next step (host side; no device work): the one :meth:`before_sync` chose
         ahead, or chosen now."""
-        (K, self.current, self.steps_at_zero, self.held_gain, times, gain), self._ahead = self._ahead or self._decide(), None
+        (K, self.current, self.steps_at_zero, self.held, times, gain), self._ahead = self._ahead or self._decide(), None
         self.k_per_step.append(K)
         self.gain_per_step.append(gain)
         self._predicted.append(times)
@@ -907,26 +907,20 @@ class SpeculationPolicy:
         that): the decode loop proposes for it before the step's sync."""
         return None if self._ahead is None else self._ahead[0]
 
-    def _decide(self) -> tuple[int, int, int, float, list[float], float]:
-        """(K of the next step, the K settled on, steps at K = 0 so far, the summed gains the
-        hysteresis held back (see ``hysteresis_sum``), the step times, the :func:`speculation_gain`
+    def _decide(self) -> tuple[int, int, int, tuple[int, float] | None, list[float], float]:
+        """(K of the next step, the K settled on, steps at K = 0 so far, the K the hysteresis holds
+        it from with the summed gains (:attr:`held`), the step times, the :func:`speculation_gain`
         they give) from the values and costs held now; changes nothing (:meth:`next_k` takes it).
         With a kept graph it runs before the step's sync."""
         times, expected, settings = self.step_times(), self.expected, self.settings
         current = choose_k(expected, times, self.current, settings.hysteresis, settings.min_gain)
-        held, last = 0.0, self.current
-        if last is not None and math.isfinite(settings.hysteresis_sum):
-            if current == last:  # the band held it: by how much?
-                target = choose_k(expected, times, last, 0.0, settings.min_gain)
-            elif last > 0 and current == 0:  # a stop: held as well, until its gains add up
-                target, current = 0, last
-            else:  # a move the band lets through
-                target = last
+        held, last = None, self.current
+        if current == last and last is not None and math.isfinite(settings.hysteresis_sum) and expected[last] > 0:
+            target = choose_k(expected, times, last, 0.0, settings.min_gain)  # the band held it: from what?
             if target != last:
-                held = (math.inf if expected[last] <= 0 else
-                        self.held_gain + (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0)
-                if held > settings.hysteresis_sum:
-                    current, held = target, 0.0
+                gain = (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0
+                total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
+                current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
         K, at_zero = current, self.steps_at_zero
         if K == 0:
             at_zero += 1
@@ -939,11 +933,14 @@ class SpeculationPolicy:
         return K, current, at_zero, held, times, speculation_gain(self.expected, times)
 
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
-        """K, or the width next to it (K - 1 or K + 1, >= 1; the better predicted of two) whose
-        cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's; at
+        """K, or, once K's own cost is measured, the width next to it (K - 1 or K + 1, >= 1; the
+        better predicted of two) whose cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's; at
         most :data:`MEASURING_STEPS` steps per width and call (a real step measures a width at
         its second step in a call, :meth:`_observe`; a cost model that never takes it in would
         otherwise hold the call at the neighbour)."""
+        if not self.costs.measured(self.key, K):  # (K's own cost first: not one calibration against another)
+            return K
+
         def rate(k):
             return expected[k] / times[k]
         near = [k for k in (K - 1, K + 1)

@@ -731,11 +731,12 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
     """A K the hysteresis holds gives way once the best K's predicted gains over it, summed over
     consecutive steps, pass ``hysteresis_sum``: a steady 3% gain (inside the 5% band) moves K = 1
     to K = 2 at the 7th step (0.2 / 0.03); a gain that comes and goes (K = 1 the best every other
-    step) never adds up; with ``math.inf`` the band holds for good. Speculation stops the same way."""
-    def run(settings, expected_at):
+    step) never adds up, nor gains towards different K; with ``math.inf`` the band holds for good."""
+    def run(settings, expected_at, current=1):
+        M = len(expected_at(0)) - 1
         policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0), CostKey("eager", "replay", 1), None,
-                                   2, 1, 1000, 0.6, "cpu")
-        policy.current = 1  # settled on K = 1
+                                   M, 1, 1000, 0.6, "cpu")
+        policy.current = current  # settled on it
         ks = []
         for step in range(10):
             policy.expected = expected_at(step)  # E(K), K = 0..2, as an update would leave them
@@ -747,13 +748,12 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
     assert run(PolicySettings(), lambda step: steady if step % 2 else [1.0, 1.2, 1.1]) == [1] * 10
     assert run(PolicySettings(hysteresis_sum=math.inf), lambda step: steady) == [1] * 10
     assert run(PolicySettings(hysteresis_sum=0.0), lambda step: steady) == [2] * 10  # no band at all
-    # stopping: K = 0 predicted 2% faster stops speculation at the 10th step (0.2 / 0.0204), a
-    # dip every other step never, a drop of 43% at once, and without the sum at once, too
-    slower = [1.0, 0.98, 0.9]
-    assert run(PolicySettings(), lambda step: slower) == [1] * 9 + [0]
-    assert run(PolicySettings(), lambda step: slower if step % 2 else [1.0, 1.02, 0.9]) == [1] * 10
-    assert run(PolicySettings(), lambda step: [1.0, 0.7, 0.5])[0] == 0
-    assert run(PolicySettings(hysteresis_sum=math.inf), lambda step: slower)[0] == 0
+    # gains towards different K do not add up: K = 3 and K = 1 better by 4% and 3% by turns never
+    # leave K = 2 (one sum over both would pass 0.2 at the 6th step)
+    assert run(PolicySettings(), lambda step: [1.0, 1.1, 1.2, 1.248] if step % 2 else [1.0, 1.236, 1.2, 1.1],
+               current=2) == [2] * 10
+    # stopping is the band's alone: K = 0 predicted faster stops speculation at once
+    assert run(PolicySettings(), lambda step: [1.0, 0.98, 0.9])[0] == 0
 
 
 def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
