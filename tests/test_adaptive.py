@@ -776,6 +776,24 @@ def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     assert [policy.next_k(), policy.next_k()] == [2, 2] and policy.current == 1  # measuring, not settled
     costs.observe(key, dk, 2, 0.0, 1.0)  # (what the policy's step windows feed in a real loop)
     assert policy.next_k() == 1
+    # in a decode loop (the step windows of a lap clock fed after each step, and, reading ahead,
+    # before the sync): the neighbour's first step in the call is not counted, its second is,
+    # and the policy is back at K = 1 once it has been (a K = 2 step measured at 1.3 s)
+    for ahead in (False, True):
+        policy, costs, key, dk = policy_at(0.97)
+        clock, ks = _LapClock(), []
+        for step in range(6):
+            first = clock.marks
+            ks.append(policy.next_k())
+            clock.step([("draft", 0.1), ("verify", 1.2), ("rollback", 0.0)] if ks[-1] == 2 else
+                       [("draft", 0.1), ("verify", 0.9), ("rollback", 0.0)])
+            if ahead:
+                policy.before_sync(None, clock, first)
+                policy.after_sync(1)
+            else:
+                policy.after_step(None, clock, first, 1)
+        assert ks == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS), (ahead, ks)
+        assert costs.measured(key, 2) and costs.target_s(key, 2) == pytest.approx(1.2)
     # a cost model that never takes the steps in: the call measures for at most MEASURING_STEPS steps
     policy = policy_at(0.97)[0]
     assert [policy.next_k() for _ in range(6)] == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS)
