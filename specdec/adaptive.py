@@ -27,7 +27,8 @@ decoding through the same engine (the drafter is not called).
   ``hysteresis_sum`` (default 0.2: a steady 3% after seven steps), so the band cannot hold a K
   a few percent slower for a whole call;
 * **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
-  more than ``min_gain`` (5%), and stops only when predicted slower than K = 0;
+  more than ``min_gain`` (5% up to 8 rows, ``5% * sqrt(8 / B)`` above: 1.8% at 64 rows, as the
+  noise of the batch's E(K) shrinks), and stops only when predicted slower than K = 0;
 * **measuring a neighbour**: once the current K's own step time is measured, a width next to it
   (K - 1 or K + 1) whose step time the costs only calibrated, never measured in a real step
   (:meth:`CostModel.measured`), runs in place of K while its predicted goodput is within
@@ -101,7 +102,7 @@ class PolicySettings:
             at least ``acceptance_batch`` rows; a batch of B < ``acceptance_batch`` rows uses
             ``w * sqrt(B / acceptance_batch)``: E(K) sums fewer rows' estimates, so it is noisier,
             and a dip of a noisy estimate sends the policy to K = 0 until its next probe.
-        acceptance_batch: see ``acceptance_weight`` (>= 1).
+        acceptance_batch: see ``acceptance_weight`` and ``min_gain`` (>= 1).
         prior_acceptance: the acceptance of every position of every row before anything was
             observed, in [0, 1]: a drafter's first call starts from it, later calls with the same
             drafter from what it showed over the last call (:meth:`AcceptanceEstimator.overall`).
@@ -117,8 +118,11 @@ class PolicySettings:
             until a real step has measured it (at most :data:`MEASURING_STEPS` steps per width and
             call; see the module docstring).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
-            faster than plain decoding (K = 0) by more than this fraction (>= 0); speculation
-            that runs stops when predicted slower than K = 0 (:func:`choose_k`).
+            faster than plain decoding (K = 0) by more than this fraction (>= 0), for batches of
+            at most ``acceptance_batch`` rows; a batch of B > ``acceptance_batch`` rows uses
+            ``min_gain * sqrt(acceptance_batch / B)``, as E(K) sums more rows' estimates and its
+            noise, which the margin is for, shrinks so; speculation that runs stops when
+            predicted slower than K = 0 (:func:`choose_k`).
         probe_interval: at K = 0, every this-many-th step at least runs K = 1 (>= 1).
         probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
             time at K = 0 (in (0, 1]; at a large batch a K = 1 step costs much more than a K = 0 one).
@@ -144,6 +148,11 @@ class PolicySettings:
     cost_weight: float = 0.2
     calibration_repeats: int = 3
     memory_budget_bytes: int | None = None
+
+    def min_gain_for(self, batch: int) -> float:
+        """The margin speculation must be predicted to beat K = 0 by before it starts, for a batch
+        of ``batch`` rows (see ``min_gain``)."""
+        return float(self.min_gain) * min(1.0, math.sqrt(self.acceptance_batch / batch))
 
     def acceptance_weight_for(self, batch: int) -> float:
         """The acceptance average's weight for a batch of ``batch`` rows (see ``acceptance_weight``)."""
@@ -836,6 +845,7 @@ class SpeculationPolicy:
         self.drafter_key = drafter_key
         self.max_k = max_speculative_tokens
         weight = settings.acceptance_weight_for(batch)
+        self.min_gain = settings.min_gain_for(batch)  #: the start margin at this batch (``PolicySettings.min_gain``)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
         self._held: _KeptUpdate | None = None  # the kept graph this policy holds
         kept = None if graphs is None else graphs.pop(self._graph_key, None)
@@ -913,10 +923,10 @@ class SpeculationPolicy:
         they give) from the values and costs held now; changes nothing (:meth:`next_k` takes it).
         With a kept graph it runs before the step's sync."""
         times, expected, settings = self.step_times(), self.expected, self.settings
-        current = choose_k(expected, times, self.current, settings.hysteresis, settings.min_gain)
+        current = choose_k(expected, times, self.current, settings.hysteresis, self.min_gain)
         held, last = None, self.current
         if current == last and last is not None and math.isfinite(settings.hysteresis_sum) and expected[last] > 0:
-            target = choose_k(expected, times, last, 0.0, settings.min_gain)  # the band held it: from what?
+            target = choose_k(expected, times, last, 0.0, self.min_gain)  # the band held it: from what?
             if target != last:
                 gain = (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0
                 total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)

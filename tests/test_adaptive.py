@@ -801,6 +801,19 @@ def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     assert policy_at(0.97, measure_neighbours=False)[0].next_k() == 1
 
 
+def test_min_gain_shrinks_with_the_batch():
+    """The start margin is min_gain up to acceptance_batch rows and shrinks as 1 / sqrt(B) above
+    (the noise of the batch's E(K)): a 3% predicted gain starts speculation at 64 rows, not at 8."""
+    st = PolicySettings()
+    assert st.min_gain_for(1) == st.min_gain_for(8) == 0.05
+    assert st.min_gain_for(64) == pytest.approx(0.05 / math.sqrt(8))
+    for B, starts in ((8, False), (64, True)):
+        policy = SpeculationPolicy(st, FixedCosts(lambda s, b, K: 1.0), CostKey("eager", "replay", B), None,
+                                   1, B, 1000, 0.6, "cpu")
+        policy.expected = [1.0, 1.03]  # E(K), K = 0, 1 (every step costs the same)
+        assert (policy.next_k() == 1) == starts, B
+
+
 def test_speculation_starts_above_the_margin_and_stops_below_plain():
     """The band between min_gain and K = 0: a rate 3% above plain neither starts nor stops speculation."""
     times = [1.0, 1.0]
