@@ -188,7 +188,8 @@ ADAPTIVE_COLUMNS = (
     Column("speculation_gain", "predicted gain", "{:.2f}", terminal=False,
            legend="auto: the median over the last timed run's steps of the predicted goodput of the best K > 0 over "
                   "plain decoding's when the step's K was chosen (speculation starts above 1 + max(min_gain, "
-                  "hysteresis), stops below 1); "
+                  "hysteresis), or above 1 + min_gain for long enough (PolicySettings.hysteresis_sum; min_gain "
+                  "shrinks above 8 rows), and stops below 1); "
                   "results.jsonl has it per step, and the predicted against the measured step ms per K"),
     Column("calibration_s", "calibration s", "{:.3f}", terminal=False,
            legend="time measuring step costs inside the timed calls (auto's first call per batch measures; "
