@@ -944,10 +944,10 @@ class SpeculationPolicy:
 
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
         """K, or, once K's own cost is measured, the width next to it (K - 1 or K + 1, >= 1; the
-        better predicted of two) whose cost is not measured yet and whose predicted goodput is within ``hysteresis`` of K's; at
-        most :data:`MEASURING_STEPS` steps per width and call (a real step measures a width at
-        its second step in a call, :meth:`_observe`; a cost model that never takes it in would
-        otherwise hold the call at the neighbour)."""
+        better predicted of two) whose cost is not measured yet and whose predicted goodput is
+        within ``hysteresis`` of K's; at most :data:`MEASURING_STEPS` steps per width and call (a
+        real step measures a width at its second step in a call, :meth:`_observe`; a cost model
+        that never takes it in would otherwise hold the call at the neighbour)."""
         if not self.costs.measured(self.key, K):  # (K's own cost first: not one calibration against another)
             return K
 
