@@ -882,3 +882,33 @@ def test_bench_times_each_point_with_and_without_the_overlap(tmp_path: Path):
     assert "overlap" in header and len(rows) == 2
     with pytest.raises(ValueError, match="experiment.overlap"):
         run_experiment(_cfg(["experiment=bench", "experiment.overlap=[]"] + TINY_SHAPE + CPU), tmp_path / "bad")
+
+
+def test_oracle_points_draw_per_call_and_alike_across_points(monkeypatch):
+    """speculative_point gives an OracleDrafter the seed ``seed + i`` in its i-th timed call (the
+    warm-up's as the first), so the repeats sample the acceptance's draws and two points' i-th
+    calls draw alike; the drafter's seed is put back afterwards, and the output stays exact."""
+    from tiny_models import get_model, ragged_prompts
+
+    import specdec.experiments.e2e as e2e
+    from specdec.drafters import OracleDrafter
+
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    enc = {"input_ids": ids, "attention_mask": mask}
+    plain = e2e.plain_reference(model, enc, 12, 0, "cpu", hf=False)
+    drafter = OracleDrafter(plain.plain_out, mask, acceptance=0.6, seed=5)
+    seeds = []
+    real_start = OracleDrafter.start
+
+    def start(self, **kw):
+        seeds.append(self.seed)
+        return real_start(self, **kw)
+
+    monkeypatch.setattr(OracleDrafter, "start", start)
+    for K in (2, 3):
+        rec = e2e.speculative_point(model, enc, drafter=drafter, strategy="replay", K=K, max_new=12, pad=0,
+                                    device="cpu", dtype=torch.float32, plain=plain, reference=plain.plain_out,
+                                    repeats=3, warmup=True, check_state=False)
+        assert rec["exact"]
+    assert seeds == [5, 5, 6, 7] * 2 and drafter.seed == 5

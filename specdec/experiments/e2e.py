@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..drafters import OracleDrafter
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
@@ -244,6 +245,12 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     again, as for a new generator), and the caller releases it. Without ``sd`` the new generator
     is released before returning.
 
+    An :class:`~specdec.drafters.OracleDrafter` draws its corruptions from ``seed + i`` in the
+    i-th timed call (the warm-up's and the first from ``seed``; its ``seed`` is put back after):
+    the repeats sample the acceptance's randomness, not only the timing's, and every point's
+    i-th call has the same draws (the end of a fixed batch is its slowest row's, so one draw
+    per point would make the best of several points a maximum over draws).
+
     Returns a dict: ``steps``, ``new_tokens``, ``mean_accepted_tokens``, ``acceptance_rate``,
     ``accept_histogram`` (of the last run); ``wall_s``, ``tokens_per_s`` (end to end),
     ``decode_tokens_per_s`` (new tokens / (wall - prefill)), ``plain_tokens_per_s``,
@@ -278,8 +285,12 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     elif sd.drafter is not drafter:
         sd.drafter = drafter
     stats = []
+    oracle = drafter if isinstance(drafter, OracleDrafter) else None
+    base_seed = None if oracle is None else oracle.seed
 
     def once():
+        if oracle is not None:  # each timed call draws its own corruptions: the same draws for every
+            oracle.seed = base_seed + len(stats)  # point's i-th call, so points compare over the same draws
         out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
         stats.append(sd.last_stats)
         return out
@@ -290,7 +301,11 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    wall, out = time_runs(once, max(1, repeats), device)
+    try:
+        wall, out = time_runs(once, max(1, repeats), device)
+    finally:
+        if oracle is not None:
+            oracle.seed = base_seed
     st = stats[-1]
     L = enc["input_ids"].shape[1]
     new = int(st.new_tokens)
