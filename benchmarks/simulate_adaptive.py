@@ -30,6 +30,10 @@ import torch
 from specdec.adaptive import CostKey, FixedCosts, PolicySettings, SpeculationPolicy
 
 
+#: the PolicySettings fields the command line sets (``--min-gain`` ...)
+TUNABLES = ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis", "hysteresis_sum")
+
+
 def step_costs(records: list[dict], batch: int, max_k: int) -> list[float]:
     """Seconds of one step at K = 0..max_k for ``batch``: the fastest fixed cell of each measured K
     over every strategy and workload, K = 0 from plain decoding, linear in between."""
@@ -87,12 +91,11 @@ def main(argv=None) -> None:
     p.add_argument("--per-step", action="store_true",
                    help="E(K) per step, as continuous batching uses it (default: until the batch's slowest row ends, "
                         "as generate() does)")
-    for name in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance", "hysteresis", "hysteresis_sum"):
+    for name in TUNABLES:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     args = p.parse_args(argv)
     records = [json.loads(line) for line in open(args.results)]
-    given = {k: getattr(args, k) for k in ("min_gain", "probe_budget", "acceptance_weight", "prior_acceptance",
-                                          "hysteresis", "hysteresis_sum") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in TUNABLES if getattr(args, k) is not None}
     settings = replace(PolicySettings(), **given)
     workloads = sorted({r["acceptance"] for r in records if isinstance(r.get("acceptance"), (int, float))})
     share = max(1, args.max_new // max(1, len(args.phases)))

@@ -291,6 +291,11 @@ MEASURING_STEPS = 3
 POLICY_GRAPHS_KEPT = 8
 
 
+def _per_k_means(per_step: list[list[float]]) -> list[float]:
+    """Per K, the mean over the steps of ``per_step`` (one list per step, one value per K)."""
+    return [sum(col) / len(per_step) for col in zip(*per_step)]
+
+
 def _nobody():
     return None
 
@@ -1163,17 +1168,13 @@ class SpeculationPolicy:
         step at K when it chose each step's K (before the costs took that step): what its choices
         rested on, every K included (:meth:`step_times` after the call has taken the call's own
         steps in)."""
-        if not self._predicted:
-            return self.step_times()
-        return [sum(col) / len(self._predicted) for col in zip(*self._predicted)]
+        return _per_k_means(self._predicted) if self._predicted else self.step_times()
 
     def expected_tokens_seen(self) -> list[float]:
         """Per K = 0..M, the mean over this call's steps of the E(K) each step's K was chosen by
         (with ``until_last``: the tokens per step until the slowest row ends): with
         :meth:`predicted_step_s`, the goodput the choices compared."""
-        if not self._expected_seen:
-            return list(self.expected)
-        return [sum(col) / len(self._expected_seen) for col in zip(*self._expected_seen)]
+        return _per_k_means(self._expected_seen) if self._expected_seen else list(self.expected)
 
     def calibrated_step_s(self) -> list[float | None]:
         """Per K = 0..M, the cost model's measured verify + commit of width K + 1 alone (None: not
