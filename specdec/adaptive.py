@@ -499,9 +499,13 @@ class MeasuredCosts(CostModel):
       run, and for replay the verify's replay of the tokens the last step committed (the
       calibration commits none), which grows with K; measured per K run (weighted mean) and, for
       a K not yet run, on a least-squares line through those (one measured K: the same), at
-      least the smallest measured; a plain step (K = 0: nothing proposed, accepted or observed)
-      not yet run is its bare calibration, as a speculative gap would make it look up to 7%
-      slower than it is;
+      least the smallest measured; below the smallest K run, once plain steps ran, on the straight
+      line from their gap to that K's: a gap measured only at long drafts (which include their
+      own bookkeeping and replay) would otherwise make a never-run K = 1 look as costly as them
+      and keep it from ever being tried, where an estimate too low is corrected by the first
+      steps at it; with no K > 0 run, the plain steps' gap; a plain step (K = 0: nothing
+      proposed, accepted or observed) not yet run is its bare calibration, as a speculative gap
+      would make it look up to 7% slower than it is;
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
       run, a least-squares line through the measured K (one measured K: proportional to K for a
       drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
@@ -545,9 +549,8 @@ class MeasuredCosts(CostModel):
     def observe(self, key, drafter_key, K, draft_s, target_s):
         self._ewma(self._target, (key, K), target_s)
         calib = self._widths.get((key, K + 1))
-        if calib is not None:
-            if K > 0:  # (K = 0 is the only plain K: once run, its own mean replaces any estimate)
-                self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
+        if calib is not None:  # (K = 0's gap only anchors the line below the smallest K > 0 run)
+            self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
 
@@ -580,11 +583,17 @@ class MeasuredCosts(CostModel):
 
     def _gap_fit(self, key: CostKey) -> Callable[[int], float]:
         """The real-minus-calibrated gap at each K > 0 (see the class docstring)."""
-        gaps = self._gap.get(key)
+        gaps = dict(self._gap.get(key, {}))
+        plain = gaps.pop(0, None)
         if not gaps:
-            return lambda K: 0.0
+            return (lambda K: 0.0) if plain is None else (lambda K: plain)
         low, line = min(gaps.values()), _fit(gaps, proportional=False)
-        return lambda K: max(low, line(K))
+        fit = lambda K: max(low, line(K))  # noqa: E731
+        first = min(gaps)
+        if plain is None or first == 1:
+            return fit
+        at_first = fit(first)  # below the smallest K run: on the way from K = 0's gap to its
+        return lambda K: plain + (at_first - plain) * K / first if K < first else fit(K)
 
     def _draft_fit(self, drafter_key, key: CostKey) -> Callable[[int], float]:
         """``draft(K)`` at each K (see the class docstring)."""

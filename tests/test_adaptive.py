@@ -1002,6 +1002,28 @@ def test_measured_costs_calibration_online_and_draft_line():
         costs.step_times(key, "d", 4)  # width 5 was never measured
 
 
+def test_gap_below_the_smallest_k_run_comes_from_the_plain_steps_gap():
+    # long drafts ran (their gap includes their own replay and bookkeeping); K = 1 never did: its
+    # gap lies on the line from the plain steps' gap to the smallest K's, not at the long drafts'
+    costs = MeasuredCosts(weight=1.0)
+    key = CostKey("cuda_graph", "replay", 16)
+    for T in range(1, 8):
+        costs.record_width(key, T, verify_s=0.004 + 0.0002 * T, commit_s=0.0)
+    assert costs.target_s(key, 1) == pytest.approx(0.0044)  # nothing run: the calibration
+    costs.observe(key, "d", 0, draft_s=0.0, target_s=0.0042 + 0.0002)  # plain steps: gap 0.2 ms
+    assert costs.target_s(key, 3) == pytest.approx(0.0048 + 0.0002)  # no K > 0 run: the plain gap
+    costs.observe(key, "d", 5, draft_s=0.0, target_s=0.0052 + 0.0008)  # gap 0.8 ms at K = 5
+    costs.observe(key, "d", 6, draft_s=0.0, target_s=0.0054 + 0.0008)
+    for K in range(1, 5):
+        assert costs.target_s(key, K) == pytest.approx(0.004 + 0.0002 * (K + 1) + 0.0002 + 0.0006 * K / 5)
+    assert costs.target_s(key, 0) == pytest.approx(0.0044) and costs.target_s(key, 5) == pytest.approx(0.006)
+    costs.observe(key, "d", 1, draft_s=0.0, target_s=0.0044 + 0.0007)  # once K = 1 ran: the line alone
+    gaps = {1: 0.0007, 5: 0.0008, 6: 0.0008}
+    mk, mv = 4.0, sum(gaps.values()) / 3
+    slope = sum((k - mk) * (v - mv) for k, v in gaps.items()) / sum((k - mk) ** 2 for k in gaps)
+    assert costs.target_s(key, 3) == pytest.approx(0.0048 + mv + slope * (3 - mk))
+
+
 class _LapClock:
     """A :class:`specdec.clock.StepClock` stand-in whose laps are given: ``step(laps)`` adds one
     step's ``[(phase, seconds)]``."""
