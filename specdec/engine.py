@@ -1220,10 +1220,10 @@ class SpeculativeGenerator:
             step_s[name] = {k: costs.comparable_step_s(key, self._drafter_key, k)
                             for k in (range(K + 1) if adaptive else [at])}
             nbytes[name] = costs.rollback_bytes(key)
-        rates = torch.full((B, at), self.policy.prior_acceptance, device=s.input_ids.device)
-        budget = torch.full((B,), max(0, s.max_new_tokens - 1), dtype=torch.long, device=s.input_ids.device)
+        rates = torch.full((1, at), self.policy.prior_acceptance)  # (one row for the batch's identical ones)
+        budget = torch.full((1,), max(0, s.max_new_tokens - 1), dtype=torch.long)
         # (at a fixed width every strategy commits the same tokens: the choice is the fastest step)
-        expected = expected_tokens(rates, budget, torch.ones_like(budget, dtype=torch.bool), until_last).tolist()
+        expected = expected_tokens(rates, budget, torch.ones(1, dtype=torch.bool), until_last, copies=B).tolist()
         choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, self.policy.memory_budget_bytes,
                                  left_out)
         self._strategy = self._candidates[choice.name]

@@ -629,6 +629,20 @@ def _steps_to_finish(acceptance, left, done, K, runs, g):
     return total / runs
 
 
+@pytest.mark.parametrize("until_last", [False, True])
+def test_expected_tokens_of_identical_rows_from_one(until_last):
+    # a batch whose rows all start alike (the policy's first step): one row with copies=B is the batch's E(K)
+    gen = torch.Generator().manual_seed(3)
+    for B in (1, 5, 64):
+        rates = torch.rand(1, 6, generator=gen)
+        budget = torch.randint(0, 40, (1,), generator=gen)
+        for weight in (None, 0.2):
+            batch = expected_tokens(rates.expand(B, -1), budget.expand(B), torch.ones(B, dtype=torch.bool),
+                                    until_last, weight)
+            one = expected_tokens(rates, budget, torch.ones(1, dtype=torch.bool), until_last, weight, copies=B)
+            torch.testing.assert_close(one, batch, rtol=1e-10, atol=1e-10)
+
+
 def test_expected_tokens_until_the_last_row():
     """until_last: tokens left over the steps the batch needs until its slowest row ends, within 4%
     of a simulation at the start of a call, mid-call with rows apart, with rows of different
