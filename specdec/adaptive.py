@@ -467,7 +467,8 @@ class CostModel(abc.ABC):
         return True
 
     def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
-        """One real step at K: the drafter's seconds and the target's (verify + commit + bookkeeping)."""
+        """One real step at K: the drafter's seconds (at K = 0, the step's glue where a proposal
+        would be made) and the target's (verify + commit + bookkeeping)."""
 
     def observe_leave(self, key: CostKey, extra_s: float) -> None:
         """The first plain step (K = 0) after speculative ones took ``extra_s`` seconds more than
@@ -501,19 +502,23 @@ class MeasuredCosts(CostModel):
       calibrated verify + commit of width K + 1 plus, for K > 0, the gap between real steps and
       their calibration at K: the acceptance and bookkeeping, which the calibration does not
       run, and for replay the verify's replay of the tokens the last step committed (the
-      calibration commits none), which grows with K; measured per K run (weighted mean) and, for
-      a K not yet run, on a least-squares line through those (one measured K: the same), at
-      least the smallest measured; below the smallest K run, once plain steps ran, on the straight
-      line from their gap to that K's: a gap measured only at long drafts (which include their
-      own bookkeeping and replay) would otherwise make a never-run K = 1 look as costly as them
-      and keep it from ever being tried, where an estimate too low is corrected by the first
-      steps at it; with no K > 0 run, the plain steps' gap; a plain step (K = 0: nothing
-      proposed, accepted or observed) not yet run is its bare calibration, as a speculative gap
-      would make it look up to 7% slower than it is;
+      calibration commits none), which grows with K, slowly (on the H200 at the bench shapes,
+      0.01–0.05 ms per draft); measured per K run (weighted mean) and, for a K not yet run, on
+      the straight line between the measured K around it, else the nearest measured K's, where
+      plain steps (K = 0) count as measured below the smallest K > 0 run (their gap without the
+      step's glue, which a K > 0 counts in ``draft(K)``), and with no K > 0 run every K takes the
+      plain steps' gap. Where nothing was measured the estimate leans fast: a width predicted
+      too fast runs and its first real steps correct it, one predicted too slow never runs and
+      is never corrected (a line fitted through two neighbouring K and carried to K = 8 made
+      wide drafts look far slower than the same run's fixed cells measured them; a gap measured only at long drafts made a
+      never-run K = 1 look slower than plain decoding). A plain step (K = 0: nothing proposed,
+      accepted or observed) not yet run is its bare calibration, as a speculative gap would
+      make it look up to 7% slower than it is;
     * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
-      run, a least-squares line through the measured K (one measured K: proportional to K for a
-      drafter that drafts sequentially, :attr:`DrafterKey.sequential`, else the same); 0 before
-      any measurement and at K = 0;
+      run, for a drafter that drafts sequentially (:attr:`DrafterKey.sequential`) a
+      least-squares line through the measured K (one measured K: proportional to K), for any
+      other the mean of the measured K (its time does not grow with K); 0 before any
+      measurement and at K = 0;
     * the switch from speculation to plain steps (:meth:`leave_s`): the weighted mean of the
       extra seconds of the first plain step after speculative ones (:meth:`observe_leave`), which
       is not counted in ``target(0)``: with replay that step first folds the input history into
@@ -551,9 +556,11 @@ class MeasuredCosts(CostModel):
         table[k] = x if old is None else (1 - self.weight) * old + self.weight * x
 
     def observe(self, key, drafter_key, K, draft_s, target_s):
-        self._ewma(self._target, (key, K), target_s)
+        # (K = 0: the whole step is the plain step's time; its gap, without the step's glue that a
+        # K > 0 counts in draft(K), is where a never-run K > 0's gap starts from)
+        self._ewma(self._target, (key, K), target_s + (draft_s if K == 0 else 0.0))
         calib = self._widths.get((key, K + 1))
-        if calib is not None:  # (K = 0's gap only anchors the line below the smallest K > 0 run)
+        if calib is not None:
             self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
         if K > 0:
             self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
@@ -589,22 +596,22 @@ class MeasuredCosts(CostModel):
         """The real-minus-calibrated gap at each K > 0 (see the class docstring)."""
         gaps = dict(self._gap.get(key, {}))
         plain = gaps.pop(0, None)
+        if plain is not None and gaps:  # below the smallest K run: on the way from the plain steps' gap
+            gaps.setdefault(0, plain)
         if not gaps:
             return (lambda K: 0.0) if plain is None else (lambda K: plain)
-        low, line = min(gaps.values()), _fit(gaps, proportional=False)
-        fit = lambda K: max(low, line(K))  # noqa: E731
-        first = min(gaps)
-        if plain is None or first == 1:
-            return fit
-        at_first = fit(first)  # below the smallest K run: on the way from K = 0's gap to its
-        return lambda K: plain + (at_first - plain) * K / first if K < first else fit(K)
+        ks = sorted(gaps)
+        return lambda K: _between(ks, gaps, K)
 
     def _draft_fit(self, drafter_key, key: CostKey) -> Callable[[int], float]:
         """``draft(K)`` at each K (see the class docstring)."""
         seen = self._draft.get((drafter_key, key.path, key.batch))
         if not seen:
             return lambda K: 0.0
-        line = _fit(seen, proportional=getattr(drafter_key, "sequential", True))
+        if not getattr(drafter_key, "sequential", True):  # its time does not grow with K: the mean of all
+            mean = sum(seen.values()) / len(seen)
+            return lambda K: seen.get(K, mean) if K else 0.0
+        line = _line(seen)
         return lambda K: max(0.0, line(K)) if K else 0.0
 
     def draft_s(self, drafter_key, key: CostKey, K: int) -> float:
@@ -627,13 +634,23 @@ class MeasuredCosts(CostModel):
         return self.step_s(key, drafter_key, K) if calib is None else self.draft_s(drafter_key, key, K) + calib
 
 
-def _fit(seen: dict[int, float], proportional: bool) -> Callable[[int], float]:
+def _between(ks: list[int], seen: dict[int, float], K: int) -> float:
+    """The value at K of measurements ``seen`` at the sorted ``ks`` (not empty): measured, on the
+    straight line between the two measured K around it, else the nearest measured one's."""
+    if K <= ks[0] or K >= ks[-1]:
+        return seen[ks[0] if K <= ks[0] else ks[-1]]
+    hi = next(k for k in ks if k >= K)
+    lo = max(k for k in ks if k < K) if hi != K else K
+    return seen[K] if hi == K else seen[lo] + (seen[hi] - seen[lo]) * (K - lo) / (hi - lo)
+
+
+def _line(seen: dict[int, float]) -> Callable[[int], float]:
     """The values at every K of measurements ``seen`` ({K: value}, not empty), as a function of K:
     the measured one, else a least-squares line through them; from one measured K, in
-    proportion to K (``proportional``) or the same. Fitted once, read at any K."""
+    proportion to K. Fitted once, read at any K."""
     if len(seen) == 1:
         (k1, v1), = seen.items()
-        at = (lambda K: v1 * K / k1) if proportional else (lambda K: v1)
+        at = lambda K: v1 * K / k1  # noqa: E731
     else:
         ks, vs = list(seen), list(seen.values())
         mk, mv = sum(ks) / len(ks), sum(vs) / len(vs)
@@ -1167,7 +1184,7 @@ class SpeculationPolicy:
             elif K == 0 and before:
                 self.costs.observe_leave(self.key, total - plain_s)
             else:
-                draft = sum(s for phase, s in laps if phase == "draft") if K else 0.0
+                draft = sum(s for phase, s in laps if phase == "draft")  # (K = 0: the step's glue; see observe)
                 self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
                 seen = self._measured.setdefault(K, [0.0, 0])
                 seen[0], seen[1] = seen[0] + total, seen[1] + 1

@@ -1005,37 +1005,49 @@ def test_measured_costs_calibration_online_and_draft_line():
     assert costs.target_s(key, 0) == pytest.approx(0.011)
     costs.observe(key, "d", 0, draft_s=0.0, target_s=0.0115)
     assert costs.target_s(key, 0) == pytest.approx(0.0115)
-    costs.record_width(key, 4, verify_s=0.040, commit_s=0.001)  # K = 3, not run: the gaps' line
-    gap1, gap2 = 0.5 * 0.004 + 0.5 * 0.006, 0.040 - 0.031  # per K: (1, 0.005), (2, 0.009)
-    assert costs.target_s(key, 3) == pytest.approx(0.041 + gap2 + (gap2 - gap1))
+    costs.record_width(key, 4, verify_s=0.040, commit_s=0.001)  # K = 3, not run: the largest K run's gap
+    gap2 = 0.040 - 0.031  # per K: (1, 0.005), (2, 0.009)
+    assert costs.target_s(key, 3) == pytest.approx(0.041 + gap2)  # (not carried on a line through K = 1, 2)
     costs.observe(key, "d", 2, draft_s=0.007, target_s=0.031 - 0.010)  # gap(2) := 0.5 (0.009 - 0.010)
-    assert costs.target_s(key, 3) == pytest.approx(0.041 - 0.0005)  # a falling line stays at the smallest gap
+    assert costs.target_s(key, 3) == pytest.approx(0.041 - 0.0005)
     for d in ("d", DrafterKey(True), DrafterKey(False)):  # every K at once (one fit per line) is step_s at each K
         assert costs.step_times(key, d, 3) == [costs.step_s(key, d, K) for K in range(4)]
     with pytest.raises(KeyError, match="calibrate"):
         costs.step_times(key, "d", 4)  # width 5 was never measured
 
 
-def test_gap_below_the_smallest_k_run_comes_from_the_plain_steps_gap():
+def test_gap_of_a_k_not_run_leans_fast():
     # long drafts ran (their gap includes their own replay and bookkeeping); K = 1 never did: its
     # gap lies on the line from the plain steps' gap to the smallest K's, not at the long drafts'
     costs = MeasuredCosts(weight=1.0)
     key = CostKey("cuda_graph", "replay", 16)
-    for T in range(1, 8):
+    for T in range(1, 10):
         costs.record_width(key, T, verify_s=0.004 + 0.0002 * T, commit_s=0.0)
     assert costs.target_s(key, 1) == pytest.approx(0.0044)  # nothing run: the calibration
-    costs.observe(key, "d", 0, draft_s=0.0, target_s=0.0042 + 0.0002)  # plain steps: gap 0.2 ms
+    # plain steps: 0.1 ms of glue (a K > 0 counts it in draft(K)) and a gap of 0.2 ms
+    costs.observe(key, "d", 0, draft_s=0.0001, target_s=0.0042 + 0.0002)
+    assert costs.target_s(key, 0) == pytest.approx(0.0042 + 0.0003)  # the whole plain step
     assert costs.target_s(key, 3) == pytest.approx(0.0048 + 0.0002)  # no K > 0 run: the plain gap
     costs.observe(key, "d", 5, draft_s=0.0, target_s=0.0052 + 0.0008)  # gap 0.8 ms at K = 5
-    costs.observe(key, "d", 6, draft_s=0.0, target_s=0.0054 + 0.0008)
+    costs.observe(key, "d", 6, draft_s=0.0, target_s=0.0054 + 0.0007)  # 0.7 ms at K = 6
     for K in range(1, 5):
         assert costs.target_s(key, K) == pytest.approx(0.004 + 0.0002 * (K + 1) + 0.0002 + 0.0006 * K / 5)
-    assert costs.target_s(key, 0) == pytest.approx(0.0044) and costs.target_s(key, 5) == pytest.approx(0.006)
-    costs.observe(key, "d", 1, draft_s=0.0, target_s=0.0044 + 0.0007)  # once K = 1 ran: the line alone
-    gaps = {1: 0.0007, 5: 0.0008, 6: 0.0008}
-    mk, mv = 4.0, sum(gaps.values()) / 3
-    slope = sum((k - mk) * (v - mv) for k, v in gaps.items()) / sum((k - mk) ** 2 for k in gaps)
-    assert costs.target_s(key, 3) == pytest.approx(0.0048 + mv + slope * (3 - mk))
+    for K in (7, 8):  # above the largest K run: its gap (a falling or rising line is not carried on)
+        assert costs.target_s(key, K) == pytest.approx(0.004 + 0.0002 * (K + 1) + 0.0007)
+    costs.observe(key, "d", 1, draft_s=0.0, target_s=0.0044 + 0.0007)  # once K = 1 ran: between the K run
+    assert costs.target_s(key, 3) == pytest.approx(0.0048 + 0.0007 + (0.0008 - 0.0007) * 2 / 4)
+    assert costs.target_s(key, 0) == pytest.approx(0.0045) and costs.target_s(key, 5) == pytest.approx(0.006)
+
+
+def test_draft_time_of_a_drafter_that_does_not_draft_sequentially_is_flat():
+    costs = MeasuredCosts(weight=1.0)
+    key = CostKey("cuda_graph", "replay", 16)
+    flat, seq = DrafterKey(False), DrafterKey(True)
+    for d in (flat, seq):
+        costs.observe(key, d, 1, draft_s=0.0002, target_s=0.005)
+        costs.observe(key, d, 2, draft_s=0.0004, target_s=0.005)  # noise, for a drafter whose time is flat
+    assert [costs.draft_s(flat, key, K) for K in (0, 1, 2, 8)] == pytest.approx([0.0, 0.0002, 0.0004, 0.0003])
+    assert costs.draft_s(seq, key, 8) == pytest.approx(0.0016)  # one more forward per draft: the line
 
 
 class _LapClock:
