@@ -13,8 +13,18 @@ E(K) until that row ends, as ``generate()`` does (``--per-step``: per step, as c
 does). This predicts; the
 GPU run (``experiment=adaptive``) measures.
 
+``--learned``: the policy predicts as on the device instead, from :class:`specdec.adaptive.MeasuredCosts`:
+the calibration the run's auto cell recorded (``calibrated_step_ms``) refined by the steps it
+runs, each observed at the fixed cells' time of its K times ``1 + --excess`` (auto's own steps
+may cost more than a fixed K's) and a normal measurement noise of relative spread ``--noise``
+(not the first step at each K in a call, which the policy leaves out as a warm-up); the
+proposal's share of a step is the fixed cells' median draft lap. One cost model serves a batch's
+workloads in order, each a warm-up call then the timed one, as in the experiment. How a policy
+learns, not only how it chooses, is then under test.
+
     python benchmarks/simulate_adaptive.py benchmarks/results/adaptive_qwen35_shape_b1.jsonl
     python benchmarks/simulate_adaptive.py RUN/results.jsonl --max-new 256 --seeds 4 --min-gain 0
+    python benchmarks/simulate_adaptive.py RUN/results.jsonl --max-new 128 --learned --excess 0.04
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from specdec.adaptive import CostKey, FixedCosts, PolicySettings, SpeculationPolicy
+from specdec.adaptive import CostKey, DrafterKey, FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy
 
 
 #: the PolicySettings fields the command line sets (``--min-gain`` ...)
@@ -49,17 +59,40 @@ def step_costs(records: list[dict], batch: int, max_k: int) -> list[float]:
     return [float(np.interp(K, ks, [measured[k] for k in ks])) / 1e3 for K in range(max_k + 1)]
 
 
+class Learning:
+    """The ``--learned`` cost model of one batch (see the module docstring): ``model``, a
+    :class:`MeasuredCosts` calibrated with ``calibrated`` (seconds of verify + commit per K), and
+    :meth:`observe`, which feeds it one real step at K."""
+
+    KEY, DRAFTER = CostKey("sim", "sim", 0), DrafterKey(False)
+
+    def __init__(self, calibrated: list[float], draft_s: float, excess: float, noise: float, seed: int):
+        self.model = MeasuredCosts()
+        for K, t in enumerate(calibrated):
+            self.model.record_width(self.KEY, K + 1, verify_s=t, commit_s=0.0)
+        self.draft_s, self.excess, self.noise = draft_s, excess, noise
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def observe(self, K: int, true_s: float) -> None:
+        seen = true_s * (1.0 + self.excess * (K > 0)) * (1.0 + self.noise * float(torch.randn(1, generator=self.gen)))
+        draft = min(self.draft_s, 0.5 * seen)  # (K = 0: the step's glue, as the decode loop times it)
+        self.model.observe(self.KEY, self.DRAFTER, K, draft, seen - draft)
+
+
 def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings: PolicySettings,
-             fixed_k: int | None, seed: int, until_last: bool = True, prior=None):
+             fixed_k: int | None, seed: int, until_last: bool = True, prior=None, learning: Learning | None = None):
     """Tokens/s of one batch (``acceptance``: a rate, or a function of a row's new-token count)
     under the policy (``fixed_k`` None) or a fixed K; the K of every step; and the per-position
     acceptance the policy saw over the call (where the drafter's next call starts; None for a
-    fixed K). ``prior``: where the policy starts (None: ``settings.prior_acceptance``)."""
+    fixed K). ``prior``: where the policy starts (None: ``settings.prior_acceptance``);
+    ``learning``: the policy's costs are learned (``--learned``), not the fixed cells' times."""
     M = len(costs) - 1
     gen = torch.Generator().manual_seed(seed)
-    policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None,
-                               M, batch, max_new, settings.prior_acceptance if prior is None else prior, "cpu",
-                               until_last)
+    model, key, dk = ((FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None) if learning is None
+                      else (learning.model, Learning.KEY, Learning.DRAFTER))
+    policy = SpeculationPolicy(settings, model, key, dk, M, batch, max_new,
+                               settings.prior_acceptance if prior is None else prior, "cpu", until_last)
+    run_at: set[int] = set()  # K run in this call (the first step at each is not measured)
     rate = acceptance if callable(acceptance) else (lambda p: acceptance)
     n_gen = torch.zeros(batch, dtype=torch.long)
     seconds, ks = 0.0, []
@@ -76,7 +109,11 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
             left = (max_new - n_gen - 1).clamp(min=0)
             values = policy.update(n, asked, live, n_gen < max_new, left)
             policy.receive(None if values is None else values.tolist(), int((n_gen < max_new).sum()))
-        seconds += costs[K]
+        seconds += costs[K] * (1.0 + (learning.excess if learning is not None and fixed_k is None and K else 0.0))
+        if learning is not None and fixed_k is None:
+            if K in run_at:
+                learning.observe(K, costs[K])
+            run_at.add(K)
         ks.append(K)
     return batch * max_new / seconds, ks, None if fixed_k is not None else policy.acceptance.overall(policy.prior)
 
@@ -91,6 +128,11 @@ def main(argv=None) -> None:
     p.add_argument("--per-step", action="store_true",
                    help="E(K) per step, as continuous batching uses it (default: until the batch's slowest row ends, "
                         "as generate() does)")
+    p.add_argument("--learned", action="store_true",
+                   help="the policy learns its costs from the run's calibration and the steps it runs (see above)")
+    p.add_argument("--excess", type=float, default=0.0,
+                   help="with --learned: auto's steps at K > 0 cost this much more than a fixed K's (e.g. 0.04)")
+    p.add_argument("--noise", type=float, default=0.02, help="with --learned: the relative spread of a measured step")
     for name in TUNABLES:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     args = p.parse_args(argv)
@@ -105,6 +147,15 @@ def main(argv=None) -> None:
     print("|---:|---|---:|---:|---:|---:|---|")
     for batch in sorted({r["batch"] for r in records if "batch" in r}):
         costs = step_costs(records, batch, args.max_k)
+        learning = None
+        if args.learned:  # one cost model for the batch's workloads, in order, as the experiment keeps it
+            autos = [r for r in records if r.get("batch") == batch and r.get("num_speculative_tokens") == "auto"]
+            if not autos or not autos[0].get("calibrated_step_ms"):
+                raise SystemExit(f"--learned: no auto record with calibrated_step_ms at batch {batch}")
+            calibrated = [t / 1e3 for t in autos[0]["calibrated_step_ms"]][:args.max_k + 1]
+            draft = statistics.median(r["draft_ms"] for r in records if r.get("batch") == batch
+                                      and isinstance(r.get("num_speculative_tokens"), int)) / 1e3
+            learning = Learning(calibrated, draft, args.excess, args.noise, batch)
         cells = [(f"{a:g}", a) for a in workloads] + ([("->".join(f"{a:g}" for a in args.phases), changing)]
                                                        if changing else [])
         for label, acc in cells:
@@ -115,8 +166,10 @@ def main(argv=None) -> None:
             runs = []
             for s in range(args.seeds):  # a warm-up call first, as the experiment runs: the timed call
                 # starts from the acceptance the warm-up ended with
-                learned = simulate(costs, batch, acc, args.max_new, settings, None, 1000 + s, not args.per_step)[2]
-                runs.append(simulate(costs, batch, acc, args.max_new, settings, None, s, not args.per_step, learned))
+                learned = simulate(costs, batch, acc, args.max_new, settings, None, 1000 + s, not args.per_step,
+                                   learning=learning)[2]
+                runs.append(simulate(costs, batch, acc, args.max_new, settings, None, s, not args.per_step, learned,
+                                     learning))
             auto = statistics.fmean(r for r, *_ in runs)
             best = max(fixed, key=fixed.get)
             worst = min(v for k, v in fixed.items() if k > 0)

@@ -30,9 +30,9 @@ decoding through the same engine (the drafter is not called).
   more than ``min_gain`` (5% up to 8 rows, ``5% * sqrt(8 / B)`` above: 1.8% at 64 rows, as the
   noise of the batch's E(K) shrinks), and stops only when predicted slower than K = 0;
 * **measuring a neighbour**: once the current K's own step time is measured, a width next to it
-  (K - 1 or K + 1) whose step time the costs only calibrated, never measured in a real step
-  (:meth:`CostModel.measured`), runs in place of K while its predicted goodput is within
-  ``hysteresis`` of K's, until a real step has measured it, at most :data:`MEASURING_STEPS`
+  (K - 1 or K + 1) whose step time the costs have not measured in :data:`MEASURED_STEPS` real
+  steps (:meth:`CostModel.measured`), runs in place of K while its predicted goodput is within
+  ``hysteresis`` of K's, until real steps have measured it, at most :data:`MEASURING_STEPS`
   steps per width and call (``measure_neighbours``): a calibration a few percent off would
   otherwise hold the policy off a faster width for good, since only a width that runs is refined;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
@@ -114,8 +114,8 @@ class PolicySettings:
             the current K is the best again, the best changes or the K changes). >= 0;
             ``math.inf``: off, the band alone.
         measure_neighbours: once the current K's cost is measured, run a width next to it whose
-            cost was only calibrated while its predicted goodput is within ``hysteresis`` of K's,
-            until a real step has measured it (at most :data:`MEASURING_STEPS` steps per width and
+            cost was not measured yet while its predicted goodput is within ``hysteresis`` of K's,
+            until real steps have measured it (at most :data:`MEASURING_STEPS` steps per width and
             call; see the module docstring).
         min_gain: start speculating (a K > 0 after K = 0, or at the first step) only when predicted
             faster than plain decoding (K = 0) by more than this fraction (>= 0), for batches of
@@ -286,6 +286,11 @@ _FUSED_UPDATE_FAILED: list[str | None] = [None]
 #: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, and
 #: with the choice made before the sync the step after the counted one is chosen before it is in
 MEASURING_STEPS = 3
+
+#: the real steps at a width after which :meth:`MeasuredCosts.measured` holds: one step's time can
+#: be far off its width's mean (a host hiccup, a fold), and a width it makes look slow is not
+#: chosen again to correct it
+MEASURED_STEPS = 4
 
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
@@ -537,6 +542,7 @@ class MeasuredCosts(CostModel):
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
+        self._count: dict[tuple, int] = {}  # (key, K) -> real steps observed
 
     def needs_widths(self, key, widths):
         return [T for T in widths if (key, T) not in self._widths]
@@ -559,6 +565,7 @@ class MeasuredCosts(CostModel):
         # (K = 0: the whole step is the plain step's time; its gap, without the step's glue that a
         # K > 0 counts in draft(K), is where a never-run K > 0's gap starts from)
         self._ewma(self._target, (key, K), target_s + (draft_s if K == 0 else 0.0))
+        self._count[key, K] = self._count.get((key, K), 0) + 1
         calib = self._widths.get((key, K + 1))
         if calib is not None:
             self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
@@ -572,7 +579,7 @@ class MeasuredCosts(CostModel):
         return self._leave.get(key, 0.0)
 
     def measured(self, key, K):
-        return (key, K) in self._target
+        return self._count.get((key, K), 0) >= MEASURED_STEPS
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
         """The calibrated verify + commit of width K + 1 (seconds), or None."""
@@ -980,9 +987,10 @@ class SpeculationPolicy:
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
         """K, or, once K's own cost is measured, the width next to it (K - 1 or K + 1, >= 1; the
         better predicted of two) whose cost is not measured yet and whose predicted goodput is
-        within ``hysteresis`` of K's; at most :data:`MEASURING_STEPS` steps per width and call (a
-        real step measures a width at its second step in a call, :meth:`_observe`; a cost model
-        that never takes it in would otherwise hold the call at the neighbour)."""
+        within ``hysteresis`` of K's; at most :data:`MEASURING_STEPS` steps per width and call (the
+        first step at a width after another is a switch, not counted, :meth:`_observe`; the
+        next :data:`MEASURED_STEPS` measure it; a cost model that never takes them in would
+        otherwise hold the call at the neighbour)."""
         if not self.costs.measured(self.key, K):  # (K's own cost first: not one calibration against another)
             return K
 
@@ -1181,6 +1189,8 @@ class SpeculationPolicy:
             total = sum(s for _, s in laps)
             if K not in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
                 pass
+            elif K and before != K:  # a switch: a narrower step folds the wider one's history first
+                pass
             elif K == 0 and before:
                 self.costs.observe_leave(self.key, total - plain_s)
             else:
@@ -1215,8 +1225,9 @@ class SpeculationPolicy:
     def measured_step_s(self) -> list[float | None]:
         """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none
         did). Not counted: a K's first step in the call (its first proposal, compiles), the first
-        plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), and
-        the call's last step (its laps complete after the loop). Set against
+        plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
+        step at K > 0 after a step at another K (a narrower step first folds the wider one's
+        replay history: a switch's cost, not the width's), and the call's last step (its laps complete after the loop). Set against
         :meth:`predicted_step_s`."""
         return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 

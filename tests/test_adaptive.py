@@ -15,8 +15,8 @@ from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy
 
 import specdec
-from specdec.adaptive import (MEASURING_STEPS, AcceptanceEstimator, CostKey, CostModel, DrafterKey, FixedCosts,
-                              MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
+from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, AcceptanceEstimator, CostKey, CostModel, DrafterKey,
+                              FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
                               expected_tokens, speculation_gain)
 from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.fusion import fusion_enabled
@@ -772,14 +772,15 @@ def test_hysteresis_sum_moves_a_k_held_by_a_steady_small_gain():
 
 def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     """A width next to the current K whose cost is only calibrated runs in its place while its
-    predicted goodput is within the hysteresis of K's (3% below here), until a real step has
-    measured it (for at most MEASURING_STEPS steps a call); one predicted 10% below does not,
-    nor any with measure_neighbours off."""
+    predicted goodput is within the hysteresis of K's (3% below here), until MEASURED_STEPS real
+    steps have measured it (for at most MEASURING_STEPS steps a call); one predicted 10% below
+    does not, nor any with measure_neighbours off."""
     def policy_at(expected_2, **settings):
         costs, key, dk = MeasuredCosts(), CostKey("eager", "replay", 1), DrafterKey(False)
         for T in (1, 2, 3):
             costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
-        costs.observe(key, dk, 1, 0.0, 1.0)  # K = 1 ran: measured (and no gap to its calibration)
+        for _ in range(MEASURED_STEPS):  # K = 1 ran: measured (and no gap to its calibration)
+            costs.observe(key, dk, 1, 0.0, 1.0)
         policy = SpeculationPolicy(PolicySettings(**settings), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
         policy.current, policy.expected = 1, [1.0, 1.5, 1.5 * expected_2]
         return policy, costs, key, dk
@@ -788,31 +789,61 @@ def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     assert policy.step_times() == pytest.approx([1.0, 1.0, 1.0])
     assert not costs.measured(key, 2) and costs.measured(key, 1)
     assert [policy.next_k(), policy.next_k()] == [2, 2] and policy.current == 1  # measuring, not settled
-    costs.observe(key, dk, 2, 0.0, 1.0)  # (what the policy's step windows feed in a real loop)
-    assert policy.next_k() == 1
+    for _ in range(MEASURED_STEPS - 1):  # (what the policy's step windows feed in a real loop)
+        costs.observe(key, dk, 2, 0.0, 1.0)
+    assert not costs.measured(key, 2)  # one step may be far off: a few before it counts as measured
+    costs.observe(key, dk, 2, 0.0, 1.0)
+    assert costs.measured(key, 2) and policy.next_k() == 1
     # in a decode loop (the step windows of a lap clock fed after each step, and, reading ahead,
-    # before the sync): the neighbour's first step in the call is not counted, its second is,
-    # and the policy is back at K = 1 once it has been (a K = 2 step measured at 1.3 s)
+    # before the sync): the neighbour's first step in the call is not counted (a switch), the
+    # next are, at most MEASURING_STEPS steps a call, call after call while K = 2 stays within
+    # the band (its steps measured at K = 1's 1.0 s), until MEASURED_STEPS were counted
     for ahead in (False, True):
         policy, costs, key, dk = policy_at(0.97)
-        clock, ks = _LapClock(), []
-        for step in range(6):
-            first = clock.marks
-            ks.append(policy.next_k())
-            clock.step([("draft", 0.1), ("verify", 1.2), ("rollback", 0.0)] if ks[-1] == 2 else
-                       [("draft", 0.1), ("verify", 0.9), ("rollback", 0.0)])
-            if ahead:
-                policy.before_sync(None, clock, first)
-                policy.after_sync(1)
-            else:
-                policy.after_step(None, clock, first, 1)
-        assert ks == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS), (ahead, ks)
-        assert costs.measured(key, 2) and costs.target_s(key, 2) == pytest.approx(1.2)
+        calls = []
+        while not costs.measured(key, 2):
+            policy = SpeculationPolicy(policy.settings, costs, key, dk, 2, 1, 1000, 0.6, "cpu")
+            policy.current, policy.expected = 1, [1.0, 1.5, 1.5 * 0.97]
+            clock, ks = _LapClock(), []
+            for step in range(6):
+                first = clock.marks
+                ks.append(policy.next_k())
+                clock.step([("draft", 0.1), ("verify", 0.9), ("rollback", 0.0)])
+                if ahead:
+                    policy.before_sync(None, clock, first)
+                    policy.after_sync(1)
+                else:
+                    policy.after_step(None, clock, first, 1)
+            calls.append(ks)
+            assert ks == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS), (ahead, ks)
+            assert costs.target_s(key, 2) == pytest.approx(0.9)  # (its real steps count from the first)
+        assert len(calls) == -(-MEASURED_STEPS // (MEASURING_STEPS - 1)), calls
     # a cost model that never takes the steps in: the call measures for at most MEASURING_STEPS steps
     policy = policy_at(0.97)[0]
     assert [policy.next_k() for _ in range(6)] == [2] * MEASURING_STEPS + [1] * (6 - MEASURING_STEPS)
     assert policy_at(0.90)[0].next_k() == 1
     assert policy_at(0.97, measure_neighbours=False)[0].next_k() == 1
+
+
+def test_a_step_right_after_a_switch_of_k_is_not_a_measure_of_its_width():
+    # a narrower step first folds the wider one's replay history: its time is the switch's, and
+    # counted, it would make the narrower width look slower for the steps after it
+    costs, key, dk = MeasuredCosts(weight=0.5), CostKey("eager", "replay", 1), DrafterKey(False)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
+    clock, seen = _LapClock(), []
+    for K in (1, 1, 2, 2, 1, 1, 1):
+        first = clock.marks
+        policy._ahead = (K, K, 0, None, policy.step_times(), 1.0)  # (this step's K, as the policy would choose it)
+        seen.append(policy.next_k())
+        switched = len(seen) > 1 and seen[-2] != K
+        clock.step([("draft", 0.1), ("verify", 0.9 + 0.2 * K + (0.5 if switched else 0.0)), ("rollback", 0.0)])
+        policy.after_step(None, clock, first, 1)
+    assert seen == [1, 1, 2, 2, 1, 1, 1]
+    assert costs.target_s(key, 1) == pytest.approx(1.1)  # the steps after each switch left out
+    assert costs.target_s(key, 2) == pytest.approx(1.3)
+    assert policy.measured_step_s()[1] == pytest.approx(1.2)  # (draft included)
 
 
 def test_min_gain_shrinks_with_the_batch():

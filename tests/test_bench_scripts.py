@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,6 +107,21 @@ def test_simulate_adaptive_replays_the_policy(tmp_path):
                  tmp_path=tmp_path)
     rows = [x for x in lines if x.startswith("| 4 |")]
     assert [x.split("|")[2].strip() for x in rows] == ["0.5", "1", "0.9->0.1"]
+    # --learned: the policy's costs from the auto record's calibration and the steps it runs
+    learning = sim.Learning([0.0012, 0.0016, 0.0020, 0.0024, 0.0028], 0.0001, 0.0, 0.0, 0)
+    rate, ks, _ = sim.simulate(costs, 4, 1.0, 40, PolicySettings(), None, seed=0, learning=learning)
+    run = {K for K in ks if ks.count(K) > 1}  # (a width run twice in the call: its second step observed)
+    assert run and all(learning.model.measured(sim.Learning.KEY, K) == (ks.count(K) - 1 >= 4) for K in run)
+    assert learning.model.target_s(sim.Learning.KEY, ks[-1]) + learning.model.draft_s(
+        sim.Learning.DRAFTER, sim.Learning.KEY, ks[-1]) == pytest.approx(costs[ks[-1]])  # (no noise: the truth)
+    records.append({"batch": 4, "num_speculative_tokens": "auto", "rollback": "auto", "acceptance": 0.5,
+                    "calibrated_step_ms": [1.2, 1.6, 2.0, 2.4, 2.8], "draft_ms": 0.1})
+    for r in records:
+        r.setdefault("draft_ms", 0.1)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = _run("simulate_adaptive.py", str(path), "--max-new", "12", "--max-k", "4", "--seeds", "1", "--learned",
+                 "--excess", "0.04", tmp_path=tmp_path)
+    assert len([x for x in lines if x.startswith("| 4 |")]) == 3
 
 
 def test_step_attention_tiny_cpu(tmp_path):
