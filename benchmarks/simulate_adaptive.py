@@ -17,8 +17,9 @@ GPU run (``experiment=adaptive``) measures.
 the calibration the run's auto cell recorded (``calibrated_step_ms``) refined by the steps it
 runs, each observed at the fixed cells' time of its K times ``1 + --excess`` (auto's own steps
 may cost more than a fixed K's) and a normal measurement noise of relative spread ``--noise``
-(not the first step at each K in a call, which the policy leaves out as a warm-up); the
-proposal's share of a step is the fixed cells' median draft lap. One cost model serves a batch's
+(left out as the policy leaves them out: the first step at each K in a call, a step narrower
+than the one before, the first plain step after speculative ones); the proposal's share of a
+step is the fixed cells' median draft lap, a plain step's glue their plain runs' median. One cost model serves a batch's
 workloads in order, each a warm-up call then the timed one, as in the experiment. How a policy
 learns, not only how it chooses, is then under test.
 
@@ -66,16 +67,23 @@ class Learning:
 
     KEY, DRAFTER = CostKey("sim", "sim", 0), DrafterKey(False)
 
-    def __init__(self, calibrated: list[float], draft_s: float, excess: float, noise: float, seed: int):
+    def __init__(self, calibrated: list[float], draft_s: float, glue_s: float, excess: float, noise: float,
+                 seed: int):
         self.model = MeasuredCosts()
         for K, t in enumerate(calibrated):
             self.model.record_width(self.KEY, K + 1, verify_s=t, commit_s=0.0)
-        self.draft_s, self.excess, self.noise = draft_s, excess, noise
+        self.draft_s, self.glue_s, self.excess, self.noise = draft_s, glue_s, excess, noise
         self.gen = torch.Generator().manual_seed(seed)
 
-    def observe(self, K: int, true_s: float) -> None:
+    def observe(self, K: int, before: int, true_s: float) -> None:
+        """One step at K after one at ``before`` that took ``true_s`` seconds (its first at K in the call: not here)."""
+        if K == 0 and before > 0:
+            self.model.observe_leave(self.KEY, 0.0)  # (no switch cost in the fixed cells' times)
+            return
+        if 0 < K < before:  # (a narrower step: the policy leaves it out)
+            return
         seen = true_s * (1.0 + self.excess * (K > 0)) * (1.0 + self.noise * float(torch.randn(1, generator=self.gen)))
-        draft = min(self.draft_s, 0.5 * seen)  # (K = 0: the step's glue, as the decode loop times it)
+        draft = min(self.draft_s if K else self.glue_s, 0.5 * seen)
         self.model.observe(self.KEY, self.DRAFTER, K, draft, seen - draft)
 
 
@@ -112,7 +120,7 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
         seconds += costs[K] * (1.0 + (learning.excess if learning is not None and fixed_k is None and K else 0.0))
         if learning is not None and fixed_k is None:
             if K in run_at:
-                learning.observe(K, costs[K])
+                learning.observe(K, ks[-1] if ks else 0, costs[K])
             run_at.add(K)
         ks.append(K)
     return batch * max_new / seconds, ks, None if fixed_k is not None else policy.acceptance.overall(policy.prior)
@@ -153,9 +161,10 @@ def main(argv=None) -> None:
             if not autos or not autos[0].get("calibrated_step_ms"):
                 raise SystemExit(f"--learned: no auto record with calibrated_step_ms at batch {batch}")
             calibrated = [t / 1e3 for t in autos[0]["calibrated_step_ms"]][:args.max_k + 1]
-            draft = statistics.median(r["draft_ms"] for r in records if r.get("batch") == batch
-                                      and isinstance(r.get("num_speculative_tokens"), int)) / 1e3
-            learning = Learning(calibrated, draft, args.excess, args.noise, batch)
+            fixed = [r for r in records if r.get("batch") == batch and isinstance(r.get("num_speculative_tokens"), int)]
+            draft = statistics.median(r["draft_ms"] for r in fixed) / 1e3
+            glue = statistics.median(r.get("plain_draft_ms", r["draft_ms"]) for r in fixed) / 1e3
+            learning = Learning(calibrated, draft, glue, args.excess, args.noise, batch)
         cells = [(f"{a:g}", a) for a in workloads] + ([("->".join(f"{a:g}" for a in args.phases), changing)]
                                                        if changing else [])
         for label, acc in cells:

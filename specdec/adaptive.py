@@ -282,15 +282,16 @@ class AcceptanceEstimator:
 #: once set, :meth:`SpeculationPolicy._capture` captures the update unfused at once
 _FUSED_UPDATE_FAILED: list[str | None] = [None]
 
-#: the most steps a call runs at a width next to its K to measure that width's cost
-#: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, and
-#: with the choice made before the sync the step after the counted one is chosen before it is in
-MEASURING_STEPS = 3
-
 #: the real steps at a width after which :meth:`MeasuredCosts.measured` holds: one step's time can
 #: be far off its width's mean (a host hiccup, a fold), and a width it makes look slow is not
 #: chosen again to correct it
 MEASURED_STEPS = 4
+
+#: the most steps a call runs at a width next to its K to measure that width's cost
+#: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, the
+#: next :data:`MEASURED_STEPS` are, and with the choice made before the sync the step after them is
+#: chosen before they are in
+MEASURING_STEPS = MEASURED_STEPS + 2
 
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
@@ -542,7 +543,7 @@ class MeasuredCosts(CostModel):
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[CostKey, int] = {}
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
-        self._count: dict[tuple, int] = {}  # (key, K) -> real steps observed
+        self._n: dict[tuple, int] = {}  # (what, key..., K) -> values each online mean has taken in
 
     def needs_widths(self, key, widths):
         return [T for T in widths if (key, T) not in self._widths]
@@ -557,29 +558,34 @@ class MeasuredCosts(CostModel):
     def rollback_bytes(self, key):
         return self._bytes.get(key)
 
-    def _ewma(self, table: dict, k, x: float) -> None:
+    def _ewma(self, table: dict, k, x: float, name: tuple) -> None:
+        """``table[k]`` takes in ``x``: the plain mean of the values so far while there are fewer
+        than ``1 / weight`` of them, the weighted mean after (a first step far off its width's mean
+        would otherwise weigh 1 - weight on the next); ``name``: the value's count's key."""
+        n = self._n[name] = self._n.get(name, 0) + 1
         old = table.get(k)
-        table[k] = x if old is None else (1 - self.weight) * old + self.weight * x
+        w = max(self.weight, 1.0 / n)
+        table[k] = x if old is None else (1 - w) * old + w * x
 
     def observe(self, key, drafter_key, K, draft_s, target_s):
         # (K = 0: the whole step is the plain step's time; its gap, without the step's glue that a
         # K > 0 counts in draft(K), is where a never-run K > 0's gap starts from)
-        self._ewma(self._target, (key, K), target_s + (draft_s if K == 0 else 0.0))
-        self._count[key, K] = self._count.get((key, K), 0) + 1
+        self._ewma(self._target, (key, K), target_s + (draft_s if K == 0 else 0.0), ("target", key, K))
         calib = self._widths.get((key, K + 1))
         if calib is not None:
-            self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib))
+            self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib), ("gap", key, K))
         if K > 0:
-            self._ewma(self._draft.setdefault((drafter_key, key.path, key.batch), {}), K, draft_s)
+            where = (drafter_key, key.path, key.batch)
+            self._ewma(self._draft.setdefault(where, {}), K, draft_s, ("draft", *where, K))
 
     def observe_leave(self, key, extra_s):
-        self._ewma(self._leave, key, max(0.0, float(extra_s)))
+        self._ewma(self._leave, key, max(0.0, float(extra_s)), ("leave", key))
 
     def leave_s(self, key):
         return self._leave.get(key, 0.0)
 
     def measured(self, key, K):
-        return self._count.get((key, K), 0) >= MEASURED_STEPS
+        return self._n.get(("target", key, K), 0) >= MEASURED_STEPS
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
         """The calibrated verify + commit of width K + 1 (seconds), or None."""
@@ -987,10 +993,10 @@ class SpeculationPolicy:
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
         """K, or, once K's own cost is measured, the width next to it (K - 1 or K + 1, >= 1; the
         better predicted of two) whose cost is not measured yet and whose predicted goodput is
-        within ``hysteresis`` of K's; at most :data:`MEASURING_STEPS` steps per width and call (the
-        first step at a width after another is a switch, not counted, :meth:`_observe`; the
-        next :data:`MEASURED_STEPS` measure it; a cost model that never takes them in would
-        otherwise hold the call at the neighbour)."""
+        within ``hysteresis`` of K's; at most :data:`MEASURING_STEPS` steps per width and call (its
+        first step in the call is not counted, :meth:`_observe`, the next :data:`MEASURED_STEPS`
+        measure it; a cost model that never takes them in would otherwise hold the call at the
+        neighbour)."""
         if not self.costs.measured(self.key, K):  # (K's own cost first: not one calibration against another)
             return K
 
@@ -1189,7 +1195,7 @@ class SpeculationPolicy:
             total = sum(s for _, s in laps)
             if K not in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
                 pass
-            elif K and before != K:  # a switch: a narrower step folds the wider one's history first
+            elif K and before > K:  # a narrowing: the step first folds the wider one's replay history
                 pass
             elif K == 0 and before:
                 self.costs.observe_leave(self.key, total - plain_s)
@@ -1226,8 +1232,8 @@ class SpeculationPolicy:
         """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none
         did). Not counted: a K's first step in the call (its first proposal, compiles), the first
         plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
-        step at K > 0 after a step at another K (a narrower step first folds the wider one's
-        replay history: a switch's cost, not the width's), and the call's last step (its laps complete after the loop). Set against
+        step at K > 0 after a wider one (it first folds the wider one's replay history: the
+        switch's cost, not the width's), and the call's last step (its laps complete after the loop). Set against
         :meth:`predicted_step_s`."""
         return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 

@@ -1070,6 +1070,20 @@ def test_gap_of_a_k_not_run_leans_fast():
     assert costs.target_s(key, 0) == pytest.approx(0.0045) and costs.target_s(key, 5) == pytest.approx(0.006)
 
 
+def test_a_first_step_far_off_weighs_as_one_of_the_first_steps():
+    # the online means are plain means of their first 1 / weight values: one slow first step
+    # (a host hiccup) does not hold a width's cost high for the steps after it
+    costs, key = MeasuredCosts(weight=0.2), CostKey("cuda_graph", "replay", 16)
+    costs.record_width(key, 3, verify_s=1.0, commit_s=0.0)
+    for x in (1.8, 1.3, 1.3, 1.3):
+        costs.observe(key, "d", 2, draft_s=0.0, target_s=x)
+    assert costs.target_s(key, 2) == pytest.approx((1.8 + 3 * 1.3) / 4)
+    assert costs.measured(key, 2) == (MEASURED_STEPS <= 4)
+    for _ in range(30):  # then a weighted mean: the old values fade
+        costs.observe(key, "d", 2, draft_s=0.0, target_s=1.3)
+    assert costs.target_s(key, 2) == pytest.approx(1.3, abs=1e-3)
+
+
 def test_draft_time_of_a_drafter_that_does_not_draft_sequentially_is_flat():
     costs = MeasuredCosts(weight=1.0)
     key = CostKey("cuda_graph", "replay", 16)

@@ -108,7 +108,7 @@ def test_simulate_adaptive_replays_the_policy(tmp_path):
     rows = [x for x in lines if x.startswith("| 4 |")]
     assert [x.split("|")[2].strip() for x in rows] == ["0.5", "1", "0.9->0.1"]
     # --learned: the policy's costs from the auto record's calibration and the steps it runs
-    learning = sim.Learning([0.0012, 0.0016, 0.0020, 0.0024, 0.0028], 0.0001, 0.0, 0.0, 0)
+    learning = sim.Learning([0.0012, 0.0016, 0.0020, 0.0024, 0.0028], 0.0001, 0.0001, 0.0, 0.0, 0)
     rate, ks, _ = sim.simulate(costs, 4, 1.0, 40, PolicySettings(), None, seed=0, learning=learning)
     run = {K for K in ks if ks.count(K) > 1}  # (a width run twice in the call: its second step observed)
     assert run and all(learning.model.measured(sim.Learning.KEY, K) == (ks.count(K) - 1 >= 4) for K in run)
