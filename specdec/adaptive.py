@@ -503,8 +503,9 @@ class MeasuredCosts(CostModel):
 
     ``step_s(K) = draft(K) + target(K)``, where
 
-    * ``target(K)``: the exponentially weighted mean (weight ``weight``) of the target's time in
-      real steps at K (verify + acceptance + commit + bookkeeping); before any real step at K, the
+    * ``target(K)``: the mean of the target's time in real steps at K (every online mean here is
+      the plain mean of its first ``1 / weight`` values, then exponentially weighted with
+      ``weight``) (verify + acceptance + commit + bookkeeping); before any real step at K, the
       calibrated verify + commit of width K + 1 plus, for K > 0, the gap between real steps and
       their calibration at K: the acceptance and bookkeeping, which the calibration does not
       run, and for replay the verify's replay of the tokens the last step committed (the
@@ -532,7 +533,7 @@ class MeasuredCosts(CostModel):
       counted there, each probe would make plain decoding look slower for the steps after it.
 
     Args:
-        weight: the online averages' weight of a new step, in (0, 1].
+        weight: the online averages' weight of a new step once they hold 1 / weight steps, in (0, 1].
     """
 
     def __init__(self, weight: float = 0.2):
