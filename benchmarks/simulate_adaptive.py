@@ -38,7 +38,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from specdec.adaptive import CostKey, DrafterKey, FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy
+from specdec.adaptive import (CostKey, DrafterKey, FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy,
+                              step_measures)
 
 
 #: the PolicySettings fields the command line sets (``--min-gain`` ...)
@@ -75,12 +76,13 @@ class Learning:
         self.draft_s, self.glue_s, self.excess, self.noise = draft_s, glue_s, excess, noise
         self.gen = torch.Generator().manual_seed(seed)
 
-    def observe(self, K: int, before: int, true_s: float) -> None:
-        """One step at K after one at ``before`` that took ``true_s`` seconds (its first at K in the call: not here)."""
-        if K == 0 and before > 0:
+    def observe(self, K: int, before: int, run_before: bool, true_s: float) -> None:
+        """One step at K after one at ``before`` that took ``true_s`` seconds, taken in as the
+        policy takes a real one in (:func:`specdec.adaptive.step_measures`)."""
+        what = step_measures(K, before, run_before)
+        if what == "leave":
             self.model.observe_leave(self.KEY, 0.0)  # (no switch cost in the fixed cells' times)
-            return
-        if 0 < K < before:  # (a narrower step: the policy leaves it out)
+        if what != "width":
             return
         seen = true_s * (1.0 + self.excess * (K > 0)) * (1.0 + self.noise * float(torch.randn(1, generator=self.gen)))
         draft = min(self.draft_s if K else self.glue_s, 0.5 * seen)
@@ -119,8 +121,7 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
             policy.receive(None if values is None else values.tolist(), int((n_gen < max_new).sum()))
         seconds += costs[K] * (1.0 + (learning.excess if learning is not None and fixed_k is None and K else 0.0))
         if learning is not None and fixed_k is None:
-            if K in run_at:
-                learning.observe(K, ks[-1] if ks else 0, costs[K])
+            learning.observe(K, ks[-1] if ks else 0, K in run_at, costs[K])
             run_at.add(K)
         ks.append(K)
     return batch * max_new / seconds, ks, None if fixed_k is not None else policy.acceptance.overall(policy.prior)

@@ -69,6 +69,7 @@ is chosen once per call, after the measured warm-up.
 from __future__ import annotations
 
 import abc
+import bisect
 import contextlib
 import math
 import numbers
@@ -86,7 +87,7 @@ from .rollback import ReplayRollback
 
 __all__ = ["AUTO", "POLICY_GRAPHS_KEPT", "PolicySettings", "AcceptanceEstimator", "CostKey", "CostModel", "DrafterKey",
            "MeasuredCosts", "FixedCosts", "SpeculationPolicy", "StrategyChoice", "calibrate", "choose_k", "choose_strategy", "costs_for",
-           "expected_tokens", "rollback_bytes", "speculation_gain", "strategy_label"]
+           "expected_tokens", "rollback_bytes", "speculation_gain", "step_measures", "strategy_label"]
 
 #: the value of ``num_speculative_tokens`` / ``rollback`` that asks for the adaptive choice
 AUTO = "auto"
@@ -295,6 +296,17 @@ MEASURING_STEPS = MEASURED_STEPS + 2
 
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
+
+
+def step_measures(K: int, before: int, run_before: bool) -> str | None:
+    """What a real step at K after one at ``before`` measures (``run_before``: K ran earlier in the
+    call): ``"width"``, the cost of width K; ``"leave"``, the first plain step after speculative
+    ones, the switch's extra cost (:meth:`CostModel.observe_leave`); None, nothing: the first
+    step at a K in a call (its first proposal, compiles) and a step narrower than the one before
+    (it first folds the wider one's replay history: the switch's cost, not the width's)."""
+    if not run_before or 0 < K < before:
+        return None
+    return "leave" if K == 0 and before > 0 else "width"
 
 
 def _per_k_means(per_step: list[list[float]]) -> list[float]:
@@ -608,13 +620,11 @@ class MeasuredCosts(CostModel):
 
     def _gap_fit(self, key: CostKey) -> Callable[[int], float]:
         """The real-minus-calibrated gap at each K > 0 (see the class docstring)."""
-        gaps = dict(self._gap.get(key, {}))
-        plain = gaps.pop(0, None)
-        if plain is not None and gaps:  # below the smallest K run: on the way from the plain steps' gap
-            gaps.setdefault(0, plain)
-        if not gaps:
-            return (lambda K: 0.0) if plain is None else (lambda K: plain)
-        ks = sorted(gaps)
+        gaps = self._gap.get(key, {})
+        if not any(gaps):  # no K > 0 run: the plain steps' gap, if they ran
+            plain = gaps.get(0, 0.0)
+            return lambda K: plain
+        ks = sorted(gaps)  # (K = 0, where it ran, anchors the way below the smallest K > 0)
         return lambda K: _between(ks, gaps, K)
 
     def _draft_fit(self, drafter_key, key: CostKey) -> Callable[[int], float]:
@@ -651,11 +661,11 @@ class MeasuredCosts(CostModel):
 def _between(ks: list[int], seen: dict[int, float], K: int) -> float:
     """The value at K of measurements ``seen`` at the sorted ``ks`` (not empty): measured, on the
     straight line between the two measured K around it, else the nearest measured one's."""
-    if K <= ks[0] or K >= ks[-1]:
-        return seen[ks[0] if K <= ks[0] else ks[-1]]
-    hi = next(k for k in ks if k >= K)
-    lo = max(k for k in ks if k < K) if hi != K else K
-    return seen[K] if hi == K else seen[lo] + (seen[hi] - seen[lo]) * (K - lo) / (hi - lo)
+    i = bisect.bisect_left(ks, K)
+    if i == len(ks) or ks[i] == K or i == 0:
+        return seen[ks[min(i, len(ks) - 1)]]
+    lo, hi = ks[i - 1], ks[i]
+    return seen[lo] + (seen[hi] - seen[lo]) * (K - lo) / (hi - lo)
 
 
 def _line(seen: dict[int, float]) -> Callable[[int], float]:
@@ -1194,13 +1204,10 @@ class SpeculationPolicy:
             K, start, end, before, plain_s = self._last
             laps = [(phase, s) for phase, s in clock.laps(start, end) if phase != "prefill"]
             total = sum(s for _, s in laps)
-            if K not in self._seen:  # the first step at a K ran its first proposal / compiles: not counted
-                pass
-            elif K and before > K:  # a narrowing: the step first folds the wider one's replay history
-                pass
-            elif K == 0 and before:
+            what = step_measures(K, before, K in self._seen)
+            if what == "leave":
                 self.costs.observe_leave(self.key, total - plain_s)
-            else:
+            elif what == "width":
                 draft = sum(s for phase, s in laps if phase == "draft")  # (K = 0: the step's glue; see observe)
                 self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
                 seen = self._measured.setdefault(K, [0.0, 0])
