@@ -5,12 +5,17 @@ sync and the next launch) and under ``torch.profiler`` (device: per-kernel time;
 time per call between the settings).
 
     python benchmarks/profile_adaptive.py nemotronh-4b-shape 16 0.6 3,4,auto --out profile.txt
+    python benchmarks/profile_adaptive.py nemotronh-4b-shape 16 0.95 2,auto --max-speculative-tokens 2
+
+(the second: auto held to K <= 2 where it runs K = 2 every step, so its time above the fixed K = 2
+is what choosing K costs.)
 
 Arguments: a ``specdec/conf/model`` name with a random-shape target, the batch, the oracle's
 acceptance, and the settings (a fixed K or ``auto``; every one with ``rollback="replay"`` and
-``max_speculative_tokens`` 8). Prompts are random (``--prompt-tokens``), ``--new-tokens`` new
+``max_speculative_tokens`` from ``--max-speculative-tokens``, 8 by default). Prompts are random (``--prompt-tokens``), ``--new-tokens`` new
 tokens, EOS ignored; each setting's output is checked against plain decoding first. Prints a line
-per setting (wall ms per step, prefill included, K histogram, device time per step) and writes
+per setting (wall ms per step, prefill included: the median of ``--repeats`` timed calls with
+their min-max; K histogram; device time per step) and writes
 the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype
 for the device, bf16 on CUDA); on a CPU this is a smoke test.
 """
@@ -22,6 +27,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -42,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("settings", help="comma-separated: fixed K values and/or auto")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-speculative-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="timed calls per setting (median)")
     ap.add_argument("--out", default="profile_adaptive.txt")
     args = ap.parse_args(argv)
     settings = [s if s == "auto" else int(s) for s in args.settings.split(",")]
@@ -55,16 +63,20 @@ def main(argv=None) -> int:
     for K in settings:
         drafter = OracleDrafter(ref, enc["attention_mask"], acceptance=args.acceptance)
         sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens=K,
-                          max_speculative_tokens=8)
+                          max_speculative_tokens=args.max_speculative_tokens)
         for _ in range(2):  # compile, capture, calibrate
             sd.generate(**kw)
-        sync()
-        start = time.perf_counter()
-        out = sd.generate(**kw)
-        sync()
-        wall, steps, hist = time.perf_counter() - start, sd.last_stats.steps, sd.last_stats.k_histogram
-        if not torch.equal(out, ref):
-            raise SystemExit(f"K={K}: output differs from plain decoding")
+        walls = []
+        for _ in range(max(1, args.repeats)):
+            sync()
+            start = time.perf_counter()
+            out = sd.generate(**kw)
+            sync()
+            walls.append((time.perf_counter() - start) * 1e3 / sd.last_stats.steps)
+            if not torch.equal(out, ref):
+                raise SystemExit(f"K={K}: output differs from plain decoding")
+        steps, hist = sd.last_stats.steps, sd.last_stats.k_histogram
+        walls.sort()
         host = cProfile.Profile()
         host.enable()
         sd.generate(**kw)
@@ -79,8 +91,9 @@ def main(argv=None) -> int:
         events = prof.key_averages()
         device_ms = sum(e.self_device_time_total for e in events) / 1e3 if cuda else float("nan")
         profiled_steps = sd.last_stats.steps
-        head = (f"K={K} batch {args.batch} acceptance {args.acceptance}: {wall * 1e3 / steps:.3f} ms a step "
-                f"(prefill included, {steps} steps), K histogram {hist}; device time "
+        head = (f"K={K} batch {args.batch} acceptance {args.acceptance}: {statistics.median(walls):.3f} ms a step "
+                f"(min-max {walls[0]:.3f}-{walls[-1]:.3f} over {len(walls)} calls; prefill included, {steps} "
+                f"steps), K histogram {hist}; device time "
                 f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
         print(head, flush=True)
         table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)

@@ -157,12 +157,16 @@ def test_profile_admission_cpu(tmp_path):
 
 def test_profile_adaptive_cpu(tmp_path):
     """benchmarks/profile_adaptive.py on a tiny random-shape model (CPU, fp32): one line per
-    setting (its output checked against plain decoding first), the K histogram of auto's call,
-    and the host and device reports per setting in --out."""
+    setting (its output checked against plain decoding first), the median of --repeats calls,
+    the K histogram of auto's call (held to K <= 1 by --max-speculative-tokens), and the host and
+    device reports per setting in --out."""
     lines = _run("profile_adaptive.py", "qwen35-tiny-shape", "2", "0.6", "1,auto", "--prompt-tokens", "8",
-                 "--new-tokens", "8", "--out", "p.txt", tmp_path=tmp_path)
+                 "--new-tokens", "8", "--max-speculative-tokens", "1", "--repeats", "2", "--out", "p.txt",
+                 tmp_path=tmp_path)
     fixed, auto = _line(lines, "K=1 batch 2"), _line(lines, "K=auto batch 2")
-    assert "K histogram [0, " in fixed and "ms a step" in auto
+    assert "K histogram [0, " in fixed and "over 2 calls" in auto
+    hist = auto.split("K histogram [")[1].split("]")[0].split(",")
+    assert len(hist) == 2 and sum(int(h) for h in hist) > 0  # K = 0 and K = 1 only
     report = (tmp_path / "p.txt").read_text()
     assert report.count("-- cProfile, by own time") == 2 and report.count("-- torch.profiler") == 2
 
