@@ -12,12 +12,14 @@ is what choosing K costs.)
 
 Arguments: a ``specdec/conf/model`` name with a random-shape target, the batch, the oracle's
 acceptance, and the settings (a fixed K or ``auto``; every one with ``rollback="replay"`` and
-``max_speculative_tokens`` from ``--max-speculative-tokens``, 8 by default). Prompts are random (``--prompt-tokens``), ``--new-tokens`` new
-tokens, EOS ignored; each setting's output is checked against plain decoding first. Prints a line
-per setting (wall ms per step, prefill included: the median of ``--repeats`` timed calls with
-their min-max; K histogram; device time per step) and writes
-the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype
-for the device, bf16 on CUDA); on a CPU this is a smoke test.
+``max_speculative_tokens`` from ``--max-speculative-tokens``, 8 by default). Prompts are random
+(``--prompt-tokens``), ``--new-tokens`` new tokens, EOS ignored; each setting's output is checked
+against plain decoding first. Prints a line per setting: wall ms per step, prefill included (the
+median of ``--repeats`` timed calls, with their min-max); the decode loop's ms per step (wall less
+prefill) split into the draft, verify and commit laps and the rest (bookkeeping laps and the
+call's own work), medians; the K histogram; device time per step. Writes the three reports per
+setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
+on CUDA); on a CPU this is a smoke test.
 """
 
 from __future__ import annotations
@@ -66,17 +68,24 @@ def main(argv=None) -> int:
                           max_speculative_tokens=args.max_speculative_tokens)
         for _ in range(2):  # compile, capture, calibrate
             sd.generate(**kw)
-        walls = []
+        walls, phases = [], []
         for _ in range(max(1, args.repeats)):
             sync()
             start = time.perf_counter()
             out = sd.generate(**kw)
             sync()
-            walls.append((time.perf_counter() - start) * 1e3 / sd.last_stats.steps)
+            wall, st = time.perf_counter() - start, sd.last_stats
+            walls.append(wall * 1e3 / st.steps)
+            # per step, ms: the decode loop (wall - prefill), its draft / verify / commit laps, and the rest
+            # (bookkeeping laps, the call's own work: the policy's, for auto)
+            decode = (wall - st.prefill_s) * 1e3 / st.steps
+            laps = [t * 1e3 / st.steps for t in (st.draft_s, st.verify_s, st.rollback_s)]
+            phases.append([decode, *laps, decode - sum(laps)])
             if not torch.equal(out, ref):
                 raise SystemExit(f"K={K}: output differs from plain decoding")
         steps, hist = sd.last_stats.steps, sd.last_stats.k_histogram
         walls.sort()
+        decode, draft, verify, commit, rest = (statistics.median(p[i] for p in phases) for i in range(5))
         host = cProfile.Profile()
         host.enable()
         sd.generate(**kw)
@@ -93,7 +102,8 @@ def main(argv=None) -> int:
         profiled_steps = sd.last_stats.steps
         head = (f"K={K} batch {args.batch} acceptance {args.acceptance}: {statistics.median(walls):.3f} ms a step "
                 f"(min-max {walls[0]:.3f}-{walls[-1]:.3f} over {len(walls)} calls; prefill included, {steps} "
-                f"steps), K histogram {hist}; device time "
+                f"steps), decode {decode:.3f} (draft {draft:.3f}, verify {verify:.3f}, commit {commit:.3f}, "
+                f"rest {rest:.3f}), K histogram {hist}; device time "
                 f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
         print(head, flush=True)
         table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
