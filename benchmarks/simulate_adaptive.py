@@ -101,7 +101,8 @@ def simulate(costs: list[float], batch: int, acceptance, max_new: int, settings:
     model, key, dk = ((FixedCosts(lambda s, b, K: costs[K]), CostKey("sim", "sim", batch), None) if learning is None
                       else (learning.model, Learning.KEY, Learning.DRAFTER))
     policy = SpeculationPolicy(settings, model, key, dk, M, batch, max_new,
-                               settings.prior_acceptance if prior is None else prior, "cpu", until_last)
+                               settings.prior_acceptance if prior is None else prior, "cpu", until_last,
+                               prior_from_last_call=prior is not None)
     run_at: set[int] = set()  # K run in this call (the first step at each is not measured)
     rate = acceptance if callable(acceptance) else (lambda p: acceptance)
     n_gen = torch.zeros(batch, dtype=torch.long)

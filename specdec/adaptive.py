@@ -39,7 +39,10 @@ decoding through the same engine (the drafter is not called).
   step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes;
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
   them (its own extra time and that of the plain step after it, which may first flush the
-  strategy's rollback data: replay folds its input history into the state).
+  strategy's rollback data: replay folds its input history into the state). A call that starts
+  from the acceptance its drafter showed over the last call (on other prompts) also probes at its
+  first step at K = 0: a call shorter than the probe spacing would otherwise never look at its
+  own prompts' acceptance, and would hand the old estimate on to the next call unchanged.
 
 For a batch that ends with its slowest row (``generate()``, not continuous batching), E(K) is
 instead the tokens the rows have left over the steps the slowest row is expected to need at K
@@ -163,6 +166,11 @@ class PolicySettings:
         def bad(name, want):
             raise ValueError(f"PolicySettings.{name} must be {want}, got {getattr(self, name)!r}")
 
+        for name in ("acceptance_weight", "cost_weight", "probe_budget", "prior_acceptance", "hysteresis",
+                     "hysteresis_sum", "min_gain"):  # (a number: float("0.5") would let a string through)
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Real):
+                bad(name, f"a number, not {type(val).__name__}")
         for name in ("acceptance_weight", "cost_weight", "probe_budget"):
             if not 0.0 < float(getattr(self, name)) <= 1.0:
                 bad(name, "in (0, 1]")
@@ -890,11 +898,13 @@ class SpeculationPolicy:
             tenths of a millisecond of device time) runs beside the next step's forward instead
             of before the step's sync, and copies its values to the host; they are read at
             the next step, one step late (:meth:`update`), before its sync (:meth:`before_sync`).
+        prior_from_last_call: ``prior`` is what the drafter showed over an earlier call: the
+            call's first step at K = 0 probes (K = 1; see the module docstring).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
                  max_speculative_tokens: int, batch: int, max_new_tokens: int, prior, device,
-                 until_last: bool = False, graphs: dict | None = None):
+                 until_last: bool = False, graphs: dict | None = None, prior_from_last_call: bool = False):
         self.settings = settings
         self._graph: _KeptUpdate | None = None  # the captured update() this policy replays
         self.until_last = until_last
@@ -931,7 +941,8 @@ class SpeculationPolicy:
         self.expected = expected_tokens(rates, budget, one, until_last, weight, copies=batch).tolist()
         self.step_expected = expected_tokens(rates, budget, one, False, weight, copies=batch).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
-        self.steps_at_zero = 0
+        # (-1: the call's first step at K = 0 probes, where the prior is another call's; module docstring)
+        self.steps_at_zero = -1 if prior_from_last_call else 0
         #: (the K the hysteresis held ``current`` from, its predicted gains over ``current`` summed
         #: over the consecutive steps it did so), or None (see ``hysteresis_sum``)
         self.held: tuple[int, float] | None = None

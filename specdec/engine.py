@@ -241,7 +241,8 @@ class SpeculativeGenerator:
             The static path needs greedy or plain sampling without stopping criteria, repetition
             penalty, min length or returned scores; forcing it with those raises.
         max_speculative_tokens: with ``num_speculative_tokens="auto"``, the largest K a step may
-            ask for, 1..``MAX_SPECULATIVE_TOKENS`` (the caches are sized for it); unused otherwise.
+            ask for, 1..``MAX_SPECULATIVE_TOKENS`` (the caches are sized for it); checked whatever
+            ``num_speculative_tokens`` is, used only with ``"auto"``.
         cost_model: the :class:`specdec.adaptive.CostModel` the ``"auto"`` choices read (default:
             step costs measured on the device, :func:`specdec.adaptive.costs_for`); e.g.
             :class:`specdec.adaptive.FixedCosts` to give the costs.
@@ -476,7 +477,10 @@ class SpeculativeGenerator:
                 with ``pad_token_id`` after them; the output is as wide as the longest row.
             do_sample, temperature, top_k, top_p: sampling (lossless rejection sampling) or greedy.
             eos_token_id: int or list of ints; pad_token_id: fills rows that stopped early.
-            generator: ``torch.Generator`` for reproducible sampling.
+            generator: ``torch.Generator`` for reproducible sampling at a fixed K (with
+                ``num_speculative_tokens="auto"`` each step's K follows measured step times and its
+                random draws depend on K: the same seed can give another sample of the same
+                distribution).
             generation_config: a ``transformers.GenerationConfig`` (explicit arguments override it).
             streamer: an HF streamer (batch 1): as in HF, first the prompt, then the committed tokens
                 in order, then ``end()``.
@@ -968,7 +972,8 @@ class SpeculativeGenerator:
                 *synced, live_rows = synced
             all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
-                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}]: {counts.tolist()}" if bad_counts
+                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
+                                 f"columns; a count may not exceed them): {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
             if s.streamer is not None:  # rest: how many tokens row 0 kept, then the step's tokens
                 for tok in rest[1:1 + rest[0]]:
@@ -1241,10 +1246,12 @@ class SpeculativeGenerator:
         self._measure(dec, key, widths)
         dec.prepare(widths)  # graphs of widths measured on another decoder: captured now, not mid-decode
         learned = self._learned_acceptance
-        prior = learned if learned is not None and learned.shape[0] == K else self.policy.prior_acceptance
+        carried = learned is not None and learned.shape[0] == K
+        prior = learned if carried else self.policy.prior_acceptance
         return SpeculationPolicy(self.policy, self.cost_model, key, self._drafter_key, K, dec.batch, s.max_new_tokens,
                                  prior, s.input_ids.device, until_last,
-                                 graphs=self._policy_graphs if dec.path == "cuda_graph" else None)
+                                 graphs=self._policy_graphs if dec.path == "cuda_graph" else None,
+                                 prior_from_last_call=carried)
 
     @staticmethod
     def _output(s, sequences, hook, G):

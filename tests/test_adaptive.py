@@ -18,7 +18,7 @@ import specdec
 from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, AcceptanceEstimator, CostKey, CostModel, DrafterKey,
                               FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
                               expected_tokens, speculation_gain)
-from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
+from specdec.drafters import Drafter, DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.fusion import fusion_enabled
 from specdec.graphs import CaptureFailure
 from specdec.rollback import STRATEGIES, RollbackStrategy
@@ -554,11 +554,53 @@ def test_assigned_drafter_keeps_the_decoder_and_starts_from_the_prior():
     assert sd.last_stats.k_per_step == fresh.last_stats.k_per_step
     assert fresh.last_stats.k_per_step[0] > 0  # (from the prior: a new call speculates at once)
     # the same drafter's next call starts from the acceptance its last call ended with: all wrong,
-    # so it starts at K = 0, where a new drafter's first call (above) speculates at once
+    # so it starts at K = 0 (its first step there a probe), where a new drafter's first call (above)
+    # speculates at once
     sd.drafter = OracleDrafter(plain, mask, acceptance=0.0, seed=0)
     assert torch.equal(sd.generate(ids, **kw), plain) and sd.last_stats.k_per_step[0] > 0
     assert torch.equal(sd.generate(ids, **kw), plain)
-    assert sd.last_stats.k_per_step[0] == 0
+    assert sd.last_stats.k_per_step[:2] == [1, 0]
+
+
+class _Switchable(Drafter):
+    """One drafter whose drafts are all right or all wrong, switched between calls."""
+
+    def __init__(self, reference, mask):
+        self.right, self.wrong = (OracleDrafter(reference, mask, acceptance=a, seed=0) for a in (1.0, 0.0))
+        self.now = self.wrong
+
+    def start(self, **kw):
+        self.right.start(**kw)
+        self.wrong.start(**kw)
+
+    def propose(self, input_ids, lengths, K):
+        return self.now.propose(input_ids, lengths, K)
+
+
+def test_short_calls_look_again_at_a_drafter_that_did_badly():
+    """A drafter whose last call accepted nothing: each later call starts at K = 0 from that
+    estimate, and probes at its first plain step, so calls shorter than the probe spacing see
+    that the drafts are now right and speculate again within a few calls (before, every such call
+    ran plain steps only and handed the old estimate on unchanged); exact throughout."""
+    family = "qwen3_5"
+    ids, mask, _, _ = reference(family)
+    model = get_model(family)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    drafter = _Switchable(plain, mask)
+    sd = specdec.wrap(model, drafter=drafter, rollback="replay", num_speculative_tokens="auto",
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K))
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=0), plain)
+    ks = sd.last_stats.k_per_step
+    probes = [i for i, k in enumerate(ks) if i > 3 and k > 0]  # (after the first steps, at the prior)
+    assert len(probes) >= 1 and all(b - a > 16 for a, b in zip(probes, probes[1:])), ks  # spaced > the calls below
+    drafter.now = drafter.right
+    short = plain[:, :ids.shape[1] + 16]
+    runs = []
+    for _ in range(4):
+        assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0), short)
+        runs.append(sd.last_stats.k_per_step)
+    assert runs[0][:2] == [1, 0], runs  # the first plain step probes
+    assert max(runs[-1]) > 1, runs  # ... and the calls speculate again
 
 
 # ------------------------------------------------------------------------------ exactness, sampling
@@ -1313,7 +1355,9 @@ def test_bad_adaptive_settings_fail_clearly():
         specdec.wrap(model, num_speculative_tokens="auto", policy={"hysteresis": 0.1})
     for field, value in (("hysteresis", -0.1), ("hysteresis_sum", -0.5), ("min_gain", -0.01), ("probe_budget", 0.0),
                          ("probe_interval", 0), ("acceptance_weight", 0.0), ("measure_neighbours", 1),
-                         ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0)):
+                         ("prior_acceptance", 1.5), ("memory_budget_bytes", -1), ("acceptance_batch", 0),
+                         ("probe_budget", "0.5"), ("hysteresis", "0.1"), ("prior_acceptance", "0.6"),
+                         ("min_gain", "0.05"), ("acceptance_weight", True)):  # (numbers as strings, as float() takes)
         with pytest.raises(ValueError, match=f"PolicySettings.{field} must be"):
             PolicySettings(**{field: value})
     tree = MedusaDrafter(MedusaHeads.from_target(model, num_heads=2), tree="default")
