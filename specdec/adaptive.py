@@ -296,6 +296,14 @@ _FUSED_UPDATE_FAILED: list[str | None] = [None]
 #: chosen again to correct it
 MEASURED_STEPS = 4
 
+#: a real step's time counts at most this many times the estimate it updates (for the first step
+#: at a width, its prediction from the calibration) in :class:`MeasuredCosts`: one step held up by
+#: the host (a garbage collection, another process) would otherwise move a width's mean far up, and
+#: a width that looks slow is not run again to correct it (one such plain step kept a call
+#: speculating at acceptance 0); a real rise of the costs is still followed, by at most
+#: ``OUTLIER_RATIO - 1`` of the online weight a step
+OUTLIER_RATIO = 1.25
+
 #: the most steps a call runs at a width next to its K to measure that width's cost
 #: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, the
 #: next :data:`MEASURED_STEPS` are, and with the choice made before the sync the step after them is
@@ -552,6 +560,11 @@ class MeasuredCosts(CostModel):
       the state (at Nemotron-H 4B shape, batch 64, about one more state read and write), and
       counted there, each probe would make plain decoding look slower for the steps after it.
 
+    A real step's target time counts at most :data:`OUTLIER_RATIO` times the estimate it updates
+    (the first at a width: its calibrated prediction), and a proposal's time at most that many
+    times its K's mean (its first at a K as it is), so one step held up by the host moves an
+    estimate by a bounded amount.
+
     Args:
         weight: the online averages' weight of a new step once they hold 1 / weight steps, in (0, 1].
     """
@@ -588,16 +601,28 @@ class MeasuredCosts(CostModel):
         w = max(self.weight, 1.0 / n)
         table[k] = x if old is None else (1 - w) * old + w * x
 
+    def _capped(self, x: float, estimate: float | None) -> float:
+        """``x`` at most :data:`OUTLIER_RATIO` times ``estimate`` (None or <= 0: as it is)."""
+        return x if estimate is None or estimate <= 0.0 else min(x, OUTLIER_RATIO * estimate)
+
     def observe(self, key, drafter_key, K, draft_s, target_s):
-        # (K = 0: the whole step is the plain step's time; its gap, without the step's glue that a
-        # K > 0 counts in draft(K), is where a never-run K > 0's gap starts from)
-        self._ewma(self._target, (key, K), target_s + (draft_s if K == 0 else 0.0), ("target", key, K))
+        # each time capped against the estimate it updates (OUTLIER_RATIO); K = 0: the whole step is
+        # the plain step's time; its gap, without the step's glue that a K > 0 counts in draft(K), is
+        # where a never-run K > 0's gap starts from
         calib = self._widths.get((key, K + 1))
+        glue = draft_s if K == 0 else 0.0
+        before = self._target.get((key, K))
+        if before is None and calib is not None:  # (the first step at K: its calibrated prediction)
+            before = self.target_s(key, K)
+        whole = self._capped(target_s + glue, before)
+        target_s = min(target_s, whole - glue)
+        self._ewma(self._target, (key, K), whole, ("target", key, K))
         if calib is not None:
             self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib), ("gap", key, K))
-        if K > 0:
+        if K > 0:  # (its first time at a K as it is: a sequential drafter's grows with K)
             where = (drafter_key, key.path, key.batch)
-            self._ewma(self._draft.setdefault(where, {}), K, draft_s, ("draft", *where, K))
+            seen = self._draft.setdefault(where, {})
+            self._ewma(seen, K, self._capped(draft_s, seen.get(K)), ("draft", *where, K))
 
     def observe_leave(self, key, extra_s):
         self._ewma(self._leave, key, max(0.0, float(extra_s)), ("leave", key))
