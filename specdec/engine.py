@@ -441,6 +441,9 @@ class SpeculativeGenerator:
             raise ValueError(f"{err}; or 'auto' (measured per call)") from None
         self._static.clear()
 
+    #: :attr:`strategy` under the name of ``wrap()``'s argument (``sd.rollback = "ring"``)
+    rollback = strategy
+
     def release(self) -> None:
         """Free the static buffers and CUDA graphs kept for the next call of the same shape."""
         self._static.clear()
@@ -450,7 +453,7 @@ class SpeculativeGenerator:
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | None = None,
         do_sample: bool | None = None,
@@ -504,6 +507,10 @@ class SpeculativeGenerator:
             TypeError / ValueError: bad arguments (checked before any work), unsupported settings
             (:func:`specdec.settings.resolve`); ValueError when the drafter returns a bad proposal.
         """
+        if input_ids is None:  # (HF's generate() also takes inputs_embeds alone)
+            raise ValueError("generate() needs input_ids (token ids, [B, L]); inputs_embeds is not supported: the "
+                             "drafters and the verify step work on token ids" if "inputs_embeds" in kwargs
+                             else "generate() needs input_ids (token ids, [B, L])")
         overrides = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
                          top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length,
                          **kwargs)
@@ -775,9 +782,10 @@ class SpeculativeGenerator:
         if self._K and not d.resets_rows:
             raise ValueError(f"generate_batch does not support the drafter {type(d).__name__}: it keeps per-row state "
                              "and does not define Drafter.admit, which resets a row that takes a new request; "
-                             "supported: drafters that are Drafter.stateless (e.g. drafter='ngram') or define "
-                             "Drafter.admit (the draft-model, MTP and Medusa drafters), chains or trees, and plain "
-                             "decoding (num_speculative_tokens=0)")
+                             "supported: drafters that are Drafter.stateless (e.g. drafter='ngram'; a drafter of "
+                             "yours whose propose() reads nothing but its arguments: set the class attribute "
+                             "stateless = True) or define Drafter.admit (the draft-model, MTP and Medusa drafters), "
+                             "chains or trees, and plain decoding (num_speculative_tokens=0)")
 
     def _decode(self, s, pool: RequestPool | None = None, first_requests: list | None = None):
         """The decode loop (see the module docstring) for the settings ``s``; returns the output of

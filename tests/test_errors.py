@@ -39,6 +39,23 @@ def test_not_a_causal_lm():
         specdec.wrap(torch.nn.Linear(2, 2))
 
 
+def test_a_multimodal_class_of_a_supported_family_is_refused_at_wrap():
+    """Qwen3.5 loaded as its image-text class (the model_type is a supported one): refused at wrap()
+    with the class to load instead, not an AttributeError in generate()."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, vocab_size=VOCAB, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"])
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text,
+                               vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                                                  out_hidden_size=32))
+    model = AutoModelForImageTextToText.from_config(cfg)
+    with pytest.raises(TypeError, match="not a text causal LM.*AutoModelForCausalLM"):
+        specdec.wrap(model)
+
+
 @pytest.mark.parametrize("K", [-1, 65])  # 0 is plain decoding (tests/test_static_path.py)
 def test_K_out_of_range(K):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -218,3 +235,11 @@ def test_default_length_matches_hf():
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="max_length"):
         specdec.wrap(model).generate(ids, attention_mask=mask, max_length=3)
+
+
+def test_generate_without_input_ids_says_what_it_needs():
+    sd = specdec.wrap(get_model("qwen3_5"))
+    with pytest.raises(ValueError, match="needs input_ids.*inputs_embeds is not supported"):
+        sd.generate(inputs_embeds=torch.zeros(1, 3, 8))
+    with pytest.raises(ValueError, match=r"needs input_ids \(token ids"):
+        sd.generate(max_new_tokens=2)

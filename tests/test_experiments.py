@@ -912,3 +912,26 @@ def test_oracle_points_draw_per_call_and_alike_across_points(monkeypatch):
                                     repeats=3, warmup=True, check_state=False)
         assert rec["exact"]
     assert seeds == [5, 5, 6, 7] * 2 and drafter.seed == 5
+
+
+def test_terminal_table_leaves_out_columns_rather_than_cut_numbers(capsys):
+    """A table wider than the terminal's 100 columns even without spreads shows the first metric
+    columns whole and names the ones left out (summary.md has them), instead of cutting every
+    number short ("1452…")."""
+    from specdec.experiments.report import _print_rows
+
+    metrics = [f"metric number {j}" for j in range(14)]
+    rows = [((f"row{i}",), [f"{1000.5 + j:.1f} (999.1-1002.3)" for j in range(14)],
+             [f"{1000.5 + j:.1f}" for j in range(14)]) for i in range(3)]
+    _print_rows("wide", ["key"], metrics, rows)
+    out = capsys.readouterr().out
+    assert "…" not in out and "1000.5" in out
+    assert "(not shown at this width, in summary.md: " in out and "metric number 13" in out.splitlines()[-1]
+
+
+def test_cpu_note_names_the_noise_column_only_where_the_table_has_it():
+    from specdec.experiments.report import COLUMNS, CPU_NOTE, NOISE_NOTE, cpu_note
+
+    with_noise = [c for c in COLUMNS if c.key == "within_noise"]
+    assert with_noise and cpu_note(with_noise) == CPU_NOTE + NOISE_NOTE
+    assert cpu_note([c for c in COLUMNS if c.key != "within_noise"]) == CPU_NOTE

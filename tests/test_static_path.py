@@ -468,6 +468,10 @@ def test_settings_are_validated_after_construction():
         sd.num_speculative_tokens = -2
     with pytest.raises(ValueError, match="unknown rollback strategy"):
         sd.strategy = "undo"
+    with pytest.raises(ValueError, match="unknown rollback strategy"):
+        sd.rollback = "undo"  # (wrap()'s argument's name for the same setting)
+    sd.rollback = "ring"
+    assert sd.strategy.name == sd.rollback.name == "ring"
     with pytest.raises(ValueError, match="unknown drafter"):
         sd.drafter = "medusa?"
     sd.drafter = "ngram"  # a name works, as in wrap()
@@ -475,7 +479,7 @@ def test_settings_are_validated_after_construction():
     assert sd.num_speculative_tokens == 3 and type(sd.num_speculative_tokens) is int
     ids, mask, eos, ref = reference("qwen3_5")
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref) and sd.last_stats.rollback == "ring"
 
 
 class _Mutating(Drafter):

@@ -118,3 +118,20 @@ def test_paired_ratio_is_round_by_round():
     assert overlaps(fast, slow)  # the figures' ranges overlap although every round told them apart
     with pytest.raises(ValueError, match="same rounds"):
         paired_ratio(Timing((1.0, 2.0)), Timing((1.0,)))
+
+
+def test_app_notes_a_gpu_sized_model_on_a_cpu(clean_threads, monkeypatch, capsys):
+    """The app's thread line is followed by a note where the model is GPU-sized (the bench shapes
+    on a CPU take minutes a call), naming the tiny configs that run on a CPU."""
+    from omegaconf import OmegaConf
+
+    from specdec.experiments import common
+
+    monkeypatch.setattr(threads, "free_cpus", lambda: 4)
+    cfg = OmegaConf.create({"cpu_threads": None})
+    common.apply_cpu_threads(cfg, _tiny(), "cpu")
+    assert "takes minutes" not in capsys.readouterr().out
+    monkeypatch.setattr(common, "CPU_SLOW_PARAMETERS", 64)  # (the Linear's 72 parameters count as GPU-sized)
+    common.apply_cpu_threads(cfg, _tiny(), "cpu")
+    out = capsys.readouterr().out
+    assert "model on a CPU takes minutes a call" in out and "model=qwen35-tiny-shape" in out

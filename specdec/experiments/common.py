@@ -135,7 +135,16 @@ def apply_cpu_threads(cfg, model, device, show: bool = True):
     choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device)
     if show and choice.source != "not on CPU":
         print(f"specdec-run: {choice.describe()}", flush=True)
+        params = 0 if model is None else sum(p.numel() for p in model.parameters())
+        if params >= CPU_SLOW_PARAMETERS:
+            print(f"specdec-run: a {params / 1e9:.1f}B-parameter model on a CPU takes minutes a call; the bench "
+                  "shapes are for a GPU, and their tiny configs (model=qwen35-tiny-shape, model=nemotronh-tiny-shape) "
+                  "run here in seconds", flush=True)
     return choice
+
+
+#: parameters from which a model run on a CPU gets a note that it will be slow (the bench shapes: ~4B)
+CPU_SLOW_PARAMETERS = 1_000_000_000
 
 
 def progress_bar(cfg, total: int, desc: str, enabled: bool = True):

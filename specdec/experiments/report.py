@@ -563,21 +563,27 @@ def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], row
     if same and rows:
         title += " | " + ", ".join(f"{key_titles[i]}={rows[0][0][i]}" for i in same)
 
+    shown = list(range(len(metric_titles)))
+
     def natural_width(which: int) -> int:  # every cell on one line, headers wrapped at spaces, 3 for padding
         cols = [[key_titles[i]] + [r[0][i] for r in rows] for i in keep]
-        cols += [[max(t.split(), key=len, default="")] + [r[which][j] for r in rows]
-                 for j, t in enumerate(metric_titles)]
+        cols += [[max(metric_titles[j].split(), key=len, default="")] + [r[which][j] for r in rows] for j in shown]
         return sum(max(len(c) for c in col) + 3 for col in cols)
 
     which = 1 if natural_width(1) <= console.width else 2
+    left_out = []  # the last metric columns, where even without spreads they would not fit (cut, not garbled)
+    while natural_width(which) > console.width and len(shown) > 1:
+        left_out.insert(0, metric_titles[shown.pop()])
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
     for i in keep:
         table.add_column(key_titles[i], justify="left", no_wrap=True)
-    for t in metric_titles:  # headers wrap at spaces
-        table.add_column(t, justify="right")
+    for j in shown:  # headers wrap at spaces
+        table.add_column(metric_titles[j], justify="right")
     for r in rows:
-        table.add_row(*[r[0][i] for i in keep], *r[which])
+        table.add_row(*[r[0][i] for i in keep], *[r[which][j] for j in shown])
     console.print(table)
+    if left_out:
+        console.print(f"(not shown at this width, in summary.md: {', '.join(left_out)})")
 
 
 def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
@@ -924,8 +930,14 @@ def serve_plot(records: list[dict], path: Path) -> None:
 
 #: printed under a table whose records ran on a CPU and carry speed columns
 CPU_NOTE = ("On a CPU these small models are overhead-bound: a draft or a verify forward costs about a plain "
-            "step, so what a CPU shows is exactness and acceptance; speed is measured on GPUs (BENCH.md). "
-            "Read a speed column only where `within noise` is no.")
+            "step, so what a CPU shows is exactness and acceptance; speed is measured on GPUs (BENCH.md).")
+#: ... followed by this where the table has the column
+NOISE_NOTE = " Read a speed column only where `within noise` is no."
+
+
+def cpu_note(columns) -> str:
+    """:data:`CPU_NOTE`, with :data:`NOISE_NOTE` where ``columns`` include ``within_noise``."""
+    return CPU_NOTE + (NOISE_NOTE if any(c.key == "within_noise" for c in columns) else "")
 
 
 def provenance_lines(records: list[dict]) -> list[str]:
@@ -986,7 +998,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
         cpu = (exp in ("acceptance", "rollback", "bench", "adaptive")
                and any(_key_value(r, "device") == "cpu" for r in recs)
                and any(c.spread for c in shown))
-        lines += ["", "Columns:", ""] + legend + (["", CPU_NOTE] if cpu else [])
+        lines += ["", "Columns:", ""] + legend + (["", cpu_note(shown)] if cpu else [])
         if console:
             print_table(f"{title} ({exp})" if several else title, rows, keys, columns, count_title)
         prefix = f"{exp}_" if several else ""
@@ -1019,7 +1031,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
                     print(textwrap.fill(ln.removeprefix("- "), TERMINAL_WIDTH, subsequent_indent="    "))
                 _print_recommendation(recs)
             if cpu:
-                print(textwrap.fill(CPU_NOTE, TERMINAL_WIDTH))
+                print(textwrap.fill(cpu_note(terminal), TERMINAL_WIDTH))
         lines.append("")
     text = "\n".join(lines).rstrip() + "\n"
     (out_dir / "summary.md").write_text(text)

@@ -250,6 +250,11 @@ def _causal_lm_parts(model):
             f"{type(model).__name__} is not a causal LM: it needs a decoder body (.model) and an LM head (.lm_head); "
             "load it with AutoModelForCausalLM"
         )
+    if not hasattr(body, "layers"):  # e.g. a multimodal class: its text model is body.language_model
+        raise TypeError(
+            f"{type(model).__name__} is not a text causal LM: its body ({type(body).__name__}) has no decoder "
+            "layers (.layers); load the checkpoint with AutoModelForCausalLM (its text model)"
+        )
     return body, head
 
 
