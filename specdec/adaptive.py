@@ -814,12 +814,15 @@ def choose_k(expected: list[float], step_s: list[float], current: int | None, hy
     Speculation starts (a K > 0 after K = 0 or at the first step) only when its rate beats K = 0's
     by more than ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``), and a speculating ``current``
     is kept while its rate is not below K = 0's: the band between the two keeps an acceptance
-    estimate near the threshold from switching speculation on and off.
+    estimate near the threshold from switching speculation on and off. Where every K commits 0
+    tokens (no live row: a pool about to refill) ``current`` stands (0 when None).
 
     Args: expected, step_s: per K = 0..M, tokens a step commits and its seconds (> 0).
         current: the K of the last step, or None. hysteresis, min_gain: fractions (>= 0)."""
     rate = [e / t for e, t in zip(expected, step_s)]
     speculating = current is not None and 0 < current < len(rate)
+    if not any(rate):  # no live row (a pool refilled after they all ended): nothing to choose by
+        return current if current is not None and current < len(rate) else 0
 
     def worth(K: int) -> bool:
         return K == 0 or rate[K] > (1.0 + (0.0 if speculating else min_gain)) * rate[0]
@@ -1144,10 +1147,14 @@ class SpeculationPolicy:
         if self._graph is not None:
             self._graph.wait()
 
-    def restart_rows(self, rows: torch.Tensor, prior: float) -> None:
-        """Rows that took new requests (continuous batching) start from ``prior`` again."""
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Rows that took new requests (continuous batching) start from the mean of every row's
+        estimate (per position: what the drafter showed lately on this workload, the call's prior
+        before any step), not from the policy's prior again: rows that live a few steps would
+        otherwise never get far from it (device ops only)."""
         self.settle()
-        self.acceptance.rates[rows] = prior
+        rates = self.acceptance.rates
+        rates[rows] = rates.mean(0)
 
     def close(self) -> None:
         """The decode loop is over: a kept update graph this policy holds may serve the next policy

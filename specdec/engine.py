@@ -1121,7 +1121,7 @@ class SpeculativeGenerator:
             limit[idx] = 1
             rows.append(new, limit)
             if policy is not None:
-                policy.restart_rows(idx, self.policy.prior_acceptance)
+                policy.restart_rows(idx)
             finished = rows.finished.tolist()
             pool.prefilled()
             if any(r.streaming for r in taken):  # their first tokens, from the prefill

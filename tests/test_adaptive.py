@@ -1422,3 +1422,40 @@ def test_auto_mtp_on_the_static_path_exact(family):
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
     assert torch.equal(out, ref)
     assert len({K for K in sd.last_stats.k_per_step if K}) >= 3 and drafter.last_path == "eager"
+
+
+def test_no_live_row_keeps_the_current_k():
+    """E(K) is 0 at every K when no row is live (a pool whose rows all ended, about to refill):
+    nothing to choose by, so the current K stands (a tie would otherwise pick K = 0)."""
+    times = [1.0, 1.3, 1.6]
+    assert choose_k([0.0, 0.0, 0.0], times, 2, 0.05) == 2
+    assert choose_k([0.0, 0.0, 0.0], times, None, 0.05) == 0
+    assert choose_k([4.0, 8.0, 12.0], times, 0, 0.05) == 2  # (with live rows, the best)
+
+
+def test_refilled_rows_start_from_what_the_drafter_showed():
+    """Continuous batching with auto: a row that takes a new request starts from the mean of the
+    rows' estimates (the drafter's acceptance on this workload), not from the prior again, so
+    with every draft right a second call runs the widest K although each request lives a few
+    steps (from the prior of 0.6 it stayed at K = 1); with every draft wrong it runs plain steps."""
+    model = get_model("nemotron_h")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (24,), generator=g)]
+    full = [p + model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    hist = {}
+    for acceptance in (0.0, 1.0):
+        sd = specdec.wrap(model, drafter=OracleDrafter.for_requests(full, acceptance=acceptance),
+                          num_speculative_tokens="auto", rollback="replay", max_speculative_tokens=4,
+                          cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K))
+        for _ in range(2):  # (the second call starts from what the first showed)
+            out = sd.generate_batch(prompts, max_new_tokens=12, max_batch_size=4)
+            assert all(out[f"req_{i}"].generated_tokens == full[i][len(prompts[i]):] for i in range(len(prompts)))
+        hist[acceptance] = sd.last_stats.k_histogram
+    assert hist[1.0][4] > sum(hist[1.0][1:4]), hist
+    assert hist[0.0][0] > 2 * sum(hist[0.0][1:]), hist
+    policy = SpeculationPolicy(PolicySettings(), FixedCosts(lambda s, b, K: 1.0 + K), CostKey("eager", "replay", 3),
+                               None, 2, 3, 10, 0.6, "cpu")
+    policy.acceptance.rates.copy_(torch.tensor([[0.9, 0.8], [0.7, 0.6], [0.2, 0.1]]))
+    policy.restart_rows(torch.tensor([2]))
+    assert policy.acceptance.rates[2].tolist() == pytest.approx([0.6, 0.5])
