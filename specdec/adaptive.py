@@ -484,11 +484,12 @@ class CostModel(abc.ABC):
     def record_width(self, key: CostKey, T: int, verify_s: float, commit_s: float) -> None:
         """A measured verify forward and commit (seconds) of width ``T``."""
 
-    def record_bytes(self, key: CostKey, nbytes: int) -> None:
-        """The measured bytes of the strategy's rollback buffers for ``key``."""
+    def record_bytes(self, key: CostKey, nbytes: int, step_tokens: int) -> None:
+        """The measured bytes of the strategy's rollback buffers for ``key`` on a decoder whose steps
+        take up to ``step_tokens`` tokens (they grow with it: snapshot keeps a state per draft)."""
 
-    def rollback_bytes(self, key: CostKey) -> int | None:
-        """The recorded bytes of ``key``'s rollback buffers (None: not known)."""
+    def rollback_bytes(self, key: CostKey, step_tokens: int) -> int | None:
+        """The recorded bytes of ``key``'s rollback buffers at ``step_tokens`` (None: not known)."""
         return None
 
     def calibrated_s(self, key: CostKey, K: int) -> float | None:
@@ -575,7 +576,7 @@ class MeasuredCosts(CostModel):
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
         self._gap: dict[CostKey, dict[int, float]] = {}  # key -> {K: mean (real - calibrated) seconds}
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
-        self._bytes: dict[CostKey, int] = {}
+        self._bytes: dict[tuple, int] = {}  # (key, step tokens of the decoder) -> bytes
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
         self._n: dict[tuple, int] = {}  # (what, key..., K) -> values each online mean has taken in
 
@@ -585,12 +586,12 @@ class MeasuredCosts(CostModel):
     def record_width(self, key, T, verify_s, commit_s):
         self._widths[key, T] = (float(verify_s), float(commit_s))
 
-    def record_bytes(self, key, nbytes):
+    def record_bytes(self, key, nbytes, step_tokens):
         # the largest seen: a calibration of the plain width alone leaves replay's history unallocated
-        self._bytes[key] = max(int(nbytes), self._bytes.get(key, 0))
+        self._bytes[key, step_tokens] = max(int(nbytes), self._bytes.get((key, step_tokens), 0))
 
-    def rollback_bytes(self, key):
-        return self._bytes.get(key)
+    def rollback_bytes(self, key, step_tokens):
+        return self._bytes.get((key, step_tokens))
 
     def _ewma(self, table: dict, k, x: float, name: tuple) -> None:
         """``table[k]`` takes in ``x``: the plain mean of the values so far while there are fewer
@@ -865,8 +866,10 @@ def choose_strategy(step_s: dict[str, dict[int, float]], expected: list[float], 
     for name, times in step_s.items():
         size = nbytes.get(name)
         if budget is not None and size is not None and size > budget:
-            notes.append(f"{name} left out: its rollback buffers take {size / 2**20:.1f} MiB, over the budget of "
-                         f"{budget / 2**20:.1f} MiB")
+            from .batching import format_bytes  # (batching imports this module)
+
+            notes.append(f"{name} left out: its rollback buffers take {format_bytes(size)}, over the budget of "
+                         f"{format_bytes(budget)}")
             continue
         ks = [fixed_k] if fixed_k is not None else sorted(times)
         K = max(ks, key=lambda k: (expected[k] / times[k], -k))

@@ -403,7 +403,7 @@ def parse_bytes(value) -> int:
     return nbytes
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
     """``nbytes`` for people: ``"1.9 MiB"``, ``"40.0 GiB"``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
@@ -522,8 +522,8 @@ class SequenceBytes:
 
     def describe(self) -> str:
         """e.g. ``"replay: 1.9 MiB state + 4.0 MiB KV per row"`` (state: committed + rollback)."""
-        return (f"{self.strategy}: {_size(self.state_bytes + self.rollback_bytes)} state + {_size(self.kv_bytes)} KV "
-                f"+ {_size(self.workspace_bytes)} workspace per row")
+        return (f"{self.strategy}: {format_bytes(self.state_bytes + self.rollback_bytes)} state + {format_bytes(self.kv_bytes)} KV "
+                f"+ {format_bytes(self.workspace_bytes)} workspace per row")
 
 
 def bytes_per_sequence(model, strategy, span: int, num_speculative_tokens: int, *,
@@ -611,7 +611,7 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     if max_batch_size is None:
         return PoolPlan(rows)
     if budget is not None:
-        source = f"memory_budget {_size(budget)}"
+        source = f"memory_budget {format_bytes(budget)}"
     else:
         free = available() if available is not None else None
         if free is None:
@@ -620,14 +620,14 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
                                  "give memory_budget= (bytes, or e.g. '8GiB')")
             return PoolPlan(rows)
         budget = int(free * MEMORY_FRACTION) if auto else free
-        source = (f"{MEMORY_FRACTION:g} x {_size(free)} free" if auto else f"the {_size(free)} free on the device")
+        source = (f"{MEMORY_FRACTION:g} x {format_bytes(free)} free" if auto else f"the {format_bytes(free)} free on the device")
     if reserved:
         if reserved >= budget:
-            raise ValueError(f"the prefix cache may hold {_size(reserved)} (prefix_cache_bytes), as much as {source} "
+            raise ValueError(f"the prefix cache may hold {format_bytes(reserved)} (prefix_cache_bytes), as much as {source} "
                              "or more: nothing is left for the pool's rows; lower prefix_cache_bytes or raise "
                              "memory_budget")
         budget -= reserved
-        source += f" less the prefix cache's {_size(reserved)}"
+        source += f" less the prefix cache's {format_bytes(reserved)}"
     row = per_row()
 
     def need(r: int) -> int:
@@ -635,8 +635,8 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
 
     if not auto:
         if need(rows) > budget:
-            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {_size(need(rows))} ({rows} "
-                             f"rows + {admission_rows(rows)} admission rows x {_size(row.total)}; {row.describe()}, "
+            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {format_bytes(need(rows))} ({rows} "
+                             f"rows + {admission_rows(rows)} admission rows x {format_bytes(row.total)}; {row.describe()}, "
                              f"{row.kv_columns} KV columns) but {source} is less; lower max_batch_size, use "
                              "max_batch_size='auto', or give memory_budget=")
         return PoolPlan(rows, None, row, budget)
@@ -645,7 +645,7 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     while rows > 0 and need(rows) > budget:
         rows -= 1
     if rows < 1:
-        raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {_size(need(1))} with its "
+        raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {format_bytes(need(1))} with its "
                          f"admission: {row.describe()}, {row.kv_columns} KV columns); give a larger memory_budget or "
                          "lower the requests' length bound")
     cap, why = min([(MAX_AUTO_BATCH_SIZE, "MAX_AUTO_BATCH_SIZE")]

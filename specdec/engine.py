@@ -1193,11 +1193,10 @@ class SpeculativeGenerator:
         lacks, and the bytes of the rollback buffers, measured on ``dec`` (prefilled)."""
         costs = self.cost_model
         todo = costs.needs_widths(key, widths)
-        if not todo:
-            return
-        for T, (verify_s, commit_s) in calibrate(dec, todo, self.policy.calibration_repeats).items():
-            costs.record_width(key, T, verify_s, commit_s)
-        costs.record_bytes(key, rollback_bytes(dec.cache))
+        if todo:
+            for T, (verify_s, commit_s) in calibrate(dec, todo, self.policy.calibration_repeats).items():
+                costs.record_width(key, T, verify_s, commit_s)
+        costs.record_bytes(key, rollback_bytes(dec.cache), dec.step_tokens)
 
     def _rollback(self, s, path: str, needed_len: int, step_tokens: int, tree, K: int,
                   adaptive: bool, until_last: bool = False) -> tuple[RollbackStrategy, str | None]:
@@ -1221,9 +1220,11 @@ class SpeculativeGenerator:
         widths = list(range(1, step_tokens + 1)) if adaptive else [step_tokens]
         at = step_tokens - 1 if tree is not None else K  # the drafts of the width a step runs (fixed K)
         costs, step_s, nbytes, left_out = self.cost_model, {}, {}, {}
+        memory = self.policy.memory_budget_bytes
         for name, strategy in self._candidates.items():
             key = CostKey(path, name, B)
-            if costs.needs_widths(key, widths):
+            unsized = memory is not None and costs.rollback_bytes(key, step_tokens) is None  # (they grow with it)
+            if costs.needs_widths(key, widths) or unsized:
                 try:  # (a decoder of its own, freed before the next strategy's)
                     self._measure(self._prefilled(s, path, needed_len, step_tokens, tree, strategy), key, widths)
                 except torch.OutOfMemoryError as err:
@@ -1232,15 +1233,15 @@ class SpeculativeGenerator:
                     continue
             step_s[name] = {k: costs.comparable_step_s(key, self._drafter_key, k)
                             for k in (range(K + 1) if adaptive else [at])}
-            nbytes[name] = costs.rollback_bytes(key)
+            nbytes[name] = costs.rollback_bytes(key, step_tokens)
         rates = torch.full((1, at), self.policy.prior_acceptance)  # (one row for the batch's identical ones)
         budget = torch.full((1,), max(0, s.max_new_tokens - 1), dtype=torch.long)
         # (at a fixed width every strategy commits the same tokens: the choice is the fastest step)
         expected = expected_tokens(rates, budget, torch.ones(1, dtype=torch.bool), until_last, copies=B).tolist()
-        choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, self.policy.memory_budget_bytes,
-                                 left_out)
+        choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, memory, left_out)
         self._strategy = self._candidates[choice.name]
-        self._choices[memo] = (choice.name, choice.reason)
+        if s.max_new_tokens > 1:  # (a call without a step that can use a draft compares plain steps only)
+            self._choices[memo] = (choice.name, choice.reason)
         return self._strategy, choice.reason
 
     def _speculation_policy(self, s, path: str, dec: Decoder, strategy, K: int, until_last: bool) -> SpeculationPolicy:

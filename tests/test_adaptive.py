@@ -1255,6 +1255,44 @@ def test_choose_strategy_rules():
         choose_strategy(times, expected, None, sizes, 2**20)
 
 
+def test_rollback_bytes_are_per_step_width():
+    """Rollback buffers grow with the tokens a step takes (snapshot keeps a state per draft): a
+    budget that every strategy fits at K = 1 still lets rollback="auto" choose at K = 1 after a
+    generator of the same model sized for K = 8 ran (the bytes it measured are not K = 1's)."""
+    model = make_model("qwen3_next", seed=11)  # a model of its own: its costs start empty
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    small = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto", max_speculative_tokens=1)
+    small.generate(ids, max_new_tokens=4, pad_token_id=0)
+    costs = small.cost_model
+    at_1 = {n: costs.rollback_bytes(CostKey("eager", n, 2), 2) for n in STRATEGIES}
+    wide = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto", max_speculative_tokens=8)
+    wide.generate(ids, max_new_tokens=4, pad_token_id=0)
+    at_8 = {n: costs.rollback_bytes(CostKey("eager", n, 2), 9) for n in STRATEGIES}
+    assert at_8["snapshot"] > at_1["snapshot"] == costs.rollback_bytes(CostKey("eager", "snapshot", 2), 2)
+    again = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                         max_speculative_tokens=1, policy=PolicySettings(memory_budget_bytes=max(at_1.values())))
+    assert torch.equal(again.generate(ids, max_new_tokens=4, pad_token_id=0), ref)
+    assert "over the budget" not in again.last_stats.rollback_reason
+
+
+def test_a_call_without_draft_steps_does_not_fix_the_strategy():
+    """rollback="auto" decides once per shape; a call of one new token (a warm-up) has no step that
+    can use a draft, so it compares plain steps only and its choice is not kept for the shape."""
+    model = make_model("qwen3_next", seed=12)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    prefer = {"snapshot": 1.0, "ring": 1.01, "replay": 1.02}  # at K = 0 snapshot; with drafts ring
+
+    def cost(strategy, batch, K):
+        return prefer[strategy] + (0.1 if strategy == "ring" else 0.5) * K
+
+    sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                      max_speculative_tokens=3, cost_model=FixedCosts(cost))
+    sd.generate(ids, max_new_tokens=1, pad_token_id=0)
+    sd.generate(ids, max_new_tokens=12, pad_token_id=0)
+    assert sd.last_stats.rollback == "ring", sd.last_stats.rollback_reason
+
+
 # ------------------------------------------------------------------------------ measuring
 
 
@@ -1271,7 +1309,7 @@ def test_measured_costs_are_kept_per_model_and_batch():
     assert sd.last_stats.calibration_s > 0
     for name in STRATEGIES:
         key = CostKey("eager", name, 2)
-        assert costs.needs_widths(key, [1, 2, 3, 4]) == [] and costs.rollback_bytes(key) > 0
+        assert costs.needs_widths(key, [1, 2, 3, 4]) == [] and costs.rollback_bytes(key, 4) > 0
     assert costs.needs_widths(CostKey("eager", "replay", 1), [1]) == [1]
     # a fixed K with rollback="auto" compares the strategies at that K
     sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens=2)
@@ -1354,7 +1392,7 @@ def test_memory_budget_leaves_strategies_out():
     sd = specdec.wrap(model, drafter="ngram", rollback="auto", num_speculative_tokens=3)
     sd.generate(ids, max_new_tokens=4, pad_token_id=0)
     costs = sd.cost_model
-    sizes = {n: costs.rollback_bytes(CostKey("eager", n, 2)) for n in STRATEGIES}
+    sizes = {n: costs.rollback_bytes(CostKey("eager", n, 2), 4) for n in STRATEGIES}  # (K = 3: 4 tokens a step)
     smallest = min(sizes, key=sizes.get)
     sd.policy = PolicySettings(memory_budget_bytes=sizes[smallest])
     out = sd.generate(ids, max_new_tokens=4, pad_token_id=0)
