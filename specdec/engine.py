@@ -710,7 +710,7 @@ class SpeculativeGenerator:
         generator = generate_kwargs.pop("generator", None)
         overrides = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **generate_kwargs)
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, ids, torch.ones_like(ids),
-                           generation_config, overrides=overrides, generator=generator)
+                           generation_config, overrides=overrides, generator=generator, caller="generate_batch()")
         blockers = settings.per_token_features
         if blockers or settings.return_dict:
             raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"

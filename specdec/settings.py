@@ -61,6 +61,19 @@ SUPPORTED_SETTINGS = (
     "repetition_penalty, eos_token_id (int or list), pad_token_id, max_time, return_dict_in_generate, "
     "output_scores, output_logits"
 )
+#: the settings of :data:`SUPPORTED_SETTINGS` that ``generate_batch()`` refuses (per token of a row, or per call)
+BATCH_REFUSED = ("min_new_tokens/min_length", "repetition_penalty", "max_time", "return_dict_in_generate",
+                 "output_scores", "output_logits")
+
+
+def _supported(caller: str) -> str:
+    """:data:`SUPPORTED_SETTINGS` as ``caller`` takes them."""
+    if caller == "generate()":
+        return SUPPORTED_SETTINGS
+    kept = [x for x in SUPPORTED_SETTINGS.split(", ") if x not in BATCH_REFUSED]
+    return ", ".join("max_new_tokens" if x == "max_new_tokens/max_length" else x for x in kept)
+
+
 _ARGUMENTS = ("input_ids, attention_mask, max_new_tokens, max_length, do_sample, temperature, top_k, top_p, "
               "eos_token_id, pad_token_id, generator, generation_config, streamer, stopping_criteria")
 
@@ -255,7 +268,8 @@ def _stopping_criteria(criteria, max_time):
 
 
 def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, generation_config=None, *,
-            overrides: dict, streamer=None, stopping_criteria=None, generator=None) -> GenerationSettings:
+            overrides: dict, streamer=None, stopping_criteria=None, generator=None,
+            caller: str = "generate()") -> GenerationSettings:
     """Check and resolve one ``generate()`` call's arguments.
 
     Args:
@@ -265,6 +279,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             ``SpeculativeGenerator.generate`` takes them.
         overrides: the call's explicit settings and ``**kwargs`` (``GenerationConfig`` fields);
             None values mean "not given".
+        caller: the method the errors name, with the settings it takes (``generate_batch()``
+            refuses :data:`BATCH_REFUSED` after this).
 
     Returns: the :class:`GenerationSettings`.
 
@@ -279,8 +295,9 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
              "max_length"}
     unknown = sorted(k for k in overrides if k not in known and (k not in config_fields or k.startswith("_")))
     if unknown:
-        raise ValueError(f"unsupported generate() argument(s): {unknown}; supported: {_ARGUMENTS}, and the "
-                         f"GenerationConfig settings {SUPPORTED_SETTINGS}")
+        own = _ARGUMENTS if caller == "generate()" else f"{caller}'s own parameters"
+        raise ValueError(f"unsupported {caller} argument(s): {unknown}; supported: {own}, and the "
+                         f"GenerationConfig settings {_supported(caller)}")
     input_ids = _check_input_ids(input_ids, vocab_size, device)
 
     if generation_config is None:
@@ -300,8 +317,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     for key, off in _UNSUPPORTED.items():
         val = getattr(gc, key, off)
         if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
-            raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's generate() supports "
-                             + SUPPORTED_SETTINGS)
+            raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's {caller} supports "
+                             + _supported(caller))
     if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
         warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
                       UserWarning, stacklevel=3)

@@ -379,12 +379,17 @@ def test_argument_errors():
         (dict(max_batch_tokens=2.5), TypeError, "max_batch_tokens must be an int"),
         (dict(max_length=10), ValueError, "max_new_tokens"),
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
-        (dict(num_beams=2), ValueError, "num_beams"),
+        (dict(num_beams=2), ValueError, r"num_beams=2: specdec's generate_batch\(\) supports max_new_tokens, do_sample"),
+        (dict(beams=2), ValueError, r"unsupported generate_batch\(\) argument\(s\): \['beams'\]; supported: "
+                                    r"generate_batch\(\)'s own parameters"),
     ]
     for kw, err, match in cases:
         kw = {"inputs": ok, "max_new_tokens": 3, **kw}
         with pytest.raises(err, match=match):
             sd.generate_batch(kw.pop("inputs"), **kw)
+    with pytest.raises(ValueError) as err:  # (what it lists is what it takes)
+        sd.generate_batch(ok, max_new_tokens=3, num_beams=2)
+    assert not any(x in str(err.value) for x in ("repetition_penalty", "min_new_tokens", "max_time", "output_scores"))
     assert sd.generate_batch([]) == {}
 
 
