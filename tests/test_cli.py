@@ -65,6 +65,8 @@ def test_python_m_specdec_help_exits_0():
     (["experiment=acceptence"], "unknown experiment 'acceptence' (did you mean 'acceptance'?)"),
     (["schema=bench"], "'schema' is internal"),
     (["schema@_global_=bench"], "'schema' is internal"),
+    (["num_speculative_tokens=auto"], "num_speculative_tokens=auto: this experiment takes an int K; auto (K "
+                                      "chosen per step) is taken by experiment=bench"),
 ])
 def test_bad_keys_name_the_nearest_valid_one(args, message):
     with pytest.raises(UsageError) as info:
@@ -78,6 +80,7 @@ def test_bad_keys_name_the_nearest_valid_one(args, message):
     ["model.targets.0.config.hidden_size=64", "drafter.ngram.max_ngram=4", "drafter.tree=[[0],[0,0]]"],
     ["experiment=rollback", "experiment.batch_grid=[1,2]", "repeats=5", "hydra.run.dir=/tmp/x"],
     ["-m", "rollback=snapshot,ring", "num_speculative_tokens=0,2", "--cfg", "job"],
+    ["experiment=bench", "num_speculative_tokens=auto"],
     ["experiment=train_zoo", "steps_scale=0.01", "models.gdn-target.train.steps=3"],
     ["+extra=1", "~seed", "prompts.path=p.jsonl"],
 ])

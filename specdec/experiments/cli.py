@@ -261,6 +261,11 @@ def check_overrides(args: list[str]) -> None:
             continue
         if key in GROUPS:
             continue
+        if key == "num_speculative_tokens" and "auto" in [v.strip() for v in value.split(",")]:
+            takes = [e for e, sch in SCHEMAS.items() if _takes_any(sch, key)]
+            if not any(_takes_any(sch, key) for sch in schemas):
+                raise UsageError(f"num_speculative_tokens=auto: this experiment takes an int K; auto (K chosen per "
+                                 f"step) is taken by experiment={', experiment='.join(takes)}")
         parts = key.split(".")
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):
@@ -269,6 +274,11 @@ def check_overrides(args: list[str]) -> None:
         for s in schemas:
             candidates.update(_all_keys(s))
         raise UsageError(f"unknown key '{key}'{_suggest(key, candidates)}; `specdec-run --help` lists the keys")
+
+
+def _takes_any(schema, name: str) -> bool:
+    """Whether ``schema``'s field ``name`` is typed ``Any`` (takes a string such as ``auto``)."""
+    return any(f.name == name and f.type in (typing.Any, "Any") for f in fields(schema))
 
 
 # -------------------------------------------------------------------------------- main
