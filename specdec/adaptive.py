@@ -40,9 +40,10 @@ decoding through the same engine (the drafter is not called).
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
   them (its own extra time and that of the plain step after it, which may first flush the
   strategy's rollback data: replay folds its input history into the state). A call that starts
-  from the acceptance its drafter showed over the last call (on other prompts) also probes at its
-  first step at K = 0: a call shorter than the probe spacing would otherwise never look at its
-  own prompts' acceptance, and would hand the old estimate on to the next call unchanged.
+  from the acceptance its drafter showed over the last call (on other prompts) at K = 0 probes at
+  its first step: a call shorter than the probe spacing would otherwise never look at its own
+  prompts' acceptance, and would hand the old estimate on to the next call unchanged (a call
+  that speculates first has looked already).
 
 For a batch that ends with its slowest row (``generate()``, not continuous batching), E(K) is
 instead the tokens the rows have left over the steps the slowest row is expected to need at K
@@ -246,6 +247,11 @@ class AcceptanceEstimator:
         self.rates.copy_(_rates_on(prior, self.rates.shape[1], self.rates.device).expand(self.rates.shape))
         self.observed.zero_()
         self.accepted.zero_()
+
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Rows ``rows`` (indices) took new sequences: their rates start from the mean of every
+        row's, per position (what the drafter showed lately), in place (device ops only)."""
+        self.rates[rows] = self.rates.mean(0)
 
     def update(self, num_accepted: torch.Tensor, num_asked: torch.Tensor, active: torch.Tensor) -> None:
         """One step's observations: ``num_accepted [B]`` / ``num_asked [B]`` int64 (n <= asked),
@@ -607,23 +613,30 @@ class MeasuredCosts(CostModel):
         return x if estimate is None or estimate <= 0.0 else min(x, OUTLIER_RATIO * estimate)
 
     def observe(self, key, drafter_key, K, draft_s, target_s):
-        # each time capped against the estimate it updates (OUTLIER_RATIO); K = 0: the whole step is
-        # the plain step's time; its gap, without the step's glue that a K > 0 counts in draft(K), is
-        # where a never-run K > 0's gap starts from
+        # each part capped against its own estimate (OUTLIER_RATIO): the target's time against its
+        # mean (the first at a K: its calibrated prediction), a proposal's (K > 0) or a plain step's
+        # glue (K = 0) against theirs (their first as it is). K = 0: the whole step is the plain
+        # step's time; its gap, without the glue that a K > 0 counts in draft(K), is where a
+        # never-run K > 0's gap starts from
         calib = self._widths.get((key, K + 1))
-        glue = draft_s if K == 0 else 0.0
-        before = self._target.get((key, K))
-        if before is None and calib is not None:  # (the first step at K: its calibrated prediction)
-            before = self.target_s(key, K)
-        whole = self._capped(target_s + glue, before)
-        target_s = min(target_s, whole - glue)
-        self._ewma(self._target, (key, K), whole, ("target", key, K))
-        if calib is not None:
-            self._ewma(self._gap.setdefault(key, {}), K, target_s - sum(calib), ("gap", key, K))
-        if K > 0:  # (its first time at a K as it is: a sequential drafter's grows with K)
-            where = (drafter_key, key.path, key.batch)
-            seen = self._draft.setdefault(where, {})
+        gaps = self._gap.setdefault(key, {})
+        if K == 0:
+            whole = self._target.get((key, 0))
+            part = sum(calib) + gaps[0] if calib is not None and 0 in gaps else None  # (the target part's mean)
+            target_s = self._capped(target_s, part if part is not None else None if calib is None else sum(calib))
+            glue = self._capped(draft_s, None if whole is None or part is None else whole - part)
+            self._ewma(self._target, (key, 0), target_s + glue, ("target", key, 0))
+        else:
+            before = self._target.get((key, K))
+            if before is None and calib is not None:  # (the first step at K: its calibrated prediction)
+                before = self.target_s(key, K)
+            target_s = self._capped(target_s, before)
+            self._ewma(self._target, (key, K), target_s, ("target", key, K))
+            where = (drafter_key, key.path, key.batch)  # (a proposal's first time at a K as it is: a
+            seen = self._draft.setdefault(where, {})    # sequential drafter's grows with K)
             self._ewma(seen, K, self._capped(draft_s, seen.get(K)), ("draft", *where, K))
+        if calib is not None:
+            self._ewma(gaps, K, target_s - sum(calib), ("gap", key, K))
 
     def observe_leave(self, key, extra_s):
         self._ewma(self._leave, key, max(0.0, float(extra_s)), ("leave", key))
@@ -929,8 +942,8 @@ class SpeculationPolicy:
             tenths of a millisecond of device time) runs beside the next step's forward instead
             of before the step's sync, and copies its values to the host; they are read at
             the next step, one step late (:meth:`update`), before its sync (:meth:`before_sync`).
-        prior_from_last_call: ``prior`` is what the drafter showed over an earlier call: the
-            call's first step at K = 0 probes (K = 1; see the module docstring).
+        prior_from_last_call: ``prior`` is what the drafter showed over an earlier call: a call
+            that starts at K = 0 probes (K = 1) at its first step (see the module docstring).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
@@ -1156,8 +1169,7 @@ class SpeculationPolicy:
         before any step), not from the policy's prior again: rows that live a few steps would
         otherwise never get far from it (device ops only)."""
         self.settle()
-        rates = self.acceptance.rates
-        rates[rows] = rates.mean(0)
+        self.acceptance.restart_rows(rows)
 
     def close(self) -> None:
         """The decode loop is over: a kept update graph this policy holds may serve the next policy

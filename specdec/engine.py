@@ -1196,6 +1196,12 @@ class SpeculativeGenerator:
         if todo:
             for T, (verify_s, commit_s) in calibrate(dec, todo, self.policy.calibration_repeats).items():
                 costs.record_width(key, T, verify_s, commit_s)
+        elif self.policy.memory_budget_bytes is not None and costs.rollback_bytes(key, dec.step_tokens) is None:
+            # (widths timed on a decoder of another size) untimed: a step allocates what a prefill does
+            # not (replay's history), and the budget is checked against a decoder that stepped
+            calibrate(dec, [dec.step_tokens], 1)
+        else:
+            return
         costs.record_bytes(key, rollback_bytes(dec.cache), dec.step_tokens)
 
     def _rollback(self, s, path: str, needed_len: int, step_tokens: int, tree, K: int,
@@ -1240,7 +1246,7 @@ class SpeculativeGenerator:
         expected = expected_tokens(rates, budget, torch.ones(1, dtype=torch.bool), until_last, copies=B).tolist()
         choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, memory, left_out)
         self._strategy = self._candidates[choice.name]
-        if s.max_new_tokens > 1:  # (a call without a step that can use a draft compares plain steps only)
+        if s.max_new_tokens >= step_tokens:  # (a call too short for a step's every draft compares fewer: not kept)
             self._choices[memo] = (choice.name, choice.reason)
         return self._strategy, choice.reason
 

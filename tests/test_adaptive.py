@@ -1155,6 +1155,28 @@ def test_one_step_held_up_moves_a_cost_by_a_bounded_amount():
     assert costs.target_s(key, 0) == pytest.approx(2.0, rel=0.01)
 
 
+def test_a_plain_step_s_glue_and_target_are_capped_apart():
+    """A plain step's time is its target part (its gap: where a never-run K > 0's gap starts) plus
+    the loop's glue: each is capped against its own mean, so a stall in the glue moves neither the
+    gap nor any step time below zero (capping their sum and taking the glue back out did), and a
+    glue lap larger than the calibration's margin leaves the gap as it is."""
+    key, d = CostKey("eager", "replay", 1), DrafterKey(False)
+    costs = MeasuredCosts(weight=0.2)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    for _ in range(10):
+        costs.observe(key, d, 0, draft_s=0.1, target_s=1.1)
+    costs.observe(key, d, 0, draft_s=10.0, target_s=1.1)  # the host stalls in the glue lap
+    assert costs._gap[key][0] == pytest.approx(0.1)
+    assert costs.target_s(key, 0) == pytest.approx(1.2 + 0.2 * (OUTLIER_RATIO - 1.0) * 0.1)
+    assert min(costs.step_times(key, d, 2)) > 0
+    fresh = MeasuredCosts(weight=0.2)
+    for T in (1, 2, 3):
+        fresh.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    fresh.observe(key, d, 0, draft_s=0.6, target_s=1.0)  # a first plain step with a long glue lap
+    assert fresh._gap[key][0] == pytest.approx(0.0) and fresh.target_s(key, 0) == pytest.approx(1.6)
+
+
 def test_draft_time_of_a_drafter_that_does_not_draft_sequentially_is_flat():
     costs = MeasuredCosts(weight=1.0)
     key = CostKey("cuda_graph", "replay", 16)
@@ -1274,6 +1296,15 @@ def test_rollback_bytes_are_per_step_width():
                          max_speculative_tokens=1, policy=PolicySettings(memory_budget_bytes=max(at_1.values())))
     assert torch.equal(again.generate(ids, max_new_tokens=4, pad_token_id=0), ref)
     assert "over the budget" not in again.last_stats.rollback_reason
+    # the other order: K = 8 first, then a K = 1 call under a budget measures its own width's bytes
+    # on a decoder that stepped (a prefill alone leaves replay's input history unallocated)
+    other = make_model("qwen3_next", seed=13)
+    specdec.wrap(other, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                 max_speculative_tokens=8).generate(ids, max_new_tokens=4, pad_token_id=0)
+    narrow = specdec.wrap(other, drafter="ngram", rollback="auto", num_speculative_tokens="auto",
+                          max_speculative_tokens=1, policy=PolicySettings(memory_budget_bytes=2**30))
+    narrow.generate(ids, max_new_tokens=4, pad_token_id=0)
+    assert {n: narrow.cost_model.rollback_bytes(CostKey("eager", n, 2), 2) for n in STRATEGIES} == at_1
 
 
 def test_a_call_without_draft_steps_does_not_fix_the_strategy():

@@ -65,8 +65,9 @@ def test_python_m_specdec_help_exits_0():
     (["experiment=acceptence"], "unknown experiment 'acceptence' (did you mean 'acceptance'?)"),
     (["schema=bench"], "'schema' is internal"),
     (["schema@_global_=bench"], "'schema' is internal"),
-    (["num_speculative_tokens=auto"], "num_speculative_tokens=auto: this experiment takes an int K; auto (K "
+    (["num_speculative_tokens=auto"], "num_speculative_tokens=auto: experiment=acceptance takes an int K; auto (K "
                                       "chosen per step) is taken by experiment=bench"),
+    (["-m", "experiment=bench,rollback", "num_speculative_tokens=auto"], "experiment=rollback takes an int K"),
 ])
 def test_bad_keys_name_the_nearest_valid_one(args, message):
     with pytest.raises(UsageError) as info:

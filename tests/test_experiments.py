@@ -920,13 +920,14 @@ def test_terminal_table_leaves_out_columns_rather_than_cut_numbers(capsys):
     number short ("1452…")."""
     from specdec.experiments.report import _print_rows
 
-    metrics = [f"metric number {j}" for j in range(14)]
-    rows = [((f"row{i}",), [f"{1000.5 + j:.1f} (999.1-1002.3)" for j in range(14)],
-             [f"{1000.5 + j:.1f}" for j in range(14)]) for i in range(3)]
-    _print_rows("wide", ["key"], metrics, rows)
+    metrics = [f"metric number {j}" for j in range(13)] + ["exact"]
+    rows = [((f"row{i}",), [f"{1000.5 + j:.1f} (999.1-1002.3)" for j in range(13)] + ["yes"],
+             [f"{1000.5 + j:.1f}" for j in range(13)] + ["yes"]) for i in range(3)]
+    shown = _print_rows("wide", ["key"], metrics, rows)
     out = capsys.readouterr().out
     assert "…" not in out and "1000.5" in out
-    assert "(not shown at this width, in summary.md: " in out and "metric number 13" in out.splitlines()[-1]
+    assert "(not shown at this width, in summary.md: " in out and "metric number 12" in out.splitlines()[-1]
+    assert shown[-1] == "exact" and "metric number 12" not in shown and shown[0] == "metric number 0"
 
 
 def test_cpu_note_names_the_noise_column_only_where_the_table_has_it():

@@ -263,9 +263,11 @@ def check_overrides(args: list[str]) -> None:
             continue
         if key == "num_speculative_tokens" and "auto" in [v.strip() for v in value.split(",")]:
             takes = [e for e, sch in SCHEMAS.items() if _takes_any(sch, key)]
-            if not any(_takes_any(sch, key) for sch in schemas):
-                raise UsageError(f"num_speculative_tokens=auto: this experiment takes an int K; auto (K chosen per "
-                                 f"step) is taken by experiment={', experiment='.join(takes)}")
+            names = experiments or [_defaults()[0].get("experiment", "acceptance")]
+            refusing = [e for e in names if not _takes_any(SCHEMAS[e], key)]  # (every job of a sweep must take it)
+            if refusing:
+                raise UsageError(f"num_speculative_tokens=auto: experiment={', experiment='.join(refusing)} takes an "
+                                 f"int K; auto (K chosen per step) is taken by experiment={', experiment='.join(takes)}")
         parts = key.split(".")
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):

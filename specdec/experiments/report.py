@@ -550,10 +550,12 @@ def _console(width: int | None = None):
                    soft_wrap=False)
 
 
-def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], rows: list[tuple]) -> None:
+def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], rows: list[tuple]) -> list[str]:
     """A terminal table at most :data:`TERMINAL_WIDTH` wide: ``rows`` are ``(key cells, metric
     cells with spreads, metric cells without)``. Key columns whose value is the same in every
-    row move into the title; spreads are shown only where the table still fits."""
+    row move into the title; spreads are shown only where the table still fits; where even
+    without them it does not, the last metric columns (not ``exact``) are left out and named.
+    Returns the metric titles shown."""
     from rich import box
     from rich.table import Table
 
@@ -572,8 +574,10 @@ def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], row
 
     which = 1 if natural_width(1) <= console.width else 2
     left_out = []  # the last metric columns, where even without spreads they would not fit (cut, not garbled)
-    while natural_width(which) > console.width and len(shown) > 1:
-        left_out.insert(0, metric_titles[shown.pop()])
+    while natural_width(which) > console.width and len(shown) > 1:  # (the exactness verdict stays)
+        drop = next((j for j in reversed(shown) if metric_titles[j] != "exact"), shown[-1])
+        shown.remove(drop)
+        left_out.insert(0, metric_titles[drop])
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
     for i in keep:
         table.add_column(key_titles[i], justify="left", no_wrap=True)
@@ -584,17 +588,19 @@ def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], row
     console.print(table)
     if left_out:
         console.print(f"(not shown at this width, in summary.md: {', '.join(left_out)})")
+    return [metric_titles[j] for j in shown]
 
 
-def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> None:
+def print_table(title: str, rows: list[dict], keys=None, columns=COLUMNS, count_title="prompts") -> list:
     """The key columns on the terminal, at most :data:`TERMINAL_WIDTH` wide (``summary.md`` has
     them all): columns marked ``terminal``; group keys with one value in every row go into the
     title; spreads only where the table still fits."""
     keys = list(keys or [k for k in SECTIONS["acceptance"][0] if rows and k in rows[0]])
     shown = [c for c in _present(rows, columns) if c.terminal]
-    _print_rows(title, [KEY_TITLES.get(k, k) for k in keys], [c.title for c in shown],
-                [([_key_cell(row[k]) for k in keys], [_cell(row, c) for c in shown],
-                  [_fmt(row.get(c.key), c.fmt) for c in shown]) for row in rows])
+    titles = _print_rows(title, [KEY_TITLES.get(k, k) for k in keys], [c.title for c in shown],
+                         [([_key_cell(row[k]) for k in keys], [_cell(row, c) for c in shown],
+                           [_fmt(row.get(c.key), c.fmt) for c in shown]) for row in rows])
+    return [c for c in shown if c.title in titles]
 
 
 # ------------------------------------------------------------------------ recommendation
@@ -999,8 +1005,8 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
                and any(_key_value(r, "device") == "cpu" for r in recs)
                and any(c.spread for c in shown))
         lines += ["", "Columns:", ""] + legend + (["", cpu_note(shown)] if cpu else [])
-        if console:
-            print_table(f"{title} ({exp})" if several else title, rows, keys, columns, count_title)
+        on_terminal = (print_table(f"{title} ({exp})" if several else title, rows, keys, columns, count_title)
+                       if console else [])
         prefix = f"{exp}_" if several else ""
         subtitle = plot_subtitle(recs)
         if exp == "acceptance":
@@ -1022,7 +1028,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
         if console:
             import textwrap
 
-            terminal = [c for c in shown if c.terminal]
+            terminal = on_terminal
             print("Columns (summary.md has all of them, each with its min-max where it has one):")
             for ln in legend_lines(terminal, markdown=False):
                 print(textwrap.fill(ln, TERMINAL_WIDTH, subsequent_indent="    "))
