@@ -622,8 +622,9 @@ class MeasuredCosts(CostModel):
         gaps = self._gap.setdefault(key, {})
         if K == 0:
             whole = self._target.get((key, 0))
-            part = sum(calib) + gaps[0] if calib is not None and 0 in gaps else None  # (the target part's mean)
-            target_s = self._capped(target_s, part if part is not None else None if calib is None else sum(calib))
+            calibrated = None if calib is None else sum(calib)
+            part = calibrated + gaps[0] if calibrated is not None and 0 in gaps else None  # (the target part's mean)
+            target_s = self._capped(target_s, calibrated if part is None else part)
             glue = self._capped(draft_s, None if whole is None or part is None else whole - part)
             self._ewma(self._target, (key, 0), target_s + glue, ("target", key, 0))
         else:
