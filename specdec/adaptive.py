@@ -608,10 +608,6 @@ class MeasuredCosts(CostModel):
         w = max(self.weight, 1.0 / n)
         table[k] = x if old is None else (1 - w) * old + w * x
 
-    def _capped(self, x: float, estimate: float | None) -> float:
-        """``x`` at most :data:`OUTLIER_RATIO` times ``estimate`` (None or <= 0: as it is)."""
-        return x if estimate is None or estimate <= 0.0 else min(x, OUTLIER_RATIO * estimate)
-
     def observe(self, key, drafter_key, K, draft_s, target_s):
         # each part capped against its own estimate (OUTLIER_RATIO): the target's time against its
         # mean (the first at a K: its calibrated prediction), a proposal's (K > 0) or a plain step's
@@ -624,18 +620,18 @@ class MeasuredCosts(CostModel):
             whole = self._target.get((key, 0))
             calibrated = None if calib is None else sum(calib)
             part = calibrated + gaps[0] if calibrated is not None and 0 in gaps else None  # (the target part's mean)
-            target_s = self._capped(target_s, calibrated if part is None else part)
-            glue = self._capped(draft_s, None if whole is None or part is None else whole - part)
+            target_s = _capped(target_s, calibrated if part is None else part)
+            glue = _capped(draft_s, None if whole is None or part is None else whole - part)
             self._ewma(self._target, (key, 0), target_s + glue, ("target", key, 0))
         else:
             before = self._target.get((key, K))
             if before is None and calib is not None:  # (the first step at K: its calibrated prediction)
                 before = self.target_s(key, K)
-            target_s = self._capped(target_s, before)
+            target_s = _capped(target_s, before)
             self._ewma(self._target, (key, K), target_s, ("target", key, K))
             where = (drafter_key, key.path, key.batch)  # (a proposal's first time at a K as it is: a
             seen = self._draft.setdefault(where, {})    # sequential drafter's grows with K)
-            self._ewma(seen, K, self._capped(draft_s, seen.get(K)), ("draft", *where, K))
+            self._ewma(seen, K, _capped(draft_s, seen.get(K)), ("draft", *where, K))
         if calib is not None:
             self._ewma(gaps, K, target_s - sum(calib), ("gap", key, K))
 
@@ -704,6 +700,11 @@ class MeasuredCosts(CostModel):
         host gaps), so comparing them with another's calibration would favour the one not run."""
         calib = self.calibrated_s(key, K)
         return self.step_s(key, drafter_key, K) if calib is None else self.draft_s(drafter_key, key, K) + calib
+
+
+def _capped(x: float, estimate: float | None) -> float:
+    """``x`` at most :data:`OUTLIER_RATIO` times ``estimate`` (None or <= 0: as it is)."""
+    return x if estimate is None or estimate <= 0.0 else min(x, OUTLIER_RATIO * estimate)
 
 
 def _between(ks: list[int], seen: dict[int, float], K: int) -> float:

@@ -522,8 +522,8 @@ class SequenceBytes:
 
     def describe(self) -> str:
         """e.g. ``"replay: 1.9 MiB state + 4.0 MiB KV per row"`` (state: committed + rollback)."""
-        return (f"{self.strategy}: {format_bytes(self.state_bytes + self.rollback_bytes)} state + {format_bytes(self.kv_bytes)} KV "
-                f"+ {format_bytes(self.workspace_bytes)} workspace per row")
+        return (f"{self.strategy}: {format_bytes(self.state_bytes + self.rollback_bytes)} state + "
+                f"{format_bytes(self.kv_bytes)} KV + {format_bytes(self.workspace_bytes)} workspace per row")
 
 
 def bytes_per_sequence(model, strategy, span: int, num_speculative_tokens: int, *,
@@ -620,11 +620,13 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
                                  "give memory_budget= (bytes, or e.g. '8GiB')")
             return PoolPlan(rows)
         budget = int(free * MEMORY_FRACTION) if auto else free
-        source = (f"{MEMORY_FRACTION:g} x {format_bytes(free)} free" if auto else f"the {format_bytes(free)} free on the device")
+        source = (f"{MEMORY_FRACTION:g} x {format_bytes(free)} free" if auto
+                  else f"the {format_bytes(free)} free on the device")
     if reserved:
         if reserved >= budget:
-            raise ValueError(f"the prefix cache may hold {format_bytes(reserved)} (prefix_cache_bytes), as much as {source} "
-                             "or more: nothing is left for the pool's rows; lower prefix_cache_bytes or raise "
+            raise ValueError(f"the prefix cache may hold {format_bytes(reserved)} (prefix_cache_bytes), as much as "
+                             f"{source} or more: nothing is left for the pool's rows; lower prefix_cache_bytes or "
+                             "raise "
                              "memory_budget")
         budget -= reserved
         source += f" less the prefix cache's {format_bytes(reserved)}"
@@ -635,9 +637,10 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
 
     if not auto:
         if need(rows) > budget:
-            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {format_bytes(need(rows))} ({rows} "
-                             f"rows + {admission_rows(rows)} admission rows x {format_bytes(row.total)}; {row.describe()}, "
-                             f"{row.kv_columns} KV columns) but {source} is less; lower max_batch_size, use "
+            raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {format_bytes(need(rows))} "
+                             f"({rows} rows + {admission_rows(rows)} admission rows x {format_bytes(row.total)}; "
+                             f"{row.describe()}, {row.kv_columns} KV columns) but {source} is less; lower "
+                             "max_batch_size, use "
                              "max_batch_size='auto', or give memory_budget=")
         return PoolPlan(rows, None, row, budget)
     fit = budget // row.total
@@ -645,8 +648,9 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     while rows > 0 and need(rows) > budget:
         rows -= 1
     if rows < 1:
-        raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {format_bytes(need(1))} with its "
-                         f"admission: {row.describe()}, {row.kv_columns} KV columns); give a larger memory_budget or "
+        raise ValueError(f"max_batch_size='auto': not one row fits {source} (a row needs {format_bytes(need(1))} "
+                         f"with its admission: {row.describe()}, {row.kv_columns} KV columns); give a larger "
+                         "memory_budget or "
                          "lower the requests' length bound")
     cap, why = min([(MAX_AUTO_BATCH_SIZE, "MAX_AUTO_BATCH_SIZE")]
                    + ([(num_requests, "requests")] if num_requests is not None else []))

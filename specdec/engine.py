@@ -710,7 +710,7 @@ class SpeculativeGenerator:
         generator = generate_kwargs.pop("generator", None)
         overrides = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **generate_kwargs)
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, ids, torch.ones_like(ids),
-                           generation_config, overrides=overrides, generator=generator, caller="generate_batch()")
+                           generation_config, overrides=overrides, generator=generator, batch=True)
         blockers = settings.per_token_features
         if blockers or settings.return_dict:
             raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
@@ -1192,17 +1192,23 @@ class SpeculativeGenerator:
         """Record in the cost model the verify and commit times of the step ``widths`` that ``key``
         lacks, and the bytes of the rollback buffers, measured on ``dec`` (prefilled)."""
         costs = self.cost_model
-        todo = costs.needs_widths(key, widths)
+        todo, unsized = self._unmeasured(key, widths, dec.step_tokens)
         if todo:
             for T, (verify_s, commit_s) in calibrate(dec, todo, self.policy.calibration_repeats).items():
                 costs.record_width(key, T, verify_s, commit_s)
-        elif self.policy.memory_budget_bytes is not None and costs.rollback_bytes(key, dec.step_tokens) is None:
-            # (widths timed on a decoder of another size) untimed: a step allocates what a prefill does
-            # not (replay's history), and the budget is checked against a decoder that stepped
-            calibrate(dec, [dec.step_tokens], 1)
+        elif unsized:  # (widths timed on a decoder of another size) untimed: a step allocates what a
+            calibrate(dec, [dec.step_tokens], 1)  # prefill does not (replay's history)
         else:
             return
         costs.record_bytes(key, rollback_bytes(dec.cache), dec.step_tokens)
+
+    def _unmeasured(self, key: CostKey, widths: list[int], step_tokens: int) -> tuple[list[int], bool]:
+        """What :meth:`_measure` has left to measure for ``key``: the step widths not timed yet, and
+        whether the rollback buffers' bytes at ``step_tokens`` are wanted (a memory budget is set:
+        they grow with the step) and not known."""
+        costs = self.cost_model
+        unsized = self.policy.memory_budget_bytes is not None and costs.rollback_bytes(key, step_tokens) is None
+        return costs.needs_widths(key, widths), unsized
 
     def _rollback(self, s, path: str, needed_len: int, step_tokens: int, tree, K: int,
                   adaptive: bool, until_last: bool = False) -> tuple[RollbackStrategy, str | None]:
@@ -1226,11 +1232,9 @@ class SpeculativeGenerator:
         widths = list(range(1, step_tokens + 1)) if adaptive else [step_tokens]
         at = step_tokens - 1 if tree is not None else K  # the drafts of the width a step runs (fixed K)
         costs, step_s, nbytes, left_out = self.cost_model, {}, {}, {}
-        memory = self.policy.memory_budget_bytes
         for name, strategy in self._candidates.items():
             key = CostKey(path, name, B)
-            unsized = memory is not None and costs.rollback_bytes(key, step_tokens) is None  # (they grow with it)
-            if costs.needs_widths(key, widths) or unsized:
+            if any(self._unmeasured(key, widths, step_tokens)):
                 try:  # (a decoder of its own, freed before the next strategy's)
                     self._measure(self._prefilled(s, path, needed_len, step_tokens, tree, strategy), key, widths)
                 except torch.OutOfMemoryError as err:
@@ -1244,7 +1248,8 @@ class SpeculativeGenerator:
         budget = torch.full((1,), max(0, s.max_new_tokens - 1), dtype=torch.long)
         # (at a fixed width every strategy commits the same tokens: the choice is the fastest step)
         expected = expected_tokens(rates, budget, torch.ones(1, dtype=torch.bool), until_last, copies=B).tolist()
-        choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, memory, left_out)
+        choice = choose_strategy(step_s, expected, None if adaptive else at, nbytes, self.policy.memory_budget_bytes,
+                                 left_out)
         self._strategy = self._candidates[choice.name]
         if s.max_new_tokens >= step_tokens:  # (a call too short for a step's every draft compares fewer: not kept)
             self._choices[memo] = (choice.name, choice.reason)

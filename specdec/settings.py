@@ -56,22 +56,19 @@ _UNSUPPORTED = {
     "output_hidden_states": False,
 }
 #: the ``GenerationConfig`` settings ``generate()`` implements (for error messages and docs)
-SUPPORTED_SETTINGS = (
-    "max_new_tokens/max_length, min_new_tokens/min_length, do_sample, temperature, top_k, top_p, "
-    "repetition_penalty, eos_token_id (int or list), pad_token_id, max_time, return_dict_in_generate, "
-    "output_scores, output_logits"
-)
-#: the settings of :data:`SUPPORTED_SETTINGS` that ``generate_batch()`` refuses (per token of a row, or per call)
-BATCH_REFUSED = ("min_new_tokens/min_length", "repetition_penalty", "max_time", "return_dict_in_generate",
-                 "output_scores", "output_logits")
+#: the GenerationConfig settings ``generate()`` takes, each with its name in ``generate_batch()``'s
+#: list (None: refused there: it acts per token of a row, or per call)
+_SETTINGS = (("max_new_tokens/max_length", "max_new_tokens"), ("min_new_tokens/min_length", None),
+             ("do_sample", "do_sample"), ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+             ("repetition_penalty", None), ("eos_token_id (int or list)", "eos_token_id (int or list)"),
+             ("pad_token_id", "pad_token_id"), ("max_time", None), ("return_dict_in_generate", None),
+             ("output_scores", None), ("output_logits", None))
+SUPPORTED_SETTINGS = ", ".join(name for name, _ in _SETTINGS)
 
 
-def _supported(caller: str) -> str:
-    """:data:`SUPPORTED_SETTINGS` as ``caller`` takes them."""
-    if caller == "generate()":
-        return SUPPORTED_SETTINGS
-    kept = [x for x in SUPPORTED_SETTINGS.split(", ") if x not in BATCH_REFUSED]
-    return ", ".join("max_new_tokens" if x == "max_new_tokens/max_length" else x for x in kept)
+def _supported(batch: bool) -> str:
+    """:data:`SUPPORTED_SETTINGS` as ``generate()`` (``batch`` False) or ``generate_batch()`` takes them."""
+    return ", ".join(in_batch for _, in_batch in _SETTINGS if in_batch) if batch else SUPPORTED_SETTINGS
 
 
 _ARGUMENTS = ("input_ids, attention_mask, max_new_tokens, max_length, do_sample, temperature, top_k, top_p, "
@@ -269,7 +266,7 @@ def _stopping_criteria(criteria, max_time):
 
 def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, generation_config=None, *,
             overrides: dict, streamer=None, stopping_criteria=None, generator=None,
-            caller: str = "generate()") -> GenerationSettings:
+            batch: bool = False) -> GenerationSettings:
     """Check and resolve one ``generate()`` call's arguments.
 
     Args:
@@ -279,8 +276,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             ``SpeculativeGenerator.generate`` takes them.
         overrides: the call's explicit settings and ``**kwargs`` (``GenerationConfig`` fields);
             None values mean "not given".
-        caller: the method the errors name, with the settings it takes (``generate_batch()``
-            refuses :data:`BATCH_REFUSED` after this).
+        batch: the call is ``generate_batch()``'s (its errors name it and list what it takes; it
+            refuses the per-token settings after this).
 
     Returns: the :class:`GenerationSettings`.
 
@@ -294,10 +291,11 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
              "max_length"}
     unknown = sorted(k for k in overrides if k not in known and (k not in config_fields or k.startswith("_")))
+    caller = "generate_batch()" if batch else "generate()"
     if unknown:
-        own = _ARGUMENTS if caller == "generate()" else f"{caller}'s own parameters"
+        own = f"{caller}'s own parameters" if batch else _ARGUMENTS
         raise ValueError(f"unsupported {caller} argument(s): {unknown}; supported: {own}, and the "
-                         f"GenerationConfig settings {_supported(caller)}")
+                         f"GenerationConfig settings {_supported(batch)}")
     input_ids = _check_input_ids(input_ids, vocab_size, device)
 
     if generation_config is None:
@@ -318,7 +316,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         val = getattr(gc, key, off)
         if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
             raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's {caller} supports "
-                             + _supported(caller))
+                             + _supported(batch))
     if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
         warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
                       UserWarning, stacklevel=3)

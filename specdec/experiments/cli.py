@@ -240,7 +240,8 @@ def check_overrides(args: list[str]) -> None:
     if unknown:
         raise UsageError(f"unknown experiment {unknown[0]!r}{_suggest(unknown[0], SCHEMAS)}; available: "
                          f"{', '.join(SCHEMAS)}")
-    schemas = [SCHEMAS[e] for e in experiments] or [SCHEMAS[_defaults()[0].get("experiment", "acceptance")]]
+    names = experiments or [_defaults()[0].get("experiment", "acceptance")]  # (every job of a sweep)
+    schemas = [SCHEMAS[e] for e in names]
     for a in overrides:
         key, _, value = a.partition("=")
         added = key.startswith("+")
@@ -262,12 +263,11 @@ def check_overrides(args: list[str]) -> None:
         if key in GROUPS:
             continue
         if key == "num_speculative_tokens" and "auto" in [v.strip() for v in value.split(",")]:
-            takes = [e for e, sch in SCHEMAS.items() if _takes_any(sch, key)]
-            names = experiments or [_defaults()[0].get("experiment", "acceptance")]
-            refusing = [e for e in names if not _takes_any(SCHEMAS[e], key)]  # (every job of a sweep must take it)
+            refusing = [e for e in names if not _takes_any(SCHEMAS[e], key)]
             if refusing:
+                takes = ", experiment=".join(e for e, sch in SCHEMAS.items() if _takes_any(sch, key))
                 raise UsageError(f"num_speculative_tokens=auto: experiment={', experiment='.join(refusing)} takes an "
-                                 f"int K; auto (K chosen per step) is taken by experiment={', experiment='.join(takes)}")
+                                 f"int K; auto (K chosen per step) is taken by experiment={takes}")
         parts = key.split(".")
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):

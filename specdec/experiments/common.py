@@ -132,11 +132,12 @@ def apply_cpu_threads(cfg, model, device, show: bool = True):
     threads = cfg.get("cpu_threads")
     if model is None and threads is None:  # nothing to size the choice by: torch's default stays
         return None
-    choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device)
+    params = None if model is None else sum(p.numel() for p in model.parameters())
+    choice = configure_cpu_threads(model, threads=None if threads is None else int(threads), device=device,
+                                   num_parameters=params)
     if show and choice.source != "not on CPU":
         print(f"specdec-run: {choice.describe()}", flush=True)
-        params = 0 if model is None else sum(p.numel() for p in model.parameters())
-        if params >= CPU_SLOW_PARAMETERS:
+        if params is not None and params >= CPU_SLOW_PARAMETERS:
             print(f"specdec-run: a {params / 1e9:.1f}B-parameter model on a CPU takes minutes a call; the bench "
                   "shapes are for a GPU, and their tiny configs (model=qwen35-tiny-shape, model=nemotronh-tiny-shape) "
                   "run here in seconds", flush=True)
