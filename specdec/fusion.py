@@ -11,10 +11,16 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   layers: Inductor fuses the element-wise chains into one Triton kernel each), and
 * the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`)
 
+* sibling projections (linears of one module that read the same input: a layer's q / k / v, a
+  Gated DeltaNet's qkv / z / b / a) for one launch of
+  :func:`~specdec.kernels.linear.grouped_skinny_linear` each, at most 64 rows
+  (:func:`~specdec.kernels.linear.merged_linears`; not inside the compiled modules),
+
 and restores everything afterwards: the graph keeps the fused kernels, the user's model is left
 as it was. The math is the models' own (same operations, fp32 where they use fp32); only the
 order of floating-point operations inside a fused kernel may differ, as between any two
-kernels. ``SPECDEC_FUSE=0`` turns fusion off.
+kernels. ``SPECDEC_FUSE=0`` turns fusion off; ``SPECDEC_MERGE_LINEARS=0`` only the merged
+projections.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 
 from .placement import routed_forward
 
-__all__ = ["fusable", "fused", "fusion_enabled"]
+__all__ = ["fusable", "fused", "fusion_enabled", "merging_enabled"]
 
 _ACTIVE = threading.local()  # .depth: fused blocks this thread is inside (another thread's are not its own)
 _COMPILED: dict = {}
@@ -41,6 +47,11 @@ def _active() -> bool:
 def fusion_enabled() -> bool:
     """Whether the CUDA-graph path fuses (``SPECDEC_FUSE``, default on)."""
     return os.environ.get("SPECDEC_FUSE", "1") not in ("0", "false", "False", "")
+
+
+def merging_enabled() -> bool:
+    """Whether fusion merges sibling projections (``SPECDEC_MERGE_LINEARS``, default on)."""
+    return os.environ.get("SPECDEC_MERGE_LINEARS", "1") not in ("0", "false", "False", "")
 
 
 def _compiled(key, fn):
@@ -87,10 +98,15 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
         for k, v in limits.items():
             setattr(dynamo_config, k, v)
         with contextlib.ExitStack() as stack:
-            for mod in model.modules() if model is not None else ():
-                if _is_fusable_module(mod):
-                    cls = type(mod)
-                    stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+            compiled = [mod for mod in model.modules() if _is_fusable_module(mod)] if model is not None else []
+            for mod in compiled:
+                cls = type(mod)
+                stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+            if model is not None and merging_enabled():
+                from .kernels.linear import merged_linears
+
+                inside = {id(mod) for mod in compiled}
+                stack.enter_context(merged_linears(model, skip=lambda mod: id(mod) in inside))
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
             entered = True
             yield

@@ -9,6 +9,15 @@ and :func:`skinny_linears` puts it in a model's place for the span of a ``with``
 nothing in the engine uses it by default). ``specdec-run experiment=skinny_linear`` times it
 against cuBLAS on the bench models' weight shapes.
 
+Sibling projections -- linears that read the same input, as a layer's query / key / value or a
+Gated DeltaNet's qkv / z / b / a projections -- are merged into one launch ("horizontal
+fusion"): :func:`grouped_skinny_linear` multiplies one x by up to :data:`MAX_MEMBERS` weights in
+one kernel, each into its own output, without concatenating the weights (no copy).
+:func:`merged_linears` routes a model's sibling ``nn.Linear`` modules through it for the span of
+a ``with`` block; the CUDA-graph decode path does so while it captures
+(:func:`specdec.fusion.fused`), where a kernel launch costs the same few microseconds as reading
+a small projection's weights.
+
 Example::
 
     y = skinny_linear(x, lm_head.weight)                 # x [B, T, K] bf16 on CUDA, B * T <= 64
@@ -22,6 +31,7 @@ import contextlib
 import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +40,13 @@ import torch.nn.functional as F
 
 from .naive import linear_ref
 
-__all__ = ["MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for", "skinny_linear", "SkinnyLinear", "skinny_linears",
-           "linear_ref", "num_sms"]
+__all__ = ["MAX_ROWS", "MAX_MEMBERS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for", "skinny_linear",
+           "grouped_skinny_linear", "SkinnyLinear", "skinny_linears", "merged_linears", "linear_ref", "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
 MAX_ROWS = 64
+#: the most weights :func:`grouped_skinny_linear` multiplies in one launch
+MAX_MEMBERS = 4
 #: the dtypes it takes (x, weight, bias and the result share one)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: SMs assumed off CUDA (an H200's), so CPU runs choose the launch an H200 would
@@ -174,6 +186,68 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+def grouped_skinny_linear(x: torch.Tensor, weights, biases=None, outs=None, *, config: SkinnyConfig | None = None
+                          ) -> list[torch.Tensor]:
+    """``[x @ w.T + b for w, b in zip(weights, biases)]`` in one kernel launch, each weight read once
+    for all rows of x: the sibling projections of one input (e.g. a layer's q / k / v).
+
+    fp32 accumulation, results in ``x.dtype``. Batch-invariant as
+    :func:`skinny_linear` (row i of a result equals the 1-row call's); the launch (``block_n``,
+    ``block_k``, warps, stages: :func:`skinny_config` of the summed N, no K split) depends on the
+    weights alone, so a member's result may differ in rounding from its own
+    :func:`skinny_linear` call. Runs on CUDA; on the CPU through Triton's interpreter.
+
+    Args:
+        x: ``[..., K]`` bf16 / fp16 / fp32, ``M = prod(x.shape[:-1]) <= 64`` rows (any strides).
+        weights: 1 to :data:`MAX_MEMBERS` contiguous ``[N_i, K]`` tensors of x's dtype and device.
+        biases: None, or one contiguous ``[N_i]`` tensor per weight.
+        outs: None (new tensors), or one contiguous ``[..., N_i]`` tensor of x's dtype per weight
+            to write into.
+        config: the launch; None takes :func:`skinny_config` for the group.
+
+    Returns:
+        ``[..., N_i]`` per weight, in order (``outs`` when given).
+
+    Raises:
+        ValueError: no weights or more than :data:`MAX_MEMBERS`, a non-contiguous weight, bias or
+            out, biases or outs not one per weight, and whatever :func:`skinny_linear` refuses of
+            one member.
+    """
+    weights = list(weights)
+    if not 1 <= len(weights) <= MAX_MEMBERS:
+        raise ValueError(f"grouped_skinny_linear takes 1 to {MAX_MEMBERS} weights, got {len(weights)}")
+    if biases is not None:
+        biases = list(biases)
+        if len(biases) != len(weights) or any(b is None for b in biases):
+            raise ValueError(f"biases must be None or one tensor per weight ({len(weights)}), got "
+                             f"{['None' if b is None else tuple(b.shape) for b in biases]}")
+    if outs is not None:
+        outs = list(outs)
+        if len(outs) != len(weights):
+            raise ValueError(f"outs must be None or one tensor per weight ({len(weights)}), got {len(outs)}")
+    M = 0
+    for i, w in enumerate(weights):
+        b = biases[i] if biases is not None else None
+        y = outs[i] if outs is not None else None
+        M = _check(x, w, b, y)
+        if not all(t is None or t.is_contiguous() for t in (w, b, y)):
+            raise ValueError(f"weight {i}, its bias and its out must be contiguous for grouped_skinny_linear; "
+                             "use skinny_linear for strided ones")
+    K = x.shape[-1]
+    if outs is None:
+        outs = [torch.empty(*x.shape[:-1], w.shape[0], device=x.device, dtype=x.dtype) for w in weights]
+    if M > 0 and K > 0 and sum(w.shape[0] for w in weights) > 0:
+        from .triton_skinny import grouped_launch
+
+        cfg = config if config is not None else skinny_config(sum(w.shape[0] for w in weights), K, x.dtype,
+                                                              num_sms(x.device))
+        grouped_launch(x.reshape(M, K), weights, biases, [y.view(M, y.shape[-1]) for y in outs], cfg)
+    elif M > 0:  # K == 0: the bias alone
+        for i, y in enumerate(outs):
+            y.copy_(biases[i].expand_as(y) if biases is not None else torch.zeros_like(y))
+    return outs
+
+
 @torch.library.custom_op("specdec::skinny_linear", mutates_args=())
 def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`skinny_linear` as one opaque op for ``torch.compile`` (no graph break inside a
@@ -219,9 +293,7 @@ class SkinnyLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (self.use_kernel and x.dtype == w.dtype and w.dtype in DTYPES and x.device == w.device
-                and x.dim() >= 1 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(1, w.shape[1]) <= MAX_ROWS
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if _kernel_applies(x, w, self.use_kernel):
             if torch.compiler.is_compiling():  # traced: one op; eager: the direct call (no dispatcher overhead)
                 return _skinny_linear_op(x, w, self.bias)
             return skinny_linear(x, w, self.bias)
@@ -255,3 +327,112 @@ def skinny_linears(model: nn.Module, *, backend_name: str | None = None):
     finally:
         for parent, name, child in reversed(swapped):
             setattr(parent, name, child)
+
+
+def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool) -> bool:
+    """Whether :func:`skinny_linear` can take ``x @ w.T`` (and no gradient is wanted)."""
+    return (use_kernel and x.dtype == w.dtype and w.dtype in DTYPES and x.device == w.device
+            and x.dim() >= 1 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(1, w.shape[1]) <= MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+class _Siblings:
+    """Linears of one parent module that may read one input: which of them were seen to share it,
+    and what their merged call left for the members not yet called (see :func:`merged_linears`)."""
+
+    def __init__(self, members: list[nn.Linear], use_kernel: bool):
+        self.members = members
+        self.use_kernel = use_kernel
+        #: the members seen to read one input one after another (>= 2), or None while learning
+        self.merge: tuple[int, ...] | None = None
+        self._round = (None, -1)  # learning: weakref to the current round's input, its version counter
+        self._called: list[int] = []  # learning: members called in the current round
+        self._of = (None, -1)  # the input of the merged results in ``_left``, as ``_round``
+        self._left: dict[int, torch.Tensor] = {}  # merged results not yet handed out
+
+    @staticmethod
+    def _is(ref, x: torch.Tensor) -> bool:
+        return ref[0] is not None and ref[0]() is x and x._version == ref[1]
+
+    def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if i in self._left and self._is(self._of, x):
+            return self._left.pop(i)
+        merge = self.merge
+        if (merge is not None and i in merge and not torch.compiler.is_compiling()
+                and all(_kernel_applies(x, self.members[j].weight, self.use_kernel)
+                        and self.members[j].weight.is_contiguous() for j in merge)):
+            ms = [self.members[j] for j in merge]
+            outs = grouped_skinny_linear(x, [m.weight for m in ms], None if ms[0].bias is None else [m.bias for m in ms])
+            self._of = (weakref.ref(x), x._version)
+            self._left = {j: y for j, y in zip(merge, outs) if j != i}
+            return outs[merge.index(i)]
+        if merge is None:
+            if not self._is(self._round, x) or i in self._called:  # a new round: the last one's shared input?
+                if len(self._called) > 1:
+                    self.merge = tuple(sorted(self._called))
+                self._round, self._called = (weakref.ref(x), x._version), []
+            self._called.append(i)
+            if len(self._called) == len(self.members):
+                self.merge = tuple(range(len(self.members)))
+        member = self.members[i]
+        return F.linear(x, member.weight, member.bias)
+
+
+def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.Linear]]:
+    """Candidate sibling groups of ``model``: for each module (not under one ``skip`` accepts), its
+    direct ``nn.Linear`` children (exactly that class) of one ``in_features``, dtype, device and
+    bias presence, in registration order, cut into groups of at most :data:`MAX_MEMBERS`; groups of
+    one are left out. Whether they read the same input is learnt at run time (:func:`merged_linears`)."""
+    groups = []
+    skipped: set[int] = set()
+    for parent in model.modules():
+        if id(parent) in skipped or skip(parent):
+            skipped.update(id(m) for m in parent.modules())
+            continue
+        kinds: dict = {}
+        for child in parent.children():
+            if type(child) is nn.Linear:
+                w = child.weight
+                kinds.setdefault((child.in_features, w.dtype, w.device, child.bias is None), []).append(child)
+        for members in kinds.values():
+            for at in range(0, len(members), MAX_MEMBERS):
+                chunk = members[at:at + MAX_MEMBERS]
+                if len(chunk) > 1:
+                    groups.append(chunk)
+    return groups
+
+
+@contextlib.contextmanager
+def merged_linears(model: nn.Module, *, backend_name: str | None = None, skip=lambda module: False):
+    """Within the block, sibling linears of ``model`` that read one input run as one
+    :func:`grouped_skinny_linear` launch: the first member called computes every member's result
+    and the others take theirs. Yields the number of candidate groups (:func:`sibling_groups`,
+    ``skip`` as there).
+
+    A group merges only the members seen to share their input: until two or more of them have
+    been called with the same tensor (the same object, unmodified since) one after another --
+    all of them, or a round of calls ended by another input -- each runs ``F.linear``; the
+    members seen together merge from then on, and a member handed some other input runs
+    ``F.linear`` on it. So a first forward runs unmerged and the ones after it merged (a CUDA-graph
+    capture warms up first). Members run the kernel where :func:`skinny_linear` applies (``backend_name``
+    or the weights' device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no
+    gradient, not inside ``torch.compile``), ``F.linear`` otherwise. The modules themselves are
+    not replaced (their ``forward`` is routed for the block), so parameters, state dicts and
+    hooks stay as they are.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    from .. import BACKENDS, backend
+    from ...placement import routed_forward
+
+    if backend_name is not None and backend_name not in BACKENDS:
+        raise ValueError(f"backend_name must be one of {BACKENDS} or None, got {backend_name!r}")
+    groups = sibling_groups(model, skip)
+    with contextlib.ExitStack() as stack:
+        for members in groups:
+            use = (backend_name or backend(members[0].weight.device)) == "triton"
+            sib = _Siblings(members, use)
+            for i, m in enumerate(members):
+                stack.enter_context(routed_forward(m, lambda mod, x, _i=i, _s=sib: _s.call(_i, x)))
+        yield len(groups)

@@ -32,10 +32,12 @@ import triton.language as tl
 
 from ..triton_common import next_pow2, num_warps_for
 
-__all__ = ["TILE_M", "skinny_launch"]
+__all__ = ["TILE_M", "MAX_MEMBERS", "skinny_launch", "grouped_launch"]
 
 #: rows of x per tile (the smallest dot dimension Triton accepts)
 TILE_M = 16
+#: the most weights one grouped launch (:func:`grouped_launch`) multiplies
+MAX_MEMBERS = 4
 
 
 @triton.jit
@@ -175,3 +177,113 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             dst, bias, y, N, dst.stride(0), dst.stride(1), y.stride(0), y.stride(1),
             SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=num_warps_for(block),
         )
+
+
+@triton.jit
+def _pick(i_b, NB1, NB2, NB3, v0, v1, v2, v3):
+    """The value of the member owning weight block ``i_b`` (members start at blocks 0, NB1, NB2, NB3)."""
+    return tl.where(i_b >= NB3, v3, tl.where(i_b >= NB2, v2, tl.where(i_b >= NB1, v1, v0)))
+
+
+@triton.jit
+def _grouped_skinny_kernel(
+    x, w, b, y, M, K, stride_xm, stride_xk,
+    N0, N1, N2, N3,
+    NB1, NB2, NB3,
+    DW1, DW2, DW3,
+    DB1, DB2, DB3,
+    DY1, DY2, DY3,
+    NUM_TILES: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    N = _pick(i_b, NB1, NB2, NB3, N0, N1, N2, N3)
+    i_n = i_b - _pick(i_b, NB1, NB2, NB3, 0, NB1, NB2, NB3)
+    # the member's weight, bias and output, as element offsets from member 0's (one dtype: whole elements)
+    w = w + _pick(i_b, NB1, NB2, NB3, 0, DW1, DW2, DW3)
+    y = y + _pick(i_b, NB1, NB2, NB3, 0, DY1, DY2, DY3)
+    if HAS_BIAS:
+        b = b + _pick(i_b, NB1, NB2, NB3, 0, DB1, DB2, DB3)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    p_w = w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
+    b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for i_k in range(K_STEPS):
+        k = i_k * BLOCK_K
+        if EVEN_K:
+            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
+        else:
+            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < K)[None, :], other=0.0)
+        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 1:
+            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 2:
+            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 3:
+            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        p_w += BLOCK_K
+    _tile_store(b_acc0, b, y, 0, 0, o_n, M, N, 0, N, 1, HAS_BIAS, False)
+    if NUM_TILES > 1:
+        _tile_store(b_acc1, b, y, 0, 1, o_n, M, N, 0, N, 1, HAS_BIAS, False)
+    if NUM_TILES > 2:
+        _tile_store(b_acc2, b, y, 0, 2, o_n, M, N, 0, N, 1, HAS_BIAS, False)
+    if NUM_TILES > 3:
+        _tile_store(b_acc3, b, y, 0, 3, o_n, M, N, 0, N, 1, HAS_BIAS, False)
+
+
+def _offsets(tensors, esize: int) -> list[int]:
+    """Element offsets of ``tensors[1:]`` from ``tensors[0]``, padded with zeros to three."""
+    base = tensors[0].data_ptr()
+    out = []
+    for t in tensors[1:]:
+        d = t.data_ptr() - base
+        if d % esize:  # (never for tensors of one dtype: allocations and element offsets are whole elements)
+            raise ValueError("grouped skinny linear: tensors of one dtype not a whole number of elements apart")
+        out.append(d // esize)
+    return out + [0] * (MAX_MEMBERS - 1 - len(out))
+
+
+def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
+    """Launch one kernel for checked arguments: ``outs[i] [M, N_i] = x [M, K] @ weights[i] [N_i, K].T
+    + biases[i]`` for every member i (at most :data:`MAX_MEMBERS`).
+
+    The grid is every member's ``block_n`` weight blocks one after the other; a program finds its
+    member from its block index and reaches that member's weight, bias and output by element
+    offsets from member 0's (the tensors share a dtype). No K split: a group exists to fill the
+    device with several weights' blocks at once. Each output element is reduced in the same order
+    whatever M is (batch-invariant, as :func:`skinny_launch`).
+
+    Args:
+        x: ``[M, K]``, 1 <= M <= 64. weights: ``[N_i, K]`` each, contiguous. biases: ``[N_i]`` each,
+            contiguous, or None. outs: ``[M, N_i]`` each, contiguous, written. All one dtype and
+            device (checked by the caller). config: a :class:`specdec.kernels.linear.SkinnyConfig`
+            (its ``block_n``, ``block_k``, ``num_warps``, ``num_stages``; ``split_k`` is not used).
+    """
+    M, K = x.shape
+    n = len(weights)
+    Ns = [w.shape[0] for w in weights] + [0] * (MAX_MEMBERS - n)
+    blocks = [triton.cdiv(N, config.block_n) for N in Ns[:n]]
+    starts = [sum(blocks[:i]) for i in range(1, MAX_MEMBERS)]
+    starts = [s if i + 1 < n else sum(blocks) for i, s in enumerate(starts)]  # absent members: past the grid
+    esize = x.element_size()
+    has_bias = biases is not None
+    dw, dy = _offsets(weights, esize), _offsets(outs, esize)
+    db = _offsets(biases, esize) if has_bias else [0] * (MAX_MEMBERS - 1)
+    _grouped_skinny_kernel[(sum(blocks),)](
+        x, weights[0], biases[0] if has_bias else None, outs[0], M, K, x.stride(0), x.stride(1),
+        *Ns, *starts, *dw, *db, *dy,
+        NUM_TILES=triton.cdiv(M, TILE_M), K_STEPS=triton.cdiv(K, config.block_k), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=has_bias, DOT_PRECISION="ieee",
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

@@ -1,0 +1,228 @@
+"""Sibling projections in one launch: :func:`specdec.kernels.linear.grouped_skinny_linear` against
+the fp32 torch reference (through Triton's interpreter at tiny sizes; ``SPECDEC_TEST_CUDA=1``:
+compiled, the ``gpu`` tests at the bench models' shapes), and
+:func:`specdec.kernels.linear.merged_linears`, which routes a model's sibling ``nn.Linear``
+modules through it.
+
+Inputs are fresh random values; N and K are not multiples of the blocks; outputs are poisoned
+with NaN first. Batch invariance is checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import hf_greedy
+from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
+from tiny_models import get_model, ragged_prompts
+
+import specdec
+import specdec.kernels.linear as linear_mod
+from specdec.fusion import fused
+from specdec.kernels.linear import (MAX_MEMBERS, MAX_ROWS, SkinnyConfig, grouped_skinny_linear, linear_ref,
+                                    merged_linears, sibling_groups)
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+CASES = [
+    pytest.param(torch.float32, (1,), (40, 7, 70), 100, True, None, id="fp32-M1-3w-bias"),
+    pytest.param(torch.float32, (3,), (37, 16), 72, False, SkinnyConfig(block_n=16, block_k=32), id="fp32-M3-2w-kstep"),
+    pytest.param(torch.bfloat16, (2, 8), (40, 1, 33, 64), 100, True, None, id="bf16-M16-4w-bias"),
+    pytest.param(torch.bfloat16, (17,), (70, 5), 48, False, None, id="bf16-M17-2w"),
+    pytest.param(torch.float16, (64,), (24, 24, 9), 100, True, SkinnyConfig(block_n=16, block_k=16), id="fp16-M64-3w"),
+    pytest.param(torch.float32, (2,), (20,), 40, False, None, id="fp32-one-weight"),
+]
+
+
+@pytest.mark.parametrize("dtype, lead, Ns, K, with_bias, config", CASES)
+def test_grouped_matches_the_fp32_reference(dtype, lead, Ns, K, with_bias, config):
+    gen = torch.Generator().manual_seed(sum(Ns) * K)
+    x = rand(*lead, K, dtype=dtype, gen=gen)
+    ws = [rand(N, K, dtype=dtype, gen=gen) for N in Ns]
+    bs = [rand(N, dtype=dtype, gen=gen) for N in Ns] if with_bias else None
+    outs = [torch.full((*lead, N), float("nan"), device=DEVICE, dtype=dtype) for N in Ns]
+    ys = grouped_skinny_linear(x, ws, bs, outs, config=config)
+    assert len(ys) == len(Ns) and all(y is o for y, o in zip(ys, outs))
+    for i, (y, w) in enumerate(zip(ys, ws)):
+        assert y.shape == (*lead, w.shape[0]) and y.dtype == dtype
+        assert torch.isfinite(y).all(), f"member {i} not fully written (NaN left)"
+        assert rel_err(y, linear_ref(x, w, bs[i] if bs else None)) < TOL[dtype], f"member {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_is_batch_invariant(dtype):
+    gen = torch.Generator().manual_seed(3)
+    ws = [rand(N, 48, dtype=dtype, gen=gen) for N in (33, 8, 20)]
+    x = rand(MAX_ROWS, 48, dtype=dtype, gen=gen)
+    for M in (5, 17, MAX_ROWS):
+        ys = grouped_skinny_linear(x[:M], ws)
+        for i in sorted({0, M // 2, M - 1}):
+            one = grouped_skinny_linear(x[i:i + 1], ws)
+            for j, (a, b) in enumerate(zip(ys, one)):
+                assert torch.equal(a[i], b[0]), f"M={M}: member {j}'s row {i} differs from its 1-row call"
+
+
+def test_grouped_empty_dims():
+    x = rand(2, 0)
+    ws, bs = [rand(3, 0), rand(4, 0)], [rand(3), rand(4)]
+    ys = grouped_skinny_linear(x, ws, bs)
+    assert torch.equal(ys[0], bs[0].expand(2, 3)) and torch.equal(ys[1], bs[1].expand(2, 4))
+    assert [tuple(y.shape) for y in grouped_skinny_linear(rand(0, 5), [rand(3, 5), rand(2, 5)])] == [(0, 3), (0, 2)]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w: grouped_skinny_linear(x, []), r"1 to 4 weights, got 0"),
+    (lambda x, w: grouped_skinny_linear(x, [w] * (MAX_MEMBERS + 1)), r"1 to 4 weights, got 5"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w], [torch.randn(6, device=DEVICE)]), r"one tensor per weight \(2\)"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w], [torch.randn(6, device=DEVICE), None]), r"one tensor per weight"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w[:, :11]]), r"K = 11"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w.t().contiguous().t()]), r"weight 1, its bias and its out must be "
+                                                                           r"contiguous"),
+    (lambda x, w: grouped_skinny_linear(x, [w], outs=[]), r"outs must be None or one tensor per weight \(1\), got 0"),
+    (lambda x, w: grouped_skinny_linear(torch.cat([x] * 17), [w]), r"M = 68 rows .* at most 64"),
+])
+def test_grouped_bad_input_is_named(call, match):
+    x, w = rand(4, 12), rand(6, 12)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+class Block(torch.nn.Module):
+    """q, k, v read x; ``side`` (same in_features) reads y; ``o`` reads the attention output."""
+
+    def __init__(self, d=24, bias=False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, n, bias=bias) for n in (20, 8, 8))
+        self.side = torch.nn.Linear(d, 5, bias=bias)
+        self.o = torch.nn.Linear(20, d, bias=bias)
+
+    def forward(self, x, y):
+        return self.o(self.q(x) + self.k(x).repeat(1, 1, 3)[..., :20] * self.v(x).sum(-1, keepdim=True)), self.side(y)
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_linears_merge_only_what_shares_an_input(monkeypatch, bias):
+    """The first forward learns (all F.linear); then q, k, v run as one grouped call per forward,
+    ``side`` (another input) and ``o`` (another width) by F.linear; results equal the unmerged
+    module's within fp32 reassociation; a modified input is not mistaken for the merged one."""
+    torch.manual_seed(0)
+    block = Block(bias=bias).to(DEVICE).requires_grad_(False)
+    x, y = rand(2, 3, 24), rand(2, 3, 24)
+    want = block(x, y)
+    groups = []
+
+    def counted(x, weights, biases=None, outs=None, **kw):
+        groups.append(tuple(w.shape[0] for w in weights))
+        return grouped_skinny_linear(x, weights, biases, outs, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    with merged_linears(block, backend_name="triton") as n:
+        assert n == 1 and "forward" in vars(block.q) and "forward" not in vars(block.o)
+        first = block(x, y)
+        assert groups == []  # learning
+        for _ in range(2):
+            got = block(x, y)
+        assert groups == [(20, 8, 8)] * 2
+        q = block.q(x)
+        x.add_(1.0)  # modified in place: its k is not the merged one
+        assert rel_err(block.k(x), F.linear(x, block.k.weight, block.k.bias)) < TOL[torch.float32]
+        x.sub_(1.0)
+        assert groups == [(20, 8, 8)] * 4  # q, then k on the modified x: merged again, not handed q's
+        assert rel_err(q, F.linear(x, block.q.weight, block.q.bias)) < TOL[torch.float32]
+    assert all("forward" not in vars(m) for m in block.modules())
+    for a, b in zip(first + got, want + want):
+        assert rel_err(a, b) < TOL[torch.float32]
+
+
+def test_sibling_groups_respect_skip_and_the_member_limit():
+    wide = torch.nn.Module()
+    for i in range(6):
+        setattr(wide, f"p{i}", torch.nn.Linear(8, 4))
+    wide.nobias = torch.nn.Linear(8, 4, bias=False)
+    wide.block = Block()
+    groups = sibling_groups(wide)
+    sizes = sorted(len(g) for g in groups)
+    assert sizes == [2, 4, 4]  # p0..p3, p4..p5 (the bias-free one alone is no group), q/k/v/side
+    assert sibling_groups(wide, skip=lambda m: m is wide.block) == [g for g in groups if wide.block.q not in g]
+
+
+@needs_triton_interpreter
+def test_greedy_generation_through_merged_linears_is_unchanged(monkeypatch):
+    """fp32 tiny Qwen3.5: the engine's greedy output with the GDN layers' qkv / z / b / a, the
+    attention layers' q / k / v and the MLPs' gate / up merged (decode and verify rows <= 64)
+    equals HF greedy; the grouped kernel ran for every kind of group."""
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask, 8)
+    widths = set()
+
+    def counted(x, weights, biases=None, outs=None, **kw):
+        widths.add(len(weights))
+        return grouped_skinny_linear(x, weights, biases, outs, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    with merged_linears(model, backend_name="triton") as n:
+        assert n > 0
+        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(out, want)
+    assert widths == {2, 3, 4}, widths  # the MLPs' gate / up, q / k / v, the GDN's four input projections
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_fusion_routes_siblings_outside_the_compiled_modules(monkeypatch):
+    """fused() merges sibling projections, not the linears inside the MLPs it compiles (nothing
+    runs here: entering the block only routes forwards); SPECDEC_MERGE_LINEARS=0 leaves them."""
+    model = get_model("qwen3_5")
+    mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()}
+    with fused(model):
+        routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
+    assert routed and not any(id(m) in mlp_linears for m in routed)
+    monkeypatch.setenv("SPECDEC_MERGE_LINEARS", "0")
+    with fused(model):
+        assert not any(type(m) is torch.nn.Linear and "forward" in vars(m) for m in model.modules())
+    assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("Ns, K", [((8192, 4096, 32, 32), 2560), ((8192, 1024, 1024), 2560),
+                                   ((4096, 1024, 1024), 3072)])
+def test_bench_groups_on_gpu(Ns, K):
+    """bf16 at the bench models' sibling groups: every M of 1..64 within bf16 rounding of the
+    reference and batch-invariant bit for bit; a CUDA-graph replay equals the eager call."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [rand(N, K, dtype=torch.bfloat16, gen=gen) for N in Ns]
+    x = rand(MAX_ROWS, K, dtype=torch.bfloat16, gen=gen)
+    rows = {i: grouped_skinny_linear(x[i:i + 1], ws) for i in (0, 15, 16, 63)}
+    for M in (1, 4, 16, 17, 64):
+        ys = grouped_skinny_linear(x[:M], ws)
+        for j, (y, w) in enumerate(zip(ys, ws)):
+            assert rel_err(y, linear_ref(x[:M], w)) < TOL[torch.bfloat16]
+            for i, one in rows.items():
+                if i < M:
+                    assert torch.equal(one[j][0], y[i]), f"member {j}: row {i} of M={M} differs from its 1-row call"
+    xs = x[:5].clone()
+    outs = [torch.empty(5, N, device=DEVICE, dtype=torch.bfloat16) for N in Ns]
+    grouped_skinny_linear(xs, ws, outs=outs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_skinny_linear(xs, ws, outs=outs)
+    xs.copy_(rand(5, K, dtype=torch.bfloat16, gen=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, grouped_skinny_linear(xs, ws)))
