@@ -34,7 +34,7 @@ import torch
 
 from .placement import routed_forward
 
-__all__ = ["fusable", "fused", "fusion_enabled", "merging_enabled"]
+__all__ = ["fusable", "fused", "fusion_enabled", "merging_enabled", "merge_candidates"]
 
 _ACTIVE = threading.local()  # .depth: fused blocks this thread is inside (another thread's are not its own)
 _COMPILED: dict = {}
@@ -77,6 +77,15 @@ def _is_fusable_module(mod: torch.nn.Module) -> bool:
     return name.endswith(("RMSNorm", "RMSNormGated", "MLP")) and "forward" not in vars(mod)
 
 
+def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """The sibling groups :func:`fused` routes through
+    :func:`~specdec.kernels.linear.merged_linears`: :func:`~specdec.kernels.linear.sibling_groups`
+    outside the modules it compiles (their linears run inside the compiled forward)."""
+    from .kernels.linear import sibling_groups
+
+    return sibling_groups(model, skip=_is_fusable_module)
+
+
 @contextlib.contextmanager
 def fused(model: torch.nn.Module | None, enabled: bool = True):
     """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread,
@@ -98,15 +107,15 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
         for k, v in limits.items():
             setattr(dynamo_config, k, v)
         with contextlib.ExitStack() as stack:
-            compiled = [mod for mod in model.modules() if _is_fusable_module(mod)] if model is not None else []
-            for mod in compiled:
-                cls = type(mod)
-                stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
-            if model is not None and merging_enabled():
+            siblings = merge_candidates(model) if model is not None and merging_enabled() else []
+            for mod in model.modules() if model is not None else ():
+                if _is_fusable_module(mod):
+                    cls = type(mod)
+                    stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+            if siblings:
                 from .kernels.linear import merged_linears
 
-                inside = {id(mod) for mod in compiled}
-                stack.enter_context(merged_linears(model, skip=lambda mod: id(mod) in inside))
+                stack.enter_context(merged_linears(model, groups=siblings))
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
             entered = True
             yield

@@ -638,19 +638,27 @@ def test_ngram_proposal_tiny_cpu(tmp_path: Path):
 @needs_triton_interpreter
 def test_skinny_linear_tiny_cpu(tmp_path: Path):
     """experiment=skinny_linear on the tiny Qwen3.5 shape (the kernel through the interpreter):
-    one record per distinct nn.Linear weight shape of the model config and M, the kernel checked
-    against the fp32 reference and batch-invariant, ratios and bandwidth from the records' own
-    times; experiment.max_weight_mib leaves the LM head out; rows above 64 are refused."""
-    from specdec.experiments.skinny_linear import linear_shapes, model_spec
+    one record per distinct nn.Linear weight shape of the model config and M, then per sibling
+    group the decode path merges (the GDN's four input projections, the attention's q / k / v),
+    the kernel checked against the fp32 reference and batch-invariant, ratios and bandwidth from
+    the records' own times; experiment.max_weight_mib leaves the LM head out; rows above 64 are
+    refused."""
+    from specdec.experiments.skinny_linear import linear_shapes, model_spec, sibling_shapes
 
     cfg = _cfg(["experiment=skinny_linear", "experiment.models=[qwen35-tiny-shape]", "experiment.rows=[1,3]",
                 "experiment.min_calls=1", "experiment.max_weight_mib=1"] + CPU)
     records = run_experiment(cfg, tmp_path)
     shapes = linear_shapes(model_spec("qwen35-tiny-shape"))
+    groups = sibling_shapes(model_spec("qwen35-tiny-shape"))
+    assert sorted(len(g.members) for g in groups) == [3, 4] and all(g.N == sum(g.members) for g in groups)
     timed = [s for s in shapes if s.N * s.K * 4 <= 1 << 20]
     assert {(s.N, s.K) for s in shapes} - {(s.N, s.K) for s in timed} == {(8192, 64)}  # the LM head
-    assert [(r["N"], r["K"], r["rows"]) for r in records] == [(s.N, s.K, m) for s in timed for m in (1, 3)]
-    assert sum(r["layers"] for r in records if r["rows"] == 1) == sum(len(s.names) for s in timed)
+    assert [(r["N"], r["K"], r["rows"]) for r in records] == [(s.N, s.K, m) for s in timed + groups for m in (1, 3)]
+    singles = [r for r in records if "group" not in r]
+    assert sum(r["layers"] for r in singles if r["rows"] == 1) == sum(len(s.names) for s in timed)
+    assert [r["group"] for r in records if "group" in r and r["rows"] == 1] == ["+".join(map(str, g.members))
+                                                                               for g in groups]
+    assert all(r["members_kernel_us"] > 0 for r in records if "group" in r)
     for r in records:
         assert r["rel_err"] < 1e-5 and r["batch_invariant"] and r["torch_us"] > 0 and r["kernel_us"] > 0
         assert r["speedup"] == pytest.approx(r["torch_us"] / r["kernel_us"])
@@ -658,7 +666,7 @@ def test_skinny_linear_tiny_cpu(tmp_path: Path):
     summary = (tmp_path / "summary.md").read_text()
     head, rows = _table(summary)
     assert head[:3] == ["model", "weight", "rows"] and len(rows) == len(records)
-    assert "## Linear time of one forward" in summary
+    assert "## Linear time of one forward" in summary and "## Sibling groups of one forward" in summary
     with pytest.raises(ValueError, match=r"experiment.rows must list M in \[1, 64\]"):
         run_experiment(_cfg(["experiment=skinny_linear", "experiment.rows=[65]"] + CPU), tmp_path / "bad")
 

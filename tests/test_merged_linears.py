@@ -157,6 +157,14 @@ def test_sibling_groups_respect_skip_and_the_member_limit():
     sizes = sorted(len(g) for g in groups)
     assert sizes == [2, 4, 4]  # p0..p3, p4..p5 (the bias-free one alone is no group), q/k/v/side
     assert sibling_groups(wide, skip=lambda m: m is wide.block) == [g for g in groups if wide.block.q not in g]
+    with pytest.raises(ValueError, match=r"groups of at most 4 linears, got sizes \[5\]"):
+        with merged_linears(wide, groups=[[getattr(wide, f"p{i}") for i in range(5)]]):
+            pass
+    with pytest.raises(ValueError, match="backend_name"):
+        with merged_linears(wide, backend_name="cuda"):
+            pass
+    with merged_linears(wide, groups=[[wide.p0, wide.p1]]) as n:
+        assert n == 1 and "forward" in vars(wide.p0) and "forward" not in vars(wide.p2)
 
 
 @needs_triton_interpreter

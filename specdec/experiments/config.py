@@ -369,6 +369,8 @@ class SkinnyLinearExperiment:
     min_calls: int = _doc(10, "calls per CUDA graph at least (weights rotated over copies of >= 256 MiB)")
     check: bool = _doc(True, "the kernel against the fp32 reference and 1-row calls (batch invariance) first")
     sweep: bool = _doc(False, "also time a small set of launch settings per point and report the fastest (slow)")
+    groups: bool = _doc(True, "also time the sibling groups the CUDA-graph path merges (q/k/v, ...): F.linear per "
+                              "member against one grouped launch")
     max_weight_mib: Optional[float] = _doc(None, "time only weights of at most this many MiB (null: all; CPU smoke "
                                                  "runs leave out the LM head)")
 

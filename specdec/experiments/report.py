@@ -309,7 +309,10 @@ SKINNY_LINEAR_COLUMNS = (
     Column("torch_us", "F.linear us", "{:.1f}",
            legend="cuBLAS (F.linear), device time per call in a CUDA graph over weights rotated past L2: median of "
                   "experiment.reps replays"),
-    Column("kernel_us", "kernel us", "{:.1f}", legend="specdec.kernels.linear.skinny_linear, the same way"),
+    Column("kernel_us", "kernel us", "{:.1f}", legend="specdec.kernels.linear.skinny_linear, the same way (a sibling "
+                                                      "group: one grouped_skinny_linear launch for all its members)"),
+    Column("members_kernel_us", "skinny per member us", "{:.1f}", terminal=False,
+           legend="a sibling group: skinny_linear once per member, the same way"),
     Column("torch_pct_copy_bw", "F.linear % copy BW", "{:.0f}%",
            legend="(weight + x + output bytes) / time, as a share of a measured device-to-device copy's GB/s"),
     Column("kernel_pct_copy_bw", "kernel % copy BW", "{:.0f}%", legend="the same for the kernel"),

@@ -16,6 +16,11 @@ once; GB/s against a measured device-to-device copy
 (:func:`~specdec.experiments.kernel_timing.copy_bandwidth`). Per model, the linear time of one
 forward at each M: every layer's matrix, F.linear against the kernel (``summary.md``).
 
+With ``experiment.groups`` the sibling groups the CUDA-graph decode path merges
+(:func:`sibling_shapes`: e.g. a layer's q / k / v) are timed too, as F.linear per member
+against one :func:`~specdec.kernels.linear.grouped_skinny_linear` launch (``members_kernel_us``:
+the skinny kernel per member), and summed per forward in ``summary.md``.
+
 With ``experiment.check`` each shape is first checked at the largest M: relative RMS error
 against the fp32 reference, and rows equal bit for bit to 1-row calls (batch invariance).
 ``experiment.sweep`` also times each launch of :data:`SWEEP` and records the fastest.
@@ -42,7 +47,7 @@ from .config import CONF_DIR
 from .kernel_timing import copy_bandwidth, time_in_graph
 from .models import resolve_device, target_config
 
-__all__ = ["LinearShape", "SWEEP", "model_spec", "linear_shapes", "validate", "run"]
+__all__ = ["LinearShape", "SWEEP", "model_spec", "linear_shapes", "sibling_shapes", "validate", "run"]
 
 #: rotate weight copies until they span at least this many bytes (H200 L2: 50 MiB)
 ROT_BYTES = 256 << 20
@@ -61,13 +66,16 @@ class LinearShape:
     K: int
     names: tuple[str, ...]
     bias: bool
+    #: a sibling group (:func:`sibling_shapes`): each member's N (``N`` is their sum); () for one weight
+    members: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
-        """E.g. ``mlp.down_proj 2560x9216``: the first module's name without its layer index."""
+        """E.g. ``mlp.down_proj 2560x9216``: the first module's name without its layer index; a group's
+        ``self_attn.q_proj+k_proj+v_proj 8192+1024+1024x2560``."""
         parts = self.names[0].split(".")
         short = ".".join(p for p in parts if not p.isdigit() and p not in ("model", "layers"))
-        return f"{short} {self.N}x{self.K}"
+        return f"{short} {'+'.join(map(str, self.members)) if self.members else self.N}x{self.K}"
 
 
 def model_spec(name: str):
@@ -85,14 +93,36 @@ def model_spec(name: str):
     return spec
 
 
-def linear_shapes(spec) -> list[LinearShape]:
-    """The distinct ``nn.Linear`` weight shapes of a ``random_shape`` target, in module order (the
-    model is built on the meta device: no memory, no init)."""
+def _meta_model(spec):
     import transformers
 
     config = target_config(spec)
     with torch.device("meta"):
-        model = getattr(transformers, str(spec.model_class))._from_config(config)
+        return getattr(transformers, str(spec.model_class))._from_config(config)
+
+
+def sibling_shapes(spec) -> list[LinearShape]:
+    """The distinct sibling groups of a ``random_shape`` target that the CUDA-graph path may merge
+    (:func:`specdec.fusion.merge_candidates`: linears of one module with one input width; whether
+    they read one input is learnt at run time), each as one :class:`LinearShape` with its
+    ``members``; ``names``: one per group, its modules' names joined by ``+`` (e.g.
+    ``model.layers.3.self_attn.q_proj+k_proj+v_proj``)."""
+    from specdec.fusion import merge_candidates
+
+    model = _meta_model(spec)
+    names = {id(m): n for n, m in model.named_modules()}
+    shapes: dict[tuple, list[str]] = {}
+    for group in merge_candidates(model):
+        key = (tuple(m.out_features for m in group), group[0].in_features, group[0].bias is not None)
+        first = names[id(group[0])]
+        shapes.setdefault(key, []).append("+".join([first] + [names[id(m)].rsplit(".", 1)[-1] for m in group[1:]]))
+    return [LinearShape(sum(Ns), K, tuple(found), bias, members=Ns) for (Ns, K, bias), found in shapes.items()]
+
+
+def linear_shapes(spec) -> list[LinearShape]:
+    """The distinct ``nn.Linear`` weight shapes of a ``random_shape`` target, in module order (the
+    model is built on the meta device: no memory, no init)."""
+    model = _meta_model(spec)
     shapes: dict[tuple[int, int, bool], list[str]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -146,7 +176,7 @@ def _sweep_configs(N: int, K: int, dtype, sms: int):
 
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Time every (model, weight shape, M); returns the records (also in ``out_dir``)."""
-    from specdec.kernels.linear import linear_ref, num_sms, skinny_config, skinny_linear
+    from specdec.kernels.linear import grouped_skinny_linear, linear_ref, num_sms, skinny_config, skinny_linear
 
     from .common import RunRecords, progress_bar, provenance
     from .report import write_report
@@ -161,27 +191,37 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     sms = num_sms(device)
     esize = torch.empty((), dtype=dtype).element_size()
     limit = float(exp.max_weight_mib) * (1 << 20) if exp.max_weight_mib is not None else math.inf
-    models = {str(m): [s for s in linear_shapes(model_spec(str(m))) if s.N * s.K * esize <= limit] for m in exp.models}
+    models = {str(m): [s for s in linear_shapes(model_spec(str(m))) + (sibling_shapes(model_spec(str(m)))
+                                                                        if exp.groups else [])
+                       if s.N * s.K * esize <= limit] for m in exp.models}
     common = {"experiment": "skinny_linear", "device": str(device), **provenance(device),
               "dtype": str(dtype).replace("torch.", ""), "seed": int(cfg.seed), "copy_GBps": copy_GBps, "sms": sms,
               "config": OmegaConf.to_container(cfg, resolve=True)}
     log = RunRecords(out_dir, progress_bar(cfg, sum(len(s) for s in models.values()) * len(rows), "skinny_linear"))
     for model, shapes in models.items():
         for shape in shapes:
-            N, K = shape.N, shape.K
+            N, K, Ns = shape.N, shape.K, shape.members or (shape.N,)
             wbytes = N * K * esize
             copies = max(1, min(4096, math.ceil(ROT_BYTES / wbytes))) if cuda else 1
-            weights = [(torch.randn(N, K, generator=gen) * K**-0.5).to(device, dtype) for _ in range(copies)]
-            bias = torch.randn(N, generator=gen).to(device, dtype) if shape.bias else None
+            weights = [[(torch.randn(n, K, generator=gen) * K**-0.5).to(device, dtype) for n in Ns]
+                       for _ in range(copies)]
+            biases = [torch.randn(n, generator=gen).to(device, dtype) for n in Ns] if shape.bias else [None] * len(Ns)
             x_all = torch.randn(max(rows), K, generator=gen).to(device, dtype)
             launch = skinny_config(N, K, dtype, sms)
+
+            def kernel(x, ws, config=None):  # the kernel the decode path runs: a group merged, a weight alone
+                if shape.members:
+                    return grouped_skinny_linear(x, ws, None if biases[0] is None else biases, config=config)
+                return [skinny_linear(x, ws[0], biases[0], config=config)]
+
             checks = {}
             if exp.check:
                 M = max(rows)
-                y = skinny_linear(x_all[:M], weights[0], bias)
-                same = all(torch.equal(skinny_linear(x_all[i:i + 1], weights[0], bias)[0], y[i])
-                           for i in sorted({0, M // 2, M - 1}))
-                checks = {"rel_err": _rel(y, linear_ref(x_all[:M], weights[0], bias)), "batch_invariant": same}
+                ys = kernel(x_all[:M], weights[0])
+                ones = {i: kernel(x_all[i:i + 1], weights[0]) for i in sorted({0, M // 2, M - 1})}
+                same = all(torch.equal(one[j][0], ys[j][i]) for i, one in ones.items() for j in range(len(Ns)))
+                err = max(_rel(y, linear_ref(x_all[:M], w, b)) for y, w, b in zip(ys, weights[0], biases))
+                checks = {"rel_err": err, "batch_invariant": same}
             passes = math.ceil(min_calls / copies)
             for M in rows:
                 x = x_all[:M].contiguous()
@@ -189,21 +229,25 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 def timed(fn):
                     def calls():
                         for _ in range(passes):
-                            for w in weights:
-                                fn(w)
+                            for ws in weights:
+                                fn(ws)
                     return time_in_graph(calls, passes * copies, device, reps)
 
-                t_torch = timed(lambda w: F.linear(x, w, bias))
-                t_kernel = timed(lambda w: skinny_linear(x, w, bias))
-                nbytes = wbytes + (M * K + M * N + (N if bias is not None else 0)) * esize
+                t_torch = timed(lambda ws: [F.linear(x, w, b) for w, b in zip(ws, biases)])
+                t_kernel = timed(lambda ws: kernel(x, ws))
+                nbytes = wbytes + (M * K + M * N + (N if shape.bias else 0)) * esize
                 rec = {**common, "model": model, "weight": shape.label, "N": N, "K": K, "layers": len(shape.names),
                        "rows": M, "bytes": nbytes, "torch_us": t_torch * 1e6, "kernel_us": t_kernel * 1e6,
                        "torch_GBps": nbytes / t_torch / 1e9, "kernel_GBps": nbytes / t_kernel / 1e9,
                        "torch_pct_copy_bw": 100 * nbytes / t_torch / 1e9 / copy_GBps,
                        "kernel_pct_copy_bw": 100 * nbytes / t_kernel / 1e9 / copy_GBps,
                        "speedup": t_torch / t_kernel, "launch": launch.describe(), "copies": copies, **checks}
-                if exp.sweep:
-                    best = min(((timed(lambda w, c=c: skinny_linear(x, w, bias, config=c)), c)
+                if shape.members:
+                    rec["group"] = "+".join(map(str, Ns))
+                    rec["members_kernel_us"] = 1e6 * timed(lambda ws: [skinny_linear(x, w, b)
+                                                                       for w, b in zip(ws, biases)])
+                elif exp.sweep:
+                    best = min(((timed(lambda ws, c=c: kernel(x, ws, c)), c)
                                 for c in _sweep_configs(N, K, dtype, sms)), key=lambda tc: tc[0])
                     rec.update(best_us=best[0] * 1e6, best_launch=best[1].describe(), best_speedup=t_torch / best[0])
                 log.add(rec, f"{model} {shape.label} M={M}: F.linear {rec['torch_us']:.1f} us "
@@ -219,11 +263,16 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     with open(Path(log.out_dir) / "summary.md", "a") as fh:
         fh.write("\n".join(["", "## Linear time of one forward (every layer's matrix of the shapes timed)", ""]
                            + forward_lines(log.records)) + "\n")
+        if any("group" in r for r in log.records):
+            fh.write("\n".join(["", "## Sibling groups of one forward: F.linear per member against one grouped launch",
+                                 ""] + forward_lines(log.records, groups=True)) + "\n")
     return log.records
 
 
-def forward_lines(records: list[dict]) -> list[str]:
-    """Per model and M: the sum over weight shapes of (layers x time), F.linear against the kernel."""
+def forward_lines(records: list[dict], groups: bool = False) -> list[str]:
+    """Per model and M: the sum over weight shapes of (layers x time), F.linear against the kernel;
+    with ``groups``, over the sibling groups instead (F.linear per member against the grouped launch)."""
+    records = [r for r in records if ("group" in r) == groups]
     lines = ["| model | M | F.linear ms | kernel ms | speedup |", "|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in records):
         for M in sorted({r["rows"] for r in records if r["model"] == model}):

@@ -403,11 +403,12 @@ def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.
 
 
 @contextlib.contextmanager
-def merged_linears(model: nn.Module, *, backend_name: str | None = None, skip=lambda module: False):
+def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=None):
     """Within the block, sibling linears of ``model`` that read one input run as one
     :func:`grouped_skinny_linear` launch: the first member called computes every member's result
-    and the others take theirs. Yields the number of candidate groups (:func:`sibling_groups`,
-    ``skip`` as there).
+    and the others take theirs. ``groups``: the candidate groups (lists of ``model``'s
+    ``nn.Linear`` modules, at most :data:`MAX_MEMBERS` each); None takes :func:`sibling_groups`.
+    Yields the number of candidate groups.
 
     A group merges only the members seen to share their input: until two or more of them have
     been called with the same tensor (the same object, unmodified since) one after another --
@@ -421,14 +422,16 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, skip=la
     hooks stay as they are.
 
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name, or a group of more than :data:`MAX_MEMBERS`.
     """
     from .. import BACKENDS, backend
     from ...placement import routed_forward
 
     if backend_name is not None and backend_name not in BACKENDS:
         raise ValueError(f"backend_name must be one of {BACKENDS} or None, got {backend_name!r}")
-    groups = sibling_groups(model, skip)
+    groups = sibling_groups(model) if groups is None else [list(g) for g in groups]
+    if any(len(g) > MAX_MEMBERS for g in groups):
+        raise ValueError(f"merged_linears: groups of at most {MAX_MEMBERS} linears, got sizes {[len(g) for g in groups]}")
     with contextlib.ExitStack() as stack:
         for members in groups:
             use = (backend_name or backend(members[0].weight.device)) == "triton"
