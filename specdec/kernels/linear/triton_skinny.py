@@ -180,19 +180,13 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @triton.jit
-def _pick(i_b, NB1, NB2, NB3, v0, v1, v2, v3):
-    """The value of the member owning weight block ``i_b`` (members start at blocks 0, NB1, NB2, NB3)."""
-    return tl.where(i_b >= NB3, v3, tl.where(i_b >= NB2, v2, tl.where(i_b >= NB1, v1, v0)))
-
-
-@triton.jit
 def _grouped_skinny_kernel(
-    x, w, b, y, M, K, stride_xm, stride_xk,
+    x, M, K, stride_xm, stride_xk,
+    W0, W1, W2, W3,
+    B0, B1, B2, B3,
+    Y0, Y1, Y2, Y3,
     N0, N1, N2, N3,
     NB1, NB2, NB3,
-    DW1, DW2, DW3,
-    DB1, DB2, DB3,
-    DY1, DY2, DY3,
     NUM_TILES: tl.constexpr,
     K_STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -203,14 +197,21 @@ def _grouped_skinny_kernel(
     UPCAST: tl.constexpr,
 ):
     i_b = tl.program_id(0)
-    N = _pick(i_b, NB1, NB2, NB3, N0, N1, N2, N3)
-    i_n = i_b - _pick(i_b, NB1, NB2, NB3, 0, NB1, NB2, NB3)
-    # the member's weight, bias and output, as element offsets from member 0's (one dtype: whole elements)
-    w = w + _pick(i_b, NB1, NB2, NB3, 0, DW1, DW2, DW3)
-    y = y + _pick(i_b, NB1, NB2, NB3, 0, DY1, DY2, DY3)
-    if HAS_BIAS:
-        b = b + _pick(i_b, NB1, NB2, NB3, 0, DB1, DB2, DB3)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the member owning weight block i_b: members' blocks start at 0, NB1, NB2, NB3
+    w, b, y, N, start = W0, B0, Y0, N0, 0
+    if i_b >= NB1:
+        w, y, N, start = W1, Y1, N1, NB1
+        if HAS_BIAS:
+            b = B1
+    if i_b >= NB2:
+        w, y, N, start = W2, Y2, N2, NB2
+        if HAS_BIAS:
+            b = B2
+    if i_b >= NB3:
+        w, y, N, start = W3, Y3, N3, NB3
+        if HAS_BIAS:
+            b = B3
+    o_n = (i_b - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
     p_w = w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
@@ -241,27 +242,16 @@ def _grouped_skinny_kernel(
         _tile_store(b_acc3, b, y, 0, 3, o_n, M, N, 0, N, 1, HAS_BIAS, False)
 
 
-def _offsets(tensors, esize: int) -> list[int]:
-    """Element offsets of ``tensors[1:]`` from ``tensors[0]``, padded with zeros to three."""
-    base = tensors[0].data_ptr()
-    out = []
-    for t in tensors[1:]:
-        d = t.data_ptr() - base
-        if d % esize:  # (never for tensors of one dtype: allocations and element offsets are whole elements)
-            raise ValueError("grouped skinny linear: tensors of one dtype not a whole number of elements apart")
-        out.append(d // esize)
-    return out + [0] * (MAX_MEMBERS - 1 - len(out))
-
-
 def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
     """Launch one kernel for checked arguments: ``outs[i] [M, N_i] = x [M, K] @ weights[i] [N_i, K].T
     + biases[i]`` for every member i (at most :data:`MAX_MEMBERS`).
 
     The grid is every member's ``block_n`` weight blocks one after the other; a program finds its
-    member from its block index and reaches that member's weight, bias and output by element
-    offsets from member 0's (the tensors share a dtype). No K split: a group exists to fill the
-    device with several weights' blocks at once. Each output element is reduced in the same order
-    whatever M is (batch-invariant, as :func:`skinny_launch`).
+    member from its block index (each member's weight, bias and output are arguments of their own,
+    so the launch's compiled variant depends on the members' shapes alone, not on where they lie
+    in memory). No K split: a group exists to fill the device with several weights' blocks at
+    once. Each output element is reduced in the same order whatever M is (batch-invariant, as
+    :func:`skinny_launch`).
 
     Args:
         x: ``[M, K]``, 1 <= M <= 64. weights: ``[N_i, K]`` each, contiguous. biases: ``[N_i]`` each,
@@ -273,17 +263,14 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
     n = len(weights)
     Ns = [w.shape[0] for w in weights] + [0] * (MAX_MEMBERS - n)
     blocks = [triton.cdiv(N, config.block_n) for N in Ns[:n]]
-    starts = [sum(blocks[:i]) for i in range(1, MAX_MEMBERS)]
-    starts = [s if i + 1 < n else sum(blocks) for i, s in enumerate(starts)]  # absent members: past the grid
-    esize = x.element_size()
-    has_bias = biases is not None
-    dw, dy = _offsets(weights, esize), _offsets(outs, esize)
-    db = _offsets(biases, esize) if has_bias else [0] * (MAX_MEMBERS - 1)
+    starts = [sum(blocks[:i]) if i < n else sum(blocks) for i in range(1, MAX_MEMBERS)]  # absent: past the grid
+    ws = list(weights) + [weights[0]] * (MAX_MEMBERS - n)  # (absent members' arguments are never read)
+    ys = list(outs) + [outs[0]] * (MAX_MEMBERS - n)
+    bs = list(biases) + [biases[0]] * (MAX_MEMBERS - n) if biases is not None else [None] * MAX_MEMBERS
     _grouped_skinny_kernel[(sum(blocks),)](
-        x, weights[0], biases[0] if has_bias else None, outs[0], M, K, x.stride(0), x.stride(1),
-        *Ns, *starts, *dw, *db, *dy,
+        x, M, K, x.stride(0), x.stride(1), *ws, *bs, *ys, *Ns, *starts,
         NUM_TILES=triton.cdiv(M, TILE_M), K_STEPS=triton.cdiv(K, config.block_k), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=has_bias, DOT_PRECISION="ieee",
+        BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=biases is not None, DOT_PRECISION="ieee",
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
