@@ -147,6 +147,96 @@ def test_merged_linears_merge_only_what_shares_an_input(monkeypatch, bias):
         assert rel_err(a, b) < TOL[torch.float32]
 
 
+@needs_triton_interpreter
+def test_a_capture_merges_only_what_ran_merged_before_it(monkeypatch):
+    """Inside a (simulated) capture a group merges only with a tile count a run outside it merged
+    with, so no kernel is first built while capturing; a failing kernel leaves the group unmerged
+    with a warning and exact results."""
+    torch.manual_seed(1)
+    block = Block().to(DEVICE).requires_grad_(False)
+    x, y = rand(2, 3, 24), rand(2, 3, 24)
+    want = block(x, y)
+    calls = []
+
+    def counted(x, weights, *args, **kw):
+        calls.append(x.numel() // x.shape[-1])
+        return grouped_skinny_linear(x, weights, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    capturing = [False]
+    monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
+    with merged_linears(block, backend_name="triton"):
+        block(x, y)  # learns
+        capturing[0] = True
+        block(x, y)
+        assert calls == []  # merged, but never outside a capture: F.linear
+        capturing[0] = False
+        block(x, y)
+        capturing[0] = True
+        got = block(x, y)
+        assert calls == [6, 6]
+        x17 = rand(17, 24)  # two 16-row tiles: a variant not run outside the capture
+        block(x17, y)
+        assert calls == [6, 6]
+
+        def broken(*args, **kw):
+            raise RuntimeError("no kernel for this device")
+
+        capturing[0] = False
+        monkeypatch.setattr(linear_mod, "grouped_skinny_linear", broken)
+        with pytest.warns(RuntimeWarning, match="grouped kernel failed .* no kernel for this device"):
+            failed = block(x, y)
+        block(x, y)  # no second warning: the group runs unmerged now
+    for a, b in zip(got + failed, want + want):
+        assert rel_err(a, b) < TOL[torch.float32]
+
+
+_BUILD_FOR_HOPPER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specdec.kernels.linear import triton_skinny as ts
+
+def build(fn, pointers, constants):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constants else "*bf16" if n in pointers else "i32" for n in names}
+    src = ASTSource(fn, signature=sig, constexprs={(names.index(n),): v for n, v in constants.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr"})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+    return [sum(line.strip().startswith("cp.async.cg") for line in ptx), sum("ld.global" in line for line in ptx)]
+
+tiles = dict(NUM_TILES=2, K_STEPS=20, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, HAS_BIAS=False, DOT_PRECISION="ieee",
+             UPCAST=False, stride_xk=1)
+print(json.dumps({
+    "grouped": build(ts._grouped_skinny_kernel, {"x", "W0", "W1", "W2", "W3", "Y0", "Y1", "Y2", "Y3"},
+                     {**tiles, **{f"B{i}": None for i in range(4)}}),
+    "single": build(ts._skinny_linear_kernel, {"x", "w", "y"},
+                    {**tiles, "PARTIAL": False, "b": None, "stride_wk": 1, "stride_yn": 1}),
+}))
+"""
+
+
+def test_grouped_kernel_builds_for_hopper():
+    """The grouped kernel compiles ahead of time for an H100/H200 (sm_90) with Triton's own ptxas,
+    on a machine without a GPU, and streams its weight tiles with the same 16-byte asynchronous
+    copies as the one-weight kernel (its members' pointers keep their alignment; no plain global
+    loads). Compiled in a child process: this one runs Triton's interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _BUILD_FOR_HOPPER], env=env, capture_output=True, text=True,
+                         timeout=300)
+    if run.returncode and "ptxas" in run.stderr.lower():
+        pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert counts["grouped"][0] > 0 and counts["grouped"] == counts["single"], counts
+
+
 def test_sibling_groups_respect_skip_and_the_member_limit():
     wide = torch.nn.Module()
     for i in range(6):

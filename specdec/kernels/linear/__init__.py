@@ -31,6 +31,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -336,6 +337,11 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device is capturing a CUDA graph on the current stream."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class _Siblings:
     """Linears of one parent module that may read one input: which of them were seen to share it,
     and what their merged call left for the members not yet called (see :func:`merged_linears`)."""
@@ -349,6 +355,7 @@ class _Siblings:
         self._called: list[int] = []  # learning: members called in the current round
         self._of = (None, -1)  # the input of the merged results in ``_left``, as ``_round``
         self._left: dict[int, torch.Tensor] = {}  # merged results not yet handed out
+        self._warm: set = set()  # (16-row tiles, dtype, device) the merged launch ran with outside a capture
 
     @staticmethod
     def _is(ref, x: torch.Tensor) -> bool:
@@ -361,11 +368,25 @@ class _Siblings:
         if (merge is not None and i in merge and not torch.compiler.is_compiling()
                 and all(_kernel_applies(x, self.members[j].weight, self.use_kernel)
                         and self.members[j].weight.is_contiguous() for j in merge)):
-            ms = [self.members[j] for j in merge]
-            outs = grouped_skinny_linear(x, [m.weight for m in ms], None if ms[0].bias is None else [m.bias for m in ms])
-            self._of = (weakref.ref(x), x._version)
-            self._left = {j: y for j, y in zip(merge, outs) if j != i}
-            return outs[merge.index(i)]
+            # a launch variant is first built outside a capture (building a kernel inside one may not be allowed)
+            key = (-(-(x.numel() // x.shape[-1]) // 16), x.dtype, x.device)
+            capturing = _capturing(x)
+            if not capturing or key in self._warm:
+                ms = [self.members[j] for j in merge]
+                try:
+                    outs = grouped_skinny_linear(x, [m.weight for m in ms],
+                                                 None if ms[0].bias is None else [m.bias for m in ms])
+                except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: unmerged is exact
+                    if capturing:
+                        raise
+                    warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
+                                  "these linears run one by one", RuntimeWarning, stacklevel=2)
+                    self.merge = ()
+                else:
+                    self._warm.add(key)
+                    self._of = (weakref.ref(x), x._version)
+                    self._left = {j: y for j, y in zip(merge, outs) if j != i}
+                    return outs[merge.index(i)]
         if merge is None:
             if not self._is(self._round, x) or i in self._called:  # a new round: the last one's shared input?
                 if len(self._called) > 1:
@@ -414,8 +435,10 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     been called with the same tensor (the same object, unmodified since) one after another --
     all of them, or a round of calls ended by another input -- each runs ``F.linear``; the
     members seen together merge from then on, and a member handed some other input runs
-    ``F.linear`` on it. So a first forward runs unmerged and the ones after it merged (a CUDA-graph
-    capture warms up first). Members run the kernel where :func:`skinny_linear` applies (``backend_name``
+    ``F.linear`` on it. So a first forward runs unmerged and the ones after it merged; a CUDA-graph
+    capture merges only what a run before it (its warm-up) merged with the same number of 16-row
+    tiles, so no kernel is first built inside a capture. If the grouped kernel fails outside a
+    capture, a ``RuntimeWarning`` says why and that group runs unmerged from then on. Members run the kernel where :func:`skinny_linear` applies (``backend_name``
     or the weights' device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no
     gradient, not inside ``torch.compile``), ``F.linear`` otherwise. The modules themselves are
     not replaced (their ``forward`` is routed for the block), so parameters, state dicts and
