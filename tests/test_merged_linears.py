@@ -182,6 +182,18 @@ def test_a_capture_merges_only_what_ran_merged_before_it(monkeypatch):
         def broken(*args, **kw):
             raise RuntimeError("no kernel for this device")
 
+        # a group whose members were all seen together builds its launch at once: one warm-up suffices
+        trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6, bias=False) for n in "abc"}).requires_grad_(False)
+        capturing[0] = False
+        with merged_linears(trio, backend_name="triton"):
+            for name in "abc":
+                trio[name](x)
+            assert calls == [6, 6, 6]  # the launch built right after the round that saw all three
+            capturing[0] = True
+            merged = [trio[name](x) for name in "abc"]
+            assert calls == [6, 6, 6, 6]
+        for name, y_ in zip("abc", merged):
+            assert rel_err(y_, F.linear(x, trio[name].weight)) < TOL[torch.float32]
         capturing[0] = False
         monkeypatch.setattr(linear_mod, "grouped_skinny_linear", broken)
         with pytest.warns(RuntimeWarning, match="grouped kernel failed .* no kernel for this device"):

@@ -361,32 +361,42 @@ class _Siblings:
     def _is(ref, x: torch.Tensor) -> bool:
         return ref[0] is not None and ref[0]() is x and x._version == ref[1]
 
+    def _applies(self, x: torch.Tensor, merge) -> bool:
+        return not torch.compiler.is_compiling() and all(
+            _kernel_applies(x, self.members[j].weight, self.use_kernel) and self.members[j].weight.is_contiguous()
+            for j in merge)
+
+    def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
+        """The members' results for ``x`` in one launch, or None where this launch variant (its
+        16-row tiles) has not run outside a capture yet (building a kernel inside a capture may
+        not be allowed) or the kernel failed (then the group is unmerged from now on, with a warning)."""
+        key = (-(-(x.numel() // x.shape[-1]) // 16), x.dtype, x.device)
+        capturing = _capturing(x)
+        if capturing and key not in self._warm:
+            return None
+        ms = [self.members[j] for j in merge]
+        try:
+            outs = grouped_skinny_linear(x, [m.weight for m in ms], None if ms[0].bias is None else [m.bias for m in ms])
+        except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: unmerged is exact
+            if capturing:
+                raise
+            warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
+                          "these linears run one by one", RuntimeWarning, stacklevel=3)
+            self.merge = ()
+            return None
+        self._warm.add(key)
+        return outs
+
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if i in self._left and self._is(self._of, x):
             return self._left.pop(i)
         merge = self.merge
-        if (merge is not None and i in merge and not torch.compiler.is_compiling()
-                and all(_kernel_applies(x, self.members[j].weight, self.use_kernel)
-                        and self.members[j].weight.is_contiguous() for j in merge)):
-            # a launch variant is first built outside a capture (building a kernel inside one may not be allowed)
-            key = (-(-(x.numel() // x.shape[-1]) // 16), x.dtype, x.device)
-            capturing = _capturing(x)
-            if not capturing or key in self._warm:
-                ms = [self.members[j] for j in merge]
-                try:
-                    outs = grouped_skinny_linear(x, [m.weight for m in ms],
-                                                 None if ms[0].bias is None else [m.bias for m in ms])
-                except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: unmerged is exact
-                    if capturing:
-                        raise
-                    warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
-                                  "these linears run one by one", RuntimeWarning, stacklevel=2)
-                    self.merge = ()
-                else:
-                    self._warm.add(key)
-                    self._of = (weakref.ref(x), x._version)
-                    self._left = {j: y for j, y in zip(merge, outs) if j != i}
-                    return outs[merge.index(i)]
+        if merge and i in merge and self._applies(x, merge):
+            outs = self._grouped(x, merge)
+            if outs is not None:
+                self._of = (weakref.ref(x), x._version)
+                self._left = {j: y for j, y in zip(merge, outs) if j != i}
+                return outs[merge.index(i)]
         if merge is None:
             if not self._is(self._round, x) or i in self._called:  # a new round: the last one's shared input?
                 if len(self._called) > 1:
@@ -395,6 +405,8 @@ class _Siblings:
             self._called.append(i)
             if len(self._called) == len(self.members):
                 self.merge = tuple(range(len(self.members)))
+                if not _capturing(x) and self._applies(x, self.merge):
+                    self._grouped(x, self.merge)  # built and run once now, so a capture right after merges
         member = self.members[i]
         return F.linear(x, member.weight, member.bias)
 
@@ -436,9 +448,11 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     all of them, or a round of calls ended by another input -- each runs ``F.linear``; the
     members seen together merge from then on, and a member handed some other input runs
     ``F.linear`` on it. So a first forward runs unmerged and the ones after it merged; a CUDA-graph
-    capture merges only what a run before it (its warm-up) merged with the same number of 16-row
-    tiles, so no kernel is first built inside a capture. If the grouped kernel fails outside a
-    capture, a ``RuntimeWarning`` says why and that group runs unmerged from then on. Members run the kernel where :func:`skinny_linear` applies (``backend_name``
+    capture merges only what ran merged before it (in its warm-up) with the same number of 16-row
+    tiles, so no kernel is first built inside a capture (a group whose members were all seen
+    together runs the grouped launch once then, so one warm-up suffices). If the grouped kernel
+    fails outside a capture, a ``RuntimeWarning`` says why and that group runs unmerged from then
+    on. Members run the kernel where :func:`skinny_linear` applies (``backend_name``
     or the weights' device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no
     gradient, not inside ``torch.compile``), ``F.linear`` otherwise. The modules themselves are
     not replaced (their ``forward`` is routed for the block), so parameters, state dicts and
