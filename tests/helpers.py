@@ -106,7 +106,8 @@ def hf_states(model, adapter, texts, prompt_lens):
 
 
 def rel_err(a, b):
-    """``||a - b|| / ||b||`` (Frobenius norms)."""
+    """``||a - b|| / ||b||`` (Frobenius norms, in float64)."""
+    a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hf_greedy
+from helpers import hf_greedy, rel_err
 from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 from tiny_models import get_model, ragged_prompts
 
@@ -25,11 +25,6 @@ from specdec.kernels.linear import (MAX_MEMBERS, MAX_ROWS, SkinnyConfig, grouped
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def rand(*shape, dtype=torch.float32, gen=None):

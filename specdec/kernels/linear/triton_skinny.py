@@ -72,6 +72,50 @@ def _tile_store(b_acc, b, y, i_s, i_t, o_n, M, N, stride_ys, stride_ym, stride_y
 
 
 @triton.jit
+def _row_tiles(x, w, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk, NUM_TILES: tl.constexpr,
+               K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 sums ``[BLOCK_N, 16]`` of up to four 16-row tiles of x (unused ones stay zero)
+    against weight rows ``o_n`` (those < N) over K in ``[k_lo, k_hi)``, in ``K_STEPS`` steps of
+    ``BLOCK_K``: each weight tile is loaded once and multiplies every x tile."""
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + (k_lo + o_k)[None, :] * stride_wk
+    b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for i_k in range(K_STEPS):  # the same trip count in every split; a short last split masks the rest
+        k = k_lo + i_k * BLOCK_K
+        if EVEN_K:
+            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
+        else:
+            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < k_hi)[None, :], other=0.0)
+        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 1:
+            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 2:
+            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        if NUM_TILES > 3:
+            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+        p_w += BLOCK_K * stride_wk
+    return b_acc0, b_acc1, b_acc2, b_acc3
+
+
+@triton.jit
+def _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, i_s, o_n, M, N, stride_ys, stride_ym, stride_yn,
+                 NUM_TILES: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """:func:`_tile_store` of each of the ``NUM_TILES`` tiles' sums."""
+    _tile_store(b_acc0, b, y, i_s, 0, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 1:
+        _tile_store(b_acc1, b, y, i_s, 1, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 2:
+        _tile_store(b_acc2, b, y, i_s, 2, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    if NUM_TILES > 3:
+        _tile_store(b_acc3, b, y, i_s, 3, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x,
     w,
@@ -99,36 +143,12 @@ def _skinny_linear_kernel(
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
     k_lo = i_s * K_STEPS * BLOCK_K
     k_hi = tl.minimum(K, k_lo + K_STEPS * BLOCK_K)
-    o_k = tl.arange(0, BLOCK_K)
-    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + (k_lo + o_k)[None, :] * stride_wk
-    b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for i_k in range(K_STEPS):  # the same trip count in every split; a short last split masks the rest
-        k = k_lo + i_k * BLOCK_K
-        if EVEN_K:
-            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
-        else:
-            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < k_hi)[None, :], other=0.0)
-        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 1:
-            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 2:
-            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 3:
-            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        p_w += BLOCK_K * stride_wk
-    _tile_store(b_acc0, b, y, i_s, 0, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
-    if NUM_TILES > 1:
-        _tile_store(b_acc1, b, y, i_s, 1, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
-    if NUM_TILES > 2:
-        _tile_store(b_acc2, b, y, i_s, 2, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
-    if NUM_TILES > 3:
-        _tile_store(b_acc3, b, y, i_s, 3, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    b_acc0, b_acc1, b_acc2, b_acc3 = _row_tiles(x, w, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk,
+                                                NUM_TILES, K_STEPS, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, i_s, o_n, M, N, stride_ys, stride_ym, stride_yn, NUM_TILES,
+                 HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -212,34 +232,9 @@ def _grouped_skinny_kernel(
         if HAS_BIAS:
             b = B3
     o_n = (i_b - start) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_k = tl.arange(0, BLOCK_K)
-    p_w = w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
-    b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for i_k in range(K_STEPS):
-        k = i_k * BLOCK_K
-        if EVEN_K:
-            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
-        else:
-            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < K)[None, :], other=0.0)
-        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 1:
-            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 2:
-            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        if NUM_TILES > 3:
-            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, K, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-        p_w += BLOCK_K
-    _tile_store(b_acc0, b, y, 0, 0, o_n, M, N, 0, N, 1, HAS_BIAS, False)
-    if NUM_TILES > 1:
-        _tile_store(b_acc1, b, y, 0, 1, o_n, M, N, 0, N, 1, HAS_BIAS, False)
-    if NUM_TILES > 2:
-        _tile_store(b_acc2, b, y, 0, 2, o_n, M, N, 0, N, 1, HAS_BIAS, False)
-    if NUM_TILES > 3:
-        _tile_store(b_acc3, b, y, 0, 3, o_n, M, N, 0, N, 1, HAS_BIAS, False)
+    b_acc0, b_acc1, b_acc2, b_acc3 = _row_tiles(x, w, o_n, M, N, 0, K, stride_xm, stride_xk, K, 1, NUM_TILES, K_STEPS,
+                                                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, 0, o_n, M, N, 0, N, 1, NUM_TILES, HAS_BIAS, False)
 
 
 def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
