@@ -86,6 +86,8 @@ def test_grouped_empty_dims():
     (lambda x, w: grouped_skinny_linear(x, [w, w.t().contiguous().t()]), r"weight 1, its bias and its out must be "
                                                                            r"contiguous"),
     (lambda x, w: grouped_skinny_linear(x, [w], outs=[]), r"outs must be None or one tensor per weight \(1\), got 0"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w], outs=[None, None]), r"outs\[0\] is None"),
+    (lambda x, w: grouped_skinny_linear(x, [w, w.half()]), r"weight 1: weight is torch.float16 but x is torch.float32"),
     (lambda x, w: grouped_skinny_linear(torch.cat([x] * 17), [w]), r"M = 68 rows .* at most 64"),
 ])
 def test_grouped_bad_input_is_named(call, match):
@@ -135,10 +137,13 @@ def test_merged_linears_merge_only_what_shares_an_input(monkeypatch, bias):
         x.add_(1.0)  # modified in place: its k is not the merged one
         assert rel_err(block.k(x), F.linear(x, block.k.weight, block.k.bias)) < TOL[torch.float32]
         x.sub_(1.0)
-        assert groups == [(20, 8, 8)] * 4  # q, then k on the modified x: merged again, not handed q's
+        assert groups == [(20, 8, 8)] * 3  # k on the modified x: not handed q's merged k, and the group relearns
+        block(x, y)  # relearns
+        again = block(x, y)
+        assert groups == [(20, 8, 8)] * 4
         assert rel_err(q, F.linear(x, block.q.weight, block.q.bias)) < TOL[torch.float32]
     assert all("forward" not in vars(m) for m in block.modules())
-    for a, b in zip(first + got, want + want):
+    for a, b in zip(first + got + again, want * 3):
         assert rel_err(a, b) < TOL[torch.float32]
 
 
@@ -245,6 +250,46 @@ def test_grouped_kernel_builds_for_hopper():
     assert counts["grouped"][0] > 0 and counts["grouped"] == counts["single"], counts
 
 
+@needs_triton_interpreter
+def test_what_a_group_learnt_outlives_its_block_and_inference_tensors_run_unmerged(monkeypatch):
+    """A later block (a capture after its warm-up's block) merges at once with what an earlier
+    block learnt and ran; inputs made under torch.inference_mode (no version counter) run
+    F.linear; members that stop sharing their input make the group learn again."""
+    trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6) for n in "abc"}).requires_grad_(False)
+    x = rand(4, 24)
+    calls = []
+
+    def counted(x, weights, *args, **kw):
+        calls.append(len(weights))
+        return grouped_skinny_linear(x, weights, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    capturing = [False]
+    monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
+    with merged_linears(trio, backend_name="triton"):
+        for name in "abc":
+            trio[name](x)
+    assert calls == [3]  # learnt, and its launch run once
+    capturing[0] = True
+    with merged_linears(trio, backend_name="triton"):
+        got = [trio[name](x) for name in "abc"]
+    assert calls == [3, 3]
+    capturing[0] = False
+    with torch.inference_mode(), merged_linears(trio, backend_name="triton"):
+        xi = x.clone()
+        inf = [trio[name](xi) for name in "abc"]
+    assert calls == [3, 3]
+    with merged_linears(trio, backend_name="triton"):
+        apart = [trio["a"](x), trio["b"](x + 1), trio["c"](x + 2)]  # a merged launch, then b and c do not take theirs
+        again = [trio[name](x) for name in "abc"]  # relearnt: all three read one input
+    assert calls == [3, 3, 3, 3]
+    for name, ys in zip("abc", zip(got, inf, again)):
+        for y_ in ys:
+            assert rel_err(y_, F.linear(x, trio[name].weight, trio[name].bias)) < TOL[torch.float32]
+    for y_, (name, shift) in zip(apart, zip("abc", (0, 1, 2))):
+        assert rel_err(y_, F.linear(x + shift, trio[name].weight, trio[name].bias)) < TOL[torch.float32]
+
+
 def test_sibling_groups_respect_skip_and_the_member_limit():
     wide = torch.nn.Module()
     for i in range(6):
@@ -261,8 +306,13 @@ def test_sibling_groups_respect_skip_and_the_member_limit():
     with pytest.raises(ValueError, match="backend_name"):
         with merged_linears(wide, backend_name="cuda"):
             pass
-    with merged_linears(wide, groups=[[wide.p0, wide.p1]]) as n:
+    with pytest.raises(ValueError, match="share input width, dtype, device and having a bias"):
+        with merged_linears(wide, groups=[[wide.p0, wide.nobias]]):
+            pass
+    with merged_linears(wide, groups=[[wide.p0, wide.p1]], backend_name="triton") as n:
         assert n == 1 and "forward" in vars(wide.p0) and "forward" not in vars(wide.p2)
+    with merged_linears(wide, groups=[[wide.p0, wide.p1]], backend_name="torch") as n:
+        assert n == 1 and "forward" not in vars(wide.p0)  # no kernel on this backend: nothing routed
 
 
 @needs_triton_interpreter
@@ -290,10 +340,14 @@ def test_greedy_generation_through_merged_linears_is_unchanged(monkeypatch):
 
 
 def test_fusion_routes_siblings_outside_the_compiled_modules(monkeypatch):
-    """fused() merges sibling projections, not the linears inside the MLPs it compiles (nothing
-    runs here: entering the block only routes forwards); SPECDEC_MERGE_LINEARS=0 leaves them."""
+    """fused() merges sibling projections on the Triton backend, not the linears inside the MLPs it
+    compiles (nothing runs here: entering the block only routes forwards); SPECDEC_MERGE_LINEARS=0
+    leaves them."""
     model = get_model("qwen3_5")
     mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()}
+    with fused(model):  # the CPU's backend (torch) has no kernel to merge with: nothing routed
+        assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     with fused(model):
         routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
     assert routed and not any(id(m) in mlp_linears for m in routed)

@@ -208,6 +208,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             biases = [torch.randn(n, generator=gen).to(device, dtype) for n in Ns] if shape.bias else [None] * len(Ns)
             x_all = torch.randn(max(rows), K, generator=gen).to(device, dtype)
             launch = skinny_config(N, K, dtype, sms)
+            if shape.members:  # a grouped launch never splits K
+                launch = dataclasses.replace(launch, split_k=1)
 
             def kernel(x, ws, config=None):  # the kernel the decode path runs: a group merged, a weight alone
                 if shape.members:

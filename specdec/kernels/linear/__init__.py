@@ -230,7 +230,12 @@ def grouped_skinny_linear(x: torch.Tensor, weights, biases=None, outs=None, *, c
     for i, w in enumerate(weights):
         b = biases[i] if biases is not None else None
         y = outs[i] if outs is not None else None
-        M = _check(x, w, b, y)
+        if y is None and outs is not None:
+            raise ValueError(f"outs[{i}] is None: outs must be None or one tensor per weight")
+        try:
+            M = _check(x, w, b, y)
+        except ValueError as err:
+            raise ValueError(f"grouped_skinny_linear, weight {i}: {err}") from None
         if not all(t is None or t.is_contiguous() for t in (w, b, y)):
             raise ValueError(f"weight {i}, its bias and its out must be contiguous for grouped_skinny_linear; "
                              "use skinny_linear for strided ones")
@@ -344,33 +349,51 @@ def _capturing(x: torch.Tensor) -> bool:
 
 class _Siblings:
     """Linears of one parent module that may read one input: which of them were seen to share it,
-    and what their merged call left for the members not yet called (see :func:`merged_linears`)."""
+    what their merged call left for the members not yet called, and which launch variants ran
+    outside a capture (see :func:`merged_linears`). Kept per group across blocks
+    (:data:`_SIBLINGS`), so a capture in a later block uses what an earlier block's warm-up learnt."""
 
     def __init__(self, members: list[nn.Linear], use_kernel: bool):
         self.members = members
         self.use_kernel = use_kernel
-        #: the members seen to read one input one after another (>= 2), or None while learning
+        #: the members seen to read one input one after another (>= 2), () when unmerged for good,
+        #: or None while learning
         self.merge: tuple[int, ...] | None = None
-        self._round = (None, -1)  # learning: weakref to the current round's input, its version counter
+        self._round = None  # learning: the current round's input (:meth:`_state`)
         self._called: list[int] = []  # learning: members called in the current round
-        self._of = (None, -1)  # the input of the merged results in ``_left``, as ``_round``
+        self._of = None  # the input the merged results in ``_left`` were computed from, as ``_round``
         self._left: dict[int, torch.Tensor] = {}  # merged results not yet handed out
-        self._warm: set = set()  # (16-row tiles, dtype, device) the merged launch ran with outside a capture
+        self._warm: set = set()  # launch variants (:meth:`_variant`) run outside a capture
 
     @staticmethod
-    def _is(ref, x: torch.Tensor) -> bool:
-        return ref[0] is not None and ref[0]() is x and x._version == ref[1]
+    def _state(x: torch.Tensor):
+        """What identifies ``x`` as an input: the object, its version counter (in-place writes through
+        autograd bump it) and the grad mode; None for an inference tensor, which has no version
+        counter (such inputs are neither merged nor learnt from)."""
+        if x.is_inference():
+            return None
+        return weakref.ref(x), x._version, torch.is_grad_enabled()
+
+    @staticmethod
+    def _is(state, x: torch.Tensor) -> bool:
+        return state is not None and state[0]() is x and x._version == state[1] and torch.is_grad_enabled() == state[2]
+
+    @staticmethod
+    def _variant(x: torch.Tensor):
+        """What the kernel's compiled variant depends on in x: its rows, strides, 16-byte alignment,
+        dtype and device (Triton specialises integers and pointers on such properties)."""
+        return x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         return not torch.compiler.is_compiling() and all(
             _kernel_applies(x, self.members[j].weight, self.use_kernel) and self.members[j].weight.is_contiguous()
-            for j in merge)
+            and (self.members[j].bias is None or self.members[j].bias.is_contiguous()) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
-        """The members' results for ``x`` in one launch, or None where this launch variant (its
-        16-row tiles) has not run outside a capture yet (building a kernel inside a capture may
-        not be allowed) or the kernel failed (then the group is unmerged from now on, with a warning)."""
-        key = (-(-(x.numel() // x.shape[-1]) // 16), x.dtype, x.device)
+        """The members' results for ``x`` in one launch, or None where this launch variant has not
+        run outside a capture yet (building a kernel inside a capture may not be allowed) or the
+        kernel failed (then the group is unmerged from now on, with a warning)."""
+        key = self._variant(x)
         capturing = _capturing(x)
         if capturing and key not in self._warm:
             return None
@@ -381,27 +404,36 @@ class _Siblings:
             if capturing:
                 raise
             warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
-                          "these linears run one by one", RuntimeWarning, stacklevel=3)
+                          "these linears run one by one", RuntimeWarning, stacklevel=4)
             self.merge = ()
             return None
         self._warm.add(key)
         return outs
 
+    def release(self) -> None:
+        """Drop merged results not handed out (the block ends; what was learnt stays)."""
+        self._of, self._left = None, {}
+
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if i in self._left and self._is(self._of, x):
             return self._left.pop(i)
+        state = self._state(x)
         merge = self.merge
-        if merge and i in merge and self._applies(x, merge):
-            outs = self._grouped(x, merge)
-            if outs is not None:
-                self._of = (weakref.ref(x), x._version)
-                self._left = {j: y for j, y in zip(merge, outs) if j != i}
-                return outs[merge.index(i)]
-        if merge is None:
+        if merge and i in merge and state is not None:
+            if self._left:  # an earlier merged call's results were not all taken: the members stopped sharing
+                self.merge, self._round, self._called = None, None, []
+                self.release()
+            elif self._applies(x, merge):
+                outs = self._grouped(x, merge)
+                if outs is not None:
+                    self._of = state
+                    self._left = {j: y for j, y in zip(merge, outs) if j != i}
+                    return outs[merge.index(i)]
+        if self.merge is None and state is not None:
             if not self._is(self._round, x) or i in self._called:  # a new round: the last one's shared input?
                 if len(self._called) > 1:
                     self.merge = tuple(sorted(self._called))
-                self._round, self._called = (weakref.ref(x), x._version), []
+                self._round, self._called = state, []
             self._called.append(i)
             if len(self._called) == len(self.members):
                 self.merge = tuple(range(len(self.members)))
@@ -409,6 +441,19 @@ class _Siblings:
                     self._grouped(x, self.merge)  # built and run once now, so a capture right after merges
         member = self.members[i]
         return F.linear(x, member.weight, member.bias)
+
+
+#: each group's :class:`_Siblings`, by its first member (kept while the module lives), with the
+#: group's module ids and kernel choice it was made for
+_SIBLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _siblings(members: list[nn.Linear], use_kernel: bool) -> _Siblings:
+    key = (tuple(id(m) for m in members), use_kernel)
+    kept = _SIBLINGS.get(members[0])
+    if kept is None or kept[0] != key:
+        kept = _SIBLINGS[members[0]] = (key, _Siblings(members, use_kernel))
+    return kept[1]
 
 
 def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.Linear]]:
@@ -444,22 +489,30 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     Yields the number of candidate groups.
 
     A group merges only the members seen to share their input: until two or more of them have
-    been called with the same tensor (the same object, unmodified since) one after another --
-    all of them, or a round of calls ended by another input -- each runs ``F.linear``; the
-    members seen together merge from then on, and a member handed some other input runs
-    ``F.linear`` on it. So a first forward runs unmerged and the ones after it merged; a CUDA-graph
-    capture merges only what ran merged before it (in its warm-up) with the same number of 16-row
-    tiles, so no kernel is first built inside a capture (a group whose members were all seen
-    together runs the grouped launch once then, so one warm-up suffices). If the grouped kernel
-    fails outside a capture, a ``RuntimeWarning`` says why and that group runs unmerged from then
-    on. Members run the kernel where :func:`skinny_linear` applies (``backend_name``
-    or the weights' device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no
-    gradient, not inside ``torch.compile``), ``F.linear`` otherwise. The modules themselves are
-    not replaced (their ``forward`` is routed for the block), so parameters, state dicts and
-    hooks stay as they are.
+    been called with the same tensor (the same object, its version counter unchanged, the same
+    grad mode) one after another -- all of them, or a round of calls ended by another input --
+    each runs ``F.linear``; the members seen together merge from then on: a member called with an
+    input the last merged call did not see runs the group's launch and keeps the others' results
+    for them; when some of those results are never taken (the members stopped sharing their
+    input), the group learns again. So a first forward runs unmerged and the ones after it
+    merged. A CUDA-graph capture merges only launch variants (rows, strides, alignment) that ran
+    before it outside a capture, so no kernel is first built inside one; a group whose members
+    were all seen together runs its launch once right then, so one warm-up suffices. What a group
+    learnt is kept for its modules across blocks. If the grouped kernel fails outside a capture,
+    a ``RuntimeWarning`` says why and that group runs unmerged from then on.
+
+    Members run the kernel where :func:`skinny_linear` applies (``backend_name`` or the weights'
+    device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no gradient, not inside
+    ``torch.compile``), ``F.linear`` otherwise; groups on another backend are not routed at all.
+    Inference tensors (``torch.inference_mode``) have no version counter: they run ``F.linear``.
+    Writes to an input that bypass its version counter (``x.data``, another library's kernel)
+    between two members' calls are not seen: the block is meant for model forwards, as the
+    CUDA-graph capture runs them. The modules themselves are not replaced (their ``forward`` is
+    routed for the block, for every thread), so parameters, state dicts and hooks stay as they are.
 
     Raises:
-        ValueError: an unknown backend name, or a group of more than :data:`MAX_MEMBERS`.
+        ValueError: an unknown backend name, a group of more than :data:`MAX_MEMBERS`, or a
+            group whose members differ in input width, dtype, device or having a bias.
     """
     from .. import BACKENDS, backend
     from ...placement import routed_forward
@@ -469,10 +522,22 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     groups = sibling_groups(model) if groups is None else [list(g) for g in groups]
     if any(len(g) > MAX_MEMBERS for g in groups):
         raise ValueError(f"merged_linears: groups of at most {MAX_MEMBERS} linears, got sizes {[len(g) for g in groups]}")
-    with contextlib.ExitStack() as stack:
-        for members in groups:
-            use = (backend_name or backend(members[0].weight.device)) == "triton"
-            sib = _Siblings(members, use)
-            for i, m in enumerate(members):
-                stack.enter_context(routed_forward(m, lambda mod, x, _i=i, _s=sib: _s.call(_i, x)))
-        yield len(groups)
+    for g in groups:
+        kinds = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in g}
+        if len(kinds) > 1:
+            raise ValueError("merged_linears: a group's linears must share input width, dtype, device and having a "
+                             f"bias or not; got (in_features, dtype, device, no bias) = {sorted(map(str, kinds))}")
+    sibs = []
+    try:
+        with contextlib.ExitStack() as stack:
+            for members in groups:
+                if (backend_name or backend(members[0].weight.device)) != "triton":
+                    continue
+                sib = _siblings(members, True)
+                sibs.append(sib)
+                for i, m in enumerate(members):
+                    stack.enter_context(routed_forward(m, lambda mod, x, _i=i, _s=sib: _s.call(_i, x)))
+            yield len(groups)
+    finally:
+        for sib in sibs:
+            sib.release()

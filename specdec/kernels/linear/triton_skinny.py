@@ -31,13 +31,12 @@ import triton
 import triton.language as tl
 
 from ..triton_common import next_pow2, num_warps_for
+from . import MAX_MEMBERS
 
-__all__ = ["TILE_M", "MAX_MEMBERS", "skinny_launch", "grouped_launch"]
+__all__ = ["TILE_M", "skinny_launch", "grouped_launch"]
 
 #: rows of x per tile (the smallest dot dimension Triton accepts)
 TILE_M = 16
-#: the most weights one grouped launch (:func:`grouped_launch`) multiplies
-MAX_MEMBERS = 4
 
 
 @triton.jit
