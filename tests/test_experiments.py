@@ -303,6 +303,26 @@ def test_kernels_table_rejects_a_bad_grid():
         run_experiment(cfg, Path("/nonexistent"))
 
 
+def test_plain_step_floor_bytes():
+    """A plain step's memory floor: the weights once, then per row the SSM state and conv window
+    read and written and the keys and values of the mean context: linear in the batch, growing
+    with the context; None for a model without an adapter."""
+    from tiny_models import get_model
+
+    from specdec.batching import bytes_per_sequence
+    from specdec.experiments.models import plain_step_bytes, weight_bytes
+    from specdec.rollback import InPlaceUpdate
+
+    model = get_model("qwen3_5")
+    one, two, three = (plain_step_bytes(model, b, 16, 32) for b in (1, 2, 3))
+    per_row = two - one
+    assert abs((three - two) - per_row) <= 1 and one - weight_bytes(model) == pytest.approx(per_row, abs=1)
+    row = bytes_per_sequence(model, InPlaceUpdate(), 48, 0)
+    assert per_row > 2 * row.state_bytes > 0  # and some keys and values
+    assert plain_step_bytes(model, 1, 160, 32) > one
+    assert plain_step_bytes(torch.nn.Linear(4, 4), 1, 16, 32) is None
+
+
 def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):
     """experiment=bench on the qwen35-4b-shape entry shrunk to a tiny config (random init)."""
     tiny = {"hidden_size": 64, "num_hidden_layers": 4, "layer_types": "[linear_attention,linear_attention,"

@@ -33,7 +33,9 @@ targets (``model=qwen35-4b-shape`` / ``nemotronh-4b-shape``) are damped
 
 One record per speculative point is appended to ``results.jsonl`` as it is measured (a run cut
 short keeps what it finished); at the end ``summary.md`` (the table, the first divergences) and
-``speedup_vs_batch.png``. ``experiment.profile`` adds one profiled ``generate()`` per point
+``speedup_vs_batch.png``. Each record also sets specdec plain's step against its memory floor
+(``plain_floor_ms``: :func:`.models.plain_step_bytes` at the run's measured copy bandwidth;
+``plain_at_floor``: that floor / the plain step's time). ``experiment.profile`` adds one profiled ``generate()`` per point
 (:mod:`.profiling`): kernels and GPU busy time per decode step, and ``profile.md`` with the
 top kernels.
 """
@@ -48,7 +50,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
-from .models import load_target, resolve_device, weight_bytes
+from .models import load_target, plain_step_bytes, resolve_device, weight_bytes
 
 __all__ = ["run", "drafter_runs"]
 
@@ -154,6 +156,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                     int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path)
+            floor_bytes = plain_step_bytes(model, B, int(enc["input_ids"].shape[1]), max_new)
+            floor_fields = ({"plain_floor_bytes": floor_bytes, "plain_floor_ms": 1e3 * floor_bytes / (copy_GBps * 1e9)}
+                            if floor_bytes and copy_GBps else {})
             if exp.profile:
                 sd0 = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=path)
                 profiles.append(_profiled(sd0, enc, max_new, pad, device, f"{spec.name}, batch {B}, specdec plain")[1])
@@ -184,9 +189,12 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                            "num_speculative_tokens": K,
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
-                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields, **e}
+                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields,
+                           **floor_fields, **e}
                     if rec.get("draft_floor_ms") and rec.get("draft_ms") is not None:
                         rec["draft_vs_floor"] = rec["draft_ms"] / rec["draft_floor_ms"]
+                    if rec.get("plain_floor_ms") and rec.get("plain_decode_ms_per_step"):
+                        rec["plain_at_floor"] = rec["plain_floor_ms"] / rec["plain_decode_ms_per_step"]
                     if exp.profile:
                         sd = specdec.wrap(model, drafter=make_drafter(cfg, drafter_name, draft, **drafter_args),
                                           rollback=strategy, num_speculative_tokens=K, decode_path=path)

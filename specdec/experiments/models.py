@@ -135,6 +135,25 @@ def damp_residual_branches(model, factor: float) -> int:
     return n
 
 
+def plain_step_bytes(model, batch: int, prompt_tokens: int, new_tokens: int) -> int | None:
+    """The bytes a plain decoding step must move at least: the weights once (:func:`weight_bytes`),
+    and per row every SSM layer's state and conv window read and written
+    (:func:`specdec.batching.bytes_per_sequence`, K = 0) and the attention keys and values read
+    over the mean context of the run (``prompt_tokens + new_tokens / 2`` columns); divided by a
+    copy bandwidth, the step's memory floor. None for a model specdec has no adapter for."""
+    from specdec.batching import bytes_per_sequence
+    from specdec.models import adapter_for
+    from specdec.rollback import InPlaceUpdate
+
+    try:
+        adapter = adapter_for(model)
+    except (TypeError, ValueError):  # not a family specdec supports
+        return None
+    row = bytes_per_sequence(adapter, InPlaceUpdate(), prompt_tokens + new_tokens, 0)
+    kv_per_column = row.kv_bytes / row.kv_columns if row.kv_columns else 0.0
+    return int(weight_bytes(model) + batch * (2 * row.state_bytes + kv_per_column * (prompt_tokens + new_tokens / 2)))
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters (a tied tensor counted once): what one forward reads."""
     seen, total = set(), 0
