@@ -290,6 +290,23 @@ def test_what_a_group_learnt_outlives_its_block_and_inference_tensors_run_unmerg
         assert rel_err(y_, F.linear(x + shift, trio[name].weight, trio[name].bias)) < TOL[torch.float32]
 
 
+@needs_triton_interpreter
+def test_what_a_group_keeps_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6) for n in "abc"}).requires_grad_(False)
+    x = rand(2, 24)
+    with merged_linears(trio, backend_name="triton"):
+        for _ in range(2):
+            for name in "abc":
+                trio[name](x)
+    alive = weakref.ref(trio["a"])
+    del trio
+    gc.collect()
+    assert alive() is None
+
+
 def test_sibling_groups_respect_skip_and_the_member_limit():
     wide = torch.nn.Module()
     for i in range(6):

@@ -354,7 +354,7 @@ class _Siblings:
     (:data:`_SIBLINGS`), so a capture in a later block uses what an earlier block's warm-up learnt."""
 
     def __init__(self, members: list[nn.Linear], use_kernel: bool):
-        self.members = members
+        self._members = [weakref.ref(m) for m in members]  # (weak: :data:`_SIBLINGS` must not keep a model alive)
         self.use_kernel = use_kernel
         #: the members seen to read one input one after another (>= 2), () when unmerged for good,
         #: or None while learning
@@ -364,6 +364,10 @@ class _Siblings:
         self._of = None  # the input the merged results in ``_left`` were computed from, as ``_round``
         self._left: dict[int, torch.Tensor] = {}  # merged results not yet handed out
         self._warm: set = set()  # launch variants (:meth:`_variant`) run outside a capture
+
+    @property
+    def members(self) -> list[nn.Linear]:
+        return [ref() for ref in self._members]
 
     @staticmethod
     def _state(x: torch.Tensor):
@@ -385,9 +389,10 @@ class _Siblings:
         return x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
+        members = self.members
         return not torch.compiler.is_compiling() and all(
-            _kernel_applies(x, self.members[j].weight, self.use_kernel) and self.members[j].weight.is_contiguous()
-            and (self.members[j].bias is None or self.members[j].bias.is_contiguous()) for j in merge)
+            _kernel_applies(x, members[j].weight, self.use_kernel) and members[j].weight.is_contiguous()
+            and (members[j].bias is None or members[j].bias.is_contiguous()) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
         """The members' results for ``x`` in one launch, or None where this launch variant has not
@@ -439,7 +444,7 @@ class _Siblings:
                 self.merge = tuple(range(len(self.members)))
                 if not _capturing(x) and self._applies(x, self.merge):
                     self._grouped(x, self.merge)  # built and run once now, so a capture right after merges
-        member = self.members[i]
+        member = self._members[i]()
         return F.linear(x, member.weight, member.bias)
 
 
