@@ -72,9 +72,12 @@ def fusable(fn):
     return wrapper
 
 
+def _is_fusable_class(mod: torch.nn.Module) -> bool:
+    return type(mod).__name__.endswith(("RMSNorm", "RMSNormGated", "MLP"))
+
+
 def _is_fusable_module(mod: torch.nn.Module) -> bool:
-    name = type(mod).__name__
-    return name.endswith(("RMSNorm", "RMSNormGated", "MLP")) and "forward" not in vars(mod)
+    return _is_fusable_class(mod) and "forward" not in vars(mod)
 
 
 def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
@@ -83,7 +86,7 @@ def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     outside the modules it compiles (their linears run inside the compiled forward)."""
     from .kernels.linear import sibling_groups
 
-    return sibling_groups(model, skip=_is_fusable_module)
+    return sibling_groups(model, skip=_is_fusable_class)  # (by class: inside a block their forward is swapped)
 
 
 @contextlib.contextmanager

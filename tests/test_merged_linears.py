@@ -307,6 +307,58 @@ def test_what_a_group_keeps_does_not_keep_the_model_alive():
     assert alive() is None
 
 
+@needs_triton_interpreter
+def test_threads_outside_a_block_and_hooked_linears_run_their_own_forward(monkeypatch):
+    """Only a thread inside a block merges (another thread calling the routed linears meanwhile
+    runs F.linear); linears with forward hooks (pruning rebuilds the weight per call) are not
+    grouped; a merged result whose member's weight changed since is not handed out."""
+    import threading
+
+    trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6) for n in "abc"}).requires_grad_(False)
+    x = rand(2, 24)
+    calls = []
+
+    def counted(x, weights, *args, **kw):
+        calls.append(len(weights))
+        return grouped_skinny_linear(x, weights, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    with merged_linears(trio, backend_name="triton"):
+        for name in "abc":
+            trio[name](x)
+        assert calls == [3]
+        seen = {}
+        worker = threading.Thread(target=lambda: seen.update({n: trio[n](x) for n in "abc"}))
+        worker.start()
+        worker.join()
+        assert calls == [3]  # the other thread ran F.linear
+        for n, y_ in seen.items():
+            assert torch.equal(y_, F.linear(x, trio[n].weight, trio[n].bias))
+        ya = trio["a"](x)  # merged: b and c wait for their calls
+        trio["b"].weight.add_(1.0)  # changed after the merged call
+        yb = trio["b"](x)
+    assert calls == [3, 3]
+    assert rel_err(yb, F.linear(x, trio["b"].weight, trio["b"].bias)) < TOL[torch.float32]
+    assert rel_err(ya, F.linear(x, trio["a"].weight, trio["a"].bias)) < TOL[torch.float32]
+    import torch.nn.utils.prune as prune
+
+    prune.l1_unstructured(trio["a"], "weight", amount=0.5)
+    assert [len(g) for g in sibling_groups(trio)] == [2]  # b and c; the pruned a has a pre-hook
+    with pytest.raises(ValueError, match="one group only"):
+        with merged_linears(trio, groups=[[trio["b"], trio["c"]], [trio["c"], trio["b"]]]):
+            pass
+
+
+def test_nested_fusion_blocks_leave_the_compiled_modules_alone(monkeypatch):
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    model = get_model("qwen3_5")
+    mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()}
+    with fused(model), fused(model):
+        routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
+    assert routed and not any(id(m) in mlp_linears for m in routed)
+    assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
+
+
 def test_sibling_groups_respect_skip_and_the_member_limit():
     wide = torch.nn.Module()
     for i in range(6):

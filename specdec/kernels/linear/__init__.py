@@ -31,6 +31,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -349,25 +350,36 @@ def _capturing(x: torch.Tensor) -> bool:
 
 class _Siblings:
     """Linears of one parent module that may read one input: which of them were seen to share it,
-    what their merged call left for the members not yet called, and which launch variants ran
+    what a merged call left for the members not yet called, and which launch variants ran
     outside a capture (see :func:`merged_linears`). Kept per group across blocks
-    (:data:`_SIBLINGS`), so a capture in a later block uses what an earlier block's warm-up learnt."""
+    (:data:`_SIBLINGS`), so a capture in a later block uses what an earlier block's warm-up learnt.
+    What a forward leaves in flight (the learning round, results not yet handed out) is per
+    thread, and only threads inside a block merge."""
 
     def __init__(self, members: list[nn.Linear], use_kernel: bool):
         self._members = [weakref.ref(m) for m in members]  # (weak: :data:`_SIBLINGS` must not keep a model alive)
         self.use_kernel = use_kernel
-        #: the members seen to read one input one after another (>= 2), () when unmerged for good,
-        #: or None while learning
+        #: the members seen to read one input one after another (>= 2), or None while learning
         self.merge: tuple[int, ...] | None = None
-        self._round = None  # learning: the current round's input (:meth:`_state`)
-        self._called: list[int] = []  # learning: members called in the current round
-        self._of = None  # the input the merged results in ``_left`` were computed from, as ``_round``
-        self._left: dict[int, torch.Tensor] = {}  # merged results not yet handed out
         self._warm: set = set()  # launch variants (:meth:`_variant`) run outside a capture
+        self._failed: set = set()  # launch variants whose kernel failed outside a capture
+        self._local = threading.local()  # .depth (blocks entered), .round/.called (learning), .of/.left
+
+    def is_for(self, members: list[nn.Linear], use_kernel: bool) -> bool:
+        return (use_kernel == self.use_kernel and len(members) == len(self._members)
+                and all(ref() is m for ref, m in zip(self._members, members)))
 
     @property
     def members(self) -> list[nn.Linear]:
         return [ref() for ref in self._members]
+
+    def enter(self) -> None:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def exit(self) -> None:
+        """The block ends on this thread: drop merged results not handed out (what was learnt stays)."""
+        self._local.depth -= 1
+        self._local.of, self._local.left = None, {}
 
     @staticmethod
     def _state(x: torch.Tensor):
@@ -383,10 +395,19 @@ class _Siblings:
         return state is not None and state[0]() is x and x._version == state[1] and torch.is_grad_enabled() == state[2]
 
     @staticmethod
-    def _variant(x: torch.Tensor):
-        """What the kernel's compiled variant depends on in x: its rows, strides, 16-byte alignment,
-        dtype and device (Triton specialises integers and pointers on such properties)."""
-        return x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device
+    def _params(member: nn.Linear):
+        """The member's weight and bias as a merged result used them: the objects and versions."""
+        w, b = member.weight, member.bias
+        return w, w._version, b, None if b is None else b._version
+
+    def _variant(self, x: torch.Tensor, merge):
+        """What the launch's compiled variant depends on: x's rows, strides, 16-byte alignment,
+        dtype and device, the members merged, and their tensors' alignment (Triton specialises
+        integers and pointers on such properties)."""
+        ms = [self.members[j] for j in merge]
+        aligned = all(t.data_ptr() % 16 == 0 for m in ms for t in (m.weight, m.bias) if t is not None)
+        return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device, merge,
+                aligned)
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
@@ -396,11 +417,11 @@ class _Siblings:
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
         """The members' results for ``x`` in one launch, or None where this launch variant has not
-        run outside a capture yet (building a kernel inside a capture may not be allowed) or the
-        kernel failed (then the group is unmerged from now on, with a warning)."""
-        key = self._variant(x)
+        run outside a capture yet (building a kernel inside a capture may not be allowed) or its
+        kernel failed here (then that variant runs unmerged from now on, with a warning)."""
+        key = self._variant(x, merge)
         capturing = _capturing(x)
-        if capturing and key not in self._warm:
+        if key in self._failed or (capturing and key not in self._warm):
             return None
         ms = [self.members[j] for j in merge]
         try:
@@ -409,62 +430,65 @@ class _Siblings:
             if capturing:
                 raise
             warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
-                          "these linears run one by one", RuntimeWarning, stacklevel=4)
-            self.merge = ()
+                          "these linears run one by one for such inputs", RuntimeWarning, stacklevel=4)
+            self._failed.add(key)
             return None
         self._warm.add(key)
         return outs
 
-    def release(self) -> None:
-        """Drop merged results not handed out (the block ends; what was learnt stays)."""
-        self._of, self._left = None, {}
-
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if i in self._left and self._is(self._of, x):
-            return self._left.pop(i)
+        member = self._members[i]()
+        local = self._local
+        if getattr(local, "depth", 0) < 1:  # a thread outside every block: the model's own linear
+            return F.linear(x, member.weight, member.bias)
+        left = getattr(local, "left", {})
+        if i in left and self._is(local.of, x):
+            y, params = left.pop(i)
+            if params == self._params(member):  # (the member's tensors unchanged since the merged call)
+                return y
         state = self._state(x)
         merge = self.merge
         if merge and i in merge and state is not None:
-            if self._left:  # an earlier merged call's results were not all taken: the members stopped sharing
-                self.merge, self._round, self._called = None, None, []
-                self.release()
+            if left:  # an earlier merged call's results were not all taken: the members stopped sharing
+                self.merge, local.round, local.called = None, None, []
+                local.of, local.left = None, {}
             elif self._applies(x, merge):
                 outs = self._grouped(x, merge)
                 if outs is not None:
-                    self._of = state
-                    self._left = {j: y for j, y in zip(merge, outs) if j != i}
+                    ms = self.members
+                    local.of = state
+                    local.left = {j: (y, self._params(ms[j])) for j, y in zip(merge, outs) if j != i}
                     return outs[merge.index(i)]
         if self.merge is None and state is not None:
-            if not self._is(self._round, x) or i in self._called:  # a new round: the last one's shared input?
-                if len(self._called) > 1:
-                    self.merge = tuple(sorted(self._called))
-                self._round, self._called = state, []
-            self._called.append(i)
-            if len(self._called) == len(self.members):
-                self.merge = tuple(range(len(self.members)))
+            called = getattr(local, "called", [])
+            if not self._is(getattr(local, "round", None), x) or i in called:  # a new round: the last one shared?
+                if len(called) > 1:
+                    self.merge = tuple(sorted(called))
+                local.round, called = state, []
+            called.append(i)
+            local.called = called
+            if len(called) == len(self._members):
+                self.merge = tuple(range(len(self._members)))
                 if not _capturing(x) and self._applies(x, self.merge):
                     self._grouped(x, self.merge)  # built and run once now, so a capture right after merges
-        member = self._members[i]()
         return F.linear(x, member.weight, member.bias)
 
 
-#: each group's :class:`_Siblings`, by its first member (kept while the module lives), with the
-#: group's module ids and kernel choice it was made for
+#: each group's :class:`_Siblings`, by its first member (kept while the module lives)
 _SIBLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _siblings(members: list[nn.Linear], use_kernel: bool) -> _Siblings:
-    key = (tuple(id(m) for m in members), use_kernel)
     kept = _SIBLINGS.get(members[0])
-    if kept is None or kept[0] != key:
-        kept = _SIBLINGS[members[0]] = (key, _Siblings(members, use_kernel))
-    return kept[1]
+    if kept is None or not kept.is_for(members, use_kernel):
+        kept = _SIBLINGS[members[0]] = _Siblings(members, use_kernel)
+    return kept
 
 
 def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.Linear]]:
     """Candidate sibling groups of ``model``: for each module (not under one ``skip`` accepts), its
-    direct ``nn.Linear`` children (exactly that class) of one ``in_features``, dtype, device and
-    bias presence, in registration order, cut into groups of at most :data:`MAX_MEMBERS`; groups of
+    direct ``nn.Linear`` children (exactly that class, without forward hooks) of one
+    ``in_features``, dtype, device and bias presence, in registration order, cut into groups of at most :data:`MAX_MEMBERS`; groups of
     one are left out. Whether they read the same input is learnt at run time (:func:`merged_linears`)."""
     groups = []
     skipped: set[int] = set()
@@ -474,7 +498,9 @@ def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.
             continue
         kinds: dict = {}
         for child in parent.children():
-            if type(child) is nn.Linear:
+            # (a linear with forward hooks, e.g. pruning's or an offloading hook, may change its weight per call)
+            if type(child) is nn.Linear and not (child._forward_pre_hooks or child._forward_hooks
+                                                 or getattr(child, "_hf_hook", None) is not None):
                 w = child.weight
                 kinds.setdefault((child.in_features, w.dtype, w.device, child.bias is None), []).append(child)
         for members in kinds.values():
@@ -503,8 +529,11 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     merged. A CUDA-graph capture merges only launch variants (rows, strides, alignment) that ran
     before it outside a capture, so no kernel is first built inside one; a group whose members
     were all seen together runs its launch once right then, so one warm-up suffices. What a group
-    learnt is kept for its modules across blocks. If the grouped kernel fails outside a capture,
-    a ``RuntimeWarning`` says why and that group runs unmerged from then on.
+    learnt is kept for its modules across blocks; what one forward leaves in flight is per thread,
+    and a thread outside every block runs ``F.linear``. A merged result is handed out only while
+    the member's weight and bias are the same tensors at the same versions; linears with forward
+    hooks (pruning, offloading) are not grouped. If the grouped kernel fails outside a capture, a
+    ``RuntimeWarning`` says why and inputs of that launch variant run unmerged from then on.
 
     Members run the kernel where :func:`skinny_linear` applies (``backend_name`` or the weights'
     device's backend is ``"triton"``, at most :data:`MAX_ROWS` rows, no gradient, not inside
@@ -516,8 +545,9 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     routed for the block, for every thread), so parameters, state dicts and hooks stay as they are.
 
     Raises:
-        ValueError: an unknown backend name, a group of more than :data:`MAX_MEMBERS`, or a
-            group whose members differ in input width, dtype, device or having a bias.
+        ValueError: an unknown backend name, a group of more than :data:`MAX_MEMBERS`, a group
+            whose members differ in input width, dtype, device or having a bias, or a linear in
+            two groups.
     """
     from .. import BACKENDS, backend
     from ...placement import routed_forward
@@ -527,11 +557,15 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     groups = sibling_groups(model) if groups is None else [list(g) for g in groups]
     if any(len(g) > MAX_MEMBERS for g in groups):
         raise ValueError(f"merged_linears: groups of at most {MAX_MEMBERS} linears, got sizes {[len(g) for g in groups]}")
+    seen: set[int] = set()
     for g in groups:
         kinds = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in g}
         if len(kinds) > 1:
             raise ValueError("merged_linears: a group's linears must share input width, dtype, device and having a "
                              f"bias or not; got (in_features, dtype, device, no bias) = {sorted(map(str, kinds))}")
+        if any(id(m) in seen for m in g) or len({id(m) for m in g}) < len(g):
+            raise ValueError("merged_linears: a linear may belong to one group only")
+        seen.update(id(m) for m in g)
     sibs = []
     try:
         with contextlib.ExitStack() as stack:
@@ -539,10 +573,11 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
                 if (backend_name or backend(members[0].weight.device)) != "triton":
                     continue
                 sib = _siblings(members, True)
+                sib.enter()
                 sibs.append(sib)
                 for i, m in enumerate(members):
                     stack.enter_context(routed_forward(m, lambda mod, x, _i=i, _s=sib: _s.call(_i, x)))
             yield len(groups)
     finally:
         for sib in sibs:
-            sib.release()
+            sib.exit()

@@ -242,8 +242,8 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
 
     The grid is every member's ``block_n`` weight blocks one after the other; a program finds its
     member from its block index (each member's weight, bias and output are arguments of their own,
-    so the launch's compiled variant depends on the members' shapes alone, not on where they lie
-    in memory). No K split: a group exists to fill the device with several weights' blocks at
+    so the compiled variant depends on the members' shapes and their tensors' 16-byte alignment,
+    not on how far apart they lie in memory). No K split: a group exists to fill the device with several weights' blocks at
     once. Each output element is reduced in the same order whatever M is (batch-invariant, as
     :func:`skinny_launch`).
 
