@@ -31,6 +31,18 @@ def rand(*shape, dtype=torch.float32, gen=None):
     return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
 
 
+def count_grouped_calls(monkeypatch, what) -> list:
+    """Route grouped_skinny_linear through a recorder: ``what(x, weights)`` of every call, in order."""
+    seen = []
+
+    def counted(x, weights, *args, **kw):
+        seen.append(what(x, weights))
+        return grouped_skinny_linear(x, weights, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    return seen
+
+
 CASES = [
     pytest.param(torch.float32, (1,), (40, 7, 70), 100, True, None, id="fp32-M1-3w-bias"),
     pytest.param(torch.float32, (3,), (37, 16), 72, False, SkinnyConfig(block_n=16, block_k=32), id="fp32-M3-2w-kstep"),
@@ -119,13 +131,7 @@ def test_merged_linears_merge_only_what_shares_an_input(monkeypatch, bias):
     block = Block(bias=bias).to(DEVICE).requires_grad_(False)
     x, y = rand(2, 3, 24), rand(2, 3, 24)
     want = block(x, y)
-    groups = []
-
-    def counted(x, weights, biases=None, outs=None, **kw):
-        groups.append(tuple(w.shape[0] for w in weights))
-        return grouped_skinny_linear(x, weights, biases, outs, **kw)
-
-    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    groups = count_grouped_calls(monkeypatch, lambda x, ws: tuple(w.shape[0] for w in ws))
     with merged_linears(block, backend_name="triton") as n:
         assert n == 1 and "forward" in vars(block.q) and "forward" not in vars(block.o)
         first = block(x, y)
@@ -156,13 +162,7 @@ def test_a_capture_merges_only_what_ran_merged_before_it(monkeypatch):
     block = Block().to(DEVICE).requires_grad_(False)
     x, y = rand(2, 3, 24), rand(2, 3, 24)
     want = block(x, y)
-    calls = []
-
-    def counted(x, weights, *args, **kw):
-        calls.append(x.numel() // x.shape[-1])
-        return grouped_skinny_linear(x, weights, *args, **kw)
-
-    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    calls = count_grouped_calls(monkeypatch, lambda x, ws: x.numel() // x.shape[-1])
     capturing = [False]
     monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
     with merged_linears(block, backend_name="triton"):
@@ -257,13 +257,7 @@ def test_what_a_group_learnt_outlives_its_block_and_inference_tensors_run_unmerg
     F.linear; members that stop sharing their input make the group learn again."""
     trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6) for n in "abc"}).requires_grad_(False)
     x = rand(4, 24)
-    calls = []
-
-    def counted(x, weights, *args, **kw):
-        calls.append(len(weights))
-        return grouped_skinny_linear(x, weights, *args, **kw)
-
-    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    calls = count_grouped_calls(monkeypatch, lambda x, ws: len(ws))
     capturing = [False]
     monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
     with merged_linears(trio, backend_name="triton"):
@@ -316,13 +310,7 @@ def test_threads_outside_a_block_and_hooked_linears_run_their_own_forward(monkey
 
     trio = torch.nn.ModuleDict({n: torch.nn.Linear(24, 6) for n in "abc"}).requires_grad_(False)
     x = rand(2, 24)
-    calls = []
-
-    def counted(x, weights, *args, **kw):
-        calls.append(len(weights))
-        return grouped_skinny_linear(x, weights, *args, **kw)
-
-    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    calls = count_grouped_calls(monkeypatch, lambda x, ws: len(ws))
     with merged_linears(trio, backend_name="triton"):
         for name in "abc":
             trio[name](x)
@@ -392,19 +380,13 @@ def test_greedy_generation_through_merged_linears_is_unchanged(monkeypatch):
     model = get_model("qwen3_5")
     ids, mask = ragged_prompts()
     want = hf_greedy(model, ids, mask, 8)
-    widths = set()
-
-    def counted(x, weights, biases=None, outs=None, **kw):
-        widths.add(len(weights))
-        return grouped_skinny_linear(x, weights, biases, outs, **kw)
-
-    monkeypatch.setattr(linear_mod, "grouped_skinny_linear", counted)
+    calls = count_grouped_calls(monkeypatch, lambda x, ws: len(ws))
     with merged_linears(model, backend_name="triton") as n:
         assert n > 0
         sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
     assert torch.equal(out, want)
-    assert widths == {2, 3, 4}, widths  # the MLPs' gate / up, q / k / v, the GDN's four input projections
+    assert set(calls) == {2, 3, 4}, set(calls)  # the MLPs' gate / up, q / k / v, the GDN's four input projections
     assert all("forward" not in vars(m) for m in model.modules())
 
 
