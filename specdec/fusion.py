@@ -44,14 +44,19 @@ def _active() -> bool:
     return getattr(_ACTIVE, "depth", 0) > 0
 
 
+def _switch(name: str) -> bool:
+    """An on-by-default environment switch: off for ``0``, ``false``, ``False`` or empty."""
+    return os.environ.get(name, "1") not in ("0", "false", "False", "")
+
+
 def fusion_enabled() -> bool:
     """Whether the CUDA-graph path fuses (``SPECDEC_FUSE``, default on)."""
-    return os.environ.get("SPECDEC_FUSE", "1") not in ("0", "false", "False", "")
+    return _switch("SPECDEC_FUSE")
 
 
 def merging_enabled() -> bool:
     """Whether fusion merges sibling projections (``SPECDEC_MERGE_LINEARS``, default on)."""
-    return os.environ.get("SPECDEC_MERGE_LINEARS", "1") not in ("0", "false", "False", "")
+    return _switch("SPECDEC_MERGE_LINEARS")
 
 
 def _compiled(key, fn):

@@ -356,18 +356,16 @@ class _Siblings:
     What a forward leaves in flight (the learning round, results not yet handed out) is per
     thread, and only threads inside a block merge."""
 
-    def __init__(self, members: list[nn.Linear], use_kernel: bool):
+    def __init__(self, members: list[nn.Linear]):
         self._members = [weakref.ref(m) for m in members]  # (weak: :data:`_SIBLINGS` must not keep a model alive)
-        self.use_kernel = use_kernel
         #: the members seen to read one input one after another (>= 2), or None while learning
         self.merge: tuple[int, ...] | None = None
         self._warm: set = set()  # launch variants (:meth:`_variant`) run outside a capture
         self._failed: set = set()  # launch variants whose kernel failed outside a capture
         self._local = threading.local()  # .depth (blocks entered), .round/.called (learning), .of/.left
 
-    def is_for(self, members: list[nn.Linear], use_kernel: bool) -> bool:
-        return (use_kernel == self.use_kernel and len(members) == len(self._members)
-                and all(ref() is m for ref, m in zip(self._members, members)))
+    def is_for(self, members: list[nn.Linear]) -> bool:
+        return len(members) == len(self._members) and all(ref() is m for ref, m in zip(self._members, members))
 
     @property
     def members(self) -> list[nn.Linear]:
@@ -400,11 +398,11 @@ class _Siblings:
         w, b = member.weight, member.bias
         return w, w._version, b, None if b is None else b._version
 
-    def _variant(self, x: torch.Tensor, merge):
+    @staticmethod
+    def _variant(x: torch.Tensor, merge, ms: list[nn.Linear]):
         """What the launch's compiled variant depends on: x's rows, strides, 16-byte alignment,
-        dtype and device, the members merged, and their tensors' alignment (Triton specialises
-        integers and pointers on such properties)."""
-        ms = [self.members[j] for j in merge]
+        dtype and device, the members merged (``merge``, the modules ``ms``), and their tensors'
+        alignment (Triton specialises integers and pointers on such properties)."""
         aligned = all(t.data_ptr() % 16 == 0 for m in ms for t in (m.weight, m.bias) if t is not None)
         return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device, merge,
                 aligned)
@@ -412,18 +410,18 @@ class _Siblings:
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
         return not torch.compiler.is_compiling() and all(
-            _kernel_applies(x, members[j].weight, self.use_kernel) and members[j].weight.is_contiguous()
+            _kernel_applies(x, members[j].weight, True) and members[j].weight.is_contiguous()
             and (members[j].bias is None or members[j].bias.is_contiguous()) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
         """The members' results for ``x`` in one launch, or None where this launch variant has not
         run outside a capture yet (building a kernel inside a capture may not be allowed) or its
         kernel failed here (then that variant runs unmerged from now on, with a warning)."""
-        key = self._variant(x, merge)
+        ms = [self.members[j] for j in merge]
+        key = self._variant(x, merge, ms)
         capturing = _capturing(x)
         if key in self._failed or (capturing and key not in self._warm):
             return None
-        ms = [self.members[j] for j in merge]
         try:
             outs = grouped_skinny_linear(x, [m.weight for m in ms], None if ms[0].bias is None else [m.bias for m in ms])
         except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: unmerged is exact
@@ -478,10 +476,10 @@ class _Siblings:
 _SIBLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _siblings(members: list[nn.Linear], use_kernel: bool) -> _Siblings:
+def _siblings(members: list[nn.Linear]) -> _Siblings:
     kept = _SIBLINGS.get(members[0])
-    if kept is None or not kept.is_for(members, use_kernel):
-        kept = _SIBLINGS[members[0]] = _Siblings(members, use_kernel)
+    if kept is None or not kept.is_for(members):
+        kept = _SIBLINGS[members[0]] = _Siblings(members)
     return kept
 
 
@@ -572,7 +570,7 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
             for members in groups:
                 if (backend_name or backend(members[0].weight.device)) != "triton":
                     continue
-                sib = _siblings(members, True)
+                sib = _siblings(members)  # (routed only where the kernel's backend is on)
                 sib.enter()
                 sibs.append(sib)
                 for i, m in enumerate(members):
