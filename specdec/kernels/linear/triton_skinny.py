@@ -198,7 +198,9 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
 
 
-@triton.jit
+# The sizes are not specialised on (== 1, divisible by 16): a model's groups differ in them, and each
+# specialisation would be a compile of its own (the loads that matter, the weight's, are aligned by K).
+@triton.jit(do_not_specialize=["M", "N0", "N1", "N2", "N3", "NB1", "NB2", "NB3"])
 def _grouped_skinny_kernel(
     x, M, K, stride_xm, stride_xk,
     W0, W1, W2, W3,
