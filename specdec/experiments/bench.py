@@ -84,14 +84,15 @@ def _random_mtp(spec) -> bool:
     return str(spec.source) == "random_shape" and not spec.get("mtp")
 
 
-def _profiled(sd, enc, max_new: int, pad: int, device, title: str) -> tuple[dict, str]:
+def _profiled(sd, enc, max_new: int, pad: int, device, title: str, rows: int) -> tuple[dict, str]:
     """One warm-up and one profiled ``generate()`` of ``sd`` (then its buffers freed): the
-    per-decode-step fields for the record and a ``profile.md`` section with the top table."""
+    per-decode-step fields for the record and a ``profile.md`` section with the table of the
+    ``rows`` entries with the most GPU time."""
     from .e2e import release
     from .profiling import profile_call
 
     sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)  # compiles, captures
-    prof, _ = profile_call(lambda: sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad), device)
+    prof, _ = profile_call(lambda: sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad), device, top=rows)
     fields = {f"profile_{k}_per_step": v for k, v in prof.fields(per=sd.last_stats.steps).items()}
     sd.release()
     release(device)
@@ -161,7 +162,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                             if floor_bytes and copy_GBps else {})
             if exp.profile:
                 sd0 = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=path)
-                profiles.append(_profiled(sd0, enc, max_new, pad, device, f"{spec.name}, batch {B}, specdec plain")[1])
+                profiles.append(_profiled(sd0, enc, max_new, pad, device, f"{spec.name}, batch {B}, specdec plain",
+                                          int(exp.profile_rows))[1])
             for drafter_name, acceptance in runs:
                 drafter_args = dict(reference=plain.plain_out, attention_mask=enc["attention_mask"],
                                     acceptance=acceptance, target=model, tokenizer=tok,
@@ -202,7 +204,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                         with _overlapping(overlap):
                             fields, section = _profiled(sd, enc, max_new, pad, device,
                                                         f"{spec.name}, batch {B}, {label}, {strategy}"
-                                                        + ("" if overlap else ", proposals after the sync"))
+                                                        + ("" if overlap else ", proposals after the sync"),
+                                                        int(exp.profile_rows))
                         rec.update(fields)
                         profiles.append(section)
                     log.add(rec, f"{spec.name} B={B} {shown}{'' if acceptance is None else f' a={acceptance}'} "
