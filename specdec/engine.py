@@ -477,7 +477,8 @@ class SpeculativeGenerator:
             max_new_tokens: new tokens per row (default from the generation config); or one per row
                 (a list of ints or a 1-D integer tensor, an extension of HF's ``generate()``): row b
                 ends after its own ``max_new_tokens[b]`` tokens as it would at EOS, and is padded
-                with ``pad_token_id`` after them; the output is as wide as the longest row.
+                with ``pad_token_id`` (else the first EOS id; unequal budgets with neither raise
+                ``ValueError``) after them; the output is as wide as the longest row.
             do_sample, temperature, top_k, top_p: sampling (lossless rejection sampling) or greedy.
             eos_token_id: int or list of ints; pad_token_id: fills rows that stopped early.
             generator: ``torch.Generator`` for reproducible sampling at a fixed K (with

@@ -329,6 +329,10 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
     mask = _check_mask(attention_mask, input_ids, pad, eos)
     max_new = _max_new_tokens(gc, model, input_ids.shape[1])
+    if row_budgets is not None and len(set(row_budgets)) > 1 and pad is None and not eos:
+        raise ValueError(f"max_new_tokens per row {list(row_budgets)}: rows that reach a smaller budget are padded "
+                         "up to the longest row, and no pad_token_id or eos_token_id is set (on the call or the "
+                         "model's generation_config) to pad with; give pad_token_id")
 
     sampling = None
     if gc.do_sample:

@@ -588,6 +588,21 @@ def test_max_new_tokens_per_row_errors(given, error, match):
         sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)
 
 
+def test_max_new_tokens_per_row_needs_a_pad_id():
+    """Unequal per-row budgets pad the shorter rows: with no pad_token_id and no eos_token_id
+    anywhere, the call says so instead of padding with an arbitrary id; equal budgets need none."""
+    from transformers import GenerationConfig
+
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens=2)
+    gc = GenerationConfig(do_sample=False)
+    assert gc.pad_token_id is None and gc.eos_token_id is None
+    with pytest.raises(ValueError, match=r"max_new_tokens per row \[4, 2, 4\].*no pad_token_id or eos_token_id"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=[4, 2, 4], generation_config=gc)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=[3, 3, 3], generation_config=gc)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 3)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "kimi_linear", "qwen3_next"])
 def test_prefill_in_groups_of_rows_and_chunks(family):
     """With a small max_batch_tokens, generate() prefills its rows in groups (each at its own
