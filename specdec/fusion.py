@@ -9,8 +9,9 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
 * the ``forward`` of every RMSNorm-like and MLP module of the model for ``torch.compile``'d
   versions of their own class's ``forward`` (one compiled graph per class, shared by all
   layers: Inductor fuses the element-wise chains into one Triton kernel each), and
-* the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`)
-
+* the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`;
+  a Gated DeltaNet's runs as one Triton kernel of its own on the Triton backend, eagerly too:
+  :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`), and
 * sibling projections (linears of one module that read the same input: a layer's q / k / v, a
   Gated DeltaNet's qkv / z / b / a) for one launch of
   :func:`~specdec.kernels.linear.grouped_skinny_linear` each, at most 64 rows

@@ -18,7 +18,8 @@ pytestmark = needs_triton_interpreter
 
 @pytest.mark.parametrize(
     "family,strategy",
-    [("qwen3_5", "replay"), ("nemotron_h", "ring"), ("kimi_linear", "snapshot"), ("nemotron_h", "replay_deferred")],
+    [("qwen3_5", "replay"), ("qwen3_next", "snapshot"), ("nemotron_h", "ring"), ("kimi_linear", "snapshot"),
+     ("nemotron_h", "replay_deferred")],
 )
 def test_triton_backend_exact(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")

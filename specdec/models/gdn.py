@@ -26,7 +26,9 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 @fusable
 def _gdn_inputs(q, k, v, b, a, A_log, dt_bias, rep: int):
     """The recurrence's fp32 inputs from the conv outputs and the raw b/a projections, as
-    transformers computes them (element-wise; fused on the CUDA-graph path)."""
+    transformers computes them (element-wise; fused on the CUDA-graph path). The torch backend's
+    path and the reference of :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, which
+    the Triton backend runs instead."""
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     if rep > 1:
@@ -53,7 +55,13 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     q = q.reshape(B, t, -1, mixer.head_k_dim)
     k = k.reshape(B, t, -1, mixer.head_k_dim)
     v = v.reshape(B, t, -1, mixer.head_v_dim)
-    q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias, mixer.num_v_heads // mixer.num_k_heads)
+    if layer.op.backend == "triton":  # one launch for the five element-wise outputs
+        from ..kernels.gdn.triton_inputs import gdn_step_inputs
+
+        q, k, v, g, beta = gdn_step_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias)
+    else:
+        q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias,
+                                       mixer.num_v_heads // mixer.num_k_heads)
     o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {})
     o = o.to(mixed_qkv.dtype).reshape(-1, mixer.head_v_dim)
     o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
