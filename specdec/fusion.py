@@ -12,6 +12,11 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
 * the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`;
   a Gated DeltaNet's runs as one Triton kernel of its own on the Triton backend, eagerly too:
   :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`), and
+* the rotary embedding function attention layers call between their projections
+  (``apply_rotary_pos_emb``, the name every transformers modeling file gives it; ~12 element-wise
+  kernels per layer eagerly: slices, a negation, two concatenations, products and sums), looked
+  up in the module that defines each attention class of the model and routed to its compiled
+  version for the threads inside a block (:data:`FUSABLE_FUNCTIONS`), and
 * sibling projections (linears of one module that read the same input: a layer's q / k / v, a
   Gated DeltaNet's qkv / z / b / a) for one launch of
   :func:`~specdec.kernels.linear.grouped_skinny_linear` each, at most 64 rows
@@ -28,17 +33,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
+import sys
 import threading
+import types
 
 import torch
 
 from .placement import routed_forward
 
-__all__ = ["fusable", "fused", "fusion_enabled", "merging_enabled", "merge_candidates"]
+__all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "merge_candidates"]
+
+#: module-level functions that attention classes call by name from their own modeling module,
+#: compiled inside :func:`fused` blocks as the norms are
+FUSABLE_FUNCTIONS = ("apply_rotary_pos_emb",)
 
 _ACTIVE = threading.local()  # .depth: fused blocks this thread is inside (another thread's are not its own)
 _COMPILED: dict = {}
+_ROUTED: dict = {}  # (python module, function name) -> [the original function, its router, blocks using it]
+_ROUTED_LOCK = threading.Lock()
 
 
 def _active() -> bool:
@@ -86,6 +100,52 @@ def _is_fusable_module(mod: torch.nn.Module) -> bool:
     return _is_fusable_class(mod) and "forward" not in vars(mod)
 
 
+def _function_sites(model: torch.nn.Module) -> list[tuple[types.ModuleType, str]]:
+    """(python module, name) of each :data:`FUSABLE_FUNCTIONS` function defined in the module of
+    an attention class of ``model`` (a class whose name ends with ``Attention``)."""
+    sites = {}
+    for mod in model.modules():
+        if not type(mod).__name__.endswith("Attention"):
+            continue
+        where = sys.modules.get(type(mod).__module__)
+        for name in FUSABLE_FUNCTIONS:
+            fn = getattr(where, name, None)
+            if inspect.isfunction(fn):  # (a router of a block already open is one too)
+                sites[(where.__name__, name)] = (where, name)
+    return list(sites.values())
+
+
+@contextlib.contextmanager
+def _routed_function(where: types.ModuleType, name: str):
+    """Within the block (counted over threads and nested blocks), ``where.<name>`` is a router that
+    runs the function compiled for a thread inside a :func:`fused` block and as it was otherwise
+    (and inside a ``torch.compile`` trace, which inlines it); the function is back afterwards."""
+    key = (where.__name__, name)
+    with _ROUTED_LOCK:
+        entry = _ROUTED.get(key)
+        if entry is None:
+            original = getattr(where, name)
+
+            @functools.wraps(original)
+            def router(*args, **kwargs):
+                if torch.compiler.is_compiling() or not _active():
+                    return original(*args, **kwargs)
+                return _compiled(original, original)(*args, **kwargs)
+
+            setattr(where, name, router)
+            entry = _ROUTED[key] = [original, router, 0]
+        entry[2] += 1
+    try:
+        yield
+    finally:
+        with _ROUTED_LOCK:
+            entry[2] -= 1
+            if entry[2] == 0:
+                del _ROUTED[key]
+                if getattr(where, name, None) is entry[1]:  # (not if someone replaced it since)
+                    setattr(where, name, entry[0])
+
+
 def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     """The sibling groups :func:`fused` routes through
     :func:`~specdec.kernels.linear.merged_linears`: :func:`~specdec.kernels.linear.sibling_groups`
@@ -97,8 +157,9 @@ def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 @contextlib.contextmanager
 def fused(model: torch.nn.Module | None, enabled: bool = True):
-    """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread,
-    :func:`fusable` functions run compiled (blocks nest; another thread's calls stay eager).
+    """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread, the
+    :data:`FUSABLE_FUNCTIONS` of its attention classes' modules and :func:`fusable` functions run
+    compiled (blocks nest; another thread's calls stay eager).
     Dynamo's recompile limits are raised for the block, for the process."""
     if not enabled:
         yield
@@ -121,6 +182,8 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
                 if _is_fusable_module(mod):
                     cls = type(mod)
                     stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+            for where, name in _function_sites(model) if model is not None else ():
+                stack.enter_context(_routed_function(where, name))
             if siblings:
                 from .kernels.linear import merged_linears
 

@@ -373,6 +373,44 @@ def test_fused_patches_and_restores_the_model():
     assert dynamo_config.recompile_limit == before
 
 
+def test_fused_routes_the_rotary_function_inside_its_blocks_only(monkeypatch):
+    """fused() routes ``apply_rotary_pos_emb`` of the module defining the model's attention class
+    to its compiled version for the threads inside a block (nested blocks keep it routed, the
+    last one out restores the function); a forward inside the block calls it compiled, one in
+    another thread as it was; without a block nothing changes."""
+    import sys
+    import threading
+
+    from specdec import fusion
+
+    model = get_model("qwen3_5")
+    attn = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    where = sys.modules[type(attn).__module__]
+    original = where.apply_rotary_pos_emb
+    compiled = []
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn: (compiled.append(key), fn)[1])
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        want = model(ids).logits
+        with fused(model):
+            assert where.apply_rotary_pos_emb is not original
+            with fused(model):
+                pass
+            assert where.apply_rotary_pos_emb is not original  # the outer block still holds it
+            got = model(ids).logits
+            layers = sum(type(m).__name__.endswith("Attention") for m in model.modules())
+            assert compiled.count(original) == layers, (compiled, layers)
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(model(ids).logits))
+            other.start()
+            other.join(60)
+            assert compiled.count(original) == layers and torch.equal(seen[0], want)  # another thread: eager
+        assert where.apply_rotary_pos_emb is original
+        assert torch.equal(got, want)
+        model(ids)
+    assert compiled.count(original) == layers
+
+
 def test_compile_whole_falls_back_when_the_trace_fails():
     """CapturedProgram(compile_whole=True) on a program dynamo cannot trace as one graph (a branch on
     a tensor's value, read on the host): the warm-up call runs it uncompiled, exactly once, with the
