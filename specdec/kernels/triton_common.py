@@ -228,6 +228,21 @@ def with_common_args(common: str):
     return wrap
 
 
+#: torch's softplus threshold (``F.softplus(x)`` is ``x`` above it)
+SOFTPLUS_THRESHOLD = 20.0
+
+
+@triton.jit
+def softplus(x, threshold):
+    """torch's ``F.softplus(x)`` in fp32: ``x`` above ``threshold``, else ``log1p(exp(x))``, the
+    log1p as ``log(u) * e / (u - 1)`` with ``u = 1 + e`` (D. Goldberg, "What Every Computer
+    Scientist Should Know About Floating-Point Arithmetic", 1991), accurate where ``1 + e`` rounds."""
+    e = tl.exp(tl.minimum(x, threshold))
+    u = 1.0 + e
+    d = u - 1.0
+    return tl.where(x > threshold, x, tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d))))
+
+
 @triton.jit
 def load_slot(state_indices, i_b, USE_STATE_INDICES: tl.constexpr):
     """The state slot of row ``i_b`` (int64): ``state_indices[i_b]`` (negative: a padding row,

@@ -13,12 +13,13 @@ import torch.nn.functional as F
 
 from ..cache import SSMLayerCache
 from ..fusion import fusable
+from ..kernels.gdn import L2NORM_EPS
 from .base import HybridAdapter, register
 
 __all__ = ["Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def _l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     # as transformers' / fla's GDN l2norm: x * rsqrt(sum(x^2) + eps)
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 

@@ -39,7 +39,9 @@ def _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, heads: int, head_dim: int, 
                    dtype: torch.dtype):
     """The recurrence's inputs, as transformers' decode step computes them (element-wise; fused on
     the CUDA-graph path): ``x``, ``B``, ``C`` in ``dtype`` (fp32 for a layer cache), ``dt``, ``A``,
-    ``D`` in fp32."""
+    ``D`` in fp32. The prompt's and the torch backend's path, and the reference of
+    :func:`specdec.kernels.mamba2.triton_inputs.mamba2_step_inputs`, which a step on the Triton
+    backend runs instead."""
     B, t = x.shape[:2]
     dt = F.softplus(dt.float() + dt_bias.float())
     return (x.reshape(B, t, heads, head_dim).to(dtype), dt, Bm.reshape(B, t, groups, state).to(dtype),
@@ -59,9 +61,16 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     x, Bm, Cm = torch.split(
         xBC, [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size], dim=-1
     )
-    dtype = layer.input_dtype if isinstance(layer, Mamba2PromptLayer) else torch.float32
-    x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
-                                         mixer.head_dim, mixer.n_groups, mixer.ssm_state_size, dtype)
+    prompt = isinstance(layer, Mamba2PromptLayer)
+    if not prompt and layer.op.backend == "triton":  # a step: one launch for the six outputs
+        from ..kernels.mamba2.triton_inputs import mamba2_step_inputs
+
+        x, dt, Bm, Cm, A, D = mamba2_step_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D,
+                                                 mixer.num_heads, mixer.n_groups)
+    else:
+        x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
+                                             mixer.head_dim, mixer.n_groups, mixer.ssm_state_size,
+                                             layer.input_dtype if prompt else torch.float32)
     y = layer.ssm({"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D})
     return y.reshape(B, t, -1).to(projected.dtype), gate
 

@@ -8,7 +8,11 @@ import torch
 from ..protocol import SSMOp
 from .naive import gdn_fold, gdn_verify
 
-__all__ = ["GDNOp"]
+__all__ = ["GDNOp", "L2NORM_EPS"]
+
+#: the epsilon of the L2 norm of GDN's q and k, ``x * rsqrt(sum(x^2) + eps)``, as transformers' and
+#: flash-linear-attention's GDN use it
+L2NORM_EPS = 1e-6
 
 
 class GDNOp(SSMOp):

@@ -22,14 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import next_pow2
+from ..triton_common import SOFTPLUS_THRESHOLD, next_pow2, softplus
+from . import L2NORM_EPS
 
 __all__ = ["gdn_step_inputs"]
-
-#: the L2 norm's epsilon, as transformers' and flash-linear-attention's GDN use it
-L2NORM_EPS = 1e-6
-#: torch's softplus threshold (``F.softplus(x)`` is ``x`` above it)
-SOFTPLUS_THRESHOLD = 20.0
 
 
 # T and the batch strides (T * width) change with the step's width: not specialised on, one compile serves all
@@ -63,16 +59,10 @@ def _gdn_inputs_kernel(
     # truncates instead, so there a bf16 beta may be one unit lower)
     b_b = tl.load(b + i_b * stride_bb + i_t * stride_bt + i_h * stride_bh)
     tl.store(bo + out, tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype, fp_downcast_rounding="rtne").to(tl.float32))
-    # g = -exp(A_log) * softplus(a + dt_bias); log1p(e) as log(u) * e / (u - 1), u = 1 + e (Goldberg), accurate
-    # where 1 + e rounds
+    # g = -exp(A_log) * softplus(a + dt_bias)
     x = tl.load(a + i_b * stride_ab + i_t * stride_at + i_h * stride_ah).to(tl.float32) \
         + tl.load(dt_bias + i_h).to(tl.float32)
-    e = tl.exp(tl.minimum(x, threshold))
-    u = 1.0 + e
-    d = u - 1.0
-    log1p = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    softplus = tl.where(x > threshold, x, log1p)
-    tl.store(go + out, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus)
+    tl.store(go + out, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus(x, threshold))
 
 
 def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
