@@ -10,7 +10,8 @@
 * Medusa heads for the tiny models: :func:`medusa_prompts`, :func:`fit_medusa_heads`,
   :func:`perturb_heads`; MTP layers: :func:`fit_mtp_layers`.
 * :class:`StreamRecorder`: a streamer that records every ``put()`` and ``end()``.
-* :func:`run_python`: ``python <args>`` in a subprocess that imports this checkout's ``specdec``.
+* :func:`run_python`: ``python <args>`` in a subprocess that imports this checkout's ``specdec``;
+  :func:`built_for_hopper`: a script that builds Triton kernels for sm_90, in a subprocess.
 """
 
 from __future__ import annotations
@@ -236,6 +237,23 @@ def run_python(args, timeout: float = 300) -> subprocess.CompletedProcess:
     first on ``PYTHONPATH``; stdout and stderr captured as text."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def built_for_hopper(script: str):
+    """Run ``script`` (Python that compiles Triton kernels ahead of time for sm_90 and prints one
+    JSON line last) in a child process without ``TRITON_INTERPRET`` (this one may interpret); its
+    parsed last line. Skips the test where the installed Triton cannot build for CUDA (no ptxas)."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode and "ptxas" in run.stderr.lower():
+        pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def record_prompt_forwards(sd) -> list[tuple[int, int]]:

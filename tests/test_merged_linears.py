@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hf_greedy, rel_err
+from helpers import built_for_hopper, hf_greedy, rel_err
 from markers import ON_CUDA, needs_cuda, needs_triton_interpreter
 from tiny_models import get_model, ragged_prompts
 
@@ -234,19 +234,7 @@ def test_grouped_kernel_builds_for_hopper():
     on a machine without a GPU, and streams its weight tiles with the same 16-byte asynchronous
     copies as the one-weight kernel (its members' pointers keep their alignment; no plain global
     loads). Compiled in a child process: this one runs Triton's interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _BUILD_FOR_HOPPER], env=env, capture_output=True, text=True,
-                         timeout=300)
-    if run.returncode and "ptxas" in run.stderr.lower():
-        pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    counts = built_for_hopper(_BUILD_FOR_HOPPER)
     assert counts["grouped"][0] > 0 and counts["grouped"] == counts["single"], counts
 
 

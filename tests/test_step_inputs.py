@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import built_for_hopper, rel_err
 from markers import ON_CUDA, needs_triton_interpreter
 
 from specdec.models.gdn import _gdn_inputs
@@ -24,10 +24,16 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 pytestmark = needs_triton_interpreter if not ON_CUDA else []
 
 
-def _step(kernel):
-    from specdec.kernels.gdn.triton_inputs import gdn_step_inputs
+def gdn_step_inputs(*args, **kwargs):
+    from specdec.kernels.gdn.triton_inputs import gdn_step_inputs as kernel  # (imported once the interpreter is on)
 
-    return gdn_step_inputs if kernel is None else kernel
+    return kernel(*args, **kwargs)
+
+
+def mamba2_step_inputs(*args, **kwargs):
+    from specdec.kernels.mamba2.triton_inputs import mamba2_step_inputs as kernel
+
+    return kernel(*args, **kwargs)
 
 
 def layer_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed, a_scale=3.0):
@@ -59,7 +65,7 @@ def test_gdn_matches_the_torch_reference(dtype, B, T, Hk, Hv, Dk, Dv):
     before = [t.clone() for t in inputs]
     want = _gdn_inputs(*inputs, Hv // Hk)
     out = poisoned(B, T, Hv, Dk, Dv)
-    got = _step(None)(*inputs, out=out)
+    got = gdn_step_inputs(*inputs, out=out)
     assert all(g is o for g, o in zip(got, out))
     for name, g, w in zip(("q", "k", "v", "g", "beta"), got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape and not g.isnan().any(), name
@@ -80,7 +86,7 @@ def test_gdn_softplus_tails():
                      device=DEVICE).reshape(2, 4, 2)
     dt_bias = torch.zeros(2, device=DEVICE)
     want = _gdn_inputs(q, k, v, b, a, A_log, dt_bias, 1)[3]
-    got = _step(None)(q, k, v, b, a, A_log, dt_bias)[3]
+    got = gdn_step_inputs(q, k, v, b, a, A_log, dt_bias)[3]
     assert (got < 0).all()
     assert rel_err(got, want) < 1e-6
     assert torch.allclose(got, want, rtol=2e-7, atol=0), (got - want).abs().max()
@@ -100,12 +106,12 @@ def test_gdn_bad_input_is_named(change, match):
     q, k, v, b, a, A_log, dt_bias = layer_inputs(2, 3, 2, 4, 16, 8, torch.float32, seed=3)
     args = change({"q": q, "k": k, "v": v, "b": b, "a": a, "A_log": A_log, "dt_bias": dt_bias})
     with pytest.raises(ValueError, match=match):
-        _step(None)(**args)
+        gdn_step_inputs(**args)
 
 
 def test_gdn_empty_batch():
     inputs = layer_inputs(0, 1, 2, 2, 16, 16, torch.float32, seed=1)
-    got = _step(None)(*inputs)
+    got = gdn_step_inputs(*inputs)
     assert [tuple(t.shape) for t in got] == [(0, 1, 2, 16), (0, 1, 2, 16), (0, 1, 2, 16), (0, 1, 2), (0, 1, 2)]
 
 
@@ -128,8 +134,6 @@ def mamba2_inputs(Bt, T, H, G, P, N, dtype, seed):
 def test_mamba2_matches_the_torch_reference(dtype, Bt, T, H, G, P, N):
     """x, B, C and D exactly the reference's (casts), dt and A within fp32 rounding, every element
     written (no NaN of the empty outputs), the inputs untouched; without D, D is None."""
-    from specdec.kernels.mamba2.triton_inputs import mamba2_step_inputs
-
     inputs = mamba2_inputs(Bt, T, H, G, P, N, dtype, seed=Bt * 100 + T * 10 + H)
     x, dt, Bm, Cm, dt_bias, A_log, D = inputs
     before = [t.clone() for t in inputs]
@@ -156,8 +160,6 @@ def test_mamba2_matches_the_torch_reference(dtype, Bt, T, H, G, P, N):
     (lambda i: {**i, "D": i["D"].to("meta")}, "several devices"),
 ])
 def test_mamba2_bad_input_is_named(change, match):
-    from specdec.kernels.mamba2.triton_inputs import mamba2_step_inputs
-
     x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(2, 3, 4, 2, 8, 16, torch.float32, seed=5)
     args = change({"x": x, "dt": dt, "B": Bm, "C": Cm, "dt_bias": dt_bias, "A_log": A_log, "D": D, "heads": 4,
                    "groups": 2})
@@ -205,18 +207,6 @@ def test_kernels_build_for_hopper_and_round_beta_to_nearest():
     Triton's own ptxas, on a machine without a GPU; GDN's bf16 beta is rounded to nearest
     (``cvt.rn``), as torch rounds ``b.sigmoid()``. Compiled in a child process: this one runs
     Triton's interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _BUILD_FOR_HOPPER], env=env, capture_output=True, text=True,
-                         timeout=300)
-    if run.returncode and "ptxas" in run.stderr.lower():
-        pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    casts = json.loads(run.stdout.strip().splitlines()[-1])
+    casts = built_for_hopper(_BUILD_FOR_HOPPER)
     assert "cvt.rn.bf16.f32" in casts["gdn"] and not any(".rz." in c for c in casts["gdn"]), casts
     assert casts["mamba2"] == ["cvt.f32.bf16"], casts  # loads widened; nothing rounded to bf16
