@@ -1,4 +1,5 @@
-"""What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`.
+"""What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`, and
+:func:`l2norm` (the delta-rule mixers' q / k normalisation).
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
 :class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
@@ -19,7 +20,17 @@ The mixers themselves stay in the family modules and call the shared ops through
 
 from __future__ import annotations
 
-__all__ = ["layer_types_of"]
+import torch
+
+from ..kernels.gdn import L2NORM_EPS
+
+__all__ = ["layer_types_of", "l2norm"]
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """transformers' / flash-linear-attention's L2 norm of a delta-rule mixer's q or k over the last
+    dim: ``x * rsqrt(sum(x^2) + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def layer_types_of(config) -> list[str]:

@@ -13,15 +13,10 @@ import torch.nn.functional as F
 
 from ..cache import SSMLayerCache
 from ..fusion import fusable
-from ..kernels.gdn import L2NORM_EPS
 from .base import HybridAdapter, register
+from .common import l2norm
 
 __all__ = ["Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
-
-
-def _l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    # as transformers' / fla's GDN l2norm: x * rsqrt(sum(x^2) + eps)
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 @fusable
@@ -35,8 +30,8 @@ def _gdn_inputs(q, k, v, b, a, A_log, dt_bias, rep: int):
     if rep > 1:
         q = q.repeat_interleave(rep, dim=2)
         k = k.repeat_interleave(rep, dim=2)
-    q = _l2norm(q.float()) * (q.shape[-1] ** -0.5)
-    k = _l2norm(k.float())
+    q = l2norm(q.float()) * (q.shape[-1] ** -0.5)
+    k = l2norm(k.float())
     return q, k, v.float(), g, beta.float()
 
 

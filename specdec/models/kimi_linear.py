@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.gdn import L2NORM_EPS
 from .base import HybridAdapter, register
 
 __all__ = ["KimiLinearAdapter"]
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def _l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     # Kimi's variant: x / sqrt(sum(x^2) + eps), as transformers and fla compute it
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 

@@ -12,13 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from .base import HybridAdapter, register
+from .common import l2norm
 
 __all__ = ["OlmoHybridAdapter"]
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # transformers' / fla's l2norm: x * rsqrt(sum(x^2) + eps)
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 @register
@@ -45,8 +41,8 @@ class OlmoHybridAdapter(HybridAdapter):
         if mixer.allow_neg_eigval:
             beta = beta * 2.0
         g = -mixer.A_log.float().exp() * F.softplus(mixer.a_proj(hidden_states).float() + mixer.dt_bias)
-        q = _l2norm(q.float())
-        k = _l2norm(k.float())
+        q = l2norm(q.float())
+        k = l2norm(k.float())
         q = q / (q.shape[-1] ** 0.5)
         o = layer.ssm({"q": q, "k": k, "v": v.float(), "g": g.float(), "beta": beta.float()}, {})
         o = o.to(hidden_states.dtype).reshape(-1, mixer.head_v_dim)

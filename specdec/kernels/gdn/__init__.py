@@ -10,8 +10,8 @@ from .naive import gdn_fold, gdn_verify
 
 __all__ = ["GDNOp", "L2NORM_EPS"]
 
-#: the epsilon of the L2 norm of GDN's q and k, ``x * rsqrt(sum(x^2) + eps)``, as transformers' and
-#: flash-linear-attention's GDN use it
+#: the epsilon of the L2 norm of the delta-rule mixers' q and k (GDN, KDA, OLMo-hybrid), as
+#: transformers and flash-linear-attention use it
 L2NORM_EPS = 1e-6
 
 
