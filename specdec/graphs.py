@@ -106,9 +106,10 @@ def capture_blocker() -> str | None:
     cannot be captured (and Inductor's kernels cannot be interpreted at all). It holds for the
     whole process, so a library or test module that sets it at import turns graphs off for
     everything after it."""
-    value = os.environ.get("TRITON_INTERPRET", "0")
-    if value.strip().lower() in ("1", "true", "yes", "on", "y"):
-        return (f"TRITON_INTERPRET={value!r} is set: Triton kernels run in Triton's CPU interpreter, which "
+    from .kernels.protocol import triton_interpreting
+
+    if triton_interpreting():
+        return (f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set: Triton kernels run in Triton's CPU interpreter, which "
                 "copies tensors to the host and cannot be captured; unset it to use CUDA graphs")
     return None
 

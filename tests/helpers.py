@@ -250,7 +250,7 @@ def built_for_hopper(script: str):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if run.returncode and "ptxas" in run.stderr.lower():
+    if run.returncode and "cannot find ptxas" in run.stderr.lower():  # (not an assembler error: that fails)
         pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -912,6 +912,25 @@ def test_bench_times_each_point_with_and_without_the_overlap(tmp_path: Path):
         run_experiment(_cfg(["experiment=bench", "experiment.overlap=[]"] + TINY_SHAPE + CPU), tmp_path / "bad")
 
 
+def test_bench_profile_lists_profile_rows_entries(tmp_path: Path):
+    """experiment.profile=true adds a profiled generate() per configuration (plain, then each point),
+    each profile.md table holding experiment.profile_rows entries; fewer than one is refused before
+    anything runs."""
+    base = ["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[0.8]", "rollback=replay",
+            "max_new_tokens=6", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=1",
+            "experiment.profile=true"] + TINY_SHAPE + CPU
+    records = run_experiment(_cfg(base + ["experiment.profile_rows=4"]), tmp_path)
+    assert len(records) == 1 and records[0]["profile_host_ops_per_step"] > 0
+    sections = (tmp_path / "profile.md").read_text().split("\n## ")[1:]
+    assert len(sections) == 2 and "specdec plain" in sections[0]
+    for section in sections:
+        table = section.split("```")[1].strip().splitlines()
+        names = [line for line in table[3:] if line.strip() and not line.startswith(("-", "Self "))]
+        assert len(names) == 4, table
+    with pytest.raises(ValueError, match="experiment.profile_rows must be an int >= 1"):
+        run_experiment(_cfg(base + ["experiment.profile_rows=0"]), tmp_path / "bad")
+
+
 def test_oracle_points_draw_per_call_and_alike_across_points(monkeypatch):
     """speculative_point gives an OracleDrafter the seed ``seed + i`` in its i-th timed call (the
     warm-up's as the first), so the repeats sample the acceptance's draws and two points' i-th

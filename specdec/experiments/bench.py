@@ -87,7 +87,7 @@ def _random_mtp(spec) -> bool:
 def _profiled(sd, enc, max_new: int, pad: int, device, title: str, rows: int) -> tuple[dict, str]:
     """One warm-up and one profiled ``generate()`` of ``sd`` (then its buffers freed): the
     per-decode-step fields for the record and a ``profile.md`` section with the table of the
-    ``rows`` entries with the most GPU time."""
+    ``rows`` entries with the most GPU time (on a CPU: host time)."""
     from .e2e import release
     from .profiling import profile_call
 
@@ -102,7 +102,8 @@ def _profiled(sd, enc, max_new: int, pad: int, device, title: str, rows: int) ->
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the benchmark; returns the records (also in ``out_dir``).
 
-    Raises: ValueError when no drafter of ``drafter.names`` applies to any target."""
+    Raises: ValueError when no drafter of ``drafter.names`` applies to any target, or for an
+    ``experiment.overlap`` / ``experiment.profile_rows`` it cannot take."""
     import specdec
 
     from .. import zoo
@@ -121,6 +122,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     overlaps = list(exp.get("overlap", [True]))
     if not overlaps or any(not isinstance(o, bool) for o in overlaps):
         raise ValueError(f"experiment.overlap must be a non-empty list of true / false, got {overlaps}")
+    if exp.profile and (isinstance(exp.profile_rows, bool) or int(exp.profile_rows) < 1):
+        raise ValueError(f"experiment.profile_rows must be an int >= 1 (entries of each profile.md table), "
+                         f"got {exp.profile_rows!r}")
     plan = {str(spec.name): drafter_runs(cfg, spec) for spec in cfg.model.targets}
     if not any(plan.values()):
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))}: no selected model has a draft model "

@@ -196,7 +196,7 @@ class BenchExperiment:
     hf_max_new_tokens: Optional[int] = _doc(None, "new tokens of the HF runs (null: max_new_tokens)")
     ignore_eos: bool = _doc(False, "clear the target's EOS token: every row runs max_new_tokens")
     profile: bool = _doc(False, "one more generate() per point under torch.profiler (profile.md)")
-    profile_rows: int = _doc(15, "entries of each profile.md table, most GPU time first")
+    profile_rows: int = _doc(15, "entries (>= 1) of each profile.md table, most GPU time first (on a CPU: host time)")
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
     overlap: List[bool] = _doc(help="per point, the next proposal made before the step's sync (true) and/or after "
                                     "it (false: SPECDEC_OVERLAP=0), timed side by side", factory=lambda: [True])

@@ -36,7 +36,13 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BACKENDS", "LaunchConfig", "RollbackKernels", "Conv1dKernels", "BackendOp", "SSMOp"]
+__all__ = ["BACKENDS", "LaunchConfig", "RollbackKernels", "Conv1dKernels", "BackendOp", "SSMOp", "triton_interpreting"]
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter in this process (``TRITON_INTERPRET``
+    set to a true value; it takes effect for kernels defined after it is set)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
 
 #: kernel backends: the fp32 torch reference, and the fused Triton kernels
 BACKENDS = ("torch", "triton")

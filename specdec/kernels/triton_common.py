@@ -14,8 +14,9 @@ import copy
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from .protocol import LaunchConfig
+from .protocol import LaunchConfig, triton_interpreting
 from .slots import PAD_SLOT_ID, check_state_indices
 from .tree_index import check_parents, tree_meta
 
@@ -233,11 +234,29 @@ SOFTPLUS_THRESHOLD = 20.0
 
 
 @triton.jit
-def softplus(x, threshold):
+def exp_accurate(x, ACCURATE: tl.constexpr):
+    """``exp(x)`` in fp32: with ``ACCURATE`` libdevice's ``expf`` (within 2 ulp, as torch's), else
+    ``tl.exp``, which on NVIDIA GPUs is ``ex2.approx`` of ``x * log2(e)`` (relative error up to
+    ~``|x| * 1e-7``). Triton's interpreter has no libdevice: pass :func:`accurate_exp` there."""
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+def accurate_exp(device) -> bool:
+    """Whether kernels on ``device`` can take libdevice's exp (:func:`exp_accurate`): compiled for a
+    CUDA device, not in Triton's interpreter (which has no libdevice)."""
+    return torch.device(device).type == "cuda" and not triton_interpreting()
+
+
+@triton.jit
+def softplus(x, threshold, ACCURATE: tl.constexpr):
     """torch's ``F.softplus(x)`` in fp32: ``x`` above ``threshold``, else ``log1p(exp(x))``, the
     log1p as ``log(u) * e / (u - 1)`` with ``u = 1 + e`` (D. Goldberg, "What Every Computer
-    Scientist Should Know About Floating-Point Arithmetic", 1991), accurate where ``1 + e`` rounds."""
-    e = tl.exp(tl.minimum(x, threshold))
+    Scientist Should Know About Floating-Point Arithmetic", 1991), accurate where ``1 + e`` rounds;
+    NaN stays NaN. ``ACCURATE``: the exp of :func:`exp_accurate`."""
+    e = exp_accurate(tl.where(x > threshold, threshold, x), ACCURATE)
     u = 1.0 + e
     d = u - 1.0
     return tl.where(x > threshold, x, tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d))))

@@ -5,7 +5,7 @@ Between its conv and its recurrence a GDN layer turns the conv's q / k / v and t
 step computes them, :func:`specdec.models.gdn._gdn_inputs` being the torch reference)::
 
     beta = sigmoid(b)                                  (in b's dtype, then fp32)
-    g    = -exp(A_log) * softplus(a + dt_bias)         (fp32; softplus as torch's: x above 20)
+    g    = -exp(A_log) * softplus(a + dt_bias)         (fp32; softplus as torch's: x above 20, NaN kept)
     q    = l2norm(q) * Dk**-0.5,  k = l2norm(k)        (fp32; l2norm(x) = x * rsqrt(sum x^2 + 1e-6))
     v    = v                                           (fp32)
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import SOFTPLUS_THRESHOLD, next_pow2, softplus
+from ..triton_common import SOFTPLUS_THRESHOLD, accurate_exp, exp_accurate, next_pow2, softplus
 from . import L2NORM_EPS
 
 __all__ = ["gdn_step_inputs"]
@@ -37,7 +37,7 @@ def _gdn_inputs_kernel(
     stride_bb, stride_bt, stride_bh, stride_ab, stride_at, stride_ah,
     scale, eps, threshold,
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     i_n, i_h = tl.program_id(0), tl.program_id(1)  # token (row-major over [B, T]), value head
     i_b, i_t = i_n // T, i_n % T
@@ -62,7 +62,8 @@ def _gdn_inputs_kernel(
     # g = -exp(A_log) * softplus(a + dt_bias)
     x = tl.load(a + i_b * stride_ab + i_t * stride_at + i_h * stride_ah).to(tl.float32) \
         + tl.load(dt_bias + i_h).to(tl.float32)
-    tl.store(go + out, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus(x, threshold))
+    b_A = -exp_accurate(tl.load(A_log + i_h).to(tl.float32), ACCURATE)
+    tl.store(go + out, b_A * softplus(x, threshold, ACCURATE))
 
 
 def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -79,7 +80,8 @@ def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.
     Returns:
         ``(q, k, v, g, beta)``: ``[B, T, Hv, Dk]``, ``[B, T, Hv, Dk]``, ``[B, T, Hv, Dv]``,
         ``[B, T, Hv]``, ``[B, T, Hv]``, all fp32 and contiguous; q L2-normalised and scaled by
-        ``Dk**-0.5``, k L2-normalised, ``g <= 0`` the log decay, ``beta`` in (0, 1).
+        ``Dk**-0.5``, k L2-normalised, ``g <= 0`` the log decay, ``beta`` in [0, 1]. Compiled for
+        CUDA, the exps are libdevice's (as accurate as torch's); in Triton's interpreter numpy's.
 
     Raises:
         ValueError: shapes that do not fit each other, a last dim that is not contiguous, devices
@@ -113,6 +115,7 @@ def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.
             q, k, v, b, a, A_log, dt_bias, *out,
             T, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *b.stride(), *a.stride(),
             Dk ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
-            HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=next_pow2(Dv), num_warps=1,
+            HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=next_pow2(Dv), ACCURATE=accurate_exp(q.device),
+            num_warps=1,
         )
     return out

@@ -4,7 +4,7 @@ Between its conv and its selective state update a Mamba-2 layer turns the conv's
 ``C`` and the raw ``dt`` projection into what the update takes (as transformers' decode step
 computes them; :func:`specdec.models.mamba2._mamba2_inputs` is the torch reference)::
 
-    dt = softplus(dt + dt_bias)       (fp32; softplus as torch's: x above 20)
+    dt = softplus(dt + dt_bias)       (fp32; softplus as torch's: x above 20, NaN kept)
     A  = -exp(A_log),  D = D          (fp32, per head)
     x, B, C                           (fp32 copies, heads / groups split out)
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import SOFTPLUS_THRESHOLD, next_pow2, softplus
+from ..triton_common import SOFTPLUS_THRESHOLD, accurate_exp, exp_accurate, next_pow2, softplus
 
 __all__ = ["mamba2_step_inputs"]
 
@@ -33,7 +33,7 @@ def _mamba2_inputs_kernel(
     xo, dto, Bo, Co, Ao, Do,
     T, stride_xb, stride_xt, stride_db, stride_dt, stride_bb, stride_bt, stride_cb, stride_ct, threshold,
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_D: tl.constexpr,
+    HAS_D: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     i_n, i_h = tl.program_id(0), tl.program_id(1)  # token (row-major over [B, T]), head
     i_b, i_t = i_n // T, i_n % T
@@ -42,7 +42,7 @@ def _mamba2_inputs_kernel(
     b_x = tl.load(x + i_b * stride_xb + i_t * stride_xt + i_h * P + o_p, mask=m_p, other=0.0)
     tl.store(xo + (i_n * H + i_h) * P + o_p, b_x.to(tl.float32), mask=m_p)
     b_dt = tl.load(dt + i_b * stride_db + i_t * stride_dt + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    tl.store(dto + i_n * H + i_h, softplus(b_dt, threshold))
+    tl.store(dto + i_n * H + i_h, softplus(b_dt, threshold, ACCURATE))
     if i_h < G:
         o_s = tl.arange(0, BN)
         m_s = o_s < N
@@ -51,7 +51,7 @@ def _mamba2_inputs_kernel(
         tl.store(Bo + (i_n * G + i_h) * N + o_s, b_B.to(tl.float32), mask=m_s)
         tl.store(Co + (i_n * G + i_h) * N + o_s, b_C.to(tl.float32), mask=m_s)
     if i_n == 0:
-        tl.store(Ao + i_h, -tl.exp(tl.load(A_log + i_h).to(tl.float32)))
+        tl.store(Ao + i_h, -exp_accurate(tl.load(A_log + i_h).to(tl.float32), ACCURATE))
         if HAS_D:
             tl.store(Do + i_h, tl.load(D + i_h).to(tl.float32))
 
@@ -69,7 +69,9 @@ def mamba2_step_inputs(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: to
 
     Returns:
         ``(x, dt, B, C, A, D)``: ``[Bt, T, heads, P]``, ``[Bt, T, heads]``, ``[Bt, T, groups, N]`` twice,
-        ``[heads]``, ``[heads]`` (None without D), all fp32 and contiguous; ``dt > 0``, ``A < 0``.
+        ``[heads]``, ``[heads]`` (None without D), all fp32 and contiguous; ``dt >= 0``, ``A <= 0``
+        (zero only where an exp underflows). Compiled for CUDA, the exps are libdevice's (as
+        accurate as torch's); in Triton's interpreter numpy's.
 
     Raises:
         ValueError: shapes that do not fit each other or the head / group counts, a last dim that
@@ -104,7 +106,8 @@ def mamba2_step_inputs(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: to
             x, dt, B, C, dt_bias, A_log, D if D is not None else A_log,
             xo, dto, Bo, Co, Ao, Do if Do is not None else Ao,
             T, *x.stride()[:2], *dt.stride()[:2], *B.stride()[:2], *C.stride()[:2], SOFTPLUS_THRESHOLD,
-            H=heads, G=groups, P=P, N=N, BP=next_pow2(P), BN=next_pow2(N), HAS_D=D is not None, num_warps=1,
+            H=heads, G=groups, P=P, N=N, BP=next_pow2(P), BN=next_pow2(N), HAS_D=D is not None,
+            ACCURATE=accurate_exp(x.device), num_warps=1,
         )
     else:  # no token: A and D still describe the layer
         Ao.copy_(-torch.exp(A_log.float()))
