@@ -30,3 +30,21 @@ def test_triton_backend_exact(family, strategy, monkeypatch):
     out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
     assert all(layer.op.kernels is not None for layer in sd.last_cache.ssm.values())
     assert torch.equal(out, hf_greedy(model, ids, mask, 8))
+
+
+def test_interpreter_asked_for_too_late_is_named():
+    """Triton kernels for a CPU tensor need the interpreter, which only takes effect for kernels
+    defined after it is on: once triton is imported without it, binding an op's Triton kernels for
+    the CPU says so (it used to fail later, inside the first kernel, on Triton's own helpers)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import triton.language, pytest\n"
+            "from specdec.kernels import OPS\n"
+            "with pytest.raises(RuntimeError, match='set TRITON_INTERPRET=1 before importing torch'):\n"
+            "    OPS['gdn'].on('triton', 'cpu')\n"
+            "print('refused')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("refused"), run.stderr[-2000:]

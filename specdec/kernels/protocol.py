@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import copy
 import os
+import sys
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -220,6 +221,8 @@ class BackendOp(abc.ABC):
 
         Raises:
             ValueError: ``backend`` is not one of :data:`BACKENDS`.
+            RuntimeError: Triton kernels for a device that is not CUDA, with the interpreter off
+                and triton already imported (the interpreter can no longer take effect).
         """
         if backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
@@ -228,7 +231,12 @@ class BackendOp(abc.ABC):
             return reference
         bound = reference.__dict__.get("_triton")
         if bound is None:
-            if device is not None and torch.device(device).type != "cuda":
+            if device is not None and torch.device(device).type != "cuda" and not triton_interpreting():
+                if "triton.language" in sys.modules:  # its own jit functions (tl.zeros, ...) are compiled-mode now
+                    raise RuntimeError(
+                        f"the {self.name} op's Triton kernels on {torch.device(device)} need Triton's interpreter, "
+                        "which must be on before triton is first imported (here it already was, e.g. by torch or "
+                        "transformers): set TRITON_INTERPRET=1 before importing torch, or use SPECDEC_BACKEND=torch")
                 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules define their kernels
             bound = copy.copy(reference)
             bound.kernels = reference.triton_kernels()
