@@ -109,7 +109,8 @@ def capture_blocker() -> str | None:
     from .kernels.protocol import triton_interpreting
 
     if triton_interpreting():
-        return (f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set: Triton kernels run in Triton's CPU interpreter, which "
+        return (f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set: Triton kernels run in Triton's CPU "
+                "interpreter, which "
                 "copies tensors to the host and cannot be captured; unset it to use CUDA graphs")
     return None
 

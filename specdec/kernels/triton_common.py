@@ -234,18 +234,19 @@ SOFTPLUS_THRESHOLD = 20.0
 
 
 @triton.jit
-def exp_accurate(x, ACCURATE: tl.constexpr):
+def exp_f32(x, ACCURATE: tl.constexpr):
     """``exp(x)`` in fp32: with ``ACCURATE`` libdevice's ``expf`` (within 2 ulp, as torch's), else
     ``tl.exp``, which on NVIDIA GPUs is ``ex2.approx`` of ``x * log2(e)`` (relative error up to
-    ~``|x| * 1e-7``). Triton's interpreter has no libdevice: pass :func:`accurate_exp` there."""
+    ~``|x| * 1e-7``). Triton's interpreter has no libdevice: pass ``ACCURATE=``
+    :func:`has_libdevice` of the tensors' device."""
     if ACCURATE:
         return libdevice.exp(x)
     else:
         return tl.exp(x)
 
 
-def accurate_exp(device) -> bool:
-    """Whether kernels on ``device`` can take libdevice's exp (:func:`exp_accurate`): compiled for a
+def has_libdevice(device) -> bool:
+    """Whether kernels on ``device`` can take libdevice's exp (:func:`exp_f32`): compiled for a
     CUDA device, not in Triton's interpreter (which has no libdevice)."""
     return torch.device(device).type == "cuda" and not triton_interpreting()
 
@@ -255,8 +256,8 @@ def softplus(x, threshold, ACCURATE: tl.constexpr):
     """torch's ``F.softplus(x)`` in fp32: ``x`` above ``threshold``, else ``log1p(exp(x))``, the
     log1p as ``log(u) * e / (u - 1)`` with ``u = 1 + e`` (D. Goldberg, "What Every Computer
     Scientist Should Know About Floating-Point Arithmetic", 1991), accurate where ``1 + e`` rounds;
-    NaN stays NaN. ``ACCURATE``: the exp of :func:`exp_accurate`."""
-    e = exp_accurate(tl.where(x > threshold, threshold, x), ACCURATE)
+    NaN stays NaN. ``ACCURATE``: the exp of :func:`exp_f32`."""
+    e = exp_f32(tl.where(x > threshold, threshold, x), ACCURATE)
     u = 1.0 + e
     d = u - 1.0
     return tl.where(x > threshold, x, tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d))))

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import SOFTPLUS_THRESHOLD, accurate_exp, exp_accurate, next_pow2, softplus
+from ..triton_common import SOFTPLUS_THRESHOLD, has_libdevice, exp_f32, next_pow2, softplus
 from . import L2NORM_EPS
 
 __all__ = ["gdn_step_inputs"]
@@ -62,7 +62,7 @@ def _gdn_inputs_kernel(
     # g = -exp(A_log) * softplus(a + dt_bias)
     x = tl.load(a + i_b * stride_ab + i_t * stride_at + i_h * stride_ah).to(tl.float32) \
         + tl.load(dt_bias + i_h).to(tl.float32)
-    b_A = -exp_accurate(tl.load(A_log + i_h).to(tl.float32), ACCURATE)
+    b_A = -exp_f32(tl.load(A_log + i_h).to(tl.float32), ACCURATE)
     tl.store(go + out, b_A * softplus(x, threshold, ACCURATE))
 
 
@@ -115,7 +115,7 @@ def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.
             q, k, v, b, a, A_log, dt_bias, *out,
             T, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *b.stride(), *a.stride(),
             Dk ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
-            HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=next_pow2(Dv), ACCURATE=accurate_exp(q.device),
+            HV=Hv, REP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=next_pow2(Dv), ACCURATE=has_libdevice(q.device),
             num_warps=1,
         )
     return out

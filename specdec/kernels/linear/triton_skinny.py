@@ -245,8 +245,8 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
     The grid is every member's ``block_n`` weight blocks one after the other; a program finds its
     member from its block index (each member's weight, bias and output are arguments of their own,
     so the compiled variant depends on their tensors' 16-byte alignment, K, the tile count of M and
-    the block shape, not on how far apart the members lie in memory nor on their widths). No K split: a group exists to fill the device with several weights' blocks at
-    once. Each output element is reduced in the same order whatever M is (batch-invariant, as
+    the block shape, not on how far apart the members lie in memory nor on their widths). No K
+    split: a group exists to fill the device with several weights' blocks at once. Each output element is reduced in the same order whatever M is (batch-invariant, as
     :func:`skinny_launch`).
 
     Args:

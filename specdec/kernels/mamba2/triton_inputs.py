@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import SOFTPLUS_THRESHOLD, accurate_exp, exp_accurate, next_pow2, softplus
+from ..triton_common import SOFTPLUS_THRESHOLD, has_libdevice, exp_f32, next_pow2, softplus
 
 __all__ = ["mamba2_step_inputs"]
 
@@ -51,7 +51,7 @@ def _mamba2_inputs_kernel(
         tl.store(Bo + (i_n * G + i_h) * N + o_s, b_B.to(tl.float32), mask=m_s)
         tl.store(Co + (i_n * G + i_h) * N + o_s, b_C.to(tl.float32), mask=m_s)
     if i_n == 0:
-        tl.store(Ao + i_h, -exp_accurate(tl.load(A_log + i_h).to(tl.float32), ACCURATE))
+        tl.store(Ao + i_h, -exp_f32(tl.load(A_log + i_h).to(tl.float32), ACCURATE))
         if HAS_D:
             tl.store(Do + i_h, tl.load(D + i_h).to(tl.float32))
 
@@ -107,7 +107,7 @@ def mamba2_step_inputs(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: to
             xo, dto, Bo, Co, Ao, Do if Do is not None else Ao,
             T, *x.stride()[:2], *dt.stride()[:2], *B.stride()[:2], *C.stride()[:2], SOFTPLUS_THRESHOLD,
             H=heads, G=groups, P=P, N=N, BP=next_pow2(P), BN=next_pow2(N), HAS_D=D is not None,
-            ACCURATE=accurate_exp(x.device), num_warps=1,
+            ACCURATE=has_libdevice(x.device), num_warps=1,
         )
     else:  # no token: A and D still describe the layer
         Ao.copy_(-torch.exp(A_log.float()))
