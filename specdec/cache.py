@@ -34,8 +34,9 @@ import contextlib
 
 import torch
 
-from .kernels import SSMOp, conv1d_op
+from .kernels import SSMOp, backend, conv1d_op
 from .kernels.conv1d import new_conv_window
+from .kernels.kv import write_kv
 from .kernels.slots import to_slots
 from .rollback import RollbackStrategy
 
@@ -193,6 +194,7 @@ class HybridCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv_backend = backend(self.device)  # (the step's key / value writes: :func:`specdec.kernels.kv.write_kv`)
         self.ssm: dict[int, SSMLayerCache] = {}
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -223,10 +225,7 @@ class HybridCache:
         """HF ``Cache.update``: write ``[B, H, t, D]`` at each row's step columns; return buffers."""
         kbuf, vbuf = self._buffers(layer_idx, key_states)
         t = key_states.shape[2]
-        cols = self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :]  # [B, t]
-        rows = torch.arange(self.batch, device=self.device)[:, None]
-        kbuf.permute(0, 2, 1, 3)[rows, cols] = key_states.permute(0, 2, 1, 3).to(kbuf.dtype)
-        vbuf.permute(0, 2, 1, 3)[rows, cols] = value_states.permute(0, 2, 1, 3).to(vbuf.dtype)
+        write_kv(kbuf, vbuf, key_states, value_states, self.seq_len, self.step_tokens, backend_name=self._kv_backend)
         end = self.kv_end(t)
         return kbuf[:, :, :end], vbuf[:, :, :end]
 
