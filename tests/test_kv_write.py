@@ -47,13 +47,23 @@ def test_kernel_equals_the_reference(dtype, B, H, t, Dk, Dv, offset):
         assert torch.equal(want_k[b][:, cols], keys[b]) and torch.equal(want_v[b][:, cols], values[b])
 
 
-def test_other_dtypes_and_empty_steps_take_the_reference():
+def test_what_the_kernel_does_not_take_runs_the_reference():
     """Keys in another dtype than the buffer are cast as the torch write casts them (the kernel
-    does not run: it copies); a step of no token writes nothing."""
+    only copies), other value than key heads and a strided ``seq_len`` are written as the torch
+    write does; a step of no token writes nothing."""
     kbuf, vbuf, keys, values, seq_len = case(2, 2, 3, 8, 8, 16, torch.bfloat16, seed=3)
     want_k, want_v = kbuf.clone(), vbuf.clone()
     write_kv_reference(want_k, want_v, keys.float(), values.float(), seq_len, 1)
     write_kv(kbuf, vbuf, keys.float(), values.float(), seq_len, 1, backend_name="triton")
+    assert torch.equal(kbuf, want_k) and torch.equal(vbuf, want_v)
+    vbuf1, values1 = vbuf[:, :1].clone(), values[:, :1]
+    want_v1 = vbuf1.clone()
+    write_kv_reference(want_k, want_v1, keys, values1, seq_len, 0)
+    write_kv(kbuf, vbuf1, keys, values1, seq_len, 0, backend_name="triton")
+    assert torch.equal(kbuf, want_k) and torch.equal(vbuf1, want_v1)
+    strided = torch.stack([seq_len, seq_len + 1], 1)[:, 1]  # [B], stride 2
+    write_kv_reference(want_k, want_v, keys, values, strided.contiguous(), 0)
+    write_kv(kbuf, vbuf, keys, values, strided, 0, backend_name="triton")
     assert torch.equal(kbuf, want_k) and torch.equal(vbuf, want_v)
     before = kbuf.clone()
     write_kv(kbuf, vbuf, keys[:, :, :0], values[:, :, :0], seq_len, 0, backend_name="triton")

@@ -8,8 +8,13 @@ import pytest
 import torch
 from helpers import STRATEGY_FACTORIES, random_inputs, slice_inputs
 
+from markers import needs_triton_interpreter
+
 from specdec.kernels import OPS
 from specdec.rollback import ReplayRollback, RingRollback, SnapshotRollback
+
+#: the backends these tests bind for CPU tensors: Triton's through its interpreter only
+CPU_BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_interpreter)]
 
 B = 3
 
@@ -92,7 +97,7 @@ def test_reset_rows_keeps_other_rows():
 POOL_STRATS = ["snapshot", "ring", "replay", "replay_deferred"]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("strategy", POOL_STRATS)
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn"])
 def test_state_indices_pool_equals_identity(op_name, strategy, backend):
@@ -161,7 +166,7 @@ PLAIN_STRATS = ["snapshot", "replay", "replay_deferred", "replay_deferred_L8"]
 PLAIN_SCRIPT = [3, "plain", "plain", 4, 2, "plain", 1, "plain", 4, 4, "plain", "plain", "plain", 2]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("strategy", PLAIN_STRATS)
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
 def test_plain_steps_between_speculative_steps_exact(op_name, strategy, backend):
@@ -250,7 +255,7 @@ def test_state_indices_debug_bounds(monkeypatch):
         strat.load(store, torch.zeros(3, 2, 2))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_layer_cache_state_indices(backend):
     """SSMLayerCache with a row -> slot map: its conv op and store run the batch over window and
     state pools; each step's outputs and the committed conv / SSM states equal an identity layer's

@@ -34,17 +34,24 @@ def test_triton_backend_exact(family, strategy, monkeypatch):
 
 def test_interpreter_asked_for_too_late_is_named():
     """Triton kernels for a CPU tensor need the interpreter, which only takes effect for kernels
-    defined after it is on: once triton is imported without it, binding an op's Triton kernels for
-    the CPU says so (it used to fail later, inside the first kernel, on Triton's own helpers)."""
+    defined after it is on: once triton is imported without it (whether it is set later or not),
+    binding an op's Triton kernels for the CPU, the KV write's included, says so (it used to fail
+    later, inside the first kernel, on Triton's own helpers)."""
     import os
     import subprocess
     import sys
 
-    code = ("import triton.language, pytest\n"
-            "from specdec.kernels import OPS\n"
-            "with pytest.raises(RuntimeError, match='set TRITON_INTERPRET=1 before importing torch'):\n"
-            "    OPS['gdn'].on('triton', 'cpu')\n"
-            "print('refused')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("refused"), run.stderr[-2000:]
+    for late in ("", "import os; os.environ['TRITON_INTERPRET'] = '1'\n"):  # not set, or set after the import
+        code = ("import triton.language, pytest\n" + late +
+                "from specdec.kernels import OPS\n"
+                "from specdec.kernels.kv import write_kv\n"
+                "import torch\n"
+                "with pytest.raises(RuntimeError, match='set TRITON_INTERPRET=1 before importing torch'):\n"
+                "    OPS['gdn'].on('triton', 'cpu')\n"
+                "buf, kv = torch.zeros(1, 1, 4, 2), torch.ones(1, 1, 1, 2)\n"
+                "with pytest.raises(RuntimeError, match='set TRITON_INTERPRET=1 before importing torch'):\n"
+                "    write_kv(buf, buf.clone(), kv, kv, torch.zeros(1, dtype=torch.long), 0, backend_name='triton')\n"
+                "print('refused')\n")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.strip().endswith("refused"), (late, run.stderr[-2000:])

@@ -45,6 +45,19 @@ def triton_interpreting() -> bool:
     set to a true value; it takes effect for kernels defined after it is set)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
 
+
+def _triton_language_compiled() -> bool:
+    """Whether ``triton.language`` was imported with its own jit functions (``tl.zeros``, ``cdiv``,
+    ...) built for compilation, not for the interpreter: then no kernel can be interpreted, even
+    with ``TRITON_INTERPRET`` set since. False when it is not imported yet (or cannot be told)."""
+    standard = sys.modules.get("triton.language.standard")
+    fn = getattr(standard, "cdiv", None)
+    if fn is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(fn, InterpretedFunction)
+
 #: kernel backends: the fp32 torch reference, and the fused Triton kernels
 BACKENDS = ("torch", "triton")
 
@@ -221,8 +234,8 @@ class BackendOp(abc.ABC):
 
         Raises:
             ValueError: ``backend`` is not one of :data:`BACKENDS`.
-            RuntimeError: Triton kernels for a device that is not CUDA, with the interpreter off
-                and triton already imported (the interpreter can no longer take effect).
+            RuntimeError: Triton kernels for a device that is not CUDA after triton was imported
+                with the interpreter off (it can no longer take effect).
         """
         if backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
@@ -231,12 +244,13 @@ class BackendOp(abc.ABC):
             return reference
         bound = reference.__dict__.get("_triton")
         if bound is None:
-            if device is not None and torch.device(device).type != "cuda" and not triton_interpreting():
-                if "triton.language" in sys.modules:  # its own jit functions (tl.zeros, ...) are compiled-mode now
+            if device is not None and torch.device(device).type != "cuda":
+                if _triton_language_compiled():
                     raise RuntimeError(
                         f"the {self.name} op's Triton kernels on {torch.device(device)} need Triton's interpreter, "
-                        "which must be on before triton is first imported (here it already was, e.g. by torch or "
-                        "transformers): set TRITON_INTERPRET=1 before importing torch, or use SPECDEC_BACKEND=torch")
+                        "which must be on before triton is first imported (here it was not, and triton already "
+                        "was, e.g. by torch or transformers): set TRITON_INTERPRET=1 before importing torch, or "
+                        "use SPECDEC_BACKEND=torch")
                 os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules define their kernels
             bound = copy.copy(reference)
             bound.kernels = reference.triton_kernels()

@@ -62,7 +62,7 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
         xBC, [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size], dim=-1
     )
     prompt = isinstance(layer, Mamba2PromptLayer)
-    if not prompt and layer.op.backend == "triton":  # a step: one launch for the six outputs
+    if not prompt and layer.op.backend == "triton" and not torch.compiler.is_compiling():  # a step: one launch
         from ..kernels.mamba2.triton_inputs import mamba2_step_inputs
 
         x, dt, Bm, Cm, A, D = mamba2_step_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D,

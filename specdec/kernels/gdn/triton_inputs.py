@@ -39,8 +39,8 @@ def _gdn_inputs_kernel(
     HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, ACCURATE: tl.constexpr,
 ):
-    i_n, i_h = tl.program_id(0), tl.program_id(1)  # token (row-major over [B, T]), value head
-    i_b, i_t = i_n // T, i_n % T
+    i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # token (row-major over [B, T]), value head
+    i_b, i_t = i_n // T, i_n % T  # (64-bit offsets throughout)
     i_hk = i_h // REP
     o_k = tl.arange(0, BK)
     m_k = o_k < DK

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv", "write_kv_reference"]
+from ..protocol import BackendOp
+
+__all__ = ["KVWriteOp", "KV_WRITE", "write_kv", "write_kv_reference"]
 
 
 def write_kv_reference(kbuf: torch.Tensor, vbuf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -25,6 +27,23 @@ def write_kv_reference(kbuf: torch.Tensor, vbuf: torch.Tensor, keys: torch.Tenso
     rows = torch.arange(B, device=keys.device)[:, None]
     kbuf.permute(0, 2, 1, 3)[rows, cols] = keys.permute(0, 2, 1, 3).to(kbuf.dtype)
     vbuf.permute(0, 2, 1, 3)[rows, cols] = values.permute(0, 2, 1, 3).to(vbuf.dtype)
+
+
+class KVWriteOp(BackendOp):
+    """The step's key / value write; on the Triton backend ``kernels.write`` is the one-launch
+    kernel (:func:`.triton_kv.write_kv_triton`), bound as the SSM ops' kernels are (Triton's
+    interpreter for a device that is not CUDA)."""
+
+    name = "kv_write"
+
+    def triton_kernels(self):
+        from .triton_kv import KVWriteKernels  # lazy: the backend decides TRITON_INTERPRET first
+
+        return KVWriteKernels()
+
+
+#: the key / value write, torch backend (``KV_WRITE.on("triton", device)`` binds the kernel)
+KV_WRITE = KVWriteOp()
 
 
 def write_kv(kbuf: torch.Tensor, vbuf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -41,23 +60,27 @@ def write_kv(kbuf: torch.Tensor, vbuf: torch.Tensor, keys: torch.Tensor, values:
 
     Raises:
         ValueError: shapes that do not fit each other (checked on the host).
+        RuntimeError: the Triton backend for a CPU device when Triton's interpreter can no longer
+            take effect (:meth:`specdec.kernels.protocol.BackendOp.on`).
     """
     B, H, t, Dk = keys.shape
-    if (values.shape[:3] != (B, H, t) or kbuf.shape[:2] != (B, H) or vbuf.shape[:2] != (B, H)
-            or kbuf.shape[3] != Dk or vbuf.shape[3] != values.shape[3] or kbuf.shape[2] != vbuf.shape[2]
-            or seq_len.shape != (B,)):
-        raise ValueError(f"write_kv: expected keys [B, H, t, Dk], values [B, H, t, Dv], buffers [B, H, L, D] and "
-                         f"seq_len [B]; got keys {tuple(keys.shape)}, values {tuple(values.shape)}, kbuf "
-                         f"{tuple(kbuf.shape)}, vbuf {tuple(vbuf.shape)}, seq_len {tuple(seq_len.shape)}")
+    if (values.shape[0] != B or values.shape[2] != t or kbuf.shape[:2] != (B, H) or kbuf.shape[3] != Dk
+            or vbuf.shape[:2] != values.shape[:2] or vbuf.shape[3] != values.shape[3]
+            or kbuf.shape[2] != vbuf.shape[2] or seq_len.shape != (B,)):
+        raise ValueError(f"write_kv: expected keys [B, Hk, t, Dk], values [B, Hv, t, Dv], buffers [B, Hk, L, Dk] / "
+                         f"[B, Hv, L, Dv] and seq_len [B]; got keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}, kbuf {tuple(kbuf.shape)}, vbuf {tuple(vbuf.shape)}, seq_len "
+                         f"{tuple(seq_len.shape)}")
     if backend_name is None:
         from .. import backend
 
         backend_name = backend(kbuf.device)
-    fits = (backend_name == "triton" and keys.dtype == kbuf.dtype and values.dtype == vbuf.dtype
-            and all(x.stride(-1) == 1 for x in (kbuf, vbuf, keys, values)) and seq_len.dtype == torch.long)
+    # (inside a whole-program torch.compile the torch form is traced, and fused with its neighbours)
+    fits = (backend_name == "triton" and not torch.compiler.is_compiling()
+            and values.shape[1] == H and keys.dtype == kbuf.dtype and values.dtype == vbuf.dtype
+            and all(x.stride(-1) == 1 for x in (kbuf, vbuf, keys, values))
+            and seq_len.dtype == torch.long and seq_len.is_contiguous() and seq_len.device == kbuf.device)
     if not fits:
         write_kv_reference(kbuf, vbuf, keys, values, seq_len, offset)
         return
-    from .triton_kv import write_kv_triton
-
-    write_kv_triton(kbuf, vbuf, keys, values, seq_len, offset)
+    KV_WRITE.on("triton", kbuf.device).kernels.write(kbuf, vbuf, keys, values, seq_len, offset)

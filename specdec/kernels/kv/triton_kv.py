@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..triton_common import next_pow2
 
-__all__ = ["write_kv_triton"]
+__all__ = ["write_kv_triton", "KVWriteKernels"]
 
 
 # the offset and the step width vary between forwards: not specialised on, one compile serves them
@@ -23,7 +23,7 @@ def _write_kv_kernel(kbuf, vbuf, keys, values, seq_len, offset, T,
                      s_k_b, s_k_h, s_k_t, s_v_b, s_v_h, s_v_t,
                      H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_bt, i_h = tl.program_id(0), tl.program_id(1)
-    i_b, i_t = i_bt // T, i_bt % T
+    i_b, i_t = (i_bt // T).to(tl.int64), i_bt % T  # (64-bit offsets: a row of a long cache passes 2**31 elements)
     col = tl.load(seq_len + i_b) + offset + i_t
     o_k = tl.arange(0, BK)
     b_k = tl.load(keys + i_b * s_k_b + i_h * s_k_h + i_t * s_k_t + o_k, mask=o_k < DK)
@@ -46,3 +46,9 @@ def write_kv_triton(kbuf: torch.Tensor, vbuf: torch.Tensor, keys: torch.Tensor, 
         *kbuf.stride()[:3], *vbuf.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
         H=H, DK=Dk, DV=Dv, BK=next_pow2(Dk), BV=next_pow2(Dv), num_warps=1,
     )
+
+
+class KVWriteKernels:
+    """The Triton kernel set of :data:`specdec.kernels.kv.KV_WRITE` (``write``: :func:`write_kv_triton`)."""
+
+    write = staticmethod(write_kv_triton)

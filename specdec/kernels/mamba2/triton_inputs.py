@@ -35,8 +35,8 @@ def _mamba2_inputs_kernel(
     H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, ACCURATE: tl.constexpr,
 ):
-    i_n, i_h = tl.program_id(0), tl.program_id(1)  # token (row-major over [B, T]), head
-    i_b, i_t = i_n // T, i_n % T
+    i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # token (row-major over [B, T]), head
+    i_b, i_t = i_n // T, i_n % T  # (64-bit offsets throughout)
     o_p = tl.arange(0, BP)
     m_p = o_p < P
     b_x = tl.load(x + i_b * stride_xb + i_t * stride_xt + i_h * P + o_p, mask=m_p, other=0.0)
