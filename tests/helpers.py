@@ -239,17 +239,40 @@ def run_python(args, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+#: what :func:`built_for_hopper` defines before its script: ``hopper_ptx(fn, constexprs, types,
+#: divisible_ints=False)``, the sm_90 PTX of the jit function ``fn`` with the ``constexprs`` given, each
+#: other argument typed by ``types`` (name -> Triton type, default ``"i32"``) and assumed 16-aligned
+#: (pointers; integers too with ``divisible_ints``)
+_HOPPER_PRELUDE = """
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def hopper_ptx(fn, constexprs, types, divisible_ints=False):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if sig[n].startswith("*") or (divisible_ints and sig[n] == "i32")]
+    src = ASTSource(fn, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+"""
+
+
 def built_for_hopper(script: str):
-    """Run ``script`` (Python that compiles Triton kernels ahead of time for sm_90 and prints one
-    JSON line last) in a child process without ``TRITON_INTERPRET`` (this one may interpret); its
-    parsed last line. Skips the test where the installed Triton cannot build for CUDA (no ptxas)."""
+    """Run ``script`` (Python that compiles Triton kernels ahead of time for sm_90, with
+    ``hopper_ptx`` of :data:`_HOPPER_PRELUDE` defined, and prints one JSON line last) in a child
+    process without ``TRITON_INTERPRET`` (this one may interpret); its parsed last line. Skips the
+    test where the installed Triton cannot build for CUDA (no ptxas): such a machine cannot run
+    the check, which is not a pass."""
     import json
 
     import pytest
 
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _HOPPER_PRELUDE + script], env=env, capture_output=True, text=True,
+                         timeout=300)
     if run.returncode and "cannot find ptxas" in run.stderr.lower():  # (not an assembler error: that fails)
         pytest.skip(f"Triton cannot build for CUDA here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -84,20 +84,10 @@ def test_bad_shapes_are_named(change):
 
 
 _BUILD_FOR_HOPPER = """
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from specdec.kernels.kv import triton_kv
 
-fn = triton_kv._write_kv_kernel
-names = fn.arg_names
-consts = dict(H=8, DK=128, DV=128, BK=128, BV=128)
-sig = {n: "constexpr" if n in consts else "*bf16" if n in ("kbuf", "vbuf", "keys", "values")
-       else "*i64" if n == "seq_len" else "i32" for n in names}
-src = ASTSource(fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+types = {**{n: "*bf16" for n in ("kbuf", "vbuf", "keys", "values")}, "seq_len": "*i64"}
+ptx = hopper_ptx(triton_kv._write_kv_kernel, dict(H=8, DK=128, DV=128, BK=128, BV=128), types)
 print(json.dumps({"stores": ptx.count("st.global")}))
 """
 

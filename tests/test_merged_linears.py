@@ -204,18 +204,10 @@ def test_a_capture_merges_only_what_ran_merged_before_it(monkeypatch):
 
 
 _BUILD_FOR_HOPPER = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from specdec.kernels.linear import triton_skinny as ts
 
 def build(fn, pointers, constants):
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in constants else "*bf16" if n in pointers else "i32" for n in names}
-    src = ASTSource(fn, signature=sig, constexprs={(names.index(n),): v for n, v in constants.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr"})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+    ptx = hopper_ptx(fn, constants, {n: "*bf16" for n in pointers}, divisible_ints=True).splitlines()
     return [sum(line.strip().startswith("cp.async.cg") for line in ptx), sum("ld.global" in line for line in ptx)]
 
 tiles = dict(NUM_TILES=2, K_STEPS=20, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, HAS_BIAS=False, DOT_PRECISION="ieee",

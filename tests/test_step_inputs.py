@@ -184,28 +184,12 @@ def test_mamba2_bad_input_is_named(change, match):
 
 
 _BUILD_FOR_HOPPER = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from specdec.kernels.gdn import triton_inputs as gdn
 from specdec.kernels.mamba2 import triton_inputs as mamba2
 
 def build(fn, consts, inputs, outputs, floats):
-    names = fn.arg_names
-    def kind(n):
-        if n in consts:
-            return "constexpr"
-        if n in inputs:
-            return "*bf16"
-        if n in outputs:
-            return "*fp32"
-        return "fp32" if n in floats else "i32"
-    sig = {n: kind(n) for n in names}
-    src = ASTSource(fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    return sorted(set(re.findall(r"cvt\\.[a-z0-9.]*bf16[a-z0-9.]*", ptx)))
+    types = {**{n: "*bf16" for n in inputs}, **{n: "*fp32" for n in outputs}, **{n: "fp32" for n in floats}}
+    return sorted(set(re.findall(r"cvt\\.[a-z0-9.]*bf16[a-z0-9.]*", hopper_ptx(fn, consts, types))))
 
 print(json.dumps({
     "gdn": build(gdn._gdn_inputs_kernel, dict(HV=32, REP=2, DK=128, DV=128, BK=128, BV=128, ACCURATE=True),
