@@ -21,13 +21,18 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
 * sibling projections (linears of one module that read the same input: a layer's q / k / v, a
   Gated DeltaNet's qkv / z / b / a) for one launch of
   :func:`~specdec.kernels.linear.grouped_skinny_linear` each, at most 64 rows
-  (:func:`~specdec.kernels.linear.merged_linears`; not inside the compiled modules),
+  (:func:`~specdec.kernels.linear.merged_linears`; not inside the compiled modules), and
+* every other linear (an MLP's, inside its compiled forward too; output projections; the LM
+  head) for :func:`~specdec.kernels.linear.skinny_linear` at most
+  :data:`~specdec.kernels.linear.SINGLE_MAX_ROWS` rows
+  (:func:`~specdec.kernels.linear.single_linears`), which reads a decode step's weights faster
+  than cuBLAS there,
 
 and restores everything afterwards: the graph keeps the fused kernels, the user's model is left
 as it was. The math is the models' own (same operations, fp32 where they use fp32); only the
 order of floating-point operations inside a fused kernel may differ, as between any two
 kernels. ``SPECDEC_FUSE=0`` turns fusion off; ``SPECDEC_MERGE_LINEARS=0`` only the merged
-projections.
+projections; ``SPECDEC_SKINNY_LINEARS=0`` only the kernel for the other linears.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import torch
 
 from .placement import routed_forward
 
-__all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "merge_candidates"]
+__all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "skinny_enabled",
+           "merge_candidates", "single_candidates"]
 
 #: module-level functions that attention classes call by name from their own modeling module,
 #: compiled inside :func:`fused` blocks as the norms are
@@ -73,6 +79,12 @@ def fusion_enabled() -> bool:
 def merging_enabled() -> bool:
     """Whether fusion merges sibling projections (``SPECDEC_MERGE_LINEARS``, default on)."""
     return _switch("SPECDEC_MERGE_LINEARS")
+
+
+def skinny_enabled() -> bool:
+    """Whether fusion runs the linears it does not merge through the skinny kernel
+    (``SPECDEC_SKINNY_LINEARS``, default on)."""
+    return _switch("SPECDEC_SKINNY_LINEARS")
 
 
 def _compiled(key, fn):
@@ -156,11 +168,21 @@ def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return sibling_groups(model, skip=_is_fusable_class)  # (by class: inside a block their forward is swapped)
 
 
+def single_candidates(model: torch.nn.Module, groups: list[list[torch.nn.Linear]]) -> list[torch.nn.Linear]:
+    """The linears :func:`fused` routes through :func:`~specdec.kernels.linear.single_linears`:
+    every ``nn.Linear`` of ``model`` (exactly that class, without forward hooks or an accelerate
+    hook) in none of ``groups``."""
+    grouped = {id(m) for g in groups for m in g}
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and id(m) not in grouped
+            and not (m._forward_pre_hooks or m._forward_hooks or getattr(m, "_hf_hook", None) is not None)]
+
+
 @contextlib.contextmanager
 def fused(model: torch.nn.Module | None, enabled: bool = True):
     """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread, the
     :data:`FUSABLE_FUNCTIONS` of its attention classes' modules and :func:`fusable` functions run
-    compiled (blocks nest; another thread's calls stay eager).
+    compiled, and on this thread its linears run the merged and skinny kernels (on the Triton
+    backend; see the module's docstring) (blocks nest; another thread's calls stay eager).
     Dynamo's recompile limits are raised for the block, for the process."""
     if not enabled:
         yield
@@ -189,6 +211,10 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
                 from .kernels.linear import merged_linears
 
                 stack.enter_context(merged_linears(model, groups=siblings))
+            if model is not None and skinny_enabled():
+                from .kernels.linear import single_linears
+
+                stack.enter_context(single_linears(single_candidates(model, siblings)))
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
             entered = True
             yield

@@ -20,8 +20,8 @@ from tiny_models import get_model, ragged_prompts
 import specdec
 import specdec.kernels.linear as linear_mod
 from specdec.fusion import fused
-from specdec.kernels.linear import (MAX_MEMBERS, MAX_ROWS, SkinnyConfig, grouped_skinny_linear, linear_ref,
-                                    merged_linears, sibling_groups)
+from specdec.kernels.linear import (MAX_MEMBERS, MAX_ROWS, SINGLE_MAX_ROWS, SkinnyConfig, grouped_skinny_linear,
+                                    linear_ref, merged_linears, sibling_groups, single_linears, skinny_linear)
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -319,6 +319,7 @@ def test_threads_outside_a_block_and_hooked_linears_run_their_own_forward(monkey
 
 def test_nested_fusion_blocks_leave_the_compiled_modules_alone(monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setenv("SPECDEC_SKINNY_LINEARS", "0")  # (the merged groups alone; the singles: below)
     model = get_model("qwen3_5")
     mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()}
     with fused(model), fused(model):
@@ -376,6 +377,7 @@ def test_fusion_routes_siblings_outside_the_compiled_modules(monkeypatch):
     leaves them."""
     model = get_model("qwen3_5")
     mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()}
+    monkeypatch.setenv("SPECDEC_SKINNY_LINEARS", "0")  # (the merged groups alone; the singles: below)
     with fused(model):  # the CPU's backend (torch) has no kernel to merge with: nothing routed
         assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
@@ -417,3 +419,113 @@ def test_bench_groups_on_gpu(Ns, K):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs, grouped_skinny_linear(xs, ws)))
+
+
+def count_single_calls(monkeypatch) -> list:
+    """Route the singles' skinny_linear through a recorder: the rows of every call, in order."""
+    seen = []
+
+    def counted(x, weight, *args, **kw):
+        seen.append(x.numel() // x.shape[-1])
+        return skinny_linear(x, weight, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "skinny_linear", counted)
+    return seen
+
+
+@needs_triton_interpreter
+def test_single_linears_take_the_kernel_up_to_their_rows(monkeypatch):
+    """At most ``max_rows`` rows run the kernel (within the fp32 tolerance of F.linear), more rows,
+    another thread, a gradient and a linear off the Triton backend run F.linear bit for bit; a
+    capture runs only launch variants that ran before it; a failing kernel warns once and leaves
+    F.linear; the modules' forward is theirs again afterwards."""
+    import threading
+
+    torch.manual_seed(2)
+    a, b = torch.nn.Linear(24, 10).to(DEVICE), torch.nn.Linear(24, 7, bias=False).to(DEVICE)
+    calls = count_single_calls(monkeypatch)
+    capturing = [False]
+    monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
+    x3, x5 = rand(3, 24), rand(5, 24)
+    with torch.no_grad(), single_linears([a, b], max_rows=4, backend_name="triton") as n:
+        assert n == 2
+        for lin in (a, b):
+            assert rel_err(lin(x3), F.linear(x3, lin.weight, lin.bias)) < TOL[torch.float32]
+            assert torch.equal(lin(x5), F.linear(x5, lin.weight, lin.bias))  # 5 rows > 4
+        assert calls == [3, 3]
+        seen = {}
+        worker = threading.Thread(target=lambda: seen.update(y=a(x3)))
+        worker.start()
+        worker.join()
+        assert torch.equal(seen["y"], F.linear(x3, a.weight, a.bias)) and calls == [3, 3]
+        capturing[0] = True
+        a(x3)  # ran before, outside a capture
+        assert calls == [3, 3, 3]
+        a(rand(2, 24))  # a variant not run outside the capture: F.linear
+        assert calls == [3, 3, 3]
+        capturing[0] = False
+
+        def broken(*args, **kw):
+            raise RuntimeError("no kernel for this device")
+
+        monkeypatch.setattr(linear_mod, "skinny_linear", broken)
+        x1 = rand(1, 24)
+        with pytest.warns(RuntimeWarning, match="skinny linears: the kernel failed .* no kernel for this device"):
+            y1 = b(x1)
+        assert torch.equal(y1, F.linear(x1, b.weight)) and torch.equal(b(x1), y1)  # (no second warning)
+    with torch.enable_grad(), single_linears([a], max_rows=4, backend_name="triton"):
+        monkeypatch.setattr(linear_mod, "skinny_linear", broken)
+        assert torch.equal(a(x3), F.linear(x3, a.weight, a.bias))  # a gradient is wanted: F.linear
+    with single_linears([a], backend_name="torch") as n:
+        assert n == 0 and "forward" not in vars(a)
+    assert "forward" not in vars(a) and "forward" not in vars(b)
+    with pytest.raises(ValueError, match=r"max_rows must be in 1..64, got 65"):
+        with single_linears([a], max_rows=MAX_ROWS + 1):
+            pass
+    with pytest.raises(ValueError, match=r"single_linears takes nn.Linear modules, got \['Conv1d'\]"):
+        with single_linears([torch.nn.Conv1d(2, 2, 1)]):
+            pass
+
+
+@needs_triton_interpreter
+def test_greedy_generation_through_single_linears_is_unchanged(monkeypatch):
+    """fp32 tiny Qwen3.5: the engine's greedy output with every linear through the kernel (decode
+    and verify rows <= 16; a verify of more rows runs F.linear) equals HF greedy."""
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask, 8)
+    calls = count_single_calls(monkeypatch)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with single_linears(linears, backend_name="triton") as n:
+        assert n == len(linears)
+        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(out, want)
+    assert calls and max(calls) <= SINGLE_MAX_ROWS
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_fusion_routes_every_other_linear_through_the_kernel(monkeypatch):
+    """On the Triton backend fused() routes the linears it does not merge -- the MLPs' (inside their
+    compiled forward), output projections, the LM head -- through single_linears, and the merged
+    groups' members not; SPECDEC_SKINNY_LINEARS=0 leaves them."""
+    from specdec.fusion import merge_candidates, single_candidates
+
+    model = get_model("qwen3_5")
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    groups = merge_candidates(model)
+    singles = single_candidates(model, groups)
+    grouped = {id(m) for g in groups for m in g}
+    mlp_linears = {id(m) for mod in model.modules() if type(mod).__name__.endswith("MLP") for m in mod.children()
+                   if type(m) is torch.nn.Linear}
+    assert mlp_linears and mlp_linears <= {id(m) for m in singles} and model.lm_head in singles
+    assert not grouped & {id(m) for m in singles}
+    assert len(singles) + len(grouped) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    with fused(model):
+        routed = {id(m) for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)}
+    assert routed == grouped | {id(m) for m in singles}
+    monkeypatch.setenv("SPECDEC_SKINNY_LINEARS", "0")
+    with fused(model):
+        routed = {id(m) for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)}
+    assert routed == grouped
+    assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)

@@ -13,10 +13,11 @@ Triton kernels on CUDA; ``SPECDEC_BACKEND=torch|triton`` forces one (:func:`back
 
 :mod:`specdec.kernels.linear` holds the skinny linear layer (``y = x @ W.T + b`` for at most 64
 rows, the weight read once): :func:`skinny_linear`, and :func:`skinny_linears` to route a model's
-``nn.Linear`` forwards through it (opt in); and its grouped form for sibling projections
+``nn.Linear`` forwards through it; and its grouped form for sibling projections
 (:func:`~specdec.kernels.linear.grouped_skinny_linear`, routed by
-:func:`~specdec.kernels.linear.merged_linears`, which the CUDA-graph decode path enters while it
-captures).
+:func:`~specdec.kernels.linear.merged_linears`). The CUDA-graph decode path enters
+:func:`~specdec.kernels.linear.merged_linears` and, for the other linears at most 16 rows,
+:func:`~specdec.kernels.linear.single_linears` while it captures.
 
 Example::
 

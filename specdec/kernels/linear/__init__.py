@@ -5,9 +5,12 @@ Triton kernels (:mod:`.triton_skinny`, imported on first use).
 A decode step multiplies 1 row per sequence by every weight matrix, a verify step B x T rows
 (at most 64 here): the weight bytes set the time. :func:`skinny_linear` is the kernel;
 :class:`SkinnyLinear` an ``nn.Linear`` that takes it for such inputs and ``F.linear`` otherwise,
-and :func:`skinny_linears` puts it in a model's place for the span of a ``with`` block (opt in:
-nothing in the engine uses it by default). ``specdec-run experiment=skinny_linear`` times it
-against cuBLAS on the bench models' weight shapes.
+and :func:`skinny_linears` puts it in a model's place for the span of a ``with`` block (for
+any input of at most 64 rows). The CUDA-graph decode path routes the linears it does not merge
+(below) through it for at most :data:`SINGLE_MAX_ROWS` rows while it captures
+(:func:`single_linears`, entered by :func:`specdec.fusion.fused`), where it beats cuBLAS.
+``specdec-run experiment=skinny_linear`` times it against cuBLAS on the bench models' weight
+shapes.
 
 Sibling projections -- linears that read the same input, as a layer's query / key / value or a
 Gated DeltaNet's qkv / z / b / a projections -- are merged into one launch ("horizontal
@@ -42,13 +45,17 @@ import torch.nn.functional as F
 
 from .naive import linear_ref
 
-__all__ = ["MAX_ROWS", "MAX_MEMBERS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for", "skinny_linear",
-           "grouped_skinny_linear", "SkinnyLinear", "skinny_linears", "merged_linears", "linear_ref", "num_sms"]
+__all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for",
+           "skinny_linear", "grouped_skinny_linear", "SkinnyLinear", "skinny_linears", "merged_linears", "single_linears",
+           "linear_ref", "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
 MAX_ROWS = 64
 #: the most weights :func:`grouped_skinny_linear` multiplies in one launch
 MAX_MEMBERS = 4
+#: the most rows for which :func:`single_linears` takes the kernel: on an H200 it beat cuBLAS on the
+#: bench models' weights at 1 and 16 rows and lost at 64 (``specdec-run experiment=skinny_linear``)
+SINGLE_MAX_ROWS = 16
 #: the dtypes it takes (x, weight, bias and the result share one)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: SMs assumed off CUDA (an H200's), so CPU runs choose the launch an H200 would
@@ -579,3 +586,85 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
     finally:
         for sib in sibs:
             sib.exit()
+
+
+_SINGLE = threading.local()  # .depth: single_linears blocks this thread is inside
+#: per linear, the launch variants (:func:`_single_variant`) run outside a capture / failed there
+_SINGLE_WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SINGLE_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _single_variant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """What a :func:`skinny_linear` launch's compiled variant depends on (Triton specialises integers
+    and pointers on their values' divisibility): rows, strides, alignment, dtype, device."""
+    return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device,
+            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0)
+
+
+def _single_call(mod: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    w, b = mod.weight, mod.bias
+    applies = (_kernel_applies(x, w, True) and x.numel() // max(1, w.shape[1]) <= max_rows and w.is_contiguous()
+               and (b is None or b.is_contiguous()))
+    if applies and torch.compiler.is_compiling():  # traced inside a compiled module: one opaque op
+        return _skinny_linear_op(x, w, b)
+    if applies and getattr(_SINGLE, "depth", 0) > 0:
+        key, capturing = _single_variant(x, w, b), _capturing(x)
+        warm, failed = _SINGLE_WARM.setdefault(mod, set()), _SINGLE_FAILED.setdefault(mod, set())
+        if key not in failed and (key in warm or not capturing):
+            try:
+                y = skinny_linear(x, w, b)
+            except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: F.linear is exact
+                if capturing:
+                    raise
+                warnings.warn(f"skinny linears: the kernel failed ({type(err).__name__}: {err}); this linear runs "
+                              "F.linear for such inputs", RuntimeWarning, stacklevel=3)
+                failed.add(key)
+                return F.linear(x, w, b)
+            warm.add(key)
+            return y
+    return F.linear(x, w, b)
+
+
+@contextlib.contextmanager
+def single_linears(linears, *, max_rows: int = SINGLE_MAX_ROWS, backend_name: str | None = None):
+    """Within the block, each of ``linears`` (``nn.Linear`` modules) runs :func:`skinny_linear` for
+    inputs of at most ``max_rows`` rows on threads inside the block, ``F.linear`` otherwise: the
+    linears that :func:`merged_linears` does not merge (an MLP's, an output projection, the LM
+    head), where the kernel reads a decode step's weights faster than cuBLAS (see
+    :data:`SINGLE_MAX_ROWS`). Inside ``torch.compile`` (a compiled module around the linear) it is
+    one opaque op (``torch.ops.specdec.skinny_linear``). Yields the number of linears routed.
+
+    As in :func:`merged_linears`: the kernel runs where :func:`skinny_linear` applies (the
+    linear's device's backend, or ``backend_name``, is ``"triton"``; no gradient; a contiguous
+    weight and bias); a CUDA-graph capture runs the kernel only for launch variants (rows,
+    strides, alignment) that ran before it outside a capture, so no kernel is first built inside
+    one; a kernel that fails outside a capture gives a ``RuntimeWarning`` and ``F.linear`` for
+    that variant from then on. The modules are not replaced (their ``forward`` is routed for the
+    block), so parameters, state dicts and hooks stay as they are.
+
+    Raises:
+        ValueError: an unknown backend name, ``max_rows`` outside 1..:data:`MAX_ROWS`, or a module
+            that is not an ``nn.Linear``.
+    """
+    from .. import BACKENDS, backend
+    from ...placement import routed_forward
+
+    if backend_name is not None and backend_name not in BACKENDS:
+        raise ValueError(f"backend_name must be one of {BACKENDS} or None, got {backend_name!r}")
+    if not 1 <= max_rows <= MAX_ROWS:
+        raise ValueError(f"max_rows must be in 1..{MAX_ROWS}, got {max_rows}")
+    linears = list(linears)
+    bad = [type(m).__name__ for m in linears if not isinstance(m, nn.Linear)]
+    if bad:
+        raise ValueError(f"single_linears takes nn.Linear modules, got {sorted(set(bad))}")
+    _SINGLE.depth = getattr(_SINGLE, "depth", 0) + 1
+    try:
+        with contextlib.ExitStack() as stack:
+            routed = 0
+            for m in linears:
+                if (backend_name or backend(m.weight.device)) == "triton":
+                    stack.enter_context(routed_forward(m, lambda mod, x: _single_call(mod, x, max_rows)))
+                    routed += 1
+            yield routed
+    finally:
+        _SINGLE.depth -= 1
