@@ -912,6 +912,47 @@ def test_bench_times_each_point_with_and_without_the_overlap(tmp_path: Path):
         run_experiment(_cfg(["experiment=bench", "experiment.overlap=[]"] + TINY_SHAPE + CPU), tmp_path / "bad")
 
 
+def test_bench_times_plain_decoding_under_switches_round_by_round(tmp_path: Path, monkeypatch):
+    """experiment.plain_switches: specdec plain also runs under each setting (every call of it, the
+    untimed first one included, sees the setting; the default's calls do not), round by round with
+    the default's; the record has its step time, the paired ratio and the output check, summary.md
+    its table; a bad entry is refused before anything runs."""
+    from specdec.engine import SpeculativeGenerator
+
+    seen = []
+    generate = SpeculativeGenerator.generate
+
+    def spy(self, *args, **kwargs):
+        if self.num_speculative_tokens == 0:
+            seen.append((os.environ.get("SPECDEC_PROBE"), os.environ.get("SPECDEC_OTHER")))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", spy)
+    monkeypatch.delenv("SPECDEC_PROBE", raising=False)
+    cfg = _cfg(["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[0.8]", "rollback=replay",
+                "max_new_tokens=6", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=2",
+                "experiment.plain_switches=['SPECDEC_PROBE=1','SPECDEC_PROBE=2,SPECDEC_OTHER=x']"] + TINY_SHAPE + CPU)
+    (rec,) = run_experiment(cfg, tmp_path)
+    assert seen == [(None, None), ("1", None), ("2", "x")] * 3  # the untimed round, then 2 timed ones
+    assert "SPECDEC_PROBE" not in os.environ
+    switched = rec["plain_switches"]
+    assert list(switched) == ["SPECDEC_PROBE=1", "SPECDEC_PROBE=2,SPECDEC_OTHER=x"]
+    for f in switched.values():
+        assert f["same_output"] is True and f["within_noise"] in (True, False)
+        assert f["decode_ms_per_step_min"] <= f["decode_ms_per_step"] <= f["decode_ms_per_step_max"]
+        assert f["vs_default_min"] <= f["vs_default"] <= f["vs_default_max"] and f["vs_default"] > 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "## specdec plain under environment switches" in text
+    assert "| `SPECDEC_PROBE=2,SPECDEC_OTHER=x` |" in text
+    for bad in ("SPECDEC_PROBE", "=1", "1X=2", "SPECDEC_PROBE=1,SPECDEC_PROBE=2"):
+        with pytest.raises(ValueError, match=r"a switch must be NAME=VALUE .* got"):
+            run_experiment(_cfg(["experiment=bench", f"experiment.plain_switches=['{bad}']"] + TINY_SHAPE + CPU),
+                           tmp_path / "bad")
+    with pytest.raises(ValueError, match="given twice"):
+        run_experiment(_cfg(["experiment=bench", "experiment.plain_switches=['A=1','A=1']"] + TINY_SHAPE + CPU),
+                       tmp_path / "bad2")
+
+
 def test_bench_profile_lists_profile_rows_entries(tmp_path: Path):
     """experiment.profile=true adds a profiled generate() per configuration (plain, then each point),
     each profile.md table holding experiment.profile_rows entries; fewer than one is refused before

@@ -18,6 +18,14 @@ applies (``draft_model`` where the target has a draft model; ``oracle`` once per
    each point with every proposal made after the step's sync, ``SPECDEC_OVERLAP=0``, the
    record's ``overlap``), side by side against the same plain run.
 
+``experiment.plain_switches`` (e.g. ``"experiment.plain_switches=['SPECDEC_SKINNY_LINEARS=0']"``,
+quoted for Hydra's override grammar) also times specdec's plain
+decoding under each of those environment settings, round by round with the default's in the same
+process (a kernel switch's A/B without two processes' spread): the record's ``plain_switches``
+holds per setting the decode ms per step (median, min-max), its ratio to the default's round by
+round (``vs_default``, with ``within_noise`` when that ratio's range includes 1) and whether the
+output equals the default's; ``summary.md`` lists them in a table of its own.
+
 Every run takes ``experiment.decode_path`` (``auto``: CUDA graphs on CUDA). Every timing is
 ``repeats`` calls after one untimed call of the same shape (it compiles the kernels and
 captures the CUDA graphs), median and min-max (:mod:`.timing`), end to end and of
@@ -103,7 +111,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the benchmark; returns the records (also in ``out_dir``).
 
     Raises: ValueError when no drafter of ``drafter.names`` applies to any target, or for an
-    ``experiment.overlap`` / ``experiment.profile_rows`` it cannot take."""
+    ``experiment.overlap`` / ``experiment.profile_rows`` / ``experiment.plain_switches`` it cannot
+    take."""
     import specdec
 
     from .. import zoo
@@ -125,6 +134,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     if exp.profile and (isinstance(exp.profile_rows, bool) or int(exp.profile_rows) < 1):
         raise ValueError(f"experiment.profile_rows must be an int >= 1 (entries of each profile.md table), "
                          f"got {exp.profile_rows!r}")
+    from .e2e import parse_switches
+
+    switches = parse_switches(exp.get("plain_switches") or [])
     plan = {str(spec.name): drafter_runs(cfg, spec) for spec in cfg.model.targets}
     if not any(plan.values()):
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))}: no selected model has a draft model "
@@ -160,7 +172,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
                                     int(cfg.seed))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
-                                    hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path)
+                                    hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path,
+                                    switches=switches)
+            switch_fields = _switch_fields(plain)
             floor_bytes = plain_step_bytes(model, B, int(enc["input_ids"].shape[1]), max_new)
             floor_fields = ({"plain_floor_bytes": floor_bytes, "plain_floor_ms": 1e3 * floor_bytes / (copy_GBps * 1e9)}
                             if floor_bytes and copy_GBps else {})
@@ -196,7 +210,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
                            "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields,
-                           **floor_fields, **e}
+                           **floor_fields, **switch_fields, **e}
                     if rec.get("draft_floor_ms") and rec.get("draft_ms") is not None:
                         rec["draft_vs_floor"] = rec["draft_ms"] / rec["draft_floor_ms"]
                     if rec.get("plain_floor_ms") and rec.get("plain_decode_ms_per_step"):
@@ -225,4 +239,49 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
              f"{', '.join(t.name for t in cfg.model.targets)}, K={K}, {max_new} new tokens, {device}, "
              f"{str(dtype).replace('torch.', '')}, {repeats} repeats")
     write_report(log.records, log.out_dir, title)
+    if switches:
+        with open(log.out_dir / "summary.md", "a") as f:
+            f.write(_switch_section(log.records))
     return log.records
+
+
+def _switch_fields(plain) -> dict:
+    """The record's ``plain_switches`` (see the module docstring) from a :class:`.e2e.PlainRun`."""
+    from .timing import paired_ratio, spans_one
+
+    if not plain.switched:
+        return {}
+    _, base = plain.decode()
+    out = {}
+    for label, run in plain.switched.items():
+        _, ms = run.decode()
+        ratio = paired_ratio(ms, base)
+        out[label] = {**ms.fields("decode_ms_per_step"), **ratio.fields("vs_default"),
+                      "within_noise": spans_one(ratio),
+                      "same_output": bool(torch.equal(run.plain_out, plain.plain_out))}
+    return {"plain_switches": out}
+
+
+def _switch_section(records: list[dict]) -> str:
+    """``summary.md``'s table of specdec plain under each switch against the default, per target
+    and batch (the first record of each: one plain run serves every point of a batch)."""
+    from .timing import SPREAD
+
+    lines = ["", "## specdec plain under environment switches, round by round with the default", "",
+             f"Decode ms per step, {SPREAD}; vs default: the switch's step / the default's, round by round.", "",
+             "| model | batch | switch | plain ms/step | default ms/step | vs default | within noise | same output |",
+             "|---|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in records:
+        key = (r.get("model"), r.get("batch"))
+        if key in seen or not r.get("plain_switches"):
+            continue
+        seen.add(key)
+        for label, f in r["plain_switches"].items():
+            noise = {True: "yes", False: "no", None: "-"}[f["within_noise"]]
+            lines.append(f"| {key[0]} | {key[1]} | `{label}` | {f['decode_ms_per_step']:.3f} "
+                         f"({f['decode_ms_per_step_min']:.3f}-{f['decode_ms_per_step_max']:.3f}) | "
+                         f"{r['plain_decode_ms_per_step']:.3f} | {f['vs_default']:.3f} "
+                         f"({f['vs_default_min']:.3f}-{f['vs_default_max']:.3f}) | {noise} | "
+                         f"{'yes' if f['same_output'] else 'no'} |")
+    return "\n".join(lines) + "\n"

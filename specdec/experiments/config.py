@@ -200,6 +200,10 @@ class BenchExperiment:
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
     overlap: List[bool] = _doc(help="per point, the next proposal made before the step's sync (true) and/or after "
                                     "it (false: SPECDEC_OVERLAP=0), timed side by side", factory=lambda: [True])
+    plain_switches: List[str] = _doc(help="environment settings (NAME=VALUE, several joined by ',') under which "
+                                          "specdec's plain decoding is timed too, round by round with the "
+                                          "default's, e.g. \"experiment.plain_switches="
+                                          "['SPECDEC_SKINNY_LINEARS=0']\"", factory=list)
 
 
 @dataclass

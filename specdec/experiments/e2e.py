@@ -4,7 +4,9 @@
 specdec's own plain decoding (``num_speculative_tokens=0``: the speed baseline, and the
 benchmark's reference output) and, when asked, transformers' greedy ``generate()`` (the
 rollback comparison's exactness reference: its output, and its cache's SSM states after the
-last token). :func:`speculative_point` runs ``specdec.wrap(...).generate()`` on the same batch
+last token) and specdec's plain decoding under other environment settings (kernel switches
+such as ``SPECDEC_SKINNY_LINEARS=0``: :func:`parse_switches`), round by round with the default's.
+:func:`speculative_point` runs ``specdec.wrap(...).generate()`` on the same batch
 (a new generator, or one the caller keeps across points: :func:`speculative_generator`) and
 returns its timing (median and min-max of the repeats, end to end and of the decode loop
 alone), :class:`specdec.Stats`, peak memory and exactness against a reference output: each
@@ -16,8 +18,11 @@ diverging row's first divergence with plain decoding's top-2 logit margin there
 from __future__ import annotations
 
 import gc
+import os
+import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -25,8 +30,9 @@ from ..drafters import OracleDrafter
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "speculative_generator",
-           "speculative_point", "PlainRun", "state_tolerance", "row_divergences", "divergence_margins", "release"]
+__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "parse_switches",
+           "speculative_generator", "speculative_point", "PlainRun", "state_tolerance", "row_divergences",
+           "divergence_margins", "release"]
 
 
 def batch_encoding(tok, prompts: list[dict], batch: int, device):
@@ -78,6 +84,8 @@ class PlainRun:
         plain_stats: the :class:`specdec.Stats` of those timed runs, in order.
         hf_out: HF greedy ``generate()``'s output (None when HF was not run).
         hf: its wall times (None when not run). cache: its cache (for the state check).
+        switched: specdec's plain decoding under each environment setting asked for, by its
+            label (:func:`parse_switches`), timed round by round with the default's.
     """
 
     plain_out: torch.Tensor
@@ -86,6 +94,7 @@ class PlainRun:
     hf_out: torch.Tensor | None = None
     hf: Timing | None = None
     cache: object = None
+    switched: dict = field(default_factory=dict)
 
     def decode(self) -> tuple[Timing, Timing]:
         """``(decode tokens/s, decode ms per step)`` of the plain runs: new tokens / (wall -
@@ -114,24 +123,58 @@ def _new_tokens(out: torch.Tensor, prompt_width: int, pad: int | None, eos: list
     return int((new != pad).sum())
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_switches(entries) -> dict[str, dict[str, str]]:
+    """``{entry: {NAME: VALUE, ...}}`` for entries ``"NAME=VALUE"`` (several joined by ``,``), e.g.
+    ``"SPECDEC_SKINNY_LINEARS=0"`` or ``"SPECDEC_MERGE_LINEARS=0,SPECDEC_SKINNY_LINEARS=0"``.
+
+    Raises: ValueError for an entry that is not of that form (naming it), or one given twice."""
+    out: dict[str, dict[str, str]] = {}
+    for entry in (str(e) for e in entries):
+        env = {}
+        for part in entry.split(","):
+            name, eq, value = part.strip().partition("=")
+            if not eq or not _ENV_NAME.fullmatch(name) or name in env:
+                raise ValueError(f"a switch must be NAME=VALUE (an environment variable; several joined by ','), "
+                                 f"e.g. SPECDEC_SKINNY_LINEARS=0; got {entry!r}")
+            env[name] = value
+        if entry in out:
+            raise ValueError(f"the switch {entry!r} is given twice")
+        out[entry] = env
+    return out
+
+
 @torch.no_grad()
 def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1, warmup: bool = False,
-                    hf: bool = True, hf_max_new: int | None = None, decode_path: str = "auto") -> PlainRun:
-    """specdec's plain decoding (``num_speculative_tokens=0`` on ``decode_path``) and, when
-    ``hf``, HF's greedy ``generate()`` (``do_sample=False``, ``hf_max_new`` new tokens, default
-    ``max_new``), timed side by side over ``repeats`` rounds (one untimed round first when
-    ``warmup``: it captures the CUDA graphs of the timed shape)."""
+                    hf: bool = True, hf_max_new: int | None = None, decode_path: str = "auto",
+                    switches: dict[str, dict[str, str]] | None = None) -> PlainRun:
+    """specdec's plain decoding (``num_speculative_tokens=0`` on ``decode_path``), when ``hf``
+    HF's greedy ``generate()`` (``do_sample=False``, ``hf_max_new`` new tokens, default
+    ``max_new``), and specdec's plain decoding under each of ``switches`` (label -> environment
+    settings, :func:`parse_switches`; each its own generator, so its CUDA graphs are captured
+    under its settings, and every call of it runs under them), timed side by side over
+    ``repeats`` rounds (one untimed round first when ``warmup``: it captures the CUDA graphs of
+    the timed shape)."""
     import specdec
 
-    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=decode_path)
-    stats = []
+    def plain_run(env):
+        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=0, decode_path=decode_path)
+        stats = []
 
-    def plain():
-        out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
-        stats.append(sd.last_stats)
-        return out
+        def plain():
+            with mock.patch.dict(os.environ, env):
+                out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
+            stats.append(sd.last_stats)
+            return out
 
+        return sd, stats, plain
+
+    sd, stats, plain = plain_run({})
     fns = {"plain": plain}
+    others = {label: plain_run(env) for label, env in (switches or {}).items()}
+    fns.update({f"switch {label}": fn for label, (_, _, fn) in others.items()})
     if hf:
         n = max_new if hf_max_new is None else int(hf_max_new)
         fns["hf"] = lambda: model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=pad,
@@ -139,6 +182,10 @@ def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1
     res = time_side_by_side(fns, max(1, repeats), device, warmup=int(bool(warmup)))
     sd.release()
     run = PlainRun(plain_out=res["plain"][1], plain=res["plain"][0], plain_stats=tuple(stats[-max(1, repeats):]))
+    for label, (sd_s, stats_s, _) in others.items():
+        sd_s.release()
+        wall, out = res[f"switch {label}"]
+        run.switched[label] = PlainRun(plain_out=out, plain=wall, plain_stats=tuple(stats_s[-max(1, repeats):]))
     if hf:
         run.hf, hf_res = res["hf"]
         run.hf_out, run.cache = hf_res.sequences, hf_res.past_key_values
