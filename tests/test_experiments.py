@@ -953,6 +953,24 @@ def test_bench_times_plain_decoding_under_switches_round_by_round(tmp_path: Path
                        tmp_path / "bad2")
 
 
+def test_device_timeline_splits_idle_time_into_host_waits_and_short_gaps():
+    """The union of kernel intervals is the busy time (overlaps on two streams count once); idle
+    gaps of at least the threshold are counted apart; bad intervals are refused."""
+    from specdec.experiments.profiling import device_timeline
+
+    kernels = [(100.0, 110.0), (105.0, 120.0), (121.0, 130.0), (200.0, 210.0), (0.0, 5.0), (240.0, 241.0)]
+    t = device_timeline(kernels, long_gap_us=20.0)
+    # busy: [0,5] + [100,120] + [121,130] + [200,210] + [240,241] = 5 + 20 + 9 + 10 + 1 = 45 us of a 241 us span
+    assert t == pytest.approx({"span_ms": 0.241, "busy_ms": 0.045, "idle_ms": 0.196, "long_gaps": 3,
+                               "long_gap_ms": (95 + 70 + 30) / 1e3})
+    assert device_timeline([]) == {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "long_gaps": 0,
+                                   "long_gap_ms": 0.0}
+    with pytest.raises(ValueError, match=r"must end at or after its start, got \(5.0, 1.0\)"):
+        device_timeline([(5.0, 1.0)])
+    with pytest.raises(ValueError, match="long_gap_us must be >= 0"):
+        device_timeline([], long_gap_us=-1)
+
+
 def test_bench_profile_lists_profile_rows_entries(tmp_path: Path):
     """experiment.profile=true adds a profiled generate() per configuration (plain, then each point),
     each profile.md table holding experiment.profile_rows entries; fewer than one is refused before

@@ -44,8 +44,9 @@ short keeps what it finished); at the end ``summary.md`` (the table, the first d
 ``speedup_vs_batch.png``. Each record also sets specdec plain's step against its memory floor
 (``plain_floor_ms``: :func:`.models.plain_step_bytes` at the run's measured copy bandwidth;
 ``plain_at_floor``: that floor / the plain step's time). ``experiment.profile`` adds one profiled ``generate()`` per point
-(:mod:`.profiling`): kernels and GPU busy time per decode step, and ``profile.md`` with the
-top kernels.
+(:mod:`.profiling`): kernels and GPU busy time per decode step, the device's idle time between
+its kernels (``profile_long_gap_ms_per_step``: gaps of at least 20 µs, the device waiting for the
+host), and ``profile.md`` with the top kernels.
 """
 
 from __future__ import annotations
