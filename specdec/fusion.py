@@ -22,8 +22,9 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   Gated DeltaNet's qkv / z / b / a) for one launch of
   :func:`~specdec.kernels.linear.grouped_skinny_linear` each, at most 64 rows
   (:func:`~specdec.kernels.linear.merged_linears`; not inside the compiled modules), and
-* every other linear (an MLP's, inside its compiled forward too; output projections; the LM
-  head) for :func:`~specdec.kernels.linear.skinny_linear` at most
+* every linear that does not merge (an MLP's, inside its compiled forward too; output
+  projections; the LM head; a sibling group's members that run on their own) for
+  :func:`~specdec.kernels.linear.skinny_linear` at most
   :data:`~specdec.kernels.linear.SINGLE_MAX_ROWS` rows
   (:func:`~specdec.kernels.linear.single_linears`), which reads a decode step's weights faster
   than cuBLAS there,
@@ -32,7 +33,8 @@ and restores everything afterwards: the graph keeps the fused kernels, the user'
 as it was. The math is the models' own (same operations, fp32 where they use fp32); only the
 order of floating-point operations inside a fused kernel may differ, as between any two
 kernels. ``SPECDEC_FUSE=0`` turns fusion off; ``SPECDEC_MERGE_LINEARS=0`` only the merged
-projections; ``SPECDEC_SKINNY_LINEARS=0`` only the kernel for the other linears.
+projections (the siblings then run one by one, through the skinny kernel where it applies);
+``SPECDEC_SKINNY_LINEARS=0`` only the skinny kernel for the linears that do not merge.
 """
 
 from __future__ import annotations

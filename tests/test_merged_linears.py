@@ -436,19 +436,21 @@ def count_single_calls(monkeypatch) -> list:
 @needs_triton_interpreter
 def test_single_linears_take_the_kernel_up_to_their_rows(monkeypatch):
     """At most ``max_rows`` rows run the kernel (within the fp32 tolerance of F.linear), more rows,
-    another thread, a gradient and a linear off the Triton backend run F.linear bit for bit; a
-    capture runs only launch variants that ran before it; a failing kernel warns once and leaves
-    F.linear; the modules' forward is theirs again afterwards."""
+    another thread, a gradient (of the input, the weight or the bias) and a linear off the Triton
+    backend run F.linear bit for bit; a capture runs only launch variants that ran before it; a
+    failing kernel warns once and leaves F.linear; the modules' forward is theirs again afterwards."""
     import threading
 
+    monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
+    monkeypatch.setattr(linear_mod, "_SINGLE_FAILED", set())
     torch.manual_seed(2)
     a, b = torch.nn.Linear(24, 10).to(DEVICE), torch.nn.Linear(24, 7, bias=False).to(DEVICE)
     calls = count_single_calls(monkeypatch)
     capturing = [False]
     monkeypatch.setattr(linear_mod, "_capturing", lambda x: capturing[0])
     x3, x5 = rand(3, 24), rand(5, 24)
-    with torch.no_grad(), single_linears([a, b], max_rows=4, backend_name="triton") as n:
-        assert n == 2
+    with torch.no_grad(), single_linears([a, b, a], max_rows=4, backend_name="triton") as n:
+        assert n == 2  # (a linear given twice is routed once)
         for lin in (a, b):
             assert rel_err(lin(x3), F.linear(x3, lin.weight, lin.bias)) < TOL[torch.float32]
             assert torch.equal(lin(x5), F.linear(x5, lin.weight, lin.bias))  # 5 rows > 4
@@ -462,6 +464,7 @@ def test_single_linears_take_the_kernel_up_to_their_rows(monkeypatch):
         a(x3)  # ran before, outside a capture
         assert calls == [3, 3, 3]
         a(rand(2, 24))  # a variant not run outside the capture: F.linear
+        a(rand(3, 48)[:, :24])  # three rows again, but another variant (its strides): F.linear
         assert calls == [3, 3, 3]
         capturing[0] = False
 
@@ -473,18 +476,83 @@ def test_single_linears_take_the_kernel_up_to_their_rows(monkeypatch):
         with pytest.warns(RuntimeWarning, match="skinny linears: the kernel failed .* no kernel for this device"):
             y1 = b(x1)
         assert torch.equal(y1, F.linear(x1, b.weight)) and torch.equal(b(x1), y1)  # (no second warning)
+    a.weight.requires_grad_(False)
     with torch.enable_grad(), single_linears([a], max_rows=4, backend_name="triton"):
-        monkeypatch.setattr(linear_mod, "skinny_linear", broken)
-        assert torch.equal(a(x3), F.linear(x3, a.weight, a.bias))  # a gradient is wanted: F.linear
+        y = a(x3)  # only the bias wants a gradient: F.linear, and the gradient reaches it
+        assert torch.equal(y, F.linear(x3, a.weight, a.bias))
+        y.sum().backward()
+        assert torch.equal(a.bias.grad, torch.full_like(a.bias, 3.0))
     with single_linears([a], backend_name="torch") as n:
         assert n == 0 and "forward" not in vars(a)
     assert "forward" not in vars(a) and "forward" not in vars(b)
-    with pytest.raises(ValueError, match=r"max_rows must be in 1..64, got 65"):
-        with single_linears([a], max_rows=MAX_ROWS + 1):
+
+
+def test_single_linears_refuse_what_they_cannot_take():
+    a = torch.nn.Linear(4, 4)
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    for rows in (MAX_ROWS + 1, 0, 2.5, True, None):
+        with pytest.raises(ValueError, match=rf"max_rows must be an int in 1..64, got {rows}"):
+            with single_linears([a], max_rows=rows):
+                pass
+    with pytest.raises(ValueError, match=r"exactly that class: a subclass's own forward would be bypassed\), got "
+                                         r"\['Conv1d', 'Scaled'\]"):
+        with single_linears([torch.nn.Conv1d(2, 2, 1), Scaled(4, 4)]):
             pass
-    with pytest.raises(ValueError, match=r"single_linears takes nn.Linear modules, got \['Conv1d'\]"):
-        with single_linears([torch.nn.Conv1d(2, 2, 1)]):
+    with pytest.raises(ValueError, match="takes an iterable of nn.Linear modules, got one Linear"):
+        with single_linears(a):
             pass
+    with pytest.raises(ValueError, match="backend_name"):
+        with single_linears([a], backend_name="cuda"):
+            pass
+
+
+@needs_triton_interpreter
+def test_single_linears_inside_a_compiled_module_check_their_guards_when_they_run(monkeypatch):
+    """Traced by torch.compile, a routed linear is one op whose guards run with it: the kernel on the
+    block's thread, F.linear on another thread and after a failure (with one warning); a sibling
+    group's member that runs on its own takes the kernel too."""
+    import threading
+
+    monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
+    monkeypatch.setattr(linear_mod, "_SINGLE_FAILED", set())
+    torch.manual_seed(3)
+    mlp = torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.SiLU(), torch.nn.Linear(16, 24)).requires_grad_(False)
+    compiled = torch.compile(mlp.forward, fullgraph=True)
+    x = rand(2, 24)
+    want = mlp(x)
+    calls = count_single_calls(monkeypatch)
+    with single_linears([mlp[0], mlp[2]], backend_name="triton"):
+        assert rel_err(compiled(x), want) < TOL[torch.float32] and calls == [2, 2]
+        seen = {}
+        worker = threading.Thread(target=lambda: seen.update(y=compiled(x)))
+        worker.start()
+        worker.join()
+        assert calls == [2, 2] and rel_err(seen["y"], want) < TOL[torch.float32]
+
+        def broken(*args, **kw):
+            raise RuntimeError("no kernel for this device")
+
+        monkeypatch.setattr(linear_mod, "skinny_linear", broken)
+        monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
+        x9 = rand(9, 24)
+        with pytest.warns(RuntimeWarning, match="the kernel failed"):
+            y9 = compiled(x9)
+        assert rel_err(y9, mlp(x9)) < TOL[torch.float32]
+    calls = count_single_calls(monkeypatch)
+    block = Block().to(DEVICE).requires_grad_(False)  # q / k / v merge; side reads another input: on its own
+    xb, yb = rand(2, 3, 24), rand(2, 3, 24)
+    want_b = block(xb, yb)
+    with merged_linears(block, backend_name="triton"), single_linears([block.o], backend_name="triton"):
+        block(xb, yb)  # the group learns
+        calls.clear()
+        got = block(xb, yb)
+    assert calls == [6, 6]  # side (on its own) and o, through the kernel
+    for g, w in zip(got, want_b):
+        assert rel_err(g, w) < TOL[torch.float32]
 
 
 @needs_triton_interpreter

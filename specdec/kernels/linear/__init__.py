@@ -307,7 +307,7 @@ class SkinnyLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if _kernel_applies(x, w, self.use_kernel):
+        if _kernel_applies(x, w, self.use_kernel, self.bias):
             if torch.compiler.is_compiling():  # traced: one op; eager: the direct call (no dispatcher overhead)
                 return _skinny_linear_op(x, w, self.bias)
             return skinny_linear(x, w, self.bias)
@@ -343,11 +343,12 @@ def skinny_linears(model: nn.Module, *, backend_name: str | None = None):
             setattr(parent, name, child)
 
 
-def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool) -> bool:
-    """Whether :func:`skinny_linear` can take ``x @ w.T`` (and no gradient is wanted)."""
+def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool, b: torch.Tensor | None = None) -> bool:
+    """Whether :func:`skinny_linear` can take ``x @ w.T + b`` (and no gradient is wanted)."""
     return (use_kernel and x.dtype == w.dtype and w.dtype in DTYPES and x.device == w.device
             and x.dim() >= 1 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(1, w.shape[1]) <= MAX_ROWS
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))))
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -417,7 +418,7 @@ class _Siblings:
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
         return not torch.compiler.is_compiling() and all(
-            _kernel_applies(x, members[j].weight, True) and members[j].weight.is_contiguous()
+            _kernel_applies(x, members[j].weight, True, members[j].bias) and members[j].weight.is_contiguous()
             and (members[j].bias is None or members[j].bias.is_contiguous()) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
@@ -476,7 +477,7 @@ class _Siblings:
                 self.merge = tuple(range(len(self._members)))
                 if not _capturing(x) and self._applies(x, self.merge):
                     self._grouped(x, self.merge)  # built and run once now, so a capture right after merges
-        return F.linear(x, member.weight, member.bias)
+        return _unmerged(member, x)
 
 
 #: each group's :class:`_Siblings`, by its first member (kept while the module lives)
@@ -588,51 +589,87 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
             sib.exit()
 
 
-_SINGLE = threading.local()  # .depth: single_linears blocks this thread is inside
-#: per linear, the launch variants (:func:`_single_variant`) run outside a capture / failed there
-_SINGLE_WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SINGLE_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_SINGLE = threading.local()  # .depth: single_linears blocks this thread is inside; .max_rows: the innermost's
+#: the launch variants (:func:`_single_variant`) run outside a capture / failed there (a variant is
+#: the kernel Triton builds for such arguments, whichever linear's they were)
+_SINGLE_WARM: set = set()
+_SINGLE_FAILED: set = set()
 
 
-def _single_variant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+def _single_variant(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """What a :func:`skinny_linear` launch's compiled variant depends on (Triton specialises integers
-    and pointers on their values' divisibility): rows, strides, alignment, dtype, device."""
-    return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device,
+    and pointers on their values' divisibility): the ``[M, K]`` input's rows, strides and
+    alignment, the weight's shape and alignment, the bias's alignment, dtype and device."""
+    return (tuple(x2.shape), x2.stride(), x2.data_ptr() % 16 == 0, x2.dtype, x2.device, tuple(w.shape), w.stride(),
             w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0)
+
+
+def _single_guarded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """:func:`skinny_linear` for a thread inside a :func:`single_linears` block where its launch
+    variant may run (not first built inside a capture, not failed before), ``F.linear`` otherwise;
+    a failure outside a capture warns once per variant."""
+    if getattr(_SINGLE, "depth", 0) < 1:
+        return F.linear(x, w, b)
+    x2 = x.reshape(-1, x.shape[-1])
+    key, capturing = _single_variant(x2, w, b), _capturing(x)
+    if key in _SINGLE_FAILED or (capturing and key not in _SINGLE_WARM):
+        return F.linear(x, w, b)
+    try:
+        y = skinny_linear(x, w, b)
+    except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: F.linear is exact
+        if capturing:
+            raise
+        warnings.warn(f"skinny linears: the kernel failed ({type(err).__name__}: {err}); a linear of weight "
+                      f"{tuple(w.shape)} runs F.linear for such inputs", RuntimeWarning, stacklevel=2)
+        _SINGLE_FAILED.add(key)
+        return F.linear(x, w, b)
+    _SINGLE_WARM.add(key)
+    return y
+
+
+@torch.library.custom_op("specdec::single_linear", mutates_args=())
+def _single_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_single_guarded` as one opaque op for ``torch.compile``: the guards (the thread's
+    block, the launch variants run outside a capture, failures) are checked when it runs, not when
+    it is traced."""
+    return _single_guarded(x, weight, bias)
+
+
+@_single_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _single_call(mod: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
     w, b = mod.weight, mod.bias
-    applies = (_kernel_applies(x, w, True) and x.numel() // max(1, w.shape[1]) <= max_rows and w.is_contiguous()
-               and (b is None or b.is_contiguous()))
-    if applies and torch.compiler.is_compiling():  # traced inside a compiled module: one opaque op
-        return _skinny_linear_op(x, w, b)
-    if applies and getattr(_SINGLE, "depth", 0) > 0:
-        key, capturing = _single_variant(x, w, b), _capturing(x)
-        warm, failed = _SINGLE_WARM.setdefault(mod, set()), _SINGLE_FAILED.setdefault(mod, set())
-        if key not in failed and (key in warm or not capturing):
-            try:
-                y = skinny_linear(x, w, b)
-            except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: F.linear is exact
-                if capturing:
-                    raise
-                warnings.warn(f"skinny linears: the kernel failed ({type(err).__name__}: {err}); this linear runs "
-                              "F.linear for such inputs", RuntimeWarning, stacklevel=3)
-                failed.add(key)
-                return F.linear(x, w, b)
-            warm.add(key)
-            return y
-    return F.linear(x, w, b)
+    if not (_kernel_applies(x, w, True, b) and x.numel() // max(1, w.shape[1]) <= max_rows and w.is_contiguous()
+            and (b is None or b.is_contiguous())):
+        return F.linear(x, w, b)
+    if torch.compiler.is_compiling():  # traced inside a compiled module: one opaque op, its guards run with it
+        return _single_linear_op(x, w, b)
+    return _single_guarded(x, w, b)
+
+
+def _unmerged(member: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A sibling group's member that runs on its own: through the skinny kernel inside a
+    :func:`single_linears` block on this thread (at that block's rows), ``F.linear`` otherwise."""
+    if getattr(_SINGLE, "depth", 0) > 0:
+        return _single_call(member, x, _SINGLE.max_rows)
+    return F.linear(x, member.weight, member.bias)
 
 
 @contextlib.contextmanager
 def single_linears(linears, *, max_rows: int = SINGLE_MAX_ROWS, backend_name: str | None = None):
-    """Within the block, each of ``linears`` (``nn.Linear`` modules) runs :func:`skinny_linear` for
-    inputs of at most ``max_rows`` rows on threads inside the block, ``F.linear`` otherwise: the
-    linears that :func:`merged_linears` does not merge (an MLP's, an output projection, the LM
-    head), where the kernel reads a decode step's weights faster than cuBLAS (see
-    :data:`SINGLE_MAX_ROWS`). Inside ``torch.compile`` (a compiled module around the linear) it is
-    one opaque op (``torch.ops.specdec.skinny_linear``). Yields the number of linears routed.
+    """Within the block, on threads inside it, each of ``linears`` (``nn.Linear`` modules, exactly
+    that class) runs :func:`skinny_linear` for inputs of at most ``max_rows`` rows, ``F.linear``
+    otherwise; so do the members of :func:`merged_linears` groups that run on their own (not
+    merged: a group still learning, or members that do not share their input). This is for the
+    linears a decode step does not merge (an MLP's, an output projection, the LM head), where the
+    kernel reads a decode step's weights faster than cuBLAS (see :data:`SINGLE_MAX_ROWS`). Inside
+    ``torch.compile`` (a compiled module around the linear) it is one opaque op
+    (``torch.ops.specdec.single_linear``) that checks the guards below when it runs. Yields the
+    number of linears routed.
 
     As in :func:`merged_linears`: the kernel runs where :func:`skinny_linear` applies (the
     linear's device's backend, or ``backend_name``, is ``"triton"``; no gradient; a contiguous
@@ -643,28 +680,34 @@ def single_linears(linears, *, max_rows: int = SINGLE_MAX_ROWS, backend_name: st
     block), so parameters, state dicts and hooks stay as they are.
 
     Raises:
-        ValueError: an unknown backend name, ``max_rows`` outside 1..:data:`MAX_ROWS`, or a module
-            that is not an ``nn.Linear``.
+        ValueError: an unknown backend name, ``max_rows`` not an int in 1..:data:`MAX_ROWS`, or
+            ``linears`` not an iterable of ``nn.Linear`` modules (subclasses, whose own forward
+            would be bypassed, included).
     """
     from .. import BACKENDS, backend
     from ...placement import routed_forward
 
     if backend_name is not None and backend_name not in BACKENDS:
         raise ValueError(f"backend_name must be one of {BACKENDS} or None, got {backend_name!r}")
-    if not 1 <= max_rows <= MAX_ROWS:
-        raise ValueError(f"max_rows must be in 1..{MAX_ROWS}, got {max_rows}")
-    linears = list(linears)
-    bad = [type(m).__name__ for m in linears if not isinstance(m, nn.Linear)]
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+        raise ValueError(f"max_rows must be an int in 1..{MAX_ROWS}, got {max_rows!r}")
+    if isinstance(linears, nn.Module):
+        raise ValueError(f"single_linears takes an iterable of nn.Linear modules, got one {type(linears).__name__}")
+    unique = list({id(m): m for m in linears}.values())
+    bad = [type(m).__name__ for m in unique if type(m) is not nn.Linear]
     if bad:
-        raise ValueError(f"single_linears takes nn.Linear modules, got {sorted(set(bad))}")
-    _SINGLE.depth = getattr(_SINGLE, "depth", 0) + 1
+        raise ValueError(f"single_linears takes nn.Linear modules (exactly that class: a subclass's own forward "
+                         f"would be bypassed), got {sorted(set(bad))}")
+    outer = getattr(_SINGLE, "max_rows", None)
+    _SINGLE.depth, _SINGLE.max_rows = getattr(_SINGLE, "depth", 0) + 1, max_rows
     try:
         with contextlib.ExitStack() as stack:
             routed = 0
-            for m in linears:
+            for m in unique:
                 if (backend_name or backend(m.weight.device)) == "triton":
                     stack.enter_context(routed_forward(m, lambda mod, x: _single_call(mod, x, max_rows)))
                     routed += 1
             yield routed
     finally:
         _SINGLE.depth -= 1
+        _SINGLE.max_rows = outer
