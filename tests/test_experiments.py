@@ -915,42 +915,59 @@ def test_bench_times_each_point_with_and_without_the_overlap(tmp_path: Path):
 def test_bench_times_plain_decoding_under_switches_round_by_round(tmp_path: Path, monkeypatch):
     """experiment.plain_switches: specdec plain also runs under each setting (every call of it, the
     untimed first one included, sees the setting; the default's calls do not), round by round with
-    the default's; the record has its step time, the paired ratio and the output check, summary.md
-    its table; a bad entry is refused before anything runs."""
+    the default's; the record has its step time, the paired ratio, the output check and the
+    default's values, summary.md its table (rebuilt from results.jsonl too); names specdec does not
+    read during a call are warned about; a bad entry is refused before anything runs."""
     from specdec.engine import SpeculativeGenerator
+    from specdec.experiments.report import main as rebuild
 
     seen = []
     generate = SpeculativeGenerator.generate
 
     def spy(self, *args, **kwargs):
         if self.num_speculative_tokens == 0:
-            seen.append((os.environ.get("SPECDEC_PROBE"), os.environ.get("SPECDEC_OTHER")))
+            seen.append((os.environ.get("SPECDEC_PROBE"), os.environ.get("SPECDEC_DEBUG")))
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", spy)
     monkeypatch.delenv("SPECDEC_PROBE", raising=False)
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     cfg = _cfg(["experiment=bench", "drafter=oracle", "drafter.oracle_acceptance=[0.8]", "rollback=replay",
                 "max_new_tokens=6", "experiment.batch_grid=[2]", "experiment.hf=false", "repeats=2",
-                "experiment.plain_switches=['SPECDEC_PROBE=1','SPECDEC_PROBE=2,SPECDEC_OTHER=x']"] + TINY_SHAPE + CPU)
-    (rec,) = run_experiment(cfg, tmp_path)
-    assert seen == [(None, None), ("1", None), ("2", "x")] * 3  # the untimed round, then 2 timed ones
-    assert "SPECDEC_PROBE" not in os.environ
+                "experiment.plain_switches=[' SPECDEC_PROBE = 1 ','SPECDEC_PROBE=2,SPECDEC_DEBUG=1']"]
+               + TINY_SHAPE + CPU)
+    with pytest.warns(UserWarning, match="specdec does not read SPECDEC_PROBE during a call"):
+        (rec,) = run_experiment(cfg, tmp_path)
+    assert seen == [(None, None), ("1", None), ("2", "1")] * 3  # the untimed round, then 2 timed ones
+    assert "SPECDEC_PROBE" not in os.environ and "SPECDEC_DEBUG" not in os.environ
     switched = rec["plain_switches"]
-    assert list(switched) == ["SPECDEC_PROBE=1", "SPECDEC_PROBE=2,SPECDEC_OTHER=x"]
+    assert list(switched) == ["SPECDEC_PROBE=1", "SPECDEC_PROBE=2,SPECDEC_DEBUG=1"]  # (spaces dropped)
     for f in switched.values():
         assert f["same_output"] is True and f["within_noise"] in (True, False)
         assert f["decode_ms_per_step_min"] <= f["decode_ms_per_step"] <= f["decode_ms_per_step_max"]
         assert f["vs_default_min"] <= f["vs_default"] <= f["vs_default_max"] and f["vs_default"] > 0
+    assert switched["SPECDEC_PROBE=2,SPECDEC_DEBUG=1"]["default_env"] == {"SPECDEC_PROBE": None, "SPECDEC_DEBUG": None}
     text = (tmp_path / "summary.md").read_text()
     assert "## specdec plain under environment switches" in text
-    assert "| `SPECDEC_PROBE=2,SPECDEC_OTHER=x` |" in text
-    for bad in ("SPECDEC_PROBE", "=1", "1X=2", "SPECDEC_PROBE=1,SPECDEC_PROBE=2"):
+    assert "| `SPECDEC_PROBE=2,SPECDEC_DEBUG=1` |" in text
+    (tmp_path / "summary.md").unlink()
+    rebuild([str(tmp_path)])
+    assert "| `SPECDEC_PROBE=2,SPECDEC_DEBUG=1` |" in (tmp_path / "summary.md").read_text()
+    for bad in ("SPECDEC_PROBE", "=1", "1X=2", "A=1,"):
         with pytest.raises(ValueError, match=r"a switch must be NAME=VALUE .* got"):
             run_experiment(_cfg(["experiment=bench", f"experiment.plain_switches=['{bad}']"] + TINY_SHAPE + CPU),
                            tmp_path / "bad")
-    with pytest.raises(ValueError, match="given twice"):
-        run_experiment(_cfg(["experiment=bench", "experiment.plain_switches=['A=1','A=1']"] + TINY_SHAPE + CPU),
+    with pytest.raises(ValueError, match="sets A twice"):
+        run_experiment(_cfg(["experiment=bench", "experiment.plain_switches=['A=1,A=2']"] + TINY_SHAPE + CPU),
                        tmp_path / "bad2")
+    with pytest.raises(ValueError, match="'A=1,B=2' and 'B=2, A=1' are the same settings"):
+        run_experiment(_cfg(["experiment=bench", "experiment.plain_switches=['A=1,B=2','B=2, A=1']"] + TINY_SHAPE
+                            + CPU), tmp_path / "bad3")
+    monkeypatch.setenv("SPECDEC_FUSE", "0")
+    from specdec.experiments.e2e import parse_switches
+
+    with pytest.warns(UserWarning, match="equals the current environment"):
+        assert parse_switches(["SPECDEC_FUSE=0"]) == {"SPECDEC_FUSE=0": {"SPECDEC_FUSE": "0"}}
 
 
 def test_device_timeline_splits_idle_time_into_host_waits_and_short_gaps():
@@ -965,6 +982,9 @@ def test_device_timeline_splits_idle_time_into_host_waits_and_short_gaps():
                                "long_gap_ms": (95 + 70 + 30) / 1e3})
     assert device_timeline([]) == {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "long_gaps": 0,
                                    "long_gap_ms": 0.0}
+    assert device_timeline([(0, 10), (50, 50), (100, 110)])["long_gaps"] == 1  # (an empty interval splits nothing)
+    with pytest.raises(ValueError, match="must end at or after its start"):
+        device_timeline([(0.0, float("nan"))])
     with pytest.raises(ValueError, match=r"must end at or after its start, got \(5.0, 1.0\)"):
         device_timeline([(5.0, 1.0)])
     with pytest.raises(ValueError, match="long_gap_us must be >= 0"):

@@ -23,8 +23,10 @@ quoted for Hydra's override grammar) also times specdec's plain
 decoding under each of those environment settings, round by round with the default's in the same
 process (a kernel switch's A/B without two processes' spread): the record's ``plain_switches``
 holds per setting the decode ms per step (median, min-max), its ratio to the default's round by
-round (``vs_default``, with ``within_noise`` when that ratio's range includes 1) and whether the
-output equals the default's; ``summary.md`` lists them in a table of its own.
+round (``vs_default``, with ``within_noise`` when that ratio's range includes 1), whether the
+output equals the default's and the default run's values of the names set (``default_env``);
+``summary.md`` lists them in a table of its own. A name specdec does not read during a call
+(:data:`.e2e.CALL_SWITCHES`), or a setting equal to the environment already, is warned about.
 
 Every run takes ``experiment.decode_path`` (``auto``: CUDA graphs on CUDA). Every timing is
 ``repeats`` calls after one untimed call of the same shape (it compiles the kernels and
@@ -240,9 +242,6 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
              f"{', '.join(t.name for t in cfg.model.targets)}, K={K}, {max_new} new tokens, {device}, "
              f"{str(dtype).replace('torch.', '')}, {repeats} repeats")
     write_report(log.records, log.out_dir, title)
-    if switches:
-        with open(log.out_dir / "summary.md", "a") as f:
-            f.write(_switch_section(log.records))
     return log.records
 
 
@@ -259,30 +258,7 @@ def _switch_fields(plain) -> dict:
         ratio = paired_ratio(ms, base)
         out[label] = {**ms.fields("decode_ms_per_step"), **ratio.fields("vs_default"),
                       "within_noise": spans_one(ratio),
-                      "same_output": bool(torch.equal(run.plain_out, plain.plain_out))}
+                      "same_output": bool(torch.equal(run.plain_out, plain.plain_out)),
+                      "default_env": {name: os.environ.get(name) for name in run.env}}
     return {"plain_switches": out}
 
-
-def _switch_section(records: list[dict]) -> str:
-    """``summary.md``'s table of specdec plain under each switch against the default, per target
-    and batch (the first record of each: one plain run serves every point of a batch)."""
-    from .timing import SPREAD
-
-    lines = ["", "## specdec plain under environment switches, round by round with the default", "",
-             f"Decode ms per step, {SPREAD}; vs default: the switch's step / the default's, round by round.", "",
-             "| model | batch | switch | plain ms/step | default ms/step | vs default | within noise | same output |",
-             "|---|---|---|---|---|---|---|---|"]
-    seen = set()
-    for r in records:
-        key = (r.get("model"), r.get("batch"))
-        if key in seen or not r.get("plain_switches"):
-            continue
-        seen.add(key)
-        for label, f in r["plain_switches"].items():
-            noise = {True: "yes", False: "no", None: "-"}[f["within_noise"]]
-            lines.append(f"| {key[0]} | {key[1]} | `{label}` | {f['decode_ms_per_step']:.3f} "
-                         f"({f['decode_ms_per_step_min']:.3f}-{f['decode_ms_per_step_max']:.3f}) | "
-                         f"{r['plain_decode_ms_per_step']:.3f} | {f['vs_default']:.3f} "
-                         f"({f['vs_default_min']:.3f}-{f['vs_default_max']:.3f}) | {noise} | "
-                         f"{'yes' if f['same_output'] else 'no'} |")
-    return "\n".join(lines) + "\n"

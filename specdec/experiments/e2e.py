@@ -21,6 +21,7 @@ import gc
 import os
 import re
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -30,7 +31,7 @@ from ..drafters import OracleDrafter
 from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
 from .timing import Timing, overlaps, time_runs, time_side_by_side
 
-__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "parse_switches",
+__all__ = ["batch_encoding", "random_encoding", "timing_batch", "plain_reference", "parse_switches", "CALL_SWITCHES",
            "speculative_generator", "speculative_point", "PlainRun", "state_tolerance", "row_divergences",
            "divergence_margins", "release"]
 
@@ -86,6 +87,7 @@ class PlainRun:
         hf: its wall times (None when not run). cache: its cache (for the state check).
         switched: specdec's plain decoding under each environment setting asked for, by its
             label (:func:`parse_switches`), timed round by round with the default's.
+        env: the environment settings these runs had (empty: the default).
     """
 
     plain_out: torch.Tensor
@@ -95,6 +97,7 @@ class PlainRun:
     hf: Timing | None = None
     cache: object = None
     switched: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
 
     def decode(self) -> tuple[Timing, Timing]:
         """``(decode tokens/s, decode ms per step)`` of the plain runs: new tokens / (wall -
@@ -124,25 +127,49 @@ def _new_tokens(out: torch.Tensor, prompt_width: int, pad: int | None, eos: list
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: the environment switches specdec reads while a call runs (a capture included), which a
+#: ``plain_switches`` entry can change: fusion, the merged / skinny linears, the kernels' backend,
+#: proposals before the sync, debug checks
+CALL_SWITCHES = ("SPECDEC_FUSE", "SPECDEC_MERGE_LINEARS", "SPECDEC_SKINNY_LINEARS", "SPECDEC_BACKEND",
+                 "SPECDEC_OVERLAP", "SPECDEC_DEBUG")
 
 
 def parse_switches(entries) -> dict[str, dict[str, str]]:
-    """``{entry: {NAME: VALUE, ...}}`` for entries ``"NAME=VALUE"`` (several joined by ``,``), e.g.
-    ``"SPECDEC_SKINNY_LINEARS=0"`` or ``"SPECDEC_MERGE_LINEARS=0,SPECDEC_SKINNY_LINEARS=0"``.
+    """``{label: {NAME: VALUE, ...}}`` for entries ``"NAME=VALUE"`` (several joined by ``,``;
+    spaces around names and values dropped), e.g. ``"SPECDEC_SKINNY_LINEARS=0"`` or
+    ``"SPECDEC_MERGE_LINEARS=0,SPECDEC_SKINNY_LINEARS=0"``; the label is the entry so written
+    (``NAME=VALUE`` joined by ``,``). Warns (``UserWarning``) for a name outside
+    :data:`CALL_SWITCHES` (specdec may not read it during a call: its run would time the default
+    again) and for a setting equal to the current environment.
 
-    Raises: ValueError for an entry that is not of that form (naming it), or one given twice."""
+    Raises: ValueError for an entry that is not of that form, one that sets a name twice, or two
+    entries of the same settings (naming them)."""
     out: dict[str, dict[str, str]] = {}
+    seen: dict[frozenset, str] = {}
     for entry in (str(e) for e in entries):
         env = {}
         for part in entry.split(","):
-            name, eq, value = part.strip().partition("=")
-            if not eq or not _ENV_NAME.fullmatch(name) or name in env:
+            name, eq, value = part.partition("=")
+            name, value = name.strip(), value.strip()
+            if not eq or not _ENV_NAME.fullmatch(name):
                 raise ValueError(f"a switch must be NAME=VALUE (an environment variable; several joined by ','), "
                                  f"e.g. SPECDEC_SKINNY_LINEARS=0; got {entry!r}")
+            if name in env:
+                raise ValueError(f"the switch {entry!r} sets {name} twice")
             env[name] = value
-        if entry in out:
-            raise ValueError(f"the switch {entry!r} is given twice")
-        out[entry] = env
+        label = ",".join(f"{k}={v}" for k, v in env.items())
+        key = frozenset(env.items())
+        if key in seen:
+            raise ValueError(f"the switches {seen[key]!r} and {entry!r} are the same settings")
+        seen[key] = entry
+        unread = [k for k in env if k not in CALL_SWITCHES]
+        if unread:
+            warnings.warn(f"switch {label!r}: specdec does not read {', '.join(unread)} during a call (it reads "
+                          f"{', '.join(CALL_SWITCHES)}); its run may time the default again", UserWarning, stacklevel=2)
+        if all(os.environ.get(k) == v for k, v in env.items()):
+            warnings.warn(f"switch {label!r} equals the current environment: it times the default again",
+                          UserWarning, stacklevel=2)
+        out[label] = env
     return out
 
 
@@ -185,7 +212,8 @@ def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1
     for label, (sd_s, stats_s, _) in others.items():
         sd_s.release()
         wall, out = res[f"switch {label}"]
-        run.switched[label] = PlainRun(plain_out=out, plain=wall, plain_stats=tuple(stats_s[-max(1, repeats):]))
+        run.switched[label] = PlainRun(plain_out=out, plain=wall, plain_stats=tuple(stats_s[-max(1, repeats):]),
+                                       env=dict(switches[label]))
     if hf:
         run.hf, hf_res = res["hf"]
         run.hf_out, run.cache = hf_res.sequences, hf_res.past_key_values

@@ -971,6 +971,48 @@ def provenance_lines(records: list[dict]) -> list[str]:
     return ["; ".join(parts) + ".", ""] if parts else []
 
 
+def _md_code(text: str) -> str:
+    """``text`` as inline code in a Markdown table cell (its pipes escaped, backticks dropped); '' for ''."""
+    return f"`{text.replace('`', '').replace('|', chr(92) + '|')}`" if text else ""
+
+
+def _switch_lines(records: list[dict]) -> list[str]:
+    """The bench's table of specdec plain under each ``experiment.plain_switches`` setting against
+    the default, per sweep job, target and batch (the first record of each: one plain run serves
+    every point of a batch); none without switches."""
+    from .timing import SPREAD
+
+    def cell(v, fmt=".3f"):
+        return "-" if v is None else format(v, fmt)
+
+    lines, seen = [], set()
+    for r in records:
+        key = (r.get("job"), r.get("model"), r.get("batch"))
+        if key in seen or not r.get("plain_switches"):
+            continue
+        if not lines:
+            lines = ["", "## specdec plain under environment switches, round by round with the default", "",
+                     f"Decode ms per step, {SPREAD}; vs default: the switch's step / the default's, round by round "
+                     "(within noise: its range includes 1; - for one round); default env: the default run's values "
+                     "of the names set.", "",
+                     "| model | batch | switch | plain ms/step | default ms/step | vs default | within noise | "
+                     "same output | default env |",
+                     "|---|---|---|---|---|---|---|---|---|"]
+        seen.add(key)
+        name = key[1] if key[0] is None else f"{key[1]} (job {key[0]})"
+        for label, f in r["plain_switches"].items():
+            noise = {True: "yes", False: "no"}.get(f.get("within_noise"), "-")
+            env = _md_code(", ".join(f"{k}={v}" for k, v in (f.get("default_env") or {}).items()))
+            lines.append(
+                f"| {name} | {key[2]} | {_md_code(label)} | {cell(f['decode_ms_per_step'])} "
+                f"({cell(f['decode_ms_per_step_min'])}-{cell(f['decode_ms_per_step_max'])}) | "
+                f"{cell(r.get('plain_decode_ms_per_step'))} ({cell(r.get('plain_decode_ms_per_step_min'))}-"
+                f"{cell(r.get('plain_decode_ms_per_step_max'))}) | {cell(f['vs_default'])} "
+                f"({cell(f['vs_default_min'])}-{cell(f['vs_default_max'])}) | {noise} | "
+                f"{'yes' if f['same_output'] else 'no'} | {env or '-'} |")
+    return lines
+
+
 def _divergence_lines(records: list[dict]) -> list[str]:
     """Per bench record with diverged rows: each row's first divergence and the plain run's top-2
     logit margin there."""
@@ -1026,6 +1068,7 @@ def write_report(records: list[dict], out_dir: Path, title: str, console: bool =
             speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
         elif exp == "bench":
             lines += _divergence_lines(recs)
+            lines += _switch_lines(recs)
             decode_speedup_plot(rows, out_dir / f"{prefix}speedup_vs_batch.png", subtitle)
         elif exp == "adaptive":
             lines += _divergence_lines(recs)
