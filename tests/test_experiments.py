@@ -938,7 +938,8 @@ def test_bench_times_plain_decoding_under_switches_round_by_round(tmp_path: Path
                + TINY_SHAPE + CPU)
     with pytest.warns(UserWarning, match="specdec does not read SPECDEC_PROBE during a call"):
         (rec,) = run_experiment(cfg, tmp_path)
-    assert seen == [(None, None), ("1", None), ("2", "1")] * 3  # the untimed round, then 2 timed ones
+    default, first, second = (None, None), ("1", None), ("2", "1")
+    assert seen == [default, first, second] * 2 + [first, second, default]  # the untimed round, then 2 timed ones
     assert "SPECDEC_PROBE" not in os.environ and "SPECDEC_DEBUG" not in os.environ
     switched = rec["plain_switches"]
     assert list(switched) == ["SPECDEC_PROBE=1", "SPECDEC_PROBE=2,SPECDEC_DEBUG=1"]  # (spaces dropped)

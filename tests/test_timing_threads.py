@@ -28,7 +28,10 @@ def test_side_by_side_runs_round_robin():
     calls = []
     res = time_side_by_side({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, repeats=3,
                             warmup=1)
-    assert calls == ["a", "b"] * 4  # one warmup round, then 3 timed rounds, each runs both
+    assert calls == ["a", "b"] * 2 + ["b", "a", "a", "b"]  # one warmup round, then 3 timed rounds, each runs both
+    calls.clear()  # three functions: each starts one round
+    time_side_by_side({n: (lambda n=n: calls.append(n)) for n in "abc"}, repeats=3)
+    assert calls == list("abc" "bca" "cab")
     assert res["a"][1] == 1 and res["b"][1] == 2 and res["a"][0].repeats == 3
     t, out = time_runs(lambda: "x", repeats=2)
     assert out == "x" and t.repeats == 2 and all(s >= 0 for s in t.samples)

@@ -120,8 +120,10 @@ def time_runs(fn: Callable[[], Any], repeats: int, device: torch.device | str | 
 def time_side_by_side(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device | str | None = None,
                       warmup: int = 0) -> dict[str, tuple[Timing, Any]]:
     """Time several ways of doing one thing side by side: each of ``repeats`` rounds runs every
-    function once, in the given order, so a slow phase of a shared machine hits them all alike.
-    ``warmup`` untimed rounds first. Returns ``{name: (Timing of seconds, last result)}``.
+    function once, so a slow phase of a shared machine hits them all alike; round r starts at the
+    r-th function (the order rotates), so no function always runs first, right after the host's
+    work between rounds. ``warmup`` untimed rounds first, in the given order. Returns
+    ``{name: (Timing of seconds, the result of its last timed call)}``.
 
     Raises: ValueError for ``repeats < 1``, ``warmup < 0`` or no functions.
     """
@@ -133,8 +135,10 @@ def time_side_by_side(fns: dict[str, Callable[[], Any]], repeats: int, device: t
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     last: dict[str, Any] = {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             sync(device)
             t0 = time.perf_counter()
             last[name] = fn()
