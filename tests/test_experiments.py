@@ -971,6 +971,20 @@ def test_bench_times_plain_decoding_under_switches_round_by_round(tmp_path: Path
         assert parse_switches(["SPECDEC_FUSE=0"]) == {"SPECDEC_FUSE=0": {"SPECDEC_FUSE": "0"}}
 
 
+def test_call_switches_are_the_environment_switches_specdec_reads():
+    """CALL_SWITCHES (what plain_switches may change) lists every SPECDEC_* variable the package
+    reads, so a new switch cannot be missed by the warning."""
+    from specdec.experiments.e2e import CALL_SWITCHES
+
+    import specdec
+
+    root = Path(specdec.__file__).parent
+    read = set()
+    for path in root.rglob("*.py"):
+        read |= set(re.findall(r"(?:environ\.get\(|environ\[|_switch\()\s*\"(SPECDEC_[A-Z_]+)\"", path.read_text()))
+    assert read == set(CALL_SWITCHES)
+
+
 def test_device_timeline_splits_idle_time_into_host_waits_and_short_gaps():
     """The union of kernel intervals is the busy time (overlaps on two streams count once); idle
     gaps of at least the threshold are counted apart; bad intervals are refused."""

@@ -441,8 +441,7 @@ def test_single_linears_take_the_kernel_up_to_their_rows(monkeypatch):
     failing kernel warns once and leaves F.linear; the modules' forward is theirs again afterwards."""
     import threading
 
-    monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
-    monkeypatch.setattr(linear_mod, "_SINGLE_FAILED", set())
+    monkeypatch.setattr(linear_mod, "_SINGLE_VARIANTS", linear_mod._Variants())
     torch.manual_seed(2)
     a, b = torch.nn.Linear(24, 10).to(DEVICE), torch.nn.Linear(24, 7, bias=False).to(DEVICE)
     calls = count_single_calls(monkeypatch)
@@ -517,8 +516,7 @@ def test_single_linears_inside_a_compiled_module_check_their_guards_when_they_ru
     group's member that runs on its own takes the kernel too."""
     import threading
 
-    monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
-    monkeypatch.setattr(linear_mod, "_SINGLE_FAILED", set())
+    monkeypatch.setattr(linear_mod, "_SINGLE_VARIANTS", linear_mod._Variants())
     torch.manual_seed(3)
     mlp = torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.SiLU(), torch.nn.Linear(16, 24)).requires_grad_(False)
     compiled = torch.compile(mlp.forward, fullgraph=True)
@@ -537,7 +535,7 @@ def test_single_linears_inside_a_compiled_module_check_their_guards_when_they_ru
             raise RuntimeError("no kernel for this device")
 
         monkeypatch.setattr(linear_mod, "skinny_linear", broken)
-        monkeypatch.setattr(linear_mod, "_SINGLE_WARM", set())
+        monkeypatch.setattr(linear_mod, "_SINGLE_VARIANTS", linear_mod._Variants())
         x9 = rand(9, 24)
         with pytest.warns(RuntimeWarning, match="the kernel failed"):
             y9 = compiled(x9)

@@ -177,7 +177,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path,
                                     switches=switches)
-            switch_fields = _switch_fields(plain)
+            switch_fields = _switch_fields(plain, switches)
             floor_bytes = plain_step_bytes(model, B, int(enc["input_ids"].shape[1]), max_new)
             floor_fields = ({"plain_floor_bytes": floor_bytes, "plain_floor_ms": 1e3 * floor_bytes / (copy_GBps * 1e9)}
                             if floor_bytes and copy_GBps else {})
@@ -245,8 +245,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     return log.records
 
 
-def _switch_fields(plain) -> dict:
-    """The record's ``plain_switches`` (see the module docstring) from a :class:`.e2e.PlainRun`."""
+def _switch_fields(plain, switches: dict[str, dict[str, str]]) -> dict:
+    """The record's ``plain_switches`` (see the module docstring) from a :class:`.e2e.PlainRun`
+    timed under ``switches`` (:func:`.e2e.parse_switches`)."""
     from .timing import paired_ratio, spans_one
 
     if not plain.switched:
@@ -259,6 +260,6 @@ def _switch_fields(plain) -> dict:
         out[label] = {**ms.fields("decode_ms_per_step"), **ratio.fields("vs_default"),
                       "within_noise": spans_one(ratio),
                       "same_output": bool(torch.equal(run.plain_out, plain.plain_out)),
-                      "default_env": {name: os.environ.get(name) for name in run.env}}
+                      "default_env": {name: os.environ.get(name) for name in switches[label]}}
     return {"plain_switches": out}
 

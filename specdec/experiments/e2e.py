@@ -17,6 +17,7 @@ diverging row's first divergence with plain decoding's top-2 logit margin there
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -87,7 +88,6 @@ class PlainRun:
         hf: its wall times (None when not run). cache: its cache (for the state check).
         switched: specdec's plain decoding under each environment setting asked for, by its
             label (:func:`parse_switches`), timed round by round with the default's.
-        env: the environment settings these runs had (empty: the default).
     """
 
     plain_out: torch.Tensor
@@ -97,7 +97,6 @@ class PlainRun:
     hf: Timing | None = None
     cache: object = None
     switched: dict = field(default_factory=dict)
-    env: dict = field(default_factory=dict)
 
     def decode(self) -> tuple[Timing, Timing]:
         """``(decode tokens/s, decode ms per step)`` of the plain runs: new tokens / (wall -
@@ -191,7 +190,7 @@ def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1
         stats = []
 
         def plain():
-            with mock.patch.dict(os.environ, env):
+            with mock.patch.dict(os.environ, env) if env else contextlib.nullcontext():
                 out = sd.generate(**enc, max_new_tokens=max_new, pad_token_id=pad)
             stats.append(sd.last_stats)
             return out
@@ -212,8 +211,7 @@ def plain_reference(model, enc, max_new: int, pad: int, device, repeats: int = 1
     for label, (sd_s, stats_s, _) in others.items():
         sd_s.release()
         wall, out = res[f"switch {label}"]
-        run.switched[label] = PlainRun(plain_out=out, plain=wall, plain_stats=tuple(stats_s[-max(1, repeats):]),
-                                       env=dict(switches[label]))
+        run.switched[label] = PlainRun(plain_out=out, plain=wall, plain_stats=tuple(stats_s[-max(1, repeats):]))
     if hf:
         run.hf, hf_res = res["hf"]
         run.hf_out, run.cache = hf_res.sequences, hf_res.past_key_values

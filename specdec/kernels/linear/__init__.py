@@ -356,6 +356,42 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether a routed linear of weight ``w`` and bias ``b`` may run the kernels on ``x``: where
+    :func:`skinny_linear` applies, with a contiguous weight and bias."""
+    return _kernel_applies(x, w, True, b) and w.is_contiguous() and (b is None or b.is_contiguous())
+
+
+class _Variants:
+    """Launch variants of a kernel (keys of what its Triton build depends on) that ran outside a
+    CUDA-graph capture (``warm``) or failed there (``failed``): a capture runs only warm ones, so
+    no kernel is first built inside one; a failed one is not tried again."""
+
+    def __init__(self):
+        self.warm: set = set()
+        self.failed: set = set()
+
+    def run(self, key, x: torch.Tensor, launch, failure: str):
+        """``launch()``'s result, or None where variant ``key`` may not run (failed before; not warm
+        while ``x``'s device captures) or its launch fails outside a capture (then a
+        ``RuntimeWarning`` "<failure first part> (error); <failure second part>", ``failure``
+        split at ``;``). A failure inside a capture is raised."""
+        capturing = _capturing(x)
+        if key in self.failed or (capturing and key not in self.warm):
+            return None
+        try:
+            out = launch()
+        except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: the caller's F.linear
+            if capturing:
+                raise
+            head, _, tail = failure.partition(";")
+            warnings.warn(f"{head} ({type(err).__name__}: {err});{tail}", RuntimeWarning, stacklevel=4)
+            self.failed.add(key)
+            return None
+        self.warm.add(key)
+        return out
+
+
 class _Siblings:
     """Linears of one parent module that may read one input: which of them were seen to share it,
     what a merged call left for the members not yet called, and which launch variants ran
@@ -368,8 +404,7 @@ class _Siblings:
         self._members = [weakref.ref(m) for m in members]  # (weak: :data:`_SIBLINGS` must not keep a model alive)
         #: the members seen to read one input one after another (>= 2), or None while learning
         self.merge: tuple[int, ...] | None = None
-        self._warm: set = set()  # launch variants (:meth:`_variant`) run outside a capture
-        self._failed: set = set()  # launch variants whose kernel failed outside a capture
+        self._variants = _Variants()  # of the grouped launch (:meth:`_variant`)
         self._local = threading.local()  # .depth (blocks entered), .round/.called (learning), .of/.left
 
     def is_for(self, members: list[nn.Linear]) -> bool:
@@ -417,30 +452,18 @@ class _Siblings:
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
-        return not torch.compiler.is_compiling() and all(
-            _kernel_applies(x, members[j].weight, True, members[j].bias) and members[j].weight.is_contiguous()
-            and (members[j].bias is None or members[j].bias.is_contiguous()) for j in merge)
+        return not torch.compiler.is_compiling() and all(_takes(x, members[j].weight, members[j].bias) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
         """The members' results for ``x`` in one launch, or None where this launch variant has not
         run outside a capture yet (building a kernel inside a capture may not be allowed) or its
         kernel failed here (then that variant runs unmerged from now on, with a warning)."""
         ms = [self.members[j] for j in merge]
-        key = self._variant(x, merge, ms)
-        capturing = _capturing(x)
-        if key in self._failed or (capturing and key not in self._warm):
-            return None
-        try:
-            outs = grouped_skinny_linear(x, [m.weight for m in ms], None if ms[0].bias is None else [m.bias for m in ms])
-        except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: unmerged is exact
-            if capturing:
-                raise
-            warnings.warn(f"merged projections: the grouped kernel failed ({type(err).__name__}: {err}); "
-                          "these linears run one by one for such inputs", RuntimeWarning, stacklevel=4)
-            self._failed.add(key)
-            return None
-        self._warm.add(key)
-        return outs
+        return self._variants.run(
+            self._variant(x, merge, ms), x,
+            lambda: grouped_skinny_linear(x, [m.weight for m in ms],
+                                          None if ms[0].bias is None else [m.bias for m in ms]),
+            "merged projections: the grouped kernel failed; these linears run one by one for such inputs")
 
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         member = self._members[i]()
@@ -593,8 +616,7 @@ def merged_linears(model: nn.Module, *, backend_name: str | None = None, groups=
 _SINGLE = threading.local()  # .depth: single_linears blocks this thread is inside; .max_rows: the innermost's
 #: the launch variants (:func:`_single_variant`) run outside a capture / failed there (a variant is
 #: the kernel Triton builds for such arguments, whichever linear's they were)
-_SINGLE_WARM: set = set()
-_SINGLE_FAILED: set = set()
+_SINGLE_VARIANTS = _Variants()
 
 
 def _single_variant(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
@@ -611,21 +633,10 @@ def _single_guarded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     a failure outside a capture warns once per variant."""
     if getattr(_SINGLE, "depth", 0) < 1:
         return F.linear(x, w, b)
-    x2 = x.reshape(-1, x.shape[-1])
-    key, capturing = _single_variant(x2, w, b), _capturing(x)
-    if key in _SINGLE_FAILED or (capturing and key not in _SINGLE_WARM):
-        return F.linear(x, w, b)
-    try:
-        y = skinny_linear(x, w, b)
-    except Exception as err:  # noqa: BLE001 -- a kernel that cannot be built or run here: F.linear is exact
-        if capturing:
-            raise
-        warnings.warn(f"skinny linears: the kernel failed ({type(err).__name__}: {err}); a linear of weight "
-                      f"{tuple(w.shape)} runs F.linear for such inputs", RuntimeWarning, stacklevel=2)
-        _SINGLE_FAILED.add(key)
-        return F.linear(x, w, b)
-    _SINGLE_WARM.add(key)
-    return y
+    y = _SINGLE_VARIANTS.run(_single_variant(x.reshape(-1, x.shape[-1]), w, b), x, lambda: skinny_linear(x, w, b),
+                             f"skinny linears: the kernel failed; a linear of weight {tuple(w.shape)} runs F.linear "
+                             "for such inputs")
+    return F.linear(x, w, b) if y is None else y
 
 
 @torch.library.custom_op("specdec::single_linear", mutates_args=())
@@ -643,8 +654,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def _single_call(mod: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
     w, b = mod.weight, mod.bias
-    if not (_kernel_applies(x, w, True, b) and x.numel() // max(1, w.shape[1]) <= max_rows and w.is_contiguous()
-            and (b is None or b.is_contiguous())):
+    if not (_takes(x, w, b) and x.numel() // max(1, w.shape[1]) <= max_rows):
         return F.linear(x, w, b)
     if torch.compiler.is_compiling():  # traced inside a compiled module: one opaque op, its guards run with it
         return _single_linear_op(x, w, b)
