@@ -12,7 +12,9 @@ on the device; the step's one host sync reads whether every row has finished (wi
 drafter-output checks and, for a streamer, row 0's new tokens); in a fixed batch whose next K is
 known on the host (a fixed K, or ``"auto"`` choosing before the sync) the next step's proposal is
 launched before that sync, after the step has committed, so that the host's work of proposing
-overlaps the device's (:func:`overlap_proposals`). HF features that work token by
+overlaps the device's (:func:`overlap_proposals`); with a fixed K and no per-token hook the whole
+next step is launched before that sync, which then waits for the step's flags alone
+(:func:`overlap_steps`). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
 :class:`~specdec.adaptive.SpeculationPolicy` gives each step its K (the same sync brings its
@@ -28,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-import os
 import re
 import time
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
 from .drafters.base import chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
+from .fusion import env_switch
 from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
@@ -89,7 +91,15 @@ def overlap_proposals() -> bool:
     """Whether a fixed batch's decode loop makes each step's proposal before the last step's
     sync (``SPECDEC_OVERLAP``, default on; ``0`` makes every proposal after the sync, as a
     baseline to time it against). The outputs are the same either way."""
-    return os.environ.get("SPECDEC_OVERLAP", "1") not in ("0", "false", "False", "")
+    return env_switch("SPECDEC_OVERLAP")
+
+
+def overlap_steps() -> bool:
+    """Whether a fixed batch's decode loop with a fixed K and no per-token hook launches each
+    step before it reads the last step's flags (``SPECDEC_OVERLAP_STEPS``, default on; ``0``
+    reads every step's flags before the next step starts, as a baseline to time it against).
+    The outputs are the same either way (see :meth:`SpeculativeGenerator._decode`)."""
+    return env_switch("SPECDEC_OVERLAP_STEPS")
 
 
 def _random_state(generator, device) -> tuple:
@@ -98,6 +108,28 @@ def _random_state(generator, device) -> tuple:
     dev = torch.device(device)
     return (generator, None if generator is None else generator.get_state(), torch.get_rng_state(), dev,
             torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+
+class _HostRead:
+    """A small device tensor's host copy, started now and read later: on CUDA a copy into pinned
+    memory and an event, so that the read waits for this copy alone, not for work launched after
+    it; elsewhere the tensor itself (its values are ready)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._event = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    def values(self) -> list:
+        """The values as a host list (waits for the copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 def _restore_random_state(saved: tuple) -> None:
@@ -856,8 +888,14 @@ class SpeculativeGenerator:
         ones = torch.ones(B, dtype=torch.long, device=dev)
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
-        finished = rows.finished.tolist()  # host copy: which rows ended (read with each step's sync)
+        *finished, last_step = torch.cat([rows.finished.long(), (rows.max_new - rows.n_gen).amax()[None]]).tolist()
+        finished = [bool(f) for f in finished]  # host copy: which rows ended (read with each step's sync)
         done = all(finished)
+        # a fixed batch whose K is known on the host launches each step before it reads the last
+        # step's flags (a step past the end ran on finished rows only, and is dropped); after
+        # last_step steps every row has ended (each step keeps >= 1 token of every live row)
+        pipelined = pool is None and policy is None and hook is None and overlap_steps()
+        in_flight = None  # the last step's flags, read after the next step is launched (pipelined)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         # the next step's proposal is made before this step's sync where nothing the sync brings can
         # change it: a fixed batch (no admissions) whose next K is known on the host
@@ -892,7 +930,31 @@ class SpeculativeGenerator:
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)  # [pending, drafts]
             return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
 
+        def settle(synced, counts, w: int) -> bool:
+            """A step's flags, read on the host (a list, or a :class:`_HostRead`): raises for a bad
+            proposal, streams the committed tokens, notes which rows ended (a pool); returns whether
+            every row has ended."""
+            nonlocal finished
+            if isinstance(synced, _HostRead):
+                synced = synced.values()
+            all_done, bad_counts, bad_ids, *rest = synced
+            if bad_counts or bad_ids:
+                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
+                                 f"columns; a count may not exceed them): {counts.tolist()}" if bad_counts
+                                 else f"drafter returned token ids outside the target's vocabulary [0, {V})")
+            if s.streamer is not None:  # rest: how many tokens row 0 kept, then the step's tokens
+                for tok in rest[1:1 + rest[0]]:
+                    s.streamer.put(torch.tensor([tok]))
+            if pool is not None:
+                finished = [bool(f) for f in rest[:B]]
+                if streaming:
+                    kept, committed, w_new = rest[B:2 * B], rest[2 * B:], new.shape[1]
+                    for b in streaming:
+                        pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
+            return bool(all_done)
+
         ready = None  # the next step's inputs, made before this step's sync (overlap)
+        dropped = None  # (pipelined) the random state before a step that ran past the call's end
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
                 live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter, first_requests)
@@ -902,9 +964,20 @@ class SpeculativeGenerator:
                 break
             first_mark = clock.marks
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
+            if pipelined:  # should this step run past the end: what it draws from, and its laps so far
+                step_rs, step_laps = ((drawn, [drafted_at]) if ready is not None
+                                      else (_random_state(s.generator, dev), []))
             if ready is None:
-                ready = propose(K_step)
-            elif isinstance(ready, Exception):
+                try:
+                    ready = propose(K_step)
+                except Exception as err:  # (pipelined: the last step may have ended the call)
+                    ready = err
+            if isinstance(ready, Exception):
+                if in_flight is not None and settle(*in_flight):  # the call ended: this step never runs
+                    ready, in_flight, dropped, done = None, None, step_rs, True
+                    for mark in step_laps:
+                        clock.relabel(mark, "dropped step")
+                    break
                 err, ready = ready, None  # (no reference cycle through this frame)
                 raise err
             (K_ready, active, budget, drafts, k, errors, width, counts, w, tokens), ready = ready, None
@@ -974,26 +1047,26 @@ class SpeculativeGenerator:
                     ready = err
                 clock.lap("draft")
                 drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
+            if pipelined:  # this step's flags are copied as it ends and read after the next step is launched
+                flight = (_HostRead(read), counts, w)
+                if in_flight is not None and settle(*in_flight):  # the call ended: this step ran on ended rows
+                    for mark in step_laps + list(range(first_mark, clock.marks)):
+                        clock.relabel(mark, "dropped step")
+                    clock.lap("dropped step")
+                    in_flight, dropped, done = None, step_rs, True
+                    steps -= 1
+                    hist[0] -= B  # (its rows' n = 0; totals: no active row, so no counts)
+                    break
+                in_flight = flight if steps < last_step else None  # (after last_step steps every row has ended)
+                done = False if in_flight is not None else settle(*flight)
+                clock.lap("bookkeeping")
+                continue
             synced = read.tolist()  # the step's one host sync
             if expected is not None and not ahead:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
             if policy is not None:
                 *synced, live_rows = synced
-            all_done, bad_counts, bad_ids, *rest = synced
-            if bad_counts or bad_ids:
-                raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
-                                 f"columns; a count may not exceed them): {counts.tolist()}" if bad_counts
-                                 else f"drafter returned token ids outside the target's vocabulary [0, {V})")
-            if s.streamer is not None:  # rest: how many tokens row 0 kept, then the step's tokens
-                for tok in rest[1:1 + rest[0]]:
-                    s.streamer.put(torch.tensor([tok]))
-            if pool is not None:
-                finished = [bool(f) for f in rest[:B]]
-                if streaming:
-                    kept, committed, w_new = rest[B:2 * B], rest[2 * B:], new.shape[1]
-                    for b in streaming:
-                        pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
-            done = bool(all_done)
+            done = settle(synced, counts, w)
             clock.lap("bookkeeping")  # (ahead: the step's second bookkeeping lap, its work after the sync)
             if ahead:
                 policy.after_sync(int(live_rows))
@@ -1003,6 +1076,8 @@ class SpeculativeGenerator:
             ready = None
             _restore_random_state(drawn)
             clock.relabel(drafted_at, "dropped proposal")  # (in the wall time, not in a step's)
+        if dropped is not None:  # (pipelined) a step launched after the call's last one: its draws undone
+            _restore_random_state(dropped)
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()

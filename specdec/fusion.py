@@ -68,25 +68,25 @@ def _active() -> bool:
     return getattr(_ACTIVE, "depth", 0) > 0
 
 
-def _switch(name: str) -> bool:
+def env_switch(name: str) -> bool:
     """An on-by-default environment switch: off for ``0``, ``false``, ``False`` or empty."""
     return os.environ.get(name, "1") not in ("0", "false", "False", "")
 
 
 def fusion_enabled() -> bool:
     """Whether the CUDA-graph path fuses (``SPECDEC_FUSE``, default on)."""
-    return _switch("SPECDEC_FUSE")
+    return env_switch("SPECDEC_FUSE")
 
 
 def merging_enabled() -> bool:
     """Whether fusion merges sibling projections (``SPECDEC_MERGE_LINEARS``, default on)."""
-    return _switch("SPECDEC_MERGE_LINEARS")
+    return env_switch("SPECDEC_MERGE_LINEARS")
 
 
 def skinny_enabled() -> bool:
     """Whether fusion runs the linears it does not merge through the skinny kernel
     (``SPECDEC_SKINNY_LINEARS``, default on)."""
-    return _switch("SPECDEC_SKINNY_LINEARS")
+    return env_switch("SPECDEC_SKINNY_LINEARS")
 
 
 def _compiled(key, fn):

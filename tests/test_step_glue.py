@@ -8,15 +8,17 @@ value back to the host."""
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdec.drafters import NGramDrafter
+from specdec.drafters import DraftModelDrafter, NGramDrafter
 from specdec.drafters.base import chain_drafts
 from specdec.engine import _Rows
 from specdec.verify import greedy_accept
+from markers import needs_cuda
 
 #: ops that launch no kernel (views, allocation without a fill)
 _NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
@@ -222,6 +224,88 @@ def test_the_dropped_proposal_leaves_the_random_state_as_without_the_overlap(mon
         runs[overlap] = (first, state, second, third, fourth, torch.rand(3))
     for a, b in zip(runs["1"], runs["0"]):
         assert torch.equal(a, b)
+
+
+def _counting_forwards(monkeypatch) -> list:
+    """Count the decoders' verify forwards (eager and static), one entry per call."""
+    from specdec.decoding import EagerDecoder, StaticDecoder
+
+    seen = []
+    for cls in (EagerDecoder, StaticDecoder):
+        def counted(self, tokens, plain=False, _orig=cls.forward):
+            seen.append(tokens.shape[1])
+            return _orig(self, tokens, plain)
+        monkeypatch.setattr(cls, "forward", counted)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed")])
+def test_each_step_is_launched_before_the_last_steps_flags_are_read(monkeypatch, path, family, drafter):
+    """See :func:`_check_step_overlap`."""
+    _check_step_overlap(monkeypatch, path, family, drafter, "cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "perturbed")])
+def test_each_step_is_launched_before_the_last_steps_flags_are_read_on_cuda_graphs(monkeypatch, family, drafter):
+    """See :func:`_check_step_overlap`: on CUDA the flags come through a pinned copy and an event."""
+    _check_step_overlap(monkeypatch, "cuda_graph", family, drafter, "cuda")
+
+
+def _check_step_overlap(monkeypatch, path, family, drafter, device):
+    """With the step overlap (default) a call whose rows all end by EOS before their budget runs
+    one step past its end, on ended rows, and drops it; a plain call that ends by the budget runs
+    none (the host counts its steps).
+    Greedy output equals HF greedy's; greedy and sampled outputs, the statistics, the call's
+    generator afterwards, a second call with it and torch's global stream afterwards are as with
+    ``SPECDEC_OVERLAP_STEPS=0`` (every step's flags read before the next step starts)."""
+    import specdec
+    from helpers import hf_greedy, make_drafter, ragged_prompts
+    from tiny_models import get_model
+
+    model = get_model(family) if device == "cpu" else copy.deepcopy(get_model(family)).to(device)  # (shared: not moved)
+    ids, mask = (t.to(device) for t in ragged_prompts())
+    L = ids.shape[1]
+    plain = hf_greedy(model, ids, mask, max_new=12)
+    eos = sorted({int(plain[b, L + 2 + b % 2]) for b in range(ids.shape[0])})  # every row ends by its 4th token
+    expected = hf_greedy(model, ids, mask, max_new=12, eos=eos)
+    assert expected.shape[1] < L + 12, "every row must end before its budget"
+    K = 0 if drafter is None else 3
+    runs, forwards = {}, _counting_forwards(monkeypatch)
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap)
+        draft = None if drafter is None else make_drafter(drafter, family)
+        if isinstance(draft, DraftModelDrafter) and device != "cpu":
+            draft = DraftModelDrafter(copy.deepcopy(draft.model).to(device))
+        sd = specdec.wrap(model, num_speculative_tokens=K, decode_path=path, **({} if draft is None else {"drafter": draft}))
+        kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+        run = []
+        for ending in ({"eos_token_id": eos}, {}):  # all rows end by EOS, then by the budget
+            forwards.clear()
+            out = sd.generate(ids, **kw, **ending)
+            run += [out, sd.last_stats.steps, sd.last_stats.accept_histogram, sd.last_stats.accepted_tokens,
+                    sd.last_stats.proposed_tokens]
+            extra = len(forwards) - sd.last_stats.steps  # steps run past the call's end
+            if overlap == "0":
+                assert extra == 0
+            elif ending:  # every row ended by EOS, before the step count the host knows
+                assert extra == 1
+            elif K == 0:  # a plain step keeps one token a row: the host's count ends the call
+                assert extra == 0
+            else:  # a speculative call may end by its budgets before that count
+                assert extra in (0, 1)
+            if ending:
+                assert torch.equal(out, expected)
+        g = torch.Generator(device).manual_seed(5)
+        sampled = dict(kw, eos_token_id=eos, do_sample=True, temperature=1.3)
+        run += [sd.generate(ids, generator=g, **sampled), g.get_state().clone(), sd.generate(ids, generator=g, **sampled)]
+        torch.manual_seed(13)
+        run += [sd.generate(ids, **sampled), torch.rand(3), torch.rand(3, device=device)]
+        runs[overlap] = run
+    for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs"
 
 
 def test_a_dropped_error_keeps_nothing_alive():
