@@ -110,26 +110,37 @@ def _random_state(generator, device) -> tuple:
             torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
 
 
-class _HostRead:
-    """A small device tensor's host copy, started now and read later: on CUDA a copy into pinned
-    memory and an event, so that the read waits for this copy alone, not for work launched after
-    it; elsewhere the tensor itself (its values are ready)."""
+class _FlagReads:
+    """The host copies of a call's step flags, each started as its step ends and read later: on
+    CUDA two pinned buffers and two events used in turn (a step's copy is read before the copy
+    two steps later starts), so a read waits for its own copy alone, not for work launched after
+    it, and no step allocates; elsewhere the flags themselves (their values are ready)."""
 
-    def __init__(self, values: torch.Tensor):
-        self._event = None
-        if values.device.type == "cuda":
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = values
+    def __init__(self, device):
+        self._cuda = torch.device(device).type == "cuda"
+        self._buffers = [None, None]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
+        self._next = 0
 
-    def values(self) -> list:
-        """The values as a host list (waits for the copy)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+    def start(self, values: torch.Tensor) -> tuple:
+        """Start the host copy of ``values`` (a small 1-d device tensor); returns its handle."""
+        if not self._cuda:
+            return values, None
+        i, self._next = self._next, 1 - self._next
+        buffer = self._buffers[i]
+        if buffer is None or buffer.shape != values.shape or buffer.dtype != values.dtype:
+            buffer = self._buffers[i] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        buffer.copy_(values, non_blocking=True)  # (on the current stream of values' device)
+        self._events[i].record(torch.cuda.current_stream(values.device))
+        return buffer, self._events[i]
+
+    @staticmethod
+    def read(handle: tuple) -> list:
+        """The values of a started copy as a host list (waits for that copy)."""
+        values, event = handle
+        if event is not None:
+            event.synchronize()
+        return values.tolist()
 
 
 def _restore_random_state(saved: tuple) -> None:
@@ -896,6 +907,8 @@ class SpeculativeGenerator:
         # last_step steps every row has ended (each step keeps >= 1 token of every live row)
         pipelined = pool is None and policy is None and hook is None and overlap_steps()
         in_flight = None  # the last step's flags, read after the next step is launched (pipelined)
+        flag_reads = _FlagReads(dev) if pipelined else None
+        draws = s.sampling is not None or drafter is not None  # (greedy plain decoding draws nothing)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         # the next step's proposal is made before this step's sync where nothing the sync brings can
         # change it: a fixed batch (no admissions) whose next K is known on the host
@@ -931,12 +944,12 @@ class SpeculativeGenerator:
             return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
 
         def settle(synced, counts, w: int) -> bool:
-            """A step's flags, read on the host (a list, or a :class:`_HostRead`): raises for a bad
-            proposal, streams the committed tokens, notes which rows ended (a pool); returns whether
-            every row has ended."""
+            """A step's flags, read on the host (a list, or the handle of a :class:`_FlagReads` copy):
+            raises for a bad proposal, streams the committed tokens, notes which rows ended (a
+            pool); returns whether every row has ended."""
             nonlocal finished
-            if isinstance(synced, _HostRead):
-                synced = synced.values()
+            if isinstance(synced, tuple):
+                synced = _FlagReads.read(synced)
             all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
@@ -966,7 +979,7 @@ class SpeculativeGenerator:
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
             if pipelined:  # should this step run past the end: what it draws from, and its laps so far
                 step_rs, step_laps = ((drawn, [drafted_at]) if ready is not None
-                                      else (_random_state(s.generator, dev), []))
+                                      else (_random_state(s.generator, dev) if draws else None, []))
             if ready is None:
                 try:
                     ready = propose(K_step)
@@ -1048,7 +1061,7 @@ class SpeculativeGenerator:
                 clock.lap("draft")
                 drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
             if pipelined:  # this step's flags are copied as it ends and read after the next step is launched
-                flight = (_HostRead(read), counts, w)
+                flight = (flag_reads.start(read), counts, w)
                 if in_flight is not None and settle(*in_flight):  # the call ended: this step ran on ended rows
                     for mark in step_laps + list(range(first_mark, clock.marks)):
                         clock.relabel(mark, "dropped step")

@@ -254,6 +254,28 @@ def test_each_step_is_launched_before_the_last_steps_flags_are_read_on_cuda_grap
     _check_step_overlap(monkeypatch, "cuda_graph", family, drafter, "cuda")
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_flag_reads_return_each_steps_values_while_later_steps_run():
+    """The flags' host copies used in turn (two pinned buffers and events): each read returns the
+    values its step wrote, while a later step's work (a long matmul chain) is still queued, and a
+    changed size gets its own buffer; values are poisoned on the device after each start."""
+    from specdec.engine import _FlagReads
+
+    reads, handles = _FlagReads("cuda"), []
+    a = torch.randn(2048, 2048, device="cuda")
+    for step in range(6):
+        flags = torch.arange(3 + step % 2, device="cuda") * (step + 1) - step
+        handles.append((reads.start(flags), flags.tolist()))
+        flags.fill_(-999)  # (after the copy, in stream order)
+        for _ in range(20):
+            a = a @ a / 2048 ** 0.5  # (queued after the copy)
+        if step >= 1:  # the pipelined order: step n is read after step n + 1 started
+            handle, expected = handles[step - 1]
+            assert _FlagReads.read(handle) == expected
+    assert _FlagReads.read(handles[-1][0]) == handles[-1][1]
+
+
 def _check_step_overlap(monkeypatch, path, family, drafter, device):
     """With the step overlap (default) a call whose rows all end by EOS before their budget runs
     one step past its end, on ended rows, and drops it; a plain call that ends by the budget runs
