@@ -231,3 +231,62 @@ def test_cuda_graph_replay_on_gpu(N, K):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, skinny_linear(x, w, b))
+
+
+def test_programmatic_dependent_launch_is_off_unless_asked_and_possible(monkeypatch):
+    """``pdl_launch`` gives launch options only with ``SPECDEC_PDL=1`` on a CUDA device of compute
+    capability 9.0 or above; the launch variants the captures check apart differ with it."""
+    from specdec.kernels.linear import _single_variant, pdl_launch
+
+    monkeypatch.delenv("SPECDEC_PDL", raising=False)
+    assert pdl_launch(torch.device("cpu")) == {}
+    monkeypatch.setenv("SPECDEC_PDL", "1")
+    assert pdl_launch(torch.device("cpu")) == {}  # (no such launch off CUDA)
+    x, w = rand(3, 8), rand(5, 8)
+    if torch.cuda.is_available() and ON_CUDA:
+        capable = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl_launch(torch.device("cuda")) == ({"launch_pdl": True} if capable else {})
+        x, w = x.cuda(), w.cuda()
+        on = _single_variant(x, w, None)
+        monkeypatch.setenv("SPECDEC_PDL", "0")
+        assert (_single_variant(x, w, None) != on) == capable
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_programmatic_dependent_launch_equals_the_plain_launch_on_gpu(monkeypatch):
+    """With ``SPECDEC_PDL=1`` (Hopper): a chain of dependent launches (skinny with split K and
+    its reduction, a torch op, the grouped kernel, skinny again), eager and replayed from a CUDA
+    graph on new inputs, equals the chain launched without PDL bit for bit, many times over (a
+    kernel that read its input before the previous one ended would differ)."""
+    from specdec.kernels.linear import grouped_skinny_linear
+
+    gen = torch.Generator().manual_seed(2)
+    w1, w2, w3 = (rand(n, k, dtype=torch.bfloat16, gen=gen) for n, k in ((2560, 9216), (1024, 2560), (4096, 2560)))
+    wg = [rand(n, 2560, dtype=torch.bfloat16, gen=gen) for n in (2048, 512, 32)]
+
+    def chain(x):
+        h = skinny_linear(x, w1)  # split K, then its reduction
+        h = torch.nn.functional.silu(h) * 3.0
+        g = grouped_skinny_linear(h, wg)
+        return skinny_linear(h + g[0][:, :1], w2), skinny_linear(h, w3), g[2]
+
+    xs = [rand(4, 9216, dtype=torch.bfloat16, gen=gen) for _ in range(3)]
+    monkeypatch.setenv("SPECDEC_PDL", "0")
+    expected = [chain(x) for x in xs]
+    monkeypatch.setenv("SPECDEC_PDL", "1")
+    for _ in range(20):
+        for x, want in zip(xs, expected):
+            assert all(torch.equal(a, b) for a, b in zip(chain(x), want))
+    static = xs[0].clone()
+    outs = chain(static)  # (compiled outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(static)
+    for _ in range(20):
+        for x, want in zip(xs, expected):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, want))
