@@ -1027,6 +1027,16 @@ class SpeculationPolicy:
             self._measuring[K] = self._measuring.get(K, 0) + 1
         return K
 
+    def drop_last_step(self) -> None:
+        """Forget the step :meth:`next_k` gave last: the decode loop launched it after the call's
+        last step and dropped it (its K, gain, predicted times and E(K) leave this call's records;
+        the choice state it moved is the call's end's, which nothing reads)."""
+        K = self.k_per_step.pop()
+        self.gain_per_step.pop()
+        self._predicted.pop()
+        self._expected_seen.pop()
+        self._predicted_tokens -= self.step_expected[K]
+
     @property
     def upcoming_k(self) -> int | None:
         """The K :meth:`next_k` will return, where :meth:`before_sync` chose it (None before
@@ -1225,44 +1235,53 @@ class SpeculationPolicy:
         self._live = live_rows
 
     def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int,
-                   live_rows: int | None = None) -> None:
+                   live_rows: int | None = None, end: int | None = None) -> None:
         """Host side, after the step's sync: :meth:`receive` ``expected`` and ``live_rows`` and feed
         the costs with the laps of the previous step (complete now: this step's sync came after
-        them); ``first_mark`` is ``clock.marks`` before this step's first lap.
+        them); ``first_mark`` is ``clock.marks`` before this step's first lap; ``end`` the mark
+        this step's laps end at (default ``clock.marks`` now; see :meth:`_observe`).
+
+        A decode loop that launches each step before it reads the last one's flags calls this
+        after that read, with the last step's ``expected`` and ``live_rows`` and the ``end`` of
+        the step just launched: the choice of K then reads E(K) one step late, as with a kept
+        graph.
 
         A step at K = 0 proposes nothing: all of it is the target's time (its ``draft`` lap is the
         loop's own host and budget work, which the step pays as well). The first step at K = 0
         after speculative ones is counted as the switch's extra time instead
         (:meth:`CostModel.observe_leave`)."""
         self.receive(expected, live_rows)
-        self._observe(clock, first_mark)
+        self._observe(clock, first_mark, end)
 
-    def before_sync(self, expected: list[float] | None, clock: StepClock, first_mark: int) -> None:
+    def before_sync(self, expected: list[float] | None, clock: StepClock, first_mark: int,
+                    end: int | None = None) -> None:
         """Host side, with a kept graph (:attr:`reads_ahead`), after the step's last lap and
         before its blocking sync: keep ``expected`` (the host values :meth:`update` returned),
         feed the costs with the previous step's laps (complete: that step's sync came after
         them), as :meth:`after_step` does, and choose the next step's K now, while the device
         runs this step (:meth:`next_k` returns it). The choice is the one :meth:`next_k` would
         make after the sync: it reads nothing the sync brings. :meth:`after_sync` then takes
-        the live rows."""
+        the live rows. ``end``: as in :meth:`after_step` (a loop that launches each step before
+        it reads the last one's flags calls this after that read)."""
         if expected is not None:
             self.receive(expected, self._live)  # (the live rows are told after the sync)
-        self._observe(clock, first_mark)
+        self._observe(clock, first_mark, end)
         self._ahead = self._decide()
 
     def after_sync(self, live_rows: int | None) -> None:
         """Host side, after the step's sync (with :meth:`before_sync`): the rows not finished."""
         self._live = live_rows
 
-    def _observe(self, clock: StepClock, first_mark: int) -> None:
+    def _observe(self, clock: StepClock, first_mark: int, end: int | None = None) -> None:
         """Feed the costs with the laps of the step before this one, and hold this step's: the
-        laps from the end of the step before's up to the last lap now (without ``prefill`` laps:
-        a pool's admissions between steps). Chained so, a lap recorded after the point a step's
-        window ended (:meth:`before_sync`'s: the work after the step's sync) counts in the next
-        step's, not in none."""
+        laps from the end of the step before's up to mark ``end`` (default: the last lap now;
+        without ``prefill`` laps: a pool's admissions between steps). Chained so, a lap recorded
+        after the point a step's window ended (:meth:`before_sync`'s: the work after the step's
+        sync) counts in the next step's, not in none. The laps read must be complete: those of a
+        window that ended before the last host read of the device's progress."""
         if self._last is not None:
-            K, start, end, before, plain_s = self._last
-            laps = [(phase, s) for phase, s in clock.laps(start, end) if phase != "prefill"]
+            K, start, stop, before, plain_s = self._last
+            laps = [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
             total = sum(s for _, s in laps)
             what = step_measures(K, before, K in self._seen)
             if what == "leave":
@@ -1275,7 +1294,8 @@ class SpeculationPolicy:
             self._seen.add(K)
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
-        self._last = (ks[-1], start, clock.marks, ks[-2] if len(ks) > 1 else 0, self._predicted[-1][0])
+        self._last = (ks[-1], start, clock.marks if end is None else end, ks[-2] if len(ks) > 1 else 0,
+                      self._predicted[-1][0])
 
     def predicted_step_s(self) -> list[float]:
         """Per K = 0..M, the mean over this call's steps of the seconds the policy predicted for a

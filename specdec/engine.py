@@ -12,8 +12,8 @@ on the device; the step's one host sync reads whether every row has finished (wi
 drafter-output checks and, for a streamer, row 0's new tokens); in a fixed batch whose next K is
 known on the host (a fixed K, or ``"auto"`` choosing before the sync) the next step's proposal is
 launched before that sync, after the step has committed, so that the host's work of proposing
-overlaps the device's (:func:`overlap_proposals`); with a fixed K and no per-token hook the whole
-next step is launched before that sync, which then waits for the step's flags alone
+overlaps the device's (:func:`overlap_proposals`); without a per-token hook the whole next step
+is launched before that sync, which then waits for the step's flags alone
 (:func:`overlap_steps`). HF features that work token by
 token (stopping criteria, logits processors, returned scores) are one optional per-step hook
 (:class:`~specdec.step_hook.StepHook`). With ``num_speculative_tokens="auto"`` a
@@ -95,10 +95,15 @@ def overlap_proposals() -> bool:
 
 
 def overlap_steps() -> bool:
-    """Whether a fixed batch's decode loop with a fixed K and no per-token hook launches each
-    step before it reads the last step's flags (``SPECDEC_OVERLAP_STEPS``, default on; ``0``
-    reads every step's flags before the next step starts, as a baseline to time it against).
-    The outputs are the same either way (see :meth:`SpeculativeGenerator._decode`)."""
+    """Whether a fixed batch's decode loop without a per-token hook launches each step before it
+    reads the last step's flags (``SPECDEC_OVERLAP_STEPS``, default on; ``0`` reads every step's
+    flags before the next step starts, as a baseline to time it against). The outputs, the
+    statistics and the random state after the call are the same either way; what differs: a
+    call that ends before the step count the host can bound (by EOS, or by speculation) runs
+    one step more, dropped (its device time stays in the wall time), which leaves the SSM
+    states of ``last_cache`` unspecified where that step ran at K = 0; a drafter's bad output is
+    reported after one more step; with ``num_speculative_tokens="auto"`` each choice of K reads
+    the acceptance one step later (see :meth:`SpeculativeGenerator._decode`)."""
     return env_switch("SPECDEC_OVERLAP_STEPS")
 
 
@@ -294,7 +299,10 @@ class SpeculativeGenerator:
     Attributes:
         last_stats: :class:`Stats` of the last ``generate()``. last_cache: its target cache (the
             SSM state of a row that ended before the call's last step is unspecified where later
-            steps ran at K = 0: a plain step updates every row's state in place).
+            steps ran at K = 0: a plain step updates every row's state in place; with the step
+            overlap (:func:`overlap_steps`) so is every row's where a step launched after the
+            last one ran at K = 0, as in a plain call whose rows all end by EOS;
+            ``SPECDEC_OVERLAP_STEPS=0`` keeps them).
         last_request_timings: the last ``generate_batch``'s ``{request id: RequestTiming}`` of
             the requests that decoded (:class:`specdec.batching.RequestTiming`).
         decoder: the :class:`~specdec.decoding.Decoder` of the last ``generate()``.
@@ -902,10 +910,10 @@ class SpeculativeGenerator:
         *finished, last_step = torch.cat([rows.finished.long(), (rows.max_new - rows.n_gen).amax()[None]]).tolist()
         finished = [bool(f) for f in finished]  # host copy: which rows ended (read with each step's sync)
         done = all(finished)
-        # a fixed batch whose K is known on the host launches each step before it reads the last
+        # a fixed batch without a per-token hook launches each step before it reads the last
         # step's flags (a step past the end ran on finished rows only, and is dropped); after
         # last_step steps every row has ended (each step keeps >= 1 token of every live row)
-        pipelined = pool is None and policy is None and hook is None and overlap_steps()
+        pipelined = pool is None and hook is None and overlap_steps()
         in_flight = None  # the last step's flags, read after the next step is launched (pipelined)
         flag_reads = _FlagReads(dev) if pipelined else None
         draws = s.sampling is not None or drafter is not None  # (greedy plain decoding draws nothing)
@@ -943,13 +951,20 @@ class SpeculativeGenerator:
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)  # [pending, drafts]
             return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
 
-        def settle(synced, counts, w: int) -> bool:
+        def settle(synced, counts, w: int, with_expected: bool) -> tuple[bool, list | None, int | None]:
             """A step's flags, read on the host (a list, or the handle of a :class:`_FlagReads` copy):
             raises for a bad proposal, streams the committed tokens, notes which rows ended (a
-            pool); returns whether every row has ended."""
+            pool); returns whether every row has ended, and with a policy the step's E(K) (where
+            the flags carry them, ``with_expected``; else None) and its live rows."""
             nonlocal finished
             if isinstance(synced, tuple):
                 synced = _FlagReads.read(synced)
+            expected = live_rows = None
+            if with_expected:
+                expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
+            if policy is not None:
+                *synced, live_rows = synced
+                live_rows = int(live_rows)
             all_done, bad_counts, bad_ids, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
@@ -964,9 +979,22 @@ class SpeculativeGenerator:
                     kept, committed, w_new = rest[B:2 * B], rest[2 * B:], new.shape[1]
                     for b in streaming:
                         pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
-            return bool(all_done)
+            return bool(all_done), expected, live_rows
+
+        def propose_ahead(K_next: int) -> None:
+            """The next step's proposal, made while the device runs this step (overlap): unused, with
+            any error it raised, if this step ends the call; its random draws put back then."""
+            nonlocal ready, drawn, drafted_at
+            drawn = _random_state(s.generator, dev)
+            try:
+                ready = propose(K_next)
+            except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
+                ready = err
+            clock.lap("draft")
+            drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
 
         ready = None  # the next step's inputs, made before this step's sync (overlap)
+        drawn = drafted_at = None  # (overlap) the random state before that proposal, and its lap's mark
         dropped = None  # (pipelined) the random state before a step that ran past the call's end
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
@@ -986,10 +1014,12 @@ class SpeculativeGenerator:
                 except Exception as err:  # (pipelined: the last step may have ended the call)
                     ready = err
             if isinstance(ready, Exception):
-                if in_flight is not None and settle(*in_flight):  # the call ended: this step never runs
+                if in_flight is not None and settle(*in_flight)[0]:  # the call ended: this step never runs
                     ready, in_flight, dropped, done = None, None, step_rs, True
                     for mark in step_laps:
                         clock.relabel(mark, "dropped step")
+                    if policy is not None:
+                        policy.drop_last_step()
                     break
                 err, ready = ready, None  # (no reference cycle through this frame)
                 raise err
@@ -1045,46 +1075,60 @@ class SpeculativeGenerator:
                 else:
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                     expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
-                if ahead:  # the next K is chosen while the device still runs this step
+                if ahead and not pipelined:  # the next K is chosen while the device still runs this step
                     clock.lap("bookkeeping")
                     policy.before_sync(expected, clock, first_mark)
-                elif expected is not None:
+                elif expected is not None and not ahead:
                     read = torch.cat([read.double(), expected])
-            if overlap and (policy is None or ahead):  # the next step's proposal, launched while the device runs
-                if not ahead:
+            read_expected = expected is not None and not ahead  # (E(K) in this step's flags)
+            if overlap and not pipelined and (policy is None or ahead):  # the next step's proposal, launched
+                if not ahead:                                              # while the device runs
                     clock.lap("bookkeeping")  # (the flags above; ahead, already lapped)
-                drawn = _random_state(s.generator, dev)  # (put back if its step never runs)
-                try:  # this one; unused, with any error it raised, if this step ends the call
-                    ready = propose(K if policy is None else policy.upcoming_k)
-                except Exception as err:  # (raised when its step runs: a drafter past its text may fail)
-                    ready = err
-                clock.lap("draft")
-                drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
+                propose_ahead(K if policy is None else policy.upcoming_k)
             if pipelined:  # this step's flags are copied as it ends and read after the next step is launched
-                flight = (flag_reads.start(read), counts, w)
-                if in_flight is not None and settle(*in_flight):  # the call ended: this step ran on ended rows
-                    for mark in step_laps + list(range(first_mark, clock.marks)):
-                        clock.relabel(mark, "dropped step")
-                    clock.lap("dropped step")
-                    in_flight, dropped, done = None, step_rs, True
-                    steps -= 1
-                    hist[0] -= B  # (its rows' n = 0; totals: no active row, so no counts)
-                    break
-                in_flight = flight if steps < last_step else None  # (after last_step steps every row has ended)
-                done = False if in_flight is not None else settle(*flight)
+                clock.lap("bookkeeping")  # (this step's laps end before its flags' copy: complete once it is read)
+                flight_mark = clock.marks
+                flight = (flag_reads.start(read), counts, w, read_expected)
+                last = None
+                if in_flight is not None:
+                    try:
+                        last, in_flight = settle(*in_flight), None  # (done, E(K), live rows) of the last step
+                    except Exception:  # (a bad proposal of the last step: this one should not have run)
+                        if step_rs is not None:
+                            _restore_random_state(step_rs)
+                        raise
+                    if last[0]:  # the call ended: this step ran on ended rows
+                        for mark in step_laps + list(range(first_mark, clock.marks)):
+                            clock.relabel(mark, "dropped step")
+                        clock.lap("dropped step")
+                        dropped, done = step_rs, True
+                        steps -= 1
+                        hist[0] -= B  # (its rows' n = 0; totals: no active row, so no counts)
+                        if policy is not None:
+                            policy.drop_last_step()
+                        break
+                if steps >= last_step:  # every row has ended now (each step keeps >= 1 token of a live row)
+                    done = settle(*flight)[0]
+                    clock.lap("bookkeeping")
+                    continue
+                in_flight, done = flight, False
+                if ahead:  # the K after this step's, from the values of the update before this one
+                    policy.before_sync(expected, clock, first_mark, flight_mark)
+                    if last is not None:
+                        policy.after_sync(last[2])
+                elif policy is not None and last is not None:  # the last step's E(K): the next K, one step late
+                    policy.after_step(last[1], clock, first_mark, last[2], flight_mark)
+                if overlap and (policy is None or ahead):  # the next step's proposal, while the device runs this one
+                    clock.lap("bookkeeping")
+                    propose_ahead(K if policy is None else policy.upcoming_k)
                 clock.lap("bookkeeping")
                 continue
-            synced = read.tolist()  # the step's one host sync
-            if expected is not None and not ahead:
-                expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
-            if policy is not None:
-                *synced, live_rows = synced
-            done = settle(synced, counts, w)
+            done, expected, live_rows = settle(read.tolist(), counts, w, read_expected)  # the step's one host sync
             clock.lap("bookkeeping")  # (ahead: the step's second bookkeeping lap, its work after the sync)
             if ahead:
-                policy.after_sync(int(live_rows))
+                policy.after_sync(live_rows)
             elif policy is not None:
-                policy.after_step(expected, clock, first_mark, int(live_rows))
+                policy.after_step(expected, clock, first_mark, live_rows)
         if ready is not None:  # the proposal for a step that never ran: dropped, its random draws undone
             ready = None
             _restore_random_state(drawn)

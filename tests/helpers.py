@@ -291,3 +291,16 @@ def record_prompt_forwards(sd) -> list[tuple[int, int]]:
 
     sd.adapter._prompt_forward = recording
     return shapes
+
+
+def counting_forwards(monkeypatch) -> list:
+    """Count the decoders' verify forwards (eager and static), one entry per call."""
+    from specdec.decoding import EagerDecoder, StaticDecoder
+
+    seen = []
+    for cls in (EagerDecoder, StaticDecoder):
+        def counted(self, tokens, plain=False, _orig=cls.forward):
+            seen.append(tokens.shape[1])
+            return _orig(self, tokens, plain)
+        monkeypatch.setattr(cls, "forward", counted)
+    return seen

@@ -170,9 +170,12 @@ def test_the_next_proposal_is_made_before_the_sync(monkeypatch, path):
     """With the overlap (default) a fixed batch proposes once more than it steps (the proposal
     for the step after the last, made before the last sync and dropped), without it once per
     step; greedy and sampled outputs (one generator) are the same either way: the proposals
-    see the same text and draw in the same order."""
+    see the same text and draw in the same order. (With the step overlap, on by default and
+    off here, a call that ends by its budget makes no proposal past its last step: see
+    :func:`_check_step_overlap`.)"""
     from helpers import reference
 
+    monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", "0")
     expected = reference("nemotron_h")[3]
     runs = {}
     for overlap in ("1", "0"):
@@ -226,19 +229,6 @@ def test_the_dropped_proposal_leaves_the_random_state_as_without_the_overlap(mon
         assert torch.equal(a, b)
 
 
-def _counting_forwards(monkeypatch) -> list:
-    """Count the decoders' verify forwards (eager and static), one entry per call."""
-    from specdec.decoding import EagerDecoder, StaticDecoder
-
-    seen = []
-    for cls in (EagerDecoder, StaticDecoder):
-        def counted(self, tokens, plain=False, _orig=cls.forward):
-            seen.append(tokens.shape[1])
-            return _orig(self, tokens, plain)
-        monkeypatch.setattr(cls, "forward", counted)
-    return seen
-
-
 @pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed")])
 def test_each_step_is_launched_before_the_last_steps_flags_are_read(monkeypatch, path, family, drafter):
@@ -270,32 +260,61 @@ def test_flag_reads_return_each_steps_values_while_later_steps_run():
         flags.fill_(-999)  # (after the copy, in stream order)
         for _ in range(20):
             a = a @ a / 2048 ** 0.5  # (queued after the copy)
+        torch.cuda._sleep(20_000_000)  # (~10 ms of the device's time, queued after the copy)
+        later = torch.cuda.Event()
+        later.record()
         if step >= 1:  # the pipelined order: step n is read after step n + 1 started
             handle, expected = handles[step - 1]
             assert _FlagReads.read(handle) == expected
+            assert not later.query(), "the read waited for work launched after its copy"
     assert _FlagReads.read(handles[-1][0]) == handles[-1][1]
+
+
+def _ending_by_eos(model, max_new: int = 12):
+    """``(ids, mask, eos, expected)``: the ragged prompts on the model's device, EOS ids with which
+    every row ends by its 4th new token under greedy decoding, and HF greedy's output."""
+    from helpers import hf_greedy, ragged_prompts
+
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in ragged_prompts())
+    L = ids.shape[1]
+    plain = hf_greedy(model, ids, mask, max_new=max_new)
+    eos = sorted({int(plain[b, L + 2 + b % 2]) for b in range(ids.shape[0])})
+    expected = hf_greedy(model, ids, mask, max_new=max_new, eos=eos)
+    assert expected.shape[1] < L + max_new, "every row must end before its budget"
+    return ids, mask, eos, expected
+
+
+class _Streamer:
+    """Records what a generate() streams: each ``put`` as a list of ids, and ``end``."""
+
+    def __init__(self):
+        self.seen = []
+
+    def put(self, value):
+        self.seen.append(value.tolist())
+
+    def end(self):
+        self.seen.append("end")
 
 
 def _check_step_overlap(monkeypatch, path, family, drafter, device):
     """With the step overlap (default) a call whose rows all end by EOS before their budget runs
     one step past its end, on ended rows, and drops it; a plain call that ends by the budget runs
     none (the host counts its steps).
-    Greedy output equals HF greedy's; greedy and sampled outputs, the statistics, the call's
-    generator afterwards, a second call with it and torch's global stream afterwards are as with
-    ``SPECDEC_OVERLAP_STEPS=0`` (every step's flags read before the next step starts)."""
+    Greedy output equals HF greedy's; greedy and sampled outputs, what a streamer gets, the
+    statistics, the call's generator afterwards (also after a dropped step that drew), a second
+    call with it and torch's global stream afterwards are as with ``SPECDEC_OVERLAP_STEPS=0``
+    (every step's flags read before the next step starts)."""
     import specdec
-    from helpers import hf_greedy, make_drafter, ragged_prompts
+    from helpers import counting_forwards, make_drafter
     from tiny_models import get_model
 
     model = get_model(family) if device == "cpu" else copy.deepcopy(get_model(family)).to(device)  # (shared: not moved)
-    ids, mask = (t.to(device) for t in ragged_prompts())
+    ids, mask, eos, expected = _ending_by_eos(model)
     L = ids.shape[1]
-    plain = hf_greedy(model, ids, mask, max_new=12)
-    eos = sorted({int(plain[b, L + 2 + b % 2]) for b in range(ids.shape[0])})  # every row ends by its 4th token
-    expected = hf_greedy(model, ids, mask, max_new=12, eos=eos)
-    assert expected.shape[1] < L + 12, "every row must end before its budget"
     K = 0 if drafter is None else 3
-    runs, forwards = {}, _counting_forwards(monkeypatch)
+    runs, forwards = {}, counting_forwards(monkeypatch)
     for overlap in ("1", "0"):
         monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap)
         draft = None if drafter is None else make_drafter(drafter, family)
@@ -307,9 +326,10 @@ def _check_step_overlap(monkeypatch, path, family, drafter, device):
         for ending in ({"eos_token_id": eos}, {}):  # all rows end by EOS, then by the budget
             forwards.clear()
             out = sd.generate(ids, **kw, **ending)
-            run += [out, sd.last_stats.steps, sd.last_stats.accept_histogram, sd.last_stats.accepted_tokens,
-                    sd.last_stats.proposed_tokens]
-            extra = len(forwards) - sd.last_stats.steps  # steps run past the call's end
+            st = sd.last_stats
+            run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
+                    st.mean_accepted_tokens, st.k_histogram, st.k_per_step]
+            extra = len(forwards) - st.steps  # steps run past the call's end
             if overlap == "0":
                 assert extra == 0
             elif ending:  # every row ended by EOS, before the step count the host knows
@@ -325,15 +345,27 @@ def _check_step_overlap(monkeypatch, path, family, drafter, device):
         run += [sd.generate(ids, generator=g, **sampled), g.get_state().clone(), sd.generate(ids, generator=g, **sampled)]
         torch.manual_seed(13)
         run += [sd.generate(ids, **sampled), torch.rand(3), torch.rand(3, device=device)]
+        streamed = _Streamer()  # (a streamer takes one row; it ends by EOS: its tokens come a step late)
+        run += [sd.generate(ids[:1], attention_mask=mask[:1], streamer=streamed, eos_token_id=eos, max_new_tokens=12,
+                            pad_token_id=0), streamed.seen]
+        forwards.clear()  # sampled rows that all end by EOS (top-1: greedy tokens): a dropped step that drew
+        g = torch.Generator(device).manual_seed(6)
+        cold = dict(sampled, top_k=1)  # (greedy tokens, random draws all the same)
+        out = sd.generate(ids, generator=g, **cold)
+        assert out.shape[1] < L + 12, "every sampled row must end by EOS"
+        assert len(forwards) - sd.last_stats.steps == (overlap == "1")
+        run += [out, g.get_state().clone(), sd.generate(ids, generator=g, **cold)]
         runs[overlap] = run
     for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs"
 
 
-def test_a_dropped_error_keeps_nothing_alive():
+def test_a_dropped_error_keeps_nothing_alive(monkeypatch):
     """The error of the proposal for a step that never ran is dropped without a reference cycle
     through the decode loop: what its frame held is freed when generate() returns, no garbage
-    collection needed."""
+    collection needed (the proposal made before the last sync: without the step overlap, which
+    makes no proposal past a call that ends by its budget)."""
+    monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", "0")
     import gc
     import weakref
 
@@ -383,9 +415,40 @@ def test_the_dropped_proposal_is_not_counted_as_drafting(monkeypatch):
             time.sleep(nap)
             return super().propose(input_ids, lengths, num_speculative_tokens)
 
+    monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", "0")  # (the step overlap's own: below)
     for overlap in ("1", "0"):
         drafter = Slow()
         _, stats = _overlap_run(monkeypatch, overlap, drafter, "static")
         assert drafter.calls == stats.steps + (overlap == "1")
+        assert round(stats.draft_s / nap) == stats.steps
+        assert stats.wall_s >= nap * drafter.calls
+
+
+def test_a_dropped_step_is_not_counted_in_the_steps_phases(monkeypatch):
+    """With the step overlap, a call whose rows all end by EOS launches one step past its end:
+    that step's proposal (one, made for it before the last flags were read) and its laps stay in
+    the wall time but not in the steps' phases: ``draft_s`` counts one sleep per step."""
+    import time
+
+    import specdec
+    from tiny_models import get_model
+
+    nap = 0.2
+
+    class Slow(_Counting):
+        def propose(self, input_ids, lengths, num_speculative_tokens):
+            time.sleep(nap)
+            return super().propose(input_ids, lengths, num_speculative_tokens)
+
+    model = get_model("nemotron_h")
+    ids, mask, eos, expected = _ending_by_eos(model)
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap)
+        drafter = Slow()
+        sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens=3, decode_path="static")
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=eos)
+        stats = sd.last_stats
+        assert torch.equal(out, expected)
+        assert drafter.calls == stats.steps + 1  # (the proposal for the step after the last, dropped)
         assert round(stats.draft_s / nap) == stats.steps
         assert stats.wall_s >= nap * drafter.calls
