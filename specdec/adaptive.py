@@ -994,7 +994,7 @@ class SpeculationPolicy:
         self.held: tuple[int, float] | None = None
         #: the K of every step, in order
         self.k_per_step: list[int] = []
-        self._predicted_tokens = 0.0
+        self._predicted_tokens = self._added_tokens = 0.0
         self._live: int | None = None  # live rows after the last step (read at its sync)
         self._live_estimated: int | None = None  # ... when the values held were computed
         self._pending = False  # a side-stream update ran whose values were not read yet
@@ -1022,7 +1022,8 @@ class SpeculationPolicy:
         self.gain_per_step.append(gain)
         self._predicted.append(times)
         self._expected_seen.append(self.expected)
-        self._predicted_tokens += self.step_expected[K]
+        self._added_tokens = self.step_expected[K]
+        self._predicted_tokens += self._added_tokens
         if self.current and K != self.current:  # (a probe from K = 0 is not a neighbour's)
             self._measuring[K] = self._measuring.get(K, 0) + 1
         return K
@@ -1031,11 +1032,11 @@ class SpeculationPolicy:
         """Forget the step :meth:`next_k` gave last: the decode loop launched it after the call's
         last step and dropped it (its K, gain, predicted times and E(K) leave this call's records;
         the choice state it moved is the call's end's, which nothing reads)."""
-        K = self.k_per_step.pop()
+        self.k_per_step.pop()
         self.gain_per_step.pop()
         self._predicted.pop()
         self._expected_seen.pop()
-        self._predicted_tokens -= self.step_expected[K]
+        self._predicted_tokens -= self._added_tokens
 
     @property
     def upcoming_k(self) -> int | None:

@@ -97,13 +97,15 @@ def overlap_proposals() -> bool:
 def overlap_steps() -> bool:
     """Whether a fixed batch's decode loop without a per-token hook launches each step before it
     reads the last step's flags (``SPECDEC_OVERLAP_STEPS``, default on; ``0`` reads every step's
-    flags before the next step starts, as a baseline to time it against). The outputs, the
-    statistics and the random state after the call are the same either way; what differs: a
-    call that ends before the step count the host can bound (by EOS, or by speculation) runs
-    one step more, dropped (its device time stays in the wall time), which leaves the SSM
-    states of ``last_cache`` unspecified where that step ran at K = 0; a drafter's bad output is
-    reported after one more step; with ``num_speculative_tokens="auto"`` each choice of K reads
-    the acceptance one step later (see :meth:`SpeculativeGenerator._decode`)."""
+    flags before the next step starts, as a baseline to time it against). With a fixed K the
+    outputs, the statistics and the random state after the call are the same either way. What
+    differs: a call that ends before the step count the host can bound (by EOS, or by
+    speculation) runs one step more, dropped (its device time stays in the wall time), which
+    leaves the SSM states of ``last_cache`` unspecified where that step ran at K = 0; a
+    drafter's bad output is reported after one more step; with ``num_speculative_tokens="auto"``
+    each choice of K reads the acceptance one step later, so its choices, and with them sampled
+    outputs and the statistics, may differ (greedy outputs are exact either way). See
+    ``docs/design.md``, "The decode loop"."""
     return env_switch("SPECDEC_OVERLAP_STEPS")
 
 
@@ -951,14 +953,12 @@ class SpeculativeGenerator:
             tokens = torch.cat([rows.text.gather(1, (rows.lengths - 1)[:, None]), drafts], dim=1)  # [pending, drafts]
             return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
 
-        def settle(synced, counts, w: int, with_expected: bool) -> tuple[bool, list | None, int | None]:
-            """A step's flags, read on the host (a list, or the handle of a :class:`_FlagReads` copy):
-            raises for a bad proposal, streams the committed tokens, notes which rows ended (a
-            pool); returns whether every row has ended, and with a policy the step's E(K) (where
-            the flags carry them, ``with_expected``; else None) and its live rows."""
+        def settle(synced: list, counts, w: int, with_expected: bool) -> tuple[bool, list | None, int | None]:
+            """A step's flags, read on the host: raises for a bad proposal, streams the committed
+            tokens, notes which rows ended (a pool); returns whether every row has ended, and with
+            a policy the step's E(K) (where the flags carry them, ``with_expected``; else None) and
+            its live rows."""
             nonlocal finished
-            if isinstance(synced, tuple):
-                synced = _FlagReads.read(synced)
             expected = live_rows = None
             if with_expected:
                 expected, synced = synced[-policy.read_size:], [int(v) for v in synced[:-policy.read_size]]
@@ -981,6 +981,28 @@ class SpeculativeGenerator:
                         pool.stream(b, committed[b * w_new: b * w_new + kept[b]])
             return bool(all_done), expected, live_rows
 
+        def settle_flight(flight: tuple, undo) -> tuple[bool, list | None, int | None]:
+            """:func:`settle` of a step whose flags were copied as it ended (``(handle, counts, w,
+            with_expected)``), read now; if they raise, the random state ``undo`` (saved before the
+            work that should not have run: a later step, a proposal for it) is put back first."""
+            try:
+                return settle(_FlagReads.read(flight[0]), *flight[1:])
+            except Exception:
+                if undo is not None:
+                    _restore_random_state(undo)
+                raise
+
+        def drop_step(marks) -> None:
+            """A step launched after the call's last one (or its proposal) is dropped: its laps
+            (``marks``) count apart, the policy forgets it, its random draws are put back after the
+            loop."""
+            nonlocal dropped, done
+            for mark in marks:
+                clock.relabel(mark, "dropped step")
+            if policy is not None:
+                policy.drop_last_step()
+            dropped, done = step_rs, True
+
         def propose_ahead(K_next: int) -> None:
             """The next step's proposal, made while the device runs this step (overlap): unused, with
             any error it raised, if this step ends the call; its random draws put back then."""
@@ -995,7 +1017,7 @@ class SpeculativeGenerator:
 
         ready = None  # the next step's inputs, made before this step's sync (overlap)
         drawn = drafted_at = None  # (overlap) the random state before that proposal, and its lap's mark
-        dropped = None  # (pipelined) the random state before a step that ran past the call's end
+        dropped = step_rs = None  # (pipelined) the random state before a step that ran past the call's end
         while True:
             if pool is not None:  # admission: finished rows take the next requests (continuous batching)
                 live, longest = self._admit(pool, dec, rows, s, finished, policy, drafter, first_requests)
@@ -1014,12 +1036,9 @@ class SpeculativeGenerator:
                 except Exception as err:  # (pipelined: the last step may have ended the call)
                     ready = err
             if isinstance(ready, Exception):
-                if in_flight is not None and settle(*in_flight)[0]:  # the call ended: this step never runs
-                    ready, in_flight, dropped, done = None, None, step_rs, True
-                    for mark in step_laps:
-                        clock.relabel(mark, "dropped step")
-                    if policy is not None:
-                        policy.drop_last_step()
+                if in_flight is not None and settle_flight(in_flight, step_rs)[0]:  # the call ended: no step
+                    ready = in_flight = None
+                    drop_step(step_laps)
                     break
                 err, ready = ready, None  # (no reference cycle through this frame)
                 raise err
@@ -1091,39 +1110,36 @@ class SpeculativeGenerator:
                 flight = (flag_reads.start(read), counts, w, read_expected)
                 last = None
                 if in_flight is not None:
-                    try:
-                        last, in_flight = settle(*in_flight), None  # (done, E(K), live rows) of the last step
-                    except Exception:  # (a bad proposal of the last step: this one should not have run)
-                        if step_rs is not None:
-                            _restore_random_state(step_rs)
-                        raise
+                    last, in_flight = settle_flight(in_flight, step_rs), None  # (done, E(K), live rows) of the last step
                     if last[0]:  # the call ended: this step ran on ended rows
-                        for mark in step_laps + list(range(first_mark, clock.marks)):
-                            clock.relabel(mark, "dropped step")
+                        drop_step(step_laps + list(range(first_mark, clock.marks)))
                         clock.lap("dropped step")
-                        dropped, done = step_rs, True
                         steps -= 1
                         hist[0] -= B  # (its rows' n = 0; totals: no active row, so no counts)
-                        if policy is not None:
-                            policy.drop_last_step()
                         break
+                if ahead:  # the K after this step's, from the values of the update before this one
+                    if last is not None:  # (first: those values were computed for the last step's live rows)
+                        policy.after_sync(last[2])
+                    policy.before_sync(expected, clock, first_mark, flight_mark)
+                elif policy is not None:  # the last step's E(K) (none at the first): the next K, one step late
+                    _, values, live = last if last is not None else (None, None, None)
+                    policy.after_step(values, clock, first_mark, live, flight_mark)
                 if steps >= last_step:  # every row has ended now (each step keeps >= 1 token of a live row)
-                    done = settle(*flight)[0]
+                    done = settle_flight(flight, None)[0]
                     clock.lap("bookkeeping")
                     continue
                 in_flight, done = flight, False
-                if ahead:  # the K after this step's, from the values of the update before this one
-                    policy.before_sync(expected, clock, first_mark, flight_mark)
-                    if last is not None:
-                        policy.after_sync(last[2])
-                elif policy is not None and last is not None:  # the last step's E(K): the next K, one step late
-                    policy.after_step(last[1], clock, first_mark, last[2], flight_mark)
                 if overlap and (policy is None or ahead):  # the next step's proposal, while the device runs this one
                     clock.lap("bookkeeping")
                     propose_ahead(K if policy is None else policy.upcoming_k)
                 clock.lap("bookkeeping")
                 continue
-            done, expected, live_rows = settle(read.tolist(), counts, w, read_expected)  # the step's one host sync
+            try:  # the step's one host sync
+                done, expected, live_rows = settle(read.tolist(), counts, w, read_expected)
+            except Exception:  # (a bad proposal: the one made ahead, for a step that will not run, is undone)
+                if ready is not None:
+                    _restore_random_state(drawn)
+                raise
             clock.lap("bookkeeping")  # (ahead: the step's second bookkeeping lap, its work after the sync)
             if ahead:
                 policy.after_sync(live_rows)

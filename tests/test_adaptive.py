@@ -103,13 +103,16 @@ def test_rollback_auto_leaves_out_a_strategy_that_runs_out_of_memory(monkeypatch
     assert "total capacity" not in reason and "PYTORCH_CUDA_ALLOC_CONF" not in reason
 
 
+@pytest.mark.parametrize("overlap_steps", ["1", "0"])
 @pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_auto_k_through_every_width_exact(family, strategy, path, monkeypatch):
+def test_auto_k_through_every_width_exact(family, strategy, path, overlap_steps, monkeypatch):
     """K forced through 0..8 in a scripted order (up, down, to 0 and back): exact on both decode
     paths (the static path runs each width as its own static shape); every K = 0 step is a plain
     step (the state updated in place) where the strategy has them (snapshot, replay), the one
-    step launched past the call's end and dropped included (its K the script's next)."""
+    step launched past the call's end and dropped included (its K the script's next), with the
+    step overlap and without it (``SPECDEC_OVERLAP_STEPS=0``: none dropped)."""
+    monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap_steps)
     plain_steps = []
     real = RollbackStrategy.plain_verify
     monkeypatch.setattr(RollbackStrategy, "plain_verify",
@@ -125,7 +128,7 @@ def test_auto_k_through_every_width_exact(family, strategy, path, monkeypatch):
     assert st.k_per_step == ORDER[:st.steps]  # hysteresis never holds a K that costs 100x
     layers = sum(layer.has_recurrence for layer in sd.last_cache.ssm.values())
     dropped = len(forwards) - st.steps  # (a step launched before the last one's flags were read)
-    assert dropped in (0, 1)
+    assert dropped in ((0, 1) if overlap_steps == "1" else (0,))
     plain = st.k_per_step.count(0) + (dropped and ORDER[st.steps] == 0)
     assert len(plain_steps) == (plain * layers if strategy != "ring" else 0)
     assert st.decode_path == path and st.rollback == strategy and st.rollback_reason is None
@@ -381,13 +384,16 @@ def test_work_after_the_sync_counts_in_the_next_window_not_the_draft(monkeypatch
     assert policy.calibrated_step_s() == [6.0, 6.0, 6.0]  # the widths alone, as recorded
 
 
-def test_engine_chooses_before_the_sync_with_a_kept_update(monkeypatch):
+@pytest.mark.parametrize("overlap_steps", ["1", "0"])
+def test_engine_chooses_before_the_sync_with_a_kept_update(monkeypatch, overlap_steps):
     """The decode loop with a kept update graph (CPU: a replaying stand-in, the policy made as on
-    the CUDA-graph path) chooses each K before the step's sync: the output stays exact, every
-    step's K is counted once (the choice made for a step that never ran is dropped), and a
-    second call adopts the kept graph."""
+    the CUDA-graph path) chooses each K before the step's sync (with the step overlap: before it
+    reads the last step's flags): the output stays exact, every step's K is counted once (the
+    choice made for a step that never ran is dropped), and a second call adopts the kept graph."""
     import specdec.adaptive as adaptive
     import specdec.engine as engine
+
+    monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap_steps)
 
     calls = []
     monkeypatch.setattr(adaptive, "capture", _fake_capture(calls))
