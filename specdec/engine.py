@@ -119,13 +119,14 @@ def _random_state(generator, device) -> tuple:
 
 class _FlagReads:
     """The host copies of a call's step flags, each started as its step ends and read later: on
-    CUDA two pinned buffers and two events used in turn (a step's copy is read before the copy
-    two steps later starts), so a read waits for its own copy alone, not for work launched after
-    it, and no step allocates; elsewhere the flags themselves (their values are ready)."""
+    CUDA two slots, each a pinned buffer per size and dtype of the flags and an event, used in
+    turn (a step's copy is read before the copy two steps later starts), so a read waits for its
+    own copy alone, not for work launched after it, and steps do not allocate; elsewhere the
+    flags themselves (their values are ready)."""
 
     def __init__(self, device):
         self._cuda = torch.device(device).type == "cuda"
-        self._buffers = [None, None]
+        self._buffers: list[dict] = [{}, {}]  # per slot: (shape, dtype) -> pinned buffer
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
         self._next = 0
 
@@ -134,9 +135,10 @@ class _FlagReads:
         if not self._cuda:
             return values, None
         i, self._next = self._next, 1 - self._next
-        buffer = self._buffers[i]
-        if buffer is None or buffer.shape != values.shape or buffer.dtype != values.dtype:
-            buffer = self._buffers[i] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        key = (tuple(values.shape), values.dtype)  # (the flags' size and dtype may vary from step to step)
+        buffer = self._buffers[i].get(key)
+        if buffer is None:
+            buffer = self._buffers[i][key] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         buffer.copy_(values, non_blocking=True)  # (on the current stream of values' device)
         self._events[i].record(torch.cuda.current_stream(values.device))
         return buffer, self._events[i]

@@ -247,15 +247,18 @@ def test_each_step_is_launched_before_the_last_steps_flags_are_read_on_cuda_grap
 @pytest.mark.gpu
 @needs_cuda
 def test_flag_reads_return_each_steps_values_while_later_steps_run():
-    """The flags' host copies used in turn (two pinned buffers and events): each read returns the
-    values its step wrote, while a later step's work (a long matmul chain) is still queued, and a
-    changed size gets its own buffer; values are poisoned on the device after each start."""
+    """The flags' host copies used in turn (two slots of pinned buffers and events): each read
+    returns the values its step wrote, without waiting for a later step's work (a matmul chain
+    and a sleep, still queued), and a changed size or dtype gets its own buffer; values are
+    poisoned on the device after each start."""
     from specdec.engine import _FlagReads
 
     reads, handles = _FlagReads("cuda"), []
     a = torch.randn(2048, 2048, device="cuda")
     for step in range(6):
         flags = torch.arange(3 + step % 2, device="cuda") * (step + 1) - step
+        if step % 3 == 2:
+            flags = flags.double() / 4  # (flags with E(K) values: another dtype)
         handles.append((reads.start(flags), flags.tolist()))
         flags.fill_(-999)  # (after the copy, in stream order)
         for _ in range(20):
