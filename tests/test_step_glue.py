@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import time
 
 import pytest
 import torch
@@ -150,6 +151,17 @@ class _Counting(NGramDrafter):
         self.calls += 1
         if self.calls == self.fail_at:
             raise self.fail
+        return super().propose(input_ids, lengths, num_speculative_tokens)
+
+
+class _Slow(_Counting):
+    """:class:`_Counting`, sleeping ``nap`` seconds per proposal (long against the loop's glue, so
+    the phases' counts of proposals do not depend on the machine's load)."""
+
+    nap = 0.2
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        time.sleep(self.nap)
         return super().propose(input_ids, lengths, num_speculative_tokens)
 
 
@@ -409,18 +421,11 @@ def test_the_dropped_proposal_is_not_counted_as_drafting(monkeypatch):
     the steps' drafting: with a drafter that sleeps per proposal (long against the glue, so the
     count does not depend on the machine's load), ``draft_s`` counts one sleep per step, as
     without the overlap."""
-    import time
-
-    nap = 0.2
-
-    class Slow(_Counting):
-        def propose(self, input_ids, lengths, num_speculative_tokens):
-            time.sleep(nap)
-            return super().propose(input_ids, lengths, num_speculative_tokens)
+    nap = _Slow.nap
 
     monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", "0")  # (the step overlap's own: below)
     for overlap in ("1", "0"):
-        drafter = Slow()
+        drafter = _Slow()
         _, stats = _overlap_run(monkeypatch, overlap, drafter, "static")
         assert drafter.calls == stats.steps + (overlap == "1")
         assert round(stats.draft_s / nap) == stats.steps
@@ -431,23 +436,16 @@ def test_a_dropped_step_is_not_counted_in_the_steps_phases(monkeypatch):
     """With the step overlap, a call whose rows all end by EOS launches one step past its end:
     that step's proposal (one, made for it before the last flags were read) and its laps stay in
     the wall time but not in the steps' phases: ``draft_s`` counts one sleep per step."""
-    import time
-
     import specdec
     from tiny_models import get_model
 
-    nap = 0.2
-
-    class Slow(_Counting):
-        def propose(self, input_ids, lengths, num_speculative_tokens):
-            time.sleep(nap)
-            return super().propose(input_ids, lengths, num_speculative_tokens)
+    nap = _Slow.nap
 
     model = get_model("nemotron_h")
     ids, mask, eos, expected = _ending_by_eos(model)
     for overlap in ("1", "0"):
         monkeypatch.setenv("SPECDEC_OVERLAP_STEPS", overlap)
-        drafter = Slow()
+        drafter = _Slow()
         sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens=3, decode_path="static")
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=eos)
         stats = sd.last_stats
