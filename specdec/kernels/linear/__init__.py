@@ -43,12 +43,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...fusion import env_switch
 from .naive import linear_ref
 
 __all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for",
            "skinny_linear", "grouped_skinny_linear", "SkinnyLinear", "skinny_linears", "merged_linears", "single_linears",
-           "linear_ref", "num_sms", "pdl_launch"]
+           "linear_ref", "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
 MAX_ROWS = 64
@@ -99,24 +98,6 @@ def num_sms(device: torch.device | str) -> int:
     if dev.type != "cuda":
         return DEFAULT_SMS
     return _cuda_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl_launch(device: torch.device) -> dict:
-    """The launch options of programmatic dependent launch (PDL) for the kernels here on
-    ``device``: ``{"launch_pdl": True}`` with ``SPECDEC_PDL=1`` on a CUDA device of compute
-    capability 9.0 or above (Hopper, Blackwell), else ``{}``. Such a launch lets the kernel's
-    blocks start while the kernel before it in the stream finishes; they wait for it
-    (``griddepcontrol.wait``) before reading or writing anything. Off by default: not yet
-    measured."""
-    if device.type != "cuda" or not env_switch("SPECDEC_PDL", default=False):
-        return {}
-    return {"launch_pdl": True} if _pdl_capable(device.index if device.index is not None
-                                                else torch.cuda.current_device()) else {}
 
 
 def skinny_config(N: int, K: int, dtype: torch.dtype, sms: int = DEFAULT_SMS) -> SkinnyConfig:
@@ -463,12 +444,11 @@ class _Siblings:
     @staticmethod
     def _variant(x: torch.Tensor, merge, ms: list[nn.Linear]):
         """What the launch's compiled variant depends on: x's rows, strides, 16-byte alignment,
-        dtype and device, the members merged (``merge``, the modules ``ms``), their tensors'
-        alignment (Triton specialises integers and pointers on such properties), and
-        :func:`pdl_launch`."""
+        dtype and device, the members merged (``merge``, the modules ``ms``), and their tensors'
+        alignment (Triton specialises integers and pointers on such properties)."""
         aligned = all(t.data_ptr() % 16 == 0 for m in ms for t in (m.weight, m.bias) if t is not None)
         return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device, merge,
-                aligned, bool(pdl_launch(x.device)))
+                aligned)
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
@@ -642,10 +622,9 @@ _SINGLE_VARIANTS = _Variants()
 def _single_variant(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """What a :func:`skinny_linear` launch's compiled variant depends on (Triton specialises integers
     and pointers on their values' divisibility): the ``[M, K]`` input's rows, strides and
-    alignment, the weight's shape and alignment, the bias's alignment, dtype, device and
-    :func:`pdl_launch`."""
+    alignment, the weight's shape and alignment, the bias's alignment, dtype and device."""
     return (tuple(x2.shape), x2.stride(), x2.data_ptr() % 16 == 0, x2.dtype, x2.device, tuple(w.shape), w.stride(),
-            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0, bool(pdl_launch(x2.device)))
+            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0)
 
 
 def _single_guarded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

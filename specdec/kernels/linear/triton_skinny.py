@@ -18,12 +18,6 @@ same instructions (the same dot shape, the same K order), and the launch setting
 is, and row i of an M-row call equals the 1-row call on x[i] bit for bit
 (tests/test_skinny_linear.py).
 
-Programmatic dependent launch (Hopper's PDL, ``SPECDEC_PDL=1``, off by default: not yet
-measured): the kernels are launched so that their blocks may start while the kernel before them
-in the stream finishes, and wait for it (``griddepcontrol.wait``) before reading or writing
-anything; what they save is the launch gap between dependent kernels, where one step runs ~160
-of them.
-
 Split K (``split_k > 1``): each split writes its fp32 partial sums to ``[split_k, M, N]``; a
 second small kernel adds them in split order (0, 1, ...), adds the bias and casts: deterministic,
 no atomics. Nothing here autotunes, synchronises with the host or reads a device value, so a
@@ -37,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..triton_common import next_pow2, num_warps_for
-from . import MAX_MEMBERS, pdl_launch
+from . import MAX_MEMBERS
 
 __all__ = ["TILE_M", "skinny_launch", "grouped_launch"]
 
@@ -145,10 +139,7 @@ def _skinny_linear_kernel(
     PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:  # (programmatic dependent launch: nothing is read or written before the last kernel ends)
-        tl.extra.cuda.gdc_wait()
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = i_s * K_STEPS * BLOCK_K
@@ -161,9 +152,7 @@ def _skinny_linear_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(part, b, y, N, stride_ps, stride_pm, stride_ym, stride_yn, SPLIT_K: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
@@ -192,22 +181,20 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     even_k = K % k_per_split == 0  # then every split is k_per_split long, whole BLOCK_K steps: no K mask
     precision = "ieee"  # fp32: exact FMAs, not TF32 (ignored by bf16 / fp16 dots)
     dst = y if split == 1 else torch.empty(split, M, N, device=y.device, dtype=torch.float32)
-    pdl = pdl_launch(x.device)
     _skinny_linear_kernel[(triton.cdiv(N, config.block_n), split)](
         x, weight, bias, dst, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         dst.stride(0) if split > 1 else 0, dst.stride(-2), dst.stride(-1),
         NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, DOT_PRECISION=precision,
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", USE_GDC=bool(pdl),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         block = min(1024, next_pow2(N))
         _split_k_reduce_kernel[(triton.cdiv(N, block), M)](
             dst, bias, y, N, dst.stride(0), dst.stride(1), y.stride(0), y.stride(1),
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, USE_GDC=bool(pdl), num_warps=num_warps_for(block),
-            **pdl,
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=num_warps_for(block),
         )
 
 
@@ -229,10 +216,7 @@ def _grouped_skinny_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     i_b = tl.program_id(0)
     # the member owning weight block i_b: members' blocks start at 0, NB1, NB2, NB3
     w, b, y, N, start = W0, B0, Y0, N0, 0
@@ -279,11 +263,10 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
     ws = list(weights) + [weights[0]] * (MAX_MEMBERS - n)  # (absent members' arguments are never read)
     ys = list(outs) + [outs[0]] * (MAX_MEMBERS - n)
     bs = list(biases) + [biases[0]] * (MAX_MEMBERS - n) if biases is not None else [None] * MAX_MEMBERS
-    pdl = pdl_launch(x.device)
     _grouped_skinny_kernel[(sum(blocks),)](
         x, M, K, x.stride(0), x.stride(1), *ws, *bs, *ys, *Ns, *starts,
         NUM_TILES=triton.cdiv(M, TILE_M), K_STEPS=triton.cdiv(K, config.block_k), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=biases is not None, DOT_PRECISION="ieee",
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", USE_GDC=bool(pdl),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
