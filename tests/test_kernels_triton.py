@@ -349,6 +349,10 @@ def test_replay_fused_fold_max(op, dims, block, B, calls, dtype, use_si, T_max, 
     hist_len = torch.zeros(B, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=rf"fold_max must be in \[0, T_max = {T_max}\].*got {T_max + 1}"):
         kern.replay_verify(ckpt, hist, hist_len, inp, op_params(op, dims, gen), 0, fused=True, fold_max=T_max + 1)
+    n = torch.ones(B, dtype=torch.long, device=DEVICE)
+    for bad in (0, T_max + 1, 2.0):
+        with pytest.raises(ValueError, match=rf"max_tokens must be an int in \[1, T_max = {T_max}\].*got {bad}"):
+            kern.replay_commit(hist, hist_len, n, max_tokens=bad)
 
 
 def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
@@ -400,7 +404,8 @@ def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max
 
     n = _accepted(B, T, 18)
     ckpt1, hist1 = ckpt.clone(), {k: v.clone() for k, v in hist.items()}
-    kern.replay_commit(hist, hist_len, n, state_indices=si)
+    # in a decoder sized for more drafts the commit is sized for the step's width, as replay's is
+    kern.replay_commit(hist, hist_len, n, state_indices=si, max_tokens=None if fold_max is None else T)
     assert torch.equal(ckpt, ckpt1), "fused replay commit touched the checkpoint"
     _check_untouched_rows(len0, hist_len, slots, "fused replay commit hist_len")
     for key in hist:

@@ -163,9 +163,11 @@ class RollbackKernels(Protocol):
         ...
 
     def replay_commit(self, hist: dict, hist_len: torch.Tensor, num_tokens: torch.Tensor, *,
-                      state_indices: torch.Tensor | None = None) -> None:
+                      state_indices: torch.Tensor | None = None, max_tokens: int | None = None) -> None:
         """Commit of fused replay in one launch: move history positions ``T_max .. T_max + n - 1``
-        to ``0 .. n - 1`` and set ``hist_len[i] = n = num_tokens[b]`` (no state traffic)."""
+        to ``0 .. n - 1`` and set ``hist_len[i] = n = num_tokens[b]`` (no state traffic);
+        ``max_tokens``: the step's width, ``n <= max_tokens <= T_max`` (None: ``T_max``), which
+        the launch is sized for."""
         ...
 
 

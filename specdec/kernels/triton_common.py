@@ -383,20 +383,21 @@ def ring_commit(head: torch.Tensor, num_tokens: torch.Tensor, ring_size: int,
 
 
 @triton.jit
-def _move_accepted(h, o, n, E: tl.constexpr, HALF: tl.constexpr):
-    # h: one row of a [*, 2 * HALF, E] history; positions HALF + j -> j for j < n (disjoint ranges)
+def _move_accepted(h, o, n, E: tl.constexpr, HALF: tl.constexpr, MOVE: tl.constexpr):
+    # h: one row of a [*, 2 * HALF, E] history; positions HALF + j -> j for j < n <= MOVE <= HALF
+    # (disjoint ranges)
     m = o < E
     vals = ()
-    for j in tl.static_range(HALF):
+    for j in tl.static_range(MOVE):
         vals = vals + (tl.load(h + (HALF + j) * E + o, mask=m & (j < n)),)
-    for j in tl.static_range(HALF):
+    for j in tl.static_range(MOVE):
         tl.store(h + j * E + o, vals[j], mask=m & (j < n))
 
 
 @triton.jit
 def _replay_commit_history_kernel(hist_len, num_tokens, state_indices, h0, h1, h2, stride0, stride1, stride2,
                                   E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, HALF: tl.constexpr,
-                                  BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
+                                  MOVE: tl.constexpr, BLOCK: tl.constexpr, USE_STATE_INDICES: tl.constexpr):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
@@ -404,15 +405,15 @@ def _replay_commit_history_kernel(hist_len, num_tokens, state_indices, h0, h1, h
             return
     n = tl.load(num_tokens + i_b).to(tl.int64)
     o = i_c * BLOCK + tl.arange(0, BLOCK)
-    _move_accepted(h0 + i_n * stride0, o, n, E0, HALF)
-    _move_accepted(h1 + i_n * stride1, o, n, E1, HALF)
-    _move_accepted(h2 + i_n * stride2, o, n, E2, HALF)
+    _move_accepted(h0 + i_n * stride0, o, n, E0, HALF, MOVE)
+    _move_accepted(h1 + i_n * stride1, o, n, E1, HALF, MOVE)
+    _move_accepted(h2 + i_n * stride2, o, n, E2, HALF, MOVE)
     if i_c == 0:  # nothing in this launch reads hist_len, so one program may write it
         tl.store(hist_len + i_n, n.to(hist_len.dtype.element_ty))
 
 
 def replay_commit_history(hist_len: torch.Tensor, hist: tuple, num_tokens: torch.Tensor,
-                          state_indices: torch.Tensor | None = None) -> None:
+                          state_indices: torch.Tensor | None = None, max_tokens: int | None = None) -> None:
     """Commit of fused replay in one launch (no state traffic): per row b with slot i, move the
     first ``num_tokens[b]`` positions of the step's half of each history tensor (positions
     ``T_max ..``) to positions ``0 ..`` and set ``hist_len[i] = num_tokens[b]``.
@@ -422,11 +423,16 @@ def replay_commit_history(hist_len: torch.Tensor, hist: tuple, num_tokens: torch
             between its programs).
         hist: three ``[num_slots, 2 * T_max, ...]`` tensors with contiguous rows (the op's
             replay history; any dtypes).
-        num_tokens: ``[B]`` int in ``[0, T_max]`` (not checked on device).
+        num_tokens: ``[B]`` int in ``[0, max_tokens]`` (not checked on device).
         state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+        max_tokens: the most tokens any row commits, in ``[1, T_max]`` (the step's width; None:
+            ``T_max``): the launch issues the moves of that many positions, so a step narrower
+            than the history it runs in (a decoder sized for more drafts) moves as one sized for
+            it does; positions past it are never touched.
 
     Raises:
-        ValueError: on a history of odd length, mismatched lengths or non-contiguous rows.
+        ValueError: on a history of odd length, mismatched lengths or non-contiguous rows, or a
+            ``max_tokens`` outside ``[1, T_max]``.
     """
     B = num_tokens.shape[0]
     check_state_indices(state_indices, B)
@@ -441,13 +447,17 @@ def replay_commit_history(hist_len: torch.Tensor, hist: tuple, num_tokens: torch
         raise ValueError(f"a fused replay history holds 2 * T_max positions; got L = {L}")
     if state_indices is None and B > hist_len.shape[0]:
         raise ValueError(f"num_tokens has {B} rows but hist_len holds {hist_len.shape[0]}")
+    move = L // 2 if max_tokens is None else max_tokens
+    if isinstance(move, bool) or not isinstance(move, int) or not 1 <= move <= L // 2:
+        raise ValueError(f"max_tokens must be an int in [1, T_max = {L // 2}] (the step's width) or None; "
+                         f"got {max_tokens!r}")
     E = [t[0, 0].numel() for t in hist]
     if B == 0:
         return
-    # a copy of at most T_max x 16 KiB per program; 4 warps issue 16-byte vectors (fp32)
+    # a copy of at most max_tokens x 16 KiB per program; 4 warps issue 16-byte vectors (fp32)
     BLOCK = min(1024, next_pow2(max(E)))
     _replay_commit_history_kernel[(triton.cdiv(max(E), BLOCK), B)](
         hist_len, num_tokens, state_indices, *hist, *(t.stride(0) for t in hist),
-        E0=E[0], E1=E[1], E2=E[2], HALF=L // 2, BLOCK=BLOCK, USE_STATE_INDICES=state_indices is not None,
-        num_warps=num_warps_for(BLOCK),
+        E0=E[0], E1=E[1], E2=E[2], HALF=L // 2, MOVE=move, BLOCK=BLOCK,
+        USE_STATE_INDICES=state_indices is not None, num_warps=num_warps_for(BLOCK),
     )

@@ -238,7 +238,8 @@ class ReplayRollback(RollbackStrategy):
         if store.step_tokens and getattr(store, "replay_fused_step", False):
             # the step's verify already folded the committed history into the checkpoint: keep the
             # accepted prefix of the step's inputs as the new committed history (one launch)
-            op.kernels.replay_commit(store.tensors["hist"], hist_len, num_tokens, state_indices=si)
+            op.kernels.replay_commit(store.tensors["hist"], hist_len, num_tokens, state_indices=si,
+                                     max_tokens=store.step_tokens)
             store.step_tokens = 0
             if debug_enabled():
                 check_finite(self.state(store, op, params), store)

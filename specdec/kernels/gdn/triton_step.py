@@ -683,7 +683,7 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
                  fold_max=fold_max, **tune)
 
 
-def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None):
+def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None, max_tokens=None):
     """Commit of fused replay (one launch, no state traffic): per row, the first ``num_tokens[b]``
     tokens the step appended (positions ``T_max ..``) move to positions ``0 ..`` and
     ``hist_len[n] = num_tokens[b]``; the checkpoint already holds s^(0) (the verify folded it).
@@ -691,10 +691,12 @@ def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state
     Args:
         hist_k, hist_g, hist_u: the ``L = 2 T_max`` history of :func:`delta_rule_replay_verify`.
         hist_len: ``[N]`` int, written.
-        num_tokens: ``[B]`` int in ``[0, T_max]`` (not checked on device).
+        num_tokens: ``[B]`` int in ``[0, max_tokens]`` (not checked on device).
         state_indices: ``[B]`` slot per row, negative = padding (skipped); None = ``arange(B)``.
+        max_tokens: the step's width, ``[1, T_max]`` (None: ``T_max``); see
+            :func:`specdec.kernels.triton_common.replay_commit_history`.
     """
-    replay_commit_history(hist_len, (hist_k, hist_g, hist_u), num_tokens, state_indices)
+    replay_commit_history(hist_len, (hist_k, hist_g, hist_u), num_tokens, state_indices, max_tokens)
 
 
 def delta_rule_replay_fold(ckpt, hist_k, hist_g, hist_u, num_tokens, state_indices=None, *, block_v=None,
@@ -775,8 +777,8 @@ class DeltaRuleKernels(KernelSet):
                                         state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
                                         **self._tune())
 
-    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
-        delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens, state_indices)
+    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):
+        delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens, state_indices, max_tokens)
 
     def replay_fold(self, ckpt, hist, params, num_tokens, *, state_indices=None):
         delta_rule_replay_fold(ckpt, hist["k"], hist["g"], hist["u"], num_tokens, state_indices,

@@ -623,11 +623,12 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
                  fold_max=fold_max, **tune)
 
 
-def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None):
+def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None, max_tokens=None):
     """Commit of fused replay (one launch, no state traffic): the first ``num_tokens[b]`` tokens the
-    step appended (positions ``T_max ..``) move to positions ``0 ..``; ``hist_len[s] = num_tokens[b]``.
+    step appended (positions ``T_max ..``) move to positions ``0 ..``; ``hist_len[s] = num_tokens[b]``;
+    ``max_tokens``: the step's width (None: ``T_max``).
     See :func:`specdec.kernels.triton_common.replay_commit_history`."""
-    replay_commit_history(hist_len, (hist_x, hist_dt, hist_B), num_tokens, state_indices)
+    replay_commit_history(hist_len, (hist_x, hist_dt, hist_B), num_tokens, state_indices, max_tokens)
 
 
 def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indices=None, *, block_p=None,
@@ -703,8 +704,8 @@ class Mamba2Kernels(KernelSet):
                                     offset, state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
                                     **self._tune())
 
-    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None):
-        mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices)
+    def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):
+        mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices, max_tokens)
 
     def replay_fold(self, ckpt, hist, params, num_tokens, *, state_indices=None):
         mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], params["A"], num_tokens, state_indices,
