@@ -828,6 +828,8 @@ def test_two_processes_give_the_records_of_one(tmp_path: Path):
 @pytest.mark.parametrize("override, message", [
     ("device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
     ("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1"),
+    ("experiment=bench num_speculative_tokens=65", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), "
+     "or auto (K chosen per step) in experiment=bench/long_run/adaptive/serve, got 65"),
     ("drafterr=ngram", "unknown key 'drafterr' (did you mean 'drafter'?)"),
     ("schema=bench", "'schema' is internal"),
     ("experiment=rollback num_speculative_tokens=0", "need drafts to roll back"),

@@ -73,8 +73,10 @@ def validate(cfg: DictConfig) -> None:
     if K != "auto" and (isinstance(K, str) or isinstance(K, bool) or not isinstance(K, int)):
         raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] or auto, got {K!r}")
     if K != "auto" and not 0 <= int(K) <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding), "
-                         f"got {K}")
+        also = (f", or auto (K chosen per step) in experiment={'/'.join(AUTO_EXPERIMENTS)}"
+                if name in AUTO_EXPERIMENTS else "")
+        raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding)"
+                         f"{also}, got {K}")
     if int(cfg.repeats) < 1:
         raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
     strategies = STRATEGIES + ("replay_deferred",)
