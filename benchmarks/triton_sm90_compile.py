@@ -177,6 +177,7 @@ def delta_rule_variants(quick: bool):
                                             si, fused=True, **tune)  # a later call of a step
                 dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, **tune)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
+                dr.delta_rule_replay_commit(hk, hg, hu, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
         if not quick:  # no lookahead: each token's loads after the previous token's barriers
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
         triton_common.state_copy_commit(s, buf, hl)
@@ -213,6 +214,7 @@ def mamba2_variants(quick: bool):
                                     fused=True, **tune)  # a later call of a step
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
+            m2.mamba2_replay_commit(hx, hdt, hB, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
     if not quick:  # no lookahead: each token's loads after the previous token's barriers
         m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
 
