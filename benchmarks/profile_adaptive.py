@@ -17,8 +17,12 @@ acceptance, and the settings (a fixed K or ``auto``; every one with ``rollback="
 against plain decoding first. Prints a line per setting: wall ms per step, prefill included (the
 median of ``--repeats`` timed calls, with their min-max); the decode loop's ms per step (wall less
 prefill) split into the draft, verify and commit laps and the rest (bookkeeping laps and the
-call's own work), medians; the K histogram; device time per step. Writes the three reports per
-setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
+call's own work), medians; the K histogram; device time per step. A second line per setting splits one call
+(medians over the timed calls): the host time outside the engine's step clock (before its first
+mark and after its last), the clock's laps before the first step other than the prefill (the
+strategy's choice, the policy's setup: ``calibration``), the prefill, the first step, the median
+step, the last step (a step: the laps from one ``draft`` lap to the next), to find time a call
+spends outside its steady steps. Writes the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
 on CUDA); on a CPU this is a smoke test.
 """
 
@@ -38,9 +42,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import specdec  # noqa: E402
+import specdec.engine  # noqa: E402
+from specdec.clock import StepClock  # noqa: E402
 from specdec.drafters import OracleDrafter  # noqa: E402
 from specdec.experiments.e2e import timing_batch  # noqa: E402
 from specdec.experiments.models import load_app_model  # noqa: E402
+
+class _KeptClock(StepClock):
+    """The engine's step clock, kept: :data:`_CLOCKS` holds the last call's."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        _CLOCKS[:] = [self]
+
+
+_CLOCKS: list[StepClock] = []
+
+
+def call_segments(clock: StepClock, wall_s: float) -> dict[str, float]:
+    """One call's time in ms: ``outside`` (host wall less the clock's first-to-last mark),
+    ``setup`` (laps before the first ``draft`` lap, the prefill's left out), ``prefill``, and the
+    ``first``, ``median`` and ``last`` step (a step: the laps from one ``draft`` lap to the next);
+    the clock's events must have completed."""
+    laps = clock.laps()
+    starts = [i for i, (phase, _) in enumerate(laps) if phase == "draft"]
+    if not starts:
+        raise ValueError("the call ran no step")
+    before = laps[:starts[0]]
+    steps = [sum(span for _, span in laps[a:b]) for a, b in zip(starts, starts[1:] + [len(laps)])]
+    return {"outside": 1e3 * (wall_s - sum(span for _, span in laps)),
+            "setup": 1e3 * sum(span for phase, span in before if phase != "prefill"),
+            "prefill": 1e3 * sum(span for phase, span in before if phase == "prefill"),
+            "first": 1e3 * steps[0], "median": 1e3 * statistics.median(steps), "last": 1e3 * steps[-1]}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="profile_adaptive.txt")
     args = ap.parse_args(argv)
     settings = [s if s == "auto" else int(s) for s in args.settings.split(",")]
+    specdec.engine.StepClock = _KeptClock  # (the engine makes one per call)
     model, dev = load_app_model(args.model, "cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
     enc, pad = timing_batch(args.batch, args.prompt_tokens, [], None, model.config.vocab_size, dev, 0)
@@ -68,13 +103,14 @@ def main(argv=None) -> int:
                           max_speculative_tokens=args.max_speculative_tokens)
         for _ in range(2):  # compile, capture, calibrate
             sd.generate(**kw)
-        walls, phases = [], []
+        walls, phases, segments = [], [], []
         for _ in range(max(1, args.repeats)):
             sync()
             start = time.perf_counter()
             out = sd.generate(**kw)
             sync()
             wall, st = time.perf_counter() - start, sd.last_stats
+            segments.append(call_segments(_CLOCKS[0], wall))
             walls.append(wall * 1e3 / st.steps)
             # per step, ms: the decode loop (wall - prefill), its draft / verify / commit laps, and the rest
             # (bookkeeping laps, the call's own work: the policy's, for auto)
@@ -105,6 +141,9 @@ def main(argv=None) -> int:
                 f"steps), decode {decode:.3f} (draft {draft:.3f}, verify {verify:.3f}, commit {commit:.3f}, "
                 f"rest {rest:.3f}), K histogram {hist}; device time "
                 f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
+        seg = {k: statistics.median(c[k] for c in segments) for k in segments[0]}
+        head += ("\n   one call, ms: outside the clock {outside:.2f}, setup {setup:.2f}, prefill {prefill:.2f}, "
+                 "first step {first:.3f}, median step {median:.3f}, last step {last:.3f}").format(**seg)
         print(head, flush=True)
         table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
         report += [f"== {head}", "-- cProfile, by own time", by_self.getvalue(), "-- cProfile, cumulative",

@@ -169,6 +169,34 @@ def test_profile_adaptive_cpu(tmp_path):
     assert len(hist) == 2 and sum(int(h) for h in hist) > 0  # K = 0 and K = 1 only
     report = (tmp_path / "p.txt").read_text()
     assert report.count("-- cProfile, by own time") == 2 and report.count("-- torch.profiler") == 2
+    calls = [x for x in lines if x.strip().startswith("one call, ms:")]
+    assert len(calls) == 2  # one per setting
+    for line in calls:
+        parts = dict(p.strip().rsplit(" ", 1) for p in line.split("ms:", 1)[1].split(","))
+        assert set(parts) == {"outside the clock", "setup", "prefill", "first step", "median step", "last step"}
+        assert float(parts["prefill"]) > 0 and float(parts["median step"]) > 0 and float(parts["outside the clock"]) >= 0
+
+
+def test_profile_adaptive_call_segments():
+    """profile_adaptive.call_segments groups a call's laps into the time before its first step
+    (the prefill apart) and its steps, each from one draft lap to the next."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from profile_adaptive import call_segments
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+    class Laps:
+        def laps(self):
+            return [("calibration", 0.001), ("prefill", 0.010), ("calibration", 0.002), ("prefill", 0.003),
+                    ("draft", 0.001), ("verify", 0.004), ("bookkeeping", 0.001),  # step 1: 6 ms
+                    ("draft", 0.001), ("verify", 0.002),  # step 2: 3 ms
+                    ("draft", 0.002), ("verify", 0.003), ("rollback", 0.001), ("dropped step", 0.004)]  # 10 ms
+    seg = call_segments(Laps(), wall_s=0.040)
+    want = {"outside": 5.0, "setup": 3.0, "prefill": 13.0, "first": 6.0, "median": 6.0, "last": 10.0}
+    assert seg == pytest.approx(want)
+    with pytest.raises(ValueError, match="ran no step"):
+        call_segments(type("NoSteps", (), {"laps": lambda self: [("prefill", 0.01)]})(), wall_s=0.02)
 
 
 def test_fold_launch_tiny_cpu(tmp_path):
