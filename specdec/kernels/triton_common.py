@@ -454,7 +454,7 @@ def replay_commit_history(hist_len: torch.Tensor, hist: tuple, num_tokens: torch
     E = [t[0, 0].numel() for t in hist]
     if B == 0:
         return
-    # a copy of at most max_tokens x 16 KiB per program; 4 warps issue 16-byte vectors (fp32)
+    # a copy of at most max_tokens x 16 KiB per program; 4 warps move 16-byte vectors (fp32)
     BLOCK = min(1024, next_pow2(max(E)))
     _replay_commit_history_kernel[(triton.cdiv(max(E), BLOCK), B)](
         hist_len, num_tokens, state_indices, *hist, *(t.stride(0) for t in hist),
