@@ -20,9 +20,10 @@ prefill) split into the draft, verify and commit laps and the rest (bookkeeping 
 call's own work), medians; the K histogram; device time per step. A second line per setting splits one call
 (medians over the timed calls): the host time outside the engine's step clock (before its first
 mark and after its last), the clock's laps before the first step other than the prefill (the
-strategy's choice, the policy's setup: ``calibration``), the prefill, the first step, the median
-step, the last step (a step: the laps from one ``draft`` lap to the next), to find time a call
-spends outside its steady steps. Writes the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
+strategy's choice, the policy's setup: ``calibration``; the first proposal), the prefill, the first
+step, the median step, the last step (a step: the laps from one ``verify`` lap to the next), and the steps that
+changed K, their time over their K's median step summed (medians over the timed calls), to find
+time a call spends outside its steady steps. Writes the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
 on CUDA); on a CPU this is a smoke test.
 """
 
@@ -59,18 +60,31 @@ class _KeptClock(StepClock):
 _CLOCKS: list[StepClock] = []
 
 
-def call_segments(clock: StepClock, wall_s: float) -> dict[str, float]:
+def call_segments(clock: StepClock, wall_s: float, k_per_step: list[int] | None = None) -> dict[str, float]:
     """One call's time in ms: ``outside`` (host wall less the clock's first-to-last mark),
-    ``setup`` (laps before the first ``draft`` lap, the prefill's left out), ``prefill``, and the
-    ``first``, ``median`` and ``last`` step (a step: the laps from one ``draft`` lap to the next);
-    the clock's events must have completed."""
+    ``setup`` (laps before the first ``verify`` lap, the prefill's left out: the first step's
+    proposal included), ``prefill``, and the ``first``, ``median`` and ``last`` step (a step: the
+    laps from one ``verify`` lap to the next, the next step's proposal included where it is made
+    ahead; the last step holds a dropped step's laps);
+    the clock's events must have completed. With ``k_per_step`` (the call's K of every step, as
+    many as the clock's steps): ``switch_excess``, over the steps whose K differs from the step
+    before's (``switches`` of them), their time less the median step at their K, summed: what
+    changing K costs beyond the steps themselves (a replay fold, another graph's first replay)."""
     laps = clock.laps()
-    starts = [i for i, (phase, _) in enumerate(laps) if phase == "draft"]
+    starts = [i for i, (phase, _) in enumerate(laps) if phase == "verify"]
     if not starts:
         raise ValueError("the call ran no step")
     before = laps[:starts[0]]
     steps = [sum(span for _, span in laps[a:b]) for a, b in zip(starts, starts[1:] + [len(laps)])]
-    return {"outside": 1e3 * (wall_s - sum(span for _, span in laps)),
+    out = {}
+    if k_per_step is not None:
+        if len(k_per_step) != len(steps):
+            raise ValueError(f"{len(k_per_step)} K values for the clock's {len(steps)} steps")
+        median_at = {k: statistics.median(t for t, j in zip(steps, k_per_step) if j == k) for k in set(k_per_step)}
+        switched = [i for i in range(1, len(steps)) if k_per_step[i] != k_per_step[i - 1]]
+        out = {"switches": float(len(switched)),
+               "switch_excess": 1e3 * sum(steps[i] - median_at[k_per_step[i]] for i in switched)}
+    return {**out, "outside": 1e3 * (wall_s - sum(span for _, span in laps)),
             "setup": 1e3 * sum(span for phase, span in before if phase != "prefill"),
             "prefill": 1e3 * sum(span for phase, span in before if phase == "prefill"),
             "first": 1e3 * steps[0], "median": 1e3 * statistics.median(steps), "last": 1e3 * steps[-1]}
@@ -110,7 +124,7 @@ def main(argv=None) -> int:
             out = sd.generate(**kw)
             sync()
             wall, st = time.perf_counter() - start, sd.last_stats
-            segments.append(call_segments(_CLOCKS[0], wall))
+            segments.append(call_segments(_CLOCKS[0], wall, st.k_per_step))
             walls.append(wall * 1e3 / st.steps)
             # per step, ms: the decode loop (wall - prefill), its draft / verify / commit laps, and the rest
             # (bookkeeping laps, the call's own work: the policy's, for auto)
@@ -143,7 +157,8 @@ def main(argv=None) -> int:
                 f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
         seg = {k: statistics.median(c[k] for c in segments) for k in segments[0]}
         head += ("\n   one call, ms: outside the clock {outside:.2f}, setup {setup:.2f}, prefill {prefill:.2f}, "
-                 "first step {first:.3f}, median step {median:.3f}, last step {last:.3f}").format(**seg)
+                 "first step {first:.3f}, median step {median:.3f}, last step {last:.3f}, "
+                 "K switches {switches:.0f}, switch steps over their K's median {switch_excess:.2f}").format(**seg)
         print(head, flush=True)
         table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
         report += [f"== {head}", "-- cProfile, by own time", by_self.getvalue(), "-- cProfile, cumulative",

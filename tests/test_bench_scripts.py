@@ -173,13 +173,15 @@ def test_profile_adaptive_cpu(tmp_path):
     assert len(calls) == 2  # one per setting
     for line in calls:
         parts = dict(p.strip().rsplit(" ", 1) for p in line.split("ms:", 1)[1].split(","))
-        assert set(parts) == {"outside the clock", "setup", "prefill", "first step", "median step", "last step"}
+        assert set(parts) == {"outside the clock", "setup", "prefill", "first step", "median step", "last step",
+                              "K switches", "switch steps over their K's median"}
         assert float(parts["prefill"]) > 0 and float(parts["median step"]) > 0 and float(parts["outside the clock"]) >= 0
 
 
 def test_profile_adaptive_call_segments():
     """profile_adaptive.call_segments groups a call's laps into the time before its first step
-    (the prefill apart) and its steps, each from one draft lap to the next."""
+    (the prefill apart) and its steps, each from one verify lap to the next (a proposal made
+    ahead between them belongs to the step before)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         from profile_adaptive import call_segments
@@ -189,12 +191,20 @@ def test_profile_adaptive_call_segments():
     class Laps:
         def laps(self):
             return [("calibration", 0.001), ("prefill", 0.010), ("calibration", 0.002), ("prefill", 0.003),
-                    ("draft", 0.001), ("verify", 0.004), ("bookkeeping", 0.001),  # step 1: 6 ms
-                    ("draft", 0.001), ("verify", 0.002),  # step 2: 3 ms
-                    ("draft", 0.002), ("verify", 0.003), ("rollback", 0.001), ("dropped step", 0.004)]  # 10 ms
-    seg = call_segments(Laps(), wall_s=0.040)
-    want = {"outside": 5.0, "setup": 3.0, "prefill": 13.0, "first": 6.0, "median": 6.0, "last": 10.0}
+                    ("draft", 0.001), ("verify", 0.004), ("bookkeeping", 0.001), ("draft", 0.001),  # step 1: 6 ms
+                    ("verify", 0.002), ("draft", 0.001),  # step 2: 3 ms (its next proposal made ahead)
+                    ("verify", 0.003), ("rollback", 0.001), ("draft", 0.002), ("dropped step", 0.004)]  # 10 ms
+    seg = call_segments(Laps(), wall_s=0.041)
+    want = {"outside": 5.0, "setup": 4.0, "prefill": 13.0, "first": 6.0, "median": 6.0, "last": 10.0}
     assert seg == pytest.approx(want)
+    # steps of 6, 3 and 10 ms at K = 1, 0, 1: both later steps switch; the 3 ms one is K = 0's
+    # only step (0 over its median), the 10 ms one is 2 ms over K = 1's median of 6 and 10
+    seg = call_segments(Laps(), wall_s=0.041, k_per_step=[1, 0, 1])
+    assert seg["switches"] == 2 and seg["switch_excess"] == pytest.approx(2.0)
+    assert seg["first"] == pytest.approx(6.0)
+    assert call_segments(Laps(), wall_s=0.041, k_per_step=[2, 2, 2])["switches"] == 0
+    with pytest.raises(ValueError, match="2 K values for the clock's 3 steps"):
+        call_segments(Laps(), wall_s=0.041, k_per_step=[1, 1])
     with pytest.raises(ValueError, match="ran no step"):
         call_segments(type("NoSteps", (), {"laps": lambda self: [("prefill", 0.01)]})(), wall_s=0.02)
 
