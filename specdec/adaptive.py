@@ -26,9 +26,12 @@ decoding through the same engine (the drafter is not called).
   consecutive steps in which the band held the current K from that same K*, pass
   ``hysteresis_sum`` (default 0.2: a steady 3% after seven steps), so the band cannot hold a K
   a few percent slower for a whole call;
-* **a band around plain decoding**: speculation starts only when predicted faster than K = 0 by
-  more than ``min_gain`` (5% up to 8 rows, ``5% * sqrt(8 / B)`` above: 1.8% at 64 rows, as the
-  noise of the batch's E(K) shrinks), and stops only when predicted slower than K = 0;
+* **a margin to start speculating**: speculation starts only when predicted faster than K = 0 by
+  more than ``min_gain`` (2% up to 8 rows, ``2% * sqrt(8 / B)`` above: 0.7% at 64 rows, as the
+  noise of the batch's E(K) shrinks); it stops as any K is left, by the hysteresis and its sum
+  (K = 0 predicted more than 5% faster, or faster by less for long enough), not at the first
+  step predicted slower: at K = 0 only the probes observe acceptance, so a stop on a dip of the
+  estimate would stand for the rest of the call;
 * **measuring a neighbour**: once the current K's own step time is measured, a width next to it
   (K - 1 or K + 1) whose step time the costs have not measured in :data:`MEASURED_STEPS` real
   steps (:meth:`CostModel.measured`), runs in place of K while its predicted goodput is within
@@ -126,8 +129,8 @@ class PolicySettings:
             faster than plain decoding (K = 0) by more than this fraction (>= 0), for batches of
             at most ``acceptance_batch`` rows; a batch of B > ``acceptance_batch`` rows uses
             ``min_gain * sqrt(acceptance_batch / B)``, as E(K) sums more rows' estimates and its
-            noise, which the margin is for, shrinks so; speculation that runs stops when
-            predicted slower than K = 0 (:func:`choose_k`).
+            noise, which the margin is for, shrinks so; speculation that runs leaves for K = 0 as
+            for any K, by ``hysteresis`` and ``hysteresis_sum`` (:func:`choose_k`).
         probe_interval: at K = 0, every this-many-th step at least runs K = 1 (>= 1).
         probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
             time at K = 0 (in (0, 1]; at a large batch a K = 1 step costs much more than a K = 0 one).
@@ -147,7 +150,7 @@ class PolicySettings:
     hysteresis: float = 0.05
     hysteresis_sum: float = 0.2
     measure_neighbours: bool = True
-    min_gain: float = 0.05
+    min_gain: float = 0.02
     probe_interval: int = 8
     probe_budget: float = 0.01
     cost_weight: float = 0.2
@@ -818,7 +821,8 @@ def speculation_gain(expected: list[float], step_s: list[float]) -> float:
     step_s[K]) / (expected[0] / step_s[0])`` (1.0 when there is no K > 0, or when K = 0 is expected
     to commit nothing: no live rows). From plain steps (or none) :func:`choose_k` starts speculating
     when it exceeds ``1 + max(min_gain, hysteresis)`` (no current K: ``1 + min_gain``); speculating,
-    it stops when it falls below 1. Args as :func:`choose_k`."""
+    it stops when it falls below ``1 / (1 + hysteresis)`` for the current K (or below 1 for long
+    enough, ``hysteresis_sum``). Args as :func:`choose_k`."""
     rate = [e / t for e, t in zip(expected, step_s)]
     return max(rate[1:], default=rate[0]) / rate[0] if rate[0] > 0 else 1.0
 
@@ -828,10 +832,12 @@ def choose_k(expected: list[float], step_s: list[float], current: int | None, hy
     """The K of the next step: ``argmax_K expected[K] / step_s[K]`` (the smallest K on a tie),
     unless ``current`` is within ``hysteresis`` of it (``best <= (1 + hysteresis) * rate(current)``).
     Speculation starts (a K > 0 after K = 0 or at the first step) only when its rate beats K = 0's
-    by more than ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``), and a speculating ``current``
-    is kept while its rate is not below K = 0's: the band between the two keeps an acceptance
-    estimate near the threshold from switching speculation on and off. Where every K commits 0
-    tokens (no live row: a pool about to refill) ``current`` stands (0 when None).
+    by more than ``min_gain`` (``rate(K) > (1 + min_gain) * rate(0)``); a speculating ``current``
+    is left for K = 0 as for any other K, when K = 0's rate beats it by more than ``hysteresis``:
+    the band keeps an acceptance estimate near the threshold from switching speculation on and
+    off, and a dip of the estimate from stopping it (at K = 0 nothing is observed but the
+    probes, so a stop on a dip would stand). Where every K commits 0 tokens (no live row: a
+    pool about to refill) ``current`` stands (0 when None).
 
     Args: expected, step_s: per K = 0..M, tokens a step commits and its seconds (> 0).
         current: the K of the last step, or None. hysteresis, min_gain: fractions (>= 0)."""
@@ -840,8 +846,8 @@ def choose_k(expected: list[float], step_s: list[float], current: int | None, hy
     if not any(rate):  # no live row (a pool refilled after they all ended): nothing to choose by
         return current if current is not None and current < len(rate) else 0
 
-    def worth(K: int) -> bool:
-        return K == 0 or rate[K] > (1.0 + (0.0 if speculating else min_gain)) * rate[0]
+    def worth(K: int) -> bool:  # (the start margin; a speculating K moves by the hysteresis alone)
+        return K == 0 or speculating or rate[K] > (1.0 + min_gain) * rate[0]
 
     best = max(range(len(rate)), key=lambda K: (rate[K], -K))
     if not worth(best):
