@@ -1056,6 +1056,34 @@ def test_policy_probes_at_k0_and_counts_what_it_predicted():
     assert policy.predicted_tokens_per_s == pytest.approx(2 * 24 / (21 * 1.0 + 3 * 2.0))
 
 
+def test_a_dip_of_the_estimate_does_not_stop_speculation_and_a_drop_does():
+    """Speculating, the policy leaves for K = 0 by the hysteresis, as for any K: three steps in
+    which 2 of 16 rows accept (the estimate falls from 0.3 to 0.2, K = 1 predicted 3% slower
+    than plain) keep K = 1, which gains 5% at the true 0.3; acceptance 0 from then on stops it
+    within two steps (predicted 5% slower). At K = 0 only the probes would observe, so a stop
+    on the dip would have held plain decoding (the old rule: stop at any predicted loss)."""
+    B = 16
+    settings = PolicySettings(prior_acceptance=0.3, measure_neighbours=False)
+    policy = SpeculationPolicy(settings, FixedCosts(lambda s, b, K: 1.0 + 0.24 * K), CostKey("eager", "replay", B),
+                               None, 2, B, 1000, 0.3, "cpu")
+
+    def step(accepting: int) -> int:
+        K = policy.next_k()
+        n = torch.zeros(B, dtype=torch.long)
+        n[:accepting] = min(K, 1)
+        live = torch.ones(B, dtype=torch.bool)
+        values = policy.update(n, torch.full((B,), K), live, live, torch.full((B,), 500))
+        policy.receive(None if values is None else values.tolist(), B)
+        return K
+
+    assert step(5) == 1  # (E(1) / t(1) = 1.3 / 1.24 at the prior: 4.8% over plain)
+    dip = [step(2) for _ in range(3)]
+    back = [step(5) for _ in range(12)]  # the estimate back near 0.3
+    assert dip + back == [1] * 15 and min(policy.gain_per_step) < 0.98  # predicted slower, kept
+    drop = [step(0) for _ in range(4)]
+    assert drop[-1] == 0 and drop.index(0) <= 2, drop
+
+
 def test_small_batches_average_acceptance_more_slowly():
     """A batch of B < acceptance_batch rows weighs a new observation by w * sqrt(B / acceptance_batch);
     larger batches by w. The policy's estimator takes that weight."""
