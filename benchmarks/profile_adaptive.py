@@ -69,7 +69,9 @@ def call_segments(clock: StepClock, wall_s: float, k_per_step: list[int] | None 
     the clock's events must have completed. With ``k_per_step`` (the call's K of every step, as
     many as the clock's steps): ``switch_excess``, over the steps whose K differs from the step
     before's (``switches`` of them), their time less the median step at their K, summed: what
-    changing K costs beyond the steps themselves (a replay fold, another graph's first replay)."""
+    changing K costs beyond the steps themselves (a replay fold, another graph's first replay).
+    A step's segment ends with the next step's proposal where that is made ahead, so a new K's
+    first proposal falls in the step before the switch, not in ``switch_excess``."""
     laps = clock.laps()
     starts = [i for i, (phase, _) in enumerate(laps) if phase == "verify"]
     if not starts:

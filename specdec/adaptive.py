@@ -109,7 +109,8 @@ class PolicySettings:
             average (exponentially weighted: ``a := (1 - w) a + w x``), in (0, 1], for batches of
             at least ``acceptance_batch`` rows; a batch of B < ``acceptance_batch`` rows uses
             ``w * sqrt(B / acceptance_batch)``: E(K) sums fewer rows' estimates, so it is noisier,
-            and a dip of a noisy estimate sends the policy to K = 0 until its next probe.
+            and a deep dip of a noisy estimate (K = 0 predicted ``hysteresis`` faster) sends the
+            policy to K = 0 until its next probe.
         acceptance_batch: see ``acceptance_weight`` and ``min_gain`` (>= 1).
         prior_acceptance: the acceptance of every position of every row before anything was
             observed, in [0, 1]: a drafter's first call starts from it, later calls with the same
@@ -119,8 +120,10 @@ class PolicySettings:
         hysteresis_sum: leave the current K for the best one also once the best's predicted
             gains over it (``rate(best) / rate(current) - 1``), summed over the consecutive steps in
             which the band held the current K from that same K, pass this (the sum restarts when
-            the current K is the best again, the best changes or the K changes). >= 0;
-            ``math.inf``: off, the band alone.
+            the current K is the best again, the best changes or the K changes). >= 0; it is also
+            how speculation stops on a small predicted loss (K = 0 the best by less than
+            ``hysteresis``). ``math.inf``: off, the band alone (speculation predicted slower than
+            plain decoding by less than ``hysteresis`` then runs on for good).
         measure_neighbours: once the current K's cost is measured, run a width next to it whose
             cost was not measured yet while its predicted goodput is within ``hysteresis`` of K's,
             until real steps have measured it (at most :data:`MEASURING_STEPS` steps per width and
@@ -820,9 +823,10 @@ def speculation_gain(expected: list[float], step_s: list[float]) -> float:
     """The predicted goodput of the best K > 0 over that of K = 0: ``max_{K > 0} (expected[K] /
     step_s[K]) / (expected[0] / step_s[0])`` (1.0 when there is no K > 0, or when K = 0 is expected
     to commit nothing: no live rows). From plain steps (or none) :func:`choose_k` starts speculating
-    when it exceeds ``1 + max(min_gain, hysteresis)`` (no current K: ``1 + min_gain``); speculating,
-    it stops when it falls below ``1 / (1 + hysteresis)`` for the current K (or below 1 for long
-    enough, ``hysteresis_sum``). Args as :func:`choose_k`."""
+    when it exceeds ``1 + max(min_gain, hysteresis)`` (no current K: ``1 + min_gain``), or ``1 +
+    min_gain`` for long enough (``hysteresis_sum``); speculating, it stops when K = 0's goodput
+    beats the current K's (which may be below the best K's) by more than ``hysteresis``, or by
+    less for long enough. Args as :func:`choose_k`."""
     rate = [e / t for e, t in zip(expected, step_s)]
     return max(rate[1:], default=rate[0]) / rate[0] if rate[0] > 0 else 1.0
 

@@ -194,7 +194,8 @@ ADAPTIVE_COLUMNS = (
            legend="auto: the median over the last timed run's steps of the predicted goodput of the best K > 0 over "
                   "plain decoding's when the step's K was chosen (speculation starts above 1 + max(min_gain, "
                   "hysteresis), or above 1 + min_gain for long enough (PolicySettings.hysteresis_sum; min_gain "
-                  "shrinks above 8 rows), and stops below 1 / (1 + hysteresis), or below 1 for long enough); "
+                  "shrinks above 8 rows), and stops when plain decoding beats the running K by more than "
+                  "hysteresis, or by less for long enough); "
                   "results.jsonl has it per step, and the predicted against the measured step ms per K"),
     Column("calibration_s", "calibration s", "{:.3f}", terminal=False,
            legend="time measuring step costs inside the timed calls (auto's first call per batch measures; "
