@@ -34,7 +34,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
+from specdec.kernels.gdn import triton_chunk as drc  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
+from specdec.kernels.mamba2 import triton_chunk as m2c  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
 
@@ -141,7 +143,7 @@ def _intercept(kernel):
     kernel.run = run
 
 
-for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
+for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, drc._delta_rule_replay_chunk_kernel, m2c._mamba2_replay_chunk_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel):
     _intercept(_k)
@@ -175,6 +177,9 @@ def delta_rule_variants(quick: bool):
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=True, **tune)
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 1,
                                             si, fused=True, **tune)  # a later call of a step
+                for fused in (False, True):  # the chunked form of the replay verify (triton_chunk)
+                    dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=fused, chunked=True,
+                                                **tune)
                 dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, **tune)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
@@ -212,6 +217,9 @@ def mamba2_variants(quick: bool):
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=True, **tune)
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x[:, :1], dt[:, :1], A, Bm[:, :1], Cm[:, :1], d, 1, si,
                                     fused=True, **tune)  # a later call of a step
+            for fused in (False, True):  # the chunked form of the replay verify (triton_chunk)
+                m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=fused, chunked=True,
+                                        **tune)
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step

@@ -61,16 +61,18 @@ def test_tree_kernels_tiny_cpu(tmp_path):
 
 def test_sweep_configs_option_tiny_cpu(tmp_path):
     """benchmarks/sweep_rollback_configs.py --configs sweeps the given launch configurations (here
-    one-warp ones the hand-picked lists lack) for every op, one row each; a malformed entry is
-    refused by name before anything runs."""
+    one-warp ones the hand-picked lists lack) for every op, one row each, and with --chunked each
+    block / warps pair of the chunked replay verify; a malformed entry is refused by name before
+    anything runs."""
     out = tmp_path / "sweep.md"
     _run("sweep_rollback_configs.py", "--device", "cpu", "--tiny", "--ops", "gdn,mamba2", "--batches", "1",
-         "--strategies", "replay", "--configs", "def;8,1,5;16,1,def", "--reps", "1", "--no-precompile",
+         "--strategies", "replay", "--configs", "def;8,1,5;16,1,def", "--reps", "1", "--no-precompile", "--chunked",
          "--out", str(out), tmp_path=tmp_path, TRITON_INTERPRET="1")
     rows = [x.split("|")[1:5] for x in out.read_text().splitlines() if x.startswith("| gdn |") or x.startswith("| mamba2 |")]
     rows = [tuple(c.strip() for c in r) for r in rows if r[2].strip() == "replay"]
-    cfgs = ["block=def warps=def prefetch=def", "block=8 warps=1 prefetch=5", "block=16 warps=1 prefetch=def"]
-    assert rows[:6] == [(op, "1", "replay", c) for op in ("gdn", "mamba2") for c in cfgs]
+    cfgs = ["block=def warps=def prefetch=def", "block=8 warps=1 prefetch=5", "block=16 warps=1 prefetch=def",
+            "chunked block=def warps=def", "chunked block=8 warps=1", "chunked block=16 warps=1"]  # --chunked
+    assert rows[:12] == [(op, "1", "replay", c) for op in ("gdn", "mamba2") for c in cfgs]
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_rollback_configs.py"), "--device",
                           "cpu", "--tiny", "--configs", "def;8,x,5"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)

@@ -75,9 +75,10 @@ def op_params(op, dims, gen) -> dict:
     return params
 
 
-def kernels(op, block=None, tree_loop=None) -> RollbackKernels:
+def kernels(op, block=None, tree_loop=None, chunked=None) -> RollbackKernels:
     """The op's Triton kernel set, launched with state block ``block`` (None: the default)."""
-    return OPS[op].on("triton", DEVICE).kernels.with_launch(LaunchConfig(block=block, tree_loop=tree_loop))
+    launch = LaunchConfig(block=block, tree_loop=tree_loop, chunked=chunked)
+    return OPS[op].on("triton", DEVICE).kernels.with_launch(launch)
 
 
 def step_inputs(op, dims, B, T, dtype, gen) -> dict:
@@ -243,9 +244,35 @@ def test_ring(op, dims, block, B, calls, dtype, use_si):
 
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
 def test_replay(op, dims, block, B, calls, dtype, use_si):
+    _replay_step(op, dims, block, B, calls, dtype, use_si, chunked=False)
+
+
+#: the ops whose replay verify has a chunked form (``LaunchConfig(chunked=True)``)
+CHUNKED_OPS = ("gdn", "kda", "mamba2")
+
+
+def _chunked(grid):
+    return [p for p in grid if p.values[0] in CHUNKED_OPS]
+
+
+#: chunked-only cases: a long chain (T = 12: the inverse's factor L^8) and a 16-token chain
+CHUNK_GRID = [
+    pytest.param("gdn", (2, 16, 16), 16, 2, (12,), torch.float32, True, id="gdn-B2-T12-si"),
+    pytest.param("kda", (1, 16, 16), 16, 2, (16,), torch.float32, False, id="kda-B2-T16"),
+    pytest.param("mamba2", (2, 16, 16, 1), 16, 2, (12,), torch.float32, True, id="mamba2-B2-T12-si"),
+]
+
+
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", _chunked(GRID) + CHUNK_GRID)
+def test_replay_chunked(op, dims, block, B, calls, dtype, use_si):
+    """Deferred replay with the chunked verify: the same outputs, history and untouched memory."""
+    _replay_step(op, dims, block, B, calls, dtype, use_si, chunked=True)
+
+
+def _replay_step(op, dims, block, B, calls, dtype, use_si, chunked):
     torch.manual_seed(6)
     gen = torch.Generator().manual_seed(6)
-    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
+    kern, params, S_shape = kernels(op, block, chunked=chunked), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     L = 2 * T + 3
     S, si, rows = _layout(B, use_si, 7)
@@ -325,6 +352,12 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     _fused_replay_step(op, dims, block, B, calls, dtype, use_si, sum(calls) + 1, None)
 
 
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", _chunked(GRID + MASKED_FOLD_GRID) + CHUNK_GRID)
+def test_replay_fused_chunked(op, dims, block, B, calls, dtype, use_si):
+    """Fused replay with the chunked verify (the committed history folded as one product)."""
+    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, sum(calls) + 1, None, chunked=True)
+
+
 #: a decoder sized for more drafts than its step (num_speculative_tokens="auto"): T_max > T, the
 #: fold sized for fold_max committed tokens (the step's own width, as the decoder sets it; or any)
 FOLD_MAX_GRID = [
@@ -355,10 +388,17 @@ def test_replay_fused_fold_max(op, dims, block, B, calls, dtype, use_si, T_max, 
             kern.replay_commit(hist, hist_len, n, max_tokens=bad)
 
 
-def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
+@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si,T_max,fold_max", _chunked(FOLD_MAX_GRID))
+def test_replay_fused_fold_max_chunked(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
+    """The chunked verify in a decoder sized for T_max > T: only the committed positions count."""
+    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max, chunked=True)
+
+
+def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max, chunked=False):
     torch.manual_seed(16)
     gen = torch.Generator().manual_seed(16)
-    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
+    kern = kernels(op, block, chunked=chunked)
+    params, S_shape = op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     assert T < T_max  # at least one spare position per half: it must stay intact
     longest = T_max if fold_max is None else fold_max
@@ -949,7 +989,7 @@ def test_conv1d_tree_real_size(monkeypatch):
 @pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
 def test_real_size_against_reference(op):
     """Every strategy at the kernel table's shapes (bf16 inputs, fp32 state), B = 8, K = 4, through the
-    library's strategies (the kernel table's check)."""
+    library's strategies (the kernel table's check); replay's chunked verify too."""
     from specdec.experiments.kernel_table import SHAPES, check_point
 
     shape, gen = SHAPES["bench"][op], torch.Generator().manual_seed(0)
@@ -959,6 +999,11 @@ def test_real_size_against_reference(op):
         r = check_point(OPS[op].on("triton", DEVICE), OPS[op], shape, strategy, 8, 4, DEVICE, params=params, gen=gen)
         if not r["exact"]:
             bad[strategy] = r
+    for strategy in ("replay", "replay_deferred"):  # the chunked verify
+        chunked = OPS[op].on("triton", DEVICE).with_launch(LaunchConfig(chunked=True))
+        r = check_point(chunked, OPS[op], shape, strategy, 8, 4, DEVICE, params=params, gen=gen)
+        if not r["exact"]:
+            bad[strategy + " chunked"] = r
     assert not bad, bad
 
 
@@ -1004,3 +1049,41 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
 
 
 TREE_BIG = TREE_UNROLL_MAX + 3
+
+
+@pytest.mark.parametrize("op", ["gdn", "mamba2"])
+def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
+    """``LaunchConfig(chunked=True)``: a chain's replay verify (fused and deferred) runs the chunked
+    kernel; a tree, and the other strategies, keep the token-by-token kernel."""
+    from specdec.kernels.gdn import triton_chunk as drc
+    from specdec.kernels.mamba2 import triton_chunk as m2c
+
+    chunk, token = ((drc._delta_rule_replay_chunk_kernel, dr._delta_rule_step_kernel) if op == "gdn"
+                    else (m2c._mamba2_replay_chunk_kernel, m2._mamba2_step_kernel))
+    seen = []
+    for kernel, name in ((chunk, "chunk"), (token, "token")):
+        def record(*args, _name=name, _original=kernel.run, **kwargs):
+            seen.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", record)
+    dims, T = ((2, 16, 16) if op == "gdn" else (2, 16, 16, 1)), 3
+    gen = torch.Generator().manual_seed(5)
+    kern, params = kernels(op, chunked=True), op_params(op, dims, gen)
+    inp = step_inputs(op, dims, 2, T, torch.float32, gen)
+    ckpt = torch.randn(2, *op_shape(op, dims).state_shape, device=DEVICE)
+    hist = random_history(op, dims, 2, 2 * (T + 1), gen)
+    hist_len = torch.ones(2, dtype=torch.long, device=DEVICE)
+    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True)
+    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=False)
+    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True, parents=(-1, 0, 0))
+    kern.snapshot_verify(ckpt, garbage(2, T, *op_shape(op, dims).state_shape), inp, params, 0)
+    assert seen == ["chunk", "chunk", "token", "token"]
+    if op == "gdn":  # longer than the chunk's 16 tokens: token by token
+        long = step_inputs(op, dims, 2, dr.CHUNK_MAX + 1, torch.float32, gen)
+        kern.replay_verify(ckpt, random_history(op, dims, 2, 2 * dr.CHUNK_MAX + 4, gen), hist_len, long, params, 0)
+        assert seen[-1] == "token"
+    # tl.dot's smallest operand is 16 wide; 32-wide blocks from ~1024 programs
+    assert drc.chunk_block(8, 8, None, 1, 1) == (16, 16, 4) and m2c.chunk_block(8, 8, None, 1, 1) == (16, 16, 8)
+    assert drc.chunk_block(128, 128, None, 64, 32) == (128, 32, 8)
+    assert m2c.chunk_block(64, 128, None, 64, 128) == (32, 128, 8)

@@ -77,12 +77,17 @@ class LaunchConfig:
         prefetch: step tokens whose inputs are requested before the first arithmetic.
         tree_loop: walk a tree's nodes in a loop at run time (True) or unrolled (False);
             None: unrolled up to ``triton_common.TREE_UNROLL_MAX`` nodes.
+        chunked: replay verify of a chain in chunked form (the step's tokens as one chunk: two
+            matrix products with the state and a ``T x T`` triangular solve, instead of two
+            reductions per token: :mod:`specdec.kernels.gdn.triton_chunk`,
+            :mod:`specdec.kernels.mamba2.triton_chunk`); None or False: token by token. Trees and the other strategies are token by token either way.
     """
 
     block: int | None = None
     num_warps: int | None = None
     prefetch: int | None = None
     tree_loop: bool | None = None
+    chunked: bool | None = None
 
 
 class RollbackKernels(Protocol):

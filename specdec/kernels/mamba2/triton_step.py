@@ -479,7 +479,7 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None):
+          parents=None, tree_loop=None, fold_max=None, chunked=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
     tree = tree_table(parents, T, offset, x.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
@@ -493,6 +493,14 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
+    if chunked and mode.value == REPLAY.value and tree is None:  # a chain's replay verify in chunked form
+        from .triton_chunk import launch_replay_chunk
+
+        if Bsz == 0 or T == 0:
+            return out
+        return launch_replay_chunk(x, dt, A, Bm, Cm, D, out, s_src, hist, hist_len, state_indices, strides,
+                                   (Bsz, T, H, P, G, N), offset=offset, fused=fused, first=first, half=half,
+                                   fold_n=fold_n, block_p=block_p, num_warps=num_warps)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
                                                  tree=tree is not None)
     if Bsz == 0 or T == 0:
@@ -525,7 +533,8 @@ _COMMON_ARGS = """
         block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
             tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a tree's
             nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX``
-            nodes).
+            nodes); chunked: a chain's replay verify in chunked form (:mod:`.triton_chunk`;
+            other calls ignore it).
 
     Returns:
         ``y [B, T, H, P]`` fp32 (or ``out``'s dtype).
@@ -679,7 +688,8 @@ class Mamba2Kernels(KernelSet):
 
     def _tune(self):
         c = self.launch
-        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
+        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop,
+                    chunked=c.chunked)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
         return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, **self._tune())

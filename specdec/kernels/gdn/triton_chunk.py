@@ -1,0 +1,225 @@
+"""Replay verify of the gated delta rule in chunked (WY) form: the T step tokens as one chunk.
+
+The token-by-token verify (:mod:`.triton_step`) needs, per token, two reductions over the key
+dim (``S^T k`` and ``S^T q``) across the warps that hold the state block, each waiting on the
+last; on an H200 that dependent chain, not memory, bounds replay's verify at batch 64. The
+chunked form (the WY representation of products of Householder-like matrices, Yang et al.,
+"Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024;
+with gates, "Gated Delta Networks", ICLR 2025) touches the state with two matrix products and
+solves the tokens' coupling in a ``T x T`` triangular system that does not involve the state.
+
+With ``G_t = g_1 + ... + g_t`` (cumulative log decay of the step, per channel for KDA),
+``S_0`` the state the step starts from and ``u_t = beta_t (v_t - S_{t-1}'^T k_t)`` the
+corrected values (``S_{t-1}'`` the state after token t's decay)::
+
+    S_t = exp(G_t) S_0 + sum_{s <= t} exp(G_t - G_s) k_s u_s^T
+    (I + L) U = beta * (V - (K exp(G)) S_0),   L[t, s] = beta_t (k_t . k_s exp(G_t - G_s)), s < t
+    O = (Q exp(G)) S_0 + (Q K^T exp(G_t - G_s))_{s <= t} U
+
+(for KDA the decays sit inside the dot products, channel by channel). Every exponent is of a
+sum of log decays over earlier tokens, so it is <= 0: nothing overflows. The committed history
+is folded into ``S_0`` first, as the token-by-token kernel folds it (rank-1 updates, no
+reduction: nothing there waits on other warps).
+
+Same protocols, arguments, history layout and outputs as the token-by-token replay verify
+(:func:`specdec.kernels.gdn.triton_step.delta_rule_replay_verify`, which dispatches here for
+chains when ``chunked``); trees keep the token-by-token kernel. The arithmetic differs from the
+token-by-token order by rounding only (fp32 throughout; matrix products in IEEE fp32, not TF32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..triton_common import fold_launch, load_slot, next_pow2
+from .triton_step import CHUNK_MAX, _fold_cached
+
+__all__ = ["chunk_block", "launch_replay_chunk"]
+
+#: the smallest dimension of a ``tl.dot`` operand the GPU backends accept
+DOT_MIN = 16
+
+
+@triton.jit
+def _delta_rule_replay_chunk_kernel(
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    g,  # [B, T, H] or [B, T, H, K]
+    beta,  # [B, T, H]
+    o,  # [B, T, H, V] output
+    ckpt,  # [N, H, K, V] checkpoint
+    hist_len,  # [N] committed history lengths
+    state_indices,  # [B] slot of each row, < 0 = padding (USE_STATE_INDICES)
+    h_k,  # [N, L, H, K]
+    h_g,  # [N, L, H] or [N, L, H, K]
+    h_u,  # [N, L, H, V]
+    offset,
+    stride_s_n,
+    stride_hk_n,
+    stride_hg_n,
+    stride_hu_n,
+    T: tl.constexpr,
+    TP: tl.constexpr,  # T padded for tl.dot (a power of two >= 16); T <= 16
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    FUSED: tl.constexpr,
+    FIRST: tl.constexpr,
+    HALF: tl.constexpr,  # FUSED: T_max (history of 2 * T_max positions); else the history length L
+    FOLD_N: tl.constexpr,  # the most history positions the fold reads
+    FOLD_LA: tl.constexpr,  # history items whose loads run ahead (triton_common.fold_launch)
+    FOLD_MASKED: tl.constexpr,  # predicate the history loads on the folded length
+):
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, TP)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_t = o_t < T
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    i_row = i_b * T + o_t  # the tokens' rows in the flattened [B * T]
+
+    # the step's inputs first: they depend on no load, so they travel with the state block
+    a_k = tl.load(k + (i_row[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + (i_row[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + (i_row[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if PER_CHANNEL:
+        a_g = tl.load(g + (i_row[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    else:
+        a_g = tl.load(g + i_row * H + i_h, mask=m_t, other=0.0)
+    b_k = a_k.to(tl.float32)
+    b_g = a_g.to(tl.float32)
+
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
+    if USE_STATE_INDICES:
+        if i_n < 0:  # a padding row
+            return
+    p_hk = h_k + i_n * stride_hk_n
+    p_hg = h_g + i_n * stride_hg_n
+    p_hu = h_u + i_n * stride_hu_n
+    p_s = ckpt + i_n * stride_s_n + i_h * K * V + o_k[:, None] * V + o_v[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    if FUSED:
+        if FIRST:  # fold the committed history into the checkpoint, in place
+            base = i_n * 0
+            cnt = tl.load(hist_len + i_n).to(tl.int64)
+        else:  # the checkpoint is s^(0); this step's first offset tokens
+            base = i_n * 0 + HALF
+            cnt = i_n * 0 + offset
+        pos0 = HALF + offset
+    else:  # deferred: everything folded in registers
+        base = i_n * 0
+        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
+        pos0 = cnt
+    b_s = tl.load(p_s, mask=m_kv, other=0.0)
+    # the fold is rank-1 updates with no reduction (the token-by-token kernels' own)
+    b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, base, cnt, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL, FOLD_N,
+                       FOLD_LA, FOLD_MASKED)
+    if FUSED:
+        if FIRST:
+            if cnt > 0:  # absorb the committed history: the checkpoint is now s^(0)
+                tl.debug_barrier()  # in place: every thread has read its block before any writes back
+                tl.store(p_s, b_s, mask=m_kv)
+
+    # decays within the step, and the tokens' pairwise products (they do not involve the state)
+    lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    if PER_CHANNEL:
+        c_g = tl.cumsum(b_g, axis=0)  # [TP, BK]
+        a_kk = tl.zeros([TP, TP], dtype=tl.float32)
+        a_qk = tl.zeros([TP, TP], dtype=tl.float32)
+        for s in tl.static_range(T):
+            sel = (o_t == s)[:, None]
+            k_s = tl.sum(tl.where(sel, b_k, 0.0), axis=0)
+            g_s = tl.sum(tl.where(sel, c_g, 0.0), axis=0)
+            d_s = tl.exp(tl.where((o_t >= s)[:, None], c_g - g_s[None, :], 0.0))  # [t, BK], t >= s
+            kd_s = k_s[None, :] * d_s
+            col = (o_t == s)[None, :]
+            a_kk = tl.where(col, tl.sum(b_k * kd_s, axis=1)[:, None], a_kk)
+            a_qk = tl.where(col, tl.sum(b_q * kd_s, axis=1)[:, None], a_qk)
+        a_kk = tl.where(lower, a_kk, 0.0)
+        a_qk = tl.where(lower, a_qk, 0.0)
+        e_g = tl.exp(c_g)
+        k_g = b_k * e_g
+        q_g = b_q * e_g
+    else:
+        c_g = tl.cumsum(b_g, axis=0)  # [TP]
+        dec = tl.where(lower, tl.exp(tl.where(lower, c_g[:, None] - c_g[None, :], 0.0)), 0.0)
+        a_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee") * dec
+        a_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * dec
+        e_g = tl.exp(c_g)[:, None]
+        k_g = b_k * e_g
+        q_g = b_q * e_g
+    # (I + L)^-1 with L = beta * a_kk strictly below the diagonal: L is nilpotent (L^T = 0), so
+    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) for T <= 16 -- a few small products
+    # instead of a T-step substitution with cross-thread reductions in every step
+    a_l = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * a_kk, 0.0)
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    inv = eye - a_l
+    a_p = a_l
+    for i in tl.static_range(1, 4):
+        if (1 << i) < T:  # the factor (I + L^(2^i)) is I once 2^i >= T
+            a_p = tl.dot(a_p, a_p, input_precision="ieee")
+            inv = tl.dot(inv, eye + a_p, input_precision="ieee")
+
+    # the state enters here: two products with S_0, then the triangular system and the outputs
+    b_ks = tl.dot(k_g, b_s, input_precision="ieee")  # [TP, BV]
+    b_qs = tl.dot(q_g, b_s, input_precision="ieee")
+    b_u = tl.dot(inv, b_beta[:, None] * (b_v - b_ks), input_precision="ieee")
+    b_o = b_qs + tl.dot(a_qk, b_u, input_precision="ieee")
+
+    tl.store(o + (i_row[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    pos = pos0 + o_t
+    tl.store(p_hu + pos[:, None] * (H * V) + i_h * V + o_v[None, :], b_u.to(h_u.dtype.element_ty), mask=m_tv)
+    if i_v == 0:  # k and g are shared by every value block: one program writes them
+        tl.store(p_hk + pos[:, None] * (H * K) + i_h * K + o_k[None, :], a_k.to(h_k.dtype.element_ty), mask=m_tk)
+        if PER_CHANNEL:
+            tl.store(p_hg + pos[:, None] * (H * K) + i_h * K + o_k[None, :], a_g.to(h_g.dtype.element_ty),
+                     mask=m_tk)
+        else:
+            tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty), mask=m_t)
+
+
+def chunk_block(K: int, V: int, block_v: int | None, batch: int, H: int, num_warps: int | None = None):
+    """``(BK, BV, num_warps)`` of the chunked verify: the whole key dim and value columns, both at
+    least :data:`DOT_MIN` (the matrix products' smallest operand). BV 32 when the grid has at least
+    ~1024 programs of 32 columns, else 16 (more programs at small batch), unless ``block_v``; 4
+    warps for a 16-column block, 8 for wider ones. By register count for sm_90 at K = V = 128
+    (``python benchmarks/triton_sm90_compile.py``): GDN 100 registers at BV 16 / 4 warps, 109 at
+    BV 32 / 8 warps (128 at 4: fewer programs fit an SM); KDA 176 and 128 (255 at BV 32 / 4
+    warps). Not yet timed against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
+    if block_v is None:
+        block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
+    BK = max(DOT_MIN, next_pow2(K))
+    BV = max(DOT_MIN, min(next_pow2(block_v), next_pow2(V)))
+    return BK, BV, num_warps or (4 if BV <= 16 else 8)
+
+
+def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indices, strides, dims, *, offset,
+                        fused, first, half, fold_n, per_channel, block_v=None, num_warps=None):
+    """Launch the chunked replay verify on checked, contiguous arguments (the caller's
+    :func:`specdec.kernels.gdn.triton_step._step` validates them). ``fold_n``: the most history
+    positions the fold may read (fused first call: ``fold_max``; later calls: T_max; deferred: L)."""
+    B, T, H, K, V = dims
+    if T > CHUNK_MAX:
+        raise ValueError(f"the chunked replay verify takes at most {CHUNK_MAX} tokens per call, got {T}")
+    BK, BV, num_warps = chunk_block(K, V, block_v, B, H, num_warps)
+    h_k, h_g, h_u = hist
+    fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
+    grid = (triton.cdiv(V, BV), H, B)  # B on axis 2: axis 1 is capped at 65535
+    _delta_rule_replay_chunk_kernel[grid](
+        q, k, v, g, beta, out, ckpt, hist_len, state_indices, h_k, h_g, h_u, offset,
+        strides[0], strides[4], strides[5], strides[6],
+        T=T, TP=max(DOT_MIN, next_pow2(T)), H=H, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel,
+        USE_STATE_INDICES=state_indices is not None, FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n,
+        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,177 @@
+"""Replay verify of the Mamba-2 selective state update in chunked (SSD) form: the T step tokens as one chunk.
+
+The token-by-token verify (:mod:`.triton_step`) reduces the ``[BP, N]`` state block against
+``C_t`` once per token, each token waiting on the previous update. The chunked form is the
+state space duality of Dao & Gu ("Transformers are SSMs", ICML 2024) applied to one chunk:
+with ``l_t = dt_1 A + ... + dt_t A`` (cumulative log decay of the step, per head) and ``h_0``
+the state the step starts from::
+
+    h_t = exp(l_t) h_0 + sum_{s <= t} exp(l_t - l_s) dt_s x_s B_s^T
+    Y   = exp(l) * (C h_0^T) + M X + D X,   M[t, s] = exp(l_t - l_s) dt_s (C_t . B_s), s <= t
+
+so the state enters one ``[T, N] x [N, BP]`` product and the tokens' coupling is a ``T x T``
+matrix that does not involve the state. Every exponent is <= 0 (A < 0, dt > 0), so nothing
+overflows. The committed history is folded into ``h_0`` first, as the token-by-token kernel
+folds it (rank-1 updates).
+
+Same protocols, arguments, history layout and outputs as the token-by-token replay verify
+(:func:`specdec.kernels.mamba2.triton_step.mamba2_replay_verify`, which dispatches here for
+chains when ``chunked``); trees keep the token-by-token kernel. The arithmetic differs from the
+token-by-token order by rounding only (fp32 throughout; matrix products in IEEE fp32, not TF32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..triton_common import fold_launch, load_slot, next_pow2
+from .triton_step import _fold_cached
+
+__all__ = ["chunk_block", "launch_replay_chunk"]
+
+#: the smallest dimension of a ``tl.dot`` operand the GPU backends accept
+DOT_MIN = 16
+
+
+@triton.jit
+def _mamba2_replay_chunk_kernel(
+    x,  # [B, T, H, P]
+    dt,  # [B, T, H] (already softplus'ed)
+    A,  # [H]
+    Bm,  # [B, T, G, N]
+    Cm,  # [B, T, G, N]
+    D,  # [H] (HAS_D)
+    y,  # [B, T, H, P] output
+    ckpt,  # [S, H, P, N] checkpoint
+    hist_len,  # [S] committed history lengths
+    state_indices,  # [B] slot of each row, < 0 = padding (USE_STATE_INDICES)
+    h_x,  # [S, L, H, P]
+    h_dt,  # [S, L, H]
+    h_B,  # [S, L, G, N]
+    offset,
+    stride_s_n,
+    stride_hx_n,
+    stride_hdt_n,
+    stride_hB_n,
+    T: tl.constexpr,
+    TP: tl.constexpr,  # T padded for tl.dot (a power of two >= 16)
+    H: tl.constexpr,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    G: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_D: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    FUSED: tl.constexpr,
+    FIRST: tl.constexpr,
+    HALF: tl.constexpr,  # FUSED: T_max (history of 2 * T_max positions); else the history length L
+    FOLD_N: tl.constexpr,  # the most history positions the fold reads
+    FOLD_LA: tl.constexpr,  # history items whose loads run ahead (triton_common.fold_launch)
+    FOLD_MASKED: tl.constexpr,  # predicate the history loads on the folded length
+):
+    i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_g = i_h // (H // G)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = tl.arange(0, BN)
+    o_t = tl.arange(0, TP)
+    m_p = o_p < P
+    m_n = o_n < N
+    m_t = o_t < T
+    m_tp = m_t[:, None] & m_p[None, :]
+    m_tn = m_t[:, None] & m_n[None, :]
+    i_row = i_b * T + o_t  # the tokens' rows in the flattened [B * T]
+
+    # the step's inputs first: they depend on no load, so they travel with the state block
+    a_x = tl.load(x + (i_row[:, None] * H + i_h) * P + o_p[None, :], mask=m_tp, other=0.0)
+    a_d = tl.load(dt + i_row * H + i_h, mask=m_t, other=0.0)
+    a_B = tl.load(Bm + (i_row[:, None] * G + i_g) * N + o_n[None, :], mask=m_tn, other=0.0)
+    b_C = tl.load(Cm + (i_row[:, None] * G + i_g) * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+    b_A = tl.load(A + i_h).to(tl.float32)
+    b_x = a_x.to(tl.float32)
+    b_dt = a_d.to(tl.float32)
+    b_B = a_B.to(tl.float32)
+
+    i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
+    if USE_STATE_INDICES:
+        if i_n < 0:  # a padding row
+            return
+    p_hx = h_x + i_n * stride_hx_n
+    p_hdt = h_dt + i_n * stride_hdt_n
+    p_hB = h_B + i_n * stride_hB_n
+    p_s = ckpt + i_n * stride_s_n + i_h * P * N + o_p[:, None] * N + o_n[None, :]
+    m_pn = m_p[:, None] & m_n[None, :]
+    if FUSED:
+        if FIRST:  # fold the committed history into the checkpoint, in place
+            base = i_n * 0
+            cnt = tl.load(hist_len + i_n).to(tl.int64)
+        else:  # the checkpoint is s^(0); this step's first offset tokens
+            base = i_n * 0 + HALF
+            cnt = i_n * 0 + offset
+        pos0 = HALF + offset
+    else:  # deferred: everything folded in registers
+        base = i_n * 0
+        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
+        pos0 = cnt
+    b_h = tl.load(p_s, mask=m_pn, other=0.0)
+    # the fold is rank-1 updates with no reduction (the token-by-token kernels' own)
+    b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G, FOLD_N,
+                       FOLD_LA, FOLD_MASKED)
+    if FUSED:
+        if FIRST:
+            if cnt > 0:  # absorb the committed history: the checkpoint is now s^(0)
+                tl.debug_barrier()  # in place: every thread has read its block before any writes back
+                tl.store(p_s, b_h, mask=m_pn)
+
+    # the tokens' coupling within the step (it does not involve the state)
+    c_l = tl.cumsum(b_dt * b_A, axis=0)  # [TP]
+    lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    dec = tl.where(lower, tl.exp(tl.where(lower, c_l[:, None] - c_l[None, :], 0.0)), 0.0)
+    m_ts = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * dec * b_dt[None, :]  # [TP, TP]
+    # the state enters one product
+    b_y = tl.exp(c_l)[:, None] * tl.dot(b_C, tl.trans(b_h), input_precision="ieee")  # [TP, BP]
+    b_y += tl.dot(m_ts, b_x, input_precision="ieee")
+    if HAS_D:
+        b_y += b_x * tl.load(D + i_h).to(tl.float32)
+
+    tl.store(y + (i_row[:, None] * H + i_h) * P + o_p[None, :], b_y.to(y.dtype.element_ty), mask=m_tp)
+    pos = pos0 + o_t
+    tl.store(p_hx + pos[:, None] * (H * P) + i_h * P + o_p[None, :], a_x.to(h_x.dtype.element_ty), mask=m_tp)
+    if i_p == 0:  # dt is per head, B per group: one program of each writes them
+        tl.store(p_hdt + pos * H + i_h, a_d.to(h_dt.dtype.element_ty), mask=m_t)
+        if i_h % (H // G) == 0:
+            tl.store(p_hB + pos[:, None] * (G * N) + i_g * N + o_n[None, :], a_B.to(h_B.dtype.element_ty), mask=m_tn)
+
+
+def chunk_block(P: int, N: int, block_p: int | None, batch: int, H: int, num_warps: int | None = None):
+    """``(BP, BN, num_warps)`` of the chunked verify: the whole state dim and head-dim rows, both at
+    least :data:`DOT_MIN` (the matrix products' smallest operand). BP 32 when the grid has at least
+    ~1024 programs of 32 rows, else 16 (more programs at small batch), unless ``block_p``; 8 warps.
+    By register count for sm_90 at P = 64, N = 128 (``python benchmarks/triton_sm90_compile.py``):
+    80 registers at BP 32 / 8 warps (153 at 4), 162 at BP 16 / 8 warps (255 at 4). Not yet timed
+    against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
+    if block_p is None:
+        block_p = 32 if batch * H * triton.cdiv(P, 32) >= 1024 else 16
+    BN = max(DOT_MIN, next_pow2(N))
+    BP = max(DOT_MIN, min(next_pow2(block_p), next_pow2(P)))
+    return BP, BN, num_warps or 8
+
+
+def launch_replay_chunk(x, dt, A, Bm, Cm, D, out, ckpt, hist, hist_len, state_indices, strides, dims, *, offset,
+                        fused, first, half, fold_n, block_p=None, num_warps=None):
+    """Launch the chunked replay verify on checked, contiguous arguments (the caller's
+    :func:`specdec.kernels.mamba2.triton_step._step` validates them). ``fold_n``: the most history
+    positions the fold may read (fused first call: ``fold_max``; later calls: T_max; deferred: L)."""
+    Bsz, T, H, P, G, N = dims
+    BP, BN, num_warps = chunk_block(P, N, block_p, Bsz, H, num_warps)
+    h_x, h_dt, h_B = hist
+    fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
+    _mamba2_replay_chunk_kernel[(triton.cdiv(P, BP), H, Bsz)](  # B on axis 2: axis 1 is capped at 65535
+        x, dt, A, Bm, Cm, D, out, ckpt, hist_len, state_indices, h_x, h_dt, h_B, offset,
+        strides[0], strides[4], strides[5], strides[6],
+        T=T, TP=max(DOT_MIN, next_pow2(T)), H=H, P=P, N=N, G=G, BP=BP, BN=BN, HAS_D=D is not None,
+        USE_STATE_INDICES=state_indices is not None, FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n,
+        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, num_warps=num_warps,
+    )
+    return out
