@@ -1054,7 +1054,8 @@ TREE_BIG = TREE_UNROLL_MAX + 3
 @pytest.mark.parametrize("op", ["gdn", "mamba2"])
 def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     """``LaunchConfig(chunked=True)``: a chain's replay verify (fused and deferred) runs the chunked
-    kernel; a tree, and the other strategies, keep the token-by-token kernel."""
+    kernel; a tree, and the other strategies, keep the token-by-token kernel. ``chunked=None``
+    follows ``SPECDEC_CHUNKED_REPLAY`` (off unless set), ``False`` overrides it."""
     from specdec.kernels.gdn import triton_chunk as drc
     from specdec.kernels.mamba2 import triton_chunk as m2c
 
@@ -1079,6 +1080,13 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True, parents=(-1, 0, 0))
     kern.snapshot_verify(ckpt, garbage(2, T, *op_shape(op, dims).state_shape), inp, params, 0)
     assert seen == ["chunk", "chunk", "token", "token"]
+    monkeypatch.delenv("SPECDEC_CHUNKED_REPLAY", raising=False)
+    default = kernels(op)  # LaunchConfig.chunked None: the environment decides, at each call
+    default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
+    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "1")
+    default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
+    kernels(op, chunked=False).replay_verify(ckpt, hist, hist_len, inp, params, 0)
+    assert seen[4:] == ["token", "chunk", "token"]
     if op == "gdn":  # longer than the chunk's 16 tokens: token by token
         long = step_inputs(op, dims, 2, dr.CHUNK_MAX + 1, torch.float32, gen)
         kern.replay_verify(ckpt, random_history(op, dims, 2, 2 * dr.CHUNK_MAX + 4, gen), hist_len, long, params, 0)

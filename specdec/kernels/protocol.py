@@ -80,7 +80,8 @@ class LaunchConfig:
         chunked: replay verify of a chain in chunked form (the step's tokens as one chunk: two
             matrix products with the state and a ``T x T`` triangular solve, instead of two
             reductions per token: :mod:`specdec.kernels.gdn.triton_chunk`,
-            :mod:`specdec.kernels.mamba2.triton_chunk`); None or False: token by token. Trees and the other strategies are token by token either way.
+            :mod:`specdec.kernels.mamba2.triton_chunk`); False: token by token; None: chunked
+            when the environment sets ``SPECDEC_CHUNKED_REPLAY=1`` (read at each call). Trees and the other strategies are token by token either way.
     """
 
     block: int | None = None

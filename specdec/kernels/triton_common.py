@@ -10,6 +10,7 @@ interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is fo
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import triton
@@ -71,6 +72,14 @@ class KernelSet:
         out = copy.copy(self)
         out.launch = launch
         return out
+
+    def chunked(self) -> bool:
+        """Whether a chain's replay verify runs in chunked form: ``launch.chunked``, or when that
+        is None the environment's ``SPECDEC_CHUNKED_REPLAY`` (``1`` on; default off: the
+        token-by-token verify, until the chunked form is timed faster on a GPU)."""
+        if self.launch.chunked is not None:
+            return bool(self.launch.chunked)
+        return os.environ.get("SPECDEC_CHUNKED_REPLAY", "0") not in ("0", "false", "False", "")
 
 
 def next_pow2(n: int) -> int:

@@ -767,7 +767,7 @@ class DeltaRuleKernels(KernelSet):
     def _tune(self):
         c = self.launch
         return dict(block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop,
-                    chunked=c.chunked)
+                    chunked=self.chunked())
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
         return delta_rule_update(state, *self._unpack(inputs), state_indices, out=out, **self._tune())

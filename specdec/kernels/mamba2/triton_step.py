@@ -689,7 +689,7 @@ class Mamba2Kernels(KernelSet):
     def _tune(self):
         c = self.launch
         return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop,
-                    chunked=c.chunked)
+                    chunked=self.chunked())
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
         return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, **self._tune())
