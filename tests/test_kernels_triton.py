@@ -889,15 +889,22 @@ STRATEGY_CASES = [
     pytest.param("kda", "replay", id="kda-replay"),
     pytest.param("mamba2", "snapshot", id="mamba2-snapshot"),
     pytest.param("mamba2", "replay_deferred", id="mamba2-replay_deferred"),
+    # the chunked replay verify, switched on for the run (SPECDEC_CHUNKED_REPLAY)
+    pytest.param("gdn", "replay+chunked", id="gdn-replay-chunked"),
+    pytest.param("kda", "replay_deferred+chunked", id="kda-replay_deferred-chunked"),
+    pytest.param("mamba2", "replay+chunked", id="mamba2-replay-chunked"),
 ]
 
 
 @pytest.mark.parametrize("name,strategy", STRATEGY_CASES)
 def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
-    """Two speculative steps (the first in two calls) through a rollback strategy: Triton == torch."""
+    """Two speculative steps (the first in two calls) through a rollback strategy: Triton == torch
+    (``+chunked``: with replay's chunked verify)."""
     from specdec.rollback import make_strategy
 
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    strategy, chunked = strategy.partition("+")[::2]
+    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "1" if chunked else "0")
     op_triton = get_op(name, DEVICE)
     op_torch = OPS[name]
     gen = torch.Generator().manual_seed(14)
