@@ -489,8 +489,8 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     return BK, BV, num_warps or num_warps_for(BK * BV)
 
 
-#: the most tokens of a chunked replay verify call (:mod:`.triton_chunk`: its inverse's product
-#: form has factors up to L^8); longer chains run token by token
+#: the most tokens of a chunked replay verify call (:mod:`.triton_chunk`: its block inversion
+#: has four levels); longer chains run token by token
 CHUNK_MAX = 16
 
 #: tokens whose inputs a program requests before its first arithmetic (all of them up to K = 4):
@@ -585,8 +585,9 @@ _COMMON_ARGS = """
         out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
         block_v, num_warps, prefetch: override the value-block width, the warps per program and
             the tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a
-            tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes); chunked: a chain's replay verify of up to ``CHUNK_MAX`` = 16 tokens in
-            chunked form (:mod:`.triton_chunk`; other calls ignore it).
+            tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes);
+            chunked: a chain's replay verify of up to ``CHUNK_MAX`` = 16 tokens in chunked form
+            (:mod:`.triton_chunk`; other calls ignore it).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
