@@ -273,6 +273,29 @@ def softplus(x, threshold, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def replay_window(hist_len, i_n, offset, FUSED: tl.constexpr, FIRST: tl.constexpr, HALF: tl.constexpr):
+    """``(base, cnt, pos0)`` of a replay verify call for slot ``i_n`` (int64): the history
+    positions ``base .. base + cnt - 1`` folded into the state before the call's tokens, and the
+    position its first token's inputs are appended at. Fused replay's first call of a step: the
+    committed history (``0 .. hist_len``), appended from ``HALF`` (T_max); a later call: the
+    step's first ``offset`` tokens (``HALF ..``), appended after them; deferred replay: the
+    committed history and the step's first tokens (``0 .. hist_len + offset``), appended after."""
+    if FUSED:
+        if FIRST:
+            base = i_n * 0
+            cnt = tl.load(hist_len + i_n).to(tl.int64)
+        else:
+            base = i_n * 0 + HALF
+            cnt = i_n * 0 + offset
+        pos0 = base * 0 + HALF + offset
+    else:
+        base = i_n * 0
+        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
+        pos0 = cnt
+    return base, cnt, pos0
+
+
+@triton.jit
 def load_slot(state_indices, i_b, USE_STATE_INDICES: tl.constexpr):
     """The state slot of row ``i_b`` (int64): ``state_indices[i_b]`` (negative: a padding row,
     which the caller skips), or ``i_b`` itself without ``state_indices``."""

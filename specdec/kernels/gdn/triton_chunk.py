@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import fold_launch, load_slot, next_pow2
+from ..triton_common import fold_launch, load_slot, next_pow2, replay_window
 from .triton_step import CHUNK_MAX, _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
@@ -108,18 +108,7 @@ def _delta_rule_replay_chunk_kernel(
     p_hu = h_u + i_n * stride_hu_n
     p_s = ckpt + i_n * stride_s_n + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     m_kv = m_k[:, None] & m_v[None, :]
-    if FUSED:
-        if FIRST:  # fold the committed history into the checkpoint, in place
-            base = i_n * 0
-            cnt = tl.load(hist_len + i_n).to(tl.int64)
-        else:  # the checkpoint is s^(0); this step's first offset tokens
-            base = i_n * 0 + HALF
-            cnt = i_n * 0 + offset
-        pos0 = HALF + offset
-    else:  # deferred: everything folded in registers
-        base = i_n * 0
-        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
-        pos0 = cnt
+    base, cnt, pos0 = replay_window(hist_len, i_n, offset, FUSED, FIRST, HALF)
     b_s = tl.load(p_s, mask=m_kv, other=0.0)
     # the fold is rank-1 updates with no reduction (the token-by-token kernels' own)
     b_s = _fold_cached(b_s, p_hk, p_hg, p_hu, base, cnt, i_h, o_k, o_v, m_k, m_v, H, K, V, PER_CHANNEL, FOLD_N,

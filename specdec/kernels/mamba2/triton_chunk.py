@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import fold_launch, load_slot, next_pow2
+from ..triton_common import fold_launch, load_slot, next_pow2, replay_window
 from .triton_step import _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
@@ -102,18 +102,7 @@ def _mamba2_replay_chunk_kernel(
     p_hB = h_B + i_n * stride_hB_n
     p_s = ckpt + i_n * stride_s_n + i_h * P * N + o_p[:, None] * N + o_n[None, :]
     m_pn = m_p[:, None] & m_n[None, :]
-    if FUSED:
-        if FIRST:  # fold the committed history into the checkpoint, in place
-            base = i_n * 0
-            cnt = tl.load(hist_len + i_n).to(tl.int64)
-        else:  # the checkpoint is s^(0); this step's first offset tokens
-            base = i_n * 0 + HALF
-            cnt = i_n * 0 + offset
-        pos0 = HALF + offset
-    else:  # deferred: everything folded in registers
-        base = i_n * 0
-        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
-        pos0 = cnt
+    base, cnt, pos0 = replay_window(hist_len, i_n, offset, FUSED, FIRST, HALF)
     b_h = tl.load(p_s, mask=m_pn, other=0.0)
     # the fold is rank-1 updates with no reduction (the token-by-token kernels' own)
     b_h = _fold_cached(b_h, p_hx, p_hdt, p_hB, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G, FOLD_N,
