@@ -58,6 +58,9 @@ OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
 #: for sm_90 on a CPU and over 300 s on an H200 machine; the loop compiles like a chain.
 TREE_UNROLL_MAX = 16
 
+#: the smallest dimension of a ``tl.dot`` operand the GPU backends accept (the chunked kernels pad to it)
+DOT_MIN = 16
+
 
 class KernelSet:
     """Base of the per-op kernel sets (the ``kernels`` of :class:`specdec.kernels.SSMOp`): the

@@ -25,13 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import fold_launch, load_slot, next_pow2, replay_window
+from ..triton_common import DOT_MIN, fold_launch, load_slot, next_pow2, replay_window
 from .triton_step import _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
-
-#: the smallest dimension of a ``tl.dot`` operand the GPU backends accept
-DOT_MIN = 16
 
 
 @triton.jit
