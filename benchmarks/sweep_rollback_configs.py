@@ -80,7 +80,7 @@ def parse_configs(text: str) -> list:
 
 def launch_of(cfg, chunked: bool = False) -> LaunchConfig:
     block, warps, prefetch = cfg
-    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked or None)
+    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked)  # not the environment's
 
 
 def cfg_name(cfg, chunked: bool = False):

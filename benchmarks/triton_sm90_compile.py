@@ -185,6 +185,14 @@ def delta_rule_variants(quick: bool):
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
         if not quick:  # no lookahead: each token's loads after the previous token's barriers
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
+    # the chunked verify's other shapes, in the quick set too: KDA's per-channel decays, 16 tokens
+    for T_c, per_channel in ((T, True), (16, False)):
+        q = F.normalize(torch.randn(B, T_c, H, K), dim=-1).to(dt)
+        g = -torch.rand(B, T_c, H, *((K,) if per_channel else ())).to(dt)
+        hist = torch.zeros(B, 2 * T_c, H, K), torch.zeros(B, 2 * T_c, *g.shape[2:]), torch.zeros(B, 2 * T_c, H, V)
+        dr.delta_rule_replay_verify(torch.zeros(B, H, K, V), *hist, torch.zeros(B, dtype=torch.long), q, q.clone(),
+                                    torch.randn(B, T_c, H, V, dtype=dt), g, torch.rand(B, T_c, H, dtype=dt), 0,
+                                    fused=True, chunked=True)
         triton_common.state_copy_commit(s, buf, hl)
         triton_common.ring_commit(head, hl, T + 1)
 

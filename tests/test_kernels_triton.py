@@ -1094,12 +1094,15 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
     kernels(op, chunked=False).replay_verify(ckpt, hist, hist_len, inp, params, 0)
     assert seen[4:] == ["token", "chunk", "token"]
+    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "yes")  # neither on nor off: said, not guessed
+    with pytest.raises(ValueError, match=r"SPECDEC_CHUNKED_REPLAY='yes': use 1 / true .* or 0 / false / unset"):
+        default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
     if op == "gdn":  # longer than the chunk's 16 tokens: token by token
         long = step_inputs(op, dims, 2, dr.CHUNK_MAX + 1, torch.float32, gen)
         kern.replay_verify(ckpt, random_history(op, dims, 2, 2 * dr.CHUNK_MAX + 4, gen), hist_len, long, params, 0)
         assert seen[-1] == "token"
     # tl.dot's smallest operand is 16 wide; 32-wide blocks from ~1024 programs
-    assert drc.chunk_block(8, 8, None, 1, 1) == (16, 16, 4) and m2c.chunk_block(8, 8, None, 1, 1) == (16, 16, 8)
+    assert drc.chunk_block(8, 8, None, 1, 1) == (16, 16, 8) and m2c.chunk_block(8, 8, None, 1, 1) == (16, 16, 8)
     assert drc.chunk_block(128, 128, None, 64, 32) == (128, 32, 8)
     assert m2c.chunk_block(64, 128, None, 64, 128) == (32, 128, 8)
 
@@ -1127,3 +1130,29 @@ def test_chunked_replay_with_correlated_keys(op, T):
     kern.replay_verify(state.clone(), hist, hist_len, inp, {}, 0, fused=True, out=y)
     assert_close(y, y_ref, 1e-5, f"chunked replay y, {T} correlated keys")
     assert_close(hist["u"][:, T + 1:2 * T + 1], replay_ref["u"], 1e-5, "chunked replay u")
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda", "mamba2"])
+def test_chunked_replay_with_extreme_decays(op):
+    """A decay of exactly 0 (log decay -inf) or a very strong one early in a step: the chunked
+    verify takes its decays as sums over token spans, so a large first decay neither turns into
+    NaN (-inf - -inf) nor costs the later tokens precision (as differences of cumulative sums did:
+    ~6e-4 at -1e4); the token-by-token kernel and the reference are the yardstick."""
+    gen = torch.Generator().manual_seed(21)
+    dims, B, T = ((2, 16, 16, 1) if op == "mamba2" else (2, 16, 16)), 2, 9
+    params = op_params(op, dims, gen)
+    for strong in (-200.0, -1e4) + ((float("-inf"),) if op != "mamba2" else ()):
+        inp = step_inputs(op, dims, B, T, torch.float32, gen)
+        if op == "mamba2":  # dt * A with A fixed per head: a huge dt (an infinite one makes y infinite)
+            inp["dt"][:, 0] = -strong
+        else:
+            inp["g"][:, 0] = strong
+        state = torch.randn(B, *op_shape(op, dims).state_shape, generator=gen).to(DEVICE)
+        y_ref, _, replay_ref = reference(op, state, inp, params)
+        hist = random_history(op, dims, B, 2 * T + 2, gen)
+        y = nan_like(y_ref)
+        kernels(op, chunked=True).replay_verify(state.clone(), hist, torch.zeros(B, dtype=torch.long, device=DEVICE),
+                                                inp, params, 0, fused=True, out=y)
+        assert_close(y, y_ref, 1e-5, f"chunked replay y, first log decay {strong}")
+        if op != "mamba2":
+            assert_close(hist["u"][:, T + 1:2 * T + 1], replay_ref["u"], 1e-5, f"chunked replay u, {strong}")

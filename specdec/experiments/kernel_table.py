@@ -219,9 +219,9 @@ def _launch_for(picks: dict, op: str, batch: int, strategy: str):
 
     cands = [(abs(math.log2(batch) - math.log2(k[1])), k) for k in picks if k[0] == op and k[2] == strategy]
     if not cands:
-        return LaunchConfig()
+        return LaunchConfig(chunked=False if strategy in CHUNKED_STRATEGIES else None)
     block, warps, prefetch, chunked = picks[min(cands)[1]][1]
-    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked or None)
+    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked)
 
 
 def _launch_text(launch) -> str:
@@ -341,7 +341,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
         checks = {}
         if exp.check:
             for label, strategy, chunked in rows:
-                checks[label] = check_point(op.with_launch(LaunchConfig(chunked=chunked or None)), OPS[name], shape,
+                checks[label] = check_point(op.with_launch(LaunchConfig(chunked=chunked)), OPS[name], shape,
                                             strategy, min(4, max(batches)), max(Ks), device, params=params, gen=gen,
                                             dtype=dtype, accept_p=float(exp.accept_p))
         for B in batches:
@@ -349,10 +349,8 @@ def run(cfg, out_dir: Path) -> list[dict]:
                 group = []
                 for label, strategy, chunked in rows:
                     launch = _launch_for(picks, name, B, strategy)
-                    if chunked:
-                        launch = dataclasses.replace(launch, chunked=True)
-                    elif launch.chunked and strategy in [s for _, s, c in rows if c]:  # a chunked row of its own
-                        launch = dataclasses.replace(launch, chunked=None)
+                    if chunked or (strategy in [s for _, s, c in rows if c]):  # the chunked form has its own row
+                        launch = dataclasses.replace(launch, chunked=chunked)
                     r = bench_point(op.with_launch(launch), shape, strategy, B, K, device, params=params, gen=gen,
                                     dtype=dtype, rounds=int(exp.rounds), reps=int(exp.reps),
                                     accept_p=float(exp.accept_p))

@@ -62,6 +62,10 @@ TREE_UNROLL_MAX = 16
 DOT_MIN = 16
 
 
+#: the values an on/off environment switch of the kernels accepts
+_SWITCH_VALUES = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False, "": False}
+
+
 class KernelSet:
     """Base of the per-op kernel sets (the ``kernels`` of :class:`specdec.kernels.SSMOp`): the
     :class:`~specdec.kernels.protocol.LaunchConfig` their calls use."""
@@ -78,11 +82,19 @@ class KernelSet:
 
     def chunked(self) -> bool:
         """Whether a chain's replay verify runs in chunked form: ``launch.chunked``, or when that
-        is None the environment's ``SPECDEC_CHUNKED_REPLAY`` (``1`` on; default off: the
-        token-by-token verify, until the chunked form is timed faster on a GPU)."""
+        is None the environment's ``SPECDEC_CHUNKED_REPLAY`` (``1`` / ``true`` on, ``0`` /
+        ``false`` / unset off: the token-by-token verify, the default until the chunked form is
+        timed faster on a GPU).
+
+        Raises:
+            ValueError: ``SPECDEC_CHUNKED_REPLAY`` set to anything else."""
         if self.launch.chunked is not None:
             return bool(self.launch.chunked)
-        return os.environ.get("SPECDEC_CHUNKED_REPLAY", "0") not in ("0", "false", "False", "")
+        value = os.environ.get("SPECDEC_CHUNKED_REPLAY", "")
+        if value not in _SWITCH_VALUES:
+            raise ValueError(f"SPECDEC_CHUNKED_REPLAY={value!r}: use 1 / true (chunked replay verify) or "
+                             "0 / false / unset (token by token)")
+        return _SWITCH_VALUES[value]
 
 
 def next_pow2(n: int) -> int:
@@ -273,6 +285,36 @@ def softplus(x, threshold, ACCURATE: tl.constexpr):
     u = 1.0 + e
     d = u - 1.0
     return tl.where(x > threshold, x, tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d))))
+
+
+#: the floor the chunked kernels put under a step's log decays: ``-inf`` (a decay of exactly 0)
+#: would make ``-inf - -inf`` in their sums; any decay below ~-104 is 0 in fp32 either way
+LOG_DECAY_FLOOR = -1.0e30
+
+
+@triton.jit
+def floor_log_decay(x):
+    """``x`` with ``-inf`` (and anything below :data:`LOG_DECAY_FLOOR`) raised to the floor; NaN stays NaN."""
+    return tl.where(x < -1.0e30, -1.0e30, x)
+
+
+@triton.jit
+def pair_sums(x, o_t):
+    """``[TP, TP]`` sums of ``x [TP]`` over the tokens after ``s`` up to ``t``: ``out[t, s] =
+    x[s+1] + ... + x[t]`` (0 for ``t <= s``), as one product with 0/1 matrices, so a large decay
+    before ``s`` cannot cancel into the result as differences of cumulative sums would.
+    ``o_t``: ``tl.arange(0, TP)``, TP >= :data:`DOT_MIN`."""
+    upto = (o_t[None, :] <= o_t[:, None]).to(tl.float32)  # [t, r]: r <= t
+    after = (o_t[:, None] > o_t[None, :]).to(tl.float32)  # [r, s]: r > s
+    return tl.dot(upto, x[:, None] * after, input_precision="ieee")
+
+
+@triton.jit
+def sums_after(x, o_t, s):
+    """``[TP, C]``: the sums of the rows of ``x [TP, C]`` after row ``s`` up to each row ``t``
+    (``out[t] = x[s+1] + ... + x[t]``, 0 for ``t <= s``): :func:`pair_sums` per channel."""
+    span = ((o_t[None, :] <= o_t[:, None]) & (o_t[None, :] > s)).to(tl.float32)  # [t, r]: s < r <= t
+    return tl.dot(span, x, input_precision="ieee")
 
 
 @triton.jit

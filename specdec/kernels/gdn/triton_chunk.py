@@ -16,8 +16,11 @@ corrected values (``S_{t-1}'`` the state after token t's decay)::
     (I + L) U = beta * (V - (K exp(G)) S_0),   L[t, s] = beta_t (k_t . k_s exp(G_t - G_s)), s < t
     O = (Q exp(G)) S_0 + (Q K^T exp(G_t - G_s))_{s <= t} U
 
-(for KDA the decays sit inside the dot products, channel by channel). Every exponent is of a
-sum of log decays over earlier tokens, so it is <= 0: nothing overflows. The committed history
+(for KDA the decays sit inside the dot products, channel by channel). Every exponent is a sum
+of log decays, so it is <= 0: nothing overflows; ``G_t - G_s`` is summed over the tokens between
+s and t (:func:`specdec.kernels.triton_common.pair_sums`, ``sums_after``), not subtracted, so a
+strong decay early in the step (or a decay of exactly 0: log decay ``-inf``) costs the later
+tokens no precision. The committed history
 is folded into ``S_0`` first, as the token-by-token kernel folds it (rank-1 updates, no
 reduction: nothing there waits on other warps).
 
@@ -32,7 +35,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import DOT_MIN, fold_launch, load_slot, next_pow2, replay_window
+from ..triton_common import (
+    DOT_MIN,
+    floor_log_decay,
+    fold_launch,
+    load_slot,
+    next_pow2,
+    pair_sums,
+    replay_window,
+    sums_after,
+)
 from .triton_step import CHUNK_MAX, _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
@@ -118,6 +130,7 @@ def _delta_rule_replay_chunk_kernel(
 
     # decays within the step, and the tokens' pairwise products (they do not involve the state)
     lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    b_g = floor_log_decay(b_g)
     if PER_CHANNEL:
         c_g = tl.cumsum(b_g, axis=0)  # [TP, BK]
         a_kk = tl.zeros([TP, TP], dtype=tl.float32)
@@ -125,8 +138,7 @@ def _delta_rule_replay_chunk_kernel(
         for s in tl.static_range(T):
             sel = (o_t == s)[:, None]
             k_s = tl.sum(tl.where(sel, b_k, 0.0), axis=0)
-            g_s = tl.sum(tl.where(sel, c_g, 0.0), axis=0)
-            d_s = tl.exp(tl.where((o_t >= s)[:, None], c_g - g_s[None, :], 0.0))  # [t, BK], t >= s
+            d_s = tl.exp(sums_after(b_g, o_t, s))  # [t, BK]: the decay from token s to t (t > s)
             kd_s = k_s[None, :] * d_s
             col = (o_t == s)[None, :]
             a_kk = tl.where(col, tl.sum(b_k * kd_s, axis=1)[:, None], a_kk)
@@ -138,7 +150,7 @@ def _delta_rule_replay_chunk_kernel(
         q_g = b_q * e_g
     else:
         c_g = tl.cumsum(b_g, axis=0)  # [TP]
-        dec = tl.where(lower, tl.exp(tl.where(lower, c_g[:, None] - c_g[None, :], 0.0)), 0.0)
+        dec = tl.where(lower, tl.exp(pair_sums(b_g, o_t)), 0.0)  # [t, s]: the decay from token s to t
         a_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee") * dec
         a_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * dec
         e_g = tl.exp(c_g)[:, None]
@@ -178,17 +190,17 @@ def _delta_rule_replay_chunk_kernel(
 
 def chunk_block(K: int, V: int, block_v: int | None, batch: int, H: int, num_warps: int | None = None):
     """``(BK, BV, num_warps)`` of the chunked verify: the whole key dim and value columns, both at
-    least :data:`DOT_MIN` (the matrix products' smallest operand). BV 32 when the grid has at least
-    ~1024 programs of 32 columns, else 16 (more programs at small batch), unless ``block_v``; 4
-    warps for a 16-column block, 8 for wider ones. By register count for sm_90 at K = V = 128
-    (``python benchmarks/triton_sm90_compile.py``): GDN 100 registers at BV 16 / 4 warps, 109 at
-    BV 32 / 8 warps (128 at 4: fewer programs fit an SM); KDA 176 and 128 (255 at BV 32 / 4
-    warps). Not yet timed against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
+    least :data:`DOT_MIN` (the matrix products' smallest operand; a smaller ``block_v`` is raised
+    to it). BV 32 when the grid has at least ~1024 programs of 32 columns, else 16 (more programs
+    at small batch), unless ``block_v``; 8 warps. By register count for sm_90 at K = V = 128, T =
+    5 (``python benchmarks/triton_sm90_compile.py``): GDN 88 registers at BV 16 / 8 warps (134 at
+    4 warps), 109 at BV 32; KDA 172 at either BV (255 at BV 16 / 4 warps). Not yet timed against
+    other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
     if block_v is None:
         block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
     BK = max(DOT_MIN, next_pow2(K))
     BV = max(DOT_MIN, min(next_pow2(block_v), next_pow2(V)))
-    return BK, BV, num_warps or (4 if BV <= 16 else 8)
+    return BK, BV, num_warps or 8
 
 
 def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indices, strides, dims, *, offset,

@@ -11,7 +11,9 @@ the state the step starts from::
 
 so the state enters one ``[T, N] x [N, BP]`` product and the tokens' coupling is a ``T x T``
 matrix that does not involve the state. Every exponent is <= 0 (A < 0, dt > 0), so nothing
-overflows. The committed history is folded into ``h_0`` first, as the token-by-token kernel
+overflows, and ``l_t - l_s`` is summed over the tokens between s and t
+(:func:`specdec.kernels.triton_common.pair_sums`), not subtracted, so a strong decay early in the
+step costs the later tokens no precision. The committed history is folded into ``h_0`` first, as the token-by-token kernel
 folds it (rank-1 updates).
 
 Same protocols, arguments, history layout and outputs as the token-by-token replay verify
@@ -25,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import DOT_MIN, fold_launch, load_slot, next_pow2, replay_window
+from ..triton_common import DOT_MIN, floor_log_decay, fold_launch, load_slot, next_pow2, pair_sums, replay_window
 from .triton_step import _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
@@ -111,9 +113,10 @@ def _mamba2_replay_chunk_kernel(
                 tl.store(p_s, b_h, mask=m_pn)
 
     # the tokens' coupling within the step (it does not involve the state)
-    c_l = tl.cumsum(b_dt * b_A, axis=0)  # [TP]
+    b_l = floor_log_decay(b_dt * b_A)  # [TP] log decays
+    c_l = tl.cumsum(b_l, axis=0)
     lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
-    dec = tl.where(lower, tl.exp(tl.where(lower, c_l[:, None] - c_l[None, :], 0.0)), 0.0)
+    dec = tl.where(lower, tl.exp(pair_sums(b_l, o_t)), 0.0)  # [t, s]: the decay from token s to t
     m_ts = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * dec * b_dt[None, :]  # [TP, TP]
     # the state enters one product
     b_y = tl.exp(c_l)[:, None] * tl.dot(b_C, tl.trans(b_h), input_precision="ieee")  # [TP, BP]
@@ -135,7 +138,7 @@ def chunk_block(P: int, N: int, block_p: int | None, batch: int, H: int, num_war
     least :data:`DOT_MIN` (the matrix products' smallest operand). BP 32 when the grid has at least
     ~1024 programs of 32 rows, else 16 (more programs at small batch), unless ``block_p``; 8 warps.
     By register count for sm_90 at P = 64, N = 128 (``python benchmarks/triton_sm90_compile.py``):
-    80 registers at BP 32 / 8 warps (153 at 4), 162 at BP 16 / 8 warps (255 at 4). Not yet timed
+    80 registers at BP 32 / 8 warps (155 at 4), 170 at BP 16 / 8 warps (255 at 4). Not yet timed
     against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
     if block_p is None:
         block_p = 32 if batch * H * triton.cdiv(P, 32) >= 1024 else 16
