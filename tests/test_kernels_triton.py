@@ -705,6 +705,26 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
         for slot in set(range(R)) - set(written):
             assert torch.equal(ring[s, slot], ring0[s, slot]), f"tree ring row {b}: slot {slot} changed"
 
+    _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, gen)
+
+
+@pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si",
+                         [p for p in TREE_GRID if p.values[4] != "medusa63"])  # at most CHUNK_MAX nodes
+def test_tree_replay_chunked(op, dims, block, B, tree, dtype, use_si):
+    """Both replay protocols of a tree step with the chunked verify (the ancestor mask in place of
+    a chain's lower triangle) against the naive ``parents=`` reference."""
+    torch.manual_seed(21)
+    gen = torch.Generator().manual_seed(21)
+    parents = _tree(tree)
+    kern, params = kernels(op, block, chunked=True), op_params(op, dims, gen)
+    S, si, rows = _layout(B, use_si, 22)
+    inp = step_inputs(op, dims, B, len(parents), dtype, gen)
+    _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, _slots(si, rows), TOL[dtype], gen)
+
+
+def _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, gen):
+    T, S_shape, B = len(parents), op_shape(op, dims).state_shape, len(si) if si is not None else S
+    idx = si.clamp(min=0) if si is not None else slice(None)
     # replay, both protocols: outputs from the checkpoint + committed history; the tree's inputs
     # appended at pos0 + j (unfused: hist_len + j; fused: T_max + j, the checkpoint absorbs the history)
     for fused in (False, True):
@@ -739,6 +759,8 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
                     assert_close(got, want, tol, f"{what} hist u row {b}")
                 else:
                     assert torch.equal(got, want), f"{what}: history {key} is not the tree's inputs"
+
+
 
 
 @pytest.mark.parametrize("tree", ["random7", "default16"])
@@ -1060,9 +1082,10 @@ TREE_BIG = TREE_UNROLL_MAX + 3
 
 @pytest.mark.parametrize("op", ["gdn", "mamba2"])
 def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
-    """``LaunchConfig(chunked=True)``: a chain's replay verify (fused and deferred) runs the chunked
-    kernel; a tree, and the other strategies, keep the token-by-token kernel. ``chunked=None``
-    follows ``SPECDEC_CHUNKED_REPLAY`` (off unless set), ``False`` overrides it."""
+    """``LaunchConfig(chunked=True)``: replay's verify (fused and deferred, a chain or a tree) runs
+    the chunked kernel; the other strategies, and steps of more than CHUNK_MAX tokens, keep the
+    token-by-token kernel. ``chunked=None`` follows ``SPECDEC_CHUNKED_REPLAY`` (off unless set),
+    ``False`` overrides it."""
     from specdec.kernels.gdn import triton_chunk as drc
     from specdec.kernels.mamba2 import triton_chunk as m2c
 
@@ -1086,7 +1109,7 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=False)
     kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True, parents=(-1, 0, 0))
     kern.snapshot_verify(ckpt, garbage(2, T, *op_shape(op, dims).state_shape), inp, params, 0)
-    assert seen == ["chunk", "chunk", "token", "token"]
+    assert seen == ["chunk", "chunk", "chunk", "token"]
     monkeypatch.delenv("SPECDEC_CHUNKED_REPLAY", raising=False)
     default = kernels(op)  # LaunchConfig.chunked None: the environment decides, at each call
     default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
@@ -1097,10 +1120,14 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "yes")  # neither on nor off: said, not guessed
     with pytest.raises(ValueError, match=r"SPECDEC_CHUNKED_REPLAY='yes': use 1 / true .* or 0 / false / unset"):
         default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
-    if op == "gdn":  # longer than the chunk's 16 tokens: token by token
-        long = step_inputs(op, dims, 2, dr.CHUNK_MAX + 1, torch.float32, gen)
-        kern.replay_verify(ckpt, random_history(op, dims, 2, 2 * dr.CHUNK_MAX + 4, gen), hist_len, long, params, 0)
-        assert seen[-1] == "token"
+    # longer than the chunk's 16 tokens, a chain or a tree: token by token
+    from specdec.kernels.triton_common import CHUNK_MAX
+
+    long = step_inputs(op, dims, 2, CHUNK_MAX + 1, torch.float32, gen)
+    long_hist = random_history(op, dims, 2, 2 * CHUNK_MAX + 4, gen)
+    kern.replay_verify(ckpt, long_hist, hist_len, long, params, 0)
+    kern.replay_verify(ckpt, long_hist, hist_len, long, params, 0, parents=(-1,) + (0,) * CHUNK_MAX)
+    assert seen[-2:] == ["token", "token"]
     # tl.dot's smallest operand is 16 wide; 32-wide blocks from ~1024 programs
     assert drc.chunk_block(8, 8, None, 1, 1) == (16, 16, 8) and m2c.chunk_block(8, 8, None, 1, 1) == (16, 16, 8)
     assert drc.chunk_block(128, 128, None, 64, 32) == (128, 32, 8)

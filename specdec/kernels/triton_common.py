@@ -60,6 +60,10 @@ TREE_UNROLL_MAX = 16
 
 #: the smallest dimension of a ``tl.dot`` operand the GPU backends accept (the chunked kernels pad to it)
 DOT_MIN = 16
+#: the most tokens of a chunked replay verify call (``kernels/{gdn,mamba2}/triton_chunk.py``: the
+#: delta rule's block inversion has four levels; a tree's ancestor table is unrolled); longer
+#: steps run token by token
+CHUNK_MAX = 16
 
 
 #: the values an on/off environment switch of the kernels accepts
@@ -299,22 +303,37 @@ def floor_log_decay(x):
 
 
 @triton.jit
-def pair_sums(x, o_t):
-    """``[TP, TP]`` sums of ``x [TP]`` over the tokens after ``s`` up to ``t``: ``out[t, s] =
-    x[s+1] + ... + x[t]`` (0 for ``t <= s``), as one product with 0/1 matrices, so a large decay
-    before ``s`` cannot cancel into the result as differences of cumulative sums would.
-    ``o_t``: ``tl.arange(0, TP)``, TP >= :data:`DOT_MIN`."""
-    upto = (o_t[None, :] <= o_t[:, None]).to(tl.float32)  # [t, r]: r <= t
-    after = (o_t[:, None] > o_t[None, :]).to(tl.float32)  # [r, s]: r > s
-    return tl.dot(upto, x[:, None] * after, input_precision="ieee")
+def step_ancestors(tree, o_t, m_t, TREE: tl.constexpr, META_W: tl.constexpr):
+    """``[TP, TP]`` bool: ``out[t, s]`` when token s is token t itself or one of its ancestors in
+    the step -- for a chain every ``s <= t``; for a tree (``TREE``) read from its table
+    (:func:`specdec.kernels.tree_index.tree_meta`: per token the parent's root-first ancestor
+    chain). ``o_t``: ``tl.arange(0, TP)``; ``m_t``: ``o_t < T``."""
+    if TREE:
+        anc = o_t[:, None] == o_t[None, :]
+        n_anc = tl.load(tree + o_t * META_W + 1, mask=m_t, other=0)
+        for m in tl.static_range(META_W - 2):
+            a_m = tl.load(tree + o_t * META_W + 2 + m, mask=m_t, other=-1)
+            anc = anc | ((o_t[None, :] == a_m[:, None]) & (m < n_anc)[:, None])
+    else:
+        anc = o_t[:, None] >= o_t[None, :]
+    return anc
 
 
 @triton.jit
-def sums_after(x, o_t, s):
-    """``[TP, C]``: the sums of the rows of ``x [TP, C]`` after row ``s`` up to each row ``t``
-    (``out[t] = x[s+1] + ... + x[t]``, 0 for ``t <= s``): :func:`pair_sums` per channel."""
-    span = ((o_t[None, :] <= o_t[:, None]) & (o_t[None, :] > s)).to(tl.float32)  # [t, r]: s < r <= t
-    return tl.dot(span, x, input_precision="ieee")
+def pair_sums(x, anc):
+    """``[TP, TP]``: ``out[t, s]`` the sum of ``x [TP]`` over the tokens after s on the way to t
+    (s excluded, t included; ``anc``: :func:`step_ancestors` as float, s an ancestor-or-self of
+    t, else the entry is not used), as one product with 0/1 matrices, so a large decay before s
+    cannot cancel into the result as differences of cumulative sums would. TP >= :data:`DOT_MIN`."""
+    return tl.dot(anc, x[:, None] * (1.0 - tl.trans(anc)), input_precision="ieee")
+
+
+@triton.jit
+def sums_after(x, anc, o_t, s):
+    """``[TP, C]``: per channel of ``x [TP, C]``, the sums over the tokens after token ``s`` on the
+    way to each token t (:func:`pair_sums` for one s; rows t that s does not lead to are not used)."""
+    anc_s = tl.sum(tl.where((o_t == s)[:, None], anc, 0.0), axis=0)  # [r]: r is s or an ancestor of s
+    return tl.dot(anc * (1.0 - anc_s[None, :]), x, input_precision="ieee")
 
 
 @triton.jit

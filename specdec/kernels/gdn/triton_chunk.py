@@ -25,8 +25,11 @@ is folded into ``S_0`` first, as the token-by-token kernel folds it (rank-1 upda
 reduction: nothing there waits on other warps).
 
 Same protocols, arguments, history layout and outputs as the token-by-token replay verify
-(:func:`specdec.kernels.gdn.triton_step.delta_rule_replay_verify`, which dispatches here for
-chains when ``chunked``); trees keep the token-by-token kernel. The arithmetic differs from the
+(:func:`specdec.kernels.gdn.triton_step.delta_rule_replay_verify`, which dispatches here when
+``chunked``, for steps of at most ``CHUNK_MAX`` = 16 tokens). A tree step is the same chunk with
+each token's ancestors in place of the tokens before it: token t's state is ``S_0`` decayed
+along its path plus the rank-1 writes of its ancestors and itself, so no node rebuilds its
+parent's state. The arithmetic differs from the
 token-by-token order by rounding only (fp32 throughout; matrix products in IEEE fp32, not TF32).
 """
 
@@ -36,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..triton_common import (
+    CHUNK_MAX,
     DOT_MIN,
     floor_log_decay,
     fold_launch,
@@ -43,9 +47,10 @@ from ..triton_common import (
     next_pow2,
     pair_sums,
     replay_window,
+    step_ancestors,
     sums_after,
 )
-from .triton_step import CHUNK_MAX, _fold_cached
+from .triton_step import _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
 
@@ -64,6 +69,7 @@ def _delta_rule_replay_chunk_kernel(
     h_k,  # [N, L, H, K]
     h_g,  # [N, L, H] or [N, L, H, K]
     h_u,  # [N, L, H, V]
+    tree,  # [T, META_W] int32 tree table (TREE; specdec.kernels.tree_index.tree_meta)
     offset,
     stride_s_n,
     stride_hk_n,
@@ -84,6 +90,8 @@ def _delta_rule_replay_chunk_kernel(
     FOLD_N: tl.constexpr,  # the most history positions the fold reads
     FOLD_LA: tl.constexpr,  # history items whose loads run ahead (triton_common.fold_launch)
     FOLD_MASKED: tl.constexpr,  # predicate the history loads on the folded length
+    TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token t continues from its parent
+    META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -128,41 +136,50 @@ def _delta_rule_replay_chunk_kernel(
                 tl.debug_barrier()  # in place: every thread has read its block before any writes back
                 tl.store(p_s, b_s, mask=m_kv)
 
-    # decays within the step, and the tokens' pairwise products (they do not involve the state)
-    lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
+    # decays within the step, and the tokens' pairwise products (they do not involve the state);
+    # a chain's token t sees every s <= t, a tree's its ancestors and itself
+    anc = step_ancestors(tree, o_t, m_t, TREE, META_W)  # [t, s]
+    anc_f = anc.to(tl.float32)
     b_g = floor_log_decay(b_g)
     if PER_CHANNEL:
-        c_g = tl.cumsum(b_g, axis=0)  # [TP, BK]
+        if TREE:  # log decay from the step's start through each token, along its path
+            c_g = tl.dot(anc_f, b_g, input_precision="ieee")  # [TP, BK]
+        else:
+            c_g = tl.cumsum(b_g, axis=0)
         a_kk = tl.zeros([TP, TP], dtype=tl.float32)
         a_qk = tl.zeros([TP, TP], dtype=tl.float32)
         for s in tl.static_range(T):
             sel = (o_t == s)[:, None]
             k_s = tl.sum(tl.where(sel, b_k, 0.0), axis=0)
-            d_s = tl.exp(sums_after(b_g, o_t, s))  # [t, BK]: the decay from token s to t (t > s)
+            d_s = tl.exp(sums_after(b_g, anc_f, o_t, s))  # [t, BK]: the decay from token s to t
             kd_s = k_s[None, :] * d_s
             col = (o_t == s)[None, :]
             a_kk = tl.where(col, tl.sum(b_k * kd_s, axis=1)[:, None], a_kk)
             a_qk = tl.where(col, tl.sum(b_q * kd_s, axis=1)[:, None], a_qk)
-        a_kk = tl.where(lower, a_kk, 0.0)
-        a_qk = tl.where(lower, a_qk, 0.0)
+        a_kk = tl.where(anc, a_kk, 0.0)
+        a_qk = tl.where(anc, a_qk, 0.0)
         e_g = tl.exp(c_g)
         k_g = b_k * e_g
         q_g = b_q * e_g
     else:
-        c_g = tl.cumsum(b_g, axis=0)  # [TP]
-        dec = tl.where(lower, tl.exp(pair_sums(b_g, o_t)), 0.0)  # [t, s]: the decay from token s to t
+        if TREE:
+            c_g = tl.sum(anc_f * b_g[None, :], axis=1)  # [TP]
+        else:
+            c_g = tl.cumsum(b_g, axis=0)
+        dec = tl.where(anc, tl.exp(pair_sums(b_g, anc_f)), 0.0)  # [t, s]: the decay from token s to t
         a_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee") * dec
         a_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * dec
         e_g = tl.exp(c_g)[:, None]
         k_g = b_k * e_g
         q_g = b_q * e_g
-    # (I + L)^-1, L = beta * a_kk strictly below the diagonal, by recursive block inversion: with
+    # (I + L)^-1, L = beta * a_kk over the strict ancestors (below the diagonal: a tree's tokens
+    # come after their parents), by recursive block inversion: with
     # the inverses of the diagonal blocks of size b in X (block diagonal), those of size 2b are
     # X - X C X, C the lower-left b x b blocks of L inside each 2b block. log2(T) levels of two
     # small products, as accurate as substitution when the keys nearly repeat (a truncated
     # Neumann product, (I - L)(I + L^2)..., lost ~1e-4 there), without a T-step chain of
     # cross-thread reductions
-    a_l = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * a_kk, 0.0)
+    a_l = tl.where(anc & (o_t[:, None] != o_t[None, :]), b_beta[:, None] * a_kk, 0.0)
     inv = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     for i in tl.static_range(4):  # block sizes 1, 2, 4, 8: T <= 16
         if (1 << i) < T:
@@ -203,11 +220,13 @@ def chunk_block(K: int, V: int, block_v: int | None, batch: int, H: int, num_war
     return BK, BV, num_warps or 8
 
 
-def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indices, strides, dims, *, offset,
+def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indices, tree, strides, dims, *, offset,
                         fused, first, half, fold_n, per_channel, block_v=None, num_warps=None):
     """Launch the chunked replay verify on checked, contiguous arguments (the caller's
-    :func:`specdec.kernels.gdn.triton_step._step` validates them). ``fold_n``: the most history
-    positions the fold may read (fused first call: ``fold_max``; later calls: T_max; deferred: L)."""
+    :func:`specdec.kernels.gdn.triton_step._step` validates them). ``tree``: the step's tree table
+    (:func:`specdec.kernels.triton_common.tree_table`) or None for a chain. ``fold_n``: the most
+    history positions the fold may read (fused first call: ``fold_max``; later calls: T_max;
+    deferred: L)."""
     B, T, H, K, V = dims
     if T > CHUNK_MAX:
         raise ValueError(f"the chunked replay verify takes at most {CHUNK_MAX} tokens per call, got {T}")
@@ -216,10 +235,11 @@ def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indic
     fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
     grid = (triton.cdiv(V, BV), H, B)  # B on axis 2: axis 1 is capped at 65535
     _delta_rule_replay_chunk_kernel[grid](
-        q, k, v, g, beta, out, ckpt, hist_len, state_indices, h_k, h_g, h_u, offset,
+        q, k, v, g, beta, out, ckpt, hist_len, state_indices, h_k, h_g, h_u, tree, offset,
         strides[0], strides[4], strides[5], strides[6],
         T=T, TP=max(DOT_MIN, next_pow2(T)), H=H, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None, FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n,
-        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, num_warps=num_warps,
+        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
+        num_warps=num_warps,
     )
     return out

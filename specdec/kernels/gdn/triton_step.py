@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ..protocol import LaunchConfig
 from ..triton_common import (
+    CHUNK_MAX,
     OVERWRITE,
     REPLAY,
     RING,
@@ -489,10 +490,6 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     return BK, BV, num_warps or num_warps_for(BK * BV)
 
 
-#: the most tokens of a chunked replay verify call (:mod:`.triton_chunk`: its block inversion
-#: has four levels); longer chains run token by token
-CHUNK_MAX = 16
-
 #: tokens whose inputs a program requests before its first arithmetic (all of them up to K = 4):
 #: without it every token's loads are issued only after the previous token's reduction barriers
 #: (one DRAM round trip per token, visible in the SASS); beyond 5 the registers (~170 at T = 9
@@ -544,12 +541,12 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
     fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
-    if chunked and mode.value == REPLAY.value and tree is None and T <= CHUNK_MAX:  # a chain's replay verify
-        from .triton_chunk import launch_replay_chunk  # in chunked form
+    if chunked and mode.value == REPLAY.value and T <= CHUNK_MAX:  # replay's verify in chunked form
+        from .triton_chunk import launch_replay_chunk
 
         if B == 0 or T == 0:
             return out
-        return launch_replay_chunk(q, k, v, g, beta, out, s_src, hist, hist_len, state_indices, strides,
+        return launch_replay_chunk(q, k, v, g, beta, out, s_src, hist, hist_len, state_indices, tree, strides,
                                    (B, T, H, K, V), offset=offset, fused=fused, first=first, half=half,
                                    fold_n=fold_n, per_channel=per_channel, block_v=block_v,
                                    num_warps=num_warps)
@@ -586,8 +583,8 @@ _COMMON_ARGS = """
         block_v, num_warps, prefetch: override the value-block width, the warps per program and
             the tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a
             tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes);
-            chunked: a chain's replay verify of up to ``CHUNK_MAX`` = 16 tokens in chunked form
-            (:mod:`.triton_chunk`; other calls ignore it).
+            chunked: replay's verify of up to ``triton_common.CHUNK_MAX`` = 16 tokens (a chain or
+            a tree) in chunked form (:mod:`.triton_chunk`; other calls ignore it).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).

@@ -17,8 +17,9 @@ step costs the later tokens no precision. The committed history is folded into `
 folds it (rank-1 updates).
 
 Same protocols, arguments, history layout and outputs as the token-by-token replay verify
-(:func:`specdec.kernels.mamba2.triton_step.mamba2_replay_verify`, which dispatches here for
-chains when ``chunked``); trees keep the token-by-token kernel. The arithmetic differs from the
+(:func:`specdec.kernels.mamba2.triton_step.mamba2_replay_verify`, which dispatches here when
+``chunked``, for steps of at most ``CHUNK_MAX`` = 16 tokens). A tree step is the same chunk with
+each token's ancestors in place of the tokens before it (paths' decays, an ancestor mask). The arithmetic differs from the
 token-by-token order by rounding only (fp32 throughout; matrix products in IEEE fp32, not TF32).
 """
 
@@ -27,7 +28,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_common import DOT_MIN, floor_log_decay, fold_launch, load_slot, next_pow2, pair_sums, replay_window
+from ..triton_common import (
+    CHUNK_MAX,
+    DOT_MIN,
+    floor_log_decay,
+    fold_launch,
+    load_slot,
+    next_pow2,
+    pair_sums,
+    replay_window,
+    step_ancestors,
+)
 from .triton_step import _fold_cached
 
 __all__ = ["chunk_block", "launch_replay_chunk"]
@@ -48,6 +59,7 @@ def _mamba2_replay_chunk_kernel(
     h_x,  # [S, L, H, P]
     h_dt,  # [S, L, H]
     h_B,  # [S, L, G, N]
+    tree,  # [T, META_W] int32 tree table (TREE; specdec.kernels.tree_index.tree_meta)
     offset,
     stride_s_n,
     stride_hx_n,
@@ -69,6 +81,8 @@ def _mamba2_replay_chunk_kernel(
     FOLD_N: tl.constexpr,  # the most history positions the fold reads
     FOLD_LA: tl.constexpr,  # history items whose loads run ahead (triton_common.fold_launch)
     FOLD_MASKED: tl.constexpr,  # predicate the history loads on the folded length
+    TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token t continues from its parent
+    META_W: tl.constexpr,  # TREE: columns of the tree table
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_g = i_h // (H // G)
@@ -113,10 +127,15 @@ def _mamba2_replay_chunk_kernel(
                 tl.store(p_s, b_h, mask=m_pn)
 
     # the tokens' coupling within the step (it does not involve the state)
+    # (a chain's token t sees every s <= t, a tree's its ancestors and itself)
+    anc = step_ancestors(tree, o_t, m_t, TREE, META_W)  # [t, s]
+    anc_f = anc.to(tl.float32)
     b_l = floor_log_decay(b_dt * b_A)  # [TP] log decays
-    c_l = tl.cumsum(b_l, axis=0)
-    lower = o_t[:, None] >= o_t[None, :]  # [t, s]: s <= t
-    dec = tl.where(lower, tl.exp(pair_sums(b_l, o_t)), 0.0)  # [t, s]: the decay from token s to t
+    if TREE:  # log decay from the step's start through each token, along its path
+        c_l = tl.sum(anc_f * b_l[None, :], axis=1)
+    else:
+        c_l = tl.cumsum(b_l, axis=0)
+    dec = tl.where(anc, tl.exp(pair_sums(b_l, anc_f)), 0.0)  # [t, s]: the decay from token s to t
     m_ts = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * dec * b_dt[None, :]  # [TP, TP]
     # the state enters one product
     b_y = tl.exp(c_l)[:, None] * tl.dot(b_C, tl.trans(b_h), input_precision="ieee")  # [TP, BP]
@@ -147,20 +166,25 @@ def chunk_block(P: int, N: int, block_p: int | None, batch: int, H: int, num_war
     return BP, BN, num_warps or 8
 
 
-def launch_replay_chunk(x, dt, A, Bm, Cm, D, out, ckpt, hist, hist_len, state_indices, strides, dims, *, offset,
-                        fused, first, half, fold_n, block_p=None, num_warps=None):
+def launch_replay_chunk(x, dt, A, Bm, Cm, D, out, ckpt, hist, hist_len, state_indices, tree, strides, dims, *,
+                        offset, fused, first, half, fold_n, block_p=None, num_warps=None):
     """Launch the chunked replay verify on checked, contiguous arguments (the caller's
-    :func:`specdec.kernels.mamba2.triton_step._step` validates them). ``fold_n``: the most history
-    positions the fold may read (fused first call: ``fold_max``; later calls: T_max; deferred: L)."""
+    :func:`specdec.kernels.mamba2.triton_step._step` validates them). ``tree``: the step's tree
+    table (:func:`specdec.kernels.triton_common.tree_table`) or None for a chain. ``fold_n``: the
+    most history positions the fold may read (fused first call: ``fold_max``; later calls: T_max;
+    deferred: L)."""
     Bsz, T, H, P, G, N = dims
+    if T > CHUNK_MAX:
+        raise ValueError(f"the chunked replay verify takes at most {CHUNK_MAX} tokens per call, got {T}")
     BP, BN, num_warps = chunk_block(P, N, block_p, Bsz, H, num_warps)
     h_x, h_dt, h_B = hist
     fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
     _mamba2_replay_chunk_kernel[(triton.cdiv(P, BP), H, Bsz)](  # B on axis 2: axis 1 is capped at 65535
-        x, dt, A, Bm, Cm, D, out, ckpt, hist_len, state_indices, h_x, h_dt, h_B, offset,
+        x, dt, A, Bm, Cm, D, out, ckpt, hist_len, state_indices, h_x, h_dt, h_B, tree, offset,
         strides[0], strides[4], strides[5], strides[6],
         T=T, TP=max(DOT_MIN, next_pow2(T)), H=H, P=P, N=N, G=G, BP=BP, BN=BN, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None, FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n,
-        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, num_warps=num_warps,
+        FOLD_LA=fold_la, FOLD_MASKED=fold_masked, TREE=tree is not None, META_W=1 if tree is None else tree.shape[1],
+        num_warps=num_warps,
     )
     return out

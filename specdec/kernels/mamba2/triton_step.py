@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ..protocol import LaunchConfig
 from ..triton_common import (
+    CHUNK_MAX,
     OVERWRITE,
     REPLAY,
     RING,
@@ -493,12 +494,12 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    if chunked and mode.value == REPLAY.value and tree is None:  # a chain's replay verify in chunked form
+    if chunked and mode.value == REPLAY.value and T <= CHUNK_MAX:  # replay's verify in chunked form
         from .triton_chunk import launch_replay_chunk
 
         if Bsz == 0 or T == 0:
             return out
-        return launch_replay_chunk(x, dt, A, Bm, Cm, D, out, s_src, hist, hist_len, state_indices, strides,
+        return launch_replay_chunk(x, dt, A, Bm, Cm, D, out, s_src, hist, hist_len, state_indices, tree, strides,
                                    (Bsz, T, H, P, G, N), offset=offset, fused=fused, first=first, half=half,
                                    fold_n=fold_n, block_p=block_p, num_warps=num_warps)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
@@ -533,8 +534,8 @@ _COMMON_ARGS = """
         block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
             tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a tree's
             nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX``
-            nodes); chunked: a chain's replay verify in chunked form (:mod:`.triton_chunk`;
-            other calls ignore it).
+            nodes); chunked: replay's verify of up to ``triton_common.CHUNK_MAX`` = 16
+            tokens (a chain or a tree) in chunked form (:mod:`.triton_chunk`; other calls ignore it).
 
     Returns:
         ``y [B, T, H, P]`` fp32 (or ``out``'s dtype).
