@@ -49,10 +49,12 @@ def test_tree_kernels_tiny_cpu(tmp_path):
     and an unknown variant refused by name."""
     out = tmp_path / "tree.md"
     _run("tree_kernels.py", "--device", "cpu", "--tiny", "--batches", "1", "--ops", "gdn", "--strategies", "replay",
-         "--variants", "chain,tree-16-loop", "--reps", "1", "--out", str(out), tmp_path=tmp_path, TRITON_INTERPRET="1")
+         "--variants", "chain,tree-16-loop,tree-16-chunked", "--reps", "1", "--out", str(out), tmp_path=tmp_path,
+         TRITON_INTERPRET="1")
     rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| gdn ")]
     assert [(r[4].strip(), r[5].strip(), r[7].strip()) for r in rows][0] == ("chain", "5", "1.00x")
     assert (rows[1][4].strip(), rows[1][5].strip()) == ("tree-16-loop", "16") and float(rows[1][7].strip().rstrip("x")) > 0
+    assert (rows[2][4].strip(), rows[2][5].strip()) == ("tree-16-chunked", "16") and len(rows) == 3
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tree_kernels.py"), "--device", "cpu",
                           "--tiny", "--variants", "chain,tree-32"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
