@@ -75,8 +75,9 @@ def op_params(op, dims, gen) -> dict:
     return params
 
 
-def kernels(op, block=None, tree_loop=None, chunked=None) -> RollbackKernels:
-    """The op's Triton kernel set, launched with state block ``block`` (None: the default)."""
+def kernels(op, block=None, tree_loop=None, chunked=False) -> RollbackKernels:
+    """The op's Triton kernel set, launched with state block ``block`` (None: the default); replay
+    token by token unless ``chunked`` (None: as ``SPECDEC_CHUNKED_REPLAY`` says)."""
     launch = LaunchConfig(block=block, tree_loop=tree_loop, chunked=chunked)
     return OPS[op].on("triton", DEVICE).kernels.with_launch(launch)
 
@@ -621,6 +622,12 @@ TREES = {
     "random7": _random_tree(7, 0),  # includes a second root (parent -1) and non-adjacent parents
     "random9": _random_tree(9, 3, extra_roots=False),  # one root, deeper ancestor chains
     "small4": (-1, 0, 0, 1),  # T_max <= 5: fused replay's fold issues every history load unmasked
+    # chunked replay's edges: a 16-token chain given as a tree (depth 15), a 16-token star, a root
+    # after other tokens with parents far back, a single token
+    "chain16": tuple(range(-1, 15)),
+    "star16": (-1,) + (0,) * 15,
+    "lateroot": (-1, 0, 1, -1, 3, 2, 4, 0, 7, 3),
+    "one": (-1,),
 }
 
 
@@ -708,8 +715,15 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
     _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, gen)
 
 
-@pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si",
-                         [p for p in TREE_GRID if p.values[4] != "medusa63"])  # at most CHUNK_MAX nodes
+CHUNK_TREE_GRID = [p for p in TREE_GRID if p.values[4] != "medusa63"] + [  # at most CHUNK_MAX nodes
+    pytest.param("gdn", (2, 12, 24), 16, 2, "chain16", torch.float32, True, id="gdn-chain16-K12-V24-si"),
+    pytest.param("kda", (1, 5, 8), 16, 2, "star16", torch.bfloat16, False, id="kda-star16-K5-bf16"),
+    pytest.param("mamba2", (3, 12, 10, 3), 16, 2, "lateroot", torch.float32, True, id="mamba2-lateroot-G3-si"),
+    pytest.param("gdn", (1, 16, 16), 16, 2, "one", torch.float32, False, id="gdn-one"),
+]
+
+
+@pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si", CHUNK_TREE_GRID)
 def test_tree_replay_chunked(op, dims, block, B, tree, dtype, use_si):
     """Both replay protocols of a tree step with the chunked verify (the ancestor mask in place of
     a chain's lower triangle) against the naive ``parents=`` reference."""
@@ -759,8 +773,6 @@ def _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, 
                     assert_close(got, want, tol, f"{what} hist u row {b}")
                 else:
                     assert torch.equal(got, want), f"{what}: history {key} is not the tree's inputs"
-
-
 
 
 @pytest.mark.parametrize("tree", ["random7", "default16"])
@@ -1111,7 +1123,7 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     kern.snapshot_verify(ckpt, garbage(2, T, *op_shape(op, dims).state_shape), inp, params, 0)
     assert seen == ["chunk", "chunk", "chunk", "token"]
     monkeypatch.delenv("SPECDEC_CHUNKED_REPLAY", raising=False)
-    default = kernels(op)  # LaunchConfig.chunked None: the environment decides, at each call
+    default = kernels(op, chunked=None)  # the environment decides, at each call
     default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
     monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "1")
     default.replay_verify(ckpt, hist, hist_len, inp, params, 0)

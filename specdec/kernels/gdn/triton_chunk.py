@@ -16,7 +16,9 @@ corrected values (``S_{t-1}'`` the state after token t's decay)::
     (I + L) U = beta * (V - (K exp(G)) S_0),   L[t, s] = beta_t (k_t . k_s exp(G_t - G_s)), s < t
     O = (Q exp(G)) S_0 + (Q K^T exp(G_t - G_s))_{s <= t} U
 
-(for KDA the decays sit inside the dot products, channel by channel). Every exponent is a sum
+(for KDA the decays sit inside the dot products, channel by channel; for a tree step, read "s
+an ancestor of t" for ``s < t``, the path from the step's start for the sums ``G``, and the
+path from s to t for ``G_t - G_s``). Every exponent is a sum
 of log decays, so it is <= 0: nothing overflows; ``G_t - G_s`` is summed over the tokens between
 s and t (:func:`specdec.kernels.triton_common.pair_sums`, ``sums_after``), not subtracted, so a
 strong decay early in the step (or a decay of exactly 0: log decay ``-inf``) costs the later

@@ -66,7 +66,7 @@ def _mamba2_replay_chunk_kernel(
     stride_hdt_n,
     stride_hB_n,
     T: tl.constexpr,
-    TP: tl.constexpr,  # T padded for tl.dot (a power of two >= 16)
+    TP: tl.constexpr,  # T padded for tl.dot (a power of two >= 16); T <= CHUNK_MAX = 16
     H: tl.constexpr,
     P: tl.constexpr,
     N: tl.constexpr,
