@@ -1141,9 +1141,11 @@ def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
     kern.replay_verify(ckpt, long_hist, hist_len, long, params, 0, parents=(-1,) + (0,) * CHUNK_MAX)
     assert seen[-2:] == ["token", "token"]
     # tl.dot's smallest operand is 16 wide; 32-wide blocks from ~1024 programs
-    assert drc.chunk_block(8, 8, None, 1, 1) == (16, 16, 8) and m2c.chunk_block(8, 8, None, 1, 1) == (16, 16, 8)
-    assert drc.chunk_block(128, 128, None, 64, 32) == (128, 32, 8)
-    assert m2c.chunk_block(64, 128, None, 64, 128) == (32, 128, 8)
+    from specdec.kernels.triton_common import chunk_blocks  # (whole dim's block, split dim's block, warps)
+
+    assert chunk_blocks(8, 8, None, 1, 1) == (16, 16, 8)
+    assert chunk_blocks(128, 128, None, 64, 32) == (128, 32, 8)  # GDN: K whole, V split
+    assert chunk_blocks(128, 64, None, 64, 128) == (128, 32, 8)  # Mamba-2: N whole, P split
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])

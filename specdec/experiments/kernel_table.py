@@ -322,6 +322,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
         print(f"experiment.chunked: the {backend(device)} backend has no chunked kernels; its rows are left out")
         chunked = False
     rows = _rows(strategies, chunked)
+    chunked_rows = {s for _, s, c in rows if c}  # strategies timed chunked in rows of their own
     batches, Ks = [int(b) for b in exp.batch_grid], [int(k) for k in exp.k_grid]
     gen = torch.Generator().manual_seed(int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
@@ -349,7 +350,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
                 group = []
                 for label, strategy, chunked in rows:
                     launch = _launch_for(picks, name, B, strategy)
-                    if chunked or (strategy in [s for _, s, c in rows if c]):  # the chunked form has its own row
+                    if chunked or strategy in chunked_rows:  # the chunked form has its own row
                         launch = dataclasses.replace(launch, chunked=chunked)
                     r = bench_point(op.with_launch(launch), shape, strategy, B, K, device, params=params, gen=gen,
                                     dtype=dtype, rounds=int(exp.rounds), reps=int(exp.reps),

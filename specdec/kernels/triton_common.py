@@ -106,6 +106,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def chunk_blocks(whole: int, split: int, block: int | None, batch: int, heads: int, num_warps: int | None = None):
+    """``(whole block, split block, num_warps)`` of a chunked replay verify
+    (``kernels/{gdn,mamba2}/triton_chunk.py``): the dim a program holds entirely (GDN / KDA: the key
+    dim K; Mamba-2: the state dim N) and the block of the dim split over programs (the value dim V;
+    the head dim P), both at least :data:`DOT_MIN` (the matrix products' smallest operand; a smaller
+    ``block`` is raised to it). The split block is 32 when the grid has at least ~1024 programs of
+    32, else 16 (more programs at small batch), unless ``block``; 8 warps unless ``num_warps``.
+
+    By register count for sm_90, T = 5 (``python benchmarks/triton_sm90_compile.py``): GDN (K = V =
+    128) 88 at 16 / 8 warps (134 at 4 warps), 109 at 32; KDA 172 at either (255 at 16 / 4 warps);
+    Mamba-2 (P = 64, N = 128) 80 at 32 / 8 warps (155 at 4), 170 at 16 / 8 warps (255 at 4). Not yet
+    timed against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
+    if block is None:
+        block = 32 if batch * heads * triton.cdiv(split, 32) >= 1024 else 16
+    return (max(DOT_MIN, next_pow2(whole)), max(DOT_MIN, min(next_pow2(block), next_pow2(split))),
+            num_warps or 8)
+
+
 def num_warps_for(block_elems: int, max_warps: int = 4) -> int:
     """Warps for a program whose register block has ``block_elems`` elements.
 

@@ -43,6 +43,7 @@ import triton.language as tl
 from ..triton_common import (
     CHUNK_MAX,
     DOT_MIN,
+    chunk_blocks,
     floor_log_decay,
     fold_launch,
     load_slot,
@@ -54,7 +55,7 @@ from ..triton_common import (
 )
 from .triton_step import _fold_cached
 
-__all__ = ["chunk_block", "launch_replay_chunk"]
+__all__ = ["launch_replay_chunk"]
 
 
 @triton.jit
@@ -207,21 +208,6 @@ def _delta_rule_replay_chunk_kernel(
             tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty), mask=m_t)
 
 
-def chunk_block(K: int, V: int, block_v: int | None, batch: int, H: int, num_warps: int | None = None):
-    """``(BK, BV, num_warps)`` of the chunked verify: the whole key dim and value columns, both at
-    least :data:`DOT_MIN` (the matrix products' smallest operand; a smaller ``block_v`` is raised
-    to it). BV 32 when the grid has at least ~1024 programs of 32 columns, else 16 (more programs
-    at small batch), unless ``block_v``; 8 warps. By register count for sm_90 at K = V = 128, T =
-    5 (``python benchmarks/triton_sm90_compile.py``): GDN 88 registers at BV 16 / 8 warps (134 at
-    4 warps), 109 at BV 32; KDA 172 at either BV (255 at BV 16 / 4 warps). Not yet timed against
-    other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
-    if block_v is None:
-        block_v = 32 if batch * H * triton.cdiv(V, 32) >= 1024 else 16
-    BK = max(DOT_MIN, next_pow2(K))
-    BV = max(DOT_MIN, min(next_pow2(block_v), next_pow2(V)))
-    return BK, BV, num_warps or 8
-
-
 def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indices, tree, strides, dims, *, offset,
                         fused, first, half, fold_n, per_channel, block_v=None, num_warps=None):
     """Launch the chunked replay verify on checked, contiguous arguments (the caller's
@@ -232,7 +218,7 @@ def launch_replay_chunk(q, k, v, g, beta, out, ckpt, hist, hist_len, state_indic
     B, T, H, K, V = dims
     if T > CHUNK_MAX:
         raise ValueError(f"the chunked replay verify takes at most {CHUNK_MAX} tokens per call, got {T}")
-    BK, BV, num_warps = chunk_block(K, V, block_v, B, H, num_warps)
+    BK, BV, num_warps = chunk_blocks(K, V, block_v, B, H, num_warps)
     h_k, h_g, h_u = hist
     fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
     grid = (triton.cdiv(V, BV), H, B)  # B on axis 2: axis 1 is capped at 65535

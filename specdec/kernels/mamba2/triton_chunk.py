@@ -31,6 +31,7 @@ import triton.language as tl
 from ..triton_common import (
     CHUNK_MAX,
     DOT_MIN,
+    chunk_blocks,
     floor_log_decay,
     fold_launch,
     load_slot,
@@ -41,7 +42,7 @@ from ..triton_common import (
 )
 from .triton_step import _fold_cached
 
-__all__ = ["chunk_block", "launch_replay_chunk"]
+__all__ = ["launch_replay_chunk"]
 
 
 @triton.jit
@@ -152,20 +153,6 @@ def _mamba2_replay_chunk_kernel(
             tl.store(p_hB + pos[:, None] * (G * N) + i_g * N + o_n[None, :], a_B.to(h_B.dtype.element_ty), mask=m_tn)
 
 
-def chunk_block(P: int, N: int, block_p: int | None, batch: int, H: int, num_warps: int | None = None):
-    """``(BP, BN, num_warps)`` of the chunked verify: the whole state dim and head-dim rows, both at
-    least :data:`DOT_MIN` (the matrix products' smallest operand). BP 32 when the grid has at least
-    ~1024 programs of 32 rows, else 16 (more programs at small batch), unless ``block_p``; 8 warps.
-    By register count for sm_90 at P = 64, N = 128 (``python benchmarks/triton_sm90_compile.py``):
-    80 registers at BP 32 / 8 warps (155 at 4), 170 at BP 16 / 8 warps (255 at 4). Not yet timed
-    against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
-    if block_p is None:
-        block_p = 32 if batch * H * triton.cdiv(P, 32) >= 1024 else 16
-    BN = max(DOT_MIN, next_pow2(N))
-    BP = max(DOT_MIN, min(next_pow2(block_p), next_pow2(P)))
-    return BP, BN, num_warps or 8
-
-
 def launch_replay_chunk(x, dt, A, Bm, Cm, D, out, ckpt, hist, hist_len, state_indices, tree, strides, dims, *,
                         offset, fused, first, half, fold_n, block_p=None, num_warps=None):
     """Launch the chunked replay verify on checked, contiguous arguments (the caller's
@@ -176,7 +163,7 @@ def launch_replay_chunk(x, dt, A, Bm, Cm, D, out, ckpt, hist, hist_len, state_in
     Bsz, T, H, P, G, N = dims
     if T > CHUNK_MAX:
         raise ValueError(f"the chunked replay verify takes at most {CHUNK_MAX} tokens per call, got {T}")
-    BP, BN, num_warps = chunk_block(P, N, block_p, Bsz, H, num_warps)
+    BN, BP, num_warps = chunk_blocks(N, P, block_p, Bsz, H, num_warps)
     h_x, h_dt, h_B = hist
     fold_la, fold_masked = fold_launch(fold_n) if fused else (4, True)  # as the token-by-token kernel
     _mamba2_replay_chunk_kernel[(triton.cdiv(P, BP), H, Bsz)](  # B on axis 2: axis 1 is capped at 65535
