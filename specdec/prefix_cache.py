@@ -20,7 +20,9 @@ cache keeps SSM states at branch points and vLLM's ``align`` mode at block-align
   forward; a prompt that extends this one makes that boundary a branch point instead);
 * branch points: when a lookup finds a chain of cached blocks that goes further than the deepest
   block holding SSM state, the prompt is prefilled in two forwards, the first ending at the
-  chain's last block, whose state is stored there (later prompts sharing that prefix hit it).
+  chain's last block, whose state is stored there (later prompts sharing that prefix hit it);
+  not when ``max_bytes`` could not hold that state with its chain (the split would then cost a
+  forward for nothing).
 
 A lookup's hit is the longest chain of cached blocks whose last block holds SSM state (a model
 without SSM layers: every block). So prompts with a shared prefix of several blocks and their
@@ -172,7 +174,8 @@ class PrefixMatch:
     hit: how many of them a prefill loads: up to the deepest one holding SSM state (0: none).
     forward_ends: the token positions where the prefill's forwards end, from ``hit * block_size``:
     ``(len(chain) * block_size, length)`` when the chain goes past the hit (a branch point: the
-    first forward ends at the chain's last block and stores its SSM state there), else ``(length,)``.
+    first forward ends at the chain's last block and stores its SSM state there), else ``(length,)``
+    (also when ``max_bytes`` could not hold that state with its chain).
     """
 
     chain: list[PrefixEntry]
@@ -244,6 +247,9 @@ class PrefixCache:
         self._buckets: dict[int, list[PrefixEntry]] = {}
         self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
+        #: the most bytes of SSM state a block offered to :meth:`insert` held (None: none seen yet);
+        #: :meth:`match` makes no branch point whose state could not be stored
+        self._state_bytes: int | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -274,7 +280,7 @@ class PrefixCache:
                 break
             chain.append(entry)
         hit = next((n for n in range(len(chain), 0, -1) if chain[n - 1].block.ssm_state is not None), 0)
-        ends = (len(chain) * bs, len(tokens)) if len(chain) > hit else (len(tokens),)
+        ends = (len(chain) * bs, len(tokens)) if len(chain) > hit and self._state_fits(chain) else (len(tokens),)
         self._touch(chain)
         s = self.stats
         s.lookups += 1
@@ -308,6 +314,8 @@ class PrefixCache:
         tokens = tuple(tokens)
         if len(tokens) != self.block_size:
             raise ValueError(f"a block holds block_size={self.block_size} tokens, got {len(tokens)}")
+        if block.ssm_state is not None:
+            self._state_bytes = max(self._state_bytes or 0, _states_bytes(block.ssm_state))
         parent = chain[-1] if chain else None
         if parent is not None and not parent.live:
             return None
@@ -344,6 +352,15 @@ class PrefixCache:
         return entry
 
     # --- internals --------------------------------------------------------------------------
+    def _state_fits(self, chain: list[PrefixEntry]) -> bool:
+        """Whether SSM state added to ``chain``'s last block could be stored (:meth:`insert`'s
+        bound: the chain's bytes and the state within ``max_bytes``). A branch point whose state
+        cannot be stored would split the prompt's prefill into two forwards for nothing, prompt
+        after prompt; unknown before the first block with state is offered."""
+        if self._state_bytes is None:
+            return True
+        return sum(e.block.nbytes for e in chain) + self._state_bytes <= self.max_bytes
+
     def _find(self, parent: PrefixEntry | None, tokens: tuple[int, ...]) -> PrefixEntry | None:
         """The entry of ``tokens`` after ``parent``: same key, same tokens, same parent entry."""
         key = block_hash(parent.key if parent is not None else _ROOT, tokens)

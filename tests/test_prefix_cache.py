@@ -525,6 +525,53 @@ def test_prefix_cache_branch_points():
     assert pc.stats.stored_bytes == pc.stats.inserted_bytes == pc.nbytes
 
 
+def test_no_branch_point_whose_state_cannot_be_stored():
+    """A bound that holds a chain's keys / values but not the SSM state a branch point would add
+    plans one forward (the split would be refused its state, prompt after prompt); with room for
+    the state the same lookup plans the branch point. Before any state is offered its size is
+    unknown and the branch point is planned."""
+    a, b = [5, 6, 7, 8, 9], [5, 6, 7, 8, 11, 12]
+    kv_only, state = _block(8, state=False).nbytes, _block(8).nbytes - _block(8, state=False).nbytes
+    for room, ends in ((state - 1, (6,)), (state, (4, 6))):
+        pc = PrefixCache(block_size=2, max_bytes=2 * kv_only + room)
+        chain = []
+        for j in range(2):
+            pc.insert(chain, a[2 * j:2 * j + 2], _block(8, state=False))
+        assert pc.match(b).forward_ends == (4, 6)  # no state offered yet: its size is unknown
+        pc.insert([], [40, 41], _block(8))  # a block with state (evicts a's blocks if it must)
+        chain = []
+        for j in range(2):
+            pc.insert(chain, a[2 * j:2 * j + 2], _block(8, state=False))
+        found = pc.match(b)
+        assert len(found.chain) == 2 and found.hit == 0 and found.forward_ends == ends, room
+        branch = []
+        stored = [pc.insert(branch, b[2 * j:2 * j + 2], _block(8, state=j == 1)) for j in range(2)]
+        assert (stored[1] is not None) == (len(ends) == 2)  # the split's state is stored exactly when planned
+
+
+def test_small_bound_costs_no_extra_forwards():
+    """Prompts sharing a prefix under a bound too small for one block's SSM state: one forward per
+    prompt, as without a cache, once the first branch point has shown the cache a state's size
+    (that prompt's two forwards are the only extra one); the outputs of an uncached run."""
+    family = "qwen3_5"
+    prompts, expected = _prompts(), _expected(family)
+    sd = specdec.wrap(get_model(family), rollback="snapshot", num_speculative_tokens=3, decode_path="eager")
+    _run(sd, prompts, prefix_caching=True, prefix_block_size=BS)
+    st = sd.last_stats.prefix_cache
+    assert st["prefill_forwards"] > st["lookups"] + 1  # this workload has several branch points
+    pc = PrefixCache(BS)  # a block's bytes without and with SSM state: a prefill ending on a block boundary
+    adapter = adapter_for(get_model(family))
+    p = prompts[0][:3 * BS]
+    adapter.prefill(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                    adapter.new_cache(1, len(p) + 4, 3, make_strategy("snapshot")), prefix_cache=pc)
+    kv = min(e.block.nbytes for e in pc.entries() if e.block.ssm_state is None)
+    assert kv * 4 < max(e.block.nbytes for e in pc.entries()) - kv  # one block's state outweighs 4 blocks' K / V
+    _check(_run(sd, prompts, prefix_caching=True, prefix_block_size=BS, prefix_cache_bytes=4 * kv), expected, prompts)
+    st = sd.last_stats.prefix_cache
+    assert st["inserted_blocks"] > 0 and st["lookups"] == len(prompts)
+    assert st["prefill_forwards"] == st["lookups"] + 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", EXTRA_FAMILIES + ("llama", "mistral"))
 def test_other_families(family):
