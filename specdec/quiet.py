@@ -25,7 +25,10 @@ GPU_ONLY_PACKAGES = ("causal_conv1d", "causal-conv1d", "flash-linear-attention",
 #: the transformers logger that emits the fallback notes
 FALLBACK_LOGGER = "transformers.integrations.hub_kernels"
 
-_NOTE = re.compile(r"falling back to its reference PyTorch implementation because `(?P<pkg>[^`]+)` is not installed")
+#: the note, as transformers 5.17 ("... `pkg` is not installed") and 5.25 ("... `pkg` is either not
+#: installed or doesn't support the device of the inputs") word it
+_NOTE = re.compile(r"falling back to its reference PyTorch implementation because `(?P<pkg>[^`]+)` is (either )?not "
+                   r"installed")
 
 
 class _GPUOnlyFallbackFilter(logging.Filter):

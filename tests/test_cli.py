@@ -109,6 +109,36 @@ def test_a_run_prints_its_folder_and_threads_quietly(tmp_path: Path):
     assert (out / "summary.md").is_file() and not (out / "app.log").exists()
 
 
+@pytest.mark.parametrize("reason", ["is not installed", "is either not installed or doesn't support the device of "
+                                              "the inputs"])
+def test_cpu_drops_the_fallback_note_in_every_wording(reason):
+    """transformers 5.17 and 5.25 word the note differently; both are dropped on a CPU, for GPU-only
+    packages only, and only inside the block."""
+    import logging
+
+    from specdec.quiet import FALLBACK_LOGGER, quiet_transformers
+
+    logger, seen = logging.getLogger(FALLBACK_LOGGER), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def note(pkg):
+        return f"`f` is falling back to its reference PyTorch implementation because `{pkg}` {reason}."
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        with quiet_transformers("cpu"):
+            logger.warning(note("flash-linear-attention"))
+            logger.warning(note("some_cpu_package"))
+        logger.warning(note("mamba_ssm"))
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [note("some_cpu_package"), note("mamba_ssm")]
+
+
 def test_a_refused_run_leaves_no_empty_folder(tmp_path: Path):
     out = tmp_path / "run"
     res = _run(["-m", "specdec", "model=gdn-target", "drafter=ngram", "num_speculative_tokens=-1", "device=cpu",

@@ -84,6 +84,7 @@ from torch import nn
 from ..cache import HybridCache
 from ..graphs import CapturedProgram, bucket_length
 from ..models import adapter_for
+from ..models.common import cache_keyword
 from ..placement import materialized
 from ..tree import make_tree
 from ..verify import process_logits
@@ -218,6 +219,8 @@ class QwenMTP(MTPLayers):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(num_steps)])
         self.norm = norm_cls(D, eps=eps)
+        #: the keyword the decoder layer takes its cache by (:func:`~specdec.models.common.cache_keyword`)
+        self.cache_kw = cache_keyword(layer_cls.forward)
 
     def attention_layers(self):
         return {i: layer.self_attn for i, layer in enumerate(self.layers)}
@@ -226,7 +229,7 @@ class QwenMTP(MTPLayers):
                 cache=None):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         x = self.layers[step % self.num_steps](x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                               position_ids=position_ids, past_key_values=cache)
+                                               position_ids=position_ids, **{self.cache_kw: cache})
         return self.norm(x)
 
 
@@ -256,6 +259,8 @@ class NemotronHMTP(MTPLayers):
         self.hnorm = nn.ModuleList([norm_cls(D, eps=eps) for _ in range(num_steps)])
         self.eh_proj = nn.ModuleList([nn.Linear(2 * D, D, bias=False) for _ in range(num_steps)])
         self.final_layernorm = nn.ModuleList([norm_cls(D, eps=eps) for _ in range(num_steps)])
+        #: the keyword the blocks take their cache by (:func:`~specdec.models.common.cache_keyword`)
+        self.cache_kw = cache_keyword(block_cls.forward)
 
     def attention_layers(self):
         return {j: b.mixer for j, b in enumerate(self.layers) if b.block_type == "full_attention"}
@@ -277,7 +282,7 @@ class NemotronHMTP(MTPLayers):
         P = len(self.pattern)
         for block in self.layers[g * P: (g + 1) * P]:
             mask = attention_mask if block.block_type == "full_attention" else None
-            x = block(x, past_key_values=cache, attention_mask=mask, position_ids=position_ids)
+            x = block(x, attention_mask=mask, position_ids=position_ids, **{self.cache_kw: cache})
         return self.final_layernorm[g](x)
 
 

@@ -29,6 +29,7 @@ from ..placement import check_placement, materialized, offloads_weights, routed_
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
+from .common import cache_keyword
 from .step_attention import grouped_attention_configs, grouped_step_attention_for, sdpa_without_cudnn
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "PROMPT_PATHS", "register", "adapter_for", "prefill_groups", "supported_families"]
@@ -461,10 +462,7 @@ class HybridAdapter:
         """``cache_arg``, or ``cache`` where the body's forward takes that instead (transformers
         >= 5.24, where ``past_key_values`` / ``cache_params`` only warn)."""
         if not hasattr(self, "_cache_kw"):
-            import inspect
-
-            params = inspect.signature(self.body.forward).parameters
-            self._cache_kw = self.cache_arg if self.cache_arg in params or "cache" not in params else "cache"
+            self._cache_kw = cache_keyword(self.body.forward, self.cache_arg)
         return self._cache_kw
 
     def _call_body(self, input_ids, attention_mask, position_ids, cache):

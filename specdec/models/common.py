@@ -1,5 +1,6 @@
-"""What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`, and
-:func:`l2norm` (the delta-rule mixers' q / k normalisation).
+"""What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`,
+:func:`cache_keyword` (the name a forward takes its cache by) and :func:`l2norm` (the delta-rule
+mixers' q / k normalisation).
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
 :class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
@@ -20,11 +21,22 @@ The mixers themselves stay in the family modules and call the shared ops through
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..kernels.gdn import L2NORM_EPS
 
-__all__ = ["layer_types_of", "l2norm"]
+__all__ = ["layer_types_of", "l2norm", "cache_keyword"]
+
+
+def cache_keyword(forward, legacy: str = "past_key_values") -> str:
+    """The keyword ``forward`` (a model's, a body's or a decoder layer's) takes its cache by:
+    ``legacy`` (``past_key_values``, or Mamba2's ``cache_params``) where it names that parameter or
+    has no ``cache`` one, else ``cache`` (transformers >= 5.24, where the legacy names still work
+    but warn that they go in 5.40). It reads the signature: callers keep the answer."""
+    params = inspect.signature(forward).parameters
+    return legacy if legacy in params or "cache" not in params else "cache"
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
