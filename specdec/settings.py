@@ -147,6 +147,24 @@ def _as_id_list(eos) -> tuple[int, ...]:
     raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
 
 
+def _eos_in_vocabulary(eos: tuple[int, ...], vocab_size: int, given: bool) -> tuple[int, ...]:
+    """The EOS ids a step can produce. An id outside ``[0, vocab_size)`` never ends a row (and
+    must not index the logits, as ``min_new_tokens`` does): given on the call (or in its
+    ``generation_config``) it is an error; inherited from the model's ``generation_config`` it is
+    dropped with a warning (a model built from a larger config's defaults keeps its EOS ids).
+
+    Raises: ValueError for a given id outside the vocabulary."""
+    outside = [e for e in eos if not 0 <= e < vocab_size]
+    if not outside:
+        return eos
+    what = f"eos_token_id {outside[0] if len(outside) == 1 else outside} lies outside the vocabulary [0, {vocab_size})"
+    if given:
+        raise ValueError(f"{what}: no step can produce it; give ids in that range, or None for no EOS")
+    warnings.warn(f"the model's generation_config {what}: no step can produce it, so it is not used to stop rows",
+                  UserWarning, stacklevel=4)
+    return tuple(e for e in eos if 0 <= e < vocab_size)
+
+
 def _count(gc, name: str) -> int:
     val = getattr(gc, name, None)
     if val is None:
@@ -266,7 +284,7 @@ def _stopping_criteria(criteria, max_time):
 
 def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, generation_config=None, *,
             overrides: dict, streamer=None, stopping_criteria=None, generator=None,
-            batch: bool = False) -> GenerationSettings:
+            batch: bool = False, caller: str | None = None) -> GenerationSettings:
     """Check and resolve one ``generate()`` call's arguments.
 
     Args:
@@ -278,6 +296,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             None values mean "not given".
         batch: the call is ``generate_batch()``'s (its errors name it and list what it takes; it
             refuses the per-token settings after this).
+        caller: the name errors give the call (default ``generate_batch()`` / ``generate()``), e.g.
+            ``init_continuous_batching()``, which takes ``generate_batch()``'s settings.
 
     Returns: the :class:`GenerationSettings`.
 
@@ -291,7 +311,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
              "max_length"}
     unknown = sorted(k for k in overrides if k not in known and (k not in config_fields or k.startswith("_")))
-    caller = "generate_batch()" if batch else "generate()"
+    caller = caller or ("generate_batch()" if batch else "generate()")
     if unknown:
         own = f"{caller}'s own parameters" if batch else _ARGUMENTS
         raise ValueError(f"unsupported {caller} argument(s): {unknown}; supported: {own}, and the "
@@ -321,7 +341,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
                       UserWarning, stacklevel=3)
 
-    eos = _as_id_list(gc.eos_token_id)
+    eos = _eos_in_vocabulary(_as_id_list(gc.eos_token_id), vocab_size,
+                             given=overrides.get("eos_token_id") is not None or generation_config is not None)
     pad = gc.pad_token_id
     if isinstance(pad, torch.Tensor) and pad.numel() == 1:
         pad = pad.item()
@@ -334,6 +355,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
                          "up to the longest row, and no pad_token_id or eos_token_id is set (on the call or the "
                          "model's generation_config) to pad with; give pad_token_id")
 
+    if gc.do_sample is not None and not isinstance(gc.do_sample, bool):
+        raise TypeError(f"do_sample must be True or False, got {gc.do_sample!r}")
     sampling = None
     if gc.do_sample:
         sampling = SamplingConfig(temperature=gc.temperature if gc.temperature is not None else 1.0,
@@ -357,6 +380,9 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         raise ValueError("streamer= supports batch size 1 only, as in HF generate()")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator is not None and sampling is None:
+        warnings.warn("generator= has no effect with do_sample=False (greedy draws no random numbers)", UserWarning,
+                      stacklevel=3)
     criteria = _stopping_criteria(stopping_criteria, max_time)
     return_dict = bool(gc.return_dict_in_generate)
     return GenerationSettings(

@@ -546,6 +546,42 @@ def test_unsupported_settings_raise(kwargs, pattern):
         wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,error,pattern", [
+    (dict(do_sample="no"), TypeError, "do_sample must be True or False, got 'no'"),
+    (dict(do_sample=1), TypeError, "do_sample must be True or False"),
+    (dict(eos_token_id=-1), ValueError, r"eos_token_id -1 lies outside the vocabulary \[0, 96\)"),
+    (dict(eos_token_id=[5, VOCAB]), ValueError, rf"eos_token_id {VOCAB} lies outside the vocabulary"),
+])
+def test_bad_values_raise(kwargs, error, pattern):
+    ids, mask = ragged_prompts()
+    with pytest.raises(error, match=pattern):
+        wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
+
+
+def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
+    """A model built from a larger config's defaults may keep an EOS id its vocabulary lacks: it
+    is dropped with a warning (it could never end a row, and min_new_tokens would index the logits
+    with it), the ids in the vocabulary still count, and the output is HF's with those alone."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    eos = eos_ids(ids, hf(model, ids, mask))
+    ref = hf(model, ids, mask, eos_token_id=eos, min_new_tokens=2)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [*eos, VOCAB + 7]
+    try:
+        with pytest.warns(UserWarning, match=rf"generation_config eos_token_id {VOCAB + 7} lies outside"):
+            out = wrap().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0, min_new_tokens=2)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert torch.equal(out, ref)
+
+
+def test_generator_with_greedy_warns():
+    ids, mask = ragged_prompts()
+    with pytest.warns(UserWarning, match="generator= has no effect with do_sample=False"):
+        wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, generator=torch.Generator())
+
+
 def test_bad_stopping_criteria_type():
     ids, mask = ragged_prompts()
     with pytest.raises(TypeError, match="stopping_criteria"):
