@@ -150,7 +150,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
 
     Args:
         inputs: a list of prompts, each a list (or 1-D tensor) of int token ids.
-        max_new_tokens: one int >= 0 for every request, or a list of them (one per request).
+        max_new_tokens: one int >= 0 for every request, or one per request (a list, or a 1-D
+            tensor or NumPy array).
         vocab_size: ids must be in ``[0, vocab_size)``.
         max_positions: the model's context (``config.max_position_embeddings``) or None: prompt +
             budget must not exceed it.
@@ -169,6 +170,11 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     """
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
+    if isinstance(max_new_tokens, torch.Tensor) or type(max_new_tokens).__module__ == "numpy":
+        if getattr(max_new_tokens, "ndim", 0) > 1:
+            raise ValueError(f"max_new_tokens must be one int or one per request, got an array of shape "
+                             f"{tuple(max_new_tokens.shape)}")
+        max_new_tokens = max_new_tokens.tolist()  # a 1-D tensor / array: one budget per request (0-d: an int)
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(inputs)
     if len(budgets) != len(inputs):
         raise ValueError(f"max_new_tokens is a list of {len(budgets)} budgets for {len(inputs)} requests; give one "

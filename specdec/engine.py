@@ -32,6 +32,7 @@ import functools
 import numbers
 import re
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -164,12 +165,18 @@ def _restore_random_state(saved: tuple) -> None:
 
 def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> PrefixCache | None:
     """The prefix cache of a ``generate_batch`` call or a manager (empty), or None without
-    ``prefix_caching``; every argument checked either way.
+    ``prefix_caching``; every argument checked either way (a size given without it warns).
 
     Raises: TypeError (``prefix_caching`` not a bool) / as :func:`check_prefix_cache_args`."""
     if not isinstance(prefix_caching, bool):
         raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
     check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
+    if not prefix_caching:
+        given = [f"{name}={value}" for name, value, default in (
+            ("prefix_block_size", prefix_block_size, PREFIX_BLOCK_SIZE),
+            ("prefix_cache_bytes", prefix_cache_bytes, DEFAULT_PREFIX_CACHE_BYTES)) if value != default]
+        if given:
+            warnings.warn(f"{', '.join(given)} has no effect without prefix_caching=True", UserWarning, stacklevel=3)
     return PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
 
 
@@ -591,7 +598,7 @@ class SpeculativeGenerator:
         Args:
             inputs: ``list`` of prompts, each a list (or 1-D tensor) of int token ids, any lengths.
             generation_config: a ``transformers.GenerationConfig`` (default: the model's).
-            max_new_tokens: new tokens per request: one int, or a list of ints (one per request);
+            max_new_tokens: new tokens per request: one int, or one per request (a list, a 1-D tensor or NumPy array);
                 default: the generation config's ``max_new_tokens``, else 20.
             eos_token_id: int or list of ints (default from the generation config).
             progress_bar: show a ``tqdm`` bar of finished requests.
@@ -738,7 +745,8 @@ class SpeculativeGenerator:
                             f"{type(max_new_tokens).__name__}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (the default budget of a request), got {max_new_tokens}")
-        settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs)
+        settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
+                                           "init_continuous_batching")
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
                                cache.max_bytes if cache is not None else 0)
         return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
@@ -757,19 +765,21 @@ class SpeculativeGenerator:
     def _max_positions(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs):
+    def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs,
+                           caller: str = "generate_batch"):
         """The settings of a pool's decode loop, checked before any work (resolved on a placeholder
         prompt: :meth:`_run_pool` gives the loop its rows' placeholders); ``generator`` (a
-        ``torch.Generator`` for sampling) may be among ``generate_kwargs``."""
+        ``torch.Generator`` for sampling) may be among ``generate_kwargs``; errors name ``caller``."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.adapter.device)
         generate_kwargs = dict(generate_kwargs)
         generator = generate_kwargs.pop("generator", None)
         overrides = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **generate_kwargs)
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, ids, torch.ones_like(ids),
-                           generation_config, overrides=overrides, generator=generator, batch=True)
+                           generation_config, overrides=overrides, generator=generator, batch=True,
+                           caller=f"{caller}()")
         blockers = settings.per_token_features
         if blockers or settings.return_dict:
-            raise ValueError(f"generate_batch does not support {', '.join(blockers) or 'return_dict_in_generate'}"
+            raise ValueError(f"{caller} does not support {', '.join(blockers) or 'return_dict_in_generate'}"
                              "; use generate() for these")
         custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
         if custom and self._pick_path(self.adapter.device, None) != "eager":
@@ -873,7 +883,8 @@ class SpeculativeGenerator:
         span = Lp + max_new if pool is None else pool.span  # the longest committed text, padding included
         needed = kv_columns(span, T)
         strategy, reason = self._rollback(s, path, needed, T, tree, K, adaptive, until_last=pool is None)
-        clock.lap("calibration")
+        if adaptive or self._candidates is not None:  # (a fixed K and strategy measure nothing: calibration_s 0)
+            clock.lap("calibration")
         dec = self.decoder = self._decoder(path, B, needed, T, tree, strategy)
         every = drafter is not None and drafter.wants_all_hidden_states  # e.g. MTP layers: every position's
         logits, hidden = dec.prefill(ids, s.attention_mask, all_hidden_states=every,  # (a pool's: placeholders)

@@ -4,6 +4,7 @@ alone (fp32); failed requests leave the others intact; bad arguments raise befor
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import hf_greedy, record_prompt_forwards
@@ -371,6 +372,10 @@ def test_argument_errors():
         (dict(inputs=torch.tensor([[5, 6]])), TypeError, "list of prompts"),
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
+        (dict(max_new_tokens=torch.tensor([3, 4])), ValueError, "one per request"),
+        (dict(max_new_tokens=torch.ones(1, 1, dtype=torch.long)), ValueError, r"one per request, got an array of "
+                                                                               r"shape \(1, 1\)"),
+        (dict(do_sample="no"), TypeError, "do_sample must be True or False"),
         (dict(max_new_tokens=-1), ValueError, ">= 0"),
         (dict(max_batch_size="big"), ValueError, "'auto'"),
         (dict(max_batch_size=0), ValueError, ">= 1"),
@@ -391,6 +396,18 @@ def test_argument_errors():
         sd.generate_batch(ok, max_new_tokens=3, num_beams=2)
     assert not any(x in str(err.value) for x in ("repetition_penalty", "min_new_tokens", "max_time", "output_scores"))
     assert sd.generate_batch([]) == {}
+    # budgets as a tensor or NumPy array: one per request, as a list gives them
+    prompts = [[5, 6, 7], [8, 9]]
+    want = sd.generate_batch(prompts, max_new_tokens=[2, 4])
+    for budgets in (torch.tensor([2, 4]), np.array([2, 4])):
+        got = sd.generate_batch(prompts, max_new_tokens=budgets)
+        assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in want.values()]
+    assert [len(o.generated_tokens) for o in want.values()] == [2, 4]
+    # a cache size without the cache: said, not silently dropped; with a fixed K and strategy
+    # nothing is calibrated
+    with pytest.warns(UserWarning, match="prefix_block_size=16 has no effect without prefix_caching=True"):
+        sd.generate_batch(prompts, max_new_tokens=2, prefix_block_size=16)
+    assert sd.last_stats.calibration_s == 0.0
 
 
 def test_reset_rows_in_place():

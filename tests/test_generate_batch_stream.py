@@ -160,7 +160,9 @@ def test_failed_requests_and_bad_arguments():
     for kw, err, match in [(dict(), TypeError, "max_length"), (dict(max_length=1), ValueError, "max_length"),
                            (dict(max_length=10**6), ValueError, "max_position_embeddings"),
                            (dict(max_length=8, max_batch_size="big"), ValueError, "'auto'"),
-                           (dict(max_length=8, repetition_penalty=1.2), ValueError, "repetition_penalty")]:
+                           (dict(max_length=8, repetition_penalty=1.2), ValueError, "repetition_penalty"),
+                           (dict(max_length=8, max_time=3.0), ValueError, "init_continuous_batching does not support"),
+                           (dict(max_length=8, num_beams=2), ValueError, r"init_continuous_batching\(\) supports")]:
         with pytest.raises(err, match=match):
             sd.init_continuous_batching(**kw)
 
