@@ -208,6 +208,19 @@ def test_prompt_file_errors_name_the_line(tmp_path: Path, content, match):
         assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "no such file" in res.stderr
 
 
+def test_prompt_ids_outside_the_vocabulary(tmp_path: Path):
+    """Token ids the target's vocabulary lacks: one line naming the prompt and the ids, exit status
+    2, and no run folder left behind (the file alone cannot tell: the vocabulary is the target's)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "far", "input_ids": [5, 99999, 6]}) + "\n")
+    out = tmp_path / "out"
+    res = _run([sys.executable, "-m", "specdec", "model=gdn-target", "drafter=ngram", "rollback=replay",
+                f"prompts.path={f}", "repeats=1", f"hydra.run.dir={out}"] + CPU)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
+    assert "prompt 'far': input_ids outside the target's vocabulary [0, " in res.stderr and "[99999]" in res.stderr
+    assert not out.exists()
+
+
 def test_rollback_tiny_run(tmp_path: Path):
     cfg = _cfg(["experiment=rollback", "prompts.limit=2", "max_new_tokens=8", "experiment.batch_grid=[1,2]",
                 "experiment.k_grid=[2]", "experiment.kernel_steps=2", "experiment.kernel_warmup=1",

@@ -96,11 +96,16 @@ def _configs(cfg, target_spec):
             yield str(drafter), str(strategy)
 
 
-def _encode(tok, p: dict, device):
+def _encode(tok, p: dict, device, vocab_size: int):
     """``{"input_ids": [1, L], "attention_mask": [1, L]}`` of a prompt (text or token ids).
 
-    Raises: ValueError for text the tokenizer encodes to no tokens."""
+    Raises: ValueError for text the tokenizer encodes to no tokens, or ids outside the target's
+    vocabulary ``[0, vocab_size)``."""
     if "input_ids" in p:
+        outside = sorted({i for i in p["input_ids"] if not 0 <= i < vocab_size})
+        if outside:
+            raise ValueError(f"prompt {p['id']!r}: input_ids outside the target's vocabulary [0, {vocab_size}): "
+                             f"{outside[:8]}{' ...' if len(outside) > 8 else ''}")
         ids = torch.tensor([p["input_ids"]], dtype=torch.long, device=device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     enc = tok(p["prompt"], return_tensors="pt").to(device)
@@ -146,7 +151,9 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
     if not plan:
         raise ValueError(f"drafter={','.join(map(str, cfg.drafter.names))} but no selected model has a draft model "
                          "(model.targets[*].draft), Medusa heads (model.targets[*].medusa) or MTP layers "
-                         "(model.targets[*].mtp); use drafter=ngram or model=gdn-target")
+                         "(model.targets[*].mtp); give one (e.g. model.targets.0.draft=<folder or hub id>, or "
+                         "model.targets.0.mtp=true for a checkpoint that ships MTP layers), or use drafter=ngram "
+                         "or model=gdn-target")
     planned = {str(s.name) for s, _, _ in plan}  # targets with at least one configuration (others are skipped)
     total = len(plan) * len(prompts) + len(planned) * len(prompts)
     bar = None
@@ -164,7 +171,8 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
         if spec.get("medusa") and "medusa" in [str(d) for d in cfg.drafter.names]:
             heads = zoo.load_medusa(str(spec.medusa), target=model)  # bound to this target's LM head
         pad = tok.pad_token_id
-        encs = {p["id"]: _encode(tok, p, device) for p in prompts}
+        vocab = model.get_input_embeddings().num_embeddings
+        encs = {p["id"]: _encode(tok, p, device, vocab) for p in prompts}
         timed_encs = [encs[p["id"]] for p in timed]
 
         def hf_generate(enc, n=max_new, **kw):
