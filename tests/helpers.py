@@ -28,6 +28,7 @@ from tiny_models import get_model, ragged_prompts
 from transformers import DynamicCache
 
 from specdec.drafters import DraftModelDrafter, MedusaHeads, MTPDrafter
+from specdec.models.common import cache_keyword
 from specdec.experiments.train_medusa import collect_hidden_states, fit_heads, medusa_targets, target_predictions
 from specdec.experiments.train_mtp import fit_mtp
 from specdec.rollback import STRATEGIES, ReplayRollback, make_strategy
@@ -97,9 +98,10 @@ def hf_states(model, adapter, texts, prompt_lens):
     for text, p in zip(texts, prompt_lens):
         cache = DynamicCache(config=model.config)
         ids = torch.tensor([text])
-        adapter.body(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
+        kw = {cache_keyword(adapter.body.forward): cache, "use_cache": True}
+        adapter.body(input_ids=ids[:, :p], **kw)
         for t in range(p, len(text)):
-            adapter.body(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            adapter.body(input_ids=ids[:, t : t + 1], **kw)
         for idx in per_layer:
             per_layer[idx][0].append(cache.layers[idx].recurrent_states[0].float())
             per_layer[idx][1].append(cache.layers[idx].conv_states[0].float())

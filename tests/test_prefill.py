@@ -35,6 +35,7 @@ from specdec.kernels.conv1d.naive import causal_conv1d_prompt
 from specdec.kernels.mamba2.chunked import (SCANS, expand_groups, mamba2_chunk_scan, mamba2_chunk_scan_fla,
                                             resolve_scan)
 from specdec.kernels.mamba2.naive import mamba2_verify
+from specdec.models.common import cache_keyword
 from specdec.models.mamba2 import Mamba2PromptLayer
 
 MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2")
@@ -221,7 +222,7 @@ def token_by_token(mixer, config, hidden):
     [1, H, P, N], conv window [1, C, W])`` fp32."""
     cache = DynamicCache(config=config)
     for t in range(hidden.shape[1]):
-        mixer(hidden[:, t : t + 1], cache_params=cache, attention_mask=None)
+        mixer(hidden[:, t : t + 1], attention_mask=None, **{cache_keyword(mixer.forward, "cache_params"): cache})
     layer = cache.layers[mixer.layer_idx]
     return layer.recurrent_states[0].float(), layer.conv_states[0].float()
 
