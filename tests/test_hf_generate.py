@@ -11,7 +11,7 @@ from tiny_models import make_model, perturbed_copy, ragged_prompts
 from transformers.cache_utils import Cache
 
 import specdec
-from specdec.hf_integration import SpeculativeCache, disable_hf_speculation
+from specdec.hf_integration import SpeculativeCache, _cache_key, disable_hf_speculation
 from specdec.rollback import STRATEGIES
 
 FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
@@ -107,7 +107,7 @@ def test_draft_rollback_gives_fresh_candidates(family):
     L = ids.shape[1]
     text, cache = ids, None
     for accept in (1, 0, 3, 2):  # how many of the 3 candidates the "target" keeps each round
-        kw = {"past_key_values": cache} if cache is not None else {}
+        kw = {_cache_key(): cache} if cache is not None else {}  # (generate() takes it as cache in 5.25)
         if cache is not None:  # HF's _update_past_and_masks: keep all but the last 2 tokens of the text
             cache.crop(-(cache.get_seq_length() - (text.shape[1] - 2)))
         out = draft.generate(text, max_new_tokens=3, generation_config=gc, **kw)
