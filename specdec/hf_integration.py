@@ -123,6 +123,12 @@ class SpeculativeCache(Cache):
             remove = max(self.get_seq_length() - int(tokens_to_remove), 0)
         else:
             remove = -int(tokens_to_remove)
+        if remove > self.open and remove == self.get_seq_length():  # back to no tokens at all: HF re-feeds a
+            # one-token prompt whose token was prefilled (it is not in the open step); start again from nothing
+            self.crop_stats["crops"] += 1
+            self.crop_stats["rolled_back_tokens"] += remove
+            self.reset()
+            return
         if remove > self.open:
             raise RuntimeError(
                 f"cannot roll the cache back by {remove} tokens: only the {self.open} tokens run since the "

@@ -120,6 +120,21 @@ def test_draft_rollback_gives_fresh_candidates(family):
     assert cache.crop_stats["rolled_back_tokens"] > 0 and text.shape[1] > L + 4
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_one_token_prompts_with_a_hybrid_assistant(family):
+    """A one-token prompt: the assistant's cache holds its prefilled token and nothing it could roll
+    back when HF crops it to nothing to re-feed the text; the crop starts it again from no tokens,
+    and the output is HF's plain greedy one. (The assistant is a hybrid: the target enables it.)"""
+    model, draft, _, _, _ = setup(family)
+    specdec.enable_hf_speculation(model)
+    for token in (17, 40, 77):
+        ids = torch.tensor([[token]])
+        ref = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)  # (no assistant: HF's)
+        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, assistant_model=draft,
+                             return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref), token
+
+
 def test_pure_mamba2_is_refused():
     model = make_model("mamba2")
     with pytest.raises(ValueError, match="specdec.wrap"):
