@@ -510,6 +510,26 @@ def test_missing_and_misshapen_tensors_raise(saved, tmp_path):
             MTPDrafter.from_pretrained(bad, target=model)
         with pytest.raises(ValueError, match="mtp_num_hidden_layers=1"):
             specdec.wrap(load("qwen3_5", bad), drafter="mtp")
+    # the MTP tensors shipped, the config's count field lost: the message says the files hold them
+    nofield = tmp_path / "nofield"
+    model.save_pretrained(nofield)
+    save_file(state, str(nofield / "model.safetensors"))
+    bare = make_model("qwen3_5")  # its config declares no MTP layers
+    with pytest.raises(ValueError, match=r"mtp_num_hidden_layers=None.*holds MTP tensors, so its config.json lacks"):
+        MTPDrafter.from_pretrained(nofield, target=bare)
+    with pytest.raises(ValueError, match=r"mtp_num_hidden_layers=None\): a checkpoint that ships them sets it") as err:
+        MTPDrafter.from_pretrained(plain, target=bare)  # no MTP tensors either: only the config is named
+    assert "holds MTP tensors" not in str(err.value)
+    # an index that maps the MTP tensors to a shard that is not there
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded)
+    (sharded / "model.safetensors").unlink()
+    weight_map = {k: "model-mtp.safetensors" if k.startswith("mtp.") else "model-0.safetensors" for k in state}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({k: v for k, v in state.items() if not k.startswith("mtp.")}, str(sharded / "model-0.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"index.json maps the MTP tensors .* to model-mtp.safetensors, "
+                                                r"which is not in"):
+        MTPDrafter.from_pretrained(sharded, target=model)
     moe = saved["nemotron_h"][0]
     state = load_file(str(Path(moe) / "model.safetensors"))
     state.pop("mtp.layers.1.mixer.experts.3.up_proj.weight")

@@ -318,7 +318,8 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
     n = int(getattr(config, cls.count_field, 0) or 0) if num_steps is None else int(num_steps)
     if n < 1:
         raise ValueError(f"{type(target).__name__}'s config declares no MTP layers ({cls.count_field}="
-                         f"{getattr(config, cls.count_field, None)}); the checkpoint ships no MTP module to draft with")
+                         f"{getattr(config, cls.count_field, None)}): a checkpoint that ships them sets it to their "
+                         "layer count")
     if getattr(config, "mtp_use_dedicated_embeddings", False):
         raise ValueError("mtp_use_dedicated_embeddings=True: MTP layers with their own embedding are not supported")
     p = target.get_output_embeddings().weight  # (its dtype; its device may be meta under accelerate's offloading)
@@ -329,12 +330,33 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the folder ``path`` that hold ``mtp.*`` tensors (with an index, the
+    shards it maps them to; else the one file).
+
+    Raises: FileNotFoundError for a folder without a checkpoint, or an index naming a shard that
+        is not there."""
     if (path / _INDEX).is_file():
         weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
-        return sorted({path / f for k, f in weight_map.items() if k.startswith(_PREFIXES)})
+        files = sorted({path / f for k, f in weight_map.items() if k.startswith(_PREFIXES)})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path / _INDEX} maps the MTP tensors ({' / '.join(p + '*' for p in _PREFIXES)}) "
+                                    f"to {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not in {path}")
+        return files
     if (path / _SINGLE).is_file():
         return [path / _SINGLE]
     raise FileNotFoundError(f"no safetensors checkpoint in {path}: expected {_SINGLE} or {_INDEX}")
+
+
+def _holds_mtp_tensors(path: Path) -> bool:
+    """Whether the checkpoint folder ``path`` holds ``mtp.*`` tensors (their names read, not their data)."""
+    from safetensors import safe_open
+
+    for f in _checkpoint_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            if any(k.startswith(_PREFIXES) for k in st.keys()):
+                return True
+    return False
 
 
 def read_mtp_tensors(path, device=None, dtype=None) -> dict[str, torch.Tensor]:
@@ -342,7 +364,8 @@ def read_mtp_tensors(path, device=None, dtype=None) -> dict[str, torch.Tensor]:
     ``model.safetensors.index.json`` lists), under their names after ``mtp.``; read from the files
     that hold them only.
 
-    Raises: FileNotFoundError when the folder holds no safetensors checkpoint."""
+    Raises: FileNotFoundError when the folder holds no safetensors checkpoint, or its index names a
+        shard that is not there."""
     from safetensors import safe_open
 
     out = {}
@@ -548,7 +571,13 @@ class MTPDrafter(Drafter):
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"MTP layers are read from a checkpoint folder; {str(path)!r} is not one")
-        layers = mtp_layers_for(target)
+        try:
+            layers = mtp_layers_for(target)
+        except ValueError as err:  # a config without the count: say whether the files hold MTP tensors
+            if not _holds_mtp_tensors(path):
+                raise
+            raise ValueError(f"{err}; the checkpoint in {path} holds MTP tensors, so its config.json lacks that "
+                             "field") from None
         files = ", ".join(str(f) for f in _checkpoint_files(path)) or f"{path / _INDEX} (no shard holds mtp.*)"
         tensors = read_mtp_tensors(path, device=adapter_for(target).device, dtype=target.get_output_embeddings().weight.dtype)
         if not tensors:
