@@ -655,6 +655,9 @@ def test_tree_verify_static_path_tiny_cpu(tmp_path: Path):
     assert "static path" in (tmp_path / "summary.md").read_text()
     with pytest.raises(ValueError, match="cuda_graph needs CUDA"):
         run_experiment(_cfg(base + ["experiment.decode_path=cuda_graph"]), tmp_path / "graph")
+    # kernel variants that are no measurement of their own on a CPU: refused, not an empty table
+    with pytest.raises(ValueError, match=r"experiment.kernels=\['torch', 'loop'\] measures nothing on cpu"):
+        run_experiment(_cfg(base + ["experiment.kernels=[torch,loop]"]), tmp_path / "none")
 
 
 def test_ngram_proposal_tiny_cpu(tmp_path: Path):

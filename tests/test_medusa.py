@@ -267,6 +267,7 @@ def test_training_recipe_smoke(tmp_path):
                        f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss per head" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"specdec-run: trained; models and manifest in {out / 'zoo'} (MANIFEST.json)"
     entry = json.loads((out / "zoo" / "MANIFEST.json").read_text())["medusa"]["gdn-medusa"]
     assert entry["steps"] == 3 and entry["train_tokens"] == 2048 and entry["positions_seen"] == 3 * 64
     assert len(entry["train_loss_per_head"]) == 3 and len(entry["heldout_top1"]) == 3

@@ -616,6 +616,7 @@ def test_training_recipe_smoke(tmp_path):
                        f"hydra.run.dir={tmp_path / 'hydra'}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss per step" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"specdec-run: trained; models and manifest in {out / 'zoo'} (MANIFEST.json)"
     man = json.loads((out / "zoo" / "MANIFEST.json").read_text())
     entry = man["models"]["mamba2-target"]["mtp"]
     assert entry["steps"] == 2 and entry["train_tokens"] == 2048 and len(entry["heldout_top1"]) == 2

@@ -457,11 +457,23 @@ def hydra_main(cfg: DictConfig) -> None:
     print(f"specdec-run: experiment={cfg.experiment.name}, writing to {out_dir}", flush=True)
     try:
         run_experiment(cfg, out_dir, tuple(hc.overrides.task))
-        print(f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)", flush=True)
+        print(_results_line(cfg, out_dir), flush=True)
     except Exception as err:  # noqa: BLE001 - exits here so Hydra adds no "Error executing job" line
         if "HYDRA_FULL_ERROR" in os.environ and not _ours() or not _user_error(err):
             raise
         _exit(err, f" (nothing was written: {out_dir} removed)" if _drop_if_empty(out_dir) else "")
+
+
+def _results_line(cfg: DictConfig, out_dir: Path) -> str:
+    """The run's last line: where its results are (a recipe writes models and a manifest into
+    ``out_dir``'s ``zoo/``, or the installed package's when ``out_dir`` is unset; an experiment
+    writes its tables and plots into the run folder)."""
+    if str(cfg.experiment.name) in RECIPES:
+        from .train_zoo import PACKAGE_DIR
+
+        zoo_dir = (Path(str(cfg.out_dir)).resolve() if cfg.get("out_dir") else PACKAGE_DIR) / "zoo"
+        return f"specdec-run: trained; models and manifest in {zoo_dir} (MANIFEST.json)"
+    return f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)"
 
 
 def _drop_if_empty(out_dir: Path) -> bool:

@@ -157,6 +157,10 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     K = int(cfg.num_speculative_tokens)
     trees = {name: None if name == CHAIN else make_tree(name, num_heads=K) for name in map(str, exp.trees)}
     points = _points(list(trees), [str(k) for k in exp.kernels], backend(device))
+    if not points:
+        raise ValueError(f"experiment.kernels={[str(k) for k in exp.kernels]} measures nothing on {device} with "
+                         f"the {backend(device)} backend: 'torch' is another measurement only where the default "
+                         "backend is Triton (CUDA), 'loop' only on Triton and for trees; add 'default'")
     strategies = [str(s) for s in cfg.rollback.strategies]
     batches = [int(b) for b in exp.batch_grid]
     log = RunRecords(out_dir)
