@@ -225,6 +225,11 @@ def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):
         assert on["prefix_hit_tokens"] > 0 and 0 < on["prefix_hit_rate"] < 1
         assert on["vs_no_prefix_cache"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"])
         assert on["ttft_speedup_vs_no_prefix_cache"] == pytest.approx(off["ttft_mean_ms"] / on["ttft_mean_ms"])
+        # speculation's ratio over plain decoding compares runs with the same cache setting
+        plain = {r["prefix_caching"]: r for r in cont if r["drafter"] == "plain"}
+        for cached in (False, True) if drafter != "plain" else ():
+            want = pair[cached]["tokens_per_s"] / plain[cached]["tokens_per_s"]
+            assert pair[cached]["vs_continuous_plain"] == pytest.approx(want), (drafter, cached)
     assert all(r["prefix_caching"] is None for r in records if r["run"] == "fixed_batches")
     assert "prefix hit rate" in (tmp_path / "summary.md").read_text()
 

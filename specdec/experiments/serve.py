@@ -56,7 +56,8 @@ gets its tokens then). Per run: throughput (generated tokens / wall, the median 
 runs with min-max), time to first token (queue wait + prefill) and time per output token
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
 every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
-``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs) and, for continuous
+``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
+over continuous plain decoding with it, so the ratio is speculation's alone) and, for continuous
 runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
 forwards replayed as a captured bucket, run at a bucket's shape uncaptured (a bucket's first
 use), or run eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
@@ -689,11 +690,11 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                 max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
+        plain_cached = plain  # the baseline of the runs with the prefix cache: plain decoding with it too
         if prefix_caching:  # the same run with the prefix cache, side by side
-            add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
-                            max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse), "continuous", "plain",
-                None, "none", 0,
-                reference, caching=True, uncached=plain)
+            plain_cached = add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
+                                           max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse),
+                               "continuous", "plain", None, "none", 0, reference, caching=True, uncached=plain)
         sd.release()
         references = None if reference is None else [p + t for p, t in zip(work.prompts, reference)]
         for name, acceptance in runs:
@@ -736,7 +737,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain, rows=rows)
                 uncached = add(cont_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed)
                 if cached_res is not None:
-                    add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed, True,
+                    add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain_cached, fixed, True,
                         uncached)
                 release(device)
         del model
