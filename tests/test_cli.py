@@ -5,6 +5,7 @@ quiet model loading, one-line errors for HF targets without a usable tokenizer o
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,22 @@ def test_help_of_another_experiment_lists_its_keys():
     assert "experiment.memory_budget_gib" in text and "experiment.k_grid" in text
     assert "experiment.timed_prompts" not in text
     assert "max_new_tokens " in text and "[32]" in text.split("max_new_tokens", 1)[1].splitlines()[0]  # rollback.yaml
+
+
+@pytest.mark.parametrize("recipe, keys", [
+    ("train_mtp", ("out_dir", "target", "data.tokens", "train.steps", "train.chain_steps", "mtp.num_layers")),
+    ("train_medusa", ("out_dir", "name", "target", "data.tokens", "train.steps", "heads.num_heads")),
+    ("train_zoo", ("out_dir", "steps_scale")),
+])
+def test_help_of_a_recipe_lists_its_keys(recipe, keys):
+    """A recipe's help names its own keys (out_dir above all: unset, it writes over the shipped zoo)."""
+    text = help_text(recipe)
+    for key in keys:
+        assert f"\n  {key} " in text, key
+    entry = re.search(r"\n  out_dir .*?(?=\n  \S)", text, re.S).group(0)
+    assert "over the shipped zoo" in " ".join(entry.split())
+    for key in ("num_speculative_tokens", "prompts.limit", "drafter.tree"):  # nothing a recipe reads
+        assert f"\n  {key} " not in text, key
 
 
 def test_python_m_specdec_help_exits_0():

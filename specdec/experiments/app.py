@@ -34,11 +34,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .config import CONF_DIR, SCHEMAS, register_configs, schema_keys
+from .config import CONF_DIR, RECIPES, SCHEMAS, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
-#: the training recipes (their configs have no drafter / rollback / prompt keys to check)
-RECIPES = ("train_zoo", "train_medusa", "train_mtp")
 register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
 
 

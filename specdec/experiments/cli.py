@@ -25,7 +25,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
 from . import config as _config
-from .config import CONF_DIR, GROUPS, SCHEMAS, field_help
+from .config import CONF_DIR, GROUPS, RECIPES, SCHEMAS, field_help
 
 __all__ = ["main", "help_text", "check_overrides", "group_options", "UsageError"]
 
@@ -33,6 +33,8 @@ __all__ = ["main", "help_text", "check_overrides", "group_options", "UsageError"
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
 _HELP = {"--help", "-h"}
+#: keys of a decoding run that a recipe's help leaves out
+_DECODING_KEYS = ("num_speculative_tokens", "max_new_tokens", "repeats")
 WIDTH = 100
 
 
@@ -153,6 +155,8 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
     for key, text in field_help(SCHEMAS[experiment]).items():
         if key.split(".")[0] in ("model", "rollback") or key == "drafter.names":
             continue  # filled by the group options above
+        if experiment in RECIPES and (key.split(".")[0] in ("drafter", "prompts") or key in _DECODING_KEYS):
+            continue  # a recipe trains: it decodes no prompts and drafts nothing
         d = defaults.get(key)
         shown = "" if d is None and key not in defaults else f" [{_show(d)}]"
         lines.append(wrap.fill(f"  {key:<24}  {text}{shown}"))

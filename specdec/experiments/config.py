@@ -34,7 +34,7 @@ __all__ = [
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "ServeConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
     "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "PrefillConfig", "ChecksConfig", "SkinnyLinearConfig",
-    "SCHEMAS", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
+    "SCHEMAS", "RECIPES", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -484,10 +484,10 @@ class TrainZooConfig(BaseConfig):
 
     experiment: TrainZooExperiment = field(default_factory=TrainZooExperiment)
     prompts: ZooPromptsConfig = field(default_factory=ZooPromptsConfig)
-    steps_scale: float = 1.0
-    batch_scale: float = 1.0
-    corpus_scale: float = 1.0
-    out_dir: Optional[str] = None
+    steps_scale: float = _doc(1.0, "every model's training steps times this (e.g. 0.01 for a smoke run)")
+    batch_scale: float = _doc(1.0, "every model's batch times this")
+    corpus_scale: float = _doc(1.0, "the training corpus's size times this")
+    out_dir: Optional[str] = _doc(None, "where the models and MANIFEST.json go (<out_dir>/zoo/); null: into the installed package, over the shipped zoo")
     work_dir: Optional[str] = None
     log_dir: Optional[str] = None
     parallel: Any = "auto"  # auto | true | false
@@ -516,16 +516,16 @@ class MedusaCorpusConfig:
 
 @dataclass
 class MedusaDataConfig:
-    tokens: int = 300_000  # training tokens whose hidden states are computed (once)
-    seq_len: int = 512
+    tokens: int = _doc(300_000, "training tokens whose hidden states are computed (once)")
+    seq_len: int = _doc(512, "tokens per training window")
     batch_windows: int = 8  # windows per target forward
     pool_factor: float = 4.0  # windows are drawn from this many times more packed tokens
 
 
 @dataclass
 class MedusaHeadsConfig:
-    num_heads: int = 4
-    num_layers: int = 2
+    num_heads: int = _doc(4, "Medusa heads (head k predicts token t+2+k)")
+    num_layers: int = _doc(2, "residual blocks per head")
     shared_lm_head: bool = True
     vocab_bias: bool = True
     lm_head_rank: int = 0
@@ -534,17 +534,17 @@ class MedusaHeadsConfig:
 
 @dataclass
 class MedusaTrainConfig:
-    labels: LabelSource = LabelSource.target
-    steps: int = 360
-    batch_positions: int = 1024
-    lr: float = 1.0e-2
+    labels: LabelSource = _doc(LabelSource.target, "target (self-distillation: the target's greedy tokens) | corpus")
+    steps: int = _doc(360, "optimizer steps")
+    batch_positions: int = _doc(1024, "positions per step")
+    lr: float = _doc(1.0e-2, "peak learning rate (AdamW, warm-up then cosine)")
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     log_every: int = 20
-    time_budget_s: Optional[float] = None
+    time_budget_s: Optional[float] = _doc(None, "stop training after this many seconds (null: run every step)")
 
 
 @dataclass
@@ -552,9 +552,9 @@ class TrainMedusaConfig(BaseConfig):
     """The Medusa recipe's keys (specdec.experiments.train_medusa)."""
 
     experiment: TrainMedusaExperiment = field(default_factory=TrainMedusaExperiment)
-    name: str = "gdn-medusa"
-    target: str = "gdn-target"
-    out_dir: Optional[str] = None
+    name: str = _doc("gdn-medusa", "the heads' zoo name")
+    target: str = _doc("gdn-target", "the zoo target the heads draft for (frozen)")
+    out_dir: Optional[str] = _doc(None, "where the models and MANIFEST.json go (<out_dir>/zoo/); null: into the installed package, over the shipped zoo")
     corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
     data: MedusaDataConfig = field(default_factory=MedusaDataConfig)
     heads: MedusaHeadsConfig = field(default_factory=MedusaHeadsConfig)
@@ -568,7 +568,7 @@ class TrainMtpExperiment:
 
 @dataclass
 class MtpLayersConfig:
-    num_layers: int = 1  # mtp_num_hidden_layers / num_nextn_predict_layers
+    num_layers: int = _doc(1, "MTP layers (the config's mtp_num_hidden_layers / num_nextn_predict_layers)")
     # per target: config fields the MTP layers are built with, as a checkpoint of the family sets them
     config: Dict[str, Any] = field(default_factory=dict)
     init_from_target: bool = True  # start each MTP layer from the target's last layer of its kind (when shapes fit)
@@ -577,17 +577,17 @@ class MtpLayersConfig:
 
 @dataclass
 class MtpTrainConfig(MedusaTrainConfig):
-    chain_steps: int = 4  # drafting steps trained (1 = predict token t+2 only)
-    soft_labels: bool = False  # with labels=target: the target's distributions, not only its greedy tokens
+    chain_steps: int = _doc(4, "drafting steps trained (1 = predict token t+2 only)")
+    soft_labels: bool = _doc(False, "with labels=target: the target's distributions, not only its greedy tokens")
     batch_windows: int = 4
-    steps: int = 1600
-    batch_positions: int = 1024  # per drafting step
-    lr: float = 6.0e-3
+    steps: int = _doc(1600, "optimizer steps")
+    batch_positions: int = _doc(1024, "positions per step, per drafting step")
+    lr: float = _doc(6.0e-3, "peak learning rate (AdamW, warm-up then cosine)")
 
 
 @dataclass
 class MtpDataConfig(MedusaDataConfig):
-    tokens: int = 600_000
+    tokens: int = _doc(600_000, "training tokens whose hidden states are computed (once)")
 
 
 @dataclass
@@ -595,13 +595,16 @@ class TrainMtpConfig(BaseConfig):
     """The MTP recipe's keys (specdec.experiments.train_mtp)."""
 
     experiment: TrainMtpExperiment = field(default_factory=TrainMtpExperiment)
-    target: str = "gdn-target"
-    out_dir: Optional[str] = None
+    target: str = _doc("gdn-target", "the zoo target whose checkpoint gets the MTP layers (frozen)")
+    out_dir: Optional[str] = _doc(None, "where the models and MANIFEST.json go (<out_dir>/zoo/); null: into the installed package, over the shipped zoo")
     corpus: MedusaCorpusConfig = field(default_factory=MedusaCorpusConfig)
     data: MtpDataConfig = field(default_factory=MtpDataConfig)
     mtp: MtpLayersConfig = field(default_factory=MtpLayersConfig)
     train: MtpTrainConfig = field(default_factory=MtpTrainConfig)
 
+
+#: the training recipes (their configs have no drafter / rollback / prompt keys to check)
+RECIPES = ("train_zoo", "train_medusa", "train_mtp")
 
 #: experiment name -> root schema
 SCHEMAS = {
