@@ -315,6 +315,9 @@ def run(cfg, out_dir: Path) -> list[dict]:
     if device.type == "cpu" and cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     shapes = SHAPES[str(exp.shapes)]
+    if device.type == "cpu" and str(exp.shapes) == "bench":
+        print("specdec-run: the bench shapes' layers on a CPU take minutes per batch size (the torch reference "
+              "ops); experiment.shapes=tiny runs here in seconds", flush=True)
     ops = [str(o) for o in exp.ops]
     strategies = [BASELINE] + [str(s) for s in cfg.rollback.strategies]
     chunked = bool(exp.get("chunked", False))
