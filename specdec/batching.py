@@ -45,6 +45,7 @@ from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
+from .settings import as_budgets
 
 __all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS",
            "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
@@ -170,11 +171,7 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     """
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
-    if isinstance(max_new_tokens, torch.Tensor) or type(max_new_tokens).__module__ == "numpy":
-        if getattr(max_new_tokens, "ndim", 0) > 1:
-            raise ValueError(f"max_new_tokens must be one int or one per request, got an array of shape "
-                             f"{tuple(max_new_tokens.shape)}")
-        max_new_tokens = max_new_tokens.tolist()  # a 1-D tensor / array: one budget per request (0-d: an int)
+    max_new_tokens = as_budgets(max_new_tokens)  # a 1-D tensor / array: one budget per request (0-d: an int)
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(inputs)
     if len(budgets) != len(inputs):
         raise ValueError(f"max_new_tokens is a list of {len(budgets)} budgets for {len(inputs)} requests; give one "

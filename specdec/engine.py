@@ -32,7 +32,6 @@ import functools
 import numbers
 import re
 import time
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -52,7 +51,7 @@ from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .serving import ContinuousBatchingManager
-from .settings import resolve
+from .settings import resolve, warn_caller
 from .stats import Stats
 from .step_hook import StepHook
 from .tree import tree_for
@@ -176,7 +175,7 @@ def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> Pref
             ("prefix_block_size", prefix_block_size, PREFIX_BLOCK_SIZE),
             ("prefix_cache_bytes", prefix_cache_bytes, DEFAULT_PREFIX_CACHE_BYTES)) if value != default]
         if given:
-            warnings.warn(f"{', '.join(given)} has no effect without prefix_caching=True", UserWarning, stacklevel=3)
+            warn_caller(f"{', '.join(given)} has no effect without prefix_caching=True")
     return PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None
 
 

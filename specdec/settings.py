@@ -9,6 +9,8 @@ that the decode loop reads. Nothing downstream sees an untyped option dict.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -147,11 +149,38 @@ def _as_id_list(eos) -> tuple[int, ...]:
     raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def warn_caller(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside specdec and torch (whose
+    ``no_grad`` wrappers add frames): the user's line that made the call."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def as_budgets(value):
+    """``max_new_tokens`` as plain Python: a tensor or NumPy array of one or more budgets as a list
+    of ints (a 0-d one, or a NumPy integer, as an int); anything else unchanged.
+
+    Raises: ValueError for an array of more than one dimension."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        if getattr(value, "ndim", 0) > 1:
+            raise ValueError(f"max_new_tokens must be one int or one per row / request, got an array of shape "
+                             f"{tuple(value.shape)}")
+        return value.tolist()
+    return value
+
+
 def _eos_in_vocabulary(eos: tuple[int, ...], vocab_size: int, given: bool) -> tuple[int, ...]:
     """The EOS ids a step can produce. An id outside ``[0, vocab_size)`` never ends a row (and
     must not index the logits, as ``min_new_tokens`` does): given on the call (or in its
     ``generation_config``) it is an error; inherited from the model's ``generation_config`` it is
-    dropped with a warning (a model built from a larger config's defaults keeps its EOS ids).
+    dropped with a warning (a model built from a larger config's defaults keeps its EOS ids), also
+    when a ``generation_config`` passed on the call repeats them.
 
     Raises: ValueError for a given id outside the vocabulary."""
     outside = [e for e in eos if not 0 <= e < vocab_size]
@@ -160,8 +189,7 @@ def _eos_in_vocabulary(eos: tuple[int, ...], vocab_size: int, given: bool) -> tu
     what = f"eos_token_id {outside[0] if len(outside) == 1 else outside} lies outside the vocabulary [0, {vocab_size})"
     if given:
         raise ValueError(f"{what}: no step can produce it; give ids in that range, or None for no EOS")
-    warnings.warn(f"the model's generation_config {what}: no step can produce it, so it is not used to stop rows",
-                  UserWarning, stacklevel=4)
+    warn_caller(f"the model's generation_config {what}: no step can produce it, so it is not used to stop rows")
     return tuple(e for e in eos if 0 <= e < vocab_size)
 
 
@@ -224,10 +252,11 @@ def _row_budgets(max_new_tokens, batch: int):
 
     Raises: ValueError / TypeError for a per-row budget of another length, a negative or a
         non-integer entry."""
-    if isinstance(max_new_tokens, torch.Tensor) and max_new_tokens.dim() == 1:
-        if max_new_tokens.is_floating_point() or max_new_tokens.dtype == torch.bool:
-            raise TypeError(f"max_new_tokens per row must hold integers, got a {max_new_tokens.dtype} tensor")
-        max_new_tokens = max_new_tokens.tolist()
+    dtype = getattr(max_new_tokens, "dtype", None)
+    if (isinstance(max_new_tokens, torch.Tensor) or type(max_new_tokens).__module__ == "numpy") and (
+            str(dtype).split(".")[-1].startswith(("float", "bool"))):
+        raise TypeError(f"max_new_tokens per row must hold integers, got {dtype} values")
+    max_new_tokens = as_budgets(max_new_tokens)
     if not isinstance(max_new_tokens, (list, tuple)):
         return None
     if len(max_new_tokens) != batch:
@@ -329,6 +358,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     row_budgets = _row_budgets(overrides.get("max_new_tokens"), input_ids.shape[0])
     if row_budgets is not None:
         overrides["max_new_tokens"] = max(row_budgets)
+    elif overrides.get("max_new_tokens") is not None:  # one budget: a NumPy or 0-d tensor one as an int
+        overrides["max_new_tokens"] = as_budgets(overrides["max_new_tokens"])
     for key, val in overrides.items():
         if val is not None:
             setattr(gc, key, val)
@@ -338,11 +369,12 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's {caller} supports "
                              + _supported(batch))
     if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
-        warnings.warn("use_cache=False has no effect: specdec always decodes with its own cache (same output)",
-                      UserWarning, stacklevel=3)
+        warn_caller("use_cache=False has no effect: specdec always decodes with its own cache (same output)")
 
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = _eos_in_vocabulary(_as_id_list(gc.eos_token_id), vocab_size,
-                             given=overrides.get("eos_token_id") is not None or generation_config is not None)
+                             given=overrides.get("eos_token_id") is not None or (
+                                 generation_config is not None and _as_id_list(gc.eos_token_id) != _as_id_list(own)))
     pad = gc.pad_token_id
     if isinstance(pad, torch.Tensor) and pad.numel() == 1:
         pad = pad.item()
@@ -355,6 +387,8 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
                          "up to the longest row, and no pad_token_id or eos_token_id is set (on the call or the "
                          "model's generation_config) to pad with; give pad_token_id")
 
+    if type(gc.do_sample).__module__ == "numpy" and type(gc.do_sample).__name__ == "bool":  # NumPy's bool
+        gc.do_sample = bool(gc.do_sample)
     if gc.do_sample is not None and not isinstance(gc.do_sample, bool):
         raise TypeError(f"do_sample must be True or False, got {gc.do_sample!r}")
     sampling = None
@@ -363,8 +397,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
                                   top_k=gc.top_k if gc.top_k else None, top_p=gc.top_p)
     elif gc.temperature is not None and gc.temperature != 1.0:
         # as HF: sampling settings have no effect on greedy decoding; say so rather than fail
-        warnings.warn(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)", UserWarning,
-                      stacklevel=3)
+        warn_caller(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)")
 
     min_new, min_len = _count(gc, "min_new_tokens"), _count(gc, "min_length")
     penalty = gc.repetition_penalty
@@ -381,8 +414,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and sampling is None:
-        warnings.warn("generator= has no effect with do_sample=False (greedy draws no random numbers)", UserWarning,
-                      stacklevel=3)
+        warn_caller("generator= has no effect with do_sample=False (greedy draws no random numbers)")
     criteria = _stopping_criteria(stopping_criteria, max_time)
     return_dict = bool(gc.return_dict_in_generate)
     return GenerationSettings(

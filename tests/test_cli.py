@@ -64,6 +64,8 @@ def test_help_of_a_recipe_lists_its_keys(recipe, keys):
     assert "over the shipped zoo" in " ".join(entry.split())
     for key in ("num_speculative_tokens", "prompts.limit", "drafter.tree"):  # nothing a recipe reads
         assert f"\n  {key} " not in text, key
+    assert "is a training recipe: it writes models and MANIFEST.json into <out_dir>/zoo/" in " ".join(text.split())
+    assert "\n  drafter=" not in text and "\n  experiment=" in text
 
 
 def test_python_m_specdec_help_exits_0():

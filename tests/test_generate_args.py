@@ -16,6 +16,7 @@ import contextlib
 import functools
 import io
 
+import numpy as np
 import pytest
 import torch
 from helpers import StreamRecorder, record_prompt_forwards, rel_err
@@ -576,10 +577,37 @@ def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
     assert torch.equal(out, ref)
 
 
-def test_generator_with_greedy_warns():
+def test_generator_with_greedy_warns_at_the_callers_line():
     ids, mask = ragged_prompts()
-    with pytest.warns(UserWarning, match="generator= has no effect with do_sample=False"):
+    with pytest.warns(UserWarning, match="generator= has no effect with do_sample=False") as seen:
         wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, generator=torch.Generator())
+    assert seen[0].filename == __file__  # not a line inside specdec or torch's no_grad wrapper
+
+
+def test_the_models_own_generation_config_keeps_its_eos_warning():
+    """Passing the model's generation_config (or a copy) is not giving its EOS ids anew: an id
+    outside the vocabulary there still warns and is dropped, as when it is inherited."""
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [VOCAB + 7]
+    try:
+        for gc in (model.generation_config, GenerationConfig.from_dict(model.generation_config.to_dict())):
+            with pytest.warns(UserWarning, match="lies outside"):
+                wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, generation_config=gc)
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def test_numpy_values_are_taken_as_their_python_ones():
+    """A NumPy bool for do_sample, NumPy / 0-d tensor budgets: as their Python values, in generate()
+    as in generate_batch()."""
+    ids, mask = ragged_prompts()
+    want = wrap().generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+    for budget in (np.int64(3), torch.tensor(3), np.array([3, 3, 3])):
+        got = wrap().generate(ids, attention_mask=mask, max_new_tokens=budget, pad_token_id=0,
+                              do_sample=np.bool_(False))
+        assert torch.equal(got, want), type(budget)
 
 
 def test_bad_stopping_criteria_type():

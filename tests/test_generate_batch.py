@@ -373,7 +373,7 @@ def test_argument_errors():
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
         (dict(max_new_tokens=torch.tensor([3, 4])), ValueError, "one per request"),
-        (dict(max_new_tokens=torch.ones(1, 1, dtype=torch.long)), ValueError, r"one per request, got an array of "
+        (dict(max_new_tokens=torch.ones(1, 1, dtype=torch.long)), ValueError, r"one per row / request, got an array of "
                                                                                r"shape \(1, 1\)"),
         (dict(do_sample="no"), TypeError, "do_sample must be True or False"),
         (dict(max_new_tokens=-1), ValueError, ">= 0"),

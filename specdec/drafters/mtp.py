@@ -303,6 +303,10 @@ def _text_parts(target):
     return config, body
 
 
+class _NoLayerCount(ValueError):
+    """The target's config declares no MTP layers (its count field unset or 0)."""
+
+
 def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
     """Fresh (untrained, frozen, eval mode) MTP layers for ``target`` in its dtype and on its device:
     ``num_steps`` layers / steps, default the count the target's config declares.
@@ -317,7 +321,7 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
     cls, _ = _FAMILIES[mt]
     n = int(getattr(config, cls.count_field, 0) or 0) if num_steps is None else int(num_steps)
     if n < 1:
-        raise ValueError(f"{type(target).__name__}'s config declares no MTP layers ({cls.count_field}="
+        raise _NoLayerCount(f"{type(target).__name__}'s config declares no MTP layers ({cls.count_field}="
                          f"{getattr(config, cls.count_field, None)}): a checkpoint that ships them sets it to their "
                          "layer count")
     if getattr(config, "mtp_use_dedicated_embeddings", False):
@@ -573,7 +577,7 @@ class MTPDrafter(Drafter):
             raise FileNotFoundError(f"MTP layers are read from a checkpoint folder; {str(path)!r} is not one")
         try:
             layers = mtp_layers_for(target)
-        except ValueError as err:  # a config without the count: say whether the files hold MTP tensors
+        except _NoLayerCount as err:  # a config without the count: say whether the files hold MTP tensors
             if not _holds_mtp_tensors(path):
                 raise
             raise ValueError(f"{err}; the checkpoint in {path} holds MTP tensors, so its config.json lacks that "

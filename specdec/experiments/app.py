@@ -34,7 +34,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .config import CONF_DIR, RECIPES, SCHEMAS, register_configs, schema_keys
+from .config import CONF_DIR, RECIPES, SCHEMAS, recipe_out_root, register_configs, schema_keys
 
 EXPERIMENTS = tuple(SCHEMAS)
 register_configs()  # schema/<experiment> in Hydra's ConfigStore, which conf/config.yaml merges first
@@ -467,9 +467,7 @@ def _results_line(cfg: DictConfig, out_dir: Path) -> str:
     ``out_dir``'s ``zoo/``, or the installed package's when ``out_dir`` is unset; an experiment
     writes its tables and plots into the run folder)."""
     if str(cfg.experiment.name) in RECIPES:
-        from .train_zoo import PACKAGE_DIR
-
-        zoo_dir = (Path(str(cfg.out_dir)).resolve() if cfg.get("out_dir") else PACKAGE_DIR) / "zoo"
+        zoo_dir = recipe_out_root(cfg) / "zoo"
         return f"specdec-run: trained; models and manifest in {zoo_dir} (MANIFEST.json)"
     return f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)"
 

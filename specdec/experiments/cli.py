@@ -140,11 +140,18 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
                 if g in GROUPS:
                     picks[g] = str(v)
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * 28)
+    recipe = experiment in RECIPES
     lines = ["usage: specdec-run [group=option ...] [key=value ...]   (or: python -m specdec ...)", "",
              "Exact speculative decoding experiments on hybrid models. Each run writes results.jsonl,",
-             "summary.md and plots into its folder (outputs/<experiment>/<date>_<time>/) and prints that folder.", "",
-             "Groups (group=option):"]
+             "summary.md and plots into its folder (outputs/<experiment>/<date>_<time>/) and prints that folder.", ""]
+    if recipe:
+        lines += [*textwrap.wrap(f"experiment={experiment} is a training recipe: it writes models and MANIFEST.json "
+                                 "into <out_dir>/zoo/ (unset: the installed package's zoo) and prints that folder.",
+                                 width), ""]
+    lines += ["Groups (group=option):"]
     for g in GROUPS:
+        if recipe and g != "experiment":
+            continue  # a recipe reads no model / drafter / rollback group
         opts = group_options(g)
         lines.append(f"  {g}=  (default: {picks.get(g, '-')})")
         for name, text in opts.items():

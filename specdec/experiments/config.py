@@ -34,7 +34,7 @@ __all__ = [
     "AcceptanceConfig", "RollbackExperimentConfig", "BenchConfig", "AdaptiveConfig", "ServeConfig", "TrainZooConfig",
     "TrainMedusaConfig", "TrainMtpConfig",
     "KernelsConfig", "TreeVerifyConfig", "NgramProposalConfig", "PrefillConfig", "ChecksConfig", "SkinnyLinearConfig",
-    "SCHEMAS", "RECIPES", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
+    "SCHEMAS", "RECIPES", "recipe_out_root", "GROUPS", "CONF_DIR", "register_configs", "schema_keys", "field_help",
 ]
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -605,6 +605,13 @@ class TrainMtpConfig(BaseConfig):
 
 #: the training recipes (their configs have no drafter / rollback / prompt keys to check)
 RECIPES = ("train_zoo", "train_medusa", "train_mtp")
+
+
+def recipe_out_root(cfg) -> Path:
+    """Where a recipe writes: ``out_dir`` (resolved), or the installed package (over the shipped
+    zoo) when it is unset; the models and ``MANIFEST.json`` go into its ``zoo/``."""
+    out_dir = cfg.get("out_dir")
+    return Path(str(out_dir)).resolve() if out_dir else _PACKAGE_DIR
 
 #: experiment name -> root schema
 SCHEMAS = {

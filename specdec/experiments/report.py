@@ -215,9 +215,10 @@ SERVE_COLUMNS = (
                   f"first arrival to the last request's finish); {_REPEATS}"),
     Column("vs_fixed_batches", "vs fixed batches", "{:.2f}x",
            legend="continuous batching's median tokens/s / generate() on fixed batches of the same size, same "
-                  "drafter and strategy"),
+                  "drafter and strategy (runs without the prefix cache only: fixed batches have none)"),
     Column("vs_continuous_plain", "vs continuous plain", "{:.2f}x",
-           legend="median tokens/s / continuous plain decoding's (num_speculative_tokens=0, same pool size)"),
+           legend="median tokens/s / continuous plain decoding's (num_speculative_tokens=0, same pool size, same "
+                  "prefix-cache setting)"),
     Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}",
            legend="time to first token: from the request's arrival (the run's start; with experiment.request_rate "
                   "its Poisson arrival) to the host sync after its prefill (with request_rate, continuous runs: the "

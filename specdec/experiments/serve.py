@@ -57,7 +57,8 @@ runs with min-max), time to first token (queue wait + prefill) and time per outp
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
 every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
-over continuous plain decoding with it, so the ratio is speculation's alone) and, for continuous
+over continuous plain decoding with it, so the ratio is speculation's alone, and over no fixed-batch
+run, which has no cache) and, for continuous
 runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
 forwards replayed as a captured bucket, run at a bucket's shape uncaptured (a bucket's first
 use), or run eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
@@ -736,8 +737,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     sd.release()
                     fixed = add(fixed_res, "fixed_batches", name, acceptance, strategy, K, reference, plain, rows=rows)
                 uncached = add(cont_res, "continuous", name, acceptance, strategy, K, reference, plain, fixed)
-                if cached_res is not None:
-                    add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain_cached, fixed, True,
+                if cached_res is not None:  # (fixed batches run without the cache: no ratio to them)
+                    add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain_cached, None, True,
                         uncached)
                 release(device)
         del model

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+from .config import recipe_out_root
+
 MODULE = "specdec.experiments.train_medusa"
 
 __all__ = ["run", "collect_hidden_states", "target_predictions", "training_windows", "medusa_targets", "medusa_loss",
@@ -376,7 +377,7 @@ def run(cfg: DictConfig) -> dict:
     del x, y
 
     # 4. save, reload, evaluate on the held-out sample, manifest
-    out_root = Path(cfg.out_dir).resolve() if cfg.out_dir else PACKAGE_DIR
+    out_root = recipe_out_root(cfg)
     zoo_dir = out_root / "zoo"
     save_dir = zoo_dir / str(cfg.name)
     if save_dir.exists():

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from .config import recipe_out_root
 from .train_medusa import (collect_hidden_states, environment_fields, fit, setup_run, target_predictions,
                            training_windows)
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODULE = "specdec.experiments.train_mtp"
 
 __all__ = ["run", "chain_outputs", "mtp_loss", "fit_mtp", "mtp_accuracy", "init_from_target"]
@@ -273,7 +273,7 @@ def run(cfg: DictConfig) -> dict:
     del hidden
 
     # 3. into the target's checkpoint; reload it as a user would; evaluate; manifest
-    out_root = Path(cfg.out_dir).resolve() if cfg.out_dir else PACKAGE_DIR
+    out_root = recipe_out_root(cfg)
     zoo_dir = out_root / "zoo"
     folder = _target_dir(zoo, zoo_dir, name)
     weights = folder / "model.safetensors"

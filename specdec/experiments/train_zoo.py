@@ -43,7 +43,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+from .config import recipe_out_root
 
 MODEL_NAMES = ("gdn-target", "gdn-draft", "mamba2-target", "kda-target")
 MODEL_CLASSES = ("Qwen3_5ForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM")
@@ -463,7 +463,7 @@ def run(cfg: DictConfig) -> dict:
     unknown = [m for m in cfg.models_to_train if m not in cfg.models]
     if unknown:
         raise ValueError(f"unknown models {unknown}; known: {list(cfg.models)}")
-    out_dir = Path(cfg.out_dir).resolve() if cfg.out_dir else PACKAGE_DIR
+    out_dir = recipe_out_root(cfg)
     zoo_dir, data_dir = out_dir / "zoo", out_dir / "data"
     zoo_dir.mkdir(parents=True, exist_ok=True)
     own_work = cfg.work_dir is None
