@@ -139,15 +139,16 @@ def test_generate_budget_per_row_with_scores_min_length_and_streamer():
 
 
 @pytest.mark.parametrize("given, error, match", [
-    (torch.tensor([[4], [4], [4]]), TypeError, r"one per row \(a list of ints or a 1-D integer tensor\), got Tensor"),
-    (torch.tensor(4), TypeError, "one per row"),
-    ("4", TypeError, "one per row"),
+    (torch.tensor([[4], [4], [4]]), ValueError, r"one int or one per row / request, got an array of shape \(3, 1\)"),
+    (torch.tensor([4.0, 4.0, 4.0]), TypeError, "max_new_tokens per row must hold integers, got torch.float32"),
+    ("4", TypeError, r"one per row \(a list of ints or a 1-D integer tensor\), got str"),
     ([[4], [4], [4]], TypeError, r"max_new_tokens\[0\] must be an int, got list"),
     ([4, True, 4], TypeError, r"max_new_tokens\[1\] must be an int, got bool"),
 ])
 def test_generate_budget_per_row_of_a_wrong_type(given, error, match):
     """Budgets of a type generate() does not take: the error says what it takes (an int, or one
-    per row), not only that an int was expected."""
+    per row), not only that an int was expected. (A 0-d tensor or a NumPy integer is an int:
+    test_generate_args.)"""
     ids, mask = ragged_prompts()
     sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
     with pytest.raises(error, match=match):
