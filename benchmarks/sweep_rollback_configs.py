@@ -5,16 +5,13 @@ The step kernels update state in place, so they are never autotuned at run time 
 would run them several times on the same state); instead this script measures a short list of
 hand-picked configurations -- state block (BV for GDN/KDA, BP for Mamba-2), ``num_warps`` and
 ``prefetch`` (tokens whose inputs are requested before the first arithmetic; 0 = each token's
-inputs at its use), a :class:`specdec.kernels.LaunchConfig` of the op's Triton kernel set, and
-with ``--chunked`` the replay strategies' chunked verify (``LaunchConfig(chunked=True)``, each
-distinct block / warps pair; it has no input lookahead to set) -- for
+inputs at its use), a :class:`specdec.kernels.LaunchConfig` of the op's Triton kernel set -- for
 the per-layer step of the kernel table (``experiment=kernels``,
 :func:`specdec.experiments.kernel_table.bench_point`: the library's strategy, verify + commit, CUDA
 graph of 16 steps over rotated buffers), at its shapes and K. Every variant is compiled first in
 parallel worker processes (Triton's on-disk cache), so the timing loop does not wait for the compiler.
 
     python benchmarks/sweep_rollback_configs.py --batches 1,64 --out sweep.md
-    python benchmarks/sweep_rollback_configs.py --batches 64 --strategies replay --chunked --out chunked.md
     specdec-run experiment=kernels experiment.launch_from=sweep.json     # the table with the fastest
 
 Output: one line per (op, batch, strategy, config) and, per (op, batch, strategy), the best
@@ -78,40 +75,27 @@ def parse_configs(text: str) -> list:
     return out
 
 
-def launch_of(cfg, chunked: bool = False) -> LaunchConfig:
+def launch_of(cfg) -> LaunchConfig:
     block, warps, prefetch = cfg
-    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked)  # not the environment's
+    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch)
 
 
-def cfg_name(cfg, chunked: bool = False):
+def cfg_name(cfg):
     block, warps, pf = cfg
-    if chunked:
-        return f"chunked block={block or 'def'} warps={warps or 'def'}"
     return f"block={block or 'def'} warps={warps or 'def'} prefetch={'def' if pf is None else pf}"
 
 
-def variants(op, strategy, spec=None, chunked=False):
-    """``[(config, chunked)]`` timed for ``op`` and ``strategy``: every configuration token by token
-    and, with ``chunked`` for the replay strategies, each distinct (block, num_warps) pair chunked."""
-    cfgs = configs_for(op, spec)
-    out = [(cfg, False) for cfg in cfgs]
-    if chunked and strategy in ("replay", "replay_deferred"):
-        out += [((b, w, None), True) for b, w in dict.fromkeys((b, w) for b, w, _ in cfgs)]
-    return out
-
-
-def triton_op(name: str, device: str, cfg, chunked: bool = False):
+def triton_op(name: str, device: str, cfg):
     """The op on the Triton backend (on the CPU through the interpreter), launched with ``cfg``."""
-    return OPS[name].on("triton", device).with_launch(launch_of(cfg, chunked))
+    return OPS[name].on("triton", device).with_launch(launch_of(cfg))
 
 
 def _compile_task(args):
-    op, strategy, (cfg, chunked), K, device, shapes = args
+    op, strategy, cfg, K, device, shapes = args
     gen = torch.Generator().manual_seed(0)
     shape = SHAPES[shapes][op]
     params = synthetic_params(shape, device, gen)
-    st = LayerStep(triton_op(op, device, cfg, chunked), shape, strategy, 2, K + 1, params, device, gen,
-                   dtype=torch.bfloat16)
+    st = LayerStep(triton_op(op, device, cfg), shape, strategy, 2, K + 1, params, device, gen, dtype=torch.bfloat16)
     n = torch.ones(2, dtype=torch.long, device=device)
     st.step(n)
     st.step(n)
@@ -138,8 +122,6 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=None,
                     help="configurations to sweep for every op instead of the hand-picked lists: "
                          "'def;16,2,5;8,1,5' (block,num_warps,prefetch; def = the default)")
-    ap.add_argument("--chunked", action="store_true",
-                    help="also time the replay strategies' chunked verify (LaunchConfig(chunked=True))")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--out", default="sweep_rollback_configs.md")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test (with --tiny)")
@@ -160,8 +142,7 @@ def main(argv=None) -> int:
     shapes = "tiny" if args.tiny else "bench"
     t0 = time.time()
     dev = args.device
-    tasks = [(op, s, v, args.K, dev, shapes) for op in ops for s in strategies
-             for v in variants(op, s, spec, args.chunked)]
+    tasks = [(op, s, cfg, args.K, dev, shapes) for op in ops for s in strategies for cfg in configs_for(op, spec)]
     if not args.no_precompile:
         precompile(tasks, args.workers)
         print(f"precompiled {len(tasks)} variants in {time.time() - t0:.0f}s", flush=True)
@@ -180,20 +161,20 @@ def main(argv=None) -> int:
             shape = SHAPES[shapes][op]
             params = synthetic_params(shape, dev, gen)
             for s in strategies:
-                for cfg, chunked in variants(op, s, spec, args.chunked):
-                    r = bench_point(triton_op(op, dev, cfg, chunked), shape, s, B, args.K, dev, params=params, gen=gen,
+                for cfg in configs_for(op, spec):
+                    r = bench_point(triton_op(op, dev, cfg), shape, s, B, args.K, dev, params=params, gen=gen,
                                     reps=args.reps)
-                    rows.append(dict(op=op, batch=B, rollback=s, launch=list(cfg), chunked=chunked,
-                                     config=cfg_name(cfg, chunked), us_per_step=r["us_per_step"], GBps=r["GBps"]))
-                    line = (f"| {op} | {B} | {s} | {cfg_name(cfg, chunked)} | {r['us_per_step']:.1f} | {r['GBps']:.0f} "
+                    rows.append(dict(op=op, batch=B, rollback=s, launch=list(cfg), config=cfg_name(cfg),
+                                     us_per_step=r["us_per_step"], GBps=r["GBps"]))
+                    line = (f"| {op} | {B} | {s} | {cfg_name(cfg)} | {r['us_per_step']:.1f} | {r['GBps']:.0f} "
                             f"| {100 * r['GBps'] / bw:.0f}% |")
                     lines.append(line)
                     print(line, f"({time.time() - t0:.0f}s)", flush=True)
                     with open(json_path, "w") as fh:  # as it goes (a time limit may stop us)
                         json.dump(rows, fh, indent=1)
     lines += ["", "## Best per (op, batch, strategy)", "",
-              "| op | batch | strategy | best config | us | default us | best with prefetch 0 us | best chunked us |",
-              "|---|---:|---|---|---:|---:|---:|---:|"]
+              "| op | batch | strategy | best config | us | default us | best with prefetch 0 us |",
+              "|---|---:|---|---|---:|---:|---:|"]
     for op in ops:
         for B in batches:
             for s in strategies:
@@ -201,13 +182,11 @@ def main(argv=None) -> int:
                 if not grp:
                     continue
                 best = min(grp, key=lambda r: r["us_per_step"])
-                default = next((r for r in grp if r["launch"] == [None, None, None] and not r["chunked"]), None)
-                old = [r["us_per_step"] for r in grp if r["launch"][2] == 0 and not r["chunked"]]
-                chunk = [r["us_per_step"] for r in grp if r["chunked"]]
+                default = next((r for r in grp if r["launch"] == [None, None, None]), None)
+                old = [r["us_per_step"] for r in grp if r["launch"][2] == 0]
                 lines.append(f"| {op} | {B} | {s} | {best['config']} | {best['us_per_step']:.1f} "
                              f"| {default['us_per_step'] if default else float('nan'):.1f} "
-                             f"| {min(old) if old else float('nan'):.1f} "
-                             f"| {min(chunk) if chunk else float('nan'):.1f} |")
+                             f"| {min(old) if old else float('nan'):.1f} |")
     md = "\n".join(lines) + "\n"
     with open(args.out, "w") as fh:
         fh.write(md)

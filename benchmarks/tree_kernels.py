@@ -13,9 +13,7 @@ verify, from a checkpoint plus 3 committed history tokens, writing per-node inpu
 * ``tree-16``: Medusa's "default" 16-node tree (depth 4), nodes unrolled in the kernel;
 * ``tree-16-loop``: the same tree walked by the runtime node loop (``LaunchConfig(tree_loop=True)``);
 * ``tree-64``: Medusa's 64-node ``mc_sim_7b_63`` tree (depth 4), runtime node loop (the default
-  above ``TREE_UNROLL_MAX`` = 16 nodes);
-* ``chain-chunked``, ``tree-16-chunked``: replay's chunked verify (``LaunchConfig(chunked=True)``,
-  :mod:`specdec.kernels.gdn.triton_chunk`; replay only: the other strategies have no such form).
+  above ``TREE_UNROLL_MAX`` = 16 nodes).
 
 Time: median per layer and verify call, from a CUDA graph of ``ROUNDS`` calls over rotated
 copies of the buffers (the working set exceeds L2; :func:`specdec.experiments.kernel_timing.time_in_graph`).
@@ -44,17 +42,17 @@ from specdec.kernels import OPS, LaunchConfig  # noqa: E402
 from specdec.tree import make_tree  # noqa: E402
 
 STRATEGIES = ("snapshot", "ring", "replay")
-VARIANTS = ("chain", "tree-16", "tree-16-loop", "tree-64", "chain-chunked", "tree-16-chunked")
+VARIANTS = ("chain", "tree-16", "tree-16-loop", "tree-64")
 COMMITTED = 3  # history tokens the fused replay verify folds in (a typical accepted count)
 ROUNDS = 16  # verify calls per graph
 
 
 def variant_tree(name):
-    """(parents or None, the variant's :class:`LaunchConfig`)."""
-    launch = LaunchConfig(tree_loop=True if name.endswith("-loop") else None, chunked=name.endswith("-chunked"))
-    if name.startswith("chain"):
-        return None, launch
-    return tuple(make_tree("default" if name.startswith("tree-16") else "medusa-63", num_heads=4).parents), launch
+    """(parents or None, tree_loop or None) of a variant."""
+    if name == "chain":
+        return None, None
+    parents = tuple(make_tree("default" if name.startswith("tree-16") else "medusa-63", num_heads=4).parents)
+    return parents, (True if name.endswith("-loop") else None)
 
 
 def time_verify(op, shape, strategy, B, parents, device, reps, gen) -> float:
@@ -107,12 +105,10 @@ def main(argv=None) -> int:
             for B in (int(x) for x in args.batches.split(",")):
                 base = None
                 for variant in args.variants.split(","):
-                    parents, launch = variant_tree(variant)
-                    if launch.chunked and strategy != "replay":
-                        continue
+                    parents, loop = variant_tree(variant)
                     T = len(parents) if parents else 5
-                    us = 1e6 * time_verify(op.with_launch(launch), shape, strategy, B, parents, args.device, args.reps,
-                                           gen)
+                    us = 1e6 * time_verify(op.with_launch(LaunchConfig(tree_loop=loop)), shape, strategy, B, parents,
+                                           args.device, args.reps, gen)
                     base = us if variant == "chain" else base
                     rows.append((name, strategy, B, variant, T, us, us / base if base else float("nan")))
                     print(f"{name:7s} {strategy:9s} B={B:<3d} {variant:13s} T={T:<3d} {us:9.1f} us "

@@ -34,9 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
-from specdec.kernels.gdn import triton_chunk as drc  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
-from specdec.kernels.mamba2 import triton_chunk as m2c  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
 
@@ -44,7 +42,6 @@ TARGET = GPUTarget("cuda", 90, 32)
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 _SEEN: set = set()
 T_LONG = 5  # step tokens of the compiled variants (K = 4)
-TREE5 = (-1, 0, 0, 1, 1)  # a tree of T_LONG tokens
 COMPILED = []
 SASS = False
 
@@ -144,7 +141,7 @@ def _intercept(kernel):
     kernel.run = run
 
 
-for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, drc._delta_rule_replay_chunk_kernel, m2c._mamba2_replay_chunk_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
+for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel):
     _intercept(_k)
@@ -178,23 +175,11 @@ def delta_rule_variants(quick: bool):
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=True, **tune)
                 dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 1,
                                             si, fused=True, **tune)  # a later call of a step
-                for fused in (False, True):  # the chunked form of the replay verify (triton_chunk)
-                    dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, si, fused=fused, chunked=True,
-                                                **tune)
                 dr.delta_rule_replay_fold(s, hk, hg, hu, hl, si, **tune)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl, si)
                 dr.delta_rule_replay_commit(hk, hg, hu, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
         if not quick:  # no lookahead: each token's loads after the previous token's barriers
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
-    # the chunked verify's other shapes, in the quick set too: KDA's per-channel decays, 16 tokens,
-    # a tree (both gates)
-    for T_c, per_channel, parents in ((T, True, None), (16, False, None), (T, False, TREE5), (T, True, TREE5)):
-        q = F.normalize(torch.randn(B, T_c, H, K), dim=-1).to(dt)
-        g = -torch.rand(B, T_c, H, *((K,) if per_channel else ())).to(dt)
-        hist = torch.zeros(B, 2 * T_c, H, K), torch.zeros(B, 2 * T_c, *g.shape[2:]), torch.zeros(B, 2 * T_c, H, V)
-        dr.delta_rule_replay_verify(torch.zeros(B, H, K, V), *hist, torch.zeros(B, dtype=torch.long), q, q.clone(),
-                                    torch.randn(B, T_c, H, V, dtype=dt), g, torch.rand(B, T_c, H, dtype=dt), 0,
-                                    fused=True, chunked=True, parents=parents)
         triton_common.state_copy_commit(s, buf, hl)
         triton_common.ring_commit(head, hl, T + 1)
 
@@ -227,9 +212,6 @@ def mamba2_variants(quick: bool):
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=True, **tune)
             m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x[:, :1], dt[:, :1], A, Bm[:, :1], Cm[:, :1], d, 1, si,
                                     fused=True, **tune)  # a later call of a step
-            for fused, parents in ((False, None), (True, None), (True, TREE5)):  # the chunked replay verify
-                m2.mamba2_replay_verify(s, hx, hdt, hB, hl, x, dt, A, Bm, Cm, d, 0, si, fused=fused, chunked=True,
-                                        parents=parents, **tune)
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step

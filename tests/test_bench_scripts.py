@@ -49,12 +49,10 @@ def test_tree_kernels_tiny_cpu(tmp_path):
     and an unknown variant refused by name."""
     out = tmp_path / "tree.md"
     _run("tree_kernels.py", "--device", "cpu", "--tiny", "--batches", "1", "--ops", "gdn", "--strategies", "replay",
-         "--variants", "chain,tree-16-loop,tree-16-chunked", "--reps", "1", "--out", str(out), tmp_path=tmp_path,
-         TRITON_INTERPRET="1")
+         "--variants", "chain,tree-16-loop", "--reps", "1", "--out", str(out), tmp_path=tmp_path, TRITON_INTERPRET="1")
     rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| gdn ")]
     assert [(r[4].strip(), r[5].strip(), r[7].strip()) for r in rows][0] == ("chain", "5", "1.00x")
     assert (rows[1][4].strip(), rows[1][5].strip()) == ("tree-16-loop", "16") and float(rows[1][7].strip().rstrip("x")) > 0
-    assert (rows[2][4].strip(), rows[2][5].strip()) == ("tree-16-chunked", "16") and len(rows) == 3
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tree_kernels.py"), "--device", "cpu",
                           "--tiny", "--variants", "chain,tree-32"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)
@@ -63,18 +61,16 @@ def test_tree_kernels_tiny_cpu(tmp_path):
 
 def test_sweep_configs_option_tiny_cpu(tmp_path):
     """benchmarks/sweep_rollback_configs.py --configs sweeps the given launch configurations (here
-    one-warp ones the hand-picked lists lack) for every op, one row each, and with --chunked each
-    block / warps pair of the chunked replay verify; a malformed entry is refused by name before
-    anything runs."""
+    one-warp ones the hand-picked lists lack) for every op, one row each; a malformed entry is
+    refused by name before anything runs."""
     out = tmp_path / "sweep.md"
     _run("sweep_rollback_configs.py", "--device", "cpu", "--tiny", "--ops", "gdn,mamba2", "--batches", "1",
-         "--strategies", "replay", "--configs", "def;8,1,5;16,1,def", "--reps", "1", "--no-precompile", "--chunked",
+         "--strategies", "replay", "--configs", "def;8,1,5;16,1,def", "--reps", "1", "--no-precompile",
          "--out", str(out), tmp_path=tmp_path, TRITON_INTERPRET="1")
     rows = [x.split("|")[1:5] for x in out.read_text().splitlines() if x.startswith("| gdn |") or x.startswith("| mamba2 |")]
     rows = [tuple(c.strip() for c in r) for r in rows if r[2].strip() == "replay"]
-    cfgs = ["block=def warps=def prefetch=def", "block=8 warps=1 prefetch=5", "block=16 warps=1 prefetch=def",
-            "chunked block=def warps=def", "chunked block=8 warps=1", "chunked block=16 warps=1"]  # --chunked
-    assert rows[:12] == [(op, "1", "replay", c) for op in ("gdn", "mamba2") for c in cfgs]
+    cfgs = ["block=def warps=def prefetch=def", "block=8 warps=1 prefetch=5", "block=16 warps=1 prefetch=def"]
+    assert rows[:6] == [(op, "1", "replay", c) for op in ("gdn", "mamba2") for c in cfgs]
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_rollback_configs.py"), "--device",
                           "cpu", "--tiny", "--configs", "def;8,x,5"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""), check=False)

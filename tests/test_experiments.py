@@ -286,18 +286,15 @@ def test_rollback_kernel_level_at_a_4b_shape(tmp_path: Path):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_kernels_table_tiny(tmp_path: Path, backend, monkeypatch):
     """experiment=kernels at the tiny shapes, on the torch reference and on the Triton kernels
-    (interpreter; with the chunked replay verify's rows): one record per (op, batch, K, strategy)
-    with the baseline first, every strategy checked exact against the reference, ratios against snapshot / baseline from the records'
+    (interpreter): one record per (op, batch, K, strategy) with the baseline first, every strategy
+    checked exact against the reference, ratios against snapshot / baseline from the records'
     own times, and the summary's table and targets."""
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     ops = "[gdn,mamba2]" if backend == "torch" else "[kda]"
     cfg = _cfg(["experiment=kernels", "experiment.shapes=tiny", f"experiment.ops={ops}", "experiment.batch_grid=[1,2]",
-                "experiment.k_grid=[2]", "experiment.reps=1", "experiment.chunked=true"] + CPU)
+                "experiment.k_grid=[2]", "experiment.reps=1"] + CPU)
     records = run_experiment(cfg, tmp_path)
     strategies = ["baseline", "snapshot", "ring", "replay", "replay_deferred"]
-    if backend == "triton":  # experiment.chunked: the replay strategies' chunked verify too (no torch kernels)
-        strategies += ["replay_chunked", "replay_deferred_chunked"]
-        assert {r["launch"] for r in records if r["rollback"].endswith("_chunked")} == {"chunked"}
     grid = [(op, b, s) for op in ops.strip("[]").split(",") for b in (1, 2) for s in strategies]
     assert [(r["op"], r["batch"], r["rollback"]) for r in records] == grid
     for r in records:

@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from specdec.experiments.kernel_timing import synthetic_inputs, synthetic_params  # noqa: E402
 from specdec.experiments.models import SSMShape  # noqa: E402
@@ -75,11 +74,9 @@ def op_params(op, dims, gen) -> dict:
     return params
 
 
-def kernels(op, block=None, tree_loop=None, chunked=False) -> RollbackKernels:
-    """The op's Triton kernel set, launched with state block ``block`` (None: the default); replay
-    token by token unless ``chunked`` (None: as ``SPECDEC_CHUNKED_REPLAY`` says)."""
-    launch = LaunchConfig(block=block, tree_loop=tree_loop, chunked=chunked)
-    return OPS[op].on("triton", DEVICE).kernels.with_launch(launch)
+def kernels(op, block=None, tree_loop=None) -> RollbackKernels:
+    """The op's Triton kernel set, launched with state block ``block`` (None: the default)."""
+    return OPS[op].on("triton", DEVICE).kernels.with_launch(LaunchConfig(block=block, tree_loop=tree_loop))
 
 
 def step_inputs(op, dims, B, T, dtype, gen) -> dict:
@@ -245,35 +242,9 @@ def test_ring(op, dims, block, B, calls, dtype, use_si):
 
 @pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", GRID)
 def test_replay(op, dims, block, B, calls, dtype, use_si):
-    _replay_step(op, dims, block, B, calls, dtype, use_si, chunked=False)
-
-
-#: the ops whose replay verify has a chunked form (``LaunchConfig(chunked=True)``)
-CHUNKED_OPS = ("gdn", "kda", "mamba2")
-
-
-def _chunked(grid):
-    return [p for p in grid if p.values[0] in CHUNKED_OPS]
-
-
-#: chunked-only cases: a long chain (T = 12: the inverse's factor L^8) and a 16-token chain
-CHUNK_GRID = [
-    pytest.param("gdn", (2, 16, 16), 16, 2, (12,), torch.float32, True, id="gdn-B2-T12-si"),
-    pytest.param("kda", (1, 16, 16), 16, 2, (16,), torch.float32, False, id="kda-B2-T16"),
-    pytest.param("mamba2", (2, 16, 16, 1), 16, 2, (12,), torch.float32, True, id="mamba2-B2-T12-si"),
-]
-
-
-@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", _chunked(GRID) + CHUNK_GRID)
-def test_replay_chunked(op, dims, block, B, calls, dtype, use_si):
-    """Deferred replay with the chunked verify: the same outputs, history and untouched memory."""
-    _replay_step(op, dims, block, B, calls, dtype, use_si, chunked=True)
-
-
-def _replay_step(op, dims, block, B, calls, dtype, use_si, chunked):
     torch.manual_seed(6)
     gen = torch.Generator().manual_seed(6)
-    kern, params, S_shape = kernels(op, block, chunked=chunked), op_params(op, dims, gen), op_shape(op, dims).state_shape
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     L = 2 * T + 3
     S, si, rows = _layout(B, use_si, 7)
@@ -353,12 +324,6 @@ def test_replay_fused(op, dims, block, B, calls, dtype, use_si):
     _fused_replay_step(op, dims, block, B, calls, dtype, use_si, sum(calls) + 1, None)
 
 
-@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si", _chunked(GRID + MASKED_FOLD_GRID) + CHUNK_GRID)
-def test_replay_fused_chunked(op, dims, block, B, calls, dtype, use_si):
-    """Fused replay with the chunked verify (the committed history folded as one product)."""
-    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, sum(calls) + 1, None, chunked=True)
-
-
 #: a decoder sized for more drafts than its step (num_speculative_tokens="auto"): T_max > T, the
 #: fold sized for fold_max committed tokens (the step's own width, as the decoder sets it; or any)
 FOLD_MAX_GRID = [
@@ -389,17 +354,10 @@ def test_replay_fused_fold_max(op, dims, block, B, calls, dtype, use_si, T_max, 
             kern.replay_commit(hist, hist_len, n, max_tokens=bad)
 
 
-@pytest.mark.parametrize("op,dims,block,B,calls,dtype,use_si,T_max,fold_max", _chunked(FOLD_MAX_GRID))
-def test_replay_fused_fold_max_chunked(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
-    """The chunked verify in a decoder sized for T_max > T: only the committed positions count."""
-    _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max, chunked=True)
-
-
-def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max, chunked=False):
+def _fused_replay_step(op, dims, block, B, calls, dtype, use_si, T_max, fold_max):
     torch.manual_seed(16)
     gen = torch.Generator().manual_seed(16)
-    kern = kernels(op, block, chunked=chunked)
-    params, S_shape = op_params(op, dims, gen), op_shape(op, dims).state_shape
+    kern, params, S_shape = kernels(op, block), op_params(op, dims, gen), op_shape(op, dims).state_shape
     T = sum(calls)
     assert T < T_max  # at least one spare position per half: it must stay intact
     longest = T_max if fold_max is None else fold_max
@@ -622,12 +580,6 @@ TREES = {
     "random7": _random_tree(7, 0),  # includes a second root (parent -1) and non-adjacent parents
     "random9": _random_tree(9, 3, extra_roots=False),  # one root, deeper ancestor chains
     "small4": (-1, 0, 0, 1),  # T_max <= 5: fused replay's fold issues every history load unmasked
-    # chunked replay's edges: a 16-token chain given as a tree (depth 15), a 16-token star, a root
-    # after other tokens with parents far back, a single token
-    "chain16": tuple(range(-1, 15)),
-    "star16": (-1,) + (0,) * 15,
-    "lateroot": (-1, 0, 1, -1, 3, 2, 4, 0, 7, 3),
-    "one": (-1,),
 }
 
 
@@ -712,33 +664,6 @@ def test_tree_verify(op, dims, block, B, tree, dtype, use_si, tree_loop):
         for slot in set(range(R)) - set(written):
             assert torch.equal(ring[s, slot], ring0[s, slot]), f"tree ring row {b}: slot {slot} changed"
 
-    _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, gen)
-
-
-CHUNK_TREE_GRID = [p for p in TREE_GRID if p.values[4] != "medusa63"] + [  # at most CHUNK_MAX nodes
-    pytest.param("gdn", (2, 12, 24), 16, 2, "chain16", torch.float32, True, id="gdn-chain16-K12-V24-si"),
-    pytest.param("kda", (1, 5, 8), 16, 2, "star16", torch.bfloat16, False, id="kda-star16-K5-bf16"),
-    pytest.param("mamba2", (3, 12, 10, 3), 16, 2, "lateroot", torch.float32, True, id="mamba2-lateroot-G3-si"),
-    pytest.param("gdn", (1, 16, 16), 16, 2, "one", torch.float32, False, id="gdn-one"),
-]
-
-
-@pytest.mark.parametrize("op,dims,block,B,tree,dtype,use_si", CHUNK_TREE_GRID)
-def test_tree_replay_chunked(op, dims, block, B, tree, dtype, use_si):
-    """Both replay protocols of a tree step with the chunked verify (the ancestor mask in place of
-    a chain's lower triangle) against the naive ``parents=`` reference."""
-    torch.manual_seed(21)
-    gen = torch.Generator().manual_seed(21)
-    parents = _tree(tree)
-    kern, params = kernels(op, block, chunked=True), op_params(op, dims, gen)
-    S, si, rows = _layout(B, use_si, 22)
-    inp = step_inputs(op, dims, B, len(parents), dtype, gen)
-    _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, _slots(si, rows), TOL[dtype], gen)
-
-
-def _tree_replay(kern, op, dims, params, parents, inp, S, si, rows, slots, tol, gen):
-    T, S_shape, B = len(parents), op_shape(op, dims).state_shape, len(si) if si is not None else S
-    idx = si.clamp(min=0) if si is not None else slice(None)
     # replay, both protocols: outputs from the checkpoint + committed history; the tree's inputs
     # appended at pos0 + j (unfused: hist_len + j; fused: T_max + j, the checkpoint absorbs the history)
     for fused in (False, True):
@@ -923,22 +848,15 @@ STRATEGY_CASES = [
     pytest.param("kda", "replay", id="kda-replay"),
     pytest.param("mamba2", "snapshot", id="mamba2-snapshot"),
     pytest.param("mamba2", "replay_deferred", id="mamba2-replay_deferred"),
-    # the chunked replay verify, switched on for the run (SPECDEC_CHUNKED_REPLAY)
-    pytest.param("gdn", "replay+chunked", id="gdn-replay-chunked"),
-    pytest.param("kda", "replay_deferred+chunked", id="kda-replay_deferred-chunked"),
-    pytest.param("mamba2", "replay+chunked", id="mamba2-replay-chunked"),
 ]
 
 
 @pytest.mark.parametrize("name,strategy", STRATEGY_CASES)
 def test_rollback_strategy_end_to_end(monkeypatch, name, strategy):
-    """Two speculative steps (the first in two calls) through a rollback strategy: Triton == torch
-    (``+chunked``: with replay's chunked verify)."""
+    """Two speculative steps (the first in two calls) through a rollback strategy: Triton == torch."""
     from specdec.rollback import make_strategy
 
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    strategy, chunked = strategy.partition("+")[::2]
-    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "1" if chunked else "0")
     op_triton = get_op(name, DEVICE)
     op_torch = OPS[name]
     gen = torch.Generator().manual_seed(14)
@@ -1030,7 +948,7 @@ def test_conv1d_tree_real_size(monkeypatch):
 @pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
 def test_real_size_against_reference(op):
     """Every strategy at the kernel table's shapes (bf16 inputs, fp32 state), B = 8, K = 4, through the
-    library's strategies (the kernel table's check); replay's chunked verify too."""
+    library's strategies (the kernel table's check)."""
     from specdec.experiments.kernel_table import SHAPES, check_point
 
     shape, gen = SHAPES["bench"][op], torch.Generator().manual_seed(0)
@@ -1040,11 +958,6 @@ def test_real_size_against_reference(op):
         r = check_point(OPS[op].on("triton", DEVICE), OPS[op], shape, strategy, 8, 4, DEVICE, params=params, gen=gen)
         if not r["exact"]:
             bad[strategy] = r
-    for strategy in ("replay", "replay_deferred"):  # the chunked verify
-        chunked = OPS[op].on("triton", DEVICE).with_launch(LaunchConfig(chunked=True))
-        r = check_point(chunked, OPS[op], shape, strategy, 8, 4, DEVICE, params=params, gen=gen)
-        if not r["exact"]:
-            bad[strategy + " chunked"] = r
     assert not bad, bad
 
 
@@ -1090,110 +1003,3 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
 
 
 TREE_BIG = TREE_UNROLL_MAX + 3
-
-
-@pytest.mark.parametrize("op", ["gdn", "mamba2"])
-def test_chunked_replay_reaches_the_chunk_kernel(op, monkeypatch):
-    """``LaunchConfig(chunked=True)``: replay's verify (fused and deferred, a chain or a tree) runs
-    the chunked kernel; the other strategies, and steps of more than CHUNK_MAX tokens, keep the
-    token-by-token kernel. ``chunked=None`` follows ``SPECDEC_CHUNKED_REPLAY`` (off unless set),
-    ``False`` overrides it."""
-    from specdec.kernels.gdn import triton_chunk as drc
-    from specdec.kernels.mamba2 import triton_chunk as m2c
-
-    chunk, token = ((drc._delta_rule_replay_chunk_kernel, dr._delta_rule_step_kernel) if op == "gdn"
-                    else (m2c._mamba2_replay_chunk_kernel, m2._mamba2_step_kernel))
-    seen = []
-    for kernel, name in ((chunk, "chunk"), (token, "token")):
-        def record(*args, _name=name, _original=kernel.run, **kwargs):
-            seen.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", record)
-    dims, T = ((2, 16, 16) if op == "gdn" else (2, 16, 16, 1)), 3
-    gen = torch.Generator().manual_seed(5)
-    kern, params = kernels(op, chunked=True), op_params(op, dims, gen)
-    inp = step_inputs(op, dims, 2, T, torch.float32, gen)
-    ckpt = torch.randn(2, *op_shape(op, dims).state_shape, device=DEVICE)
-    hist = random_history(op, dims, 2, 2 * (T + 1), gen)
-    hist_len = torch.ones(2, dtype=torch.long, device=DEVICE)
-    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True)
-    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=False)
-    kern.replay_verify(ckpt, hist, hist_len, inp, params, 0, fused=True, parents=(-1, 0, 0))
-    kern.snapshot_verify(ckpt, garbage(2, T, *op_shape(op, dims).state_shape), inp, params, 0)
-    assert seen == ["chunk", "chunk", "chunk", "token"]
-    monkeypatch.delenv("SPECDEC_CHUNKED_REPLAY", raising=False)
-    default = kernels(op, chunked=None)  # the environment decides, at each call
-    default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
-    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "1")
-    default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
-    kernels(op, chunked=False).replay_verify(ckpt, hist, hist_len, inp, params, 0)
-    assert seen[4:] == ["token", "chunk", "token"]
-    monkeypatch.setenv("SPECDEC_CHUNKED_REPLAY", "yes")  # neither on nor off: said, not guessed
-    with pytest.raises(ValueError, match=r"SPECDEC_CHUNKED_REPLAY='yes': use 1 / true .* or 0 / false / unset"):
-        default.replay_verify(ckpt, hist, hist_len, inp, params, 0)
-    # longer than the chunk's 16 tokens, a chain or a tree: token by token
-    from specdec.kernels.triton_common import CHUNK_MAX
-
-    long = step_inputs(op, dims, 2, CHUNK_MAX + 1, torch.float32, gen)
-    long_hist = random_history(op, dims, 2, 2 * CHUNK_MAX + 4, gen)
-    kern.replay_verify(ckpt, long_hist, hist_len, long, params, 0)
-    kern.replay_verify(ckpt, long_hist, hist_len, long, params, 0, parents=(-1,) + (0,) * CHUNK_MAX)
-    assert seen[-2:] == ["token", "token"]
-    # tl.dot's smallest operand is 16 wide; 32-wide blocks from ~1024 programs
-    from specdec.kernels.triton_common import chunk_blocks  # (whole dim's block, split dim's block, warps)
-
-    assert chunk_blocks(8, 8, None, 1, 1) == (16, 16, 8)
-    assert chunk_blocks(128, 128, None, 64, 32) == (128, 32, 8)  # GDN: K whole, V split
-    assert chunk_blocks(128, 64, None, 64, 128) == (128, 32, 8)  # Mamba-2: N whole, P split
-
-
-@pytest.mark.parametrize("op", ["gdn", "kda"])
-@pytest.mark.parametrize("T", [9, 16])
-def test_chunked_replay_with_correlated_keys(op, T):
-    """The chunked verify's T x T system is ill-conditioned when a step's keys nearly repeat
-    (beta near 1, decay near 0): the inverse must stay as accurate as the token-by-token order
-    (a truncated Neumann product lost ~1e-4 there at T = 16)."""
-    gen = torch.Generator().manual_seed(T)
-    dims, B = (2, 32, 16), 2
-    H, K, V = dims
-    inp = step_inputs(op, dims, B, T, torch.float32, gen)
-    base = F.normalize(torch.randn(B, 1, H, K, generator=gen), dim=-1)
-    inp["k"] = F.normalize(base + 0.05 * torch.randn(B, T, H, K, generator=gen), dim=-1).to(DEVICE)
-    inp["beta"] = (0.97 + 0.03 * torch.rand(B, T, H, generator=gen)).to(DEVICE)
-    inp["g"] = (-1e-3 * torch.rand(*inp["g"].shape, generator=gen)).to(DEVICE)
-    state = torch.randn(B, *op_shape(op, dims).state_shape, generator=gen).to(DEVICE)
-    hist = random_history(op, dims, B, 2 * T + 2, gen)
-    hist_len = torch.zeros(B, dtype=torch.long, device=DEVICE)
-    y_ref, _, replay_ref = reference(op, state, inp, {})
-    kern = kernels(op, chunked=True)
-    y = nan_like(y_ref)
-    kern.replay_verify(state.clone(), hist, hist_len, inp, {}, 0, fused=True, out=y)
-    assert_close(y, y_ref, 1e-5, f"chunked replay y, {T} correlated keys")
-    assert_close(hist["u"][:, T + 1:2 * T + 1], replay_ref["u"], 1e-5, "chunked replay u")
-
-
-@pytest.mark.parametrize("op", ["gdn", "kda", "mamba2"])
-def test_chunked_replay_with_extreme_decays(op):
-    """A decay of exactly 0 (log decay -inf) or a very strong one early in a step: the chunked
-    verify takes its decays as sums over token spans, so a large first decay neither turns into
-    NaN (-inf - -inf) nor costs the later tokens precision (as differences of cumulative sums did:
-    ~6e-4 at -1e4); the token-by-token kernel and the reference are the yardstick."""
-    gen = torch.Generator().manual_seed(21)
-    dims, B, T = ((2, 16, 16, 1) if op == "mamba2" else (2, 16, 16)), 2, 9
-    params = op_params(op, dims, gen)
-    for strong in (-200.0, -1e4) + ((float("-inf"),) if op != "mamba2" else ()):
-        inp = step_inputs(op, dims, B, T, torch.float32, gen)
-        if op == "mamba2":  # dt * A with A fixed per head: a huge dt (an infinite one makes y infinite)
-            inp["dt"][:, 0] = -strong
-        else:
-            inp["g"][:, 0] = strong
-        state = torch.randn(B, *op_shape(op, dims).state_shape, generator=gen).to(DEVICE)
-        y_ref, _, replay_ref = reference(op, state, inp, params)
-        hist = random_history(op, dims, B, 2 * T + 2, gen)
-        y = nan_like(y_ref)
-        kernels(op, chunked=True).replay_verify(state.clone(), hist, torch.zeros(B, dtype=torch.long, device=DEVICE),
-                                                inp, params, 0, fused=True, out=y)
-        assert_close(y, y_ref, 1e-5, f"chunked replay y, first log decay {strong}")
-        if op != "mamba2":
-            assert_close(hist["u"][:, T + 1:2 * T + 1], replay_ref["u"], 1e-5, f"chunked replay u, {strong}")

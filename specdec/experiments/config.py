@@ -362,8 +362,6 @@ class KernelsExperiment:
     check: bool = _doc(True, "every strategy against the fp32 reference first")
     fla: bool = _doc(True, "time flash-linear-attention's fused recurrent GDN when importable (CUDA)")
     launch_from: Optional[str] = _doc(None, "a benchmarks/sweep_rollback_configs.py JSON: time its fastest launches")
-    chunked: bool = _doc(False, "also time replay and deferred replay with the chunked verify "
-                                "(LaunchConfig(chunked=True)): rows replay_chunked, replay_deferred_chunked")
 
 
 @dataclass

@@ -128,9 +128,9 @@ def _new_tokens(out: torch.Tensor, prompt_width: int, pad: int | None, eos: list
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: the environment switches specdec reads while a call runs (a capture included), which a
 #: ``plain_switches`` entry can change: fusion, the merged / skinny linears, the kernels' backend,
-#: proposals before the sync, debug checks, replay's chunked verify (no plain step runs replay)
+#: proposals before the sync, debug checks
 CALL_SWITCHES = ("SPECDEC_FUSE", "SPECDEC_MERGE_LINEARS", "SPECDEC_SKINNY_LINEARS", "SPECDEC_BACKEND",
-                 "SPECDEC_OVERLAP", "SPECDEC_OVERLAP_STEPS", "SPECDEC_DEBUG", "SPECDEC_CHUNKED_REPLAY")
+                 "SPECDEC_OVERLAP", "SPECDEC_OVERLAP_STEPS", "SPECDEC_DEBUG")
 
 
 def parse_switches(entries) -> dict[str, dict[str, str]]:

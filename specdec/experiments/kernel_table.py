@@ -32,7 +32,6 @@ table, then the targets).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -72,10 +71,6 @@ SHAPES = {
 }
 #: kernel launches per layer and step on the Triton backend
 LAUNCHES = {BASELINE: 1, "snapshot": 2, "ring": 2, "replay": 2, "replay_deferred": 3}
-#: the strategies whose verify has a chunked form, and the suffix of their rows timed with it
-#: (``experiment.chunked``; :class:`specdec.kernels.LaunchConfig` ``chunked``)
-CHUNKED_STRATEGIES = ("replay", "replay_deferred")
-CHUNKED = "_chunked"
 #: rotate buffer copies until the working set is at least this many bytes (H200 L2: 50 MiB)
 ROT_BYTES = 256 << 20
 
@@ -201,8 +196,8 @@ def check_point(op, ref_op, shape: SSMShape, strategy: str, batch: int, K: int, 
 
 
 def launch_picks(path: str | None) -> dict:
-    """``{(op, batch, strategy): (us, (block, num_warps, prefetch, chunked))}``: the fastest launch
-    setting per point of a ``benchmarks/sweep_rollback_configs.py`` JSON (None: empty)."""
+    """``{(op, batch, strategy): (us, (block, num_warps, prefetch))}``: the fastest launch setting per
+    point of a ``benchmarks/sweep_rollback_configs.py`` JSON (None: empty)."""
     picks: dict = {}
     if not path:
         return picks
@@ -210,7 +205,7 @@ def launch_picks(path: str | None) -> dict:
         for r in json.load(fh):
             key = (r["op"], r["batch"], r["rollback"])
             if key not in picks or r["us_per_step"] < picks[key][0]:
-                picks[key] = (r["us_per_step"], (*r["launch"], bool(r.get("chunked", False))))
+                picks[key] = (r["us_per_step"], tuple(r["launch"]))
     return picks
 
 
@@ -219,22 +214,15 @@ def _launch_for(picks: dict, op: str, batch: int, strategy: str):
 
     cands = [(abs(math.log2(batch) - math.log2(k[1])), k) for k in picks if k[0] == op and k[2] == strategy]
     if not cands:
-        return LaunchConfig(chunked=False if strategy in CHUNKED_STRATEGIES else None)
-    block, warps, prefetch, chunked = picks[min(cands)[1]][1]
-    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch, chunked=chunked)
+        return LaunchConfig()
+    block, warps, prefetch = picks[min(cands)[1]][1]
+    return LaunchConfig(block=block, num_warps=warps, prefetch=prefetch)
 
 
 def _launch_text(launch) -> str:
     parts = [f"{k}={v}" for k, v in (("block", launch.block), ("warps", launch.num_warps),
                                      ("prefetch", launch.prefetch)) if v is not None]
-    return " ".join(parts + (["chunked"] if launch.chunked else [])) or "default"
-
-
-def _rows(strategies: list[str], chunked: bool) -> list[tuple[str, str, bool]]:
-    """``(row label, strategy, chunked)`` per timed row: every strategy, then with ``chunked`` the
-    chunked form of each of :data:`CHUNKED_STRATEGIES` among them (label ``<strategy>_chunked``)."""
-    rows = [(s, s, False) for s in strategies]
-    return rows + [(s + CHUNKED, s, True) for s in strategies if chunked and s in CHUNKED_STRATEGIES]
+    return " ".join(parts) or "default"
 
 
 def _fla_point(shape: SSMShape, batch: int, K: int, device, gen, dtype) -> dict | None:
@@ -272,14 +260,13 @@ def targets(records: list[dict]) -> list[str]:
         snap = by.get((op, 64, 4, "snapshot"))
         if snap is None:
             continue
-        replays = [s + c for s in CHUNKED_STRATEGIES for c in ("", CHUNKED)]
-        for strat, limit in [(s, 0.5) for s in replays] + [("ring", 0.8)]:
+        for strat, limit in (("replay", 0.5), ("replay_deferred", 0.5), ("ring", 0.8)):
             r = by.get((op, 64, 4, strat))
             if r:
                 ratio = r["us_per_step"] / snap["us_per_step"]
                 lines.append(f"{'met' if ratio <= limit else 'MISSED'}: {op} {strat} / snapshot = {ratio:.2f} "
                              f"(target <= {limit})")
-        for strat in replays:
+        for strat in ("replay", "replay_deferred"):
             r = by.get((op, 64, 4, strat))
             if r:
                 lines.append(f"{'met' if r['x_floor'] <= 1.5 else 'MISSED'}: {op} {strat} = {r['x_floor']:.2f} x its "
@@ -293,7 +280,7 @@ def targets(records: list[dict]) -> list[str]:
             lines.append(f"{'met' if ratio <= 1.3 else 'MISSED'}: batch 1 K={K} {op}: slowest ({worst['rollback']}) "
                          f"= {ratio:.2f} x baseline (target <= 1.3)")
     for f in (r for r in records if r["rollback"] == FLA and r["num_speculative_tokens"] == 4):
-        for strat in (s + c for s in CHUNKED_STRATEGIES for c in ("", CHUNKED)):
+        for strat in ("replay", "replay_deferred"):
             r = by.get(("gdn", f["batch"], 4, strat))
             if r:
                 ours, theirs = r["pct_copy_bw"], f["pct_copy_bw"]
@@ -306,7 +293,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
     """Run the table; returns the records (also written to ``out_dir``)."""
     from omegaconf import OmegaConf
 
-    from specdec.kernels import OPS, LaunchConfig, backend, get_op
+    from specdec.kernels import OPS, backend, get_op
 
     from .common import progress_bar, write_outputs
 
@@ -320,12 +307,6 @@ def run(cfg, out_dir: Path) -> list[dict]:
               "ops); experiment.shapes=tiny runs here in seconds", flush=True)
     ops = [str(o) for o in exp.ops]
     strategies = [BASELINE] + [str(s) for s in cfg.rollback.strategies]
-    chunked = bool(exp.get("chunked", False))
-    if chunked and backend(device) != "triton":
-        print(f"experiment.chunked: the {backend(device)} backend has no chunked kernels; its rows are left out")
-        chunked = False
-    rows = _rows(strategies, chunked)
-    chunked_rows = {s for _, s, c in rows if c}  # strategies timed chunked in rows of their own
     batches, Ks = [int(b) for b in exp.batch_grid], [int(k) for k in exp.k_grid]
     gen = torch.Generator().manual_seed(int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
@@ -336,7 +317,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
                   backend=backend(device), seed=int(cfg.seed), copy_GBps=copy_GBps,
                   config=OmegaConf.to_container(cfg, resolve=True))
     records: list[dict] = []
-    bar = progress_bar(cfg, len(ops) * len(batches) * len(Ks) * len(rows), "kernels")
+    bar = progress_bar(cfg, len(ops) * len(batches) * len(Ks) * len(strategies), "kernels")
     t0 = time.time()
     for name in ops:
         shape = shapes[name]
@@ -344,33 +325,30 @@ def run(cfg, out_dir: Path) -> list[dict]:
         params = synthetic_params(shape, device, gen)
         checks = {}
         if exp.check:
-            for label, strategy, chunked in rows:
-                checks[label] = check_point(op.with_launch(LaunchConfig(chunked=chunked)), OPS[name], shape,
-                                            strategy, min(4, max(batches)), max(Ks), device, params=params, gen=gen,
-                                            dtype=dtype, accept_p=float(exp.accept_p))
+            for strategy in strategies:
+                checks[strategy] = check_point(op, OPS[name], shape, strategy, min(4, max(batches)), max(Ks), device,
+                                               params=params, gen=gen, dtype=dtype, accept_p=float(exp.accept_p))
         for B in batches:
             for K in Ks:
                 group = []
-                for label, strategy, chunked in rows:
+                for strategy in strategies:
                     launch = _launch_for(picks, name, B, strategy)
-                    if chunked or strategy in chunked_rows:  # the chunked form has its own row
-                        launch = dataclasses.replace(launch, chunked=chunked)
                     r = bench_point(op.with_launch(launch), shape, strategy, B, K, device, params=params, gen=gen,
                                     dtype=dtype, rounds=int(exp.rounds), reps=int(exp.reps),
                                     accept_p=float(exp.accept_p))
                     extra = r.pop("extra_bytes_per_layer")
                     rec = {**common, "op": name, "ssm_shape": shape.describe(), "batch": B, "num_speculative_tokens": K,
-                           "rollback": label, "launches": LAUNCHES.get(strategy), "launch": _launch_text(launch), **r,
+                           "rollback": strategy, "launches": LAUNCHES.get(strategy), "launch": _launch_text(launch), **r,
                            "pct_copy_bw": 100 * r["GBps"] / copy_GBps,
                            "x_floor": r["us_per_step"] / 1e6 / (r["kernel_MB"] * 1e6 / (copy_GBps * 1e9)),
                            "extra_MiB_per_seq": shape.num_layers * extra / (1 << 20),
                            "max_batch": int(budget // (shape.num_layers * (shape.state_bytes + extra))),
-                           **checks.get(label, {})}
+                           **checks.get(strategy, {})}
                     group.append(rec)
                     if bar:
                         bar.update(1)
                     else:
-                        print(f"{name:6s} B={B:<3d} K={K} {label:23s} {rec['us_per_step']:9.1f} us "
+                        print(f"{name:6s} B={B:<3d} K={K} {strategy:15s} {rec['us_per_step']:9.1f} us "
                               f"{rec['GBps']:7.0f} GB/s  x floor {rec['x_floor']:.2f} ({time.time() - t0:.0f}s)",
                               flush=True)
                 snap = next((g["us_per_step"] for g in group if g["rollback"] == "snapshot"), None)

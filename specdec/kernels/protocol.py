@@ -77,19 +77,12 @@ class LaunchConfig:
         prefetch: step tokens whose inputs are requested before the first arithmetic.
         tree_loop: walk a tree's nodes in a loop at run time (True) or unrolled (False);
             None: unrolled up to ``triton_common.TREE_UNROLL_MAX`` nodes.
-        chunked: replay's verify in chunked form (the step's tokens, a chain or a tree of at most
-            ``triton_common.CHUNK_MAX`` = 16, as one chunk: matrix products with the state and a
-            ``T x T`` system built from the inputs, instead of reductions per token:
-            :mod:`specdec.kernels.gdn.triton_chunk`, :mod:`specdec.kernels.mamba2.triton_chunk`);
-            False: token by token; None: chunked when the environment sets
-            ``SPECDEC_CHUNKED_REPLAY=1`` (read at each call). Other strategies ignore it.
     """
 
     block: int | None = None
     num_warps: int | None = None
     prefetch: int | None = None
     tree_loop: bool | None = None
-    chunked: bool | None = None
 
 
 class RollbackKernels(Protocol):

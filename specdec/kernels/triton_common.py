@@ -10,7 +10,6 @@ interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is fo
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import triton
@@ -58,17 +57,6 @@ OVERWRITE, SNAPSHOT, RING, REPLAY = (tl.constexpr(i) for i in range(4))
 #: for sm_90 on a CPU and over 300 s on an H200 machine; the loop compiles like a chain.
 TREE_UNROLL_MAX = 16
 
-#: the smallest dimension of a ``tl.dot`` operand the GPU backends accept (the chunked kernels pad to it)
-DOT_MIN = 16
-#: the most tokens of a chunked replay verify call (``kernels/{gdn,mamba2}/triton_chunk.py``: the
-#: delta rule's block inversion has four levels; a tree's ancestor table is unrolled); longer
-#: steps run token by token
-CHUNK_MAX = 16
-
-
-#: the values an on/off environment switch of the kernels accepts
-_SWITCH_VALUES = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False, "": False}
-
 
 class KernelSet:
     """Base of the per-op kernel sets (the ``kernels`` of :class:`specdec.kernels.SSMOp`): the
@@ -84,44 +72,10 @@ class KernelSet:
         out.launch = launch
         return out
 
-    def chunked(self) -> bool:
-        """Whether a chain's replay verify runs in chunked form: ``launch.chunked``, or when that
-        is None the environment's ``SPECDEC_CHUNKED_REPLAY`` (``1`` / ``true`` on, ``0`` /
-        ``false`` / unset off: the token-by-token verify, the default until the chunked form is
-        timed faster on a GPU).
-
-        Raises:
-            ValueError: ``SPECDEC_CHUNKED_REPLAY`` set to anything else."""
-        if self.launch.chunked is not None:
-            return bool(self.launch.chunked)
-        value = os.environ.get("SPECDEC_CHUNKED_REPLAY", "")
-        if value not in _SWITCH_VALUES:
-            raise ValueError(f"SPECDEC_CHUNKED_REPLAY={value!r}: use 1 / true (chunked replay verify) or "
-                             "0 / false / unset (token by token)")
-        return _SWITCH_VALUES[value]
-
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def chunk_blocks(whole: int, split: int, block: int | None, batch: int, heads: int, num_warps: int | None = None):
-    """``(whole block, split block, num_warps)`` of a chunked replay verify
-    (``kernels/{gdn,mamba2}/triton_chunk.py``): the dim a program holds entirely (GDN / KDA: the key
-    dim K; Mamba-2: the state dim N) and the block of the dim split over programs (the value dim V;
-    the head dim P), both at least :data:`DOT_MIN` (the matrix products' smallest operand; a smaller
-    ``block`` is raised to it). The split block is 32 when the grid has at least ~1024 programs of
-    32, else 16 (more programs at small batch), unless ``block``; 8 warps unless ``num_warps``.
-
-    By register count for sm_90, T = 5 (``python benchmarks/triton_sm90_compile.py``): GDN (K = V =
-    128) 88 at 16 / 8 warps (134 at 4 warps), 109 at 32; KDA 172 at either (255 at 16 / 4 warps);
-    Mamba-2 (P = 64, N = 128) 80 at 32 / 8 warps (155 at 4), 170 at 16 / 8 warps (255 at 4). Not yet
-    timed against other settings (``benchmarks/sweep_rollback_configs.py --chunked``)."""
-    if block is None:
-        block = 32 if batch * heads * triton.cdiv(split, 32) >= 1024 else 16
-    return (max(DOT_MIN, next_pow2(whole)), max(DOT_MIN, min(next_pow2(block), next_pow2(split))),
-            num_warps or 8)
 
 
 def num_warps_for(block_elems: int, max_warps: int = 4) -> int:
@@ -307,74 +261,6 @@ def softplus(x, threshold, ACCURATE: tl.constexpr):
     u = 1.0 + e
     d = u - 1.0
     return tl.where(x > threshold, x, tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d))))
-
-
-#: the floor the chunked kernels put under a step's log decays: ``-inf`` (a decay of exactly 0)
-#: would make ``-inf - -inf`` in their sums; any decay below ~-104 is 0 in fp32 either way
-LOG_DECAY_FLOOR = -1.0e30
-
-
-@triton.jit
-def floor_log_decay(x):
-    """``x`` with ``-inf`` (and anything below :data:`LOG_DECAY_FLOOR`) raised to the floor; NaN stays NaN."""
-    return tl.where(x < -1.0e30, -1.0e30, x)
-
-
-@triton.jit
-def step_ancestors(tree, o_t, m_t, TREE: tl.constexpr, META_W: tl.constexpr):
-    """``[TP, TP]`` bool: ``out[t, s]`` when token s is token t itself or one of its ancestors in
-    the step -- for a chain every ``s <= t``; for a tree (``TREE``) read from its table
-    (:func:`specdec.kernels.tree_index.tree_meta`: per token the parent's root-first ancestor
-    chain). ``o_t``: ``tl.arange(0, TP)``; ``m_t``: ``o_t < T``."""
-    if TREE:
-        anc = o_t[:, None] == o_t[None, :]
-        n_anc = tl.load(tree + o_t * META_W + 1, mask=m_t, other=0)
-        for m in tl.static_range(META_W - 2):
-            a_m = tl.load(tree + o_t * META_W + 2 + m, mask=m_t, other=-1)
-            anc = anc | ((o_t[None, :] == a_m[:, None]) & (m < n_anc)[:, None])
-    else:
-        anc = o_t[:, None] >= o_t[None, :]
-    return anc
-
-
-@triton.jit
-def pair_sums(x, anc):
-    """``[TP, TP]``: ``out[t, s]`` the sum of ``x [TP]`` over the tokens after s on the way to t
-    (s excluded, t included; ``anc``: :func:`step_ancestors` as float, s an ancestor-or-self of
-    t, else the entry is not used), as one product with 0/1 matrices, so a large decay before s
-    cannot cancel into the result as differences of cumulative sums would. TP >= :data:`DOT_MIN`."""
-    return tl.dot(anc, x[:, None] * (1.0 - tl.trans(anc)), input_precision="ieee")
-
-
-@triton.jit
-def sums_after(x, anc, o_t, s):
-    """``[TP, C]``: per channel of ``x [TP, C]``, the sums over the tokens after token ``s`` on the
-    way to each token t (:func:`pair_sums` for one s; rows t that s does not lead to are not used)."""
-    anc_s = tl.sum(tl.where((o_t == s)[:, None], anc, 0.0), axis=0)  # [r]: r is s or an ancestor of s
-    return tl.dot(anc * (1.0 - anc_s[None, :]), x, input_precision="ieee")
-
-
-@triton.jit
-def replay_window(hist_len, i_n, offset, FUSED: tl.constexpr, FIRST: tl.constexpr, HALF: tl.constexpr):
-    """``(base, cnt, pos0)`` of a replay verify call for slot ``i_n`` (int64): the history
-    positions ``base .. base + cnt - 1`` folded into the state before the call's tokens, and the
-    position its first token's inputs are appended at. Fused replay's first call of a step: the
-    committed history (``0 .. hist_len``), appended from ``HALF`` (T_max); a later call: the
-    step's first ``offset`` tokens (``HALF ..``), appended after them; deferred replay: the
-    committed history and the step's first tokens (``0 .. hist_len + offset``), appended after."""
-    if FUSED:
-        if FIRST:
-            base = i_n * 0
-            cnt = tl.load(hist_len + i_n).to(tl.int64)
-        else:
-            base = i_n * 0 + HALF
-            cnt = i_n * 0 + offset
-        pos0 = base * 0 + HALF + offset
-    else:
-        base = i_n * 0
-        cnt = tl.load(hist_len + i_n).to(tl.int64) + offset
-        pos0 = cnt
-    return base, cnt, pos0
 
 
 @triton.jit

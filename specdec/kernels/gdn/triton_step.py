@@ -47,7 +47,6 @@ import triton.language as tl
 
 from ..protocol import LaunchConfig
 from ..triton_common import (
-    CHUNK_MAX,
     OVERWRITE,
     REPLAY,
     RING,
@@ -527,7 +526,7 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None, chunked=None):
+          parents=None, tree_loop=None, fold_max=None):
     q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
     tree = tree_table(parents, T, offset, q.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
@@ -541,15 +540,6 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
     fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, K, V), src_lead, dst_lead, state_indices, B, hist)
-    if chunked and mode.value == REPLAY.value and T <= CHUNK_MAX:  # replay's verify in chunked form
-        from .triton_chunk import launch_replay_chunk
-
-        if B == 0 or T == 0:
-            return out
-        return launch_replay_chunk(q, k, v, g, beta, out, s_src, hist, hist_len, state_indices, tree, strides,
-                                   (B, T, H, K, V), offset=offset, fused=fused, first=first, half=half,
-                                   fold_n=fold_n, per_channel=per_channel, block_v=block_v,
-                                   num_warps=num_warps)
     BK, BV, num_warps = _launch_config(B, H, K, V, block_v, num_warps, mode.value, per_channel, tree is not None,
                                        deferred=hist is not None and not fused)
     if B == 0 or T == 0:
@@ -582,9 +572,7 @@ _COMMON_ARGS = """
         out: optional contiguous ``[B, T, H, V]`` output (e.g. a CUDA-graph static buffer).
         block_v, num_warps, prefetch: override the value-block width, the warps per program and
             the tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a
-            tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes);
-            chunked: replay's verify of up to ``triton_common.CHUNK_MAX`` = 16 tokens (a chain or
-            a tree) in chunked form (:mod:`.triton_chunk`; other calls ignore it).
+            tree's nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX`` nodes).
 
     Returns:
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
@@ -764,8 +752,7 @@ class DeltaRuleKernels(KernelSet):
 
     def _tune(self):
         c = self.launch
-        return dict(block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop,
-                    chunked=self.chunked())
+        return dict(block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
         return delta_rule_update(state, *self._unpack(inputs), state_indices, out=out, **self._tune())

@@ -40,7 +40,6 @@ import triton.language as tl
 
 from ..protocol import LaunchConfig
 from ..triton_common import (
-    CHUNK_MAX,
     OVERWRITE,
     REPLAY,
     RING,
@@ -480,7 +479,7 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None, chunked=None):
+          parents=None, tree_loop=None, fold_max=None):
     x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
     tree = tree_table(parents, T, offset, x.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
@@ -494,14 +493,6 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     fold_n = fold_size(half, fold_max, first)
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
-    if chunked and mode.value == REPLAY.value and T <= CHUNK_MAX:  # replay's verify in chunked form
-        from .triton_chunk import launch_replay_chunk
-
-        if Bsz == 0 or T == 0:
-            return out
-        return launch_replay_chunk(x, dt, A, Bm, Cm, D, out, s_src, hist, hist_len, state_indices, tree, strides,
-                                   (Bsz, T, H, P, G, N), offset=offset, fused=fused, first=first, half=half,
-                                   fold_n=fold_n, block_p=block_p, num_warps=num_warps)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
                                                  tree=tree is not None)
     if Bsz == 0 or T == 0:
@@ -534,8 +525,7 @@ _COMMON_ARGS = """
         block_p, num_warps, prefetch: override the head-dim block, the warps per program and the
             tokens whose inputs are loaded ahead (testing / tuning only); tree_loop: walk a tree's
             nodes in a runtime loop (default: trees of more than ``triton_common.TREE_UNROLL_MAX``
-            nodes); chunked: replay's verify of up to ``triton_common.CHUNK_MAX`` = 16
-            tokens (a chain or a tree) in chunked form (:mod:`.triton_chunk`; other calls ignore it).
+            nodes).
 
     Returns:
         ``y [B, T, H, P]`` fp32 (or ``out``'s dtype).
@@ -689,8 +679,7 @@ class Mamba2Kernels(KernelSet):
 
     def _tune(self):
         c = self.launch
-        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop,
-                    chunked=self.chunked())
+        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
         return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, **self._tune())
