@@ -310,6 +310,59 @@ def test_kernels_table_tiny(tmp_path: Path, backend, monkeypatch):
     assert "## Targets" in summary
 
 
+def test_kernels_table_keeps_the_groups_measured_before_a_failure(tmp_path: Path, monkeypatch):
+    """A run that fails part way (e.g. a device error) leaves the groups it finished in results.jsonl."""
+    import specdec.experiments.kernel_table as kt
+
+    real, calls = kt.bench_point, []
+
+    def bench_point(*args, **kwargs):
+        calls.append(args[2])  # the strategy
+        if len(calls) > 5:  # the second (op, batch, K) group
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kt, "bench_point", bench_point)
+    cfg = _cfg(["experiment=kernels", "experiment.shapes=tiny", "experiment.ops=[gdn]", "experiment.batch_grid=[1,2]",
+                "experiment.k_grid=[2]", "experiment.reps=1", "experiment.check=false"] + CPU)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_experiment(cfg, tmp_path)
+    kept = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["batch"], r["rollback"]) for r in kept] == [(1, s) for s in calls[:5]]
+    assert all(r["vs_baseline"] > 0 for r in kept)
+
+
+def test_kernels_table_calls_fla_by_its_argument_names(monkeypatch):
+    """flash-linear-attention 0.6 put ``gk`` and ``gv`` between ``g`` and ``beta``: the fla row passes
+    the gates by name, so each tensor lands where fla reads it (positionally, beta was read as gk)."""
+    import types
+
+    import triton.testing
+
+    import specdec.experiments.kernel_table as kt
+
+    seen = {}
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False, **kwargs):
+        seen.update(q=q, v=v, g=g, gk=gk, gv=gv, beta=beta, h0=initial_state)
+        return v, initial_state
+
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    gdr = types.ModuleType("fla.ops.gated_delta_rule")
+    gdr.fused_recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", gdr)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.01)[1])
+    shape = kt.SHAPES["tiny"]["gdn"]
+    point = kt._fla_point(shape, 2, 3, torch.device("cpu"), torch.Generator().manual_seed(0), torch.float32)
+    B, T, H = 2, 4, shape.heads
+    assert seen["gk"] is None and seen["gv"] is None
+    assert seen["g"].shape == (B, T, H) and seen["beta"].shape == (B, T, H) and (seen["beta"] > 0).all()
+    assert seen["v"].shape == (B, T, H, shape.value_dim) and seen["h0"].shape == (B, *shape.state_shape)
+    assert point["us_per_step"] == pytest.approx(10.0)
+
+
 def test_kernels_table_rejects_a_bad_grid():
     cfg = _cfg(["experiment=kernels", "experiment.k_grid=[0]"] + CPU)
     with pytest.raises(ValueError, match="k_grid"):

@@ -26,8 +26,8 @@ importable, its ``fused_recurrent_gated_delta_rule`` is timed on the same GDN de
     specdec-run experiment=kernels experiment.batch_grid=[1,64] experiment.k_grid=[4]
     specdec-run experiment=kernels device=cpu experiment.shapes=tiny     # smoke test (torch reference)
 
-Outputs: ``results.jsonl`` (one record per op, batch, K and strategy) and ``summary.md`` (the
-table, then the targets).
+Outputs: ``results.jsonl`` (one record per op, batch, K and strategy, appended as each op, batch
+and K is measured) and ``summary.md`` (the table, then the targets).
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ def _fla_point(shape: SSMShape, batch: int, K: int, device, gen, dtype) -> dict 
     h0 = (torch.randn(batch, *shape.state_shape, generator=gen) * 0.1).to(device)
 
     def call():
-        return fused_recurrent_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=1.0,
+        # by keyword: fla 0.6 put per-key and per-value gates (gk, gv) between g and beta
+        return fused_recurrent_gated_delta_rule(inp["q"], inp["k"], inp["v"], g=inp["g"], beta=inp["beta"], scale=1.0,
                                                 initial_state=h0, output_final_state=True)
 
     ms = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
@@ -295,7 +296,7 @@ def run(cfg, out_dir: Path) -> list[dict]:
 
     from specdec.kernels import OPS, backend, get_op
 
-    from .common import progress_bar, write_outputs
+    from .common import RunRecords, progress_bar, write_outputs
 
     exp = cfg.experiment
     device, dtype = resolve_device(cfg)
@@ -316,7 +317,8 @@ def run(cfg, out_dir: Path) -> list[dict]:
     common = dict(experiment="kernels", device=str(device), dtype=str(dtype).replace("torch.", ""),
                   backend=backend(device), seed=int(cfg.seed), copy_GBps=copy_GBps,
                   config=OmegaConf.to_container(cfg, resolve=True))
-    records: list[dict] = []
+    log = RunRecords(out_dir)  # each (op, batch, K) group appended as measured: a run cut short keeps it
+    records = log.records
     bar = progress_bar(cfg, len(ops) * len(batches) * len(Ks) * len(strategies), "kernels")
     t0 = time.time()
     for name in ops:
@@ -356,16 +358,15 @@ def run(cfg, out_dir: Path) -> list[dict]:
                 for g in group:
                     g["vs_snapshot"] = g["us_per_step"] / snap if snap else None
                     g["vs_baseline"] = g["us_per_step"] / base
-                records += group
+                    log.add(g)
         if name == "gdn" and exp.fla and device.type == "cuda":
             for B in batches:
                 for K in sorted(set(Ks) | {4}):
                     f = _fla_point(shape, B, K, device, gen, dtype)
                     if f is None:
                         break
-                    records.append({**common, "op": name, "ssm_shape": shape.describe(), "batch": B,
-                                    "num_speculative_tokens": K, "rollback": FLA, **f,
-                                    "pct_copy_bw": 100 * f["GBps"] / copy_GBps})
+                    log.add({**common, "op": name, "ssm_shape": shape.describe(), "batch": B,
+                             "num_speculative_tokens": K, "rollback": FLA, **f, "pct_copy_bw": 100 * f["GBps"] / copy_GBps})
     if bar:
         bar.close()
     title = (f"Rollback kernels per SSM layer and step: {device}, backend {backend(device)}, "
