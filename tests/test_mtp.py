@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 from helpers import ALL_STRATEGIES, assert_same_token_distribution, fit_mtp_layers, hf_greedy, rel_err, run_python
 from hydra import compose, initialize_config_dir
-from markers import needs_cuda
+from markers import ON_CUDA, needs_cuda
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_models import _CLASSES, make_model, ragged_prompts
@@ -63,7 +63,12 @@ def save_with_mtp(family, folder, *, fit_steps=0, seed=0, vocab=None, fields=Non
     model.save_pretrained(folder)
     layers = _random_(mtp_layers_for(model), seed=seed + 1)
     if fit_steps:
-        ids, mask = ragged_prompts()
+        # a CUDA test run fits on the GPU: with flash-linear-attention installed, transformers runs a
+        # Gated DeltaNet prompt through fla's Triton kernels whatever the tensors' device
+        dev = "cuda" if ON_CUDA else "cpu"
+        model.to(dev)
+        layers.to(dev)
+        ids, mask = (t.to(dev) for t in ragged_prompts())
         seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
                                          pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
         torch.manual_seed(seed)
