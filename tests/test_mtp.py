@@ -70,7 +70,7 @@ def save_with_mtp(family, folder, *, fit_steps=0, seed=0, vocab=None, fields=Non
         layers.to(dev)
         ids, mask = (t.to(dev) for t in ragged_prompts())
         seqs = torch.cat([model.generate(ids[i][mask[i].bool()][None], max_new_tokens=40, do_sample=False,
-                                         pad_token_id=0)[:, -44:] for i in range(ids.shape[0])])
+                                         pad_token_id=0)[:, -44:] for i in range(ids.shape[0])]).cpu()
         torch.manual_seed(seed)
         fit_mtp_layers(model, layers, seqs, fit_steps)
     write_mtp_tensors(layers, folder, **write_kw)

@@ -230,12 +230,12 @@ def target_predictions(model, hidden: torch.Tensor, ids: torch.Tensor, batch: in
     after position t (``argmax lm_head(hidden[:, t])``) and whose entry 0 is ``ids[:, 0]``; so
     :func:`medusa_targets` on them trains head k towards the token the target itself would
     choose at t + 2 + k after the corpus prefix (with k = 0, exactly what greedy verification
-    accepts)."""
+    accepts). On ``ids``' device."""
     lm_head = model.get_output_embeddings()
     dev = lm_head.weight.device
     pred = torch.cat([lm_head(hidden[i: i + batch].to(dev, lm_head.weight.dtype)).argmax(-1).cpu()
                       for i in range(0, hidden.shape[0], batch)])
-    return torch.cat([ids[:, :1], pred[:, :-1]], dim=1)
+    return torch.cat([ids[:, :1], pred[:, :-1].to(ids.device)], dim=1)
 
 
 # --------------------------------------------------------------------------------------- data
