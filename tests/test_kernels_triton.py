@@ -961,6 +961,9 @@ def test_real_size_against_reference(op):
     assert not bad, bad
 
 
+TREE_BIG = TREE_UNROLL_MAX + 3
+
+
 @pytest.mark.parametrize("op", ["gdn", "mamba2"])
 def test_tree_loop_reaches_the_kernel(op, monkeypatch):
     """The node walk a launch compiles: unrolled for trees up to TREE_UNROLL_MAX nodes, the runtime
@@ -1000,6 +1003,3 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
         assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3) == (32, 128, 4, 0)
         assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3, tree=True) == (32, 128, 8, 3)
         assert m2._launch_config(1, 128, 64, 128, None, None, None, 5, 3) == (16, 128, 4, 5)
-
-
-TREE_BIG = TREE_UNROLL_MAX + 3
