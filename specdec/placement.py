@@ -24,7 +24,7 @@ loaded. This module gives what the adapters need to work under such hooks:
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 
 import torch
 
@@ -100,7 +100,9 @@ def routed_forward(module: torch.nn.Module, forward):
     """Within the block, calling ``module(...)`` runs ``forward(module, ...)``: behind the module's
     accelerate hook when it has one (the hook still loads its weights and moves the inputs),
     and whatever forward the instance had before is back afterwards."""
-    bound = types.MethodType(forward, module)
+    # a partial, not a bound method: torch 2.11's dynamo drops the module argument of a bound method
+    # whose function is itself compiled (a fused norm's, inside a program compiled whole)
+    bound = functools.partial(forward, module)
     attr = "_old_forward" if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward") \
         else "forward"
     before = module.__dict__.get(attr, None)

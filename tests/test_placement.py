@@ -301,3 +301,20 @@ def test_routed_forward_stays_behind_the_hook():
     with routed_forward(plain, lambda mod, inp: inp + 1):
         assert torch.equal(plain(x), x + 1)
     assert "forward" not in plain.__dict__
+
+
+def test_a_routed_compiled_forward_traces_inside_a_whole_compile():
+    """A module whose forward ``fused`` swapped for a compiled one, called from a program compiled
+    whole with ``fullgraph=True`` (an MTP proposal with ``compile_proposal=True``), traces and gives
+    the module's own output: a bound method there lost its module argument under torch 2.11."""
+    from specdec.fusion import fused
+
+    model = make_model("qwen3_5", seed=0).eval()
+    norm = model.model.norm
+    x = torch.randn(2, 3, norm.weight.shape[0])
+    want = norm(x)
+    program = torch.compile(lambda: norm(x), fullgraph=True, dynamic=False)
+    with torch.no_grad(), fused(model):
+        assert "forward" in norm.__dict__  # swapped
+        got = program()
+    torch.testing.assert_close(got, want)
