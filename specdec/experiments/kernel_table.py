@@ -366,7 +366,8 @@ def run(cfg, out_dir: Path) -> list[dict]:
                     if f is None:
                         break
                     log.add({**common, "op": name, "ssm_shape": shape.describe(), "batch": B,
-                             "num_speculative_tokens": K, "rollback": FLA, **f, "pct_copy_bw": 100 * f["GBps"] / copy_GBps})
+                             "num_speculative_tokens": K, "rollback": FLA, **f,
+                             "pct_copy_bw": 100 * f["GBps"] / copy_GBps})
     if bar:
         bar.close()
     title = (f"Rollback kernels per SSM layer and step: {device}, backend {backend(device)}, "
