@@ -154,6 +154,27 @@ def test_merged_linears_merge_only_what_shares_an_input(monkeypatch, bias):
 
 
 @needs_triton_interpreter
+def test_a_program_compiled_whole_traces_its_merged_linears(monkeypatch):
+    """A forward traced by ``torch.compile`` (a program compiled whole, as ``compile_proposal=True``
+    builds) inside the block runs each member as F.linear, traced in one graph: the group's
+    bookkeeping (an input's version counter, ``is_inference``) cannot be traced, and failed there."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    block = Block().to(DEVICE).requires_grad_(False)
+    x, y = rand(2, 3, 24), rand(2, 3, 24)
+    want = block(x, y)
+    groups = count_grouped_calls(monkeypatch, lambda x, ws: len(ws))
+    with merged_linears(block, backend_name="triton"):
+        block(x, y)
+        block(x, y)  # learnt: q, k, v merge eagerly
+        assert groups == [3]
+        got = torch.compile(block, fullgraph=True, backend="eager")(x, y)
+        assert groups == [3]  # the compiled forward ran no grouped launch
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < TOL[torch.float32]
+
+
+@needs_triton_interpreter
 def test_a_capture_merges_only_what_ran_merged_before_it(monkeypatch):
     """Inside a (simulated) capture a group merges only with a tile count a run outside it merged
     with, so no kernel is first built while capturing; a failing kernel leaves the group unmerged

@@ -467,6 +467,10 @@ class _Siblings:
 
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         member = self._members[i]()
+        # traced by torch.compile (a program compiled whole): the compiler fuses the linear itself, and
+        # this group's bookkeeping (version counters, weak references, thread state) cannot be traced
+        if torch.compiler.is_compiling():
+            return F.linear(x, member.weight, member.bias)
         local = self._local
         if getattr(local, "depth", 0) < 1:  # a thread outside every block: the model's own linear
             return F.linear(x, member.weight, member.bias)
