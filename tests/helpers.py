@@ -10,12 +10,15 @@
 * Medusa heads for the tiny models: :func:`medusa_prompts`, :func:`fit_medusa_heads`,
   :func:`perturb_heads`; MTP layers: :func:`fit_mtp_layers`.
 * :class:`StreamRecorder`: a streamer that records every ``put()`` and ``end()``.
+* :class:`DeviceOps`: the aten ops a block issues that launch a kernel, and its Triton launches.
 * :func:`run_python`: ``python <args>`` in a subprocess that imports this checkout's ``specdec``;
   :func:`built_for_hopper`: a script that builds Triton kernels for sm_90, in a subprocess.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import os
 import subprocess
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 from scipy.stats import chi2_contingency
 from tiny_models import get_model, ragged_prompts
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from specdec.drafters import DraftModelDrafter, MedusaHeads, MTPDrafter
@@ -198,6 +202,74 @@ def fit_mtp_layers(model, layers, seqs, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------ streaming
+
+
+#: aten ops that launch no kernel (views, allocation without a fill)
+NO_KERNEL_OPS = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
+                 "expand", "as_strided", "t", "transpose", "alias", "detach", "lift_fresh", "unbind"}
+
+
+class DeviceOps(TorchDispatchMode):
+    """Within the block: ``ops``, the aten ops that launch a kernel (by name), issued outside Triton
+    launches (what the interpreter does inside one is its own copying), and ``triton``, the
+    Triton launches by kernel name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.triton = collections.Counter()
+        self._inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL_OPS and not self._inside:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def _launches(self):
+        import triton.runtime.jit as jit
+
+        classes = [jit.JITFunction]
+        with contextlib.suppress(ImportError):
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        saved = {cls: cls.run for cls in classes}
+
+        def counted(run):
+            def wrapper(fn, *args, **kwargs):
+                self.triton[getattr(getattr(fn, "fn", fn), "__name__", "?")] += 1
+                self._inside += 1
+                try:
+                    return run(fn, *args, **kwargs)
+                finally:
+                    self._inside -= 1
+            return wrapper
+
+        try:
+            for cls, run in saved.items():
+                cls.run = counted(run)
+            yield
+        finally:
+            for cls, run in saved.items():
+                cls.run = run
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self._launches())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stack.close()
+
+    @property
+    def launches(self) -> int:
+        """The kernel-launching aten ops (Triton launches are in ``triton``)."""
+        return sum(self.ops.values())
 
 
 class StreamRecorder:

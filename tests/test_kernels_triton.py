@@ -307,6 +307,31 @@ MASKED_FOLD_GRID = [
 ]
 
 
+@pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay"])
+def test_a_strategy_step_on_the_kernels_is_its_two_launches(op_name, strategy):
+    """A chain step (verify, then commit) of each strategy on the Triton kernels launches the op's
+    step kernel and the strategy's commit kernel and nothing else: inside a captured decode step
+    every other device op is a kernel of its own per layer and step (replay's verify once also
+    computed its history positions with three torch ops that only the torch reference reads)."""
+    from helpers import DeviceOps
+
+    from specdec.experiments.kernel_table import SHAPES
+    from specdec.experiments.kernel_timing import LayerStep
+
+    shape, gen = SHAPES["tiny"][op_name], torch.Generator().manual_seed(0)
+    op = get_op(op_name, DEVICE) if ON_CUDA else OPS[op_name].on("triton", DEVICE)
+    params = synthetic_params(shape, DEVICE, gen)
+    step = LayerStep(op, shape, strategy, 2, 5, params, DEVICE, gen, prime=3)
+    n = torch.tensor([3, 1], device=DEVICE)
+    for _ in range(2):
+        with DeviceOps() as ops:
+            step.verify()
+            step.commit(n)
+        assert ops.ops == {}, ops.ops
+        assert sum(ops.triton.values()) == 2, ops.triton
+
+
 def test_fused_replay_grids_reach_both_fold_launches():
     """GRID's single steps of T <= 4 and the small tree fold with every load issued unmasked;
     MASKED_FOLD_GRID's steps (T_max = T + 1 >= 6) with predicated loads, 4 ahead."""

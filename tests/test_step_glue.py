@@ -7,44 +7,21 @@ value back to the host."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.drafters import DraftModelDrafter, NGramDrafter
 from specdec.drafters.base import chain_drafts
 from specdec.engine import _Rows
 from specdec.verify import greedy_accept
+from helpers import DeviceOps
 from markers import needs_cuda
 
-#: ops that launch no kernel (views, allocation without a fill)
-_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze",
-              "expand", "as_strided", "t", "transpose", "alias", "detach", "lift_fresh", "unbind"}
 
-
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops that launch a kernel, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in _NO_KERNEL:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def launches(self) -> int:
-        return sum(self.ops.values())
-
-
-def _no_sync(ops: _Ops):
+def _no_sync(ops: DeviceOps):
     assert not {"_local_scalar_dense", "item", "is_nonzero", "nonzero"} & set(ops.ops), ops.ops
 
 
@@ -55,7 +32,7 @@ def test_chain_drafts_is_the_per_element_definition(seed):
     drafts = torch.randint(-3, V + 3, (B, w), generator=g)
     counts = torch.randint(-2, w + 3, (B,), generator=g)
     budget = torch.randint(0, w + 2, (B,), generator=g)
-    with _Ops() as ops:
+    with DeviceOps() as ops:
         out, k, errors = chain_drafts(drafts, counts, budget, V)
     _no_sync(ops)
     # counts and ids clamped, the bound and the mask, two checks, stacked, the unused zeroed: 12 kernels
@@ -77,7 +54,7 @@ def test_greedy_accept_is_the_leading_matches(seed):
     logits = torch.randn(B, T, V, generator=g)
     drafts = torch.randint(0, V, (B, T - 1), generator=g)
     k = torch.randint(0, T, (B,), generator=g)
-    with _Ops() as ops:
+    with DeviceOps() as ops:
         n, c = greedy_accept(logits, drafts, k)
     _no_sync(ops)
     pred = logits.argmax(-1)
@@ -123,7 +100,7 @@ def test_append_is_the_per_token_definition(eos, seed):
     for step in range(8):
         new = torch.randint(0, V, (B, W), generator=g)
         limit = torch.randint(0, W + 1, (B,), generator=g)
-        with _Ops() as ops:
+        with DeviceOps() as ops:
             take = rows.append(new, limit)
         _no_sync(ops)
         # EOS: compare(s), where + amin, cut; budget: sub, minimum, masked_fill; write: add, scatter;

@@ -161,8 +161,9 @@ class ReplayRollback(RollbackStrategy):
         j = store.step_tokens
         hist_len, ckpt, si = store.tensors["hist_len"], store.tensors["ckpt"], store.state_indices
         hist = self._hist(store, op, inputs)
-        start, pos = self._positions(store, hist, j, t)
         if op.kernels is not None:
+            if debug_enabled():  # (the kernels compute their positions themselves: here a bounds check only)
+                self._positions(store, hist, j, t)
             fused = self._fused(op)
             fold_max = store.fold_max if fused and j == 0 else None
             if fold_max is not None and debug_enabled():
@@ -172,6 +173,7 @@ class ReplayRollback(RollbackStrategy):
             if fused:
                 store.replay_fused_step = True
         else:
+            start, pos = self._positions(store, hist, j, t)
             y = self._torch_verify(store, op, inputs, params, hist, start, pos, None)
         store.step_tokens = j + t
         return y
@@ -202,13 +204,13 @@ class ReplayRollback(RollbackStrategy):
             y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, fused=True, state_indices=si,
                                          parents=parents)
             store.replay_fused_step = True
+        elif op.kernels is not None:  # deferred replay on Triton: folds in registers, appends at hist_len + j
+            if debug_enabled():
+                self._positions(store, hist, 0, t)
+            y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, state_indices=si, parents=parents)
         else:
             start, pos = self._positions(store, hist, 0, t)  # tree token j -> hist_len + j
-            if op.kernels is not None:  # deferred replay on Triton: folds in registers, appends at hist_len + j
-                y = op.kernels.replay_verify(ckpt, hist, hist_len, inputs, params, 0, state_indices=si,
-                                             parents=parents)
-            else:
-                y = self._torch_verify(store, op, inputs, params, hist, start, pos, parents)
+            y = self._torch_verify(store, op, inputs, params, hist, start, pos, parents)
         store.step_tokens = t
         return y
 
