@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 
@@ -100,9 +101,13 @@ def routed_forward(module: torch.nn.Module, forward):
     """Within the block, calling ``module(...)`` runs ``forward(module, ...)``: behind the module's
     accelerate hook when it has one (the hook still loads its weights and moves the inputs),
     and whatever forward the instance had before is back afterwards."""
-    # a partial, not a bound method: torch 2.11's dynamo drops the module argument of a bound method
-    # whose function is itself compiled (a fused norm's, inside a program compiled whole)
-    bound = functools.partial(forward, module)
+    # a compiled forward (a fused norm's) as a partial: torch 2.11's dynamo drops the module argument
+    # of a bound method whose function is itself compiled (inside a program compiled whole). Any
+    # other forward as a bound method: dynamo guards a partial by identity, so a compiled forward
+    # that calls routed submodules (an MLP's linears) would compile again at each block, also
+    # inside a CUDA-graph capture, which then fails
+    compiled = hasattr(forward, "_torchdynamo_orig_callable")
+    bound = functools.partial(forward, module) if compiled else types.MethodType(forward, module)
     attr = "_old_forward" if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward") \
         else "forward"
     before = module.__dict__.get(attr, None)

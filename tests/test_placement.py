@@ -5,8 +5,11 @@ run with a clear error (:mod:`specdec.placement`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from helpers import MAX_NEW, hf_greedy, reference
 from tiny_models import EXTRA_FAMILIES, FAMILIES, VOCAB, get_model, make_model, ragged_prompts
@@ -318,3 +321,38 @@ def test_a_routed_compiled_forward_traces_inside_a_whole_compile():
         assert "forward" in norm.__dict__  # swapped
         got = program()
     torch.testing.assert_close(got, want)
+
+
+def test_a_compiled_forward_calling_routed_submodules_compiles_once_over_blocks():
+    """A compiled forward (as ``fused`` gives an MLP) whose linears are routed too (as the skinny
+    and merged linears are on CUDA) compiles once however often the routes are made again (each
+    ``fused`` block, each CUDA-graph capture): with the linears' forwards bound as partials,
+    dynamo guarded them by identity and compiled again at every block, inside a capture too."""
+    from torch._dynamo.utils import counters
+
+    from specdec.placement import routed_forward
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)) ** 2)
+
+    torch._dynamo.reset()
+    counters.clear()
+    mlp = MLP().eval()
+    x = torch.randn(2, 8)
+    want = mlp(x)
+    compiled = torch.compile(MLP.forward, backend="eager")
+    outs = []
+    for _ in range(3):
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            stack.enter_context(routed_forward(mlp, compiled))
+            for lin in (mlp.up, mlp.down):
+                stack.enter_context(routed_forward(lin, lambda mod, h: F.linear(h, mod.weight, mod.bias)))
+            outs += [mlp(x), mlp(x)]
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])
+    for got in outs:
+        torch.testing.assert_close(got, want)
