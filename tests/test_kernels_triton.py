@@ -498,9 +498,25 @@ def _conv_window(S, C, cols, layout, dtype=torch.float32):
     return torch.randn(S, C, cols, device=DEVICE).to(dtype)
 
 
+def _conv_input(B, t, C, x_layout, dtype):
+    """Random conv inputs ``[B, t, C]``: contiguous, a channel slice of a wider projection output
+    (Mamba-2's ``xBC``), or dense with the batch and token dims swapped."""
+    if x_layout == "slice":
+        return torch.randn(B, t, C + 12, device=DEVICE).to(dtype)[..., 7 : 7 + C]
+    if x_layout == "permuted":
+        return torch.randn(t, B, C, device=DEVICE).to(dtype).transpose(0, 1)
+    return torch.randn(B, t, C, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("x_layout", ["contiguous", "slice", "permuted"])
 @pytest.mark.parametrize("layout", ["channel-major", "time-major"])
 @pytest.mark.parametrize("B,C,W,T_max,calls,dtype,bias,act,use_si", CONV_GRID)
-def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout):
+def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout, x_layout):
+    """Verify calls, then the commit, against the reference, over a slot pool and window layouts;
+    inputs of any batch / token strides are read where they are (a slice of a projection's
+    output is not copied first) and the outputs come back contiguous."""
+    from helpers import DeviceOps
+
     torch.manual_seed(11)
     S, si, rows = _layout(B, use_si, 12)
     slots = _slots(si, rows)
@@ -512,10 +528,12 @@ def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout):
     ref_rows = ref[idx]
     off = 0
     for t in calls:
-        x = torch.randn(B, t, C, device=DEVICE).to(dtype)
-        y = torch.full_like(x, float("nan"))
+        x = _conv_input(B, t, C, x_layout, dtype)
+        y = torch.full((B, t, C), float("nan"), dtype=dtype, device=DEVICE)
         before = window.clone()
-        CONV1D.on("triton", DEVICE).kernels.verify(window, x, weight, b, act, off, state_indices=si, out=y)
+        with DeviceOps() as ops:
+            CONV1D.on("triton", DEVICE).kernels.verify(window, x, weight, b, act, off, state_indices=si, out=y)
+        assert ops.ops == {}, ops.ops  # no copy of x, whatever its batch / token strides
         y_ref = conv1d_verify(ref_rows, x[rows], weight, b, act, off)
         tol = TOL[dtype] if dtype == torch.float32 else 1e-2  # bf16 outputs are rounded to bf16
         assert_close(y[rows].float(), y_ref.float(), tol, f"conv y (offset {off})")
@@ -529,6 +547,22 @@ def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout):
     conv1d_commit(ref_rows, n[rows], W)
     _check_untouched_rows(before, window, slots, "conv commit")
     assert torch.equal(window[idx, :, : W - 1], ref_rows[:, :, : W - 1]), "conv commit differs from the reference's"
+
+
+def test_conv1d_allocates_contiguous_outputs_for_any_input_strides():
+    """Without ``out``, the outputs are a new contiguous tensor (the kernel writes them densely), also
+    for inputs that are dense with their dims permuted (``empty_like`` would keep that order)."""
+    torch.manual_seed(12)
+    B, T, C, W = 3, 2, 24, 4
+    weight, b = torch.randn(C, W, device=DEVICE), torch.randn(C, device=DEVICE)
+    x = _conv_input(B, T, C, "permuted", torch.float32)
+    window = _conv_window(B, C, W - 1 + T, "time-major")
+    again = window.clone()
+    conv = CONV1D.on("triton", DEVICE).kernels
+    y = conv.verify(window, x, weight, b, "silu", 0)
+    want = conv.verify(again, x.contiguous(), weight, b, "silu", 0)
+    assert y.is_contiguous() and torch.equal(y, want)
+    assert torch.equal(window, again)
 
 
 def test_conv1d_rejects_overflow():

@@ -61,14 +61,16 @@ def _bias_silu(b_acc, bias, o_c, m_c, HAS_BIAS: tl.constexpr, SILU: tl.constexpr
 @triton.jit
 def _conv1d_verify_kernel(
     window,  # [S, C, W-1+T_max]
-    x,  # [B, T, C]
+    x,  # [B, T, C], channels contiguous (a slice of a projection's output: any batch / token strides)
     weight,  # [C, W]
     bias,  # [C] (HAS_BIAS)
-    out,  # [B, T, C]
+    out,  # [B, T, C], contiguous
     state_indices,  # [B] (USE_STATE_INDICES)
     cols,  # [T, W] int32 window columns of each token's conv inputs, oldest first (TREE)
     offset,
     C,
+    stride_x_b,
+    stride_x_t,
     stride_win_n,
     stride_win_c,
     stride_win_t,
@@ -93,9 +95,9 @@ def _conv1d_verify_kernel(
     m_tc = m_t[:, None] & m_c[None, :]
     start = W - 1 + offset  # window column of this call's first token
     p_win = window + i_n * stride_win_n + o_c[None, :] * stride_win_c  # [1, BC]
-    p_x = x + i_b * T * C + o_c[None, :]  # [1, BC]
+    p_x = x + i_b * stride_x_b + o_c[None, :]  # [1, BC]
 
-    b_x = tl.load(p_x + o_t[:, None] * C, mask=m_tc, other=0.0)
+    b_x = tl.load(p_x + o_t[:, None] * stride_x_t, mask=m_tc, other=0.0)
     tl.store(p_win + (start + o_t[:, None]) * stride_win_t, b_x.to(window.dtype.element_ty), mask=m_tc)
 
     # token j's output reads columns offset+j .. offset+j+W-1; the columns this call writes come
@@ -108,7 +110,7 @@ def _conv1d_verify_kernel(
             o_col = offset + o_t + w
         m_old = o_col < start
         b_old = tl.load(p_win + o_col[:, None] * stride_win_t, mask=m_old[:, None] & m_tc, other=0.0)
-        b_new = tl.load(p_x + (o_col - start)[:, None] * C, mask=(~m_old)[:, None] & m_tc, other=0.0)
+        b_new = tl.load(p_x + (o_col - start)[:, None] * stride_x_t, mask=(~m_old)[:, None] & m_tc, other=0.0)
         b_new = b_new.to(window.dtype.element_ty)  # the value the window holds, as in the reference
         b_val = tl.where(m_old[:, None], b_old.to(tl.float32), b_new.to(tl.float32))
         b_acc += b_val * _tap(weight, o_c, m_c, W, w)[None, :]
@@ -200,7 +202,8 @@ def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: 
     Args:
         window: ``[S, C, W-1+T_max]`` (any float dtype; S >= B slots), written in place at
             columns ``W-1+offset .. W-1+offset+T-1`` of each used slot.
-        x: ``[B, T, C]`` conv inputs of step tokens ``offset .. offset+T-1`` (fp32/bf16/fp16).
+        x: ``[B, T, C]`` conv inputs of step tokens ``offset .. offset+T-1`` (fp32/bf16/fp16; any
+            batch and token strides, read in place when the channels are contiguous).
         weight: ``[C, W]`` depthwise kernel; bias: ``[C]`` or None.
         activation: ``"silu"`` / ``"swish"`` or None.
         offset: step tokens already written by earlier calls of this step (a Python int).
@@ -209,7 +212,7 @@ def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: 
         out: optional contiguous ``[B, T, C]`` output.
 
     Returns:
-        ``[B, T, C]`` outputs in ``x.dtype`` (computed in fp32).
+        ``[B, T, C]`` outputs in ``x.dtype`` (computed in fp32), contiguous.
 
     Raises:
         ValueError: when the step would overflow the window, on bad shapes or an unknown activation.
@@ -229,16 +232,18 @@ def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: 
     if state_indices is None and window.shape[0] < Bsz:
         raise ValueError(f"the window holds {window.shape[0]} rows, inputs have {Bsz}")
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} tensor, got {tuple(out.shape)}")
     if Bsz == 0 or T == 0:
         return out
-    x, weight = x.contiguous(), weight.contiguous()
+    if x.stride(-1) != 1:  # (a slice of a projection's output keeps its channels contiguous: no copy)
+        x = x.contiguous()
+    weight = weight.contiguous()
     cols = _cols  # a tree's column table (conv1d_tree_verify_triton) or None
     _conv1d_verify_kernel[(triton.cdiv(C, BLOCK_C), Bsz)](
         window, x, weight, bias, out, state_indices,
-        cols, offset, C, window.stride(0), window.stride(1), window.stride(2),
+        cols, offset, C, x.stride(0), x.stride(1), window.stride(0), window.stride(1), window.stride(2),
         T=T, W=W, BT=next_pow2(T), BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=activation is not None,
         USE_STATE_INDICES=state_indices is not None, TREE=cols is not None,
         num_warps=NUM_WARPS,
