@@ -180,12 +180,16 @@ def single_candidates(model: torch.nn.Module, groups: list[list[torch.nn.Linear]
 
 
 @contextlib.contextmanager
-def fused(model: torch.nn.Module | None, enabled: bool = True):
+def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool = True):
     """Within the block, norms/MLPs of ``model`` (None: no model) and, on this thread, the
     :data:`FUSABLE_FUNCTIONS` of its attention classes' modules and :func:`fusable` functions run
     compiled, and on this thread its linears run the merged and skinny kernels (on the Triton
     backend; see the module's docstring) (blocks nest; another thread's calls stay eager).
-    Dynamo's recompile limits are raised for the block, for the process."""
+    Dynamo's recompile limits are raised for the block, for the process.
+
+    ``modules=False`` leaves the norms / MLPs' own forwards in place: for a program compiled whole,
+    whose compile fuses them anyway. Routed there, each block's new binding of their compiled
+    forward (which dynamo guards by identity) would compile the whole program again."""
     if not enabled:
         yield
         return
@@ -203,7 +207,7 @@ def fused(model: torch.nn.Module | None, enabled: bool = True):
             setattr(dynamo_config, k, v)
         with contextlib.ExitStack() as stack:
             siblings = merge_candidates(model) if model is not None and merging_enabled() else []
-            for mod in model.modules() if model is not None else ():
+            for mod in model.modules() if model is not None and modules else ():
                 if _is_fusable_module(mod):
                     cls = type(mod)
                     stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))

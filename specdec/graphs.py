@@ -124,7 +124,7 @@ class CaptureFailure(RuntimeError):
 
 
 def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, warmup_fn=None, fuse: bool | None = None,
-            pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+            pool=None, compiled_whole: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
     """Capture ``fn()`` (no arguments; it reads and writes fixed tensors) as a CUDA graph.
 
     PyTorch's recipe: ``warmup`` runs on a side stream (compiles kernels, allocates lazy
@@ -140,6 +140,8 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
         warmup: side-stream runs before the capture (0 when the caller ran ``fn`` already).
         warmup_fn: what the warm-up runs instead of ``fn`` (e.g. a forward and its commit).
         pool: a graph memory pool to share (``other_graph.pool()``).
+        compiled_whole: ``fn`` is a program compiled whole: the norms / MLPs keep their own
+            forwards (``fused(modules=False)``), which its compile fuses.
 
     Returns: ``(graph, the outputs of the captured call)``.
 
@@ -152,8 +154,8 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
         raise CaptureFailure(what, RuntimeError(blocker))
     fuse = fusion_enabled() if fuse is None else bool(fuse)
     dev = torch.cuda.current_device()
-    model_ctx = ((fused(model, fuse), graph_safe_experts(model)) if model is not None
-                 else (fused(None, fuse), contextlib.nullcontext()))
+    model_ctx = ((fused(model, fuse, modules=not compiled_whole), graph_safe_experts(model))
+                 if model is not None else (fused(None, fuse), contextlib.nullcontext()))
     try:
         with model_ctx[0], model_ctx[1]:
             if warmup:
@@ -262,8 +264,9 @@ class CapturedProgram:
             return "cuda_graph"
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
-                self.graph, _ = capture(self._program(), model=self.model, what=self.what, warmup=0,
-                                        fuse=self._fusing(), pool=self.pool)
+                program = self._program()
+                self.graph, _ = capture(program, model=self.model, what=self.what, warmup=0,
+                                        fuse=self._fusing(), pool=self.pool, compiled_whole=program is not self.fn)
             except CaptureFailure as err:  # keep the static program, eagerly
                 self.error = err.reason
                 warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
@@ -273,9 +276,9 @@ class CapturedProgram:
                 self.graph.replay()  # capturing does not run the work: run this call's
                 return "cuda_graph"
         warm = self.graphs and self.error is None
-        with fused(self.model, warm and self._fusing()), (
+        program = self._program() if warm else self.fn
+        with fused(self.model, warm and self._fusing(), modules=program is self.fn), (
                 graph_safe_experts(self.model) if warm else contextlib.nullcontext()):
-            program = self._program() if warm else self.fn
             if program is self.fn:
                 self.fn()
             else:

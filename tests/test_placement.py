@@ -356,3 +356,41 @@ def test_a_compiled_forward_calling_routed_submodules_compiles_once_over_blocks(
     assert counters["frames"]["ok"] == 1, dict(counters["frames"])
     for got in outs:
         torch.testing.assert_close(got, want)
+
+
+def test_a_program_compiled_whole_compiles_once_over_blocks(monkeypatch):
+    """A program compiled whole (``compile_proposal=True``) runs inside one ``fused`` block for its
+    warm-up and another for its capture: there the norms / MLPs keep their own forwards
+    (``modules=False``, which ``CapturedProgram`` asks for), so the program compiles once; routed
+    to their compiled forwards, each block's new binding compiled it again (inside the capture)."""
+    from torch._dynamo.utils import counters
+
+    import specdec.graphs as graphs
+    from specdec.fusion import fused
+
+    model = make_model("qwen3_5", seed=0).eval()
+    norm, mlp = model.model.norm, model.model.layers[0].mlp
+    x = torch.randn(2, 3, norm.weight.shape[0])
+    want = mlp(norm(x))
+    for modules, compiles in ((False, 1), (True, 2)):
+        torch._dynamo.reset()
+        counters.clear()
+        program = torch.compile(lambda: mlp(norm(x)), fullgraph=True, backend="eager")
+        for _ in range(2):
+            with torch.no_grad(), fused(model, modules=modules):
+                torch.testing.assert_close(program(), want)
+        assert counters["stats"]["unique_graphs"] == compiles, (modules, dict(counters["stats"]))
+    # CapturedProgram's warm-up of a program compiled whole leaves the modules alone
+    seen = []
+
+    @contextlib.contextmanager
+    def recording(model, enabled=True, *, modules=True):
+        seen.append(modules)
+        yield
+
+    monkeypatch.setattr(graphs, "fused", recording)
+    monkeypatch.setattr(graphs.torch, "compile", lambda fn, **kw: (lambda: fn()))
+    prog = graphs.CapturedProgram(lambda: None, model=model, what="a test program", graphs=True, compile_whole=True,
+                                  fuse=True)
+    prog()
+    assert seen == [False]
