@@ -239,7 +239,8 @@ class DeviceOps(TorchDispatchMode):
 
         def counted(run):
             def wrapper(fn, *args, **kwargs):
-                self.triton[getattr(getattr(fn, "fn", fn), "__name__", "?")] += 1
+                if not kwargs.get("warmup"):  # (a warm-up compiles, it launches nothing)
+                    self.triton[getattr(getattr(fn, "fn", fn), "__name__", "?")] += 1
                 self._inside += 1
                 try:
                     return run(fn, *args, **kwargs)
@@ -258,7 +259,11 @@ class DeviceOps(TorchDispatchMode):
     def __enter__(self):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self._launches())
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stack.close()
+            raise
 
     def __exit__(self, *exc):
         try:

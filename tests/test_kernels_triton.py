@@ -308,28 +308,39 @@ MASKED_FOLD_GRID = [
 
 
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
-@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay"])
-def test_a_strategy_step_on_the_kernels_is_its_two_launches(op_name, strategy):
+@pytest.mark.parametrize("strategy", ["snapshot", "ring", "replay", "replay_deferred", "replay-tree"])
+def test_a_strategy_step_on_the_kernels_is_its_two_launches(op_name, strategy, monkeypatch):
     """A chain step (verify, then commit) of each strategy on the Triton kernels launches the op's
-    step kernel and the strategy's commit kernel and nothing else: inside a captured decode step
-    every other device op is a kernel of its own per layer and step (replay's verify once also
-    computed its history positions with three torch ops that only the torch reference reads)."""
+    step kernel and the strategy's commit kernel and nothing else (a tree's verify and deferred
+    replay's verify: their one kernel; deferred replay's commit picks the slots to fold with
+    torch ops by design): inside a captured decode step every other device op is a kernel of its
+    own per layer and step (replay's verify once also computed its history positions with three
+    torch ops that only the torch reference reads). Debug mode adds checks; it is off here."""
     from helpers import DeviceOps
 
     from specdec.experiments.kernel_table import SHAPES
     from specdec.experiments.kernel_timing import LayerStep
 
+    monkeypatch.delenv("SPECDEC_DEBUG", raising=False)
     shape, gen = SHAPES["tiny"][op_name], torch.Generator().manual_seed(0)
     op = get_op(op_name, DEVICE) if ON_CUDA else OPS[op_name].on("triton", DEVICE)
     params = synthetic_params(shape, DEVICE, gen)
-    step = LayerStep(op, shape, strategy, 2, 5, params, DEVICE, gen, prime=3)
+    tree = strategy.endswith("-tree")
+    parents = (-1, 0, 0, 1) if tree else None
+    step = LayerStep(op, shape, strategy.removesuffix("-tree"), 2, 5, params, DEVICE, gen, prime=3, parents=parents)
+    verify_only = tree or strategy == "replay_deferred"
     n = torch.tensor([3, 1], device=DEVICE)
     for _ in range(2):
         with DeviceOps() as ops:
             step.verify()
+            if not verify_only:
+                step.commit(n)
+        if tree:
+            step.discard()
+        elif verify_only:
             step.commit(n)
         assert ops.ops == {}, ops.ops
-        assert sum(ops.triton.values()) == 2, ops.triton
+        assert sum(ops.triton.values()) == (1 if verify_only else 2), ops.triton
 
 
 def test_fused_replay_grids_reach_both_fold_launches():
