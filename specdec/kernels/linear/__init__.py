@@ -452,7 +452,7 @@ class _Siblings:
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
-        return not torch.compiler.is_compiling() and all(_takes(x, members[j].weight, members[j].bias) for j in merge)
+        return all(_takes(x, members[j].weight, members[j].bias) for j in merge)
 
     def _grouped(self, x: torch.Tensor, merge) -> list[torch.Tensor] | None:
         """The members' results for ``x`` in one launch, or None where this launch variant has not
@@ -467,12 +467,11 @@ class _Siblings:
 
     def call(self, i: int, x: torch.Tensor) -> torch.Tensor:
         member = self._members[i]()
-        # traced by torch.compile (a program compiled whole): the compiler fuses the linear itself, and
-        # this group's bookkeeping (version counters, weak references, thread state) cannot be traced
-        if torch.compiler.is_compiling():
-            return F.linear(x, member.weight, member.bias)
         local = self._local
-        if getattr(local, "depth", 0) < 1:  # a thread outside every block: the model's own linear
+        # the model's own linear: traced by torch.compile (a program compiled whole: the compiler fuses
+        # it, and this group's bookkeeping -- version counters, weak references, thread state -- cannot
+        # be traced), or on a thread outside every block
+        if torch.compiler.is_compiling() or getattr(local, "depth", 0) < 1:
             return F.linear(x, member.weight, member.bias)
         left = getattr(local, "left", {})
         if i in left and self._is(local.of, x):
