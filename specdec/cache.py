@@ -108,7 +108,10 @@ class SSMLayerCache:
     # --- called by adapters during a forward --------------------------------------------------
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]`` (in tree
-        mode each node's window is its ancestor chain)."""
+        mode each node's window is its ancestor chain; in plain mode the token is committed as it
+        runs, :meth:`Conv1dOp.update <specdec.kernels.conv1d.Conv1dOp.update>`)."""
+        if self.plain:
+            return self.conv_op.update(self.conv_window, x, weight, bias, activation, state_indices=self.state_indices)
         if self.tree_parents is not None:
             return self.conv_op.tree_verify(self.conv_window, x, weight, bias, activation, self.tree_parents,
                                             state_indices=self.state_indices)
@@ -150,7 +153,7 @@ class SSMLayerCache:
             self.strategy.compact_path(self.store, self.op, self.params, src, num_tokens)
 
     def commit(self, num_tokens: torch.Tensor) -> None:
-        if self.conv_window is not None:
+        if self.conv_window is not None and not self.plain:  # (a plain step's conv committed as it ran)
             self.conv_op.commit(self.conv_window, num_tokens, self.conv_width, state_indices=self.state_indices)
         if self.has_recurrence:
             commit = self.strategy.plain_commit if self.plain else self.strategy.commit
@@ -379,20 +382,26 @@ class HybridCache:
     @contextlib.contextmanager
     def plain_state_kept(self):
         """Plain mode (:meth:`set_plain`) for steps whose tokens are placeholders (a CUDA-graph
-        capture's warm-up, a calibration): every SSM layer's committed state is copied on entry and
-        written back on exit, in place. Holds one copy of every SSM state meanwhile; nested blocks
-        share the outermost one's copy. KV columns and conv windows need no copy: a commit of zero
-        tokens leaves them as they were."""
+        capture's warm-up, a calibration): every SSM layer's committed state and conv history (a
+        plain step commits both as it runs) are copied on entry and written back on exit, in place.
+        Holds one copy of them meanwhile; nested blocks share the outermost one's copy. KV columns
+        need no copy: a commit of zero tokens leaves them as they were."""
         self.set_plain(True)
-        saved = [] if self._kept else [(layer, layer.strategy.plain_state(layer.store).clone())
-                                        for layer in self.ssm.values() if layer.has_recurrence]
+        saved = []
+        if not self._kept:
+            for layer in self.ssm.values():
+                if layer.has_recurrence:
+                    saved.append(layer.strategy.plain_state(layer.store))
+                if layer.conv_window is not None:
+                    saved.append(layer.conv_state())
+            saved = [(live, live.clone()) for live in saved]
         self._kept += 1
         try:
             yield
         finally:
             self._kept -= 1
-            for layer, state in saved:
-                layer.strategy.plain_state(layer.store).copy_(state)
+            for live, copy in saved:
+                live.copy_(copy)
 
     def commit_path(self, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Commit each row's accepted path of the open tree step.

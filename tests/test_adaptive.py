@@ -1459,6 +1459,30 @@ def test_static_decoder_prepare_captures_only_missing_widths(monkeypatch):
         other.prepare([1, 2])
         assert captured == []
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton_interpreter)])
+@pytest.mark.parametrize("strategy", ["snapshot", "replay"])
+def test_calibration_leaves_states_and_conv_histories_as_they_were(strategy, backend, monkeypatch):
+    """Calibrating runs steps of placeholder tokens on the call's own prefilled cache, the plain
+    step included (which commits its SSM state and conv history as it runs): afterwards every SSM
+    layer's committed state and conv history are the prefill's, bit for bit."""
+    from specdec import decoding
+    from specdec.adaptive import calibrate
+
+    monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    model = get_model("nemotron_h", "small")
+    adapter = specdec.wrap(model, num_speculative_tokens=0).adapter
+    dec = decoding.EagerDecoder(adapter, specdec.rollback.make_strategy(strategy), 2, 3, 40)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    dec.prefill(ids, torch.ones_like(ids))
+    layers = [layer for layer in dec.cache.ssm.values() if layer.conv_window is not None]
+    assert layers and all(layer.has_recurrence for layer in layers)
+    before = [(layer.ssm_state().clone(), layer.conv_state().clone()) for layer in layers]
+    calibrate(dec, [1, 2, 3], repeats=1)
+    for layer, (state, conv) in zip(layers, before):
+        assert torch.equal(layer.ssm_state(), state), f"layer {layer.layer}: state moved"
+        assert torch.equal(layer.conv_state(), conv), f"layer {layer.layer}: conv history moved"
+
+
 def test_memory_budget_leaves_strategies_out():
     model = make_model("qwen3_next", seed=7)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))

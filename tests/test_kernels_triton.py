@@ -29,7 +29,7 @@ from specdec.experiments.kernel_timing import synthetic_inputs, synthetic_params
 from specdec.experiments.models import SSMShape  # noqa: E402
 from specdec.kernels import OPS, LaunchConfig, RollbackKernels, conv1d_op, get_op  # noqa: E402
 from specdec.kernels.conv1d import CONV1D  # noqa: E402
-from specdec.kernels.conv1d.naive import conv1d_commit, conv1d_tree_verify, conv1d_verify  # noqa: E402
+from specdec.kernels.conv1d.naive import conv1d_commit, conv1d_tree_verify, conv1d_update, conv1d_verify  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels.triton_common import TREE_UNROLL_MAX  # noqa: E402
@@ -560,6 +560,52 @@ def test_conv1d(B, C, W, T_max, calls, dtype, bias, act, use_si, layout, x_layou
     assert torch.equal(window[idx, :, : W - 1], ref_rows[:, :, : W - 1]), "conv commit differs from the reference's"
 
 
+@pytest.mark.parametrize("x_layout", ["contiguous", "slice"])
+@pytest.mark.parametrize("layout", ["channel-major", "time-major"])
+@pytest.mark.parametrize("B,C,W,dtype,bias,act,use_si", [
+    pytest.param(1, 8, 4, torch.float32, True, "silu", False, id="B1-C8-W4"),
+    pytest.param(3, 150, 4, torch.bfloat16, False, "silu", True, id="B3-C150-W4-bf16-si"),
+    pytest.param(2, 24, 3, torch.float32, True, None, True, id="B2-C24-W3-si"),
+    pytest.param(2, 16, 2, torch.float32, False, None, False, id="B2-C16-W2"),
+    pytest.param(2, 16, 1, torch.float32, True, "silu", False, id="B2-C16-W1"),
+])
+def test_conv1d_update(B, C, W, dtype, bias, act, use_si, layout, x_layout):
+    """A plain step's conv (verify of one token and its commit in one launch) against the reference
+    (``conv1d_update``: verify, then commit of 1 token), twice in a row, over a slot pool with a
+    padding row: outputs, the rows' new history, slots no row maps to and every window column
+    from ``W-1`` on (the kernel writes the history only) bit for bit; one Triton launch, no
+    other device op."""
+    from helpers import DeviceOps
+
+    torch.manual_seed(17)
+    S, si, rows = _layout(B, use_si, 18)
+    slots = _slots(si, rows)
+    idx = torch.tensor(slots, device=DEVICE)
+    window = _conv_window(S, C, W - 1 + 3, layout, dtype)
+    weight = torch.randn(C, W, device=DEVICE)
+    b = torch.randn(C, device=DEVICE) if bias else None
+    ref_rows = window[idx].clone()
+    kernels = CONV1D.on("triton", DEVICE).kernels
+    for step in range(2):
+        x = _conv_input(B, 1, C, x_layout, dtype)
+        y = torch.full((B, 1, C), float("nan"), dtype=dtype, device=DEVICE)
+        before = window.clone()
+        with DeviceOps() as ops:
+            kernels.update(window, x, weight, b, act, state_indices=si, out=y)
+        assert ops.ops == {} and sum(ops.triton.values()) == 1, (ops.ops, ops.triton)
+        y_ref = conv1d_update(ref_rows, x[rows], weight, b, act)
+        tol = TOL[dtype] if dtype == torch.float32 else 1e-2
+        assert_close(y[rows].float(), y_ref.float(), tol, f"conv update y (step {step})")
+        assert torch.isnan(y[[r for r in range(B) if r not in rows]]).all(), "conv update wrote a padded row's outputs"
+        _check_untouched_rows(before, window, slots, "conv update")
+        assert torch.equal(window[idx, :, : W - 1], ref_rows[:, :, : W - 1]), "conv update history differs"
+        assert torch.equal(window[:, :, W - 1 :], before[:, :, W - 1 :]), "conv update wrote a step column"
+    with pytest.raises(ValueError, match="one token per row"):
+        kernels.update(window, _conv_input(B, 2, C, x_layout, dtype), weight, b, act, state_indices=si)
+    with pytest.raises(ValueError, match="one token per row"):
+        conv1d_update(ref_rows, x[rows].expand(-1, 2, -1), weight, b, act)
+
+
 def test_conv1d_allocates_contiguous_outputs_for_any_input_strides():
     """Without ``out``, the outputs are a new contiguous tensor (the kernel writes them densely), also
     for inputs that are dense with their dims permuted (``empty_like`` would keep that order)."""
@@ -590,8 +636,8 @@ def test_conv1d_rejects_overflow():
 @pytest.mark.parametrize("use_si", [False, True], ids=["rows", "pool-si"])
 def test_conv1d_op_matches_reference(backend, use_si, layout, monkeypatch):
     """The layer caches' conv op (``conv1d_op``) on each backend, over a window pool with a
-    permuted row -> slot map and a padding row, in both window layouts: chain calls, a tree step
-    and the commits equal the reference on the rows' own (contiguous) windows; slots no row maps
+    permuted row -> slot map and a padding row, in both window layouts: chain calls, a plain
+    step's update, a tree step and the commits equal the reference on the rows' own (contiguous) windows; slots no row maps
     to stay bit for bit."""
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
     conv = conv1d_op(DEVICE)
@@ -617,6 +663,13 @@ def test_conv1d_op_matches_reference(backend, use_si, layout, monkeypatch):
     conv.commit(window, n, W, state_indices=si)
     conv1d_commit(ref, n[rows], W)
     assert torch.equal(window[idx], ref), "conv op commit differs from the reference's"
+    x = torch.randn(B, 1, C, device=DEVICE)
+    before = window.clone()
+    y = conv.update(window, x, weight, bias, "silu", state_indices=si)
+    assert_close(y[rows], conv1d_update(ref, x[rows], weight, bias, "silu"), TOL[torch.float32], "conv op update y")
+    _check_untouched_rows(before, window, slots, "conv op update window")
+    assert torch.equal(window[idx, :, : W - 1], ref[:, :, : W - 1]), "conv op update differs from the reference's"
+    window[idx, :, W - 1 :] = ref[:, :, W - 1 :]  # (stale step columns: the kernel leaves them, the reference writes one)
     parents = _tree("random7")
     x = torch.randn(B, len(parents), C, device=DEVICE)
     before = window.clone()

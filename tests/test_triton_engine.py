@@ -32,6 +32,26 @@ def test_triton_backend_exact(family, strategy, monkeypatch):
     assert torch.equal(out, hf_greedy(model, ids, mask, 8))
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_triton_plain_steps_commit_the_conv_as_they_run(family, monkeypatch):
+    """Plain decoding (K = 0) on the Triton backend equals HF generate, and in a plain step each
+    SSM layer's conv is one launch (the verify's, committing the token as it runs): the conv's
+    commit kernel never launches."""
+    from helpers import DeviceOps
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    model = get_model(family, "small")
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(model, num_speculative_tokens=0)
+    with DeviceOps() as ops:
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, 6))
+    layers = len(sd.last_cache.ssm)
+    assert layers and all(layer.plain for layer in sd.last_cache.ssm.values())
+    assert ops.triton["_conv1d_verify_kernel"] == 5 * layers, ops.triton  # the 5 steps after the prompt's token
+    assert ops.triton["_conv1d_commit_kernel"] == 0, ops.triton
+
+
 def test_interpreter_asked_for_too_late_is_named():
     """Triton kernels for a CPU tensor need the interpreter, which only takes effect for kernels
     defined after it is on: once triton is imported without it (whether it is set later or not),

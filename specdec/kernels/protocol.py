@@ -195,6 +195,13 @@ class Conv1dKernels(Protocol):
         """History := the W-1 conv inputs ending at each row's ``num_tokens[b]``-th step token."""
         ...
 
+    def update(self, window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None, *, state_indices: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """A plain step in one launch: :meth:`verify` of ``x [B, 1, C]`` at offset 0, then
+        :meth:`commit` of that token for every row; returns ``[B, 1, C]``."""
+        ...
+
     def prompt(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                history: torch.Tensor | None = None) -> torch.Tensor:
         """The conv of a whole prompt ``x [B, L, C]`` from ``history [B, W-1, C]`` or zeros (no window)."""

@@ -13,7 +13,7 @@ import torch
 
 from ..protocol import BackendOp, Conv1dKernels
 from ..slots import gather_rows, scatter_rows
-from .naive import causal_conv1d_prompt, conv1d_commit, conv1d_tree_verify, conv1d_verify
+from .naive import causal_conv1d_prompt, conv1d_commit, conv1d_tree_verify, conv1d_update, conv1d_verify
 
 __all__ = ["Conv1dOp", "CONV1D", "new_conv_window"]
 
@@ -35,6 +35,7 @@ class Conv1dOp(BackendOp):
         op = conv1d_op(device)                          # specdec.kernels.conv1d_op
         y = op.verify(window, x, weight, bias, "silu", offset=0)
         op.commit(window, num_tokens, weight.shape[-1])
+        y = op.update(window, x1, weight, bias, "silu")  # a plain step: verify + commit of 1 token
         y = op.prompt(x, weight, bias, "silu")          # a whole prompt, no window
     """
 
@@ -81,6 +82,20 @@ class Conv1dOp(BackendOp):
             self.kernels.commit(window, num_tokens, width, state_indices=state_indices)
             return
         _on_rows(conv1d_commit, window, state_indices, num_tokens, width)
+
+    def update(self, window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None, *, state_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """A plain decoding step's conv (one token per row, ``x [B, 1, C]``, kept by every row):
+        :meth:`verify` at offset 0 and :meth:`commit` of that token in one call (one launch with
+        ``kernels`` set). Returns ``[B, 1, C]`` in ``x.dtype``; the window's columns from ``W-1``
+        on are stale afterwards, as after a commit.
+
+        Raises:
+            ValueError: ``x`` has more than one token, or as :meth:`verify`.
+        """
+        if self.kernels is not None:
+            return self.kernels.update(window, x, weight, bias, activation, state_indices=state_indices)
+        return _on_rows(conv1d_update, window, state_indices, x, weight, bias, activation)
 
     def prompt(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                history: torch.Tensor | None = None) -> torch.Tensor:

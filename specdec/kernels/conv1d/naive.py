@@ -8,7 +8,9 @@ last ``W - 1`` committed conv inputs followed by room for this step's tokens::
     window[b, :, W-1 : W-1+T]        this step's inputs, tokens 0..T-1
 
 The output for step token j is the conv over columns ``j .. j+W-1``. Committing n tokens moves
-the history by n columns (``conv1d_commit``); nothing is recomputed.
+the history by n columns (``conv1d_commit``); nothing is recomputed. A plain decoding step (one
+token, always kept) does both at once (``conv1d_update``, as ``causal_conv1d_update`` of
+Dao-AILab/causal-conv1d updates its conv state).
 
 A whole prompt needs no window: :func:`causal_conv1d_prompt` convolves it in its own ``[B, L, C]``
 layout, from the W-1 inputs before it (a continued prompt's conv state) or zeros.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv1d_verify", "conv1d_tree_verify", "conv1d_commit", "causal_conv1d_prompt", "check_prompt_conv_args"]
+__all__ = ["conv1d_verify", "conv1d_tree_verify", "conv1d_commit", "conv1d_update", "causal_conv1d_prompt",
+           "check_prompt_conv_args"]
 
 
 def conv1d_verify(window, x, weight, bias=None, activation=None, offset: int = 0):
@@ -105,6 +108,28 @@ def conv1d_commit(window: torch.Tensor, num_tokens: torch.Tensor, kernel_width: 
     idx = num_tokens.view(-1, 1, 1) + torch.arange(hist, device=window.device).view(1, 1, -1)
     new_hist = window.gather(2, idx.expand(window.shape[0], window.shape[1], hist))
     window[:, :, :hist] = new_hist
+
+
+def conv1d_update(window, x, weight, bias=None, activation=None):
+    """A plain decoding step's conv: one token per row, committed as it runs. Equals
+    :func:`conv1d_verify` at offset 0 followed by :func:`conv1d_commit` of one token for every row.
+
+    Args:
+        window: ``[B, C, W-1+T_max]``; its history (columns ``0 .. W-2``) becomes the W-1 inputs
+            ending at this token, in place; columns from ``W-1`` on are stale afterwards.
+        x: ``[B, 1, C]`` this step's conv inputs. weight, bias, activation: as :func:`conv1d_verify`.
+
+    Returns:
+        ``[B, 1, C]`` outputs in ``x.dtype``.
+
+    Raises:
+        ValueError: ``x`` has more than one token, or as :func:`conv1d_verify`.
+    """
+    if x.shape[1] != 1:
+        raise ValueError(f"a conv update runs one token per row (a plain decoding step); got {x.shape[1]}")
+    out = conv1d_verify(window, x, weight, bias, activation, 0)
+    conv1d_commit(window, torch.ones(window.shape[0], dtype=torch.long, device=window.device), weight.shape[-1])
+    return out
 
 
 def check_prompt_conv_args(x, weight, bias=None, activation=None, history=None) -> None:

@@ -9,7 +9,8 @@ Same semantics as :mod:`specdec.kernels.conv1d.naive` (the layout follows ``caus
 Verify writes the call's inputs at columns ``W-1+offset ..`` and computes each token's output
 from the W columns ending at it (a tree step, :func:`conv1d_tree_verify_triton`: from the
 columns of its ancestor chain, read from a per-tree ``[T, W]`` column table); commit moves the
-history by ``num_tokens`` columns. One program owns one (row, block of BC channels); all T
+history by ``num_tokens`` columns. A plain decoding step does both in the verify's launch
+(:func:`conv1d_update_triton`, as ``causal_conv1d_update`` shifts its state). One program owns one (row, block of BC channels); all T
 tokens of a call are one ``[BT, BC]`` register block. Arithmetic in fp32 (the reference computes in the weight dtype; identical for fp32 weights).
 No host sync, no allocation besides the output, no autotuning (both kernels write the window
 in place): launch parameters are chosen by hand below.
@@ -30,8 +31,8 @@ from ..tree_index import check_parents, conv_tree_columns_i32
 from ..triton_common import check_state_indices, load_slot, next_pow2
 from .naive import check_prompt_conv_args
 
-__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton", "causal_conv1d_prompt_triton",
-           "Conv1dTritonKernels"]
+__all__ = ["conv1d_verify_triton", "conv1d_tree_verify_triton", "conv1d_commit_triton", "conv1d_update_triton",
+           "causal_conv1d_prompt_triton", "Conv1dTritonKernels"]
 
 # 128 channels x up to 16 tokens per program: at most 16 fp32 accumulators per thread with 4
 # warps, and B * C / 128 programs (e.g. 64 x 8192 / 128 = 4096 at batch 64 for Mamba-2).
@@ -82,6 +83,7 @@ def _conv1d_verify_kernel(
     SILU: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     TREE: tl.constexpr,  # the tokens are a tree (offset 0): token j's window is its ancestor chain
+    COMMIT: tl.constexpr,  # a plain step (T = 1, offset 0): the token is committed as it runs
 ):
     i_c, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
@@ -98,7 +100,8 @@ def _conv1d_verify_kernel(
     p_x = x + i_b * stride_x_b + o_c[None, :]  # [1, BC]
 
     b_x = tl.load(p_x + o_t[:, None] * stride_x_t, mask=m_tc, other=0.0)
-    tl.store(p_win + (start + o_t[:, None]) * stride_win_t, b_x.to(window.dtype.element_ty), mask=m_tc)
+    if not COMMIT:
+        tl.store(p_win + (start + o_t[:, None]) * stride_win_t, b_x.to(window.dtype.element_ty), mask=m_tc)
 
     # token j's output reads columns offset+j .. offset+j+W-1; the columns this call writes come
     # from x (registers would need a shift), older ones from the window: no read-after-write.
@@ -116,6 +119,13 @@ def _conv1d_verify_kernel(
         b_acc += b_val * _tap(weight, o_c, m_c, W, w)[None, :]
     b_acc = _bias_silu(b_acc, bias, o_c, m_c, HAS_BIAS, SILU)
     tl.store(out + i_b * T * C + o_t[:, None] * C + o_c[None, :], b_acc.to(out.dtype.element_ty), mask=m_tc)
+    if COMMIT:  # the history moves by one column, the token last: what the commit kernel would do
+        tl.debug_barrier()  # every tap above has read the history
+        for w in tl.static_range(1, W - 1):
+            b_h = tl.load(p_win + w * stride_win_t, mask=m_tc)
+            tl.store(p_win + (w - 1) * stride_win_t, b_h, mask=m_tc)
+        if W > 1:
+            tl.store(p_win + (W - 2) * stride_win_t, b_x.to(window.dtype.element_ty), mask=m_tc)
 
 
 @triton.jit
@@ -196,7 +206,7 @@ def _causal_conv1d_prompt_kernel(
 
 
 def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: int = 0, state_indices=None,
-                         *, out=None, _cols=None):
+                         *, out=None, _cols=None, _commit=False):
     """Write this call's conv inputs into the window and return the conv outputs (multi-token update).
 
     Args:
@@ -245,7 +255,7 @@ def conv1d_verify_triton(window, x, weight, bias=None, activation=None, offset: 
         window, x, weight, bias, out, state_indices,
         cols, offset, C, x.stride(0), x.stride(1), window.stride(0), window.stride(1), window.stride(2),
         T=T, W=W, BT=next_pow2(T), BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=activation is not None,
-        USE_STATE_INDICES=state_indices is not None, TREE=cols is not None,
+        USE_STATE_INDICES=state_indices is not None, TREE=cols is not None, COMMIT=_commit,
         num_warps=NUM_WARPS,
     )
     return out
@@ -270,6 +280,28 @@ def conv1d_tree_verify_triton(window, x, weight, bias=None, activation=None, par
     par = check_parents(parents, x.shape[1])
     cols = conv_tree_columns_i32(par, weight.shape[-1], x.device)
     return conv1d_verify_triton(window, x, weight, bias, activation, 0, state_indices, out=out, _cols=cols)
+
+
+def conv1d_update_triton(window, x, weight, bias=None, activation=None, state_indices=None, *, out=None):
+    """A plain decoding step's conv in one launch: :func:`conv1d_verify_triton` of one token at
+    offset 0 and :func:`conv1d_commit_triton` of that token for every row
+    (:func:`specdec.kernels.conv1d.naive.conv1d_update`). The token is never written to column
+    ``W-1``: the history (columns ``0 .. W-2``) moves by one column with the token last, and
+    columns from ``W-1`` on are left as they were (stale).
+
+    Args:
+        x: ``[B, 1, C]``. window, weight, bias, activation, state_indices, out: as
+            :func:`conv1d_verify_triton`.
+
+    Returns:
+        ``[B, 1, C]`` outputs in ``x.dtype`` (computed in fp32), contiguous.
+
+    Raises:
+        ValueError: ``x`` has more than one token, or as :func:`conv1d_verify_triton`.
+    """
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"a conv update runs one token per row (a plain decoding step); got x {tuple(x.shape)}")
+    return conv1d_verify_triton(window, x, weight, bias, activation, 0, state_indices, out=out, _commit=True)
 
 
 def conv1d_commit_triton(window: torch.Tensor, num_tokens: torch.Tensor, kernel_width: int,
@@ -347,6 +379,9 @@ class Conv1dTritonKernels:
 
     def commit(self, window, num_tokens, width, *, state_indices=None):
         conv1d_commit_triton(window, num_tokens, width, state_indices)
+
+    def update(self, window, x, weight, bias, activation, *, state_indices=None, out=None):
+        return conv1d_update_triton(window, x, weight, bias, activation, state_indices, out=out)
 
     def prompt(self, x, weight, bias, activation, history=None):
         return causal_conv1d_prompt_triton(x, weight, bias, activation, history)
