@@ -227,6 +227,7 @@ def conv_variants(quick: bool):
     for si in ([None] if quick else [None, torch.arange(B)]):
         triton_conv.conv1d_verify_triton(window, x, wt, bias, "silu", 0, si)
         triton_conv.conv1d_commit_triton(window, torch.ones(B, dtype=torch.long), W, si)
+        triton_conv.conv1d_update_triton(window, x[:, :1], wt, bias, "silu", si)  # a plain step's
     # a slice of a projection's output whose token stride and start are not 16-byte multiples (another variant)
     xs = torch.randn(B, T, C + 8, dtype=torch.bfloat16)[..., 4 : 4 + C]
     triton_conv.conv1d_verify_triton(window, xs, wt, bias, "silu", 0)
