@@ -215,6 +215,17 @@ def mamba2_variants(quick: bool):
             m2.mamba2_replay_fold(s, hx, hdt, hB, A, hl, si, block_p=tune.get("block_p"), num_warps=tune.get("num_warps"))
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl, si)
             m2.mamba2_replay_commit(hx, hdt, hB, hl, hl.clamp(max=1), si, max_tokens=1)  # a narrower step
+    # a step as the layers run it: x, B, C slices of the conv output, dt the raw projection (dt_bias)
+    xBC = torch.randn(B, T, H * P + 2 * G * N, dtype=dt_)
+    xr, Br, Cr = (t.view(B, T, -1, w) for t, w in zip(torch.split(xBC, [H * P, G * N, G * N], -1), (P, N, N)))
+    dtr = torch.randn(B, T, H + 7, dtype=dt_)[..., 7:]
+    dt_bias = torch.randn(H, dtype=dt_)
+    has_libdevice, m2.has_libdevice = m2.has_libdevice, lambda device: True  # as on a GPU: libdevice's exp
+    try:
+        m2.mamba2_update(s, xr, dtr, A, Br, Cr, D, dt_bias=dt_bias)
+        m2.mamba2_replay_verify(s, hx, hdt, hB, hl, xr, dtr, A, Br, Cr, D, 0, fused=True, dt_bias=dt_bias)
+    finally:
+        m2.has_libdevice = has_libdevice
     if not quick:  # no lookahead: each token's loads after the previous token's barriers
         m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
 

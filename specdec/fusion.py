@@ -10,9 +10,10 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   versions of their own class's ``forward`` (one compiled graph per class, shared by all
   layers: Inductor fuses the element-wise chains into one Triton kernel each), and
 * the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`;
-  on the Triton backend a Gated DeltaNet's and a Mamba-2 step's run as one Triton kernel of
-  their own instead, eagerly too: :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`,
-  :func:`specdec.kernels.mamba2.triton_inputs.mamba2_step_inputs`), and
+  on the Triton backend, eagerly too, a Gated DeltaNet step's run as one Triton kernel of their
+  own instead, :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, and a Mamba-2 step's
+  kernels form theirs from the raw projections, ``dt_bias`` of
+  :func:`specdec.kernels.mamba2.triton_step.mamba2_update`), and
 * the rotary embedding function attention layers call between their projections
   (``apply_rotary_pos_emb``, the name every transformers modeling file gives it; ~12 element-wise
   kernels per layer eagerly: slices, a negation, two concatenations, products and sums), looked

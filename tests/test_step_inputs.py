@@ -1,12 +1,12 @@
-"""The SSM steps' input preparation in one launch
-(:func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`,
-:func:`specdec.kernels.mamba2.triton_inputs.mamba2_step_inputs`) against their torch references,
-the torch backend's paths (``specdec.models.gdn._gdn_inputs``, ``specdec.models.mamba2._mamba2_inputs``):
-through Triton's interpreter at tiny sizes (compiled with ``SPECDEC_TEST_CUDA=1``).
+"""The SSM steps' input preparation on the Triton backend against the torch backend's paths
+(``specdec.models.gdn._gdn_inputs``, ``specdec.models.mamba2._mamba2_inputs``): a Gated DeltaNet
+step's in one launch (:func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`), a Mamba-2
+step's inside the step kernels themselves (``dt_bias`` of
+:func:`specdec.kernels.mamba2.triton_step.mamba2_update` and the strategies' verifies); through
+Triton's interpreter at tiny sizes (compiled with ``SPECDEC_TEST_CUDA=1``).
 
 Inputs are fresh random values and views of one conv output as the layers pass them, outputs are
-poisoned with NaN first (GDN: its ``out=``) or checked fully written, and the inputs are checked
-unchanged bit for bit.
+poisoned with NaN first or checked fully written, and the inputs are checked unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -26,12 +26,6 @@ pytestmark = needs_triton_interpreter if not ON_CUDA else []
 
 def gdn_step_inputs(*args, **kwargs):
     from specdec.kernels.gdn.triton_inputs import gdn_step_inputs as kernel  # (imported once the interpreter is on)
-
-    return kernel(*args, **kwargs)
-
-
-def mamba2_step_inputs(*args, **kwargs):
-    from specdec.kernels.mamba2.triton_inputs import mamba2_step_inputs as kernel
 
     return kernel(*args, **kwargs)
 
@@ -94,18 +88,14 @@ def test_gdn_softplus_tails():
 
 
 def test_softplus_keeps_nan():
-    """A NaN in ``a + dt_bias`` (GDN) or ``dt + dt_bias`` (Mamba-2) stays NaN in the decay / step,
-    as torch's softplus keeps it, and no other element changes."""
+    """A NaN in ``a + dt_bias`` stays NaN in the decay, as torch's softplus keeps it, and no other
+    element changes."""
     q, k, v, b, a, A_log, dt_bias = layer_inputs(1, 2, 2, 2, 16, 16, torch.float32, seed=11)
     a[0, 1, 0] = float("nan")
     g = gdn_step_inputs(q, k, v, b, a, A_log, dt_bias)[3]
     want = _gdn_inputs(q, k, v, b, a, A_log, dt_bias, 1)[3]
     assert torch.equal(g.isnan(), want.isnan()) and g.isnan().sum() == 1
     assert rel_err(g.nan_to_num(), want.nan_to_num()) < 1e-6
-    x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(1, 2, 4, 2, 8, 16, torch.float32, seed=12)
-    dt[0, 0, 3] = float("nan")
-    got = mamba2_step_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, 4, 2)[1]
-    assert got.isnan().sum() == 1 and got[0, 0, 3].isnan()
 
 
 @pytest.mark.parametrize("change, match", [
@@ -145,47 +135,108 @@ def mamba2_inputs(Bt, T, H, G, P, N, dtype, seed):
     return x, dt, Bm, Cm, dt_bias, A_log, D
 
 
+def _mamba2_run(mode, raw, x, dt, Bm, Cm, A, D, dt_bias, H, G, S_shape, gen):
+    """One call of the step kernel of ``mode`` from fresh random stores, on the layer's views (``raw``:
+    dt the raw projection, ``dt_bias`` given) or on ``_mamba2_inputs``'s prepared fp32 tensors;
+    returns ``(y, every store tensor the call may write)``. The stores come from ``gen``."""
+    from specdec.kernels.mamba2 import triton_step as m2
+
+    Bt, T = x.shape[:2]
+    P, N = x.shape[-1] // H, Bm.shape[-1] // G
+    x4, B4, C4 = x.view(Bt, T, H, P), Bm.view(Bt, T, G, N), Cm.view(Bt, T, G, N)
+    kw = dict(dt_bias=dt_bias) if raw else {}
+    y = torch.full((Bt, T, H, P), float("nan"), device=DEVICE)
+    state = torch.randn(Bt, *S_shape, generator=gen).to(DEVICE)
+    parents = (-1, 0, 0, 1, 2)[:T] if mode.endswith("tree") else None
+    if mode == "update":
+        m2.mamba2_update(state, x4, dt, A, B4, C4, D, out=y, **kw)
+        return y, (state,)
+    if mode.startswith("snapshot"):
+        buf = torch.randn(Bt, T, *S_shape, generator=gen).to(DEVICE)
+        m2.mamba2_snapshot_verify(state, buf, x4, dt, A, B4, C4, D, parents=parents, out=y, **kw)
+        return y, (state, buf)
+    if mode == "ring":
+        ring = torch.randn(Bt, T + 2, *S_shape, generator=gen).to(DEVICE)
+        head = torch.randint(0, T + 2, (Bt,), generator=gen).to(DEVICE)
+        m2.mamba2_ring_verify(ring, head, x4, dt, A, B4, C4, D, out=y, **kw)
+        return y, (ring,)
+    fused = mode.startswith("replay_fused")
+    L = 2 * (T + 1) if fused else 2 * T + 3
+    hist = (torch.randn(Bt, L, H, P, generator=gen).to(DEVICE), torch.rand(Bt, L, H, generator=gen).to(DEVICE),
+            torch.randn(Bt, L, G, N, generator=gen).to(DEVICE))
+    hist_len = torch.randint(0, T + 1, (Bt,), generator=gen).to(DEVICE)
+    m2.mamba2_replay_verify(state, *hist, hist_len, x4, dt, A, B4, C4, D, fused=fused, parents=parents, out=y, **kw)
+    return y, (state, *hist)
+
+
+@pytest.mark.parametrize("mode", ["update", "snapshot", "ring", "replay_fused", "replay_deferred", "snapshot_tree",
+                                  "replay_fused_tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("Bt, T, H, G, P, N", [(1, 1, 4, 1, 8, 16), (3, 5, 6, 2, 8, 16), (2, 3, 4, 4, 12, 20)])
-def test_mamba2_matches_the_torch_reference(dtype, Bt, T, H, G, P, N):
-    """x, B, C and D exactly the reference's (casts), dt and A within fp32 rounding, every element
-    written (no NaN of the empty outputs), the inputs untouched; without D, D is None."""
-    inputs = mamba2_inputs(Bt, T, H, G, P, N, dtype, seed=Bt * 100 + T * 10 + H)
+def test_mamba2_step_kernels_form_their_inputs(mode, dtype):
+    """Given the layer's views of its conv output and raw ``dt`` with ``dt_bias``, every step kernel
+    (each strategy's, chains and trees) computes what it computes from ``_mamba2_inputs``'s prepared
+    fp32 inputs (the torch backend's path): outputs and every store it writes (replay's cached dt
+    is the softplus'ed step), within the rounding of the two softplus implementations; the inputs
+    are read in place and left untouched bit for bit."""
+    from specdec.models.mamba2 import decay_rates
+
+    Bt, T, H, G, P, N = 3, 5 if mode.endswith("tree") else 4, 4, 2, 8, 16
+    inputs = mamba2_inputs(Bt, T, H, G, P, N, dtype, seed=7)
     x, dt, Bm, Cm, dt_bias, A_log, D = inputs
     before = [t.clone() for t in inputs]
-    want = _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, H, P, G, N, torch.float32)
-    got = mamba2_step_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, H, G)
-    for name, g, w in zip(("x", "dt", "B", "C", "A", "D"), got, want):
-        assert g.dtype == torch.float32 and g.shape == w.shape and g.is_contiguous() and not g.isnan().any(), name
-        if name in ("x", "B", "C", "D"):
-            assert torch.equal(g, w), name
-        else:
-            assert rel_err(g, w) < 1e-6, (name, rel_err(g, w))
-    assert (got[1] > 0).all() and (got[4] < 0).all()
+    A = decay_rates(A_log)
+    prepared = _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, H, P, G, N, torch.float32)
+    want = _mamba2_run(mode, False, *(t.reshape(Bt, T, -1) for t in prepared[:4]), A, prepared[5], None, H, G,
+                       (H, P, N), torch.Generator().manual_seed(1))
+    got = _mamba2_run(mode, True, x, dt, Bm, Cm, A, D, dt_bias, H, G, (H, P, N), torch.Generator().manual_seed(1))
+    for i, (g, w) in enumerate(zip((got[0], *got[1]), (want[0], *want[1]))):
+        assert not g.isnan().any(), f"{mode}: output {i} not fully written"
+        assert rel_err(g, w) < 1e-6, (mode, i, rel_err(g, w))
     assert all(torch.equal(a, b) for a, b in zip(inputs, before))
-    assert mamba2_step_inputs(x, dt, Bm, Cm, dt_bias, A_log, None, H, G)[5] is None
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda i: {**i, "dt": i["dt"][:, :1]}, "expected x"),
-    (lambda i: {**i, "heads": 3}, "multiple of groups"),
-    (lambda i: {**i, "groups": 3}, "multiple of groups"),
-    (lambda i: {**i, "A_log": i["A_log"][:2]}, "must be \\[4\\]"),
-    (lambda i: {**i, "x": i["x"].repeat(1, 1, 2)[..., ::2]}, "contiguous last dim"),
-    (lambda i: {**i, "C": i["C"][:, :, :16]}, "expected x"),
-    (lambda i: {**i, "D": i["D"].to("meta")}, "several devices"),
-])
-def test_mamba2_bad_input_is_named(change, match):
+def test_mamba2_softplus_keeps_nan():
+    """A NaN in ``dt + dt_bias`` stays NaN in that head's step (as torch's softplus keeps it) and
+    in its outputs; no other head's output changes."""
+    from specdec.kernels.mamba2 import triton_step as m2
+    from specdec.models.mamba2 import decay_rates
+
+    x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(1, 2, 4, 2, 8, 16, torch.float32, seed=12)
+    args = lambda: (torch.zeros(1, 4, 8, 16, device=DEVICE), x.view(1, 2, 4, 8), dt, decay_rates(A_log),
+                    Bm.view(1, 2, 2, 16), Cm.view(1, 2, 2, 16), D)
+    clean = m2.mamba2_update(*args(), dt_bias=dt_bias)
+    dt[0, 0, 3] = float("nan")
+    got = m2.mamba2_update(*args(), dt_bias=dt_bias)
+    assert got[0, :, 3].isnan().all() and not got[0, :, :3].isnan().any()
+    assert torch.equal(got[0, :, :3], clean[0, :, :3])
+
+
+def test_mamba2_bad_dt_bias_is_named():
+    from specdec.kernels.mamba2 import triton_step as m2
+
     x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(2, 3, 4, 2, 8, 16, torch.float32, seed=5)
-    args = change({"x": x, "dt": dt, "B": Bm, "C": Cm, "dt_bias": dt_bias, "A_log": A_log, "D": D, "heads": 4,
-                   "groups": 2})
-    with pytest.raises(ValueError, match=match):
-        mamba2_step_inputs(**args)
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        m2.mamba2_update(torch.zeros(2, 4, 8, 16, device=DEVICE), x.view(2, 3, 4, 8), dt, -A_log.exp(),
+                         Bm.view(2, 3, 2, 16), Cm.view(2, 3, 2, 16), D, dt_bias=dt_bias[:2])
+
+
+def test_decay_rates_are_kept_until_the_parameter_changes():
+    """``decay_rates`` is -exp(A_log) in fp32 (as transformers' step), the same tensor while A_log is
+    unchanged, and recomputed after an in-place change or a cast."""
+    from specdec.models.mamba2 import decay_rates
+
+    A_log = torch.nn.Parameter(torch.randn(6))
+    A = decay_rates(A_log)
+    assert torch.equal(A, -torch.exp(A_log.detach().float())) and decay_rates(A_log) is A
+    with torch.no_grad():
+        A_log.mul_(0.5)
+    assert torch.equal(decay_rates(A_log), -torch.exp(A_log.detach().float()))
+    A_log.data = A_log.data.to(torch.bfloat16)
+    assert torch.equal(decay_rates(A_log), -torch.exp(A_log.detach().float()))
 
 
 _BUILD_FOR_HOPPER = """
 from specdec.kernels.gdn import triton_inputs as gdn
-from specdec.kernels.mamba2 import triton_inputs as mamba2
 
 def build(fn, consts, inputs, outputs, floats):
     types = {**{n: "*bf16" for n in inputs}, **{n: "*fp32" for n in outputs}, **{n: "fp32" for n in floats}}
@@ -195,19 +246,14 @@ print(json.dumps({
     "gdn": build(gdn._gdn_inputs_kernel, dict(HV=32, REP=2, DK=128, DV=128, BK=128, BV=128, ACCURATE=True),
                  {"q", "k", "v", "b", "a", "A_log", "dt_bias"}, {"qo", "ko", "vo", "go", "bo"},
                  {"scale", "eps", "threshold"}),
-    "mamba2": build(mamba2._mamba2_inputs_kernel, dict(H=128, G=8, P=64, N=128, BP=64, BN=128, HAS_D=True,
-                                                       ACCURATE=True),
-                    {"x", "dt", "Bm", "Cm", "dt_bias", "A_log", "D"}, {"xo", "dto", "Bo", "Co", "Ao", "Do"},
-                    {"threshold"}),
 }))
 """
 
 
 def test_kernels_build_for_hopper_and_round_beta_to_nearest():
-    """Both kernels compile ahead of time for an H100/H200 (sm_90) with bf16 inputs and
+    """The GDN kernel compiles ahead of time for an H100/H200 (sm_90) with bf16 inputs and
     libdevice's exp, using Triton's own ptxas, on a machine without a GPU; GDN's bf16 beta is rounded to nearest
     (``cvt.rn``), as torch rounds ``b.sigmoid()``. Compiled in a child process: this one runs
     Triton's interpreter."""
     casts = built_for_hopper(_BUILD_FOR_HOPPER)
     assert "cvt.rn.bf16.f32" in casts["gdn"] and not any(".rz." in c for c in casts["gdn"]), casts
-    assert casts["mamba2"] == ["cvt.f32.bf16"], casts  # loads widened; nothing rounded to bf16

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import hf_greedy
 from markers import needs_triton_interpreter
-from tiny_models import get_model, perturbed_copy, ragged_prompts
+from tiny_models import FAMILIES, get_model, perturbed_copy, ragged_prompts
 
 import specdec
 from specdec.drafters import DraftModelDrafter
@@ -19,11 +19,13 @@ pytestmark = needs_triton_interpreter
 @pytest.mark.parametrize(
     "family,strategy",
     [("qwen3_5", "replay"), ("qwen3_next", "snapshot"), ("nemotron_h", "ring"), ("kimi_linear", "snapshot"),
-     ("nemotron_h", "replay_deferred")],
+     ("nemotron_h", "replay_deferred"), ("falcon_h1", "replay")],
 )
 def test_triton_backend_exact(family, strategy, monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    model = get_model(family, "small")  # one SSM and one attention layer (target and draft): the interpreter is slow
+    # one SSM and one attention layer (target and draft; the further families at their test size): the
+    # interpreter is slow
+    model = get_model(family, "small") if family in FAMILIES else get_model(family)
     ids, mask = ragged_prompts()
     sd = specdec.wrap(model, drafter=DraftModelDrafter(perturbed_copy(model)), rollback=strategy,
                       num_speculative_tokens=3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.weak
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
@@ -31,7 +32,8 @@ from ..kernels.mamba2.chunked import mamba2_prompt_scan
 from ..placement import execution_device
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
-__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "mamba2_core"]
+__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "decay_rates",
+           "mamba2_core"]
 
 
 @fusable
@@ -39,9 +41,8 @@ def _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, heads: int, head_dim: int, 
                    dtype: torch.dtype):
     """The recurrence's inputs, as transformers' decode step computes them (element-wise; fused on
     the CUDA-graph path): ``x``, ``B``, ``C`` in ``dtype`` (fp32 for a layer cache), ``dt``, ``A``,
-    ``D`` in fp32. The prompt's and the torch backend's path, and the reference of
-    :func:`specdec.kernels.mamba2.triton_inputs.mamba2_step_inputs`, which a step on the Triton
-    backend runs instead."""
+    ``D`` in fp32. The prompt's and the torch backend's path; a step on the Triton backend hands
+    the step kernels the raw views and ``dt_bias`` instead (they form the same inputs)."""
     B, t = x.shape[:2]
     dt = F.softplus(dt.float() + dt_bias.float())
     return (x.reshape(B, t, heads, head_dim).to(dtype), dt, Bm.reshape(B, t, groups, state).to(dtype),
@@ -62,17 +63,39 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
         xBC, [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size], dim=-1
     )
     prompt = isinstance(layer, Mamba2PromptLayer)
-    if not prompt and layer.op.backend == "triton" and not torch.compiler.is_compiling():  # a step: one launch
-        from ..kernels.mamba2.triton_inputs import mamba2_step_inputs
-
-        x, dt, Bm, Cm, A, D = mamba2_step_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D,
-                                                 mixer.num_heads, mixer.n_groups)
+    if not prompt and layer.op.backend == "triton" and not torch.compiler.is_compiling():
+        # a step: the step kernel reads x, B and C where the conv wrote them and forms dt = softplus(dt +
+        # dt_bias) itself (params' dt_bias: specdec.kernels.mamba2.Mamba2Op), so the inputs need no launch
+        H, G = mixer.num_heads, mixer.n_groups
+        inputs = {"x": x.view(B, t, H, -1), "dt": dt, "B": Bm.view(B, t, G, -1), "C": Cm.view(B, t, G, -1)}
+        params = {"A": decay_rates(mixer.A_log), "D": mixer.D, "dt_bias": mixer.dt_bias}
     else:
         x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
                                              mixer.head_dim, mixer.n_groups, mixer.ssm_state_size,
                                              layer.input_dtype if prompt else torch.float32)
-    y = layer.ssm({"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D})
+        inputs, params = {"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D}
+    y = layer.ssm(inputs, params)
     return y.reshape(B, t, -1).to(projected.dtype), gate
+
+
+#: A = -exp(A_log) of each Mamba-2 layer's A_log, kept with the parameter's version and storage
+_DECAY_RATES = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def decay_rates(A_log: torch.Tensor) -> torch.Tensor:
+    """``A = -exp(A_log)`` ``[H]`` fp32, as transformers' decode step computes it, kept per
+    parameter: a step on the Triton backend launches no kernel for it. Computed again when
+    ``A_log`` changes (in place, its version counter; moved or cast, its storage). Inside a CUDA-graph
+    capture a missing value is computed as a kernel of the graph, not kept."""
+    key = (A_log._version, A_log.data_ptr(), A_log.dtype, A_log.device)
+    kept = _DECAY_RATES.get(A_log)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    with torch.no_grad():
+        A = -torch.exp(A_log.float())
+    if not (A_log.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _DECAY_RATES[A_log] = (key, A)
+    return A
 
 
 class Mamba2PromptLayer:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from ..protocol import SSMOp
 from .naive import mamba2_fold, mamba2_verify
 
@@ -11,7 +13,9 @@ __all__ = ["Mamba2Op"]
 
 class Mamba2Op(SSMOp):
     """Mamba-2: inputs ``x [B,T,H,P]``, ``dt [B,T,H]``, ``B``/``C [B,T,G,N]``; params ``A [H]``, ``D [H]``
-    (optional); state ``[H, P, N]``; replay caches ``x, dt, B``."""
+    (optional) and ``dt_bias [H]`` (optional: then ``dt`` is the raw projection and the step is
+    ``softplus(dt + dt_bias)`` in fp32, formed by the kernels themselves on the Triton backend);
+    state ``[H, P, N]``; replay caches ``x, dt, B`` (dt softplus'ed)."""
 
     name = "mamba2"
     replay_keys = ("x", "dt", "B")
@@ -24,11 +28,13 @@ class Mamba2Op(SSMOp):
 
     @staticmethod
     def _run(state, inputs, params, return_states, parents):
+        dt = inputs["dt"]
+        if params.get("dt_bias") is not None:  # the raw projection
+            dt = F.softplus(dt.float() + params["dt_bias"].float())
         y, states, _ = mamba2_verify(
-            state, inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D"), return_states,
-            parents,
+            state, inputs["x"], dt, params["A"], inputs["B"], inputs["C"], params.get("D"), return_states, parents,
         )
-        return y, states, {"x": inputs["x"], "dt": inputs["dt"], "B": inputs["B"]}
+        return y, states, {"x": inputs["x"], "dt": dt, "B": inputs["B"]}
 
     def fold(self, state, replay, params, num_tokens):
         return mamba2_fold(state, replay["x"], replay["dt"], params["A"], replay["B"], num_tokens)

@@ -44,12 +44,14 @@ from ..triton_common import (
     REPLAY,
     RING,
     SNAPSHOT,
+    SOFTPLUS_THRESHOLD,
     KernelSet,
     check_history,
     check_state,
     check_state_indices,
     fold_launch,
     fold_size,
+    has_libdevice,
     load_slot,
     next_pow2,
     num_warps_for,
@@ -57,6 +59,7 @@ from ..triton_common import (
     replay_half,
     ring_commit,
     runtime_tree_loop,
+    softplus,
     state_copy_commit,
     step_state_args,
     tree_table,
@@ -74,13 +77,26 @@ __all__ = [
 ]
 
 @triton.jit
-def _token_inputs(x, dt, Bm, Cm, i_t, i_h, i_g, o_p, o_n, m_p, m_n, H: tl.constexpr, P: tl.constexpr,
-                  N: tl.constexpr, G: tl.constexpr):
-    # one token's inputs for head i_h (group i_g), in their own dtype (converted to fp32 at use)
-    b_x = tl.load(x + (i_t * H + i_h) * P + o_p, mask=m_p, other=0.0)
-    b_dt = tl.load(dt + i_t * H + i_h)
-    b_B = tl.load(Bm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0)
-    b_C = tl.load(Cm + (i_t * G + i_g) * N + o_n, mask=m_n, other=0.0)
+def _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n, m_p, m_n,
+               P: tl.constexpr, N: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
+    # token j's x and B for head i_h (group i_g), in their own dtype (converted to fp32 at use), and
+    # its dt: as given, or (DT_BIAS: the raw projection) softplus(dt + dt_bias) in fp32, as
+    # mamba2_step_inputs forms it; x, dt, Bm point at the row's token 0
+    b_x = tl.load(x + j * stride_xt + i_h * P + o_p, mask=m_p, other=0.0)
+    b_dt = tl.load(dt + j * stride_dt + i_h)
+    if DT_BIAS:
+        b_dt = softplus(b_dt.to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32), threshold, ACCURATE)
+    b_B = tl.load(Bm + j * stride_bt + i_g * N + o_n, mask=m_n, other=0.0)
+    return b_x, b_dt, b_B
+
+
+@triton.jit
+def _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias, threshold, i_h, i_g, o_p,
+                  o_n, m_p, m_n, P: tl.constexpr, N: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
+    # token j's inputs (_token_xdB, and C)
+    b_x, b_dt, b_B = _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n,
+                                m_p, m_n, P, N, DT_BIAS, ACCURATE)
+    b_C = tl.load(Cm + j * stride_ct + i_g * N + o_n, mask=m_n, other=0.0)
     return b_x, b_dt, b_B, b_C
 
 
@@ -132,10 +148,10 @@ def _fold_cached(b_h, h_x, h_dt, h_B, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m
 
 
 @triton.jit
-def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g, i_head, R, stride_dst_n,
-                       stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T: tl.constexpr, H: tl.constexpr,
-                       P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, META_W: tl.constexpr,
-                       RUNTIME_LOOP: tl.constexpr):
+def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold, b_A,
+                       p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n,
+                       m_pn, P: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr, META_W: tl.constexpr,
+                       RUNTIME_LOOP: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
     # the state tree node j starts from (as in gdn/triton_step.py): the registers when its parent
     # is node j - 1, else the slot this program stored for the parent, or (replay) the starting
     # state b_h0 advanced along the parent's ancestor chain (the ancestors' (x, dt, B) come from
@@ -161,24 +177,27 @@ def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b
             if RUNTIME_LOOP:
                 for i_a in range(META_W - 2):  # a loop at run time (range, not static_range)
                     if i_a < n_anc:
-                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n,
-                                               T, H, P, N, G, META_W)
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                                               threshold, b_A, j, i_a, i_h, i_g, o_p, o_n, m_p, m_n, P, N, META_W,
+                                               DT_BIAS, ACCURATE)
             else:
                 for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
                     if i_a < n_anc:
-                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n,
-                                               T, H, P, N, G, META_W)
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                                               threshold, b_A, j, i_a, i_h, i_g, o_p, o_n, m_p, m_n, P, N, META_W,
+                                               DT_BIAS, ACCURATE)
     return b_h
 
 
 @triton.jit
-def _ancestor_update(b_h, tree, x, dt, Bm, b_A, j, i_a, i_b, i_h, i_g, o_p, o_n, m_p, m_n, T: tl.constexpr,
-                     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, META_W: tl.constexpr):
+def _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold, b_A, j, i_a, i_h, i_g,
+                     o_p, o_n, m_p, m_n, P: tl.constexpr, N: tl.constexpr, META_W: tl.constexpr,
+                     DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
     # replay's rebuild of a parent state: apply ancestor i_a of node j (root first)
-    a_t = i_b * T + tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
-    r_x = tl.load(x + (a_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
-    r_dt = tl.load(dt + a_t * H + i_h).to(tl.float32)
-    r_B = tl.load(Bm + (a_t * G + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+    a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
+    r_x, r_dt, r_B = _token_xdB(x, dt, Bm, a_t, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n,
+                                m_p, m_n, P, N, DT_BIAS, ACCURATE)
+    r_x, r_dt, r_B = r_x.to(tl.float32), r_dt.to(tl.float32), r_B.to(tl.float32)
     return b_h * tl.exp(r_dt * b_A) + r_x[:, None] * (r_dt * r_B)[None, :]
 
 
@@ -215,12 +234,13 @@ def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B
 
 @triton.jit
 def _mamba2_step_kernel(
-    x,  # [B, T, H, P]
-    dt,  # [B, T, H] (already softplus'ed)
+    x,  # [B, T, H, P], each token's H * P contiguous (batch / token strides below)
+    dt,  # [B, T, H], each token's H contiguous: softplus'ed, or (DT_BIAS) the raw projection
     A,  # [H]
-    Bm,  # [B, T, G, N]
-    Cm,  # [B, T, G, N]
+    Bm,  # [B, T, G, N], each token's G * N contiguous
+    Cm,  # [B, T, G, N], each token's G * N contiguous
     D,  # [H] (HAS_D)
+    dt_bias,  # [H] (DT_BIAS)
     y,  # [B, T, H, P] output
     s_src,  # source state: [S, H, P, N] (or a ring [S, R, H, P, N]); REPLAY: the checkpoint
     s_dst,  # destination: state (OVERWRITE), buf [S, T_max, ...] (SNAPSHOT) or the ring
@@ -233,6 +253,15 @@ def _mamba2_step_kernel(
     tree,  # [T, META_W] int32 per-token tree table (TREE; specdec.kernels.tree_index.tree_meta)
     offset,
     R,
+    stride_xb,
+    stride_xt,
+    stride_db,
+    stride_dt,
+    stride_bb,
+    stride_bt,
+    stride_cb,
+    stride_ct,
+    threshold,  # softplus's (DT_BIAS)
     stride_src_n,
     stride_src_t,
     stride_dst_n,
@@ -260,8 +289,14 @@ def _mamba2_step_kernel(
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
     TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; triton_common.runtime_tree_loop)
+    DT_BIAS: tl.constexpr,  # dt is the raw projection: each token's dt is softplus(dt + dt_bias), in fp32
+    ACCURATE: tl.constexpr,  # DT_BIAS: softplus's exp as triton_common.exp_f32's
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    x += i_b * stride_xb  # the row's token 0 (the inputs are read where they are: a slice of a projection's output)
+    dt += i_b * stride_db
+    Bm += i_b * stride_bb
+    Cm += i_b * stride_cb
     i_g = i_h // (H // G)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
@@ -277,7 +312,8 @@ def _mamba2_step_kernel(
     tC = ()
     for j in tl.static_range(PREFETCH):
         if j < T:
-            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G)
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias,
+                                               threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N, DT_BIAS, ACCURATE)
             tx = tx + (a_x,)
             td = td + (a_d,)
             tB = tB + (a_B,)
@@ -335,10 +371,11 @@ def _mamba2_step_kernel(
 
     if TREE_LOOP:  # a large tree: one node loop at run time (no unrolling, no input lookahead)
         for j in range(T):
-            b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g, i_head, R,
-                                     stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE,
-                                     META_W, True)
-            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j, i_h, i_g, o_p, o_n, m_p, m_n, H, P, N, G)
+            b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold,
+                                     b_A, p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n, stride_dst_t, o_p, o_n,
+                                     o_pn, m_p, m_n, m_pn, P, N, MODE, META_W, True, DT_BIAS, ACCURATE)
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias,
+                                               threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N, DT_BIAS, ACCURATE)
             b_h = _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB, i_n,
                                 i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n,
                                 o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D)
@@ -346,12 +383,14 @@ def _mamba2_step_kernel(
         for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
             if TREE:
                 if j > 0:
-                    b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, b_A, p_h0, s_dst, i_n, i_b, i_h, i_g,
-                                             i_head, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T,
-                                             H, P, N, G, MODE, META_W, False)
+                    b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                                             threshold, b_A, p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n,
+                                             stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, P, N, MODE, META_W, False,
+                                             DT_BIAS, ACCURATE)
             if j + PREFETCH < T:
-                a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, i_b * T + j + PREFETCH, i_h, i_g, o_p, o_n, m_p,
-                                                   m_n, H, P, N, G)
+                a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j + PREFETCH, stride_xt, stride_dt, stride_bt,
+                                                   stride_ct, dt_bias, threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N,
+                                                   DT_BIAS, ACCURATE)
                 tx = tx + (a_x,)
                 td = td + (a_d,)
                 tB = tB + (a_B,)
@@ -451,7 +490,19 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     return BP, BN, num_warps, max(0, min(int(prefetch), T))
 
 
-def _prepare(x, dt, A, Bm, Cm, D, out):
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, T, ...]`` with each token's entries contiguous (read in place: e.g. a slice of a
+    projection's output), else a contiguous copy."""
+    inner = t.shape[2:]
+    want = [1] * len(inner)
+    for i in range(len(inner) - 2, -1, -1):
+        want[i] = want[i + 1] * inner[i + 1]
+    if all(t.stride(2 + i) == want[i] for i in range(len(inner)) if inner[i] > 1):
+        return t
+    return t.contiguous()
+
+
+def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None):
     if x.dim() != 4 or dt.shape != x.shape[:3] or Bm.dim() != 4 or Cm.shape != Bm.shape or Bm.shape[:2] != x.shape[:2]:
         raise ValueError(
             f"expected x [B, T, H, P], dt [B, T, H], B and C [B, T, G, N]; got {tuple(x.shape)}, "
@@ -461,15 +512,16 @@ def _prepare(x, dt, A, Bm, Cm, D, out):
     G, N = Bm.shape[2:]
     if H % G:
         raise ValueError(f"{H} heads are not divisible into {G} groups")
-    if A.shape != (H,) or (D is not None and D.shape != (H,)):
-        raise ValueError(f"A and D must be [H] = [{H}], got {tuple(A.shape)}, {None if D is None else tuple(D.shape)}")
+    if A.shape != (H,) or (D is not None and D.shape != (H,)) or (dt_bias is not None and dt_bias.shape != (H,)):
+        raise ValueError(f"A, D and dt_bias must be [H] = [{H}], got {tuple(A.shape)}, "
+                         f"{None if D is None else tuple(D.shape)}, {None if dt_bias is None else tuple(dt_bias.shape)}")
     if out is None:
         out = torch.empty(Bsz, T, H, P, dtype=torch.float32, device=x.device)
     elif out.shape != (Bsz, T, H, P) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [B, T, H, P] tensor, got {tuple(out.shape)}")
-    x, dt, A, Bm, Cm = (t.contiguous() for t in (x, dt, A, Bm, Cm))
-    D = D.contiguous() if D is not None else None
-    return x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N)
+    x, dt, Bm, Cm = (_token_major(t) for t in (x, dt, Bm, Cm))
+    A, D, dt_bias = (t.contiguous() if t is not None else None for t in (A, D, dt_bias))
+    return x, dt, A, Bm, Cm, D, dt_bias, out, (Bsz, T, H, P, G, N)
 
 
 def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
@@ -479,8 +531,8 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None):
-    x, dt, A, Bm, Cm, D, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out)
+          parents=None, tree_loop=None, fold_max=None, dt_bias=None):
+    x, dt, A, Bm, Cm, D, dt_bias, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out, dt_bias)
     tree = tree_table(parents, T, offset, x.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
     h_x = h_dt = h_B = None
@@ -499,25 +551,32 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
     _mamba2_step_kernel[(triton.cdiv(P, BP), H, Bsz)](  # B on axis 2: axis 1 is capped at 65535
-        x, dt, A, Bm, Cm, D, out,
+        x, dt, A, Bm, Cm, D, dt_bias, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
         h_x, h_dt, h_B, tree,
         offset, R,
+        *x.stride()[:2], *dt.stride()[:2], *Bm.stride()[:2], *Cm.stride()[:2], SOFTPLUS_THRESHOLD,
         *strides,
         T=T, H=H, P=P, N=N, G=G, BP=BP, BN=BN, MODE=mode.value, HAS_D=D is not None,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=0 if tree_loop else prefetch,
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
+        DT_BIAS=dt_bias is not None, ACCURATE=has_libdevice(x.device),
         num_warps=num_warps,
     )
     return out
 
 
 _COMMON_ARGS = """
-        x: ``[B, T, H, P]``; dt: ``[B, T, H]`` discretised step (softplus already applied, > 0);
-            A: ``[H]`` (< 0); Bm, Cm: ``[B, T, G, N]`` (B and C of the SSD, G groups of H / G
-            heads); D: ``[H]`` skip weight or None. Any of fp32/bf16/fp16; computed in fp32.
+        x: ``[B, T, H, P]``; dt: ``[B, T, H]`` discretised step (softplus already applied, > 0;
+            with ``dt_bias``, the raw projection); A: ``[H]`` (< 0); Bm, Cm: ``[B, T, G, N]`` (B
+            and C of the SSD, G groups of H / G heads); D: ``[H]`` skip weight or None. Any of
+            fp32/bf16/fp16; computed in fp32. Read where they are when each token's entries are
+            contiguous (any batch / token strides: e.g. slices of a projection's output), else copied.
+        dt_bias: ``[H]`` or None: with it the kernel forms each token's step as transformers'
+            decode step does, ``softplus(dt + dt_bias)`` in fp32 (what replay caches too), so the
+            raw projection needs no kernel of its own.
         state_indices: ``[B]`` int32/int64 state slot of each row; a negative id (padding,
             ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
             None means row b uses slot b.
@@ -537,18 +596,19 @@ _COMMON_ARGS = """
 
 
 @with_common_args(_COMMON_ARGS)
-def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, **tune):
+def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, dt_bias=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
     Args:
         state: ``[num_slots, H, P, N]`` fp32, updated in place.
     """
-    return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, **tune)
+    return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, dt_bias=dt_bias,
+                 **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
-                           **tune):
+                           dt_bias=None, **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -564,12 +624,12 @@ def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {x.shape[1]} tokens")
     src = live if offset == 0 else buf[:, offset - 1]
     return _step(SNAPSHOT, src, buf, x, dt, A, Bm, Cm, D, offset=offset, state_indices=state_indices, out=out,
-                 dst_lead=2, parents=parents, **tune)
+                 dst_lead=2, parents=parents, dt_bias=dt_bias, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
-                       **tune):
+                       dt_bias=None, **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -584,12 +644,13 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
     if offset + x.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {x.shape[1]} step states")
     return _step(RING, ring, ring, x, dt, A, Bm, Cm, D, offset=offset, head=head, state_indices=state_indices,
-                 out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
+                 out=out, src_lead=2, dst_lead=2, parents=parents, dt_bias=dt_bias, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
-                         state_indices=None, *, fused=False, parents=None, out=None, fold_max=None, **tune):
+                         state_indices=None, *, fused=False, parents=None, out=None, fold_max=None, dt_bias=None,
+                         **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[s]`` advanced by the first
@@ -620,7 +681,7 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
     """
     return _step(REPLAY, ckpt, None, x, dt, A, Bm, Cm, D, offset=offset, hist=(hist_x, hist_dt, hist_B),
                  hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents,
-                 fold_max=fold_max, **tune)
+                 fold_max=fold_max, dt_bias=dt_bias, **tune)
 
 
 def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None, max_tokens=None):
@@ -667,7 +728,9 @@ class Mamba2Kernels(KernelSet):
     """The ``op.kernels`` of the Mamba-2 op: :class:`specdec.kernels.protocol.RollbackKernels`
     over this module's entry points, with the launch settings of ``launch`` (``block`` is BP).
 
-    ``inputs``: ``x, dt, B, C``; ``params``: ``A``, optional ``D``; replay history keys ``x, dt, B``.
+    ``inputs``: ``x, dt, B, C``; ``params``: ``A``, optional ``D``, optional ``dt_bias`` (then
+    ``dt`` is the raw projection: see ``dt_bias`` of :func:`mamba2_update`); replay history keys
+    ``x, dt, B`` (dt softplus'ed).
     """
 
     def __init__(self, launch: LaunchConfig = LaunchConfig()):
@@ -682,18 +745,19 @@ class Mamba2Kernels(KernelSet):
         return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
-        return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, **self._tune())
+        return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, dt_bias=params.get("dt_bias"),
+                             **self._tune())
 
     def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, state_indices, parents=parents,
-                                      out=out, **self._tune())
+                                      out=out, dt_bias=params.get("dt_bias"), **self._tune())
 
     def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
         state_copy_commit(live, buf, num_tokens, state_indices)
 
     def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset, state_indices, parents=parents,
-                                  out=out, **self._tune())
+                                  out=out, dt_bias=params.get("dt_bias"), **self._tune())
 
     def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
         ring_commit(head, num_tokens, ring_size, state_indices)
@@ -702,7 +766,7 @@ class Mamba2Kernels(KernelSet):
                       parents=None, out=None, fold_max=None):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
                                     offset, state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
-                                    **self._tune())
+                                    dt_bias=params.get("dt_bias"), **self._tune())
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):
         mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices, max_tokens)
