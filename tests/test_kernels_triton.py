@@ -490,6 +490,54 @@ def test_ring_commit_bookkeeping(use_si):
     assert torch.equal(head, want)
 
 
+@pytest.mark.parametrize("op", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("strategy", ["update", "snapshot", "ring", "replay"])
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float16])
+def test_outputs_in_the_dtype_the_params_ask_for(op, strategy, y_dtype):
+    """With params' ``y_dtype`` every kernel set's call writes y in that dtype (the layers then need no
+    cast): the fp32 call's y rounded to it (to nearest on a GPU; Triton's interpreter may truncate:
+    within one unit in the last place there), the stores the same bit for bit; the torch reference
+    op returns the same dtype."""
+    dims = (2, 8, 16, 2) if op == "mamba2" else (2, 16, 16)
+    gen = torch.Generator().manual_seed(21)
+    kern, params, S_shape = kernels(op), op_params(op, dims, gen), op_shape(op, dims).state_shape
+    B, T = 3, 3
+    inp = step_inputs(op, dims, B, T, torch.float32, gen)
+    state = torch.randn(B, *S_shape, generator=gen).to(DEVICE)
+    runs = []
+    for p in (params, {**params, "y_dtype": y_dtype}):
+        st = state.clone()
+        if strategy == "update":
+            y = kern.update(st, inp, p)
+            stores = (st,)
+        elif strategy == "snapshot":
+            buf = torch.zeros(B, T, *S_shape, device=DEVICE)
+            y = kern.snapshot_verify(st, buf, inp, p, 0)
+            stores = (st, buf)
+        elif strategy == "ring":
+            ring = torch.zeros(B, T + 1, *S_shape, device=DEVICE)
+            ring[:, 0] = st
+            y = kern.ring_verify(ring, torch.zeros(B, dtype=torch.long, device=DEVICE), inp, p, 0)
+            stores = (ring,)
+        else:
+            hist = {k: torch.zeros(B, 2 * T, *shape, dtype=dtype, device=DEVICE)
+                    for k, (shape, dtype) in OPS[op].replay_spec(inp).items()}
+            y = kern.replay_verify(st, hist, torch.zeros(B, dtype=torch.long, device=DEVICE), inp, p, 0, fused=True)
+            stores = (st, *hist.values())
+        runs.append((y, stores))
+    (y32, stores32), (y, stores) = runs
+    assert y32.dtype == torch.float32 and y.dtype == y_dtype and y.shape == y32.shape
+    want = y32.to(y_dtype)
+    ulp = (want.float().abs() * (2.0 ** -7 if y_dtype == torch.bfloat16 else 2.0 ** -10)).clamp_min(1e-30)
+    if ON_CUDA:
+        assert torch.equal(y, want)
+    else:
+        assert ((y.float() - want.float()).abs() <= ulp).all()
+    assert all(torch.equal(a, b) for a, b in zip(stores, stores32))
+    ref, _, _ = OPS[op].verify(state, inp, {**params, "y_dtype": y_dtype}, False)
+    assert ref.dtype == y_dtype
+
+
 # ----------------------------------------------------------------------------------------------
 # conv1d
 

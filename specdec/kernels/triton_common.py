@@ -64,6 +64,16 @@ class KernelSet:
 
     launch: LaunchConfig = LaunchConfig()
 
+    @staticmethod
+    def output(out: torch.Tensor | None, like: torch.Tensor, params: dict) -> torch.Tensor | None:
+        """The ``out`` a call writes: the caller's, else (params' ``y_dtype`` given) a new contiguous
+        tensor shaped as ``like`` in that dtype, which the kernels round their fp32 outputs to (as a
+        cast would); else None (the kernels' default, fp32)."""
+        dtype = params.get("y_dtype")
+        if out is not None or dtype is None:
+            return out
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
+
     def with_launch(self, launch: LaunchConfig):
         """The same kernels launched with ``launch`` (a copy; this object is unchanged)."""
         if not isinstance(launch, LaunchConfig):

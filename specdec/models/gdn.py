@@ -58,8 +58,8 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     else:
         q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias,
                                        mixer.num_v_heads // mixer.num_k_heads)
-    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {})
-    o = o.to(mixed_qkv.dtype).reshape(-1, mixer.head_v_dim)
+    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {"y_dtype": mixed_qkv.dtype})  # (no cast after)
+    o = o.reshape(-1, mixer.head_v_dim)
     o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
     return mixer.out_proj(o)
 

@@ -41,7 +41,8 @@ class KimiLinearAdapter(HybridAdapter):
         k = _l2norm(k.reshape(shape).float())
         g = mixer.forget_gate(hidden_states)
         beta = torch.sigmoid(mixer.b_proj(hidden_states)).float()
-        o = layer.ssm({"q": q, "k": k, "v": v.reshape(shape).float(), "g": g.float(), "beta": beta}, {})
+        o = layer.ssm({"q": q, "k": k, "v": v.reshape(shape).float(), "g": g.float(), "beta": beta},
+                      {"y_dtype": hidden_states.dtype})  # (y in the model's dtype: no cast after)
         gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).view(shape)
-        o = mixer.o_norm(o.to(hidden_states.dtype), gate).reshape(B, t, -1)
+        o = mixer.o_norm(o, gate).reshape(B, t, -1)
         return mixer.o_proj(o)

@@ -64,11 +64,13 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     )
     prompt = isinstance(layer, Mamba2PromptLayer)
     if not prompt and layer.op.backend == "triton" and not torch.compiler.is_compiling():
-        # a step: the step kernel reads x, B and C where the conv wrote them and forms dt = softplus(dt +
-        # dt_bias) itself (params' dt_bias: specdec.kernels.mamba2.Mamba2Op), so the inputs need no launch
+        # a step: the step kernel reads x, B and C where the conv wrote them, forms dt = softplus(dt +
+        # dt_bias) itself and writes y in the model's dtype (params' dt_bias and y_dtype:
+        # specdec.kernels.mamba2.Mamba2Op), so neither the inputs nor y's cast need a launch
         H, G = mixer.num_heads, mixer.n_groups
         inputs = {"x": x.view(B, t, H, -1), "dt": dt, "B": Bm.view(B, t, G, -1), "C": Cm.view(B, t, G, -1)}
-        params = {"A": decay_rates(mixer.A_log), "D": mixer.D, "dt_bias": mixer.dt_bias}
+        params = {"A": decay_rates(mixer.A_log), "D": mixer.D, "dt_bias": mixer.dt_bias,
+                  "y_dtype": projected.dtype}
     else:
         x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
                                              mixer.head_dim, mixer.n_groups, mixer.ssm_state_size,

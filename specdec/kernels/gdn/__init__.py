@@ -17,8 +17,9 @@ L2NORM_EPS = 1e-6
 
 class GDNOp(SSMOp):
     """Gated DeltaNet: inputs ``q, k [B,T,H,K]`` (normalised; q scaled), ``v [B,T,H,V]``,
-    ``g, beta [B,T,H]``; no params; state ``[H, K, V]``; replay caches ``k, g`` and the
-    corrected value ``u [B,T,H,V]``."""
+    ``g, beta [B,T,H]``; params: optional ``y_dtype`` (a ``torch.dtype``: y comes in it, rounded
+    from fp32; default fp32); state ``[H, K, V]``; replay caches ``k, g`` and the corrected value
+    ``u [B,T,H,V]``."""
 
     name = "gdn"
     replay_keys = ("k", "g", "u")
@@ -35,6 +36,8 @@ class GDNOp(SSMOp):
         y, states, u = self._verify(
             state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states, parents
         )
+        if params.get("y_dtype") is not None:  # (the dtype the caller wants y in: the kernels write it so)
+            y = y.to(params["y_dtype"])
         return y, states, {"k": inputs["k"], "g": inputs["g"], "u": u}
 
     def fold(self, state, replay, params, num_tokens):

@@ -733,6 +733,9 @@ class DeltaRuleKernels(KernelSet):
     """The ``op.kernels`` of the GDN / KDA ops: :class:`specdec.kernels.protocol.RollbackKernels`
     over this module's entry points, with the launch settings of ``launch``.
 
+    ``params``: optional ``y_dtype`` (:meth:`KernelSet.output
+    <specdec.kernels.triton_common.KernelSet.output>`).
+
     Args:
         per_channel: False for GDN (``g [B, T, H]``), True for KDA (``g [B, T, H, K]``); a gate
             of the other shape raises ValueError.
@@ -750,23 +753,25 @@ class DeltaRuleKernels(KernelSet):
             raise ValueError(f"gate g must be {want}, got {tuple(g.shape)}")
         return inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"]
 
-    def _tune(self):
+    def _call(self, inputs, params, out):
+        """A call's keywords: its output (:meth:`KernelSet.output`) and the launch settings."""
         c = self.launch
-        return dict(block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
+        return dict(out=self.output(out, inputs["v"], params), block_v=c.block, num_warps=c.num_warps,
+                    prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
-        return delta_rule_update(state, *self._unpack(inputs), state_indices, out=out, **self._tune())
+        return delta_rule_update(state, *self._unpack(inputs), state_indices, **self._call(inputs, params, out))
 
     def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset, state_indices, parents=parents,
-                                          out=out, **self._tune())
+                                          **self._call(inputs, params, out))
 
     def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
         state_copy_commit(live, buf, num_tokens, state_indices)
 
     def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset, state_indices, parents=parents,
-                                      out=out, **self._tune())
+                                      **self._call(inputs, params, out))
 
     def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
         ring_commit(head, num_tokens, ring_size, state_indices)
@@ -774,8 +779,8 @@ class DeltaRuleKernels(KernelSet):
     def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
                       parents=None, out=None, fold_max=None):
         return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
-                                        state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
-                                        **self._tune())
+                                        state_indices, fused=fused, parents=parents, fold_max=fold_max,
+                                        **self._call(inputs, params, out))
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):
         delta_rule_replay_commit(hist["k"], hist["g"], hist["u"], hist_len, num_tokens, state_indices, max_tokens)

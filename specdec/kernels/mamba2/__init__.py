@@ -13,8 +13,9 @@ __all__ = ["Mamba2Op"]
 
 class Mamba2Op(SSMOp):
     """Mamba-2: inputs ``x [B,T,H,P]``, ``dt [B,T,H]``, ``B``/``C [B,T,G,N]``; params ``A [H]``, ``D [H]``
-    (optional) and ``dt_bias [H]`` (optional: then ``dt`` is the raw projection and the step is
-    ``softplus(dt + dt_bias)`` in fp32, formed by the kernels themselves on the Triton backend);
+    (optional), ``dt_bias [H]`` (optional: then ``dt`` is the raw projection and the step is
+    ``softplus(dt + dt_bias)`` in fp32, formed by the kernels themselves on the Triton backend) and
+    ``y_dtype`` (optional, a ``torch.dtype``: y comes in it, rounded from fp32; default fp32);
     state ``[H, P, N]``; replay caches ``x, dt, B`` (dt softplus'ed)."""
 
     name = "mamba2"
@@ -34,6 +35,8 @@ class Mamba2Op(SSMOp):
         y, states, _ = mamba2_verify(
             state, inputs["x"], dt, params["A"], inputs["B"], inputs["C"], params.get("D"), return_states, parents,
         )
+        if params.get("y_dtype") is not None:  # (the dtype the caller wants y in: the kernels write it so)
+            y = y.to(params["y_dtype"])
         return y, states, {"x": inputs["x"], "dt": dt, "B": inputs["B"]}
 
     def fold(self, state, replay, params, num_tokens):

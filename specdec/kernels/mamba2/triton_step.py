@@ -729,8 +729,9 @@ class Mamba2Kernels(KernelSet):
     over this module's entry points, with the launch settings of ``launch`` (``block`` is BP).
 
     ``inputs``: ``x, dt, B, C``; ``params``: ``A``, optional ``D``, optional ``dt_bias`` (then
-    ``dt`` is the raw projection: see ``dt_bias`` of :func:`mamba2_update`); replay history keys
-    ``x, dt, B`` (dt softplus'ed).
+    ``dt`` is the raw projection: see ``dt_bias`` of :func:`mamba2_update`), optional ``y_dtype``
+    (:meth:`KernelSet.output <specdec.kernels.triton_common.KernelSet.output>`); replay history
+    keys ``x, dt, B`` (dt softplus'ed).
     """
 
     def __init__(self, launch: LaunchConfig = LaunchConfig()):
@@ -740,24 +741,25 @@ class Mamba2Kernels(KernelSet):
     def _unpack(inputs, params):
         return inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D")
 
-    def _tune(self):
+    def _call(self, inputs, params, out):
+        """A call's keywords: its output (:meth:`KernelSet.output`), ``dt_bias`` and the launch settings."""
         c = self.launch
-        return dict(block_p=c.block, num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
+        return dict(out=self.output(out, inputs["x"], params), dt_bias=params.get("dt_bias"), block_p=c.block,
+                    num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
-        return mamba2_update(state, *self._unpack(inputs, params), state_indices, out=out, dt_bias=params.get("dt_bias"),
-                             **self._tune())
+        return mamba2_update(state, *self._unpack(inputs, params), state_indices, **self._call(inputs, params, out))
 
     def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return mamba2_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, state_indices, parents=parents,
-                                      out=out, dt_bias=params.get("dt_bias"), **self._tune())
+                                      **self._call(inputs, params, out))
 
     def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
         state_copy_commit(live, buf, num_tokens, state_indices)
 
     def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
         return mamba2_ring_verify(ring, head, *self._unpack(inputs, params), offset, state_indices, parents=parents,
-                                  out=out, dt_bias=params.get("dt_bias"), **self._tune())
+                                  **self._call(inputs, params, out))
 
     def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
         ring_commit(head, num_tokens, ring_size, state_indices)
@@ -765,8 +767,8 @@ class Mamba2Kernels(KernelSet):
     def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
                       parents=None, out=None, fold_max=None):
         return mamba2_replay_verify(ckpt, hist["x"], hist["dt"], hist["B"], hist_len, *self._unpack(inputs, params),
-                                    offset, state_indices, fused=fused, parents=parents, out=out, fold_max=fold_max,
-                                    dt_bias=params.get("dt_bias"), **self._tune())
+                                    offset, state_indices, fused=fused, parents=parents, fold_max=fold_max,
+                                    **self._call(inputs, params, out))
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):
         mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices, max_tokens)
