@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
+from specdec.kernels.norm import triton_norm  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
@@ -143,7 +144,8 @@ def _intercept(kernel):
 
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
-           triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel):
+           triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
+           triton_norm._gated_rms_norm_kernel):
     _intercept(_k)
 
 
@@ -246,6 +248,15 @@ def conv_variants(quick: bool):
         triton_conv.conv1d_verify_triton(window, x, wt, None, None, 0)
 
 
+def norm_variants(quick: bool):
+    """The Mamba-2 mixers' gated RMSNorm: Nemotron-H-4B's 8 groups of 896 channels (bf16, the gate a
+    slice of the input projection), and unless quick one group of 8,192 channels."""
+    for D, group in ([(7168, 896)] if quick else [(7168, 896), (8192, 8192)]):
+        y = torch.randn(2, 1, D, dtype=torch.bfloat16)
+        gate = torch.randn(2, 1, D + 40, dtype=torch.bfloat16)[..., 8 : 8 + D]
+        triton_norm.gated_rms_norm_triton(y, gate, torch.randn(D, dtype=torch.bfloat16), 1e-5, group)
+
+
 def tree_variants(quick: bool):
     """Tree steps (parents=): Medusa's 16-node "default" tree (nodes unrolled) and, unless quick, its
     64-node tree (a runtime node loop) at the benchmark's head shapes."""
@@ -302,7 +313,7 @@ def main(argv=None) -> int:
     global SASS
     SASS = args.sass
     t0 = time.time()
-    for fn in (delta_rule_variants, mamba2_variants, conv_variants, tree_variants):
+    for fn in (delta_rule_variants, mamba2_variants, conv_variants, norm_variants, tree_variants):
         fn(args.quick)
     if not args.quick:  # the longest step (K = 8): unrolled T = 9 must not spill
         global T_LONG

@@ -38,7 +38,8 @@ def test_triton_backend_exact(family, strategy, monkeypatch):
 def test_triton_plain_steps_commit_the_conv_as_they_run(family, monkeypatch):
     """Plain decoding (K = 0) on the Triton backend equals HF generate, and in a plain step each
     SSM layer's conv is one launch (the verify's, committing the token as it runs): the conv's
-    commit kernel never launches."""
+    commit kernel never launches; a Mamba-2 layer's step is its conv, its recurrence (which forms
+    its own inputs) and its gated norm, one launch each."""
     from helpers import DeviceOps
 
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
@@ -52,6 +53,8 @@ def test_triton_plain_steps_commit_the_conv_as_they_run(family, monkeypatch):
     assert layers and all(layer.plain for layer in sd.last_cache.ssm.values())
     assert ops.triton["_conv1d_verify_kernel"] == 5 * layers, ops.triton  # the 5 steps after the prompt's token
     assert ops.triton["_conv1d_commit_kernel"] == 0, ops.triton
+    if family == "nemotron_h":
+        assert ops.triton["_mamba2_step_kernel"] == ops.triton["_gated_rms_norm_kernel"] == 5 * layers, ops.triton
 
 
 def test_interpreter_asked_for_too_late_is_named():

@@ -29,11 +29,12 @@ from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_sta
 from ..fusion import fusable
 from ..kernels import conv1d_op
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
+from ..kernels.norm import gated_norm_groups, gated_rms_norm
 from ..placement import execution_device
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
 __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "decay_rates",
-           "mamba2_core"]
+           "gated_mamba2_mixer", "gated_norm", "mamba2_core"]
 
 
 @fusable
@@ -209,8 +210,20 @@ PROMPT_LAYERS["mamba2"] = Mamba2PromptLayer
 def gated_mamba2_mixer(mixer, hidden_states, layer):
     """The standard Mamba-2 mixer: core, gated RMSNorm ``norm(y, gate)``, ``out_proj``."""
     y, gate = mamba2_core(mixer, layer, mixer.in_proj(hidden_states))
-    y = mixer.norm(y, gate)
-    return mixer.out_proj(y.to(hidden_states.dtype))
+    return mixer.out_proj(gated_norm(mixer.norm, layer, y, gate).to(hidden_states.dtype))
+
+
+def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``norm(y, gate)``: a step on the Triton backend runs it as one launch
+    (:func:`specdec.kernels.norm.gated_rms_norm`) where the module computes that arithmetic
+    (:func:`~specdec.kernels.norm.gated_norm_groups`) with its weight on y's device in y's dtype."""
+    step = not isinstance(layer, Mamba2PromptLayer) and layer.op.backend == "triton"
+    if (step and not torch.compiler.is_compiling() and norm.weight.dtype == y.dtype
+            and norm.weight.device == y.device):
+        size = gated_norm_groups(norm, y.shape[-1])
+        if size is not None:
+            return gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, size)
+    return norm(y, gate)
 
 
 @register

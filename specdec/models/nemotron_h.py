@@ -9,7 +9,7 @@ by groups; out_proj) follows transformers' ``NemotronHMamba2Mixer``; the recurre
 from __future__ import annotations
 
 from .base import HybridAdapter, register
-from .mamba2 import mamba2_core
+from .mamba2 import gated_mamba2_mixer, mamba2_core
 
 __all__ = ["NemotronHAdapter", "mamba2_core"]
 
@@ -26,6 +26,4 @@ class NemotronHAdapter(HybridAdapter):
         return layer.mixer if getattr(layer, "block_type", None) in ("mamba", "linear_attention") else None
 
     def mixer_forward(self, mixer, hidden_states, layer):
-        y, gate = mamba2_core(mixer, layer, mixer.in_proj(hidden_states))
-        y = mixer.norm(y, gate)
-        return mixer.out_proj(y.to(hidden_states.dtype))
+        return gated_mamba2_mixer(mixer, hidden_states, layer)

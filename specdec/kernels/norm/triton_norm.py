@@ -1,0 +1,59 @@
+"""The gated RMSNorm of :mod:`specdec.kernels.norm` in Triton: one program per (token, group).
+
+Nothing syncs with the host or autotunes; the only allocation is the output (safe in CUDA-graph
+capture once compiled). Arithmetic in fp32, rounded where the modules round: the normalised
+value to y's dtype, then its product with the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import next_pow2, num_warps_for
+
+__all__ = ["gated_rms_norm_triton"]
+
+
+@triton.jit
+def _gated_rms_norm_kernel(y, gate, weight, out, D, stride_ym, stride_gm, eps, GROUP: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_c = i_g * GROUP + tl.arange(0, BLOCK)
+    m_c = tl.arange(0, BLOCK) < GROUP
+    b_y = tl.load(y + i_m * stride_ym + o_c, mask=m_c, other=0.0)
+    b_z = tl.load(gate + i_m * stride_gm + o_c, mask=m_c, other=0.0).to(tl.float32)
+    b_h = b_y.to(tl.float32) * (b_z * tl.sigmoid(b_z))
+    b_h = b_h * tl.rsqrt(tl.sum(b_h * b_h, axis=0) / GROUP + eps)
+    b_h = b_h.to(b_y.dtype).to(tl.float32)  # the modules round the normalised value to y's dtype first
+    b_w = tl.load(weight + o_c, mask=m_c, other=0.0).to(tl.float32)
+    tl.store(out + i_m * D + o_c, (b_w * b_h).to(out.dtype.element_ty), mask=m_c)
+
+
+def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, *,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`specdec.kernels.norm.gated_rms_norm` (its arguments, returns and errors)."""
+    D = y.shape[-1]
+    if gate.shape != y.shape or weight.shape != (D,):
+        raise ValueError(f"expected y and gate [..., D] and weight [D]; got {tuple(y.shape)}, {tuple(gate.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if group_size < 1 or D % group_size:
+        raise ValueError(f"group size {group_size} does not divide the {D} channels")
+    if weight.dtype != y.dtype:
+        raise ValueError(f"weight must be in y's dtype {y.dtype}, got {weight.dtype}")
+    y2, g2 = y.reshape(-1, D), gate.reshape(-1, D)  # (views where the rows are strided, as slices are)
+    y2, g2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (y2, g2))
+    if out is None:
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    elif out.shape != y.shape or out.dtype != y.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(y.shape)} {y.dtype} tensor")
+    M = y2.shape[0]
+    if M == 0:
+        return out
+    block = next_pow2(group_size)
+    _gated_rms_norm_kernel[(M, D // group_size)](
+        y2, g2, weight.contiguous(), out, D, y2.stride(0), g2.stride(0), float(eps),
+        GROUP=group_size, BLOCK=block, num_warps=num_warps_for(block, 8),
+    )
+    return out

@@ -1,0 +1,102 @@
+"""The gated RMSNorm of the Mamba-2 families' mixers (:mod:`specdec.kernels.norm`): its torch form
+against each transformers class it stands for, the Triton kernel against that form (Triton's
+interpreter at tiny sizes; compiled with ``SPECDEC_TEST_CUDA=1``), on fresh random inputs with
+the gate a slice of a wider projection as the layers pass it, outputs poisoned first and the
+inputs checked untouched; classes it does not stand for are left to their own forward."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from helpers import rel_err
+from markers import ON_CUDA, needs_triton_interpreter
+
+from specdec.kernels.norm import gated_norm_groups, gated_rms_norm, gated_rms_norm_reference
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+pytestmark = needs_triton_interpreter if not ON_CUDA else []
+
+#: (transformers module, class, constructor keywords besides the width, the group size it normalises by)
+CLASSES = [
+    ("mamba2", "MambaRMSNormGated", {}, None),
+    ("bamba", "BambaRMSNormGated", {}, None),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", {}, None),
+    ("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 12),
+]
+
+
+def _norm(module, cls, kwargs, D, dtype, seed):
+    norm = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)(D, **kwargs)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=torch.Generator().manual_seed(seed)))
+    return norm.to(DEVICE, dtype)
+
+
+def _inputs(B, t, D, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(B, t, D, generator=gen).to(DEVICE, dtype)
+    proj = torch.randn(B, t, D + 9, generator=gen).mul(2).to(DEVICE, dtype)
+    return y, proj[..., 5 : 5 + D]  # the gate: a slice of the input projection's output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("module, cls, kwargs, group", CLASSES, ids=[c[1] for c in CLASSES])
+def test_kernel_and_reference_are_the_module(module, cls, kwargs, group, dtype):
+    """The torch form equals the module's forward bit for bit; the kernel equals it within fp32
+    rounding (bf16: within one unit in the last place of the output, the interpreter may truncate
+    where the GPU rounds); the group size is the class's."""
+    D, B, t = 48, 3, 2
+    norm = _norm(module, cls, kwargs, D, dtype, seed=1)
+    y, gate = _inputs(B, t, D, dtype, seed=2)
+    before = (y.clone(), gate.clone())
+    size = gated_norm_groups(norm, D)
+    assert size == (group or D)
+    with torch.no_grad():
+        want = norm(y, gate)
+    ref = gated_rms_norm_reference(y, gate, norm.weight, norm.variance_epsilon, size)
+    assert ref.dtype == want.dtype and torch.equal(ref, want)
+    out = torch.full_like(y, float("nan"))
+    got = gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, size, out=out)
+    assert got is out and not got.isnan().any()
+    if dtype == torch.float32:
+        assert rel_err(got, want) < 1e-6
+    else:
+        ulp = want.float().abs() * 2.0 ** -7 * 2  # (two roundings: the normalised value, then the product)
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
+    assert torch.equal(y, before[0]) and torch.equal(gate, before[1])
+
+
+def test_rows_of_any_layout():
+    """Inputs whose rows are not contiguous are read from a copy: the same outputs."""
+    y, gate = _inputs(3, 2, 48, torch.float32, seed=5)
+    w = torch.randn(48, device=DEVICE)
+    want = gated_rms_norm(y, gate, w, 1e-6, 12)
+    y_t = y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, channels 2 apart
+    assert torch.equal(gated_rms_norm(y_t, gate[..., :].contiguous(), w, 1e-6, 12), want)
+
+
+def test_other_norms_are_left_to_their_forward():
+    """A gated norm of another arithmetic (Falcon-H1's, whose gate may come after the norm), any
+    other module, and a group size that does not divide the channels give None."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+
+    assert gated_norm_groups(FalconH1RMSNormGated(48, n_groups=2), 48) is None
+    assert gated_norm_groups(torch.nn.LayerNorm(48), 48) is None
+    assert gated_norm_groups(_norm("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 48, torch.float32, 3), 50) is None
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "gate": a["gate"][:, :1]}, "expected y and gate"),
+    (lambda a: {**a, "weight": a["weight"][:4]}, "expected y and gate"),
+    (lambda a: {**a, "group_size": 7}, "does not divide"),
+    (lambda a: {**a, "weight": a["weight"].double()}, "weight must be"),
+    (lambda a: {**a, "out": torch.empty(3, 2, 48, dtype=torch.float64, device=DEVICE)}, "out must be"),
+])
+def test_bad_input_is_named(change, match):
+    y, gate = _inputs(3, 2, 48, torch.float32, seed=4)
+    args = change({"y": y, "gate": gate, "weight": torch.randn(48, device=DEVICE), "eps": 1e-6, "group_size": 12})
+    with pytest.raises(ValueError, match=match):
+        gated_rms_norm(**args)
