@@ -34,6 +34,7 @@ import contextlib
 
 import torch
 
+from .fusion import fusable
 from .kernels import SSMOp, backend, conv1d_op
 from .kernels.conv1d import new_conv_window
 from .kernels.kv import write_kv
@@ -41,6 +42,24 @@ from .kernels.slots import to_slots
 from .rollback import RollbackStrategy
 
 __all__ = ["HybridCache", "SSMLayerCache"]
+
+
+@fusable
+def _chain_mask(seq_len: torch.Tensor, pad: torch.Tensor, offset: int, t: int, end: int, dtype) -> torch.Tensor:
+    """:meth:`HybridCache.attention_mask` of a chain step (element-wise: one kernel on the CUDA-graph
+    path, ~10 eagerly): ``[B, 1, t, end]``, 0 where ``pad[b] <= c <= seq_len[b] + offset + j``, else
+    the dtype's lowest value."""
+    cols = torch.arange(end, device=seq_len.device)[None, None, :]
+    last = (seq_len[:, None] + offset + torch.arange(t, device=seq_len.device)[None, :])[:, :, None]
+    visible = (cols >= pad[:, None, None]) & (cols <= last)
+    mask = torch.zeros(seq_len.shape[0], 1, t, end, dtype=dtype, device=seq_len.device)
+    return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+
+
+@fusable
+def _chain_positions(seq_len: torch.Tensor, pad: torch.Tensor, offset: int, t: int) -> torch.Tensor:
+    """:meth:`HybridCache.position_ids` of a chain step: ``seq_len - pad + offset + j``, ``[B, t]``."""
+    return seq_len[:, None] - pad[:, None] + offset + torch.arange(t, device=seq_len.device)[None, :]
 
 
 class SSMLayerCache:
@@ -242,13 +261,9 @@ class HybridCache:
         """Additive mask ``[B, 1, t, end]``: step token j of row b sees ``pad[b] <= c <= seq_len[b] + offset + j``;
         in tree mode node j sees the committed columns and the columns of its ancestors and itself."""
         end = self.kv_end(t)
-        cols = torch.arange(end, device=self.device)[None, None, :]
         if self.tree is not None:
             return self._tree_mask(t, end, dtype)
-        last = (self.seq_len[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :])[:, :, None]
-        visible = (cols >= self.pad[:, None, None]) & (cols <= last)
-        mask = torch.zeros(self.batch, 1, t, end, dtype=dtype, device=self.device)
-        return mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+        return _chain_mask(self.seq_len, self.pad, self.step_tokens, t, end, dtype)
 
     def _tree_mask(self, t: int, end: int, dtype) -> torch.Tensor:
         spec = self.tree
@@ -290,7 +305,7 @@ class HybridCache:
         committed length plus its depth)."""
         if self.tree is not None:
             return (self.seq_len - self.pad)[:, None] + self.tree.tensors(self.device)["depth"][None, :t]
-        return self.seq_len[:, None] - self.pad[:, None] + self.step_tokens + torch.arange(t, device=self.device)[None, :]
+        return _chain_positions(self.seq_len, self.pad, self.step_tokens, t)
 
     # --- HF Cache API bits that model code may query -------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -13,7 +13,8 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   on the Triton backend, eagerly too, a Gated DeltaNet step's run as one Triton kernel of their
   own instead, :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, and a Mamba-2 step's
   kernels form theirs from the raw projections, ``dt_bias`` of
-  :func:`specdec.kernels.mamba2.triton_step.mamba2_update`), and
+  :func:`specdec.kernels.mamba2.triton_step.mamba2_update`) and a chain step's attention mask
+  and positions (``specdec.cache``; ~10 element-wise kernels eagerly, one compiled), and
 * the rotary embedding function attention layers call between their projections
   (``apply_rotary_pos_emb``, the name every transformers modeling file gives it; ~12 element-wise
   kernels per layer eagerly: slices, a negation, two concatenations, products and sums), looked

@@ -636,3 +636,26 @@ def test_fusable_is_compiled_only_inside_this_threads_fused_blocks(monkeypatch):
     finally:
         release.set()
         t.join()
+
+
+def test_step_mask_and_positions_compiled_equal_eager():
+    """A chain step's attention mask and positions (one fused kernel on the CUDA-graph path) equal
+    the eager ones, for rows with padding and committed lengths that differ, a later call of a
+    step (offset > 0) and several widths; compiled inside a ``fused`` block (Inductor on the CPU
+    here)."""
+    from specdec import fusion
+    from specdec.cache import _chain_mask, _chain_positions
+
+    gen = torch.Generator().manual_seed(4)
+    pad = torch.randint(0, 4, (3,), generator=gen)
+    seq_len = pad + torch.randint(1, 9, (3,), generator=gen)
+    for offset, t, end, dtype in ((0, 1, 16, torch.float32), (2, 3, 20, torch.bfloat16), (0, 5, 16, torch.float32)):
+        want = (_chain_mask(seq_len, pad, offset, t, end, dtype), _chain_positions(seq_len, pad, offset, t))
+        cols = torch.arange(end)[None, None, :]
+        last = (seq_len[:, None, None] + offset + torch.arange(t)[None, :, None])
+        visible = (cols >= pad[:, None, None]) & (cols <= last)
+        assert torch.equal(want[0][:, 0] == 0, visible) and want[0].dtype == dtype
+        assert torch.equal(want[1], (seq_len - pad)[:, None] + offset + torch.arange(t)[None, :])
+        with fusion.fused(None):
+            got = (_chain_mask(seq_len, pad, offset, t, end, dtype), _chain_positions(seq_len, pad, offset, t))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
