@@ -6,9 +6,10 @@ kernels, each SSM mixer's input preparation (gates, L2 norms, dtype casts) anoth
 a CUDA graph every kernel still costs a few microseconds, so the step becomes kernel-count
 bound. While the static decoder captures its graphs, :func:`fused` swaps
 
-* the ``forward`` of every RMSNorm-like and MLP module of the model for ``torch.compile``'d
-  versions of their own class's ``forward`` (one compiled graph per class, shared by all
-  layers: Inductor fuses the element-wise chains into one Triton kernel each), and
+* the ``forward`` of every RMSNorm-like, MLP and rotary-embedding module of the model for
+  ``torch.compile``'d versions of their own class's ``forward`` (one compiled graph per class,
+  shared by all layers: Inductor fuses the element-wise chains into one Triton kernel each; a
+  rotary embedding's cos / sin, ~10 kernels eagerly, once per step), and
 * the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`;
   on the Triton backend, eagerly too, a Gated DeltaNet step's run as one Triton kernel of their
   own instead, :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, and a Mamba-2 step's
@@ -110,7 +111,7 @@ def fusable(fn):
 
 
 def _is_fusable_class(mod: torch.nn.Module) -> bool:
-    return type(mod).__name__.endswith(("RMSNorm", "RMSNormGated", "MLP"))
+    return type(mod).__name__.endswith(("RMSNorm", "RMSNormGated", "MLP", "RotaryEmbedding"))
 
 
 def _is_fusable_module(mod: torch.nn.Module) -> bool:
