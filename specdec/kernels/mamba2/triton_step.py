@@ -77,27 +77,32 @@ __all__ = [
 ]
 
 @triton.jit
-def _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n, m_p, m_n,
-               P: tl.constexpr, N: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
-    # token j's x and B for head i_h (group i_g), in their own dtype (converted to fp32 at use), and
-    # its dt: as given, or (DT_BIAS: the raw projection) softplus(dt + dt_bias) in fp32, as
-    # mamba2_step_inputs forms it; x, dt, Bm point at the row's token 0
+def _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, i_h, i_g, o_p, o_n, m_p, m_n, P: tl.constexpr,
+               N: tl.constexpr):
+    # token j's x, dt and B for head i_h (group i_g), as stored (formed at use: _step_dt, fp32); x, dt,
+    # Bm point at the row's token 0. Loads only: a program requests its inputs before any arithmetic
     b_x = tl.load(x + j * stride_xt + i_h * P + o_p, mask=m_p, other=0.0)
     b_dt = tl.load(dt + j * stride_dt + i_h)
-    if DT_BIAS:
-        b_dt = softplus(b_dt.to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32), threshold, ACCURATE)
     b_B = tl.load(Bm + j * stride_bt + i_g * N + o_n, mask=m_n, other=0.0)
     return b_x, b_dt, b_B
 
 
 @triton.jit
-def _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias, threshold, i_h, i_g, o_p,
-                  o_n, m_p, m_n, P: tl.constexpr, N: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
+def _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, i_h, i_g, o_p, o_n, m_p, m_n,
+                  P: tl.constexpr, N: tl.constexpr):
     # token j's inputs (_token_xdB, and C)
-    b_x, b_dt, b_B = _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n,
-                                m_p, m_n, P, N, DT_BIAS, ACCURATE)
+    b_x, b_dt, b_B = _token_xdB(x, dt, Bm, j, stride_xt, stride_dt, stride_bt, i_h, i_g, o_p, o_n, m_p, m_n, P, N)
     b_C = tl.load(Cm + j * stride_ct + i_g * N + o_n, mask=m_n, other=0.0)
     return b_x, b_dt, b_B, b_C
+
+
+@triton.jit
+def _step_dt(a_d, b_dtb, threshold, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
+    # a token's step in fp32: dt as given, or (DT_BIAS: the raw projection) softplus(dt + dt_bias), as
+    # transformers' decode step forms it (b_dtb: the head's dt_bias in fp32)
+    if DT_BIAS:
+        return softplus(a_d.to(tl.float32) + b_dtb, threshold, ACCURATE)
+    return a_d.to(tl.float32)
 
 
 @triton.jit
@@ -148,7 +153,7 @@ def _fold_cached(b_h, h_x, h_dt, h_B, base, cnt, b_A, i_h, i_g, o_p, o_n, m_p, m
 
 
 @triton.jit
-def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold, b_A,
+def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb, threshold, b_A,
                        p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n,
                        m_pn, P: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr, META_W: tl.constexpr,
                        RUNTIME_LOOP: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
@@ -177,39 +182,38 @@ def _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stri
             if RUNTIME_LOOP:
                 for i_a in range(META_W - 2):  # a loop at run time (range, not static_range)
                     if i_a < n_anc:
-                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb,
                                                threshold, b_A, j, i_a, i_h, i_g, o_p, o_n, m_p, m_n, P, N, META_W,
                                                DT_BIAS, ACCURATE)
             else:
                 for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
                     if i_a < n_anc:
-                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                        b_h = _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb,
                                                threshold, b_A, j, i_a, i_h, i_g, o_p, o_n, m_p, m_n, P, N, META_W,
                                                DT_BIAS, ACCURATE)
     return b_h
 
 
 @triton.jit
-def _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold, b_A, j, i_a, i_h, i_g,
+def _ancestor_update(b_h, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb, threshold, b_A, j, i_a, i_h, i_g,
                      o_p, o_n, m_p, m_n, P: tl.constexpr, N: tl.constexpr, META_W: tl.constexpr,
                      DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
     # replay's rebuild of a parent state: apply ancestor i_a of node j (root first)
     a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
-    r_x, r_dt, r_B = _token_xdB(x, dt, Bm, a_t, stride_xt, stride_dt, stride_bt, dt_bias, threshold, i_h, i_g, o_p, o_n,
-                                m_p, m_n, P, N, DT_BIAS, ACCURATE)
-    r_x, r_dt, r_B = r_x.to(tl.float32), r_dt.to(tl.float32), r_B.to(tl.float32)
+    r_x, r_dt, r_B = _token_xdB(x, dt, Bm, a_t, stride_xt, stride_dt, stride_bt, i_h, i_g, o_p, o_n, m_p, m_n, P, N)
+    r_x, r_dt, r_B = r_x.to(tl.float32), _step_dt(r_dt, b_dtb, threshold, DT_BIAS, ACCURATE), r_B.to(tl.float32)
     return b_h * tl.exp(r_dt * b_A) + r_x[:, None] * (r_dt * r_B)[None, :]
 
 
 @triton.jit
-def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB, i_n, i_b, i_p,
-                  i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn,
-                  T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
-                  MODE: tl.constexpr, HAS_D: tl.constexpr):
+def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, b_dtb, threshold, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB,
+                  i_n, i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n, o_pn, m_p,
+                  m_n, m_pn, T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                  MODE: tl.constexpr, HAS_D: tl.constexpr, DT_BIAS: tl.constexpr, ACCURATE: tl.constexpr):
     # token j of the call: the SSM update of the state block, its output, and the per-token write of
-    # the strategy (SNAPSHOT / RING: the state; REPLAY: the token's x, dt and B)
+    # the strategy (SNAPSHOT / RING: the state; REPLAY: the token's x, dt (its step) and B)
     b_x = a_x.to(tl.float32)
-    b_dt = a_d.to(tl.float32)
+    b_dt = _step_dt(a_d, b_dtb, threshold, DT_BIAS, ACCURATE)
     b_B = a_B.to(tl.float32)
     b_C = a_C.to(tl.float32)
     b_h = b_h * tl.exp(b_dt * b_A) + b_x[:, None] * (b_dt * b_B)[None, :]
@@ -226,7 +230,7 @@ def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B
         pos = pos0 + j
         tl.store(p_hx + pos * H * P + i_h * P + o_p, a_x.to(h_x.dtype.element_ty), mask=m_p)
         if i_p == 0:  # dt is per head, B per group: one program of each writes them
-            tl.store(p_hdt + pos * H + i_h, a_d.to(h_dt.dtype.element_ty))
+            tl.store(p_hdt + pos * H + i_h, b_dt.to(h_dt.dtype.element_ty))
             if i_h % (H // G) == 0:
                 tl.store(p_hB + pos * G * N + i_g * N + o_n, a_B.to(h_B.dtype.element_ty), mask=m_n)
     return b_h
@@ -312,8 +316,8 @@ def _mamba2_step_kernel(
     tC = ()
     for j in tl.static_range(PREFETCH):
         if j < T:
-            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias,
-                                               threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N, DT_BIAS, ACCURATE)
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, i_h, i_g,
+                                               o_p, o_n, m_p, m_n, P, N)
             tx = tx + (a_x,)
             td = td + (a_d,)
             tB = tB + (a_B,)
@@ -323,6 +327,9 @@ def _mamba2_step_kernel(
     b_D = b_A * 0.0
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
+    b_dtb = b_A * 0.0
+    if DT_BIAS:
+        b_dtb = tl.load(dt_bias + i_h).to(tl.float32)
 
     i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
@@ -371,33 +378,34 @@ def _mamba2_step_kernel(
 
     if TREE_LOOP:  # a large tree: one node loop at run time (no unrolling, no input lookahead)
         for j in range(T):
-            b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias, threshold,
+            b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb, threshold,
                                      b_A, p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n, stride_dst_t, o_p, o_n,
                                      o_pn, m_p, m_n, m_pn, P, N, MODE, META_W, True, DT_BIAS, ACCURATE)
-            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, dt_bias,
-                                               threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N, DT_BIAS, ACCURATE)
-            b_h = _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt, p_hB, i_n,
-                                i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_p, o_n,
-                                o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D)
+            a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j, stride_xt, stride_dt, stride_bt, stride_ct, i_h, i_g,
+                                               o_p, o_n, m_p, m_n, P, N)
+            b_h = _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, b_dtb, threshold, j, y, s_dst, h_x, h_dt, h_B, p_hx,
+                                p_hdt, p_hB, i_n, i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n,
+                                stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D, DT_BIAS,
+                                ACCURATE)
     else:
         for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
             if TREE:
                 if j > 0:
-                    b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, dt_bias,
+                    b_h = _tree_parent_state(b_h, b_h0, j, tree, x, dt, Bm, stride_xt, stride_dt, stride_bt, b_dtb,
                                              threshold, b_A, p_h0, s_dst, i_n, i_h, i_g, i_head, R, stride_dst_n,
                                              stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, P, N, MODE, META_W, False,
                                              DT_BIAS, ACCURATE)
             if j + PREFETCH < T:
                 a_x, a_d, a_B, a_C = _token_inputs(x, dt, Bm, Cm, j + PREFETCH, stride_xt, stride_dt, stride_bt,
-                                                   stride_ct, dt_bias, threshold, i_h, i_g, o_p, o_n, m_p, m_n, P, N,
-                                                   DT_BIAS, ACCURATE)
+                                                   stride_ct, i_h, i_g, o_p, o_n, m_p, m_n, P, N)
                 tx = tx + (a_x,)
                 td = td + (a_d,)
                 tB = tB + (a_B,)
                 tC = tC + (a_C,)
-            b_h = _token_update(b_h, tx[j], td[j], tB[j], tC[j], b_A, b_D, j, y, s_dst, h_x, h_dt, h_B, p_hx, p_hdt,
-                                p_hB, i_n, i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n, stride_dst_t,
-                                o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D)
+            b_h = _token_update(b_h, tx[j], td[j], tB[j], tC[j], b_A, b_D, b_dtb, threshold, j, y, s_dst, h_x, h_dt, h_B,
+                                p_hx, p_hdt, p_hB, i_n, i_b, i_p, i_h, i_g, i_head, offset, pos0, R, stride_dst_n,
+                                stride_dst_t, o_p, o_n, o_pn, m_p, m_n, m_pn, T, H, P, N, G, MODE, HAS_D, DT_BIAS,
+                                ACCURATE)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
