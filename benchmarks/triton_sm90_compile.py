@@ -224,8 +224,8 @@ def mamba2_variants(quick: bool):
     dt_bias = torch.randn(H, dtype=dt_)
     has_libdevice, m2.has_libdevice = m2.has_libdevice, lambda device: True  # as on a GPU: libdevice's exp
     try:
-        m2.mamba2_update(s, xr, dtr, A, Br, Cr, D, dt_bias=dt_bias)
-        m2.mamba2_replay_verify(s, hx, hdt, hB, hl, xr, dtr, A, Br, Cr, D, 0, fused=True, dt_bias=dt_bias)
+        m2.mamba2_update(s, xr, dtr, None, Br, Cr, D, dt_bias=dt_bias, A_log=A)
+        m2.mamba2_replay_verify(s, hx, hdt, hB, hl, xr, dtr, None, Br, Cr, D, 0, fused=True, dt_bias=dt_bias, A_log=A)
     finally:
         m2.has_libdevice = has_libdevice
     if not quick:  # no lookahead: each token's loads after the previous token's barriers

@@ -137,14 +137,16 @@ def mamba2_inputs(Bt, T, H, G, P, N, dtype, seed):
 
 def _mamba2_run(mode, raw, x, dt, Bm, Cm, A, D, dt_bias, H, G, S_shape, gen):
     """One call of the step kernel of ``mode`` from fresh random stores, on the layer's views (``raw``:
-    dt the raw projection, ``dt_bias`` given) or on ``_mamba2_inputs``'s prepared fp32 tensors;
-    returns ``(y, every store tensor the call may write)``. The stores come from ``gen``."""
+    dt the raw projection with ``dt_bias``, ``A`` the layer's A_log) or on ``_mamba2_inputs``'s
+    prepared fp32 tensors; returns ``(y, every store tensor the call may write)``. The stores come
+    from ``gen``."""
     from specdec.kernels.mamba2 import triton_step as m2
 
     Bt, T = x.shape[:2]
     P, N = x.shape[-1] // H, Bm.shape[-1] // G
     x4, B4, C4 = x.view(Bt, T, H, P), Bm.view(Bt, T, G, N), Cm.view(Bt, T, G, N)
-    kw = dict(dt_bias=dt_bias) if raw else {}
+    kw = dict(dt_bias=dt_bias, A_log=A) if raw else {}
+    A = None if raw else A
     y = torch.full((Bt, T, H, P), float("nan"), device=DEVICE)
     state = torch.randn(Bt, *S_shape, generator=gen).to(DEVICE)
     parents = (-1, 0, 0, 1, 2)[:T] if mode.endswith("tree") else None
@@ -173,22 +175,19 @@ def _mamba2_run(mode, raw, x, dt, Bm, Cm, A, D, dt_bias, H, G, S_shape, gen):
                                   "replay_fused_tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mamba2_step_kernels_form_their_inputs(mode, dtype):
-    """Given the layer's views of its conv output and raw ``dt`` with ``dt_bias``, every step kernel
-    (each strategy's, chains and trees) computes what it computes from ``_mamba2_inputs``'s prepared
-    fp32 inputs (the torch backend's path): outputs and every store it writes (replay's cached dt
-    is the softplus'ed step), within the rounding of the two softplus implementations; the inputs
-    are read in place and left untouched bit for bit."""
-    from specdec.models.mamba2 import decay_rates
-
+    """Given the layer's views of its conv output, raw ``dt`` with ``dt_bias`` and ``A_log``, every
+    step kernel (each strategy's, chains and trees) computes what it computes from
+    ``_mamba2_inputs``'s prepared fp32 inputs (the torch backend's path): outputs and every store it
+    writes (replay's cached dt is the softplus'ed step), within the rounding of the two softplus
+    and exp implementations; the inputs are read in place and left untouched bit for bit."""
     Bt, T, H, G, P, N = 3, 5 if mode.endswith("tree") else 4, 4, 2, 8, 16
     inputs = mamba2_inputs(Bt, T, H, G, P, N, dtype, seed=7)
     x, dt, Bm, Cm, dt_bias, A_log, D = inputs
     before = [t.clone() for t in inputs]
-    A = decay_rates(A_log)
     prepared = _mamba2_inputs(x, dt, Bm, Cm, dt_bias, A_log, D, H, P, G, N, torch.float32)
-    want = _mamba2_run(mode, False, *(t.reshape(Bt, T, -1) for t in prepared[:4]), A, prepared[5], None, H, G,
-                       (H, P, N), torch.Generator().manual_seed(1))
-    got = _mamba2_run(mode, True, x, dt, Bm, Cm, A, D, dt_bias, H, G, (H, P, N), torch.Generator().manual_seed(1))
+    want = _mamba2_run(mode, False, *(t.reshape(Bt, T, -1) for t in prepared[:4]), prepared[4], prepared[5], None, H,
+                       G, (H, P, N), torch.Generator().manual_seed(1))
+    got = _mamba2_run(mode, True, x, dt, Bm, Cm, A_log, D, dt_bias, H, G, (H, P, N), torch.Generator().manual_seed(1))
     for i, (g, w) in enumerate(zip((got[0], *got[1]), (want[0], *want[1]))):
         assert not g.isnan().any(), f"{mode}: output {i} not fully written"
         assert rel_err(g, w) < 1e-6, (mode, i, rel_err(g, w))
@@ -199,14 +198,13 @@ def test_mamba2_softplus_keeps_nan():
     """A NaN in ``dt + dt_bias`` stays NaN in that head's step (as torch's softplus keeps it) and
     in its outputs; no other head's output changes."""
     from specdec.kernels.mamba2 import triton_step as m2
-    from specdec.models.mamba2 import decay_rates
 
     x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(1, 2, 4, 2, 8, 16, torch.float32, seed=12)
-    args = lambda: (torch.zeros(1, 4, 8, 16, device=DEVICE), x.view(1, 2, 4, 8), dt, decay_rates(A_log),
-                    Bm.view(1, 2, 2, 16), Cm.view(1, 2, 2, 16), D)
-    clean = m2.mamba2_update(*args(), dt_bias=dt_bias)
+    args = lambda: (torch.zeros(1, 4, 8, 16, device=DEVICE), x.view(1, 2, 4, 8), dt, None, Bm.view(1, 2, 2, 16),
+                    Cm.view(1, 2, 2, 16), D)
+    clean = m2.mamba2_update(*args(), dt_bias=dt_bias, A_log=A_log)
     dt[0, 0, 3] = float("nan")
-    got = m2.mamba2_update(*args(), dt_bias=dt_bias)
+    got = m2.mamba2_update(*args(), dt_bias=dt_bias, A_log=A_log)
     assert got[0, :, 3].isnan().all() and not got[0, :, :3].isnan().any()
     assert torch.equal(got[0, :, :3], clean[0, :, :3])
 
@@ -220,19 +218,15 @@ def test_mamba2_bad_dt_bias_is_named():
                          Bm.view(2, 3, 2, 16), Cm.view(2, 3, 2, 16), D, dt_bias=dt_bias[:2])
 
 
-def test_decay_rates_are_kept_until_the_parameter_changes():
-    """``decay_rates`` is -exp(A_log) in fp32 (as transformers' step), the same tensor while A_log is
-    unchanged, and recomputed after an in-place change or a cast."""
-    from specdec.models.mamba2 import decay_rates
+def test_mamba2_decay_given_once():
+    """The decay comes as ``A`` or as ``A_log``, exactly one of them."""
+    from specdec.kernels.mamba2 import triton_step as m2
 
-    A_log = torch.nn.Parameter(torch.randn(6))
-    A = decay_rates(A_log)
-    assert torch.equal(A, -torch.exp(A_log.detach().float())) and decay_rates(A_log) is A
-    with torch.no_grad():
-        A_log.mul_(0.5)
-    assert torch.equal(decay_rates(A_log), -torch.exp(A_log.detach().float()))
-    A_log.data = A_log.data.to(torch.bfloat16)
-    assert torch.equal(decay_rates(A_log), -torch.exp(A_log.detach().float()))
+    x, dt, Bm, Cm, dt_bias, A_log, D = mamba2_inputs(2, 3, 4, 2, 8, 16, torch.float32, seed=6)
+    args = (torch.zeros(2, 4, 8, 16, device=DEVICE), x.view(2, 3, 4, 8), dt)
+    for A, log in ((None, None), (-A_log.exp(), A_log)):
+        with pytest.raises(ValueError, match="A or as A_log"):
+            m2.mamba2_update(*args, A, Bm.view(2, 3, 2, 16), Cm.view(2, 3, 2, 16), D, dt_bias=dt_bias, A_log=log)
 
 
 _BUILD_FOR_HOPPER = """

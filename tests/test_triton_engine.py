@@ -57,6 +57,33 @@ def test_triton_plain_steps_commit_the_conv_as_they_run(family, monkeypatch):
         assert ops.triton["_mamba2_step_kernel"] == ops.triton["_gated_rms_norm_kernel"] == 5 * layers, ops.triton
 
 
+def test_triton_steps_follow_weights_changed_in_place(monkeypatch):
+    """A Mamba-2 step on the Triton backend reads the layer's A_log at every call: after it changes in
+    place (as a loader's ``param.data.copy_`` does, which moves no version counter), the next
+    call's committed states equal the torch backend's with the new weights, and its tokens HF's."""
+    import copy
+
+    model = copy.deepcopy(get_model("nemotron_h", "small"))
+    ids, mask = ragged_prompts()
+    mixers = [m for m in model.modules() if hasattr(m, "A_log")]
+    assert mixers
+
+    def run(backend):
+        monkeypatch.setenv("SPECDEC_BACKEND", backend)
+        sd = specdec.wrap(model, num_speculative_tokens=0, decode_path="eager")
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+        return out, [layer.ssm_state().clone() for layer in sd.last_cache.ssm.values()]
+
+    for value in (-3.0, 3.0):
+        with torch.no_grad():
+            for m in mixers:
+                m.A_log.data.copy_(torch.full_like(m.A_log, value))
+        (out, states), (_, want) = run("triton"), run("torch")
+        assert torch.equal(out, hf_greedy(model, ids, mask, 6)), value
+        for s, w in zip(states, want):
+            torch.testing.assert_close(s, w, rtol=1e-4, atol=1e-6)
+
+
 def test_interpreter_asked_for_too_late_is_named():
     """Triton kernels for a CPU tensor need the interpreter, which only takes effect for kernels
     defined after it is on: once triton is imported without it (whether it is set later or not),

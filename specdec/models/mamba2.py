@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils.weak
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
@@ -33,8 +32,8 @@ from ..kernels.norm import gated_norm_groups, gated_rms_norm
 from ..placement import execution_device
 from .base import PROMPT_LAYERS, HybridAdapter, register
 
-__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "decay_rates",
-           "gated_mamba2_mixer", "gated_norm", "mamba2_core"]
+__all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "gated_mamba2_mixer",
+           "gated_norm", "mamba2_core"]
 
 
 @fusable
@@ -66,12 +65,11 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     prompt = isinstance(layer, Mamba2PromptLayer)
     if not prompt and layer.op.backend == "triton" and not torch.compiler.is_compiling():
         # a step: the step kernel reads x, B and C where the conv wrote them, forms dt = softplus(dt +
-        # dt_bias) itself and writes y in the model's dtype (params' dt_bias and y_dtype:
-        # specdec.kernels.mamba2.Mamba2Op), so neither the inputs nor y's cast need a launch
+        # dt_bias) and A = -exp(A_log) itself and writes y in the model's dtype (params' dt_bias, A_log
+        # and y_dtype: specdec.kernels.mamba2.Mamba2Op), so neither the inputs nor y's cast need a launch
         H, G = mixer.num_heads, mixer.n_groups
         inputs = {"x": x.view(B, t, H, -1), "dt": dt, "B": Bm.view(B, t, G, -1), "C": Cm.view(B, t, G, -1)}
-        params = {"A": decay_rates(mixer.A_log), "D": mixer.D, "dt_bias": mixer.dt_bias,
-                  "y_dtype": projected.dtype}
+        params = {"A_log": mixer.A_log, "D": mixer.D, "dt_bias": mixer.dt_bias, "y_dtype": projected.dtype}
     else:
         x, dt, Bm, Cm, A, D = _mamba2_inputs(x, dt, Bm, Cm, mixer.dt_bias, mixer.A_log, mixer.D, mixer.num_heads,
                                              mixer.head_dim, mixer.n_groups, mixer.ssm_state_size,
@@ -79,26 +77,6 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
         inputs, params = {"x": x, "dt": dt, "B": Bm, "C": Cm}, {"A": A, "D": D}
     y = layer.ssm(inputs, params)
     return y.reshape(B, t, -1).to(projected.dtype), gate
-
-
-#: A = -exp(A_log) of each Mamba-2 layer's A_log, kept with the parameter's version and storage
-_DECAY_RATES = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def decay_rates(A_log: torch.Tensor) -> torch.Tensor:
-    """``A = -exp(A_log)`` ``[H]`` fp32, as transformers' decode step computes it, kept per
-    parameter: a step on the Triton backend launches no kernel for it. Computed again when
-    ``A_log`` changes (in place, its version counter; moved or cast, its storage). Inside a CUDA-graph
-    capture a missing value is computed as a kernel of the graph, not kept."""
-    key = (A_log._version, A_log.data_ptr(), A_log.dtype, A_log.device)
-    kept = _DECAY_RATES.get(A_log)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    with torch.no_grad():
-        A = -torch.exp(A_log.float())
-    if not (A_log.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _DECAY_RATES[A_log] = (key, A)
-    return A
 
 
 class Mamba2PromptLayer:

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..protocol import LaunchConfig
+from . import decay
 from ..triton_common import (
     OVERWRITE,
     REPLAY,
@@ -46,6 +47,7 @@ from ..triton_common import (
     SNAPSHOT,
     SOFTPLUS_THRESHOLD,
     KernelSet,
+    exp_f32,
     check_history,
     check_state,
     check_state_indices,
@@ -240,7 +242,7 @@ def _token_update(b_h, a_x, a_d, a_B, a_C, b_A, b_D, b_dtb, threshold, j, y, s_d
 def _mamba2_step_kernel(
     x,  # [B, T, H, P], each token's H * P contiguous (batch / token strides below)
     dt,  # [B, T, H], each token's H contiguous: softplus'ed, or (DT_BIAS) the raw projection
-    A,  # [H]
+    A,  # [H]: A, or (A_LOG) A_log
     Bm,  # [B, T, G, N], each token's G * N contiguous
     Cm,  # [B, T, G, N], each token's G * N contiguous
     D,  # [H] (HAS_D)
@@ -294,7 +296,8 @@ def _mamba2_step_kernel(
     META_W: tl.constexpr,  # TREE: columns of the tree table
     TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; triton_common.runtime_tree_loop)
     DT_BIAS: tl.constexpr,  # dt is the raw projection: each token's dt is softplus(dt + dt_bias), in fp32
-    ACCURATE: tl.constexpr,  # DT_BIAS: softplus's exp as triton_common.exp_f32's
+    ACCURATE: tl.constexpr,  # DT_BIAS, A_LOG: the exps as triton_common.exp_f32's
+    A_LOG: tl.constexpr,  # A holds A_log: the decay is -exp(A_log), formed here as transformers' step forms it
 ):
     i_p, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     x += i_b * stride_xb  # the row's token 0 (the inputs are read where they are: a slice of a projection's output)
@@ -324,6 +327,8 @@ def _mamba2_step_kernel(
             tC = tC + (a_C,)
 
     b_A = tl.load(A + i_h).to(tl.float32)
+    if A_LOG:
+        b_A = -exp_f32(b_A, ACCURATE)
     b_D = b_A * 0.0
     if HAS_D:
         b_D = tl.load(D + i_h).to(tl.float32)
@@ -510,7 +515,7 @@ def _token_major(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None):
+def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None, A_log=None):
     if x.dim() != 4 or dt.shape != x.shape[:3] or Bm.dim() != 4 or Cm.shape != Bm.shape or Bm.shape[:2] != x.shape[:2]:
         raise ValueError(
             f"expected x [B, T, H, P], dt [B, T, H], B and C [B, T, G, N]; got {tuple(x.shape)}, "
@@ -520,6 +525,9 @@ def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None):
     G, N = Bm.shape[2:]
     if H % G:
         raise ValueError(f"{H} heads are not divisible into {G} groups")
+    if (A is None) == (A_log is None):
+        raise ValueError("give the decay as A or as A_log (exactly one of them)")
+    A = A if A is not None else A_log
     if A.shape != (H,) or (D is not None and D.shape != (H,)) or (dt_bias is not None and dt_bias.shape != (H,)):
         raise ValueError(f"A, D and dt_bias must be [H] = [{H}], got {tuple(A.shape)}, "
                          f"{None if D is None else tuple(D.shape)}, {None if dt_bias is None else tuple(dt_bias.shape)}")
@@ -539,8 +547,8 @@ def _check_hist(hist_x, hist_dt, hist_B, H, P, G, N):
 
 def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_p=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None, dt_bias=None):
-    x, dt, A, Bm, Cm, D, dt_bias, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out, dt_bias)
+          parents=None, tree_loop=None, fold_max=None, dt_bias=None, A_log=None):
+    x, dt, A, Bm, Cm, D, dt_bias, out, (Bsz, T, H, P, G, N) = _prepare(x, dt, A, Bm, Cm, D, out, dt_bias, A_log)
     tree = tree_table(parents, T, offset, x.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
     h_x = h_dt = h_B = None
@@ -570,7 +578,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
         FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=0 if tree_loop else prefetch,
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
-        DT_BIAS=dt_bias is not None, ACCURATE=has_libdevice(x.device),
+        DT_BIAS=dt_bias is not None, ACCURATE=has_libdevice(x.device), A_LOG=A_log is not None,
         num_warps=num_warps,
     )
     return out
@@ -585,6 +593,8 @@ _COMMON_ARGS = """
         dt_bias: ``[H]`` or None: with it the kernel forms each token's step as transformers'
             decode step does, ``softplus(dt + dt_bias)`` in fp32 (what replay caches too), so the
             raw projection needs no kernel of its own.
+        A_log: ``[H]`` or None: given instead of ``A`` (then None), the kernel forms the decay
+            ``A = -exp(A_log)`` in fp32, as transformers' decode step does.
         state_indices: ``[B]`` int32/int64 state slot of each row; a negative id (padding,
             ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
             None means row b uses slot b.
@@ -604,19 +614,20 @@ _COMMON_ARGS = """
 
 
 @with_common_args(_COMMON_ARGS)
-def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, dt_bias=None, **tune):
+def mamba2_update(state, x, dt, A, Bm, Cm, D=None, state_indices=None, *, out=None, dt_bias=None, A_log=None,
+                  **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
     Args:
         state: ``[num_slots, H, P, N]`` fp32, updated in place.
     """
     return _step(OVERWRITE, state, state, x, dt, A, Bm, Cm, D, state_indices=state_indices, out=out, dt_bias=dt_bias,
-                 **tune)
+                 A_log=A_log, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
-                           dt_bias=None, **tune):
+                           dt_bias=None, A_log=None, **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -632,12 +643,12 @@ def mamba2_snapshot_verify(live, buf, x, dt, A, Bm, Cm, D=None, offset=0, state_
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {x.shape[1]} tokens")
     src = live if offset == 0 else buf[:, offset - 1]
     return _step(SNAPSHOT, src, buf, x, dt, A, Bm, Cm, D, offset=offset, state_indices=state_indices, out=out,
-                 dst_lead=2, parents=parents, dt_bias=dt_bias, **tune)
+                 dst_lead=2, parents=parents, dt_bias=dt_bias, A_log=A_log, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_indices=None, *, parents=None, out=None,
-                       dt_bias=None, **tune):
+                       dt_bias=None, A_log=None, **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -652,13 +663,13 @@ def mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, D=None, offset=0, state_ind
     if offset + x.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {x.shape[1]} step states")
     return _step(RING, ring, ring, x, dt, A, Bm, Cm, D, offset=offset, head=head, state_indices=state_indices,
-                 out=out, src_lead=2, dst_lead=2, parents=parents, dt_bias=dt_bias, **tune)
+                 out=out, src_lead=2, dst_lead=2, parents=parents, dt_bias=dt_bias, A_log=A_log, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, Cm, D=None, offset=0,
                          state_indices=None, *, fused=False, parents=None, out=None, fold_max=None, dt_bias=None,
-                         **tune):
+                         A_log=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[s]`` advanced by the first
@@ -689,7 +700,7 @@ def mamba2_replay_verify(ckpt, hist_x, hist_dt, hist_B, hist_len, x, dt, A, Bm, 
     """
     return _step(REPLAY, ckpt, None, x, dt, A, Bm, Cm, D, offset=offset, hist=(hist_x, hist_dt, hist_B),
                  hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents,
-                 fold_max=fold_max, dt_bias=dt_bias, **tune)
+                 fold_max=fold_max, dt_bias=dt_bias, A_log=A_log, **tune)
 
 
 def mamba2_replay_commit(hist_x, hist_dt, hist_B, hist_len, num_tokens, state_indices=None, max_tokens=None):
@@ -736,8 +747,8 @@ class Mamba2Kernels(KernelSet):
     """The ``op.kernels`` of the Mamba-2 op: :class:`specdec.kernels.protocol.RollbackKernels`
     over this module's entry points, with the launch settings of ``launch`` (``block`` is BP).
 
-    ``inputs``: ``x, dt, B, C``; ``params``: ``A``, optional ``D``, optional ``dt_bias`` (then
-    ``dt`` is the raw projection: see ``dt_bias`` of :func:`mamba2_update`), optional ``y_dtype``
+    ``inputs``: ``x, dt, B, C``; ``params``: ``A`` or ``A_log``, optional ``D``, optional ``dt_bias``
+    (then ``dt`` is the raw projection: see ``dt_bias`` of :func:`mamba2_update`), optional ``y_dtype``
     (:meth:`KernelSet.output <specdec.kernels.triton_common.KernelSet.output>`); replay history
     keys ``x, dt, B`` (dt softplus'ed).
     """
@@ -747,12 +758,13 @@ class Mamba2Kernels(KernelSet):
 
     @staticmethod
     def _unpack(inputs, params):
-        return inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], params.get("D")
+        return inputs["x"], inputs["dt"], params.get("A"), inputs["B"], inputs["C"], params.get("D")
 
     def _call(self, inputs, params, out):
         """A call's keywords: its output (:meth:`KernelSet.output`), ``dt_bias`` and the launch settings."""
         c = self.launch
-        return dict(out=self.output(out, inputs["x"], params), dt_bias=params.get("dt_bias"), block_p=c.block,
+        return dict(out=self.output(out, inputs["x"], params), dt_bias=params.get("dt_bias"),
+                    A_log=params.get("A_log") if params.get("A") is None else None, block_p=c.block,
                     num_warps=c.num_warps, prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
@@ -782,5 +794,5 @@ class Mamba2Kernels(KernelSet):
         mamba2_replay_commit(hist["x"], hist["dt"], hist["B"], hist_len, num_tokens, state_indices, max_tokens)
 
     def replay_fold(self, ckpt, hist, params, num_tokens, *, state_indices=None):
-        mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], params["A"], num_tokens, state_indices,
+        mamba2_replay_fold(ckpt, hist["x"], hist["dt"], hist["B"], decay(params), num_tokens, state_indices,
                            block_p=self.launch.block, num_warps=self.launch.num_warps)
