@@ -79,12 +79,20 @@ def test_rows_of_any_layout():
 
 
 def test_other_norms_are_left_to_their_forward():
-    """A gated norm of another arithmetic (Falcon-H1's, whose gate may come after the norm), any
-    other module, and a group size that does not divide the channels give None."""
+    """A gated norm of another arithmetic (Falcon-H1's, whose gate may come after the norm), a class
+    of the same name defined outside transformers (a checkpoint's own modeling code, e.g. a grouped
+    ``MambaRMSNormGated``), any other module, and a group size that does not divide the channels
+    give None."""
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
 
     assert gated_norm_groups(FalconH1RMSNormGated(48, n_groups=2), 48) is None
     assert gated_norm_groups(torch.nn.LayerNorm(48), 48) is None
+    remote = type("MambaRMSNormGated", (torch.nn.Module,), {"__module__": "transformers_modules.nvidia.modeling"})()
+    remote.group_size = 8
+    assert gated_norm_groups(remote, 48) is None
+    grouped = _norm("mamba2", "MambaRMSNormGated", {}, 48, torch.float32, 3)
+    grouped.group_size = 8  # (a one-group class given a group size: not this arithmetic any more)
+    assert gated_norm_groups(grouped, 48) is None
     assert gated_norm_groups(_norm("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 48, torch.float32, 3), 50) is None
 
 

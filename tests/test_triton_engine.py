@@ -84,6 +84,20 @@ def test_triton_steps_follow_weights_changed_in_place(monkeypatch):
             torch.testing.assert_close(s, w, rtol=1e-4, atol=1e-6)
 
 
+def test_triton_steps_of_a_model_built_in_inference_mode(monkeypatch):
+    """A model built under ``torch.inference_mode()`` (its parameters inference tensors, which keep
+    no version counter), as servers load them, decodes on the Triton backend as HF generates."""
+    from tiny_models import make_model
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    with torch.inference_mode():
+        model = make_model("nemotron_h", seed=1, small=True)
+    ids, mask = ragged_prompts()
+    out = specdec.wrap(model, num_speculative_tokens=0).generate(ids, attention_mask=mask, max_new_tokens=6,
+                                                                 pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, 6))
+
+
 def test_interpreter_asked_for_too_late_is_named():
     """Triton kernels for a CPU tensor need the interpreter, which only takes effect for kernels
     defined after it is on: once triton is imported without it (whether it is set later or not),

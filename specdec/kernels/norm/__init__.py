@@ -31,14 +31,17 @@ _GROUPED = ("Zamba2RMSNormGated",)
 
 def gated_norm_groups(norm: torch.nn.Module, channels: int) -> int | None:
     """The group size ``norm`` normalises ``channels`` channels by, when its class's forward is the
-    arithmetic of this module (a transformers class of ``_ONE_GROUP`` / ``_GROUPED``, group size
-    dividing ``channels``); else None (the caller runs the module itself). A forward set on the
+    arithmetic of this module (a class of transformers' own modeling code named in ``_ONE_GROUP``
+    -- without a ``group_size`` of its own -- or ``_GROUPED``, group size dividing ``channels``);
+    else None (the caller runs the module itself). A forward set on the
     instance is taken to compute its class's (specdec's compiled routing and accelerate's hooks
     do; tests/test_gated_norm.py checks each class against the formula)."""
-    name = type(norm).__name__
-    if name not in _ONE_GROUP + _GROUPED:
-        return None
-    size = channels if name in _ONE_GROUP else int(getattr(norm, "group_size", 0))
+    cls = type(norm)
+    if cls.__name__ not in _ONE_GROUP + _GROUPED or not cls.__module__.startswith("transformers.models."):
+        return None  # (e.g. a checkpoint's own modeling code of the same class name, grouped otherwise)
+    if cls.__name__ in _ONE_GROUP:
+        return channels if not hasattr(norm, "group_size") else None
+    size = int(getattr(norm, "group_size", 0))
     return size if size > 0 and channels % size == 0 else None
 
 
