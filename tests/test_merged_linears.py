@@ -236,8 +236,12 @@ tiles = dict(NUM_TILES=2, K_STEPS=20, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, HAS_
 print(json.dumps({
     "grouped": build(ts._grouped_skinny_kernel, {"x", "W0", "W1", "W2", "W3", "Y0", "Y1", "Y2", "Y3"},
                      {**tiles, **{f"B{i}": None for i in range(4)}}),
-    "single": build(ts._skinny_linear_kernel, {"x", "w", "y"},
-                    {**tiles, "PARTIAL": False, "b": None, "stride_wk": 1, "stride_yn": 1}),
+    "single": build(ts._skinny_linear_kernel, {"x", "w", "w_u", "y"},
+                    {**tiles, "PARTIAL": False, "b": None, "b_u": None, "stride_wk": 1, "stride_yn": 1, "ACT": 0,
+                     "GATED": False}),
+    "gated": build(ts._skinny_linear_kernel, {"x", "w", "w_u", "y"},
+                   {**tiles, "PARTIAL": False, "b": None, "b_u": None, "stride_wk": 1, "stride_yn": 1, "ACT": 1,
+                    "GATED": True}),
 }))
 """
 
@@ -246,9 +250,10 @@ def test_grouped_kernel_builds_for_hopper():
     """The grouped kernel compiles ahead of time for an H100/H200 (sm_90) with Triton's own ptxas,
     on a machine without a GPU, and streams its weight tiles with the same 16-byte asynchronous
     copies as the one-weight kernel (its members' pointers keep their alignment; no plain global
-    loads). Compiled in a child process: this one runs Triton's interpreter."""
+    loads), and so does the gated launch for both its weights. Compiled in a child process: this one runs Triton's interpreter."""
     counts = built_for_hopper(_BUILD_FOR_HOPPER)
     assert counts["grouped"][0] > 0 and counts["grouped"] == counts["single"], counts
+    assert counts["gated"][0] > counts["single"][0] and counts["gated"][1] == 0, counts  # both weights streamed so
 
 
 @needs_triton_interpreter

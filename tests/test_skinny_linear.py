@@ -18,8 +18,8 @@ from tiny_models import get_model, ragged_prompts
 
 import specdec
 import specdec.kernels.linear as linear_mod
-from specdec.kernels.linear import (MAX_ROWS, SkinnyConfig, SkinnyLinear, linear_ref, skinny_config, skinny_linear,
-                                    skinny_linears)
+from specdec.kernels.linear import (MAX_ROWS, SkinnyConfig, SkinnyLinear, activation_ref, gated_linear_ref,
+                                    gated_skinny_linear, linear_ref, skinny_config, skinny_linear, skinny_linears)
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 #: relative RMS error against the fp32 reference: fp32 sums in another order; bf16 / fp16 round the result
@@ -231,3 +231,114 @@ def test_cuda_graph_replay_on_gpu(N, K):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, skinny_linear(x, w, b))
+
+
+def assert_rounds_as_eager(y: torch.Tensor, eager: torch.Tensor, activation: str):
+    """``y`` equals the eager chain's result where it is rounded the same way: squared ReLU bit for
+    bit; SiLU within 1e-6 in fp32 (its exp may differ from torch's in the last bits) and in at
+    least 98% of elements in fp16 / bf16, whose rounding hides that. bf16 only on CUDA: Triton's
+    interpreter truncates fp32 to bf16 where the GPU rounds to nearest even, so there bf16 is
+    checked within two bf16 steps (one truncation per rounding) only."""
+    if y.dtype == torch.bfloat16 and not ON_CUDA:
+        assert rel_err(y, eager) < 2 ** -6
+        return
+    if y.dtype == torch.float32 and activation == "silu":
+        assert rel_err(y, eager) < 1e-6
+        return
+    mismatched = (y != eager).float().mean().item()
+    assert mismatched <= (0 if activation == "relu2" else 0.02), f"{mismatched:.1%} of elements differ"
+
+
+ACT_CASES = [
+    pytest.param(torch.float32, (3,), 37, 72, True, SMALL, id="fp32-M3-split-bias"),
+    pytest.param(torch.float32, (2, 9), 40, 100, False, None, id="fp32-M18"),
+    pytest.param(torch.bfloat16, (5,), 70, 48, True, None, id="bf16-M5-bias"),
+    pytest.param(torch.bfloat16, (1,), 33, 100, False, SMALL, id="bf16-M1-split"),
+    pytest.param(torch.float16, (4,), 24, 64, False, None, id="fp16-M4"),
+]
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("dtype, lead, N, K, with_bias, config", ACT_CASES)
+def test_activation_epilogue_matches_the_reference(activation, dtype, lead, N, K, with_bias, config):
+    """``activation(x @ w.T + b)`` in the kernel's epilogue (or the split-K reduction's) against the
+    fp32 reference, into a NaN-poisoned output."""
+    gen = torch.Generator().manual_seed(N + K)
+    x, w = rand(*lead, K, dtype=dtype, gen=gen), rand(N, K, dtype=dtype, gen=gen)
+    b = rand(N, dtype=dtype, gen=gen) if with_bias else None
+    out = torch.full((*lead, N), float("nan"), device=DEVICE, dtype=dtype)
+    y = skinny_linear(x, w, b, out=out, activation=activation, config=config)
+    assert y is out and torch.isfinite(y).all(), "not fully written (NaN left)"
+    assert rel_err(y, linear_ref(x, w, b, activation)) < 2 * TOL[dtype]  # (squaring doubles the relative error)
+    # the activation of the rounded linear, as the eager module computes it
+    eager = activation_ref(skinny_linear(x, w, b, config=config), activation).to(dtype)
+    assert_rounds_as_eager(y, eager, activation)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("dtype, lead, N, K, with_bias, config", ACT_CASES)
+def test_gated_matches_the_reference(activation, dtype, lead, N, K, with_bias, config):
+    """``act(x @ g.T + b_g) * (x @ u.T + b_u)`` in one launch against the fp32 reference, into a
+    NaN-poisoned output; and against the eager chain over the kernel's own projections (rounded
+    where the eager module rounds)."""
+    gen = torch.Generator().manual_seed(3 * N + K)
+    x = rand(*lead, K, dtype=dtype, gen=gen)
+    wg, wu = rand(N, K, dtype=dtype, gen=gen), rand(N, K, dtype=dtype, gen=gen)
+    bg, bu = (rand(N, dtype=dtype, gen=gen), rand(N, dtype=dtype, gen=gen)) if with_bias else (None, None)
+    out = torch.full((*lead, N), float("nan"), device=DEVICE, dtype=dtype)
+    y = gated_skinny_linear(x, wg, wu, bg, bu, out=out, activation=activation, config=config)
+    assert y is out and torch.isfinite(y).all(), "not fully written (NaN left)"
+    assert rel_err(y, gated_linear_ref(x, wg, wu, bg, bu, activation)) < 2 * TOL[dtype]
+    g = skinny_linear(x, wg, bg, config=config)
+    u = skinny_linear(x, wu, bu, config=config)
+    eager = (activation_ref(g, activation).to(dtype).float() * u.float()).to(dtype)
+    assert_rounds_as_eager(y, eager, activation)
+
+
+def test_gated_takes_the_row_halves_of_one_weight_and_strided_x():
+    """Gate and up as the two row halves of one ``[2N, K]`` weight (a fused gate-up projection),
+    x a strided view, out a strided view: the values land in out's elements only."""
+    gen = torch.Generator().manual_seed(7)
+    N, K = 20, 40
+    w = rand(2 * N, K, gen=gen)
+    x = rand(3, 2 * K, gen=gen)[:, ::2]
+    big = torch.full((3, 2 * N), float("nan"), device=DEVICE)
+    gated_skinny_linear(x, w[:N], w[N:], out=big[:, ::2], config=SkinnyConfig(block_n=16, block_k=16, split_k=2))
+    assert rel_err(big[:, ::2], gated_linear_ref(x, w[:N], w[N:])) < TOL[torch.float32]
+    assert torch.isnan(big[:, 1::2]).all(), "wrote outside out"
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["one-split", "split"])
+def test_gated_is_batch_invariant(config):
+    """Row i of a 40-row gated call equals the 1-row call on x[i] bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    N, K, M = 40, 100, 40
+    x = rand(M, K, dtype=torch.bfloat16, gen=gen)
+    wg, wu = rand(N, K, dtype=torch.bfloat16, gen=gen), rand(N, K, dtype=torch.bfloat16, gen=gen)
+    y = gated_skinny_linear(x, wg, wu, config=config)
+    for i in (0, 15, 16, 39):
+        assert torch.equal(gated_skinny_linear(x[i:i + 1], wg, wu, config=config)[0], y[i]), f"row {i}"
+
+
+def test_activation_edge_cases():
+    """K = 0: the activation of the bias (or of zeros); no rows: an empty result."""
+    w0, b = rand(6, 0), rand(6)
+    assert torch.equal(skinny_linear(rand(2, 0), w0, b, activation="relu2"), torch.relu(b).square().expand(2, 6))
+    assert torch.equal(gated_skinny_linear(rand(2, 0), w0, w0, b, b, activation="relu2"),
+                       (torch.relu(b).square() * b).expand(2, 6))
+    assert gated_skinny_linear(rand(0, 12), rand(6, 12), rand(6, 12)).shape == (0, 6)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w: skinny_linear(x, w, activation="gelu"), r"activation must be one of \('silu', 'relu2'\) or None, got 'gelu'"),
+    (lambda x, w: gated_skinny_linear(x, w, w, activation=None), r"activation must be one of \('silu', 'relu2'\), got None"),
+    (lambda x, w: gated_skinny_linear(x, w, w[:5]), r"share shape and strides, got \(6, 12\) / \(5, 12\)"),
+    (lambda x, w: gated_skinny_linear(x, w, w.t().contiguous().t()), r"share shape and strides"),
+    (lambda x, w: gated_skinny_linear(x, w, w, torch.randn(6, device=DEVICE)), r"both be given or both be None"),
+    (lambda x, w: gated_skinny_linear(x, w, w.double()), r"up_weight: weight is torch.float64 but x is torch.float32"),
+    (lambda x, w: gated_skinny_linear(torch.cat([x] * 17), w, w), r"M = 68 rows"),
+])
+def test_bad_gated_or_activation_input_is_named(call, match):
+    x, w = rand(4, 12), rand(6, 12)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)

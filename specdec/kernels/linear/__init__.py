@@ -43,11 +43,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .naive import linear_ref
+from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
-__all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "SkinnyConfig", "skinny_config", "split_k_for",
-           "skinny_linear", "grouped_skinny_linear", "SkinnyLinear", "skinny_linears", "merged_linears", "single_linears",
-           "linear_ref", "num_sms"]
+__all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "ACTIVATIONS", "SkinnyConfig", "skinny_config",
+           "split_k_for", "skinny_linear", "gated_skinny_linear", "grouped_skinny_linear", "SkinnyLinear",
+           "skinny_linears", "merged_linears", "single_linears", "linear_ref", "gated_linear_ref", "activation_ref",
+           "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
 MAX_ROWS = 64
@@ -154,12 +155,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     return M
 
 
+def _check_activation(activation, gated: bool = False) -> int:
+    """The epilogue code of ``activation``; ValueError naming what is accepted otherwise."""
+    from .triton_skinny import ACT_CODES
+
+    if activation is None and gated or (activation is not None and activation not in ACTIVATIONS):
+        accepted = f"one of {ACTIVATIONS}" + ("" if gated else " or None")
+        raise ValueError(f"activation must be {accepted}, got {activation!r}")
+    return ACT_CODES[activation]
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, *, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for at most :data:`MAX_ROWS` rows, reading the weight once for all rows.
+                  out: torch.Tensor | None = None, *, activation: str | None = None,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``activation(x @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, reading the weight once
+    for all rows.
 
     fp32 accumulation, the result in ``x.dtype`` (as ``F.linear``, which accumulates bf16 / fp16
-    in fp32 too). Batch-invariant: row i of the result equals ``skinny_linear(x[i:i+1], ...)`` bit
+    in fp32 too). An activation is applied in the same launch (or in the split-K reduction's) to
+    the linear's result rounded to ``x.dtype``, in fp32, as the eager ``act(linear(x))`` computes
+    it. Batch-invariant: row i of the result equals ``skinny_linear(x[i:i+1], ...)`` bit
     for bit, for any M (the launch does not depend on M; :mod:`.triton_skinny`). Runs on CUDA;
     on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
 
@@ -168,6 +183,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]``, x's dtype and device (K-contiguous rows read fastest).
         bias: ``[N]`` or None.
         out: ``[..., N]`` to write into (x's dtype), or None for a new tensor.
+        activation: one of :data:`ACTIVATIONS` (``"silu"``, ``"relu2"``), or None.
         config: the launch; None takes :func:`skinny_config` for the weight and device.
 
     Returns:
@@ -175,22 +191,88 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Raises:
         ValueError: M > 64, x's last dim not the weight's K, a bias or out of the wrong shape,
-            mixed or unsupported dtypes, tensors on different devices, or a CPU tensor without
-            the interpreter.
+            mixed or unsupported dtypes, tensors on different devices, an unknown activation, or a
+            CPU tensor without the interpreter.
     """
     M = _check(x, weight, bias, out)
+    act = _check_activation(activation)
     N, K = weight.shape
     y = out if out is not None else torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if M == 0:
         return y
     if N == 0 or K == 0:
-        return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        const = bias.expand_as(y) if bias is not None else torch.zeros_like(y)
+        return y.copy_(activation_ref(const.to(x.dtype), activation) if activation else const)
     from .triton_skinny import skinny_launch  # lazy: triton is optional, and the interpreter is decided first
 
     cfg = config if config is not None else skinny_config(N, K, x.dtype, num_sms(x.device))
     y2 = y.view(M, N) if y.is_contiguous() else torch.empty(M, N, device=y.device, dtype=y.dtype)
-    skinny_launch(x.reshape(M, K), weight, bias, y2, cfg)
+    skinny_launch(x.reshape(M, K), weight, bias, y2, cfg, act)
     if not y.is_contiguous():  # a strided out: the contiguous result copied in
+        y.copy_(y2.view(y.shape))
+    return y
+
+
+def gated_skinny_linear(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                        gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, *, activation: str = "silu",
+                        config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``activation(x @ gate_weight.T + gate_bias) * (x @ up_weight.T + up_bias)`` -- a gated MLP's
+    input to its down projection (SwiGLU for SiLU; Shazeer, "GLU Variants Improve Transformer",
+    2020) -- in one launch for at most :data:`MAX_ROWS` rows: each program reads the same rows of
+    both weights and multiplies them by each x tile loaded once, and the activation and product
+    are its epilogue (or the split-K reduction's), so neither projection's result is written.
+
+    Rounding follows the eager module's ``act(gate(x)) * up(x)`` in ``x.dtype``: both projections
+    are rounded to ``x.dtype``, the activation is computed in fp32 and rounded, the product in fp32
+    and rounded. Batch-invariant (row i equals the 1-row call's bit for bit); the launch is
+    :func:`skinny_config` of ``[N, K]``, as for one of the projections alone. Runs on CUDA; on the
+    CPU through Triton's interpreter.
+
+    Args:
+        x: ``[..., K]`` bf16 / fp16 / fp32, ``M = prod(x.shape[:-1]) <= 64`` rows (any strides).
+        gate_weight, up_weight: ``[N, K]`` each, x's dtype and device, with one set of strides
+            (e.g. both contiguous, or both row halves of one ``[2N, K]`` weight).
+        gate_bias, up_bias: both ``[N]``, or both None.
+        out: ``[..., N]`` to write into (x's dtype), or None for a new tensor.
+        activation: one of :data:`ACTIVATIONS`, applied to the gate projection.
+        config: the launch; None takes :func:`skinny_config` for ``[N, K]`` and the device.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype`` (``out`` when given).
+
+    Raises:
+        ValueError: what :func:`skinny_linear` refuses of either projection, weights of different
+            shapes or strides, one bias without the other, or an activation not in
+            :data:`ACTIVATIONS`.
+    """
+    M = _check(x, gate_weight, gate_bias, out)
+    for name, w, b in (("up_weight", up_weight, up_bias),):
+        try:
+            _check(x, w, b, None)
+        except ValueError as err:
+            raise ValueError(f"gated_skinny_linear, {name}: {err}") from None
+    if tuple(up_weight.shape) != tuple(gate_weight.shape) or up_weight.stride() != gate_weight.stride():
+        raise ValueError(f"gate_weight and up_weight must share shape and strides, got {tuple(gate_weight.shape)} / "
+                         f"{tuple(up_weight.shape)} with strides {gate_weight.stride()} / {up_weight.stride()}")
+    if (gate_bias is None) != (up_bias is None):
+        raise ValueError("gate_bias and up_bias must both be given or both be None, got "
+                         f"{'None' if gate_bias is None else 'a tensor'} and {'None' if up_bias is None else 'a tensor'}")
+    act = _check_activation(activation, gated=True)
+    N, K = gate_weight.shape
+    y = out if out is not None else torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        g = gate_bias.expand_as(y) if gate_bias is not None else torch.zeros_like(y)
+        u = up_bias.expand_as(y) if up_bias is not None else torch.zeros_like(y)
+        return y.copy_(activation_ref(g, activation).to(x.dtype).float() * u.float())
+    from .triton_skinny import skinny_launch
+
+    cfg = config if config is not None else skinny_config(N, K, x.dtype, num_sms(x.device))
+    y2 = y.view(M, N) if y.is_contiguous() else torch.empty(M, N, device=y.device, dtype=y.dtype)
+    skinny_launch(x.reshape(M, K), gate_weight, gate_bias, y2, cfg, act, up_weight, up_bias)
+    if not y.is_contiguous():
         y.copy_(y2.view(y.shape))
     return y
 

@@ -33,92 +33,162 @@ import triton.language as tl
 from ..triton_common import next_pow2, num_warps_for
 from . import MAX_MEMBERS
 
-__all__ = ["TILE_M", "skinny_launch", "grouped_launch"]
+__all__ = ["TILE_M", "ACT_CODES", "skinny_launch", "grouped_launch"]
 
 #: rows of x per tile (the smallest dot dimension Triton accepts)
 TILE_M = 16
+#: the epilogue's activation code for each name of :data:`specdec.kernels.linear.ACTIVATIONS` (None: none)
+ACT_CODES = {None: 0, "silu": 1, "relu2": 2}
 
 
 @triton.jit
-def _tile_dot(b_acc, b_w, x, i_t, M, k, k_hi, stride_xm, stride_xk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``b_acc [BLOCK_N, 16] += b_w [BLOCK_N, BLOCK_K] @ x[rows of tile i_t, k : k + BLOCK_K].T``."""
+def _x_tile(x, i_t, M, k, k_hi, stride_xm, stride_xk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's ``[16, BLOCK_K]`` tile: rows of tile i_t, columns ``k : k + BLOCK_K`` (zeros past M and k_hi)."""
     o_m = i_t * 16 + tl.arange(0, 16)
     o_k = k + tl.arange(0, BLOCK_K)
     p_x = x + o_m[:, None] * stride_xm + o_k[None, :] * stride_xk
     if EVEN_K:
-        b_x = tl.load(p_x, mask=(o_m < M)[:, None], other=0.0)
-    else:
-        b_x = tl.load(p_x, mask=(o_m < M)[:, None] & (o_k < k_hi)[None, :], other=0.0)
+        return tl.load(p_x, mask=(o_m < M)[:, None], other=0.0)
+    return tl.load(p_x, mask=(o_m < M)[:, None] & (o_k < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(b_acc, b_w, b_x, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``b_acc [BLOCK_N, 16] += b_w [BLOCK_N, BLOCK_K] @ b_x [16, BLOCK_K].T``."""
     if UPCAST:  # Triton's interpreter multiplies bf16 bit patterns as integers; bf16 x bf16 products are exact in fp32
         return tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), b_acc, input_precision=DOT_PRECISION)
     return tl.dot(b_w, tl.trans(b_x), b_acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _tile_store(b_acc, b, y, i_s, i_t, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
-                PARTIAL: tl.constexpr):
-    """Store tile i_t's ``[BLOCK_N, 16]`` sums: fp32 partials of split i_s, or (+ bias) the result."""
+def _tile_dots(b_acc, b_acc_u, b_w, b_w_u, x, i_t, M, k, k_hi, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Tile i_t's sums over ``k : k + BLOCK_K``: ``b_acc += b_w @ x_tile.T`` and, ``GATED``, ``b_acc_u +=
+    b_w_u @ x_tile.T`` (the x tile loaded once for both)."""
+    b_x = _x_tile(x, i_t, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K)
+    b_acc = _dot(b_acc, b_w, b_x, DOT_PRECISION, UPCAST)
+    if GATED:
+        b_acc_u = _dot(b_acc_u, b_w_u, b_x, DOT_PRECISION, UPCAST)
+    return b_acc, b_acc_u
+
+
+@triton.jit
+def _activate(v, ACT: tl.constexpr):
+    """``act(v)`` in fp32 (codes: :data:`ACT_CODES`; 0 is the identity)."""
+    if ACT == 1:  # silu, as torch computes it: v / (1 + exp(-v))
+        return v / (1.0 + tl.exp(-v))
+    if ACT == 2:  # squared ReLU (NaN stays NaN, as torch.relu leaves it)
+        r = tl.where(v < 0.0, 0.0, v)
+        return r * r
+    return v
+
+
+@triton.jit
+def _epilogue(b_acc, b_acc_u, dtype: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
+    """The value to store from fp32 sums (biases added): ``act(y)``, or ``GATED`` ``act(g) * u``, with
+    each intermediate rounded to ``dtype`` where the eager module's would be (the linears' outputs,
+    the activation's), so a bf16 result equals the eager chain's up to the activation's last bit."""
+    if ACT != 0:
+        b_acc = _activate(b_acc.to(dtype).to(tl.float32), ACT)
+    if GATED:
+        b_acc = b_acc.to(dtype).to(tl.float32) * b_acc_u.to(dtype).to(tl.float32)
+    return b_acc
+
+
+@triton.jit
+def _tile_store(b_acc, b_acc_u, b, b_u, y, i_s, i_t, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
+    """Store tile i_t's ``[BLOCK_N, 16]`` sums: fp32 partials of split i_s (``GATED``: the second
+    weight's ``stride_yg`` further on), or (+ bias, through the epilogue) the result."""
     o_m = i_t * 16 + tl.arange(0, 16)
     m_y = (o_n < N)[:, None] & (o_m < M)[None, :]
     p_y = y + o_m[None, :] * stride_ym + o_n[:, None] * stride_yn
     if PARTIAL:
         tl.store(p_y + i_s * stride_ys, b_acc, mask=m_y)
+        if GATED:
+            tl.store(p_y + i_s * stride_ys + stride_yg, b_acc_u, mask=m_y)
     else:
         if HAS_BIAS:
             b_acc += tl.load(b + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
+            if GATED:
+                b_acc_u += tl.load(b_u + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
+        b_acc = _epilogue(b_acc, b_acc_u, y.dtype.element_ty, ACT, GATED)
         tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
-def _row_tiles(x, w, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk, NUM_TILES: tl.constexpr,
+def _row_tiles(x, w, w_u, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk, NUM_TILES: tl.constexpr,
                K_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """The fp32 sums ``[BLOCK_N, 16]`` of up to four 16-row tiles of x (unused ones stay zero)
     against weight rows ``o_n`` (those < N) over K in ``[k_lo, k_hi)``, in ``K_STEPS`` steps of
-    ``BLOCK_K``: each weight tile is loaded once and multiplies every x tile."""
+    ``BLOCK_K``: each weight tile is loaded once and multiplies every x tile. ``GATED``: the same
+    for a second weight ``w_u`` of the same shape and strides, in the same loop (each x tile loaded
+    once for both); four more sums, zeros otherwise."""
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
-    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + (k_lo + o_k)[None, :] * stride_wk
+    off_w = o_n[:, None].to(tl.int64) * stride_wn + (k_lo + o_k)[None, :] * stride_wk
+    p_w = w + off_w
+    p_w_u = w_u + off_w
     b_acc0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     b_acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     b_acc2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     b_acc3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_u0 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_u1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_u2 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_u3 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for i_k in range(K_STEPS):  # the same trip count in every split; a short last split masks the rest
         k = k_lo + i_k * BLOCK_K
         if EVEN_K:
-            b_w = tl.load(p_w, mask=m_n[:, None], other=0.0)
+            m_w = m_n[:, None]
         else:
-            b_w = tl.load(p_w, mask=m_n[:, None] & ((k + o_k) < k_hi)[None, :], other=0.0)
-        b_acc0 = _tile_dot(b_acc0, b_w, x, 0, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+            m_w = m_n[:, None] & ((k + o_k) < k_hi)[None, :]
+        b_w = tl.load(p_w, mask=m_w, other=0.0)
+        b_w_u = b_w
+        if GATED:
+            b_w_u = tl.load(p_w_u, mask=m_w, other=0.0)
+        b_acc0, b_u0 = _tile_dots(b_acc0, b_u0, b_w, b_w_u, x, 0, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K,
+                                  GATED, DOT_PRECISION, UPCAST)
         if NUM_TILES > 1:
-            b_acc1 = _tile_dot(b_acc1, b_w, x, 1, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+            b_acc1, b_u1 = _tile_dots(b_acc1, b_u1, b_w, b_w_u, x, 1, M, k, k_hi, stride_xm, stride_xk, BLOCK_K,
+                                      EVEN_K, GATED, DOT_PRECISION, UPCAST)
         if NUM_TILES > 2:
-            b_acc2 = _tile_dot(b_acc2, b_w, x, 2, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+            b_acc2, b_u2 = _tile_dots(b_acc2, b_u2, b_w, b_w_u, x, 2, M, k, k_hi, stride_xm, stride_xk, BLOCK_K,
+                                      EVEN_K, GATED, DOT_PRECISION, UPCAST)
         if NUM_TILES > 3:
-            b_acc3 = _tile_dot(b_acc3, b_w, x, 3, M, k, k_hi, stride_xm, stride_xk, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
+            b_acc3, b_u3 = _tile_dots(b_acc3, b_u3, b_w, b_w_u, x, 3, M, k, k_hi, stride_xm, stride_xk, BLOCK_K,
+                                      EVEN_K, GATED, DOT_PRECISION, UPCAST)
         p_w += BLOCK_K * stride_wk
-    return b_acc0, b_acc1, b_acc2, b_acc3
+        p_w_u += BLOCK_K * stride_wk
+    return b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3
 
 
 @triton.jit
-def _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, i_s, o_n, M, N, stride_ys, stride_ym, stride_yn,
-                 NUM_TILES: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+def _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3, b, b_u, y, i_s, o_n, M, N, stride_ys,
+                 stride_ym, stride_yn, stride_yg, NUM_TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PARTIAL: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
     """:func:`_tile_store` of each of the ``NUM_TILES`` tiles' sums."""
-    _tile_store(b_acc0, b, y, i_s, 0, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+    _tile_store(b_acc0, b_u0, b, b_u, y, i_s, 0, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg, HAS_BIAS,
+                PARTIAL, ACT, GATED)
     if NUM_TILES > 1:
-        _tile_store(b_acc1, b, y, i_s, 1, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+        _tile_store(b_acc1, b_u1, b, b_u, y, i_s, 1, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg, HAS_BIAS,
+                    PARTIAL, ACT, GATED)
     if NUM_TILES > 2:
-        _tile_store(b_acc2, b, y, i_s, 2, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+        _tile_store(b_acc2, b_u2, b, b_u, y, i_s, 2, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg, HAS_BIAS,
+                    PARTIAL, ACT, GATED)
     if NUM_TILES > 3:
-        _tile_store(b_acc3, b, y, i_s, 3, o_n, M, N, stride_ys, stride_ym, stride_yn, HAS_BIAS, PARTIAL)
+        _tile_store(b_acc3, b_u3, b, b_u, y, i_s, 3, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg, HAS_BIAS,
+                    PARTIAL, ACT, GATED)
 
 
 @triton.jit
 def _skinny_linear_kernel(
     x,
     w,
+    w_u,
     b,
+    b_u,
     y,
     M,
     N,
@@ -130,6 +200,7 @@ def _skinny_linear_kernel(
     stride_ys,
     stride_ym,
     stride_yn,
+    stride_yg,
     NUM_TILES: tl.constexpr,
     K_STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,6 +208,8 @@ def _skinny_linear_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -144,15 +217,17 @@ def _skinny_linear_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = i_s * K_STEPS * BLOCK_K
     k_hi = tl.minimum(K, k_lo + K_STEPS * BLOCK_K)
-    b_acc0, b_acc1, b_acc2, b_acc3 = _row_tiles(x, w, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk,
-                                                NUM_TILES, K_STEPS, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, i_s, o_n, M, N, stride_ys, stride_ym, stride_yn, NUM_TILES,
-                 HAS_BIAS, PARTIAL)
+    b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3 = _row_tiles(
+        x, w, w_u, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk, NUM_TILES, K_STEPS, BLOCK_N,
+        BLOCK_K, EVEN_K, GATED, DOT_PRECISION, UPCAST)
+    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3, b, b_u, y, i_s, o_n, M, N, stride_ys,
+                 stride_ym, stride_yn, stride_yg, NUM_TILES, HAS_BIAS, PARTIAL, ACT, GATED)
 
 
 @triton.jit
-def _split_k_reduce_kernel(part, b, y, N, stride_ps, stride_pm, stride_ym, stride_yn, SPLIT_K: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _split_k_reduce_kernel(part, b, b_u, y, N, stride_ps, stride_pm, stride_pg, stride_ym, stride_yn,
+                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                           GATED: tl.constexpr):
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < N
@@ -160,41 +235,58 @@ def _split_k_reduce_kernel(part, b, y, N, stride_ps, stride_pm, stride_ym, strid
     b_acc = tl.load(p_p, mask=m_n, other=0.0)
     for i_s in tl.static_range(1, SPLIT_K):  # in split order: the sum does not depend on scheduling
         b_acc += tl.load(p_p + i_s * stride_ps, mask=m_n, other=0.0)
+    b_acc_u = b_acc
+    if GATED:  # the second weight's partials, stride_pg further on
+        b_acc_u = tl.load(p_p + stride_pg, mask=m_n, other=0.0)
+        for i_s in tl.static_range(1, SPLIT_K):
+            b_acc_u += tl.load(p_p + stride_pg + i_s * stride_ps, mask=m_n, other=0.0)
     if HAS_BIAS:
         b_acc += tl.load(b + o_n, mask=m_n, other=0.0).to(tl.float32)
+        if GATED:
+            b_acc_u += tl.load(b_u + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_acc = _epilogue(b_acc, b_acc_u, y.dtype.element_ty, ACT, GATED)
     tl.store(y + i_m * stride_ym + o_n * stride_yn, b_acc.to(y.dtype.element_ty), mask=m_n)
 
 
-def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, config) -> None:
-    """Launch the kernels for checked arguments: ``y [M, N] = x [M, K] @ weight [N, K].T + bias``.
+def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, config,
+                  activation: int = 0, up_weight: torch.Tensor | None = None,
+                  up_bias: torch.Tensor | None = None) -> None:
+    """Launch the kernels for checked arguments: ``y [M, N] = act(x [M, K] @ weight [N, K].T + bias)``,
+    or with ``up_weight`` ``act(x @ weight.T + bias) * (x @ up_weight.T + up_bias)`` (a gated MLP's
+    gate and up projections).
 
     Args:
         x: ``[M, K]``, 1 <= M <= 64. weight: ``[N, K]``. bias: ``[N]`` or None. y: ``[M, N]``,
             written. All one dtype and device (checked by the caller). config: a
-            :class:`specdec.kernels.linear.SkinnyConfig`.
+            :class:`specdec.kernels.linear.SkinnyConfig`. activation: an :data:`ACT_CODES` value.
+            up_weight: None, or ``[N, K]`` with ``weight``'s strides; up_bias: ``[N]`` with it
+            where ``bias`` is given.
     """
     M, K = x.shape
     N = weight.shape[0]
+    gated = up_weight is not None
     num_tiles = triton.cdiv(M, TILE_M)
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)  # every split non-empty
     even_k = K % k_per_split == 0  # then every split is k_per_split long, whole BLOCK_K steps: no K mask
     precision = "ieee"  # fp32: exact FMAs, not TF32 (ignored by bf16 / fp16 dots)
-    dst = y if split == 1 else torch.empty(split, M, N, device=y.device, dtype=torch.float32)
+    # split K: fp32 partials [weights, split, M, N] (the gate's, then the up projection's)
+    dst = y if split == 1 else torch.empty(1 + gated, split, M, N, device=y.device, dtype=torch.float32)
     _skinny_linear_kernel[(triton.cdiv(N, config.block_n), split)](
-        x, weight, bias, dst, M, N, K,
+        x, weight, up_weight if gated else weight, bias, up_bias if gated else bias, dst, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        dst.stride(0) if split > 1 else 0, dst.stride(-2), dst.stride(-1),
-        NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, DOT_PRECISION=precision,
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        dst.stride(1) if split > 1 else 0, dst.stride(-2), dst.stride(-1), dst.stride(0) if split > 1 else 0,
+        NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=even_k, HAS_BIAS=bias is not None, PARTIAL=split > 1, ACT=activation, GATED=gated,
+        DOT_PRECISION=precision, UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         block = min(1024, next_pow2(N))
         _split_k_reduce_kernel[(triton.cdiv(N, block), M)](
-            dst, bias, y, N, dst.stride(0), dst.stride(1), y.stride(0), y.stride(1),
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=num_warps_for(block),
+            dst, bias, up_bias if gated else bias, y, N, dst.stride(1), dst.stride(2), dst.stride(0), y.stride(0),
+            y.stride(1), SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, ACT=activation, GATED=gated,
+            num_warps=num_warps_for(block),
         )
 
 
@@ -233,9 +325,11 @@ def _grouped_skinny_kernel(
         if HAS_BIAS:
             b = B3
     o_n = (i_b - start) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_acc0, b_acc1, b_acc2, b_acc3 = _row_tiles(x, w, o_n, M, N, 0, K, stride_xm, stride_xk, K, 1, NUM_TILES, K_STEPS,
-                                                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, UPCAST)
-    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b, y, 0, o_n, M, N, 0, N, 1, NUM_TILES, HAS_BIAS, False)
+    b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3 = _row_tiles(
+        x, w, w, o_n, M, N, 0, K, stride_xm, stride_xk, K, 1, NUM_TILES, K_STEPS, BLOCK_N, BLOCK_K, EVEN_K, False,
+        DOT_PRECISION, UPCAST)
+    _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3, b, b, y, 0, o_n, M, N, 0, N, 1, 0,
+                 NUM_TILES, HAS_BIAS, False, 0, False)
 
 
 def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
