@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
 from specdec.kernels.norm import triton_norm  # noqa: E402
+from specdec.kernels.linear import triton_skinny as sk  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
@@ -137,6 +138,8 @@ def _sass_summary(compiled) -> str:
 
 def _intercept(kernel):
     def run(*args, grid, warmup, **kwargs):
+        if kwargs.get("UPCAST"):  # (chosen for the CPU tensors here; a GPU's launch multiplies bf16 directly)
+            kwargs["UPCAST"] = False
         _compile_launch(kernel, grid, args, kwargs)
 
     kernel.run = run
@@ -145,7 +148,8 @@ def _intercept(kernel):
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
-           triton_norm._gated_rms_norm_kernel):
+           triton_norm._gated_rms_norm_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
+           sk._grouped_skinny_kernel):
     _intercept(_k)
 
 
@@ -257,6 +261,34 @@ def norm_variants(quick: bool):
         triton_norm.gated_rms_norm_triton(y, gate, torch.randn(D, dtype=torch.bfloat16), 1e-5, group)
 
 
+def linear_variants(quick: bool):
+    """The skinny linear kernels at the bench models' MLP shapes, batch 1 (bf16): Qwen3.5-4B's gated
+    SiLU gate / up (one launch) and down projection (split K), Nemotron-H-4B's squared-ReLU up
+    projection; unless quick, 16 rows, the epilogues in the split-K reduction (a gated launch and
+    a squared ReLU of few weight rows), and a sibling group. (The launches are called directly:
+    the public functions refuse CPU tensors without the interpreter.)"""
+    from specdec.kernels.linear import skinny_config
+
+    dt = torch.bfloat16
+
+    def launch(M, N, K, act=None, gated=False, bias=False):
+        w, y = torch.randn(N, K, dtype=dt), torch.empty(M, N, dtype=dt)
+        b = torch.randn(N, dtype=dt) if bias else None
+        sk.skinny_launch(torch.randn(M, K, dtype=dt), w, b, y, skinny_config(N, K, dt), sk.ACT_CODES[act],
+                         torch.randn(N, K, dtype=dt) if gated else None, b if gated else None)
+
+    for M in [1] if quick else [1, 16]:
+        launch(M, 9216, 2560, "silu", gated=True)
+        launch(M, 2560, 9216)
+        launch(M, 12288, 3072, "relu2")
+    if not quick:
+        launch(4, 1024, 2560, "silu", gated=True, bias=True)
+        launch(4, 1024, 2560, "relu2")
+        ws = [torch.randn(n, 2560, dtype=dt) for n in (4096, 1024, 1024)]
+        sk.grouped_launch(torch.randn(4, 2560, dtype=dt), ws, None, [torch.empty(4, w.shape[0], dtype=dt) for w in ws],
+                          skinny_config(6144, 2560, dt))
+
+
 def tree_variants(quick: bool):
     """Tree steps (parents=): Medusa's 16-node "default" tree (nodes unrolled) and, unless quick, its
     64-node tree (a runtime node loop) at the benchmark's head shapes."""
@@ -313,7 +345,7 @@ def main(argv=None) -> int:
     global SASS
     SASS = args.sass
     t0 = time.time()
-    for fn in (delta_rule_variants, mamba2_variants, conv_variants, norm_variants, tree_variants):
+    for fn in (delta_rule_variants, mamba2_variants, conv_variants, norm_variants, linear_variants, tree_variants):
         fn(args.quick)
     if not args.quick:  # the longest step (K = 8): unrolled T = 9 must not spill
         global T_LONG

@@ -30,14 +30,20 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   :func:`~specdec.kernels.linear.skinny_linear` at most
   :data:`~specdec.kernels.linear.SINGLE_MAX_ROWS` rows
   (:func:`~specdec.kernels.linear.single_linears`), which reads a decode step's weights faster
-  than cuBLAS there,
+  than cuBLAS there, and
+* at those rows, the MLPs whose forward :func:`specdec.models.mlp.mlp_plan` recognises (a gated
+  ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``) for two launches: the projections and
+  activation before the down projection in one (:func:`~specdec.kernels.linear.mlp_hidden`),
+  the down projection through the skinny kernel; other rows run the compiled forward,
 
 and restores everything afterwards: the graph keeps the fused kernels, the user's model is left
 as it was. The math is the models' own (same operations, fp32 where they use fp32); only the
 order of floating-point operations inside a fused kernel may differ, as between any two
 kernels. ``SPECDEC_FUSE=0`` turns fusion off; ``SPECDEC_MERGE_LINEARS=0`` only the merged
 projections (the siblings then run one by one, through the skinny kernel where it applies);
-``SPECDEC_SKINNY_LINEARS=0`` only the skinny kernel for the linears that do not merge.
+``SPECDEC_SKINNY_LINEARS=0`` only the skinny kernel for the linears that do not merge (and with
+it the MLPs' two launches); ``SPECDEC_FUSED_MLPS=0`` only the MLPs' two launches (their compiled
+forward with each projection through the skinny kernel runs instead).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ import torch
 from .placement import routed_forward
 
 __all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "skinny_enabled",
-           "merge_candidates", "single_candidates"]
+           "fused_mlps_enabled", "merge_candidates", "single_candidates"]
 
 #: module-level functions that attention classes call by name from their own modeling module,
 #: compiled inside :func:`fused` blocks as the norms are
@@ -90,6 +96,27 @@ def skinny_enabled() -> bool:
     """Whether fusion runs the linears it does not merge through the skinny kernel
     (``SPECDEC_SKINNY_LINEARS``, default on)."""
     return env_switch("SPECDEC_SKINNY_LINEARS")
+
+
+def fused_mlps_enabled() -> bool:
+    """Whether fusion runs the MLPs it recognises as two launches (``SPECDEC_FUSED_MLPS``, default
+    on; only with the skinny kernel, :func:`skinny_enabled`)."""
+    return env_switch("SPECDEC_FUSED_MLPS")
+
+
+def _mlp_forward(plan, compiled):
+    """An MLP's routed forward: :func:`~specdec.kernels.linear.mlp_hidden` then the down projection
+    where that applies, ``compiled`` (the class's compiled forward) otherwise."""
+    from .kernels.linear import mlp_hidden
+
+    def forward(mod, *args, **kwargs):
+        if len(args) == 1 and not kwargs and not torch.compiler.is_compiling():
+            h = mlp_hidden(args[0], plan)
+            if h is not None:
+                return plan.down(h)
+        return compiled(mod, *args, **kwargs)
+
+    return forward
 
 
 def _compiled(key, fn):
@@ -210,10 +237,18 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
             setattr(dynamo_config, k, v)
         with contextlib.ExitStack() as stack:
             siblings = merge_candidates(model) if model is not None and merging_enabled() else []
+            from .kernels import backend
+            from .models.mlp import mlp_plan  # (here: specdec.models imports this module)
+
+            two_launch_mlps = skinny_enabled() and fused_mlps_enabled()
             for mod in model.modules() if model is not None and modules else ():
                 if _is_fusable_module(mod):
                     cls = type(mod)
-                    stack.enter_context(routed_forward(mod, _compiled(cls, cls.forward)))
+                    forward = _compiled(cls, cls.forward)
+                    plan = mlp_plan(mod) if two_launch_mlps else None
+                    if plan is not None and backend(plan.up.weight.device) == "triton":  # (the skinny kernel's backend)
+                        forward = _mlp_forward(plan, forward)
+                    stack.enter_context(routed_forward(mod, forward))
             for where, name in _function_sites(model) if model is not None else ():
                 stack.enter_context(_routed_function(where, name))
             if siblings:

@@ -47,7 +47,7 @@ from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
 __all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "ACTIVATIONS", "SkinnyConfig", "skinny_config",
            "split_k_for", "skinny_linear", "gated_skinny_linear", "grouped_skinny_linear", "SkinnyLinear",
-           "skinny_linears", "merged_linears", "single_linears", "linear_ref", "gated_linear_ref", "activation_ref",
+           "skinny_linears", "merged_linears", "single_linears", "mlp_hidden", "linear_ref", "gated_linear_ref", "activation_ref",
            "num_sms"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
@@ -806,3 +806,46 @@ def single_linears(linears, *, max_rows: int = SINGLE_MAX_ROWS, backend_name: st
     finally:
         _SINGLE.depth -= 1
         _SINGLE.max_rows = outer
+
+
+#: the launch variants of :func:`mlp_hidden` run outside a capture / failed there
+_MLP_VARIANTS = _Variants()
+
+
+def mlp_hidden(x: torch.Tensor, plan) -> torch.Tensor | None:
+    """The input of an MLP's down projection -- ``act(gate(x)) * up(x)`` by
+    :func:`gated_skinny_linear`, or ``act(up(x))`` by :func:`skinny_linear` with its activation --
+    in one launch, for a thread inside a :func:`single_linears` block and an ``x`` of at most that
+    block's rows; None where the MLP must run its own forward instead: outside such a block, more
+    rows, a weight or bias the kernel does not take (:func:`skinny_linear`'s conditions, a
+    non-contiguous weight), a launch variant not yet run outside a CUDA-graph capture (none is
+    first built inside one) or one that failed before (a ``RuntimeWarning`` the first time).
+
+    Args:
+        x: ``[..., K]``, the MLP's input.
+        plan: a :class:`specdec.models.mlp.MLPPlan` (its projections and activation).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``, or None.
+    """
+    if getattr(_SINGLE, "depth", 0) < 1 or x.numel() // max(1, x.shape[-1]) > _SINGLE.max_rows:
+        return None
+    if plan.halves:  # one [2N, K] projection whose output's first half is the gate
+        w, b = plan.up.weight, plan.up.bias
+        n = w.shape[0] // 2
+        gw, gb, uw, ub = w[:n], None if b is None else b[:n], w[n:], None if b is None else b[n:]
+    elif plan.gate is not None:
+        gw, gb, uw, ub = plan.gate.weight, plan.gate.bias, plan.up.weight, plan.up.bias
+    else:
+        gw, gb, uw, ub = plan.up.weight, plan.up.bias, None, None
+    if not (_takes(x, gw, gb) and (uw is None or _takes(x, uw, ub) and (gb is None) == (ub is None))):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    key = (plan.activation, _single_variant(x2, gw, gb), None if uw is None else (uw.data_ptr() % 16 == 0,
+                                                                                  None if ub is None else ub.data_ptr() % 16 == 0))
+    if uw is None:
+        launch = lambda: skinny_linear(x, gw, gb, activation=plan.activation)  # noqa: E731
+    else:
+        launch = lambda: gated_skinny_linear(x, gw, uw, gb, ub, activation=plan.activation)  # noqa: E731
+    return _MLP_VARIANTS.run(key, x, launch, f"fused MLP: the kernel failed; an MLP of weight {tuple(gw.shape)} runs "
+                             "its own forward for such inputs")

@@ -22,6 +22,13 @@ Split K (``split_k > 1``): each split writes its fp32 partial sums to ``[split_k
 second small kernel adds them in split order (0, 1, ...), adds the bias and casts: deterministic,
 no atomics. Nothing here autotunes, synchronises with the host or reads a device value, so a
 call is safe inside CUDA-graph capture once compiled.
+
+Epilogues (where the result is stored: the kernel's, or the split-K reduction's): an activation
+(``ACT``: SiLU or squared ReLU, :data:`ACT_CODES`) of the result rounded to the output dtype, as
+``act(linear(x))`` computes it eagerly; and ``GATED``: a second weight of the same shape (a gated
+MLP's up projection) multiplied in the same K loop -- each x tile loaded once for both, a second
+set of accumulators (partials ``[2, split_k, M, N]`` when split) -- and the stored value
+``act(gate) * up``, each factor rounded where the eager module rounds it.
 """
 
 from __future__ import annotations
