@@ -430,3 +430,38 @@ def test_a_dropped_step_is_not_counted_in_the_steps_phases(monkeypatch):
         assert drafter.calls == stats.steps + 1  # (the proposal for the step after the last, dropped)
         assert round(stats.draft_s / nap) == stats.steps
         assert stats.wall_s >= nap * drafter.calls
+
+
+def test_a_plain_greedy_step_issues_few_device_ops_around_its_forward(monkeypatch):
+    """A plain greedy step (K = 0, fixed batch, no policy) issues only what it uses around its
+    forward and commit: the pending tokens' gather, the argmax, the append's bookkeeping, the
+    statistics and the flags -- no draft budget, no concatenation with empty drafts (counted per
+    step as the difference of a long and a short call, on the static path; the forward's own ops
+    are not counted). Every such op is a kernel launch a step pays on the device."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import specdec
+    import specdec.decoding as decoding
+    from tiny_models import get_model, ragged_prompts
+
+    for name in ("forward", "commit"):
+        real = getattr(decoding.StaticDecoder, name)
+
+        def uncounted(self, *a, _real=real, **k):
+            with _disable_current_modes():
+                return _real(self, *a, **k)
+
+        monkeypatch.setattr(decoding.StaticDecoder, name, uncounted)
+    model = get_model("nemotron_h")
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=0, decode_path="static")
+    counts = []
+    for n in (6, 16):
+        with DeviceOps() as ops:
+            sd.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=0)
+        counts.append((sum(ops.ops.values()), sd.last_stats.steps, ops.ops))
+    (short, s1, a), (long, s2, b) = counts
+    assert s2 - s1 == 10
+    per = {k: (b[k] - a[k]) / (s2 - s1) for k in b if b[k] != a[k]}
+    assert "clamp" not in per and per.get("cat", 0) <= 1, per  # no draft budget; one cat: the flags
+    assert sum(per.values()) <= 27, sorted(per.items())  # (33 before the budget and the empty drafts were left out)
