@@ -34,7 +34,10 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
 * at those rows, the MLPs whose forward :func:`specdec.models.mlp.mlp_plan` recognises (a gated
   ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``) for two launches: the projections and
   activation before the down projection in one (:func:`~specdec.kernels.linear.mlp_hidden`),
-  the down projection through the skinny kernel; other rows run the compiled forward,
+  the down projection through the skinny kernel; other rows run the compiled forward, and
+* the residual adds of the decoder layers deferred into the norm that reads their sum: the sum
+  and the norm computed by one compiled function (:mod:`specdec.residual`; a sum read by
+  anything else is computed first, as it was),
 
 and restores everything afterwards: the graph keeps the fused kernels, the user's model is left
 as it was. The math is the models' own (same operations, fp32 where they use fp32); only the
@@ -43,7 +46,8 @@ kernels. ``SPECDEC_FUSE=0`` turns fusion off; ``SPECDEC_MERGE_LINEARS=0`` only t
 projections (the siblings then run one by one, through the skinny kernel where it applies);
 ``SPECDEC_SKINNY_LINEARS=0`` only the skinny kernel for the linears that do not merge (and with
 it the MLPs' two launches); ``SPECDEC_FUSED_MLPS=0`` only the MLPs' two launches (their compiled
-forward with each projection through the skinny kernel runs instead).
+forward with each projection through the skinny kernel runs instead); ``SPECDEC_FUSED_RESIDUALS=0``
+only the deferred residual adds.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import torch
 from .placement import routed_forward
 
 __all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "skinny_enabled",
-           "fused_mlps_enabled", "merge_candidates", "single_candidates"]
+           "fused_mlps_enabled", "residuals_enabled", "merge_candidates", "single_candidates"]
 
 #: module-level functions that attention classes call by name from their own modeling module,
 #: compiled inside :func:`fused` blocks as the norms are
@@ -119,10 +123,41 @@ def _mlp_forward(plan, compiled):
     return forward
 
 
-def _compiled(key, fn):
+def _compiled(key, fn, options=None):
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, dynamic=None, fullgraph=False)
+        _COMPILED[key] = torch.compile(fn, dynamic=None, fullgraph=False, options=options)
     return _COMPILED[key]
+
+
+def residuals_enabled() -> bool:
+    """Whether fusion defers residual adds into the norms that read them (``SPECDEC_FUSED_RESIDUALS``,
+    default on; :mod:`specdec.residual`)."""
+    return env_switch("SPECDEC_FUSED_RESIDUALS")
+
+
+def _add_then(cls):
+    """``fn(mod, a, b, out)``: ``out = a + b``, then ``cls.forward(mod, out)`` -- a norm of the sum,
+    compiled as one kernel with the sum rounded as the eager add rounds it."""
+    def add_then(mod, a, b, out):
+        torch.add(a, b, out=out)
+        return cls.forward(mod, out)
+
+    return _compiled(("add", cls), add_then, {"emulate_precision_casts": True})
+
+
+def _norm_forward(cls, compiled):
+    """A norm's routed forward: a pending residual sum (:mod:`specdec.residual`) computed with the
+    norm in one compiled function, anything else through ``compiled`` (the class's compiled forward)."""
+    from .residual import DeferredResidual, consume, plain
+
+    def forward(mod, x, *args, **kwargs):
+        if type(x) is DeferredResidual:
+            if x.kind == "pending" and not args and not kwargs:
+                return consume(x, lambda a, b, out: _add_then(cls)(mod, a, b, out))
+            x = plain(x)
+        return compiled(mod, x, *args, **kwargs)
+
+    return forward
 
 
 def fusable(fn):
@@ -241,6 +276,7 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
             from .models.mlp import mlp_plan  # (here: specdec.models imports this module)
 
             two_launch_mlps = skinny_enabled() and fused_mlps_enabled()
+            residuals = model is not None and modules and residuals_enabled()
             for mod in model.modules() if model is not None and modules else ():
                 if _is_fusable_module(mod):
                     cls = type(mod)
@@ -248,7 +284,13 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
                     plan = mlp_plan(mod) if two_launch_mlps else None
                     if plan is not None and backend(plan.up.weight.device) == "triton":  # (the skinny kernel's backend)
                         forward = _mlp_forward(plan, forward)
+                    elif residuals and cls.__name__.endswith("RMSNorm"):
+                        forward = _norm_forward(cls, forward)
                     stack.enter_context(routed_forward(mod, forward))
+            if residuals:
+                from .residual import deferred_residuals
+
+                stack.enter_context(deferred_residuals(model, _active))
             for where, name in _function_sites(model) if model is not None else ():
                 stack.enter_context(_routed_function(where, name))
             if siblings:

@@ -174,7 +174,7 @@ def test_fused_runs_the_mlps_in_two_launches_and_greedy_is_unchanged(family, mon
     are as they were afterwards. (Compiling is replaced by the eager forward here: what is
     checked is the routing and the kernel.)"""
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    monkeypatch.setattr(fusion, "_compiled", lambda key, fn: fn)
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn, options=None: fn)
     model = get_model(family)
     ids, mask = ragged_prompts()
     want = hf_greedy(model, ids, mask, 6)

@@ -388,7 +388,7 @@ def test_fused_routes_the_rotary_function_inside_its_blocks_only(monkeypatch):
     where = sys.modules[type(attn).__module__]
     original = where.apply_rotary_pos_emb
     compiled = []
-    monkeypatch.setattr(fusion, "_compiled", lambda key, fn: (compiled.append(key), fn)[1])
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn, options=None: (compiled.append(key), fn)[1])
     ids = torch.tensor([[3, 5, 7, 9]])
     with torch.no_grad():
         want = model(ids).logits
@@ -612,7 +612,7 @@ def test_fusable_is_compiled_only_inside_this_threads_fused_blocks(monkeypatch):
     from specdec import fusion
 
     compiled = []
-    monkeypatch.setattr(fusion, "_compiled", lambda key, fn: (compiled.append(key), fn)[1])
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn, options=None: (compiled.append(key), fn)[1])
     add_one = fusion.fusable(lambda x: x + 1)
     inside, release = threading.Event(), threading.Event()
 

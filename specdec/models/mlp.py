@@ -99,11 +99,15 @@ def _plain(linear) -> bool:
 
 def mlp_plan(module: nn.Module) -> MLPPlan | None:
     """``module``'s :class:`MLPPlan`, or None where its step must run its own forward: a forward
-    not among :data:`MLP_FORWARDS` (or replaced on the instance, or hooked), projections that are
+    not among :data:`MLP_FORWARDS` (or replaced on the instance, or hooked other than by
+    :func:`specdec.residual.deferred_residuals`), projections that are
     not plain ``nn.Linear`` modules (subclasses, forward hooks, accelerate's hooks), an activation
     not in :data:`ACTIVATION_CLASSES`, a fused gate-up projection of odd width, or gate and up
     projections that differ in dtype, device or having a bias."""
-    if "forward" in vars(module) or module._forward_pre_hooks or module._forward_hooks:
+    from ..residual import is_residual_hook
+
+    if ("forward" in vars(module) or module._forward_pre_hooks
+            or not all(map(is_residual_hook, module._forward_hooks.values()))):
         return None
     form = _form_of(type(module))
     if form is None:
