@@ -142,7 +142,7 @@ def _add_then(cls):
         torch.add(a, b, out=out)
         return cls.forward(mod, out)
 
-    return _compiled(("add", cls), add_then, {"emulate_precision_casts": True})
+    return _compiled(("add", cls, cls.forward), add_then, {"emulate_precision_casts": True})
 
 
 def _norm_forward(cls, compiled):
@@ -280,7 +280,7 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
             for mod in model.modules() if model is not None and modules else ():
                 if _is_fusable_module(mod):
                     cls = type(mod)
-                    forward = _compiled(cls, cls.forward)
+                    forward = _compiled((cls, cls.forward), cls.forward)  # (a class's forward replaced: compiled anew)
                     plan = mlp_plan(mod) if two_launch_mlps else None
                     if plan is not None and backend(plan.up.weight.device) == "triton":  # (the skinny kernel's backend)
                         forward = _mlp_forward(plan, forward)

@@ -113,11 +113,41 @@ def test_what_a_plan_refuses():
 
     m.down_proj = Wrapped(m.down_proj.in_features, m.down_proj.out_features, bias=False)
     variants["a Linear subclass"] = m
+    m = copy.deepcopy(base)
+    m.act_fn.register_forward_pre_hook(lambda mod, args: (args[0].clamp(max=0),))
+    variants["an activation hook"] = m
+    m = copy.deepcopy(base)
+    m.act_fn.forward = torch.nn.functional.gelu
+    variants["an activation forward on the instance"] = m
+    m = copy.deepcopy(base)
+    m.gate_proj = torch.nn.Linear(m.gate_proj.in_features, 1, bias=False)
+    variants["a gate of another width"] = m
     phi = copy.deepcopy(mlps(get_model("phi3"))[0])
     phi.gate_up_proj = torch.nn.Linear(phi.gate_up_proj.in_features, 2 * phi.down_proj.in_features + 1, bias=False)
     variants["odd halves"] = phi
     planned = [name for name, mod in variants.items() if mlp_plan(mod) is not None]
     assert planned == []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert mlp_plan(base) is None  # a global hook would not see the projections the launch replaces
+    finally:
+        handle.remove()
+    assert mlp_plan(base) is not None
+
+
+def test_a_forward_replaced_on_the_class_is_read_again(monkeypatch):
+    """A class whose forward is replaced after a plan was made (here by a wrapper keeping the
+    original's name and source through functools.wraps) gets no plan; the original gets its plan
+    back."""
+    import functools
+
+    base = mlps(get_model("qwen3_5"))[0]
+    cls, original = type(base), type(base).forward
+    assert mlp_plan(base) is not None
+    monkeypatch.setattr(cls, "forward", functools.wraps(original)(lambda self, x: 0.5 * original(self, x)))
+    assert mlp_plan(base) is None
+    monkeypatch.setattr(cls, "forward", original)
+    assert mlp_plan(base) is not None
 
 
 @needs_triton_interpreter

@@ -621,3 +621,25 @@ def test_fusion_routes_every_other_linear_through_the_kernel(monkeypatch):
         routed = {id(m) for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)}
     assert routed == grouped
     assert not any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+@needs_triton_interpreter
+def test_a_model_built_in_inference_mode_merges_and_decodes():
+    """Weights made under torch.inference_mode() have no version counter: a group's merged
+    results are still handed out (read the version of such a weight, the merged call raised), and
+    the engine's greedy output inside merged_linears equals HF greedy."""
+    from tiny_models import make_model
+
+    with torch.inference_mode():
+        model = make_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask, 5)
+    calls = count_grouped_calls(monkeypatch_free := pytest.MonkeyPatch(), lambda x, ws: len(ws))
+    try:
+        with merged_linears(model, backend_name="triton"):
+            sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    finally:
+        monkeypatch_free.undo()
+    assert torch.equal(out, want)
+    assert calls  # merged launches ran on the inference-mode weights

@@ -295,6 +295,17 @@ def test_gated_matches_the_reference(activation, dtype, lead, N, K, with_bias, c
     assert_rounds_as_eager(y, eager, activation)
 
 
+def test_strided_biases_are_read_as_they_lie():
+    """Biases that are strided views (every other element of a longer tensor) give the result of
+    their values, with and without the activation, and in the gated launch."""
+    gen = torch.Generator().manual_seed(9)
+    x, wg, wu = rand(3, 24, gen=gen), rand(8, 24, gen=gen), rand(8, 24, gen=gen)
+    bg, bu = rand(16, gen=gen)[::2], rand(16, gen=gen)[::2]
+    assert rel_err(skinny_linear(x, wg, bg, activation="relu2"), linear_ref(x, wg, bg, "relu2")) < 2 * TOL[torch.float32]
+    assert rel_err(skinny_linear(x, wg, bg), linear_ref(x, wg, bg)) < TOL[torch.float32]
+    assert rel_err(gated_skinny_linear(x, wg, wu, bg, bu), gated_linear_ref(x, wg, wu, bg, bu)) < 2 * TOL[torch.float32]
+
+
 def test_gated_takes_the_row_halves_of_one_weight_and_strided_x():
     """Gate and up as the two row halves of one ``[2N, K]`` weight (a fused gate-up projection),
     x a strided view, out a strided view: the values land in out's elements only."""

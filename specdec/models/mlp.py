@@ -60,8 +60,7 @@ MLP_FORWARDS: dict[str, tuple[str | None, str, str, str]] = {
 def _activation_classes() -> dict[type, str]:
     import transformers.activations as act
 
-    classes = {nn.SiLU: "silu", act.SiLUActivation: "silu", act.ReLUSquaredActivation: "relu2"}
-    return {cls: name for cls, name in classes.items() if isinstance(cls, type)}
+    return {nn.SiLU: "silu", act.SiLUActivation: "silu", act.ReLUSquaredActivation: "relu2"}
 
 
 #: activation modules (exactly these classes) -> the kernel's name for what they compute
@@ -82,19 +81,27 @@ class MLPPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _form_of(cls: type) -> tuple | None:
-    """The :data:`MLP_FORWARDS` entry of ``cls.forward``'s source, or None."""
+def _form_of(forward) -> tuple | None:
+    """The :data:`MLP_FORWARDS` entry of a class's ``forward`` function by its source, or None (also
+    for a wrapper: ``inspect`` would read the wrapped function's source, not the wrapper's)."""
+    if inspect.unwrap(forward) is not forward:
+        return None
     try:
-        src = inspect.getsource(cls.forward)
+        src = inspect.getsource(forward)
     except (OSError, TypeError):
         return None
     lines = [line.strip() for line in src.splitlines()]
     return MLP_FORWARDS.get("\n".join(line for line in lines if line and not line.startswith("#")))
 
 
+def _unhooked(module) -> bool:
+    """No forward replaced on the instance, no forward (pre-)hooks, no accelerate hook."""
+    return ("forward" not in vars(module) and not (module._forward_pre_hooks or module._forward_hooks)
+            and getattr(module, "_hf_hook", None) is None)
+
+
 def _plain(linear) -> bool:
-    return (type(linear) is nn.Linear and not (linear._forward_pre_hooks or linear._forward_hooks)
-            and getattr(linear, "_hf_hook", None) is None)
+    return type(linear) is nn.Linear and _unhooked(linear)
 
 
 def mlp_plan(module: nn.Module) -> MLPPlan | None:
@@ -102,14 +109,20 @@ def mlp_plan(module: nn.Module) -> MLPPlan | None:
     not among :data:`MLP_FORWARDS` (or replaced on the instance, or hooked other than by
     :func:`specdec.residual.deferred_residuals`), projections that are
     not plain ``nn.Linear`` modules (subclasses, forward hooks, accelerate's hooks), an activation
-    not in :data:`ACTIVATION_CLASSES`, a fused gate-up projection of odd width, or gate and up
-    projections that differ in dtype, device or having a bias."""
+    not in :data:`ACTIVATION_CLASSES` (or hooked, or its forward replaced on the instance), a fused
+    gate-up projection of odd width, gate and up projections that differ in width, dtype, device
+    or having a bias, or global module hooks (``register_module_forward_hook``: they would not see
+    the projections the launch replaces)."""
+    from torch.nn.modules import module as nn_module
+
     from ..residual import is_residual_hook
 
     if ("forward" in vars(module) or module._forward_pre_hooks
             or not all(map(is_residual_hook, module._forward_hooks.values()))):
         return None
-    form = _form_of(type(module))
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:  # (they would not see the projections)
+        return None
+    form = _form_of(type(module).forward)
     if form is None:
         return None
     gate_name, up_name, down_name, act_name = form
@@ -120,10 +133,13 @@ def mlp_plan(module: nn.Module) -> MLPPlan | None:
     if act_name == "silu":
         activation = "silu"
     else:
-        activation = ACTIVATION_CLASSES.get(type(getattr(module, act_name, None)))
-        if activation is None:
+        act = getattr(module, act_name, None)
+        activation = ACTIVATION_CLASSES.get(type(act))
+        if activation is None or not _unhooked(act):
             return None
     if gate_name == "" and up.out_features % 2:
+        return None
+    if gate is not None and gate.out_features != up.out_features:
         return None
     if gate is not None and (gate.weight.dtype, gate.weight.device, gate.bias is None) != \
             (up.weight.dtype, up.weight.device, up.bias is None):

@@ -197,6 +197,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     M = _check(x, weight, bias, out)
     act = _check_activation(activation)
     N, K = weight.shape
+    if bias is not None and bias.stride(0) != 1:  # (the kernels read the bias contiguously)
+        bias = bias.contiguous()
     y = out if out is not None else torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if M == 0:
         return y
@@ -221,7 +223,8 @@ def gated_skinny_linear(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: t
     input to its down projection (SwiGLU for SiLU; Shazeer, "GLU Variants Improve Transformer",
     2020) -- in one launch for at most :data:`MAX_ROWS` rows: each program reads the same rows of
     both weights and multiplies them by each x tile loaded once, and the activation and product
-    are its epilogue (or the split-K reduction's), so neither projection's result is written.
+    are its epilogue (or the split-K reduction's), so neither projection's result is written
+    (with K split, their fp32 partial sums are, for the reduction).
 
     Rounding follows the eager module's ``act(gate(x)) * up(x)`` in ``x.dtype``: both projections
     are rounded to ``x.dtype``, the activation is computed in fp32 and rounded, the product in fp32
@@ -260,6 +263,8 @@ def gated_skinny_linear(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: t
                          f"{'None' if gate_bias is None else 'a tensor'} and {'None' if up_bias is None else 'a tensor'}")
     act = _check_activation(activation, gated=True)
     N, K = gate_weight.shape
+    if gate_bias is not None:  # (the kernels read the biases contiguously)
+        gate_bias, up_bias = gate_bias.contiguous(), up_bias.contiguous()
     y = out if out is not None else torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
@@ -433,6 +438,11 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool, b: torch
                      and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))))
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, None for an inference tensor (which has none)."""
+    return None if t.is_inference() else t._version
+
+
 def _capturing(x: torch.Tensor) -> bool:
     """Whether ``x``'s device is capturing a CUDA graph on the current stream."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -519,9 +529,10 @@ class _Siblings:
 
     @staticmethod
     def _params(member: nn.Linear):
-        """The member's weight and bias as a merged result used them: the objects and versions."""
+        """The member's weight and bias as a merged result used them: the objects and versions (an
+        inference tensor, e.g. a weight made under ``torch.inference_mode()``, has none: None)."""
         w, b = member.weight, member.bias
-        return w, w._version, b, None if b is None else b._version
+        return w, _version(w), b, None if b is None else _version(b)
 
     @staticmethod
     def _variant(x: torch.Tensor, merge, ms: list[nn.Linear]):
