@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from helpers import hf_greedy
+from markers import needs_cuda
 from tiny_models import EXTRA_FAMILIES, FAMILIES, get_model, ragged_prompts
 
 import specdec
@@ -117,9 +118,24 @@ def test_a_pending_sum_is_computed_before_any_other_use():
 def test_the_compiled_add_then_norm_rounds_as_the_eager_add_and_norm(family):
     """bf16, compiled by Inductor (on the CPU here): the sum written equals ``a + b`` and the norm
     of it equals the module's eager norm of the eagerly rounded sum, bit for bit."""
-    norm = copy.deepcopy(next(m for m in norm_modules(get_model(family)))).to(torch.bfloat16)
+    check_add_then_norm(family, "cpu")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_the_compiled_add_then_norm_rounds_as_eager_on_gpu(family):
+    """The same with Inductor's Triton kernels on the GPU, at a bench model's width."""
+    check_add_then_norm(family, "cuda", width=2560)
+
+
+def check_add_then_norm(family: str, device: str, width: int | None = None):
+    norm = copy.deepcopy(next(m for m in norm_modules(get_model(family))))
+    if width is not None:  # (a bench model's hidden size: the same class, a wider weight)
+        norm.weight = torch.nn.Parameter(torch.randn(width) * 0.1)
+    norm = norm.to(device=device, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(3, 2, norm.weight.shape[0], generator=gen).bfloat16() for _ in range(2))
+    a, b = (torch.randn(3, 2, norm.weight.shape[0], generator=gen).bfloat16().to(device) for _ in range(2))
     out = torch.full_like(a, float("nan"))
     with torch.no_grad():
         got = fusion._add_then(type(norm))(norm, a, b, out)
