@@ -237,11 +237,14 @@ def merge_candidates(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 def single_candidates(model: torch.nn.Module, groups: list[list[torch.nn.Linear]]) -> list[torch.nn.Linear]:
     """The linears :func:`fused` routes through :func:`~specdec.kernels.linear.single_linears`:
-    every ``nn.Linear`` of ``model`` (exactly that class, without forward hooks or an accelerate
-    hook) in none of ``groups``."""
+    every ``nn.Linear`` of ``model`` (exactly that class, without forward hooks -- but those of
+    :func:`specdec.residual.deferred_residuals` -- or an accelerate hook) in none of ``groups``."""
+    from .residual import is_residual_hook
+
     grouped = {id(m) for g in groups for m in g}
     return [m for m in model.modules() if type(m) is torch.nn.Linear and id(m) not in grouped
-            and not (m._forward_pre_hooks or m._forward_hooks or getattr(m, "_hf_hook", None) is not None)]
+            and not (m._forward_pre_hooks or not all(map(is_residual_hook, m._forward_hooks.values()))
+                     or getattr(m, "_hf_hook", None) is not None)]
 
 
 @contextlib.contextmanager
@@ -287,10 +290,6 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
                     elif residuals and cls.__name__.endswith("RMSNorm"):
                         forward = _norm_forward(cls, forward)
                     stack.enter_context(routed_forward(mod, forward))
-            if residuals:
-                from .residual import deferred_residuals
-
-                stack.enter_context(deferred_residuals(model, _active))
             for where, name in _function_sites(model) if model is not None else ():
                 stack.enter_context(_routed_function(where, name))
             if siblings:
@@ -301,6 +300,10 @@ def fused(model: torch.nn.Module | None, enabled: bool = True, *, modules: bool 
                 from .kernels.linear import single_linears
 
                 stack.enter_context(single_linears(single_candidates(model, siblings)))
+            if residuals:  # (last: the candidates above are chosen before its hooks are on the layers' children)
+                from .residual import deferred_residuals
+
+                stack.enter_context(deferred_residuals(model, _active))
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
             entered = True
             yield

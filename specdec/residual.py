@@ -22,6 +22,13 @@ add, so the result is the layer's whatever reads it: only the kernel count chang
 ``.to()`` that would return the tensor itself (Nemotron-H's ``norm(h.to(norm.weight.dtype))``)
 returns the pending sum as it is.
 
+The sum is read when it is consumed, not when the add runs: an addend written in place in
+between (no layer of the supported families does; their branches return fresh tensors) raises
+a ``RuntimeError`` rather than give another sum (checked by version counters where the tensors
+have them). Outputs that need a gradient are not deferred. Layer outputs a model records
+(``output_hidden_states=True``) may come back as written :class:`DeferredResidual` tensors: their
+values are the layer's, each later op on them unwraps them.
+
 The branches are the direct children of each decoder layer (the modules of an ``nn.ModuleList``
 named ``layers``) other than norms; their outputs (a tensor, or a tuple's first tensor) are
 wrapped by a forward hook that acts only on threads inside a :func:`specdec.fusion.fused` block.
@@ -48,12 +55,15 @@ class DeferredResidual(torch.Tensor):
 
     kind: str
     parts: tuple | None
+    #: the plain tensor this one wraps (what :func:`plain` returns: not an alias made from the
+    #: subclass, whose ``_base`` would be the subclass again, a cycle ``torch.compile`` cannot trace)
+    base: torch.Tensor
 
     @staticmethod
     def of(t: torch.Tensor, kind: str, parts: tuple | None = None) -> "DeferredResidual":
         with torch._C.DisableTorchFunctionSubclass():
             r = torch.Tensor._make_subclass(DeferredResidual, t)
-        r.kind, r.parts = kind, parts
+        r.kind, r.parts, r.base = kind, parts, t
         return r
 
     @classmethod
@@ -76,15 +86,33 @@ def is_pending(t) -> bool:
 
 
 def plain(t: torch.Tensor, compute: bool = True) -> torch.Tensor:
-    """``t`` as a plain tensor sharing its storage; a pending sum computed first (``compute``)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        if type(t) is DeferredResidual:
-            if t.kind == "pending" and compute:
-                a, b = t.parts
-                torch.add(a, b, out=t.as_subclass(torch.Tensor))
-                t.kind, t.parts = "done", None
-            return t.as_subclass(torch.Tensor)
-    return t
+    """``t`` as a plain tensor sharing its storage; a pending sum computed first (``compute``).
+
+    Raises:
+        RuntimeError: an addend of the pending sum was written in place after the add (the sum
+            read now would not be the one the add named).
+    """
+    if type(t) is not DeferredResidual:
+        return t
+    if t.kind == "pending" and compute:
+        a, b = _parts(t)
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.add(a, b, out=t.base)
+        t.kind, t.parts = "done", None
+    return t.base
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
+
+
+def _parts(t: "DeferredResidual") -> tuple[torch.Tensor, torch.Tensor]:
+    """A pending sum's addends, checked unwritten since the add."""
+    (a, va), (b, vb) = t.parts
+    if _version(a) != va or _version(b) != vb:
+        raise RuntimeError("an addend of a deferred residual add was written in place before the sum was read; "
+                           "run without SPECDEC_FUSED_RESIDUALS (=0) for such a model")
+    return a, b
 
 
 def _plain_tree(x):
@@ -113,7 +141,7 @@ def _defer(x, y) -> DeferredResidual | None:
     a, b = plain(x), plain(y)
     with torch._C.DisableTorchFunctionSubclass():
         out = torch.empty_like(a, memory_format=torch.contiguous_format)
-    return DeferredResidual.of(out, "pending", (a, b))
+    return DeferredResidual.of(out, "pending", ((a, _version(a)), (b, _version(b))))
 
 
 def _is_noop_to(t, args, kwargs) -> bool:
@@ -135,7 +163,7 @@ def _is_noop_to(t, args, kwargs) -> bool:
 def consume(x: DeferredResidual, add_then) -> torch.Tensor:
     """A pending sum's reader: ``add_then(a, b, out)`` computes ``out = a + b`` into the sum's
     storage and returns what it reads from it (a norm's output); the sum is written afterwards."""
-    a, b = x.parts
+    a, b = _parts(x)
     y = add_then(a, b, plain(x, compute=False))
     x.kind, x.parts = "done", None
     return y
@@ -168,12 +196,12 @@ def deferred_residuals(model: torch.nn.Module, active):
     def wrap(module, args, out):  # (its semantics are the module's: is_residual_hook)
         if not active():
             return None
-        if isinstance(out, torch.Tensor) and type(out) is not DeferredResidual:
-            return DeferredResidual.of(out, "branch") if out.dtype.is_floating_point else None
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and type(out[0]) is torch.Tensor \
-                and out[0].dtype.is_floating_point:
-            return (DeferredResidual.of(out[0], "branch"),) + out[1:]
-        return None
+        first = out[0] if isinstance(out, tuple) and out else out
+        if not (type(first) is torch.Tensor and first.dtype.is_floating_point):
+            return None
+        if torch.is_grad_enabled() and first.requires_grad:  # (a subclass made of it would have no autograd history)
+            return None
+        return DeferredResidual.of(out, "branch") if first is out else (DeferredResidual.of(first, "branch"),) + out[1:]
 
     wrap.specdec_residual_hook = True
     handles = [m.register_forward_hook(wrap) for m in residual_branches(model)]

@@ -164,3 +164,75 @@ def test_another_thread_and_the_mlp_plans_see_no_change(monkeypatch):
     monkeypatch.setenv("SPECDEC_FUSED_RESIDUALS", "0")
     with fusion.fused(model):
         assert not mlp._forward_hooks
+
+
+def test_tensors_of_the_residual_stream_trace_through_torch_compile():
+    """What a DeferredResidual hands on -- its plain tensor, a pending sum, the addends of a
+    consumed one -- traces through torch.compile (an alias made from the subclass would name the
+    subclass as its base: a cycle dynamo recursed on), with the eager values."""
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    br = DeferredResidual.of(b, "branch")
+    assert torch.equal(f(residual.plain(br)), b * 2 + 1)
+    assert torch.equal(f(a + DeferredResidual.of(b, "branch")), (a + b) * 2 + 1)
+    norm = copy.deepcopy(norm_modules(get_model("llama"))[0])
+    a, b = (torch.randn(2, 1, norm.weight.shape[0], generator=gen) for _ in range(2))
+    s = a + DeferredResidual.of(b, "branch")
+    with torch.no_grad():
+        got = residual.consume(s, lambda x, y, out: fusion._add_then(type(norm))(norm, x, y, out))
+        assert torch.equal(got, norm(a + b))
+
+
+def test_one_forward_inside_fused_with_torch_compile_equals_eager():
+    """fp32 tiny Llama, one forward inside fused() with the real compiles (the norms, MLPs and
+    rotary embedding, the add-then-norm): the logits equal the forward without deferred adds."""
+    model = get_model("llama")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    outs = {}
+    with torch.no_grad():
+        for switch in ("0", "1"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SPECDEC_FUSED_RESIDUALS", switch)
+                with fusion.fused(model):
+                    outs[switch] = model(ids).logits
+    assert type(outs["1"]) is torch.Tensor
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_flow_through_a_fused_block(monkeypatch):
+    """With gradients on, branch outputs are not deferred (a subclass made of them would carry no
+    history): every parameter gets the gradient it gets without the block."""
+    monkeypatch.setattr(fusion, "_compiled", lambda key, fn, options=None: fn)
+    model = copy.deepcopy(get_model("llama"))
+    ids = torch.tensor([[3, 5, 7, 9]])
+    grads = []
+    for block in (False, True):
+        model.zero_grad()
+        with fusion.fused(model, enabled=block):
+            model(ids).logits.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_an_addend_written_before_the_sum_is_read_raises():
+    """A pending sum is computed when read: an addend written in place in between (its version
+    moved) raises instead of giving another sum."""
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    s = a + DeferredResidual.of(b, "branch")
+    a.add_(1.0)
+    with pytest.raises(RuntimeError, match="written in place before the sum was read"):
+        s * 2
+
+
+def test_the_residual_hooks_leave_the_skinny_linears_their_candidates(monkeypatch):
+    """The linears routed through the skinny kernel inside fused() are the same with and without
+    deferred adds (a layer's direct nn.Linear child, as Zamba2's, carries the residual hook)."""
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    model = get_model("zamba2")
+    routed = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("SPECDEC_FUSED_RESIDUALS", switch)
+        with fusion.fused(model):
+            routed[switch] = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and "forward" in vars(m)}
+    assert routed["0"] and routed["1"] == routed["0"]
