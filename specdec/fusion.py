@@ -150,10 +150,12 @@ def _norm_forward(cls, compiled):
     norm in one compiled function, anything else through ``compiled`` (the class's compiled forward)."""
     from .residual import DeferredResidual, consume, plain
 
+    add_then = _add_then(cls)
+
     def forward(mod, x, *args, **kwargs):
         if type(x) is DeferredResidual:
             if x.kind == "pending" and not args and not kwargs:
-                return consume(x, lambda a, b, out: _add_then(cls)(mod, a, b, out))
+                return consume(x, lambda a, b, out: add_then(mod, a, b, out))
             x = plain(x)
         return compiled(mod, x, *args, **kwargs)
 
@@ -239,12 +241,10 @@ def single_candidates(model: torch.nn.Module, groups: list[list[torch.nn.Linear]
     """The linears :func:`fused` routes through :func:`~specdec.kernels.linear.single_linears`:
     every ``nn.Linear`` of ``model`` (exactly that class, without forward hooks -- but those of
     :func:`specdec.residual.deferred_residuals` -- or an accelerate hook) in none of ``groups``."""
-    from .residual import is_residual_hook
+    from .placement import unhooked
 
     grouped = {id(m) for g in groups for m in g}
-    return [m for m in model.modules() if type(m) is torch.nn.Linear and id(m) not in grouped
-            and not (m._forward_pre_hooks or not all(map(is_residual_hook, m._forward_hooks.values()))
-                     or getattr(m, "_hf_hook", None) is not None)]
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and id(m) not in grouped and unhooked(m)]
 
 
 @contextlib.contextmanager

@@ -30,7 +30,17 @@ import types
 import torch
 
 __all__ = ["check_placement", "execution_device", "execution_devices", "materialized", "offloads_weights",
-           "routed_forward"]
+           "routed_forward", "unhooked"]
+
+
+def unhooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs its forward alone: no forward pre-hooks, no forward hooks but
+    :func:`specdec.residual.deferred_residuals`' (they mark the output, its values stay), no
+    accelerate hook. (A forward replaced on the instance is the caller's to check.)"""
+    from .residual import is_residual_hook
+
+    return (not module._forward_pre_hooks and all(map(is_residual_hook, module._forward_hooks.values()))
+            and getattr(module, "_hf_hook", None) is None)
 
 
 def _hooks(module: torch.nn.Module) -> list:

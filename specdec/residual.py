@@ -41,6 +41,8 @@ import contextlib
 
 import torch
 
+from .kernels.linear import tensor_version
+
 __all__ = ["DeferredResidual", "deferred_residuals", "residual_branches", "consume", "is_pending", "plain",
            "is_residual_hook"]
 
@@ -102,14 +104,10 @@ def plain(t: torch.Tensor, compute: bool = True) -> torch.Tensor:
     return t.base
 
 
-def _version(x: torch.Tensor) -> int | None:
-    return None if x.is_inference() else x._version
-
-
 def _parts(t: "DeferredResidual") -> tuple[torch.Tensor, torch.Tensor]:
     """A pending sum's addends, checked unwritten since the add."""
     (a, va), (b, vb) = t.parts
-    if _version(a) != va or _version(b) != vb:
+    if tensor_version(a) != va or tensor_version(b) != vb:
         raise RuntimeError("an addend of a deferred residual add was written in place before the sum was read; "
                            "run without SPECDEC_FUSED_RESIDUALS (=0) for such a model")
     return a, b
@@ -141,7 +139,7 @@ def _defer(x, y) -> DeferredResidual | None:
     a, b = plain(x), plain(y)
     with torch._C.DisableTorchFunctionSubclass():
         out = torch.empty_like(a, memory_format=torch.contiguous_format)
-    return DeferredResidual.of(out, "pending", ((a, _version(a)), (b, _version(b))))
+    return DeferredResidual.of(out, "pending", ((a, tensor_version(a)), (b, tensor_version(b))))
 
 
 def _is_noop_to(t, args, kwargs) -> bool:

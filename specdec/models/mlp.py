@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from ..placement import unhooked
+
 __all__ = ["MLP_FORWARDS", "ACTIVATION_CLASSES", "MLPPlan", "mlp_plan"]
 
 #: a forward's source (stripped lines, comments and blank lines dropped) -> (gate, up, down, activation)
@@ -95,9 +97,8 @@ def _form_of(forward) -> tuple | None:
 
 
 def _unhooked(module) -> bool:
-    """No forward replaced on the instance, no forward (pre-)hooks, no accelerate hook."""
-    return ("forward" not in vars(module) and not (module._forward_pre_hooks or module._forward_hooks)
-            and getattr(module, "_hf_hook", None) is None)
+    """No forward replaced on the instance, and :func:`specdec.placement.unhooked`."""
+    return "forward" not in vars(module) and unhooked(module)
 
 
 def _plain(linear) -> bool:
@@ -115,10 +116,7 @@ def mlp_plan(module: nn.Module) -> MLPPlan | None:
     the projections the launch replaces)."""
     from torch.nn.modules import module as nn_module
 
-    from ..residual import is_residual_hook
-
-    if ("forward" in vars(module) or module._forward_pre_hooks
-            or not all(map(is_residual_hook, module._forward_hooks.values()))):
+    if not _unhooked(module):
         return None
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:  # (they would not see the projections)
         return None

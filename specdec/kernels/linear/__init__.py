@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...placement import unhooked
 from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
 __all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "ACTIVATIONS", "SkinnyConfig", "skinny_config",
@@ -438,7 +439,7 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor, use_kernel: bool, b: torch
                      and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))))
 
 
-def _version(t: torch.Tensor) -> int | None:
+def tensor_version(t: torch.Tensor) -> int | None:
     """``t``'s version counter, None for an inference tensor (which has none)."""
     return None if t.is_inference() else t._version
 
@@ -532,7 +533,7 @@ class _Siblings:
         """The member's weight and bias as a merged result used them: the objects and versions (an
         inference tensor, e.g. a weight made under ``torch.inference_mode()``, has none: None)."""
         w, b = member.weight, member.bias
-        return w, _version(w), b, None if b is None else _version(b)
+        return w, tensor_version(w), b, None if b is None else tensor_version(b)
 
     @staticmethod
     def _variant(x: torch.Tensor, merge, ms: list[nn.Linear]):
@@ -624,8 +625,7 @@ def sibling_groups(model: nn.Module, skip=lambda module: False) -> list[list[nn.
         kinds: dict = {}
         for child in parent.children():
             # (a linear with forward hooks, e.g. pruning's or an offloading hook, may change its weight per call)
-            if type(child) is nn.Linear and not (child._forward_pre_hooks or child._forward_hooks
-                                                 or getattr(child, "_hf_hook", None) is not None):
+            if type(child) is nn.Linear and unhooked(child):
                 w = child.weight
                 kinds.setdefault((child.in_features, w.dtype, w.device, child.bias is None), []).append(child)
         for members in kinds.values():
