@@ -382,11 +382,34 @@ def test_plain_step_floor_bytes():
     model = get_model("qwen3_5")
     one, two, three = (plain_step_bytes(model, b, 16, 32) for b in (1, 2, 3))
     per_row = two - one
-    assert abs((three - two) - per_row) <= 1 and one - weight_bytes(model) == pytest.approx(per_row, abs=1)
+    assert abs((three - two) - per_row) <= 1
+    assert one - weight_bytes(model, 1) == pytest.approx(per_row - (weight_bytes(model, 2) - weight_bytes(model, 1)), abs=1)
     row = bytes_per_sequence(model, InPlaceUpdate(), 48, 0)
     assert per_row > 2 * row.state_bytes > 0  # and some keys and values
     assert plain_step_bytes(model, 1, 160, 32) > one
     assert plain_step_bytes(torch.nn.Linear(4, 4), 1, 16, 32) is None
+
+
+def test_weight_bytes_count_the_rows_of_an_untied_embedding_table_a_forward_reads():
+    """Every parameter once; of an input embedding table that is not the LM head's weight, only the
+    rows looked up (a tied table is the LM head's read, counted whole)."""
+    from tiny_models import make_model
+
+    from specdec.experiments.models import weight_bytes
+
+    model = make_model("qwen3_5", seed=0)
+    table, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    assert head.weight.data_ptr() != table.data_ptr()  # the tiny model's head is untied
+
+    def every():
+        return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+    row = table.shape[1] * table.element_size()
+    assert weight_bytes(model, 3) == every() - (table.shape[0] - 3) * row
+    assert weight_bytes(model, 4) - weight_bytes(model, 3) == row
+    head.weight = table  # tied: the table is the LM head's read
+    assert weight_bytes(model, 3) == weight_bytes(model, 4) == every()
+    assert weight_bytes(torch.nn.Linear(4, 4)) == 4 * 4 * 4 + 4 * 4
 
 
 def test_bench_tiny_run_on_a_random_shape_model(tmp_path: Path):

@@ -140,7 +140,8 @@ BENCH_COLUMNS = (
     Column("plain_decode_ms_per_step", "plain ms/step", "{:.2f}", terminal=False,
            legend="the same for specdec plain (one token per step)"),
     Column("plain_floor_ms", "plain floor ms", "{:.2f}", terminal=False,
-           legend="the bytes a plain step must move (weights, each row's SSM state and conv window read and written, "
+           legend="the bytes a plain step must move (weights once, of an untied input embedding table the rows looked up; "
+                  "each row's SSM state and conv window read and written, "
                   "its keys and values over the mean context) / the copy bandwidth measured by the run"),
     Column("plain_at_floor", "plain at floor", "{:.0%}", terminal=False,
            legend="plain floor ms / plain ms/step (100%: at the memory floor)"),
