@@ -103,11 +103,13 @@ def test_batch_invariant(dtype, M, config):
 def test_launch_does_not_depend_on_M(monkeypatch):
     """The launch is a function of (N, K, dtype, SMs): split K fills one wave of 132 SMs; the weight
     prefetch and dependent launch follow ``SPECDEC_PDL``."""
+    monkeypatch.delenv("SPECDEC_PDL", raising=False)
+    assert skinny_config(2560, 9216, torch.bfloat16) == SkinnyConfig(block_n=64, block_k=128, split_k=3)
+    monkeypatch.setenv("SPECDEC_PDL", "1")
     assert skinny_config(2560, 9216, torch.bfloat16) == SkinnyConfig(block_n=64, block_k=128, split_k=3,
                                                                      prefetch=True, pdl=True)
     monkeypatch.setenv("SPECDEC_PDL", "0")
-    assert skinny_config(2560, 9216, torch.bfloat16) == SkinnyConfig(block_n=64, block_k=128, split_k=3)
-    monkeypatch.delenv("SPECDEC_PDL")
+    assert not skinny_config(2560, 9216, torch.bfloat16).pdl
     assert skinny_config(248320, 2560, torch.bfloat16).split_k == 1
     assert skinny_config(32, 2560, torch.bfloat16).block_n == 32
     assert skinny_config(40, 100, torch.float32).block_k == 64

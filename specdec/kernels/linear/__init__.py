@@ -133,11 +133,12 @@ def skinny_config(N: int, K: int, dtype: torch.dtype, sms: int = DEFAULT_SMS) ->
 
 def dependent_launches_enabled() -> bool:
     """Whether :func:`skinny_config`'s launches prefetch their weights and start as programmatic
-    dependent launches (:class:`SkinnyConfig` ``prefetch`` and ``pdl``; ``SPECDEC_PDL``, default
-    on; read when a launch is chosen, so a CUDA graph keeps the setting it was captured with)."""
+    dependent launches (:class:`SkinnyConfig` ``prefetch`` and ``pdl``; ``SPECDEC_PDL=1``, default
+    off: not yet timed on a GPU; read when a launch is chosen, so a CUDA graph keeps the setting
+    it was captured with)."""
     from ...fusion import env_switch
 
-    return env_switch("SPECDEC_PDL")
+    return env_switch("SPECDEC_PDL", default=False)
 
 
 def split_k_for(N: int, K: int, block_n: int, block_k: int, sms: int = DEFAULT_SMS) -> int:
