@@ -40,6 +40,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..kernels.attention import step_attention, step_attention_fits
+
 __all__ = ["GROUPED_STEP_ATTENTION", "SDPA_BACKENDS_WITHOUT_CUDNN", "sdpa_without_cudnn", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
 
 #: the name :func:`grouped_step_attention` is registered under in transformers' ``AttentionInterface``
@@ -100,6 +102,8 @@ def grouped_step_attention(module, query: torch.Tensor, key: torch.Tensor, value
     if not folds:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if dropout == 0.0 and _kernel_takes(query, key, value, attention_mask):
+        return step_attention(query, key, value, attention_mask, scaling, backend_name="triton"), None
     R, L, Dv = H // Hkv, key.shape[2], value.shape[-1]
     q = query.reshape(B, Hkv, R * t, D)  # query head h = j R + r (repeat_kv's order) -> KV head j, rows r t ...
     mask = attention_mask.expand(B, 1, t, L)[:, :, None].expand(B, 1, R, t, L).reshape(B, 1, R * t, L)
@@ -108,6 +112,24 @@ def grouped_step_attention(module, query: torch.Tensor, key: torch.Tensor, value
 
 
 AttentionInterface.register(GROUPED_STEP_ATTENTION, grouped_step_attention)
+
+
+def step_attention_kernel_enabled() -> bool:
+    """Whether :func:`grouped_step_attention` runs :func:`specdec.kernels.attention.step_attention`
+    on the Triton backend (``SPECDEC_STEP_ATTENTION_KERNEL=1``; default off: not yet timed on a
+    GPU)."""
+    from ..fusion import env_switch
+
+    return env_switch("SPECDEC_STEP_ATTENTION_KERNEL", default=False)
+
+
+def _kernel_takes(query, key, value, mask) -> bool:
+    """The step-attention kernel for this call: switched on, the Triton backend for the device, not
+    inside a whole-program ``torch.compile`` (which traces SDPA instead), tensors it takes."""
+    from ..kernels import backend
+
+    return (step_attention_kernel_enabled() and not torch.compiler.is_compiling()
+            and backend(query.device) == "triton" and step_attention_fits(query, key, value, mask))
 
 
 def grouped_step_attention_for(configs) -> contextlib.AbstractContextManager:
