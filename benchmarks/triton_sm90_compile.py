@@ -36,12 +36,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
 from specdec.kernels.norm import triton_norm  # noqa: E402
 from specdec.kernels.linear import triton_skinny as sk  # noqa: E402
+from specdec.kernels.attention import triton_attention as ta  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32",
+           torch.bool: "i1"}
 _SEEN: set = set()
 T_LONG = 5  # step tokens of the compiled variants (K = 4)
 COMPILED = []
@@ -149,7 +151,7 @@ for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_st
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
            triton_norm._gated_rms_norm_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
-           sk._grouped_skinny_kernel):
+           sk._grouped_skinny_kernel, ta._step_attention_kernel, ta._combine_kernel):
     _intercept(_k)
 
 
@@ -300,6 +302,20 @@ def linear_variants(quick: bool):
                           skinny_config(6144, 2560, dt))
 
 
+def attention_variants(quick: bool):
+    """The step attention at the bench models' attention shapes (bf16, additive mask): Qwen3.5-4B's
+    16 query heads over 4 KV heads of width 256, a one-token step and a K = 4 verify; unless quick,
+    Nemotron-H-4B's 32 over 8 of width 128 and a boolean mask."""
+    dt = torch.bfloat16
+    shapes = [(16, 4, 256, 1), (16, 4, 256, 5)] + ([] if quick else [(32, 8, 128, 5)])
+    for H, Hkv, D, t in shapes:
+        B, L = 1, 512
+        q, k, v = torch.randn(B, H, t, D, dtype=dt), torch.randn(B, Hkv, L, D, dtype=dt), torch.randn(B, Hkv, L, D, dtype=dt)
+        masks = [torch.zeros(B, 1, t, L, dtype=dt)] + ([] if quick else [torch.ones(B, 1, t, L, dtype=torch.bool)])
+        for mask in masks:
+            ta.step_attention_triton(q, k, v, mask, D ** -0.5, torch.empty(B, t, H, D, dtype=dt), 132)
+
+
 def tree_variants(quick: bool):
     """Tree steps (parents=): Medusa's 16-node "default" tree (nodes unrolled) and, unless quick, its
     64-node tree (a runtime node loop) at the benchmark's head shapes."""
@@ -356,7 +372,8 @@ def main(argv=None) -> int:
     global SASS
     SASS = args.sass
     t0 = time.time()
-    for fn in (delta_rule_variants, mamba2_variants, conv_variants, norm_variants, linear_variants, tree_variants):
+    for fn in (delta_rule_variants, mamba2_variants, conv_variants, norm_variants, linear_variants, attention_variants,
+               tree_variants):
         fn(args.quick)
     if not args.quick:  # the longest step (K = 8): unrolled T = 9 must not spill
         global T_LONG
