@@ -285,7 +285,7 @@ def linear_variants(quick: bool):
         launch(M, 12288, 3072, "relu2")
     # the weight prefetch and programmatic dependent launch (CUDA only: forced on for these CPU tensors)
     off = sk._dependent_launch
-    sk._dependent_launch = lambda config, weight: {"PREFETCH": True, "PDL": True, "LINE": 128 // weight.element_size()}
+    sk._dependent_launch = lambda config, weight, *_: {"PREFETCH": 1024, "PDL": True, "LINE": 128 // weight.element_size()}
     try:
         launch(1, 9216, 2560, "silu", gated=True)
         launch(1, 2560, 9216)

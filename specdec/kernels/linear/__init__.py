@@ -70,9 +70,9 @@ class SkinnyConfig:
     K per step (``block_k``, a power of two >= 16), K splits (``split_k``; fewer run when K has
     fewer ``block_k`` steps), ``num_warps``, ``num_stages`` (software-pipelined K steps).
 
-    On CUDA (ignored elsewhere): ``prefetch`` -- each program first asks for its whole weight
-    slice into L2 (``prefetch.global.L2``, one per 128-byte line), so the K loop reads it from
-    L2; ``pdl`` -- programmatic dependent launch (compute capability 9.0 and later): the kernel
+    On CUDA (ignored elsewhere): ``prefetch`` -- each program first asks for its weight slice
+    into L2 (``prefetch.global.L2``, one per 128-byte line; the launch's share of 24 MiB, so a
+    weight larger than that is prefetched in part), so the K loop reads it from L2; ``pdl`` -- programmatic dependent launch (compute capability 9.0 and later): the kernel
     may start while the previous kernel on the stream is still running, does only the weight
     prefetch before ``griddepcontrol.wait`` (which returns once that kernel has finished and its
     writes are visible), and lets the next such kernel start as soon as its own programs have

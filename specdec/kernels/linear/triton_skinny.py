@@ -87,7 +87,7 @@ def _prefetch_l2(w, o_n, N, k_lo, k_hi, stride_wn, stride_wk, LINE: tl.constexpr
     asm)."""
     o_l = tl.arange(0, LINES) * LINE
     row = o_n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(k_lo, k_hi, LINES * LINE):
+    for k0 in range(k_lo, k_hi, LINES * LINE):  # (a run-time range: compiled kernels only)
         o_k = k0 + o_l
         inside = (o_n < N)[:, None] & (o_k < k_hi)[None, :]
         p = w + tl.where(inside, row + o_k[None, :] * stride_wk, 0)
@@ -98,13 +98,15 @@ def _prefetch_l2(w, o_n, N, k_lo, k_hi, stride_wn, stride_wk, LINE: tl.constexpr
 @triton.jit
 def _prologue(w, w_u, o_n, N, k_lo, k_hi, stride_wn, stride_wk, GATED: tl.constexpr, PREFETCH: tl.constexpr,
               PDL: tl.constexpr, LINE: tl.constexpr):
-    """Before anything another kernel writes is read or written: the weight slice's L2 prefetch
-    (``PREFETCH``), then, launched as a dependent (``PDL``), the wait for the previous kernel and
-    the go for the next one (see :class:`specdec.kernels.linear.SkinnyConfig`)."""
-    if PREFETCH:
-        _prefetch_l2(w, o_n, N, k_lo, k_hi, stride_wn, stride_wk, LINE, 16)
+    """Before anything another kernel writes is read or written: the L2 prefetch of the first
+    ``PREFETCH`` columns of the program's weight slice (0: none), then, launched as a dependent
+    (``PDL``), the wait for the previous kernel and the go for the next one (see
+    :class:`specdec.kernels.linear.SkinnyConfig`)."""
+    if PREFETCH > 0:
+        k_end = tl.minimum(k_hi, k_lo + PREFETCH)
+        _prefetch_l2(w, o_n, N, k_lo, k_end, stride_wn, stride_wk, LINE, 16)
         if GATED:
-            _prefetch_l2(w_u, o_n, N, k_lo, k_hi, stride_wn, stride_wk, LINE, 16)
+            _prefetch_l2(w_u, o_n, N, k_lo, k_end, stride_wn, stride_wk, LINE, 16)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -290,13 +292,23 @@ def _split_k_reduce_kernel(part, b, b_u, y, N, stride_ps, stride_pm, stride_pg, 
     tl.store(y + i_m * stride_ym + o_n * stride_yn, b_acc.to(y.dtype.element_ty), mask=m_n)
 
 
-def _dependent_launch(config, weight: torch.Tensor) -> dict:
-    """The prologue's compile-time switches and the launch option for ``config``: its ``prefetch``
-    and ``pdl`` on CUDA (``pdl`` from compute capability 9.0), off elsewhere (Triton's interpreter
-    runs no inline PTX)."""
+#: bytes of weights one launch may prefetch into L2 (an H100's / H200's L2 holds 50 MB: half of it,
+#: so prefetched lines are still there when the K loop reaches them)
+PREFETCH_BYTES = 24 << 20
+
+
+def _dependent_launch(config, weight: torch.Tensor, programs: int, span: int, weights: int = 1) -> dict:
+    """The prologue's compile-time settings and the launch option for ``config`` on a grid of
+    ``programs`` programs, each reading ``span`` columns of ``config.block_n`` rows of
+    ``weights`` weights: on CUDA, with ``prefetch``, the columns each program prefetches (its share
+    of :data:`PREFETCH_BYTES`, whole 128-byte lines, 0 below one line), and ``pdl`` from compute
+    capability 9.0; off elsewhere (Triton's interpreter runs no inline PTX)."""
     cuda = weight.device.type == "cuda"
     pdl = bool(config.pdl) and cuda and torch.cuda.get_device_capability(weight.device)[0] >= 9
-    out = {"PREFETCH": bool(config.prefetch) and cuda, "PDL": pdl, "LINE": max(1, 128 // weight.element_size())}
+    line = max(1, 128 // weight.element_size())
+    cols = PREFETCH_BYTES // max(1, programs * config.block_n * weight.element_size() * weights)
+    cols = min(cols // line * line, -(-span // line) * line) if config.prefetch and cuda else 0
+    out = {"PREFETCH": cols, "PDL": pdl, "LINE": line}
     if pdl:
         out["launch_pdl"] = True
     return out
@@ -333,7 +345,8 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=even_k, HAS_BIAS=bias is not None, PARTIAL=split > 1, ACT=activation, GATED=gated,
         DOT_PRECISION=precision, UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        **_dependent_launch(config, weight), num_warps=config.num_warps, num_stages=config.num_stages,
+        **_dependent_launch(config, weight, triton.cdiv(N, config.block_n) * split, k_per_split, 1 + gated),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         block = min(1024, next_pow2(N))
@@ -420,5 +433,5 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
         NUM_TILES=triton.cdiv(M, TILE_M), K_STEPS=triton.cdiv(K, config.block_k), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=biases is not None, DOT_PRECISION="ieee",
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        **_dependent_launch(config, weights[0]), num_warps=config.num_warps, num_stages=config.num_stages,
+        **_dependent_launch(config, weights[0], sum(blocks), K), num_warps=config.num_warps, num_stages=config.num_stages,
     )
