@@ -314,6 +314,10 @@ def attention_variants(quick: bool):
         masks = [torch.zeros(B, 1, t, L, dtype=dt)] + ([] if quick else [torch.ones(B, 1, t, L, dtype=torch.bool)])
         for mask in masks:
             ta.step_attention_triton(q, k, v, mask, D ** -0.5, torch.empty(B, t, H, D, dtype=dt), 132)
+    if not quick:  # a long cache at batch 1: the most splits (the combine kernel's widest load)
+        H, Hkv, D, t, L = 16, 4, 256, 1, 32768
+        q, k, v = torch.randn(1, H, t, D, dtype=dt), torch.randn(1, Hkv, L, D, dtype=dt), torch.randn(1, Hkv, L, D, dtype=dt)
+        ta.step_attention_triton(q, k, v, None, D ** -0.5, torch.empty(1, t, H, D, dtype=dt), 132)
 
 
 def tree_variants(quick: bool):

@@ -64,8 +64,8 @@ def test_kernel_equals_the_reference(dtype, B, H, Hkv, t, D, Dv, L):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_rows_result_does_not_depend_on_the_step_width(dtype):
-    """Token i of a t-token step equals the same query alone bit for bit (same columns, its mask
-    row): a verify step's rows are a plain step's, so speculation cannot change an output."""
+    """Token i of a t-token step equals the same query alone bit for bit over the same columns
+    (its mask row): over a static cache's span a verify step's rows are a plain step's."""
     B, H, Hkv, t, D, L = 2, 8, 2, 5, 32, 90
     q, k, v, mask, _ = case(B, H, Hkv, t, D, D, L, dtype, seed=7)
     full = step_attention(q, k, v, mask, backend_name="triton")
@@ -91,7 +91,9 @@ def test_masks_broadcast_and_fully_masked_rows_give_zeros():
 def test_refused_inputs_raise_and_say_what_is_accepted():
     q, k, v, mask, _ = case(1, 4, 2, 1, 16, 16, 20, torch.float32, seed=5)
     assert step_attention_fits(q, k, v, mask)
+    many = torch.randn(1, 4, 20000, 16, device=DEVICE)  # 4 heads x 20,000 tokens: 80,000 rows over one KV head
     for args in ((q, k[:, :1].expand(1, 3, 20, 16), v[:, :1].expand(1, 3, 20, 16), mask),  # 4 heads over 3
+                 (many, k[:, :1], v[:, :1], None),
                  (q, k, v.double(), mask), (q, k, v, mask[..., :10]),
                  (q, torch.randn(1, 2, 20, 512, device=DEVICE), torch.randn(1, 2, 20, 512, device=DEVICE), mask)):
         assert not step_attention_fits(*args)
@@ -125,6 +127,7 @@ def test_bench_shapes_against_sdpa_on_gpu(H, Hkv, D, t, L):
     assert torch.equal(out, step_attention(qs, k, v, mask))
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("family, path", [("qwen3_5", "eager"), ("mistral", "static")])
 def test_models_stay_exact_with_the_kernel(monkeypatch, family, path):
     """With ``SPECDEC_STEP_ATTENTION_KERNEL=1`` on the Triton backend every grouped-query step

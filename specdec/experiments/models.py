@@ -167,7 +167,8 @@ def weight_bytes(model, rows: int = 1) -> int:
             total += p.numel() * p.element_size()
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
-    head = model.get_output_embeddings() if emb is not None else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if emb is not None and callable(get_head) else None
     table = getattr(emb, "weight", None)
     if isinstance(table, torch.Tensor) and table.dim() == 2 and (
             head is None or getattr(head, "weight", None) is None or head.weight.data_ptr() != table.data_ptr()):

@@ -16,10 +16,12 @@ import torch
 
 from ..protocol import BackendOp
 
-__all__ = ["StepAttentionOp", "STEP_ATTENTION", "step_attention", "step_attention_reference", "step_attention_fits"]
+__all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "StepAttentionOp", "STEP_ATTENTION", "step_attention", "step_attention_reference", "step_attention_fits"]
 
 #: the query / key head widths the kernel takes (its tiles are powers of two of at most this)
 MAX_HEAD_DIM = 256
+#: query rows per KV head the kernel takes (the combine kernel's second grid dimension)
+MAX_ROWS = 65535
 
 
 def step_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -60,12 +62,13 @@ def step_attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Whether :func:`step_attention` takes these tensors on the Triton backend: float16 / bfloat16
     / float32 of one dtype on one device, last dims contiguous, head widths of at most
     :data:`MAX_HEAD_DIM`, ``H`` a multiple of ``H_kv``, and a mask (if any) that is boolean or of
-    a float dtype, ``[B, 1, t, L]`` up to broadcasting of its first three dims."""
+    a float dtype, ``[B, 1, t, L]`` up to broadcasting of its first three dims; at most
+    :data:`MAX_ROWS` query rows per KV head (``H / H_kv * t``)."""
     B, H, t, D = query.shape
     if key.dim() != 4 or value.dim() != 4 or key.shape[0] != B or value.shape[:3] != key.shape[:3]:
         return False
     Hkv, L = key.shape[1], key.shape[2]
-    if (key.shape[3] != D or Hkv == 0 or H % Hkv or max(D, value.shape[3]) > MAX_HEAD_DIM
+    if (key.shape[3] != D or Hkv == 0 or H % Hkv or max(D, value.shape[3]) > MAX_HEAD_DIM or H // Hkv * t > MAX_ROWS
             or query.dtype not in (torch.float16, torch.bfloat16, torch.float32)
             or key.dtype != query.dtype or value.dtype != query.dtype
             or any(x.stride(-1) != 1 for x in (query, key, value))
@@ -94,9 +97,10 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Returns:
         ``[B, t, H, Dv]`` in ``query.dtype``: softmax over the columns in fp32; on the Triton
-        backend the probabilities are rounded to the values' dtype before they multiply the
-        values (as FlashAttention does), and each row's result does not depend on ``t``. A row
-        whose columns are all masked gives zeros.
+        backend on CUDA the probabilities are rounded to the values' dtype before they multiply
+        the values (as FlashAttention does; Triton's interpreter keeps them fp32 for bf16), and
+        for the same columns each row's result does not depend on ``t``. A row whose columns are
+        all masked gives zeros.
 
     Raises:
         ValueError: tensors :func:`step_attention_fits` refuses, on the Triton backend (the torch
@@ -112,7 +116,8 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if not step_attention_fits(query, key, value, mask):
         raise ValueError(
             "step_attention: expected query [B, H, t, D], key [B, H_kv, L, D], value [B, H_kv, L, Dv] of one float "
-            f"dtype and device, last dims contiguous, H a multiple of H_kv, D and Dv <= {MAX_HEAD_DIM}, mask "
+            f"dtype and device, last dims contiguous, H a multiple of H_kv, D and Dv <= {MAX_HEAD_DIM}, "
+            f"H / H_kv * t <= {MAX_ROWS}, mask "
             f"[B, 1, t, L] (bool or float) or None; got query {tuple(query.shape)} {query.dtype}, key "
             f"{tuple(key.shape)} {key.dtype}, value {tuple(value.shape)} {value.dtype}, mask "
             f"{None if mask is None else (tuple(mask.shape), mask.dtype)}")

@@ -9,12 +9,16 @@ query rows (row ``r t + i``: head ``j R + r``, token i), taken 16 at a time. A p
 ``BLOCK_L`` tiles (scores ``q k^T`` on tensor cores in fp32, the additive mask of each row's
 token added, an online softmax in fp32, the probabilities rounded to the values' dtype before
 ``p v`` as FlashAttention does), and writes its running max, denominator and unnormalised output
-(fp32) for its split. A second kernel combines the splits of each row in split order and writes
-the output in ``[B, t, H, Dv]``, the layout transformers' attention functions return.
+(fp32) for its split. A second kernel combines the splits of each row (a fixed reduction tree:
+deterministic) and writes the output in ``[B, t, H, Dv]``, the layout transformers' attention
+functions return.
 
 Each row's result is computed by the same instructions whatever the number of rows (the tile
-shape is fixed, the splits depend on the batch, the KV heads and the columns, never on t), so a
-verify step's rows equal a one-token step's bit for bit.
+shape is fixed, the splits depend on the batch, the KV heads and the columns, never on t), so
+over the same columns -- a static cache's span, as the static and CUDA-graph paths read -- a
+verify step's rows equal a one-token step's bit for bit. (A growing cache's verify step reads
+more columns than a one-token step at the same position; where that crosses a split boundary
+the rounding may differ.)
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ __all__ = ["ROW_TILE", "BLOCK_L", "chunk_for", "step_attention_triton", "StepAtt
 ROW_TILE = 16
 #: KV columns per inner step
 BLOCK_L = 32
+#: at most this many splits are aimed for (the combine kernel holds a row's splits in registers)
+MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["L", "T", "SPLITS"])
@@ -87,7 +93,7 @@ def _step_attention_kernel(q, k, v, mask, part, stat, L, T, SPLITS, scale,
         b_m = b_m_new
     # partials: part [B * HKV, SPLITS, R * T padded to 16s, BLOCK_DV]; stat [..., 2] (max, denominator)
     n_rows = tl.num_programs(2) * 16
-    base = (i_bj * SPLITS + i_s) * n_rows + rows
+    base = (i_bj.to(tl.int64) * SPLITS + i_s) * n_rows + rows
     tl.store(part + base[:, None] * BLOCK_DV + o_dv[None, :], b_o)
     tl.store(stat + base * 2, b_m)
     tl.store(stat + base * 2 + 1, b_l)
@@ -105,7 +111,7 @@ def _combine_kernel(part, stat, out, T, SPLITS, s_ob, s_ot, s_oh,
     n_rows = ((n_rows + 15) // 16) * 16
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < SPLITS
-    base = (i_bj * SPLITS + o_s) * n_rows + row
+    base = (i_bj.to(tl.int64) * SPLITS + o_s) * n_rows + row
     b_m = tl.load(stat + base * 2, mask=m_s, other=float("-inf"))
     b_l = tl.load(stat + base * 2 + 1, mask=m_s, other=0.0)
     b_max = tl.max(b_m, 0)
@@ -122,7 +128,7 @@ def chunk_for(batch: int, kv_heads: int, columns: int, sms: int) -> int:
     """KV columns per split: a power of two of at least ``BLOCK_L`` (a compile-time trip count, so
     few variants over all cache lengths), small enough that (batch x KV head) x split programs
     fill two waves of ``sms`` SMs. It never depends on the step's token count."""
-    want = -(-2 * sms // max(1, batch * kv_heads))  # splits
+    want = min(MAX_SPLITS, -(-2 * sms // max(1, batch * kv_heads)))  # splits
     return max(BLOCK_L, next_pow2(-(-columns // want)))
 
 
