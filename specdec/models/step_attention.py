@@ -40,6 +40,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..fusion import env_switch
+from ..kernels import backend
 from ..kernels.attention import step_attention, step_attention_fits
 
 __all__ = ["GROUPED_STEP_ATTENTION", "SDPA_BACKENDS_WITHOUT_CUDNN", "sdpa_without_cudnn", "grouped_step_attention", "grouped_step_attention_for", "grouped_attention_configs"]
@@ -118,16 +120,12 @@ def step_attention_kernel_enabled() -> bool:
     """Whether :func:`grouped_step_attention` runs :func:`specdec.kernels.attention.step_attention`
     on the Triton backend (``SPECDEC_STEP_ATTENTION_KERNEL=1``; default off: not yet timed on a
     GPU)."""
-    from ..fusion import env_switch
-
     return env_switch("SPECDEC_STEP_ATTENTION_KERNEL", default=False)
 
 
 def _kernel_takes(query, key, value, mask) -> bool:
     """The step-attention kernel for this call: switched on, the Triton backend for the device, not
     inside a whole-program ``torch.compile`` (which traces SDPA instead), tensors it takes."""
-    from ..kernels import backend
-
     return (step_attention_kernel_enabled() and not torch.compiler.is_compiling()
             and backend(query.device) == "triton" and step_attention_fits(query, key, value, mask))
 

@@ -6,8 +6,8 @@ heads the ``R = H / H_kv`` query heads of a KV head read the same keys, so the s
 query rows per KV head: too few for a prompt-attention kernel to fill the device (cuDNN's SDPA
 took 17 µs per layer call for 4 rows over a few hundred columns on an H200). :func:`step_attention`
 splits the columns over programs instead and combines the splits (Flash-Decoding,
-:mod:`.triton_attention`) on the Triton backend; :func:`step_attention_reference` is the fp32
-torch form it is tested against.
+:mod:`.triton_attention`) on the Triton backend; :func:`step_attention_reference` (:mod:`.naive`) is
+the fp32 torch form it is tested against.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol import BackendOp
+from .naive import step_attention_reference
 
 __all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "StepAttentionOp", "STEP_ATTENTION", "step_attention", "step_attention_reference", "step_attention_fits"]
 
@@ -22,23 +23,6 @@ __all__ = ["MAX_HEAD_DIM", "MAX_ROWS", "StepAttentionOp", "STEP_ATTENTION", "ste
 MAX_HEAD_DIM = 256
 #: query rows per KV head the kernel takes (the combine kernel's second grid dimension)
 MAX_ROWS = 65535
-
-
-def step_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
-    """``softmax(q k^T scale + mask) v`` per query head over its KV head's columns, in fp32; returns
-    ``[B, t, H, Dv]`` in ``query.dtype`` (the layout :func:`step_attention` writes). A row whose
-    columns are all masked gives zeros. Shapes as :func:`step_attention`."""
-    B, H, t, D = query.shape
-    Hkv = key.shape[1]
-    scale = D ** -0.5 if scale is None else scale
-    k = key.float().repeat_interleave(H // Hkv, dim=1)
-    v = value.float().repeat_interleave(H // Hkv, dim=1)
-    s = query.float() @ k.transpose(-1, -2) * scale  # [B, H, t, L]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all-masked rows: 0
-    return (p @ v).transpose(1, 2).to(query.dtype)
 
 
 class StepAttentionOp(BackendOp):

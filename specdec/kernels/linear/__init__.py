@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...fusion import env_switch
 from ...placement import unhooked
 from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
@@ -136,8 +137,6 @@ def dependent_launches_enabled() -> bool:
     dependent launches (:class:`SkinnyConfig` ``prefetch`` and ``pdl``; ``SPECDEC_PDL=1``, default
     off: not yet timed on a GPU; read when a launch is chosen, so a CUDA graph keeps the setting
     it was captured with)."""
-    from ...fusion import env_switch
-
     return env_switch("SPECDEC_PDL", default=False)
 
 
