@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 
 import torch
@@ -106,11 +107,22 @@ def offloads_weights(module: torch.nn.Module) -> bool:
         p.device.type == "meta" for p in module.parameters())
 
 
+#: held by a thread while any of its :func:`routed_forward` blocks is open: a module's forward is
+#: an attribute every thread sees, so one thread at a time replaces forwards (another thread's
+#: specdec forward waits for the block to end; its own blocks nest)
+_ROUTE_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def routed_forward(module: torch.nn.Module, forward):
-    """Within the block, calling ``module(...)`` runs ``forward(module, ...)``: behind the module's
-    accelerate hook when it has one (the hook still loads its weights and moves the inputs),
-    and whatever forward the instance had before is back afterwards."""
+    """Within the block, calling ``module(...)`` from this thread runs ``forward(module, ...)``:
+    behind the module's accelerate hook when it has one (the hook still loads its weights and
+    moves the inputs), and whatever forward the instance had before is back afterwards.
+
+    Thread-safe: the block holds :data:`_ROUTE_LOCK` (another thread's routed blocks wait for it),
+    and a call of ``module`` from another thread meanwhile (the model's own ``generate()``, say)
+    runs the forward the instance had before, not this one. Inside a ``torch.compile`` trace the
+    routed forward is the one traced (only the thread holding the lock routes)."""
     # a compiled forward (a fused norm's) as a partial: torch 2.11's dynamo drops the module argument
     # of a bound method whose function is itself compiled (inside a program compiled whole). Any
     # other forward as a bound method: dynamo guards a partial by identity, so a compiled forward
@@ -120,15 +132,25 @@ def routed_forward(module: torch.nn.Module, forward):
     bound = functools.partial(forward, module) if compiled else types.MethodType(forward, module)
     attr = "_old_forward" if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward") \
         else "forward"
-    before = module.__dict__.get(attr, None)
-    setattr(module, attr, bound)
-    try:
-        yield
-    finally:
-        if before is None:
-            module.__dict__.pop(attr, None)
-        else:
-            setattr(module, attr, before)
+    with _ROUTE_LOCK:
+        before = module.__dict__.get(attr, None)
+        # what another thread's call runs meanwhile: the instance's forward as it was
+        other = before if before is not None else types.MethodType(type(module).forward, module)
+        owner = threading.get_ident()
+
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling() or threading.get_ident() == owner:
+                return bound(*args, **kwargs)
+            return other(*args, **kwargs)
+
+        setattr(module, attr, call)
+        try:
+            yield
+        finally:
+            if before is None:
+                module.__dict__.pop(attr, None)
+            else:
+                setattr(module, attr, before)
 
 
 @contextlib.contextmanager

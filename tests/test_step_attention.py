@@ -13,7 +13,7 @@ from tiny_models import get_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specdec
-from specdec.models.step_attention import (GROUPED_STEP_ATTENTION, grouped_attention_configs, grouped_step_attention,
+from specdec.models.step_attention import (grouped_attention_configs, grouped_step_attention,
                                            grouped_step_attention_for)
 
 
@@ -49,9 +49,10 @@ def test_falls_back_to_sdpa_without_a_mask_or_groups():
     assert torch.equal(grouped_step_attention(module, q, k, v, None)[0], sdpa_attention_forward(module, q, k, v, None)[0])
 
 
-def test_step_routes_grouped_layers_and_restores_sdpa():
-    """A step of a model with grouped-query attention (``sdpa``) calls the folded attention, and
-    the configs read ``sdpa`` again after it; an ``eager`` model keeps its implementation."""
+def test_step_routes_grouped_layers_and_restores_sdpa(monkeypatch):
+    """A step of a model with grouped-query attention (``sdpa``) calls the folded attention, its
+    configs read ``sdpa`` throughout and transformers' ``sdpa`` entry is back after it; an
+    ``eager`` model keeps its implementation."""
     import specdec.models.step_attention as step_attention
 
     model = get_model("qwen3_5")
@@ -65,18 +66,17 @@ def test_step_routes_grouped_layers_and_restores_sdpa():
         return real(*args, **kwargs)
 
     from transformers import AttentionInterface
-    AttentionInterface.register(GROUPED_STEP_ATTENTION, counting)
-    try:
-        ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=2)
-        sd.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
-        assert calls, "the step's attention did not go through the grouped step attention"
-        assert all(c._attn_implementation == "sdpa" for c in configs)
-        eager = types.SimpleNamespace(_attn_implementation_internal="eager")
-        with grouped_step_attention_for([eager]):
-            assert eager._attn_implementation_internal == "eager"
-    finally:
-        AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
+    monkeypatch.setattr(step_attention, "grouped_step_attention", counting)
+    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=2)
+    sd.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
+    assert calls, "the step's attention did not go through the grouped step attention"
+    assert all(c._attn_implementation == "sdpa" for c in configs)
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward  # the router is gone again
+    eager = types.SimpleNamespace(_attn_implementation_internal="eager")
+    with grouped_step_attention_for([eager]):
+        assert eager._attn_implementation_internal == "eager"
+        assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward  # nothing routed
 
 
 @pytest.mark.parametrize("family, implementation, grouped", [
@@ -84,7 +84,7 @@ def test_step_routes_grouped_layers_and_restores_sdpa():
     ("qwen3_5", "eager", False),  # loaded with eager attention: it keeps it
     ("kimi_linear", "sdpa", False),  # one KV head per query head: transformers' sdpa as it is
 ])
-def test_models_route_and_stay_exact(family, implementation, grouped):
+def test_models_route_and_stay_exact(family, implementation, grouped, monkeypatch):
     """A step runs the folded attention only for grouped-query layers under ``sdpa``: a model set
     to ``eager`` runs eager attention in every step (its configs never switched), one without
     grouped heads keeps ``sdpa``; every output equals HF greedy ``generate`` with the model's own
@@ -93,7 +93,6 @@ def test_models_route_and_stay_exact(family, implementation, grouped):
     from tiny_models import make_model, ragged_prompts
 
     import specdec.models.step_attention as step_attention
-    from transformers import AttentionInterface
 
     model = make_model(family)
     if implementation == "eager":
@@ -107,23 +106,20 @@ def test_models_route_and_stay_exact(family, implementation, grouped):
         calls.append(module)
         return real(module, *args, **kwargs)
 
-    AttentionInterface.register(GROUPED_STEP_ATTENTION, counting)
-    try:
-        for path in ("eager", "static"):
-            sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
-            step = sd.adapter.forward
+    monkeypatch.setattr(step_attention, "grouped_step_attention", counting)
+    for path in ("eager", "static"):
+        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
+        step = sd.adapter.forward
 
-            def forward(input_ids, cache):
-                seen.extend(m.config._attn_implementation for m in model.modules()
-                            if hasattr(m, "num_key_value_groups"))
-                return step(input_ids, cache)
+        def forward(input_ids, cache):
+            seen.extend(m.config._attn_implementation for m in model.modules()
+                        if hasattr(m, "num_key_value_groups"))
+            return step(input_ids, cache)
 
-            sd.adapter.forward = forward
-            assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), ref), path
-    finally:
-        AttentionInterface.register(GROUPED_STEP_ATTENTION, real)
+        sd.adapter.forward = forward
+        assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), ref), path
     assert bool(calls) == grouped
-    assert set(seen) == {implementation}  # (outside the step's own forward: switched back)
+    assert set(seen) == {implementation}  # (the configs are never switched)
 
 
 def test_sdpa_without_cudnn_leaves_out_cudnn_and_restores():

@@ -131,11 +131,48 @@ def _kernel_takes(query, key, value, mask) -> bool:
 
 
 def grouped_step_attention_for(configs) -> contextlib.AbstractContextManager:
-    """A context in which the attention layers of ``configs`` (:func:`grouped_attention_configs`)
-    that run transformers' ``sdpa`` run :func:`grouped_step_attention`: those configs' attention
-    implementation is switched for the context and restored after it; other implementations are
-    left as they are."""
-    return _switched([cfg for cfg in configs if getattr(cfg, "_attn_implementation_internal", None) == "sdpa"])
+    """A context in which this thread's calls of transformers' ``sdpa`` attention run
+    :func:`grouped_step_attention` (a no-op unless one of ``configs``, from
+    :func:`grouped_attention_configs`, runs ``sdpa``).
+
+    The configs are left as they are (another thread's forward of the same model builds its masks
+    and runs its attention as it would without specdec): while any thread is inside such a block,
+    ``AttentionInterface``'s ``"sdpa"`` entry is a router that sends the calls of threads inside
+    a block (and of a ``torch.compile`` trace, which only such a thread runs) to
+    :func:`grouped_step_attention`, and every other call to the function it replaced."""
+    if not any(getattr(cfg, "_attn_implementation_internal", None) == "sdpa" for cfg in configs):
+        return contextlib.nullcontext()
+    return _routed_sdpa()
+
+
+_ROUTED_HERE = threading.local()  # .depth: grouped_step_attention_for blocks open in this thread
+_ROUTED_LOCK = threading.Lock()
+_ROUTED = [None, 0]  # the "sdpa" entry the router replaced, blocks open over all threads
+
+
+def _sdpa_router(module, query, key, value, attention_mask, **kwargs):
+    if torch.compiler.is_compiling() or getattr(_ROUTED_HERE, "depth", 0):
+        return grouped_step_attention(module, query, key, value, attention_mask, **kwargs)
+    return _ROUTED[0](module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def _routed_sdpa():
+    mapping = AttentionInterface._global_mapping
+    with _ROUTED_LOCK:
+        if _ROUTED[1] == 0:
+            _ROUTED[0] = mapping["sdpa"]
+            mapping["sdpa"] = _sdpa_router
+        _ROUTED[1] += 1
+    _ROUTED_HERE.depth = getattr(_ROUTED_HERE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ROUTED_HERE.depth -= 1
+        with _ROUTED_LOCK:
+            _ROUTED[1] -= 1
+            if _ROUTED[1] == 0:
+                mapping["sdpa"] = _ROUTED[0]
 
 
 def grouped_attention_configs(model) -> list:
@@ -143,14 +180,3 @@ def grouped_attention_configs(model) -> list:
     per config object."""
     return list({id(m.config): m.config for m in model.modules()
                  if getattr(m, "num_key_value_groups", 1) > 1 and hasattr(m, "config")}.values())
-
-
-@contextlib.contextmanager
-def _switched(configs):
-    try:
-        for cfg in configs:
-            cfg._attn_implementation_internal = GROUPED_STEP_ATTENTION
-        yield
-    finally:
-        for cfg in configs:
-            cfg._attn_implementation_internal = "sdpa"
