@@ -45,7 +45,7 @@ from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
-from .settings import as_budgets
+from .settings import as_budgets, warn_caller
 
 __all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS",
            "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
@@ -187,9 +187,12 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     for i, prompt in enumerate(inputs):
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.reshape(-1).tolist() if prompt.dim() <= 1 else prompt
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got {type(prompt).__name__}")
+        odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if odd is not None or any(isinstance(t, bool) for t in prompt):
+            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
+                            f"holding {type(odd).__name__} {odd!r}")
         ids, budget = tuple(int(t) for t in prompt), int(budgets[i])
         error = None
         if not ids:
@@ -612,6 +615,9 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
         rows = max(1, min(rows, num_requests))
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if max_batch_size is None:
+        if budget is not None:
+            warn_caller(f"memory_budget={memory_budget!r} has no effect without max_batch_size (an int, checked "
+                        f"against it, or 'auto', sized by it): the pool has {rows} rows")
         return PoolPlan(rows)
     if budget is not None:
         source = f"memory_budget {format_bytes(budget)}"

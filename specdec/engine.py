@@ -41,7 +41,7 @@ from .adaptive import (AUTO, CostKey, CostModel, DrafterKey, PolicySettings, Spe
                        choose_strategy, costs_for, expected_tokens, rollback_bytes, strategy_label)
 from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming,
                        bytes_per_sequence, cache_bytes, check_batch_tokens, check_requests, free_memory, kv_columns,
-                       left_pad, plan_rows)
+                       left_pad, parse_bytes, plan_rows)
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -169,6 +169,8 @@ def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> Pref
     Raises: TypeError (``prefix_caching`` not a bool) / as :func:`check_prefix_cache_args`."""
     if not isinstance(prefix_caching, bool):
         raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    if isinstance(prefix_cache_bytes, str):  # a size, as memory_budget takes it ("1GiB")
+        prefix_cache_bytes = parse_bytes(prefix_cache_bytes)
     check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
     if not prefix_caching:
         given = [f"{name}={value}" for name, value, default in (
@@ -624,9 +626,9 @@ class SpeculativeGenerator:
                 :mod:`specdec.prefix_cache`); outputs are those without it (the states agree to
                 rounding). Counters in ``last_stats.prefix_cache``.
             prefix_block_size: tokens per cached block (default ``PREFIX_BLOCK_SIZE``, 64).
-            prefix_cache_bytes: the most bytes of state the prefix cache holds (default
-                ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on the model's device); least recently used
-                blocks are evicted.
+            prefix_cache_bytes: the most bytes of state the prefix cache holds, an int or a size
+                string as ``memory_budget`` takes (default ``DEFAULT_PREFIX_CACHE_BYTES``, 1 GiB, on
+                the model's device); least recently used blocks are evicted.
             **generate_kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``generator``
                 (a ``torch.Generator``: the same call with the same seed samples the same tokens),
                 ``pad_token_id`` and other ``GenerationConfig`` fields ``generate()`` takes, except those that need
@@ -654,7 +656,7 @@ class SpeculativeGenerator:
             and Linux CPUs) and no budget is given; ``max_batch_tokens`` not an int >= 1;
             ``prefix_caching`` not a bool,
             ``prefix_block_size`` not an int >= 1,
-            ``prefix_cache_bytes`` not an int >= 0; settings ``generate()`` rejects or that need its
+            ``prefix_cache_bytes`` not an int >= 0 or a size string; settings ``generate()`` rejects or that need its
             per-token hook; a drafter with per-row state that does not define
             :meth:`Drafter.admit` (supported, chains and trees: ``Drafter.stateless`` drafters such
             as the n-gram drafter, drafters that define ``admit``, i.e. the draft-model, MTP,

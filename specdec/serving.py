@@ -172,8 +172,9 @@ class ContinuousBatchingManager:
         """End the loop: by default once every request added so far has ended (their results stay
         available); with ``hard_stop`` at the next step, unfinished requests ``FAILED`` (see the
         module docstring). ``block``: wait for the thread to end, at most ``timeout`` seconds
-        (None: no limit; a warning if it is still running then). No new requests are taken from
-        the call on, until ``start()``."""
+        (None: no limit; a warning if it is still running then). While it stops, ``add_request``
+        raises ``RuntimeError``; once the loop has ended, requests added are queued, as before the
+        first ``start()``, and decode from the next ``start()``."""
         with self._changed:
             if self._state == _IDLE:  # (not started, or its loop has ended)
                 if self._thread is None:

@@ -270,6 +270,31 @@ def _row_budgets(max_new_tokens, batch: int):
     return tuple(int(n) for n in max_new_tokens)
 
 
+#: the settings whose library-wide default HF's generate() applies when neither the call nor the
+#: model's generation_config sets them, and which change what specdec computes
+_SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p")
+
+
+def _merged_config(given, model_config):
+    """The call's settings as HF's ``generate()`` forms them: ``given`` (a ``GenerationConfig``, or
+    None: a fresh one), each of its unset (None) fields taken from the model's
+    ``generation_config``, then the sampling settings still unset from transformers' library-wide
+    defaults (``top_k=50``: HF samples from the 50 most likely tokens unless told otherwise)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig.from_dict(given.to_dict()) if given is not None else GenerationConfig()
+    if model_config is not None:
+        for key, value in model_config.to_dict().items():
+            if value is not None and hasattr(gc, key) and getattr(gc, key) is None:
+                setattr(gc, key, value)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    defaults = defaults() if defaults is not None else GenerationConfig().to_dict()
+    for key in _SAMPLING_DEFAULTS:
+        if getattr(gc, key, None) is None and defaults.get(key) is not None:
+            setattr(gc, key, defaults[key])
+    return gc
+
+
 def _max_new_tokens(gc, model, prompt_width: int) -> int:
     max_new = gc.max_new_tokens
     if max_new is None and gc.max_length is not None:
@@ -347,14 +372,10 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
                          f"GenerationConfig settings {_supported(batch)}")
     input_ids = _check_input_ids(input_ids, vocab_size, device)
 
-    if generation_config is None:
-        base = getattr(model, "generation_config", None)
-        gc = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
-    elif isinstance(generation_config, GenerationConfig):
-        gc = GenerationConfig.from_dict(generation_config.to_dict())
-    else:
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
                         f"{type(generation_config).__name__}")
+    gc = _merged_config(generation_config, getattr(model, "generation_config", None))
     row_budgets = _row_budgets(overrides.get("max_new_tokens"), input_ids.shape[0])
     if row_budgets is not None:
         overrides["max_new_tokens"] = max(row_budgets)
@@ -395,8 +416,11 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     if gc.do_sample:
         sampling = SamplingConfig(temperature=gc.temperature if gc.temperature is not None else 1.0,
                                   top_k=gc.top_k if gc.top_k else None, top_p=gc.top_p)
-    elif gc.temperature is not None and gc.temperature != 1.0:
-        # as HF: sampling settings have no effect on greedy decoding; say so rather than fail
+    elif gc.temperature is not None and gc.temperature != 1.0 and (
+            overrides.get("temperature") is not None
+            or getattr(generation_config, "temperature", None) not in (None, 1.0)):
+        # as HF: sampling settings have no effect on greedy decoding; say so (for the call's own
+        # setting: a checkpoint's generation_config often carries a temperature, and HF is silent then)
         warn_caller(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)")
 
     min_new, min_len = _count(gc, "min_new_tokens"), _count(gc, "min_length")

@@ -203,6 +203,21 @@ def test_hf_target_with_a_tokenizer_from_elsewhere_runs(folder_without_tokenizer
     assert len(records) == 1 and records[0]["exact"]
 
 
+def test_an_hf_draft_folder_reads_the_targets_tokenizer(folder_without_tokenizer, tmp_path: Path):
+    """A draft checkpoint saved without tokenizer files (weights and config only, as drafts often
+    are) runs with the target's tokenizer: the draft proposes ids of the target's vocabulary."""
+    import specdec.zoo
+    from specdec.experiments.app import run_experiment
+    from test_experiments import _cfg
+
+    cfg = _cfg(["model=hf", f"model.targets.0.name={folder_without_tokenizer}",
+                f"model.targets.0.tokenizer={specdec.zoo.path('tokenizer')}",
+                f"model.targets.0.draft={folder_without_tokenizer}", "drafter=draft_model", "rollback=replay",
+                "prompts.limit=1", "max_new_tokens=4", "repeats=1", "device=cpu", "progress=false"])
+    records = run_experiment(cfg, tmp_path)
+    assert len(records) == 1 and records[0]["exact"] and records[0]["drafter"] == "draft_model"
+
+
 def test_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):
     import time
 

@@ -529,6 +529,55 @@ def test_generation_config_object():
     assert torch.equal(wrap().generate(ids, attention_mask=mask, generation_config=gc), ref)
 
 
+def test_a_given_generation_config_is_filled_from_the_models():
+    """As in HF, a ``generation_config`` passed to the call takes what it leaves unset from the
+    model's own: here its EOS ids (the rows stop where HF's stop), in ``generate`` and
+    ``generate_batch``; and the sampling settings left unset anywhere get transformers' defaults
+    (``top_k=50``), so sampling draws what HF's would (the same seeded draws as an explicit 50)."""
+    from specdec.settings import resolve
+
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    eos = eos_ids(ids, hf(model, ids, mask))
+    saved = model.generation_config.to_dict()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 0
+    try:
+        gc = GenerationConfig(max_new_tokens=MAX_NEW)
+        ref = model.generate(ids, attention_mask=mask, generation_config=gc)
+        assert torch.equal(wrap().generate(ids, attention_mask=mask, generation_config=gc), ref)
+        batch = wrap().generate_batch([ids[0].tolist()], generation_config=gc)["req_0"].generated_tokens
+        assert batch == ref[0, ids.shape[1]:ids.shape[1] + len(batch)].tolist() and batch[-1] in eos
+        model.generation_config.top_k = 5
+        s = resolve(model, VOCAB, ids.device, ids, mask, GenerationConfig(do_sample=True), overrides={})
+        assert s.sampling.top_k == 5  # the model's own setting
+    finally:
+        model.generation_config = GenerationConfig.from_dict(saved)
+    s = resolve(model, VOCAB, ids.device, ids, mask, overrides={"do_sample": True})
+    assert s.sampling.top_k == GenerationConfig._get_default_generation_params()["top_k"] == 50
+    draws = [wrap("ngram").generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0,
+                                    generator=torch.Generator().manual_seed(3), **kw) for kw in ({}, {"top_k": 50})]
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_the_models_own_temperature_does_not_warn_on_greedy_calls():
+    """A checkpoint's generation_config often carries a sampling temperature: a greedy call is not
+    warned about it (as HF is not); a temperature the call gives is."""
+    import warnings
+
+    model = get_model(FAMILY)
+    ids, mask = ragged_prompts()
+    saved = model.generation_config.temperature
+    model.generation_config.temperature = 0.6
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+        with pytest.warns(UserWarning, match="temperature=0.7 has no effect"):
+            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, temperature=0.7)
+    finally:
+        model.generation_config.temperature = saved
+
+
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [

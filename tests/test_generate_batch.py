@@ -371,6 +371,8 @@ def test_argument_errors():
     cases = [
         (dict(inputs=torch.tensor([[5, 6]])), TypeError, "list of prompts"),
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
+        (dict(inputs=[[5, 6], [5.0, 6.0]]), TypeError, "req_1: a prompt must be a list of int token ids, got a list "
+                                                       "holding float 5.0"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
         (dict(max_new_tokens=torch.tensor([3, 4])), ValueError, "one per request"),
         (dict(max_new_tokens=torch.ones(1, 1, dtype=torch.long)), ValueError, r"one per row / request, got an array of "
@@ -408,6 +410,12 @@ def test_argument_errors():
     with pytest.warns(UserWarning, match="prefix_block_size=16 has no effect without prefix_caching=True"):
         sd.generate_batch(prompts, max_new_tokens=2, prefix_block_size=16)
     assert sd.last_stats.calibration_s == 0.0
+    with pytest.warns(UserWarning, match="memory_budget='1KiB' has no effect without max_batch_size"):
+        sd.generate_batch(prompts, max_new_tokens=2, memory_budget="1KiB")
+    # the cache's bound as a size, as memory_budget takes one
+    want = sd.generate_batch(prompts, max_new_tokens=2)
+    got = sd.generate_batch(prompts, max_new_tokens=2, prefix_caching=True, prefix_cache_bytes="64MiB")
+    assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in want.values()]
 
 
 def test_reset_rows_in_place():

@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
-from .models import load_target, resolve_device
+from .models import load_draft, load_target, resolve_device
 from .prompts import experiment_prompts
 from .timing import paired_ratio, spans_one, time_side_by_side
 
@@ -166,7 +166,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
             bar = progress_bar(cfg, total, "acceptance", enabled=show_progress) or False
         draft = None
         if spec.get("draft") and "draft_model" in [str(d) for d in cfg.drafter.names]:
-            draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
+            draft = load_draft(spec, device, dtype)
         heads = None
         if spec.get("medusa") and "medusa" in [str(d) for d in cfg.drafter.names]:
             heads = zoo.load_medusa(str(spec.medusa), target=model)  # bound to this target's LM head

@@ -58,10 +58,10 @@ from unittest import mock
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
-from .models import load_target, plain_step_bytes, resolve_device, weight_bytes
+from .models import load_draft, load_target, plain_step_bytes, resolve_device, weight_bytes
 
 __all__ = ["run", "drafter_runs"]
 
@@ -169,7 +169,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
         draft = None
         if any(d == "draft_model" for d, _ in runs):
-            draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
+            draft = load_draft(spec, device, dtype)
         wb = weight_bytes(model)
         for B in batches:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["resolve_device", "load_app_model", "load_target", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
+__all__ = ["resolve_device", "load_app_model", "load_target", "load_draft", "load_hf", "hub_access", "check_tokenizer", "build_random_shape",
            "damp_residual_branches", "weight_bytes", "layer_counts", "SSMShape", "ssm_shape", "target_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -372,6 +372,19 @@ def load_target(spec, device, dtype, seed: int = 0):
     if source == "random_shape":
         return build_random_shape(spec, device, dtype, seed)
     raise ValueError(f"model source must be zoo, hf or random_shape; got {spec.source!r}")
+
+
+def load_draft(spec, device, dtype):
+    """The draft model named by a ``model.targets`` entry's ``draft``, from the target's source;
+    a draft folder needs no tokenizer of its own: it reads the target's (``tokenizer``, else the
+    target's folder), since a draft proposes token ids of the target's vocabulary."""
+    from omegaconf import OmegaConf
+
+    draft = {"name": spec.draft, "source": str(spec.source)}
+    if str(spec.source) == "hf":
+        draft["tokenizer"] = str(spec.get("tokenizer") or spec.name)
+    model, _ = load_target(OmegaConf.create(draft), device, dtype)
+    return model
 
 
 # ------------------------------------------------------------------------------ SSM shapes

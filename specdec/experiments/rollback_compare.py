@@ -35,10 +35,10 @@ import os
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
-from .models import load_target, resolve_device, ssm_shape, target_config
+from .models import load_draft, load_target, resolve_device, ssm_shape, target_config
 from .timing import Timing
 
 __all__ = ["run", "memory_budget"]
@@ -121,7 +121,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             if drafter_name == "draft_model":
                 if not spec.get("draft"):
                     raise ValueError(f"drafter=draft_model but model {spec.name!r} has no draft model")
-                draft, _ = load_target(OmegaConf.create({"name": spec.draft, "source": str(spec.source)}), device, dtype)
+                draft = load_draft(spec, device, dtype)
         if bar is None:  # the thread line, then the one bar
             apply_cpu_threads(cfg, model, device)
             bar = progress_bar(cfg, n_points, "rollback") or False
