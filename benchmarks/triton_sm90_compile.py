@@ -16,7 +16,6 @@ exits 1 on the first failure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import subprocess
@@ -302,11 +301,10 @@ def linear_variants(quick: bool):
 
     dt = torch.bfloat16
 
-    def launch(M, N, K, act=None, gated=False, bias=False, reduce_in_launch=False):
+    def launch(M, N, K, act=None, gated=False, bias=False):
         w, y = torch.randn(N, K, dtype=dt), torch.empty(M, N, dtype=dt)
         b = torch.randn(N, dtype=dt) if bias else None
-        config = dataclasses.replace(skinny_config(N, K, dt), reduce_in_launch=reduce_in_launch)
-        sk.skinny_launch(torch.randn(M, K, dtype=dt), w, b, y, config, sk.ACT_CODES[act],
+        sk.skinny_launch(torch.randn(M, K, dtype=dt), w, b, y, skinny_config(N, K, dt), sk.ACT_CODES[act],
                          torch.randn(N, K, dtype=dt) if gated else None, b if gated else None)
 
     for M in [1] if quick else [1, 16]:
@@ -319,7 +317,6 @@ def linear_variants(quick: bool):
     try:
         launch(1, 9216, 2560, "silu", gated=True)
         launch(1, 2560, 9216)
-        launch(1, 2560, 9216, reduce_in_launch=True)  # split K, reduced by the last split of each block
         ws = [torch.randn(n, 2560, dtype=dt) for n in (8192, 4096, 32, 32)]
         sk.grouped_launch(torch.randn(1, 2560, dtype=dt), ws, None, [torch.empty(1, w.shape[0], dtype=dt) for w in ws],
                           skinny_config(12352, 2560, dt))
@@ -327,7 +324,6 @@ def linear_variants(quick: bool):
         sk._dependent_launch = off
     if not quick:
         launch(4, 1024, 2560, "silu", gated=True, bias=True)
-        launch(4, 1024, 2560, "silu", gated=True, bias=True, reduce_in_launch=True)
         launch(4, 1024, 2560, "relu2")
         ws = [torch.randn(n, 2560, dtype=dt) for n in (4096, 1024, 1024)]
         sk.grouped_launch(torch.randn(4, 2560, dtype=dt), ws, None, [torch.empty(4, w.shape[0], dtype=dt) for w in ws],

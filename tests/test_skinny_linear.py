@@ -110,10 +110,6 @@ def test_launch_does_not_depend_on_M(monkeypatch):
                                                                      prefetch=True, pdl=True)
     monkeypatch.setenv("SPECDEC_PDL", "0")
     assert not skinny_config(2560, 9216, torch.bfloat16).pdl
-    monkeypatch.delenv("SPECDEC_SPLIT_K_IN_LAUNCH", raising=False)
-    assert not skinny_config(2560, 9216, torch.bfloat16).reduce_in_launch
-    monkeypatch.setenv("SPECDEC_SPLIT_K_IN_LAUNCH", "1")
-    assert skinny_config(2560, 9216, torch.bfloat16).reduce_in_launch
     assert skinny_config(248320, 2560, torch.bfloat16).split_k == 1
     assert skinny_config(32, 2560, torch.bfloat16).block_n == 32
     assert skinny_config(40, 100, torch.float32).block_k == 64
@@ -407,10 +403,9 @@ def test_mlp_launches_on_gpu(N, K, activation, gated):
 @needs_cuda
 @pytest.mark.gpu
 def test_prefetch_and_dependent_launches_on_gpu():
-    """The weight prefetch, programmatic dependent launch and the split-K reduction in the launch
-    change when (and where) work runs, not what it computes: a CUDA graph of a chain in which
-    each launch reads what the kernel just before it wrote (an elementwise op, another dependent
-    launch, a split-K reduction) replays to the chain
+    """The weight prefetch and programmatic dependent launch change when a kernel starts, not what
+    it computes: a CUDA graph of a chain in which each launch reads what the kernel just before it
+    wrote (an elementwise op, another dependent launch, a split-K reduction) replays to the chain
     of plain launches bit for bit, on new inputs, over many replays (a launch that read its input
     before the previous kernel finished would read stale values)."""
     import dataclasses
@@ -421,10 +416,10 @@ def test_prefetch_and_dependent_launches_on_gpu():
     wg, wu, wd = (rand(*s, dtype=dt, gen=gen) * s[1] ** -0.5 for s in ((I, H), (I, H), (H, I)))
     x = rand(2, H, dtype=dt, gen=gen)
 
-    def chain(xs, pf, pdl, reduce=False):
+    def chain(xs, pf, pdl):
         def cfg(N, K):
             return dataclasses.replace(linear_mod.skinny_config(N, K, dt, linear_mod.num_sms(DEVICE)),
-                                       prefetch=pf, pdl=pdl, reduce_in_launch=reduce)
+                                       prefetch=pf, pdl=pdl)
         h = xs
         for _ in range(3):
             h = torch.nn.functional.rms_norm(h, (H,))
@@ -433,51 +428,15 @@ def test_prefetch_and_dependent_launches_on_gpu():
         return h
 
     want = chain(x, False, False)
-    for pf, pdl, reduce in ((True, False, False), (False, True, False), (True, True, False), (False, False, True),
-                            (True, True, True)):
-        assert torch.equal(chain(x, pf, pdl, reduce), want)
+    for pf, pdl in ((True, False), (False, True), (True, True)):
+        assert torch.equal(chain(x, pf, pdl), want)
         xs, out = x.clone(), torch.empty_like(x)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out.copy_(chain(xs, pf, pdl, reduce))
+            out.copy_(chain(xs, pf, pdl))
         for _ in range(5):
             xs.copy_(rand(2, H, dtype=dt, gen=gen))
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, chain(xs, False, False)), f"prefetch={pf} pdl={pdl} reduce_in_launch={reduce}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_split_k_reduced_in_launch(dtype, monkeypatch):
-    """A split-K launch that reduces its partial sums itself (the last split of each weight block
-    adds them, in split order) gives the two-kernel launch's result bit for bit -- with a bias,
-    an activation, a gated launch, 1 to 64 rows -- and leaves every arrival counter at zero; the
-    counters' ring wraps (a small ring here) and its reused counters still start at zero."""
-    import dataclasses
-
-    from specdec.kernels.linear import triton_skinny
-
-    monkeypatch.setattr(triton_skinny, "COUNTER_SLOTS", 16)
-    gen = torch.Generator().manual_seed(11)
-    cases = [  # (M, N, K, split, bias, activation, gated)
-        (1, 40, 100, 3, True, None, False), (17, 37, 72, 2, False, "silu", True),
-        (64, 20, 96, 3, True, "relu2", False), (5, 70, 90, 2, True, "silu", True),
-    ]
-    for M, N, K, split, with_bias, activation, gated in cases:
-        x, w, wu = rand(M, K, dtype=dtype, gen=gen), rand(N, K, dtype=dtype, gen=gen), rand(N, K, dtype=dtype, gen=gen)
-        b = rand(N, dtype=dtype, gen=gen) if with_bias else None
-        two = SkinnyConfig(block_n=16, block_k=16, split_k=split)
-        one = dataclasses.replace(two, reduce_in_launch=True)
-        for repeat in range(2):
-            outs = []
-            for config in (two, one):
-                out = torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
-                if gated:
-                    outs.append(gated_skinny_linear(x, w, wu, b, b, activation=activation, out=out, config=config))
-                else:
-                    outs.append(skinny_linear(x, w, b, activation=activation, out=out, config=config))
-            assert torch.isfinite(outs[0]).all()
-            assert torch.equal(outs[1], outs[0]), (M, N, K, split, repeat)
-            ring = triton_skinny._COUNTERS[torch.device(outs[1].device)][0]
-            assert int(ring.count_nonzero()) == 0, "an arrival counter was left set"
+            assert torch.equal(out, chain(xs, False, False)), f"prefetch={pf} pdl={pdl}"

@@ -78,11 +78,7 @@ class SkinnyConfig:
     prefetch before ``griddepcontrol.wait`` (which returns once that kernel has finished and its
     writes are visible), and lets the next such kernel start as soon as its own programs have
     passed that wait (NVIDIA, CUDA Programming Guide, "Programmatic Dependent Launch and
-    Synchronization"; CUTLASS example 63, "Hopper GEMM with weight prefetch").
-
-    ``reduce_in_launch`` (split K only): the last split of each weight block to finish adds the
-    partial sums itself, in split order, instead of a second kernel (the same bits; see
-    :mod:`specdec.kernels.linear.triton_skinny`)."""
+    Synchronization"; CUTLASS example 63, "Hopper GEMM with weight prefetch")."""
 
     block_n: int = 64
     block_k: int = 128
@@ -91,7 +87,6 @@ class SkinnyConfig:
     num_stages: int = 4
     prefetch: bool = False
     pdl: bool = False
-    reduce_in_launch: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -104,7 +99,7 @@ class SkinnyConfig:
     def describe(self) -> str:
         """E.g. ``n64 k128 split3 w4 s4``."""
         return (f"n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} s{self.num_stages}"
-                + " prefetch" * self.prefetch + " pdl" * self.pdl + " reduce-in-launch" * self.reduce_in_launch)
+                + " prefetch" * self.prefetch + " pdl" * self.pdl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,14 +123,13 @@ def skinny_config(N: int, K: int, dtype: torch.dtype, sms: int = DEFAULT_SMS) ->
     fp32), 4 warps, 4 pipelined stages; when the ``block_n`` slices fill less than one wave of
     SMs, K is split so they fill it (each split at least 4 ``block_k`` steps): e.g. N = 2560,
     K = 9216 on 132 SMs runs 40 x 3 programs. ``prefetch`` and ``pdl`` as
-    :func:`dependent_launches_enabled` says (they take effect on CUDA only),
-    ``reduce_in_launch`` as :func:`split_k_in_launch_enabled` says.
+    :func:`dependent_launches_enabled` says (they take effect on CUDA only).
     """
     block_n = min(64, max(16, 1 << max(0, N - 1).bit_length()))
     block_k = 64 if dtype == torch.float32 else 128
-    early, in_launch = launch_switches()
+    early = dependent_launches_enabled()
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms),
-                        prefetch=early, pdl=early, reduce_in_launch=in_launch)
+                        prefetch=early, pdl=early)
 
 
 def dependent_launches_enabled() -> bool:
@@ -144,19 +138,6 @@ def dependent_launches_enabled() -> bool:
     off: not yet timed on a GPU; read when a launch is chosen, so a CUDA graph keeps the setting
     it was captured with)."""
     return env_switch("SPECDEC_PDL", default=False)
-
-
-def split_k_in_launch_enabled() -> bool:
-    """Whether :func:`skinny_config`'s split-K launches reduce their partial sums in the same launch
-    (:class:`SkinnyConfig` ``reduce_in_launch``; ``SPECDEC_SPLIT_K_IN_LAUNCH=1``, default off: not
-    yet timed on a GPU; read when a launch is chosen, as :func:`dependent_launches_enabled`)."""
-    return env_switch("SPECDEC_SPLIT_K_IN_LAUNCH", default=False)
-
-
-def launch_switches() -> tuple[bool, bool]:
-    """The switches :func:`skinny_config` reads (:func:`dependent_launches_enabled`,
-    :func:`split_k_in_launch_enabled`): part of every key of a launch's compiled variant."""
-    return dependent_launches_enabled(), split_k_in_launch_enabled()
 
 
 def split_k_for(N: int, K: int, block_n: int, block_k: int, sms: int = DEFAULT_SMS) -> int:
@@ -583,10 +564,10 @@ class _Siblings:
         """What the launch's compiled variant depends on: x's rows, strides, 16-byte alignment,
         dtype and device, the members merged (``merge``, the modules ``ms``), and their tensors'
         alignment (Triton specialises integers and pointers on such properties), and
-        :func:`launch_switches`."""
+        :func:`dependent_launches_enabled`."""
         aligned = all(t.data_ptr() % 16 == 0 for m in ms for t in (m.weight, m.bias) if t is not None)
         return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device, merge,
-                aligned, launch_switches())
+                aligned, dependent_launches_enabled())
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
@@ -763,9 +744,9 @@ def _single_variant(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """What a :func:`skinny_linear` launch's compiled variant depends on (Triton specialises integers
     and pointers on their values' divisibility): the ``[M, K]`` input's rows, strides and
     alignment, the weight's shape and alignment, the bias's alignment, dtype and device, and
-    :func:`launch_switches`."""
+    :func:`dependent_launches_enabled`."""
     return (tuple(x2.shape), x2.stride(), x2.data_ptr() % 16 == 0, x2.dtype, x2.device, tuple(w.shape), w.stride(),
-            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0, launch_switches())
+            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0, dependent_launches_enabled())
 
 
 def _single_guarded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

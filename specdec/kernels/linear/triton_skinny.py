@@ -20,13 +20,7 @@ is, and row i of an M-row call equals the 1-row call on x[i] bit for bit
 
 Split K (``split_k > 1``): each split writes its fp32 partial sums to ``[split_k, M, N]``; a
 second small kernel adds them in split order (0, 1, ...), adds the bias and casts: deterministic,
-no atomics. Or, with ``reduce_in_launch``, the launch reduces them itself: each program counts its
-arrival on its weight block's counter (an atomic add, acquire-release at device scope, after a
-barrier over the program's partial stores); the last of a block's splits to arrive adds the
-block's partials in split order, as the second kernel would (the same bits), and sets the
-counter back to zero for the next launch (the "fixup" of Stream-K, Osama et al., PPoPP 2023;
-CUTLASS's in-kernel split-K reduction). One launch fewer per split linear, and the result
-still does not depend on which split finishes last. Nothing here autotunes, synchronises with the host or reads a device value, so a
+no atomics. Nothing here autotunes, synchronises with the host or reads a device value, so a
 call is safe inside CUDA-graph capture once compiled.
 
 Epilogues (where the result is stored: the kernel's, or the split-K reduction's): an activation
@@ -39,8 +33,6 @@ set of accumulators (partials ``[2, split_k, M, N]`` when split) -- and the stor
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +40,7 @@ import triton.language as tl
 from ..triton_common import next_pow2, num_warps_for
 from . import MAX_MEMBERS
 
-__all__ = ["TILE_M", "ACT_CODES", "COUNTER_SLOTS", "arrival_counters", "skinny_launch", "grouped_launch"]
+__all__ = ["TILE_M", "ACT_CODES", "skinny_launch", "grouped_launch"]
 
 #: rows of x per tile (the smallest dot dimension Triton accepts)
 TILE_M = 16
@@ -156,61 +148,12 @@ def _tile_store(b_acc, b_acc_u, b, b_u, y, i_s, i_t, o_n, M, N, stride_ys, strid
         if GATED:
             tl.store(p_y + i_s * stride_ys + stride_yg, b_acc_u, mask=m_y)
     else:
-        _finish_store(b_acc, b_acc_u, b, b_u, p_y, m_y, o_n, N, HAS_BIAS, ACT, GATED, True)
-
-
-@triton.jit
-def _finish_store(b_acc, b_acc_u, b, b_u, p_y, m_y, o_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                  GATED: tl.constexpr, TILE: tl.constexpr):
-    """Store at ``p_y`` (masked by ``m_y``) the result of whole sums: + bias, through the epilogue,
-    in ``p_y``'s dtype; ``o_n`` the weight rows of the sums: their first dim (``TILE``: sums
-    ``[BLOCK_N, 16]``) or their only one."""
-    if HAS_BIAS:
-        if TILE:
+        if HAS_BIAS:
             b_acc += tl.load(b + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
             if GATED:
                 b_acc_u += tl.load(b_u + o_n, mask=o_n < N, other=0.0).to(tl.float32)[:, None]
-        else:
-            b_acc += tl.load(b + o_n, mask=o_n < N, other=0.0).to(tl.float32)
-            if GATED:
-                b_acc_u += tl.load(b_u + o_n, mask=o_n < N, other=0.0).to(tl.float32)
-    b_acc = _epilogue(b_acc, b_acc_u, p_y.dtype.element_ty, ACT, GATED)
-    tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_y)
-
-
-@triton.jit
-def _reduce_tile(part, b, b_u, out, i_t, o_n, M, N, stride_ps, stride_pm, stride_pn, stride_pg, stride_om, stride_on,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
-    """Tile i_t's result from the ``SPLIT`` partials of weight rows ``o_n``, added in split order
-    (as :func:`_split_k_reduce_kernel` adds them), read from L2 (``.cg``: other programs wrote them)."""
-    o_m = i_t * 16 + tl.arange(0, 16)
-    m_y = (o_n < N)[:, None] & (o_m < M)[None, :]
-    p_p = part + o_m[None, :] * stride_pm + o_n[:, None] * stride_pn
-    b_acc = tl.load(p_p, mask=m_y, other=0.0, cache_modifier=".cg")
-    for i_s in tl.static_range(1, SPLIT):
-        b_acc += tl.load(p_p + i_s * stride_ps, mask=m_y, other=0.0, cache_modifier=".cg")
-    b_acc_u = b_acc
-    if GATED:
-        b_acc_u = tl.load(p_p + stride_pg, mask=m_y, other=0.0, cache_modifier=".cg")
-        for i_s in tl.static_range(1, SPLIT):
-            b_acc_u += tl.load(p_p + stride_pg + i_s * stride_ps, mask=m_y, other=0.0, cache_modifier=".cg")
-    _finish_store(b_acc, b_acc_u, b, b_u, out + o_m[None, :] * stride_om + o_n[:, None] * stride_on, m_y, o_n, N,
-                  HAS_BIAS, ACT, GATED, True)
-
-
-@triton.jit
-def _reduce_if_last(part, b, b_u, out, counters, i_n, o_n, M, N, stride_ps, stride_pm, stride_pn, stride_pg,
-                    stride_om, stride_on, SPLIT: tl.constexpr, NUM_TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ACT: tl.constexpr, GATED: tl.constexpr):
-    """After this program's partials are stored: count its arrival on weight block ``i_n``'s
-    counter; the block's last split to arrive reduces every tile and zeroes the counter."""
-    tl.debug_barrier()  # every thread's partial stores before the arrival (released with it)
-    arrived = tl.atomic_add(counters + i_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT - 1:  # the others' partials are visible (acquired with the arrival)
-        for i_t in tl.static_range(NUM_TILES):
-            _reduce_tile(part, b, b_u, out, i_t, o_n, M, N, stride_ps, stride_pm, stride_pn, stride_pg, stride_om,
-                         stride_on, SPLIT, HAS_BIAS, ACT, GATED)
-        tl.atomic_xchg(counters + i_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        b_acc = _epilogue(b_acc, b_acc_u, y.dtype.element_ty, ACT, GATED)
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
@@ -287,8 +230,6 @@ def _skinny_linear_kernel(
     b,
     b_u,
     y,
-    out,  # REDUCE: the result (y holds the partials)
-    counters,  # REDUCE: an int32 arrival counter per weight block, zero at launch
     M,
     N,
     K,
@@ -300,8 +241,6 @@ def _skinny_linear_kernel(
     stride_ym,
     stride_yn,
     stride_yg,
-    stride_om,
-    stride_on,
     NUM_TILES: tl.constexpr,
     K_STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -309,8 +248,6 @@ def _skinny_linear_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
-    SPLIT: tl.constexpr,  # PARTIAL: the splits of K (the grid's second dim)
-    REDUCE: tl.constexpr,  # PARTIAL: the last split of each weight block reduces (module docstring)
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -329,9 +266,6 @@ def _skinny_linear_kernel(
         BLOCK_K, EVEN_K, GATED, DOT_PRECISION, UPCAST)
     _store_tiles(b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3, b, b_u, y, i_s, o_n, M, N, stride_ys,
                  stride_ym, stride_yn, stride_yg, NUM_TILES, HAS_BIAS, PARTIAL, ACT, GATED)
-    if PARTIAL and REDUCE:
-        _reduce_if_last(y, b, b_u, out, counters, i_n, o_n, M, N, stride_ys, stride_ym, stride_yn, stride_yg,
-                        stride_om, stride_on, SPLIT, NUM_TILES, HAS_BIAS, ACT, GATED)
 
 
 @triton.jit
@@ -350,34 +284,12 @@ def _split_k_reduce_kernel(part, b, b_u, y, N, stride_ps, stride_pm, stride_pg, 
         b_acc_u = tl.load(p_p + stride_pg, mask=m_n, other=0.0)
         for i_s in tl.static_range(1, SPLIT_K):
             b_acc_u += tl.load(p_p + stride_pg + i_s * stride_ps, mask=m_n, other=0.0)
-    _finish_store(b_acc, b_acc_u, b, b_u, y + i_m * stride_ym + o_n * stride_yn, m_n, o_n, N, HAS_BIAS, ACT, GATED,
-                  False)
-
-
-#: int32 arrival counters per device for launches that reduce their splits themselves
-#: (:func:`arrival_counters`): each launch takes the next slots of the ring, so launches that may
-#: overlap (a dependent launch starts before the last one ends) never share one
-COUNTER_SLOTS = 1 << 16
-_COUNTERS: dict = {}  # device -> [zeroed int32 [COUNTER_SLOTS], next free slot]
-_COUNTERS_LOCK = threading.Lock()
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """``n`` zeroed int32 counters for one launch that reduces its splits itself (each launch leaves
-    its counters at zero), from the device's ring of :data:`COUNTER_SLOTS`; None while a CUDA graph
-    is being captured on a device that has no ring yet (a buffer made inside the capture would
-    belong to the graph's memory pool), so that launch reduces in a second kernel."""
-    with _COUNTERS_LOCK:
-        ring = _COUNTERS.get(device)
-        if ring is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            ring = _COUNTERS[device] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
-        buf, at = ring
-        if at + n > COUNTER_SLOTS:
-            at = 0
-        ring[1] = at + n
-        return buf[at:at + n]
+    if HAS_BIAS:
+        b_acc += tl.load(b + o_n, mask=m_n, other=0.0).to(tl.float32)
+        if GATED:
+            b_acc_u += tl.load(b_u + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_acc = _epilogue(b_acc, b_acc_u, y.dtype.element_ty, ACT, GATED)
+    tl.store(y + i_m * stride_ym + o_n * stride_yn, b_acc.to(y.dtype.element_ty), mask=m_n)
 
 
 #: bytes of weights one launch may prefetch into L2 (an H100's / H200's L2 holds 50 MB: half of it,
@@ -426,21 +338,17 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     precision = "ieee"  # fp32: exact FMAs, not TF32 (ignored by bf16 / fp16 dots)
     # split K: fp32 partials [weights, split, M, N] (the gate's, then the up projection's)
     dst = y if split == 1 else torch.empty(1 + gated, split, M, N, device=y.device, dtype=torch.float32)
-    n_blocks = triton.cdiv(N, config.block_n)
-    counters = arrival_counters(y.device, n_blocks) if split > 1 and config.reduce_in_launch else None
-    _skinny_linear_kernel[(n_blocks, split)](
-        x, weight, up_weight if gated else weight, bias, up_bias if gated else bias, dst, y, counters, M, N, K,
+    _skinny_linear_kernel[(triton.cdiv(N, config.block_n), split)](
+        x, weight, up_weight if gated else weight, bias, up_bias if gated else bias, dst, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         dst.stride(1) if split > 1 else 0, dst.stride(-2), dst.stride(-1), dst.stride(0) if split > 1 else 0,
-        y.stride(0), y.stride(1),
         NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=even_k, HAS_BIAS=bias is not None, PARTIAL=split > 1, SPLIT=split, REDUCE=counters is not None,
-        ACT=activation, GATED=gated, DOT_PRECISION=precision,
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        **_dependent_launch(config, weight, n_blocks * split, k_per_split, 1 + gated),
+        EVEN_K=even_k, HAS_BIAS=bias is not None, PARTIAL=split > 1, ACT=activation, GATED=gated,
+        DOT_PRECISION=precision, UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        **_dependent_launch(config, weight, triton.cdiv(N, config.block_n) * split, k_per_split, 1 + gated),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split > 1 and counters is None:
+    if split > 1:
         block = min(1024, next_pow2(N))
         _split_k_reduce_kernel[(triton.cdiv(N, block), M)](
             dst, bias, up_bias if gated else bias, y, N, dst.stride(1), dst.stride(2), dst.stride(0), y.stride(0),
