@@ -311,17 +311,6 @@ def linear_variants(quick: bool):
         launch(M, 9216, 2560, "silu", gated=True)
         launch(M, 2560, 9216)
         launch(M, 12288, 3072, "relu2")
-    # the weight prefetch and programmatic dependent launch (CUDA only: forced on for these CPU tensors)
-    off = sk._dependent_launch
-    sk._dependent_launch = lambda config, weight, *_: {"PREFETCH": 1024, "PDL": True, "LINE": 128 // weight.element_size()}
-    try:
-        launch(1, 9216, 2560, "silu", gated=True)
-        launch(1, 2560, 9216)
-        ws = [torch.randn(n, 2560, dtype=dt) for n in (8192, 4096, 32, 32)]
-        sk.grouped_launch(torch.randn(1, 2560, dtype=dt), ws, None, [torch.empty(1, w.shape[0], dtype=dt) for w in ws],
-                          skinny_config(12352, 2560, dt))
-    finally:
-        sk._dependent_launch = off
     if not quick:
         launch(4, 1024, 2560, "silu", gated=True, bias=True)
         launch(4, 1024, 2560, "relu2")

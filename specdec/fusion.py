@@ -81,11 +81,9 @@ def _active() -> bool:
     return getattr(_ACTIVE, "depth", 0) > 0
 
 
-def env_switch(name: str, default: bool = True) -> bool:
-    """An environment switch: off for ``0``, ``false``, ``False`` or empty, on for any other value,
-    ``default`` when unset."""
-    value = os.environ.get(name)
-    return default if value is None else value not in ("0", "false", "False", "")
+def env_switch(name: str) -> bool:
+    """An on-by-default environment switch: off for ``0``, ``false``, ``False`` or empty."""
+    return os.environ.get(name, "1") not in ("0", "false", "False", "")
 
 
 def fusion_enabled() -> bool:

@@ -100,16 +100,9 @@ def test_batch_invariant(dtype, M, config):
         assert torch.equal(one[0], y[i]), f"row {i} of the {M}-row call differs from its 1-row call"
 
 
-def test_launch_does_not_depend_on_M(monkeypatch):
-    """The launch is a function of (N, K, dtype, SMs): split K fills one wave of 132 SMs; the weight
-    prefetch and dependent launch follow ``SPECDEC_PDL``."""
-    monkeypatch.delenv("SPECDEC_PDL", raising=False)
+def test_launch_does_not_depend_on_M():
+    """The launch is a function of (N, K, dtype, SMs): split K fills one wave of 132 SMs."""
     assert skinny_config(2560, 9216, torch.bfloat16) == SkinnyConfig(block_n=64, block_k=128, split_k=3)
-    monkeypatch.setenv("SPECDEC_PDL", "1")
-    assert skinny_config(2560, 9216, torch.bfloat16) == SkinnyConfig(block_n=64, block_k=128, split_k=3,
-                                                                     prefetch=True, pdl=True)
-    monkeypatch.setenv("SPECDEC_PDL", "0")
-    assert not skinny_config(2560, 9216, torch.bfloat16).pdl
     assert skinny_config(248320, 2560, torch.bfloat16).split_k == 1
     assert skinny_config(32, 2560, torch.bfloat16).block_n == 32
     assert skinny_config(40, 100, torch.float32).block_k == 64
@@ -398,45 +391,3 @@ def test_mlp_launches_on_gpu(N, K, activation, gated):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, call(xs))
-
-
-@needs_cuda
-@pytest.mark.gpu
-def test_prefetch_and_dependent_launches_on_gpu():
-    """The weight prefetch and programmatic dependent launch change when a kernel starts, not what
-    it computes: a CUDA graph of a chain in which each launch reads what the kernel just before it
-    wrote (an elementwise op, another dependent launch, a split-K reduction) replays to the chain
-    of plain launches bit for bit, on new inputs, over many replays (a launch that read its input
-    before the previous kernel finished would read stale values)."""
-    import dataclasses
-
-    gen = torch.Generator().manual_seed(3)
-    dt = torch.bfloat16
-    H, I = 2560, 9216
-    wg, wu, wd = (rand(*s, dtype=dt, gen=gen) * s[1] ** -0.5 for s in ((I, H), (I, H), (H, I)))
-    x = rand(2, H, dtype=dt, gen=gen)
-
-    def chain(xs, pf, pdl):
-        def cfg(N, K):
-            return dataclasses.replace(linear_mod.skinny_config(N, K, dt, linear_mod.num_sms(DEVICE)),
-                                       prefetch=pf, pdl=pdl)
-        h = xs
-        for _ in range(3):
-            h = torch.nn.functional.rms_norm(h, (H,))
-            a = gated_skinny_linear(h, wg, wu, config=cfg(I, H))
-            h = h + skinny_linear(a, wd, config=cfg(H, I))  # split K: partials, then the reduction
-        return h
-
-    want = chain(x, False, False)
-    for pf, pdl in ((True, False), (False, True), (True, True)):
-        assert torch.equal(chain(x, pf, pdl), want)
-        xs, out = x.clone(), torch.empty_like(x)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(chain(xs, pf, pdl))
-        for _ in range(5):
-            xs.copy_(rand(2, H, dtype=dt, gen=gen))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, chain(xs, False, False)), f"prefetch={pf} pdl={pdl}"

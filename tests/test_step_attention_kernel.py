@@ -130,7 +130,7 @@ def test_bench_shapes_against_sdpa_on_gpu(H, Hkv, D, t, L):
 @needs_triton_interpreter
 @pytest.mark.parametrize("family, path", [("qwen3_5", "eager"), ("mistral", "static")])
 def test_models_stay_exact_with_the_kernel(monkeypatch, family, path):
-    """With ``SPECDEC_STEP_ATTENTION_KERNEL=1`` on the Triton backend every grouped-query step
+    """On the Triton backend (``SPECDEC_STEP_ATTENTION_KERNEL`` unset: on) every grouped-query step
     attention runs the kernel, and speculative greedy output equals HF greedy ``generate`` (fp32;
     Mistral's sliding window shorter than prompt + new tokens)."""
     import specdec.kernels.attention as attention
@@ -152,7 +152,7 @@ def test_models_stay_exact_with_the_kernel(monkeypatch, family, path):
 
     monkeypatch.setattr(step_attention_mod, "step_attention", counting)
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    monkeypatch.setenv("SPECDEC_STEP_ATTENTION_KERNEL", "1")
+    monkeypatch.delenv("SPECDEC_STEP_ATTENTION_KERNEL", raising=False)
     sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path=path)
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0), ref)
     assert calls and max(calls) > 1  # verify steps of several tokens ran it

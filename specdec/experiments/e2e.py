@@ -130,7 +130,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: ``plain_switches`` entry can change: fusion, the merged / skinny linears, the kernels' backend,
 #: proposals before the sync, debug checks
 CALL_SWITCHES = ("SPECDEC_FUSE", "SPECDEC_MERGE_LINEARS", "SPECDEC_SKINNY_LINEARS", "SPECDEC_FUSED_MLPS",
-                 "SPECDEC_FUSED_RESIDUALS", "SPECDEC_PDL", "SPECDEC_STEP_ATTENTION_KERNEL",
+                 "SPECDEC_FUSED_RESIDUALS", "SPECDEC_STEP_ATTENTION_KERNEL",
                  "SPECDEC_BACKEND",
                  "SPECDEC_OVERLAP", "SPECDEC_OVERLAP_STEPS", "SPECDEC_DEBUG")
 

@@ -118,9 +118,8 @@ AttentionInterface.register(GROUPED_STEP_ATTENTION, grouped_step_attention)
 
 def step_attention_kernel_enabled() -> bool:
     """Whether :func:`grouped_step_attention` runs :func:`specdec.kernels.attention.step_attention`
-    on the Triton backend (``SPECDEC_STEP_ATTENTION_KERNEL=1``; default off: not yet timed on a
-    GPU)."""
-    return env_switch("SPECDEC_STEP_ATTENTION_KERNEL", default=False)
+    on the Triton backend (``SPECDEC_STEP_ATTENTION_KERNEL``, default on; ``0``: SDPA)."""
+    return env_switch("SPECDEC_STEP_ATTENTION_KERNEL")
 
 
 def _kernel_takes(query, key, value, mask) -> bool:

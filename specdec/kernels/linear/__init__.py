@@ -43,7 +43,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...fusion import env_switch
 from ...placement import unhooked
 from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
@@ -69,24 +68,13 @@ DEFAULT_SMS = 132
 class SkinnyConfig:
     """A launch of the skinny kernel: weight rows per program (``block_n``, a power of two >= 16),
     K per step (``block_k``, a power of two >= 16), K splits (``split_k``; fewer run when K has
-    fewer ``block_k`` steps), ``num_warps``, ``num_stages`` (software-pipelined K steps).
-
-    On CUDA (ignored elsewhere): ``prefetch`` -- each program first asks for its weight slice
-    into L2 (``prefetch.global.L2``, one per 128-byte line; the launch's share of 24 MiB, so a
-    weight larger than that is prefetched in part), so the K loop reads it from L2; ``pdl`` -- programmatic dependent launch (compute capability 9.0 and later): the kernel
-    may start while the previous kernel on the stream is still running, does only the weight
-    prefetch before ``griddepcontrol.wait`` (which returns once that kernel has finished and its
-    writes are visible), and lets the next such kernel start as soon as its own programs have
-    passed that wait (NVIDIA, CUDA Programming Guide, "Programmatic Dependent Launch and
-    Synchronization"; CUTLASS example 63, "Hopper GEMM with weight prefetch")."""
+    fewer ``block_k`` steps), ``num_warps``, ``num_stages`` (software-pipelined K steps)."""
 
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    prefetch: bool = False
-    pdl: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -98,8 +86,7 @@ class SkinnyConfig:
 
     def describe(self) -> str:
         """E.g. ``n64 k128 split3 w4 s4``."""
-        return (f"n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} s{self.num_stages}"
-                + " prefetch" * self.prefetch + " pdl" * self.pdl)
+        return f"n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} s{self.num_stages}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,22 +109,11 @@ def skinny_config(N: int, K: int, dtype: torch.dtype, sms: int = DEFAULT_SMS) ->
     ``block_n`` 64 (less for N < 64), ``block_k`` 128 elements (256 bytes of a bf16 row; 64 for
     fp32), 4 warps, 4 pipelined stages; when the ``block_n`` slices fill less than one wave of
     SMs, K is split so they fill it (each split at least 4 ``block_k`` steps): e.g. N = 2560,
-    K = 9216 on 132 SMs runs 40 x 3 programs. ``prefetch`` and ``pdl`` as
-    :func:`dependent_launches_enabled` says (they take effect on CUDA only).
+    K = 9216 on 132 SMs runs 40 x 3 programs.
     """
     block_n = min(64, max(16, 1 << max(0, N - 1).bit_length()))
     block_k = 64 if dtype == torch.float32 else 128
-    early = dependent_launches_enabled()
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms),
-                        prefetch=early, pdl=early)
-
-
-def dependent_launches_enabled() -> bool:
-    """Whether :func:`skinny_config`'s launches prefetch their weights and start as programmatic
-    dependent launches (:class:`SkinnyConfig` ``prefetch`` and ``pdl``; ``SPECDEC_PDL=1``, default
-    off: not yet timed on a GPU; read when a launch is chosen, so a CUDA graph keeps the setting
-    it was captured with)."""
-    return env_switch("SPECDEC_PDL", default=False)
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k_for(N, K, block_n, block_k, sms))
 
 
 def split_k_for(N: int, K: int, block_n: int, block_k: int, sms: int = DEFAULT_SMS) -> int:
@@ -563,11 +539,10 @@ class _Siblings:
     def _variant(x: torch.Tensor, merge, ms: list[nn.Linear]):
         """What the launch's compiled variant depends on: x's rows, strides, 16-byte alignment,
         dtype and device, the members merged (``merge``, the modules ``ms``), and their tensors'
-        alignment (Triton specialises integers and pointers on such properties), and
-        :func:`dependent_launches_enabled`."""
+        alignment (Triton specialises integers and pointers on such properties)."""
         aligned = all(t.data_ptr() % 16 == 0 for m in ms for t in (m.weight, m.bias) if t is not None)
         return (x.numel() // max(1, x.shape[-1]), x.stride(), x.data_ptr() % 16 == 0, x.dtype, x.device, merge,
-                aligned, dependent_launches_enabled())
+                aligned)
 
     def _applies(self, x: torch.Tensor, merge) -> bool:
         members = self.members
@@ -743,10 +718,9 @@ _SINGLE_VARIANTS = _Variants()
 def _single_variant(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """What a :func:`skinny_linear` launch's compiled variant depends on (Triton specialises integers
     and pointers on their values' divisibility): the ``[M, K]`` input's rows, strides and
-    alignment, the weight's shape and alignment, the bias's alignment, dtype and device, and
-    :func:`dependent_launches_enabled`."""
+    alignment, the weight's shape and alignment, the bias's alignment, dtype and device."""
     return (tuple(x2.shape), x2.stride(), x2.data_ptr() % 16 == 0, x2.dtype, x2.device, tuple(w.shape), w.stride(),
-            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0, dependent_launches_enabled())
+            w.data_ptr() % 16 == 0, None if b is None else b.data_ptr() % 16 == 0)
 
 
 def _single_guarded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

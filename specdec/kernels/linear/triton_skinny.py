@@ -80,39 +80,6 @@ def _tile_dots(b_acc, b_acc_u, b_w, b_w_u, x, i_t, M, k, k_hi, stride_xm, stride
 
 
 @triton.jit
-def _prefetch_l2(w, o_n, N, k_lo, k_hi, stride_wn, stride_wk, LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask for weight rows ``o_n`` (those < N), columns ``[k_lo, k_hi)``, into L2: one
-    ``prefetch.global.L2`` per ``LINE`` elements (a 128-byte line), ``LINES`` lines of each row per
-    step. A lane past the slice prefetches the weight's first element instead (no branch in the
-    asm)."""
-    o_l = tl.arange(0, LINES) * LINE
-    row = o_n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(k_lo, k_hi, LINES * LINE):  # (a run-time range: compiled kernels only)
-        o_k = k0 + o_l
-        inside = (o_n < N)[:, None] & (o_k < k_hi)[None, :]
-        p = w + tl.where(inside, row + o_k[None, :] * stride_wk, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _prologue(w, w_u, o_n, N, k_lo, k_hi, stride_wn, stride_wk, GATED: tl.constexpr, PREFETCH: tl.constexpr,
-              PDL: tl.constexpr, LINE: tl.constexpr):
-    """Before anything another kernel writes is read or written: the L2 prefetch of the first
-    ``PREFETCH`` columns of the program's weight slice (0: none), then, launched as a dependent
-    (``PDL``), the wait for the previous kernel and the go for the next one (see
-    :class:`specdec.kernels.linear.SkinnyConfig`)."""
-    if PREFETCH > 0:
-        k_end = tl.minimum(k_hi, k_lo + PREFETCH)
-        _prefetch_l2(w, o_n, N, k_lo, k_end, stride_wn, stride_wk, LINE, 16)
-        if GATED:
-            _prefetch_l2(w_u, o_n, N, k_lo, k_end, stride_wn, stride_wk, LINE, 16)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _activate(v, ACT: tl.constexpr):
     """``act(v)`` in fp32 (codes: :data:`ACT_CODES`; 0 is the identity)."""
     if ACT == 1:  # silu, as torch computes it: v / (1 + exp(-v))
@@ -252,15 +219,11 @@ def _skinny_linear_kernel(
     GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
-    LINE: tl.constexpr,
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = i_s * K_STEPS * BLOCK_K
     k_hi = tl.minimum(K, k_lo + K_STEPS * BLOCK_K)
-    _prologue(w, w_u, o_n, N, k_lo, k_hi, stride_wn, stride_wk, GATED, PREFETCH, PDL, LINE)
     b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3 = _row_tiles(
         x, w, w_u, o_n, M, N, k_lo, k_hi, stride_xm, stride_xk, stride_wn, stride_wk, NUM_TILES, K_STEPS, BLOCK_N,
         BLOCK_K, EVEN_K, GATED, DOT_PRECISION, UPCAST)
@@ -290,28 +253,6 @@ def _split_k_reduce_kernel(part, b, b_u, y, N, stride_ps, stride_pm, stride_pg, 
             b_acc_u += tl.load(b_u + o_n, mask=m_n, other=0.0).to(tl.float32)
     b_acc = _epilogue(b_acc, b_acc_u, y.dtype.element_ty, ACT, GATED)
     tl.store(y + i_m * stride_ym + o_n * stride_yn, b_acc.to(y.dtype.element_ty), mask=m_n)
-
-
-#: bytes of weights one launch may prefetch into L2 (an H100's / H200's L2 holds 50 MB: half of it,
-#: so prefetched lines are still there when the K loop reaches them)
-PREFETCH_BYTES = 24 << 20
-
-
-def _dependent_launch(config, weight: torch.Tensor, programs: int, span: int, weights: int = 1) -> dict:
-    """The prologue's compile-time settings and the launch option for ``config`` on a grid of
-    ``programs`` programs, each reading ``span`` columns of ``config.block_n`` rows of
-    ``weights`` weights: on CUDA, with ``prefetch``, the columns each program prefetches (its share
-    of :data:`PREFETCH_BYTES`, whole 128-byte lines, 0 below one line), and ``pdl`` from compute
-    capability 9.0; off elsewhere (Triton's interpreter runs no inline PTX)."""
-    cuda = weight.device.type == "cuda"
-    pdl = bool(config.pdl) and cuda and torch.cuda.get_device_capability(weight.device)[0] >= 9
-    line = max(1, 128 // weight.element_size())
-    cols = PREFETCH_BYTES // max(1, programs * config.block_n * weight.element_size() * weights)
-    cols = min(cols // line * line, -(-span // line) * line) if config.prefetch and cuda else 0
-    out = {"PREFETCH": cols, "PDL": pdl, "LINE": line}
-    if pdl:
-        out["launch_pdl"] = True
-    return out
 
 
 def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, config,
@@ -345,7 +286,6 @@ def skinny_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NUM_TILES=num_tiles, K_STEPS=k_per_split // config.block_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=even_k, HAS_BIAS=bias is not None, PARTIAL=split > 1, ACT=activation, GATED=gated,
         DOT_PRECISION=precision, UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        **_dependent_launch(config, weight, triton.cdiv(N, config.block_n) * split, k_per_split, 1 + gated),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
@@ -375,9 +315,6 @@ def _grouped_skinny_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
-    LINE: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     # the member owning weight block i_b: members' blocks start at 0, NB1, NB2, NB3
@@ -395,7 +332,6 @@ def _grouped_skinny_kernel(
         if HAS_BIAS:
             b = B3
     o_n = (i_b - start) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _prologue(w, w, o_n, N, 0, K, K, 1, False, PREFETCH, PDL, LINE)
     b_acc0, b_acc1, b_acc2, b_acc3, b_u0, b_u1, b_u2, b_u3 = _row_tiles(
         x, w, w, o_n, M, N, 0, K, stride_xm, stride_xk, K, 1, NUM_TILES, K_STEPS, BLOCK_N, BLOCK_K, EVEN_K, False,
         DOT_PRECISION, UPCAST)
@@ -433,5 +369,5 @@ def grouped_launch(x: torch.Tensor, weights, biases, outs, config) -> None:
         NUM_TILES=triton.cdiv(M, TILE_M), K_STEPS=triton.cdiv(K, config.block_k), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, HAS_BIAS=biases is not None, DOT_PRECISION="ieee",
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        **_dependent_launch(config, weights[0], sum(blocks), K), num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
