@@ -190,34 +190,6 @@ def delta_rule_variants(quick: bool):
             dr.delta_rule_update(s, q, k, v, g, beta, prefetch=0)
         triton_common.state_copy_commit(s, buf, hl)
         triton_common.ring_commit(head, hl, T + 1)
-    # a GDN step as the layers run it (Qwen3.5-4B: 16 key heads, each read by 2 of the 32 value heads): q, k, v
-    # slices of the conv output, a and b the raw projections, A_log and dt_bias (the kernel forms the inputs)
-    Hk = H // 2
-    q, k, v, a, b, A_log, dt_bias = _gdn_raw_inputs(B, T, Hk, H, K, V, dt)
-    s, hl = torch.zeros(B, H, K, V), torch.zeros(B, dtype=torch.long)
-    hk, hg, hu = torch.zeros(B, L, H, K), torch.zeros(B, L, H), torch.zeros(B, L, H, V)
-    raw = dict(A_log=A_log, dt_bias=dt_bias)
-    has_libdevice, dr.has_libdevice = dr.has_libdevice, lambda device: True  # as on a GPU: libdevice's exp
-    try:
-        dr.delta_rule_update(s, q, k, v, a, b, **raw)
-        dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, a, b, 0, fused=True, **raw)
-        if not quick:
-            dr.delta_rule_snapshot_verify(s, torch.zeros(B, T, H, K, V), q, k, v, a, b, **raw)
-            dr.delta_rule_ring_verify(torch.zeros(B, T + 1, H, K, V), torch.zeros(B, dtype=torch.long), q, k, v, a, b,
-                                      **raw)
-            dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, a, b, 0, **raw)
-            dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q[:, :1], k[:, :1], v[:, :1], a[:, :1], b[:, :1], 1,
-                                        fused=True, **raw)  # a later call of a step
-    finally:
-        dr.has_libdevice = has_libdevice
-
-
-def _gdn_raw_inputs(B, T, Hk, H, K, V, dtype):
-    """A GDN layer's step inputs as its conv and projections give them: q, k ``[B, T, Hk, K]`` and v
-    ``[B, T, H, V]`` views of one conv output, a, b ``[B, T, H]``, A_log and dt_bias ``[H]``."""
-    x = torch.randn(B, T, 2 * Hk * K + H * V, dtype=dtype)
-    q, k, v = (t.view(B, T, -1, w) for t, w in zip(torch.split(x, [Hk * K, Hk * K, H * V], -1), (K, K, V)))
-    return q, k, v, torch.randn(B, T, H, dtype=dtype), torch.randn(B, T, H, dtype=dtype), torch.randn(H), torch.randn(H)
 
 
 def mamba2_variants(quick: bool):
@@ -367,18 +339,6 @@ def _tree_variants(quick: bool, parents):
         if not quick:
             dr.delta_rule_ring_verify(torch.zeros(B, T + 1, H, K, V), head, q, k, v, g, beta, 0, parents=parents)
             dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, g, beta, 0, parents=parents)
-    # GDN on a layer's raw inputs (the kernel forms them; replay rebuilds parent states from them)
-    q, k, v, a, b, A_log, dt_bias = _gdn_raw_inputs(B, T, H // 2, H, K, V, dt_)
-    hk, hg = torch.zeros(B, 2 * T, H, K), torch.zeros(B, 2 * T, H)
-    has_libdevice, dr.has_libdevice = dr.has_libdevice, lambda device: True  # as on a GPU: libdevice's exp
-    try:
-        dr.delta_rule_replay_verify(s, hk, hg, hu, hl, q, k, v, a, b, 0, fused=True, parents=parents, A_log=A_log,
-                                    dt_bias=dt_bias)
-        if not quick:
-            dr.delta_rule_snapshot_verify(s, torch.zeros(B, T, H, K, V), q, k, v, a, b, 0, parents=parents,
-                                          A_log=A_log, dt_bias=dt_bias)
-    finally:
-        dr.has_libdevice = has_libdevice
     # Mamba-2 at H = 128, P = 64, G = 8, N = 128
     H, P, G, N = 128, 64, 8, 128
     x, dt = torch.randn(B, T, H, P, dtype=dt_), torch.rand(B, T, H, dtype=dt_)

@@ -11,9 +11,9 @@ bound. While the static decoder captures its graphs, :func:`fused` swaps
   shared by all layers: Inductor fuses the element-wise chains into one Triton kernel each; a
   rotary embedding's cos / sin, ~10 kernels eagerly, once per step), and
 * the element-wise input preparation of our SSM mixers (functions decorated :func:`fusable`;
-  on the Triton backend, eagerly too, a Gated DeltaNet and a Mamba-2 step's kernels form theirs
-  from the conv output and the raw projections instead, ``A_log`` / ``dt_bias`` of
-  :func:`specdec.kernels.gdn.triton_step.delta_rule_update` and ``dt_bias`` of
+  on the Triton backend, eagerly too, a Gated DeltaNet step's run as one Triton kernel of their
+  own instead, :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, and a Mamba-2 step's
+  kernels form theirs from the raw projections, ``dt_bias`` of
   :func:`specdec.kernels.mamba2.triton_step.mamba2_update`) and a chain step's attention mask
   and positions (``specdec.cache``; ~10 element-wise kernels eagerly, one compiled), and
 * the rotary embedding function attention layers call between their projections

@@ -1,10 +1,9 @@
 """The SSM steps' input preparation on the Triton backend against the torch backend's paths
-(``specdec.models.gdn._gdn_inputs``, ``specdec.models.mamba2._mamba2_inputs``), formed inside the
-step kernels themselves: a Gated DeltaNet step's (``A_log`` / ``dt_bias`` of
-:func:`specdec.kernels.gdn.triton_step.delta_rule_update` and the strategies' verifies, bit for bit
-what they compute from :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`'s one launch), a
-Mamba-2 step's (``dt_bias`` of :func:`specdec.kernels.mamba2.triton_step.mamba2_update` and the
-strategies' verifies); through Triton's interpreter at tiny sizes (compiled with ``SPECDEC_TEST_CUDA=1``).
+(``specdec.models.gdn._gdn_inputs``, ``specdec.models.mamba2._mamba2_inputs``): a Gated DeltaNet
+step's in one launch (:func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`), a Mamba-2
+step's inside the step kernels themselves (``dt_bias`` of
+:func:`specdec.kernels.mamba2.triton_step.mamba2_update` and the strategies' verifies); through
+Triton's interpreter at tiny sizes (compiled with ``SPECDEC_TEST_CUDA=1``).
 
 Inputs are fresh random values and views of one conv output as the layers pass them, outputs are
 poisoned with NaN first or checked fully written, and the inputs are checked unchanged bit for bit.
@@ -122,141 +121,6 @@ def test_gdn_empty_batch():
     assert [tuple(t.shape) for t in got] == [(0, 1, 2, 16), (0, 1, 2, 16), (0, 1, 2, 16), (0, 1, 2), (0, 1, 2)]
 
 
-GDN_MODES = ["update", "snapshot", "ring", "replay_fused", "replay_deferred", "snapshot_tree", "ring_tree",
-             "replay_fused_tree", "replay_deferred_tree"]
-
-
-def _gdn_run(mode, raw, inputs, offset, T_max, si, slots, gen):
-    """One call of the delta-rule step kernel of ``mode`` from fresh random stores (from ``gen``): on
-    the layer's raw inputs (``raw``: the kernel forms the step's inputs, one launch) or on
-    :func:`gdn_step_inputs`'s formed tensors (two launches). Chains run at step offset ``offset`` in a
-    store of ``T_max`` step tokens, trees (parents ``(-1, 0, 0, 1, 2)``: node 2's parent is node 0,
-    not node 1) at offset 0; ``si`` the rows' slots among ``slots``. Returns ``(o, every store
-    tensor, before the call)``; o is poisoned with NaN first."""
-    from specdec.kernels.gdn import triton_step as dr
-
-    q, k, v, b, a, A_log, dt_bias = inputs
-    B, T, Hv, Dv = v.shape
-    Dk = q.shape[-1]
-    if raw:
-        args, kw = (q, k, v, a, b), dict(A_log=A_log, dt_bias=dt_bias)
-    else:
-        args, kw = gdn_step_inputs(q, k, v, b, a, A_log, dt_bias), {}
-    S = (Hv, Dk, Dv)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)
-    o = torch.full((B, T, Hv, Dv), float("nan"), device=DEVICE)
-    parents = (-1, 0, 0, 1, 2)[:T] if mode.endswith("tree") else None
-    kw.update(out=o, block_v=8)  # two value blocks per head
-    state = rand(slots, *S)
-    if mode == "update":
-        stores = (state,)
-        call = lambda: dr.delta_rule_update(state, *args, si, **kw)
-    elif mode.startswith("snapshot"):
-        buf = rand(slots, T_max, *S)
-        stores = (state, buf)
-        call = lambda: dr.delta_rule_snapshot_verify(state, buf, *args, offset, si, parents=parents, **kw)
-    elif mode.startswith("ring"):
-        ring = rand(slots, T_max + 1, *S)
-        head = torch.randint(0, T_max + 1, (slots,), generator=gen).to(DEVICE)
-        stores = (ring, head)
-        call = lambda: dr.delta_rule_ring_verify(ring, head, *args, offset, si, parents=parents, **kw)
-    else:
-        fused = mode.startswith("replay_fused")
-        L = 2 * T_max if fused else 2 * T_max + 3
-        hist = (rand(slots, L, Hv, Dk), -torch.rand(slots, L, Hv, generator=gen).to(DEVICE), rand(slots, L, Hv, Dv))
-        hist_len = torch.randint(0, T_max - offset - T + 1 if not fused else T_max + 1, (slots,), generator=gen)
-        stores = (state, *hist, hist_len.to(DEVICE))
-        call = lambda: dr.delta_rule_replay_verify(state, *hist, stores[-1], *args, offset, si, fused=fused,
-                                                   parents=parents, **kw)
-    before = tuple(t.clone() for t in stores)
-    call()
-    return o, stores, before
-
-
-@pytest.mark.parametrize("mode, T, dtype", [
-    pytest.param(mode, T, dtype, id=f"{mode}-T{T}-{str(dtype)[6:]}")
-    for mode in GDN_MODES for T in (1, 5) for dtype in (torch.float32, torch.float16)
-    if T > 1 or not mode.endswith("tree")  # (a one-node tree is a chain)
-])
-def test_gdn_step_kernels_form_their_inputs(mode, T, dtype):
-    """Given the layer's views of its conv output (Hv = 2 Hk: each key head read by two value
-    heads), the raw projections a, b and A_log / dt_bias, every delta-rule step kernel (each
-    strategy's, chains at a step's first and a later call, trees with a node whose parent is not
-    the token before it) computes what it computes from :func:`gdn_step_inputs`'s formed fp32
-    inputs, the two-launch path: outputs, states, snapshot / ring buffers and the replay history
-    (the normalised k and the formed g) bit for bit, under Triton's interpreter (compiled, the L2
-    norms' sums may be reduced in another order: within fp32 rounding). Rows use slots through
-    ``state_indices`` with a padding row: its outputs stay NaN, and the padding row's and the
-    unused slots' stores are untouched bit for bit; the inputs are read in place and left untouched."""
-    B, Hk, Hv, Dk, Dv = 3, 2, 4, 16, 16
-    inputs = layer_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=T * 10 + GDN_MODES.index(mode))
-    before_inputs = [t.clone() for t in inputs]
-    si = torch.tensor([3, -1, 0], device=DEVICE)  # slots 1, 2 unused, row 1 padding
-    touched = [0, 3]
-    for offset in (0,) if mode.endswith("tree") else (0, 2):
-        T_max = offset + T
-        want = _gdn_run(mode, False, inputs, offset, T_max, si, 5, torch.Generator().manual_seed(1))
-        got = _gdn_run(mode, True, inputs, offset, T_max, si, 5, torch.Generator().manual_seed(1))
-        assert all(torch.equal(g, w) for g, w in zip(got[2], want[2]))  # the same stores before the call
-        for i, (g, w) in enumerate(zip((got[0], *got[1]), (want[0], *want[1]))):
-            what = f"{mode} offset {offset}: {'output' if i == 0 else f'store {i - 1}'}"
-            if ON_CUDA:
-                assert rel_err(g.nan_to_num(), w.nan_to_num()) < 1e-6, what
-            else:
-                assert torch.equal(g.nan_to_num(), w.nan_to_num()) and torch.equal(g.isnan(), w.isnan()), what
-        o = got[0]
-        assert not o[[0, 2]].isnan().any() and o[1].isnan().all(), mode  # the padding row's outputs unwritten
-        for new, old in zip(got[1], got[2]):
-            untouched = [n for n in range(new.shape[0]) if n not in touched]
-            assert torch.equal(new[untouched], old[untouched]), mode
-    assert all(torch.equal(x, y) for x, y in zip(inputs, before_inputs))
-
-
-def test_gdn_raw_inputs_read_in_place_or_copied():
-    """The step kernel reads the layer's views of its conv output in place; inputs whose rows are not
-    T tokens apart (a window of a longer buffer) or whose heads are not contiguous are copied first:
-    the same outputs and state either way."""
-    from specdec.kernels.gdn import triton_step as dr
-
-    B, T, Hk, Hv, Dk, Dv = 2, 3, 2, 4, 16, 8
-    q, k, v, b, a, A_log, dt_bias = layer_inputs(B, T, Hk, Hv, Dk, Dv, torch.float32, seed=9)
-    assert dr._token_rows(q)[0] is q and dr._token_rows(v)[0] is v
-    wide = torch.randn(B, T + 2, 2 * Hk * Dk + Hv * Dv, device=DEVICE)[:, 1:T + 1]
-    qw, kw, vw = torch.split(wide, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-    qw, kw, vw = qw.reshape(B, T, Hk, Dk), kw.reshape(B, T, Hk, Dk), vw.reshape(B, T, Hv, Dv)
-    bt = b.transpose(0, 1).contiguous().transpose(0, 1)  # rows interleaved: token j of row r at (j * B + r) * Hv
-    assert dr._token_rows(qw)[0] is not qw and dr._token_rows(bt)[0] is not bt
-    state = torch.randn(B, Hv, Dk, Dv, device=DEVICE)
-    runs = []
-    for args in ((qw, kw, vw, a, bt), (qw.contiguous(), kw.contiguous(), vw.contiguous(), a, b)):
-        s = state.clone()
-        runs.append((dr.delta_rule_update(s, *args, A_log=A_log, dt_bias=dt_bias), s))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-
-
-def test_gdn_raw_inputs_are_named():
-    """The raw form wants A_log and dt_bias together, value heads a multiple of key heads, a and b
-    of the value heads; KDA's kernels and the torch reference op refuse it."""
-    from specdec.kernels import OPS
-    from specdec.kernels.gdn import triton_step as dr
-
-    q, k, v, b, a, A_log, dt_bias = layer_inputs(2, 3, 2, 4, 16, 8, torch.float32, seed=4)
-    state = torch.zeros(2, 4, 16, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="both A_log and dt_bias"):
-        dr.delta_rule_update(state, q, k, v, a, b, A_log=A_log)
-    with pytest.raises(ValueError, match="multiple of key heads"):
-        dr.delta_rule_update(state[:, :3], q, k, v[:, :, :3], a[..., :3], b[..., :3], A_log=A_log[:3],
-                             dt_bias=dt_bias[:3])
-    with pytest.raises(ValueError, match="the projections a, b"):
-        dr.delta_rule_update(state, q, k, v, a[..., :2], b, A_log=A_log, dt_bias=dt_bias)
-    raw = {"q": q, "k": k, "v": v, "a": a, "b": b}
-    params = {"A_log": A_log, "dt_bias": dt_bias}
-    with pytest.raises(ValueError, match="KDA's kernels take the formed inputs"):
-        OPS["kda"].on("triton", DEVICE).kernels.update(state, raw, params)
-    with pytest.raises(ValueError, match="torch reference takes the formed inputs"):
-        OPS["gdn"].verify(state, raw, params, False)
-
-
 def mamba2_inputs(Bt, T, H, G, P, N, dtype, seed):
     """x, B, C as the layer's views of one conv output ``[Bt, T, H*P + 2*G*N]``; dt a view of the
     projection's last ``H`` columns; dt_bias, A_log, D in the model's dtype."""
@@ -366,32 +230,24 @@ def test_mamba2_decay_given_once():
 
 
 _BUILD_FOR_HOPPER = """
-from specdec.kernels.gdn import triton_inputs as gdn, triton_step as dr
+from specdec.kernels.gdn import triton_inputs as gdn
 
 def build(fn, consts, inputs, outputs, floats):
     types = {**{n: "*bf16" for n in inputs}, **{n: "*fp32" for n in outputs}, **{n: "fp32" for n in floats}}
     return sorted(set(re.findall(r"cvt\\.[a-z0-9.]*bf16[a-z0-9.]*", hopper_ptx(fn, consts, types))))
 
-# a plain step of the delta-rule kernel on a layer's raw inputs (its output in fp32: beta's is the one bf16 rounding)
-step = dict(T=2, H=32, K=128, V=128, BK=128, BV=16, MODE=0, PER_CHANNEL=False, USE_STATE_INDICES=False, FUSED=False,
-            FIRST=False, FOLD_LA=1, FOLD_MASKED=False, HALF=1, FOLD_N=1, PREFETCH=2, TREE=False, META_W=1,
-            TREE_LOOP=False, RAW=True, REP=2, ACCURATE=True, head=None, hist_len=None, state_indices=None, h_k=None,
-            h_g=None, h_u=None, tree=None)
 print(json.dumps({
     "gdn": build(gdn._gdn_inputs_kernel, dict(HV=32, REP=2, DK=128, DV=128, BK=128, BV=128, ACCURATE=True),
                  {"q", "k", "v", "b", "a", "A_log", "dt_bias"}, {"qo", "ko", "vo", "go", "bo"},
                  {"scale", "eps", "threshold"}),
-    "gdn_step": build(dr._delta_rule_step_kernel, step, {"q", "k", "v", "g", "beta", "A_log", "dt_bias"},
-                      {"o", "s_src", "s_dst"}, {"scale", "eps", "threshold"}),
 }))
 """
 
 
 def test_kernels_build_for_hopper_and_round_beta_to_nearest():
-    """The GDN inputs kernel and the delta-rule step kernel on raw inputs compile ahead of time for an
-    H100/H200 (sm_90) with bf16 inputs and libdevice's exp, using Triton's own ptxas, on a machine
-    without a GPU; in both GDN's bf16 beta is rounded to nearest (``cvt.rn``), as torch rounds
-    ``b.sigmoid()``. Compiled in a child process: this one runs Triton's interpreter."""
+    """The GDN kernel compiles ahead of time for an H100/H200 (sm_90) with bf16 inputs and
+    libdevice's exp, using Triton's own ptxas, on a machine without a GPU; GDN's bf16 beta is rounded to nearest
+    (``cvt.rn``), as torch rounds ``b.sigmoid()``. Compiled in a child process: this one runs
+    Triton's interpreter."""
     casts = built_for_hopper(_BUILD_FOR_HOPPER)
-    for name in ("gdn", "gdn_step"):
-        assert "cvt.rn.bf16.f32" in casts[name] and not any(".rz." in c for c in casts[name]), casts
+    assert "cvt.rn.bf16.f32" in casts["gdn"] and not any(".rz." in c for c in casts["gdn"]), casts

@@ -39,7 +39,6 @@ __all__ = [
     "tree_table",
     "runtime_tree_loop",
     "step_state_args",
-    "token_major",
     "with_common_args",
     "load_slot",
     "state_copy_commit",
@@ -144,19 +143,6 @@ def step_state_args(s_src, s_dst, inner, src_lead, dst_lead, state_indices, batc
         s_dst.stride(1) if (s_dst is not None and dst_lead > 1) else 0,
     )
     return strides + tuple(h.stride(0) if h is not None else 0 for h in (hist or (None, None, None)))
-
-
-def token_major(t: torch.Tensor) -> torch.Tensor:
-    """``t [B, T, ...]`` as the step kernels read an input: in place when each token's entries are
-    contiguous (any batch / token strides: e.g. a slice of a projection's or the conv's output),
-    else a contiguous copy."""
-    inner = t.shape[2:]
-    want = [1] * len(inner)
-    for i in range(len(inner) - 2, -1, -1):
-        want[i] = want[i + 1] * inner[i + 1]
-    if all(t.stride(2 + i) == want[i] for i in range(len(inner)) if inner[i] > 1):
-        return t
-    return t.contiguous()
 
 
 def check_history(want: dict) -> None:

@@ -23,8 +23,8 @@ __all__ = ["Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
 def _gdn_inputs(q, k, v, b, a, A_log, dt_bias, rep: int):
     """The recurrence's fp32 inputs from the conv outputs and the raw b/a projections, as
     transformers computes them (element-wise; fused on the CUDA-graph path). The torch backend's
-    path and the reference of the Triton backend's, whose step kernels form them themselves
-    (:mod:`specdec.kernels.gdn.triton_inputs`)."""
+    path and the reference of :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, which
+    the Triton backend runs instead."""
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     if rep > 1:
@@ -51,17 +51,14 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     q = q.reshape(B, t, -1, mixer.head_k_dim)
     k = k.reshape(B, t, -1, mixer.head_k_dim)
     v = v.reshape(B, t, -1, mixer.head_v_dim)
-    if layer.op.backend == "triton" and not torch.compiler.is_compiling():
-        # the step kernel reads q, k, v where the conv wrote them and forms the L2 norms, g and beta
-        # itself from a, b, A_log and dt_bias (the raw form of specdec.kernels.GDNOp): the recurrence
-        # is the step's one launch after the conv
-        inputs = {"q": q, "k": k, "v": v, "a": a, "b": b}
-        params = {"A_log": mixer.A_log, "dt_bias": mixer.dt_bias, "y_dtype": mixed_qkv.dtype}
+    if layer.op.backend == "triton" and not torch.compiler.is_compiling():  # one launch for the five outputs
+        from ..kernels.gdn.triton_inputs import gdn_step_inputs
+
+        q, k, v, g, beta = gdn_step_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias)
     else:
         q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias,
                                        mixer.num_v_heads // mixer.num_k_heads)
-        inputs, params = {"q": q, "k": k, "v": v, "g": g, "beta": beta}, {"y_dtype": mixed_qkv.dtype}
-    o = layer.ssm(inputs, params)  # y in the model's dtype (no cast after)
+    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {"y_dtype": mixed_qkv.dtype})  # (no cast after)
     o = o.reshape(-1, mixer.head_v_dim)
     o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
     return mixer.out_proj(o)

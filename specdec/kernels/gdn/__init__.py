@@ -19,14 +19,7 @@ class GDNOp(SSMOp):
     """Gated DeltaNet: inputs ``q, k [B,T,H,K]`` (normalised; q scaled), ``v [B,T,H,V]``,
     ``g, beta [B,T,H]``; params: optional ``y_dtype`` (a ``torch.dtype``: y comes in it, rounded
     from fp32; default fp32); state ``[H, K, V]``; replay caches ``k, g`` and the corrected value
-    ``u [B,T,H,V]``.
-
-    The Triton kernels (:class:`~specdec.kernels.gdn.triton_step.DeltaRuleKernels`) also take a
-    layer's raw inputs, forming the above themselves (one launch for a GDN step): with params
-    ``A_log, dt_bias [H]``, inputs ``q, k [B,T,Hk,K]`` as the conv wrote them (``H`` a multiple of
-    ``Hk``), ``v``, and the projections ``a, b [B,T,H]`` in place of ``g, beta``
-    (:mod:`specdec.kernels.gdn.triton_inputs`; the torch reference takes the formed inputs,
-    :func:`specdec.models.gdn._gdn_inputs` forms them)."""
+    ``u [B,T,H,V]``."""
 
     name = "gdn"
     replay_keys = ("k", "g", "u")
@@ -40,9 +33,6 @@ class GDNOp(SSMOp):
         return self._run(state, inputs, params, return_states, parents)
 
     def _run(self, state, inputs, params, return_states, parents):
-        if params.get("A_log") is not None:
-            raise ValueError(f"the {self.name} op's torch reference takes the formed inputs q, k, v, g, beta; the "
-                             "raw ones (A_log, dt_bias, a, b) are for its Triton kernels")
         y, states, u = self._verify(
             state, inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], return_states, parents
         )
@@ -55,10 +45,9 @@ class GDNOp(SSMOp):
 
     def replay_spec(self, inputs):
         f32 = torch.float32
-        H, K = inputs["v"].shape[2], inputs["k"].shape[3]  # (the raw form's k has the key heads)
         return {
-            "k": ((H, K), f32),
-            "g": (tuple(inputs["g"].shape[2:]) if "g" in inputs else (H,), f32),
+            "k": (tuple(inputs["k"].shape[2:]), f32),
+            "g": (tuple(inputs["g"].shape[2:]), f32),
             "u": (tuple(inputs["v"].shape[2:]), f32),
         }
 

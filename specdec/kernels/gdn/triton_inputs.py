@@ -1,4 +1,4 @@
-"""The Gated DeltaNet recurrence's inputs for one step: their arithmetic as Triton functions, and one launch.
+"""The Gated DeltaNet recurrence's inputs for one step, in one Triton launch.
 
 Between its conv and its recurrence a GDN layer turns the conv's q / k / v and the raw ``b`` /
 ``a`` projections into what the delta rule takes (as transformers' Qwen3.5 / Qwen3-Next decode
@@ -10,15 +10,10 @@ step computes them, :func:`specdec.models.gdn._gdn_inputs` being the torch refer
     v    = v                                           (fp32)
 
 with the key heads repeated to the value heads (value head h reads key head ``h // (Hv / Hk)``).
-:func:`l2norm`, :func:`gdn_decay` and :func:`gdn_beta` are that arithmetic, once: the delta-rule
-step kernels call them to form a token's inputs where they use it (``A_log`` / ``dt_bias`` of
-:func:`specdec.kernels.gdn.triton_step.delta_rule_update` and the strategies' verifies: the
-Triton backend's GDN step is one launch), and :func:`gdn_step_inputs` writes the five tensors in
-one launch of its own (one program per token and value head), for callers that want them in
-memory, and as the two-launch reference the step kernels' raw mode is tested against (the same
-bits under Triton's interpreter; compiled, the norms' sums may be reduced in another order).
-Nothing syncs with the host or allocates inside the launch, so it is safe in CUDA-graph capture
-once compiled.
+Element-wise work on a few kilobytes per token: as separate kernels (even fused by Inductor, five
+per layer) each costs a launch, which dominates at decode sizes. Here one program owns one
+(token, value head) and writes all five outputs. Nothing syncs with the host or allocates inside
+the launch, so it is safe in CUDA-graph capture once compiled.
 """
 
 from __future__ import annotations
@@ -30,28 +25,7 @@ import triton.language as tl
 from ..triton_common import SOFTPLUS_THRESHOLD, has_libdevice, exp_f32, next_pow2, softplus
 from . import L2NORM_EPS
 
-__all__ = ["gdn_step_inputs", "l2norm", "gdn_decay", "gdn_beta"]
-
-
-@triton.jit
-def l2norm(x, eps):
-    """transformers' L2 norm of a 1-D fp32 block (a q or k head; masked lanes 0): ``x * rsqrt(sum(x^2) + eps)``."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
-
-
-@triton.jit
-def gdn_decay(a, b_A, b_dtb, threshold, ACCURATE: tl.constexpr):
-    """A token's log decay ``g = A * softplus(a + dt_bias)`` in fp32 from the raw projection ``a`` (any
-    dtype), ``b_A = -exp(A_log)`` and ``b_dtb = dt_bias`` (fp32); softplus and ``ACCURATE`` as
-    :func:`specdec.kernels.triton_common.softplus`."""
-    return b_A * softplus(a.to(tl.float32) + b_dtb, threshold, ACCURATE)
-
-
-@triton.jit
-def gdn_beta(b):
-    """``sigmoid(b)`` rounded to b's dtype, in fp32: to nearest, as torch's ``b.sigmoid()`` (Triton's
-    interpreter truncates instead, so there a bf16 beta may be one unit lower)."""
-    return tl.sigmoid(b.to(tl.float32)).to(b.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+__all__ = ["gdn_step_inputs"]
 
 
 # T and the batch strides (T * width) change with the step's width: not specialised on, one compile serves all
@@ -75,16 +49,22 @@ def _gdn_inputs_kernel(
     b_q = tl.load(q + i_b * stride_qb + i_t * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + i_b * stride_kb + i_t * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * stride_vb + i_t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_q = l2norm(b_q, eps) * scale
-    b_k = l2norm(b_k, eps)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + eps) * scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + eps)
     out = i_n * HV + i_h
     tl.store(qo + out * DK + o_k, b_q, mask=m_k)
     tl.store(ko + out * DK + o_k, b_k, mask=m_k)
     tl.store(vo + out * DV + o_v, b_v, mask=m_v)
-    tl.store(bo + out, gdn_beta(tl.load(b + i_b * stride_bb + i_t * stride_bt + i_h * stride_bh)))
+    # beta = sigmoid(b), rounded to b's dtype (to nearest, as torch's b.sigmoid(); Triton's interpreter
+    # truncates instead, so there a bf16 beta may be one unit lower)
+    b_b = tl.load(b + i_b * stride_bb + i_t * stride_bt + i_h * stride_bh)
+    tl.store(bo + out, tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype, fp_downcast_rounding="rtne").to(tl.float32))
+    # g = -exp(A_log) * softplus(a + dt_bias)
+    x = tl.load(a + i_b * stride_ab + i_t * stride_at + i_h * stride_ah).to(tl.float32) \
+        + tl.load(dt_bias + i_h).to(tl.float32)
     b_A = -exp_f32(tl.load(A_log + i_h).to(tl.float32), ACCURATE)
-    b_a = tl.load(a + i_b * stride_ab + i_t * stride_at + i_h * stride_ah)
-    tl.store(go + out, gdn_decay(b_a, b_A, tl.load(dt_bias + i_h).to(tl.float32), threshold, ACCURATE))
+    tl.store(go + out, b_A * softplus(x, threshold, ACCURATE))
+
 
 def gdn_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                     A_log: torch.Tensor, dt_bias: torch.Tensor, *, out=None):

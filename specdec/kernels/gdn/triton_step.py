@@ -28,22 +28,10 @@ RING: the slot this program stored for the parent (same tile layout; a ``tl.debu
 between the store and the load), REPLAY: rebuilt in registers from the step's starting state
 along the parent's ancestor chain (see :func:`delta_rule_replay_verify`).
 
-Raw inputs (GDN, ``RAW``; ``A_log`` / ``dt_bias`` of the entry points): the kernel takes a layer's
-``q, k [B, T, Hk, K]`` as the conv wrote them, ``v``, and the projections ``a, b`` in place of
-``g, beta``, and forms each token's inputs where it uses them, with the arithmetic of
-:mod:`specdec.kernels.gdn.triton_inputs` (``q = l2norm(q) K**-0.5``, ``k = l2norm(k)``, ``g =
--exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` rounded to b's dtype; value head h
-reads key head ``h // (H / Hk)``; the key dim is whole in a program, so are the norms): a GDN
-step is one launch, and replay caches the formed k and g as it does given them. Given
-:func:`~specdec.kernels.gdn.triton_inputs.gdn_step_inputs`'s outputs instead, the kernel
-computes the same bits under Triton's interpreter; compiled, the norms' sums of squares may
-be reduced in another order than that kernel's (a last-bit difference of q and k).
-
 Latency: a program requests every input it will need -- the T tokens' ``q, k, v, g, beta``, the
 cached history and the state block -- before its first arithmetic, so it waits for memory once
 rather than once per token (per-token loads issued behind the ``S^T k`` reductions' barriers
-make the verify latency-bound, at 23% of DRAM bandwidth on an H200). Raw inputs are formed at
-their use, not at their load, so the loads stay ahead of all arithmetic.
+make the verify latency-bound, at 23% of DRAM bandwidth on an H200).
 
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
@@ -63,15 +51,12 @@ from ..triton_common import (
     REPLAY,
     RING,
     SNAPSHOT,
-    SOFTPLUS_THRESHOLD,
     KernelSet,
     check_history,
     check_state,
     check_state_indices,
-    exp_f32,
     fold_launch,
     fold_size,
-    has_libdevice,
     load_slot,
     next_pow2,
     num_warps_for,
@@ -81,12 +66,9 @@ from ..triton_common import (
     state_copy_commit,
     step_state_args,
     runtime_tree_loop,
-    token_major,
     tree_table,
     with_common_args,
 )
-from . import L2NORM_EPS
-from .triton_inputs import gdn_beta, gdn_decay, l2norm
 
 __all__ = [
     "delta_rule_update",
@@ -99,37 +81,18 @@ __all__ = [
 ]
 
 @triton.jit
-def _token_inputs(q, k, v, g, beta, j, STRIDE_QT: tl.constexpr, STRIDE_KT: tl.constexpr, STRIDE_VT: tl.constexpr,
-                  STRIDE_GT: tl.constexpr, STRIDE_BT: tl.constexpr, i_h, i_hk, o_k, o_v, m_k, m_v, K: tl.constexpr,
+def _token_inputs(q, k, v, g, beta, i_t, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    # token j's inputs for value head i_h (key head i_hk), as stored (converted or, RAW, formed at use:
-    # _token_update); q .. beta point at the row's token 0. Loads only: a program requests its inputs
-    # before any arithmetic
-    b_q = tl.load(q + j * STRIDE_QT + i_hk * K + o_k, mask=m_k, other=0.0)
-    b_k = tl.load(k + j * STRIDE_KT + i_hk * K + o_k, mask=m_k, other=0.0)
-    b_v = tl.load(v + j * STRIDE_VT + i_h * V + o_v, mask=m_v, other=0.0)
-    b_beta = tl.load(beta + j * STRIDE_BT + i_h)
+    # one token's inputs for head i_h, in their own dtype (converted to fp32 at use)
+    b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(v + (i_t * H + i_h) * V + o_v, mask=m_v, other=0.0)
+    b_beta = tl.load(beta + i_t * H + i_h)
     if PER_CHANNEL:
-        b_g = tl.load(g + j * STRIDE_GT + i_h * K + o_k, mask=m_k, other=0.0)
+        b_g = tl.load(g + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0)
     else:
-        b_g = tl.load(g + j * STRIDE_GT + i_h)
+        b_g = tl.load(g + i_t * H + i_h)
     return b_q, b_k, b_v, b_g, b_beta
-
-
-@triton.jit
-def _formed_k(a_k, eps, RAW: tl.constexpr):
-    # a token's key in fp32: as given, or (RAW: the conv's) L2-normalised
-    if RAW:
-        return l2norm(a_k.to(tl.float32), eps)
-    return a_k.to(tl.float32)
-
-
-@triton.jit
-def _formed_g(a_g, b_A, b_dtb, threshold, RAW: tl.constexpr, ACCURATE: tl.constexpr):
-    # a token's log decay in fp32: as given, or (RAW: the projection a) -exp(A_log) * softplus(a + dt_bias)
-    if RAW:
-        return gdn_decay(a_g, b_A, b_dtb, threshold, ACCURATE)
-    return a_g.to(tl.float32)
 
 
 @triton.jit
@@ -193,16 +156,15 @@ def _fold_cached(b_s, h_k, h_g, h_u, base, cnt, i_h, o_k, o_v, m_k, m_v, H: tl.c
 
 
 @triton.jit
-def _tree_parent_state(b_s, b_s0, j, tree, k, g, STRIDE_KT: tl.constexpr, STRIDE_GT: tl.constexpr, b_A, b_dtb, eps,
-                       threshold, p_s0, s_dst, p_hu, i_n, i_h, i_hk, i_head, pos0, R, stride_dst_n, stride_dst_t, o_k,
-                       o_v, o_kv, m_k, m_v, m_kv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       MODE: tl.constexpr, PER_CHANNEL: tl.constexpr, META_W: tl.constexpr,
-                       RUNTIME_LOOP: tl.constexpr, RAW: tl.constexpr, ACCURATE: tl.constexpr):
+def _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head, pos0, R, stride_dst_n,
+                       stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T: tl.constexpr, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       META_W: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
     # the state tree node j starts from: the registers (b_s) when its parent is node j - 1 (a
     # chain, no memory traffic), else the parent's state, which this very program stored (same
     # tile, same layout) or, for replay, rebuilt from the step's starting state b_s0 along the
-    # parent's ancestor chain (rank-1 updates: k, g from the step's inputs, formed again as the
-    # token's update formed them; u from the history this program appended -- exact for an fp32 history)
+    # parent's ancestor chain (rank-1 updates: k, g from the step's inputs, u from the history
+    # this program appended -- exact for an fp32 history)
     i_par = tl.load(tree + j * META_W).to(tl.int64)
     if i_par != j - 1:
         if MODE == SNAPSHOT:
@@ -225,53 +187,45 @@ def _tree_parent_state(b_s, b_s0, j, tree, k, g, STRIDE_KT: tl.constexpr, STRIDE
             if RUNTIME_LOOP:
                 for i_a in range(META_W - 2):  # a loop at run time (range, not static_range)
                     if i_a < n_anc:
-                        b_s = _ancestor_update(b_s, tree, k, g, STRIDE_KT, STRIDE_GT, b_A, b_dtb, eps, threshold,
-                                               p_hu, j, i_a, i_h, i_hk, pos0, o_k, o_v, m_k, m_v, H, K, V,
-                                               PER_CHANNEL, META_W, RAW, ACCURATE)
+                        b_s = _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T,
+                                               H, K, V, PER_CHANNEL, META_W)
             else:
                 for i_a in tl.static_range(META_W - 2):  # unrolled to the tree's depth
                     if i_a < n_anc:
-                        b_s = _ancestor_update(b_s, tree, k, g, STRIDE_KT, STRIDE_GT, b_A, b_dtb, eps, threshold,
-                                               p_hu, j, i_a, i_h, i_hk, pos0, o_k, o_v, m_k, m_v, H, K, V,
-                                               PER_CHANNEL, META_W, RAW, ACCURATE)
+                        b_s = _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T,
+                                               H, K, V, PER_CHANNEL, META_W)
     return b_s
 
 
 @triton.jit
-def _ancestor_update(b_s, tree, k, g, STRIDE_KT: tl.constexpr, STRIDE_GT: tl.constexpr, b_A, b_dtb, eps, threshold,
-                     p_hu, j, i_a, i_h, i_hk, pos0, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, PER_CHANNEL: tl.constexpr, META_W: tl.constexpr, RAW: tl.constexpr,
-                     ACCURATE: tl.constexpr):
+def _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_k, m_v, T: tl.constexpr,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     META_W: tl.constexpr):
     # replay's rebuild of a parent state: apply ancestor i_a of node j (the tree table lists them root first)
     a_t = tl.load(tree + j * META_W + 2 + i_a).to(tl.int64)
-    r_k = _formed_k(tl.load(k + a_t * STRIDE_KT + i_hk * K + o_k, mask=m_k, other=0.0), eps, RAW)
+    r_k = tl.load(k + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
     r_u = tl.load(p_hu + (pos0 + a_t) * H * V + i_h * V + o_v, mask=m_v, other=0.0)
     if PER_CHANNEL:
-        r_g = tl.load(g + a_t * STRIDE_GT + i_h * K + o_k, mask=m_k, other=0.0)
+        r_g = tl.load(g + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(r_g.to(tl.float32))[:, None]
     else:
-        r_g = _formed_g(tl.load(g + a_t * STRIDE_GT + i_h), b_A, b_dtb, threshold, RAW, ACCURATE)
-        b_s = b_s * tl.exp(r_g)
-    return b_s + r_k[:, None] * r_u.to(tl.float32)[None, :]
+        r_g = tl.load(g + (i_b * T + a_t) * H + i_h)
+        b_s = b_s * tl.exp(r_g.to(tl.float32))
+    return b_s + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
 
 
 @triton.jit
-def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, b_A, b_dtb, scale, eps, threshold, j, o, s_dst, h_k, h_g, h_u, p_hk,
-                  p_hg, p_hu, i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv,
-                  m_k, m_v, m_kv, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  MODE: tl.constexpr, PER_CHANNEL: tl.constexpr, RAW: tl.constexpr, ACCURATE: tl.constexpr):
+def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h,
+                  i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv,
+                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
     # token j of the call: the delta-rule update of the state block, its output, and the per-token
-    # write of the strategy (SNAPSHOT / RING: the state; REPLAY: the token's k, g and u). RAW: the
-    # token's q, k, g, beta are formed here from the conv's q, k and the projections a, b
-    if RAW:
-        b_q = l2norm(a_q.to(tl.float32), eps) * scale
-        b_beta = gdn_beta(a_b)
-    else:
-        b_q = a_q.to(tl.float32)
-        b_beta = a_b.to(tl.float32)
-    b_k = _formed_k(a_k, eps, RAW)
+    # write of the strategy (SNAPSHOT / RING: the state; REPLAY: the token's k, g and u)
+    b_q = a_q.to(tl.float32)
+    b_k = a_k.to(tl.float32)
     b_v = a_v.to(tl.float32)
-    b_g = _formed_g(a_g, b_A, b_dtb, threshold, RAW, ACCURATE)
+    b_g = a_g.to(tl.float32)
+    b_beta = a_b.to(tl.float32)
     if PER_CHANNEL:
         b_s = b_s * tl.exp(b_g)[:, None]
     else:
@@ -288,27 +242,23 @@ def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, b_A, b_dtb, scale, eps, threshol
     elif MODE == REPLAY:
         pos = pos0 + j
         tl.store(p_hu + pos * H * V + i_h * V + o_v, b_u.to(h_u.dtype.element_ty), mask=m_v)
-        if i_v == 0:  # k and g are shared by every value block: one program writes them (as formed, RAW)
-            if RAW:
-                tl.store(p_hk + pos * H * K + i_h * K + o_k, b_k.to(h_k.dtype.element_ty), mask=m_k)
-                tl.store(p_hg + pos * H + i_h, b_g.to(h_g.dtype.element_ty))
+        if i_v == 0:  # k and g are shared by every value block: one program writes them
+            tl.store(p_hk + pos * H * K + i_h * K + o_k, a_k.to(h_k.dtype.element_ty), mask=m_k)
+            if PER_CHANNEL:
+                tl.store(p_hg + pos * H * K + i_h * K + o_k, a_g.to(h_g.dtype.element_ty), mask=m_k)
             else:
-                tl.store(p_hk + pos * H * K + i_h * K + o_k, a_k.to(h_k.dtype.element_ty), mask=m_k)
-                if PER_CHANNEL:
-                    tl.store(p_hg + pos * H * K + i_h * K + o_k, a_g.to(h_g.dtype.element_ty), mask=m_k)
-                else:
-                    tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty))
+                tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty))
     return b_s
 
 
 @triton.jit
 def _delta_rule_step_kernel(
-    q,  # [B, T, H, K]; RAW: the conv's [B, T, Hk, K] (Hk = H / REP key heads); each token's heads contiguous
-    k,  # as q
-    v,  # [B, T, H, V], each token's heads contiguous (the inputs' token strides: STRIDE_*T below)
-    g,  # [B, T, H] or [B, T, H, K] log decay; RAW: the projection a [B, T, H]
-    beta,  # [B, T, H]; RAW: the projection b
-    o,  # [B, T, H, V] output (contiguous)
+    q,  # [B, T, H, K]
+    k,  # [B, T, H, K]
+    v,  # [B, T, H, V]
+    g,  # [B, T, H] or [B, T, H, K]
+    beta,  # [B, T, H]
+    o,  # [B, T, H, V] output
     s_src,  # source state: [N, H, K, V] (or a ring [N, R, H, K, V]); REPLAY: the checkpoint
     s_dst,  # destination: state (OVERWRITE), buf [N, T_max, ...] (SNAPSHOT) or the ring
     head,  # [N] ring heads (RING)
@@ -318,13 +268,8 @@ def _delta_rule_step_kernel(
     h_g,  # [N, L, H] or [N, L, H, K]
     h_u,  # [N, L, H, V]
     tree,  # [T, META_W] int32 per-token tree table (TREE; specdec.kernels.tree_index.tree_meta)
-    A_log,  # [H] (RAW)
-    dt_bias,  # [H] (RAW)
     offset,
     R,
-    scale,  # RAW: q's scale after its L2 norm (K ** -0.5)
-    eps,  # RAW: the L2 norm's epsilon
-    threshold,  # RAW: softplus's
     stride_src_n,
     stride_src_t,
     stride_dst_n,
@@ -338,14 +283,6 @@ def _delta_rule_step_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    # the token strides of q, k, v, g, beta (token j of row b at (b * T + j) * stride): compile-time (a
-    # model's are fixed), so the loads take immediate offsets (runtime row strides cost fused replay
-    # 36 registers at sm_90)
-    STRIDE_QT: tl.constexpr,
-    STRIDE_KT: tl.constexpr,
-    STRIDE_VT: tl.constexpr,
-    STRIDE_GT: tl.constexpr,
-    STRIDE_BT: tl.constexpr,
     MODE: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
@@ -359,9 +296,6 @@ def _delta_rule_step_kernel(
     TREE: tl.constexpr,  # the T tokens are a tree (offset 0): token j starts from its parent's state
     META_W: tl.constexpr,  # TREE: columns of the tree table
     TREE_LOOP: tl.constexpr,  # TREE: walk the nodes in a loop at run time (large trees; triton_common.runtime_tree_loop)
-    RAW: tl.constexpr,  # GDN's raw inputs: each token's q, k, g, beta formed here (module docstring)
-    REP: tl.constexpr,  # value heads per key head (RAW; else 1): value head h reads key head h // REP
-    ACCURATE: tl.constexpr,  # RAW: the exps as triton_common.exp_f32's
 ):
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -370,12 +304,6 @@ def _delta_rule_step_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     o_kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one state
-    i_hk = i_h // REP  # the key head (q, k) of value head i_h
-    q += i_b * (T * STRIDE_QT)  # the row's token 0 (RAW: the inputs are read where they are, slices of the conv output)
-    k += i_b * (T * STRIDE_KT)
-    v += i_b * (T * STRIDE_VT)
-    g += i_b * (T * STRIDE_GT)
-    beta += i_b * (T * STRIDE_BT)
 
     # the first PREFETCH tokens' inputs are requested before anything else (they depend on no
     # load), so they travel together with the state block: one memory round trip, not one per token
@@ -386,19 +314,13 @@ def _delta_rule_step_kernel(
     tb = ()
     for j in tl.static_range(PREFETCH):
         if j < T:
-            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, j, STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_GT,
-                                                    STRIDE_BT, i_h, i_hk, o_k, o_v, m_k, m_v, K, V, PER_CHANNEL)
+            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                                    PER_CHANNEL)
             tq = tq + (a_q,)
             tk = tk + (a_k,)
             tv = tv + (a_v,)
             tg = tg + (a_g,)
             tb = tb + (a_b,)
-
-    b_A = eps * 0.0  # RAW: the head's decay rate -exp(A_log) and dt_bias, fp32
-    b_dtb = eps * 0.0
-    if RAW:
-        b_A = -exp_f32(tl.load(A_log + i_h).to(tl.float32), ACCURATE)
-        b_dtb = tl.load(dt_bias + i_h).to(tl.float32)
 
     i_n = load_slot(state_indices, i_b, USE_STATE_INDICES)
     if USE_STATE_INDICES:
@@ -449,36 +371,32 @@ def _delta_rule_step_kernel(
 
     if TREE_LOOP:  # a large tree: one node loop at run time (no unrolling, no input lookahead)
         for j in range(T):
-            b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, STRIDE_KT, STRIDE_GT, b_A, b_dtb, eps, threshold, p_s0,
-                                     s_dst, p_hu, i_n, i_h, i_hk, i_head, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v,
-                                     o_kv, m_k, m_v, m_kv, H, K, V, MODE, PER_CHANNEL, META_W, True, RAW, ACCURATE)
-            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, j, STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_GT,
-                                                    STRIDE_BT, i_h, i_hk, o_k, o_v, m_k, m_v, K, V, PER_CHANNEL)
-            b_s = _token_update(b_s, a_q, a_k, a_v, a_g, a_b, b_A, b_dtb, scale, eps, threshold, j, o, s_dst, h_k, h_g,
-                                h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n,
-                                stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL, RAW,
-                                ACCURATE)
+            b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head, pos0, R,
+                                     stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE,
+                                     PER_CHANNEL, META_W, True)
+            a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j, i_h, o_k, o_v, m_k, m_v, H, K, V,
+                                                    PER_CHANNEL)
+            b_s = _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b,
+                                i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k,
+                                m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
     else:
         for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
             if TREE:
                 if j > 0:
-                    b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, STRIDE_KT, STRIDE_GT, b_A, b_dtb, eps,
-                                             threshold, p_s0, s_dst, p_hu, i_n, i_h, i_hk, i_head, pos0, R,
-                                             stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H, K, V, MODE,
-                                             PER_CHANNEL, META_W, False, RAW, ACCURATE)
+                    b_s = _tree_parent_state(b_s, b_s0, j, tree, k, g, p_s0, s_dst, p_hu, i_n, i_b, i_h, i_head,
+                                             pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T,
+                                             H, K, V, MODE, PER_CHANNEL, META_W, False)
             if j + PREFETCH < T:
-                a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, j + PREFETCH, STRIDE_QT, STRIDE_KT,
-                                                        STRIDE_VT, STRIDE_GT, STRIDE_BT, i_h, i_hk, o_k, o_v, m_k,
-                                                        m_v, K, V, PER_CHANNEL)
+                a_q, a_k, a_v, a_g, a_b = _token_inputs(q, k, v, g, beta, i_b * T + j + PREFETCH, i_h, o_k, o_v, m_k,
+                                                        m_v, H, K, V, PER_CHANNEL)
                 tq = tq + (a_q,)
                 tk = tk + (a_k,)
                 tv = tv + (a_v,)
                 tg = tg + (a_g,)
                 tb = tb + (a_b,)
-            b_s = _token_update(b_s, tq[j], tk[j], tv[j], tg[j], tb[j], b_A, b_dtb, scale, eps, threshold, j, o, s_dst,
-                                h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h, i_head, offset, pos0, R,
-                                stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE,
-                                PER_CHANNEL, RAW, ACCURATE)
+            b_s = _token_update(b_s, tq[j], tk[j], tv[j], tg[j], tb[j], j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu,
+                                i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v,
+                                o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
@@ -545,12 +463,9 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
     prefetched inputs need (``PREFETCH_TOKENS``), only 2 programs (32 KiB of state) fit an SM
     instead of 4 (64 KiB in flight). Tree steps (``parents=``) take the same blocks: a tree node costs
     a chain token's arithmetic plus, off the chain, one block load of the parent's slot, so the
-    same latency / occupancy trade-off holds (16-node tree at sm_90: 118 registers for snapshot,
-    128 for fused replay, 156 for fused replay forming a GDN layer's raw inputs; no spills). A chain
-    step on raw inputs takes the same blocks as on formed ones (K = 4, the plain update: 128
-    registers against 118, fused replay's first call 168 against 128, at 2 warps; no spills).
-    (sm_90 register counts: ``python benchmarks/triton_sm90_compile.py``; timings of the
-    alternatives: ``benchmarks/sweep_rollback_configs.py``.)
+    same latency / occupancy trade-off holds (16-node tree at sm_90: 127 registers for snapshot,
+    168 for fused replay, no spills). (sm_90 register counts: ``python benchmarks/triton_sm90_compile.py``;
+    timings of the alternatives: ``benchmarks/sweep_rollback_configs.py``.)
 
     Chains (not trees) take other blocks, from that sweep on an H200 (batch 1-256, K = 4): BV = 16 with 2 warps (twice the
     programs, each a 128 x 16 block) for the plain update and replay of GDN and KDA (3-12%
@@ -581,50 +496,23 @@ def _launch_config(batch: int, H: int, K: int, V: int, block_v: int | None = Non
 PREFETCH_TOKENS = 5
 
 
-def _prepare(q, k, v, g, beta, out, A_log=None, dt_bias=None):
-    raw = A_log is not None or dt_bias is not None
-    if raw and (A_log is None or dt_bias is None):
-        raise ValueError("GDN's raw inputs need both A_log and dt_bias")
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2] \
-            or (not raw and v.shape[2] != q.shape[2]):
+def _prepare(q, k, v, g, beta, out):
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
-            f"expected q, k [B, T, {'Hk' if raw else 'H'}, K] and v [B, T, H, V]; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
+            f"expected q, k [B, T, H, K] and v [B, T, H, V]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    B, T, Hk, K = q.shape
-    H, V = v.shape[2:]
-    if raw:
-        if Hk == 0 or H % Hk:
-            raise ValueError(f"value heads ({H}) must be a multiple of key heads ({Hk})")
-        if g.shape != (B, T, H) or beta.shape != (B, T, H) or A_log.shape != (H,) or dt_bias.shape != (H,):
-            raise ValueError(f"expected the projections a, b [B, T, H] = {[B, T, H]} and A_log, dt_bias [H]; got "
-                             f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
-    elif g.shape not in ((B, T, H), (B, T, H, K)):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if g.shape not in ((B, T, H), (B, T, H, K)):
         raise ValueError(f"g must be [B, T, H] (GDN) or [B, T, H, K] (KDA), got {tuple(g.shape)}")
-    elif beta.shape != (B, T, H):
+    if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H], got {tuple(beta.shape)}")
     if out is None:
         out = torch.empty(B, T, H, V, dtype=torch.float32, device=q.device)
     elif out.shape != (B, T, H, V) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [B, T, H, V] tensor, got {tuple(out.shape)}")
-    (q, st_q), (k, st_k), (v, st_v), (g, st_g), (beta, st_b) = (_token_rows(t) for t in (q, k, v, g, beta))
-    if raw:
-        A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    return q, k, v, g, beta, A_log, dt_bias, out, (B, T, H, K, V, H // max(Hk, 1)), (st_q, st_k, st_v, st_g, st_b), \
-        g.dim() == 4
-
-
-def _token_rows(t: torch.Tensor):
-    """``(t, stride)`` of an input ``t [B, T, ...]`` as the step kernel reads it: token j of row b at
-    ``(b * T + j) * stride``, each token's entries contiguous. In place where ``t`` is laid out so (e.g. slices
-    of the conv output), else a contiguous copy."""
-    t = token_major(t)
-    B, T = t.shape[:2]
-    stride = t.stride(1) if T > 1 else t.stride(0)
-    if (B > 1 and t.stride(0) != T * stride) or (T > 1 and t.stride(1) != stride):
-        t = t.contiguous()
-        stride = t.stride(1) if T > 1 else t.stride(0)
-    return t, stride
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    return q, k, v, g, beta, out, (B, T, H, K, V), g.dim() == 4
 
 
 def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
@@ -638,10 +526,8 @@ def _check_hist(hist_k, hist_g, hist_u, H, K, V, per_channel):
 
 def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=None, hist_len=None, fused=False,
           state_indices=None, out=None, block_v=None, num_warps=None, prefetch=None, src_lead=1, dst_lead=1,
-          parents=None, tree_loop=None, fold_max=None, A_log=None, dt_bias=None):
-    q, k, v, g, beta, A_log, dt_bias, out, (B, T, H, K, V, rep), (st_q, st_k, st_v, st_g, st_b), per_channel = \
-        _prepare(q, k, v, g, beta, out, A_log, dt_bias)
-    raw = A_log is not None
+          parents=None, tree_loop=None, fold_max=None):
+    q, k, v, g, beta, out, (B, T, H, K, V), per_channel = _prepare(q, k, v, g, beta, out)
     tree = tree_table(parents, T, offset, q.device)
     tree_loop = runtime_tree_loop(tree, T, tree_loop)
     h_k = h_g = h_u = None
@@ -663,17 +549,14 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
     _delta_rule_step_kernel[grid](
         q, k, v, g, beta, out,
         s_src, s_dst if s_dst is not None else s_src, head, hist_len, state_indices,
-        h_k, h_g, h_u, tree, A_log, dt_bias,
+        h_k, h_g, h_u, tree,
         offset, R,
-        K ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
         *strides,
-        T=T, H=H, K=K, V=V, BK=BK, BV=BV, STRIDE_QT=st_q, STRIDE_KT=st_k, STRIDE_VT=st_v, STRIDE_GT=st_g,
-        STRIDE_BT=st_b, MODE=mode.value, PER_CHANNEL=per_channel,
+        T=T, H=H, K=K, V=V, BK=BK, BV=BV, MODE=mode.value, PER_CHANNEL=per_channel,
         USE_STATE_INDICES=state_indices is not None,
         FUSED=bool(fused), FIRST=first, HALF=half, FOLD_N=fold_n, FOLD_LA=fold_la, FOLD_MASKED=fold_masked,
         PREFETCH=0 if tree_loop else min(T, PREFETCH_TOKENS) if prefetch is None else max(0, min(int(prefetch), T)),
         TREE=tree is not None, META_W=1 if tree is None else tree.shape[1], TREE_LOOP=tree_loop,
-        RAW=raw, REP=rep if raw else 1, ACCURATE=raw and has_libdevice(q.device),
         num_warps=num_warps,
     )
     return out
@@ -682,14 +565,7 @@ def _step(mode, s_src, s_dst, q, k, v, g, beta, *, offset=0, head=None, hist=Non
 _COMMON_ARGS = """
         q, k: ``[B, T, H, K]`` (q L2-normalised and scaled by ``K**-0.5``, k L2-normalised),
             fp32/bf16/fp16; v: ``[B, T, H, V]``; g: ``[B, T, H]`` (GDN) or ``[B, T, H, K]`` (KDA)
-            log decay (<= 0); beta: ``[B, T, H]`` in (0, 1). Read in place when each token's
-            entries are contiguous and token j of row b sits at ``(b * T + j)`` times a token
-            stride (e.g. slices of the conv output), else copied.
-        A_log, dt_bias: ``[H]`` (any float dtype), both or neither: given, the inputs are a GDN
-            layer's raw ones and the kernel forms the above from them (module docstring): q, k
-            ``[B, T, Hk, K]`` as the conv wrote them (``H`` a multiple of ``Hk``), v, and in g's
-            and beta's places the projections ``a`` and ``b`` ``[B, T, H]``; replay caches the
-            formed k and g.
+            log decay (<= 0); beta: ``[B, T, H]`` in (0, 1).
         state_indices: ``[B]`` int32/int64 state slot of each row; a negative id (padding,
             ``PAD_SLOT_ID = -1``) skips the row: its state and its outputs are not touched.
             None means row b uses slot b.
@@ -702,25 +578,23 @@ _COMMON_ARGS = """
         ``o [B, T, H, V]`` fp32 (or ``out``'s dtype).
 
     Raises:
-        ValueError: on inconsistent shapes (raw inputs: A_log without dt_bias or the reverse, value
-            heads not a multiple of key heads), non-fp32 states, or states not contiguous per row.
+        ValueError: on inconsistent shapes, non-fp32 states, or states not contiguous per row.
 """
 
 
 @with_common_args(_COMMON_ARGS)
-def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, A_log=None, dt_bias=None, **tune):
+def delta_rule_update(state, q, k, v, g, beta, state_indices=None, *, out=None, **tune):
     """Plain multi-token update with no rollback: run T tokens and overwrite ``state`` with s^(T).
 
     Args:
         state: ``[N, H, K, V]`` fp32, updated in place.
     """
-    return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, A_log=A_log,
-                 dt_bias=dt_bias, **tune)
+    return _step(OVERWRITE, state, state, q, k, v, g, beta, state_indices=state_indices, out=out, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
-                               A_log=None, dt_bias=None, **tune):
+                               **tune):
     """Snapshot verify: run T tokens from ``live`` (offset 0) or ``buf[:, offset-1]``; write every state.
 
     Args:
@@ -737,12 +611,12 @@ def delta_rule_snapshot_verify(live, buf, q, k, v, g, beta, offset=0, state_indi
         raise ValueError(f"snapshot buffer holds {buf.shape[1]} states; got offset {offset} + {q.shape[1]} tokens")
     src, src_lead = (live, 1) if offset == 0 else (buf[:, offset - 1], 1)
     return _step(SNAPSHOT, src, buf, q, k, v, g, beta, offset=offset, state_indices=state_indices, out=out,
-                 src_lead=src_lead, dst_lead=2, parents=parents, A_log=A_log, dt_bias=dt_bias, **tune)
+                 src_lead=src_lead, dst_lead=2, parents=parents, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices=None, *, parents=None, out=None,
-                           A_log=None, dt_bias=None, **tune):
+                           **tune):
     """Ring verify: start at slot ``(head+offset) % R``; write s^(offset+1+j) to slot ``(head+offset+1+j) % R``.
 
     Args:
@@ -758,13 +632,12 @@ def delta_rule_ring_verify(ring, head, q, k, v, g, beta, offset=0, state_indices
     if offset + q.shape[1] >= ring.shape[1]:
         raise ValueError(f"ring of {ring.shape[1]} slots cannot hold offset {offset} + {q.shape[1]} step states")
     return _step(RING, ring, ring, q, k, v, g, beta, offset=offset, head=head, state_indices=state_indices,
-                 out=out, src_lead=2, dst_lead=2, parents=parents, A_log=A_log, dt_bias=dt_bias, **tune)
+                 out=out, src_lead=2, dst_lead=2, parents=parents, **tune)
 
 
 @with_common_args(_COMMON_ARGS)
 def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g, beta, offset=0, state_indices=None,
-                             *, fused=False, parents=None, out=None, fold_max=None, A_log=None, dt_bias=None,
-                             **tune):
+                             *, fused=False, parents=None, out=None, fold_max=None, **tune):
     """Replay verify: outputs from the checkpoint and the cached history; writes no step state.
 
     Both protocols start from the committed state ``ckpt[n]`` advanced by the first
@@ -807,7 +680,7 @@ def delta_rule_replay_verify(ckpt, hist_k, hist_g, hist_u, hist_len, q, k, v, g,
     """
     return _step(REPLAY, ckpt, None, q, k, v, g, beta, offset=offset, hist=(hist_k, hist_g, hist_u),
                  hist_len=hist_len, fused=fused, state_indices=state_indices, out=out, parents=parents,
-                 fold_max=fold_max, A_log=A_log, dt_bias=dt_bias, **tune)
+                 fold_max=fold_max, **tune)
 
 
 def delta_rule_replay_commit(hist_k, hist_g, hist_u, hist_len, num_tokens, state_indices=None, max_tokens=None):
@@ -860,15 +733,12 @@ class DeltaRuleKernels(KernelSet):
     """The ``op.kernels`` of the GDN / KDA ops: :class:`specdec.kernels.protocol.RollbackKernels`
     over this module's entry points, with the launch settings of ``launch``.
 
-    ``inputs``: ``q, k, v, g, beta`` (:class:`specdec.kernels.GDNOp`), or GDN's raw form ``q, k
-    [B, T, Hk, K]`` (the conv's), ``v``, ``a, b [B, T, H]`` (the projections) when ``params`` hold
-    ``A_log`` and ``dt_bias`` (the kernels form the step's inputs: ``A_log`` / ``dt_bias`` of
-    :func:`delta_rule_update`); ``params``: those, and an optional ``y_dtype`` (:meth:`KernelSet.output
+    ``params``: optional ``y_dtype`` (:meth:`KernelSet.output
     <specdec.kernels.triton_common.KernelSet.output>`).
 
     Args:
-        per_channel: False for GDN (``g [B, T, H]``), True for KDA (``g [B, T, H, K]``, no raw
-            form); a gate of the other shape raises ValueError.
+        per_channel: False for GDN (``g [B, T, H]``), True for KDA (``g [B, T, H, K]``); a gate
+            of the other shape raises ValueError.
         launch: overrides of the hand-picked launch settings (``block`` is BV).
     """
 
@@ -876,11 +746,7 @@ class DeltaRuleKernels(KernelSet):
         self.per_channel = bool(per_channel)
         self.launch = launch
 
-    def _unpack(self, inputs, params):
-        if params.get("A_log") is not None:  # GDN's raw form: a and b in the gate's and beta's places
-            if self.per_channel:
-                raise ValueError("KDA's kernels take the formed inputs q, k, v, g, beta (no A_log)")
-            return inputs["q"], inputs["k"], inputs["v"], inputs["a"], inputs["b"]
+    def _unpack(self, inputs):
         g = inputs["g"]
         if (g.dim() == 4) != self.per_channel:
             want = "[B, T, H, K] (KDA)" if self.per_channel else "[B, T, H] (GDN)"
@@ -888,35 +754,32 @@ class DeltaRuleKernels(KernelSet):
         return inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"]
 
     def _call(self, inputs, params, out):
-        """A call's keywords: its output (:meth:`KernelSet.output`), the raw form's ``A_log`` and
-        ``dt_bias``, and the launch settings."""
+        """A call's keywords: its output (:meth:`KernelSet.output`) and the launch settings."""
         c = self.launch
-        return dict(out=self.output(out, inputs["v"], params), A_log=params.get("A_log"),
-                    dt_bias=params.get("dt_bias"), block_v=c.block, num_warps=c.num_warps, prefetch=c.prefetch,
-                    tree_loop=c.tree_loop)
+        return dict(out=self.output(out, inputs["v"], params), block_v=c.block, num_warps=c.num_warps,
+                    prefetch=c.prefetch, tree_loop=c.tree_loop)
 
     def update(self, state, inputs, params, *, state_indices=None, out=None):
-        return delta_rule_update(state, *self._unpack(inputs, params), state_indices,
-                                 **self._call(inputs, params, out))
+        return delta_rule_update(state, *self._unpack(inputs), state_indices, **self._call(inputs, params, out))
 
     def snapshot_verify(self, live, buf, inputs, params, offset, *, state_indices=None, parents=None, out=None):
-        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs, params), offset, state_indices,
-                                          parents=parents, **self._call(inputs, params, out))
+        return delta_rule_snapshot_verify(live, buf, *self._unpack(inputs), offset, state_indices, parents=parents,
+                                          **self._call(inputs, params, out))
 
     def snapshot_commit(self, live, buf, num_tokens, *, state_indices=None):
         state_copy_commit(live, buf, num_tokens, state_indices)
 
     def ring_verify(self, ring, head, inputs, params, offset, *, state_indices=None, parents=None, out=None):
-        return delta_rule_ring_verify(ring, head, *self._unpack(inputs, params), offset, state_indices,
-                                      parents=parents, **self._call(inputs, params, out))
+        return delta_rule_ring_verify(ring, head, *self._unpack(inputs), offset, state_indices, parents=parents,
+                                      **self._call(inputs, params, out))
 
     def ring_commit(self, head, num_tokens, ring_size, *, state_indices=None):
         ring_commit(head, num_tokens, ring_size, state_indices)
 
     def replay_verify(self, ckpt, hist, hist_len, inputs, params, offset, *, fused=False, state_indices=None,
                       parents=None, out=None, fold_max=None):
-        return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs, params),
-                                        offset, state_indices, fused=fused, parents=parents, fold_max=fold_max,
+        return delta_rule_replay_verify(ckpt, hist["k"], hist["g"], hist["u"], hist_len, *self._unpack(inputs), offset,
+                                        state_indices, fused=fused, parents=parents, fold_max=fold_max,
                                         **self._call(inputs, params, out))
 
     def replay_commit(self, hist, hist_len, num_tokens, *, state_indices=None, max_tokens=None):

@@ -64,7 +64,6 @@ from ..triton_common import (
     softplus,
     state_copy_commit,
     step_state_args,
-    token_major,
     tree_table,
     with_common_args,
 )
@@ -504,6 +503,18 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     return BP, BN, num_warps, max(0, min(int(prefetch), T))
 
 
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, T, ...]`` with each token's entries contiguous (read in place: e.g. a slice of a
+    projection's output), else a contiguous copy."""
+    inner = t.shape[2:]
+    want = [1] * len(inner)
+    for i in range(len(inner) - 2, -1, -1):
+        want[i] = want[i + 1] * inner[i + 1]
+    if all(t.stride(2 + i) == want[i] for i in range(len(inner)) if inner[i] > 1):
+        return t
+    return t.contiguous()
+
+
 def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None, A_log=None):
     if x.dim() != 4 or dt.shape != x.shape[:3] or Bm.dim() != 4 or Cm.shape != Bm.shape or Bm.shape[:2] != x.shape[:2]:
         raise ValueError(
@@ -524,7 +535,7 @@ def _prepare(x, dt, A, Bm, Cm, D, out, dt_bias=None, A_log=None):
         out = torch.empty(Bsz, T, H, P, dtype=torch.float32, device=x.device)
     elif out.shape != (Bsz, T, H, P) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [B, T, H, P] tensor, got {tuple(out.shape)}")
-    x, dt, Bm, Cm = (token_major(t) for t in (x, dt, Bm, Cm))
+    x, dt, Bm, Cm = (_token_major(t) for t in (x, dt, Bm, Cm))
     A, D, dt_bias = (t.contiguous() if t is not None else None for t in (A, D, dt_bias))
     return x, dt, A, Bm, Cm, D, dt_bias, out, (Bsz, T, H, P, G, N)
 
