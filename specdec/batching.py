@@ -189,10 +189,10 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             prompt = prompt.reshape(-1).tolist() if prompt.dim() <= 1 else prompt
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got {type(prompt).__name__}")
-        odd = next((t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
-        if odd is not None or any(isinstance(t, bool) for t in prompt):
+        odd = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if odd:
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
-                            f"holding {type(odd).__name__} {odd!r}")
+                            f"holding {type(odd[0]).__name__} {odd[0]!r}")
         ids, budget = tuple(int(t) for t in prompt), int(budgets[i])
         error = None
         if not ids:
@@ -388,24 +388,26 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value) -> int:
-    """Bytes from an int >= 1 or a string: a number and a unit, e.g. ``"40GiB"``, ``"512 MiB"``,
-    ``"1.5GB"`` (B; kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024; any case).
+def parse_bytes(value, name: str = "memory_budget", least: int = 1) -> int:
+    """Bytes from an int >= ``least`` or a string: a number and a unit, e.g. ``"40GiB"``,
+    ``"512 MiB"``, ``"1.5GB"`` (B; kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of
+    1024; any case). ``name``: the argument's name in the errors.
 
-    Raises: TypeError for another type; ValueError for a string of another form or a value < 1 byte."""
+    Raises: TypeError for another type; ValueError for a string of another form or a value below
+    ``least`` bytes."""
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", value)
         unit = m and _UNITS.get(m.group(2).lower())
         if not unit:
-            raise ValueError(f"memory_budget {value!r}: give bytes as an int or a number with a unit, e.g. '40GiB', "
+            raise ValueError(f"{name} {value!r}: give bytes as an int or a number with a unit, e.g. '40GiB', "
                              "'512MiB', '1.5GB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         nbytes = int(float(m.group(1)) * unit)
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"memory_budget must be bytes (an int) or a string such as '40GiB', got {type(value).__name__}")
+        raise TypeError(f"{name} must be bytes (an int) or a string such as '40GiB', got {type(value).__name__}")
     else:
         nbytes = int(value)
-    if nbytes < 1:
-        raise ValueError(f"memory_budget must be at least 1 byte, got {value!r}")
+    if nbytes < least:
+        raise ValueError(f"{name} must be at least {least} byte{'s' * (least != 1)}, got {value!r}")
     return nbytes
 
 

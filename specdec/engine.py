@@ -169,13 +169,14 @@ def _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes) -> Pref
     Raises: TypeError (``prefix_caching`` not a bool) / as :func:`check_prefix_cache_args`."""
     if not isinstance(prefix_caching, bool):
         raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    given_bytes = prefix_cache_bytes
     if isinstance(prefix_cache_bytes, str):  # a size, as memory_budget takes it ("1GiB")
-        prefix_cache_bytes = parse_bytes(prefix_cache_bytes)
+        prefix_cache_bytes = parse_bytes(prefix_cache_bytes, "prefix_cache_bytes", least=0)
     check_prefix_cache_args(prefix_block_size, prefix_cache_bytes)
     if not prefix_caching:
-        given = [f"{name}={value}" for name, value, default in (
-            ("prefix_block_size", prefix_block_size, PREFIX_BLOCK_SIZE),
-            ("prefix_cache_bytes", prefix_cache_bytes, DEFAULT_PREFIX_CACHE_BYTES)) if value != default]
+        given = [f"{name}={shown!r}" for name, value, shown, default in (
+            ("prefix_block_size", prefix_block_size, prefix_block_size, PREFIX_BLOCK_SIZE),
+            ("prefix_cache_bytes", prefix_cache_bytes, given_bytes, DEFAULT_PREFIX_CACHE_BYTES)) if value != default]
         if given:
             warn_caller(f"{', '.join(given)} has no effect without prefix_caching=True")
     return PrefixCache(prefix_block_size, prefix_cache_bytes) if prefix_caching else None

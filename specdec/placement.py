@@ -119,10 +119,12 @@ def routed_forward(module: torch.nn.Module, forward):
     behind the module's accelerate hook when it has one (the hook still loads its weights and
     moves the inputs), and whatever forward the instance had before is back afterwards.
 
-    Thread-safe: the block holds :data:`_ROUTE_LOCK` (another thread's routed blocks wait for it),
-    and a call of ``module`` from another thread meanwhile (the model's own ``generate()``, say)
+    Thread-safe for eager callers: the block holds :data:`_ROUTE_LOCK` (another thread's routed
+    blocks, on any module, wait for it: specdec's forwards run one at a time in a process), and an
+    eager call of ``module`` from another thread meanwhile (the model's own ``generate()``, say)
     runs the forward the instance had before, not this one. Inside a ``torch.compile`` trace the
-    routed forward is the one traced (only the thread holding the lock routes)."""
+    routed forward is the one traced, whichever thread traces: another thread compiling the same
+    model while a block is open is not supported."""
     # a compiled forward (a fused norm's) as a partial: torch 2.11's dynamo drops the module argument
     # of a bound method whose function is itself compiled (inside a program compiled whole). Any
     # other forward as a bound method: dynamo guards a partial by identity, so a compiled forward

@@ -288,7 +288,8 @@ def _merged_config(given, model_config):
             if value is not None and hasattr(gc, key) and getattr(gc, key) is None:
                 setattr(gc, key, value)
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    defaults = defaults() if defaults is not None else GenerationConfig().to_dict()
+    # (transformers 5.17's; the values HF has applied since 4.x where a release does not say)
+    defaults = defaults() if defaults is not None else {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
     for key in _SAMPLING_DEFAULTS:
         if getattr(gc, key, None) is None and defaults.get(key) is not None:
             setattr(gc, key, defaults[key])

@@ -373,6 +373,8 @@ def test_argument_errors():
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
         (dict(inputs=[[5, 6], [5.0, 6.0]]), TypeError, "req_1: a prompt must be a list of int token ids, got a list "
                                                        "holding float 5.0"),
+        (dict(inputs=[[5, None]]), TypeError, "req_0: .* holding NoneType None"),
+        (dict(prefix_caching=True, prefix_cache_bytes="lots"), ValueError, "prefix_cache_bytes 'lots'"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
         (dict(max_new_tokens=torch.tensor([3, 4])), ValueError, "one per request"),
         (dict(max_new_tokens=torch.ones(1, 1, dtype=torch.long)), ValueError, r"one per row / request, got an array of "
@@ -414,8 +416,9 @@ def test_argument_errors():
         sd.generate_batch(prompts, max_new_tokens=2, memory_budget="1KiB")
     # the cache's bound as a size, as memory_budget takes one
     want = sd.generate_batch(prompts, max_new_tokens=2)
-    got = sd.generate_batch(prompts, max_new_tokens=2, prefix_caching=True, prefix_cache_bytes="64MiB")
-    assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in want.values()]
+    for size in ("64MiB", "0B"):  # (0: a cache that keeps nothing)
+        got = sd.generate_batch(prompts, max_new_tokens=2, prefix_caching=True, prefix_cache_bytes=size)
+        assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in want.values()]
 
 
 def test_reset_rows_in_place():

@@ -73,6 +73,15 @@ def test_step_routes_grouped_layers_and_restores_sdpa(monkeypatch):
     assert calls, "the step's attention did not go through the grouped step attention"
     assert all(c._attn_implementation == "sdpa" for c in configs)
     assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward  # the router is gone again
+    def mine(*args, **kwargs):
+        return sdpa_attention_forward(*args, **kwargs)
+
+    with grouped_step_attention_for(configs):  # a user's "sdpa" registered meanwhile stays registered
+        AttentionInterface.register("sdpa", mine)
+    try:
+        assert AttentionInterface._global_mapping["sdpa"] is mine
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
     eager = types.SimpleNamespace(_attn_implementation_internal="eager")
     with grouped_step_attention_for([eager]):
         assert eager._attn_implementation_internal == "eager"

@@ -170,7 +170,7 @@ def _routed_sdpa():
         _ROUTED_HERE.depth -= 1
         with _ROUTED_LOCK:
             _ROUTED[1] -= 1
-            if _ROUTED[1] == 0:
+            if _ROUTED[1] == 0 and mapping.get("sdpa") is _sdpa_router:  # (not if "sdpa" was registered anew)
                 mapping["sdpa"] = _ROUTED[0]
 
 
