@@ -502,6 +502,38 @@ def test_warm_prefill_meets_every_prefill_group_size():
         assert _fixed_groups(work, B, bound) == {c[0] for c in calls}
 
 
+def test_warm_prefill_holds_no_more_than_the_pool_would(monkeypatch):
+    """The warm-up's prefill of the pool's row count must fit where the pool fits: the generator's
+    kept pool and graphs are freed first, and the warm caches carry the states alone (no rollback
+    store: a snapshot store doubled a 287-row cache of the Nemotron-H shape, out of memory on an
+    80 GB GPU with a 40 GiB budget)."""
+    from specdec.experiments.serve import _warm_prefill, build_workload
+    from specdec.models.base import HybridAdapter
+    from specdec.rollback.inplace import InPlaceUpdate
+
+    cfg = _cfg(["experiment=serve", "model=gdn-target", "experiment.requests=12", "experiment.prompt_tokens=[16,32]",
+                "experiment.output_tokens=[2,4]"] + CPU)
+    model, tok = zoo.load("gdn-target")
+    work = build_workload(cfg.experiment, tok, model.config.vocab_size, 0, model.config.max_position_embeddings)
+    sd = specdec.wrap(model, num_speculative_tokens=2, rollback="snapshot")
+    sd.generate_batch(work.prompts[:4], max_new_tokens=2, max_batch_size=4)
+    assert sd.last_cache is not None  # the pool a next call of that shape would reuse
+    made = []
+    real = HybridAdapter.new_cache
+
+    def recording(self, batch, *args, **kwargs):
+        cache = real(self, batch, *args, **kwargs)
+        made.append((batch, cache, sd.last_cache))
+        return cache
+
+    monkeypatch.setattr(HybridAdapter, "new_cache", recording)
+    _warm_prefill(sd, work, [1, 6], 10**4, set())
+    assert [m[0] for m in made] == [1, 6]
+    for batch, cache, kept in made:
+        assert kept is None and not sd._static  # freed before the first forward
+        assert cache.ssm and all(isinstance(layer.strategy, InPlaceUpdate) for layer in cache.ssm.values())
+
+
 def test_serve_rehearsal_passes_over_the_workload_untimed(tmp_path: Path, monkeypatch):
     """experiment.rehearse=true: each continuous run calls generate_batch on the whole workload
     once more, before its timed passes (the warm-up call, the rehearsal, the timed call), on the

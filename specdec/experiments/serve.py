@@ -417,9 +417,10 @@ def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set,
     ``("cached", b)`` for those. The later chunks of a prompt longer than ``max_batch_tokens``
     are not warmed.
     """
-    from ..rollback import make_strategy
+    from ..rollback.inplace import InPlaceUpdate
 
     ad = sd.adapter
+    sd.release()  # the warm-up call's pool and graphs: the largest group below needs the pool's memory
     by_length = sorted(work.prompts, key=len)
     sizes = sorted({int(b) for b in sizes if int(b) >= 1})
     for b in sizes:
@@ -442,7 +443,9 @@ def _warm_prefill(sd, work: Workload, sizes, max_batch_tokens: int, warmed: set,
             if not group:
                 continue
             ids, mask = left_pad(group, ad.device)
-            cache = ad.new_cache(len(group), ids.shape[1] + 8, 1, make_strategy("snapshot"))
+            # plain decoding's strategy: the states alone, no rollback store (a snapshot store of the
+            # pool's row count doubled this cache and did not fit beside the model on an 80 GB GPU)
+            cache = ad.new_cache(len(group), ids.shape[1] + 8, 1, InPlaceUpdate())
             ad.prefill(ids, mask, cache, max_tokens=max_batch_tokens, prefix_cache=prefix_cache)
             del cache
 
