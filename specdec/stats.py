@@ -25,6 +25,11 @@ class Stats:
         commit replayed as CUDA graphs).
         capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
         ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
+        draft_path: how the drafter's last proposal ran, for a drafter with a program of its own (a
+        draft model, MTP layers; :attr:`specdec.drafters.Drafter.last_path`): ``"eager"``,
+        ``"static"`` or ``"cuda_graph"``; None for plain decoding and drafters without one.
+        draft_error: why that program ran without the CUDA graph or the compile it was asked for
+        (the drafter's ``capture_error`` / ``compile_error``); None otherwise.
         k_histogram[K]: steps that asked for K drafts (``num_speculative_tokens="auto"`` chooses
         K per step, up to ``max_speculative_tokens``; a fixed K puts every step at K).
         k_per_step: the K of every step, in order. rollback: the rollback strategy the call ran
@@ -71,6 +76,8 @@ class Stats:
     wall_s: float = 0.0
     decode_path: str = "eager"
     capture_error: str | None = None
+    draft_path: str | None = None
+    draft_error: str | None = None
     k_histogram: list = field(default_factory=list)
     k_per_step: list = field(default_factory=list)
     rollback: str = ""

@@ -213,7 +213,8 @@ def test_greedy_exact_every_strategy_and_K(saved, family, path):
             sd = specdec.wrap(model, drafter="mtp", rollback=strategy, num_speculative_tokens=K, decode_path=path)
             out = sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
             assert torch.equal(out, ref), (family, path, strategy, K)
-            assert sd.last_stats.decode_path == path and sd.drafter.last_path == path
+            assert sd.last_stats.decode_path == path and sd.drafter.last_path == path == sd.last_stats.draft_path
+            assert sd.last_stats.draft_error is None
             if K == 4:
                 hist += torch.tensor(sd.last_stats.accept_histogram)
     # the fitted layers: steps that accept nothing, a part, and every draft

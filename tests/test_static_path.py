@@ -468,6 +468,30 @@ def test_static_draft_model_every_K(K):
     assert draft.last_path == "static"
 
 
+def test_stats_say_how_the_drafters_program_ran():
+    """Stats.draft_path / draft_error: the drafter's ``last_path``, and why its program ran without
+    the CUDA graph or the compile it was asked for; None for plain decoding and for a drafter
+    without a program of its own (n-gram)."""
+    ids, mask, eos, ref = reference("nemotron_h")
+
+    class Refused(specdec.drafters.DraftModelDrafter):
+        def propose(self, *args, **kwargs):
+            out = super().propose(*args, **kwargs)
+            self.capture_error, self.compile_error = "CaptureFailure: no graphs", "Unsupported: a branch"
+            return out
+
+    for drafter, K, path, error in (
+            ("ngram", 2, None, None),
+            (specdec.drafters.DraftModelDrafter(get_model("nemotron_h", "perturbed")), 2, "static", None),
+            (Refused(get_model("nemotron_h", "perturbed")), 2, "static",
+             "capture: CaptureFailure: no graphs; compile: Unsupported: a branch"),
+            (specdec.drafters.DraftModelDrafter(get_model("nemotron_h", "perturbed")), 0, None, None)):
+        sd = specdec.wrap(get_model("nemotron_h"), drafter=drafter, num_speculative_tokens=K, decode_path="static")
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref)
+        assert (sd.last_stats.draft_path, sd.last_stats.draft_error) == (path, error), (drafter, K)
+
+
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_plain_decoding_in_place_state_exact(family, path):
     """K = 0 runs the in-place update (no rollback buffers) and its committed state equals HF's

@@ -38,6 +38,13 @@ class Drafter(abc.ABC):
     #: n-gram lookup, Medusa heads). ``num_speculative_tokens="auto"`` extrapolates the proposal
     #: time of a K not yet run from one measured K by it (proportional to K, or the same).
     drafts_sequentially: bool = False
+    #: how the last proposal ran, for a drafter with a program of its own (a draft model, MTP
+    #: layers): ``"eager"``, ``"static"`` or ``"cuda_graph"``; None for one without (n-gram, Medusa)
+    last_path: str | None = None
+    #: why that program's CUDA-graph capture failed (it then ran without graphs), or None
+    capture_error: str | None = None
+    #: why compiling that program failed where compiling was asked for (it then ran uncompiled), or None
+    compile_error: str | None = None
 
     def propose_tree(self, input_ids: torch.Tensor, lengths: torch.Tensor, tree) -> torch.Tensor:
         """With ``tree`` set: the tokens of the tree's nodes 1..N-1, ``[B, N-1]`` int64 (node 0 is

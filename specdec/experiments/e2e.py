@@ -339,7 +339,7 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     ``plain_draft_ms`` / ``plain_verify_ms`` / ``plain_commit_ms`` the same way (their draft is
     the loop's own work before the forward: no drafter runs); ``draft_share``,
     ``verify_share``, ``rollback_share`` of the decode steps' time; ``decode_path``,
-    ``capture_error``, ``prefill_s``, ``peak_gib`` (CUDA); ``exact`` (output == ``reference``
+    ``capture_error``, ``draft_path`` / ``draft_error`` (:class:`specdec.Stats`), ``prefill_s``, ``peak_gib`` (CUDA); ``exact`` (output == ``reference``
     token for token), ``diverged_rows``, ``diverged_row_ids``, ``first_divergence`` (new-token
     positions), ``divergence_margins`` (:func:`divergence_margins`), ``near_tie`` (every margin <
     0.25 in bf16/fp16; None without divergences); ``state_rel_err`` / ``state_exact`` /
@@ -409,6 +409,8 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
         "rollback_share": phases[2] / total if total else None,
         "decode_path": st.decode_path,
         "capture_error": st.capture_error,
+        "draft_path": st.draft_path,
+        "draft_error": st.draft_error,
         "prefill_s": Timing(tuple(s.prefill_s for s in stats)).median,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "exact": exact,
