@@ -173,6 +173,7 @@ def test_serve_tiny_run(tmp_path: Path):
     assert plain["requests"] == 5 and plain["batch"] == 2 and plain["prompt_source"] == "zoo"
     for r in records:
         assert r["error"] is None and r["exact"] and r["diverged_requests"] == 0
+        assert (r["first_divergence"], r["divergence_margins"], r["near_tie"]) == ([], [], None)
         assert r["generated_tokens"] == budgets_total  # ignore_eos: every request runs its own budget
         assert 16 <= r["prompt_tokens_mean"] <= r["prompt_tokens_max"] <= 64 and 4 <= r["max_new_tokens"] <= 16
         assert r["tokens_per_s"] == pytest.approx(budgets_total / r["wall_s"])
@@ -500,6 +501,33 @@ def test_warm_prefill_meets_every_prefill_group_size():
             ids, mask = left_pad(work.prompts[lo:lo + B], "cpu")
             sd.generate(ids, attention_mask=mask, max_new_tokens=1, pad_token_id=0)
         assert _fixed_groups(work, B, bound) == {c[0] for c in calls}
+
+
+def test_divergence_fields_locate_each_diverged_request_and_its_margin():
+    """A diverged request's record gives where its tokens first leave plain decoding's and plain
+    decoding's top-2 logit margin there, computed from the model over the prompt and the plain
+    tokens before that position; None where one of the two ended first; near_tie is never True
+    in fp32; no divergence gives empty lists (None without a reference)."""
+    from specdec.experiments.serve import _divergence_fields
+
+    model, _ = zoo.load("gdn-target")
+    prompts = [[5, 17, 9, 33, 2, 71], [44, 3, 12], [8, 8, 19, 7]]
+    reference = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        reference.append(out[0, len(p):].tolist())
+    tokens = [list(reference[0]), list(reference[1]), list(reference[2][:3])]
+    tokens[0][2] = (reference[0][2] + 1) % model.config.vocab_size  # request 0 leaves plain decoding at its token 2
+    got = _divergence_fields(model, prompts, reference, tokens, [0, 2])
+    with torch.no_grad():
+        top = model(torch.tensor([prompts[0] + reference[0][:2]])).logits[0, -1].float().topk(2).values
+    assert got["first_divergence"] == [2, 3]
+    assert got["divergence_margins"][0] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+    assert got["divergence_margins"][1] is None  # request 2 ended after 3 of plain decoding's 6 tokens
+    assert got["near_tie"] is False
+    assert _divergence_fields(model, prompts, reference, reference, []) == {
+        "first_divergence": [], "divergence_margins": [], "near_tie": None}
+    assert _divergence_fields(model, prompts, reference, reference, None)["first_divergence"] is None
 
 
 def test_warm_prefill_holds_no_more_than_the_pool_would(monkeypatch):

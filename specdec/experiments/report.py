@@ -255,6 +255,7 @@ SERVE_COLUMNS = (
     Column("decode_path", "decode path", TEXT, terminal=False, legend=_BENCH["decode_path"].legend),
     Column("diverged_requests", "diverged requests", "{:.0f}", terminal=False,
            legend="requests whose tokens differ from continuous plain decoding's"),
+    Column("near_tie", "divergences at near-ties", None, terminal=False, legend=_BENCH["near_tie"].legend),
     Column("exact", "exact", None, legend="every request's tokens equal continuous plain decoding's"),
     Column("error", "error", TEXT, legend="why the run did not run (a setting the engine refuses)"),
 )

@@ -58,8 +58,10 @@ runs with min-max), time to first token (queue wait + prefill) and time per outp
 every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
 over continuous plain decoding with it, so the ratio is speculation's alone, and over no fixed-batch
-run, which has no cache) and, for continuous
-runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
+run, which has no cache), ``exact`` / ``diverged_requests`` / ``diverged_request_ids`` against
+continuous plain decoding's tokens, with each diverged request's ``first_divergence`` and plain
+decoding's logit margin there (``divergence_margins``, ``near_tie``: :func:`_divergence_fields`)
+and, for continuous runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
 forwards replayed as a captured bucket, run at a bucket's shape uncaptured (a bucket's first
 use), or run eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
 eager decode path no prompt forward is counted). One short untimed call
@@ -583,6 +585,35 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
     }
 
 
+def _divergence_fields(model, prompts: list[list[int]], reference: list[list[int]], tokens: list[list[int]],
+                       diverged: list[int] | None) -> dict:
+    """Where each diverged request's tokens first differ from continuous plain decoding's
+    (``first_divergence``: its index among the request's new tokens) and plain decoding's top-2
+    logit margin there (``divergence_margins``: :func:`specdec.experiments.e2e.divergence_margins`
+    over the request's prompt and plain tokens; None where one of the two had already ended), and
+    ``near_tie``: every margin < :data:`~specdec.experiments.acceptance.NEAR_TIE_MARGIN` in
+    bf16/fp16, the only divergence the exactness contract allows (None without divergences)."""
+    from .acceptance import HALF_DTYPES, NEAR_TIE_MARGIN, first_divergence
+    from .e2e import divergence_margins
+
+    if not diverged:
+        return {"first_divergence": None if diverged is None else [], "divergence_margins": None if diverged is None
+                else [], "near_tie": None}
+    dev = next(model.parameters()).device
+    positions, margins = [], []
+    for i in diverged:
+        plain = torch.tensor([prompts[i] + reference[i]], device=dev)
+        pos = first_divergence(torch.tensor([tokens[i]]), torch.tensor([reference[i]]))
+        positions.append(pos)
+        if pos >= min(len(tokens[i]), len(reference[i])):  # one of the two had already ended
+            margins.append(None)
+            continue
+        ones = torch.ones(1, len(prompts[i]), dtype=torch.long, device=dev)
+        margins.append(divergence_margins(model, plain, ones, [0], [pos], len(prompts[i]))[0])
+    near_tie = all(m is not None and m < NEAR_TIE_MARGIN for m in margins) and model.dtype in HALF_DTYPES
+    return {"first_divergence": positions, "divergence_margins": margins, "near_tie": near_tie}
+
+
 def _time_split(stats) -> dict:
     """Where a run's calls spent their time (``Stats`` of each call, summed): ``admission_s``
     (prefills: the first requests' and every admission's), ``step_ms`` (draft + verify + commit
@@ -673,6 +704,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                    "batch": rows if rows is not None else B if isinstance(B, int) else None,
                    "batch_size_reason": res.stats[-1].batch_size_reason if res.stats else None,
                    **_run_fields(res, reference)}
+            if res.error is None and reference is not None:
+                rec.update(_divergence_fields(model, work.prompts, reference, res.tokens, rec["diverged_request_ids"]))
             rec["vs_continuous_plain"] = _ratio(rec, plain)
             rec["vs_fixed_batches"] = _ratio(rec, fixed)
             # with caching: tokens/s and mean time to first token against the same run without it
@@ -744,7 +777,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                     add(cached_res, "continuous", name, acceptance, strategy, K, reference, plain_cached, None, True,
                         uncached)
                 release(device)
-        del model
+        model = None  # (not del: add() reads the name when it runs)
         release(device)
     log.close()
     arriving = ("every request at the start" if exp.request_rate is None else
