@@ -589,7 +589,7 @@ def test_other_families(family):
 
 
 # --- prompts prefilled together through the cache (Mamba-2 families) ------------------------------
-BATCHED_FAMILIES = ("nemotron_h", "bamba")
+BATCHED_FAMILIES = ("nemotron_h", "bamba", "qwen3_5", "olmo_hybrid")
 
 
 def _batch_prompts():

@@ -111,13 +111,16 @@ def test_bucketed_forward_reads_nothing_back(fam):
     assert probe.reads  # the probe sees what it must not see in the bucket
 
 
-def test_continued_forward_reads_nothing_back():
+@pytest.mark.parametrize("fam", SERVED)
+def test_continued_forward_reads_nothing_back(fam):
     """The same for a bucket that continues prompts from a prefix cache's hit (HF's cache loaded
-    from restored keys / values, conv windows and recurrent states inside the program)."""
+    from restored keys / values, conv windows and recurrent states inside the program; both
+    families' prompt layers make their padding state-neutral, so their continued prompts run
+    in buckets)."""
     from specdec.prefix_cache import PrefixCache
     from specdec.rollback import make_strategy
 
-    model = make_model("nemotron_h").float()
+    model = make_model(fam).float()
     ad = adapter_for(model)
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 100, (8,), generator=g)

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..fusion import fusable
-from ..kernels import conv1d_op
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
 from ..kernels.norm import gated_norm_groups, gated_rms_norm
-from ..placement import execution_device
 from .base import PROMPT_LAYERS, HybridAdapter, register
+from .prompt_layer import PromptLayer
 
 __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "gated_mamba2_mixer",
            "gated_norm", "mamba2_core"]
@@ -79,14 +77,12 @@ def mamba2_core(mixer, layer, projected: torch.Tensor):
     return y.reshape(B, t, -1).to(projected.dtype), gate
 
 
-class Mamba2PromptLayer:
+class Mamba2PromptLayer(PromptLayer):
     """What a Mamba-2 ``mixer_forward`` runs against during prefill, in place of its layer cache:
     the prompt's conv and scan as transformers' chunked prefill computes them (its
     ``Mamba2Mixer.forward`` and the families' copies), the final conv window and recurrent state
-    written into HF's cache layer ``mixer.layer_idx``. When that layer already holds a state
-    (``has_previous_state``: a prompt continued from a cached prefix, as HF's mixers continue a
-    multi-token prefill) the conv starts from its conv window and the scan from its recurrent
-    state; otherwise both start from zeros.
+    written into HF's cache layer ``mixer.layer_idx``, continued from the state that layer holds
+    (:class:`~specdec.models.prompt_layer.PromptLayer`).
 
     Differences from HF's torch fallback, none in fp32 but rounding: ``dt + dt_bias`` and its
     softplus are taken in fp32 (as mamba_ssm's kernels and this module's decode step do; HF's
@@ -115,55 +111,14 @@ class Mamba2PromptLayer:
         scan: ``"fla"`` or ``"torch"`` (:func:`specdec.kernels.mamba2.chunked.resolve_scan`).
     """
 
-    #: left padding leaves the conv window and recurrent state as the row's tokens alone leave them
-    state_neutral_padding = True
-
     def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
-        self.layer_idx = mixer.layer_idx
+        super().__init__(mixer, cache_params, attention_mask, scan)
         self.dt_limit = tuple(mixer.time_step_limit)
         self.chunk_size = int(mixer.chunk_size)
-        self.cache_params = cache_params
-        self.attention_mask = attention_mask
-        self.scan = scan
         dtype = mixer.in_proj.weight.dtype
         self.operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         #: the dtype of the scan's x, B, C (:func:`mamba2_core` casts them to it)
         self.input_dtype = self.operand_dtype if scan == "fla" else torch.float32
-        self.conv_op = conv1d_op(execution_device(mixer))
-        self.continued = cache_params.has_previous_state(self.layer_idx)
-
-    def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [B, L, D]`` with padding positions zeroed (HF's ``apply_mask_to_padding_states``)."""
-        return apply_mask_to_padding_states(hidden_states, self.attention_mask)
-
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-        """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
-        window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
-        zeroed; each row's last ``W`` inputs (its tokens', then its history's, then zeros) become
-        HF's conv state. Computed in the prompt's own layout, in fp32
-        (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`). With left padding each row's history
-        is placed right before its first token, the padding's inputs taken as zeros."""
-        W = weight.shape[-1]
-        history = None
-        if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
-            history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
-        real = None if self.attention_mask is None else self.attention_mask.bool()[:, :, None]
-        if real is not None:
-            x = torch.where(real, x, 0)  # padding's inputs are zeros
-        if real is not None and history is not None:  # each row's history right before its first token
-            B, L, C = x.shape
-            u = x.new_zeros(B, W - 1 + L, C)  # [zeros, history, tokens] per row, right-aligned
-            u[:, W - 1:] = x
-            first = (L - self.attention_mask.sum(-1)).to(x.device)  # each row's first token's column
-            cols = first[:, None] + torch.arange(W - 1, device=x.device)  # its history's columns in u
-            u.scatter_(1, cols[:, :, None].expand(B, W - 1, C), history.to(u.dtype))
-            x, history = u[:, W - 1:], u[:, :W - 1]
-            last = u[:, -W:]
-        else:
-            last = x[:, -W:]
-        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history may be a view
-        self.cache_params.update_conv_state(last.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
-        return out if real is None else torch.where(real, out, 0)
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The scan over the prompt from HF's recurrent state (a continued prompt) or a zero
@@ -172,10 +127,8 @@ class Mamba2PromptLayer:
         Returns ``y [B, L, H, P]`` (D skip included) in ``input_dtype``; the final state ``[B, H,
         P, N]`` fp32 goes to HF's cache. fla's matmul operands are in a bf16 / fp16 model's dtype
         (its ``in_proj`` weight's), else fp32."""
-        dt = inputs["dt"].clamp(*self.dt_limit)
-        if self.attention_mask is not None:  # padding: no decay, no input
-            dt = torch.where(self.attention_mask.bool()[:, :, None], dt, 0)
-        h0 = self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
+        dt = self.at_tokens(inputs["dt"].clamp(*self.dt_limit))  # padding: no decay, no input
+        h0 = self.initial_state()
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
                                       self.chunk_size, params["D"], h0, self.operand_dtype)
         self.cache_params.update_recurrent_state(state, self.layer_idx)

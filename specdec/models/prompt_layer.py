@@ -1,0 +1,93 @@
+"""What an SSM mixer's ``mixer_forward`` runs against during prefill, in place of its layer
+cache: a :class:`PromptLayer` (the families' subclasses are :data:`specdec.models.base.PROMPT_LAYERS`).
+
+A prompt layer computes a whole prompt's conv and recurrence as transformers' prefill of that
+mixer does and leaves in HF's cache layer ``mixer.layer_idx`` the conv window and recurrent
+state that prefill leaves, so the same ``mixer_forward`` serves a decode step (against a
+:class:`~specdec.cache.SSMLayerCache`) and a prompt. What it adds to HF's prefill is
+state-neutral left padding: a row's padding changes neither its conv window nor its recurrent
+state, so the rows of one batch may continue from different states (a prefix cache's hits,
+:meth:`specdec.models.HybridAdapter.batches_cached_prefill`). This base class holds what every
+prompt layer shares: the padding mask and the prompt's causal depthwise conv.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
+
+from ..kernels import conv1d_op
+from ..placement import execution_device
+
+__all__ = ["PromptLayer"]
+
+
+class PromptLayer:
+    """The prompt's conv and HF's cache layer of one SSM mixer during prefill; subclasses add the
+    recurrence (``ssm``). When that layer already holds a state (``has_previous_state``: a prompt
+    continued from a cached prefix, as HF's mixers continue a multi-token prefill) the conv
+    starts from its conv window and the recurrence from its recurrent state; otherwise both
+    start from zeros.
+
+    Args:
+        mixer: the HF mixer (its ``layer_idx`` is used).
+        cache_params: HF's cache for this prefill (a ``DynamicCache`` with linear-attention layers).
+        attention_mask: the 2-D left-padding mask ``[B, L]`` (1 = token) of the prompt's columns,
+            or None (no padding).
+        scan: how the subclass runs the recurrence (``"fla"`` or ``"torch"``:
+            :func:`specdec.kernels.mamba2.chunked.resolve_scan`).
+    """
+
+    #: left padding leaves the conv window and recurrent state as the row's tokens alone leave them
+    state_neutral_padding = True
+
+    def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
+        self.layer_idx = mixer.layer_idx
+        self.cache_params = cache_params
+        self.attention_mask = attention_mask
+        self.scan = scan
+        self.conv_op = conv1d_op(execution_device(mixer))
+        self.continued = cache_params.has_previous_state(self.layer_idx)
+
+    def mask_padding(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [B, L, D]`` with padding positions zeroed (HF's ``apply_mask_to_padding_states``)."""
+        return apply_mask_to_padding_states(hidden_states, self.attention_mask)
+
+    def at_tokens(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """``x [B, L, ...]`` with its padding positions set to ``fill`` (unchanged without padding)."""
+        if self.attention_mask is None:
+            return x
+        real = self.attention_mask.bool().reshape(*self.attention_mask.shape, *(1,) * (x.dim() - 2))
+        return torch.where(real, x, fill)
+
+    def initial_state(self) -> torch.Tensor | None:
+        """HF's recurrent state of this layer for a continued prompt, else None (zeros)."""
+        return self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
+        window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
+        zeroed; each row's last ``W`` inputs (its tokens', then its history's, then zeros) become
+        HF's conv state. Computed in the prompt's own layout, in fp32
+        (:meth:`specdec.kernels.conv1d.Conv1dOp.prompt`). With left padding each row's history
+        is placed right before its first token, the padding's inputs taken as zeros."""
+        W = weight.shape[-1]
+        history = None
+        if self.continued and W > 1:  # the W-1 inputs before the prompt, [B, W-1, C]
+            history = self.cache_params.layers[self.layer_idx].conv_states[0][:, :, 1 - W:].transpose(1, 2)
+        real = self.attention_mask is not None
+        x = self.at_tokens(x)  # padding's inputs are zeros
+        if real and history is not None:  # each row's history right before its first token
+            B, L, C = x.shape
+            u = x.new_zeros(B, W - 1 + L, C)  # [zeros, history, tokens] per row, right-aligned
+            u[:, W - 1:] = x
+            first = (L - self.attention_mask.sum(-1)).to(x.device)  # each row's first token's column
+            cols = first[:, None] + torch.arange(W - 1, device=x.device)  # its history's columns in u
+            u.scatter_(1, cols[:, :, None].expand(B, W - 1, C), history.to(u.dtype))
+            x, history = u[:, W - 1:], u[:, :W - 1]
+            last = u[:, -W:]
+        else:
+            last = x[:, -W:]
+        out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history may be a view
+        self.cache_params.update_conv_state(last.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
+        return self.at_tokens(out)
