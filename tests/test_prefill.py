@@ -1,5 +1,5 @@
 """Prefill of the Mamba-2 families through the chunked SSD scan (:mod:`specdec.kernels.mamba2.chunked`),
-and of the Gated DeltaNet families through their prompt layer.
+and of the delta-rule (GDN, KDA) families through their prompt layer.
 
 * The scan against the per-token recurrence (:func:`specdec.kernels.mamba2.naive.mamba2_verify`):
   prompts shorter than, equal to and longer than a chunk (not a multiple of it), one chunk per
@@ -9,9 +9,10 @@ and of the Gated DeltaNet families through their prompt layer.
   layer's input one token at a time (fp32), the logits against HF's forward, the
   ``time_step_limit`` clamp against HF's prefill, and speculative generation against
   ``generate(do_sample=False)``.
-* Every Gated DeltaNet family through its prompt layer (:class:`specdec.models.gdn.GDNPromptLayer`)
-  on a ragged left-padded batch: each row's states and logits against transformers' prefill of
-  the row alone (fp32); ``gpu``: fla's chunked delta rule against the torch reference.
+* Every Gated DeltaNet and Kimi Delta Attention family through its prompt layer
+  (:class:`specdec.models.prompt_layer.DeltaRulePromptLayer`) on a ragged left-padded batch: each
+  row's states and logits against transformers' prefill of the row alone (fp32); ``gpu``: fla's
+  chunked rules against the torch reference.
 * The prompt conv (:func:`specdec.kernels.conv1d.naive.causal_conv1d_prompt` and its Triton
   kernel, through the interpreter) against ``F.conv1d``, with and without a history, and a
   prefill with the Triton conv against the torch one; the head expansion of B and C against
@@ -40,7 +41,7 @@ from specdec.kernels.mamba2.chunked import (SCANS, expand_groups, mamba2_chunk_s
                                             resolve_scan)
 from specdec.kernels.mamba2.naive import mamba2_verify
 from specdec.models.common import cache_keyword
-from specdec.models.gdn import GDNPromptLayer
+from specdec.models.prompt_layer import DeltaRulePromptLayer
 from specdec.models.mamba2 import Mamba2PromptLayer
 
 MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2")
@@ -293,25 +294,25 @@ def test_prompt_layer_is_used(monkeypatch):
     assert calls == []
 
 
-GDN_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid")
+DELTA_RULE_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 
 
-@pytest.mark.parametrize("family", GDN_FAMILIES)
-def test_gdn_prefill_matches_hf_prefill(family, monkeypatch):
-    """Every Gated DeltaNet family on a ragged left-padded batch, with random conv biases (HF's
-    padded prefill then writes its padding into the state; its mixers have no conv bias by
-    default): through the GDN prompt layer (its conv, the chunked delta rule of transformers'
-    torch reference) each row's recurrent state, conv window and logits equal transformers' own
-    prefill of that row alone (fp32); the prompt layer ran for every GDN mixer, and not with
-    ``scan="hf"``."""
+@pytest.mark.parametrize("family", DELTA_RULE_FAMILIES)
+def test_delta_rule_prefill_matches_hf_prefill(family, monkeypatch):
+    """Every Gated DeltaNet and Kimi Delta Attention family on a ragged left-padded batch, with
+    random conv biases (HF's padded prefill then writes its padding into the state; its mixers
+    have no conv bias by default): through the delta-rule prompt layer (its conv, the chunked
+    rule of transformers' torch reference) each row's recurrent state, conv window and logits
+    equal transformers' own prefill of that row alone (fp32); the prompt layer ran for every
+    such mixer, and not with ``scan="hf"``."""
     model = make_model(family)
     ad = specdec.models.adapter_for(model)
     with torch.no_grad():
         for mixer, _ in ad.ssm_layers().values():
             mixer.conv1d.bias = torch.nn.Parameter(torch.randn(mixer.conv1d.weight.shape[0]))
     calls = []
-    original = GDNPromptLayer.ssm
-    monkeypatch.setattr(GDNPromptLayer, "ssm", lambda self, *a: calls.append(self.layer_idx) or original(self, *a))
+    original = DeltaRulePromptLayer.ssm
+    monkeypatch.setattr(DeltaRulePromptLayer, "ssm", lambda self, *a: calls.append(self.layer_idx) or original(self, *a))
     ids, mask = ragged_prompts(lengths=LENGTHS)
     logits, states = prefill(ad, ids, mask, "auto")
     assert sorted(calls) == sorted(ad.ssm_layers()) == sorted(states)
@@ -470,13 +471,13 @@ def test_fla_prefill_on_cuda():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_5", "olmo_hybrid"])
-def test_gdn_fla_prefill_on_cuda(family):
-    """On CUDA: a Gated DeltaNet prefill through the prompt layer with fla's
-    ``chunk_gated_delta_rule`` against the torch reference path, fp32 (TF32 bounds the
-    agreement) and bf16 (its rounding bounds it), on a ragged left-padded batch; speculative
-    output with that prefill equals plain decoding's through the same engine."""
-    pytest.importorskip("fla.ops.gated_delta_rule")
+@pytest.mark.parametrize("family", ["qwen3_5", "olmo_hybrid", "kimi_linear"])
+def test_delta_rule_fla_prefill_on_cuda(family):
+    """On CUDA: a delta-rule prefill through the prompt layer with fla's chunked rule
+    (``chunk_gated_delta_rule``, ``chunk_kda``) against the torch reference path, fp32 (TF32
+    bounds the agreement) and bf16 (its rounding bounds it), on a ragged left-padded batch;
+    speculative output with that prefill equals plain decoding's through the same engine."""
+    pytest.importorskip("fla.ops.kda" if family == "kimi_linear" else "fla.ops.gated_delta_rule")
     model = make_model(family).cuda()
     ad = specdec.models.adapter_for(model)
     ids, mask = (t.cuda() for t in ragged_prompts(lengths=LENGTHS))

@@ -41,8 +41,9 @@ PROMPT_PATHS = ("eager", "static", "cuda_graph")
 
 #: op name -> the layer class a family's ``mixer_forward`` runs against during prefill, built as
 #: ``cls(mixer, cache_params, attention_mask, scan)`` (a :class:`specdec.models.prompt_layer.PromptLayer`:
-#: :class:`specdec.models.mamba2.Mamba2PromptLayer`, :class:`specdec.models.gdn.GDNPromptLayer`);
-#: the mixers of other ops (KDA, short convs) run transformers' own forward during prefill
+#: :class:`specdec.models.mamba2.Mamba2PromptLayer`, :class:`specdec.models.gdn.GDNPromptLayer`,
+#: :class:`specdec.models.kimi_linear.KDAPromptLayer`); the mixers of other ops (LFM2's short
+#: convs) run transformers' own forward during prefill
 PROMPT_LAYERS: dict[str, type] = {}
 
 
@@ -479,13 +480,12 @@ class HybridAdapter:
         with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
         recurrent state; a layer may hold both).
 
-        Attention, KDA and short-conv layers run transformers' code (its chunked kernels, or
-        flash-linear-attention's when installed); Mamba-2 and Gated DeltaNet mixers run their
-        family's ``mixer_forward`` against a prompt layer (:data:`PROMPT_LAYERS`) whose scan
-        ``scan`` picks: ``"auto"`` (flash-linear-attention for a bf16 / fp16 model on CUDA when
-        installed, else ``"torch"``), ``"fla"``, ``"torch"``
-        (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`; for GDN transformers' torch
-        reference of the chunked delta rule) or ``"hf"`` (transformers' own mixer forward).
+        Attention and short-conv layers run transformers' code; Mamba-2, Gated DeltaNet and
+        Kimi Delta Attention mixers run their family's ``mixer_forward`` against a prompt layer
+        (:data:`PROMPT_LAYERS`) whose scan ``scan`` picks: ``"auto"`` (flash-linear-attention for
+        a bf16 / fp16 model on CUDA when installed, else ``"torch"``), ``"fla"``, ``"torch"``
+        (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`; for GDN / KDA transformers'
+        torch reference of the chunked delta rule) or ``"hf"`` (transformers' own mixer forward).
 
         Without ``prefix_cache``, a batch of more than ``max_tokens`` tokens (default
         :attr:`max_prefill_tokens`; rows x ``L``) runs in groups of rows of like lengths that fit
@@ -497,7 +497,7 @@ class HybridAdapter:
         one forward, or two where it makes a branch point (:meth:`prefill_cached`): its cached
         prefix is loaded instead of computed, its full blocks are stored, and the states of every
         row are then loaded into ``cache`` as a batched prefill leaves them (keys left-padded with
-        zeros). Where :meth:`batches_cached_prefill` allows (Mamba-2 and Gated DeltaNet families,
+        zeros). Where :meth:`batches_cached_prefill` allows (Mamba-2, GDN and KDA families,
         attention-only models without sliding windows), the forwards of several prompts run together,
         left-padded, within ``max_tokens`` (:meth:`_prefill_cached_batch`); otherwise each prompt
         runs on its own (batch 1, no padding). The final state equals the uncached
@@ -753,9 +753,9 @@ class HybridAdapter:
         (left-padded, each continued from its own hit): every SSM layer runs a prompt layer
         whose left padding is state-neutral (``state_neutral_padding``, as
         :class:`~specdec.models.prompt_layer.PromptLayer`s; so not with ``scan == "hf"``) and no
-        attention layer keeps a sliding window (padding inside a row would count in it). KDA
-        and short-conv layers run transformers' code, whose padding decays the state: their
-        prompts run one at a time (:meth:`prefill_cached`)."""
+        attention layer keeps a sliding window (padding inside a row would count in it).
+        Short-conv layers (LFM2) run transformers' code, whose padding is not state-neutral:
+        their prompts run one at a time (:meth:`prefill_cached`)."""
         ssm = self.ssm_layers()
         if ssm and (scan == "hf" or not all(getattr(PROMPT_LAYERS.get(op), "state_neutral_padding", False)
                                             for _, op in ssm.values())):

@@ -8,9 +8,6 @@ keeps per family. The recurrence is :mod:`specdec.kernels.gdn`.
 
 from __future__ import annotations
 
-import inspect
-import sys
-
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +15,7 @@ from ..cache import SSMLayerCache
 from ..fusion import fusable
 from .base import PROMPT_LAYERS, HybridAdapter, register
 from .common import l2norm
-from .prompt_layer import PromptLayer
+from .prompt_layer import DeltaRulePromptLayer, PromptLayer
 
 __all__ = ["GDNPromptLayer", "Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
 
@@ -69,68 +66,13 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     return mixer.out_proj(o)
 
 
-class GDNPromptLayer(PromptLayer):
-    """What a Gated DeltaNet ``mixer_forward`` runs against during prefill, in place of its layer
-    cache (:class:`~specdec.models.prompt_layer.PromptLayer`: the conv over q | k | v from HF's
-    conv window or zeros): the chunked gated delta rule over the prompt from HF's recurrent
-    state of a continued prompt, or zeros, the final state written into HF's cache layer.
+class GDNPromptLayer(DeltaRulePromptLayer):
+    """The Gated DeltaNet prompt layer (:class:`~specdec.models.prompt_layer.DeltaRulePromptLayer`):
+    flash-linear-attention's ``chunk_gated_delta_rule``, or transformers' torch reference
+    ``torch_chunk_gated_delta_rule`` of the mixer's modeling module; a per-head decay ``g [B, L, H]``."""
 
-    ``ssm`` takes the step's fp32 inputs (q and k L2-normalised, q scaled by ``1/sqrt(d_k)``, per
-    value head) and runs flash-linear-attention's ``chunk_gated_delta_rule`` (``scan="fla"``:
-    its operands in a bf16 / fp16 model's dtype, the decay in fp32) or transformers' torch
-    reference of it, ``torch_chunk_gated_delta_rule`` of the mixer's own modeling module
-    (``"torch"``; it scales q itself, so it is handed q times ``sqrt(d_k)``). transformers'
-    prefill calls the same function (fla's when installed) on the same inputs, normalising q and
-    k inside it; the conv here is computed in fp32 with one rounding to the model dtype (HF's
-    torch conv rounds before its activation). In fp32 the two agree to rounding.
-
-    Left padding is state-neutral (:attr:`state_neutral_padding`): padding positions get
-    ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state passes them
-    unchanged, and the conv places each row's history right before its first token.
-    transformers' prefill decays a continued state over the padding; from a zero state the two
-    agree.
-
-    Args: as :class:`~specdec.models.prompt_layer.PromptLayer`.
-
-    Raises:
-        RuntimeError: ``scan="torch"`` where the mixer's modeling module has no
-            ``torch_chunk_gated_delta_rule`` (a transformers release this was not written for:
-            prefill with ``scan="hf"`` instead).
-    """
-
-    def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
-        super().__init__(mixer, cache_params, attention_mask, scan)
-        if scan == "fla":
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-            self._rule = chunk_gated_delta_rule
-            dtype = mixer.conv1d.weight.dtype  # (not A_log's or dt_bias's: checkpoints may keep those in fp32)
-            self._operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        else:
-            module = sys.modules[type(mixer).__module__]
-            rule = getattr(module, "torch_chunk_gated_delta_rule", None)
-            if rule is None:
-                raise RuntimeError(f"{module.__name__} has no torch_chunk_gated_delta_rule, which the torch prefill of "
-                                   f"{type(mixer).__name__} calls; prefill with scan='hf' (transformers' own forward)")
-            self._rule = inspect.unwrap(rule)  # the torch reference, not the kernel it dispatches to when fla is found
-
-    def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
-        """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,
-        L, H, V]``, g, beta ``[B, L, H]`` (fp32), in ``params["y_dtype"]`` (default: what the rule
-        returns); the final state ``[B, H, K, V]`` fp32 goes to HF's cache."""
-        q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        g, beta = self.at_tokens(inputs["g"]), self.at_tokens(inputs["beta"])  # padding: no decay, no write
-        h0 = self.initial_state()
-        h0 = None if h0 is None else h0.float()
-        if self.scan == "fla":
-            dt = self._operand_dtype
-            o, state = self._rule(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=1.0, initial_state=h0,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=False)
-        else:
-            o, state = self._rule(q * q.shape[-1] ** 0.5, k, v, g=g, beta=beta, initial_state=h0,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=False)
-        self.cache_params.update_recurrent_state(state.float(), self.layer_idx)
-        return o.to(params.get("y_dtype", o.dtype))
+    torch_rule = "torch_chunk_gated_delta_rule"
+    fla_rule = ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 PROMPT_LAYERS["gdn"] = GDNPromptLayer

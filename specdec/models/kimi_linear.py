@@ -10,14 +10,27 @@ from __future__ import annotations
 import torch
 
 from ..kernels.gdn import L2NORM_EPS
-from .base import HybridAdapter, register
+from .base import PROMPT_LAYERS, HybridAdapter, register
+from .prompt_layer import DeltaRulePromptLayer
 
-__all__ = ["KimiLinearAdapter"]
+__all__ = ["KDAPromptLayer", "KimiLinearAdapter"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     # Kimi's variant: x / sqrt(sum(x^2) + eps), as transformers and fla compute it
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class KDAPromptLayer(DeltaRulePromptLayer):
+    """The Kimi Delta Attention prompt layer (:class:`~specdec.models.prompt_layer.DeltaRulePromptLayer`):
+    flash-linear-attention's ``chunk_kda``, or transformers' torch reference
+    ``chunk_kimi_delta_attention``; a per-channel decay ``g [B, L, H, K]``."""
+
+    torch_rule = "chunk_kimi_delta_attention"
+    fla_rule = ("fla.ops.kda", "chunk_kda")
+
+
+PROMPT_LAYERS["kda"] = KDAPromptLayer
 
 
 @register

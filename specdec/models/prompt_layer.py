@@ -13,13 +13,17 @@ prompt layer shares: the padding mask and the prompt's causal depthwise conv.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
+
 import torch
 from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states
 
 from ..kernels import conv1d_op
 from ..placement import execution_device
 
-__all__ = ["PromptLayer"]
+__all__ = ["DeltaRulePromptLayer", "PromptLayer"]
 
 
 class PromptLayer:
@@ -91,3 +95,72 @@ class PromptLayer:
         out = self.conv_op.prompt(x, weight, bias, activation, history)  # before the state update: history may be a view
         self.cache_params.update_conv_state(last.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
         return self.at_tokens(out)
+
+
+class DeltaRulePromptLayer(PromptLayer):
+    """A delta-rule mixer's prompt layer (Gated DeltaNet, Kimi Delta Attention): after the conv
+    over q | k | v (:class:`PromptLayer`), the chunked (gated) delta rule over the prompt from
+    HF's recurrent state of a continued prompt, or zeros, the final state written into HF's
+    cache layer. A subclass names the two implementations of its rule: ``fla_rule`` (module,
+    function) of flash-linear-attention (``scan="fla"``) and ``torch_rule``, transformers' torch
+    reference of it in the mixer's own modeling module (``"torch"``; unwrapped from the
+    dispatch that transformers' forward goes through, which picks fla's when it is installed).
+
+    ``ssm`` takes the step's fp32 inputs (q and k L2-normalised, q scaled by ``1/sqrt(d_k)``, per
+    value head; the decay ``g`` in log space, per head or per channel) and runs the rule on them:
+    fla's with ``scale=1`` and its operands in a bf16 / fp16 model's dtype (the decay in fp32);
+    transformers' reference scales q itself, so it is handed q times ``sqrt(d_k)``. transformers'
+    prefill calls the same functions on the same inputs, normalising q and k inside them; the
+    conv here is computed in fp32 with one rounding to the model dtype (HF's torch conv rounds
+    before its activation). In fp32 the two agree to rounding.
+
+    Left padding is state-neutral (:attr:`state_neutral_padding`): padding positions get
+    ``g = 0`` (no decay) and ``beta = 0`` (no write), so the recurrent state passes them
+    unchanged, and the conv places each row's history right before its first token.
+    transformers' prefill decays a continued state over its padding (and, where the conv has a
+    bias, writes the padding into it); from a zero state and without a conv bias the two agree.
+
+    Args: as :class:`PromptLayer`.
+
+    Raises:
+        RuntimeError: ``scan="torch"`` where the mixer's modeling module has no ``torch_rule``
+            (a transformers release this was not written for: prefill with ``scan="hf"``).
+    """
+
+    #: transformers' torch reference of the chunked rule, by its name in the mixer's modeling module
+    torch_rule: str = ""
+    #: flash-linear-attention's chunked rule: (module, function)
+    fla_rule: tuple[str, str] = ("", "")
+
+    def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
+        super().__init__(mixer, cache_params, attention_mask, scan)
+        if scan == "fla":
+            self._rule = getattr(importlib.import_module(self.fla_rule[0]), self.fla_rule[1])
+            dtype = mixer.conv1d.weight.dtype  # (not A_log's or dt_bias's: checkpoints may keep those in fp32)
+            self._operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        else:
+            module = sys.modules[type(mixer).__module__]
+            rule = getattr(module, self.torch_rule, None)
+            if rule is None:
+                raise RuntimeError(f"{module.__name__} has no {self.torch_rule}, which the torch prefill of "
+                                   f"{type(mixer).__name__} calls; prefill with scan='hf' (transformers' own forward)")
+            self._rule = inspect.unwrap(rule)  # the torch reference, not the kernel it dispatches to when fla is found
+
+    def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
+        """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,
+        L, H, V]``, g ``[B, L, H]`` or ``[B, L, H, K]``, beta ``[B, L, H]`` (fp32), in
+        ``params["y_dtype"]`` (default: what the rule returns); the final state ``[B, H, K, V]``
+        fp32 goes to HF's cache."""
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        g, beta = self.at_tokens(inputs["g"]), self.at_tokens(inputs["beta"])  # padding: no decay, no write
+        h0 = self.initial_state()
+        h0 = None if h0 is None else h0.float()
+        if self.scan == "fla":
+            dt = self._operand_dtype
+            o, state = self._rule(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=1.0, initial_state=h0,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=False)
+        else:
+            o, state = self._rule(q * q.shape[-1] ** 0.5, k, v, g=g, beta=beta, initial_state=h0,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=False)
+        self.cache_params.update_recurrent_state(state.float(), self.layer_idx)
+        return o.to(params.get("y_dtype", o.dtype))
