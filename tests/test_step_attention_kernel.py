@@ -66,7 +66,7 @@ def test_kernel_equals_the_reference(dtype, B, H, Hkv, t, D, Dv, L):
 def test_a_rows_result_does_not_depend_on_the_step_width(dtype):
     """Token i of a t-token step equals the same query alone bit for bit over the same columns
     (its mask row): over a static cache's span a verify step's rows are a plain step's. On CUDA
-    bit for bit; under the CPU interpreter to fp32 rounding only, since its dots are numpy
+    bit for bit; under the CPU interpreter to the dtype's rounding only, since its dots are numpy
     matmuls, and numpy's BLAS (numpy 2.4.6) rounds a row differently by its position in the
     16-row tile, which the kernel's own dots do not."""
     B, H, Hkv, t, D, L = 2, 8, 2, 5, 32, 90
@@ -77,7 +77,7 @@ def test_a_rows_result_does_not_depend_on_the_step_width(dtype):
         if ON_CUDA:
             assert torch.equal(one[:, 0], full[:, i]), f"token {i}"
         else:
-            assert rel_err(one[:, 0], full[:, i]) < 1e-6, f"token {i}"
+            assert rel_err(one[:, 0], full[:, i]) < (1e-6 if dtype == torch.float32 else 1e-3), f"token {i}"
 
 
 def test_masks_broadcast_and_fully_masked_rows_give_zeros():
