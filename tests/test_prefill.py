@@ -481,7 +481,10 @@ def test_delta_rule_fla_prefill_on_cuda(family):
     model = make_model(family).cuda()
     ad = specdec.models.adapter_for(model)
     ids, mask = (t.cuda() for t in ragged_prompts(lengths=LENGTHS))
-    for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 3e-2)):
+    # whole-model bounds on these tiny models (errors grow layer by layer): fp32 with TF32 matmuls,
+    # bf16 operands (rounding them alone moves OLMo-hybrid's last state ~4e-2); a wrong scale, layout
+    # or gate would be off by O(1)
+    for dtype, tol in ((torch.float32, 1e-2), (torch.bfloat16, 1e-1)):
         model.to(dtype)
         logits, states = prefill(ad, ids, mask, "fla")
         ref_logits, ref = prefill(ad, ids, mask, "torch")
@@ -492,3 +495,23 @@ def test_delta_rule_fla_prefill_on_cuda(family):
     plain = specdec.wrap(model, num_speculative_tokens=0).generate(ids, **kw)
     sd = specdec.wrap(model, drafter="ngram", rollback="snapshot", num_speculative_tokens=3)
     assert torch.equal(sd.generate(ids, **kw), plain)
+
+
+def test_a_mixer_without_transformers_torch_rule_keeps_transformers_forward(monkeypatch):
+    """A delta-rule mixer whose modeling module lacks the torch reference the prompt layer calls
+    (remote code, another release) is not routed with ``scan="torch"``: it runs transformers' own
+    prefill, with the same result, and its prompts continued from a prefix cache are not batched
+    (its padding is not state-neutral there)."""
+    from specdec.models.gdn import GDNPromptLayer
+
+    model = make_model("qwen3_5")
+    ad = specdec.models.adapter_for(model)
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    want = prefill(ad, ids, mask, "hf")
+    assert ad.batches_cached_prefill("torch")
+    monkeypatch.setattr(GDNPromptLayer, "torch_rule", "no_such_function")
+    calls = []
+    monkeypatch.setattr(DeltaRulePromptLayer, "ssm", lambda self, *a: calls.append(self))
+    got = prefill(ad, ids, mask, "torch")
+    assert calls == [] and not ad.batches_cached_prefill("torch")
+    assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][i][0], want[1][i][0]) for i in want[1])

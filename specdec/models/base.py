@@ -407,12 +407,12 @@ class HybridAdapter:
 
     def _prompt_patched(self, scan: str):
         """For one prefill, route each SSM mixer whose op has a prompt layer (:data:`PROMPT_LAYERS`)
-        to ``mixer_forward`` against that layer, its input padding masked as HF masks it; with
-        ``scan == "hf"`` every mixer keeps transformers' forward."""
+        that serves it to ``mixer_forward`` against that layer, its input padding masked as HF
+        masks it; with ``scan == "hf"`` every mixer keeps transformers' forward."""
         forwards = {}
-        for idx, (_, op_name) in self.ssm_layers().items():
+        for idx, (mixer, op_name) in self.ssm_layers().items():
             make = PROMPT_LAYERS.get(op_name)
-            if make is None or scan == "hf":
+            if make is None or scan == "hf" or not make.serves(mixer, scan):
                 continue
 
             def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, **kw):
@@ -758,7 +758,7 @@ class HybridAdapter:
         their prompts run one at a time (:meth:`prefill_cached`)."""
         ssm = self.ssm_layers()
         if ssm and (scan == "hf" or not all(getattr(PROMPT_LAYERS.get(op), "state_neutral_padding", False)
-                                            for _, op in ssm.values())):
+                                            and PROMPT_LAYERS[op].serves(mixer, scan) for mixer, op in ssm.values())):
             return False
         return not self.has_sliding_window()
 

@@ -45,6 +45,12 @@ class PromptLayer:
     #: left padding leaves the conv window and recurrent state as the row's tokens alone leave them
     state_neutral_padding = True
 
+    @classmethod
+    def serves(cls, mixer, scan: str) -> bool:
+        """Whether this layer can run ``mixer``'s prefill with ``scan`` (else that mixer keeps
+        transformers' own forward, and its padding is not state-neutral)."""
+        return True
+
     def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
         self.layer_idx = mixer.layer_idx
         self.cache_params = cache_params
@@ -120,11 +126,9 @@ class DeltaRulePromptLayer(PromptLayer):
     transformers' prefill decays a continued state over its padding (and, where the conv has a
     bias, writes the padding into it); from a zero state and without a conv bias the two agree.
 
-    Args: as :class:`PromptLayer`.
-
-    Raises:
-        RuntimeError: ``scan="torch"`` where the mixer's modeling module has no ``torch_rule``
-            (a transformers release this was not written for: prefill with ``scan="hf"``).
+    Args: as :class:`PromptLayer`. A mixer whose modeling module has no ``torch_rule`` (remote
+        code, another transformers release) is not served with ``scan="torch"`` (:meth:`serves`):
+        it keeps transformers' own forward.
     """
 
     #: transformers' torch reference of the chunked rule, by its name in the mixer's modeling module
@@ -132,19 +136,22 @@ class DeltaRulePromptLayer(PromptLayer):
     #: flash-linear-attention's chunked rule: (module, function)
     fla_rule: tuple[str, str] = ("", "")
 
+    @classmethod
+    def _torch_rule_of(cls, mixer):
+        return getattr(sys.modules.get(type(mixer).__module__), cls.torch_rule, None)
+
+    @classmethod
+    def serves(cls, mixer, scan: str) -> bool:
+        return scan == "fla" or cls._torch_rule_of(mixer) is not None
+
     def __init__(self, mixer, cache_params, attention_mask: torch.Tensor | None, scan: str):
         super().__init__(mixer, cache_params, attention_mask, scan)
         if scan == "fla":
             self._rule = getattr(importlib.import_module(self.fla_rule[0]), self.fla_rule[1])
             dtype = mixer.conv1d.weight.dtype  # (not A_log's or dt_bias's: checkpoints may keep those in fp32)
             self._operand_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        else:
-            module = sys.modules[type(mixer).__module__]
-            rule = getattr(module, self.torch_rule, None)
-            if rule is None:
-                raise RuntimeError(f"{module.__name__} has no {self.torch_rule}, which the torch prefill of "
-                                   f"{type(mixer).__name__} calls; prefill with scan='hf' (transformers' own forward)")
-            self._rule = inspect.unwrap(rule)  # the torch reference, not the kernel it dispatches to when fla is found
+        else:  # the torch reference, not the kernel transformers' dispatch picks when fla is found
+            self._rule = inspect.unwrap(self._torch_rule_of(mixer))
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,
