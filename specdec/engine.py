@@ -1199,8 +1199,9 @@ class SpeculativeGenerator:
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
-            draft_path=drafter.last_path if drafter is not None else None,
-            draft_error=(None if drafter is None else
+            # (only where this call proposed: the drafter's fields tell of its last proposal)
+            draft_path=drafter.last_path if drafter is not None and proposed else None,
+            draft_error=(None if drafter is None or not proposed else
                          "; ".join(f"{what}: {err}" for what, err in (("capture", drafter.capture_error),
                                                                      ("compile", drafter.compile_error)) if err)
                          or None),

@@ -208,7 +208,7 @@ class DraftModelDrafter(Drafter):
         K = num_speculative_tokens
         if self._static_proposals:
             return self._propose_static(input_ids, lengths, K)
-        self.last_path = "eager"
+        self.last_path, self.capture_error = "eager", None  # (no program ran)
         if self.cache is not None and self.cache.max_step_tokens < K + 1:
             raise ValueError("num_speculative_tokens grew during one generate(); call start() again")
         if self.cache is None:

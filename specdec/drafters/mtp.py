@@ -774,7 +774,7 @@ class MTPDrafter(Drafter):
         pick = self._argmax if greedy else self._sample
         if self._static_proposals:
             return self._propose_static(text, lengths, K, pick, tree)
-        self.last_path = "eager"
+        self.last_path, self.capture_error, self.compile_error = "eager", None, None  # (no program ran)
         if first:
             self.cache = self._new_cache(text.shape[0], self._columns(K, False), K + 1, static=False)
             self._prefill(self.cache, text, lengths)
