@@ -61,9 +61,10 @@ over continuous plain decoding with it, so the ratio is speculation's alone, and
 run, which has no cache), ``exact`` / ``diverged_requests`` / ``diverged_request_ids`` against
 continuous plain decoding's tokens, with each diverged request's ``first_divergence`` and plain
 decoding's logit margin there (``divergence_margins``, ``near_tie``: :func:`_divergence_fields`)
-and, for continuous runs, ``prompt_forwards_cuda_graph`` / ``_static`` / ``_eager``: the timed passes' prompt
-forwards replayed as a captured bucket, run at a bucket's shape uncaptured (a bucket's first
-use), or run eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
+and, for continuous runs, ``prompt_forwards_cuda_graph`` / ``_captured`` / ``_static`` / ``_eager``: the timed
+passes' prompt forwards replayed as a captured bucket, captured then replayed (a bucket's second
+use: it pays the capture), run at a bucket's shape uncaptured (a bucket's first use), or run
+eagerly because no bucket held them (:mod:`specdec.models.prompt_graphs`; on the
 eager decode path no prompt forward is counted). One short untimed call
 per configuration first when ``experiment.warmup`` (on the shortest prompts: it compiles the
 kernels for the pool's size; the CUDA graphs of a run's KV length are captured inside the timed

@@ -110,8 +110,9 @@ class PromptGraphs:
         max_rows / max_tokens: the largest bucket (:func:`prompt_bucket`); max_columns: the most
             attention columns (rows x (prefix + new tokens), bucketed).
 
-    ``counts`` holds how many forwards ran as a captured graph (``"cuda_graph"``), eagerly at a
-    bucket's shape (``"static"``: on the CUDA-graph path each bucket's first, its warm-up) and
+    ``counts`` holds how many forwards replayed a captured graph (``"cuda_graph"``), captured
+    their bucket's graph and then replayed it (``"captured"``: on the CUDA-graph path each
+    bucket's second, which costs the capture), ran eagerly at a bucket's shape (``"static"``: on the CUDA-graph path each bucket's first, its warm-up) and
     eagerly at their own shape because no bucket held them (``"eager"``: too many rows, tokens or
     columns, or not :attr:`available`); ``error`` the first capture failure's reason (from then
     on no bucket is captured).
@@ -123,7 +124,7 @@ class PromptGraphs:
         self.max_rows, self.max_tokens, self.max_columns = int(max_rows), int(max_tokens), int(max_columns)
         self._buckets: dict[tuple, _Bucket] = {}
         self._arena = _Arena()
-        self.counts = {"cuda_graph": 0, "static": 0, "eager": 0}
+        self.counts = {"cuda_graph": 0, "captured": 0, "static": 0, "eager": 0}
         self.error: str | None = None
         self._pool = None
         self._blocker = self._why_not()
@@ -227,7 +228,10 @@ class PromptGraphs:
                 else:
                     dst[:B].copy_(src)
                 dst[B:].zero_()  # rows beyond the prompts start from nothing
+        uncaptured = bucket.program.graph is None
         how = bucket.program()
+        if how == "cuda_graph" and uncaptured:
+            how = "captured"
         if bucket.program.error is not None and self.error is None:
             self.error = bucket.program.error
         self.counts[how] += 1
