@@ -145,11 +145,13 @@ def gated_mamba2_mixer(mixer, hidden_states, layer):
 
 
 def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``norm(y, gate)``: a step on the Triton backend runs it as one launch
-    (:func:`specdec.kernels.norm.gated_rms_norm`) where the module computes that arithmetic
-    (:func:`~specdec.kernels.norm.gated_norm_groups`) with its weight on y's device in y's dtype."""
-    step = not isinstance(layer, Mamba2PromptLayer) and layer.op.backend == "triton"
-    if (step and not torch.compiler.is_compiling() and norm.weight.dtype == y.dtype
+    """``norm(y, gate)``: a step on the Triton backend, or a prompt whose conv runs on it, runs it
+    as one launch (:func:`specdec.kernels.norm.gated_rms_norm`) where the module computes that
+    arithmetic (:func:`~specdec.kernels.norm.gated_norm_groups`) with its weight on y's device in
+    y's dtype. (The module's eager form is ~8 element-wise launches over fp32 copies of y: at a
+    prompt of thousands of tokens, a read and write of y's size each.)"""
+    backend = (layer.conv_op if isinstance(layer, PromptLayer) else layer.op).backend
+    if (backend == "triton" and not torch.compiler.is_compiling() and norm.weight.dtype == y.dtype
             and norm.weight.device == y.device):
         size = gated_norm_groups(norm, y.shape[-1])
         if size is not None:
