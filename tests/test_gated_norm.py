@@ -1,5 +1,5 @@
-"""The gated RMSNorm of the Mamba-2 families' mixers (:mod:`specdec.kernels.norm`): its torch form
-against each transformers class it stands for, the Triton kernel against that form (Triton's
+"""The gated RMSNorms of the Mamba-2 and Gated DeltaNet families' mixers (:mod:`specdec.kernels.norm`):
+its torch form against each transformers class it stands for, the Triton kernel against that form (Triton's
 interpreter at tiny sizes; compiled with ``SPECDEC_TEST_CUDA=1``), on fresh random inputs with
 the gate a slice of a wider projection as the layers pass it, outputs poisoned first and the
 inputs checked untouched; classes it does not stand for are left to their own forward."""
@@ -13,18 +13,23 @@ import torch
 from helpers import rel_err
 from markers import ON_CUDA, needs_triton_interpreter
 
-from specdec.kernels.norm import gated_norm_groups, gated_rms_norm, gated_rms_norm_reference
+from specdec.kernels.norm import gated_norm_form, gated_rms_norm, gated_rms_norm_reference
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
 pytestmark = needs_triton_interpreter if not ON_CUDA else []
 
-#: (transformers module, class, constructor keywords besides the width, the group size it normalises by)
+#: (transformers module, class, constructor keywords besides the width, the group size it normalises by
+#: (None: every channel), whether it gates after the norm)
 CLASSES = [
-    ("mamba2", "MambaRMSNormGated", {}, None),
-    ("bamba", "BambaRMSNormGated", {}, None),
-    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", {}, None),
-    ("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 12),
+    ("mamba2", "MambaRMSNormGated", {}, None, False),
+    ("bamba", "BambaRMSNormGated", {}, None, False),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", {}, None, False),
+    ("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 12, False),
+    ("qwen3_next", "Qwen3NextRMSNormGated", {}, None, True),
+    ("qwen3_5", "Qwen3_5RMSNormGated", {}, None, True),
+    ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}, None, True),
+    ("olmo_hybrid", "OlmoHybridRMSNormGated", {}, None, True),
 ]
 
 
@@ -43,28 +48,28 @@ def _inputs(B, t, D, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("module, cls, kwargs, group", CLASSES, ids=[c[1] for c in CLASSES])
-def test_kernel_and_reference_are_the_module(module, cls, kwargs, group, dtype):
+@pytest.mark.parametrize("module, cls, kwargs, group, after", CLASSES, ids=[c[1] for c in CLASSES])
+def test_kernel_and_reference_are_the_module(module, cls, kwargs, group, after, dtype):
     """The torch form equals the module's forward bit for bit; the kernel equals it within fp32
-    rounding (bf16: within one unit in the last place of the output, the interpreter may truncate
-    where the GPU rounds); the group size is the class's."""
+    rounding (bf16: within one unit in the last place of the output per rounding, the interpreter
+    may truncate where the GPU rounds); the group size and the order are the class's."""
     D, B, t = 48, 3, 2
     norm = _norm(module, cls, kwargs, D, dtype, seed=1)
     y, gate = _inputs(B, t, D, dtype, seed=2)
     before = (y.clone(), gate.clone())
-    size = gated_norm_groups(norm, D)
-    assert size == (group or D)
+    form = gated_norm_form(norm, D)
+    assert form == (group or D, after)
     with torch.no_grad():
         want = norm(y, gate)
-    ref = gated_rms_norm_reference(y, gate, norm.weight, norm.variance_epsilon, size)
+    ref = gated_rms_norm_reference(y, gate, norm.weight, norm.variance_epsilon, *form)
     assert ref.dtype == want.dtype and torch.equal(ref, want)
     out = torch.full_like(y, float("nan"))
-    got = gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, size, out=out)
+    got = gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, *form, out=out)
     assert got is out and not got.isnan().any()
     if dtype == torch.float32:
         assert rel_err(got, want) < 1e-6
-    else:
-        ulp = want.float().abs() * 2.0 ** -7 * 2  # (two roundings: the normalised value, then the product)
+    else:  # two roundings (the normalised value, then the product), three with the gate after
+        ulp = want.float().abs() * 2.0 ** -7 * (3 if after else 2)
         assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
     assert torch.equal(y, before[0]) and torch.equal(gate, before[1])
 
@@ -73,9 +78,10 @@ def test_rows_of_any_layout():
     """Inputs whose rows are not contiguous are read from a copy: the same outputs."""
     y, gate = _inputs(3, 2, 48, torch.float32, seed=5)
     w = torch.randn(48, device=DEVICE)
-    want = gated_rms_norm(y, gate, w, 1e-6, 12)
-    y_t = y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, channels 2 apart
-    assert torch.equal(gated_rms_norm(y_t, gate[..., :].contiguous(), w, 1e-6, 12), want)
+    for after in (False, True):
+        want = gated_rms_norm(y, gate, w, 1e-6, 12, after)
+        y_t = y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, channels 2 apart
+        assert torch.equal(gated_rms_norm(y_t, gate[..., :].contiguous(), w, 1e-6, 12, after), want)
 
 
 def test_other_norms_are_left_to_their_forward():
@@ -85,15 +91,21 @@ def test_other_norms_are_left_to_their_forward():
     give None."""
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
 
-    assert gated_norm_groups(FalconH1RMSNormGated(48, n_groups=2), 48) is None
-    assert gated_norm_groups(torch.nn.LayerNorm(48), 48) is None
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
+
+    assert gated_norm_form(FalconH1RMSNormGated(48, n_groups=2), 48) is None
+    assert gated_norm_form(KimiLinearRMSNormGated(48), 48) is None
+    sigmoid = _norm("qwen3_5", "Qwen3_5RMSNormGated", {}, 48, torch.float32, 3)
+    sigmoid.activation = "sigmoid"
+    assert gated_norm_form(sigmoid, 48) is None
+    assert gated_norm_form(torch.nn.LayerNorm(48), 48) is None
     remote = type("MambaRMSNormGated", (torch.nn.Module,), {"__module__": "transformers_modules.nvidia.modeling"})()
     remote.group_size = 8
-    assert gated_norm_groups(remote, 48) is None
+    assert gated_norm_form(remote, 48) is None
     grouped = _norm("mamba2", "MambaRMSNormGated", {}, 48, torch.float32, 3)
     grouped.group_size = 8  # (a one-group class given a group size: not this arithmetic any more)
-    assert gated_norm_groups(grouped, 48) is None
-    assert gated_norm_groups(_norm("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 48, torch.float32, 3), 50) is None
+    assert gated_norm_form(grouped, 48) is None
+    assert gated_norm_form(_norm("zamba2", "Zamba2RMSNormGated", {"group_size": 12}, 48, torch.float32, 3), 50) is None
 
 
 @pytest.mark.parametrize("change, match", [

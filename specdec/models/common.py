@@ -1,6 +1,7 @@
 """What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`,
-:func:`cache_keyword` (the name a forward takes its cache by) and :func:`l2norm` (the delta-rule
-mixers' q / k normalisation).
+:func:`cache_keyword` (the name a forward takes its cache by), :func:`l2norm` (the delta-rule
+mixers' q / k normalisation) and :func:`gated_norm` (the gated RMSNorm after a mixer's
+recurrence).
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
 :class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
@@ -26,8 +27,10 @@ import inspect
 import torch
 
 from ..kernels.gdn import L2NORM_EPS
+from ..kernels.norm import gated_norm_form, gated_rms_norm
+from .prompt_layer import PromptLayer
 
-__all__ = ["layer_types_of", "l2norm", "cache_keyword"]
+__all__ = ["cache_keyword", "gated_norm", "layer_types_of", "l2norm"]
 
 
 def cache_keyword(forward, legacy: str = "past_key_values") -> str:
@@ -43,6 +46,24 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """transformers' / flash-linear-attention's L2 norm of a delta-rule mixer's q or k over the last
     dim: ``x * rsqrt(sum(x^2) + eps)``."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor, *, steps: bool = True) -> torch.Tensor:
+    """``norm(y, gate)``, as one launch of :func:`specdec.kernels.norm.gated_rms_norm` where the
+    module computes one of that kernel's arithmetics (:func:`~specdec.kernels.norm.gated_norm_form`)
+    with its weight on y's device in y's dtype, and ``layer`` runs Triton kernels: a prompt layer
+    whose conv does (:class:`~specdec.models.prompt_layer.PromptLayer`), or with ``steps`` a
+    decode step's layer cache on the Triton backend. Else the module's own forward (inside a
+    ``torch.compile`` trace too: Inductor fuses it there)."""
+    prompt = isinstance(layer, PromptLayer)
+    if not (prompt or steps) or torch.compiler.is_compiling():
+        return norm(y, gate)
+    if ((layer.conv_op if prompt else layer.op).backend == "triton" and norm.weight.dtype == y.dtype
+            and norm.weight.device == y.device):
+        form = gated_norm_form(norm, y.shape[-1])
+        if form is not None:
+            return gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, *form)
+    return norm(y, gate)
 
 
 def layer_types_of(config) -> list[str]:

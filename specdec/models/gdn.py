@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ..cache import SSMLayerCache
 from ..fusion import fusable
 from .base import PROMPT_LAYERS, HybridAdapter, register
-from .common import l2norm
+from .common import gated_norm, l2norm
 from .prompt_layer import DeltaRulePromptLayer, PromptLayer
 
 __all__ = ["GDNPromptLayer", "Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
@@ -62,7 +62,7 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
                                        mixer.num_v_heads // mixer.num_k_heads)
     o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {"y_dtype": mixed_qkv.dtype})  # (no cast after)
     o = o.reshape(-1, mixer.head_v_dim)
-    o = mixer.norm(o, z.reshape(-1, mixer.head_v_dim)).reshape(B, t, -1)
+    o = gated_norm(mixer.norm, layer, o, z.reshape(-1, mixer.head_v_dim), steps=False).reshape(B, t, -1)
     return mixer.out_proj(o)
 
 

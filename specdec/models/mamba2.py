@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 from ..fusion import fusable
 from ..kernels.mamba2.chunked import mamba2_prompt_scan
-from ..kernels.norm import gated_norm_groups, gated_rms_norm
 from .base import PROMPT_LAYERS, HybridAdapter, register
+from .common import gated_norm
 from .prompt_layer import PromptLayer
 
 __all__ = ["BambaAdapter", "GraniteMoeHybridAdapter", "Mamba2Adapter", "Mamba2PromptLayer", "gated_mamba2_mixer",
-           "gated_norm", "mamba2_core"]
+           "mamba2_core"]
 
 
 @fusable
@@ -142,21 +142,6 @@ def gated_mamba2_mixer(mixer, hidden_states, layer):
     """The standard Mamba-2 mixer: core, gated RMSNorm ``norm(y, gate)``, ``out_proj``."""
     y, gate = mamba2_core(mixer, layer, mixer.in_proj(hidden_states))
     return mixer.out_proj(gated_norm(mixer.norm, layer, y, gate).to(hidden_states.dtype))
-
-
-def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``norm(y, gate)``: a step on the Triton backend, or a prompt whose conv runs on it, runs it
-    as one launch (:func:`specdec.kernels.norm.gated_rms_norm`) where the module computes that
-    arithmetic (:func:`~specdec.kernels.norm.gated_norm_groups`) with its weight on y's device in
-    y's dtype. (The module's eager form is ~8 element-wise launches over fp32 copies of y: at a
-    prompt of thousands of tokens, a read and write of y's size each.)"""
-    backend = (layer.conv_op if isinstance(layer, PromptLayer) else layer.op).backend
-    if (backend == "triton" and not torch.compiler.is_compiling() and norm.weight.dtype == y.dtype
-            and norm.weight.device == y.device):
-        size = gated_norm_groups(norm, y.shape[-1])
-        if size is not None:
-            return gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, size)
-    return norm(y, gate)
 
 
 @register

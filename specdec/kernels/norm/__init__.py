@@ -1,4 +1,4 @@
-"""The gated RMSNorm after a Mamba-2 mixer's recurrence, in one Triton launch for a decode step.
+"""The gated RMSNorm after an SSM mixer's recurrence, in one Triton launch.
 
 Every Mamba-2 family normalises the recurrence's output ``y`` gated by ``silu(gate)`` before its
 output projection, by groups of ``group_size`` channels (one group: Mamba-2, Bamba, Granite-4;
@@ -9,55 +9,73 @@ output projection, by groups of ``group_size`` channels (one group: Mamba-2, Bam
     h   = h * rsqrt(mean(h^2 over each group) + eps)        (fp32)
     out = weight * round(h to y's dtype)                    (the product in the weight's / y's dtype)
 
-Compiled by Inductor as part of the captured step, the module is two kernels (the groups'
-variance, then the scaling); here one program owns one (token, group) and does both, reading
-``gate`` where the input projection wrote it. flash-linear-attention's fused gated norm gates
-after the norm (Gated DeltaNet's order) and mamba_ssm's ``RMSNormGated`` is not installed here,
-hence a kernel of our own. :func:`gated_rms_norm_reference` is the torch form (the modules'
-arithmetic, line by line); :func:`gated_norm_groups` says which modules it computes.
+The Gated DeltaNet families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) gate after the norm,
+over each head's channels, as their ``*RMSNormGated`` classes compute it (``gate_after``)::
+
+    h   = y * rsqrt(mean(y^2) + eps)                        (fp32)
+    p   = weight * round(h to y's dtype)                    (in y's dtype: rounded)
+    out = round(p * silu(gate) to y's dtype)                (the product in fp32)
+
+A Mamba-2 decode step and a Mamba-2 or Gated DeltaNet prompt run it here. Compiled by Inductor
+as part of the captured step, the module is two kernels (the groups' variance, then the
+scaling); run eagerly over a prompt, it is ~8 element-wise launches over fp32 copies of ``y``.
+Here one program owns one (token, group) and does all of it, reading ``gate`` where the input
+projection wrote it. mamba_ssm's ``RMSNormGated`` is not installed here, and
+flash-linear-attention's fused gated norm rounds otherwise (the product with the weight in
+fp32), hence a kernel of our own. :func:`gated_rms_norm_reference` is the torch form (the
+modules' arithmetic, line by line); :func:`gated_norm_form` says which modules it computes.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gated_norm_groups", "gated_rms_norm", "gated_rms_norm_reference"]
+__all__ = ["gated_norm_form", "gated_rms_norm", "gated_rms_norm_reference"]
 
-#: the transformers classes whose forward is the arithmetic above with one group of every channel
+#: the transformers classes whose forward is the gate-first arithmetic with one group of every channel
 _ONE_GROUP = ("MambaRMSNormGated", "BambaRMSNormGated", "GraniteMoeHybridRMSNormGated")
 #: ... and with ``group_size`` channels per group
 _GROUPED = ("Zamba2RMSNormGated",)
+#: the transformers classes whose forward is the ``gate_after`` arithmetic over every channel (with
+#: ``activation == "silu"``)
+_GATE_AFTER = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated")
 
 
-def gated_norm_groups(norm: torch.nn.Module, channels: int) -> int | None:
-    """The group size ``norm`` normalises ``channels`` channels by, when its class's forward is the
-    arithmetic of this module (a class of transformers' own modeling code named in ``_ONE_GROUP``
-    -- without a ``group_size`` of its own -- or ``_GROUPED``, group size dividing ``channels``);
-    else None (the caller runs the module itself). A forward set on the
-    instance is taken to compute its class's (specdec's compiled routing and accelerate's hooks
-    do; tests/test_gated_norm.py checks each class against the formula)."""
+def gated_norm_form(norm: torch.nn.Module, channels: int) -> tuple[int, bool] | None:
+    """``(group_size, gate_after)``: how ``norm`` normalises ``channels`` channels when its class's
+    forward is an arithmetic of this module (a class of transformers' own modeling code named in
+    ``_ONE_GROUP`` -- without a ``group_size`` of its own --, ``_GROUPED``, group size dividing
+    ``channels``, or ``_GATE_AFTER`` with a silu gate); else None (the caller runs the module
+    itself). A forward set on the instance is taken to compute its class's (specdec's compiled
+    routing and accelerate's hooks do; tests/test_gated_norm.py checks each class against the
+    formula)."""
     cls = type(norm)
-    if cls.__name__ not in _ONE_GROUP + _GROUPED or not cls.__module__.startswith("transformers.models."):
+    if cls.__name__ not in _ONE_GROUP + _GROUPED + _GATE_AFTER or not cls.__module__.startswith("transformers.models."):
         return None  # (e.g. a checkpoint's own modeling code of the same class name, grouped otherwise)
+    if cls.__name__ in _GATE_AFTER:
+        return (channels, True) if getattr(norm, "activation", None) == "silu" else None
     if cls.__name__ in _ONE_GROUP:
-        return channels if not hasattr(norm, "group_size") else None
+        return (channels, False) if not hasattr(norm, "group_size") else None
     size = int(getattr(norm, "group_size", 0))
-    return size if size > 0 and channels % size == 0 else None
+    return (size, False) if size > 0 and channels % size == 0 else None
 
 
 def gated_rms_norm_reference(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                             group_size: int) -> torch.Tensor:
+                             group_size: int, gate_after: bool = False) -> torch.Tensor:
     """The gated RMSNorm of ``y [..., D]`` by ``gate [..., D]`` over groups of ``group_size``
-    channels, as transformers' ``MambaRMSNormGated`` / ``Zamba2RMSNormGated`` compute it (the
-    formula of the module docstring). Returns ``[..., D]`` in the dtype of ``weight * y``."""
-    h = y.float() * torch.nn.functional.silu(gate.float())
+    channels, as transformers' ``MambaRMSNormGated`` / ``Zamba2RMSNormGated`` compute it, or with
+    ``gate_after`` as the Gated DeltaNet families' ``*RMSNormGated`` do (the formulas of the
+    module docstring). Returns ``[..., D]`` in the dtype of ``weight * y`` (``gate_after``: y's)."""
+    silu = torch.nn.functional.silu(gate.float())
+    h = y.float() if gate_after else y.float() * silu
     g = h.view(*h.shape[:-1], h.shape[-1] // group_size, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.view(h.shape).to(y.dtype)
+    out = weight * g.view(h.shape).to(y.dtype)
+    return (out * silu).to(y.dtype) if gate_after else out
 
 
-def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                   gate_after: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gated_rms_norm_reference` in one Triton launch.
 
     Args:
@@ -65,7 +83,8 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             their rows are contiguous in D at any row stride (e.g. the gate a slice of the input
             projection's output), else copied.
         weight: ``[D]``, y's dtype. eps: the module's ``variance_epsilon``.
-        group_size: channels per group, dividing D.
+        group_size: channels per group, dividing D. gate_after: the Gated DeltaNet order (gate
+            after the norm) instead of the Mamba-2 one.
         out: optional contiguous ``[..., D]`` output in y's dtype.
 
     Returns:
@@ -76,4 +95,4 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """
     from .triton_norm import gated_rms_norm_triton  # lazy: the backend decides TRITON_INTERPRET first
 
-    return gated_rms_norm_triton(y, gate, weight, eps, group_size, out=out)
+    return gated_rms_norm_triton(y, gate, weight, eps, group_size, gate_after, out=out)

@@ -1,4 +1,4 @@
-"""The gated RMSNorm of :mod:`specdec.kernels.norm` in Triton: one program per (token, group).
+"""The gated RMSNorms of :mod:`specdec.kernels.norm` in Triton: one program per (token, group).
 
 Nothing syncs with the host or autotunes; the only allocation is the output (safe in CUDA-graph
 capture once compiled). Arithmetic in fp32, rounded where the modules round: the normalised
@@ -18,21 +18,27 @@ __all__ = ["gated_rms_norm_triton"]
 
 @triton.jit
 def _gated_rms_norm_kernel(y, gate, weight, out, D, stride_ym, stride_gm, eps, GROUP: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, GATE_AFTER: tl.constexpr):
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_c = i_g * GROUP + tl.arange(0, BLOCK)
     m_c = tl.arange(0, BLOCK) < GROUP
     b_y = tl.load(y + i_m * stride_ym + o_c, mask=m_c, other=0.0)
     b_z = tl.load(gate + i_m * stride_gm + o_c, mask=m_c, other=0.0).to(tl.float32)
-    b_h = b_y.to(tl.float32) * (b_z * tl.sigmoid(b_z))
+    b_silu = b_z * tl.sigmoid(b_z)
+    b_h = b_y.to(tl.float32)
+    if not GATE_AFTER:
+        b_h = b_h * b_silu
     b_h = b_h * tl.rsqrt(tl.sum(b_h * b_h, axis=0) / GROUP + eps)
     b_h = b_h.to(b_y.dtype).to(tl.float32)  # the modules round the normalised value to y's dtype first
     b_w = tl.load(weight + o_c, mask=m_c, other=0.0).to(tl.float32)
-    tl.store(out + i_m * D + o_c, (b_w * b_h).to(out.dtype.element_ty), mask=m_c)
+    b_o = b_w * b_h
+    if GATE_AFTER:  # the product with the weight in y's dtype, then gated in fp32
+        b_o = b_o.to(b_y.dtype).to(tl.float32) * b_silu
+    tl.store(out + i_m * D + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
 
 
-def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, *,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
+                          gate_after: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`specdec.kernels.norm.gated_rms_norm` (its arguments, returns and errors)."""
     D = y.shape[-1]
     if gate.shape != y.shape or weight.shape != (D,):
@@ -54,6 +60,6 @@ def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block = next_pow2(group_size)
     _gated_rms_norm_kernel[(M, D // group_size)](
         y2, g2, weight.contiguous(), out, D, y2.stride(0), g2.stride(0), float(eps),
-        GROUP=group_size, BLOCK=block, num_warps=num_warps_for(block, 8),
+        GROUP=group_size, BLOCK=block, GATE_AFTER=bool(gate_after), num_warps=num_warps_for(block, 8),
     )
     return out
