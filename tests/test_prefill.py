@@ -327,7 +327,7 @@ def test_delta_rule_prefill_matches_hf_prefill(family, monkeypatch):
 
 
 @needs_triton_interpreter
-@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "olmo_hybrid"])
 def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     """The prompt conv and gated norm on the triton backend (``SPECDEC_BACKEND=triton``; the
     interpreter on CPU) leave the states and logits the torch conv and HF's norm module leave

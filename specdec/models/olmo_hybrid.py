@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import HybridAdapter, register
-from .common import l2norm
+from .common import gated_norm, l2norm
 
 __all__ = ["OlmoHybridAdapter"]
 
@@ -47,5 +47,5 @@ class OlmoHybridAdapter(HybridAdapter):
         o = layer.ssm({"q": q, "k": k, "v": v.float(), "g": g.float(), "beta": beta.float()}, {})
         o = o.to(hidden_states.dtype).reshape(-1, mixer.head_v_dim)
         gate = mixer.g_proj(hidden_states).reshape(-1, mixer.head_v_dim)
-        o = mixer.o_norm(o, gate).reshape(B, t, -1)
+        o = gated_norm(mixer.o_norm, layer, o, gate, steps=False).reshape(B, t, -1)
         return mixer.o_proj(o)
