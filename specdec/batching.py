@@ -150,7 +150,7 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     """Split ``inputs`` into the requests that can run and the failed outputs of those that cannot.
 
     Args:
-        inputs: a list of prompts, each a list (or 1-D tensor) of int token ids.
+        inputs: a list of prompts, each a list (or 1-D tensor or NumPy array) of int token ids.
         max_new_tokens: one int >= 0 for every request, or one per request (a list, or a 1-D
             tensor or NumPy array).
         vocab_size: ids must be in ``[0, vocab_size)``.
@@ -185,10 +185,13 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise ValueError(f"max_new_tokens of {label} must be >= 0, got {b}")
     requests, failed = [], {}
     for i, prompt in enumerate(inputs):
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.reshape(-1).tolist() if prompt.dim() <= 1 else prompt
+        if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":  # (a NumPy array)
+            if getattr(prompt, "ndim", None) is not None and prompt.ndim <= 1:
+                prompt = prompt.reshape(-1).tolist()
         if not isinstance(prompt, (list, tuple)):
-            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got {type(prompt).__name__}")
+            dims = f" of {prompt.ndim} dims" if getattr(prompt, "ndim", None) is not None else ""
+            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids (or a 1-D integer tensor or NumPy "
+                            f"array), got {type(prompt).__name__}{dims}")
         odd = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if odd:
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "

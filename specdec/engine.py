@@ -32,6 +32,7 @@ import functools
 import numbers
 import re
 import time
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -333,6 +334,8 @@ class SpeculativeGenerator:
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
                  decode_path: str = "auto", max_speculative_tokens: int = 8, cost_model: CostModel | None = None,
                  policy: PolicySettings | None = None):
+        # the managers init_continuous_batching made: while one's loop runs, the generator is that loop's
+        self._managers: weakref.WeakSet = weakref.WeakSet()
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         self._policy_graphs: dict = {}  # the speculation policy's captured updates, per shape (SpeculationPolicy)
         # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape
@@ -366,6 +369,7 @@ class SpeculativeGenerator:
 
     @num_speculative_tokens.setter
     def num_speculative_tokens(self, value):
+        self._check_free("setting num_speculative_tokens")
         if isinstance(value, str):
             if value != AUTO:
                 raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] or 'auto', "
@@ -476,6 +480,7 @@ class SpeculativeGenerator:
 
     @drafter.setter
     def drafter(self, value):
+        self._check_free("setting the drafter")
         d = make_drafter(value, target=self.model)
         dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
@@ -497,6 +502,7 @@ class SpeculativeGenerator:
 
     @strategy.setter
     def strategy(self, value):
+        self._check_free("setting the rollback strategy")
         self._candidates = {name: make_strategy(name) for name in STRATEGIES} if value == AUTO else None
         self._choices.clear()
         try:
@@ -509,7 +515,10 @@ class SpeculativeGenerator:
     rollback = strategy
 
     def release(self) -> None:
-        """Free the static buffers and CUDA graphs kept for the next call of the same shape."""
+        """Free the static buffers and CUDA graphs kept for the next call of the same shape.
+
+        Raises: RuntimeError while a continuous batching manager of this generator runs."""
+        self._check_free("release()")
         self._static.clear()
         self.decoder = self.last_cache = None
 
@@ -571,7 +580,9 @@ class SpeculativeGenerator:
         Raises:
             TypeError / ValueError: bad arguments (checked before any work), unsupported settings
             (:func:`specdec.settings.resolve`); ValueError when the drafter returns a bad proposal.
+            RuntimeError: a continuous batching manager of this generator is running.
         """
+        self._check_free("generate()")
         if input_ids is None:  # (HF's generate() also takes inputs_embeds alone)
             raise ValueError("generate() needs input_ids (token ids, [B, L]); inputs_embeds is not supported: the "
                              "drafters and the verify step work on token ids" if "inputs_embeds" in kwargs
@@ -663,16 +674,18 @@ class SpeculativeGenerator:
             as the n-gram drafter, drafters that define ``admit``, i.e. the draft-model, MTP,
             Medusa and oracle drafters; and ``num_speculative_tokens=0``); the static path with a
             strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``), the
-            target's or a draft model's.
+            target's or a draft model's. RuntimeError: a continuous batching manager of this
+            generator is running.
         """
         queued = time.perf_counter()
+        self._check_free("generate_batch()")
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
         if max_new_tokens is None:
-            max_new_tokens = self._default_budget(generation_config)
+            max_new_tokens = self._default_budget(generation_config, "generate_batch()")
         requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, self._max_positions())
         for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
             results[r.index] = r.output(RequestStatus.FINISHED)
@@ -715,8 +728,9 @@ class SpeculativeGenerator:
             max_batch_size: the pool's rows: an int >= 1, ``"auto"`` (as many as fit the memory
                 budget for requests of ``max_length`` tokens) or None (``DEFAULT_MAX_BATCH_SIZE``, 32).
             memory_budget, max_batch_tokens: as :meth:`generate_batch` takes them.
-            max_new_tokens: a request's budget when ``add_request`` gives none (default: the
-                generation config's ``max_new_tokens``, else 20).
+            max_new_tokens: a request's budget when ``add_request`` gives none, at most
+                ``max_length - 1`` (default: the generation config's ``max_new_tokens``, else 20;
+                a request whose prompt and budget exceed ``max_length`` fails alone).
             prefix_caching, prefix_block_size, prefix_cache_bytes: as :meth:`generate_batch` takes
                 them, but the cache is the manager's (``manager.prefix_cache``): it lives as long as
                 the manager, across its ``start()`` / ``stop()`` runs, so a request reuses the
@@ -728,7 +742,7 @@ class SpeculativeGenerator:
 
         Raises:
             TypeError / ValueError: as :meth:`generate_batch` raises them, checked here; a bad
-            ``max_length`` or ``max_new_tokens``.
+            ``max_length`` or ``max_new_tokens`` (also one above ``max_length - 1``).
         """
         limit = self._max_positions()
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
@@ -740,28 +754,46 @@ class SpeculativeGenerator:
         self._check_batching()
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
-        if max_new_tokens is None:
-            max_new_tokens = self._default_budget(generation_config)
+        given = max_new_tokens is not None
+        if not given:
+            max_new_tokens = self._default_budget(generation_config, "init_continuous_batching()")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
                             f"{type(max_new_tokens).__name__}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0 (the default budget of a request), got {max_new_tokens}")
+        if max_new_tokens < 0 or (given and max_new_tokens > max_length - 1):
+            raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
+                             f"{max_length - 1}]: a request holds its prompt (at least one token) and its new tokens "
+                             f"in max_length; got {max_new_tokens}")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
                                            "init_continuous_batching")
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
                                cache.max_bytes if cache is not None else 0)
-        return ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
-                                         max_length=int(max_length), max_new_tokens=int(max_new_tokens),
-                                         max_batch_tokens=max_batch_tokens, prefix_cache=cache,
-                                         vocab_size=self.adapter.vocab_size, max_positions=limit,
-                                         device=self.adapter.device)
+        manager = ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
+                                            max_length=int(max_length), max_new_tokens=int(max_new_tokens),
+                                            max_batch_tokens=max_batch_tokens, prefix_cache=cache,
+                                            vocab_size=self.adapter.vocab_size, max_positions=limit,
+                                            device=self.adapter.device,
+                                            check_start=functools.partial(self._check_free, "start()"))
+        self._managers.add(manager)
+        return manager
 
-    def _default_budget(self, generation_config) -> int:
+    def _default_budget(self, generation_config, caller: str) -> int:
         """A request's budget when none is given: the generation config's ``max_new_tokens``, else 20
-        (a generation_config of another type is refused by ``resolve`` later)."""
+        (a generation_config of another type is refused by ``resolve`` later).
+
+        Raises: ValueError: a ``generation_config`` passed to the call sets ``max_length`` (not the
+        default) and no ``max_new_tokens``: a budget of prompt + new tokens, which these calls do not
+        take (as for their ``max_length`` keyword)."""
         gc = generation_config if generation_config is not None else self.model.generation_config
         budget = getattr(gc, "max_new_tokens", None)
+        if budget is None and generation_config is not None:
+            from transformers import GenerationConfig
+
+            length = getattr(generation_config, "max_length", None)
+            if length is not None and length != GenerationConfig().max_length:
+                raise ValueError(f"{caller} takes max_new_tokens (an int, or one per request), not max_length; the "
+                                 f"generation_config passed sets max_length={length} and no max_new_tokens: set "
+                                 "max_new_tokens (on it or as an argument)")
         return 20 if budget is None else budget
 
     def _max_positions(self) -> int | None:
@@ -782,7 +814,9 @@ class SpeculativeGenerator:
         blockers = settings.per_token_features
         if blockers or settings.return_dict:
             raise ValueError(f"{caller} does not support {', '.join(blockers) or 'return_dict_in_generate'}"
-                             "; use generate() for these")
+                             "; use generate() for these. They come from the call's arguments or its "
+                             "generation_config (the model's, when none is passed): to run without them, pass their "
+                             "neutral values (e.g. repetition_penalty=1.0, min_new_tokens=0)")
         custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
         if custom and self._pick_path(self.adapter.device, None) != "eager":
             raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
@@ -843,6 +877,15 @@ class SpeculativeGenerator:
         K = self._most_drafts
         self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1),
                                 max_batch_size=plan.rows, batch_size_reason=plan.reason)
+
+    def _check_free(self, what: str) -> None:
+        """Raise RuntimeError when a continuous batching manager of this generator runs its loop on
+        another thread: the caches, drafter and rollback state are that loop's until it ends."""
+        if any(m.runs_elsewhere() for m in list(self._managers)):
+            raise RuntimeError(f"{what}: this generator's continuous batching manager is running (started, and "
+                               "not yet ended by stop()); its decode loop uses the generator's caches, drafter and "
+                               "rollback state. Call manager.stop() first, or make a second generator "
+                               "(specdec.wrap(model, ...)) for other calls")
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""

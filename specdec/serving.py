@@ -33,10 +33,12 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
@@ -45,7 +47,7 @@ import torch
 from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, check_requests
 from .prefix_cache import PrefixCache
 
-__all__ = ["ContinuousBatchingManager", "WAIT_S"]
+__all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,22 @@ logger = logging.getLogger(__name__)
 #: ``stop()`` wake them at once)
 WAIT_S = 0.5
 
+#: seconds the interpreter's exit waits for each running manager's loop, hard-stopped, to end
+EXIT_JOIN_S = 30.0
+
 _IDLE, _RUNNING, _FLUSHING, _HARD_STOP = "idle", "running", "flushing", "hard_stop"
+
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # managers whose loop was started (the exit hook's to stop)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At interpreter exit, hard-stop every manager whose loop still runs and wait for it to end:
+    a loop thread left inside a CUDA or Triton call while the interpreter finalises aborts the
+    process (``terminate called without an active exception``)."""
+    for manager in list(_STARTED):
+        if manager.is_running():
+            manager.stop(block=True, timeout=EXIT_JOIN_S, hard_stop=True)
 
 
 class _HardStop(Exception):
@@ -108,8 +125,11 @@ class ContinuousBatchingManager:
     """Requests in, results out, while a background thread decodes them (see the module docstring).
 
     Made by :meth:`SpeculativeGenerator.init_continuous_batching`, which checks every setting.
-    While it runs, the generator is the loop's: do not call its ``generate`` / ``generate_batch``
-    from another thread then; ``last_stats`` describes a run once ``stop()`` has ended it (not
+    While it runs, the generator is the loop's: its ``generate``, ``generate_batch``, ``release``,
+    setting its drafter, rollback strategy or K, and starting another of its managers raise
+    ``RuntimeError`` (a second ``specdec.wrap`` of the model serves other calls meanwhile). At
+    interpreter exit a loop still running is hard-stopped and waited for (at most
+    :data:`EXIT_JOIN_S`); ``last_stats`` describes a run once ``stop()`` has ended it (not
     after a hard stop or an error, which end the loop inside a step), idle waits counted in its
     ``prefill_s`` (the admission phase waits for requests) and ``wall_s``.
 
@@ -122,6 +142,8 @@ class ContinuousBatchingManager:
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
         prefix_cache: the :class:`~specdec.prefix_cache.PrefixCache` every run's pool prefills its
             prompts through (``prefix_caching=True``), or None.
+        check_start: called by ``start()`` before the loop starts; raises to refuse it (the
+            generator's: another of its managers runs).
 
     Attributes:
         max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
@@ -132,8 +154,9 @@ class ContinuousBatchingManager:
 
     def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
                  vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, check_start: Callable[[], None] | None = None):
         self._run = run
+        self._check_start = check_start
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
@@ -156,11 +179,28 @@ class ContinuousBatchingManager:
         """Whether the loop thread was started and has not ended."""
         return self._thread is not None and self._thread.is_alive()
 
+    def runs_elsewhere(self) -> bool:
+        """Whether the loop thread runs and is not the calling thread."""
+        return self.is_running() and self._thread is not threading.current_thread()
+
     def start(self) -> None:
-        """Start the loop on a background thread (a warning, nothing else, when it runs already)."""
-        if self.is_running():
-            logger.warning("the continuous batching manager is already running")
-            return
+        """Start the loop on a background thread (a warning, nothing else, when it runs already;
+        while a ``stop()`` is under way, the loop it stops ends first, then a new one starts).
+
+        Raises:
+            RuntimeError: another manager of the same generator runs its loop (the generator's
+            caches are that loop's until it ends)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            with self._changed:
+                stopping = self._state in (_FLUSHING, _HARD_STOP)
+            if not stopping:
+                logger.warning("the continuous batching manager is already running")
+                return
+            thread.join()  # stop(block=False) was called: that loop finishes its requests first
+        if self._check_start is not None:
+            self._check_start()
+        _STARTED.add(self)
         pool = _OpenPool(self, self.max_batch_size, self.max_length)
         with self._changed:
             self._state, self._error = _RUNNING, None

@@ -368,7 +368,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     unknown = sorted(k for k in overrides if k not in known and (k not in config_fields or k.startswith("_")))
     caller = caller or ("generate_batch()" if batch else "generate()")
     if unknown:
-        own = f"{caller}'s own parameters" if batch else _ARGUMENTS
+        own = f"{caller}'s own parameters (generator= among them)" if batch else _ARGUMENTS
         raise ValueError(f"unsupported {caller} argument(s): {unknown}; supported: {own}, and the "
                          f"GenerationConfig settings {_supported(batch)}")
     input_ids = _check_input_ids(input_ids, vocab_size, device)
@@ -388,8 +388,11 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     for key, off in _UNSUPPORTED.items():
         val = getattr(gc, key, off)
         if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
-            raise ValueError(f"unsupported generation setting {key}={val!r}: specdec's {caller} supports "
-                             + _supported(batch))
+            source = ("the call's arguments" if overrides.get(key) is not None
+                      else "the generation_config passed" if generation_config is not None
+                      and getattr(generation_config, key, off) == val else "the model's generation_config")
+            raise ValueError(f"unsupported generation setting {key}={val!r} (from {source}; pass {key}={off!r} to "
+                             f"decode without it): specdec's {caller} supports " + _supported(batch))
     if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
         warn_caller("use_cache=False has no effect: specdec always decodes with its own cache (same output)")
 

@@ -388,7 +388,9 @@ def test_argument_errors():
         (dict(max_batch_tokens=2.5), TypeError, "max_batch_tokens must be an int"),
         (dict(max_length=10), ValueError, "max_new_tokens"),
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
-        (dict(num_beams=2), ValueError, r"num_beams=2: specdec's generate_batch\(\) supports max_new_tokens, do_sample"),
+        (dict(num_beams=2), ValueError, r"num_beams=2 \(from the call's arguments; pass num_beams=1 to decode without "
+                                        r"it\): specdec's generate_batch\(\) supports max_new_tokens, do_sample"),
+        (dict(inputs=[torch.tensor([[5, 6]])]), TypeError, "or a 1-D integer tensor or NumPy array.*got Tensor of 2 dims"),
         (dict(beams=2), ValueError, r"unsupported generate_batch\(\) argument\(s\): \['beams'\]; supported: "
                                     r"generate_batch\(\)'s own parameters"),
     ]
@@ -400,6 +402,33 @@ def test_argument_errors():
         sd.generate_batch(ok, max_new_tokens=3, num_beams=2)
     assert not any(x in str(err.value) for x in ("repetition_penalty", "min_new_tokens", "max_time", "output_scores"))
     assert sd.generate_batch([]) == {}
+    # a generation_config's max_length is refused as the keyword is, where it sets the budget
+    from transformers import GenerationConfig
+
+    for call in (lambda gc: sd.generate_batch(ok, generation_config=gc),
+                 lambda gc: sd.init_continuous_batching(gc, max_length=16)):
+        with pytest.raises(ValueError, match="the generation_config passed sets max_length=9 and no max_new_tokens"):
+            call(GenerationConfig(max_length=9))
+    assert len(sd.generate_batch(ok, generation_config=GenerationConfig(max_length=9, max_new_tokens=2))["req_0"]
+               .generated_tokens) == 2  # (max_new_tokens wins, as in generate())
+    with pytest.raises(ValueError, match=r"must be in \[0, max_length - 1 = 15\]"):
+        sd.init_continuous_batching(max_length=16, max_new_tokens=100)
+    # settings the model's generation_config holds: the error says where they come from
+    saved = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(repetition_penalty=1.05)
+        with pytest.raises(ValueError, match=r"generation_config \(the model's, when none is passed\).*"
+                                             r"repetition_penalty=1.0"):
+            sd.generate_batch(ok, max_new_tokens=3)
+        assert len(sd.generate_batch(ok, max_new_tokens=3, repetition_penalty=1.0)["req_0"].generated_tokens) == 3
+        model.generation_config = GenerationConfig(num_beams=2)
+        with pytest.raises(ValueError, match=r"num_beams=2 \(from the model's generation_config; pass num_beams=1"):
+            sd.generate_batch(ok, max_new_tokens=3)
+    finally:
+        model.generation_config = saved
+    # a prompt as a NumPy array, as a list gives it
+    want = sd.generate_batch([[5, 6, 7]], max_new_tokens=3)["req_0"].generated_tokens
+    assert sd.generate_batch([np.array([5, 6, 7])], max_new_tokens=3)["req_0"].generated_tokens == want
     # budgets as a tensor or NumPy array: one per request, as a list gives them
     prompts = [[5, 6, 7], [8, 9]]
     want = sd.generate_batch(prompts, max_new_tokens=[2, 4])

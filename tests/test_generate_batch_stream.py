@@ -185,6 +185,86 @@ def test_stop_flushes_pending_requests():
     _check({k: out[k] for k in sorted(out, key=lambda k: int(k[4:]))}, expected, prompts)
 
 
+def test_the_running_loop_owns_the_generator():
+    """While a manager's loop runs, the generator's own calls and setters, and starting a second
+    manager of it, raise RuntimeError naming the running manager (they would share its caches);
+    the loop is untouched and its results exact; a second wrap() of the model decodes alongside;
+    after stop() the generator is free again."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager(Gate(full, hold_at=2))
+    other = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos)
+    m.add_requests(prompts, max_new_tokens=budgets)
+    m.start()
+    try:
+        assert sd.drafter.entered.wait(30)
+        ids = torch.tensor([prompts[0]])
+        for call in (lambda: sd.generate(ids, max_new_tokens=3), lambda: sd.generate_batch([prompts[0]]),
+                     sd.release, lambda: setattr(sd, "drafter", "ngram"), lambda: setattr(sd, "rollback", "snapshot"),
+                     lambda: setattr(sd, "num_speculative_tokens", 2), other.start):
+            with pytest.raises(RuntimeError, match="continuous batching manager is running"):
+                call()
+        assert not other.is_running()
+        alone = specdec.wrap(get_model(FAMILY), num_speculative_tokens=0)
+        assert alone.generate_batch([prompts[0]], max_new_tokens=budgets[0],
+                                    eos_token_id=eos)["req_0"].generated_tokens == expected[0]
+    finally:
+        sd.drafter.gate.set()
+        m.stop(block=True, timeout=60)
+    out = {o.request_id: o for o in m}
+    _check({k: out[k] for k in sorted(out, key=lambda k: int(k[4:]))}, expected, prompts)
+    got = sd.generate_batch([prompts[1]], max_new_tokens=budgets[1], eos_token_id=eos)
+    assert got["req_0"].generated_tokens == expected[1]
+
+
+def test_start_after_a_stop_under_way():
+    """start() while stop(block=False) is still finishing the requests: the old loop ends first
+    (every request it had finishes), then a new loop takes requests added after start()."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager(Gate(full, hold_at=2))
+    m.add_requests(prompts[:4], max_new_tokens=budgets[:4])
+    m.start()
+    assert sd.drafter.entered.wait(30)
+    m.stop(block=False)
+    threading.Timer(0.2, sd.drafter.gate.set).start()  # the old loop finishes while start() waits for it
+    m.start()
+    try:
+        assert m.is_running()
+        late = m.add_requests(prompts[4:], max_new_tokens=budgets[4:])
+        out = {o.request_id: o for o in m}
+    finally:
+        m.stop(block=True, timeout=60)
+    assert sorted(out, key=lambda k: int(k[4:])) == [f"req_{i}" for i in range(len(prompts))]
+    assert late == [f"req_{i}" for i in range(4, len(prompts))]
+    _check({k: out[k] for k in sorted(out, key=lambda k: int(k[4:]))}, expected, prompts)
+
+
+def test_interpreter_exit_with_a_running_loop(tmp_path):
+    """A script that ends while its manager still decodes exits cleanly (status 0): the exit hook
+    hard-stops the loop and waits for it, where a loop thread left inside torch aborted the
+    process."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve_and_leave.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import specdec\n"
+        "from tiny_models import make_model\n"
+        "sd = specdec.wrap(make_model('qwen3_5'), drafter='ngram', num_speculative_tokens=3, decode_path='eager')\n"
+        "m = sd.init_continuous_batching(max_length=300, max_batch_size=2)\n"
+        "m.start()\n"
+        "for p in ([5, 6, 7, 8, 9], [10, 11, 12]):\n"
+        "    m.add_request(p, max_new_tokens=250)\n"
+        "time.sleep(0.5)\n"
+        "print('left with the loop running:', m.is_running())\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "left with the loop running: True" in run.stdout
+    assert "terminate called" not in run.stderr
+
+
 def test_hard_stop_fails_unfinished_requests():
     """stop(hard_stop=True) ends the loop at the next step: decoding requests come back FAILED with
     the tokens they had (a prefix of their text alone), waiting ones FAILED with none."""
