@@ -185,9 +185,10 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise ValueError(f"max_new_tokens of {label} must be >= 0, got {b}")
     requests, failed = [], {}
     for i, prompt in enumerate(inputs):
-        if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":  # (a NumPy array)
-            if getattr(prompt, "ndim", None) is not None and prompt.ndim <= 1:
-                prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, torch.Tensor) and prompt.dim() <= 1:
+            prompt = prompt.reshape(-1).tolist()
+        elif type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) == 1:  # a 1-D NumPy array
+            prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             dims = f" of {prompt.ndim} dims" if getattr(prompt, "ndim", None) is not None else ""
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids (or a 1-D integer tensor or NumPy "

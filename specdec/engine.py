@@ -815,8 +815,9 @@ class SpeculativeGenerator:
         if blockers or settings.return_dict:
             raise ValueError(f"{caller} does not support {', '.join(blockers) or 'return_dict_in_generate'}"
                              "; use generate() for these. They come from the call's arguments or its "
-                             "generation_config (the model's, when none is passed): to run without them, pass their "
-                             "neutral values (e.g. repetition_penalty=1.0, min_new_tokens=0)")
+                             "generation_config (a passed one is completed from model.generation_config): clear them "
+                             "there (e.g. model.generation_config.repetition_penalty = 1.0), or pass a neutral value "
+                             "where one exists (repetition_penalty=1.0, min_new_tokens=0)")
         custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
         if custom and self._pick_path(self.adapter.device, None) != "eager":
             raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "

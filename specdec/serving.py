@@ -68,9 +68,11 @@ def _stop_at_exit() -> None:
     """At interpreter exit, hard-stop every manager whose loop still runs and wait for it to end:
     a loop thread left inside a CUDA or Triton call while the interpreter finalises aborts the
     process (``terminate called without an active exception``)."""
-    for manager in list(_STARTED):
-        if manager.is_running():
-            manager.stop(block=True, timeout=EXIT_JOIN_S, hard_stop=True)
+    running = [m for m in list(_STARTED) if m.is_running()]
+    for manager in running:  # every loop told first: the waits below overlap
+        manager.stop(block=False, hard_stop=True)
+    for manager in running:
+        manager.stop(block=True, timeout=EXIT_JOIN_S, hard_stop=True)
 
 
 class _HardStop(Exception):
@@ -173,6 +175,7 @@ class ContinuousBatchingManager:
         self._state = _IDLE
         self._error: BaseException | None = None  # what ended the last run, if it failed
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # one start() at a time
 
     # control ---------------------------------------------------------------------------------
     def is_running(self) -> bool:
@@ -190,23 +193,24 @@ class ContinuousBatchingManager:
         Raises:
             RuntimeError: another manager of the same generator runs its loop (the generator's
             caches are that loop's until it ends)."""
-        thread = self._thread
-        if thread is not None and thread.is_alive():
+        with self._starting:
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                with self._changed:
+                    running = self._state == _RUNNING
+                if running or thread is threading.current_thread():
+                    logger.warning("the continuous batching manager is already running")
+                    return
+                thread.join()  # a loop that is stopping or has just ended: it finishes first
+            if self._check_start is not None:
+                self._check_start()
+            _STARTED.add(self)
+            pool = _OpenPool(self, self.max_batch_size, self.max_length)
             with self._changed:
-                stopping = self._state in (_FLUSHING, _HARD_STOP)
-            if not stopping:
-                logger.warning("the continuous batching manager is already running")
-                return
-            thread.join()  # stop(block=False) was called: that loop finishes its requests first
-        if self._check_start is not None:
-            self._check_start()
-        _STARTED.add(self)
-        pool = _OpenPool(self, self.max_batch_size, self.max_length)
-        with self._changed:
-            self._state, self._error = _RUNNING, None
-        self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
-                                        daemon=True)
-        self._thread.start()
+                self._state, self._error = _RUNNING, None
+            self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
         """End the loop: by default once every request added so far has ended (their results stay
@@ -216,14 +220,15 @@ class ContinuousBatchingManager:
         raises ``RuntimeError``; once the loop has ended, requests added are queued, as before the
         first ``start()``, and decode from the next ``start()``."""
         with self._changed:
-            if self._state == _IDLE:  # (not started, or its loop has ended)
-                if self._thread is None:
-                    logger.warning("the continuous batching manager was not started")
-                return
-            self._state = _HARD_STOP if hard_stop or self._state == _HARD_STOP else _FLUSHING
-            self._changed.notify_all()
+            idle = self._state == _IDLE  # (not started, or its loop has ended or is ending)
+            if not idle:
+                self._state = _HARD_STOP if hard_stop or self._state == _HARD_STOP else _FLUSHING
+                self._changed.notify_all()
         thread = self._thread
-        if block and thread is not None:
+        if idle and thread is None:
+            logger.warning("the continuous batching manager was not started")
+            return
+        if block and thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning(f"the continuous batching loop did not end within {timeout} s")

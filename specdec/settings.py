@@ -390,9 +390,10 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
             source = ("the call's arguments" if overrides.get(key) is not None
                       else "the generation_config passed" if generation_config is not None
-                      and getattr(generation_config, key, off) == val else "the model's generation_config")
-            raise ValueError(f"unsupported generation setting {key}={val!r} (from {source}; pass {key}={off!r} to "
-                             f"decode without it): specdec's {caller} supports " + _supported(batch))
+                      and getattr(generation_config, key, off) == val
+                      else f"the model's generation_config: clear it there, model.generation_config.{key} = {off!r}")
+            raise ValueError(f"unsupported generation setting {key}={val!r} (from {source}): specdec's {caller} "
+                             "supports " + _supported(batch))
     if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
         warn_caller("use_cache=False has no effect: specdec always decodes with its own cache (same output)")
 

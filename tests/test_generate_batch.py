@@ -388,8 +388,9 @@ def test_argument_errors():
         (dict(max_batch_tokens=2.5), TypeError, "max_batch_tokens must be an int"),
         (dict(max_length=10), ValueError, "max_new_tokens"),
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
-        (dict(num_beams=2), ValueError, r"num_beams=2 \(from the call's arguments; pass num_beams=1 to decode without "
-                                        r"it\): specdec's generate_batch\(\) supports max_new_tokens, do_sample"),
+        (dict(num_beams=2), ValueError, r"num_beams=2 \(from the call's arguments\): specdec's generate_batch\(\) "
+                                        r"supports max_new_tokens, do_sample"),
+        (dict(inputs=[np.int64(5), np.int64(6)]), TypeError, "req_0: a prompt must be a list of int token ids"),
         (dict(inputs=[torch.tensor([[5, 6]])]), TypeError, "or a 1-D integer tensor or NumPy array.*got Tensor of 2 dims"),
         (dict(beams=2), ValueError, r"unsupported generate_batch\(\) argument\(s\): \['beams'\]; supported: "
                                     r"generate_batch\(\)'s own parameters"),
@@ -417,13 +418,15 @@ def test_argument_errors():
     saved = model.generation_config
     try:
         model.generation_config = GenerationConfig(repetition_penalty=1.05)
-        with pytest.raises(ValueError, match=r"generation_config \(the model's, when none is passed\).*"
-                                             r"repetition_penalty=1.0"):
+        with pytest.raises(ValueError, match=r"model.generation_config.repetition_penalty = 1.0"):
             sd.generate_batch(ok, max_new_tokens=3)
         assert len(sd.generate_batch(ok, max_new_tokens=3, repetition_penalty=1.0)["req_0"].generated_tokens) == 3
         model.generation_config = GenerationConfig(num_beams=2)
-        with pytest.raises(ValueError, match=r"num_beams=2 \(from the model's generation_config; pass num_beams=1"):
+        with pytest.raises(ValueError, match=r"num_beams=2 \(from the model's generation_config: clear it there, "
+                                             r"model.generation_config.num_beams = 1\)"):
             sd.generate_batch(ok, max_new_tokens=3)
+        model.generation_config.num_beams = 1  # (what the message says)
+        assert len(sd.generate_batch(ok, max_new_tokens=3)["req_0"].generated_tokens) == 3
     finally:
         model.generation_config = saved
     # a prompt as a NumPy array, as a list gives it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -236,6 +237,32 @@ def test_start_after_a_stop_under_way():
     assert sorted(out, key=lambda k: int(k[4:])) == [f"req_{i}" for i in range(len(prompts))]
     assert late == [f"req_{i}" for i in range(4, len(prompts))]
     _check({k: out[k] for k in sorted(out, key=lambda k: int(k[4:]))}, expected, prompts)
+
+
+def test_start_while_the_ended_loop_thread_exits():
+    """start() in the moment between the loop's end (state idle) and its thread's exit waits for
+    the thread, then starts a new loop (it did nothing but warn "already running")."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    deliver = m._deliver
+
+    def slow_last_delivery(outputs):  # the loop's final delivery, after it set the state idle
+        if threading.current_thread() is m._thread and m._state == "idle":
+            time.sleep(0.5)
+        deliver(outputs)
+
+    m._deliver = slow_last_delivery
+    m.start()
+    old = m._thread
+    m.stop(block=False)  # no requests: the loop ends at once, then delivers slowly
+    time.sleep(0.1)
+    m.start()
+    try:
+        assert m.is_running() and m._thread is not old and not old.is_alive()
+        rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+    finally:
+        m.stop(block=True, timeout=60)
 
 
 def test_interpreter_exit_with_a_running_loop(tmp_path):
