@@ -51,10 +51,11 @@ def _inputs(B, t, D, dtype, seed):
 @pytest.mark.parametrize("module, cls, kwargs, group, after", CLASSES, ids=[c[1] for c in CLASSES])
 def test_kernel_and_reference_are_the_module(module, cls, kwargs, group, after, dtype):
     """The torch form equals the module's forward bit for bit; the kernel equals it within fp32
-    rounding, in fp16 bit for bit (so its roundings are the module's: left out, they change
-    outputs here), in bf16 within one unit in the last place of the output per rounding (Triton's
-    interpreter truncates bf16 conversions where the GPU rounds); the group size and the order
-    are the class's."""
+    rounding, in fp16 under Triton's interpreter bit for bit (so its roundings are the module's:
+    left out, they change outputs here), otherwise within one unit in the last place of the output
+    per rounding (the interpreter truncates bf16 conversions where the GPU rounds; on the GPU the
+    fp32 sigmoid may differ from torch's in its last bit); the group size and the order are the
+    class's."""
     D, B, t = 48, 3, 2
     norm = _norm(module, cls, kwargs, D, dtype, seed=1)
     y, gate = _inputs(B, t, D, dtype, seed=2)
@@ -70,10 +71,10 @@ def test_kernel_and_reference_are_the_module(module, cls, kwargs, group, after, 
     assert got is out and not got.isnan().any()
     if dtype == torch.float32:
         assert rel_err(got, want) < 1e-6
-    elif dtype == torch.float16:
+    elif dtype == torch.float16 and not ON_CUDA:
         assert torch.equal(got, want)
     else:  # two roundings (the normalised value, then the product), three with the gate after
-        ulp = want.float().abs() * 2.0 ** -7 * (3 if after else 2)
+        ulp = want.float().abs() * torch.finfo(dtype).eps * (3 if after else 2)
         assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
     assert torch.equal(y, before[0]) and torch.equal(gate, before[1])
 
