@@ -45,7 +45,7 @@ from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
-from .settings import as_budgets, warn_caller
+from .settings import as_budgets, is_array, warn_caller
 
 __all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS",
            "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
@@ -185,10 +185,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise ValueError(f"max_new_tokens of {label} must be >= 0, got {b}")
     requests, failed = [], {}
     for i, prompt in enumerate(inputs):
-        if isinstance(prompt, torch.Tensor) and prompt.dim() <= 1:
-            prompt = prompt.reshape(-1).tolist()
-        elif type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) == 1:  # a 1-D NumPy array
-            prompt = prompt.tolist()
+        if is_array(prompt) and (prompt.ndim == 1 or isinstance(prompt, torch.Tensor) and prompt.ndim == 0):
+            prompt = prompt.reshape(-1).tolist()  # (a 0-d tensor: one token, as before; a NumPy scalar: refused)
         if not isinstance(prompt, (list, tuple)):
             dims = f" of {prompt.ndim} dims" if getattr(prompt, "ndim", None) is not None else ""
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids (or a 1-D integer tensor or NumPy "

@@ -162,12 +162,17 @@ def warn_caller(message: str, category=UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+def is_array(value) -> bool:
+    """Whether ``value`` is a torch tensor or a NumPy array or scalar (without importing NumPy)."""
+    return isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
+
+
 def as_budgets(value):
     """``max_new_tokens`` as plain Python: a tensor or NumPy array of one or more budgets as a list
     of ints (a 0-d one, or a NumPy integer, as an int); anything else unchanged.
 
     Raises: ValueError for an array of more than one dimension."""
-    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+    if is_array(value):
         if getattr(value, "ndim", 0) > 1:
             raise ValueError(f"max_new_tokens must be one int or one per row / request, got an array of shape "
                              f"{tuple(value.shape)}")
@@ -253,8 +258,7 @@ def _row_budgets(max_new_tokens, batch: int):
     Raises: ValueError / TypeError for a per-row budget of another length, a negative or a
         non-integer entry."""
     dtype = getattr(max_new_tokens, "dtype", None)
-    if (isinstance(max_new_tokens, torch.Tensor) or type(max_new_tokens).__module__ == "numpy") and (
-            str(dtype).split(".")[-1].startswith(("float", "bool"))):
+    if is_array(max_new_tokens) and str(dtype).split(".")[-1].startswith(("float", "bool")):
         raise TypeError(f"max_new_tokens per row must hold integers, got {dtype} values")
     max_new_tokens = as_budgets(max_new_tokens)
     if not isinstance(max_new_tokens, (list, tuple)):
