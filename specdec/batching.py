@@ -191,15 +191,18 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             dims = f" of {prompt.ndim} dims" if getattr(prompt, "ndim", None) is not None else ""
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids (or a 1-D integer tensor or NumPy "
                             f"array), got {type(prompt).__name__}{dims}")
-        odd = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if odd:
+        # per distinct type, not per token (a server checks every prompt on its arrival)
+        kinds = set(map(type, prompt))
+        bad = {k for k in kinds if not issubclass(k, numbers.Integral) or issubclass(k, bool)}
+        if bad:
+            odd = next(t for t in prompt if type(t) in bad)
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
-                            f"holding {type(odd[0]).__name__} {odd[0]!r}")
-        ids, budget = tuple(int(t) for t in prompt), int(budgets[i])
+                            f"holding {type(odd).__name__} {odd!r}")
+        ids, budget = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt)), int(budgets[i])
         error = None
         if not ids:
             error = "empty prompt: give at least one token id"
-        elif any(t < 0 or t >= vocab_size for t in ids):
+        elif min(ids) < 0 or max(ids) >= vocab_size:
             outside = sorted({t for t in ids if not 0 <= t < vocab_size})
             error = f"token ids outside the vocabulary [0, {vocab_size}): {outside}"
         elif max_positions is not None and len(ids) + budget > max_positions:
