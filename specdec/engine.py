@@ -1313,15 +1313,16 @@ class SpeculativeGenerator:
                     except StopIteration as stop:
                         pool.prefilling_chunks = None
                         logits, hidden = stop.value
-                        taken, ids, fresh = [pool.slots[job.row]], job.ids, job.cache
-                        idx, mask = torch.tensor([job.row], device=dev), torch.ones_like(ids)
+                        taken, ids, fresh, slots = [pool.slots[job.row]], job.ids, job.cache, [job.row]
+                        idx, mask = torch.tensor(slots, device=dev), torch.ones_like(ids)
                 else:
                     free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
                     taken = pool.take(free, decoding=live)
                     if not taken:
                         return live, longest
             if job is None:
-                idx = torch.tensor(free[:len(taken)], dtype=torch.long, device=dev)
+                slots = free[:len(taken)]
+                idx = torch.tensor(slots, dtype=torch.long, device=dev)
                 ids, mask = left_pad([r.prompt for r in taken], dev)
                 fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
                 if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens:
@@ -1332,7 +1333,7 @@ class SpeculativeGenerator:
                     continue  # its first chunk now
                 logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache,
                                                       max_tokens=pool.max_batch_tokens, prompt_path=dec.prompt_path)
-            dec.cache.reset_rows(idx, fresh)
+            dec.cache.reset_rows(slots, fresh)  # (host ints: its checks read them without waiting for the prefill)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)
             rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))
