@@ -255,12 +255,15 @@ def conv_variants(quick: bool):
 
 
 def norm_variants(quick: bool):
-    """The Mamba-2 mixers' gated RMSNorm: Nemotron-H-4B's 8 groups of 896 channels (bf16, the gate a
-    slice of the input projection), and unless quick one group of 8,192 channels."""
-    for D, group in ([(7168, 896)] if quick else [(7168, 896), (8192, 8192)]):
+    """The SSM mixers' gated RMSNorms (bf16, the gate a slice of the input projection): Nemotron-H-4B's
+    8 groups of 896 channels, a Gated DeltaNet head's 128 gated after the norm and a KDA head's 128
+    gated after it by a sigmoid, unrounded; unless quick, one group of 8,192 channels too."""
+    forms = [(7168, 896, False, "silu", True), (128, 128, True, "silu", True), (128, 128, True, "sigmoid", False)]
+    for D, group, after, activation, rounded in forms + ([] if quick else [(8192, 8192, False, "silu", True)]):
         y = torch.randn(2, 1, D, dtype=torch.bfloat16)
         gate = torch.randn(2, 1, D + 40, dtype=torch.bfloat16)[..., 8 : 8 + D]
-        triton_norm.gated_rms_norm_triton(y, gate, torch.randn(D, dtype=torch.bfloat16), 1e-5, group)
+        triton_norm.gated_rms_norm_triton(y, gate, torch.randn(D, dtype=torch.bfloat16), 1e-5, group, after,
+                                          activation, rounded)
 
 
 def linear_variants(quick: bool):

@@ -327,11 +327,11 @@ def test_delta_rule_prefill_matches_hf_prefill(family, monkeypatch):
 
 
 @needs_triton_interpreter
-@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "olmo_hybrid", "kimi_linear"])
 def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     """The prompt conv and gated norm on the triton backend (``SPECDEC_BACKEND=triton``; the
     interpreter on CPU) leave the states and logits the torch conv and HF's norm module leave
-    (Mamba-2's norm gates first, Gated DeltaNet's after): a ragged left-padded batch, and a prompt
+    (Mamba-2's norm gates first, Gated DeltaNet's and KDA's after): a ragged left-padded batch, and a prompt
     continued in forwards of 3 tokens (fewer than the conv's 4, so its history spans forwards)."""
     from specdec.kernels.conv1d.triton_conv import Conv1dTritonKernels
     from specdec.kernels.norm import triton_norm

@@ -11,6 +11,7 @@ import torch
 
 from ..kernels.gdn import L2NORM_EPS
 from .base import PROMPT_LAYERS, HybridAdapter, register
+from .common import gated_norm
 from .prompt_layer import DeltaRulePromptLayer
 
 __all__ = ["KDAPromptLayer", "KimiLinearAdapter"]
@@ -57,5 +58,5 @@ class KimiLinearAdapter(HybridAdapter):
         o = layer.ssm({"q": q, "k": k, "v": v.reshape(shape).float(), "g": g.float(), "beta": beta},
                       {"y_dtype": hidden_states.dtype})  # (y in the model's dtype: no cast after)
         gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).view(shape)
-        o = mixer.o_norm(o, gate).reshape(B, t, -1)
+        o = gated_norm(mixer.o_norm, layer, o, gate, steps=False).reshape(B, t, -1)  # (one launch in prompts)
         return mixer.o_proj(o)

@@ -16,7 +16,14 @@ over each head's channels, as their ``*RMSNormGated`` classes compute it (``gate
     p   = weight * round(h to y's dtype)                    (in y's dtype: rounded)
     out = round(p * silu(gate) to y's dtype)                (the product in fp32)
 
-A Mamba-2 decode step and a Mamba-2 or Gated DeltaNet prompt run it here. Compiled by Inductor
+Kimi Delta Attention (Kimi-Linear's ``KimiLinearRMSNormGated``) gates after the norm too, by
+``sigmoid(gate)``, in fp32 throughout with the weight cast to fp32 (``activation="sigmoid"``,
+``rounded=False``)::
+
+    h   = y * rsqrt(mean(y^2) + eps)                        (fp32)
+    out = round(weight * h * sigmoid(gate) to y's dtype)    (fp32, left to right)
+
+A Mamba-2 decode step and a Mamba-2, Gated DeltaNet or KDA prompt run it here. Compiled by Inductor
 as part of the captured step, the module is two kernels (the groups' variance, then the
 scaling); run eagerly over a prompt, it is ~8 element-wise launches over fp32 copies of ``y``.
 Here one program owns one (token, group) and does all of it, reading ``gate`` where the input
@@ -39,43 +46,58 @@ _GROUPED = ("Zamba2RMSNormGated",)
 #: the transformers classes whose forward is the ``gate_after`` arithmetic over every channel (with
 #: ``activation == "silu"``)
 _GATE_AFTER = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated")
+#: ... and the fp32 one gated by a sigmoid after the norm (with ``activation == "sigmoid"``)
+_SIGMOID_AFTER = ("KimiLinearRMSNormGated",)
 
 
-def gated_norm_form(norm: torch.nn.Module, channels: int) -> tuple[int, bool] | None:
-    """``(group_size, gate_after)``: how ``norm`` normalises ``channels`` channels when its class's
-    forward is an arithmetic of this module (a class of transformers' own modeling code named in
-    ``_ONE_GROUP`` -- without a ``group_size`` of its own --, ``_GROUPED``, group size dividing
-    ``channels``, or ``_GATE_AFTER`` with a silu gate); else None (the caller runs the module
-    itself). A forward set on the instance is taken to compute its class's (specdec's compiled
-    routing and accelerate's hooks do; tests/test_gated_norm.py checks each class against the
-    formula)."""
+def gated_norm_form(norm: torch.nn.Module, channels: int) -> tuple[int, bool, str, bool] | None:
+    """``(group_size, gate_after, activation, rounded)``, the arguments of :func:`gated_rms_norm`
+    after ``eps``: how ``norm`` normalises ``channels`` channels when its class's forward is an
+    arithmetic of this module (a class of transformers' own modeling code named in ``_ONE_GROUP``
+    -- without a ``group_size`` of its own --, ``_GROUPED``, group size dividing ``channels``,
+    ``_GATE_AFTER`` with a silu gate, or ``_SIGMOID_AFTER`` with a sigmoid gate); else None (the
+    caller runs the module itself). A forward set on the instance is taken to compute its class's
+    (specdec's compiled routing and accelerate's hooks do; tests/test_gated_norm.py checks each
+    class against the formula)."""
     cls = type(norm)
-    if cls.__name__ not in _ONE_GROUP + _GROUPED + _GATE_AFTER or not cls.__module__.startswith("transformers.models."):
+    if (cls.__name__ not in _ONE_GROUP + _GROUPED + _GATE_AFTER + _SIGMOID_AFTER
+            or not cls.__module__.startswith("transformers.models.")):
         return None  # (e.g. a checkpoint's own modeling code of the same class name, grouped otherwise)
+    activation = getattr(norm, "activation", None)
     if cls.__name__ in _GATE_AFTER:
-        return (channels, True) if getattr(norm, "activation", None) == "silu" else None
+        return (channels, True, "silu", True) if activation == "silu" else None
+    if cls.__name__ in _SIGMOID_AFTER:
+        return (channels, True, "sigmoid", False) if activation == "sigmoid" else None
     if cls.__name__ in _ONE_GROUP:
-        return (channels, False) if not hasattr(norm, "group_size") else None
+        return (channels, False, "silu", True) if not hasattr(norm, "group_size") else None
     size = int(getattr(norm, "group_size", 0))
-    return (size, False) if size > 0 and channels % size == 0 else None
+    return (size, False, "silu", True) if size > 0 and channels % size == 0 else None
 
 
 def gated_rms_norm_reference(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                             group_size: int, gate_after: bool = False) -> torch.Tensor:
+                             group_size: int, gate_after: bool = False, activation: str = "silu",
+                             rounded: bool = True) -> torch.Tensor:
     """The gated RMSNorm of ``y [..., D]`` by ``gate [..., D]`` over groups of ``group_size``
-    channels, as transformers' ``MambaRMSNormGated`` / ``Zamba2RMSNormGated`` compute it, or with
-    ``gate_after`` as the Gated DeltaNet families' ``*RMSNormGated`` do (the formulas of the
-    module docstring). Returns ``[..., D]`` in the dtype of ``weight * y`` (``gate_after``: y's)."""
-    silu = torch.nn.functional.silu(gate.float())
-    h = y.float() if gate_after else y.float() * silu
+    channels, as transformers' ``MambaRMSNormGated`` / ``Zamba2RMSNormGated`` compute it, with
+    ``gate_after`` as the Gated DeltaNet families' ``*RMSNormGated`` do, and with
+    ``activation="sigmoid", rounded=False`` as ``KimiLinearRMSNormGated`` does (the formulas of
+    the module docstring). Returns ``[..., D]`` in the dtype of ``weight * y`` (``gate_after`` or
+    not ``rounded``: y's)."""
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
+    act = torch.nn.functional.silu(gate.float()) if activation == "silu" else torch.sigmoid(gate.float())
+    h = y.float() if gate_after else y.float() * act
     g = h.view(*h.shape[:-1], h.shape[-1] // group_size, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * g.view(h.shape).to(y.dtype)
-    return (out * silu).to(y.dtype) if gate_after else out
+    out = weight * g.view(h.shape).to(y.dtype) if rounded else weight.float() * g.view(h.shape)
+    if gate_after:
+        return (out * act).to(y.dtype)
+    return out if rounded else out.to(y.dtype)
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
-                   gate_after: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                   gate_after: bool = False, activation: str = "silu", rounded: bool = True, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gated_rms_norm_reference` in one Triton launch.
 
     Args:
@@ -85,14 +107,17 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         weight: ``[D]``, y's dtype. eps: the module's ``variance_epsilon``.
         group_size: channels per group, dividing D. gate_after: the Gated DeltaNet order (gate
             after the norm) instead of the Mamba-2 one.
+        activation: the gate's, ``"silu"`` or ``"sigmoid"``. rounded: round where the Mamba-2 and
+            Gated DeltaNet modules round (else fp32 throughout, KDA's module).
         out: optional contiguous ``[..., D]`` output in y's dtype.
 
     Returns:
         ``[..., D]`` in y's dtype, contiguous.
 
     Raises:
-        ValueError: shapes or dtypes that do not fit, or a group size not dividing D.
+        ValueError: shapes or dtypes that do not fit, a group size not dividing D, or another
+            activation.
     """
     from .triton_norm import gated_rms_norm_triton  # lazy: the backend decides TRITON_INTERPRET first
 
-    return gated_rms_norm_triton(y, gate, weight, eps, group_size, gate_after, out=out)
+    return gated_rms_norm_triton(y, gate, weight, eps, group_size, gate_after, activation, rounded, out=out)

@@ -1,8 +1,8 @@
 """The gated RMSNorms of :mod:`specdec.kernels.norm` in Triton: one program per (token, group).
 
 Nothing syncs with the host or autotunes; the only allocation is the output (safe in CUDA-graph
-capture once compiled). Arithmetic in fp32, rounded where the modules round: the normalised
-value to y's dtype, then its product with the weight.
+capture once compiled). Arithmetic in fp32, rounded where the modules round (``rounded``): the
+normalised value to y's dtype, then its product with the weight.
 """
 
 from __future__ import annotations
@@ -18,28 +18,38 @@ __all__ = ["gated_rms_norm_triton"]
 
 @triton.jit
 def _gated_rms_norm_kernel(y, gate, weight, out, D, stride_ym, stride_gm, eps, GROUP: tl.constexpr,
-                           BLOCK: tl.constexpr, GATE_AFTER: tl.constexpr):
+                           BLOCK: tl.constexpr, GATE_AFTER: tl.constexpr, SIGMOID: tl.constexpr,
+                           ROUNDED: tl.constexpr):
     i_m, i_g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_c = i_g * GROUP + tl.arange(0, BLOCK)
     m_c = tl.arange(0, BLOCK) < GROUP
     b_y = tl.load(y + i_m * stride_ym + o_c, mask=m_c, other=0.0)
     b_z = tl.load(gate + i_m * stride_gm + o_c, mask=m_c, other=0.0).to(tl.float32)
-    b_silu = b_z * tl.sigmoid(b_z)
+    if SIGMOID:
+        b_act = tl.sigmoid(b_z)
+    else:
+        b_act = b_z * tl.sigmoid(b_z)
     b_h = b_y.to(tl.float32)
     if not GATE_AFTER:
-        b_h = b_h * b_silu
+        b_h = b_h * b_act
     b_h = b_h * tl.rsqrt(tl.sum(b_h * b_h, axis=0) / GROUP + eps)
-    b_h = b_h.to(b_y.dtype).to(tl.float32)  # the modules round the normalised value to y's dtype first
+    if ROUNDED:  # the modules round the normalised value to y's dtype first
+        b_h = b_h.to(b_y.dtype).to(tl.float32)
     b_w = tl.load(weight + o_c, mask=m_c, other=0.0).to(tl.float32)
     b_o = b_w * b_h
-    if GATE_AFTER:  # the product with the weight in y's dtype, then gated in fp32
-        b_o = b_o.to(b_y.dtype).to(tl.float32) * b_silu
+    if GATE_AFTER:  # gated in fp32 (rounded: after the product with the weight in y's dtype)
+        if ROUNDED:
+            b_o = b_o.to(b_y.dtype).to(tl.float32)
+        b_o = b_o * b_act
     tl.store(out + i_m * D + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
 
 
 def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
-                          gate_after: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                          gate_after: bool = False, activation: str = "silu", rounded: bool = True, *,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`specdec.kernels.norm.gated_rms_norm` (its arguments, returns and errors)."""
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
     D = y.shape[-1]
     if gate.shape != y.shape or weight.shape != (D,):
         raise ValueError(f"expected y and gate [..., D] and weight [D]; got {tuple(y.shape)}, {tuple(gate.shape)}, "
@@ -60,6 +70,7 @@ def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block = next_pow2(group_size)
     _gated_rms_norm_kernel[(M, D // group_size)](
         y2, g2, weight.contiguous(), out, D, y2.stride(0), g2.stride(0), float(eps),
-        GROUP=group_size, BLOCK=block, GATE_AFTER=bool(gate_after), num_warps=num_warps_for(block, 8),
+        GROUP=group_size, BLOCK=block, GATE_AFTER=bool(gate_after), SIGMOID=activation == "sigmoid",
+        ROUNDED=bool(rounded), num_warps=num_warps_for(block, 8),
     )
     return out
