@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gated_norm_form", "gated_rms_norm", "gated_rms_norm_reference"]
+__all__ = ["GATE_ACTIVATIONS", "check_activation", "gated_norm_form", "gated_rms_norm", "gated_rms_norm_reference"]
+
+#: the gate activations the kernel computes
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 
 #: the transformers classes whose forward is the gate-first arithmetic with one group of every channel
 _ONE_GROUP = ("MambaRMSNormGated", "BambaRMSNormGated", "GraniteMoeHybridRMSNormGated")
@@ -48,6 +51,12 @@ _GROUPED = ("Zamba2RMSNormGated",)
 _GATE_AFTER = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated")
 #: ... and the fp32 one gated by a sigmoid after the norm (with ``activation == "sigmoid"``)
 _SIGMOID_AFTER = ("KimiLinearRMSNormGated",)
+
+
+def check_activation(activation: str) -> None:
+    """Raises ValueError unless ``activation`` is one of :data:`GATE_ACTIVATIONS`."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
 
 
 def gated_norm_form(norm: torch.nn.Module, channels: int) -> tuple[int, bool, str, bool] | None:
@@ -83,8 +92,7 @@ def gated_rms_norm_reference(y: torch.Tensor, gate: torch.Tensor, weight: torch.
     ``activation="sigmoid", rounded=False`` as ``KimiLinearRMSNormGated`` does (the formulas of
     the module docstring). Returns ``[..., D]`` in the dtype of ``weight * y`` (``gate_after`` or
     not ``rounded``: y's)."""
-    if activation not in ("silu", "sigmoid"):
-        raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
+    check_activation(activation)
     act = torch.nn.functional.silu(gate.float()) if activation == "silu" else torch.sigmoid(gate.float())
     h = y.float() if gate_after else y.float() * act
     g = h.view(*h.shape[:-1], h.shape[-1] // group_size, group_size)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..triton_common import next_pow2, num_warps_for
+from . import check_activation
 
 __all__ = ["gated_rms_norm_triton"]
 
@@ -48,8 +49,7 @@ def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
                           gate_after: bool = False, activation: str = "silu", rounded: bool = True, *,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`specdec.kernels.norm.gated_rms_norm` (its arguments, returns and errors)."""
-    if activation not in ("silu", "sigmoid"):
-        raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
+    check_activation(activation)
     D = y.shape[-1]
     if gate.shape != y.shape or weight.shape != (D,):
         raise ValueError(f"expected y and gate [..., D] and weight [D]; got {tuple(y.shape)}, {tuple(gate.shape)}, "
