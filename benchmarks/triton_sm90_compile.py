@@ -150,7 +150,7 @@ def _intercept(kernel):
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
-           triton_norm._gated_rms_norm_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
+           triton_norm._rms_norm_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
            sk._grouped_skinny_kernel, ta._step_attention_kernel, ta._combine_kernel):
     _intercept(_k)
 
@@ -257,13 +257,19 @@ def conv_variants(quick: bool):
 def norm_variants(quick: bool):
     """The SSM mixers' gated RMSNorms (bf16, the gate a slice of the input projection): Nemotron-H-4B's
     8 groups of 896 channels, a Gated DeltaNet head's 128 gated after the norm and a KDA head's 128
-    gated after it by a sigmoid, unrounded; unless quick, one group of 8,192 channels too."""
+    gated after it by a sigmoid, unrounded; unless quick, one group of 8,192 channels too. And the
+    decoder's plain norms in their three forms."""
     forms = [(7168, 896, False, "silu", True), (128, 128, True, "silu", True), (128, 128, True, "sigmoid", False)]
     for D, group, after, activation, rounded in forms + ([] if quick else [(8192, 8192, False, "silu", True)]):
         y = torch.randn(2, 1, D, dtype=torch.bfloat16)
         gate = torch.randn(2, 1, D + 40, dtype=torch.bfloat16)[..., 8 : 8 + D]
         triton_norm.gated_rms_norm_triton(y, gate, torch.randn(D, dtype=torch.bfloat16), 1e-5, group, after,
                                           activation, rounded)
+    # the decoder's plain norms: Nemotron-H's 3,072 channels rounded before the weight, Qwen3.5's 2,560
+    # zero-centred, OLMo-hybrid's form at a head's 128; unless quick, 8,192 channels
+    for D, offset, rounded in [(3072, False, True), (2560, True, False), (128, False, False)] + ([] if quick else [(8192, False, True)]):
+        triton_norm.rms_norm_triton(torch.randn(4, D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16),
+                                    1e-5, offset, rounded)
 
 
 def linear_variants(quick: bool):

@@ -329,10 +329,13 @@ def test_delta_rule_prefill_matches_hf_prefill(family, monkeypatch):
 @needs_triton_interpreter
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "olmo_hybrid", "kimi_linear"])
 def test_prefill_triton_conv_matches_torch(family, monkeypatch):
-    """The prompt conv and gated norm on the triton backend (``SPECDEC_BACKEND=triton``; the
-    interpreter on CPU) leave the states and logits the torch conv and HF's norm module leave
-    (Mamba-2's norm gates first, Gated DeltaNet's and KDA's after): a ragged left-padded batch, and a prompt
-    continued in forwards of 3 tokens (fewer than the conv's 4, so its history spans forwards)."""
+    """The prompt conv, the gated norm and the decoder's plain RMSNorms on the triton backend
+    (``SPECDEC_BACKEND=triton``; the interpreter on CPU) leave the states and logits the torch conv
+    and HF's norm modules leave (Mamba-2's gated norm gates first, Gated DeltaNet's and KDA's after;
+    the plain norms of Nemotron-H and Kimi-Linear round before the weight, OLMo-hybrid's do not,
+    Qwen3.5's are zero-centred): a ragged left-padded batch, and a prompt continued in forwards of
+    3 tokens (fewer than the conv's 4, so its history spans forwards). Every plain norm of the
+    model ran the kernel, and the modules' forwards are their own afterwards."""
     from specdec.kernels.conv1d.triton_conv import Conv1dTritonKernels
     from specdec.kernels.norm import triton_norm
 
@@ -342,15 +345,26 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     original = Conv1dTritonKernels.prompt
     monkeypatch.setattr(Conv1dTritonKernels, "prompt",
                         lambda self, *a: calls.append(a[-1] is not None) or original(self, *a))  # a[-1]: history
-    norm_kernel = triton_norm.gated_rms_norm_triton
+    norm_kernel, plain_kernel, plain = triton_norm.gated_rms_norm_triton, triton_norm.rms_norm_triton, []
     monkeypatch.setattr(triton_norm, "gated_rms_norm_triton",
                         lambda y, *a, **k: norms.append(y.shape[:-1]) or norm_kernel(y, *a, **k))
+    monkeypatch.setattr(triton_norm, "rms_norm_triton", lambda x, w, *a, **k: plain.append(w) or plain_kernel(x, w, *a, **k))
+    forwards = [mod.__dict__.get("forward") for mod in ad.model.modules()]
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("SPECDEC_BACKEND", backend)
-        before = len(norms)
+        before, before_plain = len(norms), len(plain)
         runs[backend] = [prefill(ad, ids, mask, "torch"), prefill(ad, ids[:1], mask[:1], "torch", max_tokens=3)]
-        assert (len(norms) > before) == (backend == "triton"), backend
+        assert (len(norms) > before) == (len(plain) > before_plain) == (backend == "triton"), backend
+    ran = {id(w) for w in plain}
+    assert ad._plain_norms and all(id(mod.weight) in ran for mod, _ in ad._plain_norms)
+    assert {form[1:] for _, form in ad._plain_norms} == {
+        "nemotron_h": {(False, True)}, "kimi_linear": {(False, True)}, "olmo_hybrid": {(False, False)},
+        "qwen3_5": {(True, False)}}[family]
+    assert [mod.__dict__.get("forward") for mod in ad.model.modules()] == forwards
+    before_plain = len(plain)
+    prefill(ad, ids, mask, "hf")  # transformers' own forward, norms included
+    assert len(plain) == before_plain
     assert False in calls and True in calls  # the kernel ran, from zeros and from a history
     for (logits, states), (logits_t, states_t) in zip(runs["torch"], runs["triton"]):
         assert rel_err(logits_t, logits) < TOL

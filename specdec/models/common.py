@@ -1,7 +1,7 @@
 """What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`,
 :func:`cache_keyword` (the name a forward takes its cache by), :func:`l2norm` (the delta-rule
-mixers' q / k normalisation) and :func:`gated_norm` (the gated RMSNorm after a mixer's
-recurrence).
+mixers' q / k normalisation), :func:`gated_norm` (the gated RMSNorm after a mixer's
+recurrence) and :func:`prompt_norms` (the plain RMSNorms of a prompt forward in one launch each).
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
 :class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
@@ -22,15 +22,17 @@ The mixers themselves stay in the family modules and call the shared ops through
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from ..kernels.gdn import L2NORM_EPS
-from ..kernels.norm import gated_norm_form, gated_rms_norm
+from ..kernels.norm import gated_norm_form, gated_rms_norm, rms_norm, rms_norm_form
+from ..placement import routed_forward
 from .prompt_layer import PromptLayer
 
-__all__ = ["cache_keyword", "gated_norm", "layer_types_of", "l2norm"]
+__all__ = ["cache_keyword", "gated_norm", "layer_types_of", "l2norm", "plain_norms", "prompt_norms"]
 
 
 def cache_keyword(forward, legacy: str = "past_key_values") -> str:
@@ -64,6 +66,35 @@ def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor, *, steps: bool 
         if form is not None:
             return gated_rms_norm(y, gate, norm.weight, norm.variance_epsilon, *form)
     return norm(y, gate)
+
+
+def plain_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[float, bool, bool]]]:
+    """``(module, form)`` for each module of ``model`` that :func:`~specdec.kernels.norm.rms_norm`
+    computes (``form``: :func:`~specdec.kernels.norm.rms_norm_form`), in ``model.modules()`` order."""
+    return [(mod, form) for mod in model.modules() if (form := rms_norm_form(mod)) is not None]
+
+
+def _plain_norm_forward(form):
+    def forward(mod, x, *args, **kwargs):
+        if (args or kwargs or torch.compiler.is_compiling() or x.dtype != mod.weight.dtype
+                or x.device != mod.weight.device):
+            return type(mod).forward(mod, x, *args, **kwargs)
+        return rms_norm(x, mod.weight, *form)
+
+    return forward
+
+
+@contextlib.contextmanager
+def prompt_norms(norms: list[tuple[torch.nn.Module, tuple[float, bool, bool]]]):
+    """Within the block, each ``(module, form)`` of ``norms`` (:func:`plain_norms`), called from
+    this thread on an input in its weight's dtype and device, runs as one launch of
+    :func:`~specdec.kernels.norm.rms_norm` instead of its ~8 element-wise kernels; any other call
+    (other arguments, another dtype, inside a ``torch.compile`` trace) runs its class's forward.
+    The caller decides the Triton backend applies; the modules' forwards are as they were after."""
+    with contextlib.ExitStack() as stack:
+        for mod, form in norms:
+            stack.enter_context(routed_forward(mod, _plain_norm_forward(form)))
+        yield
 
 
 def layer_types_of(config) -> list[str]:

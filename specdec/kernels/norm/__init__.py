@@ -1,4 +1,5 @@
-"""The gated RMSNorm after an SSM mixer's recurrence, in one Triton launch.
+"""RMSNorms in one Triton launch: the gated norm after an SSM mixer's recurrence, and the plain
+norms before each block of a prompt forward.
 
 Every Mamba-2 family normalises the recurrence's output ``y`` gated by ``silu(gate)`` before its
 output projection, by groups of ``group_size`` channels (one group: Mamba-2, Bamba, Granite-4;
@@ -23,7 +24,15 @@ Kimi Delta Attention (Kimi-Linear's ``KimiLinearRMSNormGated``) gates after the 
     h   = y * rsqrt(mean(y^2) + eps)                        (fp32)
     out = round(weight * h * sigmoid(gate) to y's dtype)    (fp32, left to right)
 
-A Mamba-2 decode step and a Mamba-2, Gated DeltaNet or KDA prompt run it here. Compiled by Inductor
+The decoder layers' plain RMSNorms come in three arithmetics (:func:`rms_norm_form`):
+transformers' Llama-style ``weight * round(x * rsqrt(mean(x^2) + eps))`` (Mamba-2, Bamba,
+Granite-4, Nemotron-H, Zamba2, Falcon-H1, LFM2, Kimi-Linear; ``rounded``), OLMo-hybrid's
+``round(weight * x * rsqrt(...))`` (fp32 throughout) and the Qwen3-Next / Qwen3.5 zero-centred
+``round(x * rsqrt(...) * (1 + weight))`` (``offset``, fp32 throughout). Eagerly each is ~8
+element-wise launches over fp32 copies of the hidden states; a prompt forward on the Triton
+backend runs them here in one (:func:`specdec.models.common.prompt_norms`).
+
+A Mamba-2 decode step and a Mamba-2, Gated DeltaNet or KDA prompt run the gated norm here. Compiled by Inductor
 as part of the captured step, the module is two kernels (the groups' variance, then the
 scaling); run eagerly over a prompt, it is ~8 element-wise launches over fp32 copies of ``y``.
 Here one program owns one (token, group) and does all of it, reading ``gate`` where the input
@@ -37,7 +46,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GATE_ACTIVATIONS", "check_activation", "gated_norm_form", "gated_rms_norm", "gated_rms_norm_reference"]
+__all__ = ["GATE_ACTIVATIONS", "check_activation", "gated_norm_form", "gated_rms_norm", "gated_rms_norm_reference",
+           "rms_norm", "rms_norm_form", "rms_norm_reference"]
 
 #: the gate activations the kernel computes
 GATE_ACTIVATIONS = ("silu", "sigmoid")
@@ -51,6 +61,14 @@ _GROUPED = ("Zamba2RMSNormGated",)
 _GATE_AFTER = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated")
 #: ... and the fp32 one gated by a sigmoid after the norm (with ``activation == "sigmoid"``)
 _SIGMOID_AFTER = ("KimiLinearRMSNormGated",)
+#: the transformers RMSNorm classes whose forward is ``weight * round(x * rsqrt(mean(x^2) + eps))``
+#: (eps ``variance_epsilon``)
+_PLAIN_ROUNDED = ("MambaRMSNorm", "Mamba2RMSNorm", "BambaRMSNorm", "GraniteMoeHybridRMSNorm", "NemotronHRMSNorm",
+                  "Zamba2RMSNorm", "FalconH1RMSNorm", "Lfm2RMSNorm", "KimiLinearRMSNorm", "LlamaRMSNorm")
+#: ... whose forward is ``round(weight * x * rsqrt(mean(x^2) + eps))`` in fp32 (eps ``variance_epsilon``)
+_PLAIN_FP32 = ("OlmoHybridRMSNorm",)
+#: ... whose forward is ``round(x * rsqrt(mean(x^2) + eps) * (1 + weight))`` in fp32 (eps ``eps``)
+_PLAIN_OFFSET = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def check_activation(activation: str) -> None:
@@ -66,7 +84,7 @@ def gated_norm_form(norm: torch.nn.Module, channels: int) -> tuple[int, bool, st
     -- without a ``group_size`` of its own --, ``_GROUPED``, group size dividing ``channels``,
     ``_GATE_AFTER`` with a silu gate, or ``_SIGMOID_AFTER`` with a sigmoid gate); else None (the
     caller runs the module itself). A forward set on the instance is taken to compute its class's
-    (specdec's compiled routing and accelerate's hooks do; tests/test_gated_norm.py checks each
+    (specdec's compiled routing and accelerate's hooks do; tests/test_norms.py checks each
     class against the formula)."""
     cls = type(norm)
     if (cls.__name__ not in _ONE_GROUP + _GROUPED + _GATE_AFTER + _SIGMOID_AFTER
@@ -129,3 +147,59 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     from .triton_norm import gated_rms_norm_triton  # lazy: the backend decides TRITON_INTERPRET first
 
     return gated_rms_norm_triton(y, gate, weight, eps, group_size, gate_after, activation, rounded, out=out)
+
+
+def rms_norm_form(norm: torch.nn.Module) -> tuple[float, bool, bool] | None:
+    """``(eps, offset, rounded)``, the arguments of :func:`rms_norm` after the weight, when the
+    class of ``norm`` is one of transformers' own RMSNorms whose forward is one of that kernel's
+    arithmetics (the module docstring); else None (the caller runs the module itself). A forward
+    set on the instance is taken to compute its class's (specdec's routing and accelerate's hooks
+    do; tests/test_norms.py checks each class against the formula)."""
+    cls = type(norm)
+    if not cls.__module__.startswith("transformers.models.") or not isinstance(getattr(norm, "weight", None),
+                                                                                torch.Tensor):
+        return None
+    if cls.__name__ in _PLAIN_ROUNDED + _PLAIN_FP32:
+        eps = getattr(norm, "variance_epsilon", None)
+        return None if eps is None else (float(eps), False, cls.__name__ in _PLAIN_ROUNDED)
+    if cls.__name__ in _PLAIN_OFFSET:
+        eps = getattr(norm, "eps", None)
+        return None if eps is None else (float(eps), True, False)
+    return None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+                       rounded: bool = True) -> torch.Tensor:
+    """The RMSNorm of ``x [..., D]`` over its last dim as transformers' RMSNorm classes compute it
+    (the three arithmetics of the module docstring: ``rounded`` the Llama-style one, ``offset``
+    the zero-centred one, neither OLMo-hybrid's). Returns ``[..., D]``: with ``rounded`` in the
+    dtype of ``weight * x``, else in x's."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    if rounded:
+        return weight * h.to(x.dtype)
+    return (weight * h).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, rounded: bool = True, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rms_norm_reference` in one Triton launch (one program per row of ``D``).
+
+    Args:
+        x: ``[..., D]`` (fp32 / bf16 / fp16), read in place when its rows are contiguous in D at
+            any row stride, else copied. weight: ``[D]``, x's dtype. eps: the module's epsilon.
+        offset: scale by ``1 + weight`` (zero-centred, fp32). rounded: round the normalised value
+            to x's dtype before the product with the weight (ignored with ``offset``).
+        out: optional contiguous ``[..., D]`` output in x's dtype.
+
+    Returns:
+        ``[..., D]`` in x's dtype, contiguous.
+
+    Raises:
+        ValueError: a weight not ``[D]`` or not in x's dtype, or an ``out`` that does not fit.
+    """
+    from .triton_norm import rms_norm_triton  # lazy: the backend decides TRITON_INTERPRET first
+
+    return rms_norm_triton(x, weight, eps, offset, rounded and not offset, out=out)

@@ -1,5 +1,5 @@
-"""The gated RMSNorms of the Mamba-2, Gated DeltaNet and KDA families' mixers (:mod:`specdec.kernels.norm`):
-its torch form against each transformers class it stands for, the Triton kernel against that form (Triton's
+"""The RMSNorms of :mod:`specdec.kernels.norm`: the gated norms of the Mamba-2, Gated DeltaNet and KDA
+families' mixers and the decoder layers' plain norms. Each torch form against each transformers class it stands for, the Triton kernel against that form (Triton's
 interpreter at tiny sizes; compiled with ``SPECDEC_TEST_CUDA=1``), on fresh random inputs with
 the gate a slice of a wider projection as the layers pass it, outputs poisoned first and the
 inputs checked untouched; classes it does not stand for are left to their own forward."""
@@ -13,7 +13,8 @@ import torch
 from helpers import rel_err
 from markers import ON_CUDA, needs_triton_interpreter
 
-from specdec.kernels.norm import gated_norm_form, gated_rms_norm, gated_rms_norm_reference
+from specdec.kernels.norm import (gated_norm_form, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_form,
+                                  rms_norm_reference)
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
@@ -136,3 +137,98 @@ def test_bad_input_is_named(change, match):
     args = change({"y": y, "gate": gate, "weight": torch.randn(48, device=DEVICE), "eps": 1e-6, "group_size": 12})
     with pytest.raises(ValueError, match=match):
         gated_rms_norm(**args)
+
+
+#: (transformers module, class, the zero-centred weight, the rounding before the weight's product)
+PLAIN = [
+    ("mamba", "MambaRMSNorm", False, True),
+    ("mamba2", "Mamba2RMSNorm", False, True),
+    ("bamba", "BambaRMSNorm", False, True),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNorm", False, True),
+    ("nemotron_h", "NemotronHRMSNorm", False, True),
+    ("zamba2", "Zamba2RMSNorm", False, True),
+    ("falcon_h1", "FalconH1RMSNorm", False, True),
+    ("lfm2", "Lfm2RMSNorm", False, True),
+    ("kimi_linear", "KimiLinearRMSNorm", False, True),
+    ("llama", "LlamaRMSNorm", False, True),
+    ("olmo_hybrid", "OlmoHybridRMSNorm", False, False),
+    ("qwen3_next", "Qwen3NextRMSNorm", True, False),
+    ("qwen3_5", "Qwen3_5RMSNorm", True, False),
+    ("qwen3_5_moe", "Qwen3_5MoeRMSNorm", True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("module, cls, offset, rounded", PLAIN, ids=[c[1] for c in PLAIN])
+def test_plain_kernel_and_reference_are_the_module(module, cls, offset, rounded, dtype):
+    """The torch form equals each plain RMSNorm class's forward bit for bit; the kernel equals it
+    within fp32 rounding, in fp16 under Triton's interpreter bit for bit where the class rounds twice
+    and within one unit in the last place, rarely, where it rounds once (a rounding too many, or the
+    weight's offset left out, changes far more); otherwise within one unit per rounding. The rows are
+    strided (a slice of a wider tensor, as a layer's q / k heads come), eps is the class's."""
+    D, B, t = 40, 3, 5
+    norm = _norm(module, cls, {"eps": 1e-5}, D, dtype, seed=11)
+    wide = torch.randn(B, t, D + 7, generator=torch.Generator().manual_seed(12)).mul(3).to(DEVICE, dtype)
+    x = wide[..., 3:3 + D]
+    before = wide.clone()
+    form = rms_norm_form(norm)
+    assert form == (1e-5, offset, rounded)
+    with torch.no_grad():
+        want = norm(x)
+    ref = rms_norm_reference(x, norm.weight, *form)
+    assert ref.dtype == want.dtype == dtype and torch.equal(ref, want)
+    out = torch.full_like(x, float("nan"))
+    got = rms_norm(x, norm.weight, *form, out=out)
+    assert got is out and not got.isnan().any()
+    if dtype == torch.float32:
+        assert rel_err(got, want) < 1e-6
+    elif dtype == torch.float16 and not ON_CUDA and rounded:
+        assert torch.equal(got, want)
+    elif dtype == torch.float16 and not ON_CUDA:
+        ulp = want.float().abs() * torch.finfo(dtype).eps
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all() and (got != want).float().mean() < 0.02
+    else:
+        ulp = want.float().abs() * torch.finfo(dtype).eps * (2 if rounded else 1)
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
+    assert torch.equal(wide, before)
+
+
+def test_plain_forms_are_told_apart():
+    """Each arithmetic's kernel differs from the others' on the same inputs (so the tests above
+    would see a class given another's form), and rows of any layout give the same outputs."""
+    x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.float16)
+    w = torch.randn(64, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.float16)
+    outs = [rms_norm(x, w, 1e-6, offset, rounded) for offset, rounded in ((False, True), (False, False), (True, False))]
+    assert (outs[0] != outs[1]).float().mean() > 0.1 and (outs[2] - outs[1]).abs().max() > 0.5
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)  # rows of D at another stride order: copied
+    assert torch.equal(rms_norm(x_t, w, 1e-6, False, True), outs[0])
+    assert rms_norm(x[:0], w, 1e-6).shape == (0, 3, 64)
+
+
+def test_other_plain_norms_are_left_to_their_forward():
+    """Norms of other arithmetics (LayerNorm; Gemma's zero-centred norm, not listed), a class of a
+    listed name defined outside transformers, and a listed class without its epsilon give None."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    assert rms_norm_form(torch.nn.LayerNorm(48)) is None
+    assert rms_norm_form(torch.nn.RMSNorm(48)) is None
+    assert rms_norm_form(GemmaRMSNorm(48)) is None
+    remote = type("NemotronHRMSNorm", (torch.nn.Module,), {"__module__": "transformers_modules.nvidia.modeling"})()
+    remote.weight, remote.variance_epsilon = torch.nn.Parameter(torch.ones(48)), 1e-6
+    assert rms_norm_form(remote) is None
+    norm = _norm("nemotron_h", "NemotronHRMSNorm", {}, 48, torch.float32, 3)
+    del norm.variance_epsilon
+    assert rms_norm_form(norm) is None
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "weight": a["weight"][:4]}, "expected x"),
+    (lambda a: {**a, "weight": a["weight"].double()}, "weight must be"),
+    (lambda a: {**a, "out": torch.empty(3, 2, 48, dtype=torch.float64, device=DEVICE)}, "out must be"),
+    (lambda a: {**a, "out": torch.empty(3, 48, 2, device=DEVICE).transpose(1, 2)}, "out must be"),
+])
+def test_plain_bad_input_is_named(change, match):
+    x = torch.randn(3, 2, 48, device=DEVICE)
+    args = change({"x": x, "weight": torch.randn(48, device=DEVICE), "eps": 1e-6})
+    with pytest.raises(ValueError, match=match):
+        rms_norm(**args)
