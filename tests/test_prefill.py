@@ -519,6 +519,54 @@ def test_delta_rule_fla_prefill_on_cuda(family):
     assert torch.equal(sd.generate(ids, **kw), plain)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_gdn_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
+    """Through fla's chunked rule, a Gated DeltaNet prompt hands it q and k as the conv leaves
+    them, one per key head (2 value heads each here), to L2-normalise in its kernel with scale
+    ``1/sqrt(d_k)``, as transformers' prefill has fla do; the states and logits are the torch
+    reference path's. fla's rule is stood in for by its documented semantics (``HV`` value heads
+    reading key head ``i // (HV / H)``, q / k normalised in fp32 when asked) over transformers'
+    torch rule, so this runs without fla or a GPU; ``test_delta_rule_fla_prefill_on_cuda`` runs
+    fla's own kernel."""
+    import importlib
+    import sys
+    import types
+
+    import specdec.models.base as base
+
+    model = make_model(family)
+    ad = specdec.models.adapter_for(model)
+    torch_rule = importlib.import_module(type(next(iter(ad.ssm_layers().values()))[0]).__module__)
+    torch_rule = torch_rule.torch_chunk_gated_delta_rule
+    calls = []
+
+    def rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **kw):
+        calls.append((q.shape[2], v.shape[2], use_qk_l2norm_in_kernel))
+        q, k, K = q.float(), k.float(), q.shape[-1]
+        if use_qk_l2norm_in_kernel:  # fla's l2norm_fwd: x / sqrt(sum(x^2) + 1e-6)
+            q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        rep = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        scale = K**-0.5 if scale is None else scale
+        return torch_rule(q * (scale * K**0.5), k, v.float(), g=g, beta=beta.float(), initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=False)
+
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", types.SimpleNamespace(chunk_gated_delta_rule=rule))
+    monkeypatch.setattr(base, "resolve_scan", lambda scan, *a: scan)  # "fla" on the CPU
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    for max_tokens in (None, 3):  # also continued in forwards of 3 tokens, from a state
+        rows = slice(None) if max_tokens is None else slice(0, 1)
+        logits, states = prefill(ad, ids[rows], mask[rows], "fla", max_tokens=max_tokens)
+        assert calls and all(hq < hv and raw for hq, hv, raw in calls)
+        calls.clear()
+        ref_logits, ref = prefill(ad, ids[rows], mask[rows], "torch", max_tokens=max_tokens)
+        assert not calls
+        assert rel_err(logits, ref_logits) < TOL
+        for idx in ref:
+            assert rel_err(states[idx][0], ref[idx][0]) < TOL and rel_err(states[idx][1], ref[idx][1]) < TOL, idx
+
+
 def test_a_mixer_without_transformers_torch_rule_keeps_transformers_forward(monkeypatch):
     """A delta-rule mixer whose modeling module lacks the torch reference the prompt layer calls
     (remote code, another release) is not routed with ``scan="torch"``: it runs transformers' own

@@ -20,14 +20,19 @@ from .prompt_layer import DeltaRulePromptLayer, PromptLayer
 __all__ = ["GDNPromptLayer", "Qwen3NextAdapter", "Qwen35Adapter", "gdn_core"]
 
 
+def _gdn_gates(b, a, A_log, dt_bias):
+    """``(g, beta)``: the per-head log decay ``-exp(A_log) softplus(a + dt_bias)`` (fp32) and
+    ``sigmoid(b)`` (in b's dtype) from the raw b / a projections, as transformers computes them."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 @fusable
 def _gdn_inputs(q, k, v, b, a, A_log, dt_bias, rep: int):
     """The recurrence's fp32 inputs from the conv outputs and the raw b/a projections, as
     transformers computes them (element-wise; fused on the CUDA-graph path). The torch backend's
     path and the reference of :func:`specdec.kernels.gdn.triton_inputs.gdn_step_inputs`, which
     the Triton backend runs instead."""
-    beta = b.sigmoid()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    g, beta = _gdn_gates(b, a, A_log, dt_bias)
     if rep > 1:
         q = q.repeat_interleave(rep, dim=2)
         k = k.repeat_interleave(rep, dim=2)
@@ -52,7 +57,10 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     q = q.reshape(B, t, -1, mixer.head_k_dim)
     k = k.reshape(B, t, -1, mixer.head_k_dim)
     v = v.reshape(B, t, -1, mixer.head_v_dim)
-    if not isinstance(layer, PromptLayer) and layer.op.backend == "triton" and not torch.compiler.is_compiling():
+    raw_qk = isinstance(layer, PromptLayer) and layer.takes_raw_qk
+    if raw_qk:  # a prompt through fla's rule, which normalises q / k per key head itself
+        g, beta = _gdn_gates(b, a, mixer.A_log, mixer.dt_bias)
+    elif not isinstance(layer, PromptLayer) and layer.op.backend == "triton" and not torch.compiler.is_compiling():
         # a step: one launch for the five outputs
         from ..kernels.gdn.triton_inputs import gdn_step_inputs
 
@@ -60,7 +68,8 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     else:
         q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias,
                                        mixer.num_v_heads // mixer.num_k_heads)
-    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, {"y_dtype": mixed_qkv.dtype})  # (no cast after)
+    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta, "raw_qk": raw_qk},
+                  {"y_dtype": mixed_qkv.dtype})  # (no cast after)
     o = o.reshape(-1, mixer.head_v_dim)
     o = gated_norm(mixer.norm, layer, o, z.reshape(-1, mixer.head_v_dim), steps=False).reshape(B, t, -1)
     return mixer.out_proj(o)

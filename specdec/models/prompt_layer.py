@@ -115,7 +115,9 @@ class DeltaRulePromptLayer(PromptLayer):
     ``ssm`` takes the step's fp32 inputs (q and k L2-normalised, q scaled by ``1/sqrt(d_k)``, per
     value head; the decay ``g`` in log space, per head or per channel) and runs the rule on them:
     fla's with ``scale=1`` and its operands in a bf16 / fp16 model's dtype (the decay in fp32);
-    transformers' reference scales q itself, so it is handed q times ``sqrt(d_k)``. transformers'
+    transformers' reference scales q itself, so it is handed q times ``sqrt(d_k)``. fla's rule
+    also takes q and k as the conv leaves them (:attr:`takes_raw_qk`; the Gated DeltaNet mixers
+    hand them so) and normalises them itself. transformers'
     prefill calls the same functions on the same inputs, normalising q and k inside them; the
     conv here is computed in fp32 with one rounding to the model dtype (HF's torch conv rounds
     before its activation). In fp32 the two agree to rounding.
@@ -153,19 +155,38 @@ class DeltaRulePromptLayer(PromptLayer):
         else:  # the torch reference, not the kernel transformers' dispatch picks when fla is found
             self._rule = inspect.unwrap(self._torch_rule_of(mixer))
 
+    @property
+    def takes_raw_qk(self) -> bool:
+        """Whether :meth:`ssm` takes q and k as the conv leaves them (``inputs["raw_qk"]``): one per
+        key head, not normalised. fla's rule (``scan="fla"``) L2-normalises them in its kernel,
+        scales q by ``1/sqrt(d_k)`` and reads each key head's for its group of value heads (GVA),
+        as transformers' prefill has it normalise them: no fp32 copies of q and k repeated per
+        value head."""
+        return self.scan == "fla"
+
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,
         L, H, V]``, g ``[B, L, H]`` or ``[B, L, H, K]``, beta ``[B, L, H]`` (fp32), in
         ``params["y_dtype"]`` (default: what the rule returns); the final state ``[B, H, K, V]``
-        fp32 goes to HF's cache."""
+        fp32 goes to HF's cache. With ``inputs["raw_qk"]`` (where :attr:`takes_raw_qk`), q and k
+        are ``[B, L, Hk, K]`` for ``Hk`` key heads dividing ``H``, not normalised, in any float
+        dtype.
+
+        Raises:
+            ValueError: ``raw_qk`` inputs where the rule does not take them.
+        """
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        raw_qk = bool(inputs.get("raw_qk", False))
+        if raw_qk and not self.takes_raw_qk:
+            raise ValueError(f"the {self.scan!r} rule takes q and k normalised per value head, not as the conv leaves them")
         g, beta = self.at_tokens(inputs["g"]), self.at_tokens(inputs["beta"])  # padding: no decay, no write
         h0 = self.initial_state()
         h0 = None if h0 is None else h0.float()
         if self.scan == "fla":
             dt = self._operand_dtype
-            o, state = self._rule(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt), scale=1.0, initial_state=h0,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=False)
+            o, state = self._rule(q.to(dt), k.to(dt), v.to(dt), g.float(), beta.to(dt),
+                                  scale=q.shape[-1] ** -0.5 if raw_qk else 1.0, initial_state=h0,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=raw_qk)
         else:
             o, state = self._rule(q * q.shape[-1] ** 0.5, k, v, g=g, beta=beta, initial_state=h0,
                                   output_final_state=True, use_qk_l2norm_in_kernel=False)
