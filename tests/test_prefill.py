@@ -519,15 +519,15 @@ def test_delta_rule_fla_prefill_on_cuda(family):
     assert torch.equal(sd.generate(ids, **kw), plain)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_gdn_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
-    """Through fla's chunked rule, a Gated DeltaNet prompt hands it q and k as the conv leaves
-    them, one per key head (2 value heads each here), to L2-normalise in its kernel with scale
-    ``1/sqrt(d_k)``, as transformers' prefill has fla do; the states and logits are the torch
-    reference path's. fla's rule is stood in for by its documented semantics (``HV`` value heads
-    reading key head ``i // (HV / H)``, q / k normalised in fp32 when asked) over transformers'
-    torch rule, so this runs without fla or a GPU; ``test_delta_rule_fla_prefill_on_cuda`` runs
-    fla's own kernel."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear"])
+def test_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
+    """Through fla's chunked rule, a delta-rule prompt hands it q and k as the conv leaves them,
+    one per key head (the Gated DeltaNet families' 2 value heads each here), to L2-normalise in its
+    kernel with scale ``1/sqrt(d_k)``, as transformers' prefill has fla do; the states and logits
+    are the torch reference path's. fla's rule is stood in for by its documented semantics (``HV``
+    value heads reading key head ``i // (HV / H)``, q / k normalised as ``x / sqrt(sum(x^2) +
+    1e-6)`` in fp32 when asked) over transformers' torch rule, so this runs without fla or a GPU;
+    ``test_delta_rule_fla_prefill_on_cuda`` runs fla's own kernels."""
     import importlib
     import sys
     import types
@@ -536,15 +536,16 @@ def test_gdn_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
 
     model = make_model(family)
     ad = specdec.models.adapter_for(model)
-    torch_rule = importlib.import_module(type(next(iter(ad.ssm_layers().values()))[0]).__module__)
-    torch_rule = torch_rule.torch_chunk_gated_delta_rule
+    prompt_layer = base.PROMPT_LAYERS[ad.op_name]
+    mixer = next(iter(ad.ssm_layers().values()))[0]
+    torch_rule = getattr(importlib.import_module(type(mixer).__module__), prompt_layer.torch_rule)
     calls = []
 
     def rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, **kw):
         calls.append((q.shape[2], v.shape[2], use_qk_l2norm_in_kernel))
         q, k, K = q.float(), k.float(), q.shape[-1]
-        if use_qk_l2norm_in_kernel:  # fla's l2norm_fwd: x / sqrt(sum(x^2) + 1e-6)
+        if use_qk_l2norm_in_kernel:  # fla's l2norm_fwd
             q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
         rep = v.shape[2] // q.shape[2]
         q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
@@ -552,13 +553,15 @@ def test_gdn_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
         return torch_rule(q * (scale * K**0.5), k, v.float(), g=g, beta=beta.float(), initial_state=initial_state,
                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=False)
 
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", types.SimpleNamespace(chunk_gated_delta_rule=rule))
+    module, name = prompt_layer.fla_rule
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{name: rule}))
     monkeypatch.setattr(base, "resolve_scan", lambda scan, *a: scan)  # "fla" on the CPU
+    gva = family != "kimi_linear"
     ids, mask = ragged_prompts(lengths=LENGTHS)
     for max_tokens in (None, 3):  # also continued in forwards of 3 tokens, from a state
         rows = slice(None) if max_tokens is None else slice(0, 1)
         logits, states = prefill(ad, ids[rows], mask[rows], "fla", max_tokens=max_tokens)
-        assert calls and all(hq < hv and raw for hq, hv, raw in calls)
+        assert calls and all(raw and (hq < hv if gva else hq == hv) for hq, hv, raw in calls), calls
         calls.clear()
         ref_logits, ref = prefill(ad, ids[rows], mask[rows], "torch", max_tokens=max_tokens)
         assert not calls

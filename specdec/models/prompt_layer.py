@@ -116,8 +116,8 @@ class DeltaRulePromptLayer(PromptLayer):
     value head; the decay ``g`` in log space, per head or per channel) and runs the rule on them:
     fla's with ``scale=1`` and its operands in a bf16 / fp16 model's dtype (the decay in fp32);
     transformers' reference scales q itself, so it is handed q times ``sqrt(d_k)``. fla's rule
-    also takes q and k as the conv leaves them (:attr:`takes_raw_qk`; the Gated DeltaNet mixers
-    hand them so) and normalises them itself. transformers'
+    also takes q and k as the conv leaves them (:attr:`takes_raw_qk`; the Gated DeltaNet, OLMo-hybrid
+    and KDA mixers hand them so) and normalises them itself. transformers'
     prefill calls the same functions on the same inputs, normalising q and k inside them; the
     conv here is computed in fp32 with one rounding to the model dtype (HF's torch conv rounds
     before its activation). In fp32 the two agree to rounding.
