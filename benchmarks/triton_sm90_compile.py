@@ -39,6 +39,7 @@ from specdec.kernels.linear import triton_skinny as sk  # noqa: E402
 from specdec.kernels.attention import triton_attention as ta  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
+from specdec.kernels.mamba2 import triton_heads  # noqa: E402
 from specdec.kernels import triton_common  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -150,7 +151,7 @@ def _intercept(kernel):
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
-           triton_norm._rms_norm_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
+           triton_norm._rms_norm_kernel, triton_heads._heads_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
            sk._grouped_skinny_kernel, ta._step_attention_kernel, ta._combine_kernel):
     _intercept(_k)
 
@@ -236,6 +237,13 @@ def mamba2_variants(quick: bool):
         m2.has_libdevice = has_libdevice
     if not quick:  # no lookahead: each token's loads after the previous token's barriers
         m2.mamba2_update(s, x, dt, A, Bm, Cm, D, block_p=32, num_warps=4, prefetch=0)
+
+    # the prompt scan's per-head passes around fla's scan, at Nemotron-H-4B's 112 heads of 64 (x a
+    # slice of the conv output): dt x into bf16, and the skip y += x D
+    conv = torch.randn(B, T, 112 * 64 + 2 * G * N, dtype=dt_)
+    xs = conv[..., : 112 * 64].view(B, T, 112, 64)
+    triton_heads.discretized_input_triton(xs, torch.rand(B, T, 112), dt_)
+    triton_heads.add_skip_triton_(torch.randn(B, T, 112, 64, dtype=dt_), xs, torch.randn(112))
 
 
 def conv_variants(quick: bool):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["SCANS", "SEGMENT_BYTES", "resolve_scan", "fla_available", "mamba2_chunk_scan", "mamba2_chunk_scan_fla",
-           "mamba2_prompt_scan", "expand_groups"]
+           "mamba2_prompt_scan", "expand_groups", "discretized_input", "add_skip_"]
 
 #: the prompt-scan choices: ``auto`` (``fla`` for a bf16 / fp16 model on CUDA when importable,
 #: else ``torch``), ``fla``,
@@ -182,6 +182,49 @@ def expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
     return out.view(t.dtype) if words else out
 
 
+def _triton(t: torch.Tensor) -> bool:
+    from .. import backend
+
+    return backend(t.device) == "triton"
+
+
+def discretized_input(x: torch.Tensor, dt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Mamba-2's discretised input ``v = dt x``: ``x [B, L, H, P]`` (any float dtype, any layout
+    whose head channels are contiguous, e.g. a slice of the conv's output) times ``dt [B, L, H]``,
+    the product in fp32 rounded once to ``dtype``. One Triton launch on the Triton backend
+    (:mod:`specdec.kernels.mamba2.triton_heads`), else ``torch.mul`` (the reference).
+
+    Returns: ``[B, L, H, P]`` in ``dtype``, contiguous.
+
+    Raises: ValueError: ``dt`` not ``[B, L, H]``.
+    """
+    if _triton(x):
+        from .triton_heads import discretized_input_triton
+
+        return discretized_input_triton(x, dt, dtype)
+    if dt.shape != x.shape[:3]:
+        raise ValueError(f"expected x [B, L, H, P] and dt [B, L, H]; got {tuple(x.shape)} and {tuple(dt.shape)}")
+    return torch.mul(x, dt.to(torch.float32)[..., None], out=x.new_empty(x.shape, dtype=dtype))
+
+
+def add_skip_(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """Mamba-2's skip added in place: ``y += x D`` for ``y [B, L, H, P]`` (contiguous), ``x`` of its
+    shape (any layout whose head channels are contiguous), ``D [H]``; the multiply-add in fp32
+    rounded once to y's dtype. One Triton launch on the Triton backend, else ``Tensor.addcmul_``
+    (the reference). Returns ``y``.
+
+    Raises: ValueError: shapes that do not fit, or ``y`` not contiguous.
+    """
+    if _triton(y):
+        from .triton_heads import add_skip_triton_
+
+        return add_skip_triton_(y, x, D)
+    if y.shape != x.shape or D.shape != x.shape[2:3] or not y.is_contiguous():
+        raise ValueError(f"expected y [B, L, H, P] contiguous, x of its shape and D [H]; got {tuple(y.shape)}, "
+                         f"{tuple(x.shape)}, {tuple(D.shape)}{'' if y.is_contiguous() else ' (y not contiguous)'}")
+    return y.addcmul_(x, D.to(torch.float32)[:, None])
+
+
 def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None = None,
                           initial_state: torch.Tensor | None = None,
@@ -219,12 +262,12 @@ def mamba2_chunk_scan_fla(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     H = x.shape[2]
     q = expand_groups(C.to(operand_dtype), H)
     k = expand_groups(B.to(operand_dtype), H)
-    v = torch.mul(x, dt.to(f32)[..., None], out=x.new_empty(x.shape, dtype=operand_dtype))  # fp32 product, one rounding
+    v = discretized_input(x, dt, operand_dtype)  # fp32 product, one rounding
     h0 = initial_state.to(f32) if initial_state is not None else None
     y, ht = chunk_simple_gla(q, k, v, g=dt.to(f32) * A.to(f32), scale=1.0, initial_state=h0,
                              output_final_state=True, state_v_first=True)  # y in operand_dtype
     if D is not None:
-        y.addcmul_(x, D.to(f32)[:, None])  # y + D x in fp32, one rounding
+        add_skip_(y, x, D)  # y + D x in fp32, one rounding
     return y, ht  # [B, H, P, N], as the caches keep it
 
 
