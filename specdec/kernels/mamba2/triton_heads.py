@@ -5,7 +5,7 @@ a Mamba-2 prompt forms the discretised input ``v = dt x`` and adds the skip ``y 
 slice of the conv's output (``[B, L, H, P]`` with the conv's channel count as its token stride) and
 ``dt`` / ``D`` are fp32 per token and head / per head, so PyTorch runs both through its strided,
 mixed-dtype element-wise kernel, which moves one element per thread step (on an H200, ~280 and
-~370 us per Nemotron-H-4B layer at 64 x 128 prompt tokens, 3-4x their bytes at copy bandwidth).
+~370 us per Nemotron-H-4B layer at 64 x 128 prompt tokens, 4-5x their bytes at copy bandwidth).
 Here one program owns one token and a block of heads, reads ``x`` in place and does the same
 arithmetic: the product in fp32 rounded once to the output's dtype, the skip's multiply-add in
 fp32 rounded once (as ``torch.mul(..., out=)`` and ``Tensor.addcmul_`` compute them). No host
