@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from specdec.kernels.conv1d import triton_conv  # noqa: E402
 from specdec.kernels.norm import triton_norm  # noqa: E402
 from specdec.kernels.linear import triton_skinny as sk  # noqa: E402
+from specdec.kernels.linear import triton_activation  # noqa: E402
 from specdec.kernels.attention import triton_attention as ta  # noqa: E402
 from specdec.kernels.gdn import triton_step as dr  # noqa: E402
 from specdec.kernels.mamba2 import triton_step as m2  # noqa: E402
@@ -151,7 +152,7 @@ def _intercept(kernel):
 for _k in (dr._delta_rule_step_kernel, dr._delta_rule_fold_kernel, m2._mamba2_step_kernel, m2._mamba2_fold_kernel,
            triton_conv._conv1d_verify_kernel, triton_conv._conv1d_commit_kernel, triton_common._state_copy_commit_kernel,
            triton_common._ring_commit_kernel, triton_common._replay_commit_history_kernel,
-           triton_norm._rms_norm_kernel, triton_heads._heads_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
+           triton_norm._rms_norm_kernel, triton_heads._heads_kernel, triton_activation._mlp_activation_kernel, sk._skinny_linear_kernel, sk._split_k_reduce_kernel,
            sk._grouped_skinny_kernel, ta._step_attention_kernel, ta._combine_kernel):
     _intercept(_k)
 
@@ -306,6 +307,13 @@ def linear_variants(quick: bool):
         ws = [torch.randn(n, 2560, dtype=dt) for n in (4096, 1024, 1024)]
         sk.grouped_launch(torch.randn(4, 2560, dtype=dt), ws, None, [torch.empty(4, w.shape[0], dtype=dt) for w in ws],
                           skinny_config(6144, 2560, dt))
+    # a prompt's MLP activation between cuBLAS projections: Qwen3.5-4B's gated SiLU (9,216 wide),
+    # Nemotron-H-4B's squared ReLU (12,288), a fused gate-up projection's strided halves
+    g = torch.randn(4, 9216, dtype=torch.bfloat16)
+    triton_activation.mlp_activation_triton(g, torch.randn(4, 9216, dtype=torch.bfloat16), "silu")
+    triton_activation.mlp_activation_triton(torch.randn(4, 12288, dtype=torch.bfloat16), None, "relu2")
+    halves = torch.randn(4, 2 * 9216, dtype=torch.bfloat16)
+    triton_activation.mlp_activation_triton(halves[:, :9216], halves[:, 9216:], "silu")
 
 
 def attention_variants(quick: bool):

@@ -236,3 +236,80 @@ def test_fused_runs_the_mlps_in_two_launches_and_greedy_is_unchanged(family, mon
 
 
 fused = fusion.fused
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_prompt_activation_is_the_eager_chain(activation, gated, dtype):
+    """A prompt's MLP activation in one launch (:func:`specdec.kernels.linear.mlp_activation`):
+    the reference is the activation module's output times ``u`` bit for bit; the kernel equals it
+    within fp32 rounding, the squared ReLU in fp16 bit for bit (under the interpreter), otherwise
+    within one unit in the last place per rounding (the SiLU's fp32 exp may differ from torch's in
+    its last bit; the interpreter truncates bf16 conversions where the GPU rounds);
+    g and u are strided halves of a wider projection (rows of 2N + 3), left untouched."""
+    from transformers.activations import ReLUSquaredActivation
+
+    from specdec.kernels.linear import mlp_activation, mlp_activation_reference
+
+    N = 40
+    proj = torch.randn(3, 5, 2 * N + 3, generator=torch.Generator().manual_seed(9)).mul(3).to(dtype)
+    before = proj.clone()
+    g, u = proj[..., :N], (proj[..., N:2 * N] if gated else None)
+    module = torch.nn.SiLU() if activation == "silu" else ReLUSquaredActivation()
+    want = mlp_activation_reference(g, u, activation)
+    assert want.dtype == dtype and torch.equal(want, module(g) * u if gated else module(g))
+    got = mlp_activation(g, u, activation)
+    assert got.dtype == dtype and got.shape == g.shape and got.is_contiguous()
+    if dtype == torch.float32:
+        assert ((got - want).abs() <= want.abs() * 1e-6 + 1e-6).all()
+    elif dtype == torch.float16 and activation == "relu2":
+        assert torch.equal(got, want)
+    else:
+        ulp = want.float().abs() * torch.finfo(dtype).eps * (2 if gated else 1)
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
+    assert torch.equal(proj, before)
+    with pytest.raises(ValueError, match="activation must be"):
+        mlp_activation(g, u, "gelu")
+    with pytest.raises(ValueError, match="u must be"):
+        mlp_activation(g, g[:1], activation)
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "granitemoehybrid"])
+def test_prompt_mlps_compute_their_modules_output(family, monkeypatch):
+    """Inside :func:`specdec.models.common.prompt_kernels`, each MLP :func:`prompt_mlps` finds
+    (a gated SiLU, a squared ReLU on one projection, a fused gate-up projection's halves) gives its
+    module's output, with one activation launch a call, in fp32 (within rounding) and fp16 (the
+    squared ReLU bit for bit under the interpreter, the SiLU within its last bit's effect); a call
+    with a keyword argument runs the module's own forward; the modules' forwards are their own
+    afterwards."""
+    import inspect
+
+    from specdec.kernels.linear import triton_activation
+    from specdec.models.common import prompt_kernels, prompt_mlps
+
+    calls = []
+    kernel = triton_activation.mlp_activation_triton
+    monkeypatch.setattr(triton_activation, "mlp_activation_triton", lambda g, *a: calls.append(g.shape) or kernel(g, *a))
+    for dtype in (torch.float32, torch.float16):
+        model = copy.deepcopy(get_model(family)).to(dtype)
+        found = prompt_mlps(model)
+        assert found and [m for m, _ in found] == [m for m in mlps(model)]
+        x = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
+        with torch.no_grad():
+            want = [mod(x) for mod, _ in found]
+            calls.clear()
+            with prompt_kernels([], found):
+                got = [mod(x) for mod, _ in found]
+                assert len(calls) == len(found)
+                kw = [mod(**{list(inspect.signature(type(mod).forward).parameters)[1]: x}) for mod, _ in found]
+                assert len(calls) == len(found)
+        for g, w, k in zip(got, want, kw):
+            assert torch.equal(k, w)
+            if dtype == torch.float16 and family == "nemotron_h":
+                assert torch.equal(g, w)
+            else:
+                assert ((g.float() - w.float()).abs() <= w.float().abs().max() * (1e-5 if dtype == torch.float32 else 2e-3)).all()
+        assert all("forward" not in vars(mod) for mod, _ in found)

@@ -79,6 +79,25 @@ def test_the_scan_runs_them_on_the_triton_backend(monkeypatch):
         assert ((a.float() - b.float()).abs() <= a.float().abs() * torch.finfo(a.dtype).eps + 1e-6).all()
 
 
+def test_any_layout_of_x():
+    """``x`` whose heads are not ``P`` apart (a slice of wider heads), whose size-1 dims carry odd
+    strides (a transposed one-token batch, which PyTorch calls contiguous), one token of several
+    prompts sliced from the conv output (read in place), and a layout read from a copy (channels
+    not contiguous) give the torch forms' results."""
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(2, 3, 5, 2 * 8, generator=gen).to(DEVICE)
+    conv = torch.randn(3, 1, 5 * 8 + 6, generator=gen).to(DEVICE)
+    for x in (wide[..., :8], torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE).transpose(0, 1),
+              conv[..., :40].view(3, 1, 5, 8), wide[..., :8].transpose(2, 3).contiguous().transpose(2, 3)):
+        B, L, H, P = x.shape
+        dt = torch.rand(B, L, H, generator=gen).to(DEVICE)
+        D = torch.randn(H, generator=gen).to(DEVICE)
+        y = torch.randn(B, L, H, P, generator=gen).to(DEVICE)
+        assert torch.equal(discretized_input_triton(x, dt, torch.float32), x * dt[..., None])
+        got = add_skip_triton_(y.clone(), x, D)
+        assert ((got - y.addcmul(x, D[:, None])).abs() <= y.abs().add(1) * 1e-6).all()
+
+
 class _Counting:
     """Stands for the kernel in ``monkeypatch``: counts launches, then launches it."""
 
@@ -104,3 +123,13 @@ def test_bad_input_is_named(call, match, backend, monkeypatch):
     _, x, dt, D, y = _inputs(2, 3, 4, 8, torch.float32, seed=3)
     with pytest.raises(ValueError, match=match):
         call(x, dt, D, y)
+
+
+def test_the_kernels_refuse_other_dtypes():
+    _, x, dt, D, y = _inputs(2, 3, 4, 8, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        discretized_input_triton(x.double(), dt, torch.float32)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        discretized_input_triton(x, dt, torch.float64)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
+        add_skip_triton_(y.double(), x.double(), D)

@@ -151,7 +151,16 @@ PLAIN = [
     ("lfm2", "Lfm2RMSNorm", False, True),
     ("kimi_linear", "KimiLinearRMSNorm", False, True),
     ("llama", "LlamaRMSNorm", False, True),
+    ("mistral", "MistralRMSNorm", False, True),
+    ("mixtral", "MixtralRMSNorm", False, True),
+    ("qwen2", "Qwen2RMSNorm", False, True),
+    ("qwen2_moe", "Qwen2MoeRMSNorm", False, True),
+    ("qwen3", "Qwen3RMSNorm", False, True),
+    ("qwen3_moe", "Qwen3MoeRMSNorm", False, True),
+    ("phi3", "Phi3RMSNorm", False, True),
+    ("granite", "GraniteRMSNorm", False, True),
     ("olmo_hybrid", "OlmoHybridRMSNorm", False, False),
+    ("olmo2", "Olmo2RMSNorm", False, False),
     ("qwen3_next", "Qwen3NextRMSNorm", True, False),
     ("qwen3_5", "Qwen3_5RMSNorm", True, False),
     ("qwen3_5_moe", "Qwen3_5MoeRMSNorm", True, False),
@@ -221,7 +230,45 @@ def test_other_plain_norms_are_left_to_their_forward():
     assert rms_norm_form(norm) is None
 
 
+def test_routed_norms_leave_other_calls_to_their_forward(monkeypatch):
+    """Inside :func:`~specdec.models.common.prompt_kernels` a routed norm runs the kernel only for one
+    positional input in its weight's dtype (fp32 / bf16 / fp16) and device; a keyword call, extra
+    arguments, an input in another dtype than the weight's, an fp64 module and a call inside a
+    ``torch.compile`` trace run the class's forward with the class's result; afterwards the modules'
+    forwards are their own."""
+    from specdec.kernels.norm import triton_norm
+    from specdec.models.common import plain_norms, prompt_kernels
+
+    calls = []
+    kernel = triton_norm.rms_norm_triton
+    monkeypatch.setattr(triton_norm, "rms_norm_triton", lambda x, *a, **k: calls.append(x.dtype) or kernel(x, *a, **k))
+    body = torch.nn.Sequential(_norm("nemotron_h", "NemotronHRMSNorm", {}, 32, torch.float16, 5),
+                               _norm("qwen3_5", "Qwen3_5RMSNorm", {}, 32, torch.float64, 6))
+    mixed = _norm("llama", "LlamaRMSNorm", {}, 32, torch.float32, 7)  # fp32 weight, fp16 input
+    body.append(mixed)
+    norms = plain_norms(body)
+    assert [mod for mod, _ in norms] == list(body)
+    half, double = (torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE, dt)
+                    for dt in (torch.float16, torch.float64))
+    with torch.no_grad():
+        want = [type(body[0]).forward(body[0], half), type(body[1]).forward(body[1], double),
+                type(mixed).forward(mixed, half)]
+        with prompt_kernels(norms):
+            got = [body[0](hidden_states=half), body[1](double), mixed(half)]
+            assert calls == []
+            routed = body[0](half)
+            assert calls == [torch.float16]
+            with pytest.raises(TypeError):  # extra arguments reach the class's forward, which takes none
+                body[0](half, 1.0)
+            compiled = torch.compile(lambda t: body[0](t), backend="eager")(half)
+            assert calls == [torch.float16]
+    assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(compiled, want[0]) and rel_err(routed.float(), want[0].float()) < 1e-3
+    assert all("forward" not in mod.__dict__ for mod in body)
+
+
 @pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "x": a["x"].double(), "weight": a["weight"].double()}, "x must be"),
     (lambda a: {**a, "weight": a["weight"][:4]}, "expected x"),
     (lambda a: {**a, "weight": a["weight"].double()}, "weight must be"),
     (lambda a: {**a, "out": torch.empty(3, 2, 48, dtype=torch.float64, device=DEVICE)}, "out must be"),

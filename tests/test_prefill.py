@@ -78,6 +78,23 @@ def test_chunk_scan_matches_recurrence(L, chunk, G, seg, initial):
     assert rel_err(y, y_ref) < TOL and rel_err(h, states[:, -1]) < TOL
 
 
+def test_fla_older_than_the_kernels_specdec_calls_is_not_used(monkeypatch):
+    """``auto`` takes fla only at FLA_MIN_VERSION or later, and ``scan="fla"`` with an older one
+    says which version is installed and which is needed."""
+    from specdec.kernels.mamba2 import chunked
+
+    for found, usable in (("0.5.2", False), ("0.6.0", True), ("0.7.1.dev3", True), ("unknown", False)):
+        monkeypatch.setattr(chunked, "fla_version", lambda found=found: found)
+        assert chunked.fla_available() is usable
+        assert resolve_scan("auto", "cuda") == ("fla" if usable else "torch")
+        if not usable:
+            with pytest.raises(ValueError, match=f">= {chunked.FLA_MIN_VERSION}.*{found} is installed"):
+                resolve_scan("fla", "cuda")
+    monkeypatch.setattr(chunked, "fla_version", lambda: None)
+    with pytest.raises(ValueError, match="fla is not installed"):
+        resolve_scan("fla", "cuda")
+
+
 def test_scan_choice_errors():
     assert resolve_scan("auto", "cpu") == "torch" and resolve_scan("hf", "cpu") == "hf"
     with pytest.raises(ValueError, match="scan must be one of"):
@@ -329,14 +346,16 @@ def test_delta_rule_prefill_matches_hf_prefill(family, monkeypatch):
 @needs_triton_interpreter
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "olmo_hybrid", "kimi_linear"])
 def test_prefill_triton_conv_matches_torch(family, monkeypatch):
-    """The prompt conv, the gated norm and the decoder's plain RMSNorms on the triton backend
-    (``SPECDEC_BACKEND=triton``; the interpreter on CPU) leave the states and logits the torch conv
-    and HF's norm modules leave (Mamba-2's gated norm gates first, Gated DeltaNet's and KDA's after;
-    the plain norms of Nemotron-H and Kimi-Linear round before the weight, OLMo-hybrid's do not,
-    Qwen3.5's are zero-centred): a ragged left-padded batch, and a prompt continued in forwards of
-    3 tokens (fewer than the conv's 4, so its history spans forwards). Every plain norm of the
-    model ran the kernel, and the modules' forwards are their own afterwards."""
+    """The prompt conv, the gated norm, the decoder's plain RMSNorms and the MLPs' activations on
+    the triton backend (``SPECDEC_BACKEND=triton``; the interpreter on CPU) leave the states and
+    logits the torch conv and HF's modules leave (Mamba-2's gated norm gates first, Gated DeltaNet's
+    and KDA's after; the plain norms of Nemotron-H and Kimi-Linear round before the weight,
+    OLMo-hybrid's do not, Qwen3.5's are zero-centred; Nemotron-H's MLPs square a ReLU, the others
+    gate a SiLU): a ragged left-padded batch, and a prompt continued in forwards of 3 tokens (fewer
+    than the conv's 4, so its history spans forwards). Every plain norm of the model ran the
+    kernel, every MLP the activation kernel, and the modules' forwards are their own afterwards."""
     from specdec.kernels.conv1d.triton_conv import Conv1dTritonKernels
+    from specdec.kernels.linear import triton_activation
     from specdec.kernels.norm import triton_norm
 
     ad = model_of(family)[1] if family == "nemotron_h" else specdec.models.adapter_for(make_model(family))
@@ -349,22 +368,29 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     monkeypatch.setattr(triton_norm, "gated_rms_norm_triton",
                         lambda y, *a, **k: norms.append(y.shape[:-1]) or norm_kernel(y, *a, **k))
     monkeypatch.setattr(triton_norm, "rms_norm_triton", lambda x, w, *a, **k: plain.append(w) or plain_kernel(x, w, *a, **k))
+    act_kernel, acts = triton_activation.mlp_activation_triton, []
+    monkeypatch.setattr(triton_activation, "mlp_activation_triton", lambda g, u, a: acts.append(a) or act_kernel(g, u, a))
     forwards = [mod.__dict__.get("forward") for mod in ad.model.modules()]
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("SPECDEC_BACKEND", backend)
-        before, before_plain = len(norms), len(plain)
+        before, before_plain, before_acts = len(norms), len(plain), len(acts)
         runs[backend] = [prefill(ad, ids, mask, "torch"), prefill(ad, ids[:1], mask[:1], "torch", max_tokens=3)]
-        assert (len(norms) > before) == (len(plain) > before_plain) == (backend == "triton"), backend
+        assert ((len(norms) > before) == (len(plain) > before_plain) == (len(acts) > before_acts)
+                == (backend == "triton")), backend
     ran = {id(w) for w in plain}
-    assert ad._plain_norms and all(id(mod.weight) in ran for mod, _ in ad._plain_norms)
-    assert {form[1:] for _, form in ad._plain_norms} == {
+    routed_norms, routed_mlps = ad._prompt_routes
+    assert routed_norms and all(id(mod.weight) in ran for mod, _ in routed_norms)
+    assert {form[1:] for _, form in routed_norms} == {
         "nemotron_h": {(False, True)}, "kimi_linear": {(False, True)}, "olmo_hybrid": {(False, False)},
         "qwen3_5": {(True, False)}}[family]
+    activation = "relu2" if family == "nemotron_h" else "silu"
+    assert routed_mlps and {plan.activation for _, plan in routed_mlps} == set(acts) == {activation}
+    assert len(acts) % len(routed_mlps) == 0 and len(acts) > len(routed_mlps)  # every MLP in every forward
     assert [mod.__dict__.get("forward") for mod in ad.model.modules()] == forwards
-    before_plain = len(plain)
-    prefill(ad, ids, mask, "hf")  # transformers' own forward, norms included
-    assert len(plain) == before_plain
+    before_plain, before_acts = len(plain), len(acts)
+    prefill(ad, ids, mask, "hf")  # transformers' own forward, norms and MLPs included
+    assert len(plain) == before_plain and len(acts) == before_acts
     assert False in calls and True in calls  # the kernel ran, from zeros and from a history
     for (logits, states), (logits_t, states_t) in zip(runs["torch"], runs["triton"]):
         assert rel_err(logits_t, logits) < TOL

@@ -29,7 +29,7 @@ from ..placement import check_placement, materialized, offloads_weights, routed_
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
-from .common import cache_keyword, plain_norms, prompt_norms
+from .common import cache_keyword, plain_norms, prompt_kernels, prompt_mlps
 from .step_attention import grouped_attention_configs, grouped_step_attention_for, sdpa_without_cudnn
 
 __all__ = ["HybridAdapter", "ADAPTERS", "PROMPT_LAYERS", "PROMPT_PATHS", "register", "adapter_for", "prefill_groups", "supported_families"]
@@ -296,7 +296,9 @@ class HybridAdapter:
         #: in several forwards, a longer prompt in chunks (:meth:`prefill`); None: one forward
         self.max_prefill_tokens: int | None = None
         self._prompt_graphs = None
-        self._plain_norms: list | None = None  # (module, form) of the RMSNorms a Triton prompt forward runs in one launch
+        #: the RMSNorms ``(module, form)`` and MLPs ``(module, plan)`` a Triton prompt forward runs through
+        #: its own kernels (:func:`~specdec.models.common.prompt_kernels`), found at the first prompt
+        self._prompt_routes: tuple[list, list] | None = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
         #: accelerate's hooks on some module (dispatched without a ``device_map`` attribute, e.g. by hand)
         self._hooked = any(hasattr(mod, "_hf_hook") for mod in model.modules())
@@ -881,13 +883,14 @@ class HybridAdapter:
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
         layers routed as ``scan`` says; on the Triton backend and unless ``scan`` is ``"hf"`` the
-        decoder's RMSNorms in one launch each, :func:`~specdec.models.common.prompt_norms`); returns the final hidden states ``[B, t, D]``."""
-        if self._plain_norms is None:
-            self._plain_norms = plain_norms(self.model)
-        norms = self._plain_norms if scan != "hf" and backend(self.device) == "triton" else []
+        decoder's RMSNorms and MLP activations in one launch each,
+        :func:`~specdec.models.common.prompt_kernels`); returns the final hidden states ``[B, t, D]``."""
+        if self._prompt_routes is None:
+            self._prompt_routes = (plain_norms(self.model), prompt_mlps(self.model))
+        routes = self._prompt_routes if scan != "hf" and backend(self.device) == "triton" else ([], [])
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
-              prompt_norms(norms)):
+              prompt_kernels(*routes)):
             return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
 
     def _layer_states(self, hf_cache, keys: bool = True) -> dict[int, LayerState]:

@@ -1,7 +1,8 @@
 """What the family adapters share beyond :mod:`specdec.models.base`: :func:`layer_types_of`,
 :func:`cache_keyword` (the name a forward takes its cache by), :func:`l2norm` (the delta-rule
 mixers' q / k normalisation), :func:`gated_norm` (the gated RMSNorm after a mixer's
-recurrence) and :func:`prompt_norms` (the plain RMSNorms of a prompt forward in one launch each).
+recurrence) and :func:`prompt_kernels` (a prompt forward's plain RMSNorms and MLP activations in
+one launch each).
 
 The hooks by which the Hugging Face families differ *outside* their SSM mixer live on
 :class:`~specdec.models.base.HybridAdapter`, which every adapter subclasses (one prefill / step
@@ -28,11 +29,13 @@ import inspect
 import torch
 
 from ..kernels.gdn import L2NORM_EPS
+from ..kernels.linear import mlp_activation
 from ..kernels.norm import gated_norm_form, gated_rms_norm, rms_norm, rms_norm_form
 from ..placement import routed_forward
+from .mlp import MLPPlan, mlp_plan
 from .prompt_layer import PromptLayer
 
-__all__ = ["cache_keyword", "gated_norm", "layer_types_of", "l2norm", "plain_norms", "prompt_norms"]
+__all__ = ["cache_keyword", "gated_norm", "layer_types_of", "l2norm", "plain_norms", "prompt_mlps", "prompt_kernels"]
 
 
 def cache_keyword(forward, legacy: str = "past_key_values") -> str:
@@ -74,26 +77,71 @@ def plain_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[flo
     return [(mod, form) for mod in model.modules() if (form := rms_norm_form(mod)) is not None]
 
 
+#: the dtypes the prompt kernels compute in (others, e.g. fp64, keep the modules' forwards)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_input(args, kwargs, weight: torch.Tensor) -> torch.Tensor | None:
+    """The one positional input of a routed module's call when a prompt kernel takes it: a tensor
+    in ``weight``'s dtype (one of :data:`_KERNEL_DTYPES`) and device, outside a ``torch.compile``
+    trace; else None (the module's own forward runs)."""
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if (not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or x.dtype not in _KERNEL_DTYPES
+            or x.dtype != weight.dtype or x.device != weight.device):
+        return None
+    return x
+
+
 def _plain_norm_forward(form):
-    def forward(mod, x, *args, **kwargs):
-        if (args or kwargs or torch.compiler.is_compiling() or x.dtype != mod.weight.dtype
-                or x.device != mod.weight.device):
-            return type(mod).forward(mod, x, *args, **kwargs)
+    def forward(mod, *args, **kwargs):
+        x = _kernel_input(args, kwargs, mod.weight)
+        if x is None:
+            return type(mod).forward(mod, *args, **kwargs)
         return rms_norm(x, mod.weight, *form)
 
     return forward
 
 
+def prompt_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, MLPPlan]]:
+    """``(module, plan)`` for each MLP of ``model`` whose forward :func:`~specdec.models.mlp.mlp_plan`
+    recognises, in ``model.modules()`` order."""
+    return [(mod, plan) for mod in model.modules() if (plan := mlp_plan(mod)) is not None]
+
+
+def _mlp_forward(plan: MLPPlan):
+    def forward(mod, *args, **kwargs):
+        x = _kernel_input(args, kwargs, plan.up.weight)
+        if x is None:
+            return type(mod).forward(mod, *args, **kwargs)
+        if plan.halves:  # one projection whose output's first half is the gate
+            h = plan.up(x)
+            n = h.shape[-1] // 2
+            g, u = h[..., :n], h[..., n:]
+        elif plan.gate is not None:
+            g, u = plan.gate(x), plan.up(x)
+        else:
+            g, u = plan.up(x), None
+        return plan.down(mlp_activation(g, u, plan.activation))
+
+    return forward
+
+
 @contextlib.contextmanager
-def prompt_norms(norms: list[tuple[torch.nn.Module, tuple[float, bool, bool]]]):
-    """Within the block, each ``(module, form)`` of ``norms`` (:func:`plain_norms`), called from
-    this thread on an input in its weight's dtype and device, runs as one launch of
-    :func:`~specdec.kernels.norm.rms_norm` instead of its ~8 element-wise kernels; any other call
-    (other arguments, another dtype, inside a ``torch.compile`` trace) runs its class's forward.
-    The caller decides the Triton backend applies; the modules' forwards are as they were after."""
+def prompt_kernels(norms: list[tuple[torch.nn.Module, tuple[float, bool, bool]]],
+                   mlps: list[tuple[torch.nn.Module, MLPPlan]] = ()):
+    """Within the block, called from this thread with one positional input in its weight's dtype
+    (fp32, bf16 or fp16) and device, each ``(module, form)`` of ``norms`` (:func:`plain_norms`)
+    runs as one launch of :func:`~specdec.kernels.norm.rms_norm` instead of its ~8 element-wise
+    kernels, and each ``(module, plan)`` of ``mlps`` (:func:`prompt_mlps`) as its projections with
+    the activation (and a gated MLP's product) between them in one launch of
+    :func:`~specdec.kernels.linear.mlp_activation` instead of two; any other call (other or keyword
+    arguments, another dtype, inside a ``torch.compile`` trace) runs its class's forward. The
+    caller decides the Triton backend applies; the modules' forwards are as they were after."""
     with contextlib.ExitStack() as stack:
         for mod, form in norms:
             stack.enter_context(routed_forward(mod, _plain_norm_forward(form)))
+        for mod, plan in mlps:
+            stack.enter_context(routed_forward(mod, _mlp_forward(plan)))
         yield
 
 

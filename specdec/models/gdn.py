@@ -57,7 +57,7 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     q = q.reshape(B, t, -1, mixer.head_k_dim)
     k = k.reshape(B, t, -1, mixer.head_k_dim)
     v = v.reshape(B, t, -1, mixer.head_v_dim)
-    raw_qk = isinstance(layer, PromptLayer) and layer.takes_raw_qk
+    raw_qk = getattr(layer, "takes_raw_qk", False)
     if raw_qk:  # a prompt through fla's rule, which normalises q / k per key head itself
         g, beta = _gdn_gates(b, a, mixer.A_log, mixer.dt_bias)
     elif not isinstance(layer, PromptLayer) and layer.op.backend == "triton" and not torch.compiler.is_compiling():
@@ -68,8 +68,10 @@ def gdn_core(mixer, layer: SSMLayerCache, mixed_qkv, z, b, a) -> torch.Tensor:
     else:
         q, k, v, g, beta = _gdn_inputs(q, k, v, b, a, mixer.A_log, mixer.dt_bias,
                                        mixer.num_v_heads // mixer.num_k_heads)
-    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta, "raw_qk": raw_qk},
-                  {"y_dtype": mixed_qkv.dtype})  # (no cast after)
+    params = {"y_dtype": mixed_qkv.dtype}  # (no cast after)
+    if raw_qk:
+        params["raw_qk"] = True
+    o = layer.ssm({"q": q, "k": k, "v": v, "g": g, "beta": beta}, params)
     o = o.reshape(-1, mixer.head_v_dim)
     o = gated_norm(mixer.norm, layer, o, z.reshape(-1, mixer.head_v_dim), steps=False).reshape(B, t, -1)
     return mixer.out_proj(o)

@@ -12,7 +12,7 @@ import torch
 from ..kernels.gdn import L2NORM_EPS
 from .base import PROMPT_LAYERS, HybridAdapter, register
 from .common import gated_norm
-from .prompt_layer import DeltaRulePromptLayer, PromptLayer
+from .prompt_layer import DeltaRulePromptLayer
 
 __all__ = ["KDAPromptLayer", "KimiLinearAdapter"]
 
@@ -51,15 +51,17 @@ class KimiLinearAdapter(HybridAdapter):
         mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)], -1)
         mixed = layer.conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation)
         q, k, v = (x.reshape(shape) for x in torch.split(mixed, [mixer.qkv_dim] * 3, dim=-1))
-        raw_qk = isinstance(layer, PromptLayer) and layer.takes_raw_qk  # (fla normalises them in its kernel)
+        raw_qk = getattr(layer, "takes_raw_qk", False)  # (fla normalises them in its kernel)
         if not raw_qk:
             q = _l2norm(q.float()) * (mixer.head_dim**-0.5)
             k = _l2norm(k.float())
             v = v.float()
         g = mixer.forget_gate(hidden_states)
         beta = torch.sigmoid(mixer.b_proj(hidden_states)).float()
-        o = layer.ssm({"q": q, "k": k, "v": v, "g": g.float(), "beta": beta, "raw_qk": raw_qk},
-                      {"y_dtype": hidden_states.dtype})  # (y in the model's dtype: no cast after)
+        params = {"y_dtype": hidden_states.dtype}  # (y in the model's dtype: no cast after)
+        if raw_qk:
+            params["raw_qk"] = True
+        o = layer.ssm({"q": q, "k": k, "v": v, "g": g.float(), "beta": beta}, params)
         gate = mixer.g_b_proj(mixer.g_a_proj(hidden_states)).view(shape)
         o = gated_norm(mixer.o_norm, layer, o, gate, steps=False).reshape(B, t, -1)  # (one launch in prompts)
         return mixer.o_proj(o)

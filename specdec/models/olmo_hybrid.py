@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from .base import HybridAdapter, register
 from .common import gated_norm, l2norm
-from .prompt_layer import PromptLayer
 
 __all__ = ["OlmoHybridAdapter"]
 
@@ -34,7 +33,7 @@ class OlmoHybridAdapter(HybridAdapter):
         q = q.reshape(B, t, -1, mixer.head_k_dim)
         k = k.reshape(B, t, -1, mixer.head_k_dim)
         v = v.reshape(B, t, -1, mixer.head_v_dim)
-        raw_qk = isinstance(layer, PromptLayer) and layer.takes_raw_qk  # (fla normalises them per key head)
+        raw_qk = getattr(layer, "takes_raw_qk", False)  # (fla normalises them per key head)
         if mixer.num_v_heads > mixer.num_k_heads and not raw_qk:
             rep = mixer.num_v_heads // mixer.num_k_heads
             q = q.repeat_interleave(rep, dim=2)
@@ -48,7 +47,8 @@ class OlmoHybridAdapter(HybridAdapter):
             k = l2norm(k.float())
             q = q / (q.shape[-1] ** 0.5)
             v = v.float()
-        o = layer.ssm({"q": q, "k": k, "v": v, "g": g.float(), "beta": beta.float(), "raw_qk": raw_qk}, {})
+        o = layer.ssm({"q": q, "k": k, "v": v, "g": g.float(), "beta": beta.float()},
+                      {"raw_qk": True} if raw_qk else {})
         o = o.to(hidden_states.dtype).reshape(-1, mixer.head_v_dim)
         gate = mixer.g_proj(hidden_states).reshape(-1, mixer.head_v_dim)
         o = gated_norm(mixer.o_norm, layer, o, gate, steps=False).reshape(B, t, -1)

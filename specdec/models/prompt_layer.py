@@ -157,7 +157,7 @@ class DeltaRulePromptLayer(PromptLayer):
 
     @property
     def takes_raw_qk(self) -> bool:
-        """Whether :meth:`ssm` takes q and k as the conv leaves them (``inputs["raw_qk"]``): one per
+        """Whether :meth:`ssm` takes q and k as the conv leaves them (``params["raw_qk"]``): one per
         key head, not normalised. fla's rule (``scan="fla"``) L2-normalises them in its kernel,
         scales q by ``1/sqrt(d_k)`` and reads each key head's for its group of value heads (GVA),
         as transformers' prefill has it normalise them: no fp32 copies of q and k repeated per
@@ -168,7 +168,7 @@ class DeltaRulePromptLayer(PromptLayer):
         """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,
         L, H, V]``, g ``[B, L, H]`` or ``[B, L, H, K]``, beta ``[B, L, H]`` (fp32), in
         ``params["y_dtype"]`` (default: what the rule returns); the final state ``[B, H, K, V]``
-        fp32 goes to HF's cache. With ``inputs["raw_qk"]`` (where :attr:`takes_raw_qk`), q and k
+        fp32 goes to HF's cache. With ``params["raw_qk"]`` (where :attr:`takes_raw_qk`), q and k
         are ``[B, L, Hk, K]`` for ``Hk`` key heads dividing ``H``, not normalised, in any float
         dtype.
 
@@ -176,7 +176,7 @@ class DeltaRulePromptLayer(PromptLayer):
             ValueError: ``raw_qk`` inputs where the rule does not take them.
         """
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        raw_qk = bool(inputs.get("raw_qk", False))
+        raw_qk = bool(params.get("raw_qk", False))
         if raw_qk and not self.takes_raw_qk:
             raise ValueError(f"the {self.scan!r} rule takes q and k normalised per value head, not as the conv leaves them")
         g, beta = self.at_tokens(inputs["g"]), self.at_tokens(inputs["beta"])  # padding: no decay, no write

@@ -49,7 +49,7 @@ from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 __all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "ACTIVATIONS", "SkinnyConfig", "skinny_config",
            "split_k_for", "skinny_linear", "gated_skinny_linear", "grouped_skinny_linear", "SkinnyLinear",
            "skinny_linears", "merged_linears", "single_linears", "mlp_hidden", "linear_ref", "gated_linear_ref", "activation_ref",
-           "num_sms"]
+           "num_sms", "mlp_activation", "mlp_activation_reference"]
 
 #: the most rows (``M = prod(x.shape[:-1])``) :func:`skinny_linear` takes: four 16-row tiles
 MAX_ROWS = 64
@@ -860,3 +860,32 @@ def mlp_hidden(x: torch.Tensor, plan) -> torch.Tensor | None:
         launch = lambda: gated_skinny_linear(x, gw, uw, gb, ub, activation=plan.activation)  # noqa: E731
     return _MLP_VARIANTS.run(key, x, launch, f"fused MLP: the kernel failed; an MLP of weight {tuple(gw.shape)} runs "
                              "its own forward for such inputs")
+
+
+def mlp_activation_reference(g: torch.Tensor, u: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """An MLP's hidden state from its projections as its eager module computes it: ``act(g) * u``
+    (a gated MLP; the activation rounded to g's dtype first) or ``act(g)`` (``u`` None), in g's
+    dtype (:func:`activation_ref`'s activations)."""
+    h = activation_ref(g, activation).to(g.dtype)
+    return h if u is None else h * u
+
+
+def mlp_activation(g: torch.Tensor, u: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """:func:`mlp_activation_reference` in one Triton launch (one pass over the rows, where eagerly
+    a gated MLP's activation and product are two launches and three passes).
+
+    Args:
+        g: ``[..., N]`` the gate projection's output (a gated MLP) or the up projection's, fp32 /
+            bf16 / fp16, rows contiguous in N at any row stride (e.g. a half of a fused gate-up
+            projection's output; else copied). u: the up projection's output of g's shape, dtype
+            and device, or None. activation: ``"silu"`` or ``"relu2"``.
+
+    Returns:
+        ``[..., N]`` in g's dtype, contiguous.
+
+    Raises:
+        ValueError: another activation or dtype, or ``u`` not like ``g``.
+    """
+    from .triton_activation import mlp_activation_triton
+
+    return mlp_activation_triton(g, u, activation)

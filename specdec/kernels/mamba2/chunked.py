@@ -25,7 +25,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SCANS", "SEGMENT_BYTES", "resolve_scan", "fla_available", "mamba2_chunk_scan", "mamba2_chunk_scan_fla",
+__all__ = ["SCANS", "SEGMENT_BYTES", "FLA_MIN_VERSION", "resolve_scan", "fla_available", "fla_version", "mamba2_chunk_scan", "mamba2_chunk_scan_fla",
            "mamba2_prompt_scan", "expand_groups", "discretized_input", "add_skip_"]
 
 #: the prompt-scan choices: ``auto`` (``fla`` for a bf16 / fp16 model on CUDA when importable,
@@ -36,22 +36,48 @@ SCANS = ("auto", "fla", "torch", "hf")
 SEGMENT_BYTES = 1 << 30
 
 
+#: the oldest flash-linear-attention release whose kernels take what specdec passes them (the
+#: V-first state layout, key heads shared by groups of value heads)
+FLA_MIN_VERSION = "0.6"
+
+
+def fla_version() -> str | None:
+    """The installed flash-linear-attention's version (its ``fla-core`` or
+    ``flash-linear-attention`` distribution's), or None when ``fla`` is not importable."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    from importlib import metadata
+
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def fla_available() -> bool:
-    """Whether flash-linear-attention (``fla``) is installed."""
-    return importlib.util.find_spec("fla") is not None
+    """Whether flash-linear-attention (``fla``) is installed, at :data:`FLA_MIN_VERSION` or later."""
+    from packaging.version import InvalidVersion, Version
+
+    found = fla_version()
+    try:
+        return found is not None and Version(found) >= Version(FLA_MIN_VERSION)
+    except InvalidVersion:
+        return False
 
 
 def resolve_scan(scan: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
     """The scan ``scan`` (one of :data:`SCANS`) means for a model of ``dtype`` on ``device``:
     ``"fla"``, ``"torch"`` or ``"hf"``.
 
-    ``auto`` is ``fla`` on CUDA when flash-linear-attention is installed and the model is not
+    ``auto`` is ``fla`` on CUDA when flash-linear-attention (:data:`FLA_MIN_VERSION` or later) is installed and the model is not
     fp32 (fla's TF32 matmuls round below a bf16 model's own precision, not an fp32 model's),
     else ``torch``.
 
     Raises:
         ValueError: ``scan`` is not one of :data:`SCANS`, or ``"fla"`` where flash-linear-attention
-            is not installed or ``device`` is not CUDA.
+            is not installed (or older than :data:`FLA_MIN_VERSION`) or ``device`` is not CUDA.
     """
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
@@ -59,9 +85,10 @@ def resolve_scan(scan: str, device: torch.device | str, dtype: torch.dtype = tor
     if scan == "auto":
         return "fla" if on_cuda and dtype != torch.float32 and fla_available() else "torch"
     if scan == "fla" and not (on_cuda and fla_available()):
-        raise ValueError("scan='fla' needs CUDA tensors and flash-linear-attention (pip install 'specdec[fla]'); "
-                         f"device is {torch.device(device)}, fla {'is' if fla_available() else 'is not'} installed; "
-                         "use scan='torch' or 'auto'")
+        found = fla_version()
+        fla = "is not installed" if found is None else f"{found} is installed"
+        raise ValueError(f"scan='fla' needs CUDA tensors and flash-linear-attention >= {FLA_MIN_VERSION} (pip install "
+                         f"'specdec[fla]'); device is {torch.device(device)}, fla {fla}; use scan='torch' or 'auto'")
     return scan
 
 
@@ -196,7 +223,8 @@ def discretized_input(x: torch.Tensor, dt: torch.Tensor, dtype: torch.dtype) -> 
 
     Returns: ``[B, L, H, P]`` in ``dtype``, contiguous.
 
-    Raises: ValueError: ``dt`` not ``[B, L, H]``.
+    Raises: ValueError: ``dt`` not ``[B, L, H]``; on the Triton backend, ``x`` or ``dtype`` not fp32,
+        bf16 or fp16.
     """
     if _triton(x):
         from .triton_heads import discretized_input_triton
@@ -213,7 +241,8 @@ def add_skip_(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch.Tensor
     rounded once to y's dtype. One Triton launch on the Triton backend, else ``Tensor.addcmul_``
     (the reference). Returns ``y``.
 
-    Raises: ValueError: shapes that do not fit, or ``y`` not contiguous.
+    Raises: ValueError: shapes that do not fit, or ``y`` not contiguous; on the Triton backend,
+        ``x`` or ``y`` not fp32, bf16 or fp16.
     """
     if _triton(y):
         from .triton_heads import add_skip_triton_

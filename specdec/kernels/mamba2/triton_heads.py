@@ -22,6 +22,7 @@ from ..triton_common import next_pow2
 
 __all__ = ["discretized_input_triton", "add_skip_triton_"]
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: heads per program (x BLOCK_P head channels: 16 x 64 = 1,024 elements at Mamba-2's head size)
 BLOCK_H = 16
 
@@ -46,20 +47,23 @@ def _heads_kernel(x, s, y, out, H, P, stride_xm, stride_xh, stride_sm, stride_ym
 
 
 def _token_rows(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(token stride, head stride)`` of ``t [B, L, H, P]`` when its tokens are evenly strided
-    rows of heads whose ``P`` channels are contiguous (a slice of a wider ``[B, L, C]`` tensor), else None."""
+    """``(token stride, head stride)`` of ``t [B, L, H, P]`` when its ``B * L`` tokens are evenly
+    strided rows of heads whose ``P`` channels are contiguous (e.g. a slice of a wider ``[B, L,
+    C]`` tensor), else None. The strides of dims of size 1 do not count."""
     B, L, H, P = t.shape
-    if t.stride(3) != 1 or (B > 1 and t.stride(0) != L * t.stride(1)):
+    if P > 1 and t.stride(3) != 1:
         return None
-    return t.stride(1), t.stride(2)
+    if B > 1 and L > 1 and t.stride(0) != L * t.stride(1):
+        return None
+    return t.stride(1) if L > 1 else t.stride(0), t.stride(2) if H > 1 else P
 
 
 def _launch(x, s, y, out, skip: bool, stride_sm: int) -> None:
     B, L, H, P = x.shape
     sx = _token_rows(x)
     if sx is None:
-        x = x.contiguous()
-        sx = _token_rows(x)
+        x = x.clone(memory_format=torch.contiguous_format)
+        sx = (H * P, P)
     M = B * L
     if M == 0:
         return
@@ -76,6 +80,8 @@ def discretized_input_triton(x: torch.Tensor, dt: torch.Tensor, dtype: torch.dty
     B, L, H, P = x.shape
     if dt.shape != (B, L, H):
         raise ValueError(f"expected x [B, L, H, P] and dt [B, L, H]; got {tuple(x.shape)} and {tuple(dt.shape)}")
+    if x.dtype not in _FLOATS or dtype not in _FLOATS:
+        raise ValueError(f"x and the output must be fp32, bf16 or fp16; got {x.dtype} and {dtype}")
     dt = dt.to(torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     _launch(x, dt, out, out, False, H)
@@ -88,5 +94,7 @@ def add_skip_triton_(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch
     if y.shape != x.shape or D.shape != (H,) or not y.is_contiguous():
         raise ValueError(f"expected y [B, L, H, P] contiguous, x of its shape and D [H]; got {tuple(y.shape)}, "
                          f"{tuple(x.shape)}, {tuple(D.shape)}{'' if y.is_contiguous() else ' (y not contiguous)'}")
+    if x.dtype not in _FLOATS or y.dtype not in _FLOATS:
+        raise ValueError(f"x and y must be fp32, bf16 or fp16; got {x.dtype} and {y.dtype}")
     _launch(x, D.to(torch.float32).contiguous(), y, y, True, 0)
     return y

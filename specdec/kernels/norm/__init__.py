@@ -30,7 +30,7 @@ Granite-4, Nemotron-H, Zamba2, Falcon-H1, LFM2, Kimi-Linear; ``rounded``), OLMo-
 ``round(weight * x * rsqrt(...))`` (fp32 throughout) and the Qwen3-Next / Qwen3.5 zero-centred
 ``round(x * rsqrt(...) * (1 + weight))`` (``offset``, fp32 throughout). Eagerly each is ~8
 element-wise launches over fp32 copies of the hidden states; a prompt forward on the Triton
-backend runs them here in one (:func:`specdec.models.common.prompt_norms`).
+backend runs them here in one (:func:`specdec.models.common.prompt_kernels`).
 
 A Mamba-2 decode step and a Mamba-2, Gated DeltaNet or KDA prompt run the gated norm here. Compiled by Inductor
 as part of the captured step, the module is two kernels (the groups' variance, then the
@@ -64,9 +64,12 @@ _SIGMOID_AFTER = ("KimiLinearRMSNormGated",)
 #: the transformers RMSNorm classes whose forward is ``weight * round(x * rsqrt(mean(x^2) + eps))``
 #: (eps ``variance_epsilon``)
 _PLAIN_ROUNDED = ("MambaRMSNorm", "Mamba2RMSNorm", "BambaRMSNorm", "GraniteMoeHybridRMSNorm", "NemotronHRMSNorm",
-                  "Zamba2RMSNorm", "FalconH1RMSNorm", "Lfm2RMSNorm", "KimiLinearRMSNorm", "LlamaRMSNorm")
+                  "Zamba2RMSNorm", "FalconH1RMSNorm", "Lfm2RMSNorm", "KimiLinearRMSNorm",
+                  # and the attention-only families a draft model may come from
+                  "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
+                  "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm")
 #: ... whose forward is ``round(weight * x * rsqrt(mean(x^2) + eps))`` in fp32 (eps ``variance_epsilon``)
-_PLAIN_FP32 = ("OlmoHybridRMSNorm",)
+_PLAIN_FP32 = ("OlmoHybridRMSNorm", "Olmo2RMSNorm")
 #: ... whose forward is ``round(x * rsqrt(mean(x^2) + eps) * (1 + weight))`` in fp32 (eps ``eps``)
 _PLAIN_OFFSET = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
@@ -198,7 +201,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         ``[..., D]`` in x's dtype, contiguous.
 
     Raises:
-        ValueError: a weight not ``[D]`` or not in x's dtype, or an ``out`` that does not fit.
+        ValueError: a weight not ``[D]`` or not in x's dtype, x not fp32 / bf16 / fp16, or an ``out``
+            that does not fit.
     """
     from .triton_norm import rms_norm_triton  # lazy: the backend decides TRITON_INTERPRET first
 

@@ -100,6 +100,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: b
         raise ValueError(f"expected x [..., D] and weight [D]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must be in x's dtype {x.dtype}, got {weight.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
     x2 = _rows(x, D)
     out = _output(x, out)
     M = x2.shape[0]
