@@ -253,7 +253,7 @@ def test_prompt_activation_is_the_eager_chain(activation, gated, dtype):
 
     from specdec.kernels.linear import mlp_activation, mlp_activation_reference
 
-    N = 40
+    N = 200
     proj = torch.randn(3, 5, 2 * N + 3, generator=torch.Generator().manual_seed(9)).mul(3).to(dtype)
     before = proj.clone()
     g, u = proj[..., :N], (proj[..., N:2 * N] if gated else None)
@@ -266,6 +266,10 @@ def test_prompt_activation_is_the_eager_chain(activation, gated, dtype):
         assert ((got - want).abs() <= want.abs() * 1e-6 + 1e-6).all()
     elif dtype == torch.float16 and activation == "relu2":
         assert torch.equal(got, want)
+    elif dtype == torch.float16:  # the SiLU's last fp32 bit moves a rounding now and then (a rounding
+        # left out moves ~25% of the outputs)
+        ulp = want.float().abs() * torch.finfo(dtype).eps
+        assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all() and (got != want).float().mean() < 0.02
     else:
         ulp = want.float().abs() * torch.finfo(dtype).eps * (2 if gated else 1)
         assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
@@ -274,6 +278,8 @@ def test_prompt_activation_is_the_eager_chain(activation, gated, dtype):
         mlp_activation(g, u, "gelu")
     with pytest.raises(ValueError, match="u must be"):
         mlp_activation(g, g[:1], activation)
+    assert mlp_activation(g[:0], None if u is None else u[:0], activation).shape == (0, 5, N)
+    assert mlp_activation(g[..., :0], None if u is None else u[..., :0], activation).shape == (3, 5, 0)
 
 
 @needs_triton_interpreter
@@ -295,7 +301,7 @@ def test_prompt_mlps_compute_their_modules_output(family, monkeypatch):
     monkeypatch.setattr(triton_activation, "mlp_activation_triton", lambda g, *a: calls.append(g.shape) or kernel(g, *a))
     for dtype in (torch.float32, torch.float16):
         model = copy.deepcopy(get_model(family)).to(dtype)
-        found = prompt_mlps(model)
+        found = prompt_mlps(model.modules())
         assert found and [m for m, _ in found] == [m for m in mlps(model)]
         x = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
         with torch.no_grad():

@@ -246,7 +246,7 @@ def test_routed_norms_leave_other_calls_to_their_forward(monkeypatch):
                                _norm("qwen3_5", "Qwen3_5RMSNorm", {}, 32, torch.float64, 6))
     mixed = _norm("llama", "LlamaRMSNorm", {}, 32, torch.float32, 7)  # fp32 weight, fp16 input
     body.append(mixed)
-    norms = plain_norms(body)
+    norms = plain_norms(body.modules())
     assert [mod for mod, _ in norms] == list(body)
     half, double = (torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE, dt)
                     for dt in (torch.float16, torch.float64))

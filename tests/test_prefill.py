@@ -379,7 +379,7 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
         assert ((len(norms) > before) == (len(plain) > before_plain) == (len(acts) > before_acts)
                 == (backend == "triton")), backend
     ran = {id(w) for w in plain}
-    routed_norms, routed_mlps = ad._prompt_routes
+    routed_norms, routed_mlps = ad._prompt_routes()
     assert routed_norms and all(id(mod.weight) in ran for mod, _ in routed_norms)
     assert {form[1:] for _, form in routed_norms} == {
         "nemotron_h": {(False, True)}, "kimi_linear": {(False, True)}, "olmo_hybrid": {(False, False)},
@@ -396,6 +396,34 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
         assert rel_err(logits_t, logits) < TOL
         for idx, (ssm_state, conv_state) in states.items():
             assert rel_err(states_t[idx][0], ssm_state) < TOL and rel_err(states_t[idx][1], conv_state) < TOL
+
+
+@needs_triton_interpreter
+def test_prompt_kernels_follow_modules_changed_after_the_first_prompt(monkeypatch):
+    """The Triton prompt path reads each MLP's plan anew at every prompt: after a first prefill,
+    projections replaced by another module (an adapter's, a quantised linear's) run, so the logits
+    and states equal the torch backend's on the changed model, not the first prompt's."""
+    import copy
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    ad = specdec.models.adapter_for(copy.deepcopy(make_model("qwen3_5")))
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    first = prefill(ad, ids, mask, "torch")
+    for mod in ad.model.modules():
+        if type(mod).__name__.endswith("MLP"):
+            old = mod.up_proj
+            mod.up_proj = Doubled(old.in_features, old.out_features, bias=False)
+            mod.up_proj.load_state_dict(old.state_dict())
+    got = prefill(ad, ids, mask, "torch")
+    monkeypatch.setenv("SPECDEC_BACKEND", "torch")
+    want = prefill(ad, ids, mask, "torch")
+    assert rel_err(got[0], want[0]) < TOL and rel_err(first[0], want[0]) > 1e-2
+    for idx in want[1]:
+        assert rel_err(got[1][idx][0], want[1][idx][0]) < TOL
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)

@@ -58,7 +58,7 @@ def test_triton_plain_steps_commit_the_conv_as_they_run(family, monkeypatch):
         from specdec.models.common import plain_norms
 
         assert ops.triton["_mamba2_step_kernel"] == 5 * layers, ops.triton
-        assert ops.triton["_rms_norm_kernel"] == 6 * layers + len(plain_norms(model)), ops.triton
+        assert ops.triton["_rms_norm_kernel"] == 6 * layers + len(plain_norms(model.modules())), ops.triton
 
 
 def test_triton_steps_follow_weights_changed_in_place(monkeypatch):

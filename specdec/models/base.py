@@ -296,9 +296,10 @@ class HybridAdapter:
         #: in several forwards, a longer prompt in chunks (:meth:`prefill`); None: one forward
         self.max_prefill_tokens: int | None = None
         self._prompt_graphs = None
-        #: the RMSNorms ``(module, form)`` and MLPs ``(module, plan)`` a Triton prompt forward runs through
-        #: its own kernels (:func:`~specdec.models.common.prompt_kernels`), found at the first prompt
-        self._prompt_routes: tuple[list, list] | None = None
+        #: the modules whose forward a Triton prompt forward may run through its own kernels: the
+        #: RMSNorms and MLPs recognised at the first prompt (each prompt reads their form / plan anew,
+        #: :func:`~specdec.models.common.prompt_kernels`)
+        self._prompt_modules: tuple[list, list] | None = None
         self.vocab_size = int(self.lm_head.out_features if hasattr(self.lm_head, "out_features") else self.config.vocab_size)
         #: accelerate's hooks on some module (dispatched without a ``device_map`` attribute, e.g. by hand)
         self._hooked = any(hasattr(mod, "_hf_hook") for mod in model.modules())
@@ -885,13 +886,21 @@ class HybridAdapter:
         layers routed as ``scan`` says; on the Triton backend and unless ``scan`` is ``"hf"`` the
         decoder's RMSNorms and MLP activations in one launch each,
         :func:`~specdec.models.common.prompt_kernels`); returns the final hidden states ``[B, t, D]``."""
-        if self._prompt_routes is None:
-            self._prompt_routes = (plain_norms(self.model), prompt_mlps(self.model))
-        routes = self._prompt_routes if scan != "hf" and backend(self.device) == "triton" else ([], [])
+        routes = self._prompt_routes() if scan != "hf" and backend(self.device) == "triton" else ([], [])
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
               prompt_kernels(*routes)):
             return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
+
+    def _prompt_routes(self) -> tuple[list, list]:
+        """``(norms, mlps)`` for :func:`~specdec.models.common.prompt_kernels`: the modules found at
+        the first prompt (every module of the model read once), their forms and plans read anew at
+        each call (so an MLP whose projection was replaced or hooked since runs its own forward)."""
+        if self._prompt_modules is None:
+            self._prompt_modules = ([m for m, _ in plain_norms(self.model.modules())],
+                                    [m for m, _ in prompt_mlps(self.model.modules())])
+        norms, mlps = self._prompt_modules
+        return plain_norms(norms), prompt_mlps(mlps)
 
     def _layer_states(self, hf_cache, keys: bool = True) -> dict[int, LayerState]:
         """Each layer's state in HF's cache (``{layer index: LayerState}``, layers holding nothing

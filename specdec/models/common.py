@@ -71,10 +71,10 @@ def gated_norm(norm, layer, y: torch.Tensor, gate: torch.Tensor, *, steps: bool 
     return norm(y, gate)
 
 
-def plain_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[float, bool, bool]]]:
-    """``(module, form)`` for each module of ``model`` that :func:`~specdec.kernels.norm.rms_norm`
-    computes (``form``: :func:`~specdec.kernels.norm.rms_norm_form`), in ``model.modules()`` order."""
-    return [(mod, form) for mod in model.modules() if (form := rms_norm_form(mod)) is not None]
+def plain_norms(modules) -> list[tuple[torch.nn.Module, tuple[float, bool, bool]]]:
+    """``(module, form)`` for each of ``modules`` (an iterable, e.g. ``model.modules()``) that
+    :func:`~specdec.kernels.norm.rms_norm` computes (``form``: :func:`~specdec.kernels.norm.rms_norm_form`), in order."""
+    return [(mod, form) for mod in modules if (form := rms_norm_form(mod)) is not None]
 
 
 #: the dtypes the prompt kernels compute in (others, e.g. fp64, keep the modules' forwards)
@@ -102,10 +102,12 @@ def _plain_norm_forward(form):
     return forward
 
 
-def prompt_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, MLPPlan]]:
-    """``(module, plan)`` for each MLP of ``model`` whose forward :func:`~specdec.models.mlp.mlp_plan`
-    recognises, in ``model.modules()`` order."""
-    return [(mod, plan) for mod in model.modules() if (plan := mlp_plan(mod)) is not None]
+def prompt_mlps(modules) -> list[tuple[torch.nn.Module, MLPPlan]]:
+    """``(module, plan)`` for each of ``modules`` (an iterable, e.g. ``model.modules()``) that is an
+    MLP whose forward :func:`~specdec.models.mlp.mlp_plan` recognises, in order. A plan holds the
+    projection modules it read: make it anew before each routed block (a projection replaced, a
+    hook added or a forward set on the instance since changes or withdraws it)."""
+    return [(mod, plan) for mod in modules if (plan := mlp_plan(mod)) is not None]
 
 
 def _mlp_forward(plan: MLPPlan):

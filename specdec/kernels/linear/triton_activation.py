@@ -44,13 +44,13 @@ def mlp_activation_triton(g: torch.Tensor, u: torch.Tensor | None, activation: s
         raise ValueError(f"u must be g's shape, dtype and device: {tuple(g.shape)} {g.dtype}, got {tuple(u.shape)} "
                          f"{u.dtype}")
     N = g.shape[-1]
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if g.numel() == 0:
+        return out
     rows = [t.reshape(-1, N) for t in (g, u) if t is not None]  # (views where the rows are strided, as halves are)
     rows = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
     g2, u2 = rows[0], rows[-1]
-    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     M = g2.shape[0]
-    if M == 0 or N == 0:
-        return out
     _mlp_activation_kernel[(M, triton.cdiv(N, BLOCK_N))](
         g2, u2, out, N, g2.stride(0), u2.stride(0), ACT=ACT_CODES[activation], GATED=u is not None, BLOCK=BLOCK_N,
         num_warps=4,

@@ -43,7 +43,8 @@ FLA_MIN_VERSION = "0.6"
 
 def fla_version() -> str | None:
     """The installed flash-linear-attention's version (its ``fla-core`` or
-    ``flash-linear-attention`` distribution's), or None when ``fla`` is not importable."""
+    ``flash-linear-attention`` distribution's; without distribution metadata, e.g. a source
+    checkout on the path, ``fla.__version__``), or None when ``fla`` is not importable."""
     if importlib.util.find_spec("fla") is None:
         return None
     from importlib import metadata
@@ -53,16 +54,22 @@ def fla_version() -> str | None:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-    return "unknown"
+    try:
+        import fla
+
+        return str(getattr(fla, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001 (an fla that fails to import is not available, whatever it raised)
+        return "unknown"
 
 
 def fla_available() -> bool:
-    """Whether flash-linear-attention (``fla``) is installed, at :data:`FLA_MIN_VERSION` or later."""
+    """Whether flash-linear-attention (``fla``) is installed, at :data:`FLA_MIN_VERSION` or later
+    (its pre-releases and development builds included)."""
     from packaging.version import InvalidVersion, Version
 
     found = fla_version()
     try:
-        return found is not None and Version(found) >= Version(FLA_MIN_VERSION)
+        return found is not None and Version(found).release >= Version(FLA_MIN_VERSION).release
     except InvalidVersion:
         return False
 
