@@ -65,7 +65,7 @@ import torch
 from .placement import routed_forward
 
 __all__ = ["FUSABLE_FUNCTIONS", "fusable", "fused", "fusion_enabled", "merging_enabled", "skinny_enabled",
-           "fused_mlps_enabled", "residuals_enabled", "merge_candidates", "single_candidates"]
+           "fused_mlps_enabled", "residuals_enabled", "prompt_kernels_enabled", "merge_candidates", "single_candidates"]
 
 #: module-level functions that attention classes call by name from their own modeling module,
 #: compiled inside :func:`fused` blocks as the norms are
@@ -84,6 +84,17 @@ def _active() -> bool:
 def env_switch(name: str) -> bool:
     """An on-by-default environment switch: off for ``0``, ``false``, ``False`` or empty."""
     return os.environ.get(name, "1") not in ("0", "false", "False", "")
+
+
+def prompt_kernels_enabled() -> bool:
+    """Whether prompt forwards on the Triton backend run specdec's element-wise kernels
+    (``SPECDEC_PROMPT_KERNELS``, default on): the decoder's RMSNorms and MLP activations
+    (:func:`specdec.models.common.prompt_kernels`), Mamba-2's per-head passes around fla's scan
+    (:mod:`specdec.kernels.mamba2.triton_heads`), and the delta rules' q and k left for fla to
+    normalise (:attr:`specdec.models.prompt_layer.DeltaRulePromptLayer.takes_raw_qk`). Off, those
+    run as transformers' modules and PyTorch's element-wise ops compute them: an A/B switch, read
+    at every prompt forward."""
+    return env_switch("SPECDEC_PROMPT_KERNELS")
 
 
 def fusion_enabled() -> bool:

@@ -813,6 +813,19 @@ def test_prefill_tiny_cpu(tmp_path: Path):
     assert prof[0]["profile_gpu_kernels"] == 0 and prof[0]["profile_device_ms"] is None
     text = (tmp_path / "prof" / "profile.md").read_text()
     assert text.count("\n## ") == 1 and "batch 2 x 40 prompt tokens, scan torch" in text and "Self CPU" in text
+    # experiment.switches: each setting timed round by round with the default, a record each
+    sw = run_experiment(_cfg(base + ["experiment.grid=[[2,40]]", "experiment.scans=[auto]",
+                                     "experiment.switches=['SPECDEC_PROMPT_KERNELS=0']"]), tmp_path / "sw")
+    assert [(r["switch"], r["scan_path"]) for r in sw] == [(None, "torch"), ("SPECDEC_PROMPT_KERNELS=0", "torch")]
+    assert sw[0]["vs_default"] == 1.0 and sw[1]["vs_default"] == pytest.approx(sw[1]["prefill_ms"] / sw[0]["prefill_ms"])
+    assert sw[1]["logits_rel_err_vs_default"] == 0.0  # (on a CPU the switch changes nothing: the torch backend)
+    head, rows = _table((tmp_path / "sw" / "summary.md").read_text())
+    assert "switch" in head and "x default" in head and len(rows) == 2
+    with pytest.raises(ValueError, match="experiment.switches time the eager and static"):
+        run_experiment(_cfg(base + ["experiment.switches=['SPECDEC_PROMPT_KERNELS=0']",
+                                    "experiment.prompt_paths=[eager,cuda_graph]"]), tmp_path / "bad_sw")
+    with pytest.raises(ValueError, match="a switch must be NAME=VALUE"):
+        run_experiment(_cfg(base + ["experiment.switches=[SPECDEC_PROMPT_KERNELS]"]), tmp_path / "bad_sw2")
     with pytest.raises(ValueError, match="experiment.grid must list"):
         run_experiment(_cfg(base + ["experiment.grid=[[2]]"]), tmp_path / "bad")
     with pytest.raises(ValueError, match="experiment.scans must list"):

@@ -391,6 +391,10 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     before_plain, before_acts = len(plain), len(acts)
     prefill(ad, ids, mask, "hf")  # transformers' own forward, norms and MLPs included
     assert len(plain) == before_plain and len(acts) == before_acts
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setenv("SPECDEC_PROMPT_KERNELS", "0")  # the A/B switch: transformers' modules
+    off = prefill(ad, ids, mask, "torch")
+    assert len(plain) == before_plain and len(acts) == before_acts and rel_err(off[0], runs["torch"][0][0]) < TOL
     assert False in calls and True in calls  # the kernel ran, from zeros and from a history
     for (logits, states), (logits_t, states_t) in zip(runs["torch"], runs["triton"]):
         assert rel_err(logits_t, logits) < TOL
@@ -612,6 +616,11 @@ def test_fla_rule_takes_the_conv_q_and_k(family, monkeypatch):
     monkeypatch.setattr(base, "resolve_scan", lambda scan, *a: scan)  # "fla" on the CPU
     gva = family != "kimi_linear"
     ids, mask = ragged_prompts(lengths=LENGTHS)
+    monkeypatch.setenv("SPECDEC_PROMPT_KERNELS", "0")  # the A/B switch: q and k normalised per value head, as before
+    prefill(ad, ids, mask, "fla")
+    assert calls and not any(raw for _, _, raw in calls) and all(hq == hv for hq, hv, _ in calls)
+    calls.clear()
+    monkeypatch.delenv("SPECDEC_PROMPT_KERNELS")
     for max_tokens in (None, 3):  # also continued in forwards of 3 tokens, from a state
         rows = slice(None) if max_tokens is None else slice(0, 1)
         logits, states = prefill(ad, ids[rows], mask[rows], "fla", max_tokens=max_tokens)

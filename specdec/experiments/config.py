@@ -311,6 +311,10 @@ class PrefillExperiment:
                                    factory=lambda: ["eager"])
     warmup: int = _doc(1, "untimed prefills per point and scan first")
     profile: bool = _doc(False, "one prefill per point and scan under torch.profiler: profile.md and profile_* fields")
+    switches: List[str] = _doc(help="environment settings (NAME=VALUE, several joined by ',') under which each point's "
+                                    "prefill is timed too, round by round with the default's, e.g. "
+                                    "\"experiment.switches=['SPECDEC_PROMPT_KERNELS=0']\" (eager and static prompt "
+                                    "paths)", factory=list)
 
 
 class CheckName(StrEnum):

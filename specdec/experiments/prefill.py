@@ -21,6 +21,13 @@ Each point also runs on each prompt path of ``experiment.prompt_paths`` (default
 untimed runs first, so the bucket is captured), its logits compared with the eager path's
 (``logits_rel_err_vs_eager``), its bucket and any capture error recorded.
 
+``experiment.switches`` (environment settings, e.g. ``SPECDEC_PROMPT_KERNELS=0``:
+:func:`.e2e.parse_switches`) times each point's prefill under each setting too, round by round
+with the default's (:func:`.timing.time_side_by_side`): one record per setting (``switch``, None
+for the default), with its median over the default's (``vs_default``) and its logits against the
+default's (``logits_rel_err_vs_default``). Not with the ``cuda_graph`` prompt path: a bucket is
+captured once, under whichever setting met it first.
+
 ``experiment.profile`` adds one prefill per point and scan under ``torch.profiler``
 (:mod:`.profiling`): its kernels, GPU busy time and host time in the record, and ``profile.md``
 with the top ops by GPU time (by host time on a CPU), to see where a prefill's time goes.
@@ -36,8 +43,9 @@ import torch
 from omegaconf import DictConfig
 
 from .common import RunRecords, apply_cpu_threads, common_fields, progress_bar
+from .e2e import parse_switches
 from .models import load_target, resolve_device
-from .timing import time_runs
+from .timing import time_side_by_side
 
 __all__ = ["run", "BF16_PEAK_FLOPS", "bf16_peak_flops", "matmul_parameters"]
 
@@ -102,7 +110,12 @@ def _prompt_paths(paths) -> list[str]:
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the timing grid; returns the records (also in ``out_dir``).
 
-    Raises: ValueError for an unknown scan name (:func:`specdec.kernels.mamba2.chunked.resolve_scan`)."""
+    Raises: ValueError for an unknown scan name (:func:`specdec.kernels.mamba2.chunked.resolve_scan`),
+    a bad switch (:func:`.e2e.parse_switches`), or switches with the ``cuda_graph`` prompt path."""
+    import contextlib
+    import os
+    from unittest import mock
+
     from specdec.models import adapter_for
     from specdec.rollback import make_strategy
 
@@ -117,6 +130,10 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     skipped: list[str] = []
     scans = _scans(exp.scans, device, dtype, skipped)
     prompt_paths = _prompt_paths(exp.prompt_paths)
+    switches = parse_switches(exp.get("switches") or [])
+    if switches and "cuda_graph" in prompt_paths:
+        raise ValueError("experiment.switches time the eager and static prompt paths: a cuda_graph bucket is captured "
+                         "once, under whichever setting met it first; drop cuda_graph from experiment.prompt_paths")
     profiles: list[str] = []
     for spec in cfg.model.targets:
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
@@ -134,18 +151,21 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
 
-                def once(scan_path=path, prompt_path=prompt_path):
-                    return adapter.prefill(ids, mask, cache, scan=scan_path, prompt_path=prompt_path)
+                def once(scan_path=path, prompt_path=prompt_path, env=None):
+                    with mock.patch.dict(os.environ, env) if env else contextlib.nullcontext():
+                        return adapter.prefill(ids, mask, cache, scan=scan_path, prompt_path=prompt_path)
 
+                fns = {None: once, **{label: (lambda env=env: once(env=env)) for label, env in switches.items()}}
                 # a bucket runs eagerly first, is captured at its second use
                 warmup = max(int(exp.warmup), 2 if prompt_path == "cuda_graph" else 0)
                 try:
-                    t, (logits, _) = time_runs(once, int(cfg.repeats), device, warmup=warmup)
+                    timed = time_side_by_side(fns, int(cfg.repeats), device, warmup=warmup)
                 except torch.OutOfMemoryError:
                     skipped.append(f"{spec.name} B={B} L={L} scan={scan} prompt_path={prompt_path}: "
                                    "out of device memory")
                     torch.cuda.empty_cache()
                     continue
+                t, (logits, _) = timed[None]
                 logits = logits.float()
                 prof = None
                 if exp.profile:
@@ -177,9 +197,23 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                                                          / eager_logits.norm().clamp(min=1e-30))
                                                    if prompt_path != "eager" and eager_logits is not None else None),
                        **({f"profile_{k}": v for k, v in prof.fields().items()} if prof is not None else {})}
+                if switches:
+                    rec.update(switch=None, vs_default=1.0, logits_rel_err_vs_default=0.0)
                 log.add(rec, f"{spec.name} B={B} L={L} {path} {prompt_path}: {rec['prefill_ms']:.1f} ms, "
                              f"{rec['tokens_per_s']:.0f} tokens/s"
                              + (f", {rec['x_roof']:.1f}x roof" if roof_ms else ""))
+                for label in switches:  # (no profile, no comparison with hf or eager: against the default's)
+                    ts, (logits_s, _) = timed[label]
+                    logits_s = logits_s.float()
+                    srec = {**{k: v for k, v in rec.items() if not k.startswith(("profile_", "logits_rel_err"))},
+                            **ts.scaled(1e3).fields("prefill_ms"), **ts.rate(B * L).fields("tokens_per_s"),
+                            "x_roof": ts.median * 1e3 / roof_ms if roof_ms else None, "switch": label,
+                            "peak_gib": None,  # (the default's record holds the peak over every setting's runs)
+                            "vs_default": ts.median / t.median,
+                            "logits_rel_err_vs_default": float((logits_s - logits).norm()
+                                                               / logits.norm().clamp(min=1e-30))}
+                    log.add(srec, f"{spec.name} B={B} L={L} {path} {prompt_path} {label}: {srec['prefill_ms']:.1f} ms "
+                                  f"({srec['vs_default']:.3f}x the default)")
             del cache
             if cuda:
                 torch.cuda.empty_cache()

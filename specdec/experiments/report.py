@@ -347,8 +347,10 @@ PREFILL_COLUMNS = (
     Column("roof_ms", "roof ms", "{:.1f}", legend="2 x parameters (body, no embedding) x tokens at the device's "
                                                    "dense bf16 peak: a floor"),
     Column("x_roof", "x roof", "{:.1f}x", legend="prefill ms / roof ms"),
+    Column("vs_default", "x default", "{:.3f}", legend="with experiment.switches: prefill ms over the default's "
+                                                       "(the default's row, 1.000), timed round by round"),
     Column("peak_gib", "peak GiB", "{:.1f}", terminal=False,
-           legend="torch.cuda.max_memory_allocated over the runs, weights included"),
+           legend="torch.cuda.max_memory_allocated over the runs (with switches: every setting's), weights included"),
     Column("logits_rel_err_vs_hf", "logits vs hf", "{:.1e}", terminal=False,
            legend="relative error of the last position's logits against the hf scan's"),
     Column("prompt_bucket", "bucket", TEXT, terminal=False,
@@ -357,6 +359,8 @@ PREFILL_COLUMNS = (
            legend="relative error of the last position's logits against the eager prompt path's"),
     Column("prompt_graph_error", "capture error", TEXT, terminal=False,
            legend="why the cuda_graph prompt path ran without a graph, if it did"),
+    Column("logits_rel_err_vs_default", "logits vs default", "{:.1e}", terminal=False,
+           legend="with experiment.switches: relative error of the last position's logits against the default's"),
 )
 
 _OK = Column("ok", "ok", None, legend="the check's condition holds for this row")
@@ -437,7 +441,7 @@ SECTIONS = {
 #: column titles of the group keys
 KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
-SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "overlap")
+SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "overlap", "switch")
 
 
 def _experiment(r: dict) -> str:

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import HybridCache, SSMLayerCache
+from ..fusion import prompt_kernels_enabled
 from ..kernels import backend, get_op
 from ..kernels.mamba2.chunked import resolve_scan
 from ..placement import check_placement, materialized, offloads_weights, routed_forward
@@ -883,10 +884,11 @@ class HybridAdapter:
 
     def _prompt_forward(self, input_ids, mask, position_ids, hf_cache, scan: str) -> torch.Tensor:
         """The body on prompt tokens ``input_ids [B, t]`` with HF's cache ``hf_cache`` (prompt
-        layers routed as ``scan`` says; on the Triton backend and unless ``scan`` is ``"hf"`` the
-        decoder's RMSNorms and MLP activations in one launch each,
-        :func:`~specdec.models.common.prompt_kernels`); returns the final hidden states ``[B, t, D]``."""
-        routes = self._prompt_routes() if scan != "hf" and backend(self.device) == "triton" else ([], [])
+        layers routed as ``scan`` says; on the Triton backend, unless ``scan`` is ``"hf"`` or
+        :func:`~specdec.fusion.prompt_kernels_enabled` says not, the decoder's RMSNorms and MLP
+        activations in one launch each, :func:`~specdec.models.common.prompt_kernels`); returns the final hidden states ``[B, t, D]``."""
+        use = scan != "hf" and backend(self.device) == "triton" and prompt_kernels_enabled()
+        routes = self._prompt_routes() if use else ([], [])
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
               prompt_kernels(*routes)):

@@ -161,8 +161,10 @@ class DeltaRulePromptLayer(PromptLayer):
         key head, not normalised. fla's rule (``scan="fla"``) L2-normalises them in its kernel,
         scales q by ``1/sqrt(d_k)`` and reads each key head's for its group of value heads (GVA),
         as transformers' prefill has it normalise them: no fp32 copies of q and k repeated per
-        value head."""
-        return self.scan == "fla"
+        value head. Off with ``SPECDEC_PROMPT_KERNELS=0`` (:func:`~specdec.fusion.prompt_kernels_enabled`)."""
+        from ..fusion import prompt_kernels_enabled
+
+        return self.scan == "fla" and prompt_kernels_enabled()
 
     def ssm(self, inputs: dict, params: dict) -> torch.Tensor:
         """The prompt's outputs ``o [B, L, H, V]`` from ``inputs`` q, k ``[B, L, H, K]``, v ``[B,

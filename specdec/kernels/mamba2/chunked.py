@@ -217,16 +217,18 @@ def expand_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _triton(t: torch.Tensor) -> bool:
+    from ...fusion import prompt_kernels_enabled
     from .. import backend
 
-    return backend(t.device) == "triton"
+    return backend(t.device) == "triton" and prompt_kernels_enabled()
 
 
 def discretized_input(x: torch.Tensor, dt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Mamba-2's discretised input ``v = dt x``: ``x [B, L, H, P]`` (any float dtype, any layout
     whose head channels are contiguous, e.g. a slice of the conv's output) times ``dt [B, L, H]``,
     the product in fp32 rounded once to ``dtype``. One Triton launch on the Triton backend
-    (:mod:`specdec.kernels.mamba2.triton_heads`), else ``torch.mul`` (the reference).
+    (:mod:`specdec.kernels.mamba2.triton_heads`; unless ``SPECDEC_PROMPT_KERNELS=0``), else
+    ``torch.mul`` (the reference).
 
     Returns: ``[B, L, H, P]`` in ``dtype``, contiguous.
 
