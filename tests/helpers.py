@@ -112,6 +112,14 @@ def hf_states(model, adapter, texts, prompt_lens):
     return {idx: (torch.cat(s), torch.cat(c)) for idx, (s, c) in per_layer.items()}
 
 
+def within_ulp(got: torch.Tensor, want: torch.Tensor, units: float = 1, moved: float | None = None) -> bool:
+    """Whether ``got`` is within ``units`` units in the last place of ``want``'s dtype of ``want``
+    (plus 1e-6 absolute), and, with ``moved``, differs in fewer than that fraction of its elements."""
+    ulp = want.float().abs() * torch.finfo(want.dtype).eps * units
+    close = bool(((got.float() - want.float()).abs() <= ulp + 1e-6).all())
+    return close and (moved is None or float((got != want).float().mean()) < moved)
+
+
 def rel_err(a, b):
     """``||a - b|| / ||b||`` (Frobenius norms, in float64)."""
     a, b = a.double(), b.double()

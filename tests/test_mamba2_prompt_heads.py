@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import within_ulp
 from markers import ON_CUDA, needs_triton_interpreter
 
 from specdec.kernels.mamba2 import chunked
@@ -46,8 +47,7 @@ def test_kernels_are_the_torch_forms(B, L, H, P, dtype):
         if exact:
             assert torch.equal(got, want)
         else:
-            ulp = want.float().abs() * torch.finfo(want.dtype).eps
-            assert ((got.float() - want.float()).abs() <= ulp + 1e-6).all()
+            assert within_ulp(got, want)
 
     for out_dtype in {dtype, torch.bfloat16}:
         want = torch.mul(x, dt[..., None], out=x.new_empty(x.shape, dtype=out_dtype))
@@ -76,7 +76,7 @@ def test_the_scan_runs_them_on_the_triton_backend(monkeypatch):
         runs[backend].append(chunked.add_skip_(y.clone(), x, D))
         assert (len(calls) == 4) == (backend == "triton"), (backend, calls)
     for a, b in zip(runs["torch"], runs["triton"]):  # (bf16: the interpreter truncates, one unit at most)
-        assert ((a.float() - b.float()).abs() <= a.float().abs() * torch.finfo(a.dtype).eps + 1e-6).all()
+        assert within_ulp(b, a)
 
 
 def test_any_layout_of_x():

@@ -37,7 +37,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BACKENDS", "LaunchConfig", "RollbackKernels", "Conv1dKernels", "BackendOp", "SSMOp", "triton_interpreting"]
+__all__ = ["BACKENDS", "FLOAT_DTYPES", "LaunchConfig", "RollbackKernels", "Conv1dKernels", "BackendOp", "SSMOp", "triton_interpreting"]
+
+#: the floating-point dtypes specdec's Triton kernels compute in (anything else keeps PyTorch's path)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def triton_interpreting() -> bool:

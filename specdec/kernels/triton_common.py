@@ -30,6 +30,7 @@ __all__ = [
     "KernelSet",
     "next_pow2",
     "num_warps_for",
+    "rows_of",
     "check_state",
     "check_state_indices",
     "check_history",
@@ -86,6 +87,13 @@ class KernelSet:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., D]`` as ``[M, D]`` rows contiguous in D: a view at any row stride (a slice of a
+    wider tensor, a half of a fused projection) where the reshape allows, else a copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def num_warps_for(block_elems: int, max_warps: int = 4) -> int:

@@ -30,6 +30,7 @@ import torch
 
 from ..kernels.gdn import L2NORM_EPS
 from ..kernels.linear import mlp_activation
+from ..kernels.protocol import FLOAT_DTYPES
 from ..kernels.norm import gated_norm_form, gated_rms_norm, rms_norm, rms_norm_form
 from ..placement import routed_forward
 from .mlp import MLPPlan, mlp_plan
@@ -77,16 +78,13 @@ def plain_norms(modules) -> list[tuple[torch.nn.Module, tuple[float, bool, bool]
     return [(mod, form) for mod in modules if (form := rms_norm_form(mod)) is not None]
 
 
-#: the dtypes the prompt kernels compute in (others, e.g. fp64, keep the modules' forwards)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _kernel_input(args, kwargs, weight: torch.Tensor) -> torch.Tensor | None:
     """The one positional input of a routed module's call when a prompt kernel takes it: a tensor
-    in ``weight``'s dtype (one of :data:`_KERNEL_DTYPES`) and device, outside a ``torch.compile``
-    trace; else None (the module's own forward runs)."""
+    in ``weight``'s dtype (one of :data:`~specdec.kernels.protocol.FLOAT_DTYPES`: fp64 keeps the
+    module's forward) and device, outside a ``torch.compile`` trace; else None (the module's own
+    forward runs)."""
     x = args[0] if len(args) == 1 and not kwargs else None
-    if (not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or x.dtype not in _KERNEL_DTYPES
+    if (not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or x.dtype not in FLOAT_DTYPES
             or x.dtype != weight.dtype or x.device != weight.device):
         return None
     return x

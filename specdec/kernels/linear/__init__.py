@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...placement import unhooked
+from ..protocol import FLOAT_DTYPES
 from .naive import ACTIVATIONS, activation_ref, gated_linear_ref, linear_ref
 
 __all__ = ["MAX_ROWS", "MAX_MEMBERS", "SINGLE_MAX_ROWS", "DTYPES", "ACTIVATIONS", "SkinnyConfig", "skinny_config",
@@ -59,7 +60,7 @@ MAX_MEMBERS = 4
 #: bench models' weights at 1 and 16 rows and lost at 64 (``specdec-run experiment=skinny_linear``)
 SINGLE_MAX_ROWS = 16
 #: the dtypes it takes (x, weight, bias and the result share one)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = FLOAT_DTYPES
 #: SMs assumed off CUDA (an H200's), so CPU runs choose the launch an H200 would
 DEFAULT_SMS = 132
 

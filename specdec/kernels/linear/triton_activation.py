@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..protocol import FLOAT_DTYPES
+from ..triton_common import rows_of
 from .triton_skinny import ACT_CODES, _epilogue
 
 __all__ = ["mlp_activation_triton"]
@@ -38,7 +40,7 @@ def mlp_activation_triton(g: torch.Tensor, u: torch.Tensor | None, activation: s
     """:func:`specdec.kernels.linear.mlp_activation` (its arguments, returns and errors)."""
     if activation not in ACT_CODES or activation is None:
         raise ValueError(f"activation must be one of {tuple(a for a in ACT_CODES if a)}, got {activation!r}")
-    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if g.dtype not in FLOAT_DTYPES:
         raise ValueError(f"g must be fp32, bf16 or fp16, got {g.dtype}")
     if u is not None and (u.shape != g.shape or u.dtype != g.dtype or u.device != g.device):
         raise ValueError(f"u must be g's shape, dtype and device: {tuple(g.shape)} {g.dtype}, got {tuple(u.shape)} "
@@ -47,9 +49,8 @@ def mlp_activation_triton(g: torch.Tensor, u: torch.Tensor | None, activation: s
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if g.numel() == 0:
         return out
-    rows = [t.reshape(-1, N) for t in (g, u) if t is not None]  # (views where the rows are strided, as halves are)
-    rows = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
-    g2, u2 = rows[0], rows[-1]
+    g2 = rows_of(g)
+    u2 = g2 if u is None else rows_of(u)
     M = g2.shape[0]
     _mlp_activation_kernel[(M, triton.cdiv(N, BLOCK_N))](
         g2, u2, out, N, g2.stride(0), u2.stride(0), ACT=ACT_CODES[activation], GATED=u is not None, BLOCK=BLOCK_N,

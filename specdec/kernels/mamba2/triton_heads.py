@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..protocol import FLOAT_DTYPES
 from ..triton_common import next_pow2
 
 __all__ = ["discretized_input_triton", "add_skip_triton_"]
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: heads per program (x BLOCK_P head channels: 16 x 64 = 1,024 elements at Mamba-2's head size)
 BLOCK_H = 16
 
@@ -80,7 +80,7 @@ def discretized_input_triton(x: torch.Tensor, dt: torch.Tensor, dtype: torch.dty
     B, L, H, P = x.shape
     if dt.shape != (B, L, H):
         raise ValueError(f"expected x [B, L, H, P] and dt [B, L, H]; got {tuple(x.shape)} and {tuple(dt.shape)}")
-    if x.dtype not in _FLOATS or dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES or dtype not in FLOAT_DTYPES:
         raise ValueError(f"x and the output must be fp32, bf16 or fp16; got {x.dtype} and {dtype}")
     dt = dt.to(torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -94,7 +94,7 @@ def add_skip_triton_(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor) -> torch
     if y.shape != x.shape or D.shape != (H,) or not y.is_contiguous():
         raise ValueError(f"expected y [B, L, H, P] contiguous, x of its shape and D [H]; got {tuple(y.shape)}, "
                          f"{tuple(x.shape)}, {tuple(D.shape)}{'' if y.is_contiguous() else ' (y not contiguous)'}")
-    if x.dtype not in _FLOATS or y.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES or y.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x and y must be fp32, bf16 or fp16; got {x.dtype} and {y.dtype}")
     _launch(x, D.to(torch.float32).contiguous(), y, y, True, 0)
     return y

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import next_pow2, num_warps_for
+from ..protocol import FLOAT_DTYPES
+from ..triton_common import next_pow2, num_warps_for, rows_of
 from . import check_activation
 
 __all__ = ["gated_rms_norm_triton", "rms_norm_triton"]
@@ -51,12 +52,6 @@ def _rms_norm_kernel(y, gate, weight, out, D, stride_ym, stride_gm, eps, GROUP: 
     tl.store(out + i_m * D + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
 
 
-def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
-    """``t [..., D]`` as ``[M, D]`` rows contiguous in D (a view at any row stride, else a copy)."""
-    t2 = t.reshape(-1, D)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _output(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty(y.shape, dtype=y.dtype, device=y.device)
@@ -78,7 +73,7 @@ def gated_rms_norm_triton(y: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         raise ValueError(f"group size {group_size} does not divide the {D} channels")
     if weight.dtype != y.dtype:
         raise ValueError(f"weight must be in y's dtype {y.dtype}, got {weight.dtype}")
-    y2, g2 = _rows(y, D), _rows(gate, D)  # (views where the rows are strided, as slices are)
+    y2, g2 = rows_of(y), rows_of(gate)  # (views where the rows are strided, as slices are)
     out = _output(y, out)
     M = y2.shape[0]
     if M == 0:
@@ -100,9 +95,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: b
         raise ValueError(f"expected x [..., D] and weight [D]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must be in x's dtype {x.dtype}, got {weight.dtype}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
-    x2 = _rows(x, D)
+    x2 = rows_of(x)
     out = _output(x, out)
     M = x2.shape[0]
     if M == 0:
