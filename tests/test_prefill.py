@@ -41,7 +41,7 @@ from specdec.kernels.mamba2.chunked import (SCANS, expand_groups, mamba2_chunk_s
                                             resolve_scan)
 from specdec.kernels.mamba2.naive import mamba2_verify
 from specdec.models.common import cache_keyword
-from specdec.models.prompt_layer import DeltaRulePromptLayer
+from specdec.models.prompt_layer import DeltaRulePromptLayer, PromptLayer
 from specdec.models.mamba2 import Mamba2PromptLayer
 
 MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2")
@@ -309,6 +309,58 @@ def test_prompt_layer_is_used(monkeypatch):
     calls.clear()
     prefill(ad, ids, mask, "hf")
     assert calls == []
+
+
+def test_prompt_state_left_in_hf_cache_without_copies():
+    """A prompt from scratch leaves its final state in HF's cache layer as the scan returned it (no
+    zeros allocated and copied into); a view into a larger buffer is copied out (the buffer not kept
+    alive); a layer already holding a state (a continued prompt) gets the new one copied into it."""
+    model, ad = model_of("nemotron_h")
+    mixer = next(iter(ad.ssm_layers().values()))[0]
+    cache = DynamicCache(config=model.config)
+    layer = Mamba2PromptLayer(mixer, cache, None, "torch")
+    hf_layer = cache.layers[mixer.layer_idx]
+    state = torch.randn(2, 3, 4, 5)
+    layer.store_state(state)
+    assert hf_layer.recurrent_states[0] is state
+
+    for rows in (2, 1):  # the torch scan's final state: a view of its per-chunk states (contiguous at batch 1)
+        cache = DynamicCache(config=model.config)
+        buffer = torch.randn(rows, 7, 3, 4, 5)
+        Mamba2PromptLayer(mixer, cache, None, "torch").store_state(buffer[:, -1])
+        held = cache.layers[mixer.layer_idx].recurrent_states[0]
+        assert torch.equal(held, buffer[:, -1]) and held.is_contiguous()
+        assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+
+    cache = DynamicCache(config=model.config)  # continued: HF's layer already holds a state
+    cache.update_recurrent_state(torch.randn(2, 3, 4, 5), mixer.layer_idx)
+    held = cache.layers[mixer.layer_idx].recurrent_states[0]
+    new = torch.randn(2, 3, 4, 5)
+    Mamba2PromptLayer(mixer, cache, None, "torch").store_state(new)
+    assert cache.layers[mixer.layer_idx].recurrent_states[0] is held and torch.equal(held, new)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_prompt_states_in_hf_cache_equal_hf_update(family, monkeypatch):
+    """A ragged prefill (torch scans) leaves in HF's cache the same recurrent states, bit for bit,
+    as when each is written through HF's ``update_recurrent_state``, each in its own storage."""
+    model = make_model(family)
+    ad = specdec.models.adapter_for(model)
+    ids, mask = ragged_prompts(lengths=LENGTHS)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    held = []
+    for through_hf in (False, True):
+        if through_hf:
+            monkeypatch.setattr(PromptLayer, "store_state",
+                                lambda self, s: self.cache_params.update_recurrent_state(s, self.layer_idx))
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            ad._prompt_forward(ids, mask, positions, cache, "torch")
+        held.append({i: cache.layers[i].recurrent_states[0] for i in ad.ssm_layers()})
+    assert held[0].keys() == held[1].keys() and held[0]
+    for i, state in held[0].items():
+        assert state.dtype == held[1][i].dtype and torch.equal(state, held[1][i]), f"layer {i}"
+        assert state.untyped_storage().nbytes() == state.numel() * state.element_size()
 
 
 DELTA_RULE_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")

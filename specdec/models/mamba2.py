@@ -131,7 +131,7 @@ class Mamba2PromptLayer(PromptLayer):
         h0 = self.initial_state()
         y, state = mamba2_prompt_scan(self.scan, inputs["x"], dt, params["A"], inputs["B"], inputs["C"],
                                       self.chunk_size, params["D"], h0, self.operand_dtype)
-        self.cache_params.update_recurrent_state(state, self.layer_idx)
+        self.store_state(state)
         return y
 
 

@@ -74,6 +74,25 @@ class PromptLayer:
         """HF's recurrent state of this layer for a continued prompt, else None (zeros)."""
         return self.cache_params.layers[self.layer_idx].recurrent_states[0] if self.continued else None
 
+    def store_state(self, state: torch.Tensor) -> None:
+        """Leave the prompt's final recurrent ``state`` (``[B, H, P, N]`` for Mamba-2, ``[B, H, K,
+        V]`` for a delta rule; fp32) in HF's cache layer.
+
+        A layer that holds none yet (a prompt from scratch) takes the tensor itself, where HF's
+        ``update_recurrent_state`` would allocate zeros of its size and copy it in. A view into a
+        larger buffer (the torch scan's per-chunk states) is copied out once, so the buffer is not
+        kept alive. A layer holding a state (a continued prompt, or one restored before a
+        captured prompt graph runs), or a cache layer of another layout, gets HF's update: the
+        state copied in."""
+        layer = self.cache_params.layers[self.layer_idx]
+        fresh = getattr(layer, "is_recurrent_states_initialized", {}).get(0) is False
+        if fresh and isinstance(getattr(layer, "recurrent_states", None), dict):
+            own = state.is_contiguous() and state.untyped_storage().nbytes() == state.numel() * state.element_size()
+            layer.recurrent_states[0] = state if own else state.clone(memory_format=torch.contiguous_format)
+            layer.is_recurrent_states_initialized[0] = True
+        else:
+            self.cache_params.update_recurrent_state(state, self.layer_idx)
+
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of the prompt ``x [B, L, C]`` (weight ``[C, W]``) from HF's conv
         window (a continued prompt) or a zero history -> ``[B, L, C]`` in ``x.dtype``, padding
@@ -192,5 +211,5 @@ class DeltaRulePromptLayer(PromptLayer):
         else:
             o, state = self._rule(q * q.shape[-1] ** 0.5, k, v, g=g, beta=beta, initial_state=h0,
                                   output_final_state=True, use_qk_l2norm_in_kernel=False)
-        self.cache_params.update_recurrent_state(state.float(), self.layer_idx)
+        self.store_state(state.float())
         return o.to(params.get("y_dtype", o.dtype))
