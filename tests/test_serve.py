@@ -182,6 +182,9 @@ def test_serve_tiny_run(tmp_path: Path):
             assert r[f"{name}_p50_ms"] <= r[f"{name}_p90_ms"] <= r[f"{name}_p99_ms"] <= max(samples)
             assert r[f"{name}_mean_ms"] == pytest.approx(sum(samples) / len(samples)) and min(samples) > 0
         assert len(r["ttft_ms_samples"]) == 5
+        wait, rest = r["queue_wait_mean_ms"], r["admission_to_first_token_mean_ms"]  # the TTFT's two parts
+        assert wait >= 0 and rest > 0 and wait + rest == pytest.approx(r["ttft_mean_ms"])
+        assert r["queue_wait_p50_ms"] <= r["queue_wait_p99_ms"]
         assert r["vs_continuous_plain"] == (None if r is plain else
                                             pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"]))
         assert 0 < r["mean_busy_rows"] <= 2 + 1e-9
@@ -284,6 +287,8 @@ def _check_arrival_runs(records, rate: float, requests: int, seed: int):
         ttft = r["ttft_ms_samples"]
         assert len(ttft) == requests and min(ttft) >= 0
         assert all(a + t / 1e3 <= r["wall_s"] for a, t in zip(arrivals, ttft))
+        assert r["queue_wait_mean_ms"] >= 0 and r["admission_to_first_token_mean_ms"] > 0
+        assert r["queue_wait_mean_ms"] + r["admission_to_first_token_mean_ms"] == pytest.approx(r["ttft_mean_ms"])
         assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
 
 

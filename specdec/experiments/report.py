@@ -227,6 +227,14 @@ SERVE_COLUMNS = (
     Column("ttft_p90_ms", "TTFT p90 ms", "{:.1f}", terminal=False, legend="its 90th percentile"),
     Column("ttft_p99_ms", "TTFT p99 ms", "{:.1f}", terminal=False, legend="its 99th percentile"),
     Column("ttft_mean_ms", "TTFT mean ms", "{:.1f}", terminal=False, legend="its mean"),
+    Column("queue_wait_mean_ms", "wait before admission mean ms", "{:.1f}", terminal=False,
+           legend="the part of the time to first token before the request's admission (arrival to the pool's "
+                  "admission of it: the wait for a free row and for the step in flight), mean over the requests; "
+                  "its p50 / p90 / p99 in the records"),
+    Column("admission_to_first_token_mean_ms", "admission to first token mean ms", "{:.1f}", terminal=False,
+           legend="the rest of it (admission to the first token: the prompt forward, with the prefix cache's "
+                  "lookup and restore, and the first token's pick), mean over the requests; p50 / p90 / p99 in "
+                  "the records"),
     Column("tpot_p50_ms", "TPOT p50 ms", "{:.2f}",
            legend="time per output token after the first: (finished - first token) / (tokens - 1) per request "
                   "(fixed batches: a request finishes when its batch's generate() returns)"),

@@ -55,7 +55,8 @@ is queued at its arrival and admitted when its batch's
 gets its tokens then). Per run: throughput (generated tokens / wall, the median of ``repeats``
 runs with min-max), time to first token (queue wait + prefill) and time per output token
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
-every repeat, ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
+every repeat, the time to first token's two parts likewise (``queue_wait_*``: arrival to
+admission; ``admission_to_first_token_*``: the prompt forward and the first token's pick), ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
 over continuous plain decoding with it, so the ratio is speculation's alone, and over no fixed-batch
 run, which has no cache), ``exact`` / ``diverged_requests`` / ``diverged_request_ids`` against
@@ -571,6 +572,8 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "error": None, "generated_tokens": generated,
         **wall.fields("wall_s"), **wall.rate(generated).fields("tokens_per_s"),
         **_latency_fields("ttft", ttft), **_latency_fields("tpot", tpot),
+        **_latency_fields("queue_wait", [1e3 * (t.admitted - t.queued) for t, _ in res.samples]),
+        **_latency_fields("admission_to_first_token", [1e3 * (t.first_token - t.admitted) for t, _ in res.samples]),
         "ttft_ms_samples": ttft, "tpot_ms_samples": tpot,
         "mean_busy_rows": sum(t.finished - t.admitted for t, _ in res.samples) / sum(res.walls),
         "steps": sum(st.steps for st in res.stats),
