@@ -4,8 +4,9 @@ exact (greedy, as ``generate`` alone) with plain decoding, drafters and prefix c
 manager's queue, results, ids and prefix cache are untouched; the synthetic grid meets every
 prompt bucket an admission of the pool can meet, each once per round (counted on the static
 path, where prompt forwards run at bucketed shapes); bad prompts and a running loop are refused
-before any work; the oracle drafter lets warm-up rows decode without a reference. On CUDA,
-serving the prompts warmed up captures no prompt graph."""
+before any work; the oracle drafter lets warm-up rows decode without a reference. Serving the
+prompts warmed up meets no prompt bucket the warm-up did not make, and on CUDA captures no
+prompt graph."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from helpers import record_prompt_forwards
 from markers import needs_cuda
 from test_generate_batch import ROWS, _check, _reference
-from test_prefix_cache import BS, _simulate
+from test_prefix_cache import BS, BUDGETS, EOS, _simulate
 from test_prefix_cache import _prompts as _shared_prompts
 from tiny_models import VOCAB, get_model
 
@@ -190,27 +191,55 @@ def test_oracle_proposes_nothing_for_a_warmup_row():
         d.admit(torch.tensor([1]), None, None, None, [Request(0, stranger, 2)])
 
 
+def _serve_warmed(model, path: str, caching: bool):
+    """Warm a manager of ``model`` on decode ``path`` up with its prompts (``caching``: prompts
+    sharing a prefix, through the prefix cache), then serve them one at a time; returns the
+    manager's generator, the warm-up's report, the prompt buckets and counts before serving, and
+    the tokens (checked against the eager path's on the same model)."""
+    if caching:
+        prompts, budgets, eos = _shared_prompts(), BUDGETS, EOS
+        kw = dict(prefix_caching=True, prefix_block_size=BS)
+    else:
+        prompts, budgets, eos = _reference(FAMILY)[:3]
+        kw = {}
+    eager = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    want = eager.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos, **kw)
+    pg = sd.adapter.prompt_graphs
+    got = m.warmup(prompts)
+    buckets, counts = set(pg._buckets), dict(pg.counts)
+    with m:
+        for i, (p, b) in enumerate(zip(prompts, budgets)):
+            out = m.get_result(m.add_request(p, max_new_tokens=b), timeout=60)
+            assert out.generated_tokens == want[f"req_{i}"].generated_tokens, i
+    if caching:
+        assert sd.last_stats.prefix_cache["hit_blocks"] > 0
+    return sd, got, buckets, counts
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_serving_the_warmed_prompts_meets_no_new_bucket(caching):
+    """The static path: serving the prompts warmed up, one at a time as the warm-up ran them,
+    runs every prompt forward in a bucket the warm-up made (with the prefix cache: the forwards
+    continued from the shared prefix too), exactly."""
+    sd, got, buckets, counts = _serve_warmed(get_model(FAMILY), "static", caching)
+    pg = sd.adapter.prompt_graphs
+    assert set(pg._buckets) == buckets and pg.counts["static"] > counts["static"]
+    assert not caching or any(key[2] for key in buckets)  # (a forward continued from restored columns)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("caching", [False, True])
 def test_serving_the_warmed_prompts_captures_nothing(caching):
     """On CUDA (the CUDA-graph path): after warmup(prompts), serving the same prompts one at a
-    time, as the warm-up ran them, replays every prompt forward's graph: no capture; exact."""
+    time replays every prompt forward's graph: no capture; the tokens are the eager path's."""
     model = get_model(FAMILY).cuda()
     try:
-        prompts, budgets, eos, expected, full = _reference(FAMILY)
-        kw = dict(prefix_caching=True, prefix_block_size=4) if caching else {}
-        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3,
-                          decode_path="cuda_graph")
-        m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos, **kw)
+        sd, got, buckets, before = _serve_warmed(model, "cuda_graph", caching)
         pg = sd.adapter.prompt_graphs
-        got = m.warmup(prompts)
         assert pg.error is None and got["prompt_forwards"]["captured"] >= 1, (got, pg.error)
-        before = dict(pg.counts)
-        with m:
-            for i, (p, b) in enumerate(zip(prompts, budgets)):
-                out = m.get_result(m.add_request(p, max_new_tokens=b), timeout=60)
-                assert out.generated_tokens == expected[i], i
         assert pg.counts["captured"] == before["captured"], (before, pg.counts)
         assert pg.counts["cuda_graph"] > before["cuda_graph"]
     finally:
