@@ -4,11 +4,11 @@
 :class:`ContinuousBatchingManager`, with the methods of Hugging Face's class of that name
 (``transformers.generation.continuous_batching``): ``start``, ``stop``, ``add_request``,
 ``add_requests``, ``get_result``, ``request_id_iter``, iteration, ``is_running``, ``warmup`` /
-``warmed_up``, and use as a context manager. ``start()`` runs ``generate_batch``'s decode loop on a background thread over a
-:class:`~specdec.batching.RequestPool` that stays open: when every row is idle the loop waits for
-a request (a blocking wait, woken by ``add_request`` and ``stop``) instead of ending, and rows
-whose request ended take waiting requests between two steps, as in ``generate_batch``. A
-request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
+``warmed_up``, and use as a context manager. ``start()`` runs ``generate_batch``'s decode loop
+on a background thread over a :class:`~specdec.batching.RequestPool` that stays open: when every
+row is idle the loop waits for a request (a blocking wait, woken by ``add_request`` and
+``stop``) instead of ending, and rows whose request ended take waiting requests between two
+steps, as in ``generate_batch``. A request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
 ``add_request(..., streaming=True)`` its partial results come before that, one per step that
 commits tokens to it (status ``DECODING``, every token so far: a step commits up to K + 1), a
 newer one replacing one not taken yet. With ``prefix_caching=True`` the manager holds one

@@ -149,7 +149,7 @@ def test_warmup_refused_while_the_loop_runs():
 @pytest.mark.parametrize("prompts, err, match", [
     ([], ValueError, "at least one prompt"),
     ([[5, 6], []], ValueError, "warm-up prompt 1 cannot run: empty prompt"),
-    ([[5, 6], [7, VOCAB]], ValueError, rf"warm-up prompt 1 cannot run: token ids outside the vocabulary \[0, {VOCAB}\)"),
+    ([[5, 6], [7, VOCAB]], ValueError, rf"warm-up prompt 1 cannot run: token ids outside the vocabulary \[0, {VOCAB}"),
     ([[5] * MAX_LENGTH], ValueError, f"warm-up prompt 0 cannot run: .* max_length={MAX_LENGTH}"),
     ([[5, 6], [7.0]], TypeError, "warm-up prompt 1: a prompt must be a list of int token ids"),
     ("5 6 7", TypeError, "inputs must be a list of prompts"),
