@@ -321,9 +321,10 @@ class ContinuousBatchingManager:
                 system prompt and sample requests after it: each runs alone (one row), in order.
                 With prefix caching, each round runs them through a scratch
                 :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size and byte
-                bound (dropped after the round), so prompts sharing a prefix hit it within the
-                round and the forwards continued from it warm up too, while the manager's cache
-                and its counters stay as they are.
+                bound (dropped after the round; it holds the prompts' blocks beside the manager's
+                cache), so prompts sharing a prefix hit it within the round and the forwards
+                continued from it warm up too, while the manager's cache and its counters stay as
+                they are.
             rounds: how many times the grid (or the prompts) runs, an int >= 1: the first round
                 runs each bucket at its shape, the second captures it.
 
