@@ -171,9 +171,9 @@ class ContinuousBatchingManager:
 
     Made by :meth:`SpeculativeGenerator.init_continuous_batching`, which checks every setting.
     While it runs, the generator is the loop's: its ``generate``, ``generate_batch``, ``release``,
-    setting its drafter, rollback strategy or K, and starting another of its managers raise
-    ``RuntimeError`` (a second ``specdec.wrap`` of the model serves other calls meanwhile). At
-    interpreter exit a loop still running is hard-stopped and waited for (at most
+    setting its drafter, rollback strategy or K, and starting or warming up another of its
+    managers raise ``RuntimeError`` (a second ``specdec.wrap`` of the model serves other calls
+    meanwhile). At interpreter exit a loop still running is hard-stopped and waited for (at most
     :data:`EXIT_JOIN_S`); ``last_stats`` describes a run once ``stop()`` has ended it (not
     after a hard stop or an error, which end the loop inside a step), idle waits counted in its
     ``prefill_s`` (the admission phase waits for requests) and ``wall_s``.
