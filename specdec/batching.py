@@ -82,14 +82,19 @@ def check_batch_tokens(max_batch_tokens) -> int:
 @dataclass(frozen=True)
 class Request:
     """One prompt of a ``generate_batch`` call (or of a manager): its position in ``inputs`` (the
-    manager: in submission order), token ids, budget, when the caller named it, its id, and
-    whether its tokens are streamed as they are committed (a manager's ``streaming=True``)."""
+    manager: in submission order), token ids, budget, when the caller named it, its id, whether
+    its tokens are streamed as they are committed (a manager's ``streaming=True``), and whether it
+    is a warm-up request."""
 
     index: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     custom_id: str | None = None
     streaming: bool = False
+    #: a request of :meth:`~specdec.serving.ContinuousBatchingManager.warmup`: its output goes to
+    #: no one, and a drafter that needs something of each request (OracleDrafter's reference) lets
+    #: its row decode without it
+    warmup: bool = False
 
     @property
     def request_id(self) -> str:

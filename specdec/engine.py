@@ -738,7 +738,9 @@ class SpeculativeGenerator:
                 counters (``last_stats.prefix_cache`` after ``stop()``) count since the manager was
                 made; bounded by ``prefix_cache_bytes`` as in :meth:`generate_batch`.
 
-        Returns: the manager (not started: ``start()``, or use it as a context manager).
+        Returns: the manager (not started: ``start()``, or use it as a context manager;
+        ``manager.warmup()`` first runs warm-up requests through it, so the first requests served
+        do not pay for the shapes' first runs and CUDA graph captures).
 
         Raises:
             TypeError / ValueError: as :meth:`generate_batch` raises them, checked here; a bad
@@ -773,7 +775,8 @@ class SpeculativeGenerator:
                                             max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                             vocab_size=self.adapter.vocab_size, max_positions=limit,
                                             device=self.adapter.device,
-                                            check_start=functools.partial(self._check_free, "start()"))
+                                            check_free=self._check_free,
+                                            prompt_counts=lambda: dict(self.adapter.prompt_graphs.counts))
         self._managers.add(manager)
         return manager
 

@@ -3,18 +3,25 @@
 :meth:`specdec.engine.SpeculativeGenerator.init_continuous_batching` returns a
 :class:`ContinuousBatchingManager`, with the methods of Hugging Face's class of that name
 (``transformers.generation.continuous_batching``): ``start``, ``stop``, ``add_request``,
-``add_requests``, ``get_result``, ``request_id_iter``, iteration, ``is_running``, and use as a
-context manager. ``start()`` runs ``generate_batch``'s decode loop on a background thread over a
-:class:`~specdec.batching.RequestPool` that stays open: when every row is idle the loop waits for
-a request (a blocking wait, woken by ``add_request`` and ``stop``) instead of ending, and rows
-whose request ended take waiting requests between two steps, as in ``generate_batch``. A
-request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
+``add_requests``, ``get_result``, ``request_id_iter``, iteration, ``is_running``, ``warmup`` /
+``warmed_up``, and use as a context manager. ``start()`` runs ``generate_batch``'s decode loop
+on a background thread over a :class:`~specdec.batching.RequestPool` that stays open: when every
+row is idle the loop waits for a request (a blocking wait, woken by ``add_request`` and
+``stop``) instead of ending, and rows whose request ended take waiting requests between two
+steps, as in ``generate_batch``. A request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
 ``add_request(..., streaming=True)`` its partial results come before that, one per step that
 commits tokens to it (status ``DECODING``, every token so far: a step commits up to K + 1), a
 newer one replacing one not taken yet. With ``prefix_caching=True`` the manager holds one
 :class:`~specdec.prefix_cache.PrefixCache` for its life: every run's prompts are prefilled through
 it, so a request reuses the prefix state of any request prefilled before it, in this run or an
 earlier one (``start()`` after ``stop()`` keeps it).
+
+Warm-up: the loop's first meeting with a shape costs more than its later ones (kernels compile
+or autotune; on the CUDA-graph path the decode step's graphs are captured for the pool, and each
+prompt forward's bucket is captured the second time it is met, holding up every decoding row
+meanwhile). ``warmup()`` pays for that before serving, on the calling thread: warm-up requests
+through the same loop, a grid of every prompt bucket the pool can meet (or the prompts given,
+e.g. a system prompt and sample requests), twice; nothing of them reaches the queue or the results.
 
 Stopping, as Hugging Face's manager does it: ``stop()`` lets the loop finish every request added
 so far (decoding or waiting), then ends it; their results stay available to ``get_result``.
@@ -26,6 +33,7 @@ ready results are taken, ``get_result`` and iteration raise ``RuntimeError`` fro
 Example::
 
     manager = sd.init_continuous_batching(max_length=512, max_batch_size="auto")
+    manager.warmup()                                # before taking requests: first runs and captures
     with manager:                                   # start(); stop() on leaving
         rid = manager.add_request(prompt_ids, max_new_tokens=64)
         out = manager.get_result(rid, timeout=60)   # GenerationOutput, or None after 60 s
@@ -34,8 +42,10 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -45,9 +55,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, check_requests
+from .graphs import bucket_width
+from .models.prompt_graphs import PROMPT_GRAPH_ROWS, PROMPT_GRAPH_TOKENS
 from .prefix_cache import PrefixCache
 
-__all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S"]
+__all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S", "WARMUP_NEW_TOKENS", "WARMUP_SEED", "warmup_grid"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +69,13 @@ WAIT_S = 0.5
 
 #: seconds the interpreter's exit waits for each running manager's loop, hard-stopped, to end
 EXIT_JOIN_S = 30.0
+
+#: new tokens of a warm-up request, where ``max_length`` leaves room (else 1): the first comes
+#: from its prefill, the second from a decode step, so the step's kernels and graphs run too
+WARMUP_NEW_TOKENS = 2
+
+#: the seed of the random token ids of :meth:`ContinuousBatchingManager.warmup`'s synthetic prompts
+WARMUP_SEED = 0
 
 _IDLE, _RUNNING, _FLUSHING, _HARD_STOP = "idle", "running", "flushing", "hard_stop"
 
@@ -73,6 +92,30 @@ def _stop_at_exit() -> None:
         manager.stop(block=False, hard_stop=True)
     for manager in running:
         manager.stop(block=True, timeout=EXIT_JOIN_S, hard_stop=True)
+
+
+def warmup_grid(rows: int, max_length: int, max_batch_tokens: int) -> list[tuple[int, int]]:
+    """The ``(requests, prompt tokens)`` of each pool run of the synthetic warm-up
+    (:meth:`ContinuousBatchingManager.warmup`): one per prompt bucket ``(B, W)``
+    (:func:`~specdec.models.prompt_graphs.prompt_bucket`) that an admission of a pool of ``rows``
+    rows, whose requests hold at most ``max_length`` tokens (a prompt of at most ``max_length -
+    1``) and whose prefill forwards at most ``max_batch_tokens`` tokens, can run in: ``min(B,
+    rows)`` prompts of ``min(W, max_length - 1)`` tokens, where those land in that bucket (B a power
+    of two up to :data:`~specdec.models.prompt_graphs.PROMPT_GRAPH_ROWS`, W a
+    :func:`~specdec.graphs.bucket_width` from 32 on, ``B x W`` at most
+    :data:`~specdec.models.prompt_graphs.PROMPT_GRAPH_TOKENS` and ``max_batch_tokens``). Ordered
+    by rows, then tokens."""
+    longest = max_length - 1
+    limit = min(PROMPT_GRAPH_TOKENS, max_batch_tokens)
+    grid = []
+    B = 1
+    while B <= PROMPT_GRAPH_ROWS and B // 2 < rows:
+        W = bucket_width(1)
+        while W <= limit // B and bucket_width(longest) >= W:
+            grid.append((min(B, rows), min(W, longest)))
+            W = bucket_width(W + 1)
+        B *= 2
+    return grid
 
 
 class _HardStop(Exception):
@@ -128,9 +171,9 @@ class ContinuousBatchingManager:
 
     Made by :meth:`SpeculativeGenerator.init_continuous_batching`, which checks every setting.
     While it runs, the generator is the loop's: its ``generate``, ``generate_batch``, ``release``,
-    setting its drafter, rollback strategy or K, and starting another of its managers raise
-    ``RuntimeError`` (a second ``specdec.wrap`` of the model serves other calls meanwhile). At
-    interpreter exit a loop still running is hard-stopped and waited for (at most
+    setting its drafter, rollback strategy or K, and starting or warming up another of its
+    managers raise ``RuntimeError`` (a second ``specdec.wrap`` of the model serves other calls
+    meanwhile). At interpreter exit a loop still running is hard-stopped and waited for (at most
     :data:`EXIT_JOIN_S`); ``last_stats`` describes a run once ``stop()`` has ended it (not
     after a hard stop or an error, which end the loop inside a step), idle waits counted in its
     ``prefill_s`` (the admission phase waits for requests) and ``wall_s``.
@@ -144,21 +187,30 @@ class ContinuousBatchingManager:
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
         prefix_cache: the :class:`~specdec.prefix_cache.PrefixCache` every run's pool prefills its
             prompts through (``prefix_caching=True``), or None.
-        check_start: called by ``start()`` before the loop starts; raises to refuse it (the
-            generator's: another of its managers runs).
+        check_free: called with the caller's name (``"start()"``, ``"warmup()"``) before the loop
+            starts or a warm-up runs; raises to refuse it (the generator's: another of its
+            managers runs).
+        prompt_counts: gives the prompt forwards run so far by how they ran (the adapter's
+            :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`), which
+            :meth:`warmup` reports; or None.
 
     Attributes:
         max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
         prefix_cache: as given: kept for the manager's life, across ``start()`` / ``stop()`` runs
             (a request reuses the prefixes of every request prefilled before it, in any run);
             ``last_stats.prefix_cache`` holds its counters, counted since the manager was made.
+        warmed_up: whether :meth:`warmup` has run to its end (False until then), as Hugging
+            Face's manager says it.
     """
 
     def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
                  vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 prefix_cache: PrefixCache | None = None, check_start: Callable[[], None] | None = None):
+                 prefix_cache: PrefixCache | None = None, check_free: Callable[[str], None] | None = None,
+                 prompt_counts: Callable[[], dict[str, int]] | None = None):
         self._run = run
-        self._check_start = check_start
+        self._check_free = check_free
+        self._prompt_counts = prompt_counts
+        self.warmed_up = False
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
@@ -202,8 +254,8 @@ class ContinuousBatchingManager:
                     logger.warning("the continuous batching manager is already running")
                     return
                 thread.join()  # a loop that is stopping or has just ended: it finishes first
-            if self._check_start is not None:
-                self._check_start()
+            if self._check_free is not None:
+                self._check_free("start()")
             _STARTED.add(self)
             pool = _OpenPool(self, self.max_batch_size, self.max_length)
             with self._changed:
@@ -241,6 +293,103 @@ class ContinuousBatchingManager:
     def __exit__(self, exc_type, exc, tb) -> None:
         """``stop()``; a hard stop when the block raised."""
         self.stop(block=True, hard_stop=exc_type is not None)
+
+    # warm-up ---------------------------------------------------------------------------------
+    def warmup(self, prompts=None, *, rounds: int = 2) -> dict:
+        """Run warm-up requests through the manager's decode loop, on the calling thread, before
+        serving (Hugging Face's manager's ``warmup()``, which pre-captures its CUDA graphs): the
+        work a shape costs the first times the loop meets it is done here, not while requests
+        wait. Kernels compile or autotune; the decode step's static buffers and CUDA graphs are
+        made for the manager's pool (the generator keeps them); each prompt forward's bucket
+        (:mod:`specdec.models.prompt_graphs`: up to 8 rows and 2,048 tokens, rows and width
+        rounded up) runs at its shape in the first round and is captured as a CUDA graph in the
+        second (on the CUDA-graph decode path), where serving would hold up every decoding row
+        for the capture. Call it before ``start()``.
+
+        Each run is a closed :class:`~specdec.batching.RequestPool` of the manager's rows,
+        ``max_length`` and ``max_batch_tokens``, decoded to its end by the loop ``start()`` runs.
+        Its requests (:attr:`~specdec.batching.Request.warmup`) have budgets of
+        :data:`WARMUP_NEW_TOKENS` (1 where ``max_length`` leaves no more room) and stay out of the
+        manager's queue, request ids and results.
+
+        Args:
+            prompts: None: the synthetic grid: per bucket an admission can meet
+                (:func:`warmup_grid`), one run whose requests' prompts (random ids, seeded with
+                :data:`WARMUP_SEED`) its first admission prefills in one forward of that bucket;
+                without the prefix cache (a prompt that hits nothing in it runs in the same
+                buckets). Or a list of prompts, each a list (or 1-D tensor) of token ids, e.g. a
+                system prompt and sample requests after it: each runs alone (one row), in order.
+                With prefix caching, each round runs them through a scratch
+                :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size and byte
+                bound (dropped after the round; it holds the prompts' blocks beside the manager's
+                cache), so prompts sharing a prefix hit it within the round and the forwards
+                continued from it warm up too, while the manager's cache and its counters stay as
+                they are.
+            rounds: how many times the grid (or the prompts) runs, an int >= 1: the first round
+                runs each bucket at its shape, the second captures it.
+
+        Returns: ``{"prompt_forwards": {"cuda_graph": n, "captured": n, "static": n, "eager":
+        n}, "pool_runs": n, "seconds": s}``: the prompt forwards the warm-up ran, by how they ran
+        (the increase of :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`;
+        None for a manager given no ``prompt_counts``; every pool run also prefills its rows'
+        one-token placeholders once), the runs and the wall seconds; logged on
+        ``specdec.serving`` too. Sets :attr:`warmed_up`.
+
+        Raises:
+            RuntimeError: the manager's loop runs (call it before ``start()``, or once ``stop()``
+                has ended the loop), or another manager of the same generator runs its loop.
+            TypeError / ValueError: ``rounds`` not an int >= 1; ``prompts`` not a list, or empty;
+                a prompt that is not a list of int token ids, or that ``add_request`` would fail
+                (empty, ids outside the vocabulary, longer than ``max_length - 1``, no room for a
+                new token in the model's context): named by its index, before anything runs.
+        """
+        if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral):
+            raise TypeError(f"rounds must be an int (passes over the warm-up's requests), got {type(rounds).__name__}")
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1 (passes over the warm-up's requests), got {rounds}")
+        runs = self._warmup_runs(prompts)
+        scratch = prompts is not None and self.prefix_cache is not None
+        with self._starting:
+            if self.is_running():
+                raise RuntimeError("warmup(): the manager's loop is running; warm it up before start(), or once "
+                                   "stop() has ended the loop")
+            if self._check_free is not None:
+                self._check_free("warmup()")
+            before = None if self._prompt_counts is None else dict(self._prompt_counts())
+            start = time.perf_counter()
+            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                for _ in range(rounds):
+                    cache = PrefixCache(self.prefix_cache.block_size, self.prefix_cache.max_bytes) if scratch else None
+                    for requests in runs:
+                        self._run(RequestPool(list(requests), self.max_batch_size, self.max_length, prefix_cache=cache,
+                                              max_batch_tokens=self.max_batch_tokens))
+            seconds = time.perf_counter() - start
+        forwards = None
+        if before is not None:
+            forwards = {k: v - before.get(k, 0) for k, v in self._prompt_counts().items()}
+        self.warmed_up = True
+        how = "" if forwards is None else (f"{sum(forwards.values())} prompt forwards ("
+                                           + ", ".join(f"{k} {v}" for k, v in forwards.items()) + ") ")
+        logger.info(f"warm-up: {how}in {rounds * len(runs)} pool runs, {seconds:.2f} s")
+        return {"prompt_forwards": forwards, "pool_runs": rounds * len(runs), "seconds": seconds}
+
+    def _warmup_runs(self, prompts) -> list[list[Request]]:
+        """The requests of each pool run of one round of :meth:`warmup` (checked; raises as it says)."""
+        if prompts is None:
+            g = torch.Generator().manual_seed(WARMUP_SEED)
+            return [[Request(i, tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
+                             min(WARMUP_NEW_TOKENS, self.max_length - n), warmup=True) for i in range(rows)]
+                    for rows, n in warmup_grid(self.max_batch_size, self.max_length, self.max_batch_tokens)]
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            raise ValueError("warmup(prompts=[]): give at least one prompt, or None for the synthetic grid")
+        names = [f"warm-up prompt {i}" for i in range(len(prompts))] if isinstance(prompts, (list, tuple)) else None
+        requests, failed = check_requests(prompts, 1, self._vocab_size, self._max_positions,
+                                          max_length=self.max_length, request_ids=names)
+        if failed:
+            out = failed[min(failed)]
+            raise ValueError(f"{out.request_id} cannot run: {out.error}")
+        return [[dataclasses.replace(r, max_new_tokens=min(WARMUP_NEW_TOKENS, self.max_length - len(r.prompt)),
+                                     warmup=True)] for r in requests]
 
     # requests --------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,

@@ -240,15 +240,19 @@ def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):
 
 
 def test_serve_says_when_the_shared_prefix_is_shorter_than_a_block(tmp_path: Path, capsys):
-    """A shared prefix shorter than one cached block gives the cache nothing to reuse: said on the
-    console (the run goes on, every request exact)."""
+    """A shared prefix shorter than one cached block gives the cache nothing to reuse, and
+    manager_warmup without request_rate has no manager to warm up: both said on the console (the
+    run goes on, every request exact, the records saying no manager warmed up)."""
     records = run_experiment(_cfg(_serve_with("experiment.requests=2", "drafter.names=[ngram]",
                                               "experiment.shared_prefix_tokens=4", "experiment.prefix_caching=true",
-                                              "experiment.prefix_block_size=8", "experiment.fixed_batches=false")),
+                                              "experiment.prefix_block_size=8", "experiment.fixed_batches=false",
+                                              "experiment.manager_warmup=true")),
                              tmp_path)
-    assert "experiment.shared_prefix_tokens=4 is less than one cached block (experiment.prefix_block_size=8)" in \
-        capsys.readouterr().out
-    assert all(r["exact"] is not False for r in records)
+    out = capsys.readouterr().out
+    assert "experiment.shared_prefix_tokens=4 is less than one cached block (experiment.prefix_block_size=8)" in out
+    assert "without experiment.request_rate no manager runs" in out
+    assert all(r["exact"] is not False and r["manager_warmup"] is False and "manager_warmup_s" not in r
+               for r in records)
 
 
 def test_poisson_arrivals():
@@ -598,3 +602,43 @@ def test_serve_rehearsal_passes_over_the_workload_untimed(tmp_path: Path, monkey
         assert r["prompt_forwards_eager"] == 0
     whole = [n for n in calls if n == 5]
     assert len(whole) == 4  # per run: the rehearsal and the timed pass over the 5 requests
+
+
+def test_serve_manager_warmup(tmp_path: Path, monkeypatch):
+    """experiment.manager_warmup=true with request_rate: each pass's manager runs warmup() before
+    start() (the grid, then with prefix caching the workload's first prompts); outputs stay exact;
+    records say so and carry the warm-ups' prompt forwards (the static path: each at a bucket's
+    shape), which the timed passes' counts leave out; the summary shows the warm-up's seconds."""
+    from specdec.experiments.serve import MANAGER_WARMUP_PROMPTS
+    from specdec.serving import ContinuousBatchingManager
+
+    calls = []
+    real = ContinuousBatchingManager.warmup
+
+    def recording(self, prompts=None, **kw):
+        got = real(self, prompts, **kw)
+        calls.append((self.is_running(), None if prompts is None else len(prompts), self.prefix_cache is not None, got))
+        return got
+
+    monkeypatch.setattr(ContinuousBatchingManager, "warmup", recording)
+    rate, n = 50.0, 4
+    cfg = _cfg(_serve_with(f"experiment.requests={n}", "drafter.names=[oracle]", f"experiment.request_rate={rate}",
+                           "experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
+                           "experiment.prefix_block_size=8", "experiment.fixed_batches=false",
+                           "experiment.manager_warmup=true", "experiment.decode_path=static"))
+    records = run_experiment(cfg, tmp_path)
+    assert [(r["drafter"], r["prefix_caching"]) for r in records] == [
+        ("plain", False), ("plain", True), ("oracle", False), ("oracle", True)]
+    _check_arrival_runs(records, rate, n, seed=int(cfg.seed))
+    # per run, one timed pass: the grid, then (with the cache) the workload's first prompts; never while running
+    assert [(running, given, cached) for running, given, cached, _ in calls] == 2 * [
+        (False, None, False), (False, None, True), (False, min(n, MANAGER_WARMUP_PROMPTS), True)]
+    for r, run in zip(records, ([0], [1, 2], [3], [4, 5])):  # each record: its pass's warm-ups, summed
+        assert r["manager_warmup"] is True and r["manager_warmup_s"] > 0
+        for how in ("cuda_graph", "captured", "static", "eager"):
+            want = sum(calls[i][3]["prompt_forwards"][how] for i in run)
+            assert r[f"manager_warmup_prompt_forwards_{how}"] == want, (how, r["prefix_caching"])
+        assert r["manager_warmup_prompt_forwards_static"] > 0 and r["manager_warmup_prompt_forwards_eager"] == 0
+        # the timed pass's own: its placeholders, and each request's one or two forwards (a branch point)
+        assert 0 < r["prompt_forwards_static"] <= 1 + 2 * n < r["manager_warmup_prompt_forwards_static"]
+    assert "manager warm-up s" in (tmp_path / "summary.md").read_text()

@@ -157,13 +157,23 @@ class OracleDrafter(Drafter):
         self._gen.manual_seed(self.seed)
 
     def admit(self, rows, input_ids, attention_mask, hidden_states, requests) -> None:
-        """Give each row of ``rows`` the reference of its request (``requests[i].index``)."""
+        """Give each row of ``rows`` the reference of its request (``requests[i].index``). A
+        warm-up request (:attr:`~specdec.batching.Request.warmup`, a manager's
+        :meth:`~specdec.serving.ContinuousBatchingManager.warmup`) has none: its row gets its own
+        prompt as reference (``ref_len`` = the prompt's length), so it proposes nothing and
+        decodes in plain steps.
+
+        Raises:
+            ValueError: a request (not a warm-up one) whose index has no reference, or whose
+            reference does not start with its prompt."""
         if self._gen is None:
             raise RuntimeError("OracleDrafter.admit() before start()")
         N = self.references.shape[0]
         if self._texts is None:  # host copies, once (the prompt check below)
             self._texts = [t[:n] for t, n in zip(self.references.tolist(), self.reference_lengths.tolist())]
         for req in requests:
+            if req.warmup:
+                continue
             if not 0 <= req.index < N:
                 raise ValueError(f"OracleDrafter holds references for {N} requests (req_0 .. req_{N - 1}); "
                                  f"generate_batch admitted {req.request_id}")
@@ -175,11 +185,19 @@ class OracleDrafter(Drafter):
             self.reference, self.ref_len = self.reference.clone(), self.ref_len.clone()
             self.prompt_len = self.prompt_len.clone()
         dev = self.reference.device
-        idx = torch.tensor([r.index for r in requests], dtype=torch.long, device=dev)
         rows = rows.to(dev)
+        prompt_len = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long, device=dev)
+        warm = torch.tensor([r.warmup for r in requests], device=dev)
+        idx = torch.tensor([0 if r.warmup else r.index for r in requests], dtype=torch.long, device=dev)
         self.reference[rows] = self.references[idx]
-        self.ref_len[rows] = self.reference_lengths[idx]
-        self.prompt_len[rows] = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long, device=dev)
+        self.ref_len[rows] = torch.where(warm, prompt_len, self.reference_lengths[idx])
+        self.prompt_len[rows] = prompt_len
+        if any(r.warmup for r in requests):  # warm-up rows: their prompts (as much as the width holds)
+            for row, req in zip(rows.tolist(), requests):
+                if req.warmup:
+                    n = min(len(req.prompt), self.reference.shape[1])
+                    self.reference[row] = 0
+                    self.reference[row, :n] = torch.tensor(req.prompt[:n], dtype=torch.long, device=dev)
         self._assigned = True
 
     @torch.no_grad()

@@ -254,6 +254,9 @@ class ServeExperiment:
     warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
     rehearse: bool = _doc(False, "one untimed pass over the whole workload per continuous run first (a server in "
                                  "its steady state: the prompt-forward buckets it meets are captured)")
+    manager_warmup: bool = _doc(False, "with request_rate: each pass's manager runs manager.warmup() before start(), "
+                                       "untimed (the grid of prompt buckets; with prefix_caching also the workload's "
+                                       "first prompts, as a server warms with its system prompt)")
     ignore_eos: bool = _doc(True, "clear the target's EOS token: every request runs its own max_new_tokens")
     decode_path: str = _doc("auto", "auto (CUDA graphs on CUDA) | eager | static | cuda_graph")
 

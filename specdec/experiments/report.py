@@ -254,6 +254,13 @@ SERVE_COLUMNS = (
            legend="draft + verify + commit time per decode step (host time between the step's marks)"),
     Column("other_s", "other s", "{:.2f}", terminal=False,
            legend="the calls' wall time outside prefills and steps: host work between steps, calibration, captures"),
+    Column("prompt_forwards_captured", "prompt captures", "{:.0f}", terminal=False,
+           legend="prompt forwards of the timed runs that captured their bucket's CUDA graph (a bucket's second "
+                  "use), holding up the decode loop meanwhile; experiment.rehearse or experiment.manager_warmup "
+                  "pays them before the timed runs"),
+    Column("manager_warmup_s", "manager warm-up s", "{:.2f}", terminal=False,
+           legend="with experiment.manager_warmup: seconds of the timed runs' managers' warmup() before start(), "
+                  "untimed"),
     Column("prefix_hit_rate", "prefix hit rate", "{:.2f}",
            legend="prompt tokens whose state the prefix cache served / prompt tokens looked up (last_stats.prefix_cache)"),
     Column("ttft_speedup_vs_no_prefix_cache", "TTFT gain from prefix cache", "{:.2f}x",
@@ -447,9 +454,10 @@ SECTIONS = {
     "checks.fp32_state": (("model", "rollback"), CHECK_COLUMNS["fp32_state"], "runs"),
 }
 #: column titles of the group keys
-KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching"}
+KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching", "manager_warmup": "manager warm-up"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
-SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "overlap", "switch")
+SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "manager_warmup", "overlap",
+         "switch")
 
 
 def _experiment(r: dict) -> str:

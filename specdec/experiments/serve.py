@@ -76,8 +76,16 @@ or autotune per prompt shape do so there, not in whichever timed run meets the s
 With ``experiment.rehearse`` each continuous run passes over the whole workload once, untimed,
 before its timed passes: the prompt forwards' buckets (captured as CUDA graphs on their second
 use, :mod:`specdec.models.prompt_graphs`) are then captured, as in a server that has run a
-while; without it a short run pays a capture per bucket it meets. Records go to
-``results.jsonl`` as measured; ``summary.md`` has the table, ``serve_latency.png`` the figures.
+while; without it a short run pays a capture per bucket it meets. With
+``experiment.manager_warmup`` (and ``request_rate``) each pass's manager runs
+:meth:`~specdec.serving.ContinuousBatchingManager.warmup` before ``start()``, untimed, as a server
+would before taking traffic: the grid of every prompt bucket its admissions can meet, then, with
+``prefix_caching``, the workload's first :data:`MANAGER_WARMUP_PROMPTS` prompts (a server warming
+with its system prompt: the forwards continued from the shared prefix are captured too); records
+carry ``manager_warmup`` and the timed passes' warm-ups summed, ``manager_warmup_s`` and
+``manager_warmup_prompt_forwards_cuda_graph`` / ``_captured`` / ``_static`` / ``_eager`` (not
+counted in ``prompt_forwards_*``). Records go to ``results.jsonl`` as measured; ``summary.md``
+has the table, ``serve_latency.png`` the figures.
 """
 
 from __future__ import annotations
@@ -107,6 +115,8 @@ SERVE_DRAFTERS = ("ngram", "oracle", "mtp")
 WARMUP_TOKENS = 4
 #: requests of the warm-up call with ``max_batch_size="auto"`` (the shortest ones)
 WARMUP_REQUESTS = 8
+#: the workload's first prompts a manager's warm-up runs with prefix caching (``experiment.manager_warmup``)
+MANAGER_WARMUP_PROMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -263,6 +273,8 @@ class RunResult:
     error: str | None = None
     #: prompt forwards of the timed passes by how they ran (:attr:`PromptGraphs.counts`)
     prompt_forwards: dict | None = None
+    #: the timed passes' manager warm-ups, summed: ``{"prompt_forwards": {...}, "seconds": s}``, or None
+    manager_warmup: dict | None = None
 
 
 def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
@@ -291,7 +303,7 @@ def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
 
 def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats: int, warmup: bool,
                 drafter_for=None, memory_budget=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                warmed: set | None = None, rehearse: bool = False) -> RunResult:
+                warmed: set | None = None, rehearse: bool = False, manager_warmup: bool = False) -> RunResult:
     """``sd.generate_batch`` over the workload with ``max_batch_size=B`` (an int, or ``"auto"``
     with ``memory_budget``: the rows the call chose are in its ``Stats.max_batch_size``),
     ``max_batch_tokens`` and,
@@ -301,13 +313,17 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
     count (:func:`_admission_sizes`; through a prefix cache with ``prefix_block``) after the
     warm-up call. With ``rehearse``, one untimed pass over the whole workload before the timed
     ones: the prompt forwards' buckets it meets (:mod:`specdec.models.prompt_graphs`) are
-    captured then, as in a server that has run a while."""
+    captured then, as in a server that has run a while. With ``manager_warmup`` and arrivals,
+    each pass's manager warms up first (:func:`_serve_arrivals`); the timed passes' warm-ups are
+    summed in the result's ``manager_warmup``, their prompt forwards left out of ``prompt_forwards``."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
           **({"prefix_caching": True, "prefix_block_size": prefix_block} if prefix_block is not None else {})}
 
+    warmups = [] if manager_warmup and work.arrivals is not None else None  # each pass's warm-up counts
+
     def calls():
         if work.arrivals is not None:
-            return _serve_arrivals(sd, work, kw)
+            return _serve_arrivals(sd, work, kw, warmups)
         out = sd.generate_batch(work.prompts, max_new_tokens=work.budgets, **kw)
         tokens = [out[f"req_{i}"].generated_tokens for i in range(len(work.prompts))]
         times = sd.last_request_timings
@@ -333,16 +349,26 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
         except ValueError as err:
             return RunResult(error=str(err))
     before = dict(sd.adapter.prompt_graphs.counts)
+    if warmups is not None:
+        warmups.clear()  # (the rehearsal's)
     res = _timed(calls, repeats, device, arrivals=work.arrivals is not None)
     res.prompt_forwards = {k: v - before[k] for k, v in sd.adapter.prompt_graphs.counts.items()}
+    if warmups:
+        warm = {k: sum(w["prompt_forwards"][k] for w in warmups) for k in res.prompt_forwards}
+        res.prompt_forwards = {k: v - warm[k] for k, v in res.prompt_forwards.items()}
+        res.manager_warmup = {"prompt_forwards": warm, "seconds": sum(w["seconds"] for w in warmups)}
     return res
 
 
-def _serve_arrivals(sd, work: Workload, kw: dict):
+def _serve_arrivals(sd, work: Workload, kw: dict, warmups: list | None = None):
     """One pass over ``work`` as a client of a server: a new manager (``sd.init_continuous_batching
     (**kw)``, ``max_length`` the longest prompt + the largest budget; so a new prefix cache) is
-    started, request i added (``add_request(..., request_id="req_i", streaming=True)``) at its
-    arrival ``work.arrivals[i]`` after the pass's start, and the results taken as they come; one
+    made; given ``warmups`` (a list), it warms up first
+    (:meth:`~specdec.serving.ContinuousBatchingManager.warmup`: the grid, then with prefix caching
+    the workload's first :data:`MANAGER_WARMUP_PROMPTS` prompts) and its warm-up's
+    ``{"prompt_forwards": ..., "seconds": ...}`` is appended there; then it is started, request
+    i added (``add_request(..., request_id="req_i", streaming=True)``) at its arrival
+    ``work.arrivals[i]`` after the pass's start, and the results taken as they come; one
     thread adds and takes (it waits for a result until the next arrival, or sleeps until then
     while no request is in flight). Each request's times are the client's: ``queued`` = its
     arrival (the scheduled time: a late add counts in its wait), ``first_token`` = the receipt
@@ -363,6 +389,13 @@ def _serve_arrivals(sd, work: Workload, kw: dict):
     plan = _pool_plan(sd, work, "auto", kw.get("memory_budget"), kw.get("prefix_caching", False)) \
         if kw["max_batch_size"] == "auto" else None
     manager = sd.init_continuous_batching(max_length=span, **{**kw, **({"max_batch_size": plan.rows} if plan else {})})
+    if warmups is not None:  # as a server before taking traffic (untimed: before the pass's start)
+        warm = [manager.warmup()]
+        if manager.prefix_cache is not None:
+            warm.append(manager.warmup(work.prompts[:MANAGER_WARMUP_PROMPTS]))
+        warmups.append({"prompt_forwards": {k: sum(w["prompt_forwards"][k] for w in warm)
+                                            for k in warm[0]["prompt_forwards"]},
+                        "seconds": sum(w["seconds"] for w in warm)})
     final: dict[int, GenerationOutput] = {}
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -582,6 +615,9 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
         "decode_path": res.stats[-1].decode_path, "capture_error": res.stats[-1].capture_error,
         **{f"prompt_forwards_{k}": v for k, v in (res.prompt_forwards or {}).items()},
+        **({} if res.manager_warmup is None else {
+            "manager_warmup_s": res.manager_warmup["seconds"],
+            **{f"manager_warmup_prompt_forwards_{k}": v for k, v in res.manager_warmup["prompt_forwards"].items()}}),
         "rollback_used": res.stats[-1].rollback,
         **_prefix_fields(res.stats),
         "exact": None if diverged is None else not diverged,
@@ -678,6 +714,11 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         print(f"specdec-run: experiment.shared_prefix_tokens={int(exp.shared_prefix_tokens)} is less than one cached "
               f"block (experiment.prefix_block_size={block}): the prefix cache reuses whole blocks, so the shared "
               "prefix alone gives it nothing to hit", flush=True)
+    manager_warmup = bool(exp.manager_warmup) and exp.request_rate is not None
+    if bool(exp.manager_warmup) and not manager_warmup:
+        print("specdec-run: experiment.manager_warmup=true warms the managers that serve arrivals; without "
+              "experiment.request_rate no manager runs (generate_batch serves the workload): nothing to warm up",
+              flush=True)
     batch_tokens = int(exp.max_batch_tokens)
     strategies = [str(s) for s in cfg.rollback.strategies]
     log = RunRecords(out_dir)
@@ -698,7 +739,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         eos = _eos_ids(model)
         base = {**common_fields(cfg, "serve", spec, device, dtype), **work.fields(), "prompt_set": work.source,
-                "repeats": repeats, "memory_budget": budget}
+                "repeats": repeats, "memory_budget": budget, "manager_warmup": manager_warmup}
 
         def add(res: RunResult, run_name: str, drafter: str, acceptance, strategy: str, k, reference, plain=None,
                 fixed=None, caching: bool = False, uncached=None, rows=None):
@@ -728,13 +769,15 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         rehearse = bool(exp.rehearse)
         warmed: set = set()  # prefill shapes this model has met (_warm_prefill)
         plain_res = _continuous(sd, work, B, None, device, repeats, warmup, memory_budget=budget,
-                                max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse)
+                                max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse,
+                                manager_warmup=manager_warmup)
         reference = None if plain_res.error else plain_res.tokens
         plain = add(plain_res, "continuous", "plain", None, "none", 0, reference)
         plain_cached = plain  # the baseline of the runs with the prefix cache: plain decoding with it too
         if prefix_caching:  # the same run with the prefix cache, side by side
             plain_cached = add(_continuous(sd, work, B, block, device, repeats, warmup, memory_budget=budget,
-                                           max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse),
+                                           max_batch_tokens=batch_tokens, warmed=warmed, rehearse=rehearse,
+                                           manager_warmup=manager_warmup),
                                "continuous", "plain", None, "none", 0, reference, caching=True, uncached=plain)
         sd.release()
         references = None if reference is None else [p + t for p, t in zip(work.prompts, reference)]
@@ -760,9 +803,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 sd = specdec.wrap(model, drafter=drafter, rollback=strategy, num_speculative_tokens=K,
                                   decode_path=path)
                 cont_res = _continuous(sd, work, B, None, device, repeats, warmup, drafter_for, budget, batch_tokens,
-                                       warmed, rehearse)
+                                       warmed, rehearse, manager_warmup)
                 cached_res = (_continuous(sd, work, B, block, device, repeats, warmup, drafter_for, budget, batch_tokens,
-                                          warmed, rehearse) if prefix_caching else None)
+                                          warmed, rehearse, manager_warmup) if prefix_caching else None)
                 sd.release()
                 fixed = None
                 if exp.fixed_batches:

@@ -1,0 +1,246 @@
+"""The continuous batching manager's warm-up (``ContinuousBatchingManager.warmup``): it runs
+warm-up requests through the manager's own loop on closed pools, so serving afterwards is
+exact (greedy, as ``generate`` alone) with plain decoding, drafters and prefix caching, and the
+manager's queue, results, ids and prefix cache are untouched; the synthetic grid meets every
+prompt bucket an admission of the pool can meet, each once per round (counted on the static
+path, where prompt forwards run at bucketed shapes); bad prompts and a running loop are refused
+before any work; the oracle drafter lets warm-up rows decode without a reference. Serving the
+prompts warmed up meets no prompt bucket the warm-up did not make, and on CUDA captures no
+prompt graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import record_prompt_forwards
+from markers import needs_cuda
+from test_generate_batch import ROWS, _check, _reference
+from test_prefix_cache import BS, BUDGETS, EOS, _simulate
+from test_prefix_cache import _prompts as _shared_prompts
+from tiny_models import VOCAB, get_model
+
+import specdec
+from specdec.batching import Request
+from specdec.drafters import DraftModelDrafter, OracleDrafter
+from specdec.models.prompt_graphs import PROMPT_GRAPH_ROWS, PROMPT_GRAPH_TOKENS, prompt_bucket
+from specdec.prefix_cache import PrefixCacheStats
+
+FAMILY = "qwen3_5"
+#: a bound above every request of the reference (longest prompt 13 + largest budget 14)
+MAX_LENGTH = 32
+
+
+def _manager(drafter="ngram", K=3, path="static", rows=ROWS, max_length=MAX_LENGTH, **kw):
+    eos = _reference(FAMILY)[2]
+    sd = specdec.wrap(get_model(FAMILY), drafter=drafter, rollback="replay", num_speculative_tokens=K,
+                      decode_path=path)
+    return sd, sd.init_continuous_batching(max_length=max_length, max_batch_size=rows, eos_token_id=eos, **kw)
+
+
+def _serve(m, prompts, budgets) -> dict:
+    """Every request added before the loop starts; the results by id."""
+    ids = m.add_requests(prompts, max_new_tokens=budgets)
+    with m:
+        got = {o.request_id: o for o in m}
+    assert ids == [f"req_{i}" for i in range(len(prompts))]
+    return {rid: got[rid] for rid in ids}
+
+
+def _untouched(m):
+    """Nothing of a warm-up reached the manager's queue, results, ids or prefix cache."""
+    assert m.warmed_up and not m.is_running()
+    assert not m._queue and not m._results and not m._in_flight and not m._added and m._count == 0
+    assert m.get_result() is None
+    if m.prefix_cache is not None:
+        assert len(m.prefix_cache) == 0 and m.prefix_cache.stats == PrefixCacheStats()
+
+
+@pytest.mark.parametrize("config", ["plain", "ngram", "draft_model", "oracle", "ngram_prefix_cache"])
+def test_serving_after_warmup_is_exact(config):
+    """Warm-up (the grid, then some of the requests' prompts) and then serving: every request
+    equals HF greedy on its prompt alone; the warm-up left the manager as it was made."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    drafter, K, kw = "ngram", 3, {}
+    if config == "plain":
+        K = 0
+    elif config == "draft_model":
+        drafter = DraftModelDrafter(get_model(FAMILY, "perturbed"))
+    elif config == "oracle":
+        drafter = OracleDrafter.for_requests(full, acceptance=1.0)
+    elif config == "ngram_prefix_cache":
+        kw = dict(prefix_caching=True, prefix_block_size=4)
+    sd, m = _manager(drafter, K, **kw)
+    assert not m.warmed_up
+    grid = m.warmup()
+    assert grid["pool_runs"] == 2 * 3 and grid["seconds"] > 0  # rows 1, 2, 3 of one width, twice
+    assert sum(grid["prompt_forwards"].values()) == 2 * grid["pool_runs"]  # (placeholders + prompts)
+    given = m.warmup([prompts[0], prompts[2] + prompts[0]], rounds=1)
+    assert given["pool_runs"] == 2
+    _untouched(m)
+    _check(_serve(m, prompts, budgets), expected, prompts)
+    if config == "oracle":
+        assert sd.last_stats.accepted_tokens > 0  # the requests drafted their references
+    if config == "ngram_prefix_cache":
+        assert sd.last_stats.prefix_cache["lookups"] == len(prompts)  # the manager's own counters only
+
+
+def _grid_buckets(rows: int, max_length: int, max_batch_tokens: int) -> set[tuple[int, int]]:
+    """Every bucket an admission of a pool of ``rows`` rows can prefill in: r <= rows prompts of
+    n <= max_length - 1 tokens in one forward (r x n <= max_batch_tokens), where a bucket holds them."""
+    limit = min(PROMPT_GRAPH_TOKENS, max_batch_tokens)
+    return {prompt_bucket(r, n, PROMPT_GRAPH_ROWS, limit)
+            for r in range(1, rows + 1) for n in range(1, max_length) if r * n <= max_batch_tokens} - {None}
+
+
+@pytest.mark.parametrize("rows, max_length, max_batch_tokens", [(3, 70, 128), (1, 40, 16384), (6, 34, 16384)])
+def test_grid_meets_every_bucket_once_per_round(rows, max_length, max_batch_tokens):
+    """The static path: the grid's pool runs prefill, per round, each bucket an admission can
+    meet once (plus each run's placeholder rows, one bucket of the pool's rows), and the counts
+    it returns are those forwards, run at a bucket's shape."""
+    sd, m = _manager(rows=rows, max_length=max_length, max_batch_tokens=max_batch_tokens)
+    buckets = _grid_buckets(rows, max_length, max_batch_tokens)
+    placeholder = prompt_bucket(rows, 1, max_tokens=min(PROMPT_GRAPH_TOKENS, max_batch_tokens))
+    for rounds in (1, 2):
+        shapes = record_prompt_forwards(sd)
+        got = m.warmup(rounds=rounds)
+        assert got["pool_runs"] == rounds * len(buckets)
+        assert got["prompt_forwards"] == {"cuda_graph": 0, "captured": 0, "static": 2 * rounds * len(buckets),
+                                          "eager": 0}
+        assert sorted(shapes) == sorted(rounds * (list(buckets) + [placeholder] * len(buckets)))
+    _untouched(m)
+
+
+def test_warmup_prompts_counts():
+    """warmup(prompts): each prompt alone, in order, once per round: without the prefix cache one
+    prompt forward each (and its run's placeholders); with it, through a fresh scratch cache per
+    round, the forwards an empty cache makes them run (a branch point takes two), while the
+    manager's cache stays empty."""
+    prompts = _shared_prompts()[:5]
+    for caching in (False, True):
+        kw = dict(prefix_caching=True, prefix_block_size=BS) if caching else {}
+        sd, m = _manager(**kw)
+        forwards = sum(f for _, f, _ in _simulate(prompts)) if caching else len(prompts)
+        got = m.warmup(prompts)
+        assert got["pool_runs"] == 2 * len(prompts)
+        assert got["prompt_forwards"]["static"] == 2 * (len(prompts) + forwards), caching
+        assert sum(got["prompt_forwards"].values()) == got["prompt_forwards"]["static"]
+        _untouched(m)
+
+
+def test_warmup_refused_while_the_loop_runs():
+    """warmup() while the manager's loop runs, or while another manager of the generator runs,
+    raises RuntimeError and runs nothing; the manager serves on, exact."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    other = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos)
+    with m:
+        before = dict(sd.adapter.prompt_graphs.counts)
+        with pytest.raises(RuntimeError, match="before start"):
+            m.warmup()
+        with pytest.raises(RuntimeError, match=r"warmup\(\): this generator's continuous batching manager is running"):
+            other.warmup()
+        assert sd.adapter.prompt_graphs.counts == before and not m.warmed_up and not other.warmed_up
+        rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+    m.warmup(rounds=1)  # once stop() has ended the loop
+    assert m.warmed_up
+
+
+@pytest.mark.parametrize("prompts, err, match", [
+    ([], ValueError, "at least one prompt"),
+    ([[5, 6], []], ValueError, "warm-up prompt 1 cannot run: empty prompt"),
+    ([[5, 6], [7, VOCAB]], ValueError, rf"warm-up prompt 1 cannot run: token ids outside the vocabulary \[0, {VOCAB}"),
+    ([[5] * MAX_LENGTH], ValueError, f"warm-up prompt 0 cannot run: .* max_length={MAX_LENGTH}"),
+    ([[5, 6], [7.0]], TypeError, "warm-up prompt 1: a prompt must be a list of int token ids"),
+    ("5 6 7", TypeError, "inputs must be a list of prompts"),
+])
+def test_bad_prompts_raise_before_any_work(prompts, err, match):
+    """A prompt add_request would fail (or that is no prompt) raises, naming its index; nothing
+    runs and the manager is not warmed up; so does a bad ``rounds``."""
+    sd, m = _manager()
+    before = dict(sd.adapter.prompt_graphs.counts)
+    with pytest.raises(err, match=match):
+        m.warmup(prompts)
+    for rounds, rerr in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(rerr, match="rounds must be"):
+            m.warmup(rounds=rounds)
+    assert sd.adapter.prompt_graphs.counts == before and not m.warmed_up
+    assert m.warmup([[5] * (MAX_LENGTH - 1)], rounds=1)["pool_runs"] == 1  # room for one new token: it runs
+
+
+def test_oracle_proposes_nothing_for_a_warmup_row():
+    """OracleDrafter.admit: a warm-up request (no reference; its index and prompt match none)
+    gets its prompt as reference and proposes nothing; the row beside it drafts its request's
+    reference; a request that is not a warm-up one with such a prompt is still refused."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    K = 3
+    d = OracleDrafter.for_requests(full, acceptance=1.0)
+    d.start(target_vocab_size=VOCAB, batch_size=2, device="cpu")
+    stranger = tuple(range(3, 3 + len(full[0]) + 5))  # longer than any reference
+    warm = Request(0, stranger, 2, warmup=True)
+    d.admit(torch.tensor([0, 1]), None, None, None, [Request(1, tuple(prompts[1]), budgets[1]), warm])
+    width = len(stranger) + 1
+    text = torch.zeros(2, width, dtype=torch.long)
+    text[0, :len(full[1])] = torch.tensor(full[1])
+    text[1, :len(stranger)] = torch.tensor(stranger)
+    lengths = torch.tensor([len(prompts[1]) + 1, len(stranger) + 1])
+    drafts, counts = d.propose(text, lengths, K)
+    assert counts.tolist() == [K, 0]
+    assert drafts[0].tolist() == full[1][len(prompts[1]) + 1:len(prompts[1]) + 1 + K]
+    with pytest.raises(ValueError, match="does not start with its prompt"):
+        d.admit(torch.tensor([1]), None, None, None, [Request(0, stranger, 2)])
+
+
+def _serve_warmed(model, path: str, caching: bool):
+    """Warm a manager of ``model`` on decode ``path`` up with its prompts (``caching``: prompts
+    sharing a prefix, through the prefix cache), then serve them one at a time; returns the
+    manager's generator, the warm-up's report, the prompt buckets and counts before serving, and
+    the tokens (checked against the eager path's on the same model)."""
+    if caching:
+        prompts, budgets, eos = _shared_prompts(), BUDGETS, EOS
+        kw = dict(prefix_caching=True, prefix_block_size=BS)
+    else:
+        prompts, budgets, eos = _reference(FAMILY)[:3]
+        kw = {}
+    eager = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    want = eager.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos, **kw)
+    pg = sd.adapter.prompt_graphs
+    got = m.warmup(prompts)
+    buckets, counts = set(pg._buckets), dict(pg.counts)
+    with m:
+        for i, (p, b) in enumerate(zip(prompts, budgets)):
+            out = m.get_result(m.add_request(p, max_new_tokens=b), timeout=60)
+            assert out.generated_tokens == want[f"req_{i}"].generated_tokens, i
+    if caching:
+        assert sd.last_stats.prefix_cache["hit_blocks"] > 0
+    return sd, got, buckets, counts
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_serving_the_warmed_prompts_meets_no_new_bucket(caching):
+    """The static path: serving the prompts warmed up, one at a time as the warm-up ran them,
+    runs every prompt forward in a bucket the warm-up made (with the prefix cache: the forwards
+    continued from the shared prefix too), exactly."""
+    sd, got, buckets, counts = _serve_warmed(get_model(FAMILY), "static", caching)
+    pg = sd.adapter.prompt_graphs
+    assert set(pg._buckets) == buckets and pg.counts["static"] > counts["static"]
+    assert not caching or any(key[2] for key in buckets)  # (a forward continued from restored columns)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("caching", [False, True])
+def test_serving_the_warmed_prompts_captures_nothing(caching):
+    """On CUDA (the CUDA-graph path): after warmup(prompts), serving the same prompts one at a
+    time replays every prompt forward's graph: no capture; the tokens are the eager path's."""
+    model = get_model(FAMILY).cuda()
+    try:
+        sd, got, buckets, before = _serve_warmed(model, "cuda_graph", caching)
+        pg = sd.adapter.prompt_graphs
+        assert pg.error is None and got["prompt_forwards"]["captured"] >= 1, (got, pg.error)
+        assert pg.counts["captured"] == before["captured"], (before, pg.counts)
+        assert pg.counts["cuda_graph"] > before["cuda_graph"]
+    finally:
+        get_model(FAMILY).cpu()
