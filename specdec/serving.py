@@ -8,7 +8,8 @@
 on a background thread over a :class:`~specdec.batching.RequestPool` that stays open: when every
 row is idle the loop waits for a request (a blocking wait, woken by ``add_request`` and
 ``stop``) instead of ending, and rows whose request ended take waiting requests between two
-steps, as in ``generate_batch``. A request's result (a ``transformers`` ``GenerationOutput``) is ready when the request ends; with
+steps, as in ``generate_batch``. A request's result (a ``transformers`` ``GenerationOutput``) is
+ready when the request ends; with
 ``add_request(..., streaming=True)`` its partial results come before that, one per step that
 commits tokens to it (status ``DECODING``, every token so far: a step commits up to K + 1), a
 newer one replacing one not taken yet. With ``prefix_caching=True`` the manager holds one
@@ -211,6 +212,7 @@ class ContinuousBatchingManager:
         self._check_free = check_free
         self._prompt_counts = prompt_counts
         self.warmed_up = False
+        self._warming: threading.Thread | None = None  # the thread running warmup(), while it runs
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
@@ -235,8 +237,11 @@ class ContinuousBatchingManager:
         return self._thread is not None and self._thread.is_alive()
 
     def runs_elsewhere(self) -> bool:
-        """Whether the loop thread runs and is not the calling thread."""
-        return self.is_running() and self._thread is not threading.current_thread()
+        """Whether the loop thread runs, or a :meth:`warmup` runs, on a thread other than the
+        calling one (the generator's caches, drafter and rollback state are theirs meanwhile)."""
+        here = threading.current_thread()
+        warming = self._warming
+        return (self.is_running() and self._thread is not here) or (warming is not None and warming is not here)
 
     def start(self) -> None:
         """Start the loop on a background thread (a warning, nothing else, when it runs already;
@@ -309,8 +314,14 @@ class ContinuousBatchingManager:
         Each run is a closed :class:`~specdec.batching.RequestPool` of the manager's rows,
         ``max_length`` and ``max_batch_tokens``, decoded to its end by the loop ``start()`` runs.
         Its requests (:attr:`~specdec.batching.Request.warmup`) have budgets of
-        :data:`WARMUP_NEW_TOKENS` (1 where ``max_length`` leaves no more room) and stay out of the
-        manager's queue, request ids and results.
+        :data:`WARMUP_NEW_TOKENS` (1 where ``max_length`` leaves no more room: then no decode step
+        runs) and stay out of the manager's queue, request ids and results. What a generator call
+        leaves, a warm-up leaves too: ``last_stats`` describes its last run (the next ``stop()``
+        replaces them), and with ``do_sample`` it draws from the manager's ``generator``, so seeded
+        samples after a warm-up differ from those without one. A drafter's
+        :meth:`~specdec.drafters.Drafter.admit` gets the warm-up requests as any others (their
+        ``warmup`` set): one that looks something up per request must let them pass, as
+        :class:`~specdec.drafters.OracleDrafter` does.
 
         Args:
             prompts: None: the synthetic grid: per bucket an admission can meet
@@ -337,7 +348,8 @@ class ContinuousBatchingManager:
 
         Raises:
             RuntimeError: the manager's loop runs (call it before ``start()``, or once ``stop()``
-                has ended the loop), or another manager of the same generator runs its loop.
+                has ended the loop), or another manager of the same generator runs its loop or a
+                warm-up (while this one runs, the generator refuses other threads' calls likewise).
             TypeError / ValueError: ``rounds`` not an int >= 1; ``prompts`` not a list, or empty;
                 a prompt that is not a list of int token ids, or that ``add_request`` would fail
                 (empty, ids outside the vocabulary, longer than ``max_length - 1``, no room for a
@@ -348,6 +360,9 @@ class ContinuousBatchingManager:
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1 (passes over the warm-up's requests), got {rounds}")
         runs = self._warmup_runs(prompts)
+        if not runs:
+            logger.warning(f"warm-up: no prompt bucket fits max_batch_tokens={self.max_batch_tokens} and "
+                           f"max_length={self.max_length} (the smallest bucket is 32 tokens): nothing ran")
         scratch = prompts is not None and self.prefix_cache is not None
         with self._starting:
             if self.is_running():
@@ -357,12 +372,17 @@ class ContinuousBatchingManager:
                 self._check_free("warmup()")
             before = None if self._prompt_counts is None else dict(self._prompt_counts())
             start = time.perf_counter()
-            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-                for _ in range(rounds):
-                    cache = PrefixCache(self.prefix_cache.block_size, self.prefix_cache.max_bytes) if scratch else None
-                    for requests in runs:
-                        self._run(RequestPool(list(requests), self.max_batch_size, self.max_length, prefix_cache=cache,
-                                              max_batch_tokens=self.max_batch_tokens))
+            self._warming = threading.current_thread()  # (the generator refuses other callers meanwhile)
+            try:
+                with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                    for _ in range(rounds):
+                        cache = (PrefixCache(self.prefix_cache.block_size, self.prefix_cache.max_bytes) if scratch
+                                 else None)
+                        for requests in runs:
+                            self._run(RequestPool(list(requests), self.max_batch_size, self.max_length,
+                                                  prefix_cache=cache, max_batch_tokens=self.max_batch_tokens))
+            finally:
+                self._warming = None
             seconds = time.perf_counter() - start
         forwards = None
         if before is not None:
@@ -380,7 +400,10 @@ class ContinuousBatchingManager:
             return [[Request(i, tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
                              min(WARMUP_NEW_TOKENS, self.max_length - n), warmup=True) for i in range(rows)]
                     for rows, n in warmup_grid(self.max_batch_size, self.max_length, self.max_batch_tokens)]
-        if isinstance(prompts, (list, tuple)) and not prompts:
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"warmup(prompts=...) takes None (the synthetic grid of prompt buckets) or a list of "
+                            f"prompts, each a list (or 1-D tensor) of token ids; got {type(prompts).__name__}")
+        if not prompts:
             raise ValueError("warmup(prompts=[]): give at least one prompt, or None for the synthetic grid")
         names = [f"warm-up prompt {i}" for i in range(len(prompts))] if isinstance(prompts, (list, tuple)) else None
         requests, failed = check_requests(prompts, 1, self._vocab_size, self._max_positions,

@@ -146,13 +146,58 @@ def test_warmup_refused_while_the_loop_runs():
     assert m.warmed_up
 
 
+def test_other_callers_refused_while_a_warmup_runs():
+    """While a warm-up runs on one thread (its first pool run held open here), another manager of
+    the generator cannot start and the generator's own calls are refused, as while a loop runs;
+    afterwards both serve, exact."""
+    import threading
+
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    other = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos)
+    inside, go = threading.Event(), threading.Event()
+    run = m._run
+
+    def held(pool):
+        inside.set()
+        assert go.wait(60)
+        run(pool)
+
+    m._run = held
+    warming = threading.Thread(target=m.warmup, kwargs={"rounds": 1})
+    warming.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(RuntimeError, match=r"start\(\): this generator's continuous batching manager is running"):
+            other.start()
+        with pytest.raises(RuntimeError, match="is running"):
+            sd.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
+    finally:
+        go.set()
+        warming.join(120)
+    m._run = run
+    assert m.warmed_up and not other.is_running()
+    for manager in (m, other):
+        rid = manager.add_request(prompts[0], max_new_tokens=budgets[0])
+        with manager:
+            assert manager.get_result(rid, timeout=60).generated_tokens == expected[0]
+
+
+def test_warmup_with_no_bucket_says_so(caplog):
+    """max_batch_tokens below the smallest bucket: the grid is empty, and the warm-up says nothing ran."""
+    sd, m = _manager(max_batch_tokens=16)
+    with caplog.at_level("WARNING", logger="specdec.serving"):
+        out = m.warmup()
+    assert out["pool_runs"] == 0 and "nothing ran" in caplog.text
+
+
 @pytest.mark.parametrize("prompts, err, match", [
     ([], ValueError, "at least one prompt"),
     ([[5, 6], []], ValueError, "warm-up prompt 1 cannot run: empty prompt"),
     ([[5, 6], [7, VOCAB]], ValueError, rf"warm-up prompt 1 cannot run: token ids outside the vocabulary \[0, {VOCAB}"),
     ([[5] * MAX_LENGTH], ValueError, f"warm-up prompt 0 cannot run: .* max_length={MAX_LENGTH}"),
     ([[5, 6], [7.0]], TypeError, "warm-up prompt 1: a prompt must be a list of int token ids"),
-    ("5 6 7", TypeError, "inputs must be a list of prompts"),
+    ("5 6 7", TypeError, r"warmup\(prompts=...\) takes None .* or a list of prompts.*got str"),
 ])
 def test_bad_prompts_raise_before_any_work(prompts, err, match):
     """A prompt add_request would fail (or that is no prompt) raises, naming its index; nothing

@@ -133,7 +133,10 @@ class Drafter(abc.ABC):
                 gets them (``[n, L, D]``) with ``wants_all_hidden_states``; as :meth:`observe` gets
                 them (``[n, D]``) with ``wants_hidden_states``; else None.
             requests: the ``n`` :class:`specdec.batching.Request` s (``index``, ``prompt``,
-                ``max_new_tokens``), e.g. to look a request's reference text up.
+                ``max_new_tokens``), e.g. to look a request's reference text up. Those of a
+                manager's warm-up (``warmup`` set: random or sample prompts, indices counted from
+                0 within the warm-up) belong to no caller: a drafter that looks requests up must
+                let them decode without (``OracleDrafter`` gives them their prompt as reference).
 
         Raises:
             NotImplementedError: the default, for a drafter with per-row state that does not define

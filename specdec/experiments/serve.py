@@ -56,7 +56,8 @@ gets its tokens then). Per run: throughput (generated tokens / wall, the median 
 runs with min-max), time to first token (queue wait + prefill) and time per output token
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
 every repeat, the time to first token's two parts likewise (``queue_wait_*``: arrival to
-admission; ``admission_to_first_token_*``: the prompt forward and the first token's pick), ``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
+admission; ``admission_to_first_token_*``: the prompt forward and the first token's pick),
+``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
 over continuous plain decoding with it, so the ratio is speculation's alone, and over no fixed-batch
 run, which has no cache), ``exact`` / ``diverged_requests`` / ``diverged_request_ids`` against
@@ -365,8 +366,8 @@ def _serve_arrivals(sd, work: Workload, kw: dict, warmups: list | None = None):
     (**kw)``, ``max_length`` the longest prompt + the largest budget; so a new prefix cache) is
     made; given ``warmups`` (a list), it warms up first
     (:meth:`~specdec.serving.ContinuousBatchingManager.warmup`: the grid, then with prefix caching
-    the workload's first :data:`MANAGER_WARMUP_PROMPTS` prompts) and its warm-up's
-    ``{"prompt_forwards": ..., "seconds": ...}`` is appended there; then it is started, request
+    the workload's first :data:`MANAGER_WARMUP_PROMPTS` prompts), each warm-up's returned
+    ``{"prompt_forwards": ..., "seconds": ...}`` appended there; then it is started, request
     i added (``add_request(..., request_id="req_i", streaming=True)``) at its arrival
     ``work.arrivals[i]`` after the pass's start, and the results taken as they come; one
     thread adds and takes (it waits for a result until the next arrival, or sleeps until then
@@ -390,12 +391,9 @@ def _serve_arrivals(sd, work: Workload, kw: dict, warmups: list | None = None):
         if kw["max_batch_size"] == "auto" else None
     manager = sd.init_continuous_batching(max_length=span, **{**kw, **({"max_batch_size": plan.rows} if plan else {})})
     if warmups is not None:  # as a server before taking traffic (untimed: before the pass's start)
-        warm = [manager.warmup()]
+        warmups.append(manager.warmup())
         if manager.prefix_cache is not None:
-            warm.append(manager.warmup(work.prompts[:MANAGER_WARMUP_PROMPTS]))
-        warmups.append({"prompt_forwards": {k: sum(w["prompt_forwards"][k] for w in warm)
-                                            for k in warm[0]["prompt_forwards"]},
-                        "seconds": sum(w["seconds"] for w in warm)})
+            warmups.append(manager.warmup(work.prompts[:MANAGER_WARMUP_PROMPTS]))
     final: dict[int, GenerationOutput] = {}
     first: dict[int, float] = {}
     done: dict[int, float] = {}
