@@ -252,7 +252,7 @@ def test_serve_says_when_the_shared_prefix_is_shorter_than_a_block(tmp_path: Pat
     assert "experiment.shared_prefix_tokens=4 is less than one cached block (experiment.prefix_block_size=8)" in out
     assert "without experiment.request_rate no manager runs" in out
     assert all(r["exact"] is not False and r["manager_warmup"] is False and "manager_warmup_s" not in r
-               for r in records)
+               and r["rehearse"] is False for r in records)
 
 
 def test_poisson_arrivals():
@@ -595,7 +595,7 @@ def test_serve_rehearsal_passes_over_the_workload_untimed(tmp_path: Path, monkey
                                                "drafter.names=[ngram]", "experiment.decode_path=static")), tmp_path)
     assert [(r["run"], r["drafter"]) for r in records] == [("continuous", "plain"), ("continuous", "ngram")]
     for r in records:
-        assert r["error"] is None and r["exact"] and len(r["ttft_ms_samples"]) == 5
+        assert r["error"] is None and r["exact"] and len(r["ttft_ms_samples"]) == 5 and r["rehearse"] is True
         # the timed pass's prompt forwards: its admissions (the first requests' placeholders and
         # each admission's prompts), each in a bucket, uncaptured (no CUDA here)
         assert r["prompt_forwards_static"] >= 2 and r["prompt_forwards_cuda_graph"] == r["prompt_forwards_captured"] == 0

@@ -454,10 +454,11 @@ SECTIONS = {
     "checks.fp32_state": (("model", "rollback"), CHECK_COLUMNS["fp32_state"], "runs"),
 }
 #: column titles of the group keys
-KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching", "manager_warmup": "manager warm-up"}
+KEY_TITLES = {"num_speculative_tokens": "K", "prefix_caching": "prefix caching", "rehearse": "rehearsed",
+              "manager_warmup": "manager warm-up"}
 #: config fields that become group keys when they differ between records (multirun sweeps)
-SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "manager_warmup", "overlap",
-         "switch")
+SWEPT = ("max_new_tokens", "prompt_set", "dtype", "device", "seed", "request_rate", "rehearse", "manager_warmup",
+         "overlap", "switch")
 
 
 def _experiment(r: dict) -> str:
@@ -619,7 +620,7 @@ def _print_rows(title: str, key_titles: list[str], metric_titles: list[str], row
         table.add_row(*[r[0][i] for i in keep], *[r[which][j] for j in shown])
     console.print(table)
     if left_out:
-        console.print(f"(not shown at this width, in summary.md: {', '.join(left_out)})")
+        console.print(f"(not shown at this width, in summary.md: {', '.join(left_out)})", soft_wrap=True)
     return [metric_titles[j] for j in shown]
 
 

@@ -737,7 +737,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         eos = _eos_ids(model)
         base = {**common_fields(cfg, "serve", spec, device, dtype), **work.fields(), "prompt_set": work.source,
-                "repeats": repeats, "memory_budget": budget, "manager_warmup": manager_warmup}
+                "repeats": repeats, "memory_budget": budget, "rehearse": bool(exp.rehearse),
+                "manager_warmup": manager_warmup}
 
         def add(res: RunResult, run_name: str, drafter: str, acceptance, strategy: str, k, reference, plain=None,
                 fixed=None, caching: bool = False, uncached=None, rows=None):
