@@ -883,13 +883,15 @@ class SpeculativeGenerator:
                                 max_batch_size=plan.rows, batch_size_reason=plan.reason)
 
     def _check_free(self, what: str) -> None:
-        """Raise RuntimeError when a continuous batching manager of this generator runs its loop on
-        another thread: the caches, drafter and rollback state are that loop's until it ends."""
+        """Raise RuntimeError when a continuous batching manager of this generator runs its loop, or
+        its warm-up, on another thread: the caches, drafter and rollback state are theirs until
+        they end."""
         if any(m.runs_elsewhere() for m in list(self._managers)):
             raise RuntimeError(f"{what}: this generator's continuous batching manager is running (started, and "
-                               "not yet ended by stop()); its decode loop uses the generator's caches, drafter and "
-                               "rollback state. Call manager.stop() first, or make a second generator "
-                               "(specdec.wrap(model, ...)) for other calls")
+                               "not yet ended by stop(), or inside warmup()); its decode loop uses the generator's "
+                               "caches, drafter and rollback state. Call manager.stop() first (or wait for its "
+                               "warmup() to return), or make a second generator (specdec.wrap(model, ...)) for "
+                               "other calls")
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""

@@ -21,7 +21,7 @@ Warm-up: the loop's first meeting with a shape costs more than its later ones (k
 or autotune; on the CUDA-graph path the decode step's graphs are captured for the pool, and each
 prompt forward's bucket is captured the second time it is met, holding up every decoding row
 meanwhile). ``warmup()`` pays for that before serving, on the calling thread: warm-up requests
-through the same loop, a grid of every prompt bucket the pool can meet (or the prompts given,
+through the same loop, a grid of every prompt bucket of a forward from scratch the pool can meet (or the prompts given,
 e.g. a system prompt and sample requests), twice; nothing of them reaches the queue or the results.
 
 Stopping, as Hugging Face's manager does it: ``stop()`` lets the loop finish every request added
@@ -331,11 +331,14 @@ class ContinuousBatchingManager:
                 buckets). Or a list of prompts, each a list (or 1-D tensor) of token ids, e.g. a
                 system prompt and sample requests after it: each runs alone (one row), in order.
                 With prefix caching, each round runs them through a scratch
-                :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size and byte
-                bound (dropped after the round; it holds the prompts' blocks beside the manager's
-                cache), so prompts sharing a prefix hit it within the round and the forwards
-                continued from it warm up too, while the manager's cache and its counters stay as
-                they are.
+                :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size, bounded by
+                what the manager's cache leaves of its byte bound (the pool's plan counts one
+                cache) and dropped after the round, so prompts sharing a prefix hit it within the
+                round and the one-row forwards continued from it warm up too (an admission of
+                several such rows at once is another bucket), while the manager's cache and its
+                counters stay as they are. The grid and the prompts warm the decode step's buffers
+                and graphs the generator keeps for this pool: a call of the generator with another
+                shape between ``warmup()`` and ``start()`` replaces them.
             rounds: how many times the grid (or the prompts) runs, an int >= 1: the first round
                 runs each bucket at its shape, the second captures it.
 
@@ -368,16 +371,17 @@ class ContinuousBatchingManager:
             if self.is_running():
                 raise RuntimeError("warmup(): the manager's loop is running; warm it up before start(), or once "
                                    "stop() has ended the loop")
-            if self._check_free is not None:
-                self._check_free("warmup()")
-            before = None if self._prompt_counts is None else dict(self._prompt_counts())
-            start = time.perf_counter()
-            self._warming = threading.current_thread()  # (the generator refuses other callers meanwhile)
+            self._warming = threading.current_thread()  # (claimed first: a racing warm-up's check sees it)
             try:
+                if self._check_free is not None:
+                    self._check_free("warmup()")
+                before = None if self._prompt_counts is None else dict(self._prompt_counts())
+                start = time.perf_counter()
                 with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
                     for _ in range(rounds):
-                        cache = (PrefixCache(self.prefix_cache.block_size, self.prefix_cache.max_bytes) if scratch
-                                 else None)
+                        cache = (PrefixCache(self.prefix_cache.block_size,  # (within the pool's planned bytes)
+                                             max(0, self.prefix_cache.max_bytes - self.prefix_cache.nbytes))
+                                 if scratch else None)
                         for requests in runs:
                             self._run(RequestPool(list(requests), self.max_batch_size, self.max_length,
                                                   prefix_cache=cache, max_batch_tokens=self.max_batch_tokens))

@@ -127,6 +127,27 @@ def test_warmup_prompts_counts():
         _untouched(m)
 
 
+def test_scratch_cache_within_what_the_managers_cache_leaves(monkeypatch):
+    """A warm-up after serving: its scratch prefix cache is bounded by the bytes the manager's
+    cache (holding the served prompts' blocks) leaves of their common bound, and the manager's
+    cache keeps its blocks and counters."""
+    import copy
+
+    import specdec.serving as serving
+
+    prompts, budgets = _shared_prompts()[:4], BUDGETS[:4]
+    sd, m = _manager(prefix_caching=True, prefix_block_size=BS)
+    _serve(m, prompts, budgets)
+    held, stats = m.prefix_cache.nbytes, copy.copy(m.prefix_cache.stats)
+    assert held > 0
+    made = []
+    real = serving.PrefixCache
+    monkeypatch.setattr(serving, "PrefixCache", lambda *a: made.append(a) or real(*a))
+    m.warmup(prompts[:2])
+    assert made == [(BS, m.prefix_cache.max_bytes - held)] * 2
+    assert m.prefix_cache.nbytes == held and m.prefix_cache.stats == stats
+
+
 def test_warmup_refused_while_the_loop_runs():
     """warmup() while the manager's loop runs, or while another manager of the generator runs,
     raises RuntimeError and runs nothing; the manager serves on, exact."""

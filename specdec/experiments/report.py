@@ -228,13 +228,16 @@ SERVE_COLUMNS = (
     Column("ttft_p99_ms", "TTFT p99 ms", "{:.1f}", terminal=False, legend="its 99th percentile"),
     Column("ttft_mean_ms", "TTFT mean ms", "{:.1f}", terminal=False, legend="its mean"),
     Column("queue_wait_mean_ms", "wait before admission mean ms", "{:.1f}", terminal=False,
-           legend="the part of the time to first token before the request's admission (arrival to the pool's "
-                  "admission of it: the wait for a free row and for the step in flight), mean over the requests; "
-                  "its p50 / p90 / p99 in the records"),
+           legend="the part of the time to first token before the request's admission: from its arrival (the run's "
+                  "start without experiment.request_rate) to the pool taking it (the wait for a free row, for the "
+                  "step in flight and for a fuller admission; fixed batches: to its batch's generate() call), mean "
+                  "over the requests; its p50 / p90 / p99 in the records"),
     Column("admission_to_first_token_mean_ms", "admission to first token mean ms", "{:.1f}", terminal=False,
-           legend="the rest of it (admission to the first token: the prompt forward, with the prefix cache's "
-                  "lookup and restore, and the first token's pick), mean over the requests; p50 / p90 / p99 in "
-                  "the records"),
+           legend="the rest of it: the prompt forward (with the prefix cache's lookup and restore; a long prompt's "
+                  "chunks with the steps between them), the first token's pick and, with request_rate, its receipt "
+                  "by the client; a call's first admission also holds the call's set-up (placeholder prefill, "
+                  "decode buffers, calibration), and fixed batches the whole batch's prefill; mean over the "
+                  "requests, p50 / p90 / p99 in the records"),
     Column("tpot_p50_ms", "TPOT p50 ms", "{:.2f}",
            legend="time per output token after the first: (finished - first token) / (tokens - 1) per request "
                   "(fixed batches: a request finishes when its batch's generate() returns)"),
@@ -259,8 +262,8 @@ SERVE_COLUMNS = (
                   "use), holding up the decode loop meanwhile; experiment.rehearse or experiment.manager_warmup "
                   "pays them before the timed runs"),
     Column("manager_warmup_s", "manager warm-up s", "{:.2f}", terminal=False,
-           legend="with experiment.manager_warmup: seconds of the timed runs' managers' warmup() before start(), "
-                  "untimed"),
+           legend="with experiment.manager_warmup: seconds of the managers' warmup() calls before start(), "
+                  "untimed, summed over the timed passes (the grid, and with the prefix cache the sample prompts)"),
     Column("prefix_hit_rate", "prefix hit rate", "{:.2f}",
            legend="prompt tokens whose state the prefix cache served / prompt tokens looked up (last_stats.prefix_cache)"),
     Column("ttft_speedup_vs_no_prefix_cache", "TTFT gain from prefix cache", "{:.2f}x",

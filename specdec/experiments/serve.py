@@ -80,7 +80,7 @@ use, :mod:`specdec.models.prompt_graphs`) are then captured, as in a server that
 while; without it a short run pays a capture per bucket it meets. With
 ``experiment.manager_warmup`` (and ``request_rate``) each pass's manager runs
 :meth:`~specdec.serving.ContinuousBatchingManager.warmup` before ``start()``, untimed, as a server
-would before taking traffic: the grid of every prompt bucket its admissions can meet, then, with
+would before taking traffic: the grid of every bucket of a forward from scratch its admissions can meet, then, with
 ``prefix_caching``, the workload's first :data:`MANAGER_WARMUP_PROMPTS` prompts (a server warming
 with its system prompt: the forwards continued from the shared prefix are captured too); records
 carry ``manager_warmup`` and the timed passes' warm-ups summed, ``manager_warmup_s`` and
