@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import numbers
 import re
+import threading
 import time
 import weakref
 from typing import NamedTuple
@@ -281,6 +282,27 @@ def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1], *t.shape[2:])], dim=1)
 
 
+def _claims_generator(what: str):
+    """Decorate a generator method that decodes: it first checks the generator is free
+    (:meth:`SpeculativeGenerator._check_free`, naming ``what``), then holds it for its thread
+    until it returns, so another thread's call, or a manager's ``start()`` / ``warmup()``, is
+    refused meanwhile (a call on the same thread, e.g. nested, is not)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def claimed(self, *args, **kwargs):
+            self._check_free(what)
+            outer, self._caller = self._caller, threading.current_thread()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._caller = outer
+
+        return claimed
+
+    return wrap
+
+
 class SpeculativeGenerator:
     """Exact speculative decoding for a Hugging Face hybrid causal LM (what :func:`specdec.wrap` returns).
 
@@ -336,6 +358,7 @@ class SpeculativeGenerator:
                  policy: PolicySettings | None = None):
         # the managers init_continuous_batching made: while one's loop runs, the generator is that loop's
         self._managers: weakref.WeakSet = weakref.WeakSet()
+        self._caller: threading.Thread | None = None  # the thread inside generate() / generate_batch(), meanwhile
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         self._policy_graphs: dict = {}  # the speculation policy's captured updates, per shape (SpeculationPolicy)
         # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape
@@ -524,6 +547,7 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
+    @_claims_generator("generate()")
     def generate(
         self,
         input_ids: torch.Tensor | None = None,
@@ -580,9 +604,9 @@ class SpeculativeGenerator:
         Raises:
             TypeError / ValueError: bad arguments (checked before any work), unsupported settings
             (:func:`specdec.settings.resolve`); ValueError when the drafter returns a bad proposal.
-            RuntimeError: a continuous batching manager of this generator is running.
+            RuntimeError: a continuous batching manager of this generator is running (or warming
+            up), or another thread is inside this generator's ``generate()`` / ``generate_batch()``.
         """
-        self._check_free("generate()")
         if input_ids is None:  # (HF's generate() also takes inputs_embeds alone)
             raise ValueError("generate() needs input_ids (token ids, [B, L]); inputs_embeds is not supported: the "
                              "drafters and the verify step work on token ids" if "inputs_embeds" in kwargs
@@ -596,6 +620,7 @@ class SpeculativeGenerator:
         return self._decode(settings)
 
     @torch.no_grad()
+    @_claims_generator("generate_batch()")
     def generate_batch(self, inputs, generation_config=None, *, max_new_tokens=None, eos_token_id=None,
                        progress_bar: bool = False, max_batch_size: int | str | None = None,
                        memory_budget: int | str | None = None, prefix_caching: bool = False,
@@ -675,10 +700,10 @@ class SpeculativeGenerator:
             Medusa and oracle drafters; and ``num_speculative_tokens=0``); the static path with a
             strategy that does not reset rows in place (``RollbackStrategy.resets_in_place``), the
             target's or a draft model's. RuntimeError: a continuous batching manager of this
-            generator is running.
+            generator is running (or warming up), or another thread is inside this generator's
+            ``generate()`` / ``generate_batch()``.
         """
         queued = time.perf_counter()
-        self._check_free("generate_batch()")
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:
@@ -884,8 +909,14 @@ class SpeculativeGenerator:
 
     def _check_free(self, what: str) -> None:
         """Raise RuntimeError when a continuous batching manager of this generator runs its loop, or
-        its warm-up, on another thread: the caches, drafter and rollback state are theirs until
-        they end."""
+        its warm-up, on another thread, or another thread is inside this generator's
+        ``generate()`` / ``generate_batch()``: the caches, drafter and rollback state are theirs
+        until they end."""
+        caller = self._caller
+        if caller is not None and caller is not threading.current_thread():
+            raise RuntimeError(f"{what}: another thread ({caller.name}) is inside this generator's generate() or "
+                               "generate_batch(), which uses its caches, drafter and rollback state until it returns; "
+                               "wait for it, or make a second generator (specdec.wrap(model, ...)) for other threads")
         if any(m.runs_elsewhere() for m in list(self._managers)):
             raise RuntimeError(f"{what}: this generator's continuous batching manager is running (started, and "
                                "not yet ended by stop(), or inside warmup()); its decode loop uses the generator's "

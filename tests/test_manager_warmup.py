@@ -204,6 +204,47 @@ def test_other_callers_refused_while_a_warmup_runs():
             assert manager.get_result(rid, timeout=60).generated_tokens == expected[0]
 
 
+def test_a_generate_call_on_another_thread_holds_the_generator():
+    """While generate() runs on one thread (held inside its decode loop here), a manager's
+    start() and warmup(), another thread's generate() / generate_batch() and the setters are
+    refused; afterwards every call works, exact."""
+    import threading
+
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    inside, go = threading.Event(), threading.Event()
+    decode = sd._decode
+
+    def held(*args, **kwargs):
+        inside.set()
+        assert go.wait(60)
+        return decode(*args, **kwargs)
+
+    sd._decode = held
+    out = {}
+    caller = threading.Thread(target=lambda: out.update(
+        tokens=sd.generate(torch.tensor([prompts[0]]), max_new_tokens=budgets[0], eos_token_id=eos)))
+    caller.start()
+    try:
+        assert inside.wait(60)
+        busy = r"another thread \(.*\) is inside this generator's generate\(\) or generate_batch\(\)"
+        for call in (m.start, m.warmup, lambda: sd.generate(torch.tensor([prompts[1]]), max_new_tokens=2),
+                     lambda: sd.generate_batch([prompts[1]], max_new_tokens=2), sd.release,
+                     lambda: setattr(sd, "num_speculative_tokens", 2)):
+            with pytest.raises(RuntimeError, match=busy):
+                call()
+        assert not m.is_running() and not m.warmed_up
+    finally:
+        go.set()
+        caller.join(120)
+    sd._decode = decode
+    assert out["tokens"][0, len(prompts[0]):].tolist() == expected[0]
+    m.warmup(rounds=1)
+    rid = m.add_request(prompts[1], max_new_tokens=budgets[1])
+    with m:
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[1]
+
+
 def test_warmup_with_no_bucket_says_so(caplog):
     """max_batch_tokens below the smallest bucket: the grid is empty, and the warm-up says nothing ran."""
     sd, m = _manager(max_batch_tokens=16)
