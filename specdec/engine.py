@@ -291,8 +291,9 @@ def _claims_generator(what: str):
     def wrap(method):
         @functools.wraps(method)
         def claimed(self, *args, **kwargs):
-            self._check_free(what)
-            outer, self._caller = self._caller, threading.current_thread()
+            with self._claiming:  # (checked and held at once: two threads' calls cannot both pass)
+                self._check_free(what)
+                outer, self._caller = self._caller, threading.current_thread()
             try:
                 return method(self, *args, **kwargs)
             finally:
@@ -359,6 +360,7 @@ class SpeculativeGenerator:
         # the managers init_continuous_batching made: while one's loop runs, the generator is that loop's
         self._managers: weakref.WeakSet = weakref.WeakSet()
         self._caller: threading.Thread | None = None  # the thread inside generate() / generate_batch(), meanwhile
+        self._claiming = threading.Lock()
         self._static: dict = {}  # static bucket key -> StaticDecoder (the most recent one is kept)
         self._policy_graphs: dict = {}  # the speculation policy's captured updates, per shape (SpeculationPolicy)
         # rollback="auto": (path, batch, T, tree, K or None) -> (strategy name, reason), decided once per shape

@@ -278,6 +278,15 @@ def _serve_with(*overrides: str) -> list[str]:
     return [o for o in SERVE if o.split("=")[0] not in keys] + list(overrides)
 
 
+def _cached_arrivals(n: int, rate: float, drafter: str, *more: str):
+    """The config of ``n`` requests arriving at ``rate`` per second, sharing a 16-token prefix,
+    through continuous batching with and without the prefix cache (8-token blocks), ``drafter``."""
+    return _cfg(_serve_with(f"experiment.requests={n}", f"drafter.names=[{drafter}]",
+                            f"experiment.request_rate={rate}", "experiment.shared_prefix_tokens=16",
+                            "experiment.prefix_caching=true", "experiment.prefix_block_size=8",
+                            "experiment.fixed_batches=false", *more))
+
+
 def _check_arrival_runs(records, rate: float, requests: int, seed: int):
     """Every run: exact, ``request_rate`` recorded, each TTFT >= 0 and measured from its request's
     arrival (arrival + TTFT within the wall, which runs from the first arrival to the last
@@ -316,9 +325,7 @@ def test_serve_poisson_arrivals_prefix_caching(tmp_path: Path):
     """experiment.request_rate with a shared prefix and prefix_caching: the cached runs' managers
     hit the prefix (the cache spans the requests of a run), outputs equal plain's."""
     rate, n = 50.0, 8
-    cfg = _cfg(_serve_with(f"experiment.requests={n}", "drafter.names=[ngram]", f"experiment.request_rate={rate}",
-                           "experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
-                           "experiment.prefix_block_size=8", "experiment.fixed_batches=false"))
+    cfg = _cached_arrivals(n, rate, "ngram")
     records = run_experiment(cfg, tmp_path)
     assert [(r["drafter"], r["prefix_caching"]) for r in records] == [
         ("plain", False), ("plain", True), ("ngram", False), ("ngram", True)]
@@ -622,10 +629,7 @@ def test_serve_manager_warmup(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(ContinuousBatchingManager, "warmup", recording)
     rate, n = 50.0, 4
-    cfg = _cfg(_serve_with(f"experiment.requests={n}", "drafter.names=[oracle]", f"experiment.request_rate={rate}",
-                           "experiment.shared_prefix_tokens=16", "experiment.prefix_caching=true",
-                           "experiment.prefix_block_size=8", "experiment.fixed_batches=false",
-                           "experiment.manager_warmup=true", "experiment.decode_path=static"))
+    cfg = _cached_arrivals(n, rate, "oracle", "experiment.manager_warmup=true", "experiment.decode_path=static")
     records = run_experiment(cfg, tmp_path)
     assert [(r["drafter"], r["prefix_caching"]) for r in records] == [
         ("plain", False), ("plain", True), ("oracle", False), ("oracle", True)]

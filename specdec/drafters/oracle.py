@@ -186,18 +186,17 @@ class OracleDrafter(Drafter):
             self.prompt_len = self.prompt_len.clone()
         dev = self.reference.device
         rows = rows.to(dev)
-        prompt_len = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long, device=dev)
-        warm = torch.tensor([r.warmup for r in requests], device=dev)
         idx = torch.tensor([0 if r.warmup else r.index for r in requests], dtype=torch.long, device=dev)
         self.reference[rows] = self.references[idx]
-        self.ref_len[rows] = torch.where(warm, prompt_len, self.reference_lengths[idx])
-        self.prompt_len[rows] = prompt_len
+        self.ref_len[rows] = self.reference_lengths[idx]
+        self.prompt_len[rows] = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long, device=dev)
         if any(r.warmup for r in requests):  # warm-up rows: their prompts (as much as the width holds)
             for row, req in zip(rows.tolist(), requests):
                 if req.warmup:
                     n = min(len(req.prompt), self.reference.shape[1])
                     self.reference[row] = 0
                     self.reference[row, :n] = torch.tensor(req.prompt[:n], dtype=torch.long, device=dev)
+                    self.ref_len[row] = len(req.prompt)
         self._assigned = True
 
     @torch.no_grad()
