@@ -193,6 +193,16 @@ def test_cuda_graph_prompts_replay_exactly(fam):
         # a bucket's second use captures it (counted apart), later ones replay
         assert pg.error is None and pg.counts["captured"] >= 1, (pg.counts, pg.error)
         assert pg.counts["captured"] + pg.counts["cuda_graph"] >= 2, pg.counts
+        # a bucket met once waits for its capture (pending) until its second use
+        wide = torch.ones(2, 40, dtype=torch.long, device="cuda")
+        key = pg.bucket(*wide.shape)
+        assert key is not None and key != pg.bucket(*ids.shape)
+        waiting = [k for k in pg.pending() if k[:3] == key]
+        assert not waiting and not any(k[:3] == pg.bucket(*ids.shape) for k in pg.pending())
+        for uses in (1, 2):
+            sd.generate(wide, max_new_tokens=2, pad_token_id=0)
+            waiting = [k for k in pg.pending() if k[:3] == key]
+            assert len(waiting) == (uses == 1), (uses, pg.pending())
     finally:
         get_model(fam).cpu()
 

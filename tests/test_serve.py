@@ -609,6 +609,41 @@ def test_serve_rehearsal_passes_over_the_workload_untimed(tmp_path: Path, monkey
         assert r["prompt_forwards_eager"] == 0
     whole = [n for n in calls if n == 5]
     assert len(whole) == 4  # per run: the rehearsal and the timed pass over the 5 requests
+    assert all(r["rehearsals"] == 1 for r in records)  # no bucket waits for a capture without CUDA
+
+
+@pytest.mark.parametrize("settles", [True, False])
+def test_serve_rehearses_until_no_bucket_waits_for_its_capture(tmp_path: Path, monkeypatch, settles):
+    """experiment.rehearse=true passes over the workload again while the last pass met a prompt
+    bucket it left uncaptured (a bucket met once there would be captured inside the timed pass),
+    at most MAX_REHEARSALS passes; the records count them. No CUDA here, so the buckets left
+    waiting are given: each whole pass of a run leaves a new one (``settles=False``), or only the
+    run's first pass does."""
+    from specdec.engine import SpeculativeGenerator
+    from specdec.experiments.serve import MAX_REHEARSALS
+    from specdec.models.prompt_graphs import PromptGraphs
+
+    whole = []  # whole passes over the 5 requests in the current run
+    real = SpeculativeGenerator.generate_batch
+
+    def counting(self, inputs, *args, **kwargs):
+        if len(inputs) < 5:  # a run's warm-up call: a new run
+            whole.clear()
+        out = real(self, inputs, *args, **kwargs)
+        if len(inputs) == 5:
+            whole.append(1)
+        return out
+
+    def pending(self):
+        return {("bucket", len(whole) if not settles else min(len(whole), 1))}
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate_batch", counting)
+    monkeypatch.setattr(PromptGraphs, "pending", pending)
+    records = run_experiment(_cfg(_serve_with("experiment.rehearse=true", "experiment.fixed_batches=false",
+                                               "drafter.names=[ngram]")), tmp_path)
+    expected = 2 if settles else MAX_REHEARSALS
+    assert [(r["run"], r["rehearsals"]) for r in records] == [("continuous", expected)] * 2
+    assert all(r["error"] is None and r["exact"] and len(r["ttft_ms_samples"]) == 5 for r in records)
 
 
 def test_serve_manager_warmup(tmp_path: Path, monkeypatch):

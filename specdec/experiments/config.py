@@ -252,8 +252,9 @@ class ServeExperiment:
                                                "0), each continuous run served by init_continuous_batching and TTFT "
                                                "measured from each request's arrival; null: every request at the start")
     warmup: bool = _doc(True, "one short untimed call per configuration first (compiles the kernels)")
-    rehearse: bool = _doc(False, "one untimed pass over the whole workload per continuous run first (a server in "
-                                 "its steady state: the prompt-forward buckets it meets are captured)")
+    rehearse: bool = _doc(False, "untimed passes over the whole workload per continuous run first, again while a "
+                                 "pass met a prompt-forward bucket it left uncaptured, at most serve.MAX_REHEARSALS "
+                                 "(a server in its steady state: the buckets the workload meets are captured)")
     manager_warmup: bool = _doc(False, "with request_rate: each pass's manager runs manager.warmup() before start(), "
                                        "untimed (the grid of prompt buckets; with prefix_caching also the workload's "
                                        "first prompts, as a server warms with its system prompt)")

@@ -74,10 +74,12 @@ run: once in a continuous run, once per length bucket in fixed batches), and one
 each group size (rows per prefill forward) a run's admissions or fixed batches will use that the
 model has not met yet, over the workload's prompts (:func:`_warm_prefill`: kernels that compile
 or autotune per prompt shape do so there, not in whichever timed run meets the shape first).
-With ``experiment.rehearse`` each continuous run passes over the whole workload once, untimed,
-before its timed passes: the prompt forwards' buckets (captured as CUDA graphs on their second
-use, :mod:`specdec.models.prompt_graphs`) are then captured, as in a server that has run a
-while; without it a short run pays a capture per bucket it meets. With
+With ``experiment.rehearse`` each continuous run passes over the whole workload untimed before
+its timed passes, again while a pass met a prompt bucket it left uncaptured (at most
+:data:`MAX_REHEARSALS` passes, counted in the records' ``rehearsals``): the prompt forwards'
+buckets (captured as CUDA graphs on their second use, :mod:`specdec.models.prompt_graphs`) are
+then captured, as in a server that has run a while; without it a short run pays a capture per
+bucket it meets. With
 ``experiment.manager_warmup`` (and ``request_rate``) each pass's manager runs
 :meth:`~specdec.serving.ContinuousBatchingManager.warmup` before ``start()``, untimed, as a server
 would before taking traffic: the grid of every bucket of a forward from scratch its admissions can meet, then, with
@@ -116,6 +118,10 @@ SERVE_DRAFTERS = ("ngram", "oracle", "mtp")
 WARMUP_TOKENS = 4
 #: requests of the warm-up call with ``max_batch_size="auto"`` (the shortest ones)
 WARMUP_REQUESTS = 8
+#: the most untimed passes over the workload ``experiment.rehearse`` makes before a continuous run's
+#: timed passes: it passes again while the last pass met a prompt bucket it did not capture (met
+#: once: the timed pass would capture it)
+MAX_REHEARSALS = 3
 #: the workload's first prompts a manager's warm-up runs with prefix caching (``experiment.manager_warmup``)
 MANAGER_WARMUP_PROMPTS = 8
 
@@ -276,6 +282,8 @@ class RunResult:
     prompt_forwards: dict | None = None
     #: the timed passes' manager warm-ups, summed: ``{"prompt_forwards": {...}, "seconds": s}``, or None
     manager_warmup: dict | None = None
+    #: untimed passes over the workload before the timed ones (``experiment.rehearse``)
+    rehearsals: int = 0
 
 
 def _timed(calls, repeats: int, device, arrivals: bool = False) -> RunResult:
@@ -312,9 +320,11 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
     drafter of a call over those requests (None: keep ``sd``'s). With ``warmup`` and ``warmed``
     (the model's prefill shapes warmed so far), :func:`_warm_prefill` of every admission's row
     count (:func:`_admission_sizes`; through a prefix cache with ``prefix_block``) after the
-    warm-up call. With ``rehearse``, one untimed pass over the whole workload before the timed
-    ones: the prompt forwards' buckets it meets (:mod:`specdec.models.prompt_graphs`) are
-    captured then, as in a server that has run a while. With ``manager_warmup`` and arrivals,
+    warm-up call. With ``rehearse``, untimed passes over the whole workload before the timed
+    ones, until a pass leaves no bucket it met first uncaptured (:meth:`PromptGraphs.pending
+    <specdec.models.prompt_graphs.PromptGraphs.pending>`; at most :data:`MAX_REHEARSALS`): the
+    prompt forwards' buckets the workload meets are captured then, as in a server that has run a
+    while. The result's ``rehearsals`` counts the passes. With ``manager_warmup`` and arrivals,
     each pass's manager warms up first (:func:`_serve_arrivals`); the timed passes' warm-ups are
     summed in the result's ``manager_warmup``, their prompt forwards left out of ``prompt_forwards``."""
     kw = {"max_batch_size": B, "max_batch_tokens": max_batch_tokens, **({"memory_budget": memory_budget} if memory_budget is not None else {}),
@@ -344,15 +354,23 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
                           warmed, prefix_block)
     if drafter_for is not None:
         sd.drafter = drafter_for(list(range(len(work.prompts))))
+    passes = 0
     if rehearse:  # a server in its steady state: the prompt buckets this workload meets are captured
-        try:
-            calls()
-        except ValueError as err:
-            return RunResult(error=str(err))
+        graphs = sd.adapter.prompt_graphs
+        while passes < MAX_REHEARSALS:
+            known = graphs.pending()
+            try:
+                calls()
+            except ValueError as err:
+                return RunResult(error=str(err))
+            passes += 1
+            if not graphs.pending() - known:  # no bucket this pass met first waits for its capture
+                break
     before = dict(sd.adapter.prompt_graphs.counts)
     if warmups is not None:
         warmups.clear()  # (the rehearsal's)
     res = _timed(calls, repeats, device, arrivals=work.arrivals is not None)
+    res.rehearsals = passes
     res.prompt_forwards = {k: v - before[k] for k, v in sd.adapter.prompt_graphs.counts.items()}
     if warmups:
         warm = {k: sum(w["prompt_forwards"][k] for w in warmups) for k in res.prompt_forwards}
@@ -613,6 +631,7 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
         "decode_path": res.stats[-1].decode_path, "capture_error": res.stats[-1].capture_error,
         **{f"prompt_forwards_{k}": v for k, v in (res.prompt_forwards or {}).items()},
+        "rehearsals": res.rehearsals,
         **({} if res.manager_warmup is None else {
             "manager_warmup_s": res.manager_warmup["seconds"],
             **{f"manager_warmup_prompt_forwards_{k}": v for k, v in res.manager_warmup["prompt_forwards"].items()}}),

@@ -150,6 +150,13 @@ class PromptGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
+    def pending(self) -> set[tuple]:
+        """The buckets whose forward has run once on the CUDA-graph path, not yet captured: the
+        next forward of each captures its graph (counted ``"captured"``). Empty where nothing is
+        captured (not CUDA, or after a capture failed)."""
+        return {key for key, b in self._buckets.items()
+                if b.program.graphs and b.program.graph is None and b.program.error is None and self.error is None}
+
     @property
     def available(self) -> str | None:
         """None when prompts can run here, else why not."""
