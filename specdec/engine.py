@@ -34,6 +34,7 @@ import re
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -619,6 +620,12 @@ class SpeculativeGenerator:
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, input_ids, attention_mask,
                            generation_config, overrides=overrides, streamer=streamer,
                            stopping_criteria=stopping_criteria, generator=generator)
+        limit = self._max_positions()
+        reach = settings.input_ids.shape[1] + max(settings.row_budgets or (settings.max_new_tokens,))
+        if limit is not None and reach > limit:  # (as HF's generate(): a warning, the call runs)
+            warn_caller(f"prompt ({settings.input_ids.shape[1]} tokens, padding included) + max_new_tokens reach "
+                        f"{reach} positions, beyond the model's context (config.max_position_embeddings={limit}): "
+                        "tokens past it may be meaningless (generate_batch() refuses such a request)")
         return self._decode(settings)
 
     @torch.no_grad()
@@ -802,8 +809,8 @@ class SpeculativeGenerator:
                                             max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                             vocab_size=self.adapter.vocab_size, max_positions=limit,
                                             device=self.adapter.device,
-                                            check_free=self._check_free,
-                                            prompt_counts=lambda: dict(self.adapter.prompt_graphs.counts))
+                                            claim=self._claim_for_manager,
+                                            prompt_counts=self._prompt_counts)
         self._managers.add(manager)
         return manager
 
@@ -925,6 +932,24 @@ class SpeculativeGenerator:
                                "caches, drafter and rollback state. Call manager.stop() first (or wait for its "
                                "warmup() to return), or make a second generator (specdec.wrap(model, ...)) for "
                                "other calls")
+
+    def _prompt_counts(self) -> dict[str, int] | None:
+        """The prompt forwards run so far at bucketed shapes, by how they ran (the adapter's
+        :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`), or None on the
+        eager decode path, whose prompt forwards run at their own shapes, uncounted."""
+        if self._pick_path(self.adapter.device, None) == "eager":
+            return None
+        return dict(self.adapter.prompt_graphs.counts)
+
+    def _claim_for_manager(self, what: str, mark: Callable[[], None]) -> None:
+        """A manager's ``start()`` / ``warmup()`` (named ``what``) claims the generator: under the
+        lock that ``generate()`` / ``generate_batch()`` check and claim it under, raise as
+        :meth:`_check_free` and :meth:`_check_batching` do (the drafter may have been set since the
+        manager was made), else ``mark()`` the manager as holding it."""
+        with self._claiming:
+            self._check_free(what)
+            self._check_batching()
+            mark()
 
     def _check_batching(self) -> None:
         """Raise ValueError when the drafter cannot give a row a new request (:meth:`generate_batch`)."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
@@ -216,9 +217,10 @@ class PrefixCacheStats:
 
 
 def check_prefix_cache_args(block_size, max_bytes) -> None:
-    """Raise TypeError / ValueError unless ``block_size`` is an int >= 1 and ``max_bytes`` an int >= 0."""
+    """Raise TypeError / ValueError unless ``block_size`` is an int >= 1 and ``max_bytes`` an int >= 0
+    (any integral type: a NumPy integer too; not a bool)."""
     for name, value, low in (("prefix_block_size", block_size, 1), ("prefix_cache_bytes", max_bytes, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -241,8 +243,8 @@ class PrefixCache:
 
     def __init__(self, block_size: int = PREFIX_BLOCK_SIZE, max_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         check_prefix_cache_args(block_size, max_bytes)
-        self.block_size = block_size
-        self.max_bytes = max_bytes
+        self.block_size = int(block_size)
+        self.max_bytes = int(max_bytes)
         self.stats = PrefixCacheStats()
         self._buckets: dict[int, list[PrefixEntry]] = {}
         self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first

@@ -188,12 +188,15 @@ class ContinuousBatchingManager:
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
         prefix_cache: the :class:`~specdec.prefix_cache.PrefixCache` every run's pool prefills its
             prompts through (``prefix_caching=True``), or None.
-        check_free: called with the caller's name (``"start()"``, ``"warmup()"``) before the loop
-            starts or a warm-up runs; raises to refuse it (the generator's: another of its
-            managers runs).
+        claim: called with the caller's name (``"start()"``, ``"warmup()"``) and a function that
+            marks this manager as holding the generator, before the loop starts or a warm-up
+            runs: it raises to refuse (the generator's: another thread's call or manager holds
+            it, or its drafter cannot serve a pool), else calls the function, both under the
+            generator's claim lock, so that a racing call's check sees the mark.
         prompt_counts: gives the prompt forwards run so far by how they ran (the adapter's
-            :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`), which
-            :meth:`warmup` reports; or None.
+            :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`), or None
+            where they are not counted (the eager decode path), which :meth:`warmup` reports; or
+            None.
 
     Attributes:
         max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
@@ -206,13 +209,15 @@ class ContinuousBatchingManager:
 
     def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
                  vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 prefix_cache: PrefixCache | None = None, check_free: Callable[[str], None] | None = None,
+                 prefix_cache: PrefixCache | None = None,
+                 claim: Callable[[str, Callable[[], None]], None] | None = None,
                  prompt_counts: Callable[[], dict[str, int]] | None = None):
         self._run = run
-        self._check_free = check_free
+        self._claim = claim
         self._prompt_counts = prompt_counts
         self.warmed_up = False
-        self._warming: threading.Thread | None = None  # the thread running warmup(), while it runs
+        #: the thread inside start() (until its loop thread runs) or warmup() (until it returns)
+        self._claimant: threading.Thread | None = None
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
@@ -237,19 +242,36 @@ class ContinuousBatchingManager:
         return self._thread is not None and self._thread.is_alive()
 
     def runs_elsewhere(self) -> bool:
-        """Whether the loop thread runs, or a :meth:`warmup` runs, on a thread other than the
-        calling one (the generator's caches, drafter and rollback state are theirs meanwhile)."""
+        """Whether the loop thread runs, or a :meth:`start` or :meth:`warmup` is under way, on a
+        thread other than the calling one (the generator's caches, drafter and rollback state are
+        theirs meanwhile)."""
         here = threading.current_thread()
-        warming = self._warming
-        return (self.is_running() and self._thread is not here) or (warming is not None and warming is not here)
+        if here is self._thread:  # the loop itself
+            return False
+        claimant = self._claimant
+        return self.is_running() or (claimant is not None and claimant is not here)
+
+    def _hold(self, what: str) -> None:
+        """Claim the generator for this thread's ``what`` (see ``claim``); :attr:`_claimant`
+        marks it until the caller clears it."""
+        def mark():
+            self._claimant = threading.current_thread()
+
+        if self._claim is None:
+            mark()
+        else:
+            self._claim(what, mark)
 
     def start(self) -> None:
         """Start the loop on a background thread (a warning, nothing else, when it runs already;
         while a ``stop()`` is under way, the loop it stops ends first, then a new one starts).
 
         Raises:
-            RuntimeError: another manager of the same generator runs its loop (the generator's
-            caches are that loop's until it ends)."""
+            RuntimeError: another manager of the same generator runs its loop or a warm-up, or
+                another thread is inside the generator's ``generate()`` / ``generate_batch()``
+                (the generator's caches are theirs until they end).
+            ValueError: the generator's drafter (set since the manager was made) cannot give a
+                row a new request (as ``generate_batch`` says)."""
         with self._starting:
             thread = self._thread
             if thread is not None and thread.is_alive():
@@ -259,15 +281,17 @@ class ContinuousBatchingManager:
                     logger.warning("the continuous batching manager is already running")
                     return
                 thread.join()  # a loop that is stopping or has just ended: it finishes first
-            if self._check_free is not None:
-                self._check_free("start()")
-            _STARTED.add(self)
-            pool = _OpenPool(self, self.max_batch_size, self.max_length)
-            with self._changed:
-                self._state, self._error = _RUNNING, None
-            self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
-                                            daemon=True)
-            self._thread.start()
+            self._hold("start()")
+            try:
+                _STARTED.add(self)
+                pool = _OpenPool(self, self.max_batch_size, self.max_length)
+                with self._changed:
+                    self._state, self._error = _RUNNING, None
+                self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
+                                                daemon=True)
+                self._thread.start()
+            finally:
+                self._claimant = None  # (the running loop holds the generator from here on)
 
     def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
         """End the loop: by default once every request added so far has ended (their results stay
@@ -345,14 +369,19 @@ class ContinuousBatchingManager:
         Returns: ``{"prompt_forwards": {"cuda_graph": n, "captured": n, "static": n, "eager":
         n}, "pool_runs": n, "seconds": s}``: the prompt forwards the warm-up ran, by how they ran
         (the increase of :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`;
-        None for a manager given no ``prompt_counts``; every pool run also prefills its rows'
+        None on the eager decode path, whose prompt forwards run at their own shapes, uncounted,
+        and for a manager given no ``prompt_counts``; every pool run also prefills its rows'
         one-token placeholders once), the runs and the wall seconds; logged on
         ``specdec.serving`` too. Sets :attr:`warmed_up`.
 
         Raises:
             RuntimeError: the manager's loop runs (call it before ``start()``, or once ``stop()``
                 has ended the loop), or another manager of the same generator runs its loop or a
-                warm-up (while this one runs, the generator refuses other threads' calls likewise).
+                warm-up, or another thread is inside the generator's ``generate()`` /
+                ``generate_batch()`` (while this one runs, the generator refuses other threads'
+                calls likewise).
+            ValueError: the generator's drafter (set since the manager was made) cannot give a
+                row a new request (as ``generate_batch`` says).
             TypeError / ValueError: ``rounds`` not an int >= 1; ``prompts`` not a list, or empty;
                 a prompt that is not a list of int token ids, or that ``add_request`` would fail
                 (empty, ids outside the vocabulary, longer than ``max_length - 1``, no room for a
@@ -371,11 +400,9 @@ class ContinuousBatchingManager:
             if self.is_running():
                 raise RuntimeError("warmup(): the manager's loop is running; warm it up before start(), or once "
                                    "stop() has ended the loop")
-            self._warming = threading.current_thread()  # (claimed first: a racing warm-up's check sees it)
+            self._hold("warmup()")
             try:
-                if self._check_free is not None:
-                    self._check_free("warmup()")
-                before = None if self._prompt_counts is None else dict(self._prompt_counts())
+                before = None if self._prompt_counts is None else self._prompt_counts()
                 start = time.perf_counter()
                 with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
                     for _ in range(rounds):
@@ -386,11 +413,10 @@ class ContinuousBatchingManager:
                             self._run(RequestPool(list(requests), self.max_batch_size, self.max_length,
                                                   prefix_cache=cache, max_batch_tokens=self.max_batch_tokens))
             finally:
-                self._warming = None
+                self._claimant = None
             seconds = time.perf_counter() - start
-        forwards = None
-        if before is not None:
-            forwards = {k: v - before.get(k, 0) for k, v in self._prompt_counts().items()}
+        after = None if before is None else self._prompt_counts()
+        forwards = None if after is None else {k: v - before.get(k, 0) for k, v in after.items()}
         self.warmed_up = True
         how = "" if forwards is None else (f"{sum(forwards.values())} prompt forwards ("
                                            + ", ".join(f"{k} {v}" for k, v in forwards.items()) + ") ")

@@ -410,6 +410,12 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         pad = pad.item()
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
         raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
+    own_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad is not None and not 0 <= pad < vocab_size and (
+            overrides.get("pad_token_id") is not None or (generation_config is not None and pad != own_pad)):
+        raise ValueError(f"pad_token_id {pad} lies outside the vocabulary [0, {vocab_size}): it fills the rows that "
+                         "stopped early, where a tokenizer cannot decode it; give an id in that range, or None (the "
+                         "first EOS id pads)")
     mask = _check_mask(attention_mask, input_ids, pad, eos)
     max_new = _max_new_tokens(gc, model, input_ids.shape[1])
     if row_budgets is not None and len(set(row_budgets)) > 1 and pad is None and not eos:

@@ -608,6 +608,37 @@ def test_bad_values_raise(kwargs, error, pattern):
         wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
 
 
+@pytest.mark.parametrize("pad", [-5, VOCAB, 10**6])
+def test_a_pad_token_id_outside_the_vocabulary_raises(pad):
+    """pad_token_id fills rows that stopped early in the output, where a tokenizer could not
+    decode an id outside the vocabulary: given on the call, or in a generation_config passed, it
+    is refused, as eos_token_id is."""
+    from transformers import GenerationConfig
+
+    ids, mask = ragged_prompts()
+    match = rf"pad_token_id {pad} lies outside the vocabulary \[0, {VOCAB}\)"
+    with pytest.raises(ValueError, match=match):
+        wrap().generate(ids, attention_mask=mask, max_new_tokens=[2, 6, 4], pad_token_id=pad)
+    with pytest.raises(ValueError, match=match):
+        wrap().generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=4, pad_token_id=pad))
+
+
+def test_beyond_the_models_context_warns(monkeypatch):
+    """A prompt + budget beyond config.max_position_embeddings runs, as in HF's generate(), with a
+    warning that says so; within it, none."""
+    import warnings
+
+    sd = wrap()
+    ids, mask = ragged_prompts()  # 12 columns
+    monkeypatch.setattr(sd.model.config, "max_position_embeddings", 16)
+    with pytest.warns(UserWarning, match=r"reach 20 positions, beyond the model's context \(config.max_position_embeddings=16\)"):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=[2, 8, 4], pad_token_id=0)
+    assert out.shape == (3, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+
+
 def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
     """A model built from a larger config's defaults may keep an EOS id its vocabulary lacks: it
     is dropped with a warning (it could never end a row, and min_new_tokens would index the logits

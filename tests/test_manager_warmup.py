@@ -245,6 +245,87 @@ def test_a_generate_call_on_another_thread_holds_the_generator():
         assert m.get_result(rid, timeout=60).generated_tokens == expected[1]
 
 
+def test_a_start_under_way_holds_the_generator(monkeypatch):
+    """A start() paused between its check and its loop thread's start (making the pool, held
+    here) holds the generator already: another thread's generate() / generate_batch() and the
+    other manager's start() and warmup() are refused meanwhile, not run on caches the loop is
+    about to use; once it has started, the manager serves exact and the generator is free after
+    stop()."""
+    import threading
+
+    from specdec import serving
+
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    other = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos)
+    inside, go = threading.Event(), threading.Event()
+    make_pool = serving._OpenPool.__init__
+
+    def held(self, *args, **kwargs):
+        inside.set()
+        assert go.wait(60)
+        make_pool(self, *args, **kwargs)
+
+    monkeypatch.setattr(serving._OpenPool, "__init__", held)
+    starter = threading.Thread(target=m.start)
+    starter.start()
+    try:
+        assert inside.wait(60)
+        running = "this generator's continuous batching manager is running"
+        for call in (lambda: sd.generate(torch.tensor([prompts[0]]), max_new_tokens=2),
+                     lambda: sd.generate_batch([prompts[0]], max_new_tokens=2), other.start, other.warmup):
+            with pytest.raises(RuntimeError, match=running):
+                call()
+    finally:
+        go.set()
+        starter.join(120)
+    monkeypatch.undo()
+    try:
+        assert m.is_running() and not other.is_running()
+        rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+    finally:
+        m.stop()
+    out = sd.generate(torch.tensor([prompts[1]]), max_new_tokens=budgets[1], eos_token_id=eos)
+    assert out[0, len(prompts[1]):].tolist() == expected[1]
+
+
+@pytest.mark.parametrize("call", ["start", "warmup"])
+def test_a_drafter_set_after_the_manager_is_checked_when_it_starts(call):
+    """A drafter that cannot give a row a new request, set on the generator after the manager was
+    made, is refused at start() / warmup() with generate_batch's error, before anything runs; with
+    a drafter that can, the same manager then serves exact."""
+    from specdec.drafters import Drafter
+
+    class PerRow(Drafter):  # keeps per-row state and cannot reset a row
+        def propose(self, input_ids, lengths, K):
+            raise AssertionError("not reached")
+
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    ngram = sd.drafter
+    sd.drafter = PerRow()
+    before = dict(sd.adapter.prompt_graphs.counts)
+    with pytest.raises(ValueError, match="does not support the drafter PerRow"):
+        getattr(m, call)()
+    assert not m.is_running() and not m.warmed_up and sd.adapter.prompt_graphs.counts == before
+    sd.drafter = ngram
+    rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+    with m:
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+
+
+def test_warmup_on_the_eager_path_counts_no_prompt_forwards():
+    """On the eager decode path prompt forwards run at their own shapes, not through the buckets
+    the counts count: the warm-up still runs its pool runs, and says it counted nothing (None),
+    not that none ran."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager(path="eager")
+    got = m.warmup(rounds=1)
+    assert got["prompt_forwards"] is None and got["pool_runs"] > 0 and m.warmed_up
+    assert _serve(m, prompts[:2], budgets[:2])["req_1"].generated_tokens == expected[1]
+
+
 def test_warmup_with_no_bucket_says_so(caplog):
     """max_batch_tokens below the smallest bucket: the grid is empty, and the warm-up says nothing ran."""
     sd, m = _manager(max_batch_tokens=16)

@@ -525,7 +525,8 @@ def test_missing_and_misshapen_tensors_raise(saved, tmp_path):
         MTPDrafter.from_pretrained(nofield, target=bare)
     with pytest.raises(ValueError, match=r"mtp_num_hidden_layers=None\): a checkpoint that ships them sets it") as err:
         MTPDrafter.from_pretrained(plain, target=bare)  # no MTP tensors either: only the config is named
-    assert "holds MTP tensors" not in str(err.value)
+    assert "holds MTP tensors" not in str(err.value) and "ships no MTP head" in str(err.value)
+    assert type(err.value) is ValueError and "drafter='ngram'" in str(err.value)  # (not a private subclass)
     # an index that maps the MTP tensors to a shard that is not there
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded)

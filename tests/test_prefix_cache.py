@@ -350,6 +350,12 @@ def test_argument_errors():
             sd.generate_batch([[5, 6, 7]], max_new_tokens=2, **kw)
         with pytest.raises(err, match=match):
             sd.init_continuous_batching(max_length=8, **kw)
+    # NumPy integers are ints here too, kept as Python ints
+    np = pytest.importorskip("numpy")
+    m = sd.init_continuous_batching(max_length=8, prefix_caching=True, prefix_block_size=np.int64(4),
+                                    prefix_cache_bytes=np.int32(4096))
+    assert (m.prefix_cache.block_size, m.prefix_cache.max_bytes) == (4, 4096)
+    assert type(m.prefix_cache.block_size) is int and type(m.prefix_cache.max_bytes) is int
 
 
 #: a manager's bound above every request of _prompts() (longest prompt 22 + largest budget 7)

@@ -578,8 +578,10 @@ class MTPDrafter(Drafter):
         try:
             layers = mtp_layers_for(target)
         except _NoLayerCount as err:  # a config without the count: say whether the files hold MTP tensors
-            if not _holds_mtp_tensors(path):
-                raise
+            if not _holds_mtp_tensors(path):  # (a ValueError, as documented: not the private class)
+                raise ValueError(f"{err}, and {path} holds no mtp.* tensors: this checkpoint ships no MTP head. "
+                                 "Use another drafter (drafter='ngram', a DraftModelDrafter, or MedusaHeads trained for "
+                                 "the model); MTPDrafter.random(model) builds untrained MTP layers, for timing only") from None
             raise ValueError(f"{err}; the checkpoint in {path} holds MTP tensors, so its config.json lacks that "
                              "field") from None
         files = ", ".join(str(f) for f in _checkpoint_files(path)) or f"{path / _INDEX} (no shard holds mtp.*)"

@@ -373,7 +373,8 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
     res.rehearsals = passes
     res.prompt_forwards = {k: v - before[k] for k, v in sd.adapter.prompt_graphs.counts.items()}
     if warmups:
-        warm = {k: sum(w["prompt_forwards"][k] for w in warmups) for k in res.prompt_forwards}
+        # (None on the eager decode path, where prompt forwards are not counted: 0s, as in prompt_forwards)
+        warm = {k: sum((w["prompt_forwards"] or {}).get(k, 0) for w in warmups) for k in res.prompt_forwards}
         res.prompt_forwards = {k: v - warm[k] for k, v in res.prompt_forwards.items()}
         res.manager_warmup = {"prompt_forwards": warm, "seconds": sum(w["seconds"] for w in warmups)}
     return res
