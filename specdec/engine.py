@@ -800,6 +800,11 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
                              f"{max_length - 1}]: a request holds its prompt (at least one token) and its new tokens "
                              f"in max_length; got {max_new_tokens}")
+        if max_new_tokens > max_length - 1:  # (inherited: a manager whose requests all give their own budget is fine)
+            warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "
+                        f"config's, else transformers' default of 20), does not fit max_length={max_length} with a prompt: every request added without "
+                        "max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a larger "
+                        "max_length")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
                                            "init_continuous_batching")
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,

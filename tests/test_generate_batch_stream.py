@@ -392,6 +392,23 @@ def test_auto_rows_replay_above_snapshot():
     assert rows["replay"] > rows["snapshot"]
 
 
+def test_a_default_budget_that_does_not_fit_max_length():
+    """A default budget given to init_continuous_batching beyond max_length - 1 raises; one
+    inherited from the generation config (20) warns, since requests added with their own budget
+    still serve: those added without one fail alone, naming max_length."""
+    sd = specdec.wrap(get_model(FAMILY), rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    with pytest.raises(ValueError, match=r"must be in \[0, max_length - 1 = 9\].*got 10"):
+        sd.init_continuous_batching(max_length=10, max_new_tokens=10)
+    with pytest.warns(UserWarning, match=r"max_new_tokens=20 \(the generation config's, .*\), does not fit max_length=10"):
+        m = sd.init_continuous_batching(max_length=10)
+    fits = m.add_request([5, 6, 7], max_new_tokens=4)
+    default = m.add_request([5, 6, 7])
+    with m:
+        assert m.get_result(fits, timeout=60).status == RequestStatus.FINISHED
+        out = m.get_result(default, timeout=60)
+    assert out.status == RequestStatus.FAILED and "max_length=10" in out.error
+
+
 def test_oversize_int_and_budget_errors():
     """An int max_batch_size beyond the budget raises before any work, naming the numbers; so does
     "auto" where not one row fits, or where free memory is unknown and no budget is given."""
