@@ -287,7 +287,8 @@ def _claims_generator(what: str):
     """Decorate a generator method that decodes: it first checks the generator is free
     (:meth:`SpeculativeGenerator._check_free`, naming ``what``), then holds it for its thread
     until it returns, so another thread's call, or a manager's ``start()`` / ``warmup()``, is
-    refused meanwhile (a call on the same thread, e.g. nested, is not)."""
+    refused meanwhile (a generate() / generate_batch() on the same thread, e.g. nested, is not; a
+    manager's start() / warmup() there is)."""
 
     def wrap(method):
         @functools.wraps(method)
@@ -800,13 +801,13 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
                              f"{max_length - 1}]: a request holds its prompt (at least one token) and its new tokens "
                              f"in max_length; got {max_new_tokens}")
+        settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
+                                           "init_continuous_batching")
         if max_new_tokens > max_length - 1:  # (inherited: a manager whose requests all give their own budget is fine)
             warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "
                         f"config's, else transformers' default of 20), does not fit max_length={max_length} with a prompt: every request added without "
                         "max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a larger "
                         "max_length")
-        settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
-                                           "init_continuous_batching")
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
                                cache.max_bytes if cache is not None else 0)
         manager = ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
@@ -923,7 +924,7 @@ class SpeculativeGenerator:
 
     def _check_free(self, what: str) -> None:
         """Raise RuntimeError when a continuous batching manager of this generator runs its loop, or
-        its warm-up, on another thread, or another thread is inside this generator's
+        its warm-up, or a ``start()`` of it is under way, on another thread, or another thread is inside this generator's
         ``generate()`` / ``generate_batch()``: the caches, drafter and rollback state are theirs
         until they end."""
         caller = self._caller
@@ -932,8 +933,8 @@ class SpeculativeGenerator:
                                "generate_batch(), which uses its caches, drafter and rollback state until it returns; "
                                "wait for it, or make a second generator (specdec.wrap(model, ...)) for other threads")
         if any(m.runs_elsewhere() for m in list(self._managers)):
-            raise RuntimeError(f"{what}: this generator's continuous batching manager is running (started, and "
-                               "not yet ended by stop(), or inside warmup()); its decode loop uses the generator's "
+            raise RuntimeError(f"{what}: this generator's continuous batching manager is running (started or "
+                               "starting, and not yet ended by stop(), or inside warmup()); its decode loop uses the generator's "
                                "caches, drafter and rollback state. Call manager.stop() first (or wait for its "
                                "warmup() to return), or make a second generator (specdec.wrap(model, ...)) for "
                                "other calls")
@@ -950,9 +951,14 @@ class SpeculativeGenerator:
         """A manager's ``start()`` / ``warmup()`` (named ``what``) claims the generator: under the
         lock that ``generate()`` / ``generate_batch()`` check and claim it under, raise as
         :meth:`_check_free` and :meth:`_check_batching` do (the drafter may have been set since the
-        manager was made), else ``mark()`` the manager as holding it."""
+        manager was made), and also inside a ``generate()`` / ``generate_batch()`` of the calling
+        thread (a streamer's or stopping criterion's call), else ``mark()`` the manager as holding it."""
         with self._claiming:
             self._check_free(what)
+            if self._caller is not None:  # this thread's own call (_check_free refused another thread's)
+                raise RuntimeError(f"{what}: called inside this generator's generate() or generate_batch() on the "
+                                   "same thread (e.g. from a streamer or a stopping criterion); the manager would "
+                                   "decode on the caches that call is using. Call it once the call has returned")
             self._check_batching()
             mark()
 

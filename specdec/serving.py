@@ -193,10 +193,10 @@ class ContinuousBatchingManager:
             runs: it raises to refuse (the generator's: another thread's call or manager holds
             it, or its drafter cannot serve a pool), else calls the function, both under the
             generator's claim lock, so that a racing call's check sees the mark.
-        prompt_counts: gives the prompt forwards run so far by how they ran (the adapter's
-            :attr:`PromptGraphs.counts <specdec.models.prompt_graphs.PromptGraphs>`), or None
-            where they are not counted (the eager decode path), which :meth:`warmup` reports; or
-            None.
+        prompt_counts: None, or a function that gives the prompt forwards run so far by how they
+            ran (the adapter's :attr:`PromptGraphs.counts
+            <specdec.models.prompt_graphs.PromptGraphs>`), or None where they are not counted (the
+            eager decode path); :meth:`warmup` reports their increase.
 
     Attributes:
         max_batch_size, max_length, max_new_tokens, max_batch_tokens: as given.
@@ -289,7 +289,13 @@ class ContinuousBatchingManager:
                     self._state, self._error = _RUNNING, None
                 self._thread = threading.Thread(target=self._loop, args=(pool,), name="specdec-continuous-batching",
                                                 daemon=True)
-                self._thread.start()
+                try:
+                    self._thread.start()
+                except BaseException:  # (e.g. no thread can start): as before, not running
+                    self._thread = None
+                    with self._changed:
+                        self._state = _IDLE
+                    raise
             finally:
                 self._claimant = None  # (the running loop holds the generator from here on)
 

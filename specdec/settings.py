@@ -411,11 +411,14 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
         raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
     own_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad is not None and not 0 <= pad < vocab_size and (
-            overrides.get("pad_token_id") is not None or (generation_config is not None and pad != own_pad)):
-        raise ValueError(f"pad_token_id {pad} lies outside the vocabulary [0, {vocab_size}): it fills the rows that "
-                         "stopped early, where a tokenizer cannot decode it; give an id in that range, or None (the "
-                         "first EOS id pads)")
+    if pad is not None and not 0 <= pad < vocab_size:  # (as eos_token_id: given, an error; inherited, dropped)
+        what = f"pad_token_id {pad} lies outside the vocabulary [0, {vocab_size}): it would fill the rows that stopped early"
+        if overrides.get("pad_token_id") is not None or (generation_config is not None and pad != own_pad):
+            raise ValueError(f"{what}, where a tokenizer cannot decode it; give an id in that range, or None (the "
+                             "first EOS id pads)")
+        warn_caller(f"the model's generation_config {what}, where a tokenizer cannot decode it, so it is not used: "
+                    "the first EOS id (else 0) pads")
+        pad = None
     mask = _check_mask(attention_mask, input_ids, pad, eos)
     max_new = _max_new_tokens(gc, model, input_ids.shape[1])
     if row_budgets is not None and len(set(row_budgets)) > 1 and pad is None and not eos:

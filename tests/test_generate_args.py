@@ -623,6 +623,19 @@ def test_a_pad_token_id_outside_the_vocabulary_raises(pad):
         wrap().generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=4, pad_token_id=pad))
 
 
+def test_an_inherited_pad_token_id_outside_the_vocabulary_is_dropped_with_a_warning(monkeypatch):
+    """A pad_token_id the model's generation_config carries outside the vocabulary is not used to
+    fill rows (a tokenizer could not decode it): a warning, and the first EOS id pads instead."""
+    sd = wrap()
+    ids, mask = ragged_prompts()
+    monkeypatch.setattr(sd.model.generation_config, "pad_token_id", VOCAB + 7)
+    plain = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    eos = eos_ids(ids, plain)
+    with pytest.warns(UserWarning, match=rf"generation_config pad_token_id {VOCAB + 7} lies outside the vocabulary"):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos)
+    assert int(out.max()) < VOCAB and bool((out[:, ids.shape[1]:] == eos[0]).any())
+
+
 def test_beyond_the_models_context_warns(monkeypatch):
     """A prompt + budget beyond config.max_position_embeddings runs, as in HF's generate(), with a
     warning that says so; within it, none."""

@@ -290,6 +290,34 @@ def test_a_start_under_way_holds_the_generator(monkeypatch):
     assert out[0, len(prompts[1]):].tolist() == expected[1]
 
 
+def test_a_manager_cannot_start_inside_a_generate_call_on_its_thread():
+    """A manager's start() or warmup() called from inside the generator's own generate() on the
+    same thread (here from a streamer's put) is refused: its loop would decode on the caches the
+    call is using. The call goes on exact, and afterwards the manager serves."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd, m = _manager()
+    refused = []
+
+    class Streamer:
+        def put(self, value):
+            for call in (m.start, m.warmup):
+                try:
+                    call()
+                except RuntimeError as err:
+                    refused.append(str(err))
+
+        def end(self):
+            pass
+
+    out = sd.generate(torch.tensor([prompts[0]]), max_new_tokens=budgets[0], eos_token_id=eos, streamer=Streamer())
+    assert out[0, len(prompts[0]):].tolist() == expected[0]
+    assert refused and len(refused) % 2 == 0 and all("on the same thread" in r for r in refused), refused
+    assert not m.is_running() and not m.warmed_up
+    rid = m.add_request(prompts[1], max_new_tokens=budgets[1])
+    with m:
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[1]
+
+
 @pytest.mark.parametrize("call", ["start", "warmup"])
 def test_a_drafter_set_after_the_manager_is_checked_when_it_starts(call):
     """A drafter that cannot give a row a new request, set on the generator after the manager was

@@ -366,6 +366,9 @@ def _continuous(sd, work: Workload, B, prefix_block: int | None, device, repeats
             passes += 1
             if not graphs.pending() - known:  # no bucket this pass met first waits for its capture
                 break
+        else:
+            print(f"specdec-run: after {passes} rehearsal passes a prompt bucket met in the last one still waits for "
+                  "its capture; the timed pass may capture it", flush=True)
     before = dict(sd.adapter.prompt_graphs.counts)
     if warmups is not None:
         warmups.clear()  # (the rehearsal's)
