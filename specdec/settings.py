@@ -180,22 +180,24 @@ def as_budgets(value):
     return value
 
 
-def _eos_in_vocabulary(eos: tuple[int, ...], vocab_size: int, given: bool) -> tuple[int, ...]:
-    """The EOS ids a step can produce. An id outside ``[0, vocab_size)`` never ends a row (and
-    must not index the logits, as ``min_new_tokens`` does): given on the call (or in its
-    ``generation_config``) it is an error; inherited from the model's ``generation_config`` it is
-    dropped with a warning (a model built from a larger config's defaults keeps its EOS ids), also
-    when a ``generation_config`` passed on the call repeats them.
+def _in_vocabulary(name: str, ids: tuple[int, ...], vocab_size: int, given: bool, why: str,
+                   instead: str) -> tuple[int, ...]:
+    """The ids of the token setting ``name`` (``eos_token_id``, ``pad_token_id``) a step or an
+    output can use: those in ``[0, vocab_size)``. An id outside it (``why``: what it would do
+    wrong) given on the call (or in its ``generation_config``) is an error; inherited from the
+    model's ``generation_config`` it is dropped with a warning (``instead``: what is used then;
+    a model built from a larger config's defaults keeps such ids), also when a
+    ``generation_config`` passed on the call repeats them.
 
     Raises: ValueError for a given id outside the vocabulary."""
-    outside = [e for e in eos if not 0 <= e < vocab_size]
+    outside = [e for e in ids if not 0 <= e < vocab_size]
     if not outside:
-        return eos
-    what = f"eos_token_id {outside[0] if len(outside) == 1 else outside} lies outside the vocabulary [0, {vocab_size})"
+        return ids
+    what = f"{name} {outside[0] if len(outside) == 1 else outside} lies outside the vocabulary [0, {vocab_size})"
     if given:
-        raise ValueError(f"{what}: no step can produce it; give ids in that range, or None for no EOS")
-    warn_caller(f"the model's generation_config {what}: no step can produce it, so it is not used to stop rows")
-    return tuple(e for e in eos if 0 <= e < vocab_size)
+        raise ValueError(f"{what}: {why}; give ids in that range, or None ({instead})")
+    warn_caller(f"the model's generation_config {what}: {why}, so it is not used ({instead})")
+    return tuple(e for e in ids if 0 <= e < vocab_size)
 
 
 def _count(gc, name: str) -> int:
@@ -402,23 +404,22 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         warn_caller("use_cache=False has no effect: specdec always decodes with its own cache (same output)")
 
     own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = _eos_in_vocabulary(_as_id_list(gc.eos_token_id), vocab_size,
-                             given=overrides.get("eos_token_id") is not None or (
-                                 generation_config is not None and _as_id_list(gc.eos_token_id) != _as_id_list(own)))
+    eos = _in_vocabulary("eos_token_id", _as_id_list(gc.eos_token_id), vocab_size,
+                         given=overrides.get("eos_token_id") is not None or (
+                             generation_config is not None and _as_id_list(gc.eos_token_id) != _as_id_list(own)),
+                         why="no step can produce it", instead="no EOS stops rows")
     pad = gc.pad_token_id
     if isinstance(pad, torch.Tensor) and pad.numel() == 1:
         pad = pad.item()
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
         raise ValueError(f"pad_token_id must be an int token id or None, got {pad!r}")
-    own_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad is not None and not 0 <= pad < vocab_size:  # (as eos_token_id: given, an error; inherited, dropped)
-        what = f"pad_token_id {pad} lies outside the vocabulary [0, {vocab_size}): it would fill the rows that stopped early"
-        if overrides.get("pad_token_id") is not None or (generation_config is not None and pad != own_pad):
-            raise ValueError(f"{what}, where a tokenizer cannot decode it; give an id in that range, or None (the "
-                             "first EOS id pads)")
-        warn_caller(f"the model's generation_config {what}, where a tokenizer cannot decode it, so it is not used: "
-                    "the first EOS id (else 0) pads")
-        pad = None
+    if pad is not None:
+        own_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        pad = next(iter(_in_vocabulary(
+            "pad_token_id", (int(pad),), vocab_size,
+            given=overrides.get("pad_token_id") is not None or (generation_config is not None and pad != own_pad),
+            why="it would fill the rows that stopped early, where a tokenizer cannot decode it",
+            instead="the first EOS id, else 0, pads")), None)
     mask = _check_mask(attention_mask, input_ids, pad, eos)
     max_new = _max_new_tokens(gc, model, input_ids.shape[1])
     if row_budgets is not None and len(set(row_budgets)) > 1 and pad is None and not eos:
