@@ -584,6 +584,12 @@ def bytes_per_sequence(model, strategy, span: int, num_speculative_tokens: int, 
                          state_bytes=state, rollback_bytes=extra, workspace_bytes=workspace)
 
 
+def pool_bytes(rows: int, row: SequenceBytes) -> int:
+    """The bytes a pool of ``rows`` rows of ``row`` bytes each needs: its rows and one admission's
+    fresh cache (:func:`admission_rows`)."""
+    return (rows + admission_rows(rows)) * row.total
+
+
 @dataclass(frozen=True)
 class PoolPlan:
     """A pool's rows and, with ``max_batch_size="auto"``, how they were chosen (``reason``, also
@@ -599,8 +605,7 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
               memory_budget=None, available: Callable[[], int | None] | None = None, reserved: int = 0) -> PoolPlan:
     """The rows of a decode pool.
 
-    A pool of r rows needs ``(r + admission_rows(r)) x per_row().total`` bytes (its rows and one
-    admission's fresh cache). ``"auto"``: the most rows that fit the budget (``memory_budget``,
+    A pool of r rows needs :func:`pool_bytes` bytes (its rows and one admission's fresh cache). ``"auto"``: the most rows that fit the budget (``memory_budget``,
     else :data:`MEMORY_FRACTION` x ``available()``), at most :data:`MAX_AUTO_BATCH_SIZE` and
     ``num_requests``. An int: ``min(max_batch_size, num_requests)`` rows, checked against
     ``memory_budget``, else ``available()`` when known. None: ``min(num_requests,
@@ -654,7 +659,7 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     row = per_row()
 
     def need(r: int) -> int:
-        return (r + admission_rows(r)) * row.total
+        return pool_bytes(r, row)
 
     if not auto:
         if need(rows) > budget:

@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 from .adaptive import (AUTO, CostKey, CostModel, DrafterKey, PolicySettings, SpeculationPolicy, calibrate,
                        choose_strategy, costs_for, expected_tokens, rollback_bytes, strategy_label)
 from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, RequestPool, RequestStatus, RequestTiming,
-                       bytes_per_sequence, cache_bytes, check_batch_tokens, check_requests, free_memory, kv_columns,
-                       left_pad, parse_bytes, plan_rows)
+                       SequenceBytes, bytes_per_sequence, cache_bytes, check_batch_tokens, check_requests, format_bytes,
+                       free_memory, kv_columns, left_pad, parse_bytes, plan_rows, pool_bytes)
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
@@ -815,7 +815,8 @@ class SpeculativeGenerator:
                                             max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                             vocab_size=self.adapter.vocab_size, max_positions=limit,
                                             device=self.adapter.device,
-                                            claim=self._claim_for_manager,
+                                            claim=functools.partial(self._claim_for_manager, plan=plan,
+                                                                    span=int(max_length)),
                                             prompt_counts=self._prompt_counts)
         self._managers.add(manager)
         return manager
@@ -861,12 +862,16 @@ class SpeculativeGenerator:
                              "generation_config (a passed one is completed from model.generation_config): clear them "
                              "there (e.g. model.generation_config.repetition_penalty = 1.0), or pass a neutral value "
                              "where one exists (repetition_penalty=1.0, min_new_tokens=0)")
+        self._check_resets_in_place(caller)
+        return settings
+
+    def _check_resets_in_place(self, caller: str) -> None:
+        """Raise ValueError when the rollback strategy cannot reset a row in place on a static decode path."""
         custom = self._K and self._candidates is None and not self._strategy.resets_in_place  # (built-ins do)
         if custom and self._pick_path(self.adapter.device, None) != "eager":
-            raise ValueError(f"rollback strategy {self._strategy.name!r} does not reset rows in place "
+            raise ValueError(f"{caller}: rollback strategy {self._strategy.name!r} does not reset rows in place "
                              "(resets_in_place=False), which the static decode path needs across admissions; "
                              "use decode_path='eager' or a built-in strategy")
-        return settings
 
     def _plan_pool(self, max_batch_size, memory_budget, span: int, num_requests: int | None,
                    reserved: int = 0) -> PoolPlan:
@@ -875,22 +880,42 @@ class SpeculativeGenerator:
         (``"auto"``: ``max_speculative_tokens``) and decode path; the free device memory counts what
         this generator's kept buffers hold (the call frees or reuses them); ``reserved`` bytes (a
         prefix cache's ``max_bytes``: it fills while the pool decodes) are left out of the budget."""
-        K = self._most_drafts
-        if K == 0:
-            strategies = [_IN_PLACE]
-        else:
-            strategies = list(self._candidates.values()) if self._candidates is not None else [self._strategy]
-        static = self._pick_path(self.adapter.device, None) != "eager"
-
-        def per_row():
-            return max((bytes_per_sequence(self.adapter, st, span, K, static=static) for st in strategies),
-                       key=lambda b: b.total)
+        per_row = functools.partial(self._row_bytes, span)
 
         def available():
             free = free_memory(self.adapter.device)
             return None if free is None else free + self._held_bytes()
 
         return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available, reserved)
+
+    def _row_bytes(self, span: int) -> SequenceBytes:
+        """The bytes one pool row of ``span`` tokens needs under the generator's settings now: its
+        strategy (``rollback="auto"``: the candidate that needs most), K (``"auto"``:
+        ``max_speculative_tokens``) and decode path (:func:`specdec.batching.bytes_per_sequence`)."""
+        K = self._most_drafts
+        if K == 0:
+            strategies = [_IN_PLACE]
+        else:
+            strategies = list(self._candidates.values()) if self._candidates is not None else [self._strategy]
+        static = self._pick_path(self.adapter.device, None) != "eager"
+        return max((bytes_per_sequence(self.adapter, st, span, K, static=static) for st in strategies),
+                   key=lambda b: b.total)
+
+    def _check_plan(self, what: str, plan: PoolPlan, span: int) -> None:
+        """Raise ValueError when ``plan``'s rows (of ``span`` tokens) sized or checked against a memory
+        budget no longer fit it under the generator's settings now (a strategy, K or decode path set
+        since the manager was made, under which a row needs more)."""
+        if plan.per_row is None:  # (rows not sized or checked from memory: nothing planned to keep)
+            return
+        now = self._row_bytes(span)
+        if now.total > plan.per_row.total and pool_bytes(plan.rows, now) > plan.budget:
+            raise ValueError(f"{what}: the manager's {plan.rows} rows were planned at {format_bytes(plan.per_row.total)} "
+                             f"per row ({plan.per_row.describe()}) in {format_bytes(plan.budget)}; a row now needs "
+                             f"{format_bytes(now.total)} ({now.describe()}) under the rollback strategy, "
+                             f"num_speculative_tokens or decode path set since, and the rows need "
+                             f"{format_bytes(pool_bytes(plan.rows, now))} with an admission's: more than planned. "
+                             "Restore those settings, or make a new manager with init_continuous_batching(), "
+                             "which plans its rows for the settings then")
 
     def _held_bytes(self) -> int:
         """Bytes of the caches this generator keeps from its last call (its static buckets too)."""
@@ -947,12 +972,15 @@ class SpeculativeGenerator:
             return None
         return dict(self.adapter.prompt_graphs.counts)
 
-    def _claim_for_manager(self, what: str, mark: Callable[[], None]) -> None:
+    def _claim_for_manager(self, what: str, mark: Callable[[], None], plan: PoolPlan | None = None,
+                           span: int | None = None) -> None:
         """A manager's ``start()`` / ``warmup()`` (named ``what``) claims the generator: under the
         lock that ``generate()`` / ``generate_batch()`` check and claim it under, raise as
-        :meth:`_check_free` and :meth:`_check_batching` do (the drafter may have been set since the
-        manager was made), and also inside a ``generate()`` / ``generate_batch()`` of the calling
-        thread (a streamer's or stopping criterion's call), else ``mark()`` the manager as holding it."""
+        :meth:`_check_free`, :meth:`_check_batching` (the drafter may have been set since the
+        manager was made), :meth:`_check_resets_in_place` and, for the manager's ``plan`` of rows of
+        ``span`` tokens, :meth:`_check_plan` do (the strategy or K may have been set since), and
+        also inside a ``generate()`` / ``generate_batch()`` of the calling thread (a streamer's or
+        stopping criterion's call), else ``mark()`` the manager as holding it."""
         with self._claiming:
             self._check_free(what)
             if self._caller is not None:  # this thread's own call (_check_free refused another thread's)
@@ -960,6 +988,9 @@ class SpeculativeGenerator:
                                    "same thread (e.g. from a streamer or a stopping criterion); the manager would "
                                    "decode on the caches that call is using. Call it once the call has returned")
             self._check_batching()
+            self._check_resets_in_place(what)
+            if plan is not None:
+                self._check_plan(what, plan, span)
             mark()
 
     def _check_batching(self) -> None:

@@ -460,3 +460,42 @@ def test_serving_the_warmed_prompts_captures_nothing(caching):
         assert pg.counts["cuda_graph"] > before["cuda_graph"]
     finally:
         get_model(FAMILY).cpu()
+
+
+@pytest.mark.parametrize("change", ["snapshot", "more_drafts"])
+@pytest.mark.parametrize("call", ["start", "warmup"])
+def test_settings_needing_more_memory_than_planned_are_refused_when_it_starts(change, call):
+    """The pool's rows were sized from the memory a row needed under the settings of
+    init_continuous_batching (here ``max_batch_size="auto"`` in a budget): a rollback strategy or
+    K set since, under which the rows no longer fit the budget, is refused at start() / warmup()
+    before anything runs, with the bytes planned and needed; back to settings that fit, the same
+    manager serves exact."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd = specdec.wrap(get_model(FAMILY), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                      decode_path="static")
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget="8MiB",
+                                    eos_token_id=eos)
+    if change == "snapshot":
+        sd.rollback = "snapshot"
+    else:
+        sd.num_speculative_tokens = 8
+    before = dict(sd.adapter.prompt_graphs.counts)
+    with pytest.raises(ValueError, match=r"planned at .* per row .* now needs .* more than planned") as err:
+        getattr(m, call)()
+    assert "init_continuous_batching" in str(err.value)
+    assert not m.is_running() and not m.warmed_up and sd.adapter.prompt_graphs.counts == before
+    sd.rollback, sd.num_speculative_tokens = "replay", 3
+    rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+    with m:
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+
+
+def test_settings_needing_less_memory_than_planned_serve_exact():
+    """A strategy under which a row needs less than planned (snapshot to replay) is fine."""
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd = specdec.wrap(get_model(FAMILY), drafter="ngram", rollback="snapshot", num_speculative_tokens=3,
+                      decode_path="static")
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget="8MiB",
+                                    eos_token_id=eos)
+    sd.rollback = "replay"
+    assert _serve(m, prompts[:2], budgets[:2])["req_1"].generated_tokens == expected[1]
