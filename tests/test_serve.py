@@ -194,10 +194,30 @@ def test_serve_tiny_run(tmp_path: Path):
         assert cont["prefix_caching"] is False
     for oracle in records[3:5]:  # fixed batches too: each row ends at its own budget, drafting its reference
         assert oracle["mean_accepted_tokens"] > 2 and oracle["acceptance_rate"] == 1.0
+    for r in records:  # every step asked for the run's fixed K
+        K = r["num_speculative_tokens"]
+        assert r["k_histogram"] == [0] * K + [r["steps"]] and r["mean_k"] == K
     assert (tmp_path / "serve_latency.png").stat().st_size > 1000
     _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
         "tokens/s": ("tokens_per_s", "{:.1f}"), "TTFT p50 ms": ("ttft_p50_ms", "{:.1f}"),
         "TPOT p99 ms": ("tpot_p99_ms", "{:.2f}"), "exact": ("exact", None)}, ["model", "run", "drafter"])
+
+
+def test_serve_records_the_k_chosen_per_step(tmp_path: Path):
+    """With num_speculative_tokens=auto, a run's record counts its steps by the K they asked for
+    (``k_histogram``, summed over its calls: as many steps as the run took) and their mean
+    (``mean_k``), and the summary shows the mean."""
+    records = run_experiment(_cfg(SERVE + ["num_speculative_tokens=auto", "drafter.names=[oracle]",
+                                           "experiment.fixed_batches=false"]), tmp_path)
+    plain, auto = records
+    assert (auto["run"], auto["num_speculative_tokens"], plain["num_speculative_tokens"]) == ("continuous", "auto", 0)
+    hist = auto["k_histogram"]
+    assert sum(hist) == auto["steps"] > 0 and len(hist) > 2 and auto["exact"]
+    assert auto["mean_k"] == pytest.approx(sum(k * n for k, n in enumerate(hist)) / auto["steps"])
+    assert 0 < auto["mean_k"] <= len(hist) - 1
+    assert plain["k_histogram"] == [plain["steps"]] and plain["mean_k"] == 0
+    _check_summary_matches((tmp_path / "summary.md").read_text(), _records(tmp_path / "results.jsonl"), {
+        "mean K": ("mean_k", "{:.2f}")}, ["model", "run", "drafter"])
 
 
 def test_serve_prefix_caching_side_by_side(tmp_path: Path, monkeypatch):

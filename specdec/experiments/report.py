@@ -247,6 +247,9 @@ SERVE_COLUMNS = (
     Column("mean_busy_rows", "busy rows", "{:.1f}", terminal=False,
            legend="rows holding a request (admitted, not finished), averaged over the run"),
     Column("mean_accepted_tokens", "mean accepted tokens", "{:.2f}", terminal=False, legend=COLUMNS[0].legend),
+    Column("mean_k", "mean K", "{:.2f}", terminal=False,
+           legend="drafts asked for per decode step, over the run's steps (num_speculative_tokens=auto chooses them "
+                  "per step; the records' k_histogram counts the steps per K)"),
     Column("wall_s", "wall s", "{:.2f}", terminal=False, spread=True,
            legend=f"the run's wall time (with experiment.request_rate: from the first arrival to the last request's "
                   f"finish); {_REPEATS}"),

@@ -57,7 +57,9 @@ runs with min-max), time to first token (queue wait + prefill) and time per outp
 (``(finished - first token) / (tokens - 1)``) at p50 / p90 / p99 and mean over the requests of
 every repeat, the time to first token's two parts likewise (``queue_wait_*``: arrival to
 admission; ``admission_to_first_token_*``: the prompt forward and the first token's pick),
-``mean_busy_rows`` (rows holding a request, averaged over the run), the ratios
+``mean_busy_rows`` (rows holding a request, averaged over the run), ``k_histogram`` (the run's
+steps by the drafts they asked for: all at K for a fixed K; ``num_speculative_tokens=auto`` chooses
+per step) and its mean ``mean_k``, the ratios
 ``vs_fixed_batches`` / ``vs_continuous_plain`` (throughput over theirs; a run with the prefix cache
 over continuous plain decoding with it, so the ratio is speculation's alone, and over no fixed-batch
 run, which has no cache), ``exact`` / ``diverged_requests`` / ``diverged_request_ids`` against
@@ -93,6 +95,7 @@ has the table, ``serve_latency.png`` the figures.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -616,7 +619,9 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
     wall = Timing(tuple(res.walls))
     ttft = [1e3 * t.time_to_first_token for t, _ in res.samples]
     tpot = [1e3 * (t.finished - t.first_token) / (n - 1) for t, n in res.samples if n >= 2]
-    hist = [sum(col) for col in zip(*(st.accept_histogram for st in res.stats))]
+    hist = [sum(col) for col in itertools.zip_longest(*(st.accept_histogram for st in res.stats), fillvalue=0)]
+    k_hist = [sum(col) for col in itertools.zip_longest(*(st.k_histogram for st in res.stats), fillvalue=0)]
+    steps = sum(st.steps for st in res.stats)
     row_steps = sum(hist)
     accepted = sum(st.accepted_tokens for st in res.stats)
     proposed = sum(st.proposed_tokens for st in res.stats)
@@ -629,7 +634,8 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
         **_latency_fields("admission_to_first_token", [1e3 * (t.first_token - t.admitted) for t, _ in res.samples]),
         "ttft_ms_samples": ttft, "tpot_ms_samples": tpot,
         "mean_busy_rows": sum(t.finished - t.admitted for t, _ in res.samples) / sum(res.walls),
-        "steps": sum(st.steps for st in res.stats),
+        "steps": steps, "k_histogram": k_hist,
+        "mean_k": sum(k * n for k, n in enumerate(k_hist)) / steps if steps else None,
         **_time_split(res.stats),
         "mean_accepted_tokens": (accepted + row_steps) / row_steps if row_steps else None,
         "acceptance_rate": accepted / proposed if proposed else None, "accept_histogram": hist,
