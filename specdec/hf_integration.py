@@ -327,6 +327,20 @@ def enable_hf_speculation(model, rollback="replay"):
             existing._is_user_defined = True
             return None
         assisted = generation_mode == GenerationMode.ASSISTED_GENERATION
+        if assisted and getattr(generation_config, "assistant_early_exit", None) is not None:
+            raise ValueError(
+                f"assistant_early_exit={generation_config.assistant_early_exit} (the model's first layers as its "
+                "own draft, on the model's own cache) is not supported on a model enabled by "
+                "specdec.enable_hf_speculation: its draft passes would advance the SSM states the verify step "
+                "rolls back; use assistant_model= or prompt_lookup_num_tokens=, or specdec.wrap(model, ...)"
+            )
+        if existing is not None and (assisted or generation_config.is_assistant):
+            raise ValueError(
+                f"{key} given to assisted generation on a model enabled by specdec.enable_hf_speculation: the "
+                f"cache given ({type(existing).__name__}) cannot roll SSM state back to the accepted tokens; "
+                f"leave {key} out (generate() makes specdec's cache), or call without assistant_model= / "
+                "prompt_lookup_num_tokens="
+            )
         if existing is not None or generation_config.use_cache is False or not (assisted or generation_config.is_assistant):
             return original_prepare(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         if generation_config.cache_implementation is not None:

@@ -148,3 +148,34 @@ def test_sampling_runs():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, pad_token_id=0,
                          assistant_model=draft)
     assert out.shape == (1, ids.shape[1] + 8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_a_cache_of_the_callers_with_an_assistant_is_refused(family):
+    """Assisted generation with a past_key_values of the caller's (HF's own cache, which cannot roll
+    an SSM state back) is refused with a clear error before anything runs; the model then runs
+    assisted generation exactly."""
+    from transformers import DynamicCache
+
+    model, draft, ids, mask, ref = setup(family)
+    specdec.enable_hf_speculation(model)
+    with pytest.raises(ValueError, match="past_key_values"):
+        generate(model, ids, mask, assistant_model=draft, past_key_values=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="past_key_values"):
+        generate(model, ids, mask, prompt_lookup_num_tokens=3, past_key_values=DynamicCache(config=model.config))
+    assert torch.equal(generate(model, ids, mask, assistant_model=draft).sequences, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_early_exit_self_speculation_is_refused(family):
+    """HF's assistant_early_exit (the model's first layers as its own draft, on its own cache) is
+    refused up front on an enabled model, leaving its config as it was; plain and assisted
+    generation stay exact afterwards."""
+    model, draft, ids, mask, ref = setup(family)
+    specdec.enable_hf_speculation(model)
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="assistant_early_exit"):
+        generate(model, ids, mask, assistant_early_exit=1)
+    assert model.config.num_hidden_layers == layers
+    assert torch.equal(generate(model, ids, mask).sequences, ref)
+    assert torch.equal(generate(model, ids, mask, prompt_lookup_num_tokens=3).sequences, ref)
