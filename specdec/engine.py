@@ -425,6 +425,7 @@ class SpeculativeGenerator:
 
     @max_speculative_tokens.setter
     def max_speculative_tokens(self, value):
+        self._check_free("setting max_speculative_tokens")
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"max_speculative_tokens must be an int, got {type(value).__name__}")
         if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
@@ -442,6 +443,7 @@ class SpeculativeGenerator:
 
     @cost_model.setter
     def cost_model(self, value):
+        self._check_free("setting the cost model")
         if value is not None and not isinstance(value, CostModel):
             raise TypeError(f"cost_model must be a specdec.adaptive.CostModel (e.g. FixedCosts) or None, got "
                             f"{type(value).__name__}")
@@ -455,6 +457,7 @@ class SpeculativeGenerator:
 
     @policy.setter
     def policy(self, value):
+        self._check_free("setting the policy")
         if value is not None and not isinstance(value, PolicySettings):
             raise TypeError(f"policy must be a specdec.adaptive.PolicySettings or None, got {type(value).__name__}")
         self._policy = value or PolicySettings()
@@ -489,6 +492,7 @@ class SpeculativeGenerator:
 
     @decode_path.setter
     def decode_path(self, value):
+        self._check_free("setting the decode path")
         if value not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {value!r}")
         if value == "cuda_graph" and self.adapter.offloads_weights:
@@ -530,12 +534,13 @@ class SpeculativeGenerator:
     @strategy.setter
     def strategy(self, value):
         self._check_free("setting the rollback strategy")
-        self._candidates = {name: make_strategy(name) for name in STRATEGIES} if value == AUTO else None
-        self._choices.clear()
-        try:
-            self._strategy = None if value == AUTO else make_strategy(value)
+        try:  # (checked before anything changes: a refused value leaves the strategy as it was)
+            strategy = None if value == AUTO else make_strategy(value)
         except ValueError as err:
             raise ValueError(f"{err}; or 'auto' (measured per call)") from None
+        self._candidates = {name: make_strategy(name) for name in STRATEGIES} if value == AUTO else None
+        self._strategy = strategy
+        self._choices.clear()
         self._static.clear()
 
     #: :attr:`strategy` under the name of ``wrap()``'s argument (``sd.rollback = "ring"``)

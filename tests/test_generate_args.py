@@ -832,3 +832,23 @@ def test_prefill_in_groups_gives_each_row_its_own_state(family):
     for bound in (13, 1):
         for got, want in zip(outs[bound], outs[None]):
             assert got.shape == want.shape and rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("start", ["auto", "snapshot"])
+def test_a_refused_rollback_changes_nothing(start):
+    """A rollback strategy the setter refuses leaves the generator's strategy as it was: "auto"
+    still measures per call (its reason says so) and a fixed one still runs; outputs stay exact."""
+    model = get_model("nemotron_h")
+    ids, mask = ragged_prompts(batch=2)
+    ref = hf(model, ids, mask)
+    sd = specdec.wrap(model, drafter="ngram", rollback=start, num_speculative_tokens=3)
+    for bad in ("snapshots", 3):
+        with pytest.raises((ValueError, TypeError)):
+            sd.rollback = bad
+    assert (sd.rollback is None) if start == "auto" else sd.rollback.name == start
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+    assert torch.equal(out, ref)
+    if start == "auto":
+        assert sd.last_stats.rollback_reason is not None and sd.last_stats.rollback in ("snapshot", "ring", "replay")
+    else:
+        assert sd.last_stats.rollback == start

@@ -201,7 +201,10 @@ def test_the_running_loop_owns_the_generator():
         ids = torch.tensor([prompts[0]])
         for call in (lambda: sd.generate(ids, max_new_tokens=3), lambda: sd.generate_batch([prompts[0]]),
                      sd.release, lambda: setattr(sd, "drafter", "ngram"), lambda: setattr(sd, "rollback", "snapshot"),
-                     lambda: setattr(sd, "num_speculative_tokens", 2), other.start):
+                     lambda: setattr(sd, "num_speculative_tokens", 2),
+                     lambda: setattr(sd, "max_speculative_tokens", 2), lambda: setattr(sd, "policy", None),
+                     lambda: setattr(sd, "cost_model", None), lambda: setattr(sd, "decode_path", "eager"),
+                     other.start):
             with pytest.raises(RuntimeError, match="continuous batching manager is running"):
                 call()
         assert not other.is_running()
