@@ -749,7 +749,12 @@ class FixedCosts(CostModel):
         self._fn = step_s
 
     def step_s(self, key, drafter_key, K):
-        t = float(self._fn(key.strategy, key.batch, K))
+        got = self._fn(key.strategy, key.batch, K)
+        try:
+            t = float(got)
+        except (TypeError, ValueError):
+            raise ValueError(f"FixedCosts: step time at K={K} for {key} must be a finite number > 0 (seconds), got "
+                             f"{type(got).__name__} {got!r}") from None
         if not t > 0 or math.isinf(t):
             raise ValueError(f"FixedCosts: step time at K={K} for {key} must be a finite number > 0, got {t!r}")
         return t

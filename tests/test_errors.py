@@ -223,6 +223,7 @@ def test_max_new_tokens_zero_and_one():
     ids, mask = ragged_prompts()
     sd = specdec.wrap(model)
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=0), ids)
+    assert sd.last_stats.steps == 0 and sd.last_stats.rollback == "none"  # (no step: no rollback ran)
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=1, pad_token_id=0),
                        hf_greedy(model, ids, mask, 1))
 

@@ -48,7 +48,7 @@ def test_last_stats_of_a_call_with_nothing_to_decode(case):
         assert all(o.status == RequestStatus.FAILED for o in out.values())
     st = sd.last_stats
     assert st is not None and st.steps == 0 and st.new_tokens == 0 and st.proposed_tokens == 0
-    assert st.accept_histogram == [0] * 4 and st.k_per_step == []
+    assert st.accept_histogram == [0] * 4 and st.k_per_step == [] and st.rollback == "none"
     assert sd.last_request_timings == {}
 
 
