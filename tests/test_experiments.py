@@ -1184,3 +1184,65 @@ def test_cpu_note_names_the_noise_column_only_where_the_table_has_it():
     with_noise = [c for c in COLUMNS if c.key == "within_noise"]
     assert with_noise and cpu_note(with_noise) == CPU_NOTE + NOISE_NOTE
     assert cpu_note([c for c in COLUMNS if c.key != "within_noise"]) == CPU_NOTE
+
+
+def test_file_errors_say_what_is_wrong_once(tmp_path: Path):
+    """A prompts file line that is not JSON names the file, line and position once (the parser's
+    message is not repeated); a file that is not UTF-8 text names the file."""
+    from specdec.experiments.prompts import load_prompt_file
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "a\x01b"}\n')
+    with pytest.raises(ValueError) as info:
+        load_prompt_file(bad)
+    text = one_line(info.value)
+    assert "line 2: not valid JSON" in text and text.count("Invalid control character") == 1, text
+    assert "line 1 column" in text, text
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(binary))}: not UTF-8 text"):
+        load_prompt_file(binary)
+
+
+def test_a_missing_draft_folder_says_it_is_the_draft():
+    import torch
+    from omegaconf import OmegaConf
+
+    from specdec.experiments.models import load_draft
+
+    spec = OmegaConf.create({"name": "/nonexistent/target", "source": "hf", "draft": "/nonexistent/draft"})
+    with pytest.raises(ValueError, match=r"the draft model of '/nonexistent/target' \(model.targets.N.draft\): "
+                                         r"model '/nonexistent/draft': no such folder"):
+        load_draft(spec, torch.device("cpu"), torch.float32)
+
+
+def test_out_of_memory_is_one_line_with_what_to_do(tmp_path: Path, capsys):
+    """An allocation the machine cannot make is a user's error: one line, status 2, with the
+    smaller models named; a run folder holding only empty files is removed."""
+    from specdec.experiments import app
+
+    err = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 60129542144 bytes. Error code 12 (Cannot allocate memory)")
+    assert app._user_error(err) and not app._user_error(RuntimeError("something else"))
+    out = tmp_path / "run"
+    (out / ".hydra").mkdir(parents=True)
+    (out / "results.jsonl").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        app._exit(err, f" (nothing was written: {out} removed)" if app._drop_if_empty(out) else "")
+    assert stop.value.code == 2 and not out.exists()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "can't allocate memory" in lines[0] and "model=nemotronh-tiny-shape" in lines[0]
+    assert "nothing was written" in lines[0]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "results.jsonl").write_text('{"a": 1}\n')
+    assert not app._drop_if_empty(kept) and kept.exists()
+
+
+def test_the_last_line_names_plots_only_where_the_run_wrote_some(tmp_path: Path):
+    from specdec.experiments import app
+
+    cfg = _cfg(["experiment=kernels"])
+    assert app._results_line(cfg, tmp_path) == f"specdec-run: results in {tmp_path} (summary.md, results.jsonl)"
+    (tmp_path / "a.png").write_bytes(b"png")
+    assert app._results_line(cfg, tmp_path).endswith("(summary.md, results.jsonl, plots)")

@@ -469,13 +469,16 @@ def _results_line(cfg: DictConfig, out_dir: Path) -> str:
     if str(cfg.experiment.name) in RECIPES:
         zoo_dir = recipe_out_root(cfg) / "zoo"
         return f"specdec-run: trained; models and manifest in {zoo_dir} (MANIFEST.json)"
-    return f"specdec-run: results in {out_dir} (summary.md, results.jsonl, plots)"
+    plots = ", plots" if any(Path(out_dir).glob("*.png")) else ""
+    return f"specdec-run: results in {out_dir} (summary.md, results.jsonl{plots})"
 
 
 def _drop_if_empty(out_dir: Path) -> bool:
-    """Remove a run folder that holds nothing but Hydra's own files (``.hydra/``, logs), so a run
-    refused before it measured anything leaves no empty folder behind; True when removed."""
-    if out_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out_dir.iterdir()):
+    """Remove a run folder that holds nothing but Hydra's own files (``.hydra/``, logs) and empty
+    files (a results file opened before the run failed), so a run refused before it measured
+    anything leaves no empty folder behind; True when removed."""
+    if out_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" or (p.is_file() and p.stat().st_size == 0)
+                                for p in out_dir.iterdir()):
         shutil.rmtree(out_dir, ignore_errors=True)
         return True
     return False
@@ -506,7 +509,7 @@ def one_line(err: BaseException) -> str:
                 text, listing = f"{text.rstrip('.')}. {ln}", False
         if text and not re.search(r"\$[A-Z_]+", text) and not any(text in p for p in parts):
             parts.append(text)
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)  # ("raise ... from None": not shown)
     return ": ".join(parts) if parts else type(err).__name__
 
 
@@ -514,7 +517,21 @@ def _user_error(err: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(err, (ValueError, HydraException, OmegaConfBaseException, FileNotFoundError))
+    return (isinstance(err, (ValueError, HydraException, OmegaConfBaseException, FileNotFoundError))
+            or _out_of_memory(err))
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A device or host allocation that failed (a model, batch or grid too large for the machine)."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError)
+                                                       and "can't allocate memory" in str(err))
+
+
+#: what an out-of-memory error's line adds
+OUT_OF_MEMORY_HINT = ("; the run needs more memory than the device has: choose a smaller model (on a CPU the bench "
+                      "shapes' tiny configs, model=qwen35-tiny-shape or model=nemotronh-tiny-shape), batch or grid")
 
 
 _OURS = "_SPECDEC_SET_HYDRA_FULL_ERROR"
@@ -525,7 +542,8 @@ def _ours() -> bool:
 
 
 def _exit(err: BaseException, note: str = ""):
-    print(f"specdec-run: {one_line(err)}{note}", file=sys.stderr)
+    hint = OUT_OF_MEMORY_HINT if _out_of_memory(err) else ""
+    print(f"specdec-run: {one_line(err)}{hint}{note}", file=sys.stderr)
     sys.exit(2)
 
 

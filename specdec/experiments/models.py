@@ -329,8 +329,8 @@ def load_hf(spec, device, dtype):
     try:
         tok = AutoTokenizer.from_pretrained(tok_name, **(kw if tok_name == name else access(tok_name)))
     except (OSError, ValueError, TypeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{where}: no usable tokenizer ({first}); add the tokenizer files or set "
+        why = " ".join(ln.strip() for ln in str(err).splitlines() if ln.strip()) or type(err).__name__
+        raise ValueError(f"{where}: no usable tokenizer ({why}); add the tokenizer files or set "
                          "model.targets.0.tokenizer=<folder or hub id>") from None
     check_tokenizer(tok, where)
     tok.padding_side = "left"
@@ -383,7 +383,10 @@ def load_draft(spec, device, dtype):
     draft = {"name": spec.draft, "source": str(spec.source)}
     if str(spec.source) == "hf":
         draft["tokenizer"] = str(spec.get("tokenizer") or spec.name)
-    model, _ = load_target(OmegaConf.create(draft), device, dtype)
+    try:
+        model, _ = load_target(OmegaConf.create(draft), device, dtype)
+    except ValueError as err:
+        raise ValueError(f"the draft model of {spec.name!r} (model.targets.N.draft): {err}") from None
     return model
 
 

@@ -26,20 +26,29 @@ def json_objects(path: str | Path, option: str, example: str):
 
     Raises:
         FileNotFoundError: no such file (the message shows ``example``, a valid line).
-        ValueError: a line that is not valid JSON or not a JSON object.
+        ValueError: a file that is not UTF-8 text; a line that is not valid JSON or not a JSON object.
     """
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"{option}={path}: no such file (one JSON object per line, {example})")
     with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+        n = 0
+        while True:
+            try:
+                line = next(f, None)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{option}={path}: not UTF-8 text ({err.reason}, read after line {n}); one JSON "
+                                 f"object per line, {example}") from None
+            if line is None:
+                return
+            n += 1
             if not line.strip():
                 continue
             where = f"{option}={path}, line {n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg}); each line is one object such as "
+                raise ValueError(f"{where}: not valid JSON ({err}); each line is one object such as "
                                  f"{example}") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object such as {example}, got {type(obj).__name__}")

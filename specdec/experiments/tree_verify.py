@@ -19,7 +19,8 @@ CPU) or ``loop`` (Triton, every tree walking its nodes in the runtime loop the k
 ``triton_common.TREE_UNROLL_MAX`` nodes; trees on the Triton backend only). Each configuration prefills a fresh cache
 with ``experiment.prompt_tokens`` random tokens, then times ``experiment.steps`` steps after
 ``experiment.warmup``, each phase between device syncs: median and min-max (:mod:`.timing`).
-``experiment.max_seconds`` skips what is left after that wall time (listed in the summary).
+``experiment.max_seconds`` skips what is left after that wall time, loading the models left out
+(listed in the summary).
 ``experiment.profile`` adds one verify under ``torch.profiler`` per configuration
 (:mod:`.profiling`: host ops, host ms, GPU kernels, GPU busy ms; ``profile.md`` with the top
 host ops): a verify whose wall time is far above its GPU busy time is host-bound.
@@ -167,7 +168,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     start = time.perf_counter()
     skipped, profiles = [], []
     for spec in cfg.model.targets:
+        loading = time.perf_counter()
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
+        start += time.perf_counter() - loading  # (building a model does not count against max_seconds)
         apply_cpu_threads(cfg, model, device)
         adapter = adapter_for(model)
         log.bar = progress_bar(cfg, len(strategies) * len(batches) * len(points), "tree_verify")
