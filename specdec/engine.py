@@ -48,7 +48,8 @@ from .batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, PoolPlan, Req
 from .clock import StepClock
 from .decoding import Decoder, EagerDecoder, StaticDecoder
 from .drafters import Drafter, make_drafter
-from .drafters.base import chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, proposal_errors
+from .drafters.base import (chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, draft_prob_errors,
+                             proposal_errors)
 from .fusion import env_switch
 from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
@@ -469,8 +470,8 @@ class SpeculativeGenerator:
         """``"auto"`` varies the chain's length per step; a drafter that drafts a fixed tree cannot."""
         if K == AUTO and drafter is not None and drafter.tree is not None:
             raise ValueError(f"num_speculative_tokens='auto' chooses a chain length per step, but {drafter!r} drafts a "
-                             "tree (MedusaDrafter(tree=...) or acceptance='typical'); give it an int K, or use "
-                             "MedusaDrafter(heads) (a chain)")
+                             "tree (made with tree=..., or Medusa's acceptance='typical'); give it an int K, or use the "
+                             "drafter as a chain (without tree=)")
 
     @property
     def max_batch_tokens(self) -> int:
@@ -1074,6 +1075,7 @@ class SpeculativeGenerator:
         hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
         no_errors = torch.zeros(2, dtype=torch.bool, device=dev)  # (errors of a step without a proposal)
+        no_prob_errors = torch.zeros(1, dtype=torch.bool, device=dev)  # (... and of one without draft_probs)
         no_drafts, empty = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, 0, dtype=torch.long, device=dev)
         ones = torch.ones(B, dtype=torch.long, device=dev)
         steps, idx = 0, torch.arange(B, device=dev)
@@ -1139,11 +1141,16 @@ class SpeculativeGenerator:
             if policy is not None:
                 *synced, live_rows = synced
                 live_rows = int(live_rows)
-            all_done, bad_counts, bad_ids, *rest = synced
+            all_done, bad_counts, bad_ids, bad_probs, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
                                  f"columns; a count may not exceed them): {counts.tolist()}" if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
+            if bad_probs:
+                raise ValueError("Drafter.draft_probs returned a distribution its drafts could not have been sampled "
+                                 "from: an entry that is not finite or is negative (e.g. logits, not probabilities), "
+                                 "or probability 0 at its own draft token; return the distributions the drafts were "
+                                 "sampled from, or None for deterministic drafts")
             if s.streamer is not None:  # rest: how many tokens row 0 kept, then the step's tokens
                 for tok in rest[1:1 + rest[0]]:
                     s.streamer.put(torch.tensor([tok]))
@@ -1220,6 +1227,7 @@ class SpeculativeGenerator:
             if K_ready != K_step:  # (the K known before the sync must be the one the step runs)
                 raise RuntimeError(f"the proposal made before the sync asked for {K_ready} drafts, the step {K_step}")
             proposed = counts is not None
+            prob_errors = no_prob_errors  # (set below when the step's drafts come with their distributions)
             clock.lap("draft")
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             scores = hook.process(logits, tokens, rows.n_gen, tree) if hook else logits
@@ -1235,6 +1243,8 @@ class SpeculativeGenerator:
                 else:
                     probs = check_draft_probs(drafter.draft_probs(), B, w, V) if proposed else None
                     probs = None if probs is None else _to_width(probs.to(dev), width - 1)
+                    if probs is not None:
+                        prob_errors = draft_prob_errors(probs, drafts, k)
                     n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
                 chain, seen, path = drafts, n, None
             new = c[:, None]  # the accepted drafts, then the token after them
@@ -1251,7 +1261,7 @@ class SpeculativeGenerator:
             hist.index_add_(0, n, ones)  # (a finished row has k = n = 0: its steps leave bin 0 after the loop)
             totals += torch.stack([active, k, n]).sum(1)
             steps += 1
-            flags = [rows.finished.all()[None], errors]  # (cat promotes the flags to the parts' int64)
+            flags = [rows.finished.all()[None], errors, prob_errors]  # (cat promotes the flags to the parts' int64)
             if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                 flags += [take[:1], new[0]]
             streaming = pool.streaming_rows() if pool is not None else []

@@ -184,12 +184,20 @@ class BadProbsDrafter(Drafter):
     def draft_probs(self):
         if self.what == "list":
             return [[1.0]]
-        return torch.full(self.shape, 1.0 / self.shape[-1], dtype=torch.long if self.what == "dtype" else torch.float32)
+        q = torch.full(self.shape, 1.0 / self.shape[-1], dtype=torch.long if self.what == "dtype" else torch.float32)
+        if self.what == "zero_at_draft":  # the drafts (token 3) could not have been sampled from q
+            q[:, :, 3] = 0.0
+        elif self.what == "nan":
+            q[0, 0, 0] = float("nan")
+        elif self.what == "logits":  # scores, not probabilities: negative entries
+            q = torch.randn(self.shape, generator=torch.Generator().manual_seed(0))
+        return q
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("what,exc", [("vocab", ValueError), ("width", ValueError), ("batch", ValueError),
-                                      ("dtype", TypeError), ("list", TypeError)])
+                                      ("dtype", TypeError), ("list", TypeError), ("zero_at_draft", ValueError),
+                                      ("nan", ValueError), ("logits", ValueError)])
 def test_custom_drafter_bad_draft_probs(what, exc, path):
     model = get_model("qwen3_5")
     sd = specdec.wrap(model, drafter=BadProbsDrafter(what), num_speculative_tokens=2, decode_path=path)

@@ -9,7 +9,7 @@ import torch
 from ..verify import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 __all__ = ["Drafter", "chain_drafts", "check_draft_probs", "check_proposal", "check_tree_proposal",
-           "proposal_errors"]
+           "proposal_errors", "draft_prob_errors"]
 
 
 class Drafter(abc.ABC):
@@ -174,7 +174,9 @@ class Drafter(abc.ABC):
 
     def draft_probs(self) -> torch.Tensor | None:
         """``[B, w, V]`` floating distributions the last drafts (``draft_tokens [B, w]``) were sampled
-        from, or None (deterministic)."""
+        from, or None (deterministic). Sampling's rejection step reads them: the values of the
+        drafts a step uses are checked on the device (finite, >= 0, > 0 at the drafted token), and
+        the call raises ValueError at the step's sync otherwise."""
         return None
 
     @property
@@ -232,6 +234,19 @@ def check_draft_probs(probs, batch: int, width: int, vocab_size: int) -> torch.T
         raise ValueError(f"Drafter.draft_probs returned shape {tuple(probs.shape)}; expected [{batch}, {width}, "
                          f"{vocab_size}] (batch, the proposal's draft_tokens columns, the target's vocabulary)")
     return probs
+
+
+def draft_prob_errors(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Device-side value check of :meth:`Drafter.draft_probs` for the drafts a step uses, without
+    a host sync: ``[1]`` bool, true when a used draft's distribution (``probs [B, w, V]``, drafts
+    ``[B, w]`` and ``num_drafts [B]`` on the device) has an entry that is not finite or is
+    negative, or gives its own draft token probability 0, so it cannot be what the draft was
+    sampled from (rejection sampling would then keep neither distribution)."""
+    w = drafts.shape[1]
+    used = torch.arange(w, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, w]
+    q = probs[:, :w].float()
+    bad = ~torch.isfinite(q).all(-1) | (q < 0).any(-1) | ~(q.gather(2, drafts[..., None])[..., 0] > 0)
+    return (bad & used).any()[None]
 
 
 def check_tree_proposal(nodes, batch: int, tree) -> torch.Tensor:
