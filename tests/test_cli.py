@@ -239,3 +239,16 @@ def test_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):
         load_hf(spec, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="no such folder"):
         load_hf(OmegaConf.create({"name": "./missing/model", "source": "hf"}), torch.device("cpu"), torch.float32)
+
+
+def test_a_target_index_past_the_models_targets_is_one_clear_error():
+    """model.targets.N past the chosen model config's targets (an explicit model=, else the
+    experiment's default model) is refused before Hydra runs, naming how many there are."""
+    with pytest.raises(UsageError, match=r"model.targets.5.name: no target 5 \(model=hf has 1 \(model.targets.0\)\)"):
+        check_overrides(["model=hf", "model.targets.5.name=x"])
+    with pytest.raises(UsageError, match=r"model=zoo has 3 \(model.targets.0 to 2\)"):
+        check_overrides(["model.targets.3.draft=null"])  # the default experiment's model: the zoo
+    with pytest.raises(UsageError, match=r"model=gdn-target has 1"):
+        check_overrides(["experiment=bench", "model.targets.1.name=x"])  # bench's default model
+    check_overrides(["model.targets.2.draft=null"])  # the zoo's third target: fine
+    check_overrides(["model=zoo,hf", "model.targets.2.draft=null"])  # a sweep where one model has it

@@ -280,6 +280,8 @@ def check_overrides(args: list[str]) -> None:
                 raise UsageError(f"num_speculative_tokens=auto: experiment={', experiment='.join(refusing)} takes an "
                                  f"int K; auto (K chosen per step) is taken by experiment={takes}")
         parts = key.split(".")
+        if len(parts) > 2 and parts[:2] == ["model", "targets"] and parts[2].isdigit():
+            _check_target_index(int(parts[2]), key, overrides, names)
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):
             continue
@@ -287,6 +289,30 @@ def check_overrides(args: list[str]) -> None:
         for s in schemas:
             candidates.update(_all_keys(s))
         raise UsageError(f"unknown key '{key}'{_suggest(key, candidates)}; `specdec-run --help` lists the keys")
+
+
+def _check_target_index(index: int, key: str, overrides: list[str], experiments: list[str]) -> None:
+    """Raise UsageError when ``model.targets.<index>`` is past the targets of every model config
+    the run can pick (``model=`` given, else each experiment's default model)."""
+    picks = [v.strip() for a in overrides if a.partition("=")[0].lstrip("+~") == "model"
+             for v in a.partition("=")[2].split(",")]
+    if not picks:
+        for name in experiments:
+            chosen = _defaults()[0].get("model")
+            for d in _yaml(Path(CONF_DIR, "experiment", f"{name}.yaml")).get("defaults", []):
+                if isinstance(d, dict) and "override /model" in d:
+                    chosen = str(d["override /model"])
+            picks.append(chosen)
+    counts = {}
+    for pick in picks:
+        path = Path(CONF_DIR, "model", f"{pick}.yaml")
+        if path.is_file():
+            counts[pick] = len(_yaml(path).get("targets") or [])
+    if counts and all(index >= n for n in counts.values()):
+        have = "; ".join(f"model={p} has {n} (model.targets.0{'' if n == 1 else f' to {n - 1}'})"
+                         for p, n in counts.items())
+        raise UsageError(f"{key}: no target {index} ({have}); set keys of an existing target, or give "
+                         "model.targets as a whole list")
 
 
 def _takes_any(schema, name: str) -> bool:
