@@ -252,3 +252,12 @@ def test_a_target_index_past_the_models_targets_is_one_clear_error():
         check_overrides(["experiment=bench", "model.targets.1.name=x"])  # bench's default model
     check_overrides(["model.targets.2.draft=null"])  # the zoo's third target: fine
     check_overrides(["model=zoo,hf", "model.targets.2.draft=null"])  # a sweep where one model has it
+
+
+def test_help_lists_the_keys_of_a_target():
+    """--help lists model.targets.N's keys (the unknown-key error sends users there), not for a recipe."""
+    text = help_text()
+    for key in ("name", "draft", "tokenizer", "mtp", "device_map", "max_memory"):
+        assert f"  model.targets.0.{key} " in text
+    assert "model.targets.0." not in help_text("train_zoo")
+    assert max(len(ln) for ln in text.splitlines()) <= 100

@@ -143,7 +143,8 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
     recipe = experiment in RECIPES
     lines = ["usage: specdec-run [group=option ...] [key=value ...]   (or: python -m specdec ...)", "",
              "Exact speculative decoding experiments on hybrid models. Each run writes results.jsonl,",
-             "summary.md and plots into its folder (outputs/<experiment>/<date>_<time>/) and prints that folder.", ""]
+             "summary.md (and plots: acceptance, rollback, bench, adaptive, serve) into its folder",
+             "(outputs/<experiment>/<date>_<time>/) and prints that folder.", ""]
     if recipe:
         lines += [*textwrap.wrap(f"experiment={experiment} is a training recipe: it writes models and MANIFEST.json "
                                  "into <out_dir>/zoo/ (unset: the installed package's zoo) and prints that folder.",
@@ -167,6 +168,11 @@ def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
         d = defaults.get(key)
         shown = "" if d is None and key not in defaults else f" [{_show(d)}]"
         lines.append(wrap.fill(f"  {key:<24}  {text}{shown}"))
+    if not recipe:
+        lines += ["", *textwrap.wrap("Keys of each target model (model.targets.N.<key>=value, N from 0; model=hf "
+                                     "needs model.targets.0.name):", width)]
+        for key, text in field_help(_config.TargetConfig).items():
+            lines.append(wrap.fill(f"  {'model.targets.0.' + key:<24}  {text}"))
     lines += ["", "Examples:",
               "  specdec-run                                     # acceptance on the zoo: exactness, acceptance",
               "  specdec-run model=gdn-target drafter=ngram rollback=snapshot num_speculative_tokens=0",
