@@ -752,7 +752,7 @@ class FixedCosts(CostModel):
         got = self._fn(key.strategy, key.batch, K)
         try:
             t = float(got)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"FixedCosts: step time at K={K} for {key} must be a finite number > 0 (seconds), got "
                              f"{type(got).__name__} {got!r}") from None
         if not t > 0 or math.isinf(t):

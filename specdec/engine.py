@@ -484,6 +484,7 @@ class SpeculativeGenerator:
 
     @max_batch_tokens.setter
     def max_batch_tokens(self, value):
+        self._check_free("setting max_batch_tokens")
         self.adapter.max_prefill_tokens = check_batch_tokens(value)
 
     @property

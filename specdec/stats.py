@@ -33,7 +33,8 @@ class Stats:
         k_histogram[K]: steps that asked for K drafts (``num_speculative_tokens="auto"`` chooses
         K per step, up to ``max_speculative_tokens``; a fixed K puts every step at K).
         k_per_step: the K of every step, in order. rollback: the rollback strategy the call ran
-        (``"none"``: plain decoding, the state updated in place, or a call that ran no step). rollback_reason: with
+        (``"none"``: plain decoding, the state updated in place, or a call that decoded nothing:
+        ``max_new_tokens=0``, or a pool whose requests all ended or failed before its loop). rollback_reason: with
         ``rollback="auto"``, why that strategy (the candidates' predicted tokens/s or step times,
         and any left out); None otherwise. calibration_s: time measuring step costs
         (``"auto"``'s first call per batch size; part of wall_s). predicted_tokens_per_s /

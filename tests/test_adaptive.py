@@ -1534,7 +1534,7 @@ def test_bad_adaptive_settings_fail_clearly():
     ids, mask, _, _ = reference("qwen3_5")
     with pytest.raises(ValueError, match="FixedCosts: step time at K=0 .* must be a finite number > 0"):
         sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
-    for bad in ("x", None):  # not a number at all: the same error, naming what came back
+    for bad in ("x", None, 10 ** 400):  # not a (float) number: the same error, naming what came back
         sd.cost_model = FixedCosts(lambda s, b, K, bad=bad: bad)
         with pytest.raises(ValueError, match=f"FixedCosts: step time at K=0 .* must be a finite number > 0 .*got {type(bad).__name__}"):
             sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)

@@ -1197,10 +1197,10 @@ def test_file_errors_say_what_is_wrong_once(tmp_path: Path):
         load_prompt_file(bad)
     text = one_line(info.value)
     assert "line 2: not valid JSON" in text and text.count("Invalid control character") == 1, text
-    assert "line 1 column" in text, text
+    assert "(Invalid control character at column 14)" in text and "line 1" not in text, text  # (the file's line, not the parser's)
     binary = tmp_path / "binary.jsonl"
-    binary.write_bytes(b"\xff\xfe{}\n")
-    with pytest.raises(ValueError, match=f"{re.escape(str(binary))}: not UTF-8 text"):
+    binary.write_bytes(b'{"prompt": "ok"}\n' * 300 + b"\xff\xfe{}\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(binary))}, line 301: not UTF-8 text"):
         load_prompt_file(binary)
 
 
@@ -1237,6 +1237,10 @@ def test_out_of_memory_is_one_line_with_what_to_do(tmp_path: Path, capsys):
     kept.mkdir()
     (kept / "results.jsonl").write_text('{"a": 1}\n')
     assert not app._drop_if_empty(kept) and kept.exists()
+    users = tmp_path / "users"  # hydra.run.dir pointed at a folder of the user's: its empty files stay
+    (users / ".hydra").mkdir(parents=True)
+    (users / ".gitkeep").write_text("")
+    assert not app._drop_if_empty(users) and (users / ".gitkeep").exists()
 
 
 def test_the_last_line_names_plots_only_where_the_run_wrote_some(tmp_path: Path):

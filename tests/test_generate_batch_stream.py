@@ -204,6 +204,7 @@ def test_the_running_loop_owns_the_generator():
                      lambda: setattr(sd, "num_speculative_tokens", 2),
                      lambda: setattr(sd, "max_speculative_tokens", 2), lambda: setattr(sd, "policy", None),
                      lambda: setattr(sd, "cost_model", None), lambda: setattr(sd, "decode_path", "eager"),
+                     lambda: setattr(sd, "max_batch_tokens", 64),
                      other.start):
             with pytest.raises(RuntimeError, match="continuous batching manager is running"):
                 call()

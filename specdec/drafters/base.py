@@ -244,9 +244,10 @@ def draft_prob_errors(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: tor
     sampled from (rejection sampling would then keep neither distribution)."""
     w = drafts.shape[1]
     used = torch.arange(w, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, w]
-    q = probs[:, :w].float()
-    bad = ~torch.isfinite(q).all(-1) | (q < 0).any(-1) | ~(q.gather(2, drafts[..., None])[..., 0] > 0)
-    return (bad & used).any()[None]
+    q = probs[:, :w]
+    low, high = torch.aminmax(q, dim=-1)  # one pass over the distributions (a NaN propagates to both)
+    good = (low >= 0) & (high < float("inf")) & (q.gather(2, drafts[..., None])[..., 0] > 0)
+    return (~good & used).any()[None]
 
 
 def check_tree_proposal(nodes, batch: int, tree) -> torch.Tensor:

@@ -473,11 +473,16 @@ def _results_line(cfg: DictConfig, out_dir: Path) -> str:
     return f"specdec-run: results in {out_dir} (summary.md, results.jsonl{plots})"
 
 
+#: the files a run writes into its folder first (empty until it measures something)
+RUN_FILES = ("results.jsonl", "summary.md")
+
+
 def _drop_if_empty(out_dir: Path) -> bool:
-    """Remove a run folder that holds nothing but Hydra's own files (``.hydra/``, logs) and empty
-    files (a results file opened before the run failed), so a run refused before it measured
-    anything leaves no empty folder behind; True when removed."""
-    if out_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" or (p.is_file() and p.stat().st_size == 0)
+    """Remove a run folder that holds nothing but Hydra's own files (``.hydra/``, logs) and an empty
+    ``results.jsonl`` or ``summary.md`` (opened before the run failed), so a run refused before it
+    measured anything leaves no empty folder behind; True when removed."""
+    if out_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log"
+                                or (p.name in RUN_FILES and p.is_file() and p.stat().st_size == 0)
                                 for p in out_dir.iterdir()):
         shutil.rmtree(out_dir, ignore_errors=True)
         return True

@@ -385,7 +385,7 @@ def load_draft(spec, device, dtype):
         draft["tokenizer"] = str(spec.get("tokenizer") or spec.name)
     try:
         model, _ = load_target(OmegaConf.create(draft), device, dtype)
-    except ValueError as err:
+    except (ValueError, KeyError, OSError) as err:  # (OSError: FileNotFoundError among them)
         raise ValueError(f"the draft model of {spec.name!r} (model.targets.N.draft): {err}") from None
     return model
 

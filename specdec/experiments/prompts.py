@@ -31,25 +31,22 @@ def json_objects(path: str | Path, option: str, example: str):
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"{option}={path}: no such file (one JSON object per line, {example})")
-    with open(p, encoding="utf-8") as f:
-        n = 0
-        while True:
+    with open(p, "rb") as f:  # (bytes, decoded a line at a time: an error names its line)
+        for n, raw in enumerate(f, start=1):
+            where = f"{option}={path}, line {n}"
             try:
-                line = next(f, None)
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"{option}={path}: not UTF-8 text ({err.reason}, read after line {n}); one JSON "
+                raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start} of the line); one JSON "
                                  f"object per line, {example}") from None
-            if line is None:
-                return
-            n += 1
             if not line.strip():
                 continue
-            where = f"{option}={path}, line {n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err}); each line is one object such as "
-                                 f"{example}") from None
+                what = err.msg.removesuffix(" at")  # (json's "Invalid control character at" expects a position)
+                raise ValueError(f"{where}: not valid JSON ({what} at column {err.colno}); each line is one "
+                                 f"object such as {example}") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object such as {example}, got {type(obj).__name__}")
             yield n, where, obj
