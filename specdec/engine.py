@@ -951,7 +951,7 @@ class SpeculativeGenerator:
         """``last_stats`` of a pool that decoded nothing (every request finished or failed before a
         step, or a manager stopped before a request came): no steps, no tokens, the pool's rows."""
         K = self._most_drafts
-        self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1), rollback="none",
+        self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1),
                                 max_batch_size=plan.rows, batch_size_reason=plan.reason)
 
     def _check_free(self, what: str) -> None:
@@ -1024,7 +1024,7 @@ class SpeculativeGenerator:
         K = self._most_drafts
         V, max_new = self.adapter.vocab_size, s.max_new_tokens
         if max_new == 0:
-            self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1), rollback="none")
+            self.last_stats = Stats(accept_histogram=[0] * (K + 1), k_histogram=[0] * (K + 1))
             if s.streamer is not None:
                 s.streamer.put(ids.cpu())
                 s.streamer.end()

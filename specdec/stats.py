@@ -81,7 +81,7 @@ class Stats:
     draft_error: str | None = None
     k_histogram: list = field(default_factory=list)
     k_per_step: list = field(default_factory=list)
-    rollback: str = ""
+    rollback: str = "none"
     rollback_reason: str | None = None
     calibration_s: float = 0.0
     predicted_tokens_per_s: float | None = None

@@ -70,6 +70,21 @@ def _yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def _group_picks(experiment: str) -> dict[str, str]:
+    """The group options a run of ``experiment`` starts from: ``conf/config.yaml``'s, with the
+    experiment's own ``override /<group>`` defaults."""
+    picks, _ = _defaults()
+    exp_file = Path(CONF_DIR, "experiment", f"{experiment}.yaml")
+    if exp_file.is_file():
+        for d in _yaml(exp_file).get("defaults", []):
+            if isinstance(d, dict):
+                (k, v), = d.items()
+                g = k.replace("override", "").strip(" /")
+                if g in GROUPS:
+                    picks[g] = str(v)
+    return picks
+
+
 def _defaults() -> tuple[dict[str, str], dict]:
     """The group options ``conf/config.yaml`` picks, and its top-level values."""
     top = _yaml(Path(CONF_DIR, "config.yaml"))
@@ -129,16 +144,8 @@ def _show(v) -> str:
 def help_text(experiment: str | None = None, width: int = WIDTH) -> str:
     """The ``--help`` text: groups with options, the plain keys of ``experiment`` (default: the
     one ``conf/config.yaml`` picks) with help and default, examples."""
-    picks, _ = _defaults()
-    experiment = experiment or picks.get("experiment", "acceptance")
-    exp_file = Path(CONF_DIR, "experiment", f"{experiment}.yaml")
-    if exp_file.is_file():  # an experiment may pick other group defaults
-        for d in _yaml(exp_file).get("defaults", []):
-            if isinstance(d, dict):
-                (k, v), = d.items()
-                g = k.replace("override", "").strip(" /")
-                if g in GROUPS:
-                    picks[g] = str(v)
+    experiment = experiment or _defaults()[0].get("experiment", "acceptance")
+    picks = _group_picks(experiment)
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * 28)
     recipe = experiment in RECIPES
     lines = ["usage: specdec-run [group=option ...] [key=value ...]   (or: python -m specdec ...)", "",
@@ -303,12 +310,7 @@ def _check_target_index(index: int, key: str, overrides: list[str], experiments:
     picks = [v.strip() for a in overrides if a.partition("=")[0].lstrip("+~") == "model"
              for v in a.partition("=")[2].split(",")]
     if not picks:
-        for name in experiments:
-            chosen = _defaults()[0].get("model")
-            for d in _yaml(Path(CONF_DIR, "experiment", f"{name}.yaml")).get("defaults", []):
-                if isinstance(d, dict) and "override /model" in d:
-                    chosen = str(d["override /model"])
-            picks.append(chosen)
+        picks = [_group_picks(name).get("model") for name in experiments]
     counts = {}
     for pick in picks:
         path = Path(CONF_DIR, "model", f"{pick}.yaml")

@@ -619,8 +619,10 @@ def _run_fields(res: RunResult, reference: list[list[int]] | None) -> dict:
     wall = Timing(tuple(res.walls))
     ttft = [1e3 * t.time_to_first_token for t, _ in res.samples]
     tpot = [1e3 * (t.finished - t.first_token) / (n - 1) for t, n in res.samples if n >= 2]
-    hist = [sum(col) for col in itertools.zip_longest(*(st.accept_histogram for st in res.stats), fillvalue=0)]
-    k_hist = [sum(col) for col in itertools.zip_longest(*(st.k_histogram for st in res.stats), fillvalue=0)]
+    def summed(name: str) -> list[int]:  # a histogram of the run's calls, bin by bin
+        return [sum(col) for col in itertools.zip_longest(*(getattr(st, name) for st in res.stats), fillvalue=0)]
+
+    hist, k_hist = summed("accept_histogram"), summed("k_histogram")
     steps = sum(st.steps for st in res.stats)
     row_steps = sum(hist)
     accepted = sum(st.accepted_tokens for st in res.stats)
