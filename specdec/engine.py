@@ -307,6 +307,25 @@ def _claims_generator(what: str):
     return wrap
 
 
+def _setting(what: str):
+    """Decorate a setting's setter (or ``release()``): under the lock that ``generate()`` /
+    ``generate_batch()`` and a manager's ``start()`` / ``warmup()`` claim the generator under, it
+    checks the generator is free (:meth:`SpeculativeGenerator._check_free`, naming ``what``) and
+    sets, so a setter racing a ``start()`` on another thread either lands before ``start()``
+    checks its memory plan or is refused after it."""
+
+    def wrap(setter):
+        @functools.wraps(setter)
+        def guarded(self, *args):
+            with self._claiming:
+                self._check_free(what)
+                return setter(self, *args)
+
+        return guarded
+
+    return wrap
+
+
 class SpeculativeGenerator:
     """Exact speculative decoding for a Hugging Face hybrid causal LM (what :func:`specdec.wrap` returns).
 
@@ -396,8 +415,8 @@ class SpeculativeGenerator:
         return self._K
 
     @num_speculative_tokens.setter
+    @_setting("setting num_speculative_tokens")
     def num_speculative_tokens(self, value):
-        self._check_free("setting num_speculative_tokens")
         if isinstance(value, str):
             if value != AUTO:
                 raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}] or 'auto', "
@@ -425,8 +444,8 @@ class SpeculativeGenerator:
         return self._max_K if self._K == AUTO else self._K
 
     @max_speculative_tokens.setter
+    @_setting("setting max_speculative_tokens")
     def max_speculative_tokens(self, value):
-        self._check_free("setting max_speculative_tokens")
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"max_speculative_tokens must be an int, got {type(value).__name__}")
         if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
@@ -443,8 +462,8 @@ class SpeculativeGenerator:
         return self._costs
 
     @cost_model.setter
+    @_setting("setting the cost model")
     def cost_model(self, value):
-        self._check_free("setting the cost model")
         if value is not None and not isinstance(value, CostModel):
             raise TypeError(f"cost_model must be a specdec.adaptive.CostModel (e.g. FixedCosts) or None, got "
                             f"{type(value).__name__}")
@@ -457,8 +476,8 @@ class SpeculativeGenerator:
         return self._policy
 
     @policy.setter
+    @_setting("setting the policy")
     def policy(self, value):
-        self._check_free("setting the policy")
         if value is not None and not isinstance(value, PolicySettings):
             raise TypeError(f"policy must be a specdec.adaptive.PolicySettings or None, got {type(value).__name__}")
         self._policy = value or PolicySettings()
@@ -483,8 +502,8 @@ class SpeculativeGenerator:
         return self.adapter.max_prefill_tokens
 
     @max_batch_tokens.setter
+    @_setting("setting max_batch_tokens")
     def max_batch_tokens(self, value):
-        self._check_free("setting max_batch_tokens")
         self.adapter.max_prefill_tokens = check_batch_tokens(value)
 
     @property
@@ -493,8 +512,8 @@ class SpeculativeGenerator:
         return self._decode_path
 
     @decode_path.setter
+    @_setting("setting the decode path")
     def decode_path(self, value):
-        self._check_free("setting the decode path")
         if value not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {value!r}")
         if value == "cuda_graph" and self.adapter.offloads_weights:
@@ -512,8 +531,8 @@ class SpeculativeGenerator:
         return self._drafter
 
     @drafter.setter
+    @_setting("setting the drafter")
     def drafter(self, value):
-        self._check_free("setting the drafter")
         d = make_drafter(value, target=self.model)
         dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
@@ -534,8 +553,8 @@ class SpeculativeGenerator:
         return self._strategy
 
     @strategy.setter
+    @_setting("setting the rollback strategy")
     def strategy(self, value):
-        self._check_free("setting the rollback strategy")
         try:  # (checked before anything changes: a refused value leaves the strategy as it was)
             strategy = None if value == AUTO else make_strategy(value)
         except ValueError as err:
@@ -548,11 +567,11 @@ class SpeculativeGenerator:
     #: :attr:`strategy` under the name of ``wrap()``'s argument (``sd.rollback = "ring"``)
     rollback = strategy
 
+    @_setting("release()")
     def release(self) -> None:
         """Free the static buffers and CUDA graphs kept for the next call of the same shape.
 
         Raises: RuntimeError while a continuous batching manager of this generator runs."""
-        self._check_free("release()")
         self._static.clear()
         self.decoder = self.last_cache = None
 

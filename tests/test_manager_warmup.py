@@ -499,3 +499,47 @@ def test_settings_needing_less_memory_than_planned_serve_exact():
                                     eos_token_id=eos)
     sd.rollback = "replay"
     assert _serve(m, prompts[:2], budgets[:2])["req_1"].generated_tokens == expected[1]
+
+
+def test_a_setter_racing_start_waits_for_the_claim_and_is_refused():
+    """A setter called on another thread while start() checks its memory plan (under the claim)
+    waits for the claim to end and is then refused, as the loop runs: it cannot change K after
+    start() checked the plan under it."""
+    import threading
+
+    from specdec.engine import SpeculativeGenerator
+
+    prompts, budgets, eos, expected, full = _reference(FAMILY)
+    sd = specdec.wrap(get_model(FAMILY), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                      decode_path="static")
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget="8MiB",
+                                    eos_token_id=eos)
+    seen = {}
+    real_check_plan = SpeculativeGenerator._check_plan
+
+    def set_k():
+        try:
+            sd.num_speculative_tokens = 8
+        except RuntimeError as err:
+            seen["error"] = err
+
+    def check_plan(self, what, plan, span):
+        setter = seen["setter"] = threading.Thread(target=set_k)
+        setter.start()
+        setter.join(timeout=1.0)
+        seen["set_during_the_claim"] = not setter.is_alive()
+        return real_check_plan(self, what, plan, span)
+
+    SpeculativeGenerator._check_plan = check_plan
+    try:
+        m.start()
+    finally:
+        SpeculativeGenerator._check_plan = real_check_plan
+    try:
+        seen["setter"].join(timeout=30)
+        assert not seen["set_during_the_claim"] and sd.num_speculative_tokens == 3
+        assert "manager is running" in str(seen["error"])
+        rid = m.add_request(prompts[0], max_new_tokens=budgets[0])
+        assert m.get_result(rid, timeout=60).generated_tokens == expected[0]
+    finally:
+        m.stop()
