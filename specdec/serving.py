@@ -119,6 +119,22 @@ def warmup_grid(rows: int, max_length: int, max_batch_tokens: int) -> list[tuple
     return grid
 
 
+def warmup_group_sizes(rows: int, prompts: int) -> list[int]:
+    """How many of the user's ``prompts`` each pool run of :meth:`ContinuousBatchingManager.warmup`
+    on a pool of ``rows`` rows gives its first admission: 1 (each prompt alone), then ``min(B,
+    rows, prompts)`` for each row bucket ``B`` = 2, 4, ... up to
+    :data:`~specdec.models.prompt_graphs.PROMPT_GRAPH_ROWS` that a prefill forward of at most that
+    many prompts can round up to. (An admission while rows decode takes at most
+    :func:`~specdec.batching.admission_rows` requests; the loop's first one, of requests queued
+    before ``start()``, up to every row, a forward holding at most ``PROMPT_GRAPH_ROWS`` of them.)"""
+    most = min(rows, prompts)
+    sizes, B = [1], 2
+    while B <= PROMPT_GRAPH_ROWS and B // 2 < most:
+        sizes.append(min(B, most))
+        B *= 2
+    return sizes
+
+
 class _HardStop(Exception):
     """Raised by an open pool's ``take`` to end the decode loop at once (``stop(hard_stop=True)``)."""
 
@@ -359,14 +375,18 @@ class ContinuousBatchingManager:
                 :data:`WARMUP_SEED`) its first admission prefills in one forward of that bucket;
                 without the prefix cache (a prompt that hits nothing in it runs in the same
                 buckets). Or a list of prompts, each a list (or 1-D tensor) of token ids, e.g. a
-                system prompt and sample requests after it: each runs alone (one row), in order.
+                system prompt and sample requests after it: each runs alone (one row), in order,
+                then in consecutive groups of 2, 4 and 8 (at most the pool's rows:
+                :func:`warmup_group_sizes`), each group prefilled in one forward, as admissions of
+                several requests are.
                 With prefix caching, each round runs them through a scratch
                 :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size, bounded by
                 what the manager's cache leaves of its byte bound (the pool's plan counts one
-                cache) and dropped after the round, so prompts sharing a prefix hit it within the
-                round and the one-row forwards continued from it warm up too (an admission of
-                several such rows at once is another bucket), while the manager's cache and its
-                counters stay as they are. The grid and the prompts warm the decode step's buffers
+                cache) and dropped after the pass, so prompts sharing a prefix hit it within the
+                round and the forwards continued from it, of one row and of each group, warm up
+                too; then each size's groups run once more through an empty scratch cache, where
+                they miss, as an admission of several prompts unlike any cached before does. The
+                manager's cache and its counters stay as they are. The grid and the prompts warm the decode step's buffers
                 and graphs the generator keeps for this pool: a call of the generator with another
                 shape between ``warmup()`` and ``start()`` replaces them.
             rounds: how many times the grid (or the prompts) runs, an int >= 1: the first round
@@ -397,7 +417,8 @@ class ContinuousBatchingManager:
             raise TypeError(f"rounds must be an int (passes over the warm-up's requests), got {type(rounds).__name__}")
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1 (passes over the warm-up's requests), got {rounds}")
-        runs = self._warmup_runs(prompts)
+        passes = self._warmup_runs(prompts)
+        runs = sum(len(p) for p in passes)
         if not runs:
             logger.warning(f"warm-up: no prompt bucket fits max_batch_tokens={self.max_batch_tokens} and "
                            f"max_length={self.max_length} (the smallest bucket is 32 tokens): nothing ran")
@@ -412,12 +433,13 @@ class ContinuousBatchingManager:
                 start = time.perf_counter()
                 with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
                     for _ in range(rounds):
-                        cache = (PrefixCache(self.prefix_cache.block_size,  # (within the pool's planned bytes)
-                                             max(0, self.prefix_cache.max_bytes - self.prefix_cache.nbytes))
-                                 if scratch else None)
-                        for requests in runs:
-                            self._run(RequestPool(list(requests), self.max_batch_size, self.max_length,
-                                                  prefix_cache=cache, max_batch_tokens=self.max_batch_tokens))
+                        for runs_of_pass in passes:
+                            cache = (PrefixCache(self.prefix_cache.block_size,  # (within the pool's planned bytes)
+                                                 max(0, self.prefix_cache.max_bytes - self.prefix_cache.nbytes))
+                                     if scratch else None)
+                            for requests in runs_of_pass:
+                                self._run(RequestPool(list(requests), self.max_batch_size, self.max_length,
+                                                      prefix_cache=cache, max_batch_tokens=self.max_batch_tokens))
             finally:
                 self._claimant = None
             seconds = time.perf_counter() - start
@@ -426,16 +448,17 @@ class ContinuousBatchingManager:
         self.warmed_up = True
         how = "" if forwards is None else (f"{sum(forwards.values())} prompt forwards ("
                                            + ", ".join(f"{k} {v}" for k, v in forwards.items()) + ") ")
-        logger.info(f"warm-up: {how}in {rounds * len(runs)} pool runs, {seconds:.2f} s")
-        return {"prompt_forwards": forwards, "pool_runs": rounds * len(runs), "seconds": seconds}
+        logger.info(f"warm-up: {how}in {rounds * runs} pool runs, {seconds:.2f} s")
+        return {"prompt_forwards": forwards, "pool_runs": rounds * runs, "seconds": seconds}
 
-    def _warmup_runs(self, prompts) -> list[list[Request]]:
-        """The requests of each pool run of one round of :meth:`warmup` (checked; raises as it says)."""
+    def _warmup_runs(self, prompts) -> list[list[list[Request]]]:
+        """The requests of each pool run of one round of :meth:`warmup`, by pass (each pass with
+        its own scratch prefix cache where there is one); checked, raises as it says."""
         if prompts is None:
             g = torch.Generator().manual_seed(WARMUP_SEED)
-            return [[Request(i, tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
-                             min(WARMUP_NEW_TOKENS, self.max_length - n), warmup=True) for i in range(rows)]
-                    for rows, n in warmup_grid(self.max_batch_size, self.max_length, self.max_batch_tokens)]
+            return [[[Request(i, tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
+                              min(WARMUP_NEW_TOKENS, self.max_length - n), warmup=True) for i in range(rows)]
+                     for rows, n in warmup_grid(self.max_batch_size, self.max_length, self.max_batch_tokens)]]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"warmup(prompts=...) takes None (the synthetic grid of prompt buckets) or a list of "
                             f"prompts, each a list (or 1-D tensor) of token ids; got {type(prompts).__name__}")
@@ -447,8 +470,13 @@ class ContinuousBatchingManager:
         if failed:
             out = failed[min(failed)]
             raise ValueError(f"{out.request_id} cannot run: {out.error}")
-        return [[dataclasses.replace(r, max_new_tokens=min(WARMUP_NEW_TOKENS, self.max_length - len(r.prompt)),
-                                     warmup=True)] for r in requests]
+        requests = [dataclasses.replace(r, max_new_tokens=min(WARMUP_NEW_TOKENS, self.max_length - len(r.prompt)),
+                                        warmup=True) for r in requests]
+        by_size = [[requests[i:i + n] for i in range(0, len(requests), n)]
+                   for n in warmup_group_sizes(self.max_batch_size, len(requests))]
+        runs = [run for runs in by_size for run in runs]
+        # (with the prefix cache, each size's groups again through an empty cache, where they miss)
+        return [runs] + (by_size[1:] if self.prefix_cache is not None else [])
 
     # requests --------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,

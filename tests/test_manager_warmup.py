@@ -75,13 +75,26 @@ def test_serving_after_warmup_is_exact(config):
     assert grid["pool_runs"] == 2 * 3 and grid["seconds"] > 0  # rows 1, 2, 3 of one width, twice
     assert sum(grid["prompt_forwards"].values()) == 2 * grid["pool_runs"]  # (placeholders + prompts)
     given = m.warmup([prompts[0], prompts[2] + prompts[0]], rounds=1)
-    assert given["pool_runs"] == 2
+    # each prompt alone, then both in one forward; with the cache, both again through an empty one
+    assert given["pool_runs"] == 3 + (config == "ngram_prefix_cache")
     _untouched(m)
     _check(_serve(m, prompts, budgets), expected, prompts)
     if config == "oracle":
         assert sd.last_stats.accepted_tokens > 0  # the requests drafted their references
     if config == "ngram_prefix_cache":
         assert sd.last_stats.prefix_cache["lookups"] == len(prompts)  # the manager's own counters only
+
+
+@pytest.mark.parametrize("rows, prompts, sizes", [(16, 9, [1, 2, 4, 8]), (64, 20, [1, 2, 4, 8]), (3, 9, [1, 2, 3]),
+                                                  (64, 3, [1, 2, 3]), (1, 5, [1]), (8, 1, [1])])
+def test_warmup_groups_reach_every_row_bucket_of_an_admission(rows, prompts, sizes):
+    """The user's prompts warm up alone and in groups, one per row bucket (powers of two up to
+    PROMPT_GRAPH_ROWS) a forward of at most min(rows, prompts) of them rounds up to."""
+    from specdec.serving import warmup_group_sizes
+
+    assert warmup_group_sizes(rows, prompts) == sizes
+    assert {prompt_bucket(n, 32)[0] for n in range(1, min(rows, prompts, PROMPT_GRAPH_ROWS) + 1)} == \
+        {prompt_bucket(n, 32)[0] for n in sizes}
 
 
 def _grid_buckets(rows: int, max_length: int, max_batch_tokens: int) -> set[tuple[int, int]]:
@@ -111,19 +124,24 @@ def test_grid_meets_every_bucket_once_per_round(rows, max_length, max_batch_toke
 
 
 def test_warmup_prompts_counts():
-    """warmup(prompts): each prompt alone, in order, once per round: without the prefix cache one
-    prompt forward each (and its run's placeholders); with it, through a fresh scratch cache per
-    round, the forwards an empty cache makes them run (a branch point takes two), while the
-    manager's cache stays empty."""
+    """warmup(prompts) on a one-row pool: each prompt alone, in order, once per round: without
+    the prefix cache one prompt forward each (and its run's placeholders); with it, through a
+    fresh scratch cache per round, the forwards an empty cache makes them run (a branch point
+    takes two), while the manager's cache stays empty. On a pool of 3 rows, the prompts run in
+    twos and threes too, and with the cache those groups again through an empty one."""
     prompts = _shared_prompts()[:5]
     for caching in (False, True):
         kw = dict(prefix_caching=True, prefix_block_size=BS) if caching else {}
-        sd, m = _manager(**kw)
+        sd, m = _manager(rows=1, **kw)
         forwards = sum(f for _, f, _ in _simulate(prompts)) if caching else len(prompts)
         got = m.warmup(prompts)
         assert got["pool_runs"] == 2 * len(prompts)
         assert got["prompt_forwards"]["static"] == 2 * (len(prompts) + forwards), caching
         assert sum(got["prompt_forwards"].values()) == got["prompt_forwards"]["static"]
+        _untouched(m)
+        sd, m = _manager(rows=3, **kw)
+        groups = 3 + 2  # five prompts in twos, then in threes (with the cache: again, each size through an empty one)
+        assert m.warmup(prompts)["pool_runs"] == 2 * (len(prompts) + groups + (groups if caching else 0))
         _untouched(m)
 
 
@@ -144,7 +162,7 @@ def test_scratch_cache_within_what_the_managers_cache_leaves(monkeypatch):
     real = serving.PrefixCache
     monkeypatch.setattr(serving, "PrefixCache", lambda *a: made.append(a) or real(*a))
     m.warmup(prompts[:2])
-    assert made == [(BS, m.prefix_cache.max_bytes - held)] * 2
+    assert made == [(BS, m.prefix_cache.max_bytes - held)] * 4  # per round: the prompts alone and in twos; the twos
     assert m.prefix_cache.nbytes == held and m.prefix_cache.stats == stats
 
 
@@ -407,11 +425,12 @@ def test_oracle_proposes_nothing_for_a_warmup_row():
         d.admit(torch.tensor([1]), None, None, None, [Request(0, stranger, 2)])
 
 
-def _serve_warmed(model, path: str, caching: bool):
-    """Warm a manager of ``model`` on decode ``path`` up with its prompts (``caching``: prompts
-    sharing a prefix, through the prefix cache), then serve them one at a time; returns the
-    manager's generator, the warm-up's report, the prompt buckets and counts before serving, and
-    the tokens (checked against the eager path's on the same model)."""
+def _serve_warmed(model, path: str, caching: bool, rows: int = ROWS, together: bool = False):
+    """Warm a manager of ``model`` with ``rows`` rows on decode ``path`` up with its prompts
+    (``caching``: prompts sharing a prefix, through the prefix cache), then serve them one at a
+    time (``together``: all queued before the loop starts, so admissions take several at once);
+    returns the manager's generator, the warm-up's report, the prompt buckets and counts before
+    serving; the tokens are checked against the eager path's on the same model."""
     if caching:
         prompts, budgets, eos = _shared_prompts(), BUDGETS, EOS
         kw = dict(prefix_caching=True, prefix_block_size=BS)
@@ -421,14 +440,20 @@ def _serve_warmed(model, path: str, caching: bool):
     eager = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
     want = eager.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos, max_batch_size=ROWS)
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
-    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=ROWS, eos_token_id=eos, **kw)
+    m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size=rows, eos_token_id=eos, **kw)
     pg = sd.adapter.prompt_graphs
     got = m.warmup(prompts)
     buckets, counts = set(pg._buckets), dict(pg.counts)
-    with m:
-        for i, (p, b) in enumerate(zip(prompts, budgets)):
-            out = m.get_result(m.add_request(p, max_new_tokens=b), timeout=60)
-            assert out.generated_tokens == want[f"req_{i}"].generated_tokens, i
+    if together:
+        ids = [m.add_request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+        with m:
+            for i, rid in enumerate(ids):
+                assert m.get_result(rid, timeout=60).generated_tokens == want[f"req_{i}"].generated_tokens, i
+    else:
+        with m:
+            for i, (p, b) in enumerate(zip(prompts, budgets)):
+                out = m.get_result(m.add_request(p, max_new_tokens=b), timeout=60)
+                assert out.generated_tokens == want[f"req_{i}"].generated_tokens, i
     if caching:
         assert sd.last_stats.prefix_cache["hit_blocks"] > 0
     return sd, got, buckets, counts
@@ -443,6 +468,18 @@ def test_serving_the_warmed_prompts_meets_no_new_bucket(caching):
     pg = sd.adapter.prompt_graphs
     assert set(pg._buckets) == buckets and pg.counts["static"] > counts["static"]
     assert not caching or any(key[2] for key in buckets)  # (a forward continued from restored columns)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_admissions_of_several_warmed_prompts_meet_no_new_bucket(caching):
+    """The warm-up runs its prompts in groups of 2, 4 and 8 too after running each alone, so
+    serving them all queued before start() (the loop's first admission takes them all, a forward
+    of up to 8; later admissions of a pool of 16 rows take up to 2), with the prefix cache
+    continued from the cached prefix, meets only its buckets."""
+    sd, got, buckets, counts = _serve_warmed(get_model(FAMILY), "static", caching, rows=16, together=True)
+    pg = sd.adapter.prompt_graphs
+    assert any(key[0] == 2 for key in buckets) and (not caching or any(key[0] == 2 and key[2] for key in buckets))
+    assert set(pg._buckets) == buckets and pg.counts["static"] > counts["static"], (set(pg._buckets) - buckets)
 
 
 @pytest.mark.gpu
