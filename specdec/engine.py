@@ -371,7 +371,8 @@ class SpeculativeGenerator:
             K not an int or ``"auto"``.
         ValueError: unsupported family, unknown drafter/strategy name, K or
             ``max_speculative_tokens`` out of range, a drafter whose vocabulary differs from the
-            target's, ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
+            target's or that was made for another model (:attr:`Drafter.bound_model
+            <specdec.drafters.Drafter.bound_model>`), ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
             accelerate whose layers compute on several devices, ``decode_path="cuda_graph"`` for
             one whose weights are offloaded.
     """
@@ -534,6 +535,11 @@ class SpeculativeGenerator:
     @_setting("setting the drafter")
     def drafter(self, value):
         d = make_drafter(value, target=self.model)
+        if d.bound_model is not None and d.bound_model is not self.model:
+            raise ValueError(f"the drafter ({type(d).__name__}) was made for another model object than this "
+                             "generator's and would draft with that model's weights; make it for this model (for "
+                             "MTP: drafter='mtp', MTPDrafter.for_model(model), MTPDrafter.from_pretrained(path, "
+                             "target=model) or MTPDrafter.random(model, ...))")
         dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
             raise ValueError(

@@ -461,6 +461,24 @@ def test_random_layers_for_a_shape_without_mtp_weights(family):
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos), ref)
 
 
+def test_a_drafter_made_for_another_model_is_refused():
+    """An MTP drafter reads its target's embedding and LM head: given to a generator of another
+    model (here a second copy of the same weights), wrap() and the drafter setter refuse it,
+    naming how to make one for this model; the generator keeps its drafter."""
+    model = make_model("qwen3_5")
+    other = copy.deepcopy(model)
+    drafter = MTPDrafter.random(model, seed=3)
+    with pytest.raises(ValueError, match=r"made for another model .*MTPDrafter\.random\(model"):
+        specdec.wrap(other, drafter=drafter, num_speculative_tokens=2)
+    sd = specdec.wrap(other, drafter="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="made for another model"):
+        sd.drafter = drafter
+    assert type(sd.drafter).__name__ == "NGramDrafter"
+    sd.drafter = MTPDrafter.random(other, seed=3)  # made for this one
+    ids, mask, eos, ref = _reference(other)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos), ref)
+
+
 # ------------------------------------------------------------------------ checkpoints and errors
 
 

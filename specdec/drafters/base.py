@@ -184,6 +184,13 @@ class Drafter(abc.ABC):
         """The drafter's vocabulary size when it has one (checked against the target's)."""
         return None
 
+    @property
+    def bound_model(self) -> torch.nn.Module | None:
+        """The model this drafter was made for and reads weights of (e.g. the MTP drafter: its
+        target's embedding and LM head), or None: it drafts for any target of its vocabulary. A
+        generator of another model refuses it."""
+        return None
+
 
 def check_proposal(out, batch: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What :meth:`Drafter.propose` returned, checked on the host (types and shapes: no device sync).

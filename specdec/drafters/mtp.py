@@ -649,6 +649,11 @@ class MTPDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.adapter.vocab_size
 
+    @property
+    def bound_model(self):
+        """The target it was made for (its embedding and LM head are read)."""
+        return self.target
+
     def set_decode_path(self, path: str) -> None:
         self._path = path
 
