@@ -243,7 +243,6 @@ def test_tree_nodes_are_top_k_of_each_step(saved):
     text = torch.cat([ids, model.lm_head(hidden[:, -1]).argmax(-1)[:, None]], 1)
     chain = MTPDrafter.from_pretrained(folder, target=model)
     tree = MTPDrafter.from_pretrained(folder, target=model, tree=[[0], [1], [2], [0, 0], [0, 1], [0, 0, 0]])
-    drafts = []
     for d in (chain, tree):
         d.start(target_vocab_size=96, batch_size=1, device="cpu", sampling=SamplingConfig(),
                 generator=torch.Generator().manual_seed(0), max_length=32)
