@@ -60,7 +60,7 @@ from .graphs import bucket_width
 from .models.prompt_graphs import PROMPT_GRAPH_ROWS, PROMPT_GRAPH_TOKENS
 from .prefix_cache import PrefixCache
 
-__all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S", "WARMUP_NEW_TOKENS", "WARMUP_SEED", "warmup_grid"]
+__all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S", "WARMUP_NEW_TOKENS", "WARMUP_SEED", "shared_prefixes", "warmup_grid", "warmup_group_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,21 @@ def warmup_group_sizes(rows: int, prompts: int) -> list[int]:
         sizes.append(min(B, most))
         B *= 2
     return sizes
+
+
+def shared_prefixes(prompts: list[tuple], block_size: int) -> list[tuple]:
+    """The prefixes, in whole blocks of ``block_size`` tokens, that the warm-up's ``prompts``
+    share, which a prefix cache serves to later requests that start with them (a system prompt):
+    for each prompt, its longest common prefix with another prompt (a lone prompt: itself)
+    rounded down to whole blocks, where that is at least one block; each once, in order."""
+    out = []
+    for i, p in enumerate(prompts):
+        common = max((next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+                      for j, q in enumerate(prompts) if j != i), default=len(p))
+        n = common // block_size * block_size
+        if n and p[:n] not in out:
+            out.append(p[:n])
+    return out
 
 
 class _HardStop(Exception):
@@ -384,11 +399,15 @@ class ContinuousBatchingManager:
                 what the manager's cache leaves of its byte bound (the pool's plan counts one
                 cache) and dropped after the pass, so prompts sharing a prefix hit it within the
                 round and the forwards continued from it, of one row and of each group, warm up
-                too; then each size's groups run once more through an empty scratch cache, where
-                they miss, as an admission of several prompts unlike any cached before does. The
-                manager's cache and its counters stay as they are. The grid and the prompts warm the decode step's buffers
-                and graphs the generator keeps for this pool: a call of the generator with another
-                shape between ``warmup()`` and ``start()`` replaces them.
+                too. After every prefix the prompts share in whole blocks (a system prompt:
+                :func:`shared_prefixes`; one per width bucket of prefix lengths), the grid runs
+                continued: prompts of that prefix and random ids, one run per bucket of new tokens
+                a later request's forward after it can meet, within ``max_length``. Then each
+                size's groups run once more through an empty scratch cache, where they miss, as an
+                admission of several prompts unlike any cached before does. The manager's cache
+                and its counters stay as they are. The grid and the prompts warm the decode step's
+                buffers and graphs the generator keeps for this pool: a call of the generator with
+                another shape between ``warmup()`` and ``start()`` replaces them.
             rounds: how many times the grid (or the prompts) runs, an int >= 1: the first round
                 runs each bucket at its shape, the second captures it.
 
@@ -455,10 +474,7 @@ class ContinuousBatchingManager:
         """The requests of each pool run of one round of :meth:`warmup`, by pass (each pass with
         its own scratch prefix cache where there is one); checked, raises as it says."""
         if prompts is None:
-            g = torch.Generator().manual_seed(WARMUP_SEED)
-            return [[[Request(i, tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
-                              min(WARMUP_NEW_TOKENS, self.max_length - n), warmup=True) for i in range(rows)]
-                     for rows, n in warmup_grid(self.max_batch_size, self.max_length, self.max_batch_tokens)]]
+            return [self._grid_runs(())]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"warmup(prompts=...) takes None (the synthetic grid of prompt buckets) or a list of "
                             f"prompts, each a list (or 1-D tensor) of token ids; got {type(prompts).__name__}")
@@ -475,8 +491,26 @@ class ContinuousBatchingManager:
         by_size = [[requests[i:i + n] for i in range(0, len(requests), n)]
                    for n in warmup_group_sizes(self.max_batch_size, len(requests))]
         runs = [run for runs in by_size for run in runs]
-        # (with the prefix cache, each size's groups again through an empty cache, where they miss)
-        return [runs] + (by_size[1:] if self.prefix_cache is not None else [])
+        if self.prefix_cache is None:
+            return [runs]
+        # the grid continued after each shared prefix (its blocks cached by the runs before), then
+        # each size's groups again through an empty cache, where they miss
+        widths = {}  # a continued forward's bucket holds its prefix's length rounded up: one prefix per width, the shortest
+        for prefix in sorted(shared_prefixes([r.prompt for r in requests], self.prefix_cache.block_size), key=len):
+            widths.setdefault(bucket_width(len(prefix)), prefix)
+        for prefix in widths.values():
+            runs += self._grid_runs(prefix)
+        return [runs] + by_size[1:]
+
+    def _grid_runs(self, prefix: tuple) -> list[list[Request]]:
+        """The synthetic grid's pool runs (:func:`warmup_grid`) for forwards after ``prefix``: each
+        request's prompt is ``prefix`` and random ids (seeded with :data:`WARMUP_SEED`) filling a
+        bucket of new tokens, within ``max_length``."""
+        g = torch.Generator().manual_seed(WARMUP_SEED)
+        room = self.max_length - len(prefix)
+        return [[Request(i, prefix + tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
+                         min(WARMUP_NEW_TOKENS, room - n), warmup=True) for i in range(rows)]
+                for rows, n in warmup_grid(self.max_batch_size, room, self.max_batch_tokens)]
 
     # requests --------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,

@@ -127,22 +127,35 @@ def test_warmup_prompts_counts():
     """warmup(prompts) on a one-row pool: each prompt alone, in order, once per round: without
     the prefix cache one prompt forward each (and its run's placeholders); with it, through a
     fresh scratch cache per round, the forwards an empty cache makes them run (a branch point
-    takes two), while the manager's cache stays empty. On a pool of 3 rows, the prompts run in
-    twos and threes too, and with the cache those groups again through an empty one."""
+    takes two), then the grid continued after their shared prefix (here one bucket: 1 row of
+    32 tokens), while the manager's cache stays empty. On a pool of 3 rows, the prompts run in
+    twos and threes too (and the grid in rows of 1, 2 and 3), and with the cache those groups
+    again through an empty one."""
     prompts = _shared_prompts()[:5]
     for caching in (False, True):
         kw = dict(prefix_caching=True, prefix_block_size=BS) if caching else {}
         sd, m = _manager(rows=1, **kw)
         forwards = sum(f for _, f, _ in _simulate(prompts)) if caching else len(prompts)
+        grid = int(caching)
         got = m.warmup(prompts)
-        assert got["pool_runs"] == 2 * len(prompts)
-        assert got["prompt_forwards"]["static"] == 2 * (len(prompts) + forwards), caching
+        assert got["pool_runs"] == 2 * (len(prompts) + grid)
+        assert got["prompt_forwards"]["static"] == 2 * (len(prompts) + forwards + 2 * grid), caching
         assert sum(got["prompt_forwards"].values()) == got["prompt_forwards"]["static"]
         _untouched(m)
         sd, m = _manager(rows=3, **kw)
         groups = 3 + 2  # five prompts in twos, then in threes (with the cache: again, each size through an empty one)
-        assert m.warmup(prompts)["pool_runs"] == 2 * (len(prompts) + groups + (groups if caching else 0))
+        assert m.warmup(prompts)["pool_runs"] == 2 * (len(prompts) + groups + (3 + groups if caching else 0))
         _untouched(m)
+
+
+def test_shared_prefixes_are_whole_blocks_each_prompt_shares():
+    from specdec.serving import shared_prefixes
+
+    a, b = (1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 9)
+    assert shared_prefixes([a, b, (8, 8, 8, 8, 8)], 2) == [a[:4]]  # 5 shared tokens: two blocks of 2
+    assert shared_prefixes([a, b], 8) == []  # less than a block
+    assert shared_prefixes([a], 3) == [a[:6]]  # a lone prompt: its own whole blocks
+    assert shared_prefixes([a, a + (1,), b], 2) == [a[:6], a[:4]]  # each prompt's longest, each once
 
 
 def test_scratch_cache_within_what_the_managers_cache_leaves(monkeypatch):
@@ -480,6 +493,41 @@ def test_admissions_of_several_warmed_prompts_meet_no_new_bucket(caching):
     pg = sd.adapter.prompt_graphs
     assert any(key[0] == 2 for key in buckets) and (not caching or any(key[0] == 2 and key[2] for key in buckets))
     assert set(pg._buckets) == buckets and pg.counts["static"] > counts["static"], (set(pg._buckets) - buckets)
+
+
+def test_requests_after_a_warmed_shared_prefix_meet_no_new_bucket():
+    """With the prefix cache, warm-up prompts sharing a system prompt warm every bucket of a
+    forward continued after it, rows x new tokens up to max_length (not only their own
+    questions' widths); with the grid for forwards from scratch, requests with questions of
+    other lengths, one at a time and then queued together, meet only warmed buckets, exactly."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(n):
+        return torch.randint(3, VOCAB - 1, (n,), generator=g).tolist()
+
+    system, length = rand(16), 100
+    warm = [system + rand(5), system + rand(9)]  # short questions: one width bucket of their own
+    traffic = [system + rand(n) for n in (20, 40, 60, 79, 33, 50, 27, 70, 45, 12)]
+    budgets = [4, 3, 5, 2, 4, 3, 2, 4, 3, 5]
+    eager = specdec.wrap(get_model(FAMILY), drafter="ngram", rollback="replay", num_speculative_tokens=3,
+                         decode_path="eager")
+    want = eager.generate_batch(traffic, max_new_tokens=budgets, max_batch_size=ROWS)
+    sd, m = _manager(rows=16, max_length=length, prefix_caching=True, prefix_block_size=BS)
+    m.warmup()
+    m.warmup(warm)
+    pg = sd.adapter.prompt_graphs
+    buckets = set(pg._buckets)
+    with m:
+        for i, (p, b) in enumerate(zip(traffic[:4], budgets[:4])):
+            assert m.get_result(m.add_request(p, max_new_tokens=b), timeout=60).generated_tokens == \
+                want[f"req_{i}"].generated_tokens, i
+    ids = m.add_requests(traffic[4:], max_new_tokens=budgets[4:])  # queued together: admitted several at once
+    with m:
+        got = {o.request_id: o for o in m}
+    for i, rid in enumerate(ids, 4):
+        assert got[rid].generated_tokens == want[f"req_{i}"].generated_tokens, i
+    assert sd.last_stats.prefix_cache["hit_blocks"] > 0
+    assert set(pg._buckets) == buckets, set(pg._buckets) - buckets
 
 
 @pytest.mark.gpu
