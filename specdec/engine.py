@@ -67,6 +67,9 @@ __all__ = ["DECODE_PATHS", "MAX_SPECULATIVE_TOKENS", "SpeculativeGenerator"]
 MAX_SPECULATIVE_TOKENS = 64
 #: the strategy of plain decoding (K = 0): one shared stateless object, so static buckets are kept across calls
 _IN_PLACE = InPlaceUpdate()
+#: id of a drafter that keeps per-call state -> the generator whose decode loop drafts with it now
+_DRAFTING: dict[int, "SpeculativeGenerator"] = {}
+_DRAFTING_LOCK = threading.Lock()
 #: ``decode_path=`` values: "auto" = CUDA graphs on CUDA when the call's settings allow the static
 #: path, else eager; "eager", "static" (fixed shapes, no graphs; also on CPU) and "cuda_graph" force one
 DECODE_PATHS = ("auto", "eager", "static", "cuda_graph")
@@ -307,6 +310,11 @@ def _claims_generator(what: str):
     return wrap
 
 
+def _unwrapped(model):
+    """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``."""
+    return getattr(model, "_orig_mod", model)
+
+
 def _setting(what: str):
     """Decorate a setting's setter (or ``release()``): under the lock that ``generate()`` /
     ``generate_batch()`` and a manager's ``start()`` / ``warmup()`` claim the generator under, it
@@ -535,7 +543,7 @@ class SpeculativeGenerator:
     @_setting("setting the drafter")
     def drafter(self, value):
         d = make_drafter(value, target=self.model)
-        if d.bound_model is not None and d.bound_model is not self.model:
+        if d.bound_model is not None and _unwrapped(d.bound_model) is not _unwrapped(self.model):
             raise ValueError(f"the drafter ({type(d).__name__}) was made for another model object than this "
                              "generator's and would draft with that model's weights; make it for this model (for "
                              "MTP: drafter='mtp', MTPDrafter.for_model(model), MTPDrafter.from_pretrained(path, "
@@ -1042,7 +1050,30 @@ class SpeculativeGenerator:
         placeholder prompt per row (no budget: every row finishes at once), every step starts with
         an admission phase (:meth:`_admit`; the first one admits ``first_requests``, the requests the pool
         took for its rows before the loop) and the outputs go to the pool
-        (:meth:`RequestPool.finish`; returns None)."""
+        (:meth:`RequestPool.finish`; returns None).
+
+        A drafter that keeps per-call state (not :attr:`Drafter.stateless
+        <specdec.drafters.Drafter.stateless>`) drafts for one generator's loop at a time: raises
+        RuntimeError while another generator's loop drafts with it (on another thread)."""
+        d = self._drafter
+        if d.stateless:
+            return self._decode_loop(s, pool, first_requests)
+        with _DRAFTING_LOCK:
+            user = _DRAFTING.get(id(d))
+            if user is not None and user is not self:
+                raise RuntimeError(f"the drafter ({type(d).__name__}) is drafting for another generator's call, and "
+                                   "it keeps per-call state (its caches) that this call would overwrite; give each "
+                                   "generator its own drafter (one made the same way), or wait for that call")
+            _DRAFTING[id(d)] = self
+        try:
+            return self._decode_loop(s, pool, first_requests)
+        finally:
+            if user is None:
+                with _DRAFTING_LOCK:
+                    del _DRAFTING[id(d)]
+
+    def _decode_loop(self, s, pool: RequestPool | None, first_requests: list | None):
+        """:meth:`_decode`'s loop."""
         ids, dev = s.input_ids, s.input_ids.device
         B, Lp = ids.shape
         adaptive = self._K == AUTO

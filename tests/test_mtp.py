@@ -478,6 +478,19 @@ def test_a_drafter_made_for_another_model_is_refused():
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=eos), ref)
 
 
+def test_a_compiled_model_takes_the_drafter_made_for_the_model_it_wraps():
+    """torch.compile(model) wraps the model the drafter was made for: its MTP drafter (made
+    for the model or for the compiled wrapper) is the same model's, accepted both ways, exact."""
+    model = make_model("qwen3_5")
+    compiled = torch.compile(model)
+    ids, mask, eos, ref = _reference(model)
+    for target, made_for in ((compiled, model), (model, compiled)):
+        sd = specdec.wrap(target, drafter=MTPDrafter.random(made_for, seed=3), num_speculative_tokens=2,
+                          decode_path="eager")
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, eos_token_id=eos)
+        assert torch.equal(out, ref[:, :out.shape[1]])
+
+
 # ------------------------------------------------------------------------ checkpoints and errors
 
 

@@ -369,6 +369,49 @@ def test_generators_on_one_model_in_two_threads():
     assert torch.equal(hf_greedy(model, ids, mask), want)
 
 
+def test_a_drafter_with_state_drafts_for_one_generator_at_a_time():
+    """One draft-model drafter (it keeps each call's draft cache) given to two generators of one
+    model: while one generator's call decodes on a thread, the other's call is refused with an
+    error that says so (it would have overwritten that call's draft state), and both calls
+    after it are exact."""
+    import threading
+
+    from specdec.drafters import DraftModelDrafter
+
+    model = get_model("nemotron_h")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask)
+    drafter = DraftModelDrafter(get_model("nemotron_h", "perturbed"))
+    first, second = (specdec.wrap(model, drafter=drafter, num_speculative_tokens=3) for _ in range(2))
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    class Hold:  # a stopping criterion that holds the first call after its first step
+        def __call__(self, input_ids, scores, **kw):
+            inside.set()
+            release.wait(timeout=60)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def run_first():
+        try:
+            out = first.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0,
+                                 stopping_criteria=[Hold()])
+            assert torch.equal(out, want)
+        except Exception as err:  # (reported below)
+            errors.append(err)
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    try:
+        assert inside.wait(timeout=120)
+        with pytest.raises(RuntimeError, match=r"drafter \(DraftModelDrafter\) is drafting for another generator's call"):
+            second.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+    finally:
+        release.set()
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert torch.equal(second.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0), want)
+
+
 def test_a_routed_compiled_forward_traces_inside_a_whole_compile():
     """A module whose forward ``fused`` swapped for a compiled one, called from a program compiled
     whole with ``fullgraph=True`` (an MTP proposal with ``compile_proposal=True``), traces and gives
