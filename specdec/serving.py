@@ -392,8 +392,9 @@ class ContinuousBatchingManager:
                 buckets). Or a list of prompts, each a list (or 1-D tensor) of token ids, e.g. a
                 system prompt and sample requests after it: each runs alone (one row), in order,
                 then in consecutive groups of 2, 4 and 8 (at most the pool's rows:
-                :func:`warmup_group_sizes`), each group prefilled in one forward, as admissions of
-                several requests are.
+                :func:`warmup_group_sizes`), each group admitted at once, as admissions of several
+                requests are (one forward where it fits ``max_batch_tokens``). So n prompts make
+                about 2n pool runs a round (about 3n with prefix caching, and the grid below).
                 With prefix caching, each round runs them through a scratch
                 :class:`~specdec.prefix_cache.PrefixCache` of the manager's block size, bounded by
                 what the manager's cache leaves of its byte bound (the pool's plan counts one
@@ -403,8 +404,9 @@ class ContinuousBatchingManager:
                 :func:`shared_prefixes`; one per width bucket of prefix lengths), the grid runs
                 continued: prompts of that prefix and random ids, one run per bucket of new tokens
                 a later request's forward after it can meet, within ``max_length``. Then each
-                size's groups run once more through an empty scratch cache, where they miss, as an
-                admission of several prompts unlike any cached before does. The manager's cache
+                size's groups run once more through an empty scratch cache, where prompts unlike
+                any cached before miss together, as in an admission of several such prompts
+                (prompts sharing a prefix continue from the first of them again). The manager's cache
                 and its counters stay as they are. The grid and the prompts warm the decode step's
                 buffers and graphs the generator keeps for this pool: a call of the generator with
                 another shape between ``warmup()`` and ``start()`` replaces them.
