@@ -540,9 +540,9 @@ class SpeculativeGenerator:
         return self._drafter
 
     @drafter.setter
-    @_setting("setting the drafter")
     def drafter(self, value):
-        d = make_drafter(value, target=self.model)
+        self._check_free("setting the drafter")  # (again under the claim lock when it is set)
+        d = make_drafter(value, target=self.model)  # (outside the lock: a name may load a checkpoint)
         if d.bound_model is not None and _unwrapped(d.bound_model) is not _unwrapped(self.model):
             raise ValueError(f"the drafter ({type(d).__name__}) was made for another model object than this "
                              "generator's and would draft with that model's weights; make it for this model (for "
@@ -554,6 +554,11 @@ class SpeculativeGenerator:
                 f"the drafter's vocabulary ({dv} tokens) differs from the target's ({self.adapter.vocab_size}); "
                 "speculative decoding needs the same tokenizer and vocabulary"
             )
+        self._set_drafter(d)
+
+    @_setting("setting the drafter")
+    def _set_drafter(self, d: Drafter) -> None:
+        """The :attr:`drafter` setter's last part, under the claim lock."""
         self._check_adaptive(d, self._K)
         self._drafter = d
         self._drafter_key = DrafterKey(d.drafts_sequentially)  # its proposal times in the cost model
