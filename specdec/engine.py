@@ -310,11 +310,6 @@ def _claims_generator(what: str):
     return wrap
 
 
-def _unwrapped(model):
-    """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``."""
-    return getattr(model, "_orig_mod", model)
-
-
 def _setting(what: str):
     """Decorate a setting's setter (or ``release()``): under the lock that ``generate()`` /
     ``generate_batch()`` and a manager's ``start()`` / ``warmup()`` claim the generator under, it
@@ -379,8 +374,8 @@ class SpeculativeGenerator:
             K not an int or ``"auto"``.
         ValueError: unsupported family, unknown drafter/strategy name, K or
             ``max_speculative_tokens`` out of range, a drafter whose vocabulary differs from the
-            target's or that was made for another model (:attr:`Drafter.bound_model
-            <specdec.drafters.Drafter.bound_model>`), ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
+            target's or that reads another model's weights (:meth:`Drafter.check_target
+            <specdec.drafters.Drafter.check_target>`), ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
             accelerate whose layers compute on several devices, ``decode_path="cuda_graph"`` for
             one whose weights are offloaded.
     """
@@ -543,11 +538,7 @@ class SpeculativeGenerator:
     def drafter(self, value):
         self._check_free("setting the drafter")  # (again under the claim lock when it is set)
         d = make_drafter(value, target=self.model)  # (outside the lock: a name may load a checkpoint)
-        if d.bound_model is not None and _unwrapped(d.bound_model) is not _unwrapped(self.model):
-            raise ValueError(f"the drafter ({type(d).__name__}) was made for another model object than this "
-                             "generator's and would draft with that model's weights; make it for this model (for "
-                             "MTP: drafter='mtp', MTPDrafter.for_model(model), MTPDrafter.from_pretrained(path, "
-                             "target=model) or MTPDrafter.random(model, ...))")
+        d.check_target(self.model)
         dv = d.vocab_size
         if dv is not None and dv != self.adapter.vocab_size:
             raise ValueError(

@@ -128,6 +128,28 @@ def test_size_mismatch_errors():
         MedusaDrafter(MedusaHeads(48, 96)).propose(ids, mask.sum(1), 3)
 
 
+def test_heads_sharing_another_models_lm_head_are_refused():
+    """Heads that project with a shared LM head bound from model A draft with A's weights: a
+    generator of model B (a copy of A) refuses them, naming how to bind them to B; bound to B
+    (or owning their projections) they are accepted."""
+    import copy
+
+    model = make_model("qwen3_5")
+    other = copy.deepcopy(model)
+    shared = MedusaHeads.from_target(model, num_heads=2, shared_lm_head=True)
+    with pytest.raises(ValueError, match=r"another model's LM head.*init_from_lm_head\(model\)"):
+        specdec.wrap(other, drafter=MedusaDrafter(shared), rollback="replay")
+    sd = specdec.wrap(other, drafter="ngram", rollback="replay")
+    with pytest.raises(ValueError, match="another model's LM head"):
+        sd.drafter = MedusaDrafter(shared)
+    assert type(sd.drafter).__name__ == "NGramDrafter"
+    sd.drafter = MedusaDrafter(shared.init_from_lm_head(other))  # bound to this model now
+    sd.drafter = MedusaDrafter(MedusaHeads.from_target(model, num_heads=2))  # owned projections: any target
+    ids, mask = ragged_prompts()
+    ref = other.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0), ref)
+
+
 # ----------------------------------------------------------------------------- exactness
 
 

@@ -184,12 +184,16 @@ class Drafter(abc.ABC):
         """The drafter's vocabulary size when it has one (checked against the target's)."""
         return None
 
-    @property
-    def bound_model(self) -> torch.nn.Module | None:
-        """The model this drafter was made for and reads weights of (e.g. the MTP drafter: its
-        target's embedding and LM head), or None: it drafts for any target of its vocabulary. A
-        generator of another model refuses it."""
-        return None
+    def check_target(self, model) -> None:
+        """Raise ValueError when this drafter reads the weights of another model than ``model``,
+        the target of the generator it is given to (the MTP drafter: its target's embedding and
+        LM head; Medusa heads sharing an LM head: that head); a ``torch.compile``\ d model is
+        the model it wraps. The default drafts for any target of its vocabulary."""
+
+
+def unwrapped(model):
+    """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``."""
+    return getattr(model, "_orig_mod", model)
 
 
 def check_proposal(out, batch: int, num_speculative_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from ..models import ADAPTERS, adapter_for
 from ..placement import execution_device, materialized
 from ..tree import TreeSpec, make_tree
 from ..verify import ACCEPTANCE_MODES, POSTERIOR_ALPHA, POSTERIOR_THRESHOLD, process_logits
-from .base import Drafter
+from .base import Drafter, unwrapped
 
 __all__ = ["MedusaHeads", "MedusaDrafter", "ResBlock"]
 
@@ -163,6 +164,7 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(
             [nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads)]
         )
+        self._shared_head = None  # (shared heads) a weak reference to the LM-head module bound, or None
         if self.shared_lm_head:
             self.lm_heads = None
             # the target's weight: not a parameter (frozen) and not persistent (not saved)
@@ -197,6 +199,12 @@ class MedusaHeads(nn.Module):
         """False while shared heads have no LM-head weight to project with."""
         return not self.shared_lm_head or self.shared_weight is not None
 
+    def shares_another_head(self, model) -> bool:
+        """Whether these heads project with a shared LM head bound from another model's LM-head
+        module than ``model``'s (False when owning their projections, or bound from a tensor)."""
+        head = self._shared_head() if self.shared_lm_head and self._shared_head is not None else None
+        return head is not None and head is not unwrapped(model).get_output_embeddings()
+
     def check_target(self, *, hidden_size: int | None = None, vocab_size: int | None = None) -> None:
         """Raise ValueError when the heads do not fit a target of this hidden size / vocabulary."""
         if hidden_size is not None and int(hidden_size) != self.hidden_size:
@@ -230,6 +238,8 @@ class MedusaHeads(nn.Module):
         self.check_target(hidden_size=w.shape[1], vocab_size=w.shape[0])
         with _loaded(lm_head) as (w, bias):  # (an LM head offloaded by accelerate: loaded for the copy)
             if self.shared_lm_head:
+                head = _lm_head_of(lm_head)  # (the module it projects with, known unless given a tensor)
+                self._shared_head = None if isinstance(head, torch.Tensor) else weakref.ref(head)
                 ref = next(self.parameters(), None)
                 dev = ref.device if ref is not None else _lm_head_device(lm_head)
                 dt = ref.dtype if ref is not None else torch.float32
@@ -436,6 +446,13 @@ class MedusaDrafter(Drafter):
         self._batch = 0  # the rows of the call (start)
         self.sampling = None
         self.generator = None
+
+    def check_target(self, model) -> None:
+        """Raise ValueError when the heads project with another model's LM head (shared)."""
+        if self.heads.shares_another_head(model):
+            raise ValueError("these Medusa heads project with another model's LM head (shared_lm_head=True, bound "
+                             "from another model object); bind them to this model's: heads.init_from_lm_head(model) "
+                             "or MedusaHeads.from_pretrained(path, target=model)")
 
     @property
     def vocab_size(self) -> int:

@@ -88,7 +88,7 @@ from ..models.common import cache_keyword
 from ..placement import materialized
 from ..tree import make_tree
 from ..verify import process_logits
-from .base import Drafter
+from .base import Drafter, unwrapped
 
 __all__ = ["MTPDrafter", "MTPLayers", "QwenMTP", "NemotronHMTP", "frequent_token_ids", "mtp_layers_for",
            "read_mtp_tensors", "write_mtp_tensors", "MAX_TREE_DEPTH"]
@@ -649,10 +649,14 @@ class MTPDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.adapter.vocab_size
 
-    @property
-    def bound_model(self):
-        """The target it was made for (its embedding and LM head are read)."""
-        return self.target
+    def check_target(self, model) -> None:
+        """Raise ValueError unless ``model`` is the target this drafter was made for (it drafts
+        with that model's embedding and LM head)."""
+        if unwrapped(model) is not unwrapped(self.target):
+            raise ValueError("this MTP drafter was made for another model object than the generator's and would draft "
+                             "with that model's embedding and LM head; make it for this model: drafter='mtp', "
+                             "MTPDrafter.for_model(model), MTPDrafter.from_pretrained(path, target=model) or "
+                             "MTPDrafter.random(model, ...)")
 
     def set_decode_path(self, path: str) -> None:
         self._path = path
