@@ -221,6 +221,17 @@ def test_prompt_ids_outside_the_vocabulary(tmp_path: Path):
     assert not out.exists()
 
 
+def test_new_tokens_past_the_models_context_are_refused(tmp_path: Path):
+    """max_new_tokens that take the longest prompt past the target's context (as generate_batch
+    refuses a request) stop the run before any generation, naming the key, the target and the
+    most it may be."""
+    cfg = _cfg(["model=gdn-target", "drafter=ngram", "rollback=replay", "prompts.limit=1",
+                "max_new_tokens=100000", "repeats=1"] + CPU)
+    with pytest.raises(ValueError, match=r"max_new_tokens=100000: .*gdn-target's context \(max_position_embeddings="
+                                         r"\d+\); at most \d+ new tokens"):
+        run_experiment(cfg, tmp_path)
+
+
 def test_rollback_tiny_run(tmp_path: Path):
     cfg = _cfg(["experiment=rollback", "prompts.limit=2", "max_new_tokens=8", "experiment.batch_grid=[1,2]",
                 "experiment.k_grid=[2]", "experiment.kernel_steps=2", "experiment.kernel_warmup=1",

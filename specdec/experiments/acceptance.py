@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
+from .common import apply_cpu_threads, check_context, common_fields, make_drafter, progress_bar, write_outputs
 from .models import load_draft, load_target, resolve_device
 from .prompts import experiment_prompts
 from .timing import paired_ratio, spans_one, time_side_by_side
@@ -173,6 +173,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
         pad = tok.pad_token_id
         vocab = model.get_input_embeddings().num_embeddings
         encs = {p["id"]: _encode(tok, p, device, vocab) for p in prompts}
+        check_context(str(spec.name), model, max(e["input_ids"].shape[1] for e in encs.values()), max_new)
         timed_encs = [encs[p["id"]] for p in timed]
 
         def hf_generate(enc, n=max_new, **kw):

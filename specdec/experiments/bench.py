@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
+from .common import RunRecords, apply_cpu_threads, check_context, common_fields, make_drafter, progress_bar
 from .models import load_draft, load_target, plain_step_bytes, resolve_device, weight_bytes
 
 __all__ = ["run", "drafter_runs"]
@@ -174,6 +174,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         for B in batches:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
                                     int(cfg.seed))
+            check_context(str(spec.name), model, enc["input_ids"].shape[1], max(max_new, int(exp.hf_max_new_tokens or 0)))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path,
                                     switches=switches)

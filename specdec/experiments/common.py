@@ -54,6 +54,17 @@ def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
     }
 
 
+def check_context(name: str, model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise ValueError when the longest prompt (``prompt_tokens``) and ``max_new_tokens`` pass
+    the context of target ``name`` (``config.max_position_embeddings``; no bound without it), as
+    ``generate_batch`` refuses such a request: before any generation, naming the most it may be."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: with the longest prompt ({prompt_tokens} tokens) it "
+                         f"passes {name}'s context (max_position_embeddings={limit}); at most "
+                         f"{max(limit - prompt_tokens, 0)} new tokens")
+
+
 def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_mask=None,
                  acceptance: float | list[float] | None = None, target=None, tokenizer=None,
                  random_mtp: bool = False):
