@@ -441,6 +441,11 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         # as HF: sampling settings have no effect on greedy decoding; say so (for the call's own
         # setting: a checkpoint's generation_config often carries a temperature, and HF is silent then)
         warn_caller(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)")
+    if sampling is None:  # (the call's own top_k / top_p alone: a generation_config often carries them)
+        given = [f"{k}={overrides[k]!r}" for k in ("top_k", "top_p") if overrides.get(k) is not None]
+        if given:
+            warn_caller(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with do_sample=False "
+                        "(greedy)")
 
     min_new, min_len = _count(gc, "min_new_tokens"), _count(gc, "min_length")
     penalty = gc.repetition_penalty

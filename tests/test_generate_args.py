@@ -670,6 +670,29 @@ def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("kwargs, named", [(dict(top_k=5), "top_k=5"), (dict(top_p=0.5), "top_p=0.5"),
+                                           (dict(top_k=5, top_p=0.5), "top_k=5, top_p=0.5")])
+def test_the_calls_own_top_k_or_top_p_with_greedy_warns(kwargs, named):
+    """As temperature: the call's own top_k / top_p have no effect on greedy decoding, said at the
+    caller's line (a model's generation_config carrying them stays silent, as HF is)."""
+    import warnings
+
+    ids, mask = ragged_prompts()
+    ref = wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    with pytest.warns(UserWarning, match=rf"{named} ha(s|ve) no effect with do_sample=False") as seen:
+        out = wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
+    assert torch.equal(out, ref) and seen[0].filename == __file__
+    model = get_model(FAMILY)
+    saved = model.generation_config.top_k
+    model.generation_config.top_k = 20
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    finally:
+        model.generation_config.top_k = saved
+
+
 def test_generator_with_greedy_warns_at_the_callers_line():
     ids, mask = ragged_prompts()
     with pytest.warns(UserWarning, match="generator= has no effect with do_sample=False") as seen:
