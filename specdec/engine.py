@@ -663,6 +663,12 @@ class SpeculativeGenerator:
             warn_caller(f"prompt ({settings.input_ids.shape[1]} tokens, padding included) + max_new_tokens reach "
                         f"{reach} positions, beyond the model's context (config.max_position_embeddings={limit}): "
                         "tokens past it may be meaningless (generate_batch() refuses such a request)")
+            rows, free = settings.input_ids.shape[0], free_memory(self.adapter.device)
+            need = rows * self._row_bytes(reach).total
+            if free is not None and need > free:
+                raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
+                                 f"positions need {format_bytes(need)}, more than the {format_bytes(free)} free on "
+                                 f"{self.adapter.device}; ask for fewer new tokens")
         return self._decode(settings)
 
     @torch.no_grad()

@@ -652,6 +652,18 @@ def test_beyond_the_models_context_warns(monkeypatch):
         sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
 
 
+def test_a_budget_whose_caches_cannot_fit_memory_is_refused():
+    """A budget far beyond the model's context whose caches could not fit the device's memory is
+    refused before any work, with the bytes needed and free, where the allocator failed."""
+    sd = wrap()
+    ids, mask = ragged_prompts()
+    with pytest.warns(UserWarning, match="beyond the model's context"):
+        with pytest.raises(ValueError, match=r"max_new_tokens=1000000000: the caches of 3 rows .* need [\d.]+ [KMGTP]?i?B, "
+                                             r"more than the [\d.]+ [KMGTP]?i?B free"):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=10**9, pad_token_id=0)
+    assert sd.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0).shape == (3, 14)
+
+
 def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
     """A model built from a larger config's defaults may keep an EOS id its vocabulary lacks: it
     is dropped with a warning (it could never end a row, and min_new_tokens would index the logits
