@@ -78,7 +78,11 @@ def test_python_m_specdec_help_exits_0():
     (["prompts.limt=2"], "unknown key 'prompts.limt' (did you mean 'prompts.limit'?)"),
     (["num_speculative_token=2"], "did you mean 'num_speculative_tokens'?"),
     (["experiment=rollback", "experiment.kernel_stepz=3"], "did you mean 'experiment.kernel_steps'?"),
-    (["experiment.kernel_steps=3"], "unknown key 'experiment.kernel_steps'"),  # a rollback key under acceptance
+    (["experiment.kernel_steps=3"], "'experiment.kernel_steps' is a key of experiment=rollback, not of "
+                                    "experiment=acceptance; add experiment=rollback"),  # a rollback key under acceptance
+    (["experiment.requests=8"], "'experiment.requests' is a key of experiment=serve, not of experiment=acceptance"),
+    (["experiment=serve", "experiment.bogus=1"], "unknown key 'experiment.bogus'; `specdec-run --help`"),
+    (["experiment=serve", "experiment.reqests=1"], "(did you mean 'experiment.requests'?)"),
     (["rollback=snapshott"], "rollback=snapshott: no such option (did you mean 'snapshot'?)"),
     (["-m", "rollback=ring,undo"], "rollback=undo: no such option"),
     (["experiment=acceptence"], "unknown experiment 'acceptence' (did you mean 'acceptance'?)"),

@@ -235,6 +235,17 @@ def _suggest(word: str, candidates) -> str:
     return f" (did you mean '{near[0]}'?)" if near else ""
 
 
+def _suggest_key(key: str, candidates) -> str:
+    """:func:`_suggest` for ``key`` among the keys of its own section (``experiment.x``: the other
+    ``experiment.`` keys), or among all ``candidates`` for a key outside any section."""
+    parent, _, name = key.rpartition(".")
+    siblings = [c.rpartition(".")[2] for c in candidates if c.rpartition(".")[0] == parent] if parent else []
+    if not siblings:
+        return _suggest(key, candidates)
+    near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)  # (the names alone: the section is shared)
+    return f" (did you mean '{parent}.{near[0]}'?)" if near else ""
+
+
 def check_overrides(args: list[str]) -> None:
     """Check the ``key=value`` overrides in ``args`` before Hydra runs.
 
@@ -298,10 +309,14 @@ def check_overrides(args: list[str]) -> None:
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):
             continue
+        others = [e for e, sch in SCHEMAS.items() if e not in names and _valid(sch, parts)[0]]
+        if others:
+            raise UsageError(f"'{key}' is a key of experiment={', experiment='.join(others)}, not of "
+                             f"experiment={', experiment='.join(names)}; add experiment={others[0]}")
         candidates = set(GROUPS)
         for s in schemas:
             candidates.update(_all_keys(s))
-        raise UsageError(f"unknown key '{key}'{_suggest(key, candidates)}; `specdec-run --help` lists the keys")
+        raise UsageError(f"unknown key '{key}'{_suggest_key(key, candidates)}; `specdec-run --help` lists the keys")
 
 
 def _check_target_index(index: int, key: str, overrides: list[str], experiments: list[str]) -> None:
