@@ -441,6 +441,9 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
         # as HF: sampling settings have no effect on greedy decoding; say so (for the call's own
         # setting: a checkpoint's generation_config often carries a temperature, and HF is silent then)
         warn_caller(f"temperature={gc.temperature!r} has no effect with do_sample=False (greedy)")
+    if overrides.get("max_new_tokens") is not None and overrides.get("max_length") is not None:
+        warn_caller(f"max_new_tokens={overrides['max_new_tokens']!r} and max_length={overrides['max_length']!r} both "
+                    "given: max_new_tokens takes precedence (as in HF's generate())")
     if sampling is None:  # (the call's own top_k / top_p alone: a generation_config often carries them)
         given = [f"{k}={overrides[k]!r}" for k in ("top_k", "top_p") if overrides.get(k) is not None]
         if given:

@@ -705,6 +705,13 @@ def test_the_calls_own_top_k_or_top_p_with_greedy_warns(kwargs, named):
         model.generation_config.top_k = saved
 
 
+def test_max_length_beside_max_new_tokens_warns_that_max_new_tokens_wins():
+    ids, mask = ragged_prompts()  # 12 columns
+    with pytest.warns(UserWarning, match=r"max_new_tokens=6 and max_length=14 both given: max_new_tokens takes") as seen:
+        out = wrap().generate(ids, attention_mask=mask, max_new_tokens=6, max_length=14, pad_token_id=0)
+    assert out.shape == (3, 18) and seen[0].filename == __file__
+
+
 def test_generator_with_greedy_warns_at_the_callers_line():
     ids, mask = ragged_prompts()
     with pytest.warns(UserWarning, match="generator= has no effect with do_sample=False") as seen:
