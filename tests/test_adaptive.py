@@ -644,14 +644,22 @@ def tiny_vocab_models():
     return target, perturbed_copy(target, scale=0.3, seed=4)
 
 
+@pytest.fixture(scope="module")
+def hf_samples(tiny_vocab_models):
+    """HF sampling's ``N`` continuations of the prompt the sampling tests share (drawn once for them)."""
+    target, _ = tiny_vocab_models
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]).repeat(N, 1)
+    return target.generate(ids, max_new_tokens=POSITIONS, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
-def test_auto_sampling_keeps_the_target_distribution(tiny_vocab_models, drafter):
+def test_auto_sampling_keeps_the_target_distribution(tiny_vocab_models, hf_samples, drafter):
     """Sampling with K changing every step (0 included) and the strategy chosen by the costs:
     the marginals of the first new tokens equal HF sampling's (two-sample chi-square)."""
     target, draft = tiny_vocab_models
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
     ids = prompt.repeat(N, 1)
-    hf = target.generate(ids, max_new_tokens=POSITIONS, do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+    hf = hf_samples
     dr = "ngram" if drafter == "ngram" else DraftModelDrafter(draft)
     sd = specdec.wrap(target, drafter=dr, rollback="auto", num_speculative_tokens="auto", max_speculative_tokens=3,
                       cost_model=ScriptedCosts([0, 3, 0, 2], strategy="snapshot"))
