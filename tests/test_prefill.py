@@ -411,7 +411,9 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     from specdec.kernels.norm import triton_norm
 
     ad = model_of(family)[1] if family == "nemotron_h" else specdec.models.adapter_for(make_model(family))
-    ids, mask = ragged_prompts(lengths=LENGTHS)
+    # half the other tests' prompt lengths (the longest still past Nemotron-H's 16-token scan chunk): the
+    # interpreter runs each norm and activation kernel once per token
+    ids, mask = ragged_prompts(lengths=(20, 11, 17))
     calls, norms = [], []
     original = Conv1dTritonKernels.prompt
     monkeypatch.setattr(Conv1dTritonKernels, "prompt",

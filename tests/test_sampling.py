@@ -24,6 +24,22 @@ def tiny_vocab_models():
     return target, perturbed_copy(target, scale=0.3, seed=4)
 
 
+@pytest.fixture(scope="module")
+def hf_samples(tiny_vocab_models):
+    """HF sampling's ``N`` continuations of ``ids`` under the settings ``kw``, drawn once per settings
+    (the cases with the same settings share them)."""
+    target, _ = tiny_vocab_models
+    drawn = {}
+
+    def samples(ids, kw):
+        key = tuple(sorted(kw.items()))
+        if key not in drawn:
+            drawn[key] = target.generate(ids, max_new_tokens=POSITIONS, do_sample=True, top_k=kw.get("top_k", 0),
+                                         top_p=kw.get("top_p", 1.0), temperature=kw["temperature"], pad_token_id=0)
+        return drawn[key]
+    return samples
+
+
 @pytest.mark.parametrize(
     "drafter,kw",
     [
@@ -33,12 +49,11 @@ def tiny_vocab_models():
     ],
     ids=["ngram-T1", "draft-T1", "draft-T0.7-k5-p0.9"],
 )
-def test_marginals_match_hf_sampling(tiny_vocab_models, drafter, kw):
+def test_marginals_match_hf_sampling(tiny_vocab_models, hf_samples, drafter, kw):
     target, draft = tiny_vocab_models
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])  # repetitive: n-gram lookup proposes
     ids = prompt.repeat(N, 1)
-    hf = target.generate(ids, max_new_tokens=POSITIONS, do_sample=True, top_k=kw.get("top_k", 0),
-                         top_p=kw.get("top_p", 1.0), temperature=kw["temperature"], pad_token_id=0)
+    hf = hf_samples(ids, kw)
     dr = "ngram" if drafter == "ngram" else DraftModelDrafter(draft)
     sd = specdec.wrap(target, drafter=dr, rollback="replay", num_speculative_tokens=2)
     gen = torch.Generator().manual_seed(1234)
