@@ -43,6 +43,7 @@ def test_profile_step_tiny_cpu(tmp_path):
     assert "snapshot:" not in res.stdout, "a strategy ran before the unknown one was refused"
 
 
+@pytest.mark.slow  # (the script's kernels are tested in test_kernels_triton.py)
 def test_tree_kernels_tiny_cpu(tmp_path):
     """benchmarks/tree_kernels.py (interpreter, tiny shapes): one row per variant with the chain as 1.00x
     and the tree's ratio to it (a time: not compared here, interpreter times under load say nothing),
@@ -59,6 +60,7 @@ def test_tree_kernels_tiny_cpu(tmp_path):
     assert res.returncode != 0 and "tree-32" in res.stderr and "tree-16-loop" in res.stderr
 
 
+@pytest.mark.slow  # (the script's kernels are tested in test_kernels_triton.py)
 def test_sweep_configs_option_tiny_cpu(tmp_path):
     """benchmarks/sweep_rollback_configs.py --configs sweeps the given launch configurations (here
     one-warp ones the hand-picked lists lack) for every op, one row each; a malformed entry is

@@ -943,12 +943,13 @@ def test_two_processes_give_the_records_of_one(tmp_path: Path):
 
 @pytest.mark.parametrize("override, message", [
     ("device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-    ("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1"),
+    pytest.param("num_speculative_tokens=-1", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), got -1",
+                 marks=pytest.mark.slow),  # (the K check of experiment=bench below runs by default)
     ("experiment=bench num_speculative_tokens=65", "num_speculative_tokens must be in [0, 64] (0 = plain decoding), "
      "or auto (K chosen per step) in experiment=bench/long_run/adaptive/serve, got 65"),
     ("drafterr=ngram", "unknown key 'drafterr' (did you mean 'drafter'?)"),
     ("schema=bench", "'schema' is internal"),
-    ("experiment=rollback num_speculative_tokens=0", "need drafts to roll back"),
+    pytest.param("experiment=rollback num_speculative_tokens=0", "need drafts to roll back", marks=pytest.mark.slow),
 ])
 def test_bad_value_gives_a_one_line_error(tmp_path: Path, override, message):
     res = _run([sys.executable, "-m", "specdec", *override.split(), f"hydra.run.dir={tmp_path}"])

@@ -97,9 +97,12 @@ def test_reset_rows_keeps_other_rows():
 POOL_STRATS = ["snapshot", "ring", "replay", "replay_deferred"]
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("strategy", POOL_STRATS)
-@pytest.mark.parametrize("op_name", ["mamba2", "gdn"])
+# every strategy on both backends; deferred replay through the Triton interpreter (its slowest case)
+# with -m slow (the default run keeps it on torch, and on Triton in the plain-steps test below)
+@pytest.mark.parametrize("op_name, strategy, backend", [
+    pytest.param(op, st, be, marks=marks + ([pytest.mark.slow] if (st, be) == ("replay_deferred", "triton") else []))
+    for op in ("mamba2", "gdn") for st in POOL_STRATS
+    for be, marks in (("torch", []), ("triton", [needs_triton_interpreter]))])
 def test_state_indices_pool_equals_identity(op_name, strategy, backend):
     """A store over a pool of 6 slots with a permuted row -> slot map and a padding row: chain steps
     (one and two calls), tree steps (tree_verify, compact_path) and commits give bit for bit the
