@@ -559,23 +559,24 @@ def test_a_given_generation_config_is_filled_from_the_models():
     assert torch.equal(draws[0], draws[1])
 
 
-def test_the_models_own_temperature_does_not_warn_on_greedy_calls():
-    """A checkpoint's generation_config often carries a sampling temperature: a greedy call is not
-    warned about it (as HF is not); a temperature the call gives is."""
+@pytest.mark.parametrize("key, kept, given", [("temperature", 0.6, 0.7), ("top_k", 20, 5), ("top_p", 0.8, 0.5)])
+def test_the_models_own_sampling_settings_do_not_warn_on_greedy_calls(key, kept, given):
+    """A checkpoint's generation_config often carries sampling settings: a greedy call is not
+    warned about them (as HF is not); a value the call gives is."""
     import warnings
 
     model = get_model(FAMILY)
     ids, mask = ragged_prompts()
-    saved = model.generation_config.temperature
-    model.generation_config.temperature = 0.6
+    saved = getattr(model.generation_config, key)
+    setattr(model.generation_config, key, kept)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
-        with pytest.warns(UserWarning, match="temperature=0.7 has no effect"):
-            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, temperature=0.7)
+        with pytest.warns(UserWarning, match=f"{key}={given} has no effect"):
+            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **{key: given})
     finally:
-        model.generation_config.temperature = saved
+        setattr(model.generation_config, key, saved)
 
 
 @pytest.mark.parametrize(
@@ -685,24 +686,13 @@ def test_inherited_eos_outside_the_vocabulary_is_dropped_with_a_warning():
 @pytest.mark.parametrize("kwargs, named", [(dict(top_k=5), "top_k=5"), (dict(top_p=0.5), "top_p=0.5"),
                                            (dict(top_k=5, top_p=0.5), "top_k=5, top_p=0.5")])
 def test_the_calls_own_top_k_or_top_p_with_greedy_warns(kwargs, named):
-    """As temperature: the call's own top_k / top_p have no effect on greedy decoding, said at the
-    caller's line (a model's generation_config carrying them stays silent, as HF is)."""
-    import warnings
-
+    """As temperature: the call's own top_k / top_p have no effect on greedy decoding, said once at
+    the caller's line; the output is greedy's."""
     ids, mask = ragged_prompts()
     ref = wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
     with pytest.warns(UserWarning, match=rf"{named} ha(s|ve) no effect with do_sample=False") as seen:
         out = wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
     assert torch.equal(out, ref) and seen[0].filename == __file__
-    model = get_model(FAMILY)
-    saved = model.generation_config.top_k
-    model.generation_config.top_k = 20
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            wrap().generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
-    finally:
-        model.generation_config.top_k = saved
 
 
 def test_max_length_beside_max_new_tokens_warns_that_max_new_tokens_wins():
