@@ -665,6 +665,7 @@ class SpeculativeGenerator:
                         "tokens past it may be meaningless (generate_batch() refuses such a request)")
             rows, free = settings.input_ids.shape[0], free_memory(self.adapter.device)
             need = rows * self._row_bytes(reach).total
+            free = None if free is None else free + self._held_bytes()  # (the kept caches are replaced)
             if free is not None and need > free:
                 raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
                                  f"positions need {format_bytes(need)}, more than the {format_bytes(free)} free on "
@@ -1030,6 +1031,8 @@ class SpeculativeGenerator:
                                    "same thread (e.g. from a streamer or a stopping criterion); the manager would "
                                    "decode on the caches that call is using. Call it once the call has returned")
             self._check_batching()
+            with _DRAFTING_LOCK:
+                self._check_drafter_free()
             self._check_resets_in_place(what)
             if plan is not None:
                 self._check_plan(what, plan, span)
@@ -1058,14 +1061,10 @@ class SpeculativeGenerator:
         <specdec.drafters.Drafter.stateless>`) drafts for one generator's loop at a time: raises
         RuntimeError while another generator's loop drafts with it (on another thread)."""
         d = self._drafter
-        if d.stateless:
+        if d.stateless or self._K == 0:  # (plain decoding does not draft)
             return self._decode_loop(s, pool, first_requests)
         with _DRAFTING_LOCK:
-            user = _DRAFTING.get(id(d))
-            if user is not None and user is not self:
-                raise RuntimeError(f"the drafter ({type(d).__name__}) is drafting for another generator's call, and "
-                                   "it keeps per-call state (its caches) that this call would overwrite; give each "
-                                   "generator its own drafter (one made the same way), or wait for that call")
+            user = self._check_drafter_free()
             _DRAFTING[id(d)] = self
         try:
             return self._decode_loop(s, pool, first_requests)
@@ -1073,6 +1072,18 @@ class SpeculativeGenerator:
             if user is None:
                 with _DRAFTING_LOCK:
                     del _DRAFTING[id(d)]
+
+    def _check_drafter_free(self) -> SpeculativeGenerator | None:
+        """Raise RuntimeError when this generator's drafter (one with per-call state, at K > 0)
+        drafts for another generator's decode loop now; else the generator whose loop holds it
+        (this one, a nested call) or None. Call it holding ``_DRAFTING_LOCK``."""
+        d = self._drafter
+        user = None if d.stateless or self._K == 0 else _DRAFTING.get(id(d))
+        if user is not None and user is not self:
+            raise RuntimeError(f"the drafter ({type(d).__name__}) is drafting for another generator's call, and it "
+                               "keeps per-call state (its caches) that this call would overwrite; give each "
+                               "generator its own drafter (one made the same way), or wait for that call")
+        return user
 
     def _decode_loop(self, s, pool: RequestPool | None, first_requests: list | None):
         """:meth:`_decode`'s loop."""

@@ -512,7 +512,8 @@ class ContinuousBatchingManager:
         room = self.max_length - len(prefix)
         return [[Request(i, prefix + tuple(torch.randint(0, self._vocab_size, (n,), generator=g).tolist()),
                          min(WARMUP_NEW_TOKENS, room - n), warmup=True) for i in range(rows)]
-                for rows, n in warmup_grid(self.max_batch_size, room, self.max_batch_tokens)]
+                for rows, n in warmup_grid(self.max_batch_size, room, self.max_batch_tokens)
+                if rows == 1 or rows * (len(prefix) + n) <= self.max_batch_tokens]  # (an admission counts whole prompts)
 
     # requests --------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,

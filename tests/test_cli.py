@@ -79,10 +79,11 @@ def test_python_m_specdec_help_exits_0():
     (["num_speculative_token=2"], "did you mean 'num_speculative_tokens'?"),
     (["experiment=rollback", "experiment.kernel_stepz=3"], "did you mean 'experiment.kernel_steps'?"),
     (["experiment.kernel_steps=3"], "'experiment.kernel_steps' is a key of experiment=rollback, not of "
-                                    "experiment=acceptance; add experiment=rollback"),  # a rollback key under acceptance
+                                    "experiment=acceptance; use experiment=rollback"),  # a rollback key under acceptance
     (["experiment.requests=8"], "'experiment.requests' is a key of experiment=serve, not of experiment=acceptance"),
     (["experiment=serve", "experiment.bogus=1"], "unknown key 'experiment.bogus'; `specdec-run --help`"),
     (["experiment=serve", "experiment.reqests=1"], "(did you mean 'experiment.requests'?)"),
+    (["experiment=train_mtp", "train.stpes=3"], "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
     (["rollback=snapshott"], "rollback=snapshott: no such option (did you mean 'snapshot'?)"),
     (["-m", "rollback=ring,undo"], "rollback=undo: no such option"),
     (["experiment=acceptence"], "unknown experiment 'acceptence' (did you mean 'acceptance'?)"),

@@ -405,6 +405,12 @@ def test_a_drafter_with_state_drafts_for_one_generator_at_a_time():
         assert inside.wait(timeout=120)
         with pytest.raises(RuntimeError, match=r"drafter \(DraftModelDrafter\) is drafting for another generator's call"):
             second.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+        manager = second.init_continuous_batching(max_length=64)  # its loop would draft with it too
+        with pytest.raises(RuntimeError, match="is drafting for another generator's call"):
+            manager.start()
+        assert not manager.is_running()
+        plain = specdec.wrap(model, drafter=drafter, num_speculative_tokens=0)  # K = 0 drafts nothing
+        assert torch.equal(plain.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0), want)
     finally:
         release.set()
         thread.join(timeout=300)

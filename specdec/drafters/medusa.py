@@ -199,6 +199,10 @@ class MedusaHeads(nn.Module):
         """False while shared heads have no LM-head weight to project with."""
         return not self.shared_lm_head or self.shared_weight is not None
 
+    def __getstate__(self):
+        state = super().__getstate__()  # (pickled / torch.save'd heads forget the LM-head module they were bound from)
+        return {**state, "_shared_head": None}
+
     def shares_another_head(self, model) -> bool:
         """Whether these heads project with a shared LM head bound from another model's LM-head
         module than ``model``'s (False when owning their projections, or bound from a tensor)."""

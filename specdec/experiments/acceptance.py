@@ -173,7 +173,7 @@ def run(cfg: DictConfig, out_dir: Path, records_sink=None, split=None, show_prog
         pad = tok.pad_token_id
         vocab = model.get_input_embeddings().num_embeddings
         encs = {p["id"]: _encode(tok, p, device, vocab) for p in prompts}
-        check_context(str(spec.name), model, max(e["input_ids"].shape[1] for e in encs.values()), max_new)
+        check_context(str(spec.name), model, max((e["input_ids"].shape[1] for e in encs.values()), default=0), max_new)
         timed_encs = [encs[p["id"]] for p in timed]
 
         def hf_generate(enc, n=max_new, **kw):

@@ -171,10 +171,14 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         if any(d == "draft_model" for d, _ in runs):
             draft = load_draft(spec, device, dtype)
         wb = weight_bytes(model)
+        widest = timing_batch(max(batches), exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
+                              int(cfg.seed))[0]["input_ids"].shape[1]  # (the largest batch pads widest)
+        check_context(str(spec.name), model, widest, max_new)
+        if exp.hf and exp.hf_max_new_tokens:
+            check_context(str(spec.name), model, widest, int(exp.hf_max_new_tokens), "experiment.hf_max_new_tokens")
         for B in batches:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
                                     int(cfg.seed))
-            check_context(str(spec.name), model, enc["input_ids"].shape[1], max(max_new, int(exp.hf_max_new_tokens or 0)))
             plain = plain_reference(model, enc, max_new, pad, device, repeats=repeats, warmup=bool(exp.warmup),
                                     hf=bool(exp.hf), hf_max_new=exp.hf_max_new_tokens, decode_path=path,
                                     switches=switches)

@@ -309,10 +309,10 @@ def check_overrides(args: list[str]) -> None:
         results = [_valid(s, parts) for s in schemas]
         if any(ok for ok, _ in results):
             continue
-        others = [e for e, sch in SCHEMAS.items() if e not in names and _valid(sch, parts)[0]]
+        others = [e for e, sch in SCHEMAS.items() if e not in names and key in _all_keys(sch)]  # (no wildcards)
         if others:
             raise UsageError(f"'{key}' is a key of experiment={', experiment='.join(others)}, not of "
-                             f"experiment={', experiment='.join(names)}; add experiment={others[0]}")
+                             f"experiment={', experiment='.join(names)}; use experiment={others[0]}")
         candidates = set(GROUPS)
         for s in schemas:
             candidates.update(_all_keys(s))

@@ -54,13 +54,14 @@ def common_fields(cfg, experiment: str, spec, device, dtype) -> dict:
     }
 
 
-def check_context(name: str, model, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Raise ValueError when the longest prompt (``prompt_tokens``) and ``max_new_tokens`` pass
-    the context of target ``name`` (``config.max_position_embeddings``; no bound without it), as
-    ``generate_batch`` refuses such a request: before any generation, naming the most it may be."""
+def check_context(name: str, model, prompt_tokens: int, max_new_tokens: int, key: str = "max_new_tokens") -> None:
+    """Raise ValueError when the longest prompt (``prompt_tokens``) and ``max_new_tokens`` (the
+    setting ``key``) pass the context of target ``name`` (``config.max_position_embeddings``; no
+    bound without it), as ``generate_batch`` refuses such a request: before any generation,
+    naming the most it may be."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: with the longest prompt ({prompt_tokens} tokens) it "
+        raise ValueError(f"{key}={max_new_tokens}: with the longest prompt ({prompt_tokens} tokens) it "
                          f"passes {name}'s context (max_position_embeddings={limit}); at most "
                          f"{max(limit - prompt_tokens, 0)} new tokens")
 
