@@ -643,9 +643,12 @@ class SpeculativeGenerator:
 
         Raises:
             TypeError / ValueError: bad arguments (checked before any work), unsupported settings
-            (:func:`specdec.settings.resolve`); ValueError when the drafter returns a bad proposal.
+            (:func:`specdec.settings.resolve`); ValueError when the drafter returns a bad proposal,
+            or when a prompt + budget beyond the model's context (a warning alone, as in HF) would
+            need caches larger than the device's free memory.
             RuntimeError: a continuous batching manager of this generator is running (or warming
-            up), or another thread is inside this generator's ``generate()`` / ``generate_batch()``.
+            up), another thread is inside this generator's ``generate()`` / ``generate_batch()``,
+            or the drafter (one with per-call state) drafts for another generator's call now.
         """
         if input_ids is None:  # (HF's generate() also takes inputs_embeds alone)
             raise ValueError("generate() needs input_ids (token ids, [B, L]); inputs_embeds is not supported: the "
