@@ -1064,24 +1064,29 @@ class SpeculativeGenerator:
         <specdec.drafters.Drafter.stateless>`) drafts for one generator's loop at a time: raises
         RuntimeError while another generator's loop drafts with it (on another thread)."""
         d = self._drafter
-        if d.stateless or self._K == 0:  # (plain decoding does not draft)
-            return self._decode_loop(s, pool, first_requests)
         with _DRAFTING_LOCK:
-            user = self._check_drafter_free()
-            _DRAFTING[id(d)] = self
+            claims = self._check_drafter_free() is None and self._claims_drafter
+            if claims:
+                _DRAFTING[id(d)] = self
         try:
             return self._decode_loop(s, pool, first_requests)
         finally:
-            if user is None:
+            if claims:
                 with _DRAFTING_LOCK:
                     del _DRAFTING[id(d)]
+
+    @property
+    def _claims_drafter(self) -> bool:
+        """Whether a decode loop holds the drafter for itself: one with per-call state, at K > 0
+        (plain decoding does not draft)."""
+        return not self._drafter.stateless and self._K != 0
 
     def _check_drafter_free(self) -> SpeculativeGenerator | None:
         """Raise RuntimeError when this generator's drafter (one with per-call state, at K > 0)
         drafts for another generator's decode loop now; else the generator whose loop holds it
         (this one, a nested call) or None. Call it holding ``_DRAFTING_LOCK``."""
         d = self._drafter
-        user = None if d.stateless or self._K == 0 else _DRAFTING.get(id(d))
+        user = _DRAFTING.get(id(d)) if self._claims_drafter else None
         if user is not None and user is not self:
             raise RuntimeError(f"the drafter ({type(d).__name__}) is drafting for another generator's call, and it "
                                "keeps per-call state (its caches) that this call would overwrite; give each "

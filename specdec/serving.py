@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import logging
 import numbers
+import os
 import threading
 import time
 import weakref
@@ -142,8 +143,7 @@ def shared_prefixes(prompts: list[tuple], block_size: int) -> list[tuple]:
     rounded down to whole blocks, where that is at least one block; each once, in order."""
     out = []
     for i, p in enumerate(prompts):
-        common = max((next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
-                      for j, q in enumerate(prompts) if j != i), default=len(p))
+        common = max((len(os.path.commonprefix([p, q])) for j, q in enumerate(prompts) if j != i), default=len(p))
         n = common // block_size * block_size
         if n and p[:n] not in out:
             out.append(p[:n])

@@ -230,9 +230,9 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
     return out
 
 
-def _suggest(word: str, candidates) -> str:
+def _suggest(word: str, candidates, prefix: str = "") -> str:
     near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean '{near[0]}'?)" if near else ""
+    return f" (did you mean '{prefix}{near[0]}'?)" if near else ""
 
 
 def _suggest_key(key: str, candidates) -> str:
@@ -240,10 +240,8 @@ def _suggest_key(key: str, candidates) -> str:
     ``experiment.`` keys), or among all ``candidates`` for a key outside any section."""
     parent, _, name = key.rpartition(".")
     siblings = [c.rpartition(".")[2] for c in candidates if c.rpartition(".")[0] == parent] if parent else []
-    if not siblings:
-        return _suggest(key, candidates)
-    near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)  # (the names alone: the section is shared)
-    return f" (did you mean '{parent}.{near[0]}'?)" if near else ""
+    # (the names alone where the section is shared)
+    return _suggest(name, siblings, f"{parent}.") if siblings else _suggest(key, candidates)
 
 
 def check_overrides(args: list[str]) -> None:
