@@ -187,7 +187,7 @@ class Drafter(abc.ABC):
     def check_target(self, model) -> None:
         """Raise ValueError when this drafter reads the weights of another model than ``model``,
         the target of the generator it is given to (the MTP drafter: its target's embedding and
-        LM head; Medusa heads sharing an LM head: that head); a ``torch.compile``\ d model is
+        LM head; Medusa heads sharing an LM head: that head); a model compiled with ``torch.compile`` is
         the model it wraps. The default drafts for any target of its vocabulary."""
 
 
