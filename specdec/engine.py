@@ -55,7 +55,7 @@ from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .serving import ContinuousBatchingManager
-from .settings import resolve, warn_caller
+from .settings import context_length, resolve, warn_caller
 from .stats import Stats
 from .step_hook import StepHook
 from .tree import tree_for
@@ -660,7 +660,7 @@ class SpeculativeGenerator:
         settings = resolve(self.model, self.adapter.vocab_size, self.adapter.device, input_ids, attention_mask,
                            generation_config, overrides=overrides, streamer=streamer,
                            stopping_criteria=stopping_criteria, generator=generator)
-        limit = self._max_positions()
+        limit = context_length(self.model)
         reach = settings.input_ids.shape[1] + max(settings.row_budgets or (settings.max_new_tokens,))
         if limit is not None and reach > limit:  # (as HF's generate(): a warning, the call runs)
             warn_caller(f"prompt ({settings.input_ids.shape[1]} tokens, padding included) + max_new_tokens reach "
@@ -767,7 +767,7 @@ class SpeculativeGenerator:
         self._check_batching()
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config, "generate_batch()")
-        requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, self._max_positions())
+        requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, context_length(self.model))
         for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
             results[r.index] = r.output(RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
@@ -827,7 +827,7 @@ class SpeculativeGenerator:
             TypeError / ValueError: as :meth:`generate_batch` raises them, checked here; a bad
             ``max_length`` or ``max_new_tokens`` (also one above ``max_length - 1``).
         """
-        limit = self._max_positions()
+        limit = context_length(self.model)
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise TypeError(f"max_length must be an int (prompt + new tokens of a request), got "
                             f"{type(max_length).__name__}")
@@ -885,9 +885,6 @@ class SpeculativeGenerator:
                                  f"generation_config passed sets max_length={length} and no max_new_tokens: set "
                                  "max_new_tokens (on it or as an argument)")
         return 20 if budget is None else budget
-
-    def _max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
 
     def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs,
                            caller: str = "generate_batch"):

@@ -18,7 +18,7 @@ import torch
 
 from .verify import SamplingConfig
 
-__all__ = ["GenerationSettings", "SUPPORTED_SETTINGS", "resolve"]
+__all__ = ["GenerationSettings", "SUPPORTED_SETTINGS", "context_length", "resolve"]
 
 # generation settings this engine does not implement: (attribute, value meaning "off")
 _UNSUPPORTED = {
@@ -151,6 +151,14 @@ def _as_id_list(eos) -> tuple[int, ...]:
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def context_length(model) -> int | None:
+    """The positions ``model`` (an HF model) was built for: ``config.max_position_embeddings``, or
+    None when its config has none (no bound). ``generate()`` warns beyond it, ``generate_batch()``
+    and a serving manager refuse a request that would pass it, and the experiments refuse a run
+    that would, before any generation."""
+    return getattr(model.config, "max_position_embeddings", None)
 
 
 def warn_caller(message: str, category=UserWarning) -> None:
@@ -310,7 +318,7 @@ def _max_new_tokens(gc, model, prompt_width: int) -> int:
                              "set max_new_tokens instead")
         max_new = gc.max_length - prompt_width
     elif max_new is None:  # as HF: with no length set anywhere, 20 new tokens
-        max_pos = getattr(model.config, "max_position_embeddings", None)
+        max_pos = context_length(model)
         max_new = 20 if max_pos is None else max(0, min(20, max_pos - prompt_width))
     if isinstance(max_new, bool) or not isinstance(max_new, int):
         shape = f" of shape {tuple(max_new.shape)}" if isinstance(max_new, torch.Tensor) else ""

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
+from .common import RunRecords, apply_cpu_threads, check_context, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 
 __all__ = ["run", "schedule", "workloads"]
@@ -108,6 +108,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
         if bar is None:
             apply_cpu_threads(cfg, model, device)
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
+        widest = timing_batch(max(batches), exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
+                              int(cfg.seed))[0]["input_ids"].shape[1]  # (the largest batch pads widest)
+        check_context(str(spec.name), model, widest, max_new)
         for B in batches:
             enc, pad = timing_batch(B, exp.prompt_tokens, prompts, tok, model.config.vocab_size, device,
                                     int(cfg.seed))

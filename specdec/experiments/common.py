@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..settings import context_length
+
 __all__ = ["common_fields", "provenance", "run_command", "make_drafter", "mtp_draft_vocab", "apply_cpu_threads",
            "progress_bar", "write_outputs", "write_jsonl", "append_jsonl", "RunRecords"]
 
@@ -59,7 +61,7 @@ def check_context(name: str, model, prompt_tokens: int, max_new_tokens: int, key
     setting ``key``) pass the context of target ``name`` (``config.max_position_embeddings``; no
     bound without it), as ``generate_batch`` refuses such a request: before any generation,
     naming the most it may be."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = context_length(model)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         raise ValueError(f"{key}={max_new_tokens}: with the longest prompt ({prompt_tokens} tokens) it "
                          f"passes {name}'s context (max_position_embeddings={limit}); at most "

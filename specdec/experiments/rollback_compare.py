@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .common import apply_cpu_threads, common_fields, make_drafter, progress_bar, write_outputs
+from .common import apply_cpu_threads, check_context, common_fields, make_drafter, progress_bar, write_outputs
 from .models import load_draft, load_target, resolve_device, ssm_shape, target_config
 from .timing import Timing
 
@@ -126,6 +126,9 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             apply_cpu_threads(cfg, model, device)
             bar = progress_bar(cfg, n_points, "rollback") or False
         shape = _shape_of(spec, model) if exp.kernel_level else None
+        if exp.end_to_end:  # (the largest batch pads widest)
+            check_context(str(spec.name), model, batch_encoding(tok, prompts, max(batches), device)["input_ids"].shape[1],
+                          int(cfg.max_new_tokens))
         for B in batches:
             enc = plain = None
             if exp.end_to_end:

@@ -107,6 +107,7 @@ from omegaconf import DictConfig
 from ..batching import (DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, RequestTiming,
                         admission_rows, left_pad)
 from ..prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from ..settings import context_length
 from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter, progress_bar
 from .models import load_target, resolve_device
 from .prompts import check_token_ids, json_objects
@@ -762,8 +763,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
             total = len(cfg.model.targets) * (1 + prefix_caching) * (1 + len(runs) * len(strategies) * (
                 1 + bool(exp.fixed_batches)))
             bar = log.bar = progress_bar(cfg, total, str(exp.name)) or False
-        work = build_workload(exp, tok, model.config.vocab_size, seed,
-                              getattr(model.config, "max_position_embeddings", None))
+        work = build_workload(exp, tok, model.config.vocab_size, seed, context_length(model))
         work = work.arriving(None if exp.request_rate is None else float(exp.request_rate), seed)
         pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         eos = _eos_ids(model)
