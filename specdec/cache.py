@@ -124,6 +124,29 @@ class SSMLayerCache:
             self.strategy.load(self.store, ssm_state)
         self.step_tokens = 0
 
+    def load_rows(self, rows: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+                  conv_width: int) -> None:
+        """Give slots ``rows`` (``[n]`` int64 on the cache's device, distinct) to new sequences
+        whose prefill left ``conv_state [n, C, >= W-1]`` and ``ssm_state [n, *S]`` (None where
+        this layer has no conv / no recurrence, as :meth:`load` takes them): in place, what
+        :meth:`load` on a cache of those rows then :meth:`HybridCache.reset_rows` leave in them
+        (the window's last ``W - 1`` inputs then zeros, the committed state through the
+        strategy's ``reset_rows``). The caller checks that no step is open.
+
+        Raises: ValueError when the layer's conv width, conv window or recurrence differs from
+        what was loaded into it before."""
+        if (conv_width != self.conv_width or (conv_state is None) != (self.conv_window is None)
+                or (ssm_state is not None) != self.has_recurrence):
+            raise ValueError(f"SSM layer {self.layer}: the prefill's conv window / recurrence differs from this "
+                             "cache's")
+        if conv_state is not None:
+            hist, win = conv_width - 1, self.conv_window
+            win[rows] = 0
+            if hist:
+                win[rows, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist:].to(win)
+        if self.has_recurrence:
+            self.strategy.reset_rows(self.store, self.op, self.params, rows, ssm_state)
+
     # --- called by adapters during a forward --------------------------------------------------
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         """Causal depthwise conv of this step's inputs ``x [B, t, C]`` -> ``[B, t, C]`` (in tree
@@ -190,6 +213,20 @@ class SSMLayerCache:
         if self.conv_window is None:
             return None
         return self.conv_window[:, :, : self.conv_width - 1]
+
+
+def _row_index(x, n_max: int, what: str, device) -> torch.Tensor:
+    """``x`` (int LongTensor or sequence) as a 1-D int64 index on ``device``, checked: values in
+    ``[0, n_max)`` and distinct (ValueError naming ``what``)."""
+    idx = torch.as_tensor(x, dtype=torch.long).reshape(-1) if not isinstance(x, torch.Tensor) else x.long()
+    if idx.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(idx.shape)}")
+    vals = idx.tolist()
+    if any(v < 0 or v >= n_max for v in vals):
+        raise ValueError(f"{what} must be in [0, {n_max}), got {vals}")
+    if len(set(vals)) != len(vals):
+        raise ValueError(f"{what} must be distinct, got {vals}")
+    return idx.to(device)
 
 
 class HybridCache:
@@ -521,26 +558,12 @@ class HybridCache:
                 lengths; ``source`` of another ``max_len`` / ``max_step_tokens`` / layer set, or
                 whose layers differ in shape (conv width, KV heads or head size).
         """
-        def as_index(x, n_max: int, what: str) -> torch.Tensor:
-            idx = torch.as_tensor(x, dtype=torch.long).reshape(-1) if not isinstance(x, torch.Tensor) else x.long()
-            if idx.dim() != 1:
-                raise ValueError(f"{what} must be 1-D, got shape {tuple(idx.shape)}")
-            vals = idx.tolist()
-            if any(v < 0 or v >= n_max for v in vals):
-                raise ValueError(f"{what} must be in [0, {n_max}), got {vals}")
-            if len(set(vals)) != len(vals):
-                raise ValueError(f"{what} must be distinct, got {vals}")
-            return idx.to(self.device)
-
-        open_self = self.step_tokens or any(layer.step_tokens for layer in self.ssm.values())
-        open_src = source.step_tokens or any(layer.step_tokens for layer in source.ssm.values())
-        if open_self or open_src:
-            raise ValueError(f"reset_rows needs no open step, but {'this cache' if open_self else 'source'} has "
-                             f"{self.step_tokens if open_self else source.step_tokens} step tokens run and not "
-                             "committed: commit the step first (commit zeros to discard it)")
-        rows = as_index(rows, self.batch, "rows")
+        for cache, what in ((self, "this cache"), (source, "source")):
+            cache._check_closed("reset_rows", what)
+        rows = _row_index(rows, self.batch, "rows", self.device)
         n = rows.numel()
-        source_rows = as_index(range(n) if source_rows is None else source_rows, source.batch, "source_rows")
+        source_rows = _row_index(range(n) if source_rows is None else source_rows, source.batch, "source_rows",
+                                 self.device)
         if source_rows.numel() != n:
             raise ValueError(f"rows and source_rows must have the same length, got {n} and {source_rows.numel()}")
         if (source.max_len, source.max_step_tokens) != (self.max_len, self.max_step_tokens):
@@ -574,6 +597,63 @@ class HybridCache:
             if mine.has_recurrence:
                 state = layer.ssm_state()[src_rows]
                 mine.strategy.reset_rows(mine.store, mine.op, mine.params, rows, state)
+
+    def load_rows(self, rows, length: int, pad: torch.Tensor, keys_values: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  ssm_states: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, int]]) -> None:
+        """Give batch slots ``rows`` to new sequences prefilled elsewhere, written in place: what
+        :meth:`reset_rows` from a cache of their own, loaded with their prefill, leaves in them,
+        without that cache (its allocation, its load and the copy out of it). For each ``i`` slot
+        ``rows[i]`` takes ``length`` columns of keys / values (the rest zero), ``pad[i]`` and
+        ``seq_len = length``, and each SSM layer's conv window and committed state
+        (:meth:`SSMLayerCache.load_rows`, through its rollback strategy's ``reset_rows``). The
+        other rows keep their committed state bit for bit.
+
+        Args:
+            rows: ``[n]`` int (LongTensor or list): distinct slot indices in ``[0, batch)``.
+            length: L, the prompts' left-padded width (``L <= max_len``).
+            pad: ``[n]`` int64: each prompt's left padding.
+            keys_values: ``{layer: (keys, values)}``, each ``[n, H, L, D]``, for every attention layer.
+            ssm_states: ``{layer: (conv_state, recurrent_state, conv width)}`` for every SSM layer,
+                as :meth:`SSMLayerCache.load` takes them (``[n, ...]``).
+
+        Raises:
+            ValueError: a step is open (commit it first); ``rows`` out of range, repeated or not
+                1-D; a layer missing or extra, or of another shape than this cache's; ``length``
+                beyond ``max_len``.
+        """
+        rows = torch.tensor(self.check_load_rows(rows), dtype=torch.long, device=self.device)
+        if set(keys_values) != set(self.kv) or set(ssm_states) != set(self.ssm):
+            raise ValueError(f"load_rows needs the states of every layer of this cache: attention layers "
+                             f"{sorted(self.kv)} and SSM layers {sorted(self.ssm)}, got {sorted(keys_values)} and "
+                             f"{sorted(ssm_states)}")
+        if length > self.max_len:
+            raise ValueError(f"load_rows: prompts of {length} columns do not fit this cache's {self.max_len}")
+        for idx, (k, v) in keys_values.items():
+            for buf, new in zip(self.kv[idx], (k, v)):
+                if new.shape != (rows.numel(), *buf.shape[1:2], length, buf.shape[3]):
+                    raise ValueError(f"attention layer {idx}: keys / values of shape {tuple(new.shape)} for "
+                                     f"{rows.numel()} rows of {length} columns do not fit buffers "
+                                     f"{tuple(buf.shape)}")
+                buf[rows, :, :length] = new.to(buf.dtype)
+                buf[rows, :, length:] = 0
+        self.pad[rows] = pad.to(self.pad)
+        self.seq_len[rows] = length
+        for idx, (conv_state, state, conv_width) in ssm_states.items():
+            self.ssm[idx].load_rows(rows, conv_state, state, conv_width)
+
+    def check_load_rows(self, rows) -> list[int]:
+        """``rows`` as :meth:`load_rows` takes them, checked (a host list of ints back); ValueError
+        when they are not distinct slots in ``[0, batch)`` or a step is open."""
+        self._check_closed("load_rows", "this cache")
+        return _row_index(rows, self.batch, "rows", "cpu").tolist()
+
+    def _check_closed(self, what: str, name: str) -> None:
+        """Raise ValueError when a step is open on this cache (``what`` needs none; ``name``: this
+        cache in the message)."""
+        if self.step_tokens or any(layer.step_tokens for layer in self.ssm.values()):
+            raise ValueError(f"{what} needs no open step, but {name} has "
+                             f"{self.step_tokens or max(layer.step_tokens for layer in self.ssm.values())} step "
+                             "tokens run and not committed: commit the step first (commit zeros to discard it)")
 
     def advance(self, t: int) -> None:
         """Mark ``t`` more step tokens as run (called after a forward)."""

@@ -1463,9 +1463,9 @@ class SpeculativeGenerator:
                ) -> tuple[bool, int]:
         """The admission phase of a continuous-batching step: the rows whose request ended
         (``finished``, the host copy of ``rows.finished``) give their new tokens to ``pool`` and
-        take the next queued requests: their prompts are prefilled together (left-padded) into a
-        fresh cache of ``dec``'s shape, moved into those rows (:meth:`HybridCache.reset_rows`, in
-        place), and each row's first new token is picked from its prefill logits, as in
+        take the next queued requests: their prompts are prefilled together (left-padded) straight
+        into those rows of ``dec``'s cache (:meth:`HybridCache.load_rows`, in place: the other rows
+        and the captured graphs are untouched), and each row's first new token is picked from its prefill logits, as in
         ``generate()``; the drafter resets those rows (:meth:`Drafter.admit`, with the prompts'
         hidden states when it wants them); with ``num_speculative_tokens="auto"`` their acceptance
         estimates restart from the prior. Repeats while rows end at once (EOS first, a budget of one).
@@ -1519,16 +1519,20 @@ class SpeculativeGenerator:
                 slots = free[:len(taken)]
                 idx = torch.tensor(slots, dtype=torch.long, device=dev)
                 ids, mask = left_pad([r.prompt for r in taken], dev)
-                fresh = self.adapter.new_cache(len(taken), dec.cache.max_len, dec.step_tokens, dec.strategy)
                 if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens:
+                    # a cache of its own, its chunks prefilled between the other rows' steps
+                    fresh = self.adapter.new_cache(1, dec.cache.max_len, dec.step_tokens, dec.strategy)
                     pool.prefilling_chunks = _ChunkedPrefill(
                         free[0], ids, fresh,
                         self.adapter.prefill_chunked(ids[0], fresh, pool.max_batch_tokens, every,
                                                      prefix_cache=pool.prefix_cache))
                     continue  # its first chunk now
-                logits, hidden = self.adapter.prefill(ids, mask, fresh, every, prefix_cache=pool.prefix_cache,
-                                                      max_tokens=pool.max_batch_tokens, prompt_path=dec.prompt_path)
-            dec.cache.reset_rows(slots, fresh)  # (host ints: its checks read them without waiting for the prefill)
+                # straight into the free rows (host ints: checked without waiting for the device)
+                logits, hidden = self.adapter.prefill(ids, mask, dec.cache, every, prefix_cache=pool.prefix_cache,
+                                                      max_tokens=pool.max_batch_tokens, prompt_path=dec.prompt_path,
+                                                      rows=slots)
+            else:  # a long prompt's last chunk ran: its cache's row moves into the pool's
+                dec.cache.reset_rows(slots, fresh)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)
             rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))

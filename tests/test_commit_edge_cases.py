@@ -478,9 +478,10 @@ def test_finished_slot_given_to_new_prompt_through_generate_batch(family, strate
     """The scenario above through ``SpeculativeGenerator.generate_batch``, with a draft model that
     keeps its own cache (rolled back by the same strategy): 6 requests through 3 rows, budgets that
     end rows at commit counts where the ring (K + 2 slots) has its head away from slot 0, so slots
-    are reset (``HybridCache.reset_rows``, checked as it runs) with cursors away from their reset
-    values: the other rows keep their committed state bit for bit, the slot holds exactly the new
-    prompt's prefill, its cursors restart. Every request == HF greedy of its prompt alone (a row
+    are reset (the target's prefilled straight into them, ``HybridCache.load_rows``; the draft's
+    moved in, ``HybridCache.reset_rows``; both checked as they run) with cursors away from their
+    reset values: the other rows keep their committed state bit for bit, the slot holds exactly the
+    new prompt's prefill, its cursors restart. Every request == HF greedy of its prompt alone (a row
     whose text reaches the model's default EOS finishes there); at the end every row's committed
     state == HF's per-token decode of the text it holds, in the target's cache and in the draft's."""
     monkeypatch.setenv("SPECDEC_DEBUG", "1")  # bounds checks on every slot index
@@ -500,25 +501,49 @@ def test_finished_slot_given_to_new_prompt_through_generate_batch(family, strate
     resets = []  # (the target's cache?, the slots' cursors before the reset)
     original = specdec.cache.HybridCache.reset_rows
 
-    def checked_reset(cache, rows, source, source_rows=None):
+    original_load = specdec.cache.HybridCache.load_rows
+
+    def checked(cache, rows, reset, expected):
+        """Run ``reset()`` on ``rows`` of ``cache``, checking the other rows, what the slots then
+        hold (``expected()``: committed_rows' tensors) and their cursors."""
         rows_list = torch.as_tensor(rows).tolist()
         keep = [b for b in range(cache.batch) if b not in rows_list]
         kept = committed_rows(cache, keep)
         cursors = [int(v) for layer in cache.ssm.values() for name in ("head", "hist_len")
                    if name in layer.store.tensors for v in layer.store.tensors[name][rows_list]]
         resets.append((cache is sd.last_cache, cursors))
-        original(cache, rows, source, source_rows)
+        reset()
         for a, b in zip(committed_rows(cache, keep), kept, strict=True):
             assert torch.equal(a, b)  # rows not reset: bit for bit
-        src = range(len(rows_list)) if source_rows is None else torch.as_tensor(source_rows).tolist()
-        for a, b in zip(committed_rows(cache, rows_list), committed_rows(source, list(src)), strict=True):
+        for a, b in zip(committed_rows(cache, rows_list), expected(), strict=True):
             assert torch.equal(a, b.to(a.dtype))  # the slots hold exactly the new prompts' prefill
         for layer in cache.ssm.values():  # their cursors restart
             for name in ("head", "hist_len"):
                 if name in layer.store.tensors:
                     assert layer.store.tensors[name][rows_list].eq(0).all()
 
+    def checked_reset(cache, rows, source, source_rows=None):
+        src = range(len(torch.as_tensor(rows).tolist())) if source_rows is None else torch.as_tensor(source_rows).tolist()
+        checked(cache, rows, lambda: original(cache, rows, source, source_rows), lambda: committed_rows(source, list(src)))
+
+    def checked_load(cache, rows, length, pad, keys_values, ssm_states):
+        def expected():  # (committed_rows' order: pad, seq_len, every KV layer's, every SSM layer's)
+            n = len(torch.as_tensor(rows).tolist())
+            out = [pad, torch.full((n,), length)]
+            for idx, (k, v) in cache.kv.items():
+                for buf, new in zip((k, v), keys_values[idx]):
+                    out.append(torch.cat([new.to(buf.dtype), buf.new_zeros(n, buf.shape[1], buf.shape[2] - length,
+                                                                           buf.shape[3])], dim=2))
+            for idx, layer in cache.ssm.items():
+                conv, state, width = ssm_states[idx]
+                window = layer.conv_window.new_zeros(n, *layer.conv_window.shape[1:])
+                window[:, :, :width - 1] = conv[:, :, conv.shape[-1] - (width - 1):]
+                out += [state, window]
+            return out
+        checked(cache, rows, lambda: original_load(cache, rows, length, pad, keys_values, ssm_states), expected)
+
     monkeypatch.setattr(specdec.cache.HybridCache, "reset_rows", checked_reset)
+    monkeypatch.setattr(specdec.cache.HybridCache, "load_rows", checked_load)
     out = sd.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos or None, max_batch_size=3)
     for i, e in enumerate(expected):
         assert out[f"req_{i}"].generated_tokens == e, f"req_{i}"
@@ -558,6 +583,74 @@ def test_reset_rows_argument_errors():
     assert cache.seq_len.tolist() == [12, 12, 12] and cache.pad.tolist() == [2, 5, 5]
     for idx, layer in cache.ssm.items():
         assert torch.equal(layer.ssm_state()[[2, 0]], src.ssm[idx].ssm_state())
+
+
+def _cache_tensors(cache) -> dict:
+    """Every tensor a cache holds for its rows, by name (KV, pad / seq_len, conv windows, stores)."""
+    out = {"pad": cache.pad, "seq_len": cache.seq_len}
+    for idx, (k, v) in cache.kv.items():
+        out[f"kv{idx}.k"], out[f"kv{idx}.v"] = k, v
+    for idx, layer in cache.ssm.items():
+        if layer.conv_window is not None:
+            out[f"ssm{idx}.conv"] = layer.conv_window
+        for name, t in layer.store.tensors.items():
+            for key, part in (t.items() if isinstance(t, dict) else [("", t)]):
+                if isinstance(part, torch.Tensor):
+                    out[f"ssm{idx}.{name}{key}"] = part
+    return out
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "lfm2"])
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+def test_prefill_into_rows_leaves_what_reset_rows_from_their_own_cache_leaves(family, strategy):
+    """prefill(..., rows=) writes the prompts' states straight into those rows of a cache that
+    has decoded (HybridCache.load_rows): every tensor of the cache, other rows included, equals
+    bit for bit what a cache of their own, prefilled and moved in by reset_rows, leaves; the
+    logits are the same; the tensors are the same objects (captured graphs stay valid)."""
+    ad = specdec.models.adapter_for(get_model(family))
+    ids, mask = ragged_prompts(4, lengths=(12, 7, 10, 9), seed=1)
+    new_ids, new_mask = ragged_prompts(2, lengths=(5, 11), seed=2)
+    caches = []
+    for _ in range(2):
+        cache = ad.new_cache(4, 40, 3, make_strategy(strategy))
+        ad.prefill(ids, mask, cache)
+        ad.forward(ids[:, -3:], cache)  # a step, partly kept: cursors and histories off their start
+        cache.commit(torch.tensor([3, 1, 2, 0]))
+        caches.append(cache)
+    moved, direct = caches
+    fresh = ad.new_cache(2, 40, 3, make_strategy(strategy))
+    want = ad.prefill(new_ids, new_mask, fresh)
+    moved.reset_rows([3, 1], fresh)
+    objects = {name: t for name, t in _cache_tensors(direct).items()}
+    got = ad.prefill(new_ids, new_mask, direct, rows=[3, 1])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    want_t, got_t = _cache_tensors(moved), _cache_tensors(direct)
+    assert want_t.keys() == got_t.keys() and len(got_t) > 4
+    for name, t in got_t.items():
+        assert t is objects[name], name
+        assert t.dtype == want_t[name].dtype and torch.equal(t, want_t[name]), name
+    # both go on decoding alike
+    step = torch.randint(3, VOCAB, (4, 2), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ad.forward(step, direct)[0], ad.forward(step, moved)[0])
+
+
+def test_prefill_into_rows_argument_errors():
+    """Bad rows are refused before the forward, naming what was wrong."""
+    ad = specdec.models.adapter_for(get_model("nemotron_h"))
+    ids, mask = ragged_prompts()
+    cache = ad.new_cache(3, 40, 3, make_strategy("replay"))
+    ad.prefill(ids, mask, cache)
+    for rows, match in (([3], r"rows must be in \[0, 3\)"), ([0, 0], "distinct"), ([0, 1], "1 prompts for 2 rows")):
+        with pytest.raises(ValueError, match=match):
+            ad.prefill(ids[:1], mask[:1], cache, rows=rows)
+    ad.forward(ids[:, :1], cache)
+    with pytest.raises(ValueError, match="needs no open step"):
+        ad.prefill(ids[:1], mask[:1], cache, rows=[0])
+    cache.commit(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="states of every layer"):
+        cache.load_rows([0], 4, torch.zeros(1, dtype=torch.long), {}, {})
+    with pytest.raises(ValueError, match="do not fit this cache's 40"):
+        cache.load_rows([0], 41, torch.zeros(1, dtype=torch.long), dict.fromkeys(cache.kv), dict.fromkeys(cache.ssm))
 
 
 class ProposalRecorder(Drafter):

@@ -480,10 +480,14 @@ class HybridAdapter:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache,
                 all_hidden_states: bool = False, scan: str = "auto", prefix_cache: PrefixCache | None = None,
-                max_tokens: int | None = None, prompt_path: str = "eager"):
+                max_tokens: int | None = None, prompt_path: str = "eager", rows=None):
         """Run the left-padded prompt ``[B, L]`` through the model's own forward and load ``cache``
         with every state each layer of HF's ``DynamicCache`` holds (attention KV, conv and
-        recurrent state; a layer may hold both).
+        recurrent state; a layer may hold both). With ``rows`` (``[B]`` distinct slots of
+        ``cache``, host ints preferred: they are checked on the host) the prompts' states go
+        into those rows of ``cache`` in place (:meth:`HybridCache.load_rows`: what a cache of
+        their own then :meth:`HybridCache.reset_rows` would leave there; no step may be open)
+        and its other rows keep theirs; without, ``cache`` holds the B prompts.
 
         Attention and short-conv layers run transformers' code; Mamba-2, Gated DeltaNet and
         Kimi Delta Attention mixers run their family's ``mixer_forward`` against a prompt layer
@@ -525,8 +529,14 @@ class HybridAdapter:
 
         Raises:
             ValueError: ``scan`` is not one of the above, or ``"fla"`` without CUDA or fla;
-                ``prompt_path`` is not one of :data:`PROMPT_PATHS`.
+                ``prompt_path`` is not one of :data:`PROMPT_PATHS`; ``rows`` as
+                :meth:`HybridCache.load_rows` refuses them (checked before the forward).
         """
+        slots = None
+        if rows is not None:  # (before any work: a bad slot list wastes no forward)
+            slots = cache.check_load_rows(rows)
+            if len(slots) != input_ids.shape[0]:
+                raise ValueError(f"prefill: {input_ids.shape[0]} prompts for {len(slots)} rows")
         if prompt_path not in PROMPT_PATHS:
             raise ValueError(f"prompt_path must be one of {PROMPT_PATHS}, got {prompt_path!r}")
         scan = resolve_scan(scan, self.device, self.dtype)
@@ -536,7 +546,7 @@ class HybridAdapter:
         if groups is not None:  # rows in groups within max_tokens
             rows = [self._prefill_rows(input_ids[g], mask[g], all_hidden_states, scan, max_tokens, prompt_path)
                     for g in groups]
-            return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups))
+            return self._load_rows(rows, mask, cache, all_hidden_states, torch.cat(groups), slots)
         if prefix_cache is None:
             bucketed = self._bucketed(input_ids, mask, scan, prompt_path, max_tokens)
             if bucketed is None:
@@ -554,9 +564,9 @@ class HybridAdapter:
                                                   prompt_path)
             else:
                 rows = [self.prefill_cached(p, prefix_cache, all_hidden_states, scan) for p in prompts]
-            return self._load_rows(rows, mask, cache, all_hidden_states)
+            return self._load_rows(rows, mask, cache, all_hidden_states, slots=slots)
         logits = self.logits(hidden[:, -1])
-        self._load(cache, states, mask)
+        self._load(cache, states, mask, slots)
         return logits, hidden if all_hidden_states else hidden[:, -1]
 
     def _bucketed(self, input_ids, mask, scan: str, prompt_path: str, max_tokens: int | None):
@@ -596,11 +606,12 @@ class HybridAdapter:
         return (hidden if all_hidden_states else hidden[:, -1:]), self._layer_states(hf_cache)
 
     def _load_rows(self, rows, mask: torch.Tensor, cache: HybridCache, all_hidden_states: bool,
-                   order: torch.Tensor | None = None):
+                   order: torch.Tensor | None = None, slots=None):
         """Load ``cache`` with prompts prefilled in groups of rows: ``rows`` holds each group's
         ``(hidden, states)`` as :meth:`prefill_cached` returns them for one row, the groups
         holding the batch's rows ``order`` (int64 ``[B]``; default: in order), ``mask [B, L]``
-        their left padding. Returns :meth:`prefill`'s ``(logits, hidden)``."""
+        their left padding; ``slots``: the rows of ``cache`` they go to (:meth:`prefill`'s
+        ``rows``; None: the whole cache). Returns :meth:`prefill`'s ``(logits, hidden)``."""
         hidden = torch.cat([_left_pad(h, mask.shape[1] if all_hidden_states else 1, 1) for h, _ in rows])
         states = _stack_rows([s for _, s in rows])
         if order is not None:  # back to the batch's order
@@ -611,7 +622,7 @@ class HybridAdapter:
             names = ("keys", "values", "conv_state", "recurrent_state")
             states = {idx: LayerState(*(None if (t := getattr(st, n)) is None else t[back.to(t.device)] for n in names))
                       for idx, st in states.items()}
-        self._load(cache, states, mask.to(torch.long))
+        self._load(cache, states, mask.to(torch.long), slots)
         return self.logits(hidden[:, -1]), hidden if all_hidden_states else hidden[:, -1]
 
     def prefill_chunked(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int,
@@ -954,13 +965,21 @@ class HybridAdapter:
                                   stack("recurrent_state"))
         return out
 
-    def _load(self, cache: HybridCache, states: dict[int, LayerState], mask: torch.Tensor) -> None:
+    def _load(self, cache: HybridCache, states: dict[int, LayerState], mask: torch.Tensor, rows=None) -> None:
         """Load ``cache`` with the prefill's layer ``states`` (batched as HF's cache holds them) of
-        the left-padded prompts whose mask is ``mask [B, L]``."""
+        the left-padded prompts whose mask is ``mask [B, L]``; with ``rows``, those rows of
+        ``cache`` only (:meth:`HybridCache.load_rows`)."""
         L = mask.shape[1]
+        ssm = self.ssm_layers()
+        if rows is not None:
+            cache.load_rows(rows, L, (L - mask.sum(-1)),
+                            {idx: (_left_pad(st.keys, L, 2), _left_pad(st.values, L, 2))
+                             for idx, st in states.items() if st.keys is not None},
+                            {idx: (st.conv_state, st.recurrent_state, self.conv_width(ssm[idx][0]))
+                             for idx, st in states.items() if idx in ssm})
+            return
         cache.pad = (L - mask.sum(-1)).to(cache.device)
         cache.seq_len = torch.full_like(cache.pad, L)
-        ssm = self.ssm_layers()
         for idx, state in states.items():
             if idx in ssm:
                 cache.ssm[idx].load(state.conv_state, state.recurrent_state, self.conv_width(ssm[idx][0]))
