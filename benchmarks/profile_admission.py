@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec import cache as cache_module  # noqa: E402
 from specdec import prefix_cache as prefix_cache_module  # noqa: E402
 from specdec.models import base as base_module  # noqa: E402
 
@@ -56,6 +57,8 @@ REGIONS = (
     ("store", base_module.HybridAdapter, "_store_blocks"),
     ("insert", prefix_cache_module.PrefixCache, "insert"),
     ("load rows", base_module.HybridAdapter, "_load_rows"),
+    ("load states", base_module.HybridAdapter, "_load"),
+    ("move into pool", cache_module.HybridCache, "reset_rows"),
 )
 #: the profiler's names for a kernel launch from the host
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
