@@ -4,9 +4,9 @@
 :class:`RequestPool` holds them in a queue and gives the decode loop's ``max_batch_size`` rows
 (slots) to them: the first requests are prefilled as the loop's batch; whenever rows finish
 (EOS or their own ``max_new_tokens``), between two steps, their outputs are read and the next
-requests take their slots (prefilled together into a fresh cache and moved in with
-:meth:`specdec.cache.HybridCache.reset_rows`; with prefix caching each prompt is prefilled on
-its own from its longest cached prefix, :mod:`specdec.prefix_cache`). The result is keyed and typed as Hugging Face's
+requests take their slots (prefilled together, their states written straight into those rows:
+:meth:`specdec.cache.HybridCache.load_rows`; with prefix caching each prompt continues from its
+longest cached prefix, :mod:`specdec.prefix_cache`). The result is keyed and typed as Hugging Face's
 ``generate_batch`` returns it: ``req_0``, ``req_1``, ... in input order, each a
 ``transformers`` ``GenerationOutput``; a request that cannot run (empty, ids outside the
 vocabulary, longer than the model's context) carries ``status=FAILED`` and its ``error``, as HF
@@ -50,7 +50,8 @@ from .settings import as_budgets, is_array, warn_caller
 __all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS",
            "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
            "GenerationOutput",
-           "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_rows",
+           "PoolPlan", "Request", "RequestPool", "RequestStatus", "RequestTiming", "SequenceBytes", "admission_bytes",
+           "admission_rows",
            "bytes_per_sequence", "cache_bytes", "check_batch_tokens", "check_requests", "free_memory", "kv_columns",
            "left_pad",
            "parse_bytes", "plan_rows", "pool_size"]
@@ -465,7 +466,8 @@ def kv_columns(span: int, step_tokens: int) -> int:
 
 def admission_rows(size: int) -> int:
     """The most requests one admission of a pool of ``size`` rows prefills at once:
-    ``ceil(size / ADMISSION_DIVISOR)`` (its fresh cache is a transient of that many rows)."""
+    ``ceil(size / ADMISSION_DIVISOR)`` (their prefill states are a transient of that many rows:
+    :func:`admission_bytes`)."""
     return max(1, -(-size // ADMISSION_DIVISOR))
 
 
@@ -584,10 +586,19 @@ def bytes_per_sequence(model, strategy, span: int, num_speculative_tokens: int, 
                          state_bytes=state, rollback_bytes=extra, workspace_bytes=workspace)
 
 
+def admission_bytes(rows: int, row: SequenceBytes) -> int:
+    """The transient bytes one admission of a pool of ``rows`` rows of ``row`` bytes holds beside
+    them: its prompts' prefill states before they are written into the pool's rows
+    (:func:`admission_rows` prompts, each at most a row's KV and its SSM state and conv window:
+    the rollback store's extra and the workspace are the pool's own), and at least one whole row
+    (a prompt prefilled in chunks fills a one-row cache of its own)."""
+    return max(admission_rows(rows) * (row.kv_bytes + row.state_bytes), row.total)
+
+
 def pool_bytes(rows: int, row: SequenceBytes) -> int:
     """The bytes a pool of ``rows`` rows of ``row`` bytes each needs: its rows and one admission's
-    fresh cache (:func:`admission_rows`)."""
-    return (rows + admission_rows(rows)) * row.total
+    transient (:func:`admission_bytes`)."""
+    return rows * row.total + admission_bytes(rows, row)
 
 
 @dataclass(frozen=True)
@@ -605,7 +616,7 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
               memory_budget=None, available: Callable[[], int | None] | None = None, reserved: int = 0) -> PoolPlan:
     """The rows of a decode pool.
 
-    A pool of r rows needs :func:`pool_bytes` bytes (its rows and one admission's fresh cache). ``"auto"``: the most rows that fit the budget (``memory_budget``,
+    A pool of r rows needs :func:`pool_bytes` bytes (its rows and one admission's transient). ``"auto"``: the most rows that fit the budget (``memory_budget``,
     else :data:`MEMORY_FRACTION` x ``available()``), at most :data:`MAX_AUTO_BATCH_SIZE` and
     ``num_requests``. An int: ``min(max_batch_size, num_requests)`` rows, checked against
     ``memory_budget``, else ``available()`` when known. None: ``min(num_requests,
@@ -664,13 +675,13 @@ def plan_rows(max_batch_size, num_requests: int | None, per_row: Callable[[], Se
     if not auto:
         if need(rows) > budget:
             raise ValueError(f"max_batch_size={max_batch_size}: {rows} rows need about {format_bytes(need(rows))} "
-                             f"({rows} rows + {admission_rows(rows)} admission rows x {format_bytes(row.total)}; "
+                             f"({rows} rows x {format_bytes(row.total)} + an admission's "
+                             f"{format_bytes(admission_bytes(rows, row))}; "
                              f"{row.describe()}, {row.kv_columns} KV columns) but {source} is less; lower "
                              "max_batch_size, use "
                              "max_batch_size='auto', or give memory_budget=")
         return PoolPlan(rows, None, row, budget)
-    fit = budget // row.total
-    rows = fit * ADMISSION_DIVISOR // (ADMISSION_DIVISOR + 1) + 1
+    rows = budget // row.total  # (need(r) > r rows' bytes: from there down to the most that fit)
     while rows > 0 and need(rows) > budget:
         rows -= 1
     if rows < 1:

@@ -90,6 +90,7 @@ class SSMLayerCache:
         self.params: dict = {}
         self.step_tokens = 0  # tokens of the open step run through conv (same for the SSM store)
         self.has_recurrence = True
+        self.state_shape: tuple | None = None  # (set by load)
         #: the tree of the cache's tree mode (``parents``, ``parents[j] < j``, -1 = the committed
         #: state), or None for chain steps; set by :meth:`HybridCache.set_tree`
         self.tree_parents: tuple[int, ...] | None = None
@@ -120,9 +121,30 @@ class SSMLayerCache:
             self.conv_window = win
         self.conv_width = conv_width
         self.has_recurrence = ssm_state is not None
+        #: one sequence's recurrent state shape ``S`` as loaded (None: no recurrence)
+        self.state_shape = tuple(ssm_state.shape[1:]) if self.has_recurrence else None
         if self.has_recurrence:
             self.strategy.load(self.store, ssm_state)
         self.step_tokens = 0
+
+    def check_load_rows(self, n: int, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+                        conv_width: int) -> None:
+        """Raise ValueError unless :meth:`load_rows` can write ``n`` rows of these states: the
+        layer's conv width, conv window and recurrence as loaded before, ``conv_state [n, C, >= W-1]``
+        with this window's C channels, ``ssm_state [n, *S]`` with the loaded state's S."""
+        if self.state_shape is None and self.conv_window is None:
+            raise ValueError(f"SSM layer {self.layer}: nothing loaded into it yet; prefill the whole cache first")
+        if (conv_width != self.conv_width or (conv_state is None) != (self.conv_window is None)
+                or (ssm_state is not None) != self.has_recurrence):
+            raise ValueError(f"SSM layer {self.layer}: the prefill's conv window / recurrence differs from this "
+                             "cache's (was the cache loaded by a prefill of the same model?)")
+        if conv_state is not None and (conv_state.dim() != 3 or conv_state.shape[:2] != (n, self.conv_window.shape[1])
+                                       or conv_state.shape[2] < conv_width - 1):
+            raise ValueError(f"SSM layer {self.layer}: conv state of shape {tuple(conv_state.shape)} for {n} rows; "
+                             f"expected [{n}, {self.conv_window.shape[1]}, >= {conv_width - 1}]")
+        if ssm_state is not None and tuple(ssm_state.shape) != (n, *self.state_shape):
+            raise ValueError(f"SSM layer {self.layer}: recurrent state of shape {tuple(ssm_state.shape)} for {n} "
+                             f"rows; expected {(n, *self.state_shape)}")
 
     def load_rows(self, rows: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
                   conv_width: int) -> None:
@@ -133,12 +155,8 @@ class SSMLayerCache:
         (the window's last ``W - 1`` inputs then zeros, the committed state through the
         strategy's ``reset_rows``). The caller checks that no step is open.
 
-        Raises: ValueError when the layer's conv width, conv window or recurrence differs from
-        what was loaded into it before."""
-        if (conv_width != self.conv_width or (conv_state is None) != (self.conv_window is None)
-                or (ssm_state is not None) != self.has_recurrence):
-            raise ValueError(f"SSM layer {self.layer}: the prefill's conv window / recurrence differs from this "
-                             "cache's")
+        Raises: ValueError as :meth:`check_load_rows` (before any write)."""
+        self.check_load_rows(rows.numel(), conv_state, ssm_state, conv_width)
         if conv_state is not None:
             hist, win = conv_width - 1, self.conv_window
             win[rows] = 0
@@ -216,9 +234,12 @@ class SSMLayerCache:
 
 
 def _row_index(x, n_max: int, what: str, device) -> torch.Tensor:
-    """``x`` (int LongTensor or sequence) as a 1-D int64 index on ``device``, checked: values in
-    ``[0, n_max)`` and distinct (ValueError naming ``what``)."""
-    idx = torch.as_tensor(x, dtype=torch.long).reshape(-1) if not isinstance(x, torch.Tensor) else x.long()
+    """``x`` (an integer tensor or sequence of ints) as a 1-D int64 index on ``device``, checked:
+    integers (not bool / float), values in ``[0, n_max)``, distinct (ValueError naming ``what``)."""
+    idx = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x))
+    if idx.numel() and (idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex()):
+        raise ValueError(f"{what} must be integer slot indices, got {idx.dtype} values {idx.tolist()}")
+    idx = idx.long()
     if idx.dim() != 1:
         raise ValueError(f"{what} must be 1-D, got shape {tuple(idx.shape)}")
     vals = idx.tolist()
@@ -617,9 +638,10 @@ class HybridCache:
                 as :meth:`SSMLayerCache.load` takes them (``[n, ...]``).
 
         Raises:
-            ValueError: a step is open (commit it first); ``rows`` out of range, repeated or not
-                1-D; a layer missing or extra, or of another shape than this cache's; ``length``
-                beyond ``max_len``.
+            ValueError: a step is open (commit it first); ``rows`` not integers, out of range,
+                repeated or not 1-D; a layer missing or extra, or a state of another shape than
+                this cache's; ``length`` beyond ``max_len``. Everything is checked before the first
+                write: a refused call leaves the cache as it was.
         """
         rows = torch.tensor(self.check_load_rows(rows), dtype=torch.long, device=self.device)
         if set(keys_values) != set(self.kv) or set(ssm_states) != set(self.ssm):
@@ -628,12 +650,19 @@ class HybridCache:
                              f"{sorted(ssm_states)}")
         if length > self.max_len:
             raise ValueError(f"load_rows: prompts of {length} columns do not fit this cache's {self.max_len}")
+        n = rows.numel()
+        # every check before the first write: a refused call leaves the rows as they were
         for idx, (k, v) in keys_values.items():
             for buf, new in zip(self.kv[idx], (k, v)):
-                if new.shape != (rows.numel(), *buf.shape[1:2], length, buf.shape[3]):
+                if new.shape != (n, buf.shape[1], length, buf.shape[3]):
                     raise ValueError(f"attention layer {idx}: keys / values of shape {tuple(new.shape)} for "
-                                     f"{rows.numel()} rows of {length} columns do not fit buffers "
-                                     f"{tuple(buf.shape)}")
+                                     f"{n} rows of {length} columns do not fit buffers {tuple(buf.shape)}")
+        if pad.shape != (n,):
+            raise ValueError(f"load_rows: pad of shape {tuple(pad.shape)} for {n} rows")
+        for idx, (conv_state, state, conv_width) in ssm_states.items():
+            self.ssm[idx].check_load_rows(n, conv_state, state, conv_width)
+        for idx, (k, v) in keys_values.items():
+            for buf, new in zip(self.kv[idx], (k, v)):
                 buf[rows, :, :length] = new.to(buf.dtype)
                 buf[rows, :, length:] = 0
         self.pad[rows] = pad.to(self.pad)
@@ -643,8 +672,12 @@ class HybridCache:
 
     def check_load_rows(self, rows) -> list[int]:
         """``rows`` as :meth:`load_rows` takes them, checked (a host list of ints back); ValueError
-        when they are not distinct slots in ``[0, batch)`` or a step is open."""
+        when they are not distinct slots in ``[0, batch)``, a step is open, or no prefill has
+        loaded this cache yet (its buffers are made by the first one)."""
         self._check_closed("load_rows", "this cache")
+        if not self.kv and all(layer.state_shape is None and layer.conv_window is None for layer in self.ssm.values()):
+            raise ValueError("load_rows: this cache holds nothing yet (its buffers are made by its first prefill); "
+                             "prefill the whole cache first")
         return _row_index(rows, self.batch, "rows", "cpu").tolist()
 
     def _check_closed(self, what: str, name: str) -> None:

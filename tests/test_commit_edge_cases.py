@@ -651,6 +651,29 @@ def test_prefill_into_rows_argument_errors():
         cache.load_rows([0], 4, torch.zeros(1, dtype=torch.long), {}, {})
     with pytest.raises(ValueError, match="do not fit this cache's 40"):
         cache.load_rows([0], 41, torch.zeros(1, dtype=torch.long), dict.fromkeys(cache.kv), dict.fromkeys(cache.ssm))
+    with pytest.raises(ValueError, match="must be integer slot indices, got torch.bool"):
+        ad.prefill(ids[:2], mask[:2], cache, rows=torch.tensor([True, False]))
+    # states of the wrong shape are refused before anything is written: the cache is as it was
+    before = {name: t.clone() for name, t in _cache_tensors(cache).items()}
+    L = 5
+    kv = {idx: (k[:1, :, :L].clone(), v[:1, :, :L].clone()) for idx, (k, v) in cache.kv.items()}
+    ssm = {idx: (layer.conv_window[:1].clone(), layer.ssm_state()[:1].clone(), layer.conv_width)
+           for idx, layer in cache.ssm.items()}
+    last = max(ssm)
+    for bad, match in (({**ssm, last: (ssm[last][0][:, :1], *ssm[last][1:])}, r"conv state of shape .* expected \[1, "),
+                       ({**ssm, last: (ssm[last][0], ssm[last][1].expand(2, *ssm[last][1].shape[1:]), ssm[last][2])},
+                        r"recurrent state of shape \(2, .* for 1 rows"),
+                       ({**ssm, last: (*ssm[last][:2], ssm[last][2] + 1)}, "conv window / recurrence differs")):
+        with pytest.raises(ValueError, match=match):
+            cache.load_rows([2], L, torch.zeros(1, dtype=torch.long), kv, bad)
+    with pytest.raises(ValueError, match=r"pad of shape \(2,\) for 1 rows"):
+        cache.load_rows([2], L, torch.zeros(2, dtype=torch.long), kv, ssm)
+    assert all(torch.equal(t, before[name]) for name, t in _cache_tensors(cache).items())
+    cache.load_rows([2], L, torch.zeros(1, dtype=torch.long), kv, ssm)  # (the same states, well formed: taken)
+    assert cache.seq_len[2] == L
+    fresh = ad.new_cache(3, 40, 3, make_strategy("replay"))
+    with pytest.raises(ValueError, match="this cache holds nothing yet"):
+        ad.prefill(ids[:1], mask[:1], fresh, rows=[0])
 
 
 class ProposalRecorder(Drafter):

@@ -16,8 +16,8 @@ from test_generate_batch import ROWS, TextOracle, _check, _reference
 from tiny_models import VOCAB, get_model
 
 import specdec
-from specdec.batching import (ADMISSION_DIVISOR, MEMORY_FRACTION, GenerationOutput, RequestStatus, admission_rows,
-                              bytes_per_sequence, cache_bytes, parse_bytes, plan_rows)
+from specdec.batching import (ADMISSION_DIVISOR, MEMORY_FRACTION, GenerationOutput, RequestStatus, admission_bytes,
+                              admission_rows, bytes_per_sequence, cache_bytes, parse_bytes, plan_rows, pool_bytes)
 
 FAMILY = "qwen3_5"
 #: a bound above every request of the reference (longest prompt 13 + largest budget 14)
@@ -360,10 +360,11 @@ def test_generate_batch_auto_exact():
     assert "snapshot" in st.batch_size_reason and "capped at 7 (requests)" in st.batch_size_reason
 
 
-def _row_bytes(config, strategy: str, span: int, K: int) -> int:
+def _row_bytes(config, strategy: str, span: int, K: int) -> tuple[int, int]:
     """One row's bytes from the tiny Qwen3.5 config's fields (fp32): KV of the full-attention
     layers over span + 2T columns; per Gated DeltaNet layer its state, conv window and the
-    strategy's extra state (snapshot: T states; replay: 2T tokens of cached k, g, u); the logits."""
+    strategy's extra state (snapshot: T states; replay: 2T tokens of cached k, g, u); the logits.
+    Returns (all of it, its KV and SSM state and conv window alone)."""
     T, f32 = K + 1, 4
     n_attn, n_gdn = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     kv = n_attn * 2 * config.num_key_value_heads * config.head_dim * f32 * (span + 2 * T)
@@ -374,21 +375,22 @@ def _row_bytes(config, strategy: str, span: int, K: int) -> int:
     replay_token = (hv * dk + hv + hv * dv) * f32
     extra = {"snapshot": T * state, "replay": 2 * T * replay_token}[strategy]
     workspace = T * config.vocab_size * (f32 + 4) + (span + T) * 8
-    return kv + n_gdn * (state + conv + extra) + workspace
+    return kv + n_gdn * (state + conv + extra) + workspace, kv + n_gdn * (state + conv)
 
 
 def test_auto_rows_replay_above_snapshot():
     """max_batch_size="auto" with a given budget: the rows are those the config's arithmetic gives
-    ((r + ceil(r / ADMISSION_DIVISOR)) rows' bytes within the budget), and replay's smaller extra
-    state admits more rows than snapshot's."""
+    (r rows' bytes and one admission's transient within the budget: ceil(r / ADMISSION_DIVISOR)
+    prompts' KV and SSM state, at least one whole row), and replay's smaller extra state admits
+    more rows than snapshot's."""
     model = get_model(FAMILY)
     budget, K = 1 << 20, 3
     rows = {}
     for strategy in ("snapshot", "replay"):
-        per_row = _row_bytes(model.config, strategy, MAX_LENGTH, K)
+        per_row, kv_and_state = _row_bytes(model.config, strategy, MAX_LENGTH, K)
         assert bytes_per_sequence(model, strategy, MAX_LENGTH, K).total == per_row
-        want = max(r for r in range(1, budget // per_row + 1) if (r + math.ceil(r / ADMISSION_DIVISOR)) * per_row
-                   <= budget)
+        want = max(r for r in range(1, budget // per_row + 1)
+                   if r * per_row + max(math.ceil(r / ADMISSION_DIVISOR) * kv_and_state, per_row) <= budget)
         sd = specdec.wrap(model, rollback=strategy, num_speculative_tokens=K, decode_path="eager")
         m = sd.init_continuous_batching(max_length=MAX_LENGTH, max_batch_size="auto", memory_budget=budget)
         rows[strategy] = m.max_batch_size
@@ -433,14 +435,20 @@ def test_oversize_int_and_budget_errors():
     free = 10 * row.total
     plan = plan_rows("auto", None, lambda: row, None, lambda: free)
     assert plan.budget == int(free * MEMORY_FRACTION)
-    assert (plan.rows + admission_rows(plan.rows)) * row.total <= plan.budget
+    # the most rows whose bytes and one admission's transient fit: the admitted prompts' states
+    # (KV and SSM state, written straight into the rows), at least one whole row (a chunked prompt's cache)
+    assert pool_bytes(plan.rows, row) <= plan.budget < pool_bytes(plan.rows + 1, row)
+    assert admission_bytes(plan.rows, row) == max(admission_rows(plan.rows) * (row.kv_bytes + row.state_bytes),
+                                                  row.total)
+    snap = bytes_per_sequence(model, "snapshot", MAX_LENGTH, 3)  # (its rollback extra is K states a row)
+    assert snap.rollback_bytes > 0 and admission_bytes(64, snap) == (64 // ADMISSION_DIVISOR) * (snap.kv_bytes + snap.state_bytes) < (64 // ADMISSION_DIVISOR) * snap.total
     assert plan_rows(4, 100, lambda: row, None, lambda: None).rows == 4  # unknown free memory: not checked
     # a prefix cache's byte bound comes out of the budget (it fills while the pool decodes)
     budget = 40 * row.total
     alone = plan_rows("auto", None, lambda: row, budget)
     shared = plan_rows("auto", None, lambda: row, budget, reserved=20 * row.total)
     assert shared.budget == budget - 20 * row.total and "less the prefix cache's" in shared.reason
-    assert (shared.rows + admission_rows(shared.rows)) * row.total <= shared.budget < alone.budget
+    assert pool_bytes(shared.rows, row) <= shared.budget < alone.budget
     assert shared.rows < alone.rows
     with pytest.raises(ValueError, match="nothing is left for the pool's rows"):
         plan_rows("auto", None, lambda: row, budget, reserved=budget)
