@@ -15,6 +15,10 @@ from markers import ON_CUDA  # noqa: E402
 #: no CUDA graph can be captured under it.
 if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+    # the interpreter without its builtin search at every jit call (results unchanged; see the module)
+    from interpreter_speedup import cache_builtin_lookups
+
+    cache_builtin_lookups()
 else:
     from specdec.graphs import capture_blocker
 

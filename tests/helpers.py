@@ -1,7 +1,8 @@
 """What the tests compare against and the inputs they share (not a test module).
 
 * Reference decoding: :func:`hf_greedy` (plain autoregressive decoding through HF ``generate``),
-  :func:`hf_states` (the SSM / conv state of HF's own per-token decode of a text), the standard
+  :func:`hf_states` (the SSM / conv state of HF's own per-token decode of a text;
+  :class:`GrowingHFStates` for texts checked again as they grow), the standard
   per-family setting :func:`reference` with its drafters (:func:`make_drafter`), :func:`rel_err`,
   :func:`assert_same_token_distribution` (sampling: two-sample chi-square per position).
 * Names: :data:`ALL_STRATEGIES` (every rollback strategy name ``wrap`` accepts) and
@@ -110,6 +111,36 @@ def hf_states(model, adapter, texts, prompt_lens):
             per_layer[idx][0].append(cache.layers[idx].recurrent_states[0].float())
             per_layer[idx][1].append(cache.layers[idx].conv_states[0].float())
     return {idx: (torch.cat(s), torch.cat(c)) for idx, (s, c) in per_layer.items()}
+
+
+class GrowingHFStates:
+    """:func:`hf_states` of texts that only grow from one call to the next (each row's committed
+    tokens, checked step after step): each row keeps HF's cache and runs its one-token decode
+    steps for the new tokens only -- the forwards :func:`hf_states` runs from the start each
+    time, so the same states, without the repeated prefix. A row whose text does not extend its
+    last one starts over. ``self(texts)`` returns what ``hf_states(model, adapter, texts,
+    prompt_lens)`` returns."""
+
+    def __init__(self, model, adapter, prompt_lens):
+        self.model, self.adapter, self.prompt_lens = model, adapter, list(prompt_lens)
+        self.rows: dict = {}  # row -> (cache, the tokens it holds)
+
+    @torch.no_grad()
+    def __call__(self, texts):
+        per_layer = {idx: ([], []) for idx in self.adapter.ssm_layers()}
+        key = cache_keyword(self.adapter.body.forward)
+        for i, (text, p) in enumerate(zip(texts, self.prompt_lens)):
+            cache, held = self.rows.get(i, (None, None))
+            if cache is None or len(text) < len(held) or text[:len(held)] != held:
+                cache, held = DynamicCache(config=self.model.config), text[:p]
+                self.adapter.body(input_ids=torch.tensor([held]), **{key: cache, "use_cache": True})
+            for t in range(len(held), len(text)):
+                self.adapter.body(input_ids=torch.tensor([text[t : t + 1]]), **{key: cache, "use_cache": True})
+            self.rows[i] = (cache, list(text))
+            for idx in per_layer:
+                per_layer[idx][0].append(cache.layers[idx].recurrent_states[0].float())
+                per_layer[idx][1].append(cache.layers[idx].conv_states[0].float())
+        return {idx: (torch.cat(s), torch.cat(c)) for idx, (s, c) in per_layer.items()}  # (copies)
 
 
 def within_ulp(got: torch.Tensor, want: torch.Tensor, units: float = 1, moved: float | None = None) -> bool:

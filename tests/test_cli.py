@@ -187,12 +187,17 @@ def folder_without_tokenizer(tmp_path_factory):
 
 
 def test_hf_target_without_tokenizer_is_one_clear_error(folder_without_tokenizer, tmp_path: Path):
-    res = _run(["-m", "specdec", "model=hf", f"model.targets.0.name={folder_without_tokenizer}", "drafter=ngram",
-                "device=cpu", f"hydra.run.dir={tmp_path}"])
-    assert res.returncode == 2
-    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(err) == 1 and "tokenizer encodes text to no tokens" in err[0], res.stderr
-    assert "model.targets.0.tokenizer=" in err[0]
+    """A ValueError on one line (in-process: specdec-run prints such an error as its one line with exit
+    status 2, as test_a_refused_run_leaves_no_empty_folder checks through a subprocess)."""
+    from specdec.experiments.app import one_line, run_experiment
+    from test_experiments import _cfg
+
+    cfg = _cfg(["model=hf", f"model.targets.0.name={folder_without_tokenizer}", "drafter=ngram", "device=cpu"])
+    with pytest.raises(ValueError) as info:
+        run_experiment(cfg, tmp_path)
+    err = one_line(info.value)
+    assert "\n" not in err and "tokenizer encodes text to no tokens" in err, err
+    assert "model.targets.0.tokenizer=" in err
 
 
 def test_hf_target_with_a_tokenizer_from_elsewhere_runs(folder_without_tokenizer, tmp_path: Path):

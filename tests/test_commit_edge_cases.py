@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import ALL_STRATEGIES, fit_medusa_heads, hf_greedy, hf_states, perturb_heads, rel_err
+from helpers import ALL_STRATEGIES, GrowingHFStates, fit_medusa_heads, hf_greedy, hf_states, perturb_heads, rel_err
 from tiny_models import FAMILIES, VOCAB, get_model, ragged_prompts
 
 import specdec
@@ -71,6 +71,7 @@ class StateCheckAfterCommit(Drafter):
         self.inner, self.model, self.prompt_lens = inner, model, prompt_lens
         self.sd = None
         self.checks = 0
+        self.reference = None
 
     vocab_size = property(lambda self: self.inner.vocab_size)
 
@@ -79,7 +80,9 @@ class StateCheckAfterCommit(Drafter):
 
     def propose(self, input_ids, lengths, K):
         texts = [input_ids[i, : int(lengths[i]) - 1].tolist() for i in range(input_ids.shape[0])]
-        ref = hf_states(self.model, self.sd.adapter, texts, self.prompt_lens)
+        if self.reference is None:  # (HF's decode of each row's committed text, extended call after call)
+            self.reference = GrowingHFStates(self.model, self.sd.adapter, self.prompt_lens)
+        ref = self.reference(texts)
         for idx, (state, _) in ref.items():
             assert rel_err(self.sd.last_cache.ssm[idx].ssm_state(), state) < 1e-5
         self.checks += 1

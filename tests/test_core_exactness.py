@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ALL_STRATEGIES, MAX_NEW, hf_greedy, hf_states, make_drafter, reference, rel_err
+from helpers import ALL_STRATEGIES, MAX_NEW, GrowingHFStates, hf_greedy, make_drafter, reference, rel_err
 from tiny_models import VOCAB, get_model, ragged_prompts
 
 import specdec
@@ -54,6 +54,7 @@ class StateChecker(Drafter):
         self.checks = 0
         self.worst = 0.0
         self.prompt_lens = None
+        self.reference = None
 
     @property
     def vocab_size(self):
@@ -68,7 +69,9 @@ class StateChecker(Drafter):
     def propose(self, input_ids, lengths, K):
         cache = self.sd.last_cache
         texts = [input_ids[i, : int(lengths[i]) - 1].tolist() for i in range(input_ids.shape[0])]
-        ref = hf_states(self.model, self.sd.adapter, texts, self.prompt_lens)
+        if self.reference is None:  # (HF's decode of each row's committed text, extended call after call)
+            self.reference = GrowingHFStates(self.model, self.sd.adapter, self.prompt_lens)
+        ref = self.reference(texts)
         for idx, (state, conv) in ref.items():
             layer = cache.ssm[idx]
             e1 = rel_err(layer.ssm_state(), state)

@@ -318,18 +318,23 @@ def test_oracle_tree_with_repetition_penalty_and_min_length():
     assert sd.last_stats.mean_accepted_tokens > 2
 
 
+def _refuse_torch_tree_references(monkeypatch):
+    """Make the torch tree references (the ops' and the conv's) raise if a tree step calls them."""
+    def torch_tree_path(*args, **kwargs):
+        raise AssertionError("a tree step on the Triton backend ran the torch tree reference")
+
+    monkeypatch.setattr(Mamba2Op, "tree_verify", torch_tree_path)
+    monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)  # KDA inherits it
+    monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
+
+
 @needs_triton_interpreter
 @pytest.mark.parametrize("family,strategy", [("qwen3_5", "replay"), ("nemotron_h", "snapshot"), ("kimi_linear", "ring")])
 def test_oracle_tree_on_the_triton_backend(family, strategy, monkeypatch):
     """On the Triton backend (here its CPU interpreter) tree steps run the Triton tree kernels --
     the torch tree references raise if called -- and the output stays exact."""
-    def torch_tree_path(*args, **kwargs):
-        raise AssertionError("a tree step on the Triton backend ran the torch tree reference")
-
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    monkeypatch.setattr(Mamba2Op, "tree_verify", torch_tree_path)
-    monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)  # KDA inherits it
-    monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
+    _refuse_torch_tree_references(monkeypatch)
     model = make_model(family, seed=0, small=True)  # one SSM and one attention layer: the interpreter is slow
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -451,14 +456,13 @@ def test_static_path_tree_sampling_matches_eager():
 
 
 @needs_triton_interpreter
+# (the static path's tree steps on the Triton tree kernels, the torch references refused, stay checked by
+# default in test_static_tree_captured_regions_run_no_host_ops[*-triton]: Qwen3.5's small model and Nemotron-H)
+@pytest.mark.slow
 def test_static_path_tree_on_the_triton_backend(monkeypatch):
     """The static path's tree steps run the Triton tree kernels (interpreter here), exactly."""
-    def torch_tree_path(*args, **kwargs):
-        raise AssertionError("a tree step on the Triton backend ran the torch tree reference")
-
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    monkeypatch.setattr(GDNOp, "tree_verify", torch_tree_path)
-    monkeypatch.setattr(conv_reference, "conv1d_tree_verify", torch_tree_path)
+    _refuse_torch_tree_references(monkeypatch)
     model = make_model("qwen3_5", seed=0, small=True)  # one SSM and one attention layer: the interpreter is slow
     ids, mask = ragged_prompts(batch=2, lengths=(9, 6), seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -663,8 +667,11 @@ def test_static_tree_captured_regions_run_no_host_ops(family, strategy, backend,
     (snapshot / ring: torch replay's fold syncs by design) every tree forward and path
     commit after the bucket's first (what the CUDA-graph path captures, after its warm-up) runs
     no host sync and no host-to-device tensor construction (its tree tables are cached on the
-    device); the per-step tree acceptance does not sync either."""
+    device); the per-step tree acceptance does not sync either. On the Triton backend the tree
+    steps run the Triton tree kernels: the torch tree references raise if called."""
     monkeypatch.setenv("SPECDEC_BACKEND", backend)
+    if backend == "triton":
+        _refuse_torch_tree_references(monkeypatch)
     # Qwen3.5 on the Triton backend: its small model (one GDN and one attention layer, an MLP after each),
     # as every layer runs through the interpreter; Nemotron-H's full one (its MLP layers of their own)
     model = make_model(family, seed=0, small=family == "qwen3_5" and backend == "triton")

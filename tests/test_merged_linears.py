@@ -583,7 +583,7 @@ def test_single_linears_inside_a_compiled_module_check_their_guards_when_they_ru
 def test_greedy_generation_through_single_linears_is_unchanged(monkeypatch):
     """fp32 tiny Qwen3.5: the engine's greedy output with every linear through the kernel (decode
     and verify rows <= 16; a verify of more rows runs F.linear) equals HF greedy."""
-    model = get_model("qwen3_5")
+    model = get_model("qwen3_5", "small")  # (every kind of linear of the family, through the interpreter)
     ids, mask = ragged_prompts()
     want = hf_greedy(model, ids, mask, 8)
     calls = count_single_calls(monkeypatch)
@@ -631,7 +631,7 @@ def test_a_model_built_in_inference_mode_merges_and_decodes():
     from tiny_models import make_model
 
     with torch.inference_mode():
-        model = make_model("qwen3_5")
+        model = make_model("qwen3_5", small=True)  # (the small model: every launch runs through the interpreter)
     ids, mask = ragged_prompts()
     want = hf_greedy(model, ids, mask, 5)
     calls = count_grouped_calls(monkeypatch_free := pytest.MonkeyPatch(), lambda x, ws: len(ws))

@@ -319,16 +319,27 @@ def test_static_proposal_traces_as_one_graph(saved, family, draft_vocab):
             assert rel_err(got, want) < 1e-6, i
 
 
-@pytest.mark.parametrize("draft_vocab", [None, [1, 3, 4, 6]], ids=["full-vocab", "draft-vocab-4-of-8"])
-def test_sampling_keeps_the_target_distribution(tmp_path, draft_vocab):
-    """Lossless sampling; with a reduced vocabulary q is the drafter's softmax over those ids and
-    zero elsewhere (the target samples every token, also those never drafted)."""
+SAMPLING_KW = dict(temperature=0.8, top_k=6, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(tmp_path_factory):
+    """The tiny-vocabulary target with MTP layers (its folder and the loaded model), the prompt
+    repeated N times and HF sampling's continuations of it (drawn once for the sampling cases)."""
     V, N, P = 8, 2500, 3
-    folder = save_with_mtp("qwen3_5", tmp_path, seed=3, vocab=V)
+    folder = save_with_mtp("qwen3_5", tmp_path_factory.mktemp("mtp_sampling"), seed=3, vocab=V)
     target = load("qwen3_5", folder)
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]).repeat(N, 1)
-    kw = dict(temperature=0.8, top_k=6, top_p=0.95)
-    hf = target.generate(prompt, max_new_tokens=P, do_sample=True, pad_token_id=0, **kw)
+    hf = target.generate(prompt, max_new_tokens=P, do_sample=True, pad_token_id=0, **SAMPLING_KW)
+    return (V, N, P), folder, target, prompt, hf
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [1, 3, 4, 6]], ids=["full-vocab", "draft-vocab-4-of-8"])
+def test_sampling_keeps_the_target_distribution(sampling_setup, draft_vocab):
+    """Lossless sampling; with a reduced vocabulary q is the drafter's softmax over those ids and
+    zero elsewhere (the target samples every token, also those never drafted)."""
+    (V, N, P), folder, target, prompt, hf = sampling_setup
+    kw = SAMPLING_KW
     for path in ("eager", "static"):
         drafter = "mtp" if draft_vocab is None else MTPDrafter.from_pretrained(folder, target=target,
                                                                              draft_vocab=torch.tensor(draft_vocab))

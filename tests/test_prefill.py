@@ -47,6 +47,9 @@ from specdec.models.mamba2 import Mamba2PromptLayer
 MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2")
 #: prompt lengths of the ragged batch: all longer than the tiny models' chunk of 16, none a multiple of it
 LENGTHS = (40, 23, 33)
+#: the prompt lengths of the tests that run every norm and MLP through Triton's interpreter, which runs
+#: each norm and activation kernel once per token
+SHORT_LENGTHS = (20, 11, 17)
 TOL = 1e-5
 #: where the Triton kernels run: compiled on CUDA in a CUDA test run, else the CPU interpreter
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -410,10 +413,12 @@ def test_prefill_triton_conv_matches_torch(family, monkeypatch):
     from specdec.kernels.linear import triton_activation
     from specdec.kernels.norm import triton_norm
 
-    ad = model_of(family)[1] if family == "nemotron_h" else specdec.models.adapter_for(make_model(family))
+    # the small models (one SSM and one attention layer, an MLP after each: every norm form and MLP kind of the
+    # family) but Nemotron-H's, whose small model has no MLP layer
+    ad = model_of(family)[1] if family == "nemotron_h" else specdec.models.adapter_for(make_model(family, small=True))
     # half the other tests' prompt lengths (the longest still past Nemotron-H's 16-token scan chunk): the
     # interpreter runs each norm and activation kernel once per token
-    ids, mask = ragged_prompts(lengths=(20, 11, 17))
+    ids, mask = ragged_prompts(lengths=SHORT_LENGTHS)
     calls, norms = [], []
     original = Conv1dTritonKernels.prompt
     monkeypatch.setattr(Conv1dTritonKernels, "prompt",
@@ -461,14 +466,14 @@ def test_prompt_kernels_follow_modules_changed_after_the_first_prompt(monkeypatc
     """The Triton prompt path reads each MLP's plan anew at every prompt: after a first prefill,
     projections replaced by another module (an adapter's, a quantised linear's) run, so the logits
     and states equal the torch backend's on the changed model, not the first prompt's."""
-    import copy
-
     class Doubled(torch.nn.Linear):
         def forward(self, x):
             return 2 * super().forward(x)
 
-    ad = specdec.models.adapter_for(copy.deepcopy(make_model("qwen3_5")))
-    ids, mask = ragged_prompts(lengths=LENGTHS)
+    # the small model (an MLP after each of its two layers) and short prompts: the interpreter runs every
+    # norm and activation kernel once per token
+    ad = specdec.models.adapter_for(make_model("qwen3_5", small=True))
+    ids, mask = ragged_prompts(lengths=SHORT_LENGTHS)
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
     first = prefill(ad, ids, mask, "torch")
     for mod in ad.model.modules():

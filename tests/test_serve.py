@@ -684,7 +684,9 @@ def test_serve_manager_warmup(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(ContinuousBatchingManager, "warmup", recording)
     rate, n = 50.0, 4
-    cfg = _cached_arrivals(n, rate, "oracle", "experiment.manager_warmup=true", "experiment.decode_path=static")
+    # (shorter prompts and budgets than the other runs': the grid a warm-up runs spans max_length's buckets)
+    cfg = _cached_arrivals(n, rate, "oracle", "experiment.manager_warmup=true", "experiment.decode_path=static",
+                           "experiment.prompt_tokens=[16,32]", "experiment.output_tokens=[4,8]")
     records = run_experiment(cfg, tmp_path)
     assert [(r["drafter"], r["prefix_caching"]) for r in records] == [
         ("plain", False), ("plain", True), ("oracle", False), ("oracle", True)]

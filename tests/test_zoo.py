@@ -145,11 +145,14 @@ def test_prompts(tok):
 
 
 def test_recipe_smoke_on_cpu(tmp_path):
-    """The recipe end to end on this machine's stdlib at a tiny scale (seconds)."""
+    """The recipe end to end on this machine's stdlib at a tiny scale (seconds): 128-token training
+    windows and held-out rows, and one file in 50 held out (the prompt sets still fill), so that
+    tokenizing the held-out files and the four models' steps take a few seconds, not twenty."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "specdec", "experiment=train_zoo", "device=cpu", "steps_scale=0.002",
-           f"out_dir={out}", "heldout.num_files=2", f"hydra.run.dir={tmp_path / 'hydra'}"]
+           f"out_dir={out}", "heldout.num_files=2", "heldout.tokens=128", "train.seq_len=128",
+           "corpus.heldout_mod=50", f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     man = json.loads((out / "zoo" / "MANIFEST.json").read_text())
@@ -157,7 +160,8 @@ def test_recipe_smoke_on_cpu(tmp_path):
     assert man["python_version"] == ".".join(map(str, sys.version_info[:3]))
     for m in man["models"].values():
         assert m["steps"] == 2 and m["batch_size"] == 1 and math.isfinite(m["heldout_loss"])
-    assert len(zoo.heldout_sample(out / "data")) == 2
+        assert m["seq_len"] == 128 and m["tokens_seen"] == 2 * 128
+    assert [len(r["input_ids"]) for r in zoo.heldout_sample(out / "data")] == [128, 128]
     assert len(zoo.prompts("128", data_dir=out / "data")) > 0
     model, tokenizer = zoo.load("gdn-draft", root=out / "zoo")
     assert model.config.vocab_size == len(tokenizer)
