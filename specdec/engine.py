@@ -51,6 +51,7 @@ from .drafters import Drafter, make_drafter
 from .drafters.base import (chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, draft_prob_errors,
                              proposal_errors)
 from .fusion import env_switch
+from .graphs import CapturedProgram
 from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
@@ -79,8 +80,8 @@ class _StepInputs(NamedTuple):
     """What one step verifies, made by the decode loop's ``propose`` (with the overlap, before
     the sync of the step before): the K asked for; per row ``[B]``: running, draft budget
     (None for a plain step without a policy: nothing uses it), drafts used ``k``; the drafts ``[B, width - 1]``, the drafter-output error flags, the
-    forward's width, the drafter's raw counts (None: no chain proposal) and width ``w``, and the
-    step's tokens ``[B, width]`` (pending token, drafts)."""
+    forward's width, the step's tokens ``[B, width]`` (pending token, drafts), and the drafter's
+    counts as it returned them (None: no chain proposal) and its proposal's width ``w``."""
 
     K: int
     active: torch.Tensor
@@ -89,9 +90,9 @@ class _StepInputs(NamedTuple):
     k: torch.Tensor
     errors: torch.Tensor
     width: int
+    tokens: torch.Tensor
     counts: torch.Tensor | None
     w: int
-    tokens: torch.Tensor
 
 
 def overlap_proposals() -> bool:
@@ -287,6 +288,83 @@ def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1], *t.shape[2:])], dim=1)
 
 
+def step_programs_enabled() -> bool:
+    """Whether a greedy chain step on the static path runs its device work around the verify
+    forward and the commit as captured programs (:class:`_StepPrograms`; ``SPECDEC_STEP_GRAPHS``,
+    default on; ``0`` launches that work op by op, as a baseline to time it against). The outputs
+    and statistics are the same either way."""
+    return env_switch("SPECDEC_STEP_GRAPHS")
+
+
+class _StepPrograms:
+    """The device work of a greedy chain step around the target's verify forward, as two
+    :class:`~specdec.graphs.CapturedProgram` per K (run eagerly at their first use, captured at
+    the second and replayed from then on; with ``capture`` off, always eagerly):
+
+    * ``inputs``: from the drafter's proposal (copied into fixed buffers) to the step's tokens:
+      the draft budget, :func:`~specdec.drafters.base.chain_drafts`, the pending tokens;
+    * ``settle``: from the forward's logits to the flags of the step's one sync: greedy
+      acceptance, the rows' append (EOS, budget), the step counters.
+
+    Op by op these are ~60 small launches a step (~0.5 ms of host time on a current CPU); two
+    graph launches replace them, which matters where the host issuing a step bounds it (small
+    models, small batches). ``inputs_fn(K, drafts, counts)`` and ``settle_fn(logits, inputs)``
+    are the decode loop's own functions, which its other steps run op by op.
+
+    The settle program reads the forward's output tensor: a forward that returns another tensor
+    than the one it was captured with (the decoder lost its graphs) runs the function eagerly
+    from then on."""
+
+    def __init__(self, inputs_fn, settle_fn, batch: int, device, capture: bool):
+        self._fns = {"inputs": inputs_fn, "settle": settle_fn}
+        self.batch, self.device, self.capture = batch, device, capture
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> fixed (drafts, counts)
+        self._programs: dict[tuple[str, int], CapturedProgram] = {}
+        self._args: dict[tuple[str, int], tuple] = {}  # the arguments of the program's last run
+        self._out: dict[tuple[str, int], tuple] = {}  # the outputs of its last run (after a capture: fixed)
+
+    def _run(self, kind: str, K: int, args: tuple) -> tuple:
+        key = kind, K
+        program = self._programs.get(key)
+        if program is not None and program.graph is not None and any(
+                a is not b for a, b in zip(args, self._args[key], strict=True)):
+            program = None  # (captured reading other tensors: their reads would be stale) eagerly from now on
+            self.capture = False
+        if program is None:
+            def run():
+                self._out[key] = self._fns[kind](*self._args[key])
+            program = self._programs[key] = CapturedProgram(run, model=None, what=f"the step's {kind} (K = {K})",
+                                                            graphs=self.capture, fuse=False)
+        if program.graph is None:  # (replays read the arguments it was captured with)
+            self._args[key] = args
+        program()
+        return self._out[key]
+
+    @property
+    def path(self) -> str:
+        """``"cuda_graph"`` once a program has been captured, else ``"static"``."""
+        return "cuda_graph" if any(p.graph is not None for p in self._programs.values()) else "static"
+
+    def inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None) -> tuple:
+        """``inputs_fn``'s ``(active, budget, drafts, k, errors, width, tokens)`` for a proposal of
+        exactly K columns (``drafts [B, K]``, ``counts [B]``, any integer dtype and device; copied
+        into fixed buffers), or for K = 0 none; valid until the next step of this K."""
+        if K == 0:
+            return self._run("inputs", 0, (0, None, None))
+        if K not in self._buffers:
+            self._buffers[K] = (torch.zeros(self.batch, K, dtype=torch.long, device=self.device),
+                                torch.zeros(self.batch, dtype=torch.long, device=self.device))
+        fixed_drafts, fixed_counts = self._buffers[K]
+        fixed_drafts.copy_(drafts)
+        fixed_counts.copy_(counts)
+        return self._run("inputs", K, (K, fixed_drafts, fixed_counts))
+
+    def settle(self, K: int, logits: torch.Tensor) -> tuple:
+        """``settle_fn(logits, inputs)`` for the step of K whose inputs the last :meth:`inputs` of
+        K made."""
+        return self._run("settle", K, (logits, self._out["inputs", K]))
+
+
 def _claims_generator(what: str):
     """Decorate a generator method that decodes: it first checks the generator is free
     (:meth:`SpeculativeGenerator._check_free`, naming ``what``), then holds it for its thread
@@ -410,6 +488,7 @@ class SpeculativeGenerator:
         self.last_stats: Stats | None = None
         self.last_request_timings: dict[str, RequestTiming] = {}
         self.last_cache = None
+        self._step_programs_path: str | None = None
         self.decoder: Decoder | None = None
 
     # settings: validated whenever they are set, also after construction ---------------------
@@ -1175,34 +1254,80 @@ class SpeculativeGenerator:
             (device work only: it may run before the last step's sync)."""
             nonlocal grown
             bound, grown = min(rows.text.shape[1], grown), grown + W
-            active = ~rows.finished  # the rows that run this step
-            # drafts each row may use: its budget after the pending token (>= 0 for a live row, which has n_gen
-            # < max_new; clamped all the same, as chain_drafts and the policy need it); a plain step without a
-            # policy uses none (four kernels fewer a step)
-            budget = None
-            if tree is not None or (drafter is not None and K_step > 0) or policy is not None:
-                budget = (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
-            counts, w = None, 0
             if tree is not None:
+                active, budget = ~rows.finished, draft_budget()
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
                 errors = proposal_errors(nodes, None, V)
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
-                drafts, width = nodes.clamp(0, V - 1), T
-            elif drafter is not None and K_step > 0:
+                drafts = nodes.clamp(0, V - 1)
+                return _StepInputs(K_step, active, budget, drafts, k, errors, T, pending_and(drafts), None, 0)
+            drafts = counts = None
+            if drafter is not None and K_step > 0:
                 drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                 K_step), B, K_step)
-                counts, w = counts.to(dev).long(), drafts.shape[1]
-                drafts, k, errors = chain_drafts(drafts.to(dev).long(), counts, budget, V)
-                width = dec.width(k, K_step)
-                drafts = _to_width(drafts, width - 1)
-            else:
-                k, errors = no_drafts, no_errors
-                drafts, width = empty, 1
-            tokens = rows.text.gather(1, (rows.lengths - 1)[:, None])  # [pending, drafts]
-            if drafts.shape[1]:
-                tokens = torch.cat([tokens, drafts], dim=1)
-            return _StepInputs(K_step, active, budget, drafts, k, errors, width, counts, w, tokens)
+            w = 0 if drafts is None else drafts.shape[1]
+            if programs is not None and w == K_step:  # (a narrower proposal runs op by op)
+                return _StepInputs(K_step, *programs.inputs(K_step, drafts, counts), counts=counts, w=w)
+            if drafts is not None:
+                drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
+            return _StepInputs(K_step, *chain_inputs(K_step, drafts, counts), counts=counts, w=w)
+
+        def draft_budget() -> torch.Tensor:
+            """The drafts each row may use: its budget after the pending token (>= 0 for a live
+            row, which has n_gen < max_new; clamped all the same, as chain_drafts and the policy
+            need it); ``[B]`` int64."""
+            return (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
+
+        def pending_and(drafts: torch.Tensor) -> torch.Tensor:
+            """The step's tokens ``[B, 1 + columns]``: each row's pending token, then ``drafts``."""
+            tokens = rows.text.gather(1, (rows.lengths - 1)[:, None])
+            return torch.cat([tokens, drafts], dim=1) if drafts.shape[1] else tokens
+
+        def chain_inputs(K_step: int, drafts: torch.Tensor | None, counts: torch.Tensor | None) -> tuple:
+            """A chain step's device inputs from a proposal (``drafts [B, w]``, ``counts [B]``,
+            int64 on the device; None: a step without drafts): ``(active, budget, drafts, k,
+            errors, width, tokens)``, as :class:`_StepInputs` names them."""
+            active = ~rows.finished  # the rows that run this step
+            # a plain step without a policy uses no budget (four kernels fewer a step)
+            budget = draft_budget() if drafts is not None or policy is not None else None
+            if drafts is None:
+                return active, budget, empty, no_drafts, no_errors, 1, pending_and(empty)
+            drafts, k, errors = chain_drafts(drafts, counts, budget, V)
+            width = dec.width(k, K_step)
+            drafts = _to_width(drafts, width - 1)
+            return active, budget, drafts, k, errors, width, pending_and(drafts)
+
+        def appended(chain, n, c, path, scores, logits) -> tuple[torch.Tensor, torch.Tensor]:
+            """A step's new tokens ``[B, W]`` (the accepted drafts ``chain[:, :n]``, then ``c``)
+            appended to the rows (:meth:`_append`); returns ``(new, take)``, take the kept counts."""
+            new = c[:, None]
+            if chain.shape[1]:
+                new = torch.cat([chain, new], dim=1).scatter(1, n[:, None], new)
+            return new, self._append(rows, hook, new, n + 1, scores, logits, path)
+
+        def counted(n, active, k) -> None:
+            """The step's counters: the histogram of accepted drafts (a finished row has k = n = 0:
+            its steps leave bin 0 after the loop), and the running rows, drafts used and accepted."""
+            hist.index_add_(0, n, ones)
+            totals.add_(torch.stack([active, k, n]).sum(1))
+
+        def greedy_chain(logits, inputs) -> tuple:
+            """A greedy chain step from its forward's ``logits`` and ``inputs`` (:func:`chain_inputs`)
+            to its flags: ``(n, new, take, flags)`` (the settle program of :class:`_StepPrograms`)."""
+            active, _, drafts, k, errors, _, _ = inputs
+            n, c = greedy_accept(logits, drafts, k)
+            new, take = appended(drafts, n, c, None, logits, logits)
+            counted(n, active, k)
+            return n, new, take, torch.cat([rows.finished.all()[None], errors, no_prob_errors])
+
+        # a greedy chain step of a fixed batch with nothing read per token runs its device work
+        # around the forward as captured programs where the forward is captured (else the same
+        # functions eagerly: the static path on a CPU runs them too)
+        programs = None
+        if (isinstance(dec, StaticDecoder) and pool is None and hook is None and s.sampling is None and tree is None
+                and policy is None and s.streamer is None and step_programs_enabled()):
+            programs = _StepPrograms(chain_inputs, greedy_chain, B, dev, capture=dec.path == "cuda_graph")
 
         def settle(synced: list, counts, w: int, with_expected: bool) -> tuple[bool, list | None, int | None]:
             """A step's flags, read on the host: raises for a bad proposal, streams the committed
@@ -1298,34 +1423,36 @@ class SpeculativeGenerator:
                     break
                 err, ready = ready, None  # (no reference cycle through this frame)
                 raise err
-            (K_ready, active, budget, drafts, k, errors, width, counts, w, tokens), ready = ready, None
+            (K_ready, active, budget, drafts, k, errors, width, tokens, counts, w), ready = ready, None
             if K_ready != K_step:  # (the K known before the sync must be the one the step runs)
                 raise RuntimeError(f"the proposal made before the sync asked for {K_ready} drafts, the step {K_step}")
             proposed = counts is not None
             prob_errors = no_prob_errors  # (set below when the step's drafts come with their distributions)
             clock.lap("draft")
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
-            scores = hook.process(logits, tokens, rows.n_gen, tree) if hook else logits
-            if tree is not None:
-                best, n, c = accept_tree(scores, tokens, tree, k, s.sampling, s.generator, drafter.acceptance,
-                                         drafter.posterior_threshold, drafter.posterior_alpha)
-                j = torch.arange(W, device=dev)[None, :]
-                path = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
-                chain, seen = tokens.gather(1, path)[:, 1:], best
+            glued = programs is not None and w == K_step  # (its inputs came from the step's programs)
+            if glued:  # acceptance, append, counters and flags: one program
+                n, new, take, read = programs.settle(K_step, logits)
+                seen, path = n, None
             else:
-                if s.sampling is None:
-                    n, c = greedy_accept(scores, drafts, k)
+                scores = hook.process(logits, tokens, rows.n_gen, tree) if hook else logits
+                if tree is not None:
+                    best, n, c = accept_tree(scores, tokens, tree, k, s.sampling, s.generator, drafter.acceptance,
+                                             drafter.posterior_threshold, drafter.posterior_alpha)
+                    j = torch.arange(W, device=dev)[None, :]
+                    path = torch.where(j <= n[:, None], tree.tensors(dev)["path_of"][best], j)  # the accepted path
+                    chain, seen = tokens.gather(1, path)[:, 1:], best
                 else:
-                    probs = check_draft_probs(drafter.draft_probs(), B, w, V) if proposed else None
-                    probs = None if probs is None else _to_width(probs.to(dev), width - 1)
-                    if probs is not None:
-                        prob_errors = draft_prob_errors(probs, drafts, k)
-                    n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
-                chain, seen, path = drafts, n, None
-            new = c[:, None]  # the accepted drafts, then the token after them
-            if chain.shape[1]:
-                new = torch.cat([chain, new], dim=1).scatter(1, n[:, None], new)
-            take = self._append(rows, hook, new, n + 1, scores, logits, path)
+                    if s.sampling is None:
+                        n, c = greedy_accept(scores, drafts, k)
+                    else:
+                        probs = check_draft_probs(drafter.draft_probs(), B, w, V) if proposed else None
+                        probs = None if probs is None else _to_width(probs.to(dev), width - 1)
+                        if probs is not None:
+                            prob_errors = draft_prob_errors(probs, drafts, k)
+                        n, c = sample_accept(scores, drafts, k, s.sampling, probs, s.generator)
+                    chain, seen, path = drafts, n, None
+                new, take = appended(chain, n, c, path, scores, logits)
             clock.lap("verify")
             dec.commit(take, path)  # take <= n + 1: the accepted prefix, cut at EOS / the budget / criteria
             if drafter is not None and drafter.wants_hidden_states:  # the hidden state whose logits gave c
@@ -1333,21 +1460,21 @@ class SpeculativeGenerator:
             if every:  # the committed positions' hidden states (a tree step: its accepted path's)
                 drafter.observe_tokens(hidden if path is None else hidden[idx[:, None], path], take)
             clock.lap("rollback")
-            hist.index_add_(0, n, ones)  # (a finished row has k = n = 0: its steps leave bin 0 after the loop)
-            totals += torch.stack([active, k, n]).sum(1)
             steps += 1
-            flags = [rows.finished.all()[None], errors, prob_errors]  # (cat promotes the flags to the parts' int64)
-            if s.streamer is not None:  # the same sync also brings row 0's committed tokens
-                flags += [take[:1], new[0]]
             streaming = pool.streaming_rows() if pool is not None else []
-            if pool is not None:  # ... or which rows ended, for the next admission
-                flags.append(rows.finished.long())
-            if streaming:  # ... and the committed tokens of every row, for the streaming requests
-                flags += [take, new.reshape(-1)]
+            if not glued:  # (the programs run only where none of the extra flags below is wanted)
+                counted(n, active, k)
+                flags = [rows.finished.all()[None], errors, prob_errors]  # (cat promotes them to the parts' int64)
+                if s.streamer is not None:  # the same sync also brings row 0's committed tokens
+                    flags += [take[:1], new[0]]
+                if pool is not None:  # ... or which rows ended, for the next admission
+                    flags.append(rows.finished.long())
+                if streaming:  # ... and the committed tokens of every row, for the streaming requests
+                    flags += [take, new.reshape(-1)]
+                if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
+                    flags.append((~rows.finished).sum()[None])
+                read = torch.cat(flags)
             expected = live_rows = None
-            if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
-                flags.append((~rows.finished).sum()[None])
-            read = torch.cat(flags)
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
                 if policy.skips_update:
@@ -1415,6 +1542,8 @@ class SpeculativeGenerator:
         if s.streamer is not None:
             s.streamer.end()
         times = clock.totals()
+        # how the step's programs ran (for tests and profiles): None where the call ran none
+        self._step_programs_path = None if programs is None else programs.path
         row_steps, proposed, accepted = totals.tolist()
         hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned

@@ -222,7 +222,8 @@ class CapturedProgram:
     ``compile_error``, warned about once, and the program runs as without ``compile_whole``
     (still captured).
 
-    Args: fn: the program. model: the module it runs (fusion and experts are switched on it).
+    Args: fn: the program. model: the module it runs (fusion and experts are switched on it; None: a
+        program that runs no module).
         what: its name, for messages. graphs: capture at all (CUDA only). compile_whole: compile
         the whole program before capturing it (only where it is captured). fuse: run the norms /
         MLPs fused while warming up and capturing (default :func:`~specdec.fusion.fusion_enabled`;
@@ -233,7 +234,7 @@ class CapturedProgram:
     Calling it runs the program once and returns how: ``"static"`` or ``"cuda_graph"``.
     """
 
-    def __init__(self, fn, *, model: torch.nn.Module, what: str, graphs: bool, on_failure=None,
+    def __init__(self, fn, *, model: torch.nn.Module | None, what: str, graphs: bool, on_failure=None,
                  compile_whole: bool = False, fuse: bool | None = None, pool=None):
         self.fn, self.model, self.what, self.graphs, self.on_failure = fn, model, what, bool(graphs), on_failure
         self.fuse, self.pool = fuse, pool
@@ -278,7 +279,7 @@ class CapturedProgram:
         warm = self.graphs and self.error is None
         program = self._program() if warm else self.fn
         with fused(self.model, warm and self._fusing(), modules=program is self.fn), (
-                graph_safe_experts(self.model) if warm else contextlib.nullcontext()):
+                graph_safe_experts(self.model) if warm and self.model is not None else contextlib.nullcontext()):
             if program is self.fn:
                 self.fn()
             else:

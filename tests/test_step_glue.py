@@ -465,3 +465,104 @@ def test_a_plain_greedy_step_issues_few_device_ops_around_its_forward(monkeypatc
     per = {k: (b[k] - a[k]) / (s2 - s1) for k in b if b[k] != a[k]}
     assert "clamp" not in per and per.get("cat", 0) <= 1, per  # no draft budget; one cat: the flags
     assert sum(per.values()) <= 27, sorted(per.items())  # (33 before the budget and the empty drafts were left out)
+
+
+class _Narrowing(NGramDrafter):
+    """The n-gram drafter, returning one column fewer than asked at every other proposal (with
+    its counts cut to them): those steps cannot use the step programs' fixed K-column buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        self.calls += 1
+        drafts, counts = super().propose(input_ids, lengths, num_speculative_tokens)
+        if self.calls % 2:
+            return drafts, counts
+        return drafts[:, :-1].clone(), counts.clamp(max=drafts.shape[1] - 1)
+
+
+def _check_step_programs(monkeypatch, path, family, drafter, device):
+    """A greedy chain step's device work around the forward runs as the step programs (captured
+    where the forward is) or op by op (``SPECDEC_STEP_GRAPHS=0``): the outputs (rows ending by EOS
+    mid-step, and by their budgets), and every statistic are the same, and equal HF greedy's; a
+    drafter whose proposals are narrower than K at some steps mixes both kinds of step."""
+    import specdec
+    from helpers import make_drafter
+    from tiny_models import get_model
+
+    model = get_model(family) if device == "cpu" else copy.deepcopy(get_model(family)).to(device)
+    ids, mask, eos, expected = _ending_by_eos(model)
+    K = 0 if drafter is None else 3
+    runs = {}
+    for programs in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_STEP_GRAPHS", programs)
+        if drafter == "narrowing":
+            draft = _Narrowing()
+        else:
+            draft = None if drafter is None else make_drafter(drafter, family)
+        if isinstance(draft, DraftModelDrafter) and device != "cpu":
+            draft = DraftModelDrafter(copy.deepcopy(draft.model).to(device))
+        sd = specdec.wrap(model, num_speculative_tokens=K, decode_path=path,
+                          **({} if draft is None else {"drafter": draft}))
+        run = []
+        for ending in ({"eos_token_id": eos}, {}, {"eos_token_id": eos}):  # by EOS, by the budget, again (replays)
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **ending)
+            st = sd.last_stats
+            want = ("cuda_graph" if device == "cuda" else "static") if programs == "1" else None
+            assert sd._step_programs_path == want
+            if ending:
+                assert torch.equal(out, expected)
+            run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
+                    st.mean_accepted_tokens, st.k_histogram]
+        runs[programs] = run
+    for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs"
+
+
+@pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed"),
+                                             ("nemotron_h", "narrowing")])
+def test_the_step_programs_give_the_op_by_op_steps_results(monkeypatch, family, drafter):
+    """See :func:`_check_step_programs` (the static path on the CPU runs the programs eagerly)."""
+    _check_step_programs(monkeypatch, "static", family, drafter, "cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed"),
+                                             ("nemotron_h", "narrowing")])
+def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkeypatch, family, drafter):
+    """See :func:`_check_step_programs`: on CUDA the programs are captured and replayed."""
+    _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
+
+
+def test_a_bad_proposal_is_refused_through_the_step_programs(monkeypatch):
+    """The drafter-output checks run inside the step programs: counts past the drafts' columns
+    and ids outside the vocabulary are refused as op by op."""
+    import specdec
+    from tiny_models import get_model
+
+    class Bad(NGramDrafter):
+        def __init__(self, what):
+            super().__init__()
+            self.what, self.calls = what, 0
+
+        def propose(self, input_ids, lengths, num_speculative_tokens):
+            self.calls += 1
+            drafts, counts = super().propose(input_ids, lengths, num_speculative_tokens)
+            if self.calls == 3:  # (after the programs' first, eager, run and their capture)
+                if self.what == "counts":
+                    counts = torch.full_like(counts, drafts.shape[1] + 1)
+                else:
+                    drafts = torch.full_like(drafts, 10**6)
+                    counts = torch.full_like(counts, drafts.shape[1])
+            return drafts, counts
+
+    from tiny_models import ragged_prompts
+
+    ids, mask = ragged_prompts()
+    for what, match in (("counts", "num_draft_tokens outside"), ("ids", "outside the target's vocabulary")):
+        sd = specdec.wrap(get_model("nemotron_h"), drafter=Bad(what), num_speculative_tokens=3, decode_path="static")
+        with pytest.raises(ValueError, match=match):
+            sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
