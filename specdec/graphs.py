@@ -3,7 +3,8 @@
 Every graph-captured program of the project — the target's verify forward and commit
 (:class:`specdec.decoding.StaticDecoder`) and the drafters' proposals
 (:class:`specdec.drafters.DraftModelDrafter`, :class:`specdec.drafters.MTPDrafter`, through
-:class:`CapturedProgram`) — captures through :func:`capture`, so a failure is handled and
+:class:`CapturedProgram`), the decode loop's work around a greedy chain step's forward (through
+:class:`CapturedProgram` too) — captures through :func:`capture`, so a failure is handled and
 reported one way: the caller keeps running the same static program without graphs and records
 :class:`CaptureFailure`'s reason, which ``generate()`` reports in ``Stats.capture_error`` (and
 warns once).

@@ -128,11 +128,11 @@ def _new_tokens(out: torch.Tensor, prompt_width: int, pad: int | None, eos: list
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: the environment switches specdec reads while a call runs (a capture included), which a
 #: ``plain_switches`` entry can change: fusion, the merged / skinny linears, the kernels' backend,
-#: the prompt forward's kernels, proposals before the sync, debug checks
+#: the prompt forward's kernels, proposals before the sync, the step programs, debug checks
 CALL_SWITCHES = ("SPECDEC_FUSE", "SPECDEC_MERGE_LINEARS", "SPECDEC_SKINNY_LINEARS", "SPECDEC_FUSED_MLPS",
                  "SPECDEC_FUSED_RESIDUALS", "SPECDEC_STEP_ATTENTION_KERNEL", "SPECDEC_PROMPT_KERNELS",
                  "SPECDEC_BACKEND",
-                 "SPECDEC_OVERLAP", "SPECDEC_OVERLAP_STEPS", "SPECDEC_DEBUG")
+                 "SPECDEC_OVERLAP", "SPECDEC_OVERLAP_STEPS", "SPECDEC_STEP_GRAPHS", "SPECDEC_DEBUG")
 
 
 def parse_switches(entries) -> dict[str, dict[str, str]]:
