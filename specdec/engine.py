@@ -288,6 +288,103 @@ def _to_width(t: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(t.shape[0], cols - t.shape[1], *t.shape[2:])], dim=1)
 
 
+def _new_tokens(chain: torch.Tensor, n: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """A step's new tokens ``[B, W]``: the accepted drafts ``chain[:, :n]`` (``chain [B, W - 1]``),
+    then ``c``; the columns past them are scratch."""
+    new = c[:, None]
+    if chain.shape[1]:
+        new = torch.cat([chain, new], dim=1).scatter(1, n[:, None], new)
+    return new
+
+
+class _StepState:
+    """A fixed batch's rows (:class:`_Rows`), the step counters and the constants a step reads, on
+    the device, with the device work of a chain step before and after its forward. A static
+    bucket's decoder keeps one between calls of the same shape (``reuse``) together with its
+    :class:`_StepPrograms`, whose captured graphs read these tensors.
+
+    Args: dec: the call's decoder (its ``width``). B, K (the most drafts of a step), V (the
+    vocabulary), dev; the rows' ``width`` and ``eos`` (see :class:`_Rows`).
+    """
+
+    def __init__(self, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos: tuple[int, ...], input_ids,
+                 mask, max_new):
+        self.dec, self.V = dec, V
+        self.key = B, K, V, str(dev), width, tuple(eos)
+        self.rows = _Rows(input_ids, mask, width, max_new, eos)
+        self.hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
+        self.totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
+        self.no_errors = torch.zeros(2, dtype=torch.bool, device=dev)  # (errors of a step without a proposal)
+        self.no_prob_errors = torch.zeros(1, dtype=torch.bool, device=dev)  # (... and of one without draft_probs)
+        self.no_drafts = torch.zeros(B, dtype=torch.long, device=dev)
+        self.empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        self.ones = torch.ones(B, dtype=torch.long, device=dev)
+        self.programs: _StepPrograms | None = None
+
+    @classmethod
+    def for_call(cls, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos, input_ids, mask, max_new,
+                 reuse: bool) -> _StepState:
+        """The state of a call: with ``reuse``, the one ``dec`` keeps if its shape matches (its rows
+        reset to the prompts, its counters zeroed), else a new one (kept on ``dec`` with ``reuse``)."""
+        eos = tuple(eos)
+        kept = dec.loop_state if reuse else None
+        if kept is not None and kept.key == (B, K, V, str(dev), width, eos) and kept.dec is dec:
+            kept.rows.reset(torch.arange(B, device=dev), input_ids, mask, max_new)
+            kept.hist.zero_()
+            kept.totals.zero_()
+            return kept
+        state = cls(dec, B, K, V, dev, width, eos, input_ids, mask, max_new)
+        if reuse:
+            dec.loop_state = state
+        return state
+
+    def draft_budget(self) -> torch.Tensor:
+        """The drafts each row may use: its budget after the pending token (>= 0 for a live row,
+        which has n_gen < max_new; clamped all the same, as chain_drafts and the policy need it);
+        ``[B]`` int64."""
+        rows = self.rows
+        return (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
+
+    def pending_and(self, drafts: torch.Tensor) -> torch.Tensor:
+        """The step's tokens ``[B, 1 + columns]``: each row's pending token, then ``drafts``."""
+        rows = self.rows
+        tokens = rows.text.gather(1, (rows.lengths - 1)[:, None])
+        return torch.cat([tokens, drafts], dim=1) if drafts.shape[1] else tokens
+
+    def chain_inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None,
+                     budget: bool = False) -> tuple:
+        """A chain step's device inputs from a proposal (``drafts [B, w]``, ``counts [B]``, int64
+        on the device; None: a step without drafts): ``(active, budget, drafts, k, errors,
+        width, tokens)``, as :class:`_StepInputs` names them. A step without drafts computes the
+        draft budget only with ``budget`` (a policy reads it; a plain step needs none: four
+        kernels fewer)."""
+        active = ~self.rows.finished  # the rows that run this step
+        budget = self.draft_budget() if drafts is not None or budget else None
+        if drafts is None:
+            return active, budget, self.empty, self.no_drafts, self.no_errors, 1, self.pending_and(self.empty)
+        drafts, k, errors = chain_drafts(drafts, counts, budget, self.V)
+        width = self.dec.width(k, K)
+        drafts = _to_width(drafts, width - 1)
+        return active, budget, drafts, k, errors, width, self.pending_and(drafts)
+
+    def counted(self, n: torch.Tensor, active: torch.Tensor, k: torch.Tensor) -> None:
+        """The step's counters: the histogram of accepted drafts (a finished row has k = n = 0:
+        its steps leave bin 0 after the loop), and the running rows, drafts used and accepted."""
+        self.hist.index_add_(0, n, self.ones)
+        self.totals.add_(torch.stack([active, k, n]).sum(1))
+
+    def greedy_chain(self, logits: torch.Tensor, inputs: tuple) -> tuple:
+        """A greedy chain step without a per-token hook from its forward's ``logits`` and
+        ``inputs`` (:meth:`chain_inputs`) to its flags: ``(n, new, take, flags)`` (the settle
+        program of :class:`_StepPrograms`)."""
+        active, _, drafts, k, errors, _, _ = inputs
+        n, c = greedy_accept(logits, drafts, k)
+        new = _new_tokens(drafts, n, c)
+        take = self.rows.append(new, n + 1)
+        self.counted(n, active, k)
+        return n, new, take, torch.cat([self.rows.finished.all()[None], errors, self.no_prob_errors])
+
+
 def step_programs_enabled() -> bool:
     """Whether a greedy chain step on the static path runs its device work around the verify
     forward and the commit as captured programs (:class:`_StepPrograms`; ``SPECDEC_STEP_GRAPHS``,
@@ -1210,7 +1307,17 @@ class SpeculativeGenerator:
             budgets = torch.zeros(B, dtype=torch.long, device=dev)
         else:
             budgets = max_new if s.row_budgets is None else torch.tensor(s.row_budgets, device=dev)
-        rows = _Rows(ids, s.attention_mask, span + T, budgets, s.eos_token_ids)
+        # a greedy chain step of a fixed batch with nothing read per token runs its device work
+        # around the forward as captured programs where the forward is captured (else the same
+        # functions eagerly: the static path on a CPU runs them too); its bucket keeps them
+        glue = (isinstance(dec, StaticDecoder) and pool is None and hook is None and s.sampling is None
+                and tree is None and policy is None and s.streamer is None and step_programs_enabled())
+        st = _StepState.for_call(dec, B, K, V, dev, span + T, s.eos_token_ids, ids, s.attention_mask, budgets,
+                                 reuse=glue)
+        if glue and st.programs is None:
+            st.programs = _StepPrograms(st.chain_inputs, st.greedy_chain, B, dev, capture=dec.path == "cuda_graph")
+        programs = st.programs if glue else None
+        rows = st.rows
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
         first = self._pick_first(scores[:, 0], s)
@@ -1226,12 +1333,7 @@ class SpeculativeGenerator:
                 drafter.observe_prompt(hidden, s.attention_mask)
             if pool is None and drafter.wants_hidden_states:  # e.g. Medusa heads: the target's last hidden state
                 drafter.observe(hidden[:, -1] if every else hidden)
-        hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
-        totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
-        no_errors = torch.zeros(2, dtype=torch.bool, device=dev)  # (errors of a step without a proposal)
-        no_prob_errors = torch.zeros(1, dtype=torch.bool, device=dev)  # (... and of one without draft_probs)
-        no_drafts, empty = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, 0, dtype=torch.long, device=dev)
-        ones = torch.ones(B, dtype=torch.long, device=dev)
+        hist, totals, no_prob_errors = st.hist, st.totals, st.no_prob_errors
         steps, idx = 0, torch.arange(B, device=dev)
         clock.lap("prefill")
         *finished, last_step = torch.cat([rows.finished.long(), (rows.max_new - rows.n_gen).amax()[None]]).tolist()
@@ -1255,13 +1357,13 @@ class SpeculativeGenerator:
             nonlocal grown
             bound, grown = min(rows.text.shape[1], grown), grown + W
             if tree is not None:
-                active, budget = ~rows.finished, draft_budget()
+                active, budget = ~rows.finished, st.draft_budget()
                 nodes = check_tree_proposal(drafter.propose_tree(rows.text[:, :bound].clone(), rows.lengths.clone(),
                                                                  tree), B, tree).to(dev).long()
                 errors = proposal_errors(nodes, None, V)
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts = nodes.clamp(0, V - 1)
-                return _StepInputs(K_step, active, budget, drafts, k, errors, T, pending_and(drafts), None, 0)
+                return _StepInputs(K_step, active, budget, drafts, k, errors, T, st.pending_and(drafts), None, 0)
             drafts = counts = None
             if drafter is not None and K_step > 0:
                 drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
@@ -1271,63 +1373,14 @@ class SpeculativeGenerator:
                 return _StepInputs(K_step, *programs.inputs(K_step, drafts, counts), counts=counts, w=w)
             if drafts is not None:
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
-            return _StepInputs(K_step, *chain_inputs(K_step, drafts, counts), counts=counts, w=w)
-
-        def draft_budget() -> torch.Tensor:
-            """The drafts each row may use: its budget after the pending token (>= 0 for a live
-            row, which has n_gen < max_new; clamped all the same, as chain_drafts and the policy
-            need it); ``[B]`` int64."""
-            return (rows.max_new - rows.n_gen - 1).clamp(min=0).masked_fill(rows.finished, 0)
-
-        def pending_and(drafts: torch.Tensor) -> torch.Tensor:
-            """The step's tokens ``[B, 1 + columns]``: each row's pending token, then ``drafts``."""
-            tokens = rows.text.gather(1, (rows.lengths - 1)[:, None])
-            return torch.cat([tokens, drafts], dim=1) if drafts.shape[1] else tokens
-
-        def chain_inputs(K_step: int, drafts: torch.Tensor | None, counts: torch.Tensor | None) -> tuple:
-            """A chain step's device inputs from a proposal (``drafts [B, w]``, ``counts [B]``,
-            int64 on the device; None: a step without drafts): ``(active, budget, drafts, k,
-            errors, width, tokens)``, as :class:`_StepInputs` names them."""
-            active = ~rows.finished  # the rows that run this step
-            # a plain step without a policy uses no budget (four kernels fewer a step)
-            budget = draft_budget() if drafts is not None or policy is not None else None
-            if drafts is None:
-                return active, budget, empty, no_drafts, no_errors, 1, pending_and(empty)
-            drafts, k, errors = chain_drafts(drafts, counts, budget, V)
-            width = dec.width(k, K_step)
-            drafts = _to_width(drafts, width - 1)
-            return active, budget, drafts, k, errors, width, pending_and(drafts)
+            return _StepInputs(K_step, *st.chain_inputs(K_step, drafts, counts, policy is not None), counts=counts,
+                               w=w)
 
         def appended(chain, n, c, path, scores, logits) -> tuple[torch.Tensor, torch.Tensor]:
-            """A step's new tokens ``[B, W]`` (the accepted drafts ``chain[:, :n]``, then ``c``)
-            appended to the rows (:meth:`_append`); returns ``(new, take)``, take the kept counts."""
-            new = c[:, None]
-            if chain.shape[1]:
-                new = torch.cat([chain, new], dim=1).scatter(1, n[:, None], new)
+            """A step's new tokens (:func:`_new_tokens`) appended to the rows (:meth:`_append`);
+            returns ``(new, take)``, take the kept counts."""
+            new = _new_tokens(chain, n, c)
             return new, self._append(rows, hook, new, n + 1, scores, logits, path)
-
-        def counted(n, active, k) -> None:
-            """The step's counters: the histogram of accepted drafts (a finished row has k = n = 0:
-            its steps leave bin 0 after the loop), and the running rows, drafts used and accepted."""
-            hist.index_add_(0, n, ones)
-            totals.add_(torch.stack([active, k, n]).sum(1))
-
-        def greedy_chain(logits, inputs) -> tuple:
-            """A greedy chain step from its forward's ``logits`` and ``inputs`` (:func:`chain_inputs`)
-            to its flags: ``(n, new, take, flags)`` (the settle program of :class:`_StepPrograms`)."""
-            active, _, drafts, k, errors, _, _ = inputs
-            n, c = greedy_accept(logits, drafts, k)
-            new, take = appended(drafts, n, c, None, logits, logits)
-            counted(n, active, k)
-            return n, new, take, torch.cat([rows.finished.all()[None], errors, no_prob_errors])
-
-        # a greedy chain step of a fixed batch with nothing read per token runs its device work
-        # around the forward as captured programs where the forward is captured (else the same
-        # functions eagerly: the static path on a CPU runs them too)
-        programs = None
-        if (isinstance(dec, StaticDecoder) and pool is None and hook is None and s.sampling is None and tree is None
-                and policy is None and s.streamer is None and step_programs_enabled()):
-            programs = _StepPrograms(chain_inputs, greedy_chain, B, dev, capture=dec.path == "cuda_graph")
 
         def settle(synced: list, counts, w: int, with_expected: bool) -> tuple[bool, list | None, int | None]:
             """A step's flags, read on the host: raises for a bad proposal, streams the committed
@@ -1463,7 +1516,7 @@ class SpeculativeGenerator:
             steps += 1
             streaming = pool.streaming_rows() if pool is not None else []
             if not glued:  # (the programs run only where none of the extra flags below is wanted)
-                counted(n, active, k)
+                st.counted(n, active, k)
                 flags = [rows.finished.all()[None], errors, prob_errors]  # (cat promotes them to the parts' int64)
                 if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                     flags += [take[:1], new[0]]

@@ -506,16 +506,25 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             draft = DraftModelDrafter(copy.deepcopy(draft.model).to(device))
         sd = specdec.wrap(model, num_speculative_tokens=K, decode_path=path,
                           **({} if draft is None else {"drafter": draft}))
-        run = []
-        for ending in ({"eos_token_id": eos}, {}, {"eos_token_id": eos}):  # by EOS, by the budget, again (replays)
-            out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **ending)
+        run, kept = [], []
+        # by EOS, by the budget, by EOS again, then the rows in reverse order: one shape, so the bucket's
+        # kept rows and programs (replayed) serve it
+        for ending, flip in (({"eos_token_id": eos}, False), ({}, False), ({"eos_token_id": eos}, False),
+                             ({"eos_token_id": eos}, True)):
+            rows = torch.arange(ids.shape[0] - 1, -1, -1) if flip else torch.arange(ids.shape[0])
+            out = sd.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=12, pad_token_id=0, **ending)
             st = sd.last_stats
             want = ("cuda_graph" if device == "cuda" else "static") if programs == "1" else None
             assert sd._step_programs_path == want
+            kept.append(sd.decoder.loop_state)
             if ending:
-                assert torch.equal(out, expected)
+                assert torch.equal(out, expected[rows.to(device)])
             run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
                     st.mean_accepted_tokens, st.k_histogram]
+        if programs == "1":  # (the last two calls share one shape: the second reuses the first's state)
+            assert kept[3] is kept[2] and kept[2] is not kept[1]
+        else:
+            assert kept == [None] * 4
         runs[programs] = run
     for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs"
