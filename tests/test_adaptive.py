@@ -640,7 +640,8 @@ V, N, POSITIONS = 8, 3000, 4
 
 @pytest.fixture(scope="module")
 def tiny_vocab_models():
-    target = make_model("qwen3_5", seed=3, vocab=V)
+    # the small model (one Gated DeltaNet and one attention layer): every case prefills its N identical rows
+    target = make_model("qwen3_5", seed=3, vocab=V, small=True)
     return target, perturbed_copy(target, scale=0.3, seed=4)
 
 

@@ -187,7 +187,7 @@ def test_greedy_exact_ragged_batch(tiny_heads, family, strategy):
 
 def test_sampling_keeps_the_target_distribution():
     V, N, P = 8, 2500, 3
-    target = make_model("qwen3_5", seed=3, vocab=V)
+    target = make_model("qwen3_5", seed=3, vocab=V, small=True)  # (small: N rows prefilled, twice)
     heads = _randomize(MedusaHeads.from_target(target, num_heads=3, vocab_bias=True), seed=2, scale=0.1)
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]).repeat(N, 1)
     kw = dict(temperature=0.8, top_k=6, top_p=0.95)

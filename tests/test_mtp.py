@@ -52,12 +52,12 @@ def _random_(layers, seed=0, scale=0.3):
     return layers
 
 
-def save_with_mtp(family, folder, *, fit_steps=0, seed=0, vocab=None, fields=None, **write_kw):
-    """Save the tiny ``family`` target into ``folder`` with random ``mtp.*`` tensors in the public
-    layout (then fitted ``fit_steps`` steps to the target's own greedy continuations of the test
-    prompts, so drafts are often accepted) and the config fields of ``MTP_FIELDS``; returns the
-    folder."""
-    model = make_model(family, seed=seed, **({"vocab": vocab} if vocab else {}))
+def save_with_mtp(family, folder, *, fit_steps=0, seed=0, vocab=None, fields=None, small=False, **write_kw):
+    """Save the tiny ``family`` target (``small``: its small model) into ``folder`` with random
+    ``mtp.*`` tensors in the public layout (then fitted ``fit_steps`` steps to the target's own
+    greedy continuations of the test prompts, so drafts are often accepted) and the config fields
+    of ``MTP_FIELDS``; returns the folder."""
+    model = make_model(family, seed=seed, small=small, **({"vocab": vocab} if vocab else {}))
     for k, v in (MTP_FIELDS[family] if fields is None else fields).items():
         setattr(model.config, k, v)
     model.save_pretrained(folder)
@@ -327,7 +327,8 @@ def sampling_setup(tmp_path_factory):
     """The tiny-vocabulary target with MTP layers (its folder and the loaded model), the prompt
     repeated N times and HF sampling's continuations of it (drawn once for the sampling cases)."""
     V, N, P = 8, 2500, 3
-    folder = save_with_mtp("qwen3_5", tmp_path_factory.mktemp("mtp_sampling"), seed=3, vocab=V)
+    # the small model (one Gated DeltaNet and one attention layer): each case prefills N rows on both paths
+    folder = save_with_mtp("qwen3_5", tmp_path_factory.mktemp("mtp_sampling"), seed=3, vocab=V, small=True)
     target = load("qwen3_5", folder)
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]]).repeat(N, 1)
     hf = target.generate(prompt, max_new_tokens=P, do_sample=True, pad_token_id=0, **SAMPLING_KW)
