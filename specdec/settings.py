@@ -157,7 +157,8 @@ def context_length(model) -> int | None:
     """The positions ``model`` (an HF model) was built for: ``config.max_position_embeddings``, or
     None when its config has none (no bound). ``generate()`` warns beyond it, ``generate_batch()``
     and a serving manager refuse a request that would pass it, and the acceptance, bench (and
-    long_run), rollback and adaptive experiments refuse a run that would, before any generation."""
+    long_run), rollback, adaptive and checks experiments refuse a run that would, before any
+    generation."""
     return getattr(model.config, "max_position_embeddings", None)
 
 

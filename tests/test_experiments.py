@@ -221,17 +221,19 @@ def test_prompt_ids_outside_the_vocabulary(tmp_path: Path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("experiment", ["acceptance", "rollback", "adaptive", "bench"])
+@pytest.mark.parametrize("experiment", ["acceptance", "rollback", "adaptive", "bench", "checks"])
 def test_new_tokens_past_the_models_context_are_refused(tmp_path: Path, experiment: str, monkeypatch):
     """max_new_tokens that take the longest prompt past the target's context (as generate_batch
     refuses a request) stop every generating experiment before any generation, naming the key,
     the target and the most it may be."""
+    import specdec
     from specdec.experiments import e2e
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generation ran before the context check")
 
     monkeypatch.setattr(e2e, "plain_reference", no_generation)  # (acceptance generates without it)
+    monkeypatch.setattr(specdec.SpeculativeGenerator, "generate", no_generation)
     drafter = "oracle" if experiment == "adaptive" else "ngram"  # (adaptive runs the oracle drafter)
     cfg = _cfg([f"experiment={experiment}", "model=gdn-target", f"drafter={drafter}", "rollback=replay", "prompts.limit=1",
                 "max_new_tokens=100000", "repeats=1"] + CPU)

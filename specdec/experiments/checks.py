@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .common import RunRecords, apply_cpu_threads, common_fields, make_drafter
+from .common import RunRecords, apply_cpu_threads, check_context, common_fields, make_drafter
 from .models import layer_counts, load_target, resolve_device, target_config
 from .timing import Timing, sync
 
@@ -352,6 +352,11 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     for spec in cfg.model.targets:
         model, _ = load_target(spec, device, dtype, int(cfg.seed))
         apply_cpu_threads(cfg, model, device)
+        if "step_cost" in chosen:  # (before any generation: the runs' new tokens within the context)
+            check_context(str(spec.name), model, int(exp.prompt_tokens), int(cfg.max_new_tokens))
+        if "rollback_on_device" in chosen:
+            check_context(str(spec.name), model, int(exp.prompt_tokens), max(int(n) for n in exp.transfer_new_tokens),
+                          "experiment.transfer_new_tokens")
         r = _Run(cfg, spec, model, device, dtype)
         caches = None
         with torch.no_grad():
