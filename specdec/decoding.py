@@ -205,8 +205,8 @@ class StaticDecoder(Decoder):
         self._capture_failed = False  # a capture failed: every width runs without graphs
         self._open_width = 0  # tokens of the open chain step that keeps rollback data (0: none, or plain)
         self._history = 0  # the most committed tokens a row's rollback history may hold (_size_fold)
-        #: what the decode loop keeps with this bucket between calls of one shape (its rows, counters
-        #: and the captured programs that read them: ``specdec.engine._StepState``), or None
+        #: what the decode loop keeps with this bucket between calls of one shape (the captured
+        #: programs of a step and the rows and counters they read: ``specdec.engine._StepPrograms``), or None
         self.loop_state = None
 
     @classmethod

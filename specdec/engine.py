@@ -300,17 +300,17 @@ def _new_tokens(chain: torch.Tensor, n: torch.Tensor, c: torch.Tensor) -> torch.
 class _StepState:
     """A fixed batch's rows (:class:`_Rows`), the step counters and the constants a step reads, on
     the device, with the device work of a chain step before and after its forward. A static
-    bucket's decoder keeps one between calls of the same shape (``reuse``) together with its
-    :class:`_StepPrograms`, whose captured graphs read these tensors.
+    bucket's decoder keeps one between calls of one shape, with the :class:`_StepPrograms` whose
+    captured graphs read these tensors (``StaticDecoder.loop_state``).
 
-    Args: dec: the call's decoder (its ``width``). B, K (the most drafts of a step), V (the
-    vocabulary), dev; the rows' ``width`` and ``eos`` (see :class:`_Rows`).
+    Args: dec: the call's decoder (its ``width``; held weakly: the decoder keeps the state). B, K
+    (the most drafts of a step), V (the vocabulary), dev; the rows' ``width`` and ``eos``, the
+    prompts and budgets (see :class:`_Rows`).
     """
 
-    def __init__(self, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos: tuple[int, ...], input_ids,
-                 mask, max_new):
-        self.dec, self.V = dec, V
-        self.key = B, K, V, str(dev), width, tuple(eos)
+    def __init__(self, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos, input_ids, mask, max_new):
+        self._dec, self.V = weakref.ref(dec), V
+        self.key = self.key_of(B, K, V, dev, width, eos)
         self.rows = _Rows(input_ids, mask, width, max_new, eos)
         self.hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         self.totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
@@ -319,24 +319,17 @@ class _StepState:
         self.no_drafts = torch.zeros(B, dtype=torch.long, device=dev)
         self.empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         self.ones = torch.ones(B, dtype=torch.long, device=dev)
-        self.programs: _StepPrograms | None = None
 
-    @classmethod
-    def for_call(cls, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos, input_ids, mask, max_new,
-                 reuse: bool) -> _StepState:
-        """The state of a call: with ``reuse``, the one ``dec`` keeps if its shape matches (its rows
-        reset to the prompts, its counters zeroed), else a new one (kept on ``dec`` with ``reuse``)."""
-        eos = tuple(eos)
-        kept = dec.loop_state if reuse else None
-        if kept is not None and kept.key == (B, K, V, str(dev), width, eos) and kept.dec is dec:
-            kept.rows.reset(torch.arange(B, device=dev), input_ids, mask, max_new)
-            kept.hist.zero_()
-            kept.totals.zero_()
-            return kept
-        state = cls(dec, B, K, V, dev, width, eos, input_ids, mask, max_new)
-        if reuse:
-            dec.loop_state = state
-        return state
+    @staticmethod
+    def key_of(B: int, K: int, V: int, dev, width: int, eos) -> tuple:
+        """What a kept state must match to serve a call."""
+        return B, K, V, str(dev), width, tuple(eos)
+
+    def reset(self, input_ids, mask, max_new) -> None:
+        """Start a call: every row takes its prompt and budget (:meth:`_Rows.reset`), the counters zero."""
+        self.rows.reset(torch.arange(self.rows.text.shape[0], device=self.rows.text.device), input_ids, mask, max_new)
+        self.hist.zero_()
+        self.totals.zero_()
 
     def draft_budget(self) -> torch.Tensor:
         """The drafts each row may use: its budget after the pending token (>= 0 for a live row,
@@ -363,7 +356,7 @@ class _StepState:
         if drafts is None:
             return active, budget, self.empty, self.no_drafts, self.no_errors, 1, self.pending_and(self.empty)
         drafts, k, errors = chain_drafts(drafts, counts, budget, self.V)
-        width = self.dec.width(k, K)
+        width = self._dec().width(k, K)
         drafts = _to_width(drafts, width - 1)
         return active, budget, drafts, k, errors, width, self.pending_and(drafts)
 
@@ -403,22 +396,28 @@ class _StepPrograms:
     * ``settle``: from the forward's logits to the flags of the step's one sync: greedy
       acceptance, the rows' append (EOS, budget), the step counters.
 
-    Op by op these are ~60 small launches a step (~0.5 ms of host time on a current CPU); two
-    graph launches replace them, which matters where the host issuing a step bounds it (small
-    models, small batches). ``inputs_fn(K, drafts, counts)`` and ``settle_fn(logits, inputs)``
-    are the decode loop's own functions, which its other steps run op by op.
+    Op by op these are ~60 small launches a step; two graph launches replace them, which matters
+    where the host issuing a step bounds it (small models, small batches). The programs run
+    ``state``'s :meth:`_StepState.chain_inputs` and :meth:`_StepState.greedy_chain`, the
+    functions the loop runs op by op for its other steps.
 
     The settle program reads the forward's output tensor: a forward that returns another tensor
     than the one it was captured with (the decoder lost its graphs) runs the function eagerly
     from then on."""
 
-    def __init__(self, inputs_fn, settle_fn, batch: int, device, capture: bool):
-        self._fns = {"inputs": inputs_fn, "settle": settle_fn}
-        self.batch, self.device, self.capture = batch, device, capture
+    def __init__(self, state: _StepState, capture: bool):
+        self.state, self.capture = state, capture
+        self._fns = {"inputs": state.chain_inputs, "settle": state.greedy_chain}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> fixed (drafts, counts)
         self._programs: dict[tuple[str, int], CapturedProgram] = {}
-        self._args: dict[tuple[str, int], tuple] = {}  # the arguments of the program's last run
+        self._args: dict[tuple[str, int], tuple] = {}  # the arguments a captured program read
         self._out: dict[tuple[str, int], tuple] = {}  # the outputs of its last run (after a capture: fixed)
+
+    @staticmethod
+    def _store(out: dict, key, fn, args: dict) -> None:
+        """A program's body: ``out[key] = fn(*args[key])`` (no reference to the programs object, so
+        dropping it frees its graphs at once)."""
+        out[key] = fn(*args[key])
 
     def _run(self, kind: str, K: int, args: tuple) -> tuple:
         key = kind, K
@@ -428,13 +427,14 @@ class _StepPrograms:
             program = None  # (captured reading other tensors: their reads would be stale) eagerly from now on
             self.capture = False
         if program is None:
-            def run():
-                self._out[key] = self._fns[kind](*self._args[key])
-            program = self._programs[key] = CapturedProgram(run, model=None, what=f"the step's {kind} (K = {K})",
+            body = functools.partial(self._store, self._out, key, self._fns[kind], self._args)
+            program = self._programs[key] = CapturedProgram(body, model=None, what=f"the step's {kind} (K = {K})",
                                                             graphs=self.capture, fuse=False)
         if program.graph is None:  # (replays read the arguments it was captured with)
             self._args[key] = args
         program()
+        if program.graph is None:  # (not captured: keep no tensor of this step, e.g. its logits, alive)
+            del self._args[key]
         return self._out[key]
 
     @property
@@ -449,8 +449,8 @@ class _StepPrograms:
         if K == 0:
             return self._run("inputs", 0, (0, None, None))
         if K not in self._buffers:
-            self._buffers[K] = (torch.zeros(self.batch, K, dtype=torch.long, device=self.device),
-                                torch.zeros(self.batch, dtype=torch.long, device=self.device))
+            like = self.state.no_drafts  # ([B] int64 on the device)
+            self._buffers[K] = (like.new_zeros(like.shape[0], K), like.new_zeros(like.shape[0]))
         fixed_drafts, fixed_counts = self._buffers[K]
         fixed_drafts.copy_(drafts)
         fixed_counts.copy_(counts)
@@ -1312,11 +1312,19 @@ class SpeculativeGenerator:
         # functions eagerly: the static path on a CPU runs them too); its bucket keeps them
         glue = (isinstance(dec, StaticDecoder) and pool is None and hook is None and s.sampling is None
                 and tree is None and policy is None and s.streamer is None and step_programs_enabled())
-        st = _StepState.for_call(dec, B, K, V, dev, span + T, s.eos_token_ids, ids, s.attention_mask, budgets,
-                                 reuse=glue)
-        if glue and st.programs is None:
-            st.programs = _StepPrograms(st.chain_inputs, st.greedy_chain, B, dev, capture=dec.path == "cuda_graph")
-        programs = st.programs if glue else None
+        programs = None
+        if glue:  # rows as wide as the bucket allows (>= span + T), so calls of one bucket share them
+            width = dec.max_len - T
+            kept = dec.loop_state
+            if kept is not None and kept.state.key == _StepState.key_of(B, K, V, dev, width, s.eos_token_ids):
+                programs, st = kept, kept.state
+                st.reset(ids, s.attention_mask, budgets)
+            else:
+                dec.loop_state = None  # (the kept state's memory goes first)
+                st = _StepState(dec, B, K, V, dev, width, s.eos_token_ids, ids, s.attention_mask, budgets)
+                programs = dec.loop_state = _StepPrograms(st, capture=dec.path == "cuda_graph")
+        else:
+            st = _StepState(dec, B, K, V, dev, span + T, s.eos_token_ids, ids, s.attention_mask, budgets)
         rows = st.rows
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
@@ -1596,7 +1604,7 @@ class SpeculativeGenerator:
             s.streamer.end()
         times = clock.totals()
         # how the step's programs ran (for tests and profiles): None where the call ran none
-        self._step_programs_path = None if programs is None else programs.path
+        self._step_programs_path = None if programs is None or not steps else programs.path
         row_steps, proposed, accepted = totals.tolist()
         hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned

@@ -575,3 +575,39 @@ def test_a_bad_proposal_is_refused_through_the_step_programs(monkeypatch):
         sd = specdec.wrap(get_model("nemotron_h"), drafter=Bad(what), num_speculative_tokens=3, decode_path="static")
         with pytest.raises(ValueError, match=match):
             sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+
+
+def test_the_kept_step_state_serves_its_bucket_and_is_freed_without_a_collection():
+    """Calls of one static bucket with other budgets share one kept state (its rows are as wide
+    as the bucket allows); the kept state holds no reference cycle, so ``release()`` (and a call
+    of another bucket) frees the decoder, its cache and the programs at once, with Python's
+    collector off."""
+    import gc
+    import weakref
+
+    import specdec
+    from helpers import hf_greedy
+    from tiny_models import get_model, ragged_prompts
+
+    model = get_model("nemotron_h")
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="static")
+    kept = set()
+    for new in (10, 13, 17):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0)
+        assert torch.equal(out, hf_greedy(model, ids, mask, max_new=new))
+        kept.add(id(sd.decoder.loop_state))
+    assert len(kept) == 1
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        dec, cache, programs = (weakref.ref(x) for x in (sd.decoder, sd.decoder.cache, sd.decoder.loop_state))
+        sd.release()
+        assert dec() is None and cache() is None and programs() is None
+        sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+        dec, programs = weakref.ref(sd.decoder), weakref.ref(sd.decoder.loop_state)
+        sd.generate(ids, attention_mask=mask, max_new_tokens=400, pad_token_id=0)  # (another bucket)
+        assert dec() is None and programs() is None
+    finally:
+        if was_on:
+            gc.enable()
