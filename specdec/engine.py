@@ -299,9 +299,10 @@ def _new_tokens(chain: torch.Tensor, n: torch.Tensor, c: torch.Tensor) -> torch.
 
 class _StepState:
     """A fixed batch's rows (:class:`_Rows`), the step counters and the constants a step reads, on
-    the device, with the device work of a chain step before and after its forward. A static
-    bucket's decoder keeps one between calls of one shape, with the :class:`_StepPrograms` whose
-    captured graphs read these tensors (``StaticDecoder.loop_state``).
+    the device, with the device work of a chain step before and after its forward. The state of a
+    call whose steps run as :class:`_StepPrograms` is kept by its static bucket's decoder between
+    calls of one shape, with the programs whose captured graphs read these tensors
+    (``StaticDecoder.loop_state``); other calls make their own.
 
     Args: dec: the call's decoder (its ``width``; held weakly: the decoder keeps the state). B, K
     (the most drafts of a step), V (the vocabulary), dev; the rows' ``width`` and ``eos``, the
@@ -380,7 +381,7 @@ class _StepState:
 
 def step_programs_enabled() -> bool:
     """Whether a greedy chain step on the static path runs its device work around the verify
-    forward and the commit as captured programs (:class:`_StepPrograms`; ``SPECDEC_STEP_GRAPHS``,
+    forward as captured programs (:class:`_StepPrograms`; ``SPECDEC_STEP_GRAPHS``,
     default on; ``0`` launches that work op by op, as a baseline to time it against). The outputs
     and statistics are the same either way."""
     return env_switch("SPECDEC_STEP_GRAPHS")
@@ -396,7 +397,7 @@ class _StepPrograms:
     * ``settle``: from the forward's logits to the flags of the step's one sync: greedy
       acceptance, the rows' append (EOS, budget), the step counters.
 
-    Op by op these are ~60 small launches a step; two graph launches replace them, which matters
+    Op by op these are dozens of small launches a step; two graph launches replace them, which matters
     where the host issuing a step bounds it (small models, small batches). The programs run
     ``state``'s :meth:`_StepState.chain_inputs` and :meth:`_StepState.greedy_chain`, the
     functions the loop runs op by op for its other steps.
@@ -443,7 +444,7 @@ class _StepPrograms:
         return "cuda_graph" if any(p.graph is not None for p in self._programs.values()) else "static"
 
     def inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None) -> tuple:
-        """``inputs_fn``'s ``(active, budget, drafts, k, errors, width, tokens)`` for a proposal of
+        """:meth:`_StepState.chain_inputs`'s ``(active, budget, drafts, k, errors, width, tokens)`` for a proposal of
         exactly K columns (``drafts [B, K]``, ``counts [B]``, any integer dtype and device; copied
         into fixed buffers), or for K = 0 none; valid until the next step of this K."""
         if K == 0:
@@ -457,7 +458,7 @@ class _StepPrograms:
         return self._run("inputs", K, (K, fixed_drafts, fixed_counts))
 
     def settle(self, K: int, logits: torch.Tensor) -> tuple:
-        """``settle_fn(logits, inputs)`` for the step of K whose inputs the last :meth:`inputs` of
+        """:meth:`_StepState.greedy_chain` of ``logits`` and the inputs the last :meth:`inputs` of
         K made."""
         return self._run("settle", K, (logits, self._out["inputs", K]))
 

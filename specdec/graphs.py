@@ -206,7 +206,8 @@ _GC_PAUSES = [0, False]  # blocks inside gc_paused, and whether the collector wa
 
 
 class CapturedProgram:
-    """A drafter's fixed-shape proposal program ``fn()`` (it reads and writes fixed tensors): run
+    """A fixed-shape program ``fn()`` (a drafter's proposal, or the decode loop's work around a
+    step's forward; it reads and writes fixed tensors): run
     eagerly on its first call and, with ``graphs``, captured by :func:`capture` on its second and
     replayed from then on. The first call is the capture's warm-up, run with the same kernels as
     the capture (fused norms / MLPs, graph-safe MoE experts). When the capture fails the program
