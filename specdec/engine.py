@@ -346,14 +346,14 @@ class _StepState:
         return torch.cat([tokens, drafts], dim=1) if drafts.shape[1] else tokens
 
     def chain_inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None,
-                     budget: bool = False) -> tuple:
+                     with_budget: bool = False) -> tuple:
         """A chain step's device inputs from a proposal (``drafts [B, w]``, ``counts [B]``, int64
         on the device; None: a step without drafts): ``(active, budget, drafts, k, errors,
         width, tokens)``, as :class:`_StepInputs` names them. A step without drafts computes the
-        draft budget only with ``budget`` (a policy reads it; a plain step needs none: four
+        draft budget only ``with_budget`` (a policy reads it; a plain step needs none: four
         kernels fewer)."""
         active = ~self.rows.finished  # the rows that run this step
-        budget = self.draft_budget() if drafts is not None or budget else None
+        budget = self.draft_budget() if drafts is not None or with_budget else None
         if drafts is None:
             return active, budget, self.empty, self.no_drafts, self.no_errors, 1, self.pending_and(self.empty)
         drafts, k, errors = chain_drafts(drafts, counts, budget, self.V)
@@ -376,7 +376,13 @@ class _StepState:
         new = _new_tokens(drafts, n, c)
         take = self.rows.append(new, n + 1)
         self.counted(n, active, k)
-        return n, new, take, torch.cat([self.rows.finished.all()[None], errors, self.no_prob_errors])
+        return n, new, take, torch.cat(self.flags(errors, self.no_prob_errors))
+
+    def flags(self, errors: torch.Tensor, prob_errors: torch.Tensor) -> list[torch.Tensor]:
+        """The flags every step's sync reads: whether every row has finished, then the drafter
+        output's error flags (``errors [2]``, ``prob_errors [1]``, bool); a caller may append more
+        (``torch.cat`` promotes them to the parts' int64)."""
+        return [self.rows.finished.all()[None], errors, prob_errors]
 
 
 def step_programs_enabled() -> bool:
@@ -1526,7 +1532,7 @@ class SpeculativeGenerator:
             streaming = pool.streaming_rows() if pool is not None else []
             if not glued:  # (the programs run only where none of the extra flags below is wanted)
                 st.counted(n, active, k)
-                flags = [rows.finished.all()[None], errors, prob_errors]  # (cat promotes them to the parts' int64)
+                flags = st.flags(errors, prob_errors)
                 if s.streamer is not None:  # the same sync also brings row 0's committed tokens
                     flags += [take[:1], new[0]]
                 if pool is not None:  # ... or which rows ended, for the next admission
