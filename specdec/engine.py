@@ -361,6 +361,16 @@ class _StepState:
         drafts = _to_width(drafts, width - 1)
         return active, budget, drafts, k, errors, width, self.pending_and(drafts)
 
+    def proposed_inputs(self, K: int, drafter) -> tuple:
+        """:meth:`chain_inputs` of ``drafter``'s proposal of K on the rows' own buffers
+        (``rows.text`` at its full width, ``rows.lengths``; no copies: a
+        :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter reads them only), then the
+        proposal's width ``w``. Raises what :func:`~specdec.drafters.base.check_proposal` raises."""
+        rows = self.rows
+        drafts, counts = check_proposal(drafter.propose(rows.text, rows.lengths, K), rows.text.shape[0], K)
+        dev = rows.text.device
+        return *self.chain_inputs(K, drafts.to(dev).long(), counts.to(dev).long()), drafts.shape[1]
+
     def counted(self, n: torch.Tensor, active: torch.Tensor, k: torch.Tensor) -> None:
         """The step's counters: the histogram of accepted drafts (a finished row has k = n = 0:
         its steps leave bin 0 after the loop), and the running rows, drafts used and accepted."""
@@ -370,8 +380,8 @@ class _StepState:
     def greedy_chain(self, logits: torch.Tensor, inputs: tuple) -> tuple:
         """A greedy chain step without a per-token hook from its forward's ``logits`` and
         ``inputs`` (:meth:`chain_inputs`) to its flags: ``(n, new, take, flags)`` (the settle
-        program of :class:`_StepPrograms`)."""
-        active, _, drafts, k, errors, _, _ = inputs
+        program of :class:`_StepPrograms`; ``inputs`` may carry more entries after those seven)."""
+        active, _, drafts, k, errors = inputs[:5]
         n, c = greedy_accept(logits, drafts, k)
         new = _new_tokens(drafts, n, c)
         take = self.rows.append(new, n + 1)
@@ -383,6 +393,15 @@ class _StepState:
         output's error flags (``errors [2]``, ``prob_errors [1]``, bool); a caller may append more
         (``torch.cat`` promotes them to the parts' int64)."""
         return [self.rows.finished.all()[None], errors, prob_errors]
+
+
+def captured_proposals_enabled() -> bool:
+    """Whether the step programs (:class:`_StepPrograms`) run a
+    :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter's proposal inside their ``inputs``
+    program (``SPECDEC_CAPTURED_PROPOSALS``, default on; ``0`` makes it propose outside them, on
+    copies of the rows, as other drafters do, as a baseline to time it against). The outputs
+    and statistics are the same either way."""
+    return env_switch("SPECDEC_CAPTURED_PROPOSALS")
 
 
 def step_programs_enabled() -> bool:
@@ -399,14 +418,18 @@ class _StepPrograms:
     the second and replayed from then on; with ``capture`` off, always eagerly):
 
     * ``inputs``: from the drafter's proposal (copied into fixed buffers) to the step's tokens:
-      the draft budget, :func:`~specdec.drafters.base.chain_drafts`, the pending tokens;
+      the draft budget, :func:`~specdec.drafters.base.chain_drafts`, the pending tokens; for a
+      :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter, ``proposal`` instead: the same
+      with the drafter's proposal itself inside (:meth:`_StepState.proposed_inputs`), so its
+      kernels are replayed with the rest and its Python runs only until the capture;
     * ``settle``: from the forward's logits to the flags of the step's one sync: greedy
       acceptance, the rows' append (EOS, budget), the step counters.
 
     Op by op these are dozens of small launches a step; two graph launches replace them, which matters
     where the host issuing a step bounds it (small models, small batches). The programs run
     ``state``'s :meth:`_StepState.chain_inputs` and :meth:`_StepState.greedy_chain`, the
-    functions the loop runs op by op for its other steps.
+    functions the loop runs op by op for its other steps. A ``proposal`` program keeps the
+    drafter it was captured with; another drafter's proposals are captured anew.
 
     The settle program reads the forward's output tensor: a forward that returns another tensor
     than the one it was captured with (the decoder lost its graphs) runs the function eagerly
@@ -414,7 +437,8 @@ class _StepPrograms:
 
     def __init__(self, state: _StepState, capture: bool):
         self.state, self.capture = state, capture
-        self._fns = {"inputs": state.chain_inputs, "settle": state.greedy_chain}
+        self._fns = {"inputs": state.chain_inputs, "proposal": state.proposed_inputs, "settle": state.greedy_chain}
+        self._source: dict[int, str] = {}  # K -> the kind of program ("inputs" / "proposal") that ran last for K
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> fixed (drafts, counts)
         self._programs: dict[tuple[str, int], CapturedProgram] = {}
         self._args: dict[tuple[str, int], tuple] = {}  # the arguments a captured program read
@@ -426,7 +450,8 @@ class _StepPrograms:
         dropping it frees its graphs at once)."""
         out[key] = fn(*args[key])
 
-    def _run(self, kind: str, K: int, args: tuple) -> tuple:
+    def _run(self, kind: str, K: int, args: tuple, fn: str | None = None) -> tuple:
+        """Run program ``(kind, K)`` of ``self._fns[fn or kind]`` on ``args``; its outputs."""
         key = kind, K
         program = self._programs.get(key)
         if program is not None and program.graph is not None and any(
@@ -434,7 +459,7 @@ class _StepPrograms:
             program = None  # (captured reading other tensors: their reads would be stale) eagerly from now on
             self.capture = False
         if program is None:
-            body = functools.partial(self._store, self._out, key, self._fns[kind], self._args)
+            body = functools.partial(self._store, self._out, key, self._fns[fn or kind], self._args)
             program = self._programs[key] = CapturedProgram(body, model=None, what=f"the step's {kind} (K = {K})",
                                                             graphs=self.capture, fuse=False)
         if program.graph is None:  # (replays read the arguments it was captured with)
@@ -453,6 +478,7 @@ class _StepPrograms:
         """:meth:`_StepState.chain_inputs`'s ``(active, budget, drafts, k, errors, width, tokens)`` for a proposal of
         exactly K columns (``drafts [B, K]``, ``counts [B]``, any integer dtype and device; copied
         into fixed buffers), or for K = 0 none; valid until the next step of this K."""
+        self._source[K] = "inputs"
         if K == 0:
             return self._run("inputs", 0, (0, None, None))
         if K not in self._buffers:
@@ -463,10 +489,24 @@ class _StepPrograms:
         fixed_counts.copy_(counts)
         return self._run("inputs", K, (K, fixed_drafts, fixed_counts))
 
+    def proposal(self, K: int, drafter) -> tuple:
+        """:meth:`_StepState.proposed_inputs` of ``drafter`` (a graph-safe one) for K >= 1: the
+        inputs as :meth:`inputs` gives them, then the proposal's width; valid until the next step
+        of this K."""
+        key, after = ("proposal", K), ("settle after proposal", K)
+        if key in self._args and self._args[key][1] is not drafter:  # captured with another drafter
+            for gone in (key, after):  # (the settle program read that capture's outputs)
+                self._programs.pop(gone, None)
+                self._args.pop(gone, None)
+        self._source[K] = "proposal"
+        return self._run("proposal", K, (K, drafter))
+
     def settle(self, K: int, logits: torch.Tensor) -> tuple:
-        """:meth:`_StepState.greedy_chain` of ``logits`` and the inputs the last :meth:`inputs` of
-        K made."""
-        return self._run("settle", K, (logits, self._out["inputs", K]))
+        """:meth:`_StepState.greedy_chain` of ``logits`` and the inputs the last :meth:`inputs` or
+        :meth:`proposal` of K made."""
+        source = self._source[K]
+        return self._run("settle" if source == "inputs" else "settle after proposal", K,
+                         (logits, self._out[source, K]), "settle")
 
 
 def _claims_generator(what: str):
@@ -1365,6 +1405,9 @@ class SpeculativeGenerator:
         # the next step's proposal is made before this step's sync where nothing the sync brings can
         # change it: a fixed batch (no admissions) whose next K is known on the host
         overlap = pool is None and drafter is not None and overlap_proposals()
+        # a graph-safe drafter proposes inside the step programs (its kernels replayed with theirs)
+        in_program = (programs is not None and drafter is not None and captured_proposals_enabled()
+                      and drafter.graph_safe(rows.text))
 
         def propose(K_step: int) -> _StepInputs:
             """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
@@ -1379,6 +1422,9 @@ class SpeculativeGenerator:
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts = nodes.clamp(0, V - 1)
                 return _StepInputs(K_step, active, budget, drafts, k, errors, T, st.pending_and(drafts), None, 0)
+            if in_program and K_step > 0:  # (the counts live in the program's buffer: not kept for messages)
+                *inputs, w = programs.proposal(K_step, drafter)
+                return _StepInputs(K_step, *inputs, counts=None, w=w)
             drafts = counts = None
             if drafter is not None and K_step > 0:
                 drafts, counts = check_proposal(drafter.propose(rows.text[:, :bound].clone(), rows.lengths.clone(),
@@ -1412,7 +1458,8 @@ class SpeculativeGenerator:
             all_done, bad_counts, bad_ids, bad_probs, *rest = synced
             if bad_counts or bad_ids:
                 raise ValueError(f"drafter returned num_draft_tokens outside [0, {w}] (its draft_tokens have {w} "
-                                 f"columns; a count may not exceed them): {counts.tolist()}" if bad_counts
+                                 "columns; a count may not exceed them)"
+                                 + (f": {counts.tolist()}" if counts is not None else "") if bad_counts
                                  else f"drafter returned token ids outside the target's vocabulary [0, {V})")
             if bad_probs:
                 raise ValueError("Drafter.draft_probs returned a distribution its drafts could not have been sampled "

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from specdec.drafters import DraftModelDrafter, NGramDrafter
+from specdec.drafters import Drafter, DraftModelDrafter, NGramDrafter
 from specdec.drafters.base import chain_drafts
 from specdec.engine import _Rows
 from specdec.verify import greedy_accept
@@ -475,6 +475,9 @@ class _Narrowing(NGramDrafter):
         super().__init__()
         self.calls = 0
 
+    def graph_safe(self, input_ids):
+        return False  # (it keeps a count between calls)
+
     def propose(self, input_ids, lengths, num_speculative_tokens):
         self.calls += 1
         drafts, counts = super().propose(input_ids, lengths, num_speculative_tokens)
@@ -483,11 +486,21 @@ class _Narrowing(NGramDrafter):
         return drafts[:, :-1].clone(), counts.clamp(max=drafts.shape[1] - 1)
 
 
+class _BatchedSearch(NGramDrafter):
+    """The n-gram drafter's batched device search at every batch size: graph-safe on a CPU too,
+    so the step programs run its proposals inside their inputs program there (eagerly)."""
+
+    def search(self, input_ids):
+        return "batched"
+
+
 def _check_step_programs(monkeypatch, path, family, drafter, device):
     """A greedy chain step's device work around the forward runs as the step programs (captured
     where the forward is) or op by op (``SPECDEC_STEP_GRAPHS=0``): the outputs (rows ending by EOS
     mid-step, and by their budgets), and every statistic are the same, and equal HF greedy's; a
-    drafter whose proposals are narrower than K at some steps mixes both kinds of step."""
+    drafter whose proposals are narrower than K at some steps mixes both kinds of step. A
+    graph-safe drafter proposes inside the programs, and outside them with
+    ``SPECDEC_CAPTURED_PROPOSALS=0``, with the same results."""
     import specdec
     from helpers import make_drafter
     from tiny_models import get_model
@@ -496,16 +509,22 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
     ids, mask, eos, expected = _ending_by_eos(model)
     K = 0 if drafter is None else 3
     runs = {}
-    for programs in ("1", "0"):
-        monkeypatch.setenv("SPECDEC_STEP_GRAPHS", programs)
+    for programs in ("1", "0", "outside"):
+        monkeypatch.setenv("SPECDEC_STEP_GRAPHS", "0" if programs == "0" else "1")
+        monkeypatch.setenv("SPECDEC_CAPTURED_PROPOSALS", "0" if programs == "outside" else "1")
         if drafter == "narrowing":
             draft = _Narrowing()
+        elif drafter == "batched":
+            draft = _BatchedSearch()
         else:
             draft = None if drafter is None else make_drafter(drafter, family)
         if isinstance(draft, DraftModelDrafter) and device != "cpu":
             draft = DraftModelDrafter(copy.deepcopy(draft.model).to(device))
         sd = specdec.wrap(model, num_speculative_tokens=K, decode_path=path,
                           **({} if draft is None else {"drafter": draft}))
+        in_program = draft is not None and sd.drafter.graph_safe(ids.to(device))
+        if programs == "outside" and not in_program:
+            continue
         run, kept = [], []
         # by EOS, by the budget, by EOS again, then the rows in reverse order: one shape, so the bucket's
         # kept rows and programs (replayed) serve it
@@ -514,24 +533,27 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             rows = torch.arange(ids.shape[0] - 1, -1, -1) if flip else torch.arange(ids.shape[0])
             out = sd.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=12, pad_token_id=0, **ending)
             st = sd.last_stats
-            want = ("cuda_graph" if device == "cuda" else "static") if programs == "1" else None
+            want = ("cuda_graph" if device == "cuda" else "static") if programs != "0" else None
             assert sd._step_programs_path == want
             kept.append(sd.decoder.loop_state)
+            if K and programs != "0":  # which program made the steps' inputs
+                assert kept[-1]._source == {K: "proposal" if in_program and programs == "1" else "inputs"}
             if ending:
                 assert torch.equal(out, expected[rows.to(device)])
             run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
                     st.mean_accepted_tokens, st.k_histogram]
-        if programs == "1":  # (the last two calls share one shape: the second reuses the first's state)
+        if programs != "0":  # (the last two calls share one shape: the second reuses the first's state)
             assert kept[3] is kept[2] and kept[2] is not kept[1]
         else:
             assert kept == [None] * 4
         runs[programs] = run
-    for i, (a, b) in enumerate(zip(runs["1"], runs["0"])):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs"
+    for other in [r for r in runs if r != "0"]:
+        for i, (a, b) in enumerate(zip(runs[other], runs["0"])):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"item {i} differs ({other})"
 
 
 @pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed"),
-                                             ("nemotron_h", "narrowing")])
+                                             ("nemotron_h", "narrowing"), ("qwen3_5", "batched")])
 def test_the_step_programs_give_the_op_by_op_steps_results(monkeypatch, family, drafter):
     """See :func:`_check_step_programs` (the static path on the CPU runs the programs eagerly)."""
     _check_step_programs(monkeypatch, "static", family, drafter, "cpu")
@@ -546,6 +568,53 @@ def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkey
     _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
 
 
+class _Constant(Drafter):
+    """Graph-safe: proposes token 5 K times for every row (device work only)."""
+
+    stateless = True
+
+    def graph_safe(self, input_ids):
+        return True
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        B = input_ids.shape[0]
+        drafts = torch.full((B, num_speculative_tokens), 5, dtype=torch.long, device=input_ids.device)
+        return drafts, torch.full((B,), num_speculative_tokens, dtype=torch.long, device=input_ids.device)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_captured_proposal_is_captured_anew_for_another_drafter(monkeypatch):
+    """The kept step programs replay the proposal kernels they captured: after the generator's
+    drafter is replaced by another graph-safe one, its proposals are captured anew, so the
+    outputs and statistics equal that drafter's proposing outside the programs."""
+    import specdec
+    from tiny_models import get_model, ragged_prompts
+
+    model = copy.deepcopy(get_model("qwen3_5")).to("cuda")
+    ids, mask = (t.to("cuda") for t in ragged_prompts())
+
+    def calls(sd):
+        out = []
+        for _ in range(3):
+            o = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+            st = sd.last_stats
+            out.append((o.tolist(), st.steps, st.accept_histogram, st.accepted_tokens, st.proposed_tokens))
+        return out
+
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens=3, decode_path="cuda_graph")
+    calls(sd)
+    programs = sd.decoder.loop_state
+    assert programs._programs["proposal", 3].graph is not None
+    sd.drafter = _Constant()
+    got = calls(sd)
+    assert sd.decoder.loop_state is programs and programs._args["proposal", 3][1] is sd.drafter
+    assert programs._programs["proposal", 3].graph is not None
+    monkeypatch.setenv("SPECDEC_CAPTURED_PROPOSALS", "0")
+    want = calls(specdec.wrap(model, drafter=_Constant(), num_speculative_tokens=3, decode_path="cuda_graph"))
+    assert got == want
+
+
 def test_a_bad_proposal_is_refused_through_the_step_programs(monkeypatch):
     """The drafter-output checks run inside the step programs: counts past the drafts' columns
     and ids outside the vocabulary are refused as op by op."""
@@ -556,6 +625,9 @@ def test_a_bad_proposal_is_refused_through_the_step_programs(monkeypatch):
         def __init__(self, what):
             super().__init__()
             self.what, self.calls = what, 0
+
+        def graph_safe(self, input_ids):
+            return False  # (it keeps a count between calls)
 
         def propose(self, input_ids, lengths, num_speculative_tokens):
             self.calls += 1
@@ -575,6 +647,41 @@ def test_a_bad_proposal_is_refused_through_the_step_programs(monkeypatch):
         sd = specdec.wrap(get_model("nemotron_h"), drafter=Bad(what), num_speculative_tokens=3, decode_path="static")
         with pytest.raises(ValueError, match=match):
             sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+
+
+@pytest.mark.parametrize("what, error, match", [
+    ("counts", ValueError, r"num_draft_tokens outside \[0, 3\] \(its draft_tokens have 3 columns; a count may not "
+                           r"exceed them\)$"),
+    ("ids", ValueError, "outside the target's vocabulary"),
+    ("wide", ValueError, "returned 4 draft tokens per row; at most num_speculative_tokens=3"),
+    ("float", TypeError, "num_draft_tokens of dtype torch.float32"),
+    ("pair", TypeError, "must return a pair"),
+])
+def test_a_graph_safe_drafters_bad_proposal_is_refused_inside_the_step_programs(what, error, match):
+    """A graph-safe drafter's proposal, made inside the step programs, is checked there as any
+    other: bad values at the step's sync (the counts' values are not quoted: the next proposal
+    reuses their buffer), bad types and shapes at once."""
+    import specdec
+    from tiny_models import get_model, ragged_prompts
+
+    class Bad(_BatchedSearch):
+        def propose(self, input_ids, lengths, num_speculative_tokens):
+            drafts, counts = super().propose(input_ids, lengths, num_speculative_tokens)
+            if what == "counts":
+                return drafts, counts + drafts.shape[1] + 1
+            if what == "ids":
+                return drafts + 10**6, torch.full_like(counts, drafts.shape[1])
+            if what == "wide":
+                return torch.cat([drafts, drafts[:, :1]], 1), counts
+            if what == "float":
+                return drafts, counts.float()
+            return [drafts]
+
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=Bad(), num_speculative_tokens=3, decode_path="static")
+    with pytest.raises(error, match=match):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert sd.decoder.loop_state._source == {3: "proposal"}
 
 
 def test_the_kept_step_state_serves_its_bucket_and_is_freed_without_a_collection():

@@ -103,6 +103,21 @@ class Drafter(abc.ABC):
         ``"static"`` or ``"cuda_graph"``, see ``SpeculativeGenerator``). A drafter may switch to
         fixed-shape, graph-captured proposals on the latter two; the default ignores it."""
 
+    def graph_safe(self, input_ids: torch.Tensor) -> bool:
+        """Whether :meth:`propose` on texts like ``input_ids`` (``[B, W]``: its device and batch)
+        may be captured in a CUDA graph and replayed: device work only (no host synchronisation,
+        no host read of its arguments), no state kept between calls (``stateless``), no writes
+        into its arguments, and outputs whose shapes follow from the arguments' shapes and K.
+
+        Where it is (and ``SPECDEC_CAPTURED_PROPOSALS`` is on), a greedy fixed-batch step on the
+        static / CUDA-graph path calls :meth:`propose` inside the step's captured program, on the
+        decode loop's own buffers instead of copies (``input_ids`` at the buffer's full width:
+        entries past ``lengths`` are stale; ``lengths`` as always); from the capture on, its
+        kernels are replayed and its Python no longer runs. The default, False, keeps every
+        proposal a Python call on copies. The n-gram drafter is graph-safe with its Triton
+        kernel and its batched search, not with its host loop."""
+        return False
+
     #: True when :meth:`propose` reads nothing but its arguments (no per-row state kept between
     #: calls, no hidden states): a row may then take a new sequence between two steps with nothing
     #: to reset (:meth:`admit` does nothing). The n-gram drafter is.

@@ -103,6 +103,11 @@ class NGramDrafter(Drafter):
             return "kernel"
         return "loop" if input_ids.shape[0] <= HOST_SEARCH_MAX_BATCH else "batched"
 
+    def graph_safe(self, input_ids) -> bool:
+        """Whether the search for ``input_ids`` is device work a CUDA graph may replay
+        (:meth:`Drafter.graph_safe`): the kernel's and the batched search's are, the host loop's is not."""
+        return self.search(input_ids) != "loop"
+
     def propose(self, input_ids, lengths, num_speculative_tokens):
         search = self.search(input_ids)
         if search == "kernel":
