@@ -413,23 +413,28 @@ def step_programs_enabled() -> bool:
 
 
 class _StepPrograms:
-    """The device work of a greedy chain step around the target's verify forward, as two
-    :class:`~specdec.graphs.CapturedProgram` per K (run eagerly at their first use, captured at
+    """The device work of a greedy chain step around the target's verify forward, as
+    :class:`~specdec.graphs.CapturedProgram` s per K (run eagerly at their first use, captured at
     the second and replayed from then on; with ``capture`` off, always eagerly):
 
     * ``inputs``: from the drafter's proposal (copied into fixed buffers) to the step's tokens:
-      the draft budget, :func:`~specdec.drafters.base.chain_drafts`, the pending tokens; for a
-      :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter, ``proposal`` instead: the same
-      with the drafter's proposal itself inside (:meth:`_StepState.proposed_inputs`), so its
-      kernels are replayed with the rest and its Python runs only until the capture;
+      the draft budget, :func:`~specdec.drafters.base.chain_drafts`, the pending tokens
+      (:meth:`_StepState.chain_inputs`); for a :meth:`~specdec.drafters.base.Drafter.graph_safe`
+      drafter ``proposal`` instead, the same with the drafter's proposal itself inside
+      (:meth:`_StepState.proposed_inputs`), so its kernels are replayed with the rest and its
+      Python runs only until the capture;
     * ``settle``: from the forward's logits to the flags of the step's one sync: greedy
-      acceptance, the rows' append (EOS, budget), the step counters.
+      acceptance, the rows' append (EOS, budget), the step counters
+      (:meth:`_StepState.greedy_chain`; one program after each kind of inputs).
 
     Op by op these are dozens of small launches a step; two graph launches replace them, which matters
-    where the host issuing a step bounds it (small models, small batches). The programs run
-    ``state``'s :meth:`_StepState.chain_inputs` and :meth:`_StepState.greedy_chain`, the
-    functions the loop runs op by op for its other steps. A ``proposal`` program keeps the
-    drafter it was captured with; another drafter's proposals are captured anew.
+    where the host issuing a step bounds it (small models, small batches). The programs run the
+    functions the loop runs op by op for its other steps.
+
+    A ``proposal`` program is the proposing drafter's: another drafter gets its own programs,
+    warmed up and captured anew (:meth:`proposal`; :meth:`drop_proposals` frees them). Where its
+    capture fails (the drafter's proposal could not be captured), that drafter proposes outside
+    the programs from then on.
 
     The settle program reads the forward's output tensor: a forward that returns another tensor
     than the one it was captured with (the decoder lost its graphs) runs the function eagerly
@@ -439,6 +444,7 @@ class _StepPrograms:
         self.state, self.capture = state, capture
         self._fns = {"inputs": state.chain_inputs, "proposal": state.proposed_inputs, "settle": state.greedy_chain}
         self._source: dict[int, str] = {}  # K -> the kind of program ("inputs" / "proposal") that ran last for K
+        self._proposer = None  # the drafter whose proposals the proposal programs make
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> fixed (drafts, counts)
         self._programs: dict[tuple[str, int], CapturedProgram] = {}
         self._args: dict[tuple[str, int], tuple] = {}  # the arguments a captured program read
@@ -464,9 +470,11 @@ class _StepPrograms:
                                                             graphs=self.capture, fuse=False)
         if program.graph is None:  # (replays read the arguments it was captured with)
             self._args[key] = args
-        program()
-        if program.graph is None:  # (not captured: keep no tensor of this step, e.g. its logits, alive)
-            del self._args[key]
+        try:
+            program()
+        finally:
+            if program.graph is None:  # (not captured: keep no tensor of this step, e.g. its logits, alive)
+                del self._args[key]
         return self._out[key]
 
     @property
@@ -489,17 +497,33 @@ class _StepPrograms:
         fixed_counts.copy_(counts)
         return self._run("inputs", K, (K, fixed_drafts, fixed_counts))
 
-    def proposal(self, K: int, drafter) -> tuple:
+    def proposal(self, K: int, drafter) -> tuple | None:
         """:meth:`_StepState.proposed_inputs` of ``drafter`` (a graph-safe one) for K >= 1: the
         inputs as :meth:`inputs` gives them, then the proposal's width; valid until the next step
-        of this K."""
-        key, after = ("proposal", K), ("settle after proposal", K)
-        if key in self._args and self._args[key][1] is not drafter:  # captured with another drafter
-            for gone in (key, after):  # (the settle program read that capture's outputs)
-                self._programs.pop(gone, None)
-                self._args.pop(gone, None)
+        of this K. None where this drafter's proposal program failed to capture: the caller then
+        proposes outside (:meth:`inputs`)."""
+        if self._proposer is not drafter:  # (another drafter's kernels: not replayed for this one)
+            self.drop_proposals()
+            self._proposer = drafter
+        program = self._programs.get(("proposal", K))
+        if program is not None and program.error is not None:
+            self._drop(K)
+            self._programs["proposal", K] = program  # (kept: its error says this drafter proposes outside)
+            return None
         self._source[K] = "proposal"
         return self._run("proposal", K, (K, drafter))
+
+    def _drop(self, K: int) -> None:
+        """Free K's proposal program and the settle program that read its outputs."""
+        for key in (("proposal", K), ("settle after proposal", K)):
+            for kept in (self._programs, self._args, self._out):
+                kept.pop(key, None)
+
+    def drop_proposals(self) -> None:
+        """Free every proposal program (and the settle programs after them), and the drafter."""
+        for K in [K for kind, K in self._programs if kind == "proposal"]:
+            self._drop(K)
+        self._proposer = None
 
     def settle(self, K: int, logits: torch.Tensor) -> tuple:
         """:meth:`_StepState.greedy_chain` of ``logits`` and the inputs the last :meth:`inputs` or
@@ -1407,7 +1431,10 @@ class SpeculativeGenerator:
         overlap = pool is None and drafter is not None and overlap_proposals()
         # a graph-safe drafter proposes inside the step programs (its kernels replayed with theirs)
         in_program = (programs is not None and drafter is not None and captured_proposals_enabled()
+                      and drafter.stateless and not (drafter.wants_hidden_states or drafter.wants_all_hidden_states)
                       and drafter.graph_safe(rows.text))
+        if programs is not None and not in_program:
+            programs.drop_proposals()  # (a drafter proposing outside keeps no other drafter's graphs alive)
 
         def propose(K_step: int) -> _StepInputs:
             """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
@@ -1422,8 +1449,9 @@ class SpeculativeGenerator:
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts = nodes.clamp(0, V - 1)
                 return _StepInputs(K_step, active, budget, drafts, k, errors, T, st.pending_and(drafts), None, 0)
-            if in_program and K_step > 0:  # (the counts live in the program's buffer: not kept for messages)
-                *inputs, w = programs.proposal(K_step, drafter)
+            made = programs.proposal(K_step, drafter) if in_program and K_step > 0 else None
+            if made is not None:  # (the counts live in the program's buffer: not kept for messages)
+                *inputs, w = made
                 return _StepInputs(K_step, *inputs, counts=None, w=w)
             drafts = counts = None
             if drafter is not None and K_step > 0:

@@ -582,6 +582,42 @@ class _Constant(Drafter):
         return drafts, torch.full((B,), num_speculative_tokens, dtype=torch.long, device=input_ids.device)
 
 
+def test_the_proposal_programs_belong_to_their_drafter():
+    """A bucket's kept step programs across calls: a graph-safe drafter proposes in programs of
+    its own (another drafter's are dropped, so switching back runs them anew), a drafter proposing
+    outside frees them, and one whose proposal program failed to capture proposes outside from
+    then on; every call's output equals HF greedy."""
+    import specdec
+    from helpers import hf_greedy
+    from tiny_models import get_model, ragged_prompts
+
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask, max_new=12)
+    a, b = _BatchedSearch(), _BatchedSearch(max_ngram=2)
+    sd = specdec.wrap(model, drafter=a, num_speculative_tokens=3, decode_path="static")
+
+    def call():
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+        assert torch.equal(out, want)
+        return sd.decoder.loop_state
+
+    programs = call()
+    first = programs._programs["proposal", 3]
+    assert programs._proposer is a and programs._source == {3: "proposal"}
+    sd.drafter = b
+    assert call() is programs and programs._proposer is b and programs._programs["proposal", 3] is not first
+    sd.drafter = NGramDrafter()  # (its host loop on the CPU: it proposes outside)
+    assert call() is programs and programs._proposer is None and programs._source == {3: "inputs"}
+    assert not [key for key in programs._programs if key[0] != "inputs" and key[0] != "settle"]
+    sd.drafter = a
+    call()
+    assert programs._source == {3: "proposal"}
+    programs._programs["proposal", 3].error = "RuntimeError: a capture that failed"
+    call()
+    assert programs._proposer is a and programs._source == {3: "inputs"}
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_a_captured_proposal_is_captured_anew_for_another_drafter(monkeypatch):
@@ -608,7 +644,7 @@ def test_a_captured_proposal_is_captured_anew_for_another_drafter(monkeypatch):
     assert programs._programs["proposal", 3].graph is not None
     sd.drafter = _Constant()
     got = calls(sd)
-    assert sd.decoder.loop_state is programs and programs._args["proposal", 3][1] is sd.drafter
+    assert sd.decoder.loop_state is programs and programs._proposer is sd.drafter
     assert programs._programs["proposal", 3].graph is not None
     monkeypatch.setenv("SPECDEC_CAPTURED_PROPOSALS", "0")
     want = calls(specdec.wrap(model, drafter=_Constant(), num_speculative_tokens=3, decode_path="cuda_graph"))
