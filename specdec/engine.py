@@ -513,6 +513,14 @@ class _StepPrograms:
         self._source[K] = "proposal"
         return self._run("proposal", K, (K, drafter))
 
+    def proposal_path(self, K: int) -> tuple[str | None, str | None]:
+        """How K's last proposal program ran (``"static"`` / ``"cuda_graph"``; None: none ran) and
+        why its capture failed (its error, then proposals of K ran outside; else None)."""
+        program = self._programs.get(("proposal", K))
+        if program is None:
+            return None, None
+        return ("cuda_graph" if program.graph is not None else "static"), program.error
+
     def _drop(self, K: int) -> None:
         """Free K's proposal program and the settle program that read its outputs."""
         for key in (("proposal", K), ("settle after proposal", K)):
@@ -1688,6 +1696,7 @@ class SpeculativeGenerator:
         # how the step's programs ran (for tests and profiles): None where the call ran none
         self._step_programs_path = None if programs is None or not steps else programs.path
         row_steps, proposed, accepted = totals.tolist()
+        inside = programs.proposal_path(K) if in_program else (None, None)  # (a fixed K: the call's)
         hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         new_tokens = int(n_gen.sum()) if pool is None else pool.new_tokens
@@ -1710,9 +1719,11 @@ class SpeculativeGenerator:
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
-            # (only where this call proposed: the drafter's fields tell of its last proposal)
-            draft_path=drafter.last_path if drafter is not None and proposed else None,
-            draft_error=(None if drafter is None or not proposed else
+            # (only where this call proposed: the drafter's fields, or the step programs' it proposed
+            # inside, tell of its last proposal)
+            draft_path=(None if drafter is None or not proposed else
+                        inside[0] if inside[0] is not None else drafter.last_path),
+            draft_error=(None if drafter is None or not proposed else inside[1] if inside[0] is not None else
                          "; ".join(f"{what}: {err}" for what, err in (("capture", drafter.capture_error),
                                                                      ("compile", drafter.compile_error)) if err)
                          or None),

@@ -26,10 +26,13 @@ class Stats:
         capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
         ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
         draft_path: how the drafter's last proposal ran, for a drafter with a program of its own (a
-        draft model, MTP layers; :attr:`specdec.drafters.Drafter.last_path`): ``"eager"``,
-        ``"static"`` or ``"cuda_graph"``; None for plain decoding and drafters without one.
+        draft model, MTP layers; :attr:`specdec.drafters.Drafter.last_path`) or one proposing
+        inside the step programs (:meth:`specdec.drafters.Drafter.graph_safe`, e.g. the n-gram
+        kernel): ``"eager"``, ``"static"`` or ``"cuda_graph"``; None for plain decoding and
+        drafters without either.
         draft_error: why that program ran without the CUDA graph or the compile it was asked for
-        (the drafter's ``capture_error`` / ``compile_error``); None otherwise.
+        (the drafter's ``capture_error`` / ``compile_error``, or the step programs' capture error,
+        after which the drafter proposed outside them); None otherwise.
         k_histogram[K]: steps that asked for K drafts (``num_speculative_tokens="auto"`` chooses
         K per step, up to ``max_speculative_tokens``; a fixed K puts every step at K).
         k_per_step: the K of every step, in order. rollback: the rollback strategy the call ran

@@ -470,9 +470,14 @@ def test_static_draft_model_every_K(K):
 
 def test_stats_say_how_the_drafters_program_ran():
     """Stats.draft_path / draft_error: the drafter's ``last_path``, and why its program ran without
-    the CUDA graph or the compile it was asked for; None for plain decoding and for a drafter
-    without a program of its own (n-gram)."""
+    the CUDA graph or the compile it was asked for; for a graph-safe drafter, how the step
+    programs it proposed inside ran; None for plain decoding and for a drafter without a program
+    of its own (n-gram's host loop)."""
     ids, mask, eos, ref = reference("nemotron_h")
+
+    class Batched(specdec.drafters.NGramDrafter):  # (graph-safe on a CPU too)
+        def search(self, input_ids):
+            return "batched"
 
     class Refused(specdec.drafters.DraftModelDrafter):
         def propose(self, *args, **kwargs):
@@ -482,6 +487,7 @@ def test_stats_say_how_the_drafters_program_ran():
 
     for drafter, K, path, error in (
             ("ngram", 2, None, None),
+            (Batched(), 2, "static", None),
             (specdec.drafters.DraftModelDrafter(get_model("nemotron_h", "perturbed")), 2, "static", None),
             (Refused(get_model("nemotron_h", "perturbed")), 2, "static",
              "capture: CaptureFailure: no graphs; compile: Unsupported: a branch"),

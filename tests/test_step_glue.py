@@ -538,6 +538,11 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             kept.append(sd.decoder.loop_state)
             if K and programs != "0":  # which program made the steps' inputs
                 assert kept[-1]._source == {K: "proposal" if in_program and programs == "1" else "inputs"}
+            if in_program and programs == "1":  # (reported where the call used a draft)
+                assert st.draft_path in (None, want) and (st.draft_path is None) == (st.proposed_tokens == 0)
+                assert st.draft_error is None
+            elif not isinstance(draft, DraftModelDrafter):
+                assert st.draft_path is None
             if ending:
                 assert torch.equal(out, expected[rows.to(device)])
             run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
@@ -616,6 +621,7 @@ def test_the_proposal_programs_belong_to_their_drafter():
     programs._programs["proposal", 3].error = "RuntimeError: a capture that failed"
     call()
     assert programs._proposer is a and programs._source == {3: "inputs"}
+    assert (sd.last_stats.draft_path, sd.last_stats.draft_error) == ("static", "RuntimeError: a capture that failed")
 
 
 @pytest.mark.gpu
