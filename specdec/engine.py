@@ -81,7 +81,8 @@ class _StepInputs(NamedTuple):
     the sync of the step before): the K asked for; per row ``[B]``: running, draft budget
     (None for a plain step without a policy: nothing uses it), drafts used ``k``; the drafts ``[B, width - 1]``, the drafter-output error flags, the
     forward's width, the step's tokens ``[B, width]`` (pending token, drafts), and the drafter's
-    counts as it returned them (None: no chain proposal) and its proposal's width ``w``."""
+    counts as it returned them (None: no chain proposal, or one made inside the step programs, whose
+    buffer the next proposal overwrites) and its proposal's width ``w``."""
 
     K: int
     active: torch.Tensor
@@ -397,10 +398,11 @@ class _StepState:
 
 def captured_proposals_enabled() -> bool:
     """Whether the step programs (:class:`_StepPrograms`) run a
-    :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter's proposal inside their ``inputs``
-    program (``SPECDEC_CAPTURED_PROPOSALS``, default on; ``0`` makes it propose outside them, on
-    copies of the rows, as other drafters do, as a baseline to time it against). The outputs
-    and statistics are the same either way."""
+    :meth:`~specdec.drafters.base.Drafter.graph_safe` drafter's proposal inside their ``proposal``
+    program, in place of the ``inputs`` one (``SPECDEC_CAPTURED_PROPOSALS``, default on; ``0``
+    makes it propose outside them, on copies of the rows, as other drafters do, as a baseline to
+    time it against). The outputs and statistics are the same either way, but for
+    ``Stats.draft_path`` / ``draft_error``, which tell of the proposal program."""
     return env_switch("SPECDEC_CAPTURED_PROPOSALS")
 
 
@@ -413,8 +415,8 @@ def step_programs_enabled() -> bool:
 
 
 class _StepPrograms:
-    """The device work of a greedy chain step around the target's verify forward, as
-    :class:`~specdec.graphs.CapturedProgram` s per K (run eagerly at their first use, captured at
+    """The device work of a greedy chain step around the target's verify forward, as captured
+    programs per K (:class:`~specdec.graphs.CapturedProgram`; run eagerly at their first use, captured at
     the second and replayed from then on; with ``capture`` off, always eagerly):
 
     * ``inputs``: from the drafter's proposal (copied into fixed buffers) to the step's tokens:
@@ -428,8 +430,9 @@ class _StepPrograms:
       (:meth:`_StepState.greedy_chain`; one program after each kind of inputs).
 
     Op by op these are dozens of small launches a step; two graph launches replace them, which matters
-    where the host issuing a step bounds it (small models, small batches). The programs run the
-    functions the loop runs op by op for its other steps.
+    where the host issuing a step bounds it (small models, small batches). Their functions are
+    those the loop runs op by op for its other steps (a proposal's, :meth:`_StepState.chain_inputs`
+    after the drafter's own call).
 
     A ``proposal`` program is the proposing drafter's: another drafter gets its own programs,
     warmed up and captured anew (:meth:`proposal`; :meth:`drop_proposals` frees them). Where its
@@ -456,8 +459,8 @@ class _StepPrograms:
         dropping it frees its graphs at once)."""
         out[key] = fn(*args[key])
 
-    def _run(self, kind: str, K: int, args: tuple, fn: str | None = None) -> tuple:
-        """Run program ``(kind, K)`` of ``self._fns[fn or kind]`` on ``args``; its outputs."""
+    def _run(self, kind: str, K: int, args: tuple, fn_kind: str | None = None) -> tuple:
+        """Run program ``(kind, K)`` of ``self._fns[fn_kind or kind]`` on ``args``; its outputs."""
         key = kind, K
         program = self._programs.get(key)
         if program is not None and program.graph is not None and any(
@@ -465,7 +468,7 @@ class _StepPrograms:
             program = None  # (captured reading other tensors: their reads would be stale) eagerly from now on
             self.capture = False
         if program is None:
-            body = functools.partial(self._store, self._out, key, self._fns[fn or kind], self._args)
+            body = functools.partial(self._store, self._out, key, self._fns[fn_kind or kind], self._args)
             program = self._programs[key] = CapturedProgram(body, model=None, what=f"the step's {kind} (K = {K})",
                                                             graphs=self.capture, fuse=False)
         if program.graph is None:  # (replays read the arguments it was captured with)
@@ -506,9 +509,10 @@ class _StepPrograms:
             self.drop_proposals()
             self._proposer = drafter
         program = self._programs.get(("proposal", K))
-        if program is not None and program.error is not None:
-            self._drop(K)
-            self._programs["proposal", K] = program  # (kept: its error says this drafter proposes outside)
+        if program is not None and program.error is not None:  # (this drafter proposes outside)
+            if ("settle after proposal", K) in self._programs:  # (once: the program stays, for its error)
+                self._drop(K)
+                self._programs["proposal", K] = program
             return None
         self._source[K] = "proposal"
         return self._run("proposal", K, (K, drafter))
@@ -1696,7 +1700,16 @@ class SpeculativeGenerator:
         # how the step's programs ran (for tests and profiles): None where the call ran none
         self._step_programs_path = None if programs is None or not steps else programs.path
         row_steps, proposed, accepted = totals.tolist()
-        inside = programs.proposal_path(K) if in_program else (None, None)  # (a fixed K: the call's)
+        # how the last proposal ran: the step programs' where it ran inside them (a fixed K: the
+        # call's), else the drafter's own; None where this call used no draft
+        if drafter is None or not proposed:
+            draft_path = draft_error = None
+        elif in_program and programs.proposal_path(K)[0] is not None:
+            draft_path, draft_error = programs.proposal_path(K)
+        else:
+            draft_path = drafter.last_path
+            draft_error = "; ".join(f"{what}: {err}" for what, err in (("capture", drafter.capture_error),
+                                                                       ("compile", drafter.compile_error)) if err) or None
         hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         new_tokens = int(n_gen.sum()) if pool is None else pool.new_tokens
@@ -1719,14 +1732,7 @@ class SpeculativeGenerator:
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
             draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
-            # (only where this call proposed: the drafter's fields, or the step programs' it proposed
-            # inside, tell of its last proposal)
-            draft_path=(None if drafter is None or not proposed else
-                        inside[0] if inside[0] is not None else drafter.last_path),
-            draft_error=(None if drafter is None or not proposed else inside[1] if inside[0] is not None else
-                         "; ".join(f"{what}: {err}" for what, err in (("capture", drafter.capture_error),
-                                                                     ("compile", drafter.compile_error)) if err)
-                         or None),
+            draft_path=draft_path, draft_error=draft_error,
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
             predicted_tokens_per_s=policy.predicted_tokens_per_s if policy is not None else None, **policy_view,

@@ -488,7 +488,7 @@ class _Narrowing(NGramDrafter):
 
 class _BatchedSearch(NGramDrafter):
     """The n-gram drafter's batched device search at every batch size: graph-safe on a CPU too,
-    so the step programs run its proposals inside their inputs program there (eagerly)."""
+    so the step programs run its proposals inside their proposal program there (eagerly)."""
 
     def search(self, input_ids):
         return "batched"

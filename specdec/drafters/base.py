@@ -61,8 +61,9 @@ class Drafter(abc.ABC):
                 without padding plus every generated token, including the last one, which the
                 target has not run yet. Entries past ``lengths[i]`` are meaningless.
             lengths: ``[B]`` int64. (The engine passes copies of its buffers: writing into them
-                changes nothing; except to a :meth:`graph_safe` drafter, which gets the buffers
-                themselves, ``input_ids`` at their full width.)
+                changes nothing; except where a :meth:`graph_safe` drafter proposes inside the step's
+                captured program: it gets the buffers themselves, ``input_ids`` at their full
+                width.)
             num_speculative_tokens: K, the most tokens a row may propose.
 
         Returns:
@@ -108,16 +109,18 @@ class Drafter(abc.ABC):
         """Whether :meth:`propose` on texts like ``input_ids`` (``[B, W]``: its device and batch)
         may be captured in a CUDA graph and replayed: device work only (no host synchronisation,
         no host read of its arguments), no writes into its arguments, outputs whose shapes follow
-        from the arguments' shapes and K, and nothing read but its arguments (``stateless``, no
-        hidden states: the engine proposes outside where those say otherwise).
+        from the arguments' shapes and K, and nothing read but its arguments: the drafter must
+        also set ``stateless = True`` and want no hidden states (the engine proposes outside where
+        those say otherwise).
 
         Where it is (and ``SPECDEC_CAPTURED_PROPOSALS`` is on), a greedy fixed-batch step on the
         static / CUDA-graph path calls :meth:`propose` inside the step's own captured program, on
         the decode loop's buffers instead of copies (``input_ids`` at the buffer's full width:
         entries past ``lengths`` are stale; ``lengths`` as always). From the capture on its kernels
         are replayed and its Python no longer runs, so settings changed on the drafter object
-        afterwards are not seen until the generator's bucket is released (``release()``) or
-        another drafter is assigned. The default, False, keeps every proposal a Python call on
+        afterwards (an n-gram size, say) are not seen while that program is kept: until
+        ``release()``, another drafter, a call that proposes outside, or a call of another shape
+        bucket. Assign a new drafter to change them. The default, False, keeps every proposal a Python call on
         copies. The n-gram drafter is graph-safe with its Triton kernel and its batched search,
         not with its host loop (:meth:`NGramDrafter.search`)."""
         return False
