@@ -509,10 +509,8 @@ class _StepPrograms:
             self.drop_proposals()
             self._proposer = drafter
         program = self._programs.get(("proposal", K))
-        if program is not None and program.error is not None:  # (this drafter proposes outside)
-            if ("settle after proposal", K) in self._programs:  # (once: the program stays, for its error)
-                self._drop(K)
-                self._programs["proposal", K] = program
+        if program is not None and program.error is not None:  # (this drafter proposes outside; the
+            self._forget(("settle after proposal", K))  # program stays for its error, without a graph)
             return None
         self._source[K] = "proposal"
         return self._run("proposal", K, (K, drafter))
@@ -525,11 +523,15 @@ class _StepPrograms:
             return None, None
         return ("cuda_graph" if program.graph is not None else "static"), program.error
 
+    def _forget(self, key: tuple[str, int]) -> None:
+        """Free program ``key`` with what it read and made."""
+        for kept in (self._programs, self._args, self._out):
+            kept.pop(key, None)
+
     def _drop(self, K: int) -> None:
         """Free K's proposal program and the settle program that read its outputs."""
-        for key in (("proposal", K), ("settle after proposal", K)):
-            for kept in (self._programs, self._args, self._out):
-                kept.pop(key, None)
+        self._forget(("proposal", K))
+        self._forget(("settle after proposal", K))
 
     def drop_proposals(self) -> None:
         """Free every proposal program (and the settle programs after them), and the drafter."""
@@ -1702,10 +1704,11 @@ class SpeculativeGenerator:
         row_steps, proposed, accepted = totals.tolist()
         # how the last proposal ran: the step programs' where it ran inside them (a fixed K: the
         # call's), else the drafter's own; None where this call used no draft
+        inside = programs.proposal_path(K) if in_program else (None, None)
         if drafter is None or not proposed:
             draft_path = draft_error = None
-        elif in_program and programs.proposal_path(K)[0] is not None:
-            draft_path, draft_error = programs.proposal_path(K)
+        elif inside[0] is not None:
+            draft_path, draft_error = inside
         else:
             draft_path = drafter.last_path
             draft_error = "; ".join(f"{what}: {err}" for what, err in (("capture", drafter.capture_error),
