@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import os
 import re
 import threading
 import time
@@ -414,6 +415,27 @@ def step_programs_enabled() -> bool:
     return env_switch("SPECDEC_STEP_GRAPHS")
 
 
+def compiled_steps_enabled() -> bool:
+    """Whether the step programs (:class:`_StepPrograms`) are compiled whole with ``torch.compile``
+    before their capture (``SPECDEC_COMPILED_STEPS=1``; default off: each program compiles once
+    per K and batch shape on its first use). Their dozens of small ops then run as a few fused
+    kernels, and a graph-safe drafter's proposal with them; the outputs and statistics are the
+    same either way. Read when a program is first made; off where fusion is
+    (``SPECDEC_FUSE=0``)."""
+    return os.environ.get("SPECDEC_COMPILED_STEPS", "0") not in ("0", "false", "False", "")
+
+
+class _ProgramSlot:
+    """A step program's arguments (the tensors a captured program read; None once an uncaptured
+    run ended) and the outputs of its last run (after a capture: fixed tensors)."""
+
+    __slots__ = ("args", "out")
+
+    def __init__(self):
+        self.args: tuple | None = None
+        self.out: tuple | None = None
+
+
 class _StepPrograms:
     """The device work of a greedy chain step around the target's verify forward, as captured
     programs per K (:class:`~specdec.graphs.CapturedProgram`; run eagerly at their first use, captured at
@@ -450,35 +472,37 @@ class _StepPrograms:
         self._proposer = None  # the drafter whose proposals the proposal programs make
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> fixed (drafts, counts)
         self._programs: dict[tuple[str, int], CapturedProgram] = {}
-        self._args: dict[tuple[str, int], tuple] = {}  # the arguments a captured program read
-        self._out: dict[tuple[str, int], tuple] = {}  # the outputs of its last run (after a capture: fixed)
+        self._slots: dict[tuple[str, int], _ProgramSlot] = {}
 
     @staticmethod
-    def _store(out: dict, key, fn, args: dict) -> None:
-        """A program's body: ``out[key] = fn(*args[key])`` (no reference to the programs object, so
-        dropping it frees its graphs at once)."""
-        out[key] = fn(*args[key])
+    def _store(slot: _ProgramSlot, fn) -> None:
+        """A program's body: ``slot.out = fn(*slot.args)`` (no reference to the programs object, so
+        dropping it frees its graphs at once; one slot per program, so a program compiled whole
+        guards on its own arguments only)."""
+        slot.out = fn(*slot.args)
 
     def _run(self, kind: str, K: int, args: tuple, fn_kind: str | None = None) -> tuple:
         """Run program ``(kind, K)`` of ``self._fns[fn_kind or kind]`` on ``args``; its outputs."""
         key = kind, K
-        program = self._programs.get(key)
+        program, slot = self._programs.get(key), self._slots.get(key)
         if program is not None and program.graph is not None and any(
-                a is not b for a, b in zip(args, self._args[key], strict=True)):
+                a is not b for a, b in zip(args, slot.args, strict=True)):
             program = None  # (captured reading other tensors: their reads would be stale) eagerly from now on
             self.capture = False
         if program is None:
-            body = functools.partial(self._store, self._out, key, self._fns[fn_kind or kind], self._args)
+            slot = self._slots[key] = _ProgramSlot()
+            body = functools.partial(self._store, slot, self._fns[fn_kind or kind])
             program = self._programs[key] = CapturedProgram(body, model=None, what=f"the step's {kind} (K = {K})",
-                                                            graphs=self.capture, fuse=False)
+                                                            graphs=self.capture, fuse=False,
+                                                            compile_whole=compiled_steps_enabled())
         if program.graph is None:  # (replays read the arguments it was captured with)
-            self._args[key] = args
+            slot.args = args
         try:
             program()
         finally:
             if program.graph is None:  # (not captured: keep no tensor of this step, e.g. its logits, alive)
-                del self._args[key]
-        return self._out[key]
+                slot.args = None
+        return slot.out
 
     @property
     def path(self) -> str:
@@ -525,7 +549,7 @@ class _StepPrograms:
 
     def _forget(self, key: tuple[str, int]) -> None:
         """Free program ``key`` with what it read and made."""
-        for kept in (self._programs, self._args, self._out):
+        for kept in (self._programs, self._slots):
             kept.pop(key, None)
 
     def _drop(self, K: int) -> None:
@@ -544,7 +568,7 @@ class _StepPrograms:
         :meth:`proposal` of K made."""
         source = self._source[K]
         return self._run("settle" if source == "inputs" else "settle after proposal", K,
-                         (logits, self._out[source, K]), "settle")
+                         (logits, self._slots[source, K].out), "settle")
 
 
 def _claims_generator(what: str):

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import os
 import threading
+import types
 import warnings
 
 import torch
@@ -205,6 +206,18 @@ _GC_LOCK = threading.Lock()
 _GC_PAUSES = [0, False]  # blocks inside gc_paused, and whether the collector was on before the first
 
 
+def _own_frame(fn):
+    """A function calling ``fn()`` through a code object of its own. Dynamo keeps compiled
+    entries, and counts recompiles against its limit, per code object: programs made from one
+    function (a drafter's per shape bucket, the step's per kind and K) would otherwise share one
+    list, each program's compile a "recompile" of the others', and past the limit (8) a program
+    would run uncompiled."""
+    def call():
+        return fn()
+
+    return types.FunctionType(call.__code__.replace(), call.__globals__, "captured_program", None, call.__closure__)
+
+
 class CapturedProgram:
     """A fixed-shape program ``fn()`` (a drafter's proposal, or the decode loop's work around a
     step's forward; it reads and writes fixed tensors): run
@@ -255,10 +268,10 @@ class CapturedProgram:
 
     def _program(self):
         """What the warm-up and the capture run: the compiled program (see the class), or ``fn``."""
-        if not (self.compile_whole and self.graphs and self.compile_error is None and self._fusing()):
+        if not (self.compile_whole and self.graphs and self.compile_error is None and fusion_enabled()):
             return self.fn
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(_own_frame(self.fn), fullgraph=True, dynamic=False)
         return self._compiled
 
     def _fusing(self) -> bool:

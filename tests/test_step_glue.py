@@ -509,9 +509,11 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
     ids, mask, eos, expected = _ending_by_eos(model)
     K = 0 if drafter is None else 3
     runs = {}
-    for programs in ("1", "0", "outside"):
+    # (compiled whole: only where the programs are captured)
+    for programs in ("1", "0", "outside") + (("compiled",) if device == "cuda" else ()):
         monkeypatch.setenv("SPECDEC_STEP_GRAPHS", "0" if programs == "0" else "1")
         monkeypatch.setenv("SPECDEC_CAPTURED_PROPOSALS", "0" if programs == "outside" else "1")
+        monkeypatch.setenv("SPECDEC_COMPILED_STEPS", "1" if programs == "compiled" else "0")
         if drafter == "narrowing":
             draft = _Narrowing()
         elif drafter == "batched":
@@ -537,8 +539,10 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             assert sd._step_programs_path == want
             kept.append(sd.decoder.loop_state)
             if K and programs != "0":  # which program made the steps' inputs
-                assert kept[-1]._source == {K: "proposal" if in_program and programs == "1" else "inputs"}
-            if in_program and programs == "1":  # (reported where the call used a draft)
+                assert kept[-1]._source == {K: "proposal" if in_program and programs in ("1", "compiled") else "inputs"}
+            if programs == "compiled":
+                assert all(p.compile_error is None and p.error is None for p in kept[-1]._programs.values())
+            if in_program and programs in ("1", "compiled"):  # (reported where the call used a draft)
                 assert st.draft_path in (None, want) and (st.draft_path is None) == (st.proposed_tokens == 0)
                 assert st.draft_error is None
             elif not isinstance(draft, DraftModelDrafter):
@@ -571,6 +575,41 @@ def test_the_step_programs_give_the_op_by_op_steps_results(monkeypatch, family, 
 def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkeypatch, family, drafter):
     """See :func:`_check_step_programs`: on CUDA the programs are captured and replayed."""
     _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
+
+
+def test_the_step_programs_compiled_whole_trace_as_one_graph(monkeypatch):
+    """``SPECDEC_COMPILED_STEPS=1``: each step program (a graph-safe drafter's proposal inside it
+    included) is compiled whole with ``fullgraph=True``: dynamo must trace every one of them, more
+    programs than dynamo's recompile limit (8) among them, and the steps must give HF greedy's
+    output. On a CPU with the ``aot_eager`` backend, capture forced on: refused there, so each
+    program's first run (the warm-up) is its compiled one and later runs are eager."""
+    import functools
+
+    import specdec
+    import specdec.engine as engine
+    from helpers import hf_greedy
+    from tiny_models import get_model, ragged_prompts
+
+    monkeypatch.setenv("SPECDEC_COMPILED_STEPS", "1")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    init = engine._StepPrograms.__init__
+    monkeypatch.setattr(engine._StepPrograms, "__init__", lambda self, state, capture: init(self, state, True))
+    model = get_model("qwen3_5")
+    ids, mask = ragged_prompts()
+    want = hf_greedy(model, ids, mask, max_new=10)
+    sd = specdec.wrap(model, drafter=_BatchedSearch(), decode_path="static")
+    torch._dynamo.reset()
+    programs = {}
+    with pytest.warns(RuntimeWarning, match="runs the static path eagerly"):  # (the refused captures)
+        for K in (1, 2, 3, 4, 5):
+            sd.num_speculative_tokens = K
+            assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0), want), K
+            programs.update(sd.decoder.loop_state._programs)
+    # per K: the proposal program (its capture refused: the drafter then proposes outside, and the
+    # settle program after it is freed), the inputs program and the settle program after that
+    assert len(programs) == 15 and {kind for kind, _ in programs} == {"proposal", "inputs", "settle"}
+    for key, program in programs.items():
+        assert program.compile_error is None and program._compiled is not None, key
 
 
 class _Constant(Drafter):

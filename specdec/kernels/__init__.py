@@ -45,6 +45,11 @@ __all__ = ["SSMOp", "OPS", "get_op", "conv1d_op", "backend", "BACKENDS", "Rollba
            "skinny_linears", "SkinnyLinear"]
 
 
+#: whether triton can be imported (looked up once: :func:`backend` runs inside programs that
+#: ``torch.compile`` traces, which cannot trace the lookup)
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def backend(device: torch.device | str | None = None) -> str:
     """The kernel backend for ``device``: ``$SPECDEC_BACKEND`` if set, else triton on CUDA (torch
     when triton is not installed), torch on CPU.
@@ -57,12 +62,12 @@ def backend(device: torch.device | str | None = None) -> str:
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"SPECDEC_BACKEND={forced!r} is not a backend; use one of {BACKENDS}")
-        if forced == "triton" and importlib.util.find_spec("triton") is None:
+        if forced == "triton" and not TRITON_INSTALLED:
             raise ImportError("SPECDEC_BACKEND=triton but triton is not installed: pip install 'specdec[triton]' "
                               "(CUDA builds of torch bring it), or use SPECDEC_BACKEND=torch")
         return forced
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if dev.type == "cuda" and not TRITON_INSTALLED:
         return "torch"  # the Triton kernels need triton; the torch reference ops run anywhere
     return "triton" if dev.type == "cuda" else "torch"
 
