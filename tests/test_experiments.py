@@ -476,21 +476,6 @@ def test_bench_mtp_on_a_shape_without_mtp_weights(tmp_path: Path, capsys):
             run_experiment(_cfg(["experiment=bench", "drafter=ngram", bad] + TINY_SHAPE + CPU), tmp_path / "bad")
 
 
-def test_draft_compile_reaches_the_draft_model_drafter(tmp_path: Path):
-    """drafter.draft_compile=true builds the draft model's drafter with ``compile_proposal=True``
-    (off by default); without the draft model among the drafters it is refused, naming why."""
-    from specdec.experiments.common import make_drafter
-    from tiny_models import get_model
-
-    draft = get_model("qwen3_5", "perturbed")
-    for overrides, compiled in (([], False), (["drafter.draft_compile=true"], True)):
-        drafter = make_drafter(_cfg(["drafter=draft_model"] + overrides), "draft_model", draft)
-        assert drafter.compile_proposal is compiled
-    with pytest.raises(ValueError, match="needs drafter=draft_model"):
-        run_experiment(_cfg(["experiment=bench", "drafter=ngram", "drafter.draft_compile=true"] + TINY_SHAPE + CPU),
-                       tmp_path / "bad")
-
-
 def test_bench_oracle_acceptance_and_records_as_measured(tmp_path: Path, monkeypatch):
     """experiment=bench with the oracle drafter on a tiny random-shape model: acceptance 1 commits
     K + 1 tokens per step and acceptance 0 one; every row equals specdec plain's output (fp32);

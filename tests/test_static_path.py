@@ -5,7 +5,6 @@ controlled-acceptance OracleDrafter the benchmarks use."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import numpy as np
@@ -229,33 +228,6 @@ def test_cuda_graph_path_exact_vs_eager(fam, strategy):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
-def test_cuda_graph_draft_model_compiled_whole_exact(fam):
-    """On CUDA (fp32 tiny models): the draft model's proposal programs compiled whole
-    (``compile_proposal=True``) and captured give the eager path's output token for token, with
-    no compile or capture error; a second ``generate()`` of the same bucket compiles nothing."""
-    from torch._dynamo.utils import counters
-
-    model = get_model(fam).cuda()
-    ids, mask, eos, _ = reference(fam)
-    ids, mask = ids.cuda(), mask.cuda()
-    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-    want = specdec.wrap(model, drafter=specdec.drafters.DraftModelDrafter(get_model(fam, "perturbed").cuda()),
-                        num_speculative_tokens=3, decode_path="eager").generate(ids, **kw)
-    draft = specdec.drafters.DraftModelDrafter(get_model(fam, "perturbed").cuda(), compile_proposal=True)
-    sd = specdec.wrap(model, drafter=draft, rollback="replay", num_speculative_tokens=3, decode_path="cuda_graph")
-    assert torch.equal(sd.generate(ids, **kw), want)
-    graphs = counters["stats"]["unique_graphs"]
-    assert torch.equal(sd.generate(ids, **kw), want)
-    assert counters["stats"]["unique_graphs"] == graphs  # (the programs are replayed, not compiled again)
-    assert (draft.last_path, draft.capture_error, draft.compile_error) == ("cuda_graph", None, None)
-    assert sd.last_stats.decode_path == "cuda_graph", sd.last_stats.capture_error
-    get_model(fam).cpu()
-    get_model(fam, "perturbed").cpu()
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fam", ["qwen3_5", "nemotron_h", "kimi_linear"])
 def test_cuda_graph_plain_decoding_exact_from_the_first_call(fam):
     """On CUDA (fp32 tiny models): plain decoding (K = 0, the in-place update) through CUDA graphs
     equals HF's greedy on a fresh wrapper's first call, whose prefill captures the step's graphs
@@ -464,36 +436,6 @@ def test_compile_whole_falls_back_when_the_trace_fails():
     assert runs == [0, 1] and torch.equal(out, x * 2)
 
 
-def test_captured_program_runs_inside_its_context():
-    """CapturedProgram(context=...): every run that is not a graph replay (here each call: no CUDA)
-    runs inside a block of ``context()``, entered anew each time and left when it ends, also when
-    the program raises."""
-    seen = []
-
-    @contextlib.contextmanager
-    def context():
-        seen.append("enter")
-        try:
-            yield
-        finally:
-            seen.append("exit")
-
-    fail = [False]
-
-    def program():
-        seen.append("run")
-        if fail[0]:
-            raise RuntimeError("the program failed")
-
-    prog = CapturedProgram(program, model=None, what="a test program", graphs=False, context=context)
-    assert prog() == "static" and prog() == "static"
-    assert seen == ["enter", "run", "exit"] * 2
-    fail[0] = True
-    with pytest.raises(RuntimeError, match="the program failed"):
-        prog()
-    assert seen[6:] == ["enter", "run", "exit"]
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_static_draft_model_proposals_equal_eager(family, strategy):
     """The draft model's fixed-shape proposal program (what the CUDA graph holds) proposes exactly
@@ -513,77 +455,6 @@ def test_static_draft_model_proposals_equal_eager(family, strategy):
         assert draft.last_path == path
     assert got["eager"] == got["static"]
     assert got["static"][0][1] > 0  # drafts were accepted: the commit of kept prefixes ran
-
-
-def _cache_tensors(cache) -> dict:
-    """Every tensor of a HybridCache, by name: KV columns, lengths, each SSM layer's conv window and
-    rollback store (a dict for comparing or restoring one)."""
-    out = {"seq_len": cache.seq_len, "pad": cache.pad}
-    for idx, (k, v) in cache.kv.items():
-        out[f"kv{idx}.k"], out[f"kv{idx}.v"] = k, v
-
-    def walk(prefix, tree):
-        for key, val in tree.items():
-            if isinstance(val, dict):
-                walk(f"{prefix}.{key}", val)
-            elif val is not None:
-                out[f"{prefix}.{key}"] = val
-
-    for idx, layer in cache.ssm.items():
-        if layer.conv_window is not None:
-            out[f"ssm{idx}.conv"] = layer.conv_window
-        walk(f"ssm{idx}", layer.store.tensors)
-    return out
-
-
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "kimi_linear"])
-def test_static_draft_model_programs_trace_as_one_graph(family):
-    """With ``compile_proposal=True`` each of the draft model's two proposal programs (the commit
-    of the kept prefix; the catch-up forward, its commit and the K - 1 forwards) is compiled whole
-    with ``fullgraph=True``: dynamo must trace it, its forwards routed once around it
-    (``HybridAdapter.stepping``), and the traced program must leave every draft, count and cache
-    tensor as the eager one does; a second routed block reuses the compiled program (a host
-    counter it guarded on compiled it again at each call). Checked with the ``aot_eager``
-    backend: on CPU the programs are never captured."""
-    ids, mask, eos, _ = reference(family)
-    K = 3
-    draft = specdec.drafters.DraftModelDrafter(get_model(family, "perturbed"), compile_proposal=True)
-    sd = specdec.wrap(get_model(family), drafter=draft, rollback="replay", num_speculative_tokens=K,
-                      decode_path="static")
-    sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-    assert draft.compile_error is None  # (never compiled on a CPU)
-    with pytest.raises(TypeError, match="compile_proposal must be a bool, got int"):
-        specdec.drafters.DraftModelDrafter(get_model(family, "perturbed"), compile_proposal=1)
-    st = draft._static
-    before = {n: t.clone() for n, t in {**_cache_tensors(st.cache), "consumed": st.consumed}.items()}
-    compiles = []
-
-    def backend(gm, example_inputs):
-        compiles.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
-    for prog, open_tokens in ((st.commit_open, K - 1), (st.program, 0)):
-        def run(fn):
-            for n, t in {**_cache_tensors(st.cache), "consumed": st.consumed}.items():
-                t.copy_(before[n])
-            st.cache.set_step_tokens(open_tokens)
-            st.drafts.fill_(-1)  # poisoned: the body writes every draft
-            with torch.no_grad(), draft.adapter.stepping(st.cache):
-                fn()
-            return {n: t.clone() for n, t in {**_cache_tensors(st.cache), "consumed": st.consumed,
-                                               "drafts": st.drafts, "open": st.open}.items()}
-
-        eager = run(prog.fn)
-        torch._dynamo.reset()
-        compiles.clear()
-        compiled = torch.compile(prog.fn, fullgraph=True, dynamic=False, backend=backend)
-        traced = [run(compiled) for _ in range(2)]
-        assert len(compiles) == 1, (family, prog.what)
-        if prog is st.program:
-            assert (eager["drafts"] >= 0).all()
-        for got in traced:
-            for n, want in eager.items():
-                assert torch.equal(got[n], want) or rel_err(got[n], want) < 1e-6, (family, prog.what, n)
 
 
 @pytest.mark.parametrize("K", [1, 2, 5])

@@ -23,13 +23,7 @@ fixed-shape programs: commit the kept prefix; then a 2-token catch-up forward co
 on full acceptance the last draft too) and the K - 1 one-token forwards; on CUDA each is
 captured as a CUDA graph at the third proposal (the second runs them eagerly as the warm-up;
 :class:`specdec.graphs.CapturedProgram`) and replayed from then on, with the draft cache kept
-for the next ``generate()`` of the same shape bucket. A small draft model's proposal is many small
-kernels (norms, rotary, masks, the KV write, casts around a few GEMMs per forward), so launches,
-not weight bytes, bound it; with ``compile_proposal=True`` each program is compiled whole with
-``torch.compile`` before its capture (:class:`specdec.graphs.CapturedProgram`'s
-``compile_whole``, as :class:`~specdec.drafters.MTPDrafter` offers), its forwards routed once
-around the compiled program (:meth:`HybridAdapter.stepping`). Compiling runs once per shape
-bucket (batch, K, KV width), which is why it is not the default.
+for the next ``generate()`` of the same shape bucket.
 
 Continuous batching (:meth:`DraftModelDrafter.admit`): a row that takes a new request gets the
 new prompt prefilled into a fresh cache of the draft's shape; the next proposal, once the open
@@ -57,24 +51,17 @@ class DraftModelDrafter(Drafter):
     Args:
         draft_model: a loaded HF causal LM (on the target's device).
         rollback: the draft's own rollback strategy (name or instance; default "snapshot").
-        compile_proposal: on the CUDA-graph path, compile each of the two proposal programs whole
-            with ``torch.compile`` before capturing it (see the module docstring): fewer, fused
-            kernels per proposal, at the cost of compiling once per shape bucket.
 
     Raises:
-        TypeError / ValueError: if the model is not a supported causal LM; TypeError for a
-        non-bool ``compile_proposal``.
+        TypeError / ValueError: if the model is not a supported causal LM.
     """
 
     drafts_sequentially = True  # one draft-model forward per draft
 
-    def __init__(self, draft_model, rollback="snapshot", compile_proposal: bool = False):
-        if not isinstance(compile_proposal, bool):
-            raise TypeError(f"compile_proposal must be a bool, got {type(compile_proposal).__name__}")
+    def __init__(self, draft_model, rollback="snapshot"):
         self.adapter = adapter_for(draft_model)
         self.strategy = make_strategy(rollback)
         self.model = draft_model
-        self.compile_proposal = compile_proposal
         self._path = "eager"
         self._max_k = 0  # the largest K of the call (set_speculation); the cache holds steps of it
         self._adaptive = False  # K changes per step: the fixed-K static program does not apply
@@ -83,9 +70,6 @@ class DraftModelDrafter(Drafter):
         self.last_path = "eager"
         #: why the proposal's CUDA-graph capture failed (its error), or None
         self.capture_error: str | None = None
-        #: with ``compile_proposal``: why compiling a proposal program whole failed (it then runs
-        #: uncompiled, still captured), or None
-        self.compile_error: str | None = None
         self._reset()
 
     def set_decode_path(self, path: str) -> None:
@@ -224,7 +208,7 @@ class DraftModelDrafter(Drafter):
         K = num_speculative_tokens
         if self._static_proposals:
             return self._propose_static(input_ids, lengths, K)
-        self.last_path, self.capture_error, self.compile_error = "eager", None, None  # (no program ran)
+        self.last_path, self.capture_error = "eager", None  # (no program ran)
         if self.cache is not None and self.cache.max_step_tokens < K + 1:
             raise ValueError("num_speculative_tokens grew during one generate(); call start() again")
         if self.cache is None:
@@ -260,14 +244,14 @@ class DraftModelDrafter(Drafter):
         if self._calls == 0:
             if st is None or st.key != key:
                 st = self._static = _StaticDraft(key, B, K, width, dev)
-                # (each run not replayed routes the draft's forwards once, outside a compiled program)
-                kw = dict(model=self.model, graphs=self._path == "cuda_graph", compile_whole=self.compile_proposal,
-                          context=lambda: self.adapter.stepping(st.cache))
+                graphs = self._path == "cuda_graph"
                 if K > 1:  # (a capture's host-side step counts are reset to the program's start on failure)
-                    st.commit_open = CapturedProgram(lambda: self._commit_open(st), what="the draft model's commit",
-                                                     on_failure=lambda: st.cache.set_step_tokens(K - 1), **kw)
-                st.program = CapturedProgram(lambda: self._body(st, K), what="the draft model's proposal",
-                                             on_failure=lambda: st.cache.set_step_tokens(0), **kw)
+                    st.commit_open = CapturedProgram(lambda: self._commit_open(st), model=self.model,
+                                                     what="the draft model's commit", graphs=graphs,
+                                                     on_failure=lambda: st.cache.set_step_tokens(K - 1))
+                st.program = CapturedProgram(lambda: self._body(st, K), model=self.model,
+                                             what="the draft model's proposal", graphs=graphs,
+                                             on_failure=lambda: st.cache.set_step_tokens(0))
             # prefill (dynamic shapes, HF's own forward) into a fresh static cache, then into st's buffers
             lmax = int(lengths.max())
             cols = torch.arange(lmax, device=dev)[None, :]
@@ -296,9 +280,7 @@ class DraftModelDrafter(Drafter):
             self._reset_admitted()  # (rows given new requests: no step is open here)
             self.last_path = st.program()
             st.cache.set_step_tokens(max(K - 1, 0))  # the chain's open step
-            programs = [p for p in (st.commit_open, st.program) if p is not None]
-            self.capture_error = next((p.error for p in programs if p.error), None)
-            self.compile_error = next((p.compile_error for p in programs if p.compile_error), None)
+            self.capture_error = st.program.error or (st.commit_open.error if st.commit_open is not None else None)
         self._calls += 1
         return st.drafts.clone(), torch.full((B,), K, dtype=torch.long, device=dev)
 
@@ -336,8 +318,7 @@ class DraftModelDrafter(Drafter):
         self._chain(st, K)
 
     def __repr__(self):
-        compiled = ", compile_proposal=True" if self.compile_proposal else ""
-        return f"DraftModelDrafter({type(self.model).__name__}, rollback={self.strategy.name!r}{compiled})"
+        return f"DraftModelDrafter({type(self.model).__name__}, rollback={self.strategy.name!r})"
 
 
 class _StaticDraft:

@@ -126,9 +126,6 @@ def validate(cfg: DictConfig) -> None:
     if cfg.drafter.get("mtp_compile") and "mtp" not in [str(d) for d in cfg.drafter.names]:
         raise ValueError("drafter.mtp_compile compiles the MTP drafter's proposals; it needs drafter=mtp (or "
                          "drafter.names with mtp)")
-    if cfg.drafter.get("draft_compile") and "draft_model" not in [str(d) for d in cfg.drafter.names]:
-        raise ValueError("drafter.draft_compile compiles the draft model's proposals; it needs drafter=draft_model (or "
-                         "drafter.names with draft_model)")
     if cfg.get("cpu_threads") is not None and int(cfg.cpu_threads) < 1:
         raise ValueError(f"cpu_threads must be >= 1 or null, got {cfg.cpu_threads}")
     drafters = [str(d) for d in cfg.drafter.names]

@@ -194,19 +194,17 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 drafter_args = dict(reference=plain.plain_out, attention_mask=enc["attention_mask"],
                                     acceptance=acceptance, target=model, tokenizer=tok,
                                     random_mtp=mtp_layers == "random")
-                drafter_fields, shown = {}, drafter_name
+                mtp_fields, shown = {}, drafter_name
                 if drafter_name == "mtp":
                     vocab = cfg.drafter.get("mtp_draft_vocab")
-                    drafter_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab,
+                    mtp_fields = {"mtp_layers": mtp_layers, "mtp_draft_vocab": vocab,
                                   "mtp_compile": bool(cfg.drafter.get("mtp_compile", False))}
                     shown = "mtp" if vocab is None else f"mtp-vocab:{vocab}"  # as experiment=acceptance names it
-                elif drafter_name == "draft_model":
-                    drafter_fields = {"draft_compile": bool(cfg.drafter.get("draft_compile", False))}
                 for strategy, overlap in ((st, o) for st in strategies for o in overlaps):
                     drafter = make_drafter(cfg, drafter_name, draft, **drafter_args)
                     if hasattr(drafter, "proposal_bytes") and K != "auto":  # the MTP drafter: its proposal's floor
                         nbytes = drafter.proposal_bytes(K)
-                        drafter_fields.update(draft_bytes=nbytes,
+                        mtp_fields.update(draft_bytes=nbytes,
                                           draft_floor_ms=1e3 * nbytes / (copy_GBps * 1e9) if copy_GBps else None)
                     with _overlapping(overlap):
                         e = speculative_point(model, enc, drafter=drafter,
@@ -219,7 +217,7 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                            "num_speculative_tokens": K,
                            "repeats": repeats, "prompt_tokens": int(enc["input_ids"].shape[1]), "weight_bytes": wb,
                            "copy_GBps": copy_GBps,
-                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **drafter_fields,
+                           "weight_floor_ms": 1e3 * wb / (copy_GBps * 1e9) if copy_GBps else None, **mtp_fields,
                            **floor_fields, **switch_fields, **e}
                     if rec.get("draft_floor_ms") and rec.get("draft_ms") is not None:
                         rec["draft_vs_floor"] = rec["draft_ms"] / rec["draft_floor_ms"]

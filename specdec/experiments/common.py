@@ -80,8 +80,7 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
     ``random_mtp`` random ones, :meth:`~specdec.drafters.MTPDrafter.random` seeded with
     ``cfg.seed``; with ``drafter.mtp_draft_vocab=N`` over the N most frequent ids of the zoo's
     training corpus as ``tokenizer`` encodes it, :func:`mtp_draft_vocab`; with
-    ``drafter.mtp_compile=true`` its captured proposals compiled whole, ``compile_proposal``; the
-    draft model's likewise with ``drafter.draft_compile=true``).
+    ``drafter.mtp_compile=true`` its captured proposals compiled whole, ``compile_proposal``).
 
     Raises: ValueError for an unknown name or a missing draft model / reference / target."""
     from specdec.drafters import DraftModelDrafter, MTPDrafter, NGramDrafter, OracleDrafter
@@ -91,8 +90,7 @@ def make_drafter(cfg, name: str, draft_model=None, *, reference=None, attention_
     if str(name) == "draft_model":
         if draft_model is None:
             raise ValueError("drafter draft_model needs a target with a draft model (model.targets[*].draft)")
-        return DraftModelDrafter(draft_model, rollback=str(cfg.drafter.draft_rollback),
-                                 compile_proposal=bool(cfg.drafter.get("draft_compile", False)))
+        return DraftModelDrafter(draft_model, rollback=str(cfg.drafter.draft_rollback))
     if str(name) == "oracle":
         if reference is None or acceptance is None:
             raise ValueError("drafter oracle proposes the plain output of the same batch: it runs in experiment=bench, "

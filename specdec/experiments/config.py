@@ -141,8 +141,6 @@ class DrafterConfig:
                                                 "training corpus (null: the whole vocabulary)")
     mtp_compile: bool = _doc(False, "drafter mtp: torch.compile each captured proposal whole (CUDA-graph path; "
                                     "about a minute of compiling per shape)")
-    draft_compile: bool = _doc(False, "drafter draft_model: torch.compile each of its captured proposal programs whole "
-                                      "(CUDA-graph path; compiles once per shape)")
 
 
 @dataclass
