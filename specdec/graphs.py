@@ -244,19 +244,15 @@ class CapturedProgram:
         MLPs fused while warming up and capturing (default :func:`~specdec.fusion.fusion_enabled`;
         False for programs of many shapes, each of which would compile anew). pool: a graph
         memory pool to capture into (:func:`torch.cuda.graph_pool_handle`, shared by programs
-        that are never replayed at once and whose outputs live outside the pool). context: a
-        callable returning a context manager entered around each run of ``fn`` that is not a
-        graph replay (its warm-up, capture and eager runs): set-up a compiled program cannot
-        trace itself, such as :meth:`specdec.models.base.HybridAdapter.stepping`.
+        that are never replayed at once and whose outputs live outside the pool).
 
     Calling it runs the program once and returns how: ``"static"`` or ``"cuda_graph"``.
     """
 
     def __init__(self, fn, *, model: torch.nn.Module | None, what: str, graphs: bool, on_failure=None,
-                 compile_whole: bool = False, fuse: bool | None = None, pool=None, context=None):
+                 compile_whole: bool = False, fuse: bool | None = None, pool=None):
         self.fn, self.model, self.what, self.graphs, self.on_failure = fn, model, what, bool(graphs), on_failure
         self.fuse, self.pool = fuse, pool
-        self.context = context if context is not None else contextlib.nullcontext
         self.graph = None
         self.calls = 0
         #: why the capture failed (``"Type: message"``), or None
@@ -282,11 +278,6 @@ class CapturedProgram:
         if self.graph is not None:
             self.graph.replay()
             return "cuda_graph"
-        with self.context():
-            return self._run()
-
-    def _run(self) -> str:
-        """This call's warm-up, capture or eager run (:meth:`__call__` without a graph to replay)."""
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
                 program = self._program()
@@ -294,7 +285,7 @@ class CapturedProgram:
                                         fuse=self._fusing(), pool=self.pool, compiled_whole=program is not self.fn)
             except CaptureFailure as err:  # keep the static program, eagerly
                 self.error = err.reason
-                warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=4)
+                warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
                 if self.on_failure is not None:
                     self.on_failure()
             else:
@@ -313,6 +304,6 @@ class CapturedProgram:
                         torch._dynamo.exc.FailOnRecompileLimitHit) as err:  # (not a TorchDynamoException)
                     self.compile_error = f"{type(err).__name__}: {err}"
                     warnings.warn(f"torch.compile of {self.what} failed ({self.compile_error}); it runs uncompiled",
-                                  RuntimeWarning, stacklevel=4)
+                                  RuntimeWarning, stacklevel=3)
                     self.fn()
         return "static"

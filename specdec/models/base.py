@@ -297,7 +297,6 @@ class HybridAdapter:
         #: in several forwards, a longer prompt in chunks (:meth:`prefill`); None: one forward
         self.max_prefill_tokens: int | None = None
         self._prompt_graphs = None
-        self._stepping: HybridCache | None = None  # the cache of the open :meth:`stepping` block
         #: the modules whose forward a Triton prompt forward may run through its own kernels: the
         #: RMSNorms and MLPs recognised at the first prompt (each prompt reads their form / plan anew,
         #: :func:`~specdec.models.common.prompt_kernels`)
@@ -987,33 +986,14 @@ class HybridAdapter:
             if state.keys is not None:  # a sliding-window layer keeps only its last columns
                 cache.load_kv(idx, _left_pad(state.keys, L, 2), _left_pad(state.values, L, 2))
 
-    @contextlib.contextmanager
-    def stepping(self, cache: HybridCache):
-        """Within the block, :meth:`forward` on ``cache`` runs the model as routed once here (each SSM
-        mixer's forward to ``cache``'s layer, step attention, the attention backends) instead of
-        routing it for each call. A program traced by ``torch.compile`` runs its forwards inside
-        one (dynamo cannot trace the replacement of a module's forward); one thread at a time."""
-        with self._step_routing(cache):
-            outer, self._stepping = self._stepping, cache
-            try:
-                yield
-            finally:
-                self._stepping = outer
-
-    def _step_routing(self, cache: HybridCache) -> contextlib.ExitStack:
-        with contextlib.ExitStack() as stack:  # (what was entered is left again if a later block fails)
-            stack.enter_context(self._patched(cache))
-            stack.enter_context(grouped_step_attention_for(self._grouped_attention))
-            if not cache.static:  # a growing cache reads one more KV column each step: no cuDNN (a plan per shape)
-                stack.enter_context(sdpa_without_cudnn(self.device))
-            return stack.pop_all()
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: HybridCache):
         """Run ``t`` more step tokens ``input_ids [B, t]`` through the model's own decoder layers with
         ``cache``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
         t = input_ids.shape[1]
-        with contextlib.nullcontext() if self._stepping is cache else self._step_routing(cache):
+        # a growing cache reads one more KV column each step: no cuDNN attention (a plan per shape)
+        backends = contextlib.nullcontext() if cache.static else sdpa_without_cudnn(self.device)
+        with self._patched(cache), grouped_step_attention_for(self._grouped_attention), backends:
             out = self._call_body(input_ids, self.step_attention_mask(cache, t), cache.position_ids(t), cache)
         cache.advance(t)
         hidden = out.last_hidden_state

@@ -108,7 +108,7 @@ class LayerStore:
     layer: int | None = None
     tensors: dict = field(default_factory=dict)
     step_tokens: int = 0  # tokens of the open step already run (uniform over rows)
-    steps: int = 0  # eager commits so far (reported by debug-mode errors; a compiled or replayed program's are not counted)
+    steps: int = 0  # commits so far (reported by debug-mode errors)
     state_indices: torch.Tensor | None = None
     #: the most committed tokens any row's rollback history holds before the next step's first
     #: forward, when its caller guarantees one (:meth:`specdec.cache.HybridCache.set_fold_max`):
@@ -296,7 +296,6 @@ class RollbackStrategy(abc.ABC):
 
     @staticmethod
     def _check_commit(store: LayerStore, num_tokens: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling():  # (a host count a compiled program would guard on)
-            store.steps += 1
+        store.steps += 1
         if debug_enabled():
             check_index_bounds("commit num_tokens", num_tokens, store.step_tokens + 1, store)
