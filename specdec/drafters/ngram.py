@@ -105,8 +105,13 @@ class NGramDrafter(Drafter):
 
     def graph_safe(self, input_ids) -> bool:
         """Whether the search for ``input_ids`` is device work a CUDA graph may replay
-        (:meth:`Drafter.graph_safe`): the kernel's and the batched search's are, the host loop's is not."""
-        return self.search(input_ids) != "loop"
+        (:meth:`Drafter.graph_safe`): the kernel's and the batched search's are, the host loop's is not.
+        For the kernel it binds the Triton op here, outside the program (binding loads the kernel
+        module, which a ``torch.compile`` trace of the program cannot)."""
+        search = self.search(input_ids)
+        if search == "kernel":
+            NGRAM.on("triton", input_ids.device)
+        return search != "loop"
 
     def propose(self, input_ids, lengths, num_speculative_tokens):
         search = self.search(input_ids)
