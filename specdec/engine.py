@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-import os
 import re
 import threading
 import time
@@ -422,7 +421,7 @@ def compiled_steps_enabled() -> bool:
     kernels, and a graph-safe drafter's proposal with them; the outputs and statistics are the
     same either way. Read when a program is first made; off where fusion is
     (``SPECDEC_FUSE=0``)."""
-    return os.environ.get("SPECDEC_COMPILED_STEPS", "0") not in ("0", "false", "False", "")
+    return env_switch("SPECDEC_COMPILED_STEPS", default=False)
 
 
 class _ProgramSlot:
@@ -452,7 +451,9 @@ class _StepPrograms:
       (:meth:`_StepState.greedy_chain`; one program after each kind of inputs).
 
     Op by op these are dozens of small launches a step; two graph launches replace them, which matters
-    where the host issuing a step bounds it (small models, small batches). Their functions are
+    where the host issuing a step bounds it (small models, small batches); with
+    :func:`compiled_steps_enabled` each program is compiled whole before its capture, so its
+    graph holds a few fused kernels. Their functions are
     those the loop runs op by op for its other steps (a proposal's, :meth:`_StepState.chain_inputs`
     after the drafter's own call).
 

@@ -81,9 +81,10 @@ def _active() -> bool:
     return getattr(_ACTIVE, "depth", 0) > 0
 
 
-def env_switch(name: str) -> bool:
-    """An on-by-default environment switch: off for ``0``, ``false``, ``False`` or empty."""
-    return os.environ.get(name, "1") not in ("0", "false", "False", "")
+def env_switch(name: str, default: bool = True) -> bool:
+    """An environment switch, ``default`` where unset: off for ``0``, ``false``, ``False`` or empty,
+    else on."""
+    return os.environ.get(name, "1" if default else "0") not in ("0", "false", "False", "")
 
 
 def prompt_kernels_enabled() -> bool:

@@ -27,11 +27,11 @@ with ``state_indices`` runs its B rows over a pool of slots (see :class:`LayerSt
 from __future__ import annotations
 
 import abc
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from ..fusion import env_switch
 from ..kernels import SSMOp
 from ..kernels.slots import check_state_indices, gather_rows, scatter_rows
 
@@ -45,7 +45,7 @@ STRATEGIES = ("snapshot", "ring", "replay")
 
 def debug_enabled() -> bool:
     """True when ``SPECDEC_DEBUG=1``: bounds checks on every slot index and NaN/Inf checks on commits."""
-    return os.environ.get("SPECDEC_DEBUG", "0") not in ("", "0", "false", "False")
+    return env_switch("SPECDEC_DEBUG", default=False)
 
 
 def _where(store) -> str:
