@@ -206,16 +206,16 @@ _GC_LOCK = threading.Lock()
 _GC_PAUSES = [0, False]  # blocks inside gc_paused, and whether the collector was on before the first
 
 
-def _own_frame(fn):
+def _own_frame(fn, name: str = "captured_program"):
     """A function calling ``fn()`` through a code object of its own. Dynamo keeps compiled
     entries, and counts recompiles against its limit, per code object: programs made from one
     function (a drafter's per shape bucket, the step's per kind and K) would otherwise share one
     list, each program's compile a "recompile" of the others', and past the limit (8) a program
-    would run uncompiled."""
+    would run uncompiled. ``name``: the code object's, as dynamo's messages name it."""
     def call():
         return fn()
 
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "captured_program", None, call.__closure__)
+    return types.FunctionType(call.__code__.replace(co_name=name), call.__globals__, name, None, call.__closure__)
 
 
 class CapturedProgram:
@@ -235,14 +235,16 @@ class CapturedProgram:
     runs or fails with nothing run; such a failure (a ``torch._dynamo`` exception, a recompile
     limit hit included; an error of the compiled program's run is raised) is kept in
     ``compile_error``, warned about once, and the program runs as without ``compile_whole``
-    (still captured).
+    (still captured). So does a compiled program whose capture fails: that call runs it
+    uncompiled as the warm-up, and the next captures it uncompiled.
 
     Args: fn: the program. model: the module it runs (fusion and experts are switched on it; None: a
         program that runs no module).
         what: its name, for messages. graphs: capture at all (CUDA only). compile_whole: compile
         the whole program before capturing it (only where it is captured). fuse: run the norms /
         MLPs fused while warming up and capturing (default :func:`~specdec.fusion.fusion_enabled`;
-        False for programs of many shapes, each of which would compile anew). pool: a graph
+        False for programs of many shapes, each of which would compile anew; it does not gate
+        ``compile_whole``, which ``SPECDEC_FUSE=0`` turns off). pool: a graph
         memory pool to capture into (:func:`torch.cuda.graph_pool_handle`, shared by programs
         that are never replayed at once and whose outputs live outside the pool).
 
@@ -267,7 +269,8 @@ class CapturedProgram:
         if not (self.compile_whole and self.graphs and self.compile_error is None and fusion_enabled()):
             return self.fn
         if self._compiled is None:
-            self._compiled = torch.compile(_own_frame(self.fn), fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(_own_frame(self.fn, f"captured_program[{self.what}]"), fullgraph=True,
+                                           dynamic=False)
         return self._compiled
 
     def _fusing(self) -> bool:
@@ -283,11 +286,16 @@ class CapturedProgram:
                 program = self._program()
                 self.graph, _ = capture(program, model=self.model, what=self.what, warmup=0,
                                         fuse=self._fusing(), pool=self.pool, compiled_whole=program is not self.fn)
-            except CaptureFailure as err:  # keep the static program, eagerly
-                self.error = err.reason
-                warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
+            except CaptureFailure as err:
                 if self.on_failure is not None:
                     self.on_failure()
+                if program is not self.fn:  # the uncompiled program: warmed up by this call, captured at the next
+                    self.compile_error = f"capture of the compiled program: {err.reason}"
+                    warnings.warn(f"{err}; {self.what} runs uncompiled from now on (captured at its next call)",
+                                  RuntimeWarning, stacklevel=3)
+                else:  # keep the static program, eagerly
+                    self.error = err.reason
+                    warnings.warn(f"{err}; {self.what} runs the static path eagerly", RuntimeWarning, stacklevel=3)
             else:
                 self.graph.replay()  # capturing does not run the work: run this call's
                 return "cuda_graph"

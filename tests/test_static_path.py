@@ -14,7 +14,7 @@ import torch._dynamo.config as dynamo_config
 from helpers import (
     ALL_STRATEGIES, MAX_NEW, StreamRecorder, hf_greedy, hf_states, make_drafter, medusa_prompts, reference, rel_err,
 )
-from markers import needs_cuda
+from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model
 from tree_drafters import OracleTree, reference_rows
 
@@ -434,6 +434,36 @@ def test_compile_whole_falls_back_when_the_trace_fails():
     with pytest.warns(RuntimeWarning):  # the capture, refused on a CPU test run, falls back too
         prog()
     assert runs == [0, 1] and torch.equal(out, x * 2)
+
+
+@needs_triton_interpreter  # (which refuses every capture; on a GPU machine these CPU ops would be "captured")
+def test_a_compiled_program_that_does_not_capture_is_captured_uncompiled(monkeypatch):
+    """CapturedProgram(compile_whole=True) whose compiled program traces but does not capture: that
+    call runs the uncompiled program (its warm-up), with the reason in ``compile_error`` and a
+    warning, and the next call captures the uncompiled program (here refused too: eagerly from
+    then on, the reason in ``error``); every call does the program's work once."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    x = torch.arange(1.0, 5.0)
+    out = torch.full((4,), -1.0)
+    runs = []
+
+    def program():
+        runs.append(torch.compiler.is_compiling())
+        out.add_(x)
+
+    prog = CapturedProgram(program, model=None, what="a test program", graphs=True, compile_whole=True, fuse=False)
+    torch._dynamo.reset()
+    assert prog() == "static" and prog._compiled is not None and prog.compile_error is None  # the compiled warm-up
+    assert runs == [True] and torch.equal(out, x - 1)
+    with pytest.warns(RuntimeWarning, match="a test program runs uncompiled from now on"):
+        assert prog() == "static"
+    assert prog.compile_error.startswith("capture of the compiled program: ") and prog.error is None
+    assert runs == [True, False] and torch.equal(out, 2 * x - 1)
+    with pytest.warns(RuntimeWarning, match="a test program runs the static path eagerly"):
+        assert prog() == "static"
+    assert prog.error is not None and runs == [True, False, False] and torch.equal(out, 3 * x - 1)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -18,7 +18,7 @@ from specdec.drafters.base import chain_drafts
 from specdec.engine import _Rows
 from specdec.verify import greedy_accept
 from helpers import DeviceOps
-from markers import needs_cuda
+from markers import needs_cuda, needs_triton_interpreter
 
 
 def _no_sync(ops: DeviceOps):
@@ -540,8 +540,9 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             kept.append(sd.decoder.loop_state)
             if K and programs != "0":  # which program made the steps' inputs
                 assert kept[-1]._source == {K: "proposal" if in_program and programs in ("1", "compiled") else "inputs"}
-            if programs == "compiled":
-                assert all(p.compile_error is None and p.error is None for p in kept[-1]._programs.values())
+            if programs == "compiled":  # (each compiled and captured)
+                assert all(p._compiled is not None and p.compile_error is None and p.error is None
+                           for p in kept[-1]._programs.values())
             if in_program and programs in ("1", "compiled"):  # (reported where the call used a draft)
                 assert st.draft_path in (None, want) and (st.draft_path is None) == (st.proposed_tokens == 0)
                 assert st.draft_error is None
@@ -577,12 +578,16 @@ def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkey
     _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
 
 
+@needs_triton_interpreter  # (which refuses every capture; on a GPU machine these CPU ops would be "captured")
 def test_the_step_programs_compiled_whole_trace_as_one_graph(monkeypatch):
     """``SPECDEC_COMPILED_STEPS=1``: each step program (a graph-safe drafter's proposal inside it
     included) is compiled whole with ``fullgraph=True``: dynamo must trace every one of them, more
     programs than dynamo's recompile limit (8) among them, and the steps must give HF greedy's
     output. On a CPU with the ``aot_eager`` backend, capture forced on: refused there, so each
-    program's first run (the warm-up) is its compiled one and later runs are eager."""
+    program's first run (the warm-up) is its compiled one, each compiled once, and later runs
+    are uncompiled."""
+    from torch._dynamo.utils import counters
+
     import functools
 
     import specdec
@@ -599,6 +604,7 @@ def test_the_step_programs_compiled_whole_trace_as_one_graph(monkeypatch):
     want = hf_greedy(model, ids, mask, max_new=10)
     sd = specdec.wrap(model, drafter=_BatchedSearch(), decode_path="static")
     torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     programs = {}
     with pytest.warns(RuntimeWarning, match="runs the static path eagerly"):  # (the refused captures)
         for K in (1, 2, 3, 4, 5):
@@ -608,8 +614,12 @@ def test_the_step_programs_compiled_whole_trace_as_one_graph(monkeypatch):
     # per K: the proposal program (its capture refused: the drafter then proposes outside, and the
     # settle program after it is freed), the inputs program and the settle program after that
     assert len(programs) == 15 and {kind for kind, _ in programs} == {"proposal", "inputs", "settle"}
-    for key, program in programs.items():
-        assert program.compile_error is None and program._compiled is not None, key
+    for key, program in programs.items():  # traced (a refused capture of the compiled program is no trace failure)
+        assert program._compiled is not None, key
+        assert program.compile_error is None or program.compile_error.startswith("capture of the compiled"), key
+    # one graph per program compiled: the 15 kept, and the settle programs after the 5 proposal
+    # programs, freed when those fell back outside
+    assert counters["stats"]["unique_graphs"] - graphs == 20
 
 
 class _Constant(Drafter):
