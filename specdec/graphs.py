@@ -206,7 +206,7 @@ _GC_LOCK = threading.Lock()
 _GC_PAUSES = [0, False]  # blocks inside gc_paused, and whether the collector was on before the first
 
 
-def _own_frame(fn, name: str = "captured_program"):
+def _own_frame(fn, name: str):
     """A function calling ``fn()`` through a code object of its own. Dynamo keeps compiled
     entries, and counts recompiles against its limit, per code object: programs made from one
     function (a drafter's per shape bucket, the step's per kind and K) would otherwise share one

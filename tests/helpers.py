@@ -422,3 +422,11 @@ def counting_forwards(monkeypatch) -> list:
             return _orig(self, tokens, plain)
         monkeypatch.setattr(cls, "forward", counted)
     return seen
+
+
+def compile_with_aot_eager(monkeypatch) -> None:
+    """Make ``torch.compile`` use the ``aot_eager`` backend for the test (dynamo and
+    functionalisation, no Inductor: a program's trace checked on a CPU)."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))

@@ -442,9 +442,9 @@ def test_a_compiled_program_that_does_not_capture_is_captured_uncompiled(monkeyp
     call runs the uncompiled program (its warm-up), with the reason in ``compile_error`` and a
     warning, and the next call captures the uncompiled program (here refused too: eagerly from
     then on, the reason in ``error``); every call does the program's work once."""
-    import functools
+    from helpers import compile_with_aot_eager
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compile_with_aot_eager(monkeypatch)
     x = torch.arange(1.0, 5.0)
     out = torch.full((4,), -1.0)
     runs = []

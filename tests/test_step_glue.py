@@ -588,15 +588,13 @@ def test_the_step_programs_compiled_whole_trace_as_one_graph(monkeypatch):
     are uncompiled."""
     from torch._dynamo.utils import counters
 
-    import functools
-
     import specdec
     import specdec.engine as engine
-    from helpers import hf_greedy
+    from helpers import compile_with_aot_eager, hf_greedy
     from tiny_models import get_model, ragged_prompts
 
     monkeypatch.setenv("SPECDEC_COMPILED_STEPS", "1")
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compile_with_aot_eager(monkeypatch)
     init = engine._StepPrograms.__init__
     monkeypatch.setattr(engine._StepPrograms, "__init__", lambda self, state, capture: init(self, state, True))
     model = get_model("qwen3_5")
