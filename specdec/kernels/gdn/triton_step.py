@@ -31,7 +31,10 @@ along the parent's ancestor chain (see :func:`delta_rule_replay_verify`).
 Latency: a program requests every input it will need -- the T tokens' ``q, k, v, g, beta``, the
 cached history and the state block -- before its first arithmetic, so it waits for memory once
 rather than once per token (per-token loads issued behind the ``S^T k`` reductions' barriers
-make the verify latency-bound, at 23% of DRAM bandwidth on an H200).
+make the verify latency-bound, at 23% of DRAM bandwidth on an H200). In a chain, token j's
+output ``s^(j+1)^T q_j`` and token j + 1's ``S^T k`` reduce over the same state block, so they run
+as one two-operand reduction (one pass of shuffles and cross-warp barriers): each token waits on
+one reduction instead of two. Tree nodes keep the two (a node's state is not always the next one's).
 
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
@@ -215,26 +218,33 @@ def _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_
 
 
 @triton.jit
-def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h,
-                  i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv,
-                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr):
-    # token j of the call: the delta-rule update of the state block, its output, and the per-token
-    # write of the strategy (SNAPSHOT / RING: the state; REPLAY: the token's k, g and u)
-    b_q = a_q.to(tl.float32)
-    b_k = a_k.to(tl.float32)
-    b_v = a_v.to(tl.float32)
+def _add_pair(a0, a1, b0, b1):
+    # the combine of a two-operand sum: both reductions share one pass of shuffles and barriers
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _decayed(b_s, a_g, PER_CHANNEL: tl.constexpr):
+    # S * exp(g_t): the state block decayed by one token's gate
     b_g = a_g.to(tl.float32)
-    b_beta = a_b.to(tl.float32)
     if PER_CHANNEL:
-        b_s = b_s * tl.exp(b_g)[:, None]
+        return b_s * tl.exp(b_g)[:, None]
     else:
-        b_s = b_s * tl.exp(b_g)
-    b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s = b_s + b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], 0)
+        return b_s * tl.exp(b_g)
+
+
+@triton.jit
+def _store_output(b_o, o, i_b, j, i_h, o_v, m_v, T: tl.constexpr, H: tl.constexpr, V: tl.constexpr):
     i_t = i_b * T + j  # token row in the flattened [B * T]
     tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _token_writes(b_s, b_u, a_k, a_g, j, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_v, i_h, i_head, offset, pos0,
+                  R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, MODE: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    # the per-token write of the strategy (SNAPSHOT / RING: the state s^(offset+1+j); REPLAY: the
+    # token's k, g and u)
     if MODE == SNAPSHOT:
         tl.store(s_dst + i_n * stride_dst_n + (offset + j) * stride_dst_t + o_kv, b_s, mask=m_kv)
     elif MODE == RING:
@@ -248,7 +258,41 @@ def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk
                 tl.store(p_hg + pos * H * K + i_h * K + o_k, a_g.to(h_g.dtype.element_ty), mask=m_k)
             else:
                 tl.store(p_hg + pos * H + i_h, a_g.to(h_g.dtype.element_ty))
+
+
+@triton.jit
+def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_b, i_v, i_h,
+                  i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv,
+                  T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, MODE: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
+    # tree node j: the delta-rule update of the state block, its output and the strategy's write
+    # (chains merge each output's reduction into the next token's: _chain_token)
+    b_k = a_k.to(tl.float32)
+    b_s = _decayed(b_s, a_g, PER_CHANNEL)
+    b_u = (a_v.to(tl.float32) - tl.sum(b_s * b_k[:, None], 0)) * a_b.to(tl.float32)
+    b_s = b_s + b_k[:, None] * b_u[None, :]
+    _store_output(tl.sum(b_s * a_q.to(tl.float32)[:, None], 0), o, i_b, j, i_h, o_v, m_v, T, H, V)
+    _token_writes(b_s, b_u, a_k, a_g, j, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_v, i_h, i_head, offset, pos0,
+                  R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H, K, V, MODE, PER_CHANNEL)
     return b_s
+
+
+@triton.jit
+def _chain_token(b_s, b_qp, a_k, a_v, a_g, a_b, j, o, i_b, i_h, o_v, m_v, PER_CHANNEL: tl.constexpr, T: tl.constexpr,
+                 H: tl.constexpr, V: tl.constexpr):
+    # token j of a chain from s^(j) (b_s): s^(j+1) and u_j. The output of token j - 1, o = s^(j)^T
+    # q_(j-1), reduces over the same block as this token's S^T k, so both sums run as one
+    # two-operand reduction: one reduction on the per-token dependent path instead of two (the
+    # same products summed in the same order as one at a time)
+    b_k = a_k.to(tl.float32)
+    b_sd = _decayed(b_s, a_g, PER_CHANNEL)
+    if j == 0:
+        b_r = tl.sum(b_sd * b_k[:, None], 0)
+    else:
+        b_o, b_r = tl.reduce((b_s * b_qp[:, None], b_sd * b_k[:, None]), 0, _add_pair)
+        _store_output(b_o, o, i_b, j - 1, i_h, o_v, m_v, T, H, V)
+    b_u = (a_v.to(tl.float32) - b_r) * a_b.to(tl.float32)
+    return b_sd + b_k[:, None] * b_u[None, :], b_u
 
 
 @triton.jit
@@ -380,6 +424,7 @@ def _delta_rule_step_kernel(
                                 i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k,
                                 m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
     else:
+        b_qp = tl.zeros([BK], dtype=tl.float32)  # a chain: the previous token's q
         for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
             if TREE:
                 if j > 0:
@@ -394,9 +439,19 @@ def _delta_rule_step_kernel(
                 tv = tv + (a_v,)
                 tg = tg + (a_g,)
                 tb = tb + (a_b,)
-            b_s = _token_update(b_s, tq[j], tk[j], tv[j], tg[j], tb[j], j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu,
-                                i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v,
-                                o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
+            if TREE:
+                b_s = _token_update(b_s, tq[j], tk[j], tv[j], tg[j], tb[j], j, o, s_dst, h_k, h_g, h_u, p_hk, p_hg,
+                                    p_hu, i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k,
+                                    o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
+            else:
+                b_s, b_u = _chain_token(b_s, b_qp, tk[j], tv[j], tg[j], tb[j], j, o, i_b, i_h, o_v, m_v, PER_CHANNEL, T,
+                                        H, V)
+                _token_writes(b_s, b_u, tk[j], tg[j], j, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_v, i_h,
+                              i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H,
+                              K, V, MODE, PER_CHANNEL)
+                b_qp = tq[j].to(tl.float32)
+        if not TREE:  # the chain's last output
+            _store_output(tl.sum(b_s * b_qp[:, None], 0), o, i_b, T - 1, i_h, o_v, m_v, T, H, V)
 
     if MODE == OVERWRITE:
         tl.debug_barrier()  # in place: every thread has read its block before any writes back
