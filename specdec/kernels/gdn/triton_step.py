@@ -33,8 +33,9 @@ cached history and the state block -- before its first arithmetic, so it waits f
 rather than once per token (per-token loads issued behind the ``S^T k`` reductions' barriers
 make the verify latency-bound, at 23% of DRAM bandwidth on an H200). In a chain, token j's
 output ``s^(j+1)^T q_j`` and token j + 1's ``S^T k`` reduce over the same state block, so they run
-as one two-operand reduction (one pass of shuffles and cross-warp barriers): each token waits on
-one reduction instead of two. Tree nodes keep the two (a node's state is not always the next one's).
+as one reduction of the pair (one pass of shuffles and cross-warp barriers): each token waits on
+one reduction, not two. A tree node's output is reduced on its own (the next node need not start
+from its state).
 
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
@@ -148,13 +149,7 @@ def _fold_cached(b_s, h_k, h_g, h_u, base, cnt, i_h, o_k, o_v, m_k, m_v, H: tl.c
             hu = hu + (a_u,)
         if i < cnt:  # uniform per program: absent items cost no arithmetic (deferred replay's
             # history holds L >= 3 T positions, on average half of them committed)
-            b_k = hk[i].to(tl.float32)
-            b_u = hu[i].to(tl.float32)
-            b_g = hg[i].to(tl.float32)
-            if PER_CHANNEL:
-                b_s = b_s * tl.exp(b_g)[:, None] + b_k[:, None] * b_u[None, :]
-            else:
-                b_s = b_s * tl.exp(b_g) + b_k[:, None] * b_u[None, :]
+            b_s = _decayed(b_s, hg[i], PER_CHANNEL) + hk[i].to(tl.float32)[:, None] * hu[i].to(tl.float32)[None, :]
     return b_s
 
 
@@ -210,27 +205,26 @@ def _ancestor_update(b_s, tree, k, g, p_hu, j, i_a, i_b, i_h, pos0, o_k, o_v, m_
     r_u = tl.load(p_hu + (pos0 + a_t) * H * V + i_h * V + o_v, mask=m_v, other=0.0)
     if PER_CHANNEL:
         r_g = tl.load(g + ((i_b * T + a_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_s = b_s * tl.exp(r_g.to(tl.float32))[:, None]
     else:
         r_g = tl.load(g + (i_b * T + a_t) * H + i_h)
-        b_s = b_s * tl.exp(r_g.to(tl.float32))
-    return b_s + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _add_pair(a0, a1, b0, b1):
-    # the combine of a two-operand sum: both reductions share one pass of shuffles and barriers
-    return a0 + b0, a1 + b1
+    return _decayed(b_s, r_g, PER_CHANNEL) + r_k.to(tl.float32)[:, None] * r_u.to(tl.float32)[None, :]
 
 
 @triton.jit
 def _decayed(b_s, a_g, PER_CHANNEL: tl.constexpr):
-    # S * exp(g_t): the state block decayed by one token's gate
+    # S * exp(g_t): the state block decayed by one token's gate (a scalar, or one per key channel)
     b_g = a_g.to(tl.float32)
     if PER_CHANNEL:
         return b_s * tl.exp(b_g)[:, None]
     else:
         return b_s * tl.exp(b_g)
+
+
+@triton.jit
+def _delta(b_sd, b_k, a_v, a_b, b_r):
+    # from the decayed state b_sd and r = b_sd^T k: u = beta (v - r) and the state after the token
+    b_u = (a_v.to(tl.float32) - b_r) * a_b.to(tl.float32)
+    return b_sd + b_k[:, None] * b_u[None, :], b_u
 
 
 @triton.jit
@@ -268,9 +262,8 @@ def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk
     # tree node j: the delta-rule update of the state block, its output and the strategy's write
     # (chains merge each output's reduction into the next token's: _chain_token)
     b_k = a_k.to(tl.float32)
-    b_s = _decayed(b_s, a_g, PER_CHANNEL)
-    b_u = (a_v.to(tl.float32) - tl.sum(b_s * b_k[:, None], 0)) * a_b.to(tl.float32)
-    b_s = b_s + b_k[:, None] * b_u[None, :]
+    b_sd = _decayed(b_s, a_g, PER_CHANNEL)
+    b_s, b_u = _delta(b_sd, b_k, a_v, a_b, tl.sum(b_sd * b_k[:, None], 0))
     _store_output(tl.sum(b_s * a_q.to(tl.float32)[:, None], 0), o, i_b, j, i_h, o_v, m_v, T, H, V)
     _token_writes(b_s, b_u, a_k, a_g, j, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_v, i_h, i_head, offset, pos0,
                   R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H, K, V, MODE, PER_CHANNEL)
@@ -278,21 +271,20 @@ def _token_update(b_s, a_q, a_k, a_v, a_g, a_b, j, o, s_dst, h_k, h_g, h_u, p_hk
 
 
 @triton.jit
-def _chain_token(b_s, b_qp, a_k, a_v, a_g, a_b, j, o, i_b, i_h, o_v, m_v, PER_CHANNEL: tl.constexpr, T: tl.constexpr,
-                 H: tl.constexpr, V: tl.constexpr):
-    # token j of a chain from s^(j) (b_s): s^(j+1) and u_j. The output of token j - 1, o = s^(j)^T
-    # q_(j-1), reduces over the same block as this token's S^T k, so both sums run as one
-    # two-operand reduction: one reduction on the per-token dependent path instead of two (the
-    # same products summed in the same order as one at a time)
+def _chain_token(b_s, b_qp, a_k, a_v, a_g, a_b, j, o, i_b, i_h, o_v, m_v, T: tl.constexpr, H: tl.constexpr,
+                 V: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    # token j of a chain from b_s, the state before it: the state after it, and its u. The output
+    # of token j - 1 (b_s^T q_(j-1)) reduces over the same block as this token's S^T k, so the two
+    # sums run as one reduction of the pair (one pass of shuffles and cross-warp barriers on the
+    # per-token dependent path; each sum adds the same products in the same order as alone)
     b_k = a_k.to(tl.float32)
     b_sd = _decayed(b_s, a_g, PER_CHANNEL)
     if j == 0:
         b_r = tl.sum(b_sd * b_k[:, None], 0)
     else:
-        b_o, b_r = tl.reduce((b_s * b_qp[:, None], b_sd * b_k[:, None]), 0, _add_pair)
+        b_o, b_r = tl.split(tl.sum(tl.join(b_s * b_qp[:, None], b_sd * b_k[:, None]), 0))
         _store_output(b_o, o, i_b, j - 1, i_h, o_v, m_v, T, H, V)
-    b_u = (a_v.to(tl.float32) - b_r) * a_b.to(tl.float32)
-    return b_sd + b_k[:, None] * b_u[None, :], b_u
+    return _delta(b_sd, b_k, a_v, a_b, b_r)
 
 
 @triton.jit
@@ -424,7 +416,7 @@ def _delta_rule_step_kernel(
                                 i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k,
                                 m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
     else:
-        b_qp = tl.zeros([BK], dtype=tl.float32)  # a chain: the previous token's q
+        b_qp = tl.zeros([BK], dtype=tl.float32)  # a chain: the previous token's q (none before token 0)
         for j in tl.static_range(T):  # unrolled: T <= K + 1 is small (trees: up to 16 nodes)
             if TREE:
                 if j > 0:
@@ -444,8 +436,8 @@ def _delta_rule_step_kernel(
                                     p_hu, i_n, i_b, i_v, i_h, i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k,
                                     o_v, o_kv, m_k, m_v, m_kv, T, H, K, V, MODE, PER_CHANNEL)
             else:
-                b_s, b_u = _chain_token(b_s, b_qp, tk[j], tv[j], tg[j], tb[j], j, o, i_b, i_h, o_v, m_v, PER_CHANNEL, T,
-                                        H, V)
+                b_s, b_u = _chain_token(b_s, b_qp, tk[j], tv[j], tg[j], tb[j], j, o, i_b, i_h, o_v, m_v, T, H, V,
+                                        PER_CHANNEL)
                 _token_writes(b_s, b_u, tk[j], tg[j], j, s_dst, h_k, h_g, h_u, p_hk, p_hg, p_hu, i_n, i_v, i_h,
                               i_head, offset, pos0, R, stride_dst_n, stride_dst_t, o_k, o_v, o_kv, m_k, m_v, m_kv, H,
                               K, V, MODE, PER_CHANNEL)
