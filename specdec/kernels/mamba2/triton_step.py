@@ -469,7 +469,8 @@ def _mamba2_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
-                   prefetch: int | None = None, T: int = 1, mode: int | None = None, tree: bool = False):
+                   prefetch: int | None = None, T: int = 1, mode: int | None = None, tree: bool = False,
+                   deferred: bool = False):
     """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
     BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
@@ -489,10 +490,19 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     lookahead do not pay). Snapshot and ring are within 2% across the configurations. Tree steps
     take the settings of the first paragraph (the unrolled 16-node fused replay would take 245
     registers at 4 warps, 163 at 8).
+
+    Fused replay's verify at large batch takes BP = 8 rows with one warp and a 3-token lookahead:
+    the whole block in one warp, so no token waits on a cross-warp barrier (5 barriers in the
+    sm_90 SASS of a K = 4 step against 40 at 32 rows x 4 warps; 128 registers, no spills:
+    ``python benchmarks/sass_configs.py --op mamba2``). On an H100 at batch 64, K = 4 it took
+    248.6 us per layer and step against 334.1 (``benchmarks/sweep_rollback_configs.py``); the
+    plain update was level (222.6 against 221.2), so it keeps its setting.
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
     lean = large and not tree and mode in (OVERWRITE.value, REPLAY.value)
+    if lean and mode == REPLAY.value and not deferred and (block_p, num_warps, prefetch) == (None, None, None):
+        block_p, num_warps, prefetch = 8, 1, 3
     if block_p is None:
         block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
@@ -562,7 +572,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
-                                                 tree=tree is not None)
+                                                 tree=tree is not None, deferred=hist is not None and not fused)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
