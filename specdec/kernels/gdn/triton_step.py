@@ -32,10 +32,12 @@ Latency: a program requests every input it will need -- the T tokens' ``q, k, v,
 cached history and the state block -- before its first arithmetic, so it waits for memory once
 rather than once per token (per-token loads issued behind the ``S^T k`` reductions' barriers
 make the verify latency-bound, at 23% of DRAM bandwidth on an H200). In a chain, token j's
-output ``s^(j+1)^T q_j`` and token j + 1's ``S^T k`` reduce over the same state block, so they run
-as one reduction of the pair (one pass of shuffles and cross-warp barriers): each token waits on
-one reduction, not two. A tree node's output is reduced on its own (the next node need not start
-from its state).
+output ``s^(j+1)^T q_j`` and token j + 1's ``(exp(g) S)^T k`` reduce over the same state block,
+so they run as one reduction of a pair of values (the two sums' shuffles interleave and their
+cross-warp exchanges share barriers: 48 barriers against 60 in the sm_90 SASS of a K = 4 plain
+update): each token waits on one reduction, not two, and a chain of T tokens makes T + 1 (token
+0's sum and the last output alone). A tree node's output is reduced on its own (the next node
+need not start from its state).
 
 States are fp32 ``[N, H, K, V]``; inputs may be fp32/bf16/fp16 and are computed in fp32.
 None of the calls syncs with the host or allocates a state-sized buffer (CUDA-graph safe), and
@@ -275,8 +277,8 @@ def _chain_token(b_s, b_qp, a_k, a_v, a_g, a_b, j, o, i_b, i_h, o_v, m_v, T: tl.
                  V: tl.constexpr, PER_CHANNEL: tl.constexpr):
     # token j of a chain from b_s, the state before it: the state after it, and its u. The output
     # of token j - 1 (b_s^T q_(j-1)) reduces over the same block as this token's S^T k, so the two
-    # sums run as one reduction of the pair (one pass of shuffles and cross-warp barriers on the
-    # per-token dependent path; each sum adds the same products in the same order as alone)
+    # sums run as one reduction of the pair (one wait on the per-token dependent path; on the
+    # interpreter each sum is bit-identical to the sum alone)
     b_k = a_k.to(tl.float32)
     b_sd = _decayed(b_s, a_g, PER_CHANNEL)
     if j == 0:

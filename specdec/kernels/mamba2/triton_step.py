@@ -483,20 +483,21 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     sm_90: ``python benchmarks/triton_sm90_compile.py``; timings of alternatives:
     ``benchmarks/sweep_rollback_configs.py``.
 
-    At large batch the plain update and both replay protocols (``mode`` OVERWRITE / REPLAY) take
-    4 warps and no lookahead (BP = 32), from that sweep on an H200 (batch 8-256, K = 4): 20-22%
-    faster for the plain update at batch 64-256, 16% for fused replay and 7% for deferred replay
-    at batch 64 (with the in-register fold skipping absent history items, 8 warps with a
+    At large batch the plain update and deferred replay take 4 warps and no lookahead (BP = 32),
+    from that sweep on an H200 (batch 8-256, K = 4): 20-22% faster for the plain update at batch
+    64-256 and 7% for deferred replay at batch 64 (with the in-register fold skipping absent history items, 8 warps with a
     lookahead do not pay). Snapshot and ring are within 2% across the configurations. Tree steps
     take the settings of the first paragraph (the unrolled 16-node fused replay would take 245
     registers at 4 warps, 163 at 8).
 
-    Fused replay's verify at large batch takes BP = 8 rows with one warp and a 3-token lookahead:
-    the whole block in one warp, so no token waits on a cross-warp barrier (5 barriers in the
-    sm_90 SASS of a K = 4 step against 40 at 32 rows x 4 warps; 128 registers, no spills:
-    ``python benchmarks/sass_configs.py --op mamba2``). On an H100 at batch 64, K = 4 it took
-    248.6 us per layer and step against 334.1 (``benchmarks/sweep_rollback_configs.py``); the
-    plain update was level (222.6 against 221.2), so it keeps its setting.
+    Fused replay at large batch (from batch 4 at the bench shape's 128 heads) takes BP = 8 rows
+    with one warp and a 3-token lookahead: the whole block in one warp, so no token waits on a
+    cross-warp barrier (5 barriers in the sm_90 SASS of a K = 4 step against 40 at 32 rows x 4
+    warps; 128 registers, no spills: ``python benchmarks/sass_configs.py --op mamba2 --configs
+    "32,4,0;8,1,3"``). Timed on an H100 at batch 64, K = 4 only: 248.6 us per layer and step
+    against 334.1 at 32 rows x 4 warps (``benchmarks/sweep_rollback_configs.py``; the 4-warp
+    setting had been chosen on an H200, where this one is not timed). The plain update was level
+    there (222.6 against 221.2 us) and keeps its setting.
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
