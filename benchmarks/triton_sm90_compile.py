@@ -210,11 +210,12 @@ def mamba2_variants(quick: bool):
     hl = torch.zeros(B, dtype=torch.long)
     for si in ([None] if quick else [None, torch.arange(B)]):
         # the hand-picked launch configs (_launch_config): small batch (BP 16, 4 warps, all tokens
-        # prefetched), large batch snapshot / ring / trees (BP 32, 8 warps, 3-token lookahead) and
-        # large batch plain update / replay (BP 32, 4 warps, no lookahead)
+        # prefetched), large batch snapshot / ring / trees (BP 32, 8 warps, 3-token lookahead),
+        # large batch plain update / deferred replay (BP 32, 4 warps, no lookahead) and large batch
+        # fused replay (BP 8, 1 warp, 3-token lookahead)
         small, large = dict(block_p=16, num_warps=4, prefetch=5), dict(block_p=32, num_warps=8, prefetch=3)
-        lean = dict(block_p=32, num_warps=4, prefetch=0)
-        for d, tune in ([(D, {})] if quick else [(D, small), (D, large), (None, large), (D, lean)]):
+        lean, one_warp = dict(block_p=32, num_warps=4, prefetch=0), dict(block_p=8, num_warps=1, prefetch=3)
+        for d, tune in ([(D, {})] if quick else [(D, small), (D, large), (None, large), (D, lean), (D, one_warp)]):
             m2.mamba2_update(s, x, dt, A, Bm, Cm, d, si, **tune)
             m2.mamba2_snapshot_verify(s, buf, x, dt, A, Bm, Cm, d, 0, si, **tune)
             m2.mamba2_ring_verify(ring, head, x, dt, A, Bm, Cm, d, 0, si, **tune)

@@ -1172,6 +1172,8 @@ def test_tree_loop_reaches_the_kernel(op, monkeypatch):
         assert dr._launch_config(64, 32, 128, 128, None, None, 1, False, True) == (128, 32, 4)
         assert dr._launch_config(64, 32, 128, 128, None, None, 1, True, False) == (128, 32, 4)  # KDA snapshot
     else:
-        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3) == (32, 128, 4, 0)
+        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3) == (8, 128, 1, 3)  # fused replay
+        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3, deferred=True) == (32, 128, 4, 0)
+        assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 0) == (32, 128, 4, 0)  # plain update
         assert m2._launch_config(64, 128, 64, 128, None, None, None, 5, 3, tree=True) == (32, 128, 8, 3)
         assert m2._launch_config(1, 128, 64, 128, None, None, None, 5, 3) == (16, 128, 4, 5)

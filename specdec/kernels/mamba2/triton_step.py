@@ -469,7 +469,8 @@ def _mamba2_fold_kernel(
 
 
 def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = None, num_warps: int | None = None,
-                   prefetch: int | None = None, T: int = 1, mode: int | None = None, tree: bool = False):
+                   prefetch: int | None = None, T: int = 1, mode: int | None = None, tree: bool = False,
+                   deferred: bool = False):
     """Hand-picked (BP, BN, num_warps, prefetch); no autotuning (see the module docstring).
 
     BN covers the whole state dim (``h C`` reduces over it, inside a warp: a warp owns whole
@@ -482,23 +483,29 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     sm_90: ``python benchmarks/triton_sm90_compile.py``; timings of alternatives:
     ``benchmarks/sweep_rollback_configs.py``.
 
-    At large batch the plain update and both replay protocols (``mode`` OVERWRITE / REPLAY) take
-    4 warps and no lookahead (BP = 32), from that sweep on an H200 (batch 8-256, K = 4): 20-22%
-    faster for the plain update at batch 64-256, 16% for fused replay and 7% for deferred replay
-    at batch 64 (with the in-register fold skipping absent history items, 8 warps with a
-    lookahead do not pay). Snapshot and ring are within 2% across the configurations. Tree steps
-    take the settings of the first paragraph (the unrolled 16-node fused replay would take 245
-    registers at 4 warps, 163 at 8).
+    At large batch the plain update and deferred replay take 4 warps and no lookahead (BP = 32),
+    from that sweep on an H200 (batch 8-256, K = 4): 20-22% faster for the plain update at batch
+    64-256 and 7% for deferred replay at batch 64 (with the in-register fold skipping absent
+    history items, 8 warps with a lookahead do not pay). Snapshot and ring are within 2% across
+    the configurations. Tree steps take the settings of the first paragraph (the unrolled 16-node
+    fused replay would take 245 registers at 4 warps, 163 at 8).
 
-    Measured, not adopted: fused replay at batch 64, K = 4 with BP = 8 rows, one warp and a
-    3-token lookahead took 248.6 us per layer and step on an H100 against 334.1 with this
-    setting (``benchmarks/sweep_rollback_configs.py --ops mamba2 --configs "def;8,1,3"``; no
-    cross-warp barrier: 5 in the sm_90 SASS against 40). It becomes the default once it has been
-    checked against the reference on a GPU and timed on an H200.
+    Fused replay at large batch (from batch 4 at the bench shape's 128 heads) takes BP = 8 rows
+    with one warp and a 3-token lookahead: the whole block in one warp, so no token waits on a
+    cross-warp barrier (5 barriers in the sm_90 SASS of a K = 4 step against 40 at 32 rows x 4
+    warps; 128 registers, no spills: ``python benchmarks/sass_configs.py --op mamba2 --configs
+    "32,4,0;8,1,3"``). On an H100 at K = 4 it took 247.8 us per layer and step at batch 64 and
+    966.1 at batch 256, against 333.6 and 1287.6 at 32 rows x 4 warps (80-82% of copy bandwidth
+    against 59-61%; ``benchmarks/sweep_rollback_configs.py``); not yet timed on an H200, where
+    the 4-warp setting had been chosen. The plain update and deferred replay keep their settings:
+    one warp was level for the update (222.2 against 221.3 us) and slower for deferred replay
+    (342.8 against 337.2 us, its fold launched alike).
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
     lean = large and not tree and mode in (OVERWRITE.value, REPLAY.value)
+    if lean and mode == REPLAY.value and not deferred and (block_p, num_warps, prefetch) == (None, None, None):
+        block_p, num_warps, prefetch = 8, 1, 3
     if block_p is None:
         block_p = 32 if large else 16
     BP = min(next_pow2(block_p), next_pow2(P))
@@ -568,7 +575,7 @@ def _step(mode, s_src, s_dst, x, dt, A, Bm, Cm, D, *, offset=0, head=None, hist=
     fold_la, fold_masked = fold_launch(fold_n)
     strides = step_state_args(s_src, s_dst, (H, P, N), src_lead, dst_lead, state_indices, Bsz, hist)
     BP, BN, num_warps, prefetch = _launch_config(Bsz, H, P, N, block_p, num_warps, prefetch, T, mode.value,
-                                                 tree=tree is not None)
+                                                 tree=tree is not None, deferred=hist is not None and not fused)
     if Bsz == 0 or T == 0:
         return out
     R = s_src.shape[1] if mode.value == RING.value else 1
