@@ -307,12 +307,15 @@ class _StepState:
 
     Args: dec: the call's decoder (its ``width``; held weakly: the decoder keeps the state). B, K
     (the most drafts of a step), V (the vocabulary), dev; the rows' ``width`` and ``eos``, the
-    prompts and budgets (see :class:`_Rows`).
+    prompts and budgets (see :class:`_Rows`). ``policed``: a speculation policy reads every step
+    (:mod:`specdec.adaptive`): a step without drafts computes the draft budget too, and a greedy
+    chain step's flags end with the count of rows still running (:meth:`greedy_chain`).
     """
 
-    def __init__(self, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos, input_ids, mask, max_new):
-        self._dec, self.V = weakref.ref(dec), V
-        self.key = self.key_of(B, K, V, dev, width, eos)
+    def __init__(self, dec: Decoder, B: int, K: int, V: int, dev, width: int, eos, input_ids, mask, max_new,
+                 policed: bool = False):
+        self._dec, self.V, self.policed = weakref.ref(dec), V, policed
+        self.key = self.key_of(B, K, V, dev, width, eos, policed)
         self.rows = _Rows(input_ids, mask, width, max_new, eos)
         self.hist = torch.zeros(K + 1, dtype=torch.long, device=dev)
         self.totals = torch.zeros(3, dtype=torch.long, device=dev)  # row-steps, proposed, accepted
@@ -323,9 +326,9 @@ class _StepState:
         self.ones = torch.ones(B, dtype=torch.long, device=dev)
 
     @staticmethod
-    def key_of(B: int, K: int, V: int, dev, width: int, eos) -> tuple:
+    def key_of(B: int, K: int, V: int, dev, width: int, eos, policed: bool) -> tuple:
         """What a kept state must match to serve a call."""
-        return B, K, V, str(dev), width, tuple(eos)
+        return B, K, V, str(dev), width, tuple(eos), policed
 
     def reset(self, input_ids, mask, max_new) -> None:
         """Start a call: every row takes its prompt and budget (:meth:`_Rows.reset`), the counters zero."""
@@ -346,15 +349,14 @@ class _StepState:
         tokens = rows.text.gather(1, (rows.lengths - 1)[:, None])
         return torch.cat([tokens, drafts], dim=1) if drafts.shape[1] else tokens
 
-    def chain_inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None,
-                     with_budget: bool = False) -> tuple:
+    def chain_inputs(self, K: int, drafts: torch.Tensor | None, counts: torch.Tensor | None) -> tuple:
         """A chain step's device inputs from a proposal (``drafts [B, w]``, ``counts [B]``, int64
         on the device; None: a step without drafts): ``(active, budget, drafts, k, errors,
         width, tokens)``, as :class:`_StepInputs` names them. A step without drafts computes the
-        draft budget only ``with_budget`` (a policy reads it; a plain step needs none: four
+        draft budget only where a policy reads it (``policed``; a plain step needs none: four
         kernels fewer)."""
         active = ~self.rows.finished  # the rows that run this step
-        budget = self.draft_budget() if drafts is not None or with_budget else None
+        budget = self.draft_budget() if drafts is not None or self.policed else None
         if drafts is None:
             return active, budget, self.empty, self.no_drafts, self.no_errors, 1, self.pending_and(self.empty)
         drafts, k, errors = chain_drafts(drafts, counts, budget, self.V)
@@ -381,19 +383,27 @@ class _StepState:
     def greedy_chain(self, logits: torch.Tensor, inputs: tuple) -> tuple:
         """A greedy chain step without a per-token hook from its forward's ``logits`` and
         ``inputs`` (:meth:`chain_inputs`) to its flags: ``(n, new, take, flags)`` (the settle
-        program of :class:`_StepPrograms`; ``inputs`` may carry more entries after those seven)."""
+        program of :class:`_StepPrograms`; ``inputs`` may carry more entries after those seven).
+        ``policed``: the flags end with the count of rows still running, which the policy reads."""
         active, _, drafts, k, errors = inputs[:5]
         n, c = greedy_accept(logits, drafts, k)
         new = _new_tokens(drafts, n, c)
         take = self.rows.append(new, n + 1)
         self.counted(n, active, k)
-        return n, new, take, torch.cat(self.flags(errors, self.no_prob_errors))
+        flags = self.flags(errors, self.no_prob_errors)
+        if self.policed:
+            flags.append(self.live_rows())
+        return n, new, take, torch.cat(flags)
 
     def flags(self, errors: torch.Tensor, prob_errors: torch.Tensor) -> list[torch.Tensor]:
         """The flags every step's sync reads: whether every row has finished, then the drafter
         output's error flags (``errors [2]``, ``prob_errors [1]``, bool); a caller may append more
         (``torch.cat`` promotes them to the parts' int64)."""
         return [self.rows.finished.all()[None], errors, prob_errors]
+
+    def live_rows(self) -> torch.Tensor:
+        """``[1]`` int64: the rows that have not ended (a policy's last flag)."""
+        return (~self.rows.finished).sum()[None]
 
 
 def captured_proposals_enabled() -> bool:
@@ -1421,20 +1431,21 @@ class SpeculativeGenerator:
         # around the forward as captured programs where the forward is captured (else the same
         # functions eagerly: the static path on a CPU runs them too); its bucket keeps them
         glue = (isinstance(dec, StaticDecoder) and pool is None and hook is None and s.sampling is None
-                and tree is None and policy is None and s.streamer is None and step_programs_enabled())
+                and tree is None and s.streamer is None and step_programs_enabled())
+        policed = policy is not None
         programs = None
         if glue:  # rows as wide as the bucket allows (>= span + T), so calls of one bucket share them
             width = dec.max_len - T
             kept = dec.loop_state
-            if kept is not None and kept.state.key == _StepState.key_of(B, K, V, dev, width, s.eos_token_ids):
+            if kept is not None and kept.state.key == _StepState.key_of(B, K, V, dev, width, s.eos_token_ids, policed):
                 programs, st = kept, kept.state
                 st.reset(ids, s.attention_mask, budgets)
             else:
                 dec.loop_state = None  # (the kept state's memory goes first)
-                st = _StepState(dec, B, K, V, dev, width, s.eos_token_ids, ids, s.attention_mask, budgets)
+                st = _StepState(dec, B, K, V, dev, width, s.eos_token_ids, ids, s.attention_mask, budgets, policed)
                 programs = dec.loop_state = _StepPrograms(st, capture=dec.path == "cuda_graph")
         else:
-            st = _StepState(dec, B, K, V, dev, span + T, s.eos_token_ids, ids, s.attention_mask, budgets)
+            st = _StepState(dec, B, K, V, dev, span + T, s.eos_token_ids, ids, s.attention_mask, budgets, policed)
         rows = st.rows
         raw = logits.float()[:, None]
         scores = hook.process(raw, None, rows.n_gen) if hook else raw
@@ -1501,8 +1512,7 @@ class SpeculativeGenerator:
                 return _StepInputs(K_step, *programs.inputs(K_step, drafts, counts), counts=counts, w=w)
             if drafts is not None:
                 drafts, counts = drafts.to(dev).long(), counts.to(dev).long()
-            return _StepInputs(K_step, *st.chain_inputs(K_step, drafts, counts, policy is not None), counts=counts,
-                               w=w)
+            return _StepInputs(K_step, *st.chain_inputs(K_step, drafts, counts), counts=counts, w=w)
 
         def appended(chain, n, c, path, scores, logits) -> tuple[torch.Tensor, torch.Tensor]:
             """A step's new tokens (:func:`_new_tokens`) appended to the rows (:meth:`_append`);
@@ -1654,7 +1664,7 @@ class SpeculativeGenerator:
                 if streaming:  # ... and the committed tokens of every row, for the streaming requests
                     flags += [take, new.reshape(-1)]
                 if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
-                    flags.append((~rows.finished).sum()[None])
+                    flags.append(st.live_rows())
                 read = torch.cat(flags)
             expected = live_rows = None
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync

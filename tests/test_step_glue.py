@@ -494,20 +494,24 @@ class _BatchedSearch(NGramDrafter):
         return "batched"
 
 
-def _check_step_programs(monkeypatch, path, family, drafter, device):
+def _check_step_programs(monkeypatch, path, family, drafter, device, auto=False):
     """A greedy chain step's device work around the forward runs as the step programs (captured
     where the forward is) or op by op (``SPECDEC_STEP_GRAPHS=0``): the outputs (rows ending by EOS
     mid-step, and by their budgets), and every statistic are the same, and equal HF greedy's; a
     drafter whose proposals are narrower than K at some steps mixes both kinds of step. A
     graph-safe drafter proposes inside the programs, and outside them with
-    ``SPECDEC_CAPTURED_PROPOSALS=0``, with the same results."""
+    ``SPECDEC_CAPTURED_PROPOSALS=0``, with the same results. ``auto``: K chosen per step by the
+    speculation policy, on given costs (``FixedCosts``: the choices depend on the acceptance
+    alone, so both runs choose alike), each K's steps on its own programs."""
     import specdec
     from helpers import make_drafter
+    from specdec.adaptive import FixedCosts
     from tiny_models import get_model
 
     model = get_model(family) if device == "cpu" else copy.deepcopy(get_model(family)).to(device)
     ids, mask, eos, expected = _ending_by_eos(model)
     K = 0 if drafter is None else 3
+    policy = {"cost_model": FixedCosts(lambda strategy, batch, k: 1.0 + 0.4 * k)} if auto else {}
     runs = {}
     # (compiled whole: only where the programs are captured)
     for programs in ("1", "0", "outside") + (("compiled",) if device == "cuda" else ()):
@@ -522,12 +526,12 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             draft = None if drafter is None else make_drafter(drafter, family)
         if isinstance(draft, DraftModelDrafter) and device != "cpu":
             draft = DraftModelDrafter(copy.deepcopy(draft.model).to(device))
-        sd = specdec.wrap(model, num_speculative_tokens=K, decode_path=path,
+        sd = specdec.wrap(model, num_speculative_tokens="auto" if auto else K, decode_path=path, **policy,
                           **({} if draft is None else {"drafter": draft}))
         in_program = draft is not None and sd.drafter.graph_safe(ids.to(device))
         if programs == "outside" and not in_program:
             continue
-        run, kept = [], []
+        run, kept, chosen = [], [], set()
         # by EOS, by the budget, by EOS again, then the rows in reverse order: one shape, so the bucket's
         # kept rows and programs (replayed) serve it
         for ending, flip in (({"eos_token_id": eos}, False), ({}, False), ({"eos_token_id": eos}, False),
@@ -538,8 +542,13 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
             want = ("cuda_graph" if device == "cuda" else "static") if programs != "0" else None
             assert sd._step_programs_path == want
             kept.append(sd.decoder.loop_state)
-            if K and programs != "0":  # which program made the steps' inputs
-                assert kept[-1]._source == {K: "proposal" if in_program and programs in ("1", "compiled") else "inputs"}
+            if K and programs != "0":  # which program made the steps' inputs (a policy's K = 0 steps: none proposed)
+                inside = "proposal" if in_program and programs in ("1", "compiled") else "inputs"
+                sources = kept[-1]._source
+                assert sources == {K: inside} if not auto else (
+                    set(sources) <= set(range(len(st.k_histogram)))
+                    and all(v == (inside if k else "inputs") for k, v in sources.items()))
+            chosen |= {k for k, c in enumerate(st.k_histogram) if c}
             if programs == "compiled":  # (each compiled and captured)
                 assert all(p._compiled is not None and p.compile_error is None and p.error is None
                            for p in kept[-1]._programs.values())
@@ -552,6 +561,8 @@ def _check_step_programs(monkeypatch, path, family, drafter, device):
                 assert torch.equal(out, expected[rows.to(device)])
             run += [out, st.steps, st.new_tokens, st.accept_histogram, st.accepted_tokens, st.proposed_tokens,
                     st.mean_accepted_tokens, st.k_histogram]
+        if auto:  # (the policy's calls ran plain steps and speculative ones)
+            assert 0 in chosen and len(chosen) > 1, chosen
         if programs != "0":  # (the last two calls share one shape: the second reuses the first's state)
             assert kept[3] is kept[2] and kept[2] is not kept[1]
         else:
@@ -569,6 +580,13 @@ def test_the_step_programs_give_the_op_by_op_steps_results(monkeypatch, family, 
     _check_step_programs(monkeypatch, "static", family, drafter, "cpu")
 
 
+@pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("nemotron_h", "perturbed"), ("qwen3_5", "batched")])
+def test_the_step_programs_serve_k_chosen_per_step(monkeypatch, family, drafter):
+    """See :func:`_check_step_programs` with ``auto``: a policy's steps, plain ones included, run
+    as the step programs with the same results as op by op."""
+    _check_step_programs(monkeypatch, "static", family, drafter, "cpu", auto=True)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("family, drafter", [("nemotron_h", None), ("qwen3_5", "ngram"), ("qwen3_5", "perturbed"),
@@ -576,6 +594,14 @@ def test_the_step_programs_give_the_op_by_op_steps_results(monkeypatch, family, 
 def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkeypatch, family, drafter):
     """See :func:`_check_step_programs`: on CUDA the programs are captured and replayed."""
     _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("nemotron_h", "perturbed")])
+def test_the_step_programs_serve_k_chosen_per_step_on_cuda_graphs(monkeypatch, family, drafter):
+    """See :func:`_check_step_programs` with ``auto``: on CUDA each K's programs are captured."""
+    _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda", auto=True)
 
 
 @needs_triton_interpreter  # (which refuses every capture; on a GPU machine these CPU ops would be "captured")
