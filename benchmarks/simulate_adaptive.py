@@ -70,7 +70,7 @@ class Learning:
 
     def __init__(self, calibrated: list[float], draft_s: float, glue_s: float, excess: float, noise: float,
                  seed: int):
-        self.model = MeasuredCosts(proposal_warmups=0)  # (the cells' times are a warm program's: none to skip)
+        self.model = MeasuredCosts()
         for K, t in enumerate(calibrated):
             self.model.record_width(self.KEY, K + 1, verify_s=t, commit_s=0.0)
         self.draft_s, self.glue_s, self.excess, self.noise = draft_s, glue_s, excess, noise

@@ -316,13 +316,6 @@ MEASURED_STEPS = 4
 #: ``OUTLIER_RATIO - 1`` of the online weight a step
 OUTLIER_RATIO = 1.25
 
-#: a drafter's first proposals at each K that :class:`MeasuredCosts` does not count: a proposal
-#: program runs eagerly at its first use and is captured at its second
-#: (:class:`specdec.graphs.CapturedProgram`), each many times its replays (counted, the first
-#: proposal of a 4.4M-parameter model's MTP layer made a step of K = 1 look 27-36 ms long, where
-#: its replayed K = 4 proposals take ~0.45 ms, so no K > 0 was tried again to correct it)
-PROPOSAL_WARMUPS = 2
-
 #: the most steps a call runs at a width next to its K to measure that width's cost
 #: (:meth:`SpeculationPolicy._neighbour_to_measure`): its first step in a call is not counted, the
 #: next :data:`MEASURED_STEPS` are, and with the choice made before the sync the step after them is
@@ -569,8 +562,8 @@ class MeasuredCosts(CostModel):
       never-run K = 1 look slower than plain decoding). A plain step (K = 0: nothing proposed,
       accepted or observed) not yet run is its bare calibration, as a speculative gap would
       make it look up to 7% slower than it is;
-    * ``draft(K)``: the weighted mean of the proposal's time in real steps at K, after its first
-      ``proposal_warmups`` there (a program's warm-up and capture); for a K not yet measured, for a drafter that drafts sequentially (:attr:`DrafterKey.sequential`) a
+    * ``draft(K)``: the weighted mean of the proposal's time in real steps at K; for a K not yet
+      run, for a drafter that drafts sequentially (:attr:`DrafterKey.sequential`) a
       least-squares line through the measured K (one measured K: proportional to K), for any
       other the mean of the measured K (its time does not grow with K); 0 before any
       measurement and at K = 0;
@@ -582,18 +575,15 @@ class MeasuredCosts(CostModel):
 
     A real step's target time counts at most :data:`OUTLIER_RATIO` times the estimate it updates
     (the first at a width: its calibrated prediction), and a proposal's time at most that many
-    times its K's mean (its first counted at a K as it is), so one step held up by the host
-    moves an estimate by a bounded amount.
+    times its K's mean (its first at a K as it is), so one step held up by the host moves an
+    estimate by a bounded amount.
 
     Args:
         weight: the online averages' weight of a new step once they hold 1 / weight steps, in (0, 1].
-        proposal_warmups: a drafter's first proposals at each K not counted in ``draft(K)``
-            (default :data:`PROPOSAL_WARMUPS`).
     """
 
-    def __init__(self, weight: float = 0.2, proposal_warmups: int = PROPOSAL_WARMUPS):
+    def __init__(self, weight: float = 0.2):
         self.weight = float(weight)
-        self.proposal_warmups = int(proposal_warmups)
         self._widths: dict[tuple, tuple[float, float]] = {}  # (key, T) -> (verify_s, commit_s)
         self._target: dict[tuple, float] = {}  # (key, K) -> seconds
         self._gap: dict[CostKey, dict[int, float]] = {}  # key -> {K: mean (real - calibrated) seconds}
@@ -645,11 +635,9 @@ class MeasuredCosts(CostModel):
                 before = self.target_s(key, K)
             target_s = _capped(target_s, before)
             self._ewma(self._target, (key, K), target_s, ("target", key, K))
-            where = (drafter_key, key.path, key.batch)  # (a proposal's first counted time at a K as it
-            seen = self._draft.setdefault(where, {})    # is: a sequential drafter's grows with K)
-            made = self._n[("proposals", *where, K)] = self._n.get(("proposals", *where, K), 0) + 1
-            if made > self.proposal_warmups:
-                self._ewma(seen, K, _capped(draft_s, seen.get(K)), ("draft", *where, K))
+            where = (drafter_key, key.path, key.batch)  # (a proposal's first time at a K as it is: a
+            seen = self._draft.setdefault(where, {})    # sequential drafter's grows with K)
+            self._ewma(seen, K, _capped(draft_s, seen.get(K)), ("draft", *where, K))
         if calib is not None:
             self._ewma(gaps, K, target_s - sum(calib), ("gap", key, K))
 

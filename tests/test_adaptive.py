@@ -378,7 +378,7 @@ def test_work_after_the_sync_counts_in_the_next_window_not_the_draft(monkeypatch
 
     monkeypatch.setattr(adaptive, "capture", _fake_capture([]))
     monkeypatch.setattr(adaptive, "choose_k", lambda *a: 2)
-    costs, key = MeasuredCosts(weight=0.5, proposal_warmups=0), CostKey("cuda_graph", "replay", 2)
+    costs, key = MeasuredCosts(weight=0.5), CostKey("cuda_graph", "replay", 2)
     for T in (1, 2, 3):
         costs.record_width(key, T, verify_s=6.0, commit_s=0.0)
     policy = SpeculationPolicy(PolicySettings(), costs, key, DrafterKey(False), 2, 2, 100, 0.6, "cpu", True,
@@ -1126,7 +1126,7 @@ def test_small_batches_average_acceptance_more_slowly():
 
 
 def test_measured_costs_calibration_online_and_draft_line():
-    costs = MeasuredCosts(weight=0.5, proposal_warmups=0)
+    costs = MeasuredCosts(weight=0.5)
     key = CostKey("eager", "replay", 4)
     assert costs.needs_widths(key, [1, 2, 3]) == [1, 2, 3]
     for T in (1, 2, 3):
@@ -1250,7 +1250,7 @@ def test_a_plain_step_s_glue_and_target_are_capped_apart():
 
 
 def test_draft_time_of_a_drafter_that_does_not_draft_sequentially_is_flat():
-    costs = MeasuredCosts(weight=1.0, proposal_warmups=0)
+    costs = MeasuredCosts(weight=1.0)
     key = CostKey("cuda_graph", "replay", 16)
     flat, seq = DrafterKey(False), DrafterKey(True)
     for d in (flat, seq):
@@ -1284,7 +1284,7 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     plain step after speculative ones (replay: it first folds the input history) is the switch's
     extra time, not a plain step's: counted there, each probe would make plain decoding look
     slower for the steps after it. Probes are spaced by their cost with that switch included."""
-    costs = MeasuredCosts(weight=0.5, proposal_warmups=0)
+    costs = MeasuredCosts(weight=0.5)
     key = CostKey("eager", "replay", 2)
     costs.record_width(key, 1, verify_s=1.0, commit_s=0.0)
     costs.record_width(key, 2, verify_s=1.5, commit_s=0.1)
@@ -1314,31 +1314,10 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     assert FixedCosts(lambda s, b, K: 1.0).leave_s(key) == 0.0  # given costs: no switch cost
 
 
-def test_a_proposal_programs_warm_up_and_capture_are_not_its_cost():
-    """A drafter's first PROPOSAL_WARMUPS proposals at each K (its program's eager warm-up and its
-    capture, far slower than its replays) do not count in draft(K): the K stays unmeasured (its
-    draft time 0, so the policy tries it again) until a replay is timed; per K, per drafter."""
-    from specdec.adaptive import PROPOSAL_WARMUPS
-
-    assert PROPOSAL_WARMUPS == 2
-    costs, key, d = MeasuredCosts(), CostKey("cuda_graph", "replay", 1), DrafterKey(True)
-    costs.observe(key, d, 1, draft_s=0.030, target_s=0.001)  # the eager warm-up
-    costs.observe(key, d, 1, draft_s=0.036, target_s=0.001)  # the capture
-    assert costs.draft_s(d, key, 1) == 0.0 and costs.draft_s(d, key, 4) == 0.0
-    costs.observe(key, d, 1, draft_s=0.0002, target_s=0.001)  # a replay
-    assert costs.draft_s(d, key, 1) == pytest.approx(0.0002)
-    costs.observe(key, d, 2, draft_s=0.050, target_s=0.001)  # K = 2's own warm-up: not counted either
-    assert costs.draft_s(d, key, 2) == pytest.approx(0.0004)  # (the line through K = 1 alone)
-    other = DrafterKey(True)
-    costs.observe(key, other, 1, draft_s=0.040, target_s=0.001)
-    assert costs.draft_s(other, key, 1) == 0.0
-    assert costs.target_s(key, 1) == pytest.approx(0.001)  # (the target's part counts from the first)
-
-
 def test_one_measured_k_extrapolates_by_how_the_drafter_drafts():
     """From one measured K, a sequential drafter's proposal time grows in proportion to K; a
     one-pass drafter's (n-gram, Medusa, oracle) stays the same, as the engine's keys say."""
-    costs = MeasuredCosts(proposal_warmups=0)
+    costs = MeasuredCosts()
     key = CostKey("eager", "replay", 4)
     for sequential in (True, False):
         d = DrafterKey(sequential)
