@@ -1015,8 +1015,10 @@ class SpeculationPolicy:
         self._pending = False  # a side-stream update ran whose values were not read yet
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
         self._measuring: dict[int, int] = {}  # K -> steps run at it in this call to measure a neighbour
-        # (K, first mark, last mark, K before, predicted plain seconds) of the step whose laps are pending
+        # (K, first mark, last mark, K before, predicted plain seconds, unmeasured) of the step whose laps
+        # are pending
         self._last: tuple | None = None
+        self._warming = False  # the step next_k gave last ran a program's warm-up or capture (unmeasured)
         self._ahead: tuple | None = None  # the next step's choice, made by before_sync (see _decide)
         #: per step, the predicted goodput of the best K > 0 over plain decoding's (K = 0) when its K
         #: was chosen (:func:`speculation_gain`: where speculation starts and stops)
@@ -1039,9 +1041,20 @@ class SpeculationPolicy:
         self._expected_seen.append(self.expected)
         self._added_tokens = self.step_expected[K]
         self._predicted_tokens += self._added_tokens
+        self._warming = False
         if self.current and K != self.current:  # (a probe from K = 0 is not a neighbour's)
             self._measuring[K] = self._measuring.get(K, 0) + 1
         return K
+
+    def unmeasured(self) -> None:
+        """The step :meth:`next_k` gave last ran a program's warm-up or capture
+        (:func:`specdec.graphs.warmups_run`): its laps feed no cost (as a K's first step in a
+        call does not), since the capture's syncs, not the width, would set its time. (Counted,
+        a capture in the first measured plain step, e.g. of the step programs at K = 0, makes
+        plain decoding look slower than it is, and a K that looks slow is not run again to
+        correct it: on a CPU, with the capture simulated as twice a step's time, the policy
+        then ran K = 1 at an acceptance of 0.01 in every later call.)"""
+        self._warming = True
 
     def drop_last_step(self) -> None:
         """Forget the step :meth:`next_k` gave last: the decode loop launched it after the call's
@@ -1296,10 +1309,10 @@ class SpeculationPolicy:
         sync) counts in the next step's, not in none. The laps read must be complete: those of a
         window that ended before the last host read of the device's progress."""
         if self._last is not None:
-            K, start, stop, before, plain_s = self._last
+            K, start, stop, before, plain_s, warming = self._last
             laps = [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
             total = sum(s for _, s in laps)
-            what = step_measures(K, before, K in self._seen)
+            what = None if warming else step_measures(K, before, K in self._seen)
             if what == "leave":
                 self.costs.observe_leave(self.key, total - plain_s)
             elif what == "width":
@@ -1311,7 +1324,7 @@ class SpeculationPolicy:
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
         self._last = (ks[-1], start, clock.marks if end is None else end, ks[-2] if len(ks) > 1 else 0,
-                      self._predicted[-1][0])
+                      self._predicted[-1][0], self._warming)
 
     def predicted_step_s(self) -> list[float]:
         """Per K = 0..M, the mean over this call's steps of the seconds the policy predicted for a
@@ -1334,7 +1347,8 @@ class SpeculationPolicy:
 
     def measured_step_s(self) -> list[float | None]:
         """Per K = 0..M, the mean seconds of this call's steps at K that the costs took (None: none
-        did). Not counted: a K's first step in the call (its first proposal, compiles), the first
+        did). Not counted: a K's first step in the call (its first proposal, compiles), a step that
+        ran a program's warm-up or capture (:meth:`unmeasured`), the first
         plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
         step at K > 0 after a wider one (it first folds the wider one's replay history: the
         switch's cost, not the width's), and the call's last step (its laps complete after the loop). Set against

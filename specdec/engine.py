@@ -51,7 +51,7 @@ from .drafters import Drafter, make_drafter
 from .drafters.base import (chain_drafts, check_draft_probs, check_proposal, check_tree_proposal, draft_prob_errors,
                              proposal_errors)
 from .fusion import env_switch
-from .graphs import CapturedProgram
+from .graphs import CapturedProgram, warmups_run
 from .models import adapter_for
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
@@ -1486,10 +1486,12 @@ class SpeculativeGenerator:
         if programs is not None and not in_program:
             programs.drop_proposals()  # (a drafter proposing outside keeps no other drafter's graphs alive)
 
+        proposed_in_program = None  # the K of the last proposal asked of the step programs
+
         def propose(K_step: int) -> _StepInputs:
             """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
             (device work only: it may run before the last step's sync)."""
-            nonlocal grown
+            nonlocal grown, proposed_in_program
             bound, grown = min(rows.text.shape[1], grown), grown + W
             if tree is not None:
                 active, budget = ~rows.finished, st.draft_budget()
@@ -1499,7 +1501,9 @@ class SpeculativeGenerator:
                 k = budget.clamp(max=tree.max_depth)  # the deepest node a row may accept
                 drafts = nodes.clamp(0, V - 1)
                 return _StepInputs(K_step, active, budget, drafts, k, errors, T, st.pending_and(drafts), None, 0)
-            made = programs.proposal(K_step, drafter) if in_program and K_step > 0 else None
+            made = None
+            if in_program and K_step > 0:  # (its program's path, or why its capture failed: the call's draft path)
+                made, proposed_in_program = programs.proposal(K_step, drafter), K_step
             if made is not None:  # (the counts live in the program's buffer: not kept for messages)
                 *inputs, w = made
                 return _StepInputs(K_step, *inputs, counts=None, w=w)
@@ -1589,6 +1593,7 @@ class SpeculativeGenerator:
             drafted_at = clock.marks - 1  # (its lap, counted apart if its step never runs)
 
         ready = None  # the next step's inputs, made before this step's sync (overlap)
+        warmed = warmups_run()  # (programs' warm-ups and captures so far: a step that adds one is unmeasured)
         drawn = drafted_at = None  # (overlap) the random state before that proposal, and its lap's mark
         dropped = step_rs = None  # (pipelined) the random state before a step that ran past the call's end
         while True:
@@ -1666,6 +1671,9 @@ class SpeculativeGenerator:
                 if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
                     flags.append(st.live_rows())
                 read = torch.cat(flags)
+            if policy is not None and warmups_run() != warmed:  # (a program warmed up or captured in this step)
+                warmed = warmups_run()
+                policy.unmeasured()
             expected = live_rows = None
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
@@ -1737,9 +1745,9 @@ class SpeculativeGenerator:
         # how the step's programs ran (for tests and profiles): None where the call ran none
         self._step_programs_path = None if programs is None or not steps else programs.path
         row_steps, proposed, accepted = totals.tolist()
-        # how the last proposal ran: the step programs' where it ran inside them (a fixed K: the
-        # call's), else the drafter's own; None where this call used no draft
-        inside = programs.proposal_path(K) if in_program else (None, None)
+        # how the last proposal ran: the step programs' of its K where it was asked of them (a failed
+        # capture's error included), else the drafter's own; None where this call used no draft
+        inside = programs.proposal_path(proposed_in_program) if proposed_in_program is not None else (None, None)
         if drafter is None or not proposed:
             draft_path = draft_error = None
         elif inside[0] is not None:

@@ -24,7 +24,17 @@ import torch
 from .fusion import fused, fusion_enabled
 
 __all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "gc_paused",
-           "graph_safe_experts"]
+           "graph_safe_experts", "warmups_run"]
+
+_WARMUPS = threading.local()  # .count: this thread's CapturedProgram calls that warmed up or captured
+
+
+def warmups_run() -> int:
+    """How many :class:`CapturedProgram` calls on this thread so far ran a program's warm-up or
+    its capture (a call on a capturing path that was not a replay): such a call takes many times a
+    replay (a capture synchronises the device twice), so a step that made one is no measure of a
+    step's cost (the speculation policy leaves it out: :meth:`specdec.adaptive.SpeculationPolicy.unmeasured`)."""
+    return getattr(_WARMUPS, "count", 0)
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
@@ -281,6 +291,8 @@ class CapturedProgram:
         if self.graph is not None:
             self.graph.replay()
             return "cuda_graph"
+        if self.graphs and self.error is None:  # (a warm-up or a capture: warmups_run)
+            _WARMUPS.count = warmups_run() + 1
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
                 program = self._program()

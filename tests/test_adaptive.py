@@ -1314,6 +1314,52 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     assert FixedCosts(lambda s, b, K: 1.0).leave_s(key) == 0.0  # given costs: no switch cost
 
 
+def test_a_step_that_warms_up_a_program_measures_nothing(monkeypatch):
+    """A step during which a program warmed up or was captured (the loop calls
+    ``policy.unmeasured()``) feeds no cost: its laps would give the capture's time, not the
+    width's. Here the second plain step (a capture, 10 s) is left out and plain steps cost what
+    the others took."""
+    costs = MeasuredCosts(weight=0.5)
+    key = CostKey("eager", "replay", 2)
+    for T in (1, 2):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    script = iter([0] * 5)
+    monkeypatch.setattr(specdec.adaptive, "choose_k", lambda *a: next(script))
+    policy = SpeculationPolicy(PolicySettings(probe_interval=100, hysteresis_sum=math.inf), costs, key,
+                               DrafterKey(False), 1, 2, 100, 0.6, "cpu")
+    clock = _LapClock()
+    for i in range(5):
+        first = clock.marks
+        policy.next_k()
+        clock.step([("draft", 0.1), ("verify", 10.0 if i == 1 else 1.0)])
+        if i == 1:
+            policy.unmeasured()
+        policy.after_step(None, clock, first, 2)
+    assert costs.target_s(key, 0) == pytest.approx(1.1)  # steps 3 and 4 (the first is a warm-up, the last pending)
+    assert policy.measured_step_s()[0] == pytest.approx(1.1)
+
+
+def test_warmups_run_counts_a_programs_warm_up_and_capture_only():
+    """:func:`specdec.graphs.warmups_run` grows by one for each call of a capturing program that is
+    not a replay (its eager warm-up, its capture attempt), and not for a program that never
+    captures (the static path) or whose capture failed (eager from then on)."""
+    from specdec.graphs import CapturedProgram, warmups_run
+
+    before = warmups_run()
+    static = CapturedProgram(lambda: None, model=None, what="a static program", graphs=False)
+    for _ in range(3):
+        static()
+    assert warmups_run() == before
+    capturing = CapturedProgram(lambda: None, model=None, what="a capturing program", graphs=True)
+    capturing()  # the warm-up
+    assert warmups_run() == before + 1
+    with pytest.warns(RuntimeWarning):
+        capturing()  # the capture: refused on a CPU, so eager from now on
+    assert warmups_run() == before + 2 and capturing.error is not None
+    capturing()
+    assert warmups_run() == before + 2
+
+
 def test_one_measured_k_extrapolates_by_how_the_drafter_drafts():
     """From one measured K, a sequential drafter's proposal time grows in proportion to K; a
     one-pass drafter's (n-gram, Medusa, oracle) stays the same, as the engine's keys say."""

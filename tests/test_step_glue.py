@@ -596,6 +596,24 @@ def test_the_step_programs_give_the_op_by_op_steps_results_on_cuda_graphs(monkey
     _check_step_programs(monkeypatch, "cuda_graph", family, drafter, "cuda")
 
 
+def test_k_chosen_per_step_reports_the_path_of_the_proposals_it_ran():
+    """With K chosen per step a graph-safe drafter proposes inside the programs of each K the
+    policy picks, not the largest K's: ``Stats.draft_path`` is that program's path wherever the
+    call proposed (here K = 1 of at most 3)."""
+    import specdec
+    from specdec.adaptive import FixedCosts
+    from tiny_models import get_model, ragged_prompts
+
+    ids, mask = ragged_prompts()
+    sd = specdec.wrap(get_model("qwen3_5"), num_speculative_tokens="auto", decode_path="static",
+                      drafter=_BatchedSearch(), max_speculative_tokens=3,
+                      cost_model=FixedCosts(lambda strategy, batch, k: 1.0 + 0.4 * k))
+    sd.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=0)
+    st = sd.last_stats
+    assert st.proposed_tokens > 0 and st.k_histogram[3] == 0, st.k_histogram
+    assert (st.draft_path, st.draft_error) == ("static", None)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("nemotron_h", "perturbed")])
