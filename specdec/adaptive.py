@@ -1047,7 +1047,7 @@ class SpeculationPolicy:
         return K
 
     def unmeasured(self) -> None:
-        """The step :meth:`next_k` gave last ran a program's warm-up or capture
+        """The step :meth:`next_k` gave last captured a graph or warmed up a program
         (:func:`specdec.graphs.warmups_run`): its laps feed no cost (as a K's first step in a
         call does not), since the capture's syncs, not the width, would set its time. (Counted,
         a capture in the first measured plain step, e.g. of the step programs at K = 0, makes

@@ -1671,7 +1671,7 @@ class SpeculativeGenerator:
                 if policy is not None:  # the live rows (the last flag), and E(K) of the next step, on the same sync
                     flags.append(st.live_rows())
                 read = torch.cat(flags)
-            if policy is not None and warmups_run() != warmed:  # (a program warmed up or captured in this step)
+            if policy is not None and warmups_run() != warmed:  # (a graph captured or a program warmed up in this step)
                 warmed = warmups_run()
                 policy.unmeasured()
             expected = live_rows = None

@@ -26,15 +26,20 @@ from .fusion import fused, fusion_enabled
 __all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "gc_paused",
            "graph_safe_experts", "warmups_run"]
 
-_WARMUPS = threading.local()  # .count: this thread's CapturedProgram calls that warmed up or captured
+_WARMUPS = threading.local()  # .count: this thread's captures and CapturedProgram warm-ups
 
 
 def warmups_run() -> int:
-    """How many :class:`CapturedProgram` calls on this thread so far ran a program's warm-up or
-    its capture (a call on a capturing path that was not a replay): such a call takes many times a
-    replay (a capture synchronises the device twice), so a step that made one is no measure of a
-    step's cost (the speculation policy leaves it out: :meth:`specdec.adaptive.SpeculationPolicy.unmeasured`)."""
+    """How many graph captures (:func:`capture`: a decoder's widths, prompt buckets, programs) and
+    eager warm-ups of a capturing :class:`CapturedProgram` this thread has run so far: each takes
+    many times a replay (a capture synchronises the device twice), so a step that ran one is no
+    measure of a step's cost (the speculation policy leaves it out:
+    :meth:`specdec.adaptive.SpeculationPolicy.unmeasured`)."""
     return getattr(_WARMUPS, "count", 0)
+
+
+def _warmed_up() -> None:
+    _WARMUPS.count = warmups_run() + 1
 
 
 def bucket_length(n: int, multiple: int = 256) -> int:
@@ -161,6 +166,7 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
         :func:`capture_blocker` names a reason; the device is synchronised first so the caller
         can run ``fn`` eagerly instead.
     """
+    _warmed_up()
     blocker = capture_blocker()
     if blocker is not None:
         raise CaptureFailure(what, RuntimeError(blocker))
@@ -291,8 +297,6 @@ class CapturedProgram:
         if self.graph is not None:
             self.graph.replay()
             return "cuda_graph"
-        if self.graphs and self.error is None:  # (a warm-up or a capture: warmups_run)
-            _WARMUPS.count = warmups_run() + 1
         if self.graphs and self.error is None and self.calls >= 2:
             try:  # the previous call ran the program eagerly: it was the warm-up
                 program = self._program()
@@ -312,6 +316,8 @@ class CapturedProgram:
                 self.graph.replay()  # capturing does not run the work: run this call's
                 return "cuda_graph"
         warm = self.graphs and self.error is None
+        if warm:  # (the warm-up before a capture: warmups_run)
+            _warmed_up()
         program = self._program() if warm else self.fn
         with fused(self.model, warm and self._fusing(), modules=program is self.fn), (
                 graph_safe_experts(self.model) if warm and self.model is not None else contextlib.nullcontext()):

@@ -1342,8 +1342,9 @@ def test_a_step_that_warms_up_a_program_measures_nothing(monkeypatch):
 def test_warmups_run_counts_a_programs_warm_up_and_capture_only():
     """:func:`specdec.graphs.warmups_run` grows by one for each call of a capturing program that is
     not a replay (its eager warm-up, its capture attempt), and not for a program that never
-    captures (the static path) or whose capture failed (eager from then on)."""
-    from specdec.graphs import CapturedProgram, warmups_run
+    captures (the static path) or whose capture failed (eager from then on); and by one for every
+    other capture (:func:`specdec.graphs.capture`: a decoder's widths, prompt buckets)."""
+    from specdec.graphs import CaptureFailure, CapturedProgram, capture, warmups_run
 
     before = warmups_run()
     static = CapturedProgram(lambda: None, model=None, what="a static program", graphs=False)
@@ -1358,6 +1359,9 @@ def test_warmups_run_counts_a_programs_warm_up_and_capture_only():
     assert warmups_run() == before + 2 and capturing.error is not None
     capturing()
     assert warmups_run() == before + 2
+    with pytest.raises(CaptureFailure):  # (refused on a CPU)
+        capture(lambda: None, model=None, what="a decoder's width")
+    assert warmups_run() == before + 3
 
 
 def test_one_measured_k_extrapolates_by_how_the_drafter_drafts():
