@@ -221,6 +221,51 @@ def test_greedy_exact_every_strategy_and_K(saved, family, path):
     assert hist[0] > 0 and hist[1:4].sum() > 0 and hist[4] > 0, (family, hist.tolist())
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_steps_without_a_proposal_keep_every_entry(family):
+    """With K chosen per step, steps at K = 0 (and steps before the first proposal) hand their
+    committed positions' hidden states to the drafter without asking for drafts. The next
+    proposal runs them all, in order: its MTP cache holds an entry for every committed position
+    and its first step's draft distribution equals that of a drafter fed the whole text as its
+    prompt."""
+    from test_generate_batch_drafters import mtp_target
+
+    target, layers = mtp_target(family)  # (fitted here on first use: outside no_grad)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 90, (2, 10))
+    full = target.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hidden = target.model(input_ids=full).last_hidden_state
+    V, L0, K = target.config.vocab_size, ids.shape[1], 2
+    ones = torch.ones(2, dtype=torch.long)
+
+    def drafter(prompt_len):
+        d = MTPDrafter(target, layers)
+        d.start(target_vocab_size=V, batch_size=2, device="cpu", sampling=SamplingConfig(),
+                generator=torch.Generator().manual_seed(0), max_length=full.shape[1] + 8)
+        d.observe_prompt(hidden[:, :prompt_len], torch.ones(2, prompt_len, dtype=torch.long))
+        return d
+
+    for before, between in ((0, 0), (0, 1), (0, 5), (3, 0), (2, 4)):
+        d, n = drafter(L0), L0 + 1  # the text: the prompt and its pending token
+        for _ in range(before):  # plain steps before the first proposal: one committed position each
+            d.observe_tokens(hidden[:, n - 1:n], ones)
+            n += 1
+        d.propose(full[:, :n], torch.full((2,), n), K)
+        # a step that accepts the first draft: the pending token's and that draft's positions
+        d.observe_tokens(hidden[:, n - 1:n + 1], 2 * ones)
+        n += 2
+        for _ in range(between):  # plain steps: no proposal asked
+            d.observe_tokens(hidden[:, n - 1:n], ones)
+            n += 1
+        d.propose(full[:, :n], torch.full((2,), n), K)
+        assert d.cache.seq_len.tolist() == [n - 1] * 2, (family, before, between)
+        fresh = drafter(n - 1)
+        fresh.propose(full[:, :n], torch.full((2,), n), K)
+        # (the first step's: later steps read the token sampled at the first, from another generator state)
+        assert torch.allclose(d.draft_probs()[:, 0], fresh.draft_probs()[:, 0], atol=1e-5), (family, before, between)
+
+
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_tree_drafting_exact(saved, family):
     _, model = saved[family]

@@ -673,8 +673,12 @@ class MTPDrafter(Drafter):
     def _reset(self):
         self.cache = None
         self._prompt = None  # (hidden [B, L, D], attention_mask [B, L]) until the first proposal
-        self._hidden = None  # [B, R, D] target hidden states of the entries the next proposal runs first
-        self._num = None  # [B] how many
+        # [B, R, D] target hidden states of the entries the next proposal runs first, [B] how many:
+        # every committed position's since the last proposal (steps at K = 0 ask for none)
+        self._hidden = None
+        self._num = None
+        self._used = 0  # columns of _hidden that may hold entries (host bound: max(_num) <= it)
+        self._owned = False  # whether _hidden is this drafter's buffer (else the engine's tensor, read only)
         self._probs = None
         self._calls = 0
         self._batch = 0  # the rows of the call (start)
@@ -718,6 +722,9 @@ class MTPDrafter(Drafter):
         self._check_prompt("admit", hidden_states, attention_mask)
         if self.cache is None:  # no proposal yet: the first one prefills every row's prompt
             self._prompt = self._merge_prompts(rows, hidden_states, attention_mask)
+            if self._num is not None:  # (entries observed since: the rows' old requests')
+                self._num = self._num.clone()
+                self._num[rows] = 0
             return
         cache = self.cache
         cache.set_step_tokens(0)  # the last proposal's speculative entries: never committed
@@ -729,7 +736,13 @@ class MTPDrafter(Drafter):
             st.hidden[rows, :1] = last.to(st.hidden.dtype)
             st.num[rows] = 1
         else:
-            self._hidden, self._num = self._hidden.clone(), self._num.clone()
+            if self._hidden is None:  # (nothing observed since the last proposal)
+                self._hidden = last.new_zeros(self._batch, 1, last.shape[-1])
+                self._num = torch.zeros(self._batch, dtype=torch.long, device=last.device)
+                self._used, self._owned = 1, True
+            elif not self._owned:  # (the engine's tensor: not written)
+                self._hidden, self._owned = self._hidden.clone(), True
+            self._num = self._num.clone()
             self._hidden[rows, :1] = last.to(self._hidden.dtype)
             self._num[rows] = 1
 
@@ -748,12 +761,18 @@ class MTPDrafter(Drafter):
         return hidden, mask
 
     def observe_tokens(self, hidden_states: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """See :meth:`Drafter.observe_tokens`. Entries observed while no proposal ran (steps at
+        K = 0 with K chosen per step, or before the first proposal) are kept, in order, for the
+        next proposal to run: the MTP cache then holds every committed position's entry, at its
+        own position, as when every step proposes."""
         st = self._static
         if st is not None and self._static_proposals:  # into the buffers the captured program reads
             st.hidden[:, : hidden_states.shape[1]].copy_(hidden_states)
             st.num.copy_(num_tokens)
+        elif self._hidden is None:
+            self._hidden, self._num, self._used, self._owned = hidden_states, num_tokens, hidden_states.shape[1], False
         else:
-            self._hidden, self._num = hidden_states, num_tokens
+            self._append_entries(hidden_states, num_tokens)
 
     def draft_probs(self):
         return self._probs
@@ -789,8 +808,12 @@ class MTPDrafter(Drafter):
         if first:
             self.cache = self._new_cache(text.shape[0], self._columns(K, False), K + 1, static=False)
             self._prefill(self.cache, text, lengths)
+        if self._hidden is None:
+            raise RuntimeError("MTPDrafter.propose() twice without observe_tokens() in between: the engine must hand "
+                               "over the committed positions' hidden states after every step")
         width = max(int(self._num.max()), 1)
-        return self._chain(self.cache, text, lengths, self._hidden[:, :width], self._num, K, pick, tree)
+        hidden, num, self._hidden, self._num = self._hidden[:, :width], self._num, None, None  # (run now)
+        return self._chain(self.cache, text, lengths, hidden, num, K, pick, tree)
 
     def _columns(self, K, static):
         """KV columns of the MTP cache: every entry of the longest text plus a proposal's (a static
@@ -815,9 +838,28 @@ class MTPDrafter(Drafter):
         cols = torch.arange(Lp, device=text.device)[None, :]
         pad = Lp - mask.sum(1).to(text.device)
         ids = text.gather(1, (cols - pad[:, None]).clamp(min=0))  # the prompt, left-padded again
-        self._hidden = self._fill(cache, ids, hidden, mask)
-        self._num = torch.ones(B, dtype=torch.long, device=cache.device)
+        last, ones = self._fill(cache, ids, hidden, mask), torch.ones(B, dtype=torch.long, device=cache.device)
+        observed = (self._hidden, self._num) if self._hidden is not None else None
+        self._hidden, self._num, self._used, self._owned = last, ones, 1, False
+        if observed is not None:  # the entries of steps that ran before this first proposal follow the prompt's last
+            self._append_entries(*observed)
         self._prompt = None
+
+    def _append_entries(self, hidden: torch.Tensor, num: torch.Tensor) -> None:
+        """Row b's next ``num[b]`` entries, ``hidden [B, R, D]`` (its first ``num[b]`` columns),
+        after the ``_num[b]`` it holds, on the device (no host sync): into a buffer of this
+        drafter's, grown twofold when full, so a run of steps that do not propose copies each entry
+        about once."""
+        B, R = hidden.shape[:2]
+        need = self._used + R
+        if not self._owned or need > self._hidden.shape[1]:
+            cap = max(need, 2 * self._hidden.shape[1]) if self._owned else need
+            buf = self._hidden.new_zeros(B, cap, self._hidden.shape[2])
+            buf[:, :self._used] = self._hidden[:, :self._used]
+            self._hidden, self._owned = buf, True
+        cols = self._num[:, None] + torch.arange(R, device=self._num.device)[None, :]  # < _used + R per row
+        self._hidden.scatter_(1, cols[..., None].expand(B, R, hidden.shape[2]), hidden.to(self._hidden.dtype))
+        self._num, self._used = self._num + num.to(self._num.device), need
 
     def _fill(self, cache, input_ids, hidden, mask) -> torch.Tensor:
         """Fill the empty ``cache`` with the entries (h_t, x_{t+1}) of the left-padded prompts
