@@ -500,6 +500,10 @@ def _launch_config(batch: int, H: int, P: int, N: int, block_p: int | None = Non
     the 4-warp setting had been chosen. The plain update and deferred replay keep their settings:
     one warp was level for the update (222.2 against 221.3 us) and slower for deferred replay
     (342.8 against 337.2 us, its fold launched alike).
+
+    The fold (:func:`mamba2_replay_fold`: replay's commit, deferred replay's flush) takes deferred
+    replay's settings: at large batch 32 rows x 4 warps, where 8 warps had made deferred replay's
+    step 393.0 against 337.2 us at batch 64 on the same H100 (its verify launched alike).
     """
     BN = next_pow2(N)
     large = batch * H * triton.cdiv(P, 32) >= 1024
@@ -745,7 +749,7 @@ def mamba2_replay_fold(ckpt, hist_x, hist_dt, hist_B, A, num_tokens, state_indic
         raise ValueError(f"A must be [H] = [{H}], got {tuple(A.shape)}")
     Bsz = num_tokens.shape[0]
     check_state_indices(state_indices, Bsz)
-    BP, BN, num_warps, _ = _launch_config(Bsz, H, P, N, block_p, num_warps)
+    BP, BN, num_warps, _ = _launch_config(Bsz, H, P, N, block_p, num_warps, mode=REPLAY.value, deferred=True)
     if Bsz == 0:
         return
     _mamba2_fold_kernel[(triton.cdiv(P, BP), H, Bsz)](
