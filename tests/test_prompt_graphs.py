@@ -207,6 +207,51 @@ def test_cuda_graph_prompts_replay_exactly(fam):
         get_model(fam).cpu()
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_failed_capture_leaves_the_captured_buckets_replaying(monkeypatch):
+    """On CUDA: when one bucket's capture fails, it and buckets met later run uncaptured (at their
+    bucket's shape), a bucket waiting for its capture is not captured any more, and the buckets
+    captured before keep replaying their graphs; outputs stay the eager path's."""
+    import specdec.graphs as graphs
+
+    model = get_model("nemotron_h").cuda()
+    try:
+        ids, mask = ragged_prompts(3, seed=0)
+        ids, mask = ids.cuda(), mask.cuda()
+        ref = specdec.wrap(model, decode_path="eager").generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                                 pad_token_id=0)
+        sd = specdec.wrap(model, decode_path="cuda_graph")
+        pg = sd.adapter.prompt_graphs
+        for _ in range(2):  # its bucket captured
+            sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+        assert pg.error is None and pg.counts["captured"] == 1, pg.counts
+        waiting = torch.ones(1, 9, dtype=torch.long, device="cuda")  # another bucket, met once: waiting
+        sd.generate(waiting, max_new_tokens=2, pad_token_id=0)
+        assert len(pg.pending()) == 1, pg.pending()
+        real = graphs.capture
+        wide = torch.ones(1, 40, dtype=torch.long, device="cuda")  # a third bucket: its capture fails
+        B, T, _ = pg.bucket(*wide.shape)
+
+        def failing(*args, what, **kwargs):
+            if f"prompt forward of {B} x {T} tokens" in what:
+                raise graphs.CaptureFailure(what, RuntimeError("simulated"))
+            return real(*args, what=what, **kwargs)
+
+        monkeypatch.setattr(graphs, "capture", failing)
+        for _ in range(2):
+            sd.generate(wide, max_new_tokens=2, pad_token_id=0)
+        assert pg.error is not None and "simulated" in pg.error and not pg.pending()
+        before = dict(pg.counts)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+        assert torch.equal(out, ref)
+        assert pg.counts["cuda_graph"] == before["cuda_graph"] + 1, (before, pg.counts)  # still replayed
+        sd.generate(waiting, max_new_tokens=2, pad_token_id=0)  # its second use: not captured after the failure
+        assert pg.counts["captured"] == before["captured"] and pg.counts["static"] == before["static"] + 1, pg.counts
+    finally:
+        get_model("nemotron_h").cpu()
+
+
 def test_padding_columns_of_every_row_are_left_out():
     """Prompts padded to a fixed length (columns that are padding in every row) run in the bucket
     of their longest real prompt, and leave the same logits and cache as the eager prefill."""

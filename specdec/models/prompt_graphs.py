@@ -115,7 +115,7 @@ class PromptGraphs:
     bucket's second, which costs the capture), ran eagerly at a bucket's shape (``"static"``: on the CUDA-graph path each bucket's first, its warm-up) and
     eagerly at their own shape because no bucket held them (``"eager"``: too many rows, tokens or
     columns, or not :attr:`available`); ``error`` the first capture failure's reason (from then
-    on no bucket is captured).
+    on no new bucket is captured; the buckets captured before keep replaying their graphs).
     """
 
     def __init__(self, adapter, max_rows: int = PROMPT_GRAPH_ROWS, max_tokens: int = PROMPT_GRAPH_TOKENS,
@@ -207,12 +207,12 @@ class PromptGraphs:
         if key is None:
             self.counts["eager"] += 1
             return None
-        graphs = bool(graphs) and self.error is None and capture_blocker() is None and input_ids.is_cuda
+        graphs = bool(graphs) and capture_blocker() is None and input_ids.is_cuda
         restored = tuple(sorted(restore)) if restore else ()
         full = key + (restored, scan, graphs)
         bucket = self._buckets.get(full)
-        if bucket is None:
-            bucket = self._buckets[full] = _Bucket(self, *key, restored, scan, graphs)
+        if bucket is None:  # (after a capture failed, a new bucket runs uncaptured; captured ones keep replaying)
+            bucket = self._buckets[full] = _Bucket(self, *key, restored, scan, graphs and self.error is None)
         Bb, Tb, Pb = key
         bucket.ids.zero_()
         bucket.ids[:B, Tb - T:] = input_ids
@@ -241,6 +241,9 @@ class PromptGraphs:
             how = "captured"
         if bucket.program.error is not None and self.error is None:
             self.error = bucket.program.error
+            for other in self._buckets.values():  # (the ones waiting for their capture: none)
+                if other.program.graph is None:
+                    other.program.graphs = False
         self.counts[how] += 1
         hidden, new_kv, states = self._output_views(bucket)
 
