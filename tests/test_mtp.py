@@ -246,17 +246,23 @@ def test_steps_without_a_proposal_keep_every_entry(family):
         d.observe_prompt(hidden[:, :prompt_len], torch.ones(2, prompt_len, dtype=torch.long))
         return d
 
+    seen = torch.empty(2, 1, hidden.shape[-1])  # one buffer, rewritten each plain step (as a CUDA graph's output is)
+
+    def plain_step(d, n):
+        seen.copy_(hidden[:, n - 1:n])
+        d.observe_tokens(seen, ones)
+
     for before, between in ((0, 0), (0, 1), (0, 5), (3, 0), (2, 4)):
         d, n = drafter(L0), L0 + 1  # the text: the prompt and its pending token
         for _ in range(before):  # plain steps before the first proposal: one committed position each
-            d.observe_tokens(hidden[:, n - 1:n], ones)
+            plain_step(d, n)
             n += 1
         d.propose(full[:, :n], torch.full((2,), n), K)
         # a step that accepts the first draft: the pending token's and that draft's positions
         d.observe_tokens(hidden[:, n - 1:n + 1], 2 * ones)
         n += 2
         for _ in range(between):  # plain steps: no proposal asked
-            d.observe_tokens(hidden[:, n - 1:n], ones)
+            plain_step(d, n)
             n += 1
         d.propose(full[:, :n], torch.full((2,), n), K)
         assert d.cache.seq_len.tolist() == [n - 1] * 2, (family, before, between)
@@ -264,6 +270,77 @@ def test_steps_without_a_proposal_keep_every_entry(family):
         fresh.propose(full[:, :n], torch.full((2,), n), K)
         # (the first step's: later steps read the token sampled at the first, from another generator state)
         assert torch.allclose(d.draft_probs()[:, 0], fresh.draft_probs()[:, 0], atol=1e-5), (family, before, between)
+
+
+def test_a_row_admitted_before_the_first_proposal_keeps_none_of_its_old_prompt():
+    """Continuous batching before the first proposal: a row that takes a shorter prompt than the
+    one it had is prefilled with the new prompt alone (its old prompt's columns left out), as a
+    drafter started on the new prompt would."""
+    from test_generate_batch_drafters import mtp_target
+
+    target, layers = mtp_target("qwen3_5")
+    torch.manual_seed(2)
+    V, K = target.config.vocab_size, 2
+    old = target.generate(torch.randint(3, 90, (2, 10)), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    new = target.generate(torch.randint(3, 90, (1, 4)), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        h_old, h_new = (target.model(input_ids=t[:, :-1]).last_hidden_state for t in (old, new))
+
+    def drafter(batch):
+        d = MTPDrafter(target, layers)
+        d.start(target_vocab_size=V, batch_size=batch, device="cpu", sampling=SamplingConfig(),
+                generator=torch.Generator().manual_seed(0), max_length=16)
+        return d
+
+    d = drafter(2)
+    d.observe_prompt(h_old, torch.ones(2, 10, dtype=torch.long))
+    d.admit(torch.tensor([1]), new[:, :-1], torch.ones(1, 4, dtype=torch.long), h_new, None)
+    text = torch.zeros(2, 11, dtype=torch.long)
+    text[0], text[1, :5] = old[0], new[0]
+    d.propose(text, torch.tensor([11, 5]), K)
+    fresh = drafter(1)
+    fresh.observe_prompt(h_new, torch.ones(1, 4, dtype=torch.long))
+    fresh.propose(new, torch.tensor([5]), K)
+    assert int(d.cache.seq_len[1] - d.cache.pad[1]) == int(fresh.cache.seq_len[0]) == 4  # (entries past its padding)
+    assert torch.allclose(d.draft_probs()[1, 0], fresh.draft_probs()[0, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_a_long_run_of_plain_steps_catches_up_in_chunks(family):
+    """A row that ended at the end of the text (no more entries) beside a row that went on for more
+    plain steps than the MTP cache has spare columns: the next proposal catches up in chunks and
+    writes no KV column past the cache (one forward of every entry would, for the ended row), and
+    the live row's first draft distribution equals a drafter fed its whole text."""
+    from test_generate_batch_drafters import mtp_target
+
+    target, layers = mtp_target(family)
+    torch.manual_seed(1)
+    V, K = target.config.vocab_size, 2
+    full = target.generate(torch.randint(3, 90, (2, 6)), max_new_tokens=34, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hidden = target.model(input_ids=full).last_hidden_state
+    W, ones = full.shape[1], torch.ones(2, dtype=torch.long)  # 40 columns: the text's most
+
+    def drafter(rows, prompt_len):
+        d = MTPDrafter(target, layers)
+        d.start(target_vocab_size=V, batch_size=len(rows), device="cpu", sampling=SamplingConfig(),
+                generator=torch.Generator().manual_seed(0), max_length=W)
+        d.observe_prompt(hidden[rows, :prompt_len], torch.ones(len(rows), prompt_len, dtype=torch.long))
+        return d
+
+    d, n = drafter([0, 1], 6), torch.tensor([7, 7])  # each prompt and its pending token
+    d.propose(full, n, K)
+    d.observe_tokens(hidden[:, 6:39], torch.tensor([33, 1]))  # row 0 takes its last 33 tokens and ends
+    n += torch.tensor([33, 1])
+    d.propose(full, n, K)
+    for _ in range(30):  # row 1 alone, 30 plain steps: more entries than the cache's 12 spare columns
+        d.observe_tokens(torch.stack([hidden[0, :1], hidden[1, n[1] - 1:n[1]]]), torch.tensor([0, 1]))
+        n[1] += 1
+    d.propose(full, n, K)
+    assert d.cache.seq_len.tolist() == [39, int(n[1]) - 1]
+    fresh = drafter([1], int(n[1]) - 1)
+    fresh.propose(full[1:], n[1:], K)
+    assert torch.allclose(d.draft_probs()[1, 0], fresh.draft_probs()[0, 0], atol=1e-5)
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)

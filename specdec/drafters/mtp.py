@@ -550,6 +550,7 @@ class MTPDrafter(Drafter):
         self.compile_proposal = compile_proposal
         self._path = "eager"
         self._adaptive = False  # K changes per step: the fixed-K static program does not apply
+        self._max_k = 0  # the call's largest K (set_speculation): the eager cache holds steps of it
         self._static = None  # _StaticMTP of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
@@ -663,6 +664,7 @@ class MTPDrafter(Drafter):
 
     def set_speculation(self, max_speculative_tokens: int, adaptive: bool) -> None:
         self._adaptive = bool(adaptive)
+        self._max_k = int(max_speculative_tokens)
 
     @property
     def _static_proposals(self) -> bool:
@@ -740,7 +742,7 @@ class MTPDrafter(Drafter):
                 self._hidden = last.new_zeros(self._batch, 1, last.shape[-1])
                 self._num = torch.zeros(self._batch, dtype=torch.long, device=last.device)
                 self._used, self._owned = 1, True
-            elif not self._owned:  # (the engine's tensor: not written)
+            elif not self._owned:  # (the prefill's output: not written)
                 self._hidden, self._owned = self._hidden.clone(), True
             self._num = self._num.clone()
             self._hidden[rows, :1] = last.to(self._hidden.dtype)
@@ -756,6 +758,7 @@ class MTPDrafter(Drafter):
         mask = attention_mask.new_zeros(self._batch, W)
         if old_m.shape[0]:
             hidden[:, W - old_m.shape[1]:], mask[:, W - old_m.shape[1]:] = old_h, old_m
+        hidden[rows], mask[rows] = 0, 0  # (a shorter new prompt: none of the old one's columns kept)
         L = attention_mask.shape[1]
         hidden[rows, W - L:], mask[rows, W - L:] = hidden_states, attention_mask
         return hidden, mask
@@ -764,13 +767,17 @@ class MTPDrafter(Drafter):
         """See :meth:`Drafter.observe_tokens`. Entries observed while no proposal ran (steps at
         K = 0 with K chosen per step, or before the first proposal) are kept, in order, for the
         next proposal to run: the MTP cache then holds every committed position's entry, at its
-        own position, as when every step proposes."""
+        own position, as when every step proposes. They are copies (the engine's tensor may be a
+        CUDA graph's output, rewritten by its next step), held until that proposal: up to
+        B x 2 x (steps since) x D values of the hidden states' dtype; that proposal runs them in
+        forwards of at most the cache's spare columns (:meth:`_catch_up_chunk`)."""
         st = self._static
         if st is not None and self._static_proposals:  # into the buffers the captured program reads
             st.hidden[:, : hidden_states.shape[1]].copy_(hidden_states)
             st.num.copy_(num_tokens)
-        elif self._hidden is None:
-            self._hidden, self._num, self._used, self._owned = hidden_states, num_tokens, hidden_states.shape[1], False
+        elif self._hidden is None:  # (a copy: the engine's tensor may be a graph's output, rewritten by the next step)
+            self._hidden, self._num = hidden_states.clone(), num_tokens.clone()
+            self._used, self._owned = hidden_states.shape[1], True
         else:
             self._append_entries(hidden_states, num_tokens)
 
@@ -806,14 +813,23 @@ class MTPDrafter(Drafter):
             return self._propose_static(text, lengths, K, pick, tree)
         self.last_path, self.capture_error, self.compile_error = "eager", None, None  # (no program ran)
         if first:
-            self.cache = self._new_cache(text.shape[0], self._columns(K, False), K + 1, static=False)
+            top = max(K, self._max_k)
+            self.cache = self._new_cache(text.shape[0], self._columns(top, False), top + 1, static=False)
             self._prefill(self.cache, text, lengths)
         if self._hidden is None:
             raise RuntimeError("MTPDrafter.propose() twice without observe_tokens() in between: the engine must hand "
                                "over the committed positions' hidden states after every step")
         width = max(int(self._num.max()), 1)
         hidden, num, self._hidden, self._num = self._hidden[:, :width], self._num, None, None  # (run now)
-        return self._chain(self.cache, text, lengths, hidden, num, K, pick, tree)
+        return self._chain(self.cache, text, lengths, hidden, num, K, pick, tree, chunk=self._catch_up_chunk(K))
+
+    def _catch_up_chunk(self, K: int) -> int:
+        """The most entries one catch-up forward of the eager cache runs: its columns beyond the
+        longest text (:meth:`_columns` of the K it was made for) less the K - 1 speculative steps
+        after it, so that no row's forward, a finished row's included (it writes the forward's
+        width past its end, uncommitted), writes past the cache."""
+        spare = self.cache.max_len - max(self.max_length or 0, 1)
+        return max(1, spare - max(K - 1, 0))
 
     def _columns(self, K, static):
         """KV columns of the MTP cache: every entry of the longest text plus a proposal's (a static
@@ -894,18 +910,27 @@ class MTPDrafter(Drafter):
         pos = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
         return self._rotary(x, pos)
 
-    def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None):
+    def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None, chunk=None):
         """Catch up on the ``num [B]`` entries whose target hidden states are ``hidden [B, R, D]``
-        (their tokens: the text's last ``num``) and commit them, then run K - 1 speculative steps
-        (left open: the next proposal discards them). Returns what :meth:`_propose` does."""
+        (their tokens: the text's last ``num``) and commit them, in forwards of at most ``chunk``
+        entries (None: one forward), then run K - 1 speculative steps (left open: the next
+        proposal discards them). Returns what :meth:`_propose` does."""
         B, R = hidden.shape[:2]
         rows = torch.arange(B, device=cache.device)
         cache.set_step_tokens(0)  # the previous proposal's speculative entries: never committed
-        j = torch.arange(R, device=cache.device)[None, :]
-        idx = ((lengths - num)[:, None] + j).clamp(0, text.shape[1] - 1)
-        out = self._step(cache, text.gather(1, idx), hidden, 0)
-        cache.commit(num)
-        last = out[rows, (num - 1).clamp(min=0)]
+        width = R if chunk is None else min(R, chunk)
+        j = torch.arange(width, device=cache.device)[None, :]
+        last = None
+        for start in range(0, R, width):  # (host ints: one forward unless the entries outgrow a chunk)
+            part = hidden[:, start:start + width]
+            if part.shape[1] < width:  # (the last chunk: padded, its columns beyond the counts unused)
+                part = torch.cat([part, part.new_zeros(B, width - part.shape[1], part.shape[2])], 1)
+            n = (num - start).clamp(0, width)
+            idx = ((lengths - num + start)[:, None] + j).clamp(0, text.shape[1] - 1)
+            out = self._step(cache, text.gather(1, idx), part, 0)
+            cache.commit(n)
+            at = out[rows, (n - 1).clamp(min=0)]
+            last = at if last is None else torch.where((n > 0)[:, None], at, last)
         logits, toks, probs = [], [], []
         ids = self.draft_vocab
         for k in range(K):
