@@ -330,9 +330,12 @@ def step_measures(K: int, before: int, run_before: bool) -> str | None:
     """What a real step at K after one at ``before`` measures (``run_before``: K ran earlier in the
     call): ``"width"``, the cost of width K; ``"leave"``, the first plain step after speculative
     ones, the switch's extra cost (:meth:`CostModel.observe_leave`); None, nothing: the first
-    step at a K in a call (its first proposal, compiles) and a step narrower than the one before
-    (it first folds the wider one's replay history: the switch's cost, not the width's)."""
-    if not run_before or 0 < K < before:
+    step at a K in a call (its first proposal, compiles), a step narrower than the one before
+    (it first folds the wider one's replay history: the switch's cost, not the width's) and the
+    first speculative step after plain ones (a drafter with state of its own, a draft model or
+    MTP layers, first catches up on the text of every plain step: the switch's cost, growing
+    with the plain steps, not the width's)."""
+    if not run_before or 0 < K < before or (K > 0 and before == 0):
         return None
     return "leave" if K == 0 and before > 0 else "width"
 
@@ -1351,7 +1354,8 @@ class SpeculationPolicy:
         ran a program's warm-up or capture (:meth:`unmeasured`), the first
         plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
         step at K > 0 after a wider one (it first folds the wider one's replay history: the
-        switch's cost, not the width's), and the call's last step (its laps complete after the loop). Set against
+        switch's cost, not the width's) or after a plain one (a drafter with state first catches
+        up on the plain steps' text), and the call's last step (its laps complete after the loop). Set against
         :meth:`predicted_step_s`."""
         return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 

@@ -929,6 +929,27 @@ def test_a_step_right_after_a_switch_of_k_is_not_a_measure_of_its_width():
     assert policy.measured_step_s()[1] == pytest.approx(1.2)  # (draft included)
 
 
+def test_the_first_speculative_step_after_plain_ones_is_not_a_measure_of_its_width():
+    # a drafter with state of its own (a draft model, MTP layers) first catches up on the text of
+    # the plain steps: counted, a long run of plain steps would make its next proposal look slow,
+    # and the plain steps' probes would then be spaced further apart
+    costs, key, dk = MeasuredCosts(weight=0.5), CostKey("eager", "replay", 1), DrafterKey(True)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
+    clock, seen = _LapClock(), []
+    for K in (1, 0, 0, 0, 1, 1, 1):  # (a K's first step in the call is not measured either)
+        first = clock.marks
+        policy._ahead = (K, K, 0, None, policy.step_times(), 1.0)  # (this step's K, as the policy would choose it)
+        seen.append(policy.next_k())
+        catch_up = 5.0 if K and len(seen) > 1 and seen[-2] == 0 else 0.0  # after 3 plain steps
+        clock.step([("draft", 0.1 + catch_up if K else 0.01), ("verify", 1.0 + 0.2 * K), ("rollback", 0.0)])
+        policy.after_step(None, clock, first, 1)
+    assert seen == [1, 0, 0, 0, 1, 1, 1]
+    assert costs.draft_s(dk, key, 1) == pytest.approx(0.1)  # the step after the plain ones left out
+    assert policy.measured_step_s()[1] == pytest.approx(1.3)
+
+
 def test_min_gain_shrinks_with_the_batch():
     """The start margin is min_gain up to acceptance_batch rows and shrinks as 1 / sqrt(B) above
     (the noise of the batch's E(K)): a 1.5% predicted gain starts speculation at 64 rows, not at 8."""
