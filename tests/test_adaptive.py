@@ -908,21 +908,31 @@ def test_a_calibrated_neighbour_within_the_band_runs_until_measured():
     assert policy_at(0.97, measure_neighbours=False)[0].next_k() == 1
 
 
-def test_a_step_right_after_a_switch_of_k_is_not_a_measure_of_its_width():
-    # a narrower step first folds the wider one's replay history: its time is the switch's, and
-    # counted, it would make the narrower width look slower for the steps after it
-    costs, key, dk = MeasuredCosts(weight=0.5), CostKey("eager", "replay", 1), DrafterKey(False)
+def _scripted_steps(ks, laps, sequential: bool):
+    """Steps at the Ks ``ks`` with the laps ``laps(K, K before or None)`` through a policy whose
+    costs hold a calibrated 1.0 s for widths 1-3: ``(policy, costs, key, drafter key, Ks run)``."""
+    costs, key, dk = MeasuredCosts(weight=0.5), CostKey("eager", "replay", 1), DrafterKey(sequential)
     for T in (1, 2, 3):
         costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
     policy = SpeculationPolicy(PolicySettings(), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
     clock, seen = _LapClock(), []
-    for K in (1, 1, 2, 2, 1, 1, 1):
+    for K in ks:
         first = clock.marks
         policy._ahead = (K, K, 0, None, policy.step_times(), 1.0)  # (this step's K, as the policy would choose it)
         seen.append(policy.next_k())
-        switched = len(seen) > 1 and seen[-2] != K
-        clock.step([("draft", 0.1), ("verify", 0.9 + 0.2 * K + (0.5 if switched else 0.0)), ("rollback", 0.0)])
+        clock.step(laps(K, seen[-2] if len(seen) > 1 else None))
         policy.after_step(None, clock, first, 1)
+    return policy, costs, key, dk, seen
+
+
+def test_a_step_right_after_a_switch_of_k_is_not_a_measure_of_its_width():
+    # a narrower step first folds the wider one's replay history: its time is the switch's, and
+    # counted, it would make the narrower width look slower for the steps after it
+    def laps(K, before):
+        switched = before is not None and before != K
+        return [("draft", 0.1), ("verify", 0.9 + 0.2 * K + (0.5 if switched else 0.0)), ("rollback", 0.0)]
+
+    policy, costs, key, _, seen = _scripted_steps((1, 1, 2, 2, 1, 1, 1), laps, sequential=False)
     assert seen == [1, 1, 2, 2, 1, 1, 1]
     assert costs.target_s(key, 1) == pytest.approx(1.1)  # the steps after each switch left out
     assert costs.target_s(key, 2) == pytest.approx(1.3)
@@ -933,19 +943,13 @@ def test_the_first_speculative_step_after_plain_ones_is_not_a_measure_of_its_wid
     # a drafter with state of its own (a draft model, MTP layers) first catches up on the text of
     # the plain steps: counted, a long run of plain steps would make its next proposal look slow,
     # and the plain steps' probes would then be spaced further apart
-    costs, key, dk = MeasuredCosts(weight=0.5), CostKey("eager", "replay", 1), DrafterKey(True)
-    for T in (1, 2, 3):
-        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
-    policy = SpeculationPolicy(PolicySettings(), costs, key, dk, 2, 1, 1000, 0.6, "cpu")
-    clock, seen = _LapClock(), []
-    for K in (1, 0, 0, 0, 1, 1, 1):  # (a K's first step in the call is not measured either)
-        first = clock.marks
-        policy._ahead = (K, K, 0, None, policy.step_times(), 1.0)  # (this step's K, as the policy would choose it)
-        seen.append(policy.next_k())
-        catch_up = 5.0 if K and len(seen) > 1 and seen[-2] == 0 else 0.0  # after 3 plain steps
-        clock.step([("draft", 0.1 + catch_up if K else 0.01), ("verify", 1.0 + 0.2 * K), ("rollback", 0.0)])
-        policy.after_step(None, clock, first, 1)
-    assert seen == [1, 0, 0, 0, 1, 1, 1]
+    def laps(K, before):
+        catch_up = 5.0 if K and before == 0 else 0.0  # after 3 plain steps
+        return [("draft", 0.1 + catch_up if K else 0.01), ("verify", 1.0 + 0.2 * K), ("rollback", 0.0)]
+
+    ks = (1, 0, 0, 0, 1, 1, 1)  # (a K's first step in the call is not measured either)
+    policy, costs, key, dk, seen = _scripted_steps(ks, laps, sequential=True)
+    assert seen == list(ks)
     assert costs.draft_s(dk, key, 1) == pytest.approx(0.1)  # the step after the plain ones left out
     assert policy.measured_step_s()[1] == pytest.approx(1.3)
 
