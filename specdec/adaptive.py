@@ -326,18 +326,22 @@ MEASURING_STEPS = MEASURED_STEPS + 2
 POLICY_GRAPHS_KEPT = 8
 
 
-def step_measures(K: int, before: int, run_before: bool) -> str | None:
+def step_measures(K: int, before: int, run_before: bool, catches_up: bool = False) -> str | None:
     """What a real step at K after one at ``before`` measures (``run_before``: K ran earlier in the
-    call): ``"width"``, the cost of width K; ``"leave"``, the first plain step after speculative
-    ones, the switch's extra cost (:meth:`CostModel.observe_leave`); None, nothing: the first
-    step at a K in a call (its first proposal, compiles), a step narrower than the one before
-    (it first folds the wider one's replay history: the switch's cost, not the width's) and the
-    first speculative step after plain ones (a drafter with state of its own, a draft model or
-    MTP layers, first catches up on the text of every plain step: the switch's cost, growing
-    with the plain steps, not the width's)."""
-    if not run_before or 0 < K < before or (K > 0 and before == 0):
+    call; ``catches_up``: the drafter keeps state of its own, which it first brings up to the
+    text, :attr:`DrafterKey.sequential`): ``"width"``, the cost of width K; ``"target"``, only
+    the target's part of it: the first speculative step after plain ones of a drafter that
+    catches up (a draft model, MTP layers: its proposal first runs the text of every plain step,
+    a cost of the switch that grows with the plain steps, not of the width); ``"leave"``, the
+    first plain step after speculative ones, the switch's extra cost
+    (:meth:`CostModel.observe_leave`); None, nothing: the first step at a K in a call (its
+    first proposal, compiles) and a step narrower than the one before (it first folds the wider
+    one's replay history: the switch's cost, not the width's)."""
+    if not run_before or 0 < K < before:
         return None
-    return "leave" if K == 0 and before > 0 else "width"
+    if K == 0:
+        return "leave" if before > 0 else "width"
+    return "target" if before == 0 and catches_up else "width"
 
 
 def _per_k_means(per_step: list[list[float]]) -> list[float]:
@@ -516,9 +520,10 @@ class CostModel(abc.ABC):
         from real steps: True, nothing is left to measure)."""
         return True
 
-    def observe(self, key: CostKey, drafter_key, K: int, draft_s: float, target_s: float) -> None:
+    def observe(self, key: CostKey, drafter_key, K: int, draft_s: float | None, target_s: float) -> None:
         """One real step at K: the drafter's seconds (at K = 0, the step's glue where a proposal
-        would be made) and the target's (verify + commit + bookkeeping)."""
+        would be made; None where they measure no proposal of K, see :func:`step_measures`) and
+        the target's (verify + commit + bookkeeping)."""
 
     def observe_leave(self, key: CostKey, extra_s: float) -> None:
         """The first plain step (K = 0) after speculative ones took ``extra_s`` seconds more than
@@ -638,9 +643,10 @@ class MeasuredCosts(CostModel):
                 before = self.target_s(key, K)
             target_s = _capped(target_s, before)
             self._ewma(self._target, (key, K), target_s, ("target", key, K))
-            where = (drafter_key, key.path, key.batch)  # (a proposal's first time at a K as it is: a
-            seen = self._draft.setdefault(where, {})    # sequential drafter's grows with K)
-            self._ewma(seen, K, _capped(draft_s, seen.get(K)), ("draft", *where, K))
+            if draft_s is not None:
+                where = (drafter_key, key.path, key.batch)  # (a proposal's first time at a K as it is: a
+                seen = self._draft.setdefault(where, {})    # sequential drafter's grows with K)
+                self._ewma(seen, K, _capped(draft_s, seen.get(K)), ("draft", *where, K))
         if calib is not None:
             self._ewma(gaps, K, target_s - sum(calib), ("gap", key, K))
 
@@ -1315,14 +1321,16 @@ class SpeculationPolicy:
             K, start, stop, before, plain_s, warming = self._last
             laps = [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
             total = sum(s for _, s in laps)
-            what = None if warming else step_measures(K, before, K in self._seen)
+            what = None if warming else step_measures(K, before, K in self._seen,
+                                                      getattr(self.drafter_key, "sequential", True))
             if what == "leave":
                 self.costs.observe_leave(self.key, total - plain_s)
-            elif what == "width":
+            elif what in ("width", "target"):
                 draft = sum(s for phase, s in laps if phase == "draft")  # (K = 0: the step's glue; see observe)
-                self.costs.observe(self.key, self.drafter_key, K, draft, total - draft)
-                seen = self._measured.setdefault(K, [0.0, 0])
-                seen[0], seen[1] = seen[0] + total, seen[1] + 1
+                self.costs.observe(self.key, self.drafter_key, K, draft if what == "width" else None, total - draft)
+                if what == "width":
+                    seen = self._measured.setdefault(K, [0.0, 0])
+                    seen[0], seen[1] = seen[0] + total, seen[1] + 1
             self._seen.add(K)
         ks = self.k_per_step
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
@@ -1354,8 +1362,8 @@ class SpeculationPolicy:
         ran a program's warm-up or capture (:meth:`unmeasured`), the first
         plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
         step at K > 0 after a wider one (it first folds the wider one's replay history: the
-        switch's cost, not the width's) or after a plain one (a drafter with state first catches
-        up on the plain steps' text), and the call's last step (its laps complete after the loop). Set against
+        switch's cost, not the width's) or, for a drafter that catches up, after a plain one (its
+        proposal first runs the plain steps' text; the target's part is taken), and the call's last step (its laps complete after the loop). Set against
         :meth:`predicted_step_s`."""
         return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 

@@ -950,8 +950,14 @@ def test_the_first_speculative_step_after_plain_ones_is_not_a_measure_of_its_wid
     ks = (1, 0, 0, 0, 1, 1, 1)  # (a K's first step in the call is not measured either)
     policy, costs, key, dk, seen = _scripted_steps(ks, laps, sequential=True)
     assert seen == list(ks)
-    assert costs.draft_s(dk, key, 1) == pytest.approx(0.1)  # the step after the plain ones left out
-    assert policy.measured_step_s()[1] == pytest.approx(1.3)
+    assert costs.draft_s(dk, key, 1) == pytest.approx(0.1)  # its draft lap left out
+    assert costs.target_s(key, 1) == pytest.approx(1.2)  # (its target part taken: 2 steps of 1.2)
+    assert costs._n[("target", key, 1)] == 2 and policy.measured_step_s()[1] == pytest.approx(1.3)
+    # a drafter without state of its own (n-gram): a probe from K = 0 measures its width whole
+    policy, costs, key, dk, _ = _scripted_steps(ks, lambda K, before: [("draft", 0.1 if K else 0.01),
+                                                                      ("verify", 1.0 + 0.2 * K),
+                                                                      ("rollback", 0.0)], sequential=False)
+    assert costs._n[("draft", dk, key.path, key.batch, 1)] == 2 and costs.draft_s(dk, key, 1) == pytest.approx(0.1)
 
 
 def test_min_gain_shrinks_with_the_batch():

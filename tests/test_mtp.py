@@ -338,6 +338,8 @@ def test_a_long_run_of_plain_steps_catches_up_in_chunks(family):
         n[1] += 1
     d.propose(full, n, K)
     assert d.cache.seq_len.tolist() == [39, int(n[1]) - 1]
+    with pytest.raises(ValueError, match="num_speculative_tokens grew from at most 2 to 3"):
+        d.propose(full, n, K + 1)  # (a cache made for K = 2, without set_speculation: not written past)
     fresh = drafter([1], int(n[1]) - 1)
     fresh.propose(full[1:], n[1:], K)
     assert torch.allclose(d.draft_probs()[1, 0], fresh.draft_probs()[0, 0], atol=1e-5)

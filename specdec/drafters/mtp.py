@@ -816,6 +816,9 @@ class MTPDrafter(Drafter):
             top = max(K, self._max_k)
             self.cache = self._new_cache(text.shape[0], self._columns(top, False), top + 1, static=False)
             self._prefill(self.cache, text, lengths)
+        elif K + 1 > self.cache.max_step_tokens:  # (its columns hold the steps of the K it was made for)
+            raise ValueError(f"num_speculative_tokens grew from at most {self.cache.max_step_tokens - 1} to {K} "
+                             "during one generate(); call set_speculation() with the largest K, or start() again")
         if self._hidden is None:
             raise RuntimeError("MTPDrafter.propose() twice without observe_tokens() in between: the engine must hand "
                                "over the committed positions' hidden states after every step")
