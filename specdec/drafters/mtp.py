@@ -680,7 +680,6 @@ class MTPDrafter(Drafter):
         self._hidden = None
         self._num = None
         self._used = 0  # columns of _hidden that may hold entries (host bound: max(_num) <= it)
-        self._owned = False  # whether _hidden is this drafter's buffer (else the engine's tensor, read only)
         self._probs = None
         self._calls = 0
         self._batch = 0  # the rows of the call (start)
@@ -741,9 +740,7 @@ class MTPDrafter(Drafter):
             if self._hidden is None:  # (nothing observed since the last proposal)
                 self._hidden = last.new_zeros(self._batch, 1, last.shape[-1])
                 self._num = torch.zeros(self._batch, dtype=torch.long, device=last.device)
-                self._used, self._owned = 1, True
-            elif not self._owned:  # (the prefill's output: not written)
-                self._hidden, self._owned = self._hidden.clone(), True
+                self._used = 1
             self._num = self._num.clone()
             self._hidden[rows, :1] = last.to(self._hidden.dtype)
             self._num[rows] = 1
@@ -777,7 +774,7 @@ class MTPDrafter(Drafter):
             st.num.copy_(num_tokens)
         elif self._hidden is None:  # (a copy: the engine's tensor may be a graph's output, rewritten by the next step)
             self._hidden, self._num = hidden_states.clone(), num_tokens.clone()
-            self._used, self._owned = hidden_states.shape[1], True
+            self._used = hidden_states.shape[1]
         else:
             self._append_entries(hidden_states, num_tokens)
 
@@ -859,7 +856,7 @@ class MTPDrafter(Drafter):
         ids = text.gather(1, (cols - pad[:, None]).clamp(min=0))  # the prompt, left-padded again
         last, ones = self._fill(cache, ids, hidden, mask), torch.ones(B, dtype=torch.long, device=cache.device)
         observed = (self._hidden, self._num) if self._hidden is not None else None
-        self._hidden, self._num, self._used, self._owned = last, ones, 1, False
+        self._hidden, self._num, self._used = last.clone(), ones, 1  # (a copy: the prompt's states stay as given)
         if observed is not None:  # the entries of steps that ran before this first proposal follow the prompt's last
             self._append_entries(*observed)
         self._prompt = None
@@ -871,11 +868,10 @@ class MTPDrafter(Drafter):
         about once."""
         B, R = hidden.shape[:2]
         need = self._used + R
-        if not self._owned or need > self._hidden.shape[1]:
-            cap = max(need, 2 * self._hidden.shape[1]) if self._owned else need
-            buf = self._hidden.new_zeros(B, cap, self._hidden.shape[2])
+        if need > self._hidden.shape[1]:
+            buf = self._hidden.new_zeros(B, max(need, 2 * self._hidden.shape[1]), self._hidden.shape[2])
             buf[:, :self._used] = self._hidden[:, :self._used]
-            self._hidden, self._owned = buf, True
+            self._hidden = buf
         cols = self._num[:, None] + torch.arange(R, device=self._num.device)[None, :]  # < _used + R per row
         self._hidden.scatter_(1, cols[..., None].expand(B, R, hidden.shape[2]), hidden.to(self._hidden.dtype))
         self._num, self._used = self._num + num.to(self._num.device), need
