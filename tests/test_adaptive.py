@@ -1655,23 +1655,35 @@ def test_bad_adaptive_settings_fail_clearly():
         OracleDrafter(ids, mask, acceptance=[0.5, 1.2])
 
 
+@pytest.mark.parametrize("path", ["static", pytest.param("cuda_graph", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_auto_mtp_on_the_static_path_exact(family):
-    """MTP layers with K chosen per step on the static decode path (each width in ORDER, up to
-    the most drafts, after a first step at a smaller one): the proposals run eagerly, as the
-    fixed-K program's buffers are for one K; the output equals plain greedy decoding's."""
+def test_auto_mtp_on_the_static_path_exact(family, path):
+    """MTP layers with K chosen per step on the static decode path: each K proposed runs its own
+    fixed-shape program on one MTP cache, and the entries of plain steps are run first (more of
+    them than a program takes: by the catch-up program). Each width in ORDER, up to the most
+    drafts, after a first step at a smaller one; then, at most 2 drafts, runs of 6 and 7 plain
+    steps. The output equals plain greedy decoding's (on CUDA: the programs captured and replayed)."""
     from test_generate_batch_drafters import mtp_target
     from tiny_models import ragged_prompts
 
-    target, layers = mtp_target(family)
-    ids, mask = ragged_prompts(batch=2)
-    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    drafter = MTPDrafter(target, layers)
-    sd = specdec.wrap(target, drafter=drafter, num_speculative_tokens="auto", max_speculative_tokens=8,
-                      decode_path="static", cost_model=ScriptedCosts(ORDER))
-    out = sd.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
-    assert torch.equal(out, ref)
-    assert len({K for K in sd.last_stats.k_per_step if K}) >= 3 and drafter.last_path == "eager"
+    dev = "cuda" if path == "cuda_graph" else "cpu"
+    target, layers = mtp_target(family, dev)
+    ids, mask = (t.to(dev) for t in ragged_prompts(batch=2))
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    for max_k, order in ((8, ORDER), (2, [0] * 6 + [2] + [0] * 7 + [1, 2])):
+        drafter = MTPDrafter(target, layers)
+        sd = specdec.wrap(target, drafter=drafter, num_speculative_tokens="auto", max_speculative_tokens=max_k,
+                          decode_path=path, cost_model=ScriptedCosts(order))
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0)
+        assert torch.equal(out, ref), max_k
+        ks = sd.last_stats.k_per_step
+        assert len({K for K in ks if K}) >= min(3, max_k) and drafter.last_path == path, (max_k, ks)
+        st = drafter._static
+        assert sorted(st.programs) == sorted({K for K in ks if K}) and all(p.calls for p in st.programs.values())
+        if max_k == 2:
+            assert ks[:8] == [0] * 6 + [2, 0] and st.catch_up is not None and st.catch_up.calls >= 4, ks
+            if path == "cuda_graph":
+                assert st.catch_up.graph is not None and st.catch_up.error is None
 
 
 def test_no_live_row_keeps_the_current_k():

@@ -221,13 +221,22 @@ def test_greedy_exact_every_strategy_and_K(saved, family, path):
     assert hist[0] > 0 and hist[1:4].sum() > 0 and hist[4] > 0, (family, hist.tolist())
 
 
+def _per_step_k(d, path: str, max_k: int):
+    """``d`` set up as the engine sets a drafter for K chosen per step on decode path ``path``."""
+    d.set_decode_path(path)
+    d.set_speculation(max_k, True)
+    return d
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_steps_without_a_proposal_keep_every_entry(family):
+def test_steps_without_a_proposal_keep_every_entry(family, path):
     """With K chosen per step, steps at K = 0 (and steps before the first proposal) hand their
     committed positions' hidden states to the drafter without asking for drafts. The next
     proposal runs them all, in order: its MTP cache holds an entry for every committed position
     and its first step's draft distribution equals that of a drafter fed the whole text as its
-    prompt."""
+    prompt. On the static path the kept entries beyond the program's K + 1 are first run by the
+    catch-up program."""
     from test_generate_batch_drafters import mtp_target
 
     target, layers = mtp_target(family)  # (fitted here on first use: outside no_grad)
@@ -239,8 +248,8 @@ def test_steps_without_a_proposal_keep_every_entry(family):
     V, L0, K = target.config.vocab_size, ids.shape[1], 2
     ones = torch.ones(2, dtype=torch.long)
 
-    def drafter(prompt_len):
-        d = MTPDrafter(target, layers)
+    def drafter(prompt_len, path="eager"):
+        d = _per_step_k(MTPDrafter(target, layers), path, K)
         d.start(target_vocab_size=V, batch_size=2, device="cpu", sampling=SamplingConfig(),
                 generator=torch.Generator().manual_seed(0), max_length=full.shape[1] + 8)
         d.observe_prompt(hidden[:, :prompt_len], torch.ones(2, prompt_len, dtype=torch.long))
@@ -253,7 +262,7 @@ def test_steps_without_a_proposal_keep_every_entry(family):
         d.observe_tokens(seen, ones)
 
     for before, between in ((0, 0), (0, 1), (0, 5), (3, 0), (2, 4)):
-        d, n = drafter(L0), L0 + 1  # the text: the prompt and its pending token
+        d, n = drafter(L0, path), L0 + 1  # the text: the prompt and its pending token
         for _ in range(before):  # plain steps before the first proposal: one committed position each
             plain_step(d, n)
             n += 1
@@ -265,7 +274,7 @@ def test_steps_without_a_proposal_keep_every_entry(family):
             plain_step(d, n)
             n += 1
         d.propose(full[:, :n], torch.full((2,), n), K)
-        assert d.cache.seq_len.tolist() == [n - 1] * 2, (family, before, between)
+        assert d.last_path == path and d.cache.seq_len.tolist() == [n - 1] * 2, (family, before, between)
         fresh = drafter(n - 1)
         fresh.propose(full[:, :n], torch.full((2,), n), K)
         # (the first step's: later steps read the token sampled at the first, from another generator state)
@@ -305,12 +314,14 @@ def test_a_row_admitted_before_the_first_proposal_keeps_none_of_its_old_prompt()
     assert torch.allclose(d.draft_probs()[1, 0], fresh.draft_probs()[0, 0], atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_a_long_run_of_plain_steps_catches_up_in_chunks(family):
+def test_a_long_run_of_plain_steps_catches_up_in_chunks(family, path):
     """A row that ended at the end of the text (no more entries) beside a row that went on for more
     plain steps than the MTP cache has spare columns: the next proposal catches up in chunks and
     writes no KV column past the cache (one forward of every entry would, for the ended row), and
-    the live row's first draft distribution equals a drafter fed its whole text."""
+    the live row's first draft distribution equals a drafter fed its whole text. (On the static
+    path the chunks are the catch-up program's K + 1 entries.)"""
     from test_generate_batch_drafters import mtp_target
 
     target, layers = mtp_target(family)
@@ -321,14 +332,14 @@ def test_a_long_run_of_plain_steps_catches_up_in_chunks(family):
         hidden = target.model(input_ids=full).last_hidden_state
     W, ones = full.shape[1], torch.ones(2, dtype=torch.long)  # 40 columns: the text's most
 
-    def drafter(rows, prompt_len):
-        d = MTPDrafter(target, layers)
+    def drafter(rows, prompt_len, path="eager"):
+        d = _per_step_k(MTPDrafter(target, layers), path, K)
         d.start(target_vocab_size=V, batch_size=len(rows), device="cpu", sampling=SamplingConfig(),
                 generator=torch.Generator().manual_seed(0), max_length=W)
         d.observe_prompt(hidden[rows, :prompt_len], torch.ones(len(rows), prompt_len, dtype=torch.long))
         return d
 
-    d, n = drafter([0, 1], 6), torch.tensor([7, 7])  # each prompt and its pending token
+    d, n = drafter([0, 1], 6, path), torch.tensor([7, 7])  # each prompt and its pending token
     d.propose(full, n, K)
     d.observe_tokens(hidden[:, 6:39], torch.tensor([33, 1]))  # row 0 takes its last 33 tokens and ends
     n += torch.tensor([33, 1])
@@ -337,8 +348,9 @@ def test_a_long_run_of_plain_steps_catches_up_in_chunks(family):
         d.observe_tokens(torch.stack([hidden[0, :1], hidden[1, n[1] - 1:n[1]]]), torch.tensor([0, 1]))
         n[1] += 1
     d.propose(full, n, K)
-    assert d.cache.seq_len.tolist() == [39, int(n[1]) - 1]
-    with pytest.raises(ValueError, match="num_speculative_tokens grew from at most 2 to 3"):
+    assert d.last_path == path and d.cache.seq_len.tolist() == [39, int(n[1]) - 1]
+    grew = "grew from at most 2 to 3" if path == "eager" else "=3 is above the largest K of this generate"
+    with pytest.raises(ValueError, match=grew):
         d.propose(full, n, K + 1)  # (a cache made for K = 2, without set_speculation: not written past)
     fresh = drafter([1], int(n[1]) - 1)
     fresh.propose(full[1:], n[1:], K)
@@ -426,14 +438,14 @@ def test_static_proposal_traces_as_one_graph(saved, family, draft_vocab):
         for i, (k, v) in before[1].items():
             cache.kv[i][0].copy_(k)
             cache.kv[i][1].copy_(v)
-        st.out.fill_(-1)  # poisoned: the program writes every draft
+        st.outs[4].fill_(-1)  # poisoned: the program writes every draft
         with torch.no_grad():
             program()
-        return st.out.clone(), cache.seq_len.clone(), {i: (k.clone(), v.clone()) for i, (k, v) in cache.kv.items()}
+        return st.outs[4].clone(), cache.seq_len.clone(), {i: (k.clone(), v.clone()) for i, (k, v) in cache.kv.items()}
 
-    eager = run(st.program.fn)
+    eager = run(st.programs[4].fn)
     torch._dynamo.reset()
-    traced = run(torch.compile(st.program.fn, fullgraph=True, dynamic=False, backend="aot_eager"))
+    traced = run(torch.compile(st.programs[4].fn, fullgraph=True, dynamic=False, backend="aot_eager"))
     assert (eager[0] >= 0).all()
     assert torch.equal(traced[0], eager[0]) and torch.equal(traced[1], eager[1]), family
     for i in eager[2]:

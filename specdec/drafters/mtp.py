@@ -43,11 +43,14 @@ layer 0's; a layer j > 0 sees its own speculative entries (and older, stale ones
 Drafting is a chain (greedy, or sampled with :meth:`draft_probs` as q for lossless rejection
 sampling) or a draft tree in Medusa's path format (``tree=``): the chain of top-1 tokens is run
 and node ``p`` holds the rank ``p[-1]`` token of step ``len(p)``'s distribution, as Medusa heads
-fill a tree. On the engine's static / CUDA-graph decode path, with a fixed K (with
-``num_speculative_tokens="auto"`` proposals run eagerly), each proposal after the first is one
-fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
+fill a tree. On the engine's static / CUDA-graph decode path each proposal after the first is
+one fixed-shape program (the catch-up on K + 1 entries, then the K - 1 steps), captured as a CUDA
 graph on CUDA (greedy and trees) through :func:`specdec.graphs.capture`, its norms and MLPs
-fused as the target's are. With ``compile_proposal=True`` the program is compiled whole with
+fused as the target's are. With K chosen per step (``num_speculative_tokens="auto"``) there is
+one such program per K, all on one MTP cache made for the call's largest K, M, and its catch-up
+takes M + 1 entries; the entries of plain steps (K = 0) are kept and the next proposal first
+catches up on those beyond M + 1 with a captured catch-up program of M + 1 entries per run
+(:meth:`MTPDrafter._load_entries`). With ``compile_proposal=True`` the program is compiled whole with
 ``torch.compile`` before its capture (:class:`specdec.graphs.CapturedProgram`'s
 ``compile_whole``): a proposal is K passes of a decoder layer at one to K + 1 tokens a row,
 hundreds of small kernels (norms, rotary, masks, the KV write, casts) around a few GEMMs, so
@@ -668,9 +671,16 @@ class MTPDrafter(Drafter):
 
     @property
     def _static_proposals(self) -> bool:
-        """Whether proposals run the fixed-shape program (static / CUDA-graph path, a fixed K: the
-        program and its buffers are for one K; with K chosen per step they run eagerly)."""
-        return self._path != "eager" and not self._adaptive
+        """Whether proposals run fixed-shape programs (the static / CUDA-graph path): one for a
+        fixed K, one per K with K chosen per step (trees: a fixed K only)."""
+        return self._path != "eager" and not (self._adaptive and self.tree is not None)
+
+    @property
+    def _direct(self) -> bool:
+        """Whether observed entries go straight into the program's buffers (a fixed K: every step
+        proposes, so they are never more than K + 1); with K chosen per step they are kept
+        (:meth:`_append_entries`) until a proposal loads them (:meth:`_load_entries`)."""
+        return self._static_proposals and not self._adaptive
 
     def _reset(self):
         self.cache = None
@@ -733,7 +743,7 @@ class MTPDrafter(Drafter):
         last = self._fill(fresh, input_ids, hidden_states, attention_mask)
         cache.reset_rows(rows, fresh)
         st = self._static
-        if st is not None and self._static_proposals:  # into the buffers the captured program reads
+        if st is not None and self._direct:  # into the buffers the captured program reads
             st.hidden[rows, :1] = last.to(st.hidden.dtype)
             st.num[rows] = 1
         else:
@@ -769,7 +779,7 @@ class MTPDrafter(Drafter):
         B x 2 x (steps since) x D values of the hidden states' dtype; that proposal runs them in
         forwards of at most the cache's spare columns (:meth:`_catch_up_chunk`)."""
         st = self._static
-        if st is not None and self._static_proposals:  # into the buffers the captured program reads
+        if st is not None and self._direct:  # into the buffers the captured program reads
             st.hidden[:, : hidden_states.shape[1]].copy_(hidden_states)
             st.num.copy_(num_tokens)
         elif self._hidden is None:  # (a copy: the engine's tensor may be a graph's output, rewritten by the next step)
@@ -909,27 +919,20 @@ class MTPDrafter(Drafter):
         pos = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
         return self._rotary(x, pos)
 
-    def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None, chunk=None):
+    def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None, chunk=None, start=0, last=None):
         """Catch up on the ``num [B]`` entries whose target hidden states are ``hidden [B, R, D]``
-        (their tokens: the text's last ``num``) and commit them, in forwards of at most ``chunk``
-        entries (None: one forward), then run K - 1 speculative steps (left open: the next
-        proposal discards them). Returns what :meth:`_propose` does."""
-        B, R = hidden.shape[:2]
-        rows = torch.arange(B, device=cache.device)
+        (their tokens: the text's last ``num``; entries before ``start`` already run, ``last``
+        their last outputs: see :meth:`_catch_up`) and commit them, in forwards of at most
+        ``chunk`` entries (None: one forward), then run K - 1 speculative steps (left open: the
+        next proposal discards them). Returns what :meth:`_propose` does."""
+        R = hidden.shape[1]
         cache.set_step_tokens(0)  # the previous proposal's speculative entries: never committed
         width = R if chunk is None else min(R, chunk)
-        j = torch.arange(width, device=cache.device)[None, :]
-        last = None
-        for start in range(0, R, width):  # (host ints: one forward unless the entries outgrow a chunk)
-            part = hidden[:, start:start + width]
+        for at in range(0, R, width):  # (host ints: one forward unless the entries outgrow a chunk)
+            part = hidden[:, at:at + width]
             if part.shape[1] < width:  # (the last chunk: padded, its columns beyond the counts unused)
-                part = torch.cat([part, part.new_zeros(B, width - part.shape[1], part.shape[2])], 1)
-            n = (num - start).clamp(0, width)
-            idx = ((lengths - num + start)[:, None] + j).clamp(0, text.shape[1] - 1)
-            out = self._step(cache, text.gather(1, idx), part, 0)
-            cache.commit(n)
-            at = out[rows, (n - 1).clamp(min=0)]
-            last = at if last is None else torch.where((n > 0)[:, None], at, last)
+                part = torch.cat([part, part.new_zeros(part.shape[0], width - part.shape[1], part.shape[2])], 1)
+            last = self._catch_up(cache, text, lengths, part, num, start + at, last)
         logits, toks, probs = [], [], []
         ids = self.draft_vocab
         for k in range(K):
@@ -952,6 +955,20 @@ class MTPDrafter(Drafter):
             return torch.stack(toks, dim=1), q
         return torch.stack(toks, dim=1)
 
+    def _catch_up(self, cache, text, lengths, hidden, num, start, last):
+        """One forward of each row's entries ``start .. start + W - 1`` of its ``num [B]`` (W =
+        ``hidden.shape[1]``; ``hidden [B, W, D]`` their target hidden states, ``start`` an int or a
+        0-d long tensor), committed. Returns the MTP output ``[B, D]`` at each row's last entry
+        among them, or the row's ``last`` where it has none there (None: the output at column 0)."""
+        B, W = hidden.shape[:2]
+        j = torch.arange(W, device=cache.device)[None, :]
+        n = (num - start).clamp(0, W)
+        idx = ((lengths - num + start)[:, None] + j).clamp(0, text.shape[1] - 1)
+        out = self._step(cache, text.gather(1, idx), hidden, 0)
+        cache.commit(n)
+        at = out[torch.arange(B, device=cache.device), (n - 1).clamp(min=0)]
+        return at if last is None else torch.where((n > 0)[:, None], at, last)
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[..., V]`` of the MTP output ``hidden [..., D]`` through the target's LM
         head, or ``[..., N]`` over ``draft_vocab`` (its rows' copy; the MTP families' heads are
@@ -969,41 +986,98 @@ class MTPDrafter(Drafter):
 
     # --- static / CUDA-graph path -----------------------------------------------------------
     def _propose_static(self, text, lengths, K, pick, tree):
-        """The fixed-shape proposal: catch-up over K + 1 entries, then K - 1 steps, on buffers kept
+        """The fixed-shape proposal: catch-up over the entries, then K - 1 steps, on buffers kept
         per shape bucket; greedy proposals run as a :class:`~specdec.graphs.CapturedProgram`
-        (a CUDA graph on the ``cuda_graph`` path), sampled ones eagerly."""
+        (a CUDA graph on the ``cuda_graph`` path), sampled ones eagerly. A fixed K: one program
+        of K + 1 entries; K chosen per step: one per K, of M + 1 entries (M: the call's largest
+        K), after :meth:`_load_entries`.
+
+        Raises: ValueError for a K above the one the buffers were made for."""
         B, W = text.shape
-        width = self._columns(K, static=True)  # >= W: the engine's text never outgrows max_length
-        key = (B, K, width, self._path, tree)
+        top = self._max_k if self._adaptive else K  # the K the cache and the buffers are made for
+        if K > top:
+            raise ValueError(f"num_speculative_tokens={K} is above the largest K of this generate(), {top} "
+                             "(set_speculation)")
+        width = self._columns(top, static=True)  # >= W: the engine's text never outgrows max_length
+        key = (B, top, width, self._path, tree, self._adaptive)
         st = self._static
         if self._calls == 0:
             if st is None or st.key != key:
                 D = self.layers.hidden_size
-                st = self._static = _StaticMTP(key, B, K, width, D, self.adapter.dtype, self.adapter.device)
-                st.program = CapturedProgram(
-                    lambda: st.out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K,
-                                                     self._argmax, tree)),
-                    model=self.layers, what="the MTP proposal", graphs=self._path == "cuda_graph",
-                    compile_whole=self.compile_proposal)
-            fresh = self._new_cache(B, width, K + 1, static=True)
+                st = self._static = _StaticMTP(key, B, top, width, D, self.adapter.dtype, self.adapter.device)
+            fresh = self._new_cache(B, width, top + 1, static=True)
             self._prefill(fresh, text, lengths)
             if st.cache is None:
                 st.cache = fresh
             else:  # into the buffers a captured graph points at
                 st.cache.copy_from(fresh)
-            st.hidden[:, :1].copy_(self._hidden)
-            st.num.copy_(self._num)
+            if self._direct:
+                st.hidden[:, :1].copy_(self._hidden)
+                st.num.copy_(self._num)
         self._calls += 1
         self.cache = st.cache
         st.text[:, :W].copy_(text)
         st.lengths.copy_(lengths)
-        if pick != self._argmax:  # sampling: the same fixed-shape steps, never captured
+        greedy = pick == self._argmax
+        if not self._direct:
+            self._load_entries(st, greedy)
+        if not greedy:  # sampling: the same fixed-shape steps, never captured
             self.last_path = "static"
-            return self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K, pick, tree)
-        self.last_path = st.program()
-        self.capture_error = st.program.error
-        self.compile_error = st.program.compile_error
-        return st.out.clone()
+            return self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K, pick, tree, start=st.start,
+                               last=st.last)
+        program = st.programs.get(K)
+        if program is None:
+            out = st.outs[K] = torch.zeros(B, K if tree is None else tree.num_nodes - 1, dtype=torch.long,
+                                           device=st.num.device)
+            program = st.programs[K] = self._program(
+                st, lambda: out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K, self._argmax,
+                                                  tree, start=st.start, last=st.last)),
+                f"the MTP proposal (K = {K})" if self._adaptive else "the MTP proposal")
+        self.last_path = program()
+        self.capture_error = program.error
+        self.compile_error = program.compile_error
+        return st.outs[K].clone()
+
+    def _program(self, st, fn, what):
+        """A :class:`~specdec.graphs.CapturedProgram` of ``fn`` on ``st``'s buffers (the programs of
+        one bucket share a graph memory pool: they never run at once and write outside it)."""
+        graphs = self._path == "cuda_graph"
+        if graphs and st.pool is None:
+            st.pool = torch.cuda.graph_pool_handle()
+        return CapturedProgram(fn, model=self.layers, what=what, graphs=graphs, compile_whole=self.compile_proposal,
+                               pool=st.pool)
+
+    def _load_entries(self, st, captured: bool) -> None:
+        """K chosen per step: hand the entries kept since the last proposal to the program's
+        buffers (``st.hidden`` holds M + 1 of each row's; ``st.num`` the counts, ``st.start`` the
+        first one's index). Runs those beyond the last M + 1 columns first, M + 1 a run, by the
+        catch-up program (captured where ``captured``), which commits them and keeps each row's
+        last output in ``st.last``."""
+        if self._hidden is None:
+            raise RuntimeError("MTPDrafter.propose() twice without observe_tokens() in between: the engine must hand "
+                               "over the committed positions' hidden states after every step")
+        C = st.hidden.shape[1]
+        hidden, used = self._hidden, self._used
+        st.num.copy_(self._num)
+        self._hidden = self._num = None
+        self._used = 0
+        runs = max(1, -(-used // C))  # (host ints: every column up to _used may hold an entry)
+        for r in range(runs):
+            part = hidden[:, r * C:(r + 1) * C]
+            st.hidden[:, :part.shape[1]].copy_(part)  # (columns past it: the counts leave them unused)
+            st.start.fill_(r * C)
+            if r < runs - 1:
+                if st.catch_up is None:
+                    st.catch_up = self._program(st, lambda: self._catch_up_static(st), "the MTP catch-up")
+                if captured:
+                    st.catch_up()
+                else:
+                    self._catch_up_static(st)
+
+    def _catch_up_static(self, st) -> None:
+        """One catch-up run on ``st``'s buffers (:meth:`_load_entries`)."""
+        st.cache.set_step_tokens(0)  # the previous proposal's speculative entries: never committed
+        st.last.copy_(self._catch_up(st.cache, st.text, st.lengths, st.hidden, st.num, st.start, st.last))
 
     def __repr__(self):
         tree = f", tree={self.tree!r}" if self.tree is not None else ""
@@ -1015,18 +1089,22 @@ class MTPDrafter(Drafter):
 class _StaticMTP:
     """Buffers of the static MTP path for one shape bucket (kept across ``generate()`` calls so a
     captured graph stays valid): the text, the target hidden states of the entries to catch up on
-    (``[B, K + 1, D]``) and their counts, the proposal's output."""
+    (``[B, K + 1, D]``, K the largest the bucket proposes), their counts and the first one's
+    index, each row's last catch-up output, and per K proposed its program and output."""
 
     def __init__(self, key, B, K, width, D, dtype, dev):
         self.key = key
         self.cache = None
-        self.program = None
-        tree = key[-1]
+        self.programs: dict[int, CapturedProgram] = {}
+        self.outs: dict[int, torch.Tensor] = {}
+        self.catch_up: CapturedProgram | None = None
+        self.pool = None
         self.text = torch.zeros(B, width, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.hidden = torch.zeros(B, K + 1, D, dtype=dtype, device=dev)
         self.num = torch.zeros(B, dtype=torch.long, device=dev)
-        self.out = torch.zeros(B, K if tree is None else tree.num_nodes - 1, dtype=torch.long, device=dev)
+        self.start = torch.zeros((), dtype=torch.long, device=dev)
+        self.last = torch.zeros(B, D, dtype=dtype, device=dev)
 
 
 def _fetch_hub_mtp_files(repo_id: str) -> str:
