@@ -1765,6 +1765,7 @@ class SpeculativeGenerator:
             policy_view = dict(predicted_step_s=policy.predicted_step_s(), measured_step_s=policy.measured_step_s(),
                                calibrated_step_s=policy.calibrated_step_s(),
                                expected_tokens=policy.expected_tokens_seen(),
+                               leave_s=policy.costs.leave_s(policy.key),
                                speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the host)

@@ -53,7 +53,10 @@ class Stats:
         verify + commit of width K + 1 alone, which the prediction for a K not run refines (None:
         not measured, e.g. with ``FixedCosts``). expected_tokens: with ``"auto"``, per K, the mean
         over the call's steps of the tokens a step at K was expected to commit when each step's
-        K was chosen (a fixed batch: per step until its slowest row ends). speculation_gain_per_step: with ``"auto"``, per step, the
+        K was chosen (a fixed batch: per step until its slowest row ends). leave_s: with ``"auto"``,
+        the cost model's extra seconds of the first plain step after speculative ones at the
+        call's end (:meth:`specdec.adaptive.CostModel.leave_s`), which spaces the probes at K = 0
+        with the K = 1 step's extra time (None with a fixed K). speculation_gain_per_step: with ``"auto"``, per step, the
         predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
         (:func:`specdec.adaptive.speculation_gain`, which says where speculation starts and stops).
         Empty lists with a fixed K.
@@ -93,6 +96,7 @@ class Stats:
     measured_step_s: list = field(default_factory=list)
     calibrated_step_s: list = field(default_factory=list)
     expected_tokens: list = field(default_factory=list)
+    leave_s: float | None = None
     speculation_gain_per_step: list = field(default_factory=list)
     max_batch_size: int | None = None
     batch_size_reason: str | None = None

@@ -55,6 +55,7 @@ def _check_stats(st, max_k: int):
     assert len(st.k_histogram) == max_k + 1 and sum(st.k_histogram) == st.steps == len(st.k_per_step)
     assert st.k_histogram == [st.k_per_step.count(K) for K in range(max_k + 1)]
     assert len(st.accept_histogram) == max_k + 1
+    assert st.leave_s is not None and st.leave_s >= 0.0  # (the probes' spacing reads it)
 
 
 # ------------------------------------------------------------------------------ exactness, greedy

@@ -578,7 +578,7 @@ def test_adaptive_tiny_cpu(tmp_path: Path):
         assert all(t is None or t > 0 for t in auto["measured_step_ms"])
         assert len(auto["calibrated_step_ms"]) == len(auto["expected_tokens"]) == 5
         assert all(t is not None and t > 0 for t in auto["calibrated_step_ms"])  # every width was measured
-        assert auto["expected_tokens"][0] > 0
+        assert auto["expected_tokens"][0] > 0 and auto["leave_ms"] >= 0.0
         assert len(auto["speculation_gain_per_step"]) == auto["steps"]
         assert auto["speculation_gain"] == pytest.approx(statistics.median(auto["speculation_gain_per_step"]))
     changing = next(r for r in records if r["acceptance"] == "1->0" and r["rollback"] == "auto")
