@@ -330,7 +330,7 @@ def test_a_long_run_of_plain_steps_catches_up_in_chunks(family, path):
     full = target.generate(torch.randint(3, 90, (2, 6)), max_new_tokens=34, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         hidden = target.model(input_ids=full).last_hidden_state
-    W, ones = full.shape[1], torch.ones(2, dtype=torch.long)  # 40 columns: the text's most
+    W = full.shape[1]  # 40 columns: the text's most
 
     def drafter(rows, prompt_len, path="eager"):
         d = _per_step_k(MTPDrafter(target, layers), path, K)
