@@ -558,12 +558,16 @@ class HybridAdapter:
                 hidden, states = bucketed
                 hidden = _left_pad(hidden, mask.shape[1], 1).clone() if all_hidden_states else hidden[:, -1:].clone()
         else:
-            # the prompts' tokens on the host (the lookups' keys) in one transfer; left padding: each
-            # prompt is its row's last columns
+            # the prompts' tokens on the host (the lookups' keys) in one transfer; a left-padded row's
+            # prompt is its last columns (a row with other gaps: its masked tokens, indexed)
             L = mask.shape[1]
             host = torch.cat([input_ids, mask]).tolist()
-            tokens = [ids[L - sum(m):] for ids, m in zip(host, host[len(input_ids):])]
-            prompts = [ids[L - len(t):] for ids, t in zip(input_ids, tokens)]
+            tokens, prompts = [], []
+            for ids, m, row, row_mask in zip(host, host[len(input_ids):], input_ids, mask):
+                n = sum(m)
+                left = all(m[L - n:])
+                tokens.append(ids[L - n:] if left else [t for t, keep in zip(ids, m) if keep])
+                prompts.append(row[L - n:] if left else row[row_mask.bool()])
             if self.batches_cached_prefill(scan):
                 rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens,
                                                   prompt_path, tokens)
