@@ -25,17 +25,22 @@ Prints per mode: the wall time of each timed call; per region (nested regions co
 parents too) its calls, aten ops per prompt (the ``aten::`` calls made from Python, not those an
 op makes inside) and host milliseconds per prompt (median of the timed calls); the cache's
 counters; kernel launches and GPU busy time; with ``--top N`` the N ops with the most host time
-(and GPU time); then whether the first tokens agree with the cache on and off. The models are the
+(and GPU time); with ``--syncs N``, from one more call, the calls that on a GPU wait for the device
+(:func:`counting_syncs`) per prompt, and the N call sites with the most; then whether the first
+tokens agree with the cache on and off. ``--decode-path static`` on a CPU runs the prompt forwards
+at the bucketed shapes the GPU's default (``cuda_graph``) path replays, uncaptured. The models are the
 app's (``model=`` names of ``conf/model``, ``--override``: more Hydra overrides).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +69,81 @@ REGIONS = (
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 #: the cache counters printed
 COUNTERS = ("lookups", "hit_tokens", "prefilled_tokens", "prefill_forwards", "inserted_blocks", "stored_bytes")
+#: the tensor methods that read a device tensor on the host (on a GPU each waits for the stream):
+#: (owner, attribute)
+READS = tuple((torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
+                                          "__float__", "__index__")) + ((torch, "equal"), (torch, "nonzero"))
+#: the directories whose frames a call site skips (torch's own Python code)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_SPECDEC_DIR = os.path.dirname(specdec.__file__)
+
+
+def _site() -> str:
+    """The call site of a host read: the innermost frame outside torch (``file:line``), and, where
+    that is not specdec's, the innermost specdec frame too."""
+    f, first, ours = sys._getframe(2), None, None
+    while f is not None and ours is None:
+        path = f.f_code.co_filename
+        if not path.startswith(_TORCH_DIR) and path != __file__:
+            root = os.path.dirname(_SPECDEC_DIR) if path.startswith(_SPECDEC_DIR) else os.path.dirname(_TORCH_DIR)
+            here = f"{os.path.relpath(path, root)}:{f.f_lineno}"
+            first = first or here
+            if path.startswith(_SPECDEC_DIR):
+                ours = here
+        f = f.f_back
+    return first if ours in (None, first) else f"{first} <- {ours}"
+
+
+@contextlib.contextmanager
+def counting_syncs(counts: collections.Counter):
+    """For the block, count in ``counts[(kind, call site)]`` each call that on a GPU waits for the
+    device: a read of a tensor on the host (:data:`READS`; on a CPU run every tensor counts, also
+    those a GPU run holds on the host), an index with a bool mask (a ``nonzero``), and a host-to-device
+    copy (``torch.tensor`` / ``as_tensor`` given a device, ``.to`` / ``.cuda`` given one: PyTorch
+    copies pageable host memory synchronously; a CPU run cannot tell a host tensor's ``.to(device)`` from
+    a device tensor's, which copies nothing). Nested calls count once (the outermost)."""
+    state = threading.local()
+    saved = []
+
+    def wrap(owner, name, counted):
+        fn = getattr(owner, name)
+
+        def call(*a, **kw):
+            if getattr(state, "inside", False):
+                return fn(*a, **kw)
+            kind = counted(a, kw)
+            if kind:
+                counts[(kind, _site())] += 1
+            state.inside = True
+            try:
+                return fn(*a, **kw)
+            finally:
+                state.inside = False
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, call)
+
+    def bool_index(a, kw):
+        index = a[1] if isinstance(a[1], tuple) else (a[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+
+    def device_arg(a, kw):
+        return "device" in kw or any(isinstance(x, (str, torch.device)) for x in a[1:])
+
+    for owner, name in READS:
+        wrap(owner, name, lambda a, kw, _n=name: _n)
+    wrap(torch.Tensor, "__getitem__", lambda a, kw: "bool index" if bool_index(a, kw) else None)
+    wrap(torch.Tensor, "__setitem__", lambda a, kw: "bool index" if bool_index(a, kw) else None)
+    for name in ("tensor", "as_tensor"):
+        wrap(torch, name, lambda a, kw, _n=name: f"{_n}(device=)" if kw.get("device") is not None and not (
+            isinstance(a[0], (list, tuple)) and not a[0]) else None)  # (an empty tensor copies nothing)
+    wrap(torch.Tensor, "to", lambda a, kw: "to(device)" if device_arg(a, kw) else None)
+    wrap(torch.Tensor, "cuda", lambda a, kw: "cuda")
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
 
 
 @contextlib.contextmanager
@@ -119,6 +199,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=0, help="rows of the top-ops tables (0: none)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--decode-path", default="auto", help="the generator's decode_path (static: on a CPU, the "
+                    "bucketed prompt forwards a GPU's cuda_graph path runs, uncaptured)")
+    ap.add_argument("--syncs", type=int, default=0, help="rows of the host-sync table (0: none)")
     args = ap.parse_args(argv)
     from specdec.experiments.models import load_app_model
 
@@ -130,6 +213,7 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in args.suffix.split(","))
     vocab = model.config.vocab_size
     sd = specdec.wrap(model, num_speculative_tokens=0)
+    sd.decode_path = args.decode_path
     n = args.prompts
     print(f"{args.model} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
           f"{next(model.parameters()).dtype}), {torch.cuda.get_device_name() if cuda else 'cpu'}: {n} prompts of "
@@ -177,6 +261,17 @@ def main(argv=None) -> int:
                 print(f"  {label:<16}{len(spans):>7}{ops / n:>17.0f}{ms / n:>11.2f}")
         if counters:
             print("  counters:", {k: v for k, v in counters.items() if k in COUNTERS})
+        if args.syncs:
+            syncs: collections.Counter = collections.Counter()
+            with counting_syncs(syncs):
+                call(prompts, cached)
+            kinds = collections.Counter()
+            for (kind, _), c in syncs.items():
+                kinds[kind] += c
+            print(f"  host syncs per prompt {sum(syncs.values()) / n:.1f} (one untimed call): "
+                  + ", ".join(f"{k} {c / n:.1f}" for k, c in kinds.most_common()))
+            for (kind, site), c in syncs.most_common(args.syncs):
+                print(f"    {c / n:>6.2f}  {kind:<16}{site}")
         ev = prof.key_averages()
         launches = sum(e.count for e in ev if e.key in LAUNCHES)
         # the device's own events (kernels, copies): each once (a CPU op's device time repeats them; the

@@ -233,7 +233,7 @@ def left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor]:
     for i, p in enumerate(prompts):
         ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, L - len(p):] = 1
-    return ids.to(device), mask.to(device)
+    return tuple(torch.stack([ids, mask]).to(device))  # (one copy to the device: each waits for it)
 
 
 class RequestPool:

@@ -146,17 +146,18 @@ class SSMLayerCache:
             raise ValueError(f"SSM layer {self.layer}: recurrent state of shape {tuple(ssm_state.shape)} for {n} "
                              f"rows; expected {(n, *self.state_shape)}")
 
-    def load_rows(self, rows: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+    def load_rows(self, rows: torch.Tensor | slice, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
                   conv_width: int) -> None:
-        """Give slots ``rows`` (``[n]`` int64 on the cache's device, distinct) to new sequences
-        whose prefill left ``conv_state [n, C, >= W-1]`` and ``ssm_state [n, *S]`` (None where
-        this layer has no conv / no recurrence, as :meth:`load` takes them): in place, what
-        :meth:`load` on a cache of those rows then :meth:`HybridCache.reset_rows` leave in them
-        (the window's last ``W - 1`` inputs then zeros, the committed state through the
-        strategy's ``reset_rows``). The caller checks that no step is open.
+        """Give slots ``rows`` (``[n]`` int64 on the cache's device, distinct, or a slice of ``n``
+        slots) to new sequences whose prefill left ``conv_state [n, C, >= W-1]`` and ``ssm_state
+        [n, *S]`` (None where this layer has no conv / no recurrence, as :meth:`load` takes them):
+        in place, what :meth:`load` on a cache of those rows then :meth:`HybridCache.reset_rows`
+        leave in them (the window's last ``W - 1`` inputs then zeros, the committed state through
+        the strategy's ``reset_rows``). The caller checks that no step is open.
 
         Raises: ValueError as :meth:`check_load_rows` (before any write)."""
-        self.check_load_rows(rows.numel(), conv_state, ssm_state, conv_width)
+        n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+        self.check_load_rows(n, conv_state, ssm_state, conv_width)
         if conv_state is not None:
             hist, win = conv_width - 1, self.conv_window
             win[rows] = 0
@@ -643,14 +644,21 @@ class HybridCache:
                 this cache's; ``length`` beyond ``max_len``. Everything is checked before the first
                 write: a refused call leaves the cache as it was.
         """
-        rows = torch.tensor(self.check_load_rows(rows), dtype=torch.long, device=self.device)
+        slots = self.check_load_rows(rows)
+        n = len(slots)
+        # slots side by side (one admitted row, or free rows in a run) as a slice: no index copied to
+        # the device (a copy from host memory waits for it) and views, so one copy for every layer
+        first = slots[0] if slots else 0
+        if slots == list(range(first, first + n)):
+            rows = slice(first, first + n)
+        else:
+            rows = torch.tensor(slots, dtype=torch.long, device=self.device)
         if set(keys_values) != set(self.kv) or set(ssm_states) != set(self.ssm):
             raise ValueError(f"load_rows needs the states of every layer of this cache: attention layers "
                              f"{sorted(self.kv)} and SSM layers {sorted(self.ssm)}, got {sorted(keys_values)} and "
                              f"{sorted(ssm_states)}")
         if length > self.max_len:
             raise ValueError(f"load_rows: prompts of {length} columns do not fit this cache's {self.max_len}")
-        n = rows.numel()
         # every check before the first write: a refused call leaves the rows as they were
         for idx, (k, v) in keys_values.items():
             for buf, new in zip(self.kv[idx], (k, v)):
@@ -661,8 +669,12 @@ class HybridCache:
             raise ValueError(f"load_rows: pad of shape {tuple(pad.shape)} for {n} rows")
         for idx, (conv_state, state, conv_width) in ssm_states.items():
             self.ssm[idx].check_load_rows(n, conv_state, state, conv_width)
-        for idx, (k, v) in keys_values.items():
-            for buf, new in zip(self.kv[idx], (k, v)):
+        kv = [(buf, new) for idx, (k, v) in keys_values.items() for buf, new in zip(self.kv[idx], (k, v))]
+        if isinstance(rows, slice) and kv:
+            torch._foreach_copy_([buf[rows, :, :length] for buf, _ in kv], [new for _, new in kv])
+            torch._foreach_zero_([buf[rows, :, length:] for buf, _ in kv])
+        else:
+            for buf, new in kv:
                 buf[rows, :, :length] = new.to(buf.dtype)
                 buf[rows, :, length:] = 0
         self.pad[rows] = pad.to(self.pad)

@@ -259,8 +259,8 @@ class _Rows:
     def generated(self, rows: list[int]) -> list[list[int]]:
         """The new tokens of ``rows`` (host lists; one device-to-host copy)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.text.device)
-        text, start, count = self.text[idx].tolist(), self.prompt_len[idx].tolist(), self.n_gen[idx].tolist()
-        return [t[a:a + n] for t, a, n in zip(text, start, count)]
+        host = torch.cat([self.text[idx], self.prompt_len[idx, None], self.n_gen[idx, None]], 1).tolist()
+        return [t[a:a + n] for *t, a, n in host]
 
     def output(self, input_ids, n_gen, pad: int) -> torch.Tensor:
         """``[B, L + G]``: the prompts as given, then each row's ``n_gen`` new tokens, padded."""
@@ -1845,7 +1845,7 @@ class SpeculativeGenerator:
                         pool.prefilling_chunks = None
                         logits, hidden = stop.value
                         taken, ids, fresh, slots = [pool.slots[job.row]], job.ids, job.cache, [job.row]
-                        idx, mask = torch.tensor(slots, device=dev), torch.ones_like(ids)
+                        mask = torch.ones_like(ids)
                 else:
                     free = [b for b, req in enumerate(pool.slots) if req is None and finished[b]]
                     taken = pool.take(free, decoding=live)
@@ -1853,7 +1853,6 @@ class SpeculativeGenerator:
                         return live, longest
             if job is None:
                 slots = free[:len(taken)]
-                idx = torch.tensor(slots, dtype=torch.long, device=dev)
                 ids, mask = left_pad([r.prompt for r in taken], dev)
                 if len(taken) == 1 and ids.shape[1] > pool.max_batch_tokens:
                     # a cache of its own, its chunks prefilled between the other rows' steps
@@ -1869,9 +1868,11 @@ class SpeculativeGenerator:
                                                       rows=slots)
             else:  # a long prompt's last chunk ran: its cache's row moves into the pool's
                 dec.cache.reset_rows(slots, fresh)
+            # the rows and their budgets in one copy to the device (each copy from the host waits for it)
+            idx, budgets = torch.tensor([slots, [r.max_new_tokens for r in taken]], dtype=torch.long, device=dev)
             if drafter is not None:
                 self._admit_drafter(drafter, idx, ids, mask, hidden, taken)
-            rows.reset(idx, ids, mask, torch.tensor([r.max_new_tokens for r in taken], device=dev))
+            rows.reset(idx, ids, mask, budgets)
             new = torch.zeros(rows.text.shape[0], 1, dtype=torch.long, device=dev)
             new[idx, 0] = self._pick_first(logits.float(), s)
             limit = torch.zeros(rows.text.shape[0], dtype=torch.long, device=dev)
@@ -1882,7 +1883,7 @@ class SpeculativeGenerator:
             finished = rows.finished.tolist()
             pool.prefilled()
             if any(r.streaming for r in taken):  # their first tokens, from the prefill
-                for b, tok in zip(idx.tolist(), new[idx, 0].tolist()):
+                for b, tok in zip(slots, new[idx, 0].tolist()):
                     if pool.slots[b].streaming:
                         pool.stream(b, [tok])
             longest = max(longest, ids.shape[1] + 1)

@@ -603,13 +603,15 @@ def _cache_tensors(cache) -> dict:
     return out
 
 
+@pytest.mark.parametrize("rows", [[3, 1], [1, 2]], ids=["apart", "side-by-side"])
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "lfm2"])
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_prefill_into_rows_leaves_what_reset_rows_from_their_own_cache_leaves(family, strategy):
+def test_prefill_into_rows_leaves_what_reset_rows_from_their_own_cache_leaves(family, strategy, rows):
     """prefill(..., rows=) writes the prompts' states straight into those rows of a cache that
     has decoded (HybridCache.load_rows): every tensor of the cache, other rows included, equals
     bit for bit what a cache of their own, prefilled and moved in by reset_rows, leaves; the
-    logits are the same; the tensors are the same objects (captured graphs stay valid)."""
+    logits are the same; the tensors are the same objects (captured graphs stay valid). Rows
+    side by side are written through views (a slice), rows apart through an index."""
     ad = specdec.models.adapter_for(get_model(family))
     ids, mask = ragged_prompts(4, lengths=(12, 7, 10, 9), seed=1)
     new_ids, new_mask = ragged_prompts(2, lengths=(5, 11), seed=2)
@@ -623,9 +625,9 @@ def test_prefill_into_rows_leaves_what_reset_rows_from_their_own_cache_leaves(fa
     moved, direct = caches
     fresh = ad.new_cache(2, 40, 3, make_strategy(strategy))
     want = ad.prefill(new_ids, new_mask, fresh)
-    moved.reset_rows([3, 1], fresh)
+    moved.reset_rows(rows, fresh)
     objects = {name: t for name, t in _cache_tensors(direct).items()}
-    got = ad.prefill(new_ids, new_mask, direct, rows=[3, 1])
+    got = ad.prefill(new_ids, new_mask, direct, rows=rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     want_t, got_t = _cache_tensors(moved), _cache_tensors(direct)
     assert want_t.keys() == got_t.keys() and len(got_t) > 4

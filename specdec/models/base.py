@@ -558,10 +558,19 @@ class HybridAdapter:
                 hidden, states = bucketed
                 hidden = _left_pad(hidden, mask.shape[1], 1).clone() if all_hidden_states else hidden[:, -1:].clone()
         else:
-            prompts = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
+            # the prompts' tokens on the host (the lookups' keys) in one transfer; a left-padded row's
+            # prompt is its last columns (a row with other gaps: its masked tokens, indexed)
+            L = mask.shape[1]
+            host = torch.cat([input_ids, mask]).tolist()
+            tokens, prompts = [], []
+            for ids, m, row, row_mask in zip(host, host[len(input_ids):], input_ids, mask):
+                n = sum(m)
+                left = all(m[L - n:])
+                tokens.append(ids[L - n:] if left else [t for t, keep in zip(ids, m) if keep])
+                prompts.append(row[L - n:] if left else row[row_mask.bool()])
             if self.batches_cached_prefill(scan):
                 rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens,
-                                                  prompt_path)
+                                                  prompt_path, tokens)
             else:
                 rows = [self.prefill_cached(p, prefix_cache, all_hidden_states, scan) for p in prompts]
             return self._load_rows(rows, mask, cache, all_hidden_states, slots=slots)
@@ -721,10 +730,12 @@ class HybridAdapter:
         row.state = self._layer_states(hf_cache)
         return row.result(all_hidden_states)
 
-    def _cached_row(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool) -> _CachedRow:
+    def _cached_row(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool,
+                    ids: list[int] | None = None) -> _CachedRow:
         """Look ``tokens [L]`` up in ``prefix_cache`` (:meth:`PrefixCache.match`): the prompt's
-        :class:`_CachedRow` at its hit, its state and hidden states those of the hit blocks."""
-        ids = tokens.tolist()
+        :class:`_CachedRow` at its hit, its state and hidden states those of the hit blocks
+        (``ids``: ``tokens`` as a host list, when the caller has it; else read from the device)."""
+        ids = tokens.tolist() if ids is None else ids
         found = prefix_cache.match(ids, all_hidden_states)
         chain = found.chain[:found.hit]
         hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
@@ -779,11 +790,12 @@ class HybridAdapter:
         return not self.has_sliding_window()
 
     def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
-                              scan: str, max_tokens: int | None,
-                              prompt_path: str = "eager") -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
-        """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding), with their
-        forwards run together: returns what it returns for each, and (while nothing is evicted)
-        the cache stores what it stores when run on them in order.
+                              scan: str, max_tokens: int | None, prompt_path: str = "eager",
+                              tokens: list[list[int]] | None = None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
+        """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding; ``tokens``:
+        the same as host lists, when the caller has them), with their forwards run together:
+        returns what it returns for each, and (while nothing is evicted) the cache stores what it
+        stores when run on them in order.
 
         Prompts run in rounds; a round looks its prompts up in order and runs in waves: wave k
         runs each prompt's k-th forward (:attr:`PrefixMatch.forward_ends`; a branch point makes
@@ -802,7 +814,7 @@ class HybridAdapter:
         The states equal :meth:`prefill_cached`'s up to the chunked scans' rounding (fp32: about
         1e-6 relative): padding is state-neutral (:meth:`batches_cached_prefill`)."""
         bs = prefix_cache.block_size
-        tokens = [p.tolist() for p in prompts]
+        tokens = [p.tolist() for p in prompts] if tokens is None else tokens
         results = [None] * len(prompts)
         pending = list(range(len(prompts)))
         while pending:
@@ -813,14 +825,17 @@ class HybridAdapter:
                         min(_shared_blocks(tokens[k], tokens[i], bs), limit) > row.found.hit for i, row in rows.items()):
                     waiting.append(k)
                 else:
-                    rows[k] = self._cached_row(prompts[k], prefix_cache, all_hidden_states)
+                    rows[k] = self._cached_row(prompts[k], prefix_cache, all_hidden_states, tokens[k])
             wave = list(rows.values())
             while wave:
-                lengths = torch.tensor([row.ends[0] - row.start for row in wave])
-                width = int(lengths.max())
-                groups = prefill_groups(torch.arange(width)[None] >= width - lengths[:, None], max_tokens)
-                for group in (groups or [torch.arange(len(wave))]):
-                    self._cached_forward([wave[i] for i in group.tolist()], prefix_cache, all_hidden_states, scan,
+                lengths = [row.ends[0] - row.start for row in wave]
+                width = max(lengths)
+                groups = None
+                if max_tokens is not None and len(wave) * width > max_tokens:  # (else one group)
+                    groups = [g.tolist() for g in prefill_groups(
+                        torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None], max_tokens)]
+                for group in (groups or [range(len(wave))]):
+                    self._cached_forward([wave[i] for i in group], prefix_cache, all_hidden_states, scan,
                                          prompt_path, max_tokens)
                 wave = [row for row in wave if row.ends]
             for k, row in rows.items():

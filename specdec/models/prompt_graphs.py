@@ -222,19 +222,27 @@ class PromptGraphs:
         bucket.mask[:B, Pb - P:Pb] = mask[:, :P]
         bucket.mask[:B, Pb + Tb - T:] = mask[:, P:]
         bucket.mask[B:, -1] = 1  # rows beyond the prompts hold one token each
+        # the restored states into the bucket's buffers: one fill and one copy for every layer
+        zeros, dsts, srcs = [], [], []
         for idx, st in (restore or {}).items():
+            views = bucket.restore_views.setdefault(idx, {})  # (the buffers never move: viewed once)
             for n in _NAMES:
                 if (src := getattr(st, n)) is None:
                     continue
-                shape = (Bb, src.shape[1], Pb, src.shape[3]) if n in ("keys", "values") else (Bb, *src.shape[1:])
-                dst = self._arena.view(f"in.{idx}.{n}", shape, src.dtype, src.device, self._capacity(n, shape))
-                bucket.restore_views.setdefault(idx, {})[n] = dst
+                if (dst := views.get(n)) is None:
+                    shape = (Bb, src.shape[1], Pb, src.shape[3]) if n in ("keys", "values") else (Bb, *src.shape[1:])
+                    dst = views[n] = self._arena.view(f"in.{idx}.{n}", shape, src.dtype, src.device,
+                                                      self._capacity(n, shape))
                 if n in ("keys", "values"):  # the rows' columns right-aligned; zeros before them
-                    dst[:B, :, :Pb - P].zero_()
-                    dst[:B, :, Pb - P:].copy_(src)
+                    zeros.append(dst[:B, :, :Pb - P])
+                    dsts.append(dst[:B, :, Pb - P:])
                 else:
-                    dst[:B].copy_(src)
-                dst[B:].zero_()  # rows beyond the prompts start from nothing
+                    dsts.append(dst[:B])
+                zeros.append(dst[B:])  # rows beyond the prompts start from nothing
+                srcs.append(src)
+        if dsts:
+            torch._foreach_zero_(zeros)
+            torch._foreach_copy_(dsts, srcs)
         uncaptured = bucket.program.graph is None
         how = bucket.program()
         if how == "cuda_graph" and uncaptured:

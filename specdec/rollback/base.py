@@ -86,7 +86,7 @@ def check_slot_map(state_indices: torch.Tensor, num_slots: int, store: "LayerSto
 
 def write_rows(buf: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None) -> None:
     """``buf[rows] = state`` (zeros when None) in place, cast to ``buf``'s dtype (``buf [slots, *S]``,
-    ``rows [n]`` int64, ``state [n, *S]``); ``buf`` may be a view (a ring's position 0)."""
+    ``rows [n]`` int64 or a slice of n slots, ``state [n, *S]``); ``buf`` may be a view (a ring's position 0)."""
     buf[rows] = 0 if state is None else state.to(buf)
 
 
@@ -198,8 +198,9 @@ class RollbackStrategy(abc.ABC):
 
     def reset_rows(self, store: LayerStore, op: SSMOp, params: dict, rows: torch.Tensor,
                    state: torch.Tensor | None = None) -> None:
-        """Give ``rows`` (``[n]`` int64 slots, with a slot map) to new sequences: their committed
-        state becomes ``state`` (``[n, *S]``, any float dtype; stored fp32) or zeros.
+        """Give ``rows`` (``[n]`` int64 slots, with a slot map; or a slice of n slots) to new
+        sequences: their committed state becomes ``state`` (``[n, *S]``, any float dtype; stored
+        fp32) or zeros.
 
         Other slots keep their committed state exactly. A strategy that defines
         ``_reset_in_place(store, rows, state)`` (every built-in one: it writes the slots' committed
