@@ -8,6 +8,7 @@ reduced vocabulary (exact, lossless, checked ids); random layers for benchmark s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -355,6 +356,82 @@ def test_a_long_run_of_plain_steps_catches_up_in_chunks(family, path):
     fresh = drafter([1], int(n[1]) - 1)
     fresh.propose(full[1:], n[1:], K)
     assert torch.allclose(d.draft_probs()[1, 0], fresh.draft_probs()[0, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_fixed_k_static_drafts_equal_the_eager_ones(family):
+    """A fixed K on the static path proposes what the eager path does for every row, a row that
+    has ended (no entries to run) included, over proposals after steps that committed 0 to K + 1
+    positions a row."""
+    from test_generate_batch_drafters import mtp_target
+
+    target, layers = mtp_target(family)
+    torch.manual_seed(3)
+    full = target.generate(torch.randint(3, 90, (2, 6)), max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hidden = target.model(input_ids=full).last_hidden_state
+    K, drafts = 2, {}
+    for path in ("eager", "static"):
+        d = MTPDrafter(target, layers)
+        d.set_decode_path(path)
+        d.set_speculation(K, False)
+        d.start(target_vocab_size=target.config.vocab_size, batch_size=2, device="cpu", max_length=full.shape[1])
+        d.observe_prompt(hidden[:, :6], torch.ones(2, 6, dtype=torch.long))
+        n, drafts[path] = [7, 7], []
+        for take in ([2, 1], [1, 3], [3, 0], [1, 0], [2, 0]):  # row 1 ends after its third step
+            drafts[path].append(d.propose(full, torch.tensor(n), K)[0])
+            seen = torch.zeros(2, K + 1, hidden.shape[-1])
+            for b in range(2):
+                seen[b, :take[b]] = hidden[b, n[b] - 1:n[b] - 1 + take[b]]
+            d.observe_tokens(seen, torch.tensor(take))
+            n = [a + t for a, t in zip(n, take)]
+        drafts[path].append(d.propose(full, torch.tensor(n), K)[0])
+        assert d.last_path == path
+    assert torch.equal(torch.stack(drafts["eager"]), torch.stack(drafts["static"])), family
+
+
+def test_each_failed_capture_of_k_chosen_per_step_is_reported(monkeypatch):
+    """K chosen per step on the CUDA-graph path (captures simulated on a CPU): a program whose
+    capture fails (the catch-up's, K = 2's) runs uncaptured from then on, and the drafter's
+    ``capture_error`` (the call's ``draft_error``) names each, also after another K's program
+    captured; the drafts equal the eager path's."""
+    import specdec.graphs as graphs
+    from test_generate_batch_drafters import mtp_target
+
+    class Replayed:  # a "graph" that runs the program
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(fn, *, what, **kw):
+        if "catch-up" in what or "K = 2" in what:
+            raise graphs.CaptureFailure(what, RuntimeError("simulated"))
+        return Replayed(fn), None
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    target, layers = mtp_target("qwen3_5")
+    torch.manual_seed(1)
+    V = target.config.vocab_size
+    full = target.generate(torch.randint(3, 90, (2, 6)), max_new_tokens=34, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hidden = target.model(input_ids=full).last_hidden_state
+    drafts = {}
+    for path in ("eager", "cuda_graph"):
+        d = _per_step_k(MTPDrafter(target, layers), path, 2)
+        d.start(target_vocab_size=V, batch_size=2, device="cpu", max_length=full.shape[1])
+        d.observe_prompt(hidden[:, :6], torch.ones(2, 6, dtype=torch.long))
+        n, drafts[path] = 7, []
+        with pytest.warns(RuntimeWarning) if path == "cuda_graph" else contextlib.nullcontext():
+            for K in (2, 2, 2, 1, 1, 1):  # each proposal after 4 plain steps: the catch-up runs
+                drafts[path].append(d.propose(full, torch.full((2,), n), K)[0])
+                for _ in range(4):
+                    d.observe_tokens(hidden[:, n - 1:n], torch.ones(2, dtype=torch.long))
+                    n += 1
+        if path == "cuda_graph":
+            assert d._static.programs[1].graph is not None and d.last_path == "cuda_graph"
+            assert "the MTP catch-up: RuntimeError" in d.capture_error
+            assert "the MTP proposal (K = 2): RuntimeError" in d.capture_error
+    assert all(torch.equal(a, b) for a, b in zip(drafts["eager"], drafts["cuda_graph"]))
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)

@@ -557,7 +557,8 @@ class MTPDrafter(Drafter):
         self._static = None  # _StaticMTP of the current shape bucket (static / CUDA-graph path)
         #: how the last proposal ran: "eager", "static" or "cuda_graph"
         self.last_path = "eager"
-        #: why the proposal's CUDA-graph capture failed (its error), or None
+        #: why the proposal's CUDA-graph capture failed (its error; with K chosen per step, each
+        #: program of the bucket that failed, named: it runs uncaptured from then on), or None
         self.capture_error: str | None = None
         #: with ``compile_proposal``: why compiling the captured proposal as one ``torch.compile``
         #: graph failed (it then runs with fused norms / MLPs only), or None
@@ -1029,13 +1030,18 @@ class MTPDrafter(Drafter):
         if program is None:
             out = st.outs[K] = torch.zeros(B, K if tree is None else tree.num_nodes - 1, dtype=torch.long,
                                            device=st.num.device)
-            program = st.programs[K] = self._program(
+            last = None if self._direct else st.last  # (a fixed K: every row has entries; an ended row's
+            program = st.programs[K] = self._program(  # unused drafts as the eager path makes them)
                 st, lambda: out.copy_(self._chain(st.cache, st.text, st.lengths, st.hidden, st.num, K, self._argmax,
-                                                  tree, start=st.start, last=st.last)),
+                                                  tree, start=st.start, last=last)),
                 f"the MTP proposal (K = {K})" if self._adaptive else "the MTP proposal")
         self.last_path = program()
-        self.capture_error = program.error
-        self.compile_error = program.compile_error
+        if self._direct:
+            self.capture_error, self.compile_error = program.error, program.compile_error
+        else:  # every program of the bucket that failed, the catch-up's included: each runs uncaptured from then on
+            runs = [*st.programs.values(), *([st.catch_up] if st.catch_up is not None else [])]
+            self.capture_error = "; ".join(f"{p.what}: {p.error}" for p in runs if p.error) or None
+            self.compile_error = "; ".join(f"{p.what}: {p.compile_error}" for p in runs if p.compile_error) or None
         return st.outs[K].clone()
 
     def _program(self, st, fn, what):
