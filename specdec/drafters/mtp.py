@@ -778,7 +778,8 @@ class MTPDrafter(Drafter):
         own position, as when every step proposes. They are copies (the engine's tensor may be a
         CUDA graph's output, rewritten by its next step), held until that proposal: up to
         B x 2 x (steps since) x D values of the hidden states' dtype; that proposal runs them in
-        forwards of at most the cache's spare columns (:meth:`_catch_up_chunk`)."""
+        forwards of at most the cache's spare columns (:meth:`_catch_up_chunk`), on the static
+        path of M + 1 entries, M the call's largest K (:meth:`_load_entries`)."""
         st = self._static
         if st is not None and self._direct:  # into the buffers the captured program reads
             st.hidden[:, : hidden_states.shape[1]].copy_(hidden_states)
