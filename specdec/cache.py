@@ -62,6 +62,25 @@ def _chain_positions(seq_len: torch.Tensor, pad: torch.Tensor, offset: int, t: i
     return seq_len[:, None] - pad[:, None] + offset + torch.arange(t, device=seq_len.device)[None, :]
 
 
+def _load_windows(layers: list["SSMLayerCache"], conv_states: list[torch.Tensor], rows: torch.Tensor | slice) -> None:
+    """Each of ``layers``' conv window at slots ``rows`` (``[n]`` int64 or a slice): the last ``W - 1``
+    inputs of its ``conv_states [n, C, >= W-1]`` (cast to the window's dtype), then zeros. A slice
+    writes through views: every layer's windows in one fill and one copy."""
+    if isinstance(rows, slice):
+        wins = [layer.conv_window[rows] for layer in layers]
+        torch._foreach_zero_(wins)
+        hist = [(w[:, :, :layer.conv_width - 1], c[:, :, c.shape[-1] - layer.conv_width + 1:])
+                for w, layer, c in zip(wins, layers, conv_states) if layer.conv_width > 1]
+        if hist:
+            torch._foreach_copy_([w for w, _ in hist], [c for _, c in hist])
+        return
+    for layer, conv_state in zip(layers, conv_states):
+        hist, win = layer.conv_width - 1, layer.conv_window
+        win[rows] = 0
+        if hist:
+            win[rows, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist:].to(win)
+
+
 class SSMLayerCache:
     """Conv window and recurrent state of one SSM layer.
 
@@ -159,10 +178,13 @@ class SSMLayerCache:
         n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
         self.check_load_rows(n, conv_state, ssm_state, conv_width)
         if conv_state is not None:
-            hist, win = conv_width - 1, self.conv_window
-            win[rows] = 0
-            if hist:
-                win[rows, :, :hist] = conv_state[:, :, conv_state.shape[-1] - hist:].to(win)
+            _load_windows([self], [conv_state], rows)
+        self.reset_state_rows(rows, ssm_state)
+
+    def reset_state_rows(self, rows: torch.Tensor | slice, ssm_state: torch.Tensor | None) -> None:
+        """:meth:`load_rows`'s recurrent part: the committed state of slots ``rows`` becomes
+        ``ssm_state [n, *S]`` through the strategy's ``reset_rows`` (nothing for a conv-only
+        layer). The caller checks the shapes (:meth:`check_load_rows`)."""
         if self.has_recurrence:
             self.strategy.reset_rows(self.store, self.op, self.params, rows, ssm_state)
 
@@ -679,8 +701,12 @@ class HybridCache:
                 buf[rows, :, length:] = 0
         self.pad[rows] = pad.to(self.pad)
         self.seq_len[rows] = length
-        for idx, (conv_state, state, conv_width) in ssm_states.items():
-            self.ssm[idx].load_rows(rows, conv_state, state, conv_width)
+        windows = [(self.ssm[idx], conv_state) for idx, (conv_state, _, _) in ssm_states.items()
+                   if conv_state is not None]
+        if windows:
+            _load_windows(*map(list, zip(*windows)), rows=rows)
+        for idx, (_, state, _) in ssm_states.items():
+            self.ssm[idx].reset_state_rows(rows, state)
 
     def check_load_rows(self, rows) -> list[int]:
         """``rows`` as :meth:`load_rows` takes them, checked (a host list of ints back); ValueError

@@ -16,9 +16,11 @@ dict the body accepts (as the decode steps pass theirs), so transformers builds 
 reads nothing back to the host. HF's cache is created inside the graph (loaded, for a prompt
 continued from a prefix cache's hit, from the restored states: their keys / values left-padded
 to a bucketed prefix width too); its final states, the forward's new keys / values and the
-final hidden states are copied into buffers shared by every bucket, so a captured bucket holds
-no memory of its own beyond its small token inputs (:meth:`PromptGraphs.run` returns views of
-them, or copies: consume views before the next prompt forward).
+final hidden states are copied (one ``_foreach_copy_``) into buffers shared by every bucket, so a
+captured bucket holds no memory of its own beyond its small token inputs (:meth:`PromptGraphs.run`
+returns views of them, or copies: consume views before the next prompt forward). The layers'
+outputs of one kind and shape sit stacked in one buffer (:class:`_Group`), so returning them costs
+a few ops per kind, not a slice and a clone per layer and tensor.
 
 Left padding leaves every layer's state as the row's own tokens leave it from a zero state (the
 prompt layers and transformers' linear-attention code zero the padding's inputs; attention
@@ -29,6 +31,7 @@ chunked scans at another chunk offset and of the masked attention kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -83,6 +86,31 @@ class _Arena:
         return buf[:n].view(tuple(shape))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Same-shaped outputs of several layers stacked in one shared buffer: ``data [m, B, ...]``
+    holds ``members[i] = (layer index, LayerState field)`` at ``i``; ``columns``: the outputs
+    are keys / values (``[m, B, H, C, D]``, columns on axis 3)."""
+
+    members: tuple[tuple[int, str], ...]
+    data: torch.Tensor
+    columns: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """A bucket's output buffers, viewed at its shapes: ``hidden [B, T, D]``, the attention
+    layers' keys / values of the new columns (``new_kv``) and every layer's final state
+    (``states``), each kind in :class:`_Group` s; ``targets``: every output buffer, the order
+    :meth:`PromptGraphs._forward` copies into them (hidden states, ``new_kv``'s members, then
+    ``states``')."""
+
+    hidden: torch.Tensor
+    new_kv: tuple[_Group, ...]
+    states: tuple[_Group, ...]
+    targets: tuple[torch.Tensor, ...]
+
+
 class _Bucket:
     """One bucket's token inputs (ids ``[B, T]``, mask ``[B, P + T]``, positions ``[B, T]``), the
     names of the layers it restores, and its program (:class:`~specdec.graphs.CapturedProgram`)."""
@@ -95,7 +123,7 @@ class _Bucket:
         self.positions = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.shapes: tuple | None = None  # each output's shape and dtype, from the first run
         self.restore_views: dict[int, dict[str, torch.Tensor]] = {}  # the restored states' buffers
-        self.outputs: tuple | None = None  # views of the output buffers at these shapes
+        self.outputs: _Outputs | None = None  # views of the output buffers at these shapes
         what = f"the prompt forward of {B} x {T} tokens" + (f" after {P} restored columns" if P else "")
         self.program = CapturedProgram(lambda: owner._forward(self, scan), model=owner.adapter.model, what=what,
                                        graphs=graphs, fuse=False, pool=owner.pool() if graphs else None)
@@ -253,24 +281,28 @@ class PromptGraphs:
                 if other.program.graph is None:
                     other.program.graphs = False
         self.counts[how] += 1
-        hidden, new_kv, states = self._output_views(bucket)
+        out = self._output_views(bucket)
 
-        def own(t):
-            return t.clone() if copy else t
-
-        def columns(t):  # the real P + T columns of a [Bb, H, Pb + Tb, D] tensor
-            if t is None:
-                return None
+        def rows(g: _Group) -> torch.Tensor:  # the B rows of a group; keys / values at the real P + T columns
+            d = g.data[:, :B]
+            if not g.columns:
+                return d.clone() if copy else d
             if not P:
-                return own(t[:B].narrow(2, Tb - T, T))
-            return torch.cat([t[:B, :, Pb - P:Pb], t[:B, :, Pb + Tb - T:]], dim=2)
+                return d.narrow(3, Tb - T, T).clone() if copy else d.narrow(3, Tb - T, T)
+            return torch.cat([d[:, :, :, Pb - P:Pb], d[:, :, :, Pb + Tb - T:]], dim=3)
 
-        states = {idx: LayerState(columns(st.keys), columns(st.values),
-                                  None if st.conv_state is None else own(st.conv_state[:B]),
-                                  None if st.recurrent_state is None else own(st.recurrent_state[:B]))
-                  for idx, st in states.items()}
-        new_kv = {idx: (own(k[:B, :, Tb - T:]), own(v[:B, :, Tb - T:])) for idx, (k, v) in new_kv.items()}
-        return own(hidden[:B, Tb - T:]), new_kv, states
+        fields: dict[int, dict[str, torch.Tensor]] = {}
+        for g in out.states:
+            for (idx, n), t in zip(g.members, rows(g).unbind(0)):
+                fields.setdefault(idx, {})[n] = t
+        new: dict[int, dict[str, torch.Tensor]] = {}
+        for g in out.new_kv:
+            d = g.data[:, :B, :, Tb - T:]
+            for (idx, n), t in zip(g.members, (d.clone() if copy else d).unbind(0)):
+                new.setdefault(idx, {})[n] = t
+        hidden = out.hidden[:B, Tb - T:]
+        new_kv = {idx: (kv["keys"], kv["values"]) for idx, kv in sorted(new.items())}
+        return hidden.clone() if copy else hidden, new_kv, {idx: LayerState(**f) for idx, f in sorted(fields.items())}
 
     # --- buffers ------------------------------------------------------------------------------
     def _capacity(self, n: str, shape) -> int:
@@ -284,28 +316,41 @@ class PromptGraphs:
             return self.max_tokens * shape[-1]
         return self.max_rows * int(torch.Size(shape[1:]).numel())
 
-    def _output_views(self, bucket: _Bucket):
-        """``(hidden, new_kv, states)`` views of the output buffers at ``bucket``'s shapes (built
+    def _output_views(self, bucket: _Bucket) -> _Outputs:
+        """The :class:`_Outputs` of ``bucket``: views of the output buffers at its shapes (built
         once per bucket: the buffers never move)."""
         if bucket.outputs is None:
             bucket.outputs = self._new_output_views(bucket)
         return bucket.outputs
 
-    def _new_output_views(self, bucket: _Bucket):
-        from ..prefix_cache import LayerState
-
+    def _new_output_views(self, bucket: _Bucket) -> _Outputs:
         hidden_spec, kv_specs, state_specs = bucket.shapes
         dev = bucket.ids.device
 
-        def view(name, spec, n):
-            return None if spec is None else self._arena.view(name, spec[0], spec[1], dev, self._capacity(n, spec[0]))
+        def groups(prefix: str, specs: dict[tuple[int, str], tuple]) -> tuple[_Group, ...]:
+            # by kind, shape (but the batch and columns) and dtype: one buffer, named by all of them
+            by: dict[tuple, list[tuple[int, str]]] = {}
+            for (idx, n), (shape, dtype) in sorted(specs.items()):
+                kv = n in ("keys", "values")
+                rest = (shape[1], shape[3]) if kv else shape[1:]
+                by.setdefault(("kv" if kv else n, rest, dtype), []).append((idx, n))
+            out = []
+            for (kind, rest, dtype), members in by.items():
+                shape, dtype = specs[members[0]]
+                m = len(members)
+                name = f"{prefix}.{kind}.{m}.{str(dtype).removeprefix('torch.')}.{'x'.join(map(str, rest))}"
+                data = self._arena.view(name, (m, *shape), dtype, dev, m * self._capacity(members[0][1], shape))
+                out.append(_Group(tuple(members), data, kind == "kv"))
+            return tuple(out)
 
-        hidden = view("out.hidden", hidden_spec, "hidden")
-        new_kv = {idx: (view(f"new.{idx}.keys", ks, "keys"), view(f"new.{idx}.values", vs, "values"))
-                  for idx, (ks, vs) in kv_specs.items()}
-        states = {idx: LayerState(*(view(f"out.{idx}.{n}", spec, n) for n, spec in zip(_NAMES, specs)))
-                  for idx, specs in state_specs.items()}
-        return hidden, new_kv, states
+        hidden = self._arena.view("out.hidden", hidden_spec[0], hidden_spec[1], dev,
+                                  self._capacity("hidden", hidden_spec[0]))
+        new_kv = groups("new", {(idx, n): spec for idx, specs in kv_specs.items()
+                                for n, spec in zip(("keys", "values"), specs) if spec is not None})
+        states = groups("out", {(idx, n): spec for idx, specs in state_specs.items()
+                                for n, spec in zip(_NAMES, specs) if spec is not None})
+        targets = (hidden,) + tuple(t for g in new_kv + states for t in g.data.unbind(0))
+        return _Outputs(hidden, new_kv, states, targets)
 
     @torch.no_grad()
     def _forward(self, bucket: _Bucket, scan: str) -> None:
@@ -341,12 +386,7 @@ class PromptGraphs:
             bucket.shapes = ((tuple(hidden.shape), hidden.dtype),
                              {idx: (spec(k), spec(v)) for idx, (k, v) in new_kv.items()},
                              {idx: tuple(spec(getattr(st, n)) for n in _NAMES) for idx, st in states.items()})
-        out_hidden, out_kv, out_states = self._output_views(bucket)
-        out_hidden.copy_(hidden)
-        for idx, (k, v) in new_kv.items():
-            out_kv[idx][0].copy_(k)
-            out_kv[idx][1].copy_(v)
-        for idx, st in states.items():
-            for n in _NAMES:
-                if (src := getattr(st, n)) is not None:
-                    getattr(out_states[idx], n).copy_(src)
+        out = self._output_views(bucket)
+        kv = {(idx, n): t for idx, pair in new_kv.items() for n, t in zip(("keys", "values"), pair)}
+        torch._foreach_copy_(list(out.targets), [hidden] + [kv[m] for g in out.new_kv for m in g.members]
+                             + [getattr(states[idx], n) for g in out.states for idx, n in g.members])

@@ -87,7 +87,8 @@ def check_slot_map(state_indices: torch.Tensor, num_slots: int, store: "LayerSto
 def write_rows(buf: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None) -> None:
     """``buf[rows] = state`` (zeros when None) in place, cast to ``buf``'s dtype (``buf [slots, *S]``,
     ``rows [n]`` int64 or a slice of n slots, ``state [n, *S]``); ``buf`` may be a view (a ring's position 0)."""
-    buf[rows] = 0 if state is None else state.to(buf)
+    # (a slice writes through a view, whose copy casts; an index write needs the dtype matched first)
+    buf[rows] = 0 if state is None else state if isinstance(rows, slice) else state.to(buf)
 
 
 @dataclass
