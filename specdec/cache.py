@@ -148,9 +148,10 @@ class SSMLayerCache:
 
     def check_load_rows(self, n: int, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
                         conv_width: int) -> None:
-        """Raise ValueError unless :meth:`load_rows` can write ``n`` rows of these states: the
-        layer's conv width, conv window and recurrence as loaded before, ``conv_state [n, C, >= W-1]``
-        with this window's C channels, ``ssm_state [n, *S]`` with the loaded state's S."""
+        """Raise ValueError unless :meth:`HybridCache.load_rows` can write ``n`` rows of these
+        states into this layer: the layer's conv width, conv window and recurrence as loaded
+        before, ``conv_state [n, C, >= W-1]`` with this window's C channels, ``ssm_state [n, *S]``
+        with the loaded state's S."""
         if self.state_shape is None and self.conv_window is None:
             raise ValueError(f"SSM layer {self.layer}: nothing loaded into it yet; prefill the whole cache first")
         if (conv_width != self.conv_width or (conv_state is None) != (self.conv_window is None)
@@ -165,26 +166,10 @@ class SSMLayerCache:
             raise ValueError(f"SSM layer {self.layer}: recurrent state of shape {tuple(ssm_state.shape)} for {n} "
                              f"rows; expected {(n, *self.state_shape)}")
 
-    def load_rows(self, rows: torch.Tensor | slice, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
-                  conv_width: int) -> None:
-        """Give slots ``rows`` (``[n]`` int64 on the cache's device, distinct, or a slice of ``n``
-        slots) to new sequences whose prefill left ``conv_state [n, C, >= W-1]`` and ``ssm_state
-        [n, *S]`` (None where this layer has no conv / no recurrence, as :meth:`load` takes them):
-        in place, what :meth:`load` on a cache of those rows then :meth:`HybridCache.reset_rows`
-        leave in them (the window's last ``W - 1`` inputs then zeros, the committed state through
-        the strategy's ``reset_rows``). The caller checks that no step is open.
-
-        Raises: ValueError as :meth:`check_load_rows` (before any write)."""
-        n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-        self.check_load_rows(n, conv_state, ssm_state, conv_width)
-        if conv_state is not None:
-            _load_windows([self], [conv_state], rows)
-        self.reset_state_rows(rows, ssm_state)
-
     def reset_state_rows(self, rows: torch.Tensor | slice, ssm_state: torch.Tensor | None) -> None:
-        """:meth:`load_rows`'s recurrent part: the committed state of slots ``rows`` becomes
-        ``ssm_state [n, *S]`` through the strategy's ``reset_rows`` (nothing for a conv-only
-        layer). The caller checks the shapes (:meth:`check_load_rows`)."""
+        """:meth:`HybridCache.load_rows`'s recurrent part for this layer: the committed state of
+        slots ``rows`` becomes ``ssm_state [n, *S]`` through the strategy's ``reset_rows``
+        (nothing for a conv-only layer). The caller checks the shapes (:meth:`check_load_rows`)."""
         if self.has_recurrence:
             self.strategy.reset_rows(self.store, self.op, self.params, rows, ssm_state)
 
@@ -648,8 +633,9 @@ class HybridCache:
         :meth:`reset_rows` from a cache of their own, loaded with their prefill, leaves in them,
         without that cache (its allocation, its load and the copy out of it). For each ``i`` slot
         ``rows[i]`` takes ``length`` columns of keys / values (the rest zero), ``pad[i]`` and
-        ``seq_len = length``, and each SSM layer's conv window and committed state
-        (:meth:`SSMLayerCache.load_rows`, through its rollback strategy's ``reset_rows``). The
+        ``seq_len = length``, and each SSM layer's conv window (the last ``W - 1`` inputs, then
+        zeros) and committed state (:meth:`SSMLayerCache.reset_state_rows`, through its rollback
+        strategy's ``reset_rows``). The
         other rows keep their committed state bit for bit.
 
         Args:

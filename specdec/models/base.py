@@ -569,8 +569,8 @@ class HybridAdapter:
                 tokens.append(ids[L - n:] if left else [t for t, keep in zip(ids, m) if keep])
                 prompts.append(row[L - n:] if left else row[row_mask.bool()])
             if self.batches_cached_prefill(scan):
-                rows = self._prefill_cached_batch(prompts, prefix_cache, all_hidden_states, scan, max_tokens,
-                                                  prompt_path, tokens)
+                rows = self._prefill_cached_batch(prompts, tokens, prefix_cache, all_hidden_states, scan, max_tokens,
+                                                  prompt_path)
             else:
                 rows = [self.prefill_cached(p, prefix_cache, all_hidden_states, scan) for p in prompts]
             return self._load_rows(rows, mask, cache, all_hidden_states, slots=slots)
@@ -708,7 +708,7 @@ class HybridAdapter:
         forwards of at most ``max(block_size, chunk_tokens rounded down to whole blocks)``
         tokens; the cache stores what the uncut forwards store (SSM state at their ends)."""
         bs = prefix_cache.block_size
-        row = self._cached_row(tokens, prefix_cache, all_hidden_states)
+        row = self._cached_row(tokens, tokens.tolist(), prefix_cache, all_hidden_states)
         hf_cache = _KVRecordingCache(self.config)
         self._restore(hf_cache, [row.state], row.start)
         ends, cut = [], None if chunk_tokens is None else max(bs, chunk_tokens - chunk_tokens % bs)
@@ -730,12 +730,11 @@ class HybridAdapter:
         row.state = self._layer_states(hf_cache)
         return row.result(all_hidden_states)
 
-    def _cached_row(self, tokens: torch.Tensor, prefix_cache: PrefixCache, all_hidden_states: bool,
-                    ids: list[int] | None = None) -> _CachedRow:
-        """Look ``tokens [L]`` up in ``prefix_cache`` (:meth:`PrefixCache.match`): the prompt's
-        :class:`_CachedRow` at its hit, its state and hidden states those of the hit blocks
-        (``ids``: ``tokens`` as a host list, when the caller has it; else read from the device)."""
-        ids = tokens.tolist() if ids is None else ids
+    def _cached_row(self, tokens: torch.Tensor, ids: list[int], prefix_cache: PrefixCache,
+                    all_hidden_states: bool) -> _CachedRow:
+        """Look ``tokens [L]`` (``ids``: the same on the host) up in ``prefix_cache``
+        (:meth:`PrefixCache.match`): the prompt's :class:`_CachedRow` at its hit, its state and
+        hidden states those of the hit blocks."""
         found = prefix_cache.match(ids, all_hidden_states)
         chain = found.chain[:found.hit]
         hidden = [e.block.hidden_states for e in chain] if all_hidden_states else []
@@ -789,11 +788,11 @@ class HybridAdapter:
             return False
         return not self.has_sliding_window()
 
-    def _prefill_cached_batch(self, prompts: list[torch.Tensor], prefix_cache: PrefixCache, all_hidden_states: bool,
-                              scan: str, max_tokens: int | None, prompt_path: str = "eager",
-                              tokens: list[list[int]] | None = None) -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
+    def _prefill_cached_batch(self, prompts: list[torch.Tensor], tokens: list[list[int]], prefix_cache: PrefixCache,
+                              all_hidden_states: bool, scan: str, max_tokens: int | None,
+                              prompt_path: str = "eager") -> list[tuple[torch.Tensor, dict[int, LayerState]]]:
         """:meth:`prefill_cached` of each of ``prompts`` (``[L_i]`` int64, no padding; ``tokens``:
-        the same as host lists, when the caller has them), with their forwards run together:
+        the same as host lists), with their forwards run together:
         returns what it returns for each, and (while nothing is evicted) the cache stores what it
         stores when run on them in order.
 
@@ -814,7 +813,6 @@ class HybridAdapter:
         The states equal :meth:`prefill_cached`'s up to the chunked scans' rounding (fp32: about
         1e-6 relative): padding is state-neutral (:meth:`batches_cached_prefill`)."""
         bs = prefix_cache.block_size
-        tokens = [p.tolist() for p in prompts] if tokens is None else tokens
         results = [None] * len(prompts)
         pending = list(range(len(prompts)))
         while pending:
@@ -825,7 +823,7 @@ class HybridAdapter:
                         min(_shared_blocks(tokens[k], tokens[i], bs), limit) > row.found.hit for i, row in rows.items()):
                     waiting.append(k)
                 else:
-                    rows[k] = self._cached_row(prompts[k], prefix_cache, all_hidden_states, tokens[k])
+                    rows[k] = self._cached_row(prompts[k], tokens[k], prefix_cache, all_hidden_states)
             wave = list(rows.values())
             while wave:
                 lengths = [row.ends[0] - row.start for row in wave]
