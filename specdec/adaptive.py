@@ -1011,7 +1011,8 @@ class SpeculationPolicy:
         self.expected = expected_tokens(rates, budget, one, until_last, weight, copies=batch).tolist()
         self.step_expected = expected_tokens(rates, budget, one, False, weight, copies=batch).tolist()
         self.current: int | None = None  # the K the policy settled on (a probe does not change it)
-        # (-1: the call's first step at K = 0 probes, where the prior is another call's; module docstring)
+        # plain steps since the last probe (-1: the call's first step at K = 0 probes, where the prior is
+        # another call's; module docstring)
         self.steps_at_zero = -1 if prior_from_last_call else 0
         #: (the K the hysteresis held ``current`` from, its predicted gains over ``current`` summed
         #: over the consecutive steps it did so), or None (see ``hysteresis_sum``)
@@ -1082,7 +1083,7 @@ class SpeculationPolicy:
         return None if self._ahead is None else self._ahead[0]
 
     def _decide(self) -> tuple[int, int, int, tuple[int, float] | None, list[float], float]:
-        """(K of the next step, the K settled on, steps at K = 0 so far, the K the hysteresis holds
+        """(K of the next step, the K settled on, plain steps since the last probe, the K the hysteresis holds
         it from with the summed gains (:attr:`held`), the step times, the :func:`speculation_gain`
         they give) from the values and costs held now; changes nothing (:meth:`next_k` takes it).
         With a kept graph it runs before the step's sync."""
@@ -1096,10 +1097,10 @@ class SpeculationPolicy:
                 total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
                 current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
         K, at_zero = current, self.steps_at_zero
-        if K == 0:
+        if K == 0:  # (at_zero: plain steps since the last probe; the spacing moves with the measured costs)
             at_zero += 1
-            if at_zero % self.probe_every(times) == 0:
-                K = 1  # probe: observe acceptance again
+            if at_zero == 0 or at_zero >= self.probe_every(times):
+                K, at_zero = 1, 0  # probe: observe acceptance again
         else:
             at_zero = 0
             if settings.measure_neighbours:

@@ -1084,6 +1084,26 @@ def test_probes_are_spaced_by_their_cost():
         ks = [policy.next_k() for _ in range(2 * want)]
         assert [i for i, K in enumerate(ks) if K] == [want - 1, 2 * want - 1]
 
+def test_probes_keep_their_spacing_while_the_predicted_costs_move():
+    """The spacing counts the plain steps since the last probe: with measured costs it moves from
+    step to step (here between 20 and 21 steps), and a probe whenever the count is a multiple of
+    the spacing then came once in hundreds of steps (one per 256-step call on an H100)."""
+    calls = [0]
+
+    def step_s(strategy, batch, K):
+        if K == 0:
+            calls[0] += 1
+            return 1.0
+        return 1.2 if calls[0] % 2 else 1.205  # probe_every alternates 20 and 21
+
+    settings = PolicySettings(probe_interval=8, probe_budget=0.01)
+    policy = SpeculationPolicy(settings, FixedCosts(step_s), CostKey("eager", "replay", 2), None, 3, 2, 1000, 0.0, "cpu")
+    ks = [policy.next_k() for _ in range(210)]
+    probes = [i for i, K in enumerate(ks) if K]
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert len(probes) >= 9 and all(20 <= g <= 22 for g in gaps), (probes, gaps)
+
+
 
 def test_acceptance_estimator_rule():
     w, prior = 0.25, 0.6
