@@ -224,12 +224,17 @@ class AcceptanceEstimator:
     * position ``i = n[r]``, if ``n[r] < asked[r]``, observed 0 (rejected, or not proposed: a
       drafter that proposes fewer drafts than asked gains nothing there);
     * an observed position moves to ``(1 - w) rates + w x``;
-    * every other position ``i >= 1`` (not asked, or after the first rejection: censored) moves
-      the same way towards its left neighbour's value after those updates (one position per
-      step: the move does not cascade), the i.i.d. assumption of Leviathan et al. 2023; so a
-      position the steps have not reached lately follows the ones they did.
-      (For a drafter whose later positions are accepted less often, this biases them upward by
-      about the rejection rate of the position before.)
+    * a position after the first rejection (censored) keeps its rate: censoring says nothing of
+      a later draft's acceptance given the earlier ones were accepted, and drafters differ there:
+      a retrieval drafter (n-gram) that finds a match keeps being accepted, so its later positions
+      are accepted far more often than its first. Pulled towards the position before on every
+      censored step, they would follow the first position's rate instead (on the zoo model that
+      halved E(4) and kept the policy at K = 0);
+    * a position not asked (``i >= asked[r]``, ``i >= 1``) moves the same way towards the position
+      before it (after the updates above) where that one's rate is higher: steps shorter than the
+      acceptance now warrants (a probe at K = 1 after plain steps) would otherwise leave the longer
+      drafts at the rates of a worse time and never run them to see. Across calls,
+      :meth:`overall` lets a position seldom observed follow the one before it.
 
     With sampling the observation is the accept/reject outcome itself, whose mean is the
     acceptance probability ``sum_x min(p(x), q(x))`` of the draft and target distributions;
@@ -270,17 +275,16 @@ class AcceptanceEstimator:
         self.accepted += (accepted & observed).sum(0)
         new = torch.where(observed, (1 - w) * self.rates + w * accepted.float(), self.rates)
         left = torch.cat([new[:, :1], new[:, :-1]], dim=1)
-        drift = ~observed & active[:, None] & (j >= 1)
-        self.rates.copy_(torch.where(drift, (1 - w) * new + w * left, new))  # in place: a captured update reads it
+        rise = (j >= asked) & (left > new) & active[:, None]  # (position 0 is its own left: never rises)
+        self.rates.copy_(torch.where(rise, (1 - w) * new + w * left, new))  # in place: a captured update reads it
 
     def overall(self, prior, strength: float = 4.0) -> torch.Tensor:
         """``[M]``: each position's acceptance over every observation so far (not the recent ones
         the rates weigh), pulled by ``strength`` pseudo-observations towards, for the first
         position, ``prior`` (a float, or ``[M]`` of which the first value counts), and for each
         later one the value this gives the position before it: a position seldom observed follows
-        the one before it, the i.i.d. assumption the rates' drift makes within a call (where the
-        prior would leave the drafts a call never reached at the prior, e.g. above a low
-        acceptance). On the host (fp32 on the CPU): one read of the counts, a host sync, made
+        the one before it, the i.i.d. assumption of Leviathan et al. 2023 (where the prior would
+        leave the drafts a call never reached at the prior, e.g. above a low acceptance). On the host (fp32 on the CPU): one read of the counts, a host sync, made
         where a decode loop ends (its device work is done), as ``M`` device ops would cost more
         host time there."""
         accepted, observed = torch.stack([self.accepted, self.observed]).tolist()

@@ -760,8 +760,9 @@ def test_expected_tokens_until_the_last_row():
 def test_until_last_shrinks_noisy_row_estimates():
     """The largest of 64 noisy per-row estimates always finds a row that looks slow: the raw
     estimates' until_last E(K) is > 10% low against the true rates; shrunk towards the mean by
-    the estimate's own noise (the estimator's weight) it is within 6%, for equal and for
-    different true acceptance."""
+    the estimate's own noise (the estimator's weight) it is within 7%, for equal and for
+    different true acceptance. (A later position is updated only on the steps that reach it,
+    so after 40 steps its rates are further from settled than the first's.)"""
     g = torch.Generator().manual_seed(0)
     B, M = 64, 8
     for acceptance in (torch.full((B,), 0.7), torch.linspace(0.5, 0.9, B)):
@@ -776,7 +777,7 @@ def test_until_last_shrinks_noisy_row_estimates():
         shrunk = est.expected_tokens(budget, live, until_last=True)
         for K in (1, 2, 4):
             assert float(raw[K]) < 0.9 * float(true[K])
-            assert float(shrunk[K]) == pytest.approx(float(true[K]), rel=0.06)
+            assert float(shrunk[K]) == pytest.approx(float(true[K]), rel=0.07)
 
 
 def test_speculation_gain_is_the_margin_choose_k_starts_on():
@@ -1008,8 +1009,8 @@ def test_strategies_are_compared_by_their_calibrations():
 def test_overall_acceptance_counts_every_observation():
     """overall(): per position, accepted / observed over every update, pulled by `strength`
     pseudo-observations towards the prior (the first position) or the position before's overall
-    value (the others: a position seldom observed follows the one before it, as the rates'
-    drift does within a call); with nothing observed, the prior."""
+    value (the others: a position seldom observed follows the one before it); with nothing
+    observed, the prior."""
     est = AcceptanceEstimator(3, 3, 0.6, 0.25, "cpu")
     est.update(torch.tensor([2, 0, 1]), torch.tensor([3, 3, 1]), torch.tensor([True, True, True]))
     est.update(torch.tensor([1, 0, 0]), torch.tensor([1, 2, 2]), torch.tensor([True, False, True]))
@@ -1120,10 +1121,26 @@ def test_acceptance_estimator_rule():
                 seen[i] = (1 - w) * want[r][i] + w  # accepted
             elif i == n[r] and n[r] < asked[r]:
                 seen[i] = (1 - w) * want[r][i]  # the first rejection
-        for i in range(4):
-            censored = i > n[r] or (i == n[r] and n[r] == asked[r])
-            want[r][i] = (1 - w) * seen[i] + w * seen[i - 1] if censored and i >= 1 else seen[i]
+        for i in range(4):  # censored positions keep their rates; those not asked rise towards a higher left one
+            rise = i >= max(asked[r], 1) and seen[i - 1] > seen[i]
+            want[r][i] = (1 - w) * seen[i] + w * seen[i - 1] if rise else seen[i]
     assert torch.allclose(est.rates, torch.tensor(want), atol=1e-6), (est.rates, want)
+
+
+def test_later_drafts_accepted_more_often_than_the_first_keep_their_rates():
+    """An n-gram drafter's later drafts are accepted far more often than its first (once a match
+    is found it continues): steps that reject the first draft say nothing of the later ones, so
+    their rates follow only the steps that reached them. (Pulled towards the first position's
+    rate on every such step, they halved E(4) on the zoo model, where the policy then stayed at
+    K = 0 although K = 4 ran 1.5 times as fast as plain decoding.)"""
+    est = AcceptanceEstimator(1, 4, 0.6, 0.25, "cpu")
+    asked, ran = torch.tensor([4]), torch.tensor([True])
+    for step in range(40):  # the first draft rejected at every other step, every draft accepted at the others
+        est.update(torch.tensor([4 * (step % 2)]), asked, ran)
+    first, later = est.rates[0, 0].item(), est.rates[0, 1:]
+    assert 0.3 < first < 0.7 and bool((later > 0.99).all()), est.rates
+    E = expected_tokens(est.rates, torch.tensor([8]), torch.tensor([True]))
+    assert E[4].item() == pytest.approx(1 + first * (1 + later[0] + later[0] * later[1] + later[:3].prod()).item())
 
 
 def test_policy_probes_at_k0_and_counts_what_it_predicted():
