@@ -221,3 +221,34 @@ def test_fold_launch_tiny_cpu(tmp_path):
     for op in ("mamba2", "gdn"):
         cells = _line(lines, f"| {op} | 2 | 2 |").strip("|").split("|")
         assert len(cells) == 9 and all(float(c) > 0 for c in cells[3:])
+
+
+def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
+    """benchmarks/policy_on_zoo.py: plain decoding (K = 0) is 1.0x of itself; a fixed K is charged
+    its cost for each of its steps, so its figure is tokens per step times T(0) / T(K); auto's
+    steps are charged by the K each ran; the costs come from a bench record of K chosen per step;
+    bad arguments end with a message naming what is accepted."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("policy_on_zoo", os.path.join(ROOT, "benchmarks", "policy_on_zoo.py"))
+    poz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(poz)
+    from specdec import zoo
+
+    costs = [1.0, 1.5, 1.6, 1.7]
+    rows = poz.run(costs, "ngram", [p["prompt"] for p in zoo.prompts(limit=1)], 24, [0, 2, "auto"])
+    plain, two, auto = rows
+    assert plain["vs_plain"] == 1.0 and plain["k_histogram"] == [plain["steps"], 0, 0, 0]
+    assert two["k_histogram"] == [0, 0, two["steps"], 0]
+    assert two["vs_plain"] == pytest.approx(two["tokens_per_step"] * costs[0] / costs[2])
+    charged = sum(n * t for n, t in zip(auto["k_histogram"], costs))
+    assert auto["vs_plain"] == pytest.approx(costs[0] * auto["tokens_per_step"] * auto["steps"] / charged)
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"drafter": "ngram", "batch": 1, "num_speculative_tokens": "auto",
+                                "predicted_step_ms": [0.3, 0.4, 0.45]}) + "\n")
+    assert poz.recorded_costs(str(path), "ngram") == [0.3, 0.4, 0.45]
+    with pytest.raises(ValueError, match="no batch-1 record of drafter 'mtp'"):
+        poz.recorded_costs(str(path), "mtp")
+    with pytest.raises(SystemExit, match=r"each K in \[0, 2\]"):
+        poz.main(["--from-results", str(path), "--ks", "3"])
