@@ -224,10 +224,10 @@ def test_fold_launch_tiny_cpu(tmp_path):
 
 
 def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
-    """benchmarks/policy_on_zoo.py: plain decoding (K = 0) is 1.0x of itself; a fixed K is charged
-    its cost for each of its steps, so its figure is tokens per step times T(0) / T(K); auto's
-    steps are charged by the K each ran; the costs come from a bench record of K chosen per step;
-    bad arguments end with a message naming what is accepted."""
+    """benchmarks/policy_on_zoo.py: plain decoding (K = 0) is 1.0x of itself, one step per new
+    token but the first of each batch; a fixed K is charged its cost for each of its steps, and
+    auto's steps by the K each ran, at batch 1 and 2; the costs come from a bench record of K
+    chosen per step; bad arguments end with a message naming what is accepted."""
     import importlib.util
     import json
 
@@ -237,13 +237,14 @@ def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
     from specdec import zoo
 
     costs = [1.0, 1.5, 1.6, 1.7]
-    rows = poz.run(costs, "ngram", [p["prompt"] for p in zoo.prompts(limit=1)], 24, [0, 2, "auto"])
-    plain, two, auto = rows
-    assert plain["vs_plain"] == 1.0 and plain["k_histogram"] == [plain["steps"], 0, 0, 0]
-    assert two["k_histogram"] == [0, 0, two["steps"], 0]
-    assert two["vs_plain"] == pytest.approx(two["tokens_per_step"] * costs[0] / costs[2])
-    charged = sum(n * t for n, t in zip(auto["k_histogram"], costs))
-    assert auto["vs_plain"] == pytest.approx(costs[0] * auto["tokens_per_step"] * auto["steps"] / charged)
+    for batch in (1, 2):
+        rows = poz.run(costs, "ngram", [p["prompt"] for p in zoo.prompts(limit=2)], 24, [0, 2, "auto"], batch)
+        plain, two, auto = rows
+        assert plain["vs_plain"] == 1.0 and plain["k_histogram"] == [plain["steps"], 0, 0, 0] == [2 * 23 // batch, 0, 0, 0]
+        assert two["k_histogram"] == [0, 0, two["steps"], 0]
+        assert two["vs_plain"] == pytest.approx(plain["steps"] * costs[0] / (two["steps"] * costs[2]))
+        charged = sum(n * t for n, t in zip(auto["k_histogram"], costs))
+        assert auto["vs_plain"] == pytest.approx(plain["steps"] * costs[0] / charged)
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps({"drafter": "ngram", "batch": 1, "num_speculative_tokens": "auto",
                                 "predicted_step_ms": [0.3, 0.4, 0.45]}) + "\n")
