@@ -72,13 +72,18 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts per generate() call (default 1)")
     p.add_argument("--ks", default="0,2,4,6,auto", help="fixed K and/or auto, comma-separated")
     args = p.parse_args(argv)
-    costs = ([float(t) for t in args.costs.split(",")] if args.costs
-             else recorded_costs(args.from_results, args.drafter, args.batch))
-    if args.batch < 1 or args.prompts < 1:
-        raise SystemExit(f"--batch and --prompts: >= 1; got {args.batch} and {args.prompts}")
+    if args.batch < 1 or args.prompts < 1 or args.max_new < 2:
+        raise SystemExit(f"--batch, --prompts: >= 1, --max-new: >= 2 (the first new token is the prefill's); got "
+                         f"{args.batch}, {args.prompts}, {args.max_new}")
+    try:
+        costs = ([float(t) for t in args.costs.split(",")] if args.costs
+                 else recorded_costs(args.from_results, args.drafter, args.batch))
+        ks = [k if k == "auto" else int(k) for k in (k.strip() for k in args.ks.split(","))]
+    except ValueError as err:
+        raise SystemExit(f"policy_on_zoo.py: {err} (--costs: ms for K = 0..M, comma-separated; --ks: fixed K and/or "
+                         "auto, comma-separated)") from None
     if len(costs) < 2 or min(costs) <= 0:
         raise SystemExit(f"--costs: at least K = 0 and 1, every time > 0 ms; got {costs}")
-    ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]
     if any(k != "auto" and not 0 <= k < len(costs) for k in ks):
         raise SystemExit(f"--ks: each K in [0, {len(costs) - 1}] (the costs given) or 'auto'; got {args.ks}")
     torch.manual_seed(0)

@@ -228,13 +228,14 @@ class AcceptanceEstimator:
       a later draft's acceptance given the earlier ones were accepted, and drafters differ there:
       a retrieval drafter (n-gram) that finds a match keeps being accepted, so its later positions
       are accepted far more often than its first. Pulled towards the position before on every
-      censored step, they would follow the first position's rate instead (on the zoo model that
+      censored step, they followed the first position's rate instead (on the zoo model that
       halved E(4) and kept the policy at K = 0);
-    * a position not asked (``i >= asked[r]``, ``i >= 1``) moves the same way towards the position
-      before it (after the updates above) where that one's rate is higher: steps shorter than the
-      acceptance now warrants (a probe at K = 1 after plain steps) would otherwise leave the longer
-      drafts at the rates of a worse time and never run them to see. Across calls,
-      :meth:`overall` lets a position seldom observed follow the one before it.
+    * every other position ``i >= 1`` (not asked) moves the same way towards the position before
+      it after those updates (one position per step: the move does not cascade), the i.i.d.
+      assumption of Leviathan et al. 2023: a position the steps do not reach follows the ones they
+      do, down as well as up (moved only up, a position would follow the highest value the noisy
+      one before it reached). Across calls, :meth:`overall` lets a position seldom observed follow
+      the one before it too.
 
     With sampling the observation is the accept/reject outcome itself, whose mean is the
     acceptance probability ``sum_x min(p(x), q(x))`` of the draft and target distributions;
@@ -275,8 +276,8 @@ class AcceptanceEstimator:
         self.accepted += (accepted & observed).sum(0)
         new = torch.where(observed, (1 - w) * self.rates + w * accepted.float(), self.rates)
         left = torch.cat([new[:, :1], new[:, :-1]], dim=1)
-        rise = (j >= asked) & (left > new) & active[:, None]  # (position 0 is its own left: never rises)
-        self.rates.copy_(torch.where(rise, (1 - w) * new + w * left, new))  # in place: a captured update reads it
+        drift = (j >= asked) & (j >= 1) & active[:, None]  # (not asked; a censored position keeps its rate)
+        self.rates.copy_(torch.where(drift, (1 - w) * new + w * left, new))  # in place: a captured update reads it
 
     def overall(self, prior, strength: float = 4.0) -> torch.Tensor:
         """``[M]``: each position's acceptance over every observation so far (not the recent ones

@@ -1107,23 +1107,22 @@ def test_probes_keep_their_spacing_while_the_predicted_costs_move():
 
 
 def test_acceptance_estimator_rule():
-    w, prior = 0.25, 0.6
-    est = AcceptanceEstimator(4, 4, prior, w, "cpu")
-    n = torch.tensor([2, 0, 3, 1])
-    asked = torch.tensor([3, 2, 3, 0])  # row 2 accepted all it was asked; row 3 asked nothing
-    ran = torch.tensor([True, True, True, False])
+    w, prior = 0.25, [0.6, 0.5, 0.8, 0.3]  # (unequal: a move towards the position before shows)
+    est = AcceptanceEstimator(5, 4, torch.tensor(prior), w, "cpu")
+    n = torch.tensor([2, 0, 3, 1, 0])
+    asked = torch.tensor([3, 2, 3, 0, 0])  # row 2 accepted all it was asked; rows 3 and 4 asked nothing
+    ran = torch.tensor([True, True, True, False, True])  # (row 4: a plain step of a pool's row)
     est.update(n, asked, ran)
-    want = [[prior] * 4 for _ in range(4)]
-    for r in range(3):
+    want = [list(prior) for _ in range(5)]
+    for r in (0, 1, 2, 4):
         seen = list(want[r])  # the observed positions updated first
         for i in range(4):
             if i < n[r]:
                 seen[i] = (1 - w) * want[r][i] + w  # accepted
             elif i == n[r] and n[r] < asked[r]:
                 seen[i] = (1 - w) * want[r][i]  # the first rejection
-        for i in range(4):  # censored positions keep their rates; those not asked rise towards a higher left one
-            rise = i >= max(asked[r], 1) and seen[i - 1] > seen[i]
-            want[r][i] = (1 - w) * seen[i] + w * seen[i - 1] if rise else seen[i]
+        for i in range(4):  # censored positions keep their rates; those not asked move towards the one before
+            want[r][i] = (1 - w) * seen[i] + w * seen[i - 1] if i >= max(asked[r], 1) else seen[i]
     assert torch.allclose(est.rates, torch.tensor(want), atol=1e-6), (est.rates, want)
 
 

@@ -253,3 +253,9 @@ def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
         poz.recorded_costs(str(path), "mtp")
     with pytest.raises(SystemExit, match=r"each K in \[0, 2\]"):
         poz.main(["--from-results", str(path), "--ks", "3"])
+    with pytest.raises(SystemExit, match="no batch-16 record of drafter 'ngram'"):
+        poz.main(["--from-results", str(path), "--batch", "16"])
+    with pytest.raises(SystemExit, match="--ks: fixed K and/or auto"):
+        poz.main(["--costs", "1,2", "--ks", "0,two"])
+    with pytest.raises(SystemExit, match="--max-new: >= 2"):
+        poz.main(["--costs", "1,2", "--max-new", "1"])
