@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import fit_mtp_layers, perturb_heads, rel_err
 from markers import needs_cuda, needs_triton_interpreter
-from test_generate_batch import ROWS, _alone, _check, _reference
+from test_generate_batch import ROWS, SHAPES, _alone, _check, _prompts, _reference
 from test_mtp import MTP_FIELDS
 from tiny_models import FAMILIES, VOCAB, get_model, make_model
 from tree_drafters import SMALL_TREE, OracleTree
@@ -34,12 +34,15 @@ def mtp_target(family, device: str = "cpu"):
     """``(target, layers)``: a copy of ``family``'s tiny target (same weights as ``get_model``) on
     ``device`` whose config declares one MTP layer (``test_mtp.MTP_FIELDS``), and MTP layers fitted
     there to the target's own greedy continuations of the test prompts, so that steps accept none,
-    some or all drafts."""
+    some or all drafts. (Off the CPU, those continuations are the copy's own: transformers runs
+    a CPU model's Gated DeltaNet through flash-linear-attention's GPU kernels where both are
+    installed, which fails.)"""
     if (family, device) not in _MTP:
         target = make_model(family).to(device)
         for k, v in MTP_FIELDS[family].items():
             setattr(target.config, k, v)
-        full = _reference(family)[4]
+        full = (_reference(family)[4] if device == "cpu"
+                else [p + _alone(target, p, b, None) for p, (_, b) in zip(_prompts(), SHAPES)])
         width = max(len(f) for f in full)
         torch.manual_seed(0)
         layers = mtp_layers_for(target)
