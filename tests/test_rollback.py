@@ -169,22 +169,24 @@ PLAIN_STRATS = ["snapshot", "replay", "replay_deferred", "replay_deferred_L8"]
 PLAIN_SCRIPT = [3, "plain", "plain", 4, 2, "plain", 1, "plain", 4, 4, "plain", "plain", "plain", 2]
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["slot_map", "no_slot_map"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("strategy", PLAIN_STRATS)
 @pytest.mark.parametrize("op_name", ["mamba2", "gdn", "kda"])
-def test_plain_steps_between_speculative_steps_exact(op_name, strategy, backend):
+def test_plain_steps_between_speculative_steps_exact(op_name, strategy, backend, mapped):
     """Plain steps (flush, then one token updated in place) mixed with speculative steps and
-    commits of every count, over a pool with a permuted slot map and a padding row: outputs and
-    committed states equal the reference recurrence over exactly the committed tokens, and slots
-    no row maps to stay bit for bit (flush folds only the batch's slots)."""
+    commits of every count, over a pool with a permuted slot map and a padding row (or a batch
+    without a slot map, whose flush folds every slot at once): outputs and committed states equal
+    the reference recurrence over exactly the committed tokens, and slots no row maps to stay bit
+    for bit (flush folds only the batch's slots)."""
     op = OPS[op_name].on(backend, "cpu")  # triton: the kernels through Triton's interpreter
     g = torch.Generator().manual_seed(7)
-    Tmax, slots = 4, 6
-    si = torch.tensor([4, 0, 3, -1])
-    real, unused = si[:3], torch.tensor([1, 2, 5])
+    Tmax, slots, rows = (4, 6, 4) if mapped else (4, 3, 3)
+    si = torch.tensor([4, 0, 3, -1]) if mapped else None
+    real, unused = (si[:3], torch.tensor([1, 2, 5])) if mapped else (torch.arange(3), torch.tensor([], dtype=torch.long))
     strat = STRATEGY_FACTORIES[strategy]()
     assert strat.has_plain_steps
-    store = strat.new_store(4, Tmax, state_indices=si)
+    store = strat.new_store(rows, Tmax, state_indices=si)
     _, params, S = random_inputs(op_name, 1, g)
     pool = torch.randn(slots, *S, generator=g)
     strat.load(store, pool)
@@ -193,15 +195,15 @@ def test_plain_steps_between_speculative_steps_exact(op_name, strategy, backend)
     for step, kind in enumerate(PLAIN_SCRIPT):
         plain = kind == "plain"
         T = 1 if plain else kind
-        inputs, _, _ = random_inputs(op_name, T, g, batch=4)  # row 3 (padding) has inputs of its own
+        inputs, _, _ = random_inputs(op_name, T, g, batch=rows)  # row 3 (padding) has inputs of its own
         if plain:
             strat.flush(store, op, params)
             torch.testing.assert_close(strat.plain_state(store)[real], ref, rtol=1e-5, atol=1e-5)
             y = strat.plain_verify(store, op, inputs, params)
-            n = torch.ones(4, dtype=torch.long)
+            n = torch.ones(rows, dtype=torch.long)
         else:
             y = strat.verify(store, op, inputs, params)
-            n = torch.tensor([step % (T + 1), T, 0, T])  # the padding row's count is never used
+            n = torch.tensor([step % (T + 1), T, 0, T])[:rows]  # the padding row's count is never used
         y_ref, states, _ = op.verify(ref, {k: v[:3] for k, v in inputs.items()}, params, True)
         torch.testing.assert_close(y[:3], y_ref, rtol=1e-4, atol=1e-4)
         (strat.plain_commit if plain else strat.commit)(store, op, params, n)

@@ -103,8 +103,8 @@ class ReplayRollback(RollbackStrategy):
     def flush(self, store, op, params):
         super().flush(store, op, params)
         store.replay_fused_step = False
-        if store.tensors["hist"] is not None:
-            self._fold(store, op, params, self._batch_slots(store))
+        if store.tensors["hist"] is not None:  # (no slot map: every slot is the batch's, all fold)
+            self._fold(store, op, params, None if store.state_indices is None else self._batch_slots(store))
 
     def _batch_slots(self, store) -> torch.Tensor:
         """``[num_slots]`` bool: the slots of the batch's rows (all slots without a slot map)."""
@@ -113,16 +113,20 @@ class ReplayRollback(RollbackStrategy):
         return ones if si is None else to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0],
                                                 fill=False)
 
-    def _fold(self, store, op, params, flush: torch.Tensor) -> None:
-        """Fold the committed history of the slots ``flush`` (``[num_slots]`` bool) into the
+    def _fold(self, store, op, params, flush: torch.Tensor | None) -> None:
+        """Fold the committed history of the slots ``flush`` (``[num_slots]`` bool; None: every
+        slot, in two launches, the fold and the reset, where a mask would take five) into the
         checkpoint and empty it; the other slots keep their history in place."""
         hist, hist_len, si = store.tensors["hist"], store.tensors["hist_len"], store.state_indices
-        n = torch.where(flush, hist_len, torch.zeros_like(hist_len))
+        n = hist_len if flush is None else torch.where(flush, hist_len, torch.zeros_like(hist_len))
         if op.kernels is not None:
             op.kernels.replay_fold(store.tensors["ckpt"], hist, params, gather_rows(n, si), state_indices=si)
-        elif not self.deferred or bool(flush.any()):
+        elif flush is None or not self.deferred or bool(flush.any()):
             store.tensors["ckpt"].copy_(op.fold(store.tensors["ckpt"], hist, params, n))
-        hist_len.masked_fill_(flush, 0)
+        if flush is None:
+            hist_len.zero_()
+        else:
+            hist_len.masked_fill_(flush, 0)
 
     def state(self, store, op, params):
         hist = store.tensors["hist"]
