@@ -11,7 +11,9 @@ an ``experiment=bench ... num_speculative_tokens=auto`` run recorded for that dr
 step that ran it; the figure is plain decoding's time for the same tokens over that sum
 (``T(0) * plain steps / sum of T(K) over the steps``; plain decoding takes one step per new
 token of a batch's longest row but the first, which is the prefill's). This predicts what the policy would give at
-those costs; the GPU run (``experiment=bench``) measures.
+those costs, with no cost for the switch from speculative back to plain steps (``FixedCosts``
+has none; on a GPU it spaces the probes further apart); the GPU run (``experiment=bench``)
+measures.
 
     python benchmarks/policy_on_zoo.py --from-results benchmarks/results/e2e_zoo_auto_k_mtp_kept_entries_h100.jsonl
     python benchmarks/policy_on_zoo.py --costs 0.265,0.29,0.31,0.33,0.35,0.37,0.39,0.41,0.43 --prompts 32
@@ -76,12 +78,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batch, --prompts: >= 1, --max-new: >= 2 (the first new token is the prefill's); got "
                          f"{args.batch}, {args.prompts}, {args.max_new}")
     try:
-        costs = ([float(t) for t in args.costs.split(",")] if args.costs
-                 else recorded_costs(args.from_results, args.drafter, args.batch))
+        costs = [float(t) for t in args.costs.split(",")] if args.costs else None
         ks = [k if k == "auto" else int(k) for k in (k.strip() for k in args.ks.split(","))]
     except ValueError as err:
         raise SystemExit(f"policy_on_zoo.py: {err} (--costs: ms for K = 0..M, comma-separated; --ks: fixed K and/or "
                          "auto, comma-separated)") from None
+    if costs is None:
+        try:
+            costs = recorded_costs(args.from_results, args.drafter, args.batch)
+        except (OSError, ValueError, KeyError) as err:  # (json.JSONDecodeError is a ValueError)
+            raise SystemExit(f"policy_on_zoo.py: --from-results: {err}") from None
     if len(costs) < 2 or min(costs) <= 0:
         raise SystemExit(f"--costs: at least K = 0 and 1, every time > 0 ms; got {costs}")
     if any(k != "auto" and not 0 <= k < len(costs) for k in ks):
