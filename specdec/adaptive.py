@@ -39,7 +39,8 @@ decoding through the same engine (the drafter is not called).
   steps per width and call (``measure_neighbours``): a calibration a few percent off would
   otherwise hold the policy off a faster width for good, since only a width that runs is refined;
 * **probe**: at K = 0 no draft is proposed, so nothing is observed; every ``probe_interval``-th
-  step at K = 0 runs K = 1 instead, so a rising acceptance is seen and speculation resumes;
+  step at K = 0 runs the speculative K of the best predicted goodput instead
+  (:meth:`SpeculationPolicy.probe_k`), so a rising acceptance is seen and speculation resumes;
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
   them (its own extra time and that of the plain step after it, which may first flush the
   strategy's rollback data: replay folds its input history into the state). A call that starts
@@ -1102,10 +1103,11 @@ class SpeculationPolicy:
                 total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
                 current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
         K, at_zero = current, self.steps_at_zero
-        if K == 0:  # (at_zero: plain steps since the last probe; the spacing moves with the measured costs)
+        if K == 0 and len(times) > 1:  # (at_zero: plain steps since the last probe; the spacing moves with the costs)
             at_zero += 1
-            if at_zero == 0 or at_zero >= self.probe_every(times):
-                K, at_zero = 1, 0  # probe: observe acceptance again
+            probe = self.probe_k(expected, times)
+            if at_zero == 0 or at_zero >= self.probe_every(times, probe, expected):
+                K, at_zero = probe, 0  # probe: observe acceptance again
         else:
             at_zero = 0
             if settings.measure_neighbours:
@@ -1130,13 +1132,25 @@ class SpeculationPolicy:
                 and rate(k) * (1.0 + self.settings.hysteresis) >= rate(K)]
         return max(near, key=rate, default=K)
 
-    def probe_every(self, times: list[float]) -> int:
+    @staticmethod
+    def probe_k(expected: list[float], times: list[float]) -> int:
+        """The K a probe from K = 0 runs: the speculative K of the best predicted goodput
+        (E(K) / t(K), K >= 1; the smallest of equals). A probe at K = 1 would observe only the
+        first draft, and the later positions, not asked, would move towards its rate
+        (:class:`AcceptanceEstimator`): for a drafter whose later drafts are accepted more often
+        than its first (the n-gram drafter) that held E(K) below what speculating commits."""
+        return max(range(1, len(times)), key=lambda k: (expected[k] / times[k], -k))
+
+    def probe_every(self, times: list[float], K: int = 1, expected: list[float] | None = None) -> int:
         """Steps between probes at K = 0: ``probe_interval``, or more where a probe (a step at
-        K = 1, ``times[1]`` seconds against ``times[0]``, and the switch back to plain steps after
-        it, :meth:`CostModel.leave_s`) costs more than ``probe_budget`` of the time at K = 0
-        spread over the interval."""
-        extra = (max(0.0, times[1] - times[0] + self.costs.leave_s(self.key)) / times[0]
-                 if len(times) > 1 and times[0] > 0 else 0.0)
+        ``K``, ``times[K]`` seconds, and the switch back to plain steps after it,
+        :meth:`CostModel.leave_s`) costs more than ``probe_budget`` of the time at K = 0 spread
+        over the interval. With ``expected`` (E(K) per K), the probe's cost is what it takes
+        beyond the plain steps that would commit the tokens it is expected to commit
+        (``times[K] - times[0] E(K) / E(0)``): a probe at a longer K commits more."""
+        plain = times[0] * (expected[K] / expected[0] if expected is not None and expected[0] > 0 else 1.0)
+        extra = (max(0.0, times[K] - plain + self.costs.leave_s(self.key)) / times[0]
+                 if len(times) > K and times[0] > 0 else 0.0)
         return max(self.settings.probe_interval, math.ceil(extra / self.settings.probe_budget - 1e-9))
 
     @property

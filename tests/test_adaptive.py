@@ -1143,6 +1143,26 @@ def test_later_drafts_accepted_more_often_than_the_first_keep_their_rates():
     assert E[4].item() == pytest.approx(1 + first * (1 + later[0] + later[0] * later[1] + later[:3].prod()).item())
 
 
+def test_a_probe_runs_the_speculative_k_of_the_best_predicted_goodput():
+    """At K = 0 a probe runs the K > 0 whose predicted goodput is best (here K = 3: the longer
+    drafts cost almost nothing more than one), not K = 1: a probe at K = 1 observes only the first
+    draft, and a drafter whose later drafts are accepted more often than its first (n-gram) then
+    looks worse than it is. Its spacing counts that K's cost beyond the plain steps that would
+    commit the tokens it is expected to commit."""
+    times = {0: 1.0, 1: 1.2, 2: 1.201, 3: 1.202, 4: 1.25}
+    settings = PolicySettings(probe_interval=8, probe_budget=1.0)
+    policy = SpeculationPolicy(settings, FixedCosts(lambda strategy, batch, K: times[K]), CostKey("eager", "replay", 2),
+                               None, 4, 2, 100, 0.1, "cpu")  # acceptance 0.1: no K beats plain decoding
+    assert SpeculationPolicy.probe_k(policy.expected, policy.step_times()) == 3
+    assert [policy.next_k() for _ in range(16)] == ([0] * 7 + [3]) * 2
+    assert policy.probe_every([1.0, 1.1, 1.2, 3.0], 3) == 8 and policy.probe_every([1.0, 1.1, 1.2, 3.0], 1) == 8
+    tight = SpeculationPolicy(PolicySettings(probe_interval=8, probe_budget=0.1), FixedCosts(lambda s, b, K: times[K]),
+                              CostKey("eager", "replay", 2), None, 4, 2, 100, 0.1, "cpu")
+    assert tight.probe_every([1.0, 1.1, 1.2, 3.0], 3) == 20 and tight.probe_every([1.0, 1.1, 1.2, 3.0], 1) == 8
+    # counted beyond the plain steps that would commit its expected tokens: 3.0 - 1.0 * 1.5 = 1.5
+    assert tight.probe_every([1.0, 1.1, 1.2, 3.0], 3, [2.0, 2.4, 2.8, 3.0]) == 15
+
+
 def test_policy_probes_at_k0_and_counts_what_it_predicted():
     """K = 0 is best for constant acceptance 0: every 8th step at K = 0 is a K = 1 probe."""
     costs = FixedCosts(lambda strategy, batch, K: 1.0 + K)
