@@ -135,9 +135,11 @@ class PolicySettings:
             ``min_gain * sqrt(acceptance_batch / B)``, as E(K) sums more rows' estimates and its
             noise, which the margin is for, shrinks so; speculation that runs leaves for K = 0 as
             for any K, by ``hysteresis`` and ``hysteresis_sum`` (:func:`choose_k`).
-        probe_interval: at K = 0, every this-many-th step at least runs K = 1 (>= 1).
+        probe_interval: at K = 0, at most every this-many-th plain step since the last probe runs a
+            probe, the speculative K of the best predicted goodput (>= 1).
         probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
-            time at K = 0 (in (0, 1]; at a large batch a K = 1 step costs much more than a K = 0 one).
+            time at K = 0 (in (0, 1]; at a large batch a speculative step costs much more than a
+            K = 0 one).
         cost_weight: weight of a new step time in the online cost averages, in (0, 1].
         calibration_repeats: timed runs of each step width when measuring (>= 1; the fastest counts).
         memory_budget_bytes: ``rollback="auto"``: the most bytes a strategy's rollback buffers may
@@ -975,7 +977,7 @@ class SpeculationPolicy:
             of before the step's sync, and copies its values to the host; they are read at
             the next step, one step late (:meth:`update`), before its sync (:meth:`before_sync`).
         prior_from_last_call: ``prior`` is what the drafter showed over an earlier call: a call
-            that starts at K = 0 probes (K = 1) at its first step (see the module docstring).
+            that starts at K = 0 probes at its first step (see the module docstring).
     """
 
     def __init__(self, settings: PolicySettings, costs: CostModel, key: CostKey, drafter_key,
