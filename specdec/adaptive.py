@@ -42,8 +42,11 @@ decoding through the same engine (the drafter is not called).
   step at K = 0 runs the speculative K of the best predicted goodput instead
   (:meth:`SpeculationPolicy.probe_k`), so a rising acceptance is seen and speculation resumes;
   probes are spaced further where one costs more than ``probe_budget`` of the steps between
-  them (its own extra time and that of the plain step after it, which may first flush the
-  strategy's rollback data: replay folds its input history into the state). A call that starts
+  them (its own extra time beyond the plain steps that would commit its expected tokens, per
+  step and for a lone row; a fixed batch of several rows ends with its slowest row, which one
+  probe seldom moves, so there its whole extra time; and the extra time of the plain step after
+  it, which may first flush the strategy's rollback data: replay folds its input history into
+  the state). A call that starts
   from the acceptance its drafter showed over the last call (on other prompts) at K = 0 probes at
   its first step: a call shorter than the probe spacing would otherwise never look at its own
   prompts' acceptance, and would hand the old estimate on to the next call unchanged (a call
@@ -986,6 +989,7 @@ class SpeculationPolicy:
         self.settings = settings
         self._graph: _KeptUpdate | None = None  # the captured update() this policy replays
         self.until_last = until_last
+        self._batch = batch
         self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
         self.key = key
@@ -1108,7 +1112,11 @@ class SpeculationPolicy:
         if K == 0 and len(times) > 1:  # (at_zero: plain steps since the last probe; the spacing moves with the costs)
             at_zero += 1
             probe = self.probe_k(expected, times)
-            if at_zero == 0 or at_zero >= self.probe_every(times, probe, expected):
+            # (a batch that ends with its slowest row: one probe seldom moves that row, so its
+            # expected tokens do not shorten the call; only a lone row's do)
+            live = self._live if self._live is not None else self._batch
+            if at_zero == 0 or at_zero >= self.probe_every(times, probe,
+                                                           expected if not self.until_last or live <= 1 else None):
                 K, at_zero = probe, 0  # probe: observe acceptance again
         else:
             at_zero = 0
@@ -1149,7 +1157,9 @@ class SpeculationPolicy:
         :meth:`CostModel.leave_s`) costs more than ``probe_budget`` of the time at K = 0 spread
         over the interval. With ``expected`` (E(K) per K), the probe's cost is what it takes
         beyond the plain steps that would commit the tokens it is expected to commit
-        (``times[K] - times[0] E(K) / E(0)``): a probe at a longer K commits more."""
+        (``times[K] - times[0] E(K) / E(0)``): a probe at a longer K commits more. (The policy
+        passes it per step, and for a batch that ends with its slowest row only where one row
+        is left: one probe step seldom moves the slowest of several.)"""
         plain = times[0] * (expected[K] / expected[0] if expected is not None and expected[0] > 0 else 1.0)
         extra = (max(0.0, times[K] - plain + self.costs.leave_s(self.key)) / times[0]
                  if len(times) > K and times[0] > 0 else 0.0)

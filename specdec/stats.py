@@ -56,7 +56,7 @@ class Stats:
         K was chosen (a fixed batch: per step until its slowest row ends). leave_s: with ``"auto"``,
         the cost model's extra seconds of the first plain step after speculative ones at the
         call's end (:meth:`specdec.adaptive.CostModel.leave_s`), which spaces the probes at K = 0
-        with the K = 1 step's extra time (None with a fixed K). speculation_gain_per_step: with ``"auto"``, per step, the
+        with the probe step's own extra time (None with a fixed K). speculation_gain_per_step: with ``"auto"``, per step, the
         predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
         (:func:`specdec.adaptive.speculation_gain`, which says where speculation starts and stops).
         Empty lists with a fixed K.

@@ -1165,6 +1165,26 @@ def test_a_probe_runs_the_speculative_k_of_the_best_predicted_goodput():
     assert tight.probe_every([1.0, 1.1, 1.2, 3.0], 3, [2.0, 2.4, 2.8, 3.0]) == 15
 
 
+def test_a_fixed_batch_of_several_rows_counts_a_probes_whole_extra_time(monkeypatch):
+    """Per step (continuous batching) a probe's cost for the spacing is its time beyond the plain
+    steps that would commit its expected tokens; a fixed batch of several rows ends with its
+    slowest row, which one probe seldom moves, so there the whole extra time counts."""
+    monkeypatch.setattr(specdec.adaptive, "choose_k", lambda *a: 0)  # plain steps, whatever is predicted
+    costs = FixedCosts(lambda strategy, batch, K: 1.0 + 0.3 * K)
+    settings = PolicySettings(probe_interval=2, probe_budget=0.05)
+    first_probe = {}
+    for until_last in (False, True):
+        policy = SpeculationPolicy(settings, costs, CostKey("eager", "replay", 4), None, 4, 4, 1000, 0.6, "cpu",
+                                   until_last=until_last)
+        times, expected = policy.step_times(), policy.expected
+        K = SpeculationPolicy.probe_k(expected, times)
+        want = policy.probe_every(times, K) if until_last else policy.probe_every(times, K, expected)
+        ks = [policy.next_k() for _ in range(want + 1)]
+        first_probe[until_last] = ks.index(K) + 1
+        assert first_probe[until_last] == want and ks[:want - 1] == [0] * (want - 1), (until_last, ks)
+    assert first_probe[True] > first_probe[False]
+
+
 def test_policy_probes_at_k0_and_counts_what_it_predicted():
     """K = 0 is best for constant acceptance 0: every 8th step at K = 0 is a K = 1 probe."""
     costs = FixedCosts(lambda strategy, batch, K: 1.0 + K)
