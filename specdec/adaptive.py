@@ -291,9 +291,9 @@ class AcceptanceEstimator:
         position, ``prior`` (a float, or ``[M]`` of which the first value counts), and for each
         later one the value this gives the position before it: a position seldom observed follows
         the one before it, the i.i.d. assumption of Leviathan et al. 2023 (where the prior would
-        leave the drafts a call never reached at the prior, e.g. above a low acceptance). On the host (fp32 on the CPU): one read of the counts, a host sync, made
-        where a decode loop ends (its device work is done), as ``M`` device ops would cost more
-        host time there."""
+        leave the drafts a call never reached at the prior, e.g. above a low acceptance). On the
+        host (fp32 on the CPU): one read of the counts, a host sync, made where a decode loop ends
+        (its device work is done), as ``M`` device ops would cost more host time there."""
         accepted, observed = torch.stack([self.accepted, self.observed]).tolist()
         towards = float(torch.as_tensor(prior, dtype=torch.float32).reshape(-1)[0])
         out = []
@@ -989,7 +989,6 @@ class SpeculationPolicy:
         self.settings = settings
         self._graph: _KeptUpdate | None = None  # the captured update() this policy replays
         self.until_last = until_last
-        self._batch = batch
         self.prior = prior  #: where the rows' acceptance started
         self.costs = costs
         self.key = key
@@ -1114,7 +1113,7 @@ class SpeculationPolicy:
             probe = self.probe_k(expected, times)
             # (a batch that ends with its slowest row: one probe seldom moves that row, so its
             # expected tokens do not shorten the call; only a lone row's do)
-            live = self._live if self._live is not None else self._batch
+            live = self._live if self._live is not None else self.acceptance.rates.shape[0]
             if at_zero == 0 or at_zero >= self.probe_every(times, probe,
                                                            expected if not self.until_last or live <= 1 else None):
                 K, at_zero = probe, 0  # probe: observe acceptance again

@@ -103,14 +103,14 @@ class ReplayRollback(RollbackStrategy):
     def flush(self, store, op, params):
         super().flush(store, op, params)
         store.replay_fused_step = False
-        if store.tensors["hist"] is not None:  # (no slot map: every slot is the batch's, all fold)
-            self._fold(store, op, params, None if store.state_indices is None else self._batch_slots(store))
+        if store.tensors["hist"] is not None:
+            self._fold(store, op, params, self._batch_slots(store))
 
-    def _batch_slots(self, store) -> torch.Tensor:
-        """``[num_slots]`` bool: the slots of the batch's rows (all slots without a slot map)."""
+    def _batch_slots(self, store) -> torch.Tensor | None:
+        """``[num_slots]`` bool: the slots of the batch's rows; None without a slot map (every slot
+        is the batch's: no mask to build)."""
         hist_len, si = store.tensors["hist_len"], store.state_indices
-        ones = torch.ones_like(hist_len, dtype=torch.bool)
-        return ones if si is None else to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0],
+        return None if si is None else to_slots(torch.ones_like(si, dtype=torch.bool), si, hist_len.shape[0],
                                                 fill=False)
 
     def _fold(self, store, op, params, flush: torch.Tensor | None) -> None:
@@ -258,7 +258,8 @@ class ReplayRollback(RollbackStrategy):
             # Eager replay folds every slot every commit (no host sync needed).
             flush = self._batch_slots(store)
             if self.deferred:
-                flush &= hist_len + store.max_step_tokens > next(iter(hist.values())).shape[1]
+                full = hist_len + store.max_step_tokens > next(iter(hist.values())).shape[1]
+                flush = full if flush is None else flush & full
             self._fold(store, op, params, flush)
         store.step_tokens = 0
         if debug_enabled():
