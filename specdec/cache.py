@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from .fusion import fusable
+from .graphs import CapturedProgram
 from .kernels import SSMOp, backend, conv1d_op
 from .kernels.conv1d import new_conv_window
 from .kernels.kv import write_kv
@@ -293,6 +294,10 @@ class HybridCache:
         self.plain = False
         self._kept = 0  # depth of open plain_state_kept() blocks
         self._fold_max: tuple = (None, 0)  # (the last set_fold_max, the SSM layers it was set on)
+        #: run the device part of :meth:`flush` as a CUDA graph (a decoder that captures its steps
+        #: sets it)
+        self.flush_graphs = False
+        self._flush_program: tuple | None = None  # (the flush_key tuple it was made for, its CapturedProgram)
 
     # --- attention KV ----------------------------------------------------------------------
     def _buffers(self, layer_idx: int, like: torch.Tensor):
@@ -435,12 +440,35 @@ class HybridCache:
         (:meth:`RollbackStrategy.flush`: replay folds its input history; the others hold none).
         Changes no committed state.
 
+        With :attr:`flush_graphs`, the layers' device parts (:meth:`RollbackStrategy.flush_device`:
+        for replay, a fold and a reset per layer, which the host would otherwise launch one by one
+        between two steps) run as one :class:`~specdec.graphs.CapturedProgram`: eagerly at the first
+        flush, captured at the second, replayed from then on; made again when a layer's
+        :meth:`RollbackStrategy.flush_key` changes, and eager while any layer's is None.
+
         Raises: ValueError when a step is open."""
         if self.step_tokens:
             raise ValueError(f"flush needs no open step; this step already ran {self.step_tokens} tokens")
-        for layer in self.ssm.values():
-            if layer.has_recurrence:
-                layer.strategy.flush(layer.store, layer.op, layer.params)
+        layers = [layer for layer in self.ssm.values() if layer.has_recurrence]
+        for layer in layers:
+            layer.strategy.flush_host(layer.store)
+        keys = (tuple(layer.strategy.flush_key(layer.store, layer.op, layer.params) for layer in layers)
+                if self.flush_graphs else (None,))
+        if all(key == () for key in keys):  # (nothing pending on the device: snapshot, ring, replay before a verify)
+            return
+        if None in keys:
+            self._flush_device(layers)
+            return
+        if self._flush_program is None or self._flush_program[0] != keys:
+            program = CapturedProgram(lambda: self._flush_device(layers), model=None, what="the rollback flush",
+                                      graphs=True)
+            self._flush_program = keys, program
+        self._flush_program[1]()
+
+    @staticmethod
+    def _flush_device(layers) -> None:
+        for layer in layers:
+            layer.strategy.flush_device(layer.store, layer.op, layer.params)
 
     def set_fold_max(self, n: int | None) -> None:
         """Promise that no row's rollback history holds more than ``n`` committed tokens when a

@@ -247,6 +247,7 @@ class StaticDecoder(Decoder):
         if self.cache is None:
             self.cache = fresh
             self.cache.set_tree(self.tree)
+            self.cache.flush_graphs = self.cuda_graphs
             if self.cuda_graphs:
                 self._capture(self.step_tokens, self.runs_plain(self.step_tokens, False))
         else:
@@ -290,6 +291,7 @@ class StaticDecoder(Decoder):
                       RuntimeWarning, stacklevel=5)
         self._capture_failed = True
         self._graphs.clear()
+        self.cache.flush_graphs = False
         self.cache.set_step_tokens(0)
 
     def _capture_step(self, t: int, plain: bool) -> _Graphs | None:

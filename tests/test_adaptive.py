@@ -6,6 +6,7 @@ settings fail with a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -219,6 +220,76 @@ def test_narrower_steps_flush_only_where_the_verify_sizes_its_fold(strategy, mon
     narrower = sum(1 for a, b in zip(ks, ks[1:]) if 0 < b < a)
     assert narrower > 0 and entering_plain > 0
     assert len(flushes) == entering_plain + (narrower if strategy == "replay" else 0)
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture_fails"])
+def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypatch):
+    """With CUDA graphs (here a stand-in that replays the captured function, on the Triton
+    interpreter's fused replay), the flushes between steps (entering plain steps, narrowing K)
+    run every layer's fold as one program: eagerly at the first flush, captured once at the
+    second, replayed from then on, also in a second call on the kept decoder; made again when a
+    store's buffers change. The output equals plain greedy; a capture that fails warns and
+    flushes eagerly, with the same output."""
+    import specdec.decoding as decoding
+    import specdec.graphs as graphs
+    from specdec.cache import HybridCache
+    from specdec.kernels.mamba2.triton_step import Mamba2Kernels
+
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    monkeypatch.setenv("SPECDEC_DEBUG", "1")
+    captures, replaying, folds, flushes = [], [False], [], []
+
+    class Replaying:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            replaying[0] = True
+            try:
+                self.fn()
+            finally:
+                replaying[0] = False
+
+    def capture(fn, *, what, **kw):  # (a real capture runs nothing: CapturedProgram replays it at once)
+        captures.append(what)
+        if fail:
+            raise CaptureFailure(what, RuntimeError("no graphs here"))
+        return Replaying(fn), None
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    real_load, real_fold, real_flush = decoding.StaticDecoder.load, Mamba2Kernels.replay_fold, HybridCache.flush
+    monkeypatch.setattr(decoding.StaticDecoder, "load",  # (the static path, with the flushes of a graph path)
+                        lambda self, fresh: real_load(self, fresh) or setattr(self.cache, "flush_graphs", True))
+    monkeypatch.setattr(Mamba2Kernels, "replay_fold",
+                        lambda self, *a, **kw: folds.append(replaying[0]) or real_fold(self, *a, **kw))
+    monkeypatch.setattr(HybridCache, "flush", lambda self: flushes.append(1) or real_flush(self))
+    model = get_model("nemotron_h", "small")
+    ids, mask = ragged_prompts(batch=2)
+    want = hf_greedy(model, ids, mask)
+    sd = specdec.wrap(model, drafter=OracleDrafter(want, mask, acceptance=0.7, seed=0), rollback="replay",
+                      num_speculative_tokens="auto", decode_path="static", cost_model=ScriptedCosts(ORDER))
+    layers = None
+    for _ in range(2):
+        with (pytest.warns(RuntimeWarning, match="the rollback flush") if fail and layers is None
+              else contextlib.nullcontext()):
+            out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=0)
+        assert torch.equal(out, want), f"\n{out}\n{want}"
+        layers = sum(layer.has_recurrence for layer in sd.last_cache.ssm.values())
+    folded = len(folds) // layers  # (a flush before the first verify has no history to fold)
+    assert layers and folded >= 3 and len(flushes) >= folded and len(folds) == folded * layers
+    assert captures == ["the rollback flush"]  # once, over both calls
+    eager = layers * (folded if fail else 1)  # (the first flush is the capture's warm-up)
+    assert folds == [False] * eager + [True] * (len(folds) - eager)
+    if fail:
+        return
+    cache = sd.last_cache
+    store = next(layer.store for layer in cache.ssm.values() if layer.has_recurrence)
+    store.tensors["hist_len"] = store.tensors["hist_len"].clone()  # a buffer a captured flush would miss
+    folds.clear()
+    for _ in range(3):
+        cache.flush()
+    assert captures == ["the rollback flush"] * 2 and folds == [False] * layers + [True] * (2 * layers)
 
 
 @pytest.mark.gpu

@@ -248,11 +248,31 @@ class RollbackStrategy(abc.ABC):
     def flush(self, store: LayerStore, op: SSMOp, params: dict) -> None:
         """Make :meth:`plain_state` hold the batch's committed states (replay: fold each row's
         input history into the checkpoint); other slots keep what they hold. Needs no open step.
+        Runs :meth:`flush_host`, then :meth:`flush_device`.
+
+        Raises: ValueError when a step is open."""
+        self.flush_host(store)
+        self.flush_device(store, op, params)
+
+    def flush_host(self, store: LayerStore) -> None:
+        """The host part of :meth:`flush`: its checks and the store's Python bookkeeping, to run
+        at every flush, also where the device part replays as a CUDA graph.
 
         Raises: ValueError when a step is open."""
         if store.step_tokens:
             raise ValueError(f"flush needs no open step, but {store.step_tokens} step tokens were run and not "
                              "committed: commit the step first")
+
+    def flush_device(self, store: LayerStore, op: SSMOp, params: dict) -> None:
+        """The device part of :meth:`flush`: kernel launches only (no host reads, no Python state
+        that changes between flushes), so that it may be captured once and replayed while
+        :meth:`flush_key` stays the same. None here: the store holds no pending rollback data."""
+
+    def flush_key(self, store: LayerStore, op: SSMOp, params: dict) -> tuple | None:
+        """What a captured :meth:`flush_device` depends on: ``()`` when it launches nothing, a
+        tuple naming the buffers it reads and writes (their addresses) while a replay of its
+        capture stays valid, or None when it cannot be captured (it reads the host)."""
+        return ()
 
     def plain_verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict) -> torch.Tensor:
         """A plain decoding step: one token per row (inputs ``[B, 1, ...]``) advances

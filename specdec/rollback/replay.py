@@ -100,11 +100,23 @@ class ReplayRollback(RollbackStrategy):
     def plain_state(self, store):
         return store.tensors["ckpt"]
 
-    def flush(self, store, op, params):
-        super().flush(store, op, params)
+    def flush_host(self, store):
+        super().flush_host(store)
         store.replay_fused_step = False
+
+    def flush_device(self, store, op, params):
         if store.tensors["hist"] is not None:
             self._fold(store, op, params, self._batch_slots(store))
+
+    def flush_key(self, store, op, params):
+        hist = store.tensors["hist"]
+        if hist is None:
+            return ()
+        if op.kernels is None:  # (the torch fold of deferred replay reads its mask on the host)
+            return None
+        tensors = [store.tensors["ckpt"], store.tensors["hist_len"], *hist.values(), store.state_indices,
+                   *(v for v in params.values() if isinstance(v, torch.Tensor))]
+        return tuple(None if t is None else t.data_ptr() for t in tensors)
 
     def _batch_slots(self, store) -> torch.Tensor | None:
         """``[num_slots]`` bool: the slots of the batch's rows; None without a slot map (every slot
