@@ -259,3 +259,30 @@ def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
         poz.main(["--costs", "1,2", "--ks", "0,two"])
     with pytest.raises(SystemExit, match="--max-new: >= 2"):
         poz.main(["--costs", "1,2", "--max-new", "1"])
+
+
+def test_switch_cost_times_every_flush_and_groups_the_forwards():
+    """benchmarks/switch_cost.py (CPU, the static path): every flush is timed, a plain step after
+    a speculative one is preceded by one, each forward after the first lands in the group of the
+    step before it (a narrowing flush before a narrower step), the calibration's forwards in
+    none; bad arguments end with a message."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("switch_cost", os.path.join(ROOT, "benchmarks", "switch_cost.py"))
+    sc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc)
+    from specdec import zoo
+
+    assert sc._group(1, True, None) is None
+    assert sc._group(1, True, (1, True)) == "plain after plain" and sc._group(1, True, (5, False)) == "plain after speculative"
+    assert sc._group(5, False, (5, False)) == "speculative after the same width"
+    assert sc._group(3, False, (5, False)) == "speculative after a wider step"
+    assert sc._group(5, False, (3, False)) is None and sc._group(5, False, (1, True)) is None
+    r = sc.measure("ngram", [zoo.prompts(limit=1)[0]["prompt"]], 32, "cpu", "static")
+    switches = len(r["forward_ms"]["plain after speculative"])
+    assert len(r["k_histograms"]) == 1 and sum(r["k_histograms"][0]) > 0
+    assert len(r["flush_ms"]) >= switches + len(r["forward_ms"]["speculative after a wider step"])
+    assert all(t > 0 for ts in [r["flush_ms"], *r["forward_ms"].values()] for t in ts)
+    assert sum(map(len, r["forward_ms"].values())) <= sum(r["k_histograms"][0])  # (no calibration's forwards)
+    with pytest.raises(SystemExit, match="--prompts: >= 1"):
+        sc.main(["--prompts", "0"])
