@@ -31,6 +31,7 @@ rollback data (:meth:`RollbackStrategy.plain_verify <specdec.rollback.RollbackSt
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -294,9 +295,7 @@ class HybridCache:
         self.plain = False
         self._kept = 0  # depth of open plain_state_kept() blocks
         self._fold_max: tuple = (None, 0)  # (the last set_fold_max, the SSM layers it was set on)
-        #: run the device part of :meth:`flush` as a CUDA graph (a decoder that captures its steps
-        #: sets it)
-        self.flush_graphs = False
+        self._flush_graphs = False
         self._flush_program: tuple | None = None  # (the flush_key tuple it was made for, its CapturedProgram)
 
     # --- attention KV ----------------------------------------------------------------------
@@ -435,6 +434,18 @@ class HybridCache:
             layer.plain = plain
         self.plain = plain
 
+    @property
+    def flush_graphs(self) -> bool:
+        """Whether the device part of :meth:`flush` runs as a CUDA graph (a decoder that captures
+        its steps sets it; set to False, the captured flush is dropped)."""
+        return self._flush_graphs
+
+    @flush_graphs.setter
+    def flush_graphs(self, on: bool) -> None:
+        self._flush_graphs = bool(on)
+        if not on:
+            self._flush_program = None
+
     def flush(self) -> None:
         """Flush every SSM layer's pending rollback data into its committed state
         (:meth:`RollbackStrategy.flush`: replay folds its input history; the others hold none).
@@ -444,12 +455,17 @@ class HybridCache:
         for replay, a fold and a reset per layer, which the host would otherwise launch one by one
         between two steps) run as one :class:`~specdec.graphs.CapturedProgram`: eagerly at the first
         flush, captured at the second, replayed from then on; made again when a layer's
-        :meth:`RollbackStrategy.flush_key` changes, and eager while any layer's is None.
+        :meth:`RollbackStrategy.flush_key` changes, and eager while any layer's is None. A strategy
+        that overrides :meth:`RollbackStrategy.flush` itself runs its own, eagerly.
 
         Raises: ValueError when a step is open."""
         if self.step_tokens:
             raise ValueError(f"flush needs no open step; this step already ran {self.step_tokens} tokens")
         layers = [layer for layer in self.ssm.values() if layer.has_recurrence]
+        if any(type(layer.strategy).flush is not RollbackStrategy.flush for layer in layers):
+            for layer in layers:  # (a flush not split into host and device parts)
+                layer.strategy.flush(layer.store, layer.op, layer.params)
+            return
         for layer in layers:
             layer.strategy.flush_host(layer.store)
         keys = (tuple(layer.strategy.flush_key(layer.store, layer.op, layer.params) for layer in layers)
@@ -460,8 +476,8 @@ class HybridCache:
             self._flush_device(layers)
             return
         if self._flush_program is None or self._flush_program[0] != keys:
-            program = CapturedProgram(lambda: self._flush_device(layers), model=None, what="the rollback flush",
-                                      graphs=True)
+            program = CapturedProgram(functools.partial(HybridCache._flush_device, layers), model=None,
+                                      what="the rollback flush", graphs=True)  # (no cycle through the cache)
             self._flush_program = keys, program
         self._flush_program[1]()
 

@@ -258,8 +258,8 @@ class StaticDecoder(Decoder):
         (``num_speculative_tokens="auto"`` runs every K on one decoder sized for the largest) folds
         replay's committed history as a decoder sized for ``t`` would
         (:meth:`HybridCache.set_fold_max`); when the step committed before it was wider, its
-        history is flushed first (one fold per SSM layer, eagerly; at most once per change to a
-        smaller K)."""
+        history is flushed first (:meth:`HybridCache.flush`: one fold per SSM layer; at most once
+        per change to a smaller K)."""
         c = self.cache
         if plain or self.tree is not None or t >= self.step_tokens:
             c.set_fold_max(None)

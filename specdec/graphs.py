@@ -7,7 +7,8 @@ Every graph-captured program of the project — the target's verify forward and 
 :class:`CapturedProgram` too) — captures through :func:`capture`, so a failure is handled and
 reported one way: the caller keeps running the same static program without graphs and records
 :class:`CaptureFailure`'s reason, which ``generate()`` reports in ``Stats.capture_error`` (and
-warns once).
+warns once). The rollback flush between steps (:meth:`specdec.cache.HybridCache.flush`, a
+:class:`CapturedProgram`) only warns: a failure there leaves the steps' graphs as they are.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from tiny_models import get_model, ragged_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
+from specdec.adaptive import CostModel
 from specdec.drafters import DraftModelDrafter, MedusaHeads, MTPDrafter
 from specdec.models.common import cache_keyword
 from specdec.experiments.train_medusa import collect_hidden_states, fit_heads, medusa_targets, target_predictions
@@ -430,3 +431,24 @@ def compile_with_aot_eager(monkeypatch) -> None:
     import functools
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
+class ScriptedCosts(CostModel):
+    """Costs under which the best K follows ``order`` step after step (K = order[i] costs 1 s, every
+    other K 100 s): forces the policy through every step width, 0 included, in a known order. A
+    new step is a ``step_s`` call of K = 0 (each choice asks for every K in order), counted per
+    strategy (``rollback="auto"`` compares them all once first); with ``strategy`` set, that
+    strategy's steps cost half the others' (``rollback="auto"`` picks it)."""
+
+    def __init__(self, order, strategy: str | None = None):
+        self.order, self.strategy, self.calls = order, strategy, {}
+
+    def step_s(self, key, drafter_key, K):
+        if K == 0:
+            self.calls[key.strategy] = self.calls.get(key.strategy, -1) + 1
+        target = self.order[self.calls[key.strategy] % len(self.order)]
+        return (1.0 if K == target else 100.0) * (1.0 if self.strategy in (None, key.strategy) else 2.0)
+
+
+#: a K order with switches up and down, runs at K = 0 shorter than the probe interval, the largest K
+ORDER = [0, 3, 0, 8, 1, 0, 0, 5, 2, 8, 0, 4, 7, 6]

@@ -7,43 +7,25 @@ settings fail with a clear error."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import weakref
 
 import pytest
 import torch
-from helpers import MAX_NEW, assert_same_token_distribution, counting_forwards, hf_greedy, make_drafter, reference
+from helpers import (MAX_NEW, ORDER, ScriptedCosts, assert_same_token_distribution, counting_forwards, hf_greedy,
+                     make_drafter, reference)
 from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy, ragged_prompts
 
 import specdec
-from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO, AcceptanceEstimator, CostKey, CostModel, DrafterKey,
+from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO, AcceptanceEstimator, CostKey, DrafterKey,
                               FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
                               expected_tokens, speculation_gain)
 from specdec.drafters import Drafter, DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
 from specdec.fusion import fusion_enabled
 from specdec.graphs import CaptureFailure
 from specdec.rollback import STRATEGIES, RollbackStrategy
-
-
-class ScriptedCosts(CostModel):
-    """Costs under which the best K follows ``order`` step after step (K = order[i] costs 1 s, every
-    other K 100 s): forces the policy through every step width, 0 included, in a known order. A
-    new step is a ``step_s`` call of K = 0 (each choice asks for every K in order), counted per
-    strategy (``rollback="auto"`` compares them all once first); with ``strategy`` set, that
-    strategy's steps cost half the others' (``rollback="auto"`` picks it)."""
-
-    def __init__(self, order, strategy: str | None = None):
-        self.order, self.strategy, self.calls = order, strategy, {}
-
-    def step_s(self, key, drafter_key, K):
-        if K == 0:
-            self.calls[key.strategy] = self.calls.get(key.strategy, -1) + 1
-        target = self.order[self.calls[key.strategy] % len(self.order)]
-        return (1.0 if K == target else 100.0) * (1.0 if self.strategy in (None, key.strategy) else 2.0)
-
-
-#: a K order with switches up and down, runs at K = 0 shorter than the probe interval, the largest K
-ORDER = [0, 3, 0, 8, 1, 0, 0, 5, 2, 8, 0, 4, 7, 6]
 
 
 def _generate(sd, family, **kw):
@@ -228,9 +210,11 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
     """With CUDA graphs (here a stand-in that replays the captured function, on the Triton
     interpreter's fused replay), the flushes between steps (entering plain steps, narrowing K)
     run every layer's fold as one program: eagerly at the first flush, captured once at the
-    second, replayed from then on, also in a second call on the kept decoder; made again when a
-    store's buffers change. The output equals plain greedy; a capture that fails warns and
-    flushes eagerly, with the same output."""
+    second, replayed from then on, also in a second call on the kept decoder; made again when any
+    buffer it reads changes, dropped when a step's capture fails (eager flushes from then on),
+    and holding no reference cycle (``release()`` frees the cache with the collector off). The
+    output equals plain greedy; a capture that fails warns and flushes eagerly, with the same
+    output."""
     import specdec.decoding as decoding
     import specdec.graphs as graphs
     from specdec.cache import HybridCache
@@ -285,11 +269,63 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
         return
     cache = sd.last_cache
     store = next(layer.store for layer in cache.ssm.values() if layer.has_recurrence)
-    store.tensors["hist_len"] = store.tensors["hist_len"].clone()  # a buffer a captured flush would miss
+    for name in ("hist_len", "ckpt", "hist"):  # each a buffer a captured flush would miss: a new program
+        if name == "hist":
+            first = next(iter(store.tensors["hist"]))
+            store.tensors["hist"] = {**store.tensors["hist"], first: store.tensors["hist"][first].clone()}
+        else:
+            store.tensors[name] = store.tensors[name].clone()
+        folds.clear()
+        for _ in range(3):
+            cache.flush()
+        assert len(captures) == 1 + ("hist_len", "ckpt", "hist").index(name) + 1, name
+        assert folds == [False] * layers + [True] * (2 * layers), name
+    with pytest.warns(RuntimeWarning, match="no graphs"):  # a step's capture failed: flushes run eagerly
+        sd.decoder._capture_failed_with(CaptureFailure("a step", RuntimeError("no graphs")))
     folds.clear()
-    for _ in range(3):
-        cache.flush()
-    assert captures == ["the rollback flush"] * 2 and folds == [False] * layers + [True] * (2 * layers)
+    cache.flush()
+    assert folds == [False] * layers and len(captures) == 4
+    was_on = gc.isenabled()  # the captured flush holds no reference cycle through the cache
+    gc.disable()
+    try:
+        cache.flush_graphs = True
+        for _ in range(2):
+            cache.flush()
+        assert len(captures) == 5
+        freed = weakref.ref(cache)
+        del cache, store
+        sd.release()
+        assert freed() is None
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def test_a_strategy_with_its_own_flush_runs_it(monkeypatch):
+    """A user's strategy that overrides ``flush`` (not split into ``flush_host`` and
+    ``flush_device``) has it called at every flush, also where the decoder would capture the
+    flushes; the output equals plain greedy."""
+    import specdec.decoding as decoding
+    from specdec.rollback import ReplayRollback
+
+    calls = []
+
+    class Mine(ReplayRollback):
+        def flush(self, store, op, params):
+            calls.append(store.layer)
+            super().flush(store, op, params)
+
+    real_load = decoding.StaticDecoder.load
+    monkeypatch.setattr(decoding.StaticDecoder, "load",
+                        lambda self, fresh: real_load(self, fresh) or setattr(self.cache, "flush_graphs", True))
+    sd = specdec.wrap(get_model("nemotron_h"), drafter=make_drafter("perturbed", "nemotron_h"), rollback=Mine(),
+                      num_speculative_tokens="auto", decode_path="static", cost_model=ScriptedCosts(ORDER))
+    out, ref = _generate(sd, "nemotron_h")
+    assert torch.equal(out, ref)
+    ks = sd.last_stats.k_per_step
+    entering_plain = sum(1 for i, K in enumerate(ks) if K == 0 and (i == 0 or ks[i - 1] > 0))
+    layers = sum(layer.has_recurrence for layer in sd.last_cache.ssm.values())
+    assert entering_plain and len(calls) >= entering_plain * layers and len(calls) % layers == 0
 
 
 @pytest.mark.gpu

@@ -266,13 +266,15 @@ class RollbackStrategy(abc.ABC):
     def flush_device(self, store: LayerStore, op: SSMOp, params: dict) -> None:
         """The device part of :meth:`flush`: kernel launches only (no host reads, no Python state
         that changes between flushes), so that it may be captured once and replayed while
-        :meth:`flush_key` stays the same. None here: the store holds no pending rollback data."""
+        :meth:`flush_key` stays the same. Nothing here: the store holds no pending rollback data."""
 
     def flush_key(self, store: LayerStore, op: SSMOp, params: dict) -> tuple | None:
         """What a captured :meth:`flush_device` depends on: ``()`` when it launches nothing, a
-        tuple naming the buffers it reads and writes (their addresses) while a replay of its
-        capture stays valid, or None when it cannot be captured (it reads the host)."""
-        return ()
+        tuple naming the buffers it reads and writes (address, shape, strides, dtype) while a
+        replay of its capture stays valid, or None when it cannot be captured. Here: ``()`` where
+        :meth:`flush_device` is this class's, else None (a strategy whose device part may be
+        captured says how by overriding this too)."""
+        return () if type(self).flush_device is RollbackStrategy.flush_device else None
 
     def plain_verify(self, store: LayerStore, op: SSMOp, inputs: dict, params: dict) -> torch.Tensor:
         """A plain decoding step: one token per row (inputs ``[B, 1, ...]``) advances

@@ -112,11 +112,12 @@ class ReplayRollback(RollbackStrategy):
         hist = store.tensors["hist"]
         if hist is None:
             return ()
-        if op.kernels is None:  # (the torch fold of deferred replay reads its mask on the host)
+        if op.kernels is None:  # (the torch fold allocates, and deferred replay's reads its mask on the host)
             return None
         tensors = [store.tensors["ckpt"], store.tensors["hist_len"], *hist.values(), store.state_indices,
                    *(v for v in params.values() if isinstance(v, torch.Tensor))]
-        return tuple(None if t is None else t.data_ptr() for t in tensors)
+        return id(op.kernels), *(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                                 for t in tensors)
 
     def _batch_slots(self, store) -> torch.Tensor | None:
         """``[num_slots]`` bool: the slots of the batch's rows; None without a slot map (every slot
