@@ -45,9 +45,10 @@ def _group(width: int, plain: bool, before: tuple | None) -> str | None:
     return GROUPS[2] if before[0] == width else GROUPS[3]
 
 
-def measure(drafter: str, prompts: list[str], max_new: int, device: str, decode_path: str) -> dict:
+def measure(drafter: str, prompts: list[str], max_new: int, device: str, decode_path: str, cost_model=None) -> dict:
     """Time every flush and forward of ``drafter``'s calls (see the module docstring): returns
-    ``{"flush_ms": [...], "forward_ms": {group: [...]}, "k_histograms": [per call]}``."""
+    ``{"flush_ms": [...], "forward_ms": {group: [...]}, "k_histograms": [per call], "outputs":
+    [per call, the generated ids]}``. ``cost_model``: the policy's (None: measured)."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tok = zoo.load("gdn-target", device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -76,21 +77,21 @@ def measure(drafter: str, prompts: list[str], max_new: int, device: str, decode_
     HybridCache.flush, StaticDecoder.forward = flush, forward
     try:
         sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens="auto", rollback="replay",
-                          decode_path=decode_path)
+                          decode_path=decode_path, cost_model=cost_model)
         warm = tok([prompts[0]], return_tensors="pt").to(device)  # (calibrates; captures the graphs)
         sd.generate(**warm, max_new_tokens=max_new, pad_token_id=0)
         flush_ms.clear()
         for ms in forward_ms.values():
             ms.clear()
-        hists = []
+        hists, outputs = [], []
         for prompt in prompts:
             before[0] = None
             enc = tok([prompt], return_tensors="pt").to(device)
-            sd.generate(**enc, max_new_tokens=max_new, pad_token_id=0)
+            outputs.append(sd.generate(**enc, max_new_tokens=max_new, pad_token_id=0))
             hists.append(sd.last_stats.k_histogram)
     finally:
         HybridCache.flush, StaticDecoder.forward = real_flush, real_forward
-    return {"flush_ms": flush_ms, "forward_ms": forward_ms, "k_histograms": hists}
+    return {"flush_ms": flush_ms, "forward_ms": forward_ms, "k_histograms": hists, "outputs": outputs}
 
 
 def _median(xs: list[float]) -> str:

@@ -263,10 +263,13 @@ def test_policy_on_zoo_charges_each_step_its_cost(tmp_path):
 
 def test_switch_cost_times_every_flush_and_groups_the_forwards():
     """benchmarks/switch_cost.py (CPU, the static path): every flush is timed, a plain step after
-    a speculative one is preceded by one, each forward after the first lands in the group of the
+    a speculative one is preceded by one (K scripted through switches both ways; the output
+    equals greedy decoding), each forward after the first lands in the group of the
     step before it (a narrowing flush before a narrower step), the calibration's forwards in
     none; bad arguments end with a message."""
     import importlib.util
+
+    from helpers import ORDER, ScriptedCosts
 
     spec = importlib.util.spec_from_file_location("switch_cost", os.path.join(ROOT, "benchmarks", "switch_cost.py"))
     sc = importlib.util.module_from_spec(spec)
@@ -278,10 +281,15 @@ def test_switch_cost_times_every_flush_and_groups_the_forwards():
     assert sc._group(5, False, (5, False)) == "speculative after the same width"
     assert sc._group(3, False, (5, False)) == "speculative after a wider step"
     assert sc._group(5, False, (3, False)) is None and sc._group(5, False, (1, True)) is None
-    r = sc.measure("ngram", [zoo.prompts(limit=1)[0]["prompt"]], 32, "cpu", "static")
+    prompt = zoo.prompts(limit=1)[0]["prompt"]
+    r = sc.measure("ngram", [prompt], 32, "cpu", "static", ScriptedCosts(ORDER))  # (K through up and down)
     switches = len(r["forward_ms"]["plain after speculative"])
+    narrower = len(r["forward_ms"]["speculative after a wider step"])
     assert len(r["k_histograms"]) == 1 and sum(r["k_histograms"][0]) > 0
-    assert len(r["flush_ms"]) >= switches + len(r["forward_ms"]["speculative after a wider step"])
+    assert switches >= 1 and narrower >= 1 and len(r["flush_ms"]) >= switches + narrower
+    model, tok = zoo.load("gdn-target")
+    ids = tok([prompt], return_tensors="pt").input_ids
+    assert torch.equal(r["outputs"][0], model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0))
     assert all(t > 0 for ts in [r["flush_ms"], *r["forward_ms"].values()] for t in ts)
     assert sum(map(len, r["forward_ms"].values())) <= sum(r["k_histograms"][0])  # (no calibration's forwards)
     with pytest.raises(SystemExit, match="--prompts: >= 1"):
