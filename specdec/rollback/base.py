@@ -270,7 +270,7 @@ class RollbackStrategy(abc.ABC):
 
     def flush_key(self, store: LayerStore, op: SSMOp, params: dict) -> tuple | None:
         """What a captured :meth:`flush_device` depends on: ``()`` when it launches nothing, a
-        tuple naming the buffers it reads and writes (address, shape, strides, dtype) while a
+        tuple naming the buffers it reads and writes (address, shape, dtype) while a
         replay of its capture stays valid, or None when it cannot be captured. Here: ``()`` where
         :meth:`flush_device` is this class's, else None (a strategy whose device part may be
         captured says how by overriding this too)."""

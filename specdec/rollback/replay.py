@@ -116,7 +116,7 @@ class ReplayRollback(RollbackStrategy):
             return None
         tensors = [store.tensors["ckpt"], store.tensors["hist_len"], *hist.values(), store.state_indices,
                    *(v for v in params.values() if isinstance(v, torch.Tensor))]
-        return id(op.kernels), *(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        return id(op.kernels), *(None if t is None else (t.data_ptr(), t.shape, t.dtype)
                                  for t in tensors)
 
     def _batch_slots(self, store) -> torch.Tensor | None:
