@@ -11,7 +11,7 @@ not the loop's step times: ``experiment=bench`` measures those). Prints per draf
 median and the forwards' medians in four groups: a plain step after a plain one, a plain step
 after a speculative one (the switch), a speculative step after one of the same width, and one
 after a wider step (the narrowing flush). A first call on the first prompt, not timed, calibrates
-the policy's costs and captures the graphs; steps that capture one later take seconds, which the
+the policy's costs (when measured) and captures the graphs; steps that capture one later take seconds, which the
 medians keep out.
 
     python benchmarks/switch_cost.py                      # CUDA: the CUDA-graph path, bf16
@@ -78,7 +78,7 @@ def measure(drafter: str, prompts: list[str], max_new: int, device: str, decode_
     try:
         sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens="auto", rollback="replay",
                           decode_path=decode_path, cost_model=cost_model)
-        warm = tok([prompts[0]], return_tensors="pt").to(device)  # (calibrates; captures the graphs)
+        warm = tok([prompts[0]], return_tensors="pt").to(device)  # (calibrates a measured cost model; captures)
         sd.generate(**warm, max_new_tokens=max_new, pad_token_id=0)
         flush_ms.clear()
         for ms in forward_ms.values():

@@ -455,8 +455,9 @@ class HybridCache:
         for replay, a fold and a reset per layer, which the host would otherwise launch one by one
         between two steps) run as one :class:`~specdec.graphs.CapturedProgram`: eagerly at the first
         flush, captured at the second, replayed from then on; made again when a layer's
-        :meth:`RollbackStrategy.flush_key` changes, and eager while any layer's is None. A strategy
-        that overrides :meth:`RollbackStrategy.flush` itself runs its own, eagerly.
+        :meth:`RollbackStrategy.flush_key` changes, and eager while any layer's is None or once a
+        capture failed (which warns). A strategy that overrides :meth:`RollbackStrategy.flush`
+        itself runs its own, eagerly.
 
         Raises: ValueError when a step is open."""
         if self.step_tokens:
@@ -479,7 +480,10 @@ class HybridCache:
             program = CapturedProgram(functools.partial(HybridCache._flush_device, layers), model=None,
                                       what="the rollback flush", graphs=True)  # (no cycle through the cache)
             self._flush_program = keys, program
-        self._flush_program[1]()
+        program = self._flush_program[1]
+        program()
+        if program.error is not None:  # (its capture failed and warned: eager flushes from now on, not tried again)
+            self.flush_graphs = False
 
     @staticmethod
     def _flush_device(layers) -> None:

@@ -213,8 +213,8 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
     second, replayed from then on, also in a second call on the kept decoder; made again when any
     buffer it reads changes, dropped when a step's capture fails (eager flushes from then on),
     and holding no reference cycle (``release()`` frees the cache with the collector off). The
-    output equals plain greedy; a capture that fails warns and flushes eagerly, with the same
-    output."""
+    output equals plain greedy; a capture that fails warns once and flushes eagerly from then on
+    (not tried again, also in the second call), with the same output."""
     import specdec.decoding as decoding
     import specdec.graphs as graphs
     from specdec.cache import HybridCache
@@ -243,8 +243,12 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
 
     monkeypatch.setattr(graphs, "capture", capture)
     real_load, real_fold, real_flush = decoding.StaticDecoder.load, Mamba2Kernels.replay_fold, HybridCache.flush
-    monkeypatch.setattr(decoding.StaticDecoder, "load",  # (the static path, with the flushes of a graph path)
-                        lambda self, fresh: real_load(self, fresh) or setattr(self.cache, "flush_graphs", True))
+    def load(self, fresh):  # the static path, with the flushes of a graph path (set as the cache is adopted)
+        real_load(self, fresh)
+        if self.cache is fresh:
+            self.cache.flush_graphs = True
+
+    monkeypatch.setattr(decoding.StaticDecoder, "load", load)
     monkeypatch.setattr(Mamba2Kernels, "replay_fold",
                         lambda self, *a, **kw: folds.append(replaying[0]) or real_fold(self, *a, **kw))
     monkeypatch.setattr(HybridCache, "flush", lambda self: flushes.append(1) or real_flush(self))

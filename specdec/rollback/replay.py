@@ -112,8 +112,9 @@ class ReplayRollback(RollbackStrategy):
         hist = store.tensors["hist"]
         if hist is None:
             return ()
-        if op.kernels is None:  # (the torch fold allocates, and deferred replay's reads its mask on the host)
-            return None
+        if op.kernels is None or type(self).flush_device is not ReplayRollback.flush_device:
+            return None  # (the torch fold allocates, and deferred replay's reads its mask on the host; a
+            #             subclass's own device part may read the host too)
         tensors = [store.tensors["ckpt"], store.tensors["hist_len"], *hist.values(), store.state_indices,
                    *(v for v in params.values() if isinstance(v, torch.Tensor))]
         return id(op.kernels), *(None if t is None else (t.data_ptr(), t.shape, t.dtype)
