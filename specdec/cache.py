@@ -469,8 +469,10 @@ class HybridCache:
             return
         for layer in layers:
             layer.strategy.flush_host(layer.store)
-        keys = (tuple(layer.strategy.flush_key(layer.store, layer.op, layer.params) for layer in layers)
-                if self.flush_graphs else (None,))
+        if not self.flush_graphs:
+            self._flush_device(layers)
+            return
+        keys = tuple(layer.strategy.flush_key(layer.store, layer.op, layer.params) for layer in layers)
         if all(key == () for key in keys):  # (nothing pending on the device: snapshot, ring, replay before a verify)
             return
         if None in keys:

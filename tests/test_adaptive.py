@@ -204,6 +204,21 @@ def test_narrower_steps_flush_only_where_the_verify_sizes_its_fold(strategy, mon
     assert len(flushes) == entering_plain + (narrower if strategy == "replay" else 0)
 
 
+def _captured_flushes_on_the_static_path(monkeypatch) -> None:
+    """The static path's decoder (no step graphs) flushes as the CUDA-graph path's does
+    (``HybridCache.flush_graphs``, set as it adopts its cache)."""
+    import specdec.decoding as decoding
+
+    real_load = decoding.StaticDecoder.load
+
+    def load(self, fresh):
+        real_load(self, fresh)
+        if self.cache is fresh:
+            self.cache.flush_graphs = True
+
+    monkeypatch.setattr(decoding.StaticDecoder, "load", load)
+
+
 @needs_triton_interpreter
 @pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture_fails"])
 def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypatch):
@@ -215,7 +230,6 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
     and holding no reference cycle (``release()`` frees the cache with the collector off). The
     output equals plain greedy; a capture that fails warns once and flushes eagerly from then on
     (not tried again, also in the second call), with the same output."""
-    import specdec.decoding as decoding
     import specdec.graphs as graphs
     from specdec.cache import HybridCache
     from specdec.kernels.mamba2.triton_step import Mamba2Kernels
@@ -242,13 +256,8 @@ def test_replay_flush_between_steps_replays_one_captured_program(fail, monkeypat
         return Replaying(fn), None
 
     monkeypatch.setattr(graphs, "capture", capture)
-    real_load, real_fold, real_flush = decoding.StaticDecoder.load, Mamba2Kernels.replay_fold, HybridCache.flush
-    def load(self, fresh):  # the static path, with the flushes of a graph path (set as the cache is adopted)
-        real_load(self, fresh)
-        if self.cache is fresh:
-            self.cache.flush_graphs = True
-
-    monkeypatch.setattr(decoding.StaticDecoder, "load", load)
+    real_fold, real_flush = Mamba2Kernels.replay_fold, HybridCache.flush
+    _captured_flushes_on_the_static_path(monkeypatch)
     monkeypatch.setattr(Mamba2Kernels, "replay_fold",
                         lambda self, *a, **kw: folds.append(replaying[0]) or real_fold(self, *a, **kw))
     monkeypatch.setattr(HybridCache, "flush", lambda self: flushes.append(1) or real_flush(self))
@@ -309,7 +318,6 @@ def test_a_strategy_with_its_own_flush_runs_it(monkeypatch):
     """A user's strategy that overrides ``flush`` (not split into ``flush_host`` and
     ``flush_device``) has it called at every flush, also where the decoder would capture the
     flushes; the output equals plain greedy."""
-    import specdec.decoding as decoding
     from specdec.rollback import ReplayRollback
 
     calls = []
@@ -319,9 +327,7 @@ def test_a_strategy_with_its_own_flush_runs_it(monkeypatch):
             calls.append(store.layer)
             super().flush(store, op, params)
 
-    real_load = decoding.StaticDecoder.load
-    monkeypatch.setattr(decoding.StaticDecoder, "load",
-                        lambda self, fresh: real_load(self, fresh) or setattr(self.cache, "flush_graphs", True))
+    _captured_flushes_on_the_static_path(monkeypatch)
     sd = specdec.wrap(get_model("nemotron_h"), drafter=make_drafter("perturbed", "nemotron_h"), rollback=Mine(),
                       num_speculative_tokens="auto", decode_path="static", cost_model=ScriptedCosts(ORDER))
     out, ref = _generate(sd, "nemotron_h")
