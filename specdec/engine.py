@@ -137,6 +137,7 @@ class _FlagReads:
         self._cuda = torch.device(device).type == "cuda"
         self._buffers: list[dict] = [{}, {}]  # per slot: (shape, dtype) -> pinned buffer
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
+        self._stream = torch.cuda.current_stream(device) if self._cuda else None  # (the loop's; fetched once)
         self._next = 0
 
     def start(self, values: torch.Tensor) -> tuple:
@@ -148,8 +149,8 @@ class _FlagReads:
         buffer = self._buffers[i].get(key)
         if buffer is None:
             buffer = self._buffers[i][key] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        buffer.copy_(values, non_blocking=True)  # (on the current stream of values' device)
-        self._events[i].record(torch.cuda.current_stream(values.device))
+        buffer.copy_(values, non_blocking=True)  # (on the current stream: the loop's)
+        self._events[i].record(self._stream)
         return buffer, self._events[i]
 
     @staticmethod
