@@ -997,6 +997,9 @@ class SpeculationPolicy:
         weight = settings.acceptance_weight_for(batch)
         self.min_gain = settings.min_gain_for(batch)  #: the start margin at this batch (``PolicySettings.min_gain``)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
+        # (CUDA) the decode loop's stream, which a side-stream update waits for: fetched once (each
+        # torch.cuda.current_stream() call costs microseconds of host time)
+        self._stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
         self._held: _KeptUpdate | None = None  # the kept graph this policy holds
         kept = None if graphs is None else graphs.pop(self._graph_key, None)
         if graphs is not None:
@@ -1212,12 +1215,12 @@ class SpeculationPolicy:
             kept.graph.replay()
             kept.host.copy_(kept.output)
         else:
-            kept.stream.wait_stream(torch.cuda.current_stream(self.acceptance.rates.device))
+            kept.stream.wait_stream(self._stream)
             with torch.cuda.stream(kept.stream):
                 kept.graph.replay()
                 kept.host.copy_(kept.output, non_blocking=True)
                 kept.done = torch.cuda.Event()
-                kept.done.record()
+                kept.done.record(kept.stream)
         self._pending = True
         return out
 
