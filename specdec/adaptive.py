@@ -333,6 +333,12 @@ OUTLIER_RATIO = 1.25
 #: chosen before they are in
 MEASURING_STEPS = MEASURED_STEPS + 2
 
+#: a run of plain steps (K = 0 after K = 0) feeds the costs its first step and then one step in this
+#: many (:meth:`SpeculationPolicy._observe`): a plain step's time is steady, and reading a step's laps
+#: and refitting the costs after it (which the next choice then recomputes) is host work that, on a
+#: small model at batch 1, is a tenth of a step the host launches
+PLAIN_STEPS_PER_OBSERVATION = 8
+
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
 
@@ -492,6 +498,11 @@ class CostModel(abc.ABC):
     """Predicted seconds of one decode step of the whole batch at each K (a ``cost_model=`` of
     :func:`specdec.wrap` is one of these; :class:`MeasuredCosts` is the default)."""
 
+    #: changes whenever :meth:`step_s` or :meth:`leave_s` may answer otherwise, or None where that
+    #: is not known (a model of one's own may change as it likes): while it stays the same, the
+    #: policy keeps the step times of its last choice instead of asking for them again each step
+    version: int | None = None
+
     @abc.abstractmethod
     def step_s(self, key: CostKey, drafter_key, K: int) -> float:
         """Seconds of one step at K (the drafter's proposal, the verify forward with acceptance,
@@ -610,12 +621,14 @@ class MeasuredCosts(CostModel):
         self._bytes: dict[tuple, int] = {}  # (key, step tokens of the decoder) -> bytes
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
         self._n: dict[tuple, int] = {}  # (what, key..., K) -> values each online mean has taken in
+        self.version = 0  # (CostModel.version: one more at every value taken in)
 
     def needs_widths(self, key, widths):
         return [T for T in widths if (key, T) not in self._widths]
 
     def record_width(self, key, T, verify_s, commit_s):
         self._widths[key, T] = (float(verify_s), float(commit_s))
+        self.version += 1
 
     def record_bytes(self, key, nbytes, step_tokens):
         # the largest seen: a calibration of the plain width alone leaves replay's history unallocated
@@ -629,6 +642,7 @@ class MeasuredCosts(CostModel):
         than ``1 / weight`` of them, the weighted mean after (a first step far off its width's mean
         would otherwise weigh 1 - weight on the next); ``name``: the value's count's key."""
         n = self._n[name] = self._n.get(name, 0) + 1
+        self.version += 1
         old = table.get(k)
         w = max(self.weight, 1.0 / n)
         table[k] = x if old is None else (1 - w) * old + w * x
@@ -764,6 +778,8 @@ class FixedCosts(CostModel):
     and nothing observed changes them (for tests, or costs measured elsewhere).
 
     Raises (when asked): ValueError if the function returns a time that is not > 0."""
+
+    version = 0  # (nothing observed changes them)
 
     def __init__(self, step_s: Callable[[str, int, int], float]):
         self._fn = step_s
@@ -1050,6 +1066,11 @@ class SpeculationPolicy:
         self._predicted: list[list[float]] = []  # per step, the seconds of a step at each K when its K was chosen
         self._expected_seen: list[list[float]] = []  # per step, the E(K) its K was chosen by
         self._measured: dict[int, list[float]] = {}  # K -> [seconds, steps] of this call's steps the costs took
+        self._plain_run = 0  # plain steps after plain ones since the last speculative step (_observe)
+        self._values_seen = 0  # values received (receive): a new choice's inputs
+        # (what the last choice rested on, (the K settled on, held, times, gain, probe K, probe spacing)):
+        # kept while the values, the costs' version, the K settled on, the held gains and the live rows stay
+        self._choice: tuple | None = None
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
@@ -1099,32 +1120,46 @@ class SpeculationPolicy:
     def _decide(self) -> tuple[int, int, int, tuple[int, float] | None, list[float], float]:
         """(K of the next step, the K settled on, plain steps since the last probe, the K the hysteresis holds
         it from with the summed gains (:attr:`held`), the step times, the :func:`speculation_gain`
-        they give) from the values and costs held now; changes nothing (:meth:`next_k` takes it).
-        With a kept graph it runs before the step's sync."""
-        times, expected, settings = self.step_times(), self.expected, self.settings
-        current = choose_k(expected, times, self.current, settings.hysteresis, self.min_gain)
-        held, last = None, self.current
-        if current == last and last is not None and math.isfinite(settings.hysteresis_sum) and expected[last] > 0:
-            target = choose_k(expected, times, last, 0.0, self.min_gain)  # the band held it: from what?
-            if target != last:
-                gain = (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0
-                total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
-                current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
+        they give) from the values and costs held now; changes nothing but the kept choice
+        (:meth:`next_k` takes it). With a kept graph it runs before the step's sync.
+
+        While the values, the costs (:attr:`CostModel.version`), the K settled on, the held gains and
+        the live rows are those of the last choice (a run of plain steps between the costs'
+        observations, :data:`PLAIN_STEPS_PER_OBSERVATION`), its times and probe spacing are kept:
+        only the count of plain steps since the last probe moves."""
+        settings, version = self.settings, self.costs.version
+        sig = (self._values_seen, version, self.current, self.held, self._live)
+        if version is not None and self._choice is not None and self._choice[0] == sig:
+            current, held, times, gain, probe, every = self._choice[1]
+        else:
+            times, expected = self.step_times(), self.expected
+            current = choose_k(expected, times, self.current, settings.hysteresis, self.min_gain)
+            held, last = None, self.current
+            if current == last and last is not None and math.isfinite(settings.hysteresis_sum) and expected[last] > 0:
+                target = choose_k(expected, times, last, 0.0, self.min_gain)  # the band held it: from what?
+                if target != last:
+                    gain = (expected[target] / times[target]) / (expected[last] / times[last]) - 1.0
+                    total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
+                    current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
+            probe = every = None
+            if current == 0 and len(times) > 1:  # (the probe spacing moves with the costs)
+                probe = self.probe_k(expected, times)
+                # (a batch that ends with its slowest row: one probe seldom moves that row, so its
+                # expected tokens do not shorten the call; only a lone row's do)
+                live = self._live if self._live is not None else self.acceptance.rates.shape[0]
+                every = self.probe_every(times, probe, expected if not self.until_last or live <= 1 else None)
+            gain = speculation_gain(expected, times)
+            self._choice = (sig, (current, held, times, gain, probe, every))
         K, at_zero = current, self.steps_at_zero
-        if K == 0 and len(times) > 1:  # (at_zero: plain steps since the last probe; the spacing moves with the costs)
+        if probe is not None:  # (at_zero: plain steps since the last probe)
             at_zero += 1
-            probe = self.probe_k(expected, times)
-            # (a batch that ends with its slowest row: one probe seldom moves that row, so its
-            # expected tokens do not shorten the call; only a lone row's do)
-            live = self._live if self._live is not None else self.acceptance.rates.shape[0]
-            if at_zero == 0 or at_zero >= self.probe_every(times, probe,
-                                                           expected if not self.until_last or live <= 1 else None):
+            if at_zero == 0 or at_zero >= every:
                 K, at_zero = probe, 0  # probe: observe acceptance again
         else:
             at_zero = 0
             if settings.measure_neighbours:
-                K = self._neighbour_to_measure(K, expected, times)
-        return K, current, at_zero, held, times, speculation_gain(self.expected, times)
+                K = self._neighbour_to_measure(K, self.expected, times)
+        return K, current, at_zero, held, times, gain
 
     def _neighbour_to_measure(self, K: int, expected: list[float], times: list[float]) -> int:
         """K, or, once K's own cost is measured, the width next to it (K - 1 or K + 1, >= 1; the
@@ -1303,6 +1338,7 @@ class SpeculationPolicy:
         if values is not None:
             M1 = self.max_k + 1
             self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
+            self._values_seen += 1
             self._live_estimated = self._live if self._graph is not None else live_rows
         self._live = live_rows
 
@@ -1350,13 +1386,21 @@ class SpeculationPolicy:
         without ``prefill`` laps: a pool's admissions between steps). Chained so, a lap recorded
         after the point a step's window ended (:meth:`before_sync`'s: the work after the step's
         sync) counts in the next step's, not in none. The laps read must be complete: those of a
-        window that ended before the last host read of the device's progress."""
+        window that ended before the last host read of the device's progress. Of a run of plain
+        steps after plain ones, the first and then one in :data:`PLAIN_STEPS_PER_OBSERVATION` are
+        read and taken in."""
         if self._last is not None:
             K, start, stop, before, plain_s, warming = self._last
-            laps = [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
-            total = sum(s for _, s in laps)
             what = None if warming else step_measures(K, before, K in self._seen,
                                                       getattr(self.drafter_key, "sequential", True))
+            if what == "width" and K == 0:  # (a plain step after a plain one)
+                self._plain_run += 1
+                if (self._plain_run - 1) % PLAIN_STEPS_PER_OBSERVATION:
+                    what = None
+            elif K or before:
+                self._plain_run = 0
+            laps = [] if what is None else [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
+            total = sum(s for _, s in laps)
             if what == "leave":
                 self.costs.observe_leave(self.key, total - plain_s)
             elif what in ("width", "target"):

@@ -19,7 +19,7 @@ from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy, ragged_prompts
 
 import specdec
-from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO, AcceptanceEstimator, CostKey, DrafterKey,
+from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO, PLAIN_STEPS_PER_OBSERVATION, AcceptanceEstimator, CostKey, DrafterKey,
                               FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
                               expected_tokens, speculation_gain)
 from specdec.drafters import Drafter, DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
@@ -1506,6 +1506,74 @@ class _LapClock:
         self.spans += laps
 
 
+def _scripted_policy_run(keep_choices: bool, steps: int = 60):
+    """A policy (M = 2, batch 1, measured costs) fed scripted laps (noisy: every observation moves
+    the costs) and, every 7th step, new E(K) that make speculating worth it (one time in four) or not;
+    ``keep_choices=False`` drops the kept choice before every step. Returns the K per step, the
+    step times each choice rested on, and how often the costs were asked for them."""
+    costs = MeasuredCosts(weight=0.5)
+    key = CostKey("eager", "replay", 1)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0 + 0.4 * (T - 1), commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(probe_interval=12, probe_budget=0.5), costs, key, DrafterKey(False),
+                               2, 1, 500, 0.3, "cpu")
+    asked, times_of = [0], policy.step_times
+
+    def step_times():
+        asked[0] += 1
+        return times_of()
+    policy.step_times = step_times
+    clock, noise = _LapClock(), iter(torch.rand(steps, generator=torch.Generator().manual_seed(0)).tolist())
+    for step in range(steps):
+        if not keep_choices:
+            policy._choice = None
+        first = clock.marks
+        K = policy.next_k()
+        clock.step([("draft", 0.05 * K), ("verify", 1.0 + 0.4 * K + 0.05 * next(noise)), ("rollback", 0.0),
+                    ("bookkeeping", 0.0)])
+        values = None if step % 7 else ([1.0, 1.9, 2.7] if step % 28 == 7 else [1.0, 1.05, 1.08])
+        policy.after_step(values, clock, first, 1)
+    return policy.k_per_step, policy._predicted, asked[0]
+
+
+def test_kept_choice_changes_no_decision():
+    """While the values, the costs' version, the K settled on and the live rows stay as they were,
+    the policy keeps its last choice's step times instead of asking the costs again: every K and
+    every prediction is the one a fresh choice at each step makes, with fewer questions."""
+    ks, predicted, asked = _scripted_policy_run(keep_choices=True)
+    fresh_ks, fresh_predicted, fresh_asked = _scripted_policy_run(keep_choices=False)
+    assert ks == fresh_ks and predicted == fresh_predicted
+    assert 0 in ks and max(ks) > 0 and ks.count(0) >= 10  # (speculating, plain steps and probes between them)
+    assert fresh_asked == len(ks) and asked < len(ks) * 0.7
+
+
+def test_a_run_of_plain_steps_feeds_the_costs_one_step_in_so_many():
+    """Of plain steps after plain ones, the first and then one in PLAIN_STEPS_PER_OBSERVATION are
+    taken in (a plain step's time is steady; reading and refitting after each is host work); a
+    step at K > 0 starts a new run."""
+    costs = MeasuredCosts(weight=0.5)
+    key = CostKey("eager", "replay", 1)
+    for T in (1, 2):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(probe_interval=1000), costs, key, DrafterKey(False), 1, 1, 500, 0.0,
+                               "cpu")
+    script = iter([0] * 30 + [1, 1] + [0] * 12)
+    policy._decide = lambda: (k := next(script), k, 0, None, policy.step_times(), 1.0)
+    clock, seen = _LapClock(), []
+    for step in range(44):
+        first = clock.marks
+        K = policy.next_k()
+        clock.step([("draft", 0.0), ("verify", 1.0 + step), ("rollback", 0.0), ("bookkeeping", 0.0)])
+        n = costs._n.get(("target", key, 0), 0)
+        policy.after_step(None, clock, first, 1)  # takes in the step before
+        if costs._n.get(("target", key, 0), 0) > n:
+            seen.append(step - 1)
+    every = PLAIN_STEPS_PER_OBSERVATION
+    # step 0: the call's first (not measured); 30, 31: K = 1; 32: the switch back (leave_s); step 43: not taken in yet
+    assert seen == list(range(1, 30, every)) + list(range(33, 43, every))
+    assert policy.measured_step_s()[0] == pytest.approx(sum(1.0 + s for s in seen) / len(seen))
+
+
 def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     """The policy feeds the costs with each step's laps: a step at K = 0 counts whole (its draft
     lap is the loop's own work), the first step at each K is not counted (compiles), and the first
@@ -1519,10 +1587,10 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     costs.record_width(key, 3, verify_s=2.0, commit_s=0.1)
     order = [0, 0, 1, 1, 0, 0, 0]
     script = iter(order)
-    monkeypatch.setattr(specdec.adaptive, "choose_k", lambda *a: next(script))  # the K of each step, scripted
     policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1, hysteresis_sum=math.inf),
-                               costs, key, DrafterKey(False), 2, 2, 100, 0.0, "cpu")  # (one choose_k a step;
-    # acceptance 0: a probe is expected to commit what a plain step does, so its whole extra time counts)
+                               costs, key, DrafterKey(False), 2, 2, 100, 0.0, "cpu")  # (acceptance 0: a probe
+    # is expected to commit what a plain step does, so its whole extra time counts)
+    monkeypatch.setattr(policy, "_decide", lambda: (k := next(script), k, 0, None, policy.step_times(), 1.0))
     plain = [("draft", 0.2), ("verify", 1.0), ("rollback", 0.0), ("bookkeeping", 0.0)]
     spec = [("draft", 0.3), ("verify", 1.4), ("rollback", 0.2), ("bookkeeping", 0.0)]
     flush = [("draft", 0.2), ("verify", 3.2), ("rollback", 0.0), ("bookkeeping", 0.0)]
@@ -1532,7 +1600,7 @@ def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
         policy.next_k()
         clock.step(laps)
         policy.after_step(None, clock, first, 2)  # counts the step before
-    assert policy.k_per_step == order  # (no probe: spaced 6 steps or more)
+    assert policy.k_per_step == order
     assert costs.target_s(key, 0) == pytest.approx(1.2)  # two plain steps, the flush's not among them
     assert costs.leave_s(key) == pytest.approx(3.4 - 1.2)
     assert costs.draft_s(policy.drafter_key, key, 1) == pytest.approx(0.3)
