@@ -46,7 +46,9 @@ decoding through the same engine (the drafter is not called).
   step and for a lone row; a fixed batch of several rows ends with its slowest row, which one
   probe seldom moves, so there its whole extra time; and the extra time of the plain step after
   it, which may first flush the strategy's rollback data: replay folds its input history into
-  the state). A call that starts
+  the state; a drafter that catches up (draft model, MTP layers) first runs the plain steps'
+  text at a probe, a cost per plain step that no spacing spreads: where it alone reaches
+  ``probe_budget``, no further probe comes in the call). A call that starts
   from the acceptance its drafter showed over the last call (on other prompts) at K = 0 probes at
   its first step: a call shorter than the probe spacing would otherwise never look at its own
   prompts' acceptance, and would hand the old estimate on to the next call unchanged (a call
@@ -556,6 +558,16 @@ class CostModel(abc.ABC):
         """Seconds a switch from speculation to plain steps costs once (see :meth:`observe_leave`)."""
         return 0.0
 
+    def observe_catch_up(self, key: CostKey, drafter_key, K: int, draft_s: float, plain_steps: int) -> None:
+        """The first speculative step (at K) after ``plain_steps`` plain ones of a drafter that
+        catches up (:attr:`DrafterKey.sequential`: a draft model, MTP layers): its proposal took
+        ``draft_s`` seconds, a proposal at K after first running the plain steps' text."""
+
+    def catch_up_s(self, key: CostKey, drafter_key) -> float:
+        """Seconds a drafter that catches up adds, per plain step since its last proposal, to
+        the next one (see :meth:`observe_catch_up`)."""
+        return 0.0
+
 
 class DrafterKey:
     """Names one drafter's proposal times in a :class:`CostModel` (the engine makes a new one for
@@ -601,7 +613,10 @@ class MeasuredCosts(CostModel):
       extra seconds of the first plain step after speculative ones (:meth:`observe_leave`), which
       is not counted in ``target(0)``: with replay that step first folds the input history into
       the state (at Nemotron-H 4B shape, batch 64, about one more state read and write), and
-      counted there, each probe would make plain decoding look slower for the steps after it.
+      counted there, each probe would make plain decoding look slower for the steps after it;
+    * a drafter's catch-up (:meth:`catch_up_s`, a drafter that catches up only): the weighted
+      mean, per plain step before it, of what the first proposal after plain steps took beyond
+      ``draft(K)`` (:meth:`observe_catch_up`): it first ran the plain steps' text.
 
     A real step's target time counts at most :data:`OUTLIER_RATIO` times the estimate it updates
     (the first at a width: its calibrated prediction), and a proposal's time at most that many
@@ -620,6 +635,7 @@ class MeasuredCosts(CostModel):
         self._draft: dict[tuple, dict[int, float]] = {}  # (drafter_key, path, batch) -> {K: seconds}
         self._bytes: dict[tuple, int] = {}  # (key, step tokens of the decoder) -> bytes
         self._leave: dict[CostKey, float] = {}  # key -> seconds of a switch to plain steps
+        self._catch_up: dict[tuple, float] = {}  # (drafter_key, path, batch) -> seconds per plain step caught up
         self._n: dict[tuple, int] = {}  # (what, key..., K) -> values each online mean has taken in
         self.version = 0  # (CostModel.version: one more at every value taken in)
 
@@ -680,6 +696,15 @@ class MeasuredCosts(CostModel):
 
     def leave_s(self, key):
         return self._leave.get(key, 0.0)
+
+    def observe_catch_up(self, key, drafter_key, K, draft_s, plain_steps):
+        # per plain step, what the proposal took beyond draft(K) (0 while no proposal at a K was measured)
+        where = (drafter_key, key.path, key.batch)
+        per_step = max(0.0, float(draft_s) - self.draft_s(drafter_key, key, K)) / max(1, int(plain_steps))
+        self._ewma(self._catch_up, where, per_step, ("catch_up", *where))
+
+    def catch_up_s(self, key, drafter_key):
+        return self._catch_up.get((drafter_key, key.path, key.batch), 0.0)
 
     def measured(self, key, K):
         return self._n.get(("target", key, K), 0) >= MEASURED_STEPS
@@ -1010,6 +1035,7 @@ class SpeculationPolicy:
         self.key = key
         self.drafter_key = drafter_key
         self.max_k = max_speculative_tokens
+        self.max_new_tokens = max_new_tokens
         weight = settings.acceptance_weight_for(batch)
         self.min_gain = settings.min_gain_for(batch)  #: the start margin at this batch (``PolicySettings.min_gain``)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
@@ -1196,11 +1222,23 @@ class SpeculationPolicy:
         beyond the plain steps that would commit the tokens it is expected to commit
         (``times[K] - times[0] E(K) / E(0)``): a probe at a longer K commits more. (The policy
         passes it per step, and for a batch that ends with its slowest row only where one row
-        is left: one probe step seldom moves the slowest of several.)"""
+        is left: one probe step seldom moves the slowest of several.)
+
+        A drafter that catches up (:meth:`CostModel.catch_up_s`) makes each probe run the text of
+        the plain steps since the last one: per plain step a share ``c`` of the plain step's
+        time, spent whatever the spacing. The spacing ``n`` then holds the fixed part ``a``
+        within what is left, ``n >= a / (probe_budget - c)``; where ``c`` alone reaches
+        ``probe_budget``, no spacing keeps probes within it and none follows in this call (the
+        spacing returned is the call's budget of new tokens; the next call probes at its first
+        plain step, see :class:`SpeculationPolicy`'s ``prior_from_last_call``)."""
+        if len(times) <= K or times[0] <= 0:
+            return self.settings.probe_interval
         plain = times[0] * (expected[K] / expected[0] if expected is not None and expected[0] > 0 else 1.0)
-        extra = (max(0.0, times[K] - plain + self.costs.leave_s(self.key)) / times[0]
-                 if len(times) > K and times[0] > 0 else 0.0)
-        return max(self.settings.probe_interval, math.ceil(extra / self.settings.probe_budget - 1e-9))
+        extra = max(0.0, times[K] - plain + self.costs.leave_s(self.key)) / times[0]
+        room = self.settings.probe_budget - self.costs.catch_up_s(self.key, self.drafter_key) / times[0]
+        if room <= 0.0:
+            return max(self.settings.probe_interval, self.max_new_tokens)
+        return max(self.settings.probe_interval, math.ceil(extra / room - 1e-9))
 
     @property
     def read_size(self) -> int:
@@ -1406,6 +1444,9 @@ class SpeculationPolicy:
             elif what in ("width", "target"):
                 draft = sum(s for phase, s in laps if phase == "draft")  # (K = 0: the step's glue; see observe)
                 self.costs.observe(self.key, self.drafter_key, K, draft if what == "width" else None, total - draft)
+                if what == "target":  # (its proposal first ran the plain steps' text: their catch-up)
+                    self.costs.observe_catch_up(self.key, self.drafter_key, K, draft,
+                                                self._plain_steps_before(len(self.k_per_step) - 2))
                 if what == "width":
                     seen = self._measured.setdefault(K, [0.0, 0])
                     seen[0], seen[1] = seen[0] + total, seen[1] + 1
@@ -1414,6 +1455,13 @@ class SpeculationPolicy:
         start = self._last[2] - 1 if self._last is not None else first_mark - 1  # (a mark's index: count - 1)
         self._last = (ks[-1], start, clock.marks if end is None else end, ks[-2] if len(ks) > 1 else 0,
                       self._predicted[-1][0], self._warming)
+
+    def _plain_steps_before(self, step: int) -> int:
+        """Steps at K = 0 right before step ``step`` (an index into :attr:`k_per_step`)."""
+        n = 0
+        while step - n - 1 >= 0 and self.k_per_step[step - n - 1] == 0:
+            n += 1
+        return n
 
     def predicted_step_s(self) -> list[float]:
         """Per K = 0..M, the mean over this call's steps of the seconds the policy predicted for a

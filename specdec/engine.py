@@ -1767,6 +1767,7 @@ class SpeculativeGenerator:
                                calibrated_step_s=policy.calibrated_step_s(),
                                expected_tokens=policy.expected_tokens_seen(),
                                leave_s=policy.costs.leave_s(policy.key),
+                               catch_up_s=policy.costs.catch_up_s(policy.key, policy.drafter_key),
                                speculation_gain_per_step=policy.gain_per_step)
             policy.settle()
             self._learned_acceptance = policy.acceptance.overall(policy.prior)  # (on the host)

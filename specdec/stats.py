@@ -56,7 +56,11 @@ class Stats:
         K was chosen (a fixed batch: per step until its slowest row ends). leave_s: with ``"auto"``,
         the cost model's extra seconds of the first plain step after speculative ones at the
         call's end (:meth:`specdec.adaptive.CostModel.leave_s`), which spaces the probes at K = 0
-        with the probe step's own extra time (None with a fixed K). speculation_gain_per_step: with ``"auto"``, per step, the
+        with the probe step's own extra time (None with a fixed K). catch_up_s: with ``"auto"``
+        and a drafter that catches up (draft model, MTP layers), the cost model's seconds per
+        plain step that its next proposal first spends running the plain steps' text
+        (:meth:`specdec.adaptive.CostModel.catch_up_s`), which spaces the probes too (0.0 for
+        other drafters; None with a fixed K). speculation_gain_per_step: with ``"auto"``, per step, the
         predicted goodput of the best K > 0 over plain decoding's when the step's K was chosen
         (:func:`specdec.adaptive.speculation_gain`, which says where speculation starts and stops).
         Empty lists with a fixed K.
@@ -97,6 +101,7 @@ class Stats:
     calibrated_step_s: list = field(default_factory=list)
     expected_tokens: list = field(default_factory=list)
     leave_s: float | None = None
+    catch_up_s: float | None = None
     speculation_gain_per_step: list = field(default_factory=list)
     max_batch_size: int | None = None
     batch_size_reason: str | None = None

@@ -1574,6 +1574,40 @@ def test_a_run_of_plain_steps_feeds_the_costs_one_step_in_so_many():
     assert policy.measured_step_s()[0] == pytest.approx(sum(1.0 + s for s in seen) / len(seen))
 
 
+def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
+    """A drafter that catches up (draft model, MTP layers) first runs the text of the plain steps
+    since its last proposal: the probe after them measures that per plain step (beyond the
+    proposal's own time at its K), and the probes are spaced so that the fixed part of a probe
+    fits in what the catch-up leaves of ``probe_budget``; where the catch-up alone takes all of
+    it, no further probe comes in the call."""
+    costs = MeasuredCosts(weight=1.0)
+    key = CostKey("eager", "replay", 1)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0, commit_s=0.0)
+    drafter = DrafterKey(True)
+    policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1), costs, key, drafter, 2, 1, 500,
+                               0.0, "cpu")
+    script = iter([0] * 10 + [2, 2] + [0] * 5 + [2] + [0])
+    policy._decide = lambda: (k := next(script), 0, 0, None, policy.step_times(), 1.0)
+    clock = _LapClock()
+    for _ in range(19):
+        first = clock.marks
+        K = policy.next_k()
+        caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
+        clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
+                    ("bookkeeping", 0.0)])
+        policy.after_step(None, clock, first, 1)
+    # step 11 measured the proposal at K = 2 (0.2 s); the probe at step 17 ran 5 plain steps' text first
+    assert costs.draft_s(drafter, key, 2) == pytest.approx(0.2)
+    assert costs.catch_up_s(key, drafter) == pytest.approx(0.05)
+    assert costs.catch_up_s(key, DrafterKey(True)) == 0.0  # (per drafter)
+    times = policy.step_times()
+    assert times[0] == pytest.approx(1.0) and times[2] == pytest.approx(1.4) and costs.leave_s(key) == 0.0
+    assert policy.probe_every(times, 2) == math.ceil(0.4 / (0.1 - 0.05))  # 8; 4 without the catch-up
+    costs.observe_catch_up(key, drafter, 2, 0.2 + 0.1 * 4, 4)  # the catch-up alone takes the whole budget
+    assert policy.probe_every(times, 2) == 500  # (the call's budget of new tokens: no further probe)
+
+
 def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
     """The policy feeds the costs with each step's laps: a step at K = 0 counts whole (its draft
     lap is the loop's own work), the first step at each K is not counted (compiles), and the first

@@ -350,8 +350,9 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
     ``calibration_s`` (median; the cost measurements of ``"auto"``); with ``K="auto"`` also
     ``k_per_step`` (the last run's K of every step) and ``predicted_tokens_per_s`` /
     ``measured_tokens_per_s`` (the policy's, median), the last run's ``predicted_step_ms`` /
-    ``measured_step_ms`` / ``calibrated_step_ms`` / ``expected_tokens`` per K and ``leave_ms`` (:class:`specdec.Stats`'
-    ``predicted_step_s`` / ``measured_step_s`` / ``calibrated_step_s`` / ``expected_tokens`` / ``leave_s``)
+    ``measured_step_ms`` / ``calibrated_step_ms`` / ``expected_tokens`` per K, ``leave_ms`` and ``catch_up_ms`` (:class:`specdec.Stats`'
+    ``predicted_step_s`` / ``measured_step_s`` / ``calibrated_step_s`` / ``expected_tokens`` / ``leave_s`` /
+    ``catch_up_s``)
     and ``speculation_gain_per_step`` with its median ``speculation_gain``; with
     ``strategy="auto"`` ``rollback_reason``.
     """
@@ -438,6 +439,7 @@ def speculative_point(model, enc, *, drafter, strategy: str, K: int | str, max_n
         rec["calibrated_step_ms"] = [None if t is None else t * 1e3 for t in st.calibrated_step_s]
         rec["expected_tokens"] = list(st.expected_tokens)
         rec["leave_ms"] = None if st.leave_s is None else st.leave_s * 1e3
+        rec["catch_up_ms"] = None if st.catch_up_s is None else st.catch_up_s * 1e3
         rec["speculation_gain_per_step"] = list(st.speculation_gain_per_step)
         rec["speculation_gain"] = (statistics.median(st.speculation_gain_per_step)
                                    if st.speculation_gain_per_step else None)
