@@ -16,7 +16,7 @@ __all__ = ["StepClock"]
 
 class StepClock:
     """Named phase times without host syncs: CUDA events on CUDA (recorded on the stream current
-    when the clock is made; each read once, when its laps are asked for), else
+    when the clock is made; each lap read once, when it is asked for), else
     ``time.perf_counter``. ``lap(phase)`` ends the running phase; :meth:`totals` sums each phase's
     laps in seconds; :meth:`laps` gives the laps between two marks."""
 
@@ -27,7 +27,7 @@ class StepClock:
         self._stream = torch.cuda.current_stream(device) if self.cuda else None
         self._marks: list = []
         self._phases: list = []
-        self._ms: list[float | None] = []  # (CUDA) per mark, its milliseconds after the first, once read
+        self._ms: list[float | None] = []  # (CUDA) per mark, the milliseconds of the lap it ends, once read
         self.lap(None)
 
     def lap(self, phase) -> None:
@@ -56,15 +56,16 @@ class StepClock:
         all). On CUDA every event of the range must have completed (e.g. after a host sync that
         followed the last of them): an event still queued raises instead of waiting."""
         end = len(self._marks) if end is None else end
-        if self.cuda:  # (each mark's time read once: the windows of consecutive steps share their ends, totals all)
-            ms, first = self._ms, self._marks[0]
-            for i in range(start, end):
+        if self.cuda:  # (each lap read once: the windows of consecutive steps share their ends, totals all;
+            ms, marks = self._ms, self._marks  # each lap on its own, as an offset from the first mark would lose
+            for i in range(start + 1, end):    # microseconds in a float32 millisecond count after a minute)
                 if ms[i] is None:
-                    ms[i] = first.elapsed_time(self._marks[i]) if i else 0.0
-            marks = [t / 1e3 for t in ms[start:end]]
+                    ms[i] = marks[i - 1].elapsed_time(marks[i])
+            spans = [t / 1e3 for t in ms[start + 1:end]]
         else:
             marks = self._marks[start:end]
-        return list(zip(self._phases[start + 1:end], [b - a for a, b in zip(marks, marks[1:])]))
+            spans = [b - a for a, b in zip(marks, marks[1:])]
+        return list(zip(self._phases[start + 1:end], spans))
 
     def totals(self) -> dict:
         """``{phase: seconds}`` and ``"wall"`` (first mark to last); syncs the device first."""
