@@ -47,8 +47,10 @@ decoding through the same engine (the drafter is not called).
   probe seldom moves, so there its whole extra time; and the extra time of the plain step after
   it, which may first flush the strategy's rollback data: replay folds its input history into
   the state; a drafter that catches up (draft model, MTP layers) first runs the plain steps'
-  text at a probe, a cost per plain step that no spacing spreads: where it alone reaches
-  ``probe_budget``, no further probe comes in the call). A call that starts
+  text at a probe, a cost per plain step that no spacing spreads: the probe's fixed part gets
+  what it leaves of ``probe_budget``, at least a quarter; such a probe runs a second step at its
+  K while the costs have not measured the proposal at K alone, which tells the catch-up from
+  the proposal). A call that starts
   from the acceptance its drafter showed over the last call (on other prompts) at K = 0 probes at
   its first step: a call shorter than the probe spacing would otherwise never look at its own
   prompts' acceptance, and would hand the old estimate on to the next call unchanged (a call
@@ -500,9 +502,10 @@ class CostModel(abc.ABC):
     """Predicted seconds of one decode step of the whole batch at each K (a ``cost_model=`` of
     :func:`specdec.wrap` is one of these; :class:`MeasuredCosts` is the default)."""
 
-    #: changes whenever :meth:`step_s` or :meth:`leave_s` may answer otherwise, or None where that
-    #: is not known (a model of one's own may change as it likes): while it stays the same, the
-    #: policy keeps the step times of its last choice instead of asking for them again each step
+    #: changes whenever anything the policy reads from the model (:meth:`step_times`,
+    #: :meth:`step_s`, :meth:`leave_s`, :meth:`catch_up_s`) may answer otherwise, or None where
+    #: that is not known (a model of one's own may change as it likes): while it stays the same,
+    #: the policy keeps the step times and probe spacing of its last choice instead of asking again
     version: int | None = None
 
     @abc.abstractmethod
@@ -562,6 +565,11 @@ class CostModel(abc.ABC):
         """The first speculative step (at K) after ``plain_steps`` plain ones of a drafter that
         catches up (:attr:`DrafterKey.sequential`: a draft model, MTP layers): its proposal took
         ``draft_s`` seconds, a proposal at K after first running the plain steps' text."""
+
+    def draft_measured(self, drafter_key, key: CostKey, K: int) -> bool:
+        """Whether a real step measured ``drafter_key``'s proposal at K alone (a model that learns
+        nothing from real steps: True, nothing is left to measure)."""
+        return True
 
     def catch_up_s(self, key: CostKey, drafter_key) -> float:
         """Seconds a drafter that catches up adds, per plain step since its last proposal, to
@@ -658,10 +666,10 @@ class MeasuredCosts(CostModel):
         than ``1 / weight`` of them, the weighted mean after (a first step far off its width's mean
         would otherwise weigh 1 - weight on the next); ``name``: the value's count's key."""
         n = self._n[name] = self._n.get(name, 0) + 1
-        self.version += 1
         old = table.get(k)
         w = max(self.weight, 1.0 / n)
         table[k] = x if old is None else (1 - w) * old + w * x
+        self.version += 1  # (after the value: a reader that sees the new version reads the new value)
 
     def observe(self, key, drafter_key, K, draft_s, target_s):
         # each part capped against its own estimate (OUTLIER_RATIO): the target's time against its
@@ -698,10 +706,16 @@ class MeasuredCosts(CostModel):
         return self._leave.get(key, 0.0)
 
     def observe_catch_up(self, key, drafter_key, K, draft_s, plain_steps):
-        # per plain step, what the proposal took beyond draft(K) (0 while no proposal at a K was measured)
+        # per plain step, what the proposal took beyond draft(K); taken in only once draft(K) itself
+        # was measured (before, the proposal's own time would count as catch-up), capped as the others
+        if not self.draft_measured(drafter_key, key, K):
+            return
         where = (drafter_key, key.path, key.batch)
         per_step = max(0.0, float(draft_s) - self.draft_s(drafter_key, key, K)) / max(1, int(plain_steps))
-        self._ewma(self._catch_up, where, per_step, ("catch_up", *where))
+        self._ewma(self._catch_up, where, _capped(per_step, self._catch_up.get(where)), ("catch_up", *where))
+
+    def draft_measured(self, drafter_key, key, K):
+        return self._n.get(("draft", drafter_key, key.path, key.batch, K), 0) > 0
 
     def catch_up_s(self, key, drafter_key):
         return self._catch_up.get((drafter_key, key.path, key.batch), 0.0)
@@ -800,11 +814,10 @@ def _line(seen: dict[int, float]) -> Callable[[int], float]:
 class FixedCosts(CostModel):
     """Given step times instead of measured ones: ``step_s(strategy, batch, K)`` -> seconds of one
     step of the whole batch at K (every K in ``[0, max_speculative_tokens]``). Nothing is measured
-    and nothing observed changes them (for tests, or costs measured elsewhere).
+    and nothing observed changes them (for tests, or costs measured elsewhere); the function is
+    asked again at every choice (:attr:`CostModel.version` None), so it may change over time.
 
     Raises (when asked): ValueError if the function returns a time that is not > 0."""
-
-    version = 0  # (nothing observed changes them)
 
     def __init__(self, step_s: Callable[[str, int, int], float]):
         self._fn = step_s
@@ -1035,7 +1048,6 @@ class SpeculationPolicy:
         self.key = key
         self.drafter_key = drafter_key
         self.max_k = max_speculative_tokens
-        self.max_new_tokens = max_new_tokens
         weight = settings.acceptance_weight_for(batch)
         self.min_gain = settings.min_gain_for(batch)  #: the start margin at this batch (``PolicySettings.min_gain``)
         self._graph_key = (batch, max_speculative_tokens, until_last, weight, str(torch.device(device)))
@@ -1093,6 +1105,7 @@ class SpeculationPolicy:
         self._expected_seen: list[list[float]] = []  # per step, the E(K) its K was chosen by
         self._measured: dict[int, list[float]] = {}  # K -> [seconds, steps] of this call's steps the costs took
         self._plain_run = 0  # plain steps after plain ones since the last speculative step (_observe)
+        self._probe_again: int | None = None  # the K of a probe's second step, where it takes one (_decide)
         self._values_seen = 0  # values received (receive): a new choice's inputs
         # (what the last choice rested on, (the K settled on, held, times, gain, probe K, probe spacing)):
         # kept while the values, the costs' version, the K settled on, the held gains and the live rows stay
@@ -1115,6 +1128,10 @@ class SpeculationPolicy:
         self._warming = False
         if self.current and K != self.current:  # (a probe from K = 0 is not a neighbour's)
             self._measuring[K] = self._measuring.get(K, 0) + 1
+        again, self._probe_again = self._probe_again, None
+        if (again is None and K and self.current == 0 and getattr(self.drafter_key, "sequential", True)
+                and not self.costs.draft_measured(self.drafter_key, self.key, K)):
+            self._probe_again = K  # (a drafter that catches up: see _decide)
         return K
 
     def unmeasured(self) -> None:
@@ -1154,7 +1171,8 @@ class SpeculationPolicy:
         observations, :data:`PLAIN_STEPS_PER_OBSERVATION`), its times and probe spacing are kept:
         only the count of plain steps since the last probe moves."""
         settings, version = self.settings, self.costs.version
-        sig = (self._values_seen, version, self.current, self.held, self._live)
+        # (the values by identity too: every list of them is kept in _expected_seen, so no id is reused)
+        sig = (self._values_seen, id(self.expected), version, self.current, self.held, self._live)
         if version is not None and self._choice is not None and self._choice[0] == sig:
             current, held, times, gain, probe, every = self._choice[1]
         else:
@@ -1177,6 +1195,11 @@ class SpeculationPolicy:
             gain = speculation_gain(expected, times)
             self._choice = (sig, (current, held, times, gain, probe, every))
         K, at_zero = current, self.steps_at_zero
+        if self._probe_again is not None and current == 0:
+            # a probe of a drafter that catches up runs a second step at its K while the costs have
+            # not measured its proposal at K alone: the first step's proposal first runs the plain
+            # steps' text, so only a second one tells the proposal from that catch-up
+            return self._probe_again, current, 0, held, times, gain
         if probe is not None:  # (at_zero: plain steps since the last probe)
             at_zero += 1
             if at_zero == 0 or at_zero >= every:
@@ -1227,17 +1250,15 @@ class SpeculationPolicy:
         A drafter that catches up (:meth:`CostModel.catch_up_s`) makes each probe run the text of
         the plain steps since the last one: per plain step a share ``c`` of the plain step's
         time, spent whatever the spacing. The spacing ``n`` then holds the fixed part ``a``
-        within what is left, ``n >= a / (probe_budget - c)``; where ``c`` alone reaches
-        ``probe_budget``, no spacing keeps probes within it and none follows in this call (the
-        spacing returned is the call's budget of new tokens; the next call probes at its first
-        plain step, see :class:`SpeculationPolicy`'s ``prior_from_last_call``)."""
+        within what is left, ``n >= a / max(probe_budget - c, probe_budget / 4)``: where ``c``
+        takes more than three quarters of the budget, the probes come four times further apart
+        than without it, and still come (they are what sees a rising acceptance)."""
         if len(times) <= K or times[0] <= 0:
             return self.settings.probe_interval
+        budget = self.settings.probe_budget
         plain = times[0] * (expected[K] / expected[0] if expected is not None and expected[0] > 0 else 1.0)
         extra = max(0.0, times[K] - plain + self.costs.leave_s(self.key)) / times[0]
-        room = self.settings.probe_budget - self.costs.catch_up_s(self.key, self.drafter_key) / times[0]
-        if room <= 0.0:
-            return max(self.settings.probe_interval, self.max_new_tokens)
+        room = max(budget - self.costs.catch_up_s(self.key, self.drafter_key) / times[0], budget / 4)
         return max(self.settings.probe_interval, math.ceil(extra / room - 1e-9))
 
     @property
@@ -1489,7 +1510,9 @@ class SpeculationPolicy:
         plain step after speculative ones (its switch cost, :meth:`CostModel.observe_leave`), a
         step at K > 0 after a wider one (it first folds the wider one's replay history: the
         switch's cost, not the width's) or, for a drafter that catches up, after a plain one (its
-        proposal first runs the plain steps' text; the target's part is taken), and the call's last step (its laps complete after the loop). Set against
+        proposal first runs the plain steps' text; the target's part is taken), of a run of plain
+        steps after plain ones all but the first and one in :data:`PLAIN_STEPS_PER_OBSERVATION`,
+        and the call's last step (its laps complete after the loop). Set against
         :meth:`predicted_step_s`."""
         return [(seen[0] / seen[1]) if (seen := self._measured.get(K)) else None for K in range(self.max_k + 1)]
 

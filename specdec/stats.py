@@ -48,7 +48,8 @@ class Stats:
         the mean over the call's steps of the seconds a step at K was predicted to take when each
         step's K was chosen, and the mean of the call's own steps at K that the cost model took
         (None where none did: a K's first step in a call, the first plain step after speculative
-        ones, a step narrower than the one before and the call's last step are not counted): how far the predictions behind the choices
+        ones, a step narrower than the one before, of a run of plain steps all but one in 8, and
+        the call's last step are not counted): how far the predictions behind the choices
         were from what the steps took. calibrated_step_s: with ``"auto"``, per K, the measured
         verify + commit of width K + 1 alone, which the prediction for a K not run refines (None:
         not measured, e.g. with ``FixedCosts``). expected_tokens: with ``"auto"``, per K, the mean

@@ -1488,6 +1488,39 @@ def test_draft_time_of_a_drafter_that_does_not_draft_sequentially_is_flat():
     assert costs.draft_s(seq, key, 8) == pytest.approx(0.0016)  # one more forward per draft: the line
 
 
+def test_step_clock_reads_each_cuda_lap_once_and_on_its_own(monkeypatch):
+    """On CUDA the clock's marks are events: each lap is read once (``elapsed_time`` between the
+    two events around it; overlapping windows and the totals reuse it), never as an offset from
+    the first mark, whose float32 milliseconds would lose microseconds after a minute."""
+    from specdec.clock import StepClock
+
+    reads = []
+
+    class Event:  # a stand-in for torch.cuda.Event: a recorded time in ms
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = 60_000.0 + 0.25 * len(reads_made)  # (a minute after the device's epoch)
+            reads_made.append(self)
+
+        def elapsed_time(self, other):
+            reads.append((self, other))
+            return other.at - self.at
+
+    reads_made = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    clock = StepClock("cuda")
+    for phase in ("draft", "verify", "rollback", "draft", "verify"):
+        clock.lap(phase)
+    assert clock.laps(1, 4) == [("verify", 0.25e-3), ("rollback", 0.25e-3)]
+    assert clock.laps(3, 6) == [("draft", 0.25e-3), ("verify", 0.25e-3)]
+    assert clock.totals() == {"wall": 1.25e-3, "draft": 0.5e-3, "verify": 0.5e-3, "rollback": 0.25e-3}
+    assert len(reads) == 5 and all(b is reads_made[reads_made.index(a) + 1] for a, b in reads)  # one per lap
+
+
 class _LapClock:
     """A :class:`specdec.clock.StepClock` stand-in whose laps are given: ``step(laps)`` adds one
     step's ``[(phase, seconds)]``."""
@@ -1576,10 +1609,10 @@ def test_a_run_of_plain_steps_feeds_the_costs_one_step_in_so_many():
 
 def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
     """A drafter that catches up (draft model, MTP layers) first runs the text of the plain steps
-    since its last proposal: the probe after them measures that per plain step (beyond the
-    proposal's own time at its K), and the probes are spaced so that the fixed part of a probe
-    fits in what the catch-up leaves of ``probe_budget``; where the catch-up alone takes all of
-    it, no further probe comes in the call."""
+    since its last proposal: a probe after them measures that per plain step, beyond the
+    proposal's own time at its K (once that was measured), and the probes are spaced so that the
+    fixed part of a probe fits in what the catch-up leaves of ``probe_budget``, or in a quarter of
+    the budget where the catch-up takes more: probes still come."""
     costs = MeasuredCosts(weight=1.0)
     key = CostKey("eager", "replay", 1)
     for T in (1, 2, 3):
@@ -1604,8 +1637,41 @@ def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
     times = policy.step_times()
     assert times[0] == pytest.approx(1.0) and times[2] == pytest.approx(1.4) and costs.leave_s(key) == 0.0
     assert policy.probe_every(times, 2) == math.ceil(0.4 / (0.1 - 0.05))  # 8; 4 without the catch-up
-    costs.observe_catch_up(key, drafter, 2, 0.2 + 0.1 * 4, 4)  # the catch-up alone takes the whole budget
-    assert policy.probe_every(times, 2) == 500  # (the call's budget of new tokens: no further probe)
+    costs.observe_catch_up(key, drafter, 2, 0.2 + 0.2 * 4, 4)  # 0.2 a plain step: capped against the mean
+    assert costs.catch_up_s(key, drafter) == pytest.approx(OUTLIER_RATIO * 0.05)
+    for _ in range(3):
+        costs.observe_catch_up(key, drafter, 2, 0.2 + 0.2 * 4, 4)
+    assert costs.catch_up_s(key, drafter) > 0.075  # more than three quarters of the budget: a quarter is kept
+    assert policy.probe_every(times, 2) == math.ceil(0.4 / 0.025)
+    costs.observe_catch_up(key, DrafterKey(True), 1, 5.0, 4)  # a proposal at K = 1 never measured alone:
+    assert costs.catch_up_s(key, DrafterKey(True)) == 0.0     # nothing taken in
+
+
+def test_a_probe_of_a_drafter_that_catches_up_runs_twice_until_its_proposal_is_measured():
+    """The first step of a probe of a drafter that catches up pays the catch-up on the plain
+    steps' text in its proposal, so it cannot measure the proposal at its K alone: while the
+    costs have not, the probe runs a second step at that K, which measures it; later probes run
+    one step, and measure the catch-up."""
+    costs = MeasuredCosts(weight=1.0)
+    key = CostKey("eager", "replay", 1)
+    for T in (1, 2, 3):
+        costs.record_width(key, T, verify_s=1.0 + 0.1 * (T - 1), commit_s=0.0)
+    policy = SpeculationPolicy(PolicySettings(probe_interval=5, probe_budget=1.0), costs, key, DrafterKey(True), 2, 1,
+                               500, 0.0, "cpu")  # (acceptance 0: only probes speculate)
+    clock = _LapClock()
+    for _ in range(40):
+        first = clock.marks
+        K = policy.next_k()
+        caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
+        clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
+                    ("bookkeeping", 0.0)])
+        policy.after_step(None, clock, first, 1)
+    ks = policy.k_per_step
+    runs = [(i, k) for i, k in enumerate(ks) if k and (i == 0 or not ks[i - 1])]  # (start, K) of each probe
+    lengths = [next(j for j in range(i, len(ks)) if not ks[j]) - i if 0 in ks[i:] else len(ks) - i for i, _ in runs]
+    assert len(runs) >= 4 and lengths[0] == 2 and set(lengths[1:-1]) == {1}, (ks, lengths)
+    assert costs.draft_measured(policy.drafter_key, key, runs[0][1])
+    assert costs.catch_up_s(key, policy.drafter_key) == pytest.approx(0.05)
 
 
 def test_switch_to_plain_steps_is_counted_apart(monkeypatch):
