@@ -49,8 +49,8 @@ decoding through the same engine (the drafter is not called).
   the state; a drafter that catches up (draft model, MTP layers) first runs the plain steps'
   text at a probe, a cost per plain step that no spacing spreads: the probe's fixed part gets
   what it leaves of ``probe_budget``, at least a quarter; such a probe runs a second step at its
-  K while the costs have not measured the proposal at K alone, which tells the catch-up from
-  the proposal). A call that starts
+  K while the costs have not measured a proposal alone, which tells the catch-up from the
+  proposal). A call that starts
   from the acceptance its drafter showed over the last call (on other prompts) at K = 0 probes at
   its first step: a call shorter than the probe spacing would otherwise never look at its own
   prompts' acceptance, and would hand the old estimate on to the next call unchanged (a call
@@ -146,7 +146,9 @@ class PolicySettings:
             probe, the speculative K of the best predicted goodput (>= 1).
         probe_budget: probes at K = 0 are spaced so that they cost at most this fraction of the
             time at K = 0 (in (0, 1]; at a large batch a speculative step costs much more than a
-            K = 0 one).
+            K = 0 one); for a drafter that catches up, whose probes first run the plain steps'
+            text, their fixed part gets what that catch-up leaves of it, at least a quarter
+            (:meth:`SpeculationPolicy.probe_every`), so its probes may cost more.
         cost_weight: weight of a new step time in the online cost averages, in (0, 1].
         calibration_repeats: timed runs of each step width when measuring (>= 1; the fastest counts).
         memory_budget_bytes: ``rollback="auto"``: the most bytes a strategy's rollback buffers may
@@ -342,6 +344,11 @@ MEASURING_STEPS = MEASURED_STEPS + 2
 #: and refitting the costs after it (which the next choice then recomputes) is host work that, on a
 #: small model at batch 1, is a tenth of a step the host launches
 PLAIN_STEPS_PER_OBSERVATION = 8
+
+#: a drafter's catch-up per plain step (:meth:`CostModel.observe_catch_up`) is taken from a first
+#: speculative step after at least this many plain ones: after fewer, what it took beyond its
+#: proposal is mostly the proposal's own variation, divided by a small count
+CATCH_UP_MIN_PLAIN_STEPS = 4
 
 #: the most policy update graphs (shapes) an engine keeps (:class:`SpeculationPolicy`'s ``graphs``)
 POLICY_GRAPHS_KEPT = 8
@@ -566,9 +573,10 @@ class CostModel(abc.ABC):
         catches up (:attr:`DrafterKey.sequential`: a draft model, MTP layers): its proposal took
         ``draft_s`` seconds, a proposal at K after first running the plain steps' text."""
 
-    def draft_measured(self, drafter_key, key: CostKey, K: int) -> bool:
-        """Whether a real step measured ``drafter_key``'s proposal at K alone (a model that learns
-        nothing from real steps: True, nothing is left to measure)."""
+    def draft_measured(self, drafter_key, key: CostKey) -> bool:
+        """Whether a real step measured ``drafter_key``'s proposal alone, at any K, for ``key``'s
+        decode path and batch (a model that learns nothing from real steps: True, nothing is left
+        to measure)."""
         return True
 
     def catch_up_s(self, key: CostKey, drafter_key) -> float:
@@ -706,16 +714,16 @@ class MeasuredCosts(CostModel):
         return self._leave.get(key, 0.0)
 
     def observe_catch_up(self, key, drafter_key, K, draft_s, plain_steps):
-        # per plain step, what the proposal took beyond draft(K); taken in only once draft(K) itself
-        # was measured (before, the proposal's own time would count as catch-up), capped as the others
-        if not self.draft_measured(drafter_key, key, K):
+        # per plain step, what the proposal took beyond draft(K); taken in only once a proposal was
+        # measured alone (before, its own time would count as catch-up), capped as the others
+        if not self.draft_measured(drafter_key, key):
             return
         where = (drafter_key, key.path, key.batch)
         per_step = max(0.0, float(draft_s) - self.draft_s(drafter_key, key, K)) / max(1, int(plain_steps))
         self._ewma(self._catch_up, where, _capped(per_step, self._catch_up.get(where)), ("catch_up", *where))
 
-    def draft_measured(self, drafter_key, key, K):
-        return self._n.get(("draft", drafter_key, key.path, key.batch, K), 0) > 0
+    def draft_measured(self, drafter_key, key):
+        return bool(self._draft.get((drafter_key, key.path, key.batch)))
 
     def catch_up_s(self, key, drafter_key):
         return self._catch_up.get((drafter_key, key.path, key.batch), 0.0)
@@ -1130,7 +1138,7 @@ class SpeculationPolicy:
             self._measuring[K] = self._measuring.get(K, 0) + 1
         again, self._probe_again = self._probe_again, None
         if (again is None and K and self.current == 0 and getattr(self.drafter_key, "sequential", True)
-                and not self.costs.draft_measured(self.drafter_key, self.key, K)):
+                and not self.costs.draft_measured(self.drafter_key, self.key)):
             self._probe_again = K  # (a drafter that catches up: see _decide)
         return K
 
@@ -1197,8 +1205,10 @@ class SpeculationPolicy:
         K, at_zero = current, self.steps_at_zero
         if self._probe_again is not None and current == 0:
             # a probe of a drafter that catches up runs a second step at its K while the costs have
-            # not measured its proposal at K alone: the first step's proposal first runs the plain
-            # steps' text, so only a second one tells the proposal from that catch-up
+            # not measured a proposal of it alone: the first step's proposal first runs the plain
+            # steps' text, so only a second one tells the proposal from that catch-up (on the
+            # CUDA-graph path the first probes' second steps may capture a program, and are then
+            # not measured: those probes run two steps again)
             return self._probe_again, current, 0, held, times, gain
         if probe is not None:  # (at_zero: plain steps since the last probe)
             at_zero += 1
@@ -1465,9 +1475,9 @@ class SpeculationPolicy:
             elif what in ("width", "target"):
                 draft = sum(s for phase, s in laps if phase == "draft")  # (K = 0: the step's glue; see observe)
                 self.costs.observe(self.key, self.drafter_key, K, draft if what == "width" else None, total - draft)
-                if what == "target":  # (its proposal first ran the plain steps' text: their catch-up)
-                    self.costs.observe_catch_up(self.key, self.drafter_key, K, draft,
-                                                self._plain_steps_before(len(self.k_per_step) - 2))
+                plain_steps = self._plain_steps_before(len(self.k_per_step) - 2) if what == "target" else 0
+                if plain_steps >= CATCH_UP_MIN_PLAIN_STEPS:  # (its proposal first ran the plain steps' text)
+                    self.costs.observe_catch_up(self.key, self.drafter_key, K, draft, plain_steps)
                 if what == "width":
                     seen = self._measured.setdefault(K, [0.0, 0])
                     seen[0], seen[1] = seen[0] + total, seen[1] + 1

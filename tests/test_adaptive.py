@@ -19,7 +19,8 @@ from markers import needs_cuda, needs_triton_interpreter
 from tiny_models import VOCAB, get_model, make_model, perturbed_copy, ragged_prompts
 
 import specdec
-from specdec.adaptive import (MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO, PLAIN_STEPS_PER_OBSERVATION, AcceptanceEstimator, CostKey, DrafterKey,
+from specdec.adaptive import (CATCH_UP_MIN_PLAIN_STEPS, MEASURED_STEPS, MEASURING_STEPS, OUTLIER_RATIO,
+                              PLAIN_STEPS_PER_OBSERVATION, AcceptanceEstimator, CostKey, DrafterKey,
                               FixedCosts, MeasuredCosts, PolicySettings, SpeculationPolicy, choose_k, choose_strategy, costs_for,
                               expected_tokens, speculation_gain)
 from specdec.drafters import Drafter, DraftModelDrafter, MedusaDrafter, MedusaHeads, MTPDrafter, NGramDrafter, OracleDrafter
@@ -1620,19 +1621,22 @@ def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
     drafter = DrafterKey(True)
     policy = SpeculationPolicy(PolicySettings(probe_interval=2, probe_budget=0.1), costs, key, drafter, 2, 1, 500,
                                0.0, "cpu")
-    script = iter([0] * 10 + [2, 2] + [0] * 5 + [2] + [0])
+    # 5 plain steps before the probe at step 17: CATCH_UP_MIN_PLAIN_STEPS or more; 3 before step 21: fewer
+    script = iter([0] * 10 + [2, 2] + [0] * 5 + [2] + [0] * 3 + [2, 0])
     policy._decide = lambda: (k := next(script), 0, 0, None, policy.step_times(), 1.0)
     clock = _LapClock()
-    for _ in range(19):
+    for _ in range(23):
         first = clock.marks
         K = policy.next_k()
         caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
         clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
                     ("bookkeeping", 0.0)])
         policy.after_step(None, clock, first, 1)
-    # step 11 measured the proposal at K = 2 (0.2 s); the probe at step 17 ran 5 plain steps' text first
+    # step 11 measured the proposal at K = 2 (0.2 s); the probe at step 17 ran 5 plain steps' text
+    # first; the one at step 21, after 3, is not taken in (its figure per step would be mostly noise)
+    assert 3 < CATCH_UP_MIN_PLAIN_STEPS <= 5
     assert costs.draft_s(drafter, key, 2) == pytest.approx(0.2)
-    assert costs.catch_up_s(key, drafter) == pytest.approx(0.05)
+    assert costs.catch_up_s(key, drafter) == pytest.approx(0.05) and costs._n[("catch_up", drafter, "eager", 1)] == 1
     assert costs.catch_up_s(key, DrafterKey(True)) == 0.0  # (per drafter)
     times = policy.step_times()
     assert times[0] == pytest.approx(1.0) and times[2] == pytest.approx(1.4) and costs.leave_s(key) == 0.0
@@ -1643,8 +1647,8 @@ def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
         costs.observe_catch_up(key, drafter, 2, 0.2 + 0.2 * 4, 4)
     assert costs.catch_up_s(key, drafter) > 0.075  # more than three quarters of the budget: a quarter is kept
     assert policy.probe_every(times, 2) == math.ceil(0.4 / 0.025)
-    costs.observe_catch_up(key, DrafterKey(True), 1, 5.0, 4)  # a proposal at K = 1 never measured alone:
-    assert costs.catch_up_s(key, DrafterKey(True)) == 0.0     # nothing taken in
+    costs.observe_catch_up(key, DrafterKey(True), 1, 5.0, 4)  # a drafter whose proposal was never
+    assert costs.catch_up_s(key, DrafterKey(True)) == 0.0     # measured alone: nothing taken in
 
 
 def test_a_probe_of_a_drafter_that_catches_up_runs_twice_until_its_proposal_is_measured():
@@ -1670,7 +1674,7 @@ def test_a_probe_of_a_drafter_that_catches_up_runs_twice_until_its_proposal_is_m
     runs = [(i, k) for i, k in enumerate(ks) if k and (i == 0 or not ks[i - 1])]  # (start, K) of each probe
     lengths = [next(j for j in range(i, len(ks)) if not ks[j]) - i if 0 in ks[i:] else len(ks) - i for i, _ in runs]
     assert len(runs) >= 4 and lengths[0] == 2 and set(lengths[1:-1]) == {1}, (ks, lengths)
-    assert costs.draft_measured(policy.drafter_key, key, runs[0][1])
+    assert costs.draft_measured(policy.drafter_key, key)
     assert costs.catch_up_s(key, policy.drafter_key) == pytest.approx(0.05)
 
 
