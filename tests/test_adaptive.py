@@ -1596,7 +1596,7 @@ def test_a_run_of_plain_steps_feeds_the_costs_one_step_in_so_many():
     clock, seen = _LapClock(), []
     for step in range(44):
         first = clock.marks
-        K = policy.next_k()
+        policy.next_k()
         clock.step([("draft", 0.0), ("verify", 1.0 + step), ("rollback", 0.0), ("bookkeeping", 0.0)])
         n = costs._n.get(("target", key, 0), 0)
         policy.after_step(None, clock, first, 1)  # takes in the step before
@@ -1606,6 +1606,19 @@ def test_a_run_of_plain_steps_feeds_the_costs_one_step_in_so_many():
     # step 0: the call's first (not measured); 30, 31: K = 1; 32: the switch back (leave_s); step 43: not taken in yet
     assert seen == list(range(1, 30, every)) + list(range(33, 43, every))
     assert policy.measured_step_s()[0] == pytest.approx(sum(1.0 + s for s in seen) / len(seen))
+
+
+def _run_catching_up(policy, steps: int) -> None:
+    """Run ``policy`` for ``steps`` steps on scripted laps of a drafter that catches up: a
+    proposal takes 0.2 s and, first, 0.05 s per plain step right before it; the target 1 + 0.1 K."""
+    clock = _LapClock()
+    for _ in range(steps):
+        first = clock.marks
+        K = policy.next_k()
+        caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
+        clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
+                    ("bookkeeping", 0.0)])
+        policy.after_step(None, clock, first, 1)
 
 
 def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
@@ -1623,15 +1636,8 @@ def test_a_drafter_that_catches_up_spaces_its_probes_by_its_catch_up():
                                0.0, "cpu")
     # 5 plain steps before the probe at step 17: CATCH_UP_MIN_PLAIN_STEPS or more; 3 before step 21: fewer
     script = iter([0] * 10 + [2, 2] + [0] * 5 + [2] + [0] * 3 + [2, 0])
-    policy._decide = lambda: (k := next(script), 0, 0, None, policy.step_times(), 1.0)
-    clock = _LapClock()
-    for _ in range(23):
-        first = clock.marks
-        K = policy.next_k()
-        caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
-        clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
-                    ("bookkeeping", 0.0)])
-        policy.after_step(None, clock, first, 1)
+    policy._decide = lambda: (next(script), 0, 0, None, policy.step_times(), 1.0)
+    _run_catching_up(policy, 23)
     # step 11 measured the proposal at K = 2 (0.2 s); the probe at step 17 ran 5 plain steps' text
     # first; the one at step 21, after 3, is not taken in (its figure per step would be mostly noise)
     assert 3 < CATCH_UP_MIN_PLAIN_STEPS <= 5
@@ -1662,14 +1668,7 @@ def test_a_probe_of_a_drafter_that_catches_up_runs_twice_until_its_proposal_is_m
         costs.record_width(key, T, verify_s=1.0 + 0.1 * (T - 1), commit_s=0.0)
     policy = SpeculationPolicy(PolicySettings(probe_interval=5, probe_budget=1.0), costs, key, DrafterKey(True), 2, 1,
                                500, 0.0, "cpu")  # (acceptance 0: only probes speculate)
-    clock = _LapClock()
-    for _ in range(40):
-        first = clock.marks
-        K = policy.next_k()
-        caught_up = policy._plain_steps_before(len(policy.k_per_step) - 1) if K else 0
-        clock.step([("draft", 0.2 + 0.05 * caught_up if K else 0.0), ("verify", 1.0 + 0.1 * K), ("rollback", 0.0),
-                    ("bookkeeping", 0.0)])
-        policy.after_step(None, clock, first, 1)
+    _run_catching_up(policy, 40)
     ks = policy.k_per_step
     runs = [(i, k) for i, k in enumerate(ks) if k and (i == 0 or not ks[i - 1])]  # (start, K) of each probe
     lengths = [next(j for j in range(i, len(ks)) if not ks[j]) - i if 0 in ks[i:] else len(ks) - i for i, _ in runs]
