@@ -24,7 +24,7 @@ class StepClock:
         self.cuda = torch.device(device).type == "cuda"
         # (CUDA) marks are recorded on the stream current now, fetched once: each
         # torch.cuda.current_stream() call costs microseconds of host time, and a step laps 5-7 times
-        self._stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None  #: (CUDA) where marks go
         self._marks: list = []
         self._phases: list = []
         self._ms: list[float | None] = []  # (CUDA) per mark, the milliseconds of the lap it ends, once read
@@ -34,7 +34,7 @@ class StepClock:
         """End the running phase as ``phase`` (any hashable name) and start the next one."""
         if self.cuda:
             mark = torch.cuda.Event(enable_timing=True)
-            mark.record(self._stream)
+            mark.record(self.stream)
             self._ms.append(None)
         else:
             mark = time.perf_counter()

@@ -131,13 +131,14 @@ class _FlagReads:
     CUDA two slots, each a pinned buffer per size and dtype of the flags and an event, used in
     turn (a step's copy is read before the copy two steps later starts), so a read waits for its
     own copy alone, not for work launched after it, and steps do not allocate; elsewhere the
-    flags themselves (their values are ready)."""
+    flags themselves (their values are ready). ``stream``: the decode loop's stream on CUDA
+    (its step clock's, :attr:`StepClock.stream`), where the copies' events are recorded."""
 
-    def __init__(self, device):
+    def __init__(self, device, stream=None):
         self._cuda = torch.device(device).type == "cuda"
         self._buffers: list[dict] = [{}, {}]  # per slot: (shape, dtype) -> pinned buffer
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
-        self._stream = torch.cuda.current_stream(device) if self._cuda else None  # (the loop's; fetched once)
+        self._stream = stream
         self._next = 0
 
     def start(self, values: torch.Tensor) -> tuple:
@@ -1474,7 +1475,7 @@ class SpeculativeGenerator:
         # last_step steps every row has ended (each step keeps >= 1 token of every live row)
         pipelined = pool is None and hook is None and overlap_steps()
         in_flight = None  # the last step's flags, read after the next step is launched (pipelined)
-        flag_reads = _FlagReads(dev) if pipelined else None
+        flag_reads = _FlagReads(dev, clock.stream) if pipelined else None
         draws = s.sampling is not None or drafter is not None  # (greedy plain decoding draws nothing)
         grown = Lp + 1  # host-side bound on every row's text length (grows by <= W a step)
         # the next step's proposal is made before this step's sync where nothing the sync brings can
