@@ -884,9 +884,12 @@ class MTPDrafter(Drafter):
             buf = self._hidden.new_zeros(B, max(need, 2 * self._hidden.shape[1]), self._hidden.shape[2])
             buf[:, :self._used] = self._hidden[:, :self._used]
             self._hidden = buf
-        cols = self._num[:, None] + torch.arange(R, device=self._num.device)[None, :]  # < _used + R per row
-        self._hidden.scatter_(1, cols[..., None].expand(B, R, hidden.shape[2]), hidden.to(self._hidden.dtype))
-        self._num, self._used = self._num + num.to(self._num.device), need
+        cols = self._num.view(B, 1, 1)  # < _used + R per row (a step at K = 0, R = 1: two launches a step)
+        if R > 1:
+            cols = cols + torch.arange(R, device=cols.device).view(1, R, 1)
+        self._hidden.scatter_(1, cols.expand(B, R, hidden.shape[2]), hidden.to(self._hidden.dtype))
+        self._num.add_(num.to(self._num.device))  # (this drafter's own tensor: a clone, or made by _prefill)
+        self._used = need
 
     def _fill(self, cache, input_ids, hidden, mask) -> torch.Tensor:
         """Fill the empty ``cache`` with the entries (h_t, x_{t+1}) of the left-padded prompts
