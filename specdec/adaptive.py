@@ -1118,6 +1118,9 @@ class SpeculationPolicy:
         # (what the last choice rested on, (the K settled on, held, times, gain, probe K, probe spacing)):
         # kept while the values, the costs' version, the K settled on, the held gains and the live rows stay
         self._choice: tuple | None = None
+        #: the decode loop observes the acceptance at plain steps (shadow proposals of a stateless
+        #: drafter): no probes from K = 0 then
+        self.shadowed = False
 
     def step_times(self) -> list[float]:
         """Predicted seconds of one step at each K = 0..M."""
@@ -1194,7 +1197,7 @@ class SpeculationPolicy:
                     total = gain + (self.held[1] if self.held is not None and self.held[0] == target else 0.0)
                     current, held = (target, None) if total > settings.hysteresis_sum else (last, (target, total))
             probe = every = None
-            if current == 0 and len(times) > 1:  # (the probe spacing moves with the costs)
+            if current == 0 and len(times) > 1 and not self.shadowed:  # (the probe spacing moves with the costs)
                 probe = self.probe_k(expected, times)
                 # (a batch that ends with its slowest row: one probe seldom moves that row, so its
                 # expected tokens do not shorten the call; only a lone row's do)
@@ -1284,7 +1287,8 @@ class SpeculationPolicy:
         return bool(self.until_last and self.k_per_step and self.k_per_step[-1] == 0
                     and self._live is not None and self._live == self._live_estimated)
 
-    def update(self, num_accepted, num_asked, ran, live, budget) -> torch.Tensor | list[float] | None:
+    def update(self, num_accepted, num_asked, ran, live, budget,
+               observed: bool = False) -> torch.Tensor | list[float] | None:
         """Device side, after the step's acceptance: update the acceptance estimate with the
         step's ``num_accepted`` / ``num_asked`` ``[B]`` int64 of the rows that ran it (``ran [B]``
         bool) and compute E(K) for the next step's ``live [B]`` rows with ``budget [B]`` drafts
@@ -1305,8 +1309,9 @@ class SpeculationPolicy:
         one token nearer its end, speculating can only have become less worth it, so the last
         values stand until a probe or until a row ends; the step is spared the estimate's device
         ops, as a plain step would be. :attr:`skips_update` says so ahead: :meth:`pending` then
-        gives the same without the arguments."""
-        if self.skips_update:
+        gives the same without the arguments. ``observed``: the step at K = 0 brings observations
+        all the same (a shadow proposal's drafts checked, :attr:`shadowed`): it is computed."""
+        if self.skips_update and not observed:
             return self.pending()
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
@@ -1468,7 +1473,8 @@ class SpeculationPolicy:
                     what = None
             elif K or before:
                 self._plain_run = 0
-            laps = [] if what is None else [(phase, s) for phase, s in clock.laps(start, stop) if phase != "prefill"]
+            laps = [] if what is None else [(phase, s) for phase, s in clock.laps(start, stop)
+                                            if phase not in ("prefill", "shadow")]
             total = sum(s for _, s in laps)
             if what == "leave":
                 self.costs.observe_leave(self.key, total - plain_s)

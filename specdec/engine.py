@@ -118,6 +118,78 @@ def overlap_steps() -> bool:
     return env_switch("SPECDEC_OVERLAP_STEPS")
 
 
+def shadow_proposals_enabled() -> bool:
+    """Whether a greedy fixed batch under ``num_speculative_tokens="auto"`` with a stateless
+    drafter observes its acceptance at plain steps (:class:`_ShadowProposals`;
+    ``SPECDEC_SHADOW_PROPOSALS``, default on; ``0`` leaves it to the policy's probes, as a
+    baseline to time it against). The outputs are the same either way."""
+    return env_switch("SPECDEC_SHADOW_PROPOSALS")
+
+
+#: a run of plain steps under K chosen per step makes a shadow proposal at its first step and then
+#: at one step in this many (:class:`_ShadowProposals`), each of this many drafts, checked at the
+#: next one against the tokens the plain steps between committed
+SHADOW_EVERY = 4
+
+
+class _ShadowProposals:
+    """The acceptance a stateless drafter would have had at plain steps, observed without
+    speculating: under ``num_speculative_tokens="auto"`` a run of plain steps (K = 0) asks the
+    drafter for :data:`SHADOW_EVERY` drafts at its first step and then every
+    :data:`SHADOW_EVERY`-th, from the text as a speculative step there would have (a "shadow"
+    proposal: nothing is verified), and at the next such step checks them against the tokens the
+    plain steps between committed. With greedy decoding a draft is accepted exactly when it equals
+    the target's token at its position, so the longest matching prefix (within the drafter's
+    counts) is the drafts a step there would have accepted: an observation of the acceptance
+    estimate like a speculative step's, where the policy would otherwise learn of a rise only
+    from its probes (a whole speculative step each, spaced to cost ~1% of the time: a retrieval
+    drafter's acceptance comes and goes with the text, and on the zoo model a run of plain steps
+    outlasted the matches it missed). All device work, no host sync: per shadow the drafter's
+    proposal and about ten small kernels, which the policy's costs do not charge to plain steps
+    (their ``"shadow"`` laps are not taken in). A speculative step ends the run and drops the
+    shadow pending; a row that ended before committing the shadow's positions is not observed."""
+
+    def __init__(self, drafter: Drafter, batch: int, device, every: int = SHADOW_EVERY):
+        self.drafter, self.batch, self.every = drafter, batch, every
+        self._j = torch.arange(every, device=device)[None, :]
+        self._run = 0  # plain steps in the current run, this one included
+        self._pending: tuple | None = None  # (drafts [B, h], counts [B], lengths [B], asked [B], active [B])
+
+    def due(self, K: int) -> bool:
+        """Called once per step with its K: whether this step makes a shadow (:meth:`make`). A
+        step at K > 0 ends the run of plain steps and drops the shadow pending."""
+        if K:
+            self._run, self._pending = 0, None
+            return False
+        self._run += 1
+        return (self._run - 1) % self.every == 0
+
+    def make(self, text: torch.Tensor, bound: int, lengths: torch.Tensor, budget: torch.Tensor,
+             active: torch.Tensor) -> tuple | None:
+        """At a step :meth:`due` said makes one, before its forward, from the rows as they are then
+        (``text [B, W]``, of which the first ``bound`` columns hold every row's text; ``lengths``,
+        the draft ``budget`` and the ``active`` rows, ``[B]``; ``active`` is kept, not copied):
+        this step's shadow. Returns the observation of the last one, ``(num_accepted, num_asked,
+        ran)`` ``[B]`` each, for this step's
+        :meth:`~specdec.adaptive.SpeculationPolicy.update`, or None. Raises what
+        :func:`check_proposal` raises."""
+        seen = None if self._pending is None else self._judge(text, lengths)
+        drafts, counts = check_proposal(self.drafter.propose(text[:, :bound], lengths, self.every), self.batch,
+                                        self.every)
+        self._pending = (drafts.to(text.device).long(), counts.to(text.device).long().clamp(0, drafts.shape[1]),
+                         lengths.clone(), budget.clamp(max=drafts.shape[1]), active)
+        return seen
+
+    def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
+        drafts, counts, start, asked, active = self._pending
+        h = drafts.shape[1]
+        j = self._j[:, :h]
+        committed = text.gather(1, (start[:, None] + j).clamp(max=text.shape[1] - 1))
+        hit = (committed == drafts) & (j < counts[:, None])
+        n = torch.minimum(hit.long().cumprod(1).sum(1), asked)
+        return n, asked, active & (lengths >= start + h)
+
+
 def _random_state(generator, device) -> tuple:
     """What a proposal may draw from, saved: the call's ``generator`` (if any), torch's CPU
     generator and, on CUDA, the device's default generator (host copies; no device sync)."""
@@ -1489,6 +1561,11 @@ class SpeculativeGenerator:
             programs.drop_proposals()  # (a drafter proposing outside keeps no other drafter's graphs alive)
 
         proposed_in_program = None  # the K of the last proposal asked of the step programs
+        # K chosen per step with a stateless drafter, greedy: its acceptance observed at plain steps too
+        shadows = (_ShadowProposals(drafter, B, dev) if policy is not None and pool is None and tree is None
+                   and s.sampling is None and drafter.stateless and shadow_proposals_enabled() else None)
+        if shadows is not None:
+            policy.shadowed = True
 
         def propose(K_step: int) -> _StepInputs:
             """The inputs of a step of ``K_step`` drafts, from the rows as the device holds them
@@ -1607,6 +1684,12 @@ class SpeculativeGenerator:
                 break
             first_mark = clock.marks
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
+            shadow_seen = None
+            if shadows is not None and shadows.due(K_step):  # (from the text as this step starts)
+                clock.lap("draft")
+                shadow_seen = shadows.make(rows.text, min(rows.text.shape[1], grown), rows.lengths,
+                                           st.draft_budget(), ~rows.finished)
+                clock.lap("shadow")
             if pipelined:  # should this step run past the end: what it draws from, and its laps so far
                 step_rs, step_laps = ((drawn, [drafted_at]) if ready is not None
                                       else (_random_state(s.generator, dev) if draws else None, []))
@@ -1679,11 +1762,12 @@ class SpeculativeGenerator:
             expected = live_rows = None
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
-                if policy.skips_update:
+                if policy.skips_update and shadow_seen is None:
                     expected = policy.pending()
-                else:
+                else:  # (a plain step that checked a shadow observes its drafts instead of none)
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
-                    expected = policy.update(n, budget.clamp(max=K_step), active, ~rows.finished, left)
+                    seen = shadow_seen if shadow_seen is not None else (n, budget.clamp(max=K_step), active)
+                    expected = policy.update(*seen, ~rows.finished, left, observed=shadow_seen is not None)
                 if ahead and not pipelined:  # the next K is chosen while the device still runs this step
                     clock.lap("bookkeeping")
                     policy.before_sync(expected, clock, first_mark)

@@ -2090,3 +2090,78 @@ def test_refilled_rows_start_from_what_the_drafter_showed():
     policy.acceptance.rates.copy_(torch.tensor([[0.9, 0.8], [0.7, 0.6], [0.2, 0.1]]))
     policy.restart_rows(torch.tensor([2]))
     assert policy.acceptance.rates[2].tolist() == pytest.approx([0.6, 0.5])
+
+
+class _ScriptedDrafts(Drafter):
+    """A stateless drafter proposing given ``drafts [B, K]`` / ``counts [B]`` whatever the text."""
+
+    stateless = True
+
+    def __init__(self, drafts, counts):
+        self.drafts, self.counts = drafts, counts
+
+    def propose(self, input_ids, lengths, num_speculative_tokens):
+        return self.drafts[:, :num_speculative_tokens].clone(), self.counts.clone()
+
+
+def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
+    """A run of plain steps makes a shadow proposal at its first step and at every SHADOW_EVERY-th
+    after; the next one observes, per row, the longest prefix of its drafts that the plain steps
+    between committed, within the drafter's counts and the row's draft budget, and only for rows
+    that committed every position it checks. A speculative step drops the shadow pending."""
+    from specdec.engine import SHADOW_EVERY, _ShadowProposals
+    E = SHADOW_EVERY
+    assert E >= 3
+    g = torch.Generator().manual_seed(0)
+    B, W, L = 6, 32, 10
+    text = torch.randint(5, 50, (B, W), generator=g)
+    lengths = torch.full((B,), L)
+    committed = torch.randint(5, 50, (B, E), generator=g)  # what the next E plain steps commit
+    drafts = committed.clone()
+    drafts[1, 2] = committed[1, 2] + 1  # row 1: the first two drafts hold, the third not
+    drafts[2] = committed[2] + 1  # row 2: none holds
+    counts = torch.tensor([E, E, E, 1, E, E])  # row 3: one draft only (its second would hold)
+    budget = torch.tensor([9, 9, 9, 9, 2, 9])  # row 4: two drafts left in its budget
+    active = torch.ones(B, dtype=torch.bool)
+    shadows = _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu")
+    assert shadows.due(0)
+    assert shadows.make(text, W, lengths, budget, active) is None  # (nothing pending yet)
+    for i in range(E):  # the shadow's own step and the E - 1 after it commit one token each; row 5 ends at once
+        assert i == 0 or not shadows.due(0)
+        live = torch.arange(B) != 5 if i else active
+        text[live, lengths[live]] = committed[live, i]
+        lengths = lengths + live.long()
+    assert shadows.due(0)
+    n, asked, ran = shadows.make(text, W, lengths, budget, active)
+    assert asked.tolist() == [E, E, E, E, 2, E]
+    assert ran.tolist() == [True] * 5 + [False]
+    assert n[:5].tolist() == [E, 2, 0, 1, 2]
+    assert (n <= asked).all()
+    # a speculative step ends the run: the shadow made above is dropped, the next run starts afresh
+    assert not shadows.due(3)
+    assert shadows.due(0)
+    assert shadows.make(text, W, lengths, budget, active) is None
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_shadow_proposals_resume_speculation_when_the_text_starts_repeating(monkeypatch, path):
+    """The zoo model's first prompt: its greedy text finds no n-gram match for its first ~35
+    tokens and then repeats. K chosen per step (at an H100's step costs) starts at the prior,
+    stops speculating in the first part, and with shadow proposals at plain steps resumes where
+    the repetition starts, where without them it waits for probes: fewer plain steps and steps in
+    all, the same tokens (HF greedy's), on both paths."""
+    from specdec import zoo
+    model, tok = zoo.load("gdn-target")
+    enc = tok([zoo.prompts(limit=1)[0]["prompt"]], return_tensors="pt")
+    want = model.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=128, do_sample=False)
+    costs_ms = [0.265, 0.344, 0.377, 0.407, 0.367, 0.402, 0.417, 0.415, 0.419]  # (H100, the zoo's bench record)
+    stats = {}
+    for shadows in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_SHADOW_PROPOSALS", shadows)
+        sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens="auto", rollback="replay", decode_path=path,
+                          max_speculative_tokens=8, cost_model=FixedCosts(lambda s, b, K: costs_ms[K] * 1e-3))
+        out = sd.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=128, do_sample=False)
+        assert torch.equal(out, want)
+        stats[shadows] = sd.last_stats
+    on, off = stats["1"], stats["0"]
+    assert on.k_histogram[0] < off.k_histogram[0] and on.steps < off.steps, (on.k_per_step, off.k_per_step)
