@@ -12,7 +12,9 @@ step that ran it; the figure is plain decoding's time for the same tokens over t
 (``T(0) * plain steps / sum of T(K) over the steps``; plain decoding takes one step per new
 token of a batch's longest row but the first, which is the prefill's). This predicts what the policy would give at
 those costs, with no cost for the switch from speculative back to plain steps (``FixedCosts``
-has none; on a GPU it spaces the probes further apart); the GPU run (``experiment=bench``)
+has none; on a GPU it spaces the probes further apart) nor for the n-gram drafter's shadow
+proposals at plain steps (one proposal and ~10 small kernels every 4 plain steps;
+``SPECDEC_SHADOW_PROPOSALS=0`` replays the probes instead); the GPU run (``experiment=bench``)
 measures.
 
     python benchmarks/policy_on_zoo.py --from-results benchmarks/results/e2e_zoo_auto_k_mtp_kept_entries_h100.jsonl

@@ -135,25 +135,32 @@ SHADOW_EVERY = 4
 class _ShadowProposals:
     """The acceptance a stateless drafter would have had at plain steps, observed without
     speculating: under ``num_speculative_tokens="auto"`` a run of plain steps (K = 0) asks the
-    drafter for :data:`SHADOW_EVERY` drafts at its first step and then every
-    :data:`SHADOW_EVERY`-th, from the text as a speculative step there would have (a "shadow"
-    proposal: nothing is verified), and at the next such step checks them against the tokens the
-    plain steps between committed. With greedy decoding a draft is accepted exactly when it equals
-    the target's token at its position, so the longest matching prefix (within the drafter's
-    counts) is the drafts a step there would have accepted: an observation of the acceptance
-    estimate like a speculative step's, where the policy would otherwise learn of a rise only
-    from its probes (a whole speculative step each, spaced to cost ~1% of the time: a retrieval
-    drafter's acceptance comes and goes with the text, and on the zoo model a run of plain steps
-    outlasted the matches it missed). All device work, no host sync: per shadow the drafter's
-    proposal and about ten small kernels, which the policy's costs do not charge to plain steps
-    (their ``"shadow"`` laps are not taken in). A speculative step ends the run and drops the
-    shadow pending; a row that ended before committing the shadow's positions is not observed."""
+    drafter for ``depth`` drafts (:data:`SHADOW_EVERY`, at most the policy's largest K) at its
+    first step and then every :data:`SHADOW_EVERY`-th, from the text as a speculative step there
+    would have (a "shadow" proposal: nothing is verified), and at the next such step checks them
+    against the tokens the plain steps between committed. With greedy decoding a draft is
+    accepted exactly when it equals the target's token at its position, so the longest matching
+    prefix (within the drafter's counts and the row's draft budget) is the drafts a step there
+    would have accepted: an observation of the acceptance estimate like a speculative step's,
+    where the policy would otherwise learn of a rise only from its probes (a whole speculative
+    step each, spaced to cost ~1% of the time: a retrieval drafter's acceptance comes and goes
+    with the text, and on the zoo model a run of plain steps outlasted the matches it missed).
+    All device work, no host sync: per shadow the drafter's proposal and about twenty small
+    kernels, which the policy's costs do not charge to plain steps (their ``"shadow"`` laps are
+    not taken in; ``Stats.draft_s`` counts them). A speculative step ends the run and drops the
+    shadow pending; a row that ended before committing the shadow's positions is not observed.
 
-    def __init__(self, drafter: Drafter, batch: int, device, every: int = SHADOW_EVERY):
-        self.drafter, self.batch, self.every = drafter, batch, every
-        self._j = torch.arange(every, device=device)[None, :]
+    Args:
+        drafter: a stateless drafter (:attr:`~specdec.drafters.Drafter.stateless`).
+        batch: B. device: the rows'. depth: the policy's largest K.
+        every: the spacing of shadows in a run of plain steps (>= 1).
+    """
+
+    def __init__(self, drafter: Drafter, batch: int, device, depth: int, every: int = SHADOW_EVERY):
+        self.drafter, self.batch, self.every, self.depth = drafter, batch, every, min(depth, every)
+        self._j = torch.arange(self.depth, device=device)[None, :]
         self._run = 0  # plain steps in the current run, this one included
-        self._pending: tuple | None = None  # (drafts [B, h], counts [B], lengths [B], asked [B], active [B])
+        self._pending: tuple | None = None  # (drafts [B, h], counts [B], lengths [B], asked [B])
 
     def due(self, K: int) -> bool:
         """Called once per step with its K: whether this step makes a shadow (:meth:`make`). A
@@ -164,30 +171,30 @@ class _ShadowProposals:
         self._run += 1
         return (self._run - 1) % self.every == 0
 
-    def make(self, text: torch.Tensor, bound: int, lengths: torch.Tensor, budget: torch.Tensor,
-             active: torch.Tensor) -> tuple | None:
+    def make(self, text: torch.Tensor, bound: int, lengths: torch.Tensor, budget: torch.Tensor) -> tuple | None:
         """At a step :meth:`due` said makes one, before its forward, from the rows as they are then
-        (``text [B, W]``, of which the first ``bound`` columns hold every row's text; ``lengths``,
-        the draft ``budget`` and the ``active`` rows, ``[B]``; ``active`` is kept, not copied):
-        this step's shadow. Returns the observation of the last one, ``(num_accepted, num_asked,
-        ran)`` ``[B]`` each, for this step's
-        :meth:`~specdec.adaptive.SpeculationPolicy.update`, or None. Raises what
+        (``text [B, W]``, of which the first ``bound`` columns hold every row's text; ``lengths``
+        and the draft ``budget``, ``[B]``, 0 for an ended row): this step's shadow. Returns the
+        observation of the last one, ``(num_accepted, num_asked, ran)`` ``[B]`` each, for this
+        step's :meth:`~specdec.adaptive.SpeculationPolicy.update`, or None. Raises what
         :func:`check_proposal` raises."""
         seen = None if self._pending is None else self._judge(text, lengths)
-        drafts, counts = check_proposal(self.drafter.propose(text[:, :bound], lengths, self.every), self.batch,
-                                        self.every)
+        drafts, counts = check_proposal(self.drafter.propose(text[:, :bound], lengths, self.depth), self.batch,
+                                        self.depth)
         self._pending = (drafts.to(text.device).long(), counts.to(text.device).long().clamp(0, drafts.shape[1]),
-                         lengths.clone(), budget.clamp(max=drafts.shape[1]), active)
+                         lengths.clone(), budget.clamp(max=drafts.shape[1]))
         return seen
 
     def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
-        drafts, counts, start, asked, active = self._pending
+        """The pending shadow's observation (see :meth:`make`): a row ran it if it has since
+        committed every position checked (an ended row's length stays)."""
+        drafts, counts, start, asked = self._pending
         h = drafts.shape[1]
         j = self._j[:, :h]
         committed = text.gather(1, (start[:, None] + j).clamp(max=text.shape[1] - 1))
         hit = (committed == drafts) & (j < counts[:, None])
         n = torch.minimum(hit.long().cumprod(1).sum(1), asked)
-        return n, asked, active & (lengths >= start + h)
+        return n, asked, lengths >= start + h
 
 
 def _random_state(generator, device) -> tuple:
@@ -1562,7 +1569,7 @@ class SpeculativeGenerator:
 
         proposed_in_program = None  # the K of the last proposal asked of the step programs
         # K chosen per step with a stateless drafter, greedy: its acceptance observed at plain steps too
-        shadows = (_ShadowProposals(drafter, B, dev) if policy is not None and pool is None and tree is None
+        shadows = (_ShadowProposals(drafter, B, dev, policy.max_k) if policy is not None and pool is None and tree is None
                    and s.sampling is None and drafter.stateless and shadow_proposals_enabled() else None)
         if shadows is not None:
             policy.shadowed = True
@@ -1684,12 +1691,6 @@ class SpeculativeGenerator:
                 break
             first_mark = clock.marks
             K_step = policy.next_k() if policy is not None else K  # drafts this step asks for
-            shadow_seen = None
-            if shadows is not None and shadows.due(K_step):  # (from the text as this step starts)
-                clock.lap("draft")
-                shadow_seen = shadows.make(rows.text, min(rows.text.shape[1], grown), rows.lengths,
-                                           st.draft_budget(), ~rows.finished)
-                clock.lap("shadow")
             if pipelined:  # should this step run past the end: what it draws from, and its laps so far
                 step_rs, step_laps = ((drawn, [drafted_at]) if ready is not None
                                       else (_random_state(s.generator, dev) if draws else None, []))
@@ -1711,6 +1712,10 @@ class SpeculativeGenerator:
             proposed = counts is not None
             prob_errors = no_prob_errors  # (set below when the step's drafts come with their distributions)
             clock.lap("draft")
+            shadow_seen = None
+            if shadows is not None and shadows.due(K_step):  # (from the text as this step starts)
+                shadow_seen = shadows.make(rows.text, min(rows.text.shape[1], grown), rows.lengths, budget)
+                clock.lap("shadow")
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             glued = programs is not None and w == K_step  # (its inputs came from the step's programs)
             if glued:  # acceptance, append, counters and flags: one program
@@ -1845,7 +1850,7 @@ class SpeculativeGenerator:
         hist[0] -= steps * B - row_steps  # the steps of finished rows (n = 0), which ran nothing
         n_gen = hook.final_counts(rows.n_gen) if hook else rows.n_gen  # the tokens returned
         new_tokens = int(n_gen.sum()) if pool is None else pool.new_tokens
-        step_s = sum(times.get(phase, 0.0) for phase in ("draft", "verify", "rollback", "bookkeeping"))
+        step_s = sum(times.get(phase, 0.0) for phase in ("draft", "shadow", "verify", "rollback", "bookkeeping"))
         if policy is not None:
             k_histogram, k_per_step = policy.k_histogram(), policy.k_per_step
             policy_view = dict(predicted_step_s=policy.predicted_step_s(), measured_step_s=policy.measured_step_s(),
@@ -1864,7 +1869,8 @@ class SpeculativeGenerator:
             steps=steps, new_tokens=new_tokens, proposed_tokens=proposed, accepted_tokens=accepted,
             mean_accepted_tokens=(accepted + row_steps) / row_steps if row_steps else 0.0,
             acceptance_rate=accepted / proposed if proposed else 0.0, accept_histogram=hist.tolist(),
-            draft_s=times.get("draft", 0.0), verify_s=times.get("verify", 0.0), rollback_s=times.get("rollback", 0.0),
+            draft_s=times.get("draft", 0.0) + times.get("shadow", 0.0), verify_s=times.get("verify", 0.0),
+            rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
             draft_path=draft_path, draft_error=draft_error,
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),

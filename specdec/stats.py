@@ -17,7 +17,8 @@ class Stats:
         accepted n drafts. proposed_tokens / accepted_tokens: drafts verified / accepted over
         all row-steps (a tree step proposes its depth limit). steps: target verify forwards.
         new_tokens: tokens generated (all rows, up to and including EOS). draft_s / verify_s /
-        rollback_s: time proposing, in the target forward + acceptance, and committing state;
+        rollback_s: time proposing (with K chosen per step, a stateless drafter's shadow proposals
+        at plain steps too), in the target forward + acceptance, and committing state;
         prefill_s: the prompt's forward and cache setup (``generate_batch``: every admission's);
         wall_s: the whole call.
         decode_path: how the steps ran: ``"eager"`` (dynamic shapes), ``"static"`` (fixed shapes,

@@ -2122,17 +2122,17 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     drafts[2] = committed[2] + 1  # row 2: none holds
     counts = torch.tensor([E, E, E, 1, E, E])  # row 3: one draft only (its second would hold)
     budget = torch.tensor([9, 9, 9, 9, 2, 9])  # row 4: two drafts left in its budget
-    active = torch.ones(B, dtype=torch.bool)
-    shadows = _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu")
+    shadows = _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu", depth=8)
+    assert shadows.depth == E  # (asked for at most the drafts the plain steps between commit)
     assert shadows.due(0)
-    assert shadows.make(text, W, lengths, budget, active) is None  # (nothing pending yet)
+    assert shadows.make(text, W, lengths, budget) is None  # (nothing pending yet)
     for i in range(E):  # the shadow's own step and the E - 1 after it commit one token each; row 5 ends at once
         assert i == 0 or not shadows.due(0)
-        live = torch.arange(B) != 5 if i else active
+        live = torch.arange(B) != 5 if i else torch.ones(B, dtype=torch.bool)
         text[live, lengths[live]] = committed[live, i]
         lengths = lengths + live.long()
     assert shadows.due(0)
-    n, asked, ran = shadows.make(text, W, lengths, budget, active)
+    n, asked, ran = shadows.make(text, W, lengths, budget)
     assert asked.tolist() == [E, E, E, E, 2, E]
     assert ran.tolist() == [True] * 5 + [False]
     assert n[:5].tolist() == [E, 2, 0, 1, 2]
@@ -2140,7 +2140,8 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     # a speculative step ends the run: the shadow made above is dropped, the next run starts afresh
     assert not shadows.due(3)
     assert shadows.due(0)
-    assert shadows.make(text, W, lengths, budget, active) is None
+    assert shadows.make(text, W, lengths, budget) is None
+    assert _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu", depth=2).depth == 2  # (the policy's K)
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
