@@ -1219,7 +1219,7 @@ class SpeculationPolicy:
                 K, at_zero = probe, 0  # probe: observe acceptance again
         else:
             at_zero = 0
-            if settings.measure_neighbours:
+            if settings.measure_neighbours and current:  # (K = 0 without probes: shadow proposals observe)
                 K = self._neighbour_to_measure(K, self.expected, times)
         return K, current, at_zero, held, times, gain
 
@@ -1312,7 +1312,7 @@ class SpeculationPolicy:
         gives the same without the arguments. ``observed``: the step at K = 0 brings observations
         all the same (a shadow proposal's drafts checked, :attr:`shadowed`): it is computed."""
         if self.skips_update and not observed:
-            return self.pending()
+            return self.pending(wait=False)
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
@@ -1333,13 +1333,18 @@ class SpeculationPolicy:
         self._pending = True
         return out
 
-    def pending(self) -> list[float] | None:
+    def pending(self, wait: bool = True) -> list[float] | None:
         """The values of a side-stream update not read yet (``read_size`` floats, read on the host
         after waiting for that replay and its copy), or None. Read them before the next
-        :meth:`update`, whose copy overwrites them."""
+        :meth:`update`, whose copy overwrites them. ``wait=False``: None (and the values left
+        pending) while that replay has not finished, instead of waiting for it: a step that skips
+        its update then does not wait for the device (a wait there, at a plain step after one
+        whose update ran, is a host sync in the middle of the loop's overlap)."""
         if not self._pending:
             return None
         if self._graph.done is not None:
+            if not wait and not self._graph.done.query():
+                return None
             self._graph.done.synchronize()
         self._pending = False
         return self._graph.host.tolist()

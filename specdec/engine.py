@@ -179,10 +179,13 @@ class _ShadowProposals:
         step's :meth:`~specdec.adaptive.SpeculationPolicy.update`, or None. Raises what
         :func:`check_proposal` raises."""
         seen = None if self._pending is None else self._judge(text, lengths)
-        drafts, counts = check_proposal(self.drafter.propose(text[:, :bound], lengths, self.depth), self.batch,
-                                        self.depth)
-        self._pending = (drafts.to(text.device).long(), counts.to(text.device).long().clamp(0, drafts.shape[1]),
-                         lengths.clone(), budget.clamp(max=drafts.shape[1]))
+        lengths = lengths.clone()  # (the drafter gets copies, as at a speculative step; kept for the judge)
+        drafts, counts = check_proposal(self.drafter.propose(text[:, :bound].clone(), lengths.clone(), self.depth),
+                                        self.batch, self.depth)
+        # (a drafter may return fewer columns than asked: the positions past them are not proposed,
+        # which a speculative step observes as a rejection, as the counts here make them)
+        self._pending = (_to_width(drafts.to(text.device).long(), self.depth),
+                         counts.to(text.device).long().clamp(0, drafts.shape[1]), lengths, budget.clamp(max=self.depth))
         return seen
 
     def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
@@ -1768,7 +1771,7 @@ class SpeculativeGenerator:
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
                 if policy.skips_update and shadow_seen is None:
-                    expected = policy.pending()
+                    expected = policy.pending(wait=False)
                 else:  # (a plain step that checked a shadow observes its drafts instead of none)
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                     seen = shadow_seen if shadow_seen is not None else (n, budget.clamp(max=K_step), active)

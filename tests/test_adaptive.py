@@ -418,6 +418,24 @@ def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
         assert torch.equal(later.acceptance.rates, eager.acceptance.rates)
         last = want.clone()
     assert later.pending() == last.tolist() and later.pending() is None  # read once
+
+    class _Event:  # (a stand-in for the CUDA event after a replay: finished or not, counted waits)
+        finished, waits = False, 0
+
+        def query(self):
+            return self.finished
+
+        def synchronize(self):
+            self.waits += 1
+
+    # a step that skips its update reads a replay's values only once it has finished: it does not
+    # wait for the device (on CUDA, a host sync in the middle of the loop's overlap)
+    later.update(n, asked, ran, ran, budget)
+    later._graph.done = event = _Event()
+    assert later.pending(wait=False) is None and event.waits == 0 and later._pending  # (still pending)
+    event.finished = True
+    assert later.pending(wait=False) is not None and later.pending(wait=False) is None
+    later._graph.done = None
     later.close()
     for batch in range(5, 5 + adaptive.POLICY_GRAPHS_KEPT):
         policy(0.5, batch=batch).close()
@@ -2143,6 +2161,25 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     assert shadows.make(text, W, lengths, budget) is None
     assert _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu", depth=2).depth == 2  # (the policy's K)
 
+    class _Narrow(_ScriptedDrafts):  # one column whatever is asked, and it writes into what it is given
+        def propose(self, input_ids, lengths, num_speculative_tokens):
+            input_ids.zero_()
+            lengths -= 1
+            return self.drafts[:, :1].clone(), self.counts.clamp(max=1)
+
+    shadows = _ShadowProposals(_Narrow(committed, counts), B, "cpu", depth=E)
+    kept_text, kept_lengths = text.clone(), lengths.clone()
+    assert shadows.due(0) and shadows.make(text, W, lengths, budget) is None
+    assert torch.equal(text, kept_text) and torch.equal(lengths, kept_lengths)  # (it was given copies)
+    for i in range(E):
+        assert i == 0 or not shadows.due(0)
+        text[torch.arange(B), lengths] = committed[:, i]
+        lengths = lengths + 1
+    assert shadows.due(0)
+    n, asked, ran = shadows.make(text, W, lengths, budget)
+    # the positions past its one column were not proposed: observed as a rejection, as a step would
+    assert n.tolist() == [1] * B and asked.tolist() == [E, E, E, E, 2, E] and ran.all()
+
 
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_shadow_proposals_resume_speculation_when_the_text_starts_repeating(monkeypatch, path):
@@ -2166,3 +2203,20 @@ def test_shadow_proposals_resume_speculation_when_the_text_starts_repeating(monk
         stats[shadows] = sd.last_stats
     on, off = stats["1"], stats["0"]
     assert on.k_histogram[0] < off.k_histogram[0] and on.steps < off.steps, (on.k_per_step, off.k_per_step)
+
+
+def test_shadowed_plain_steps_run_no_probe_and_measure_no_neighbour():
+    """With shadow proposals (:attr:`SpeculationPolicy.shadowed`) a policy settled on K = 0 runs
+    plain steps only: no probes, and no width next to K = 0 to measure (whose cost, not measured,
+    would otherwise make every step a step at K = 1); unshadowed, the same policy probes."""
+    class _Unmeasured(FixedCosts):
+        def measured(self, key, K):
+            return K == 0
+
+    for shadowed in (True, False):
+        policy = SpeculationPolicy(PolicySettings(), _Unmeasured(lambda s, b, K: 1.0 + 0.3 * K),
+                                   CostKey("eager", "replay", 1), None, 3, 1, 1000, 0.6, "cpu")
+        policy.shadowed = shadowed
+        policy.expected = [1.0, 1.27, 1.3, 1.35]  # (K = 1 within the hysteresis of K = 0's goodput: 0.98 of it)
+        ks = [policy.next_k() for _ in range(3 * PolicySettings().probe_interval)]
+        assert (set(ks) == {0}) == shadowed, ks
