@@ -148,8 +148,9 @@ class _ShadowProposals:
     step each, spaced to cost ~1% of the time: a retrieval drafter's acceptance comes and goes
     with the text, and on the zoo model a run of plain steps outlasted the matches it missed).
     All device work, no host sync: per shadow the drafter's proposal and about twenty small
-    kernels, which the policy's costs do not charge to plain steps (their ``"shadow"`` laps are
-    not taken in; ``Stats.draft_s`` counts them). A speculative step ends the run and drops the
+    kernels, then the estimate's update the observation brings (some 30 launches in all), which
+    the policy's costs do not charge to plain steps (their ``"shadow"`` laps are not taken in;
+    ``Stats.draft_s`` counts those). A speculative step ends the run and drops the
     shadow pending; a row that ended before committing the shadow's positions is not observed.
 
     Args:
@@ -187,7 +188,8 @@ class _ShadowProposals:
         # (a drafter may return fewer columns than asked: the positions past them are not proposed,
         # which a speculative step observes as a rejection, as the counts here make them)
         self._pending = (_to_width(drafts.to(text.device).long(), self.depth),
-                         counts.to(text.device).long().clamp(0, drafts.shape[1]), lengths, budget.clamp(max=self.depth))
+                         counts.to(text.device).long().clamp(0, drafts.shape[1]), lengths,
+                         budget.clamp(max=self.depth))
         return seen
 
     def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
@@ -1574,8 +1576,10 @@ class SpeculativeGenerator:
 
         proposed_in_program = None  # the K of the last proposal asked of the step programs
         # K chosen per step with a stateless drafter, greedy: its acceptance observed at plain steps too
-        shadows = (_ShadowProposals(drafter, B, dev, policy.max_k) if policy is not None and pool is None and tree is None
-                   and s.sampling is None and drafter.stateless and shadow_proposals_enabled() else None)
+        # (SPECDEC_SHADOW_PROPOSALS=1)
+        shadows = (_ShadowProposals(drafter, B, dev, policy.max_k)
+                   if policy is not None and pool is None and tree is None and s.sampling is None
+                   and drafter.stateless and shadow_proposals_enabled() else None)
         if shadows is not None:
             policy.shadowed = True
 
