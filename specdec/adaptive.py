@@ -1099,6 +1099,8 @@ class SpeculationPolicy:
         self._live: int | None = None  # live rows after the last step (read at its sync)
         self._live_estimated: int | None = None  # ... when the values held were computed
         self._pending = False  # a side-stream update ran whose values were not read yet
+        self._launched_at = 0  # ... at the step of this many (len(k_per_step) then)
+        self._late = False  # the values read last came more than one step after their replay's launch
         self._seen: set[int] = set()  # K values run in this call (the first step at each is a warm-up)
         self._measuring: dict[int, int] = {}  # K -> steps run at it in this call to measure a neighbour
         # (K, first mark, last mark, K before, predicted plain seconds, unmeasured) of the step whose laps
@@ -1312,7 +1314,7 @@ class SpeculationPolicy:
         gives the same without the arguments. ``observed``: the step at K = 0 brings observations
         all the same (a shadow proposal's drafts checked, :attr:`shadowed`): it is computed."""
         if self.skips_update and not observed:
-            return self.pending(wait=False)
+            return self.pending(wait=not self.shadowed)
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
@@ -1330,16 +1332,18 @@ class SpeculationPolicy:
                 kept.host.copy_(kept.output, non_blocking=True)
                 kept.done = torch.cuda.Event()
                 kept.done.record(kept.stream)
-        self._pending = True
+        self._pending, self._launched_at = True, len(self.k_per_step)
         return out
 
     def pending(self, wait: bool = True) -> list[float] | None:
         """The values of a side-stream update not read yet (``read_size`` floats, read on the host
         after waiting for that replay and its copy), or None. Read them before the next
         :meth:`update`, whose copy overwrites them. ``wait=False``: None (and the values left
-        pending) while that replay has not finished, instead of waiting for it: a step that skips
-        its update then does not wait for the device (a wait there, at a plain step after one
-        whose update ran, is a host sync in the middle of the loop's overlap)."""
+        pending) while that replay has not finished, instead of waiting for it: with shadow
+        proposals (:attr:`shadowed`) a step that skips its update then does not wait for the
+        device (at the plain step after a shadow's update, a host sync in the middle of the
+        loop's overlap). Values read more than one step after their replay was launched are not
+        taken as computed for the live rows then (:meth:`receive`): the next step updates."""
         if not self._pending:
             return None
         if self._graph.done is not None:
@@ -1347,6 +1351,7 @@ class SpeculationPolicy:
                 return None
             self._graph.done.synchronize()
         self._pending = False
+        self._late = len(self.k_per_step) > self._launched_at + 1
         return self._graph.host.tolist()
 
     @property
@@ -1418,7 +1423,7 @@ class SpeculationPolicy:
             M1 = self.max_k + 1
             self.expected, self.step_expected = list(values[:M1]), list(values[-M1:])
             self._values_seen += 1
-            self._live_estimated = self._live if self._graph is not None else live_rows
+            self._live_estimated = (None if self._late else self._live) if self._graph is not None else live_rows
         self._live = live_rows
 
     def after_step(self, expected: list[float] | None, clock: StepClock, first_mark: int,

@@ -121,10 +121,10 @@ def overlap_steps() -> bool:
 def shadow_proposals_enabled() -> bool:
     """Whether a greedy fixed batch under ``num_speculative_tokens="auto"`` with a stateless
     drafter observes its acceptance at plain steps (:class:`_ShadowProposals`) instead of probing
-    (``SPECDEC_SHADOW_PROPOSALS=1``; off by default: on a CPU replay of the zoo model at an H100's
-    step costs its choices match the best fixed K, but its host work, about 30 launches every 4
-    plain steps, has not been timed against that on a GPU since its first run, whose plain steps
-    waited for the device; docs/design.md). The outputs are the same either way."""
+    (``SPECDEC_SHADOW_PROPOSALS=1``; off by default: its host work, some 30 launches every 4 plain
+    steps, is not yet timed on a GPU against the choices it improves; docs/design.md, "Shadow
+    proposals"). The greedy outputs are the same either way, up to the near-ties that another
+    schedule of K meets in low precision."""
     return env_switch("SPECDEC_SHADOW_PROPOSALS", default=False)
 
 
@@ -194,14 +194,14 @@ class _ShadowProposals:
 
     def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
         """The pending shadow's observation (see :meth:`make`): a row ran it if it has since
-        committed every position checked (an ended row's length stays)."""
+        committed every position it was asked for (an ended row's length stays)."""
         drafts, counts, start, asked = self._pending
         h = drafts.shape[1]
         j = self._j[:, :h]
         committed = text.gather(1, (start[:, None] + j).clamp(max=text.shape[1] - 1))
         hit = (committed == drafts) & (j < counts[:, None])
         n = torch.minimum(hit.long().cumprod(1).sum(1), asked)
-        return n, asked, lengths >= start + h
+        return n, asked, lengths >= start + asked
 
 
 def _random_state(generator, device) -> tuple:
@@ -1721,11 +1721,12 @@ class SpeculativeGenerator:
             proposed = counts is not None
             prob_errors = no_prob_errors  # (set below when the step's drafts come with their distributions)
             clock.lap("draft")
+            logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             shadow_seen = None
-            if shadows is not None and shadows.due(K_step):  # (from the text as this step starts)
+            if shadows is not None and shadows.due(K_step):  # (the text as this step started: appended below)
+                clock.lap("verify")
                 shadow_seen = shadows.make(rows.text, min(rows.text.shape[1], grown), rows.lengths, budget)
                 clock.lap("shadow")
-            logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             glued = programs is not None and w == K_step  # (its inputs came from the step's programs)
             if glued:  # acceptance, append, counters and flags: one program
                 n, new, take, read = programs.settle(K_step, logits)
@@ -1777,11 +1778,11 @@ class SpeculativeGenerator:
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
                 if policy.skips_update and shadow_seen is None:
-                    expected = policy.pending(wait=False)
+                    expected = policy.pending(wait=not policy.shadowed)
                 else:  # (a plain step that checked a shadow observes its drafts instead of none)
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
-                    seen = shadow_seen if shadow_seen is not None else (n, budget.clamp(max=K_step), active)
-                    expected = policy.update(*seen, ~rows.finished, left, observed=shadow_seen is not None)
+                    observation = shadow_seen if shadow_seen is not None else (n, budget.clamp(max=K_step), active)
+                    expected = policy.update(*observation, ~rows.finished, left, observed=shadow_seen is not None)
                 if ahead and not pipelined:  # the next K is chosen while the device still runs this step
                     clock.lap("bookkeeping")
                     policy.before_sync(expected, clock, first_mark)

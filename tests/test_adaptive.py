@@ -434,7 +434,14 @@ def test_policy_update_graphs_kept_held_and_bounded(monkeypatch):
     later._graph.done = event = _Event()
     assert later.pending(wait=False) is None and event.waits == 0 and later._pending  # (still pending)
     event.finished = True
-    assert later.pending(wait=False) is not None and later.pending(wait=False) is None
+    later.receive(None, 5)  # (the live rows the step of the replay left)
+    later.k_per_step.append(0)  # read at the next step: computed for those live rows
+    later.receive(later.pending(wait=False), 4)
+    assert later.pending(wait=False) is None and later._live_estimated == 5
+    later.update(n, asked, ran, ran, budget)
+    later.k_per_step += [0, 0]  # read two steps after the replay's launch: not taken as the live rows' now
+    later.receive(later.pending(wait=False), 3)
+    assert later._live_estimated is None
     later._graph.done = None
     later.close()
     for batch in range(5, 5 + adaptive.POLICY_GRAPHS_KEPT):
