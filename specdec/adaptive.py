@@ -1310,11 +1310,11 @@ class SpeculationPolicy:
         step observed no draft, and with the estimate and the live rows unchanged and every row
         one token nearer its end, speculating can only have become less worth it, so the last
         values stand until a probe or until a row ends; the step is spared the estimate's device
-        ops, as a plain step would be. :attr:`skips_update` says so ahead: :meth:`pending` then
-        gives the same without the arguments. ``observed``: the step at K = 0 brings observations
+        ops, as a plain step would be. :attr:`skips_update` says so ahead: :meth:`skipped_values`
+        then gives the same without the arguments. ``observed``: the step at K = 0 brings observations
         all the same (a shadow proposal's drafts checked, :attr:`shadowed`): it is computed."""
         if self.skips_update and not observed:
-            return self.pending(wait=not self.shadowed)
+            return self.skipped_values()
         args = (num_accepted, num_asked, ran, live, budget)
         if self._graph is None:
             return _update(self.acceptance, self.until_last, *args)
@@ -1334,6 +1334,11 @@ class SpeculationPolicy:
                 kept.done.record(kept.stream)
         self._pending, self._launched_at = True, len(self.k_per_step)
         return out
+
+    def skipped_values(self) -> list[float] | None:
+        """What a step that skips its update (:attr:`skips_update`) reads: the :meth:`pending`
+        values, waited for unless shadow proposals run (:attr:`shadowed`)."""
+        return self.pending(wait=not self.shadowed)
 
     def pending(self, wait: bool = True) -> list[float] | None:
         """The values of a side-stream update not read yet (``read_size`` floats, read on the host

@@ -156,14 +156,13 @@ class _ShadowProposals:
     Args:
         drafter: a stateless drafter (:attr:`~specdec.drafters.Drafter.stateless`).
         batch: B. device: the rows'. depth: the policy's largest K.
-        every: the spacing of shadows in a run of plain steps (>= 1).
     """
 
-    def __init__(self, drafter: Drafter, batch: int, device, depth: int, every: int = SHADOW_EVERY):
-        self.drafter, self.batch, self.every, self.depth = drafter, batch, every, min(depth, every)
+    def __init__(self, drafter: Drafter, batch: int, device, depth: int):
+        self.drafter, self.batch, self.depth = drafter, batch, min(depth, SHADOW_EVERY)
         self._j = torch.arange(self.depth, device=device)[None, :]
         self._run = 0  # plain steps in the current run, this one included
-        self._pending: tuple | None = None  # (drafts [B, h], counts [B], lengths [B], asked [B])
+        self._pending: tuple | None = None  # (drafts [B, depth], counts [B], lengths [B], asked [B])
 
     def due(self, K: int) -> bool:
         """Called once per step with its K: whether this step makes a shadow (:meth:`make`). A
@@ -172,7 +171,7 @@ class _ShadowProposals:
             self._run, self._pending = 0, None
             return False
         self._run += 1
-        return (self._run - 1) % self.every == 0
+        return (self._run - 1) % SHADOW_EVERY == 0
 
     def make(self, text: torch.Tensor, bound: int, lengths: torch.Tensor, budget: torch.Tensor) -> tuple | None:
         """At a step :meth:`due` said makes one, before its forward, from the rows as they are then
@@ -195,9 +194,8 @@ class _ShadowProposals:
     def _judge(self, text: torch.Tensor, lengths: torch.Tensor) -> tuple:
         """The pending shadow's observation (see :meth:`make`): a row ran it if it has since
         committed every position it was asked for (an ended row's length stays)."""
-        drafts, counts, start, asked = self._pending
-        h = drafts.shape[1]
-        j = self._j[:, :h]
+        drafts, counts, start, asked = self._pending  # (drafts: depth columns)
+        j = self._j
         committed = text.gather(1, (start[:, None] + j).clamp(max=text.shape[1] - 1))
         hit = (committed == drafts) & (j < counts[:, None])
         n = torch.minimum(hit.long().cumprod(1).sum(1), asked)
@@ -1778,7 +1776,7 @@ class SpeculativeGenerator:
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync
             if policy is not None:  # (a skipped update needs no arguments; it may still have values to read)
                 if policy.skips_update and shadow_seen is None:
-                    expected = policy.pending(wait=not policy.shadowed)
+                    expected = policy.skipped_values()
                 else:  # (a plain step that checked a shadow observes its drafts instead of none)
                     left = (rows.max_new - rows.n_gen - 1).clamp(min=0)
                     observation = shadow_seen if shadow_seen is not None else (n, budget.clamp(max=K_step), active)
