@@ -177,7 +177,8 @@ def test_greedy_speculation_with_the_kernel_is_exact(monkeypatch):
 def test_ngram_proposal_experiment_times_the_kernel(monkeypatch, tmp_path):
     """experiment=ngram_proposal on the Triton backend: a kernel column beside the loop and the
     batched search (all checked to propose the same first), the search propose takes, and with
-    experiment.plain_step_ms that search's median as a fraction of the step."""
+    experiment.plain_step_ms that search's median as a fraction of the step; the kernel also timed
+    back to back (on a CPU, wall time per call)."""
     from hydra import compose, initialize_config_dir
 
     from specdec.experiments.app import CONF_DIR, run_experiment
@@ -186,15 +187,19 @@ def test_ngram_proposal_experiment_times_the_kernel(monkeypatch, tmp_path):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "experiment=ngram_proposal", "experiment.batch_grid=[1,3]", "experiment.widths=[24]", "repeats=2",
-            "experiment.warmup=0", "experiment.plain_step_ms=2.5", "device=cpu", "progress=false"])
+            "experiment.warmup=0", "experiment.plain_step_ms=2.5", "experiment.graph_calls=2", "device=cpu",
+            "progress=false"])
     records = run_experiment(cfg, tmp_path)
     assert [(r["batch"], r["width"], r["search"]) for r in records] == [(1, 24, "kernel"), (3, 24, "kernel")]
     for r in records:
         assert r["same_proposals"] and 0 < r["kernel_ms_min"] <= r["kernel_ms"] <= r["kernel_ms_max"]
         assert r["propose_over_plain_step"] == pytest.approx(r["kernel_ms"] / 2.5)
         assert r["batched_over_kernel"] == pytest.approx(r["batched_ms"] / r["kernel_ms"])
+        assert r["kernel_in_graph_ms"] > 0
+        assert r["kernel_in_graph_over_plain_step"] == pytest.approx(r["kernel_in_graph_ms"] / 2.5)
     header = next(ln for ln in (tmp_path / "summary.md").read_text().splitlines() if ln.startswith("| batch |"))
-    assert {"kernel ms", "batched ms", "per-row loop ms", "propose takes", "of a plain step"} <= {
+    assert {"kernel ms", "batched ms", "per-row loop ms", "propose takes", "of a plain step", "kernel in a graph ms",
+            "in a graph, of a plain step"} <= {
         c.strip() for c in header.split("|")}
 
 

@@ -301,6 +301,8 @@ class NgramProposalExperiment:
     plain_step_ms: Optional[float] = _doc(None, "a plain decode step's median ms of the model the drafter serves "
                                                 "(e.g. checks' step_cost plain_step_ms): the proposal is also "
                                                 "reported as a fraction of it (null: not)")
+    graph_calls: int = _doc(50, "Triton backend: the kernel's calls captured back to back in one CUDA graph "
+                                "(kernel_in_graph_ms: device time per call)")
 
 
 @dataclass

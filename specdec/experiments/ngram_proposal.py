@@ -17,6 +17,13 @@ min-max (:mod:`.timing`). ``search`` is the one ``propose`` takes there; with
 ``experiment.plain_step_ms`` (a plain decode step of the model the drafter serves, measured
 elsewhere) its median is also given as a fraction of that step (``propose_over_plain_step``).
 
+A synchronised call is mostly launch and sync on a GPU, while the decode loop's CUDA-graph path
+replays the kernel inside its step programs. So on the Triton backend the kernel is also timed
+back to back (``kernel_in_graph_ms``: ``experiment.graph_calls`` calls captured in one CUDA graph
+and replayed, device time per call from CUDA events, median of ``repeats`` replays;
+:func:`~.kernel_timing.time_in_graph`, which on a CPU times the calls' wall time instead), and
+with ``plain_step_ms`` as a fraction of the step (``kernel_in_graph_over_plain_step``).
+
 Records are appended to ``results.jsonl`` as measured; ``summary.md`` at the end.
 """
 
@@ -28,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .common import RunRecords, provenance
+from .kernel_timing import time_in_graph
 from .models import resolve_device
 from .timing import overlaps, time_side_by_side
 
@@ -37,7 +45,8 @@ __all__ = ["run"]
 def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     """Run the comparison; returns the records (also in ``out_dir``).
 
-    Raises: RuntimeError when the searches propose differently at a point (a bug)."""
+    Raises: RuntimeError when the searches propose differently at a point (a bug); ValueError
+    for ``experiment.graph_calls < 1``."""
     from specdec.drafters import NGramDrafter
     from specdec.drafters.ngram import propose_ngram_reference
     from specdec.kernels import backend
@@ -51,6 +60,8 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
     K = int(cfg.num_speculative_tokens)
     lo, hi = int(cfg.drafter.ngram.min_ngram), int(cfg.drafter.ngram.max_ngram)
     plain_ms = float(exp.plain_step_ms) if exp.get("plain_step_ms") is not None else None
+    if int(exp.graph_calls) < 1:
+        raise ValueError(f"experiment.graph_calls must be >= 1 (kernel calls captured in one graph), got {exp.graph_calls}")
     drafter = NGramDrafter(min_ngram=lo, max_ngram=hi)
     on_triton = backend(device) == "triton"
     gen = torch.Generator().manual_seed(int(cfg.seed))
@@ -85,9 +96,20 @@ def run(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 rec.update(t["kernel"].fields("kernel_ms"))
                 kernel_ms = t["kernel"].median
                 rec["batched_over_kernel"] = t["batched"].median / kernel_ms if kernel_ms > 0 else None
+                calls = int(exp.graph_calls)
+
+                def back_to_back():
+                    for _ in range(calls):
+                        drafter.propose_kernel(ids, lengths, K)
+
+                rec["kernel_in_graph_ms"] = 1e3 * time_in_graph(back_to_back, calls, device, int(cfg.repeats))
+                if plain_ms:
+                    rec["kernel_in_graph_over_plain_step"] = rec["kernel_in_graph_ms"] / plain_ms
             if plain_ms:
                 rec["propose_over_plain_step"] = t[search].median / plain_ms
             line = ", ".join(f"{name} {t[name].median:.3f} ms" for name in fns)
+            if on_triton:
+                line += f", kernel in a graph {rec['kernel_in_graph_ms']:.4f} ms"
             log.add(rec, f"B={B} W={W}: {line}; propose takes {search}")
     write_report(log.records, log.out_dir, f"n-gram proposal: the searches side by side, {device}, K={K}")
     return log.records

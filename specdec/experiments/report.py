@@ -327,6 +327,11 @@ NGRAM_COLUMNS = (
     Column("loop_over_batched", "loop / batched", "{:.1f}x", legend="median loop ms / median batched ms"),
     Column("within_noise", "within noise", None, legend="yes: the min-max ranges of loop and batched overlap"),
     Column("batched_over_kernel", "batched / kernel", "{:.1f}x", terminal=False, legend="median batched ms / median kernel ms"),
+    Column("kernel_in_graph_ms", "kernel in a graph ms", "{:.4f}",
+           legend="NGramDrafter.propose_kernel, experiment.graph_calls calls back to back in one CUDA graph, device "
+                  "time per call (median of the replays): what the CUDA-graph decode path pays; on a CPU wall time"),
+    Column("kernel_in_graph_over_plain_step", "in a graph, of a plain step", "{:.3f}",
+           legend="kernel in a graph ms / experiment.plain_step_ms"),
     Column("search", "propose takes", TEXT, legend="the search NGramDrafter.propose runs here (NGramDrafter.search)"),
     Column("propose_over_plain_step", "of a plain step", "{:.3f}",
            legend="median ms of the search propose takes / experiment.plain_step_ms"),
