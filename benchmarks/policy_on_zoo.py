@@ -13,8 +13,8 @@ step that ran it; the figure is plain decoding's time for the same tokens over t
 token of a batch's longest row but the first, which is the prefill's). This predicts what the policy would give at
 those costs, with no cost for the switch from speculative back to plain steps (``FixedCosts``
 has none; on a GPU it spaces the probes further apart) nor for the n-gram drafter's shadow
-proposals at plain steps (``SPECDEC_SHADOW_PROPOSALS=1``: one proposal, ~20 small kernels and
-an update every 4 plain steps); the GPU run (``experiment=bench``) measures.
+proposals at plain steps (on by default; ``SPECDEC_SHADOW_PROPOSALS=0``: probes; one proposal,
+~20 small kernels and an update every 4 plain steps); the GPU run (``experiment=bench``) measures.
 
     python benchmarks/policy_on_zoo.py --from-results benchmarks/results/e2e_zoo_auto_k_mtp_kept_entries_h100.jsonl
     python benchmarks/policy_on_zoo.py --costs 0.265,0.29,0.31,0.33,0.35,0.37,0.39,0.41,0.43 --prompts 32

@@ -121,24 +121,32 @@ def overlap_steps() -> bool:
 def shadow_proposals_enabled() -> bool:
     """Whether a greedy fixed batch under ``num_speculative_tokens="auto"`` with a stateless
     drafter observes its acceptance at plain steps (:class:`_ShadowProposals`) instead of probing
-    (``SPECDEC_SHADOW_PROPOSALS=1``; off by default: its host work, some 30 launches every 4 plain
-    steps, is not yet timed on a GPU against the choices it improves; docs/design.md, "Shadow
-    proposals"). The greedy outputs are the same either way, up to the near-ties that another
-    schedule of K meets in low precision."""
-    return env_switch("SPECDEC_SHADOW_PROPOSALS", default=False)
+    (on by default; ``SPECDEC_SHADOW_PROPOSALS=0``: probes, as for other drafters; docs/design.md,
+    "Shadow proposals", has the GPU runs that compare them). The greedy outputs are the same
+    either way, up to the near-ties that another schedule of K meets in low precision."""
+    return env_switch("SPECDEC_SHADOW_PROPOSALS", default=True)
 
 
-#: a run of plain steps under K chosen per step makes a shadow proposal at its first step and then
-#: at one step in this many (:class:`_ShadowProposals`), each of this many drafts, checked at the
-#: next one against the tokens the plain steps between committed
+#: a run of plain steps under K chosen per step makes a shadow proposal at one step in this many
+#: (:class:`_ShadowProposals`), each of this many drafts, checked at the next one against the
+#: tokens the plain steps between committed
 SHADOW_EVERY = 4
+
+#: the first shadow of a run of plain steps falls on its step of this index (0-based), the others
+#: every :data:`SHADOW_EVERY` after: not on step 0, whose extra time the costs take as the switch
+#: to plain steps, nor on a step right before one the costs sample (1, then one in
+#: :data:`~specdec.adaptive.PLAIN_STEPS_PER_OBSERVATION`): the host work a shadow leaves after its
+#: step's last lap (the update its observation launches) shows in the next step's window where
+#: the loop is bound by its launches (on an H100 it priced the zoo model's plain steps 0.1 ms
+#: high when the shadows fell on steps 0, 4, 8, ...)
+SHADOW_OFFSET = 2
 
 
 class _ShadowProposals:
     """The acceptance a stateless drafter would have had at plain steps, observed without
     speculating: under ``num_speculative_tokens="auto"`` a run of plain steps (K = 0) asks the
     drafter for ``depth`` drafts (:data:`SHADOW_EVERY`, at most the policy's largest K) at its
-    first step and then every :data:`SHADOW_EVERY`-th, from the text as a speculative step there
+    step :data:`SHADOW_OFFSET` and then every :data:`SHADOW_EVERY`-th, from the text as a speculative step there
     would have (a "shadow" proposal: nothing is verified), and at the next such step checks them
     against the tokens the plain steps between committed. With greedy decoding a draft is
     accepted exactly when it equals the target's token at its position, so the longest matching
@@ -171,7 +179,7 @@ class _ShadowProposals:
             self._run, self._pending = 0, None
             return False
         self._run += 1
-        return (self._run - 1) % SHADOW_EVERY == 0
+        return (self._run - 1) % SHADOW_EVERY == SHADOW_OFFSET
 
     def make(self, text: torch.Tensor, bound: int, lengths: torch.Tensor, budget: torch.Tensor) -> tuple | None:
         """At a step :meth:`due` said makes one, before its forward, from the rows as they are then
@@ -1574,7 +1582,7 @@ class SpeculativeGenerator:
 
         proposed_in_program = None  # the K of the last proposal asked of the step programs
         # K chosen per step with a stateless drafter, greedy: its acceptance observed at plain steps too
-        # (SPECDEC_SHADOW_PROPOSALS=1)
+        # (shadow_proposals_enabled: SPECDEC_SHADOW_PROPOSALS, on by default)
         shadows = (_ShadowProposals(drafter, B, dev, policy.max_k)
                    if policy is not None and pool is None and tree is None and s.sampling is None
                    and drafter.stateless and shadow_proposals_enabled() else None)

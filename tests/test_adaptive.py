@@ -2130,13 +2130,27 @@ class _ScriptedDrafts(Drafter):
 
 
 def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
-    """A run of plain steps makes a shadow proposal at its first step and at every SHADOW_EVERY-th
-    after; the next one observes, per row, the longest prefix of its drafts that the plain steps
-    between committed, within the drafter's counts and the row's draft budget, and only for rows
-    that committed every position it checks. A speculative step drops the shadow pending."""
-    from specdec.engine import SHADOW_EVERY, _ShadowProposals
+    """A run of plain steps makes a shadow proposal at its step SHADOW_OFFSET and at every
+    SHADOW_EVERY-th after; the next one observes, per row, the longest prefix of its drafts that
+    the plain steps between committed, within the drafter's counts and the row's draft budget,
+    and only for rows that committed every position it checks. A speculative step drops the
+    shadow pending. No shadow falls on a run's first step (the switch's cost) or right before a
+    step whose time the costs take."""
+    from specdec.adaptive import PLAIN_STEPS_PER_OBSERVATION
+    from specdec.engine import SHADOW_EVERY, SHADOW_OFFSET, _ShadowProposals
     E = SHADOW_EVERY
     assert E >= 3
+
+    def first_shadow(shadows):  # a run's plain steps up to its first shadow
+        for _ in range(SHADOW_OFFSET):
+            assert not shadows.due(0)
+        assert shadows.due(0)
+
+    probe = _ShadowProposals(_ScriptedDrafts(torch.zeros(1, E, dtype=torch.long), torch.ones(1, dtype=torch.long)),
+                             1, "cpu", depth=E)
+    made = [probe.due(0) for _ in range(8 * PLAIN_STEPS_PER_OBSERVATION)]
+    sampled = [i for i in range(1, len(made)) if (i - 1) % PLAIN_STEPS_PER_OBSERVATION == 0]
+    assert not made[0] and sum(made) == len(made) // E and not any(made[i - 1] for i in sampled), made
     g = torch.Generator().manual_seed(0)
     B, W, L = 6, 32, 10
     text = torch.randint(5, 50, (B, W), generator=g)
@@ -2149,7 +2163,7 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     budget = torch.tensor([9, 9, 9, 9, 2, 9])  # row 4: two drafts left in its budget
     shadows = _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu", depth=8)
     assert shadows.depth == E  # (asked for at most the drafts the plain steps between commit)
-    assert shadows.due(0)
+    first_shadow(shadows)
     assert shadows.make(text, W, lengths, budget) is None  # (nothing pending yet)
     for i in range(E):  # the shadow's own step and the E - 1 after it commit one token each; row 5 ends at once
         assert i == 0 or not shadows.due(0)
@@ -2164,7 +2178,7 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     assert (n <= asked).all()
     # a speculative step ends the run: the shadow made above is dropped, the next run starts afresh
     assert not shadows.due(3)
-    assert shadows.due(0)
+    first_shadow(shadows)
     assert shadows.make(text, W, lengths, budget) is None
     assert _ShadowProposals(_ScriptedDrafts(drafts, counts), B, "cpu", depth=2).depth == 2  # (the policy's K)
 
@@ -2176,7 +2190,8 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
 
     shadows = _ShadowProposals(_Narrow(committed, counts), B, "cpu", depth=E)
     kept_text, kept_lengths = text.clone(), lengths.clone()
-    assert shadows.due(0) and shadows.make(text, W, lengths, budget) is None
+    first_shadow(shadows)
+    assert shadows.make(text, W, lengths, budget) is None
     assert torch.equal(text, kept_text) and torch.equal(lengths, kept_lengths)  # (it was given copies)
     for i in range(E):
         assert i == 0 or not shadows.due(0)

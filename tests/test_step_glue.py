@@ -515,7 +515,7 @@ def _check_step_programs(monkeypatch, path, family, drafter, device, auto=False)
     runs = {}
     # (the policy's probes, not shadow proposals, which on these tiny models' text see too little to
     # speculate: the calls mix plain and speculative steps; tests/test_adaptive.py has the shadows)
-    monkeypatch.setenv("SPECDEC_SHADOW_PROPOSALS", "0")  # (the default; set, so that the test keeps it)
+    monkeypatch.setenv("SPECDEC_SHADOW_PROPOSALS", "0")
     # (compiled whole: only where the programs are captured)
     for programs in ("1", "0", "outside") + (("compiled",) if device == "cuda" else ()):
         monkeypatch.setenv("SPECDEC_STEP_GRAPHS", "0" if programs == "0" else "1")
