@@ -45,7 +45,7 @@ from .graphs import bucket_length
 from .models import HybridAdapter, adapter_for
 from .prefix_cache import PrefixCache
 from .rollback import ReplayRollback, make_strategy
-from .settings import as_budgets, is_array, warn_caller
+from .settings import as_budgets, default_budget, is_array, warn_caller
 
 __all__ = ["ADMISSION_DIVISOR", "ADMISSION_LOOKAHEAD", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_BATCH_TOKENS",
            "MAX_AUTO_BATCH_SIZE", "MAX_WAITING_STEPS", "MEMORY_FRACTION",
@@ -158,7 +158,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     Args:
         inputs: a list of prompts, each a list (or 1-D tensor or NumPy array) of int token ids.
         max_new_tokens: one int >= 0 for every request, or one per request (a list, or a 1-D
-            tensor or NumPy array).
+            tensor or NumPy array), or None: each request's :func:`~specdec.settings.default_budget`
+            within ``max_positions`` and ``max_length`` (20 new tokens, or what fits).
         vocab_size: ids must be in ``[0, vocab_size)``.
         max_positions: the model's context (``config.max_position_embeddings``) or None: prompt +
             budget must not exceed it.
@@ -179,12 +180,13 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
         raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
     max_new_tokens = as_budgets(max_new_tokens)  # a 1-D tensor / array: one budget per request (0-d: an int)
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(inputs)
+    defaulted = max_new_tokens is None
     if len(budgets) != len(inputs):
         raise ValueError(f"max_new_tokens is a list of {len(budgets)} budgets for {len(inputs)} requests; give one "
                          "int, or one per request")
     names = [None] * len(inputs) if request_ids is None else list(request_ids)
     labels = [Request(first_index + i, (), 0, name).request_id for i, name in enumerate(names)]
-    for label, b in zip(labels, budgets):
+    for label, b in zip(labels, [] if defaulted else budgets):
         if isinstance(b, bool) or not isinstance(b, numbers.Integral):
             raise TypeError(f"max_new_tokens of {label} must be an int, got {type(b).__name__}")
         if b < 0:
@@ -204,7 +206,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             odd = next(t for t in prompt if type(t) in bad)
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
                             f"holding {type(odd).__name__} {odd!r}")
-        ids, budget = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt)), int(budgets[i])
+        ids = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt))
+        budget = default_budget(len(ids), max_positions, max_length) if defaulted else int(budgets[i])
         error = None
         if not ids:
             error = "empty prompt: give at least one token id"
@@ -287,7 +290,10 @@ class RequestPool:
         then, among the next ``ADMISSION_LOOKAHEAD`` x its limit, those whose prompt lengths are
         closest to its (ties in queue order), while they fit ``span`` and ``max_batch_tokens``
         together: its prompts are left-padded to one width, so requests of like lengths waste
-        less of the prefill, and the oldest request is never passed over.
+        less of the prefill, and the oldest request is never passed over. With a prefix cache the
+        next ``its limit`` in queue order instead: a forward pads what follows each prompt's hit,
+        and the prompts are looked up in the order taken, so a prompt finds the blocks an earlier
+        one of the same admission stores.
 
         While other rows are ``decoding``, free rows wait for a full admission: they take requests
         when they are ``admit_limit`` (or as many as one admission could take, if fewer), or when
@@ -317,10 +323,13 @@ class RequestPool:
         in the order it takes them: the oldest first; none from an empty queue."""
         if not self.queue or limit < 1:
             return []
-        # (with prefix caching a forward pads the rests after each prompt's hit, not whole prompts: queue order)
+        # (with prefix caching a forward pads the rests after each prompt's hit, not whole prompts, and
+        # the prompts are looked up in the order taken, a prompt's blocks stored before a later one's
+        # lookup: queue order)
         window = list(itertools.islice(self.queue, ADMISSION_LOOKAHEAD * limit if self.prefix_cache is None else limit))
         head = len(window[0].prompt)
-        order = sorted(range(1, len(window)), key=lambda i: (abs(len(window[i].prompt) - head), i))
+        order = (range(1, len(window)) if self.prefix_cache is not None
+                 else sorted(range(1, len(window)), key=lambda i: (abs(len(window[i].prompt) - head), i)))
         chosen, width, budget = [0], head, window[0].max_new_tokens
         for i in order:
             if len(chosen) == limit:

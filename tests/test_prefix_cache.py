@@ -802,6 +802,26 @@ def test_batched_cached_generate(family):
     assert len(shapes) - 1 < planned  # ([0]: the pool's placeholder rows' forward)
 
 
+def test_an_admission_looks_its_prompts_up_in_queue_order():
+    """One admission of three prompts where the second ends on a block boundary (so it stores its
+    block with SSM state) and the third continues it: the third hits that block, as when they are
+    admitted one by one; sorted by length, as an uncached admission orders them, it would be
+    looked up before the second and miss."""
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, VOCAB - 1, (BS + 1,), generator=g).tolist()
+    prompts = [torch.randint(3, VOCAB - 1, (BS + 2,), generator=g).tolist(), shared[:BS], shared]
+    model = get_model(FAMILIES[0])
+    want = [hf_greedy(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), 3)[0, len(p):].tolist()
+            for p in prompts]
+    for rows in (1, len(prompts)):
+        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+        out = sd.generate_batch(prompts, max_new_tokens=3, max_batch_size=rows, prefix_caching=True,
+                                prefix_block_size=BS)
+        assert [o.generated_tokens for o in out.values()] == want
+        counted = {k: sd.last_stats.prefix_cache[k] for k in ("hit_blocks", "prefilled_tokens", "prefill_forwards")}
+        assert counted == {k: _counters(prompts)[k] for k in counted} and counted["hit_blocks"] == 1, rows
+
+
 def test_right_aligned_columns_match_their_definition():
     """The gather index of a batched cached forward's keys / values (built on the device) picks, per
     row, its last ``prefix[b]`` prefix columns then its last ``new[b]`` new ones, right-aligned and
