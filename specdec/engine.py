@@ -1083,7 +1083,9 @@ class SpeculativeGenerator:
             inputs: ``list`` of prompts, each a list (or 1-D tensor) of int token ids, any lengths.
             generation_config: a ``transformers.GenerationConfig`` (default: the model's).
             max_new_tokens: new tokens per request: one int, or one per request (a list, a 1-D tensor or NumPy array);
-                default: the generation config's ``max_new_tokens``, else 20.
+                default: the ``max_new_tokens`` of the generation config passed, else of the model's,
+                else 20 new tokens, or fewer where the prompt leaves less of the model's context
+                (as ``generate()``: :func:`~specdec.settings.default_budget`).
             eos_token_id: int or list of ints (default from the generation config).
             progress_bar: show a ``tqdm`` bar of finished requests.
             max_batch_size: the pool's rows: an int >= 1 (checked against the memory it needs,
@@ -1200,8 +1202,9 @@ class SpeculativeGenerator:
                 budget for requests of ``max_length`` tokens) or None (``DEFAULT_MAX_BATCH_SIZE``, 32).
             memory_budget, max_batch_tokens: as :meth:`generate_batch` takes them.
             max_new_tokens: a request's budget when ``add_request`` gives none, at most
-                ``max_length - 1`` (default: the generation config's ``max_new_tokens``, else 20;
-                a request whose prompt and budget exceed ``max_length`` fails alone).
+                ``max_length - 1`` (default: the ``max_new_tokens`` of the generation config passed,
+                else of the model's, else 20 new tokens or what a request's prompt leaves of
+                ``max_length``; a request whose prompt and budget exceed ``max_length`` fails alone).
             prefix_caching, prefix_block_size, prefix_cache_bytes: as :meth:`generate_batch` takes
                 them, but the cache is the manager's (``manager.prefix_cache``): it lives as long as
                 the manager, across its ``start()`` / ``stop()`` runs, so a request reuses the
@@ -1228,26 +1231,28 @@ class SpeculativeGenerator:
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         given = max_new_tokens is not None
-        if not given:
+        if not given:  # (None still: each request's default_budget, within max_length)
             max_new_tokens = self._default_budget(generation_config, "init_continuous_batching()")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
+                                           or not isinstance(max_new_tokens, numbers.Integral)):
             raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
                             f"{type(max_new_tokens).__name__}")
-        if max_new_tokens < 0 or (given and max_new_tokens > max_length - 1):
+        if max_new_tokens is not None and (max_new_tokens < 0 or (given and max_new_tokens > max_length - 1)):
             raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
                              f"{max_length - 1}]: a request holds its prompt (at least one token) and its new tokens "
                              f"in max_length; got {max_new_tokens}")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
                                            "init_continuous_batching")
-        if max_new_tokens > max_length - 1:  # (inherited: a manager whose requests all give their own budget is fine)
-            warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "
-                        f"config's, else transformers' default of 20), does not fit max_length={max_length} with a prompt: every request added without "
-                        "max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a larger "
-                        "max_length")
+        if max_new_tokens is not None and max_new_tokens > max_length - 1:  # (inherited: a manager whose
+            warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "  # requests
+                        f"config's), does not fit max_length={max_length} with a prompt: every request added "  # all
+                        "without max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a "  # give
+                        "larger max_length")  # their own budget is fine)
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
                                cache.max_bytes if cache is not None else 0)
         manager = ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
-                                            max_length=int(max_length), max_new_tokens=int(max_new_tokens),
+                                            max_length=int(max_length),
+                                            max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
                                             max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                             vocab_size=self.adapter.vocab_size, max_positions=limit,
                                             device=self.adapter.device,
@@ -1257,15 +1262,16 @@ class SpeculativeGenerator:
         self._managers.add(manager)
         return manager
 
-    def _default_budget(self, generation_config, caller: str) -> int:
-        """A request's budget when none is given: the generation config's ``max_new_tokens``, else 20
-        (a generation_config of another type is refused by ``resolve`` later).
+    def _default_budget(self, generation_config, caller: str) -> int | None:
+        """A request's budget when none is given: the ``max_new_tokens`` of the generation config
+        passed, else of the model's (as ``resolve`` merges them), else None: each request's
+        :func:`~specdec.settings.default_budget` (20 new tokens, or what fits the context), as
+        ``generate()`` (a generation_config of another type is refused by ``resolve`` later).
 
         Raises: ValueError: a ``generation_config`` passed to the call sets ``max_length`` (not the
         default) and no ``max_new_tokens``: a budget of prompt + new tokens, which these calls do not
         take (as for their ``max_length`` keyword)."""
-        gc = generation_config if generation_config is not None else self.model.generation_config
-        budget = getattr(gc, "max_new_tokens", None)
+        budget = getattr(generation_config, "max_new_tokens", None)
         if budget is None and generation_config is not None:
             from transformers import GenerationConfig
 
@@ -1274,7 +1280,7 @@ class SpeculativeGenerator:
                 raise ValueError(f"{caller} takes max_new_tokens (an int, or one per request), not max_length; the "
                                  f"generation_config passed sets max_length={length} and no max_new_tokens: set "
                                  "max_new_tokens (on it or as an argument)")
-        return 20 if budget is None else budget
+        return budget if budget is not None else getattr(self.model.generation_config, "max_new_tokens", None)
 
     def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs,
                            caller: str = "generate_batch"):

@@ -213,7 +213,8 @@ class ContinuousBatchingManager:
     Args:
         run: decodes a pool until it has nothing left (the generator's loop, settings bound).
         rows: the pool's rows (``max_batch_size``). max_length: the most tokens of a request,
-            prompt + budget. max_new_tokens: the budget of a request that gives none.
+            prompt + budget. max_new_tokens: the budget of a request that gives none (None:
+            20 new tokens, or what its prompt leaves of ``max_length``).
         vocab_size, max_positions: what :func:`specdec.batching.check_requests` checks prompts against.
         device: the model's device (the loop thread makes it current on CUDA).
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
@@ -238,7 +239,7 @@ class ContinuousBatchingManager:
             Face's manager says it.
     """
 
-    def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int,
+    def __init__(self, run: Callable[[RequestPool], None], *, rows: int, max_length: int, max_new_tokens: int | None,
                  vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  prefix_cache: PrefixCache | None = None,
                  claim: Callable[[str, Callable[[], None]], None] | None = None,

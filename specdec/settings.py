@@ -18,7 +18,8 @@ import torch
 
 from .verify import SamplingConfig
 
-__all__ = ["GenerationSettings", "SUPPORTED_SETTINGS", "context_length", "resolve"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationSettings", "SUPPORTED_SETTINGS", "context_length", "default_budget",
+           "resolve"]
 
 # generation settings this engine does not implement: (attribute, value meaning "off")
 _UNSUPPORTED = {
@@ -151,6 +152,19 @@ def _as_id_list(eos) -> tuple[int, ...]:
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+#: new tokens where no length is set anywhere (the call, its generation config, the model's), as
+#: in transformers; shortened to what fits the context (:func:`default_budget`)
+DEFAULT_MAX_NEW_TOKENS = 20
+
+
+def default_budget(prompt_width: int, *limits: int | None) -> int:
+    """:data:`DEFAULT_MAX_NEW_TOKENS`, shortened so that ``prompt_width`` + the new tokens fit
+    every limit on a request's length given (prompt + new tokens, e.g. the model's context;
+    None: no limit); at least 0."""
+    room = [limit - prompt_width for limit in limits if limit is not None]
+    return max(0, min([DEFAULT_MAX_NEW_TOKENS, *room]))
 
 
 def context_length(model) -> int | None:
@@ -318,9 +332,8 @@ def _max_new_tokens(gc, model, prompt_width: int) -> int:
             raise ValueError(f"max_length={gc.max_length} is shorter than the prompt ({prompt_width} tokens); "
                              "set max_new_tokens instead")
         max_new = gc.max_length - prompt_width
-    elif max_new is None:  # as HF: with no length set anywhere, 20 new tokens
-        max_pos = context_length(model)
-        max_new = 20 if max_pos is None else max(0, min(20, max_pos - prompt_width))
+    elif max_new is None:  # as HF: with no length set anywhere, 20 new tokens (fitting the context)
+        max_new = default_budget(prompt_width, context_length(model))
     if isinstance(max_new, bool) or not isinstance(max_new, int):
         shape = f" of shape {tuple(max_new.shape)}" if isinstance(max_new, torch.Tensor) else ""
         raise TypeError(f"max_new_tokens must be an int, or one per row (a list of ints or a 1-D integer tensor), "

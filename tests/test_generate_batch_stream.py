@@ -6,6 +6,7 @@ more rows under replay than under snapshot, as the layer arithmetic of the confi
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -400,19 +401,58 @@ def test_auto_rows_replay_above_snapshot():
 
 def test_a_default_budget_that_does_not_fit_max_length():
     """A default budget given to init_continuous_batching beyond max_length - 1 raises; one
-    inherited from the generation config (20) warns, since requests added with their own budget
-    still serve: those added without one fail alone, naming max_length."""
-    sd = specdec.wrap(get_model(FAMILY), rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    inherited from a generation config warns, since requests added with their own budget still
+    serve: those added without one fail alone, naming max_length. With no budget set anywhere a
+    request gets 20 new tokens or what its prompt leaves of max_length, as generate() within the
+    model's context."""
+    from transformers import GenerationConfig
+
+    model = get_model(FAMILY)
+    sd = specdec.wrap(model, rollback="replay", num_speculative_tokens=3, decode_path="eager")
     with pytest.raises(ValueError, match=r"must be in \[0, max_length - 1 = 9\].*got 10"):
         sd.init_continuous_batching(max_length=10, max_new_tokens=10)
-    with pytest.warns(UserWarning, match=r"max_new_tokens=20 \(the generation config's, .*\), does not fit max_length=10"):
-        m = sd.init_continuous_batching(max_length=10)
+    with pytest.warns(UserWarning, match=r"max_new_tokens=20 \(the generation config's\), does not fit max_length=10"):
+        m = sd.init_continuous_batching(max_length=10, generation_config=GenerationConfig(max_new_tokens=20))
     fits = m.add_request([5, 6, 7], max_new_tokens=4)
     default = m.add_request([5, 6, 7])
     with m:
         assert m.get_result(fits, timeout=60).status == RequestStatus.FINISHED
         out = m.get_result(default, timeout=60)
     assert out.status == RequestStatus.FAILED and "max_length=10" in out.error
+    assert model.generation_config.max_new_tokens is None
+    m = sd.init_continuous_batching(max_length=10)
+    short, long = m.add_request([5, 6, 7]), m.add_request(list(range(5, 14)))
+    with m:
+        outs = [m.get_result(r, timeout=60) for r in (short, long)]
+    assert [o.status for o in outs] == [RequestStatus.FINISHED] * 2
+    assert [len(o.generated_tokens) for o in outs] == [7, 1]  # (no EOS set: each runs its whole budget)
+
+
+def test_generate_batch_default_budgets_as_generate():
+    """With no max_new_tokens given, generate_batch budgets each request as generate() does: the
+    max_new_tokens of the generation config passed, else of the model's (a config passed without
+    one inherits the model's), else 20 new tokens or what the prompt leaves of the context."""
+    from transformers import GenerationConfig
+
+    model = copy.deepcopy(get_model(FAMILY))
+    sd = specdec.wrap(model, rollback="replay", num_speculative_tokens=3, decode_path="eager")
+    g = torch.Generator().manual_seed(5)
+    context = model.config.max_position_embeddings
+    prompts = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (6, context - 8)]
+
+    def lengths(**kw):
+        outs = sd.generate_batch(prompts, eos_token_id=None, **kw).values()
+        assert all(o.status == RequestStatus.FINISHED for o in outs), [o.error for o in outs]
+        return [len(o.generated_tokens) for o in outs]
+
+    def alone(p, **kw):
+        return sd.generate(torch.tensor([p]), eos_token_id=None, **kw).shape[1] - len(p)
+
+    assert lengths() == [alone(p) for p in prompts] == [20, 8]
+    assert lengths(generation_config=GenerationConfig(max_new_tokens=5)) == [5, 5]
+    model.generation_config.max_new_tokens = 4
+    assert lengths() == lengths(generation_config=GenerationConfig(do_sample=False)) == [4, 4]
+    assert [alone(p, generation_config=GenerationConfig(do_sample=False)) for p in prompts] == [4, 4]
 
 
 def test_oversize_int_and_budget_errors():
