@@ -1152,6 +1152,8 @@ class SpeculativeGenerator:
             ``generate()`` / ``generate_batch()``.
         """
         queued = time.perf_counter()
+        if not isinstance(progress_bar, bool):
+            raise TypeError(f"progress_bar must be a bool, got {type(progress_bar).__name__}")
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         if "max_length" in generate_kwargs:

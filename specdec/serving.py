@@ -536,11 +536,17 @@ class ContinuousBatchingManager:
 
         Raises:
             TypeError: a prompt that is not a list of ints, a budget or id of the wrong type.
-            ValueError: a negative budget, an id in use.
+            ValueError: a negative budget, an empty id, an id in use.
             RuntimeError: the manager is stopping, or its last run failed (``start()`` it again).
         """
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        if request_id == "":
+            raise ValueError("request_id must not be empty: give a name, or None for req_<n>")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
+                                           or not isinstance(max_new_tokens, numbers.Integral)):
+            raise TypeError(f"max_new_tokens of one request must be an int or None (add_requests takes one per "
+                            f"prompt), got {type(max_new_tokens).__name__}")
         return self._add([input_ids], max_new_tokens, [request_id], streaming)[0]
 
     def add_requests(self, inputs, max_new_tokens=None, streaming: bool = False) -> list[str]:

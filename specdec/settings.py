@@ -58,6 +58,19 @@ _UNSUPPORTED = {
     "output_attentions": False,
     "output_hidden_states": False,
 }
+
+
+def _is_off(value, off) -> bool:
+    """Whether an unsupported setting's ``value`` leaves it off (``off``: its value meaning off):
+    None, ``off`` itself, and for a setting off at None also 0, 1.0, [] and False; a bool counts
+    as itself only where ``off`` is a bool or None (``num_beams=True`` is not 1)."""
+    if value is None:
+        return True
+    if isinstance(value, bool) and not isinstance(off, bool):
+        return off is None and value is False
+    return value == off or (off is None and value in (0, 1.0, []))
+
+
 #: the ``GenerationConfig`` settings ``generate()`` implements (for error messages and docs)
 #: the GenerationConfig settings ``generate()`` takes, each with its name in ``generate_batch()``'s
 #: list (None: refused there: it acts per token of a row, or per call)
@@ -415,14 +428,14 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             setattr(gc, key, val)
     for key, off in _UNSUPPORTED.items():
         val = getattr(gc, key, off)
-        if val is not None and val != off and not (off is None and val in (0, 1.0, [], False)):
+        if not _is_off(val, off):
             source = ("the call's arguments" if overrides.get(key) is not None
                       else "the generation_config passed" if generation_config is not None
                       and getattr(generation_config, key, off) == val
                       else f"the model's generation_config: clear it there, model.generation_config.{key} = {off!r}")
             raise ValueError(f"unsupported generation setting {key}={val!r} (from {source}): specdec's {caller} "
                              "supports " + _supported(batch))
-    if getattr(gc, "use_cache", True) is False:  # HF decodes without a cache then: same tokens, slower
+    if getattr(gc, "use_cache", True) in (False, 0):  # HF decodes without a cache then: same tokens, slower
         warn_caller("use_cache=False has no effect: specdec always decodes with its own cache (same output)")
 
     own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

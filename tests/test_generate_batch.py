@@ -390,6 +390,9 @@ def test_argument_errors():
         (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
         (dict(num_beams=2), ValueError, r"num_beams=2 \(from the call's arguments\): specdec's generate_batch\(\) "
                                         r"supports max_new_tokens, do_sample"),
+        (dict(num_beams=True), ValueError, r"num_beams=True"),  # (not 1: a bool is not a count)
+        (dict(bad_words_ids=True), ValueError, r"bad_words_ids=True"),
+        (dict(progress_bar="no"), TypeError, "progress_bar must be a bool"),
         (dict(inputs=[np.int64(5), np.int64(6)]), TypeError, "req_0: a prompt must be a list of int token ids"),
         (dict(inputs=[torch.tensor([[5, 6]])]), TypeError, "or a 1-D integer tensor or NumPy array.*got Tensor of 2 dims"),
         (dict(beams=2), ValueError, r"unsupported generate_batch\(\) argument\(s\): \['beams'\]; supported: "

@@ -158,6 +158,10 @@ def test_failed_requests_and_bad_arguments():
         m.add_request("hello")
     with pytest.raises(TypeError, match="streaming must be a bool"):
         m.add_request(prompts[0], streaming="yes")
+    with pytest.raises(TypeError, match="max_new_tokens of one request must be an int or None"):
+        m.add_request(prompts[0], max_new_tokens=[3])
+    with pytest.raises(ValueError, match="request_id must not be empty"):
+        m.add_request(prompts[0], request_id="")
     sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
     for kw, err, match in [(dict(), TypeError, "max_length"), (dict(max_length=1), ValueError, "max_length"),
                            (dict(max_length=10**6), ValueError, "max_position_embeddings"),
