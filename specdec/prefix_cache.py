@@ -191,9 +191,10 @@ class PrefixCacheStats:
     lookups: prompts looked up. hit_blocks / hit_tokens: blocks / tokens whose state a prefill
     loaded instead of computing. hit_bytes: the bytes of cached state those hits read (keys /
     values and hidden states of each hit block, SSM state of the last). prefilled_tokens: prompt
-    tokens left to compute after the lookups. prefill_forwards: forwards those prefills run (one
-    per prompt, two where a prompt makes a branch point; per prompt: ``prefill_forwards /
-    lookups``). inserted_blocks: blocks stored. inserted_bytes: bytes added (blocks stored, and
+    tokens left to compute after the lookups. prefill_forwards: forwards the lookups planned for
+    those prefills (one per prompt, two where a prompt makes a branch point; per prompt:
+    ``prefill_forwards / lookups``; a prompt prefilled in chunks, longer than an admission's
+    ``max_batch_tokens``, runs a planned forward as several). inserted_blocks: blocks stored. inserted_bytes: bytes added (blocks stored, and
     SSM or hidden states added to a stored block). evicted_blocks / evicted_bytes: blocks dropped
     to stay within ``max_bytes``. stored_blocks / stored_bytes: what the cache holds now
     (``stored_bytes == inserted_bytes - evicted_bytes``).
@@ -384,11 +385,14 @@ class PrefixCache:
         if total <= self.max_bytes:
             return
         s = self.stats
-        for entry in list(self._lru.values()):
+        victims = []  # (chosen first, oldest first: the walk stops at the last one, not the whole order)
+        for entry in self._lru.values():
             if total <= self.max_bytes:
-                return
-            if id(entry) in protect:
-                continue
+                break
+            if id(entry) not in protect:
+                victims.append(entry)
+                total -= entry.block.nbytes
+        for entry in victims:
             nbytes = entry.block.nbytes
             del self._lru[entry.id]
             bucket = self._buckets[entry.key]
@@ -396,7 +400,6 @@ class PrefixCache:
             if not bucket:
                 del self._buckets[entry.key]
             entry.live = False
-            total -= nbytes
             s.stored_blocks -= 1
             s.stored_bytes -= nbytes
             s.evicted_blocks += 1
