@@ -152,20 +152,24 @@ def pool_size(max_batch_size, num_requests: int) -> int:
 
 def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int | None, *,
                    max_length: int | None = None, first_index: int = 0,
-                   request_ids: list | None = None) -> tuple[list[Request], dict[int, GenerationOutput]]:
+                   request_ids: list | None = None, default_length: int | None = None) -> tuple[list[Request], dict[int, GenerationOutput]]:
     """Split ``inputs`` into the requests that can run and the failed outputs of those that cannot.
 
     Args:
         inputs: a list of prompts, each a list (or 1-D tensor or NumPy array) of int token ids.
         max_new_tokens: one int >= 0 for every request, or one per request (a list, or a 1-D
-            tensor or NumPy array), or None: each request's :func:`~specdec.settings.default_budget`
-            within ``max_positions`` and ``max_length`` (20 new tokens, or what fits).
+            tensor or NumPy array), or None: ``default_length`` less each prompt's length if given
+            (a request whose prompt is longer fails), else each request's
+            :func:`~specdec.settings.default_budget` within ``max_positions`` and ``max_length``
+            (20 new tokens, or what fits).
         vocab_size: ids must be in ``[0, vocab_size)``.
         max_positions: the model's context (``config.max_position_embeddings``) or None: prompt +
             budget must not exceed it.
         max_length: a manager's bound on prompt + budget (its KV columns), or None.
         first_index: the :attr:`Request.index` of ``inputs[0]`` (the others follow).
         request_ids: one id (str) or None (``req_<index>``) per prompt, or None for all.
+        default_length: with ``max_new_tokens=None``, prompt + new tokens of every request (the
+            model's generation config's ``max_length``), or None.
 
     Returns: ``(requests, failed)``: the runnable :class:`Request` s in input order, and for each
     request that cannot run (empty prompt, ids outside the vocabulary, prompt + budget beyond the
@@ -207,9 +211,14 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
                             f"holding {type(odd).__name__} {odd!r}")
         ids = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt))
-        budget = default_budget(len(ids), max_positions, max_length) if defaulted else int(budgets[i])
+        budget = (int(budgets[i]) if not defaulted else default_budget(len(ids), max_positions, max_length)
+                  if default_length is None else max(0, default_length - len(ids)))
         error = None
-        if not ids:
+        if defaulted and default_length is not None and len(ids) > default_length:
+            error = (f"prompt ({len(ids)} tokens) is longer than the model's generation_config.max_length="
+                     f"{default_length}, which sets the length of a request given no max_new_tokens: give "
+                     "max_new_tokens")
+        elif not ids:
             error = "empty prompt: give at least one token id"
         elif min(ids) < 0 or max(ids) >= vocab_size:
             outside = sorted({t for t in ids if not 0 <= t < vocab_size})

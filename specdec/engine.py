@@ -1084,8 +1084,9 @@ class SpeculativeGenerator:
             generation_config: a ``transformers.GenerationConfig`` (default: the model's).
             max_new_tokens: new tokens per request: one int, or one per request (a list, a 1-D tensor or NumPy array);
                 default: the ``max_new_tokens`` of the generation config passed, else of the model's,
-                else 20 new tokens, or fewer where the prompt leaves less of the model's context
-                (as ``generate()``: :func:`~specdec.settings.default_budget`).
+                else what the model's generation config's ``max_length`` leaves after the prompt, else
+                20 new tokens, or fewer where the prompt leaves less of the model's context (as
+                ``generate()``: :func:`~specdec.settings.default_budget`).
             eos_token_id: int or list of ints (default from the generation config).
             progress_bar: show a ``tqdm`` bar of finished requests.
             max_batch_size: the pool's rows: an int >= 1 (checked against the memory it needs,
@@ -1159,9 +1160,12 @@ class SpeculativeGenerator:
         if "max_length" in generate_kwargs:
             raise ValueError("generate_batch takes max_new_tokens (an int, or one per request), not max_length")
         self._check_batching()
+        length = None
         if max_new_tokens is None:
             max_new_tokens = self._default_budget(generation_config, "generate_batch()")
-        requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, context_length(self.model))
+            length = self._default_length() if max_new_tokens is None else None
+        requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, context_length(self.model),
+                                           default_length=length)
         for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
             results[r.index] = r.output(RequestStatus.FINISHED)
         requests = [r for r in requests if r.max_new_tokens > 0]
@@ -1205,7 +1209,8 @@ class SpeculativeGenerator:
             memory_budget, max_batch_tokens: as :meth:`generate_batch` takes them.
             max_new_tokens: a request's budget when ``add_request`` gives none, at most
                 ``max_length - 1`` (default: the ``max_new_tokens`` of the generation config passed,
-                else of the model's, else 20 new tokens or what a request's prompt leaves of
+                else of the model's, else what the model's generation config's ``max_length`` leaves
+                after the prompt, else 20 new tokens or what a request's prompt leaves of
                 ``max_length``; a request whose prompt and budget exceed ``max_length`` fails alone).
             prefix_caching, prefix_block_size, prefix_cache_bytes: as :meth:`generate_batch` takes
                 them, but the cache is the manager's (``manager.prefix_cache``): it lives as long as
@@ -1233,8 +1238,10 @@ class SpeculativeGenerator:
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
         given = max_new_tokens is not None
+        length = None
         if not given:  # (None still: each request's default_budget, within max_length)
             max_new_tokens = self._default_budget(generation_config, "init_continuous_batching()")
+            length = self._default_length() if max_new_tokens is None else None
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
                                            or not isinstance(max_new_tokens, numbers.Integral)):
             raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
@@ -1255,6 +1262,7 @@ class SpeculativeGenerator:
         manager = ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
                                             max_length=int(max_length),
                                             max_new_tokens=None if max_new_tokens is None else int(max_new_tokens),
+                                            default_length=length,
                                             max_batch_tokens=max_batch_tokens, prefix_cache=cache,
                                             vocab_size=self.adapter.vocab_size, max_positions=limit,
                                             device=self.adapter.device,
@@ -1266,9 +1274,10 @@ class SpeculativeGenerator:
 
     def _default_budget(self, generation_config, caller: str) -> int | None:
         """A request's budget when none is given: the ``max_new_tokens`` of the generation config
-        passed, else of the model's (as ``resolve`` merges them), else None: each request's
-        :func:`~specdec.settings.default_budget` (20 new tokens, or what fits the context), as
-        ``generate()`` (a generation_config of another type is refused by ``resolve`` later).
+        passed, else of the model's (as ``resolve`` merges them), else None: each request's budget
+        from :meth:`_default_length`, else :func:`~specdec.settings.default_budget` (20 new
+        tokens, or what fits the context), as ``generate()`` (a generation_config of another type
+        is refused by ``resolve`` later).
 
         Raises: ValueError: a ``generation_config`` passed to the call sets ``max_length`` (not the
         default) and no ``max_new_tokens``: a budget of prompt + new tokens, which these calls do not
@@ -1283,6 +1292,13 @@ class SpeculativeGenerator:
                                  f"generation_config passed sets max_length={length} and no max_new_tokens: set "
                                  "max_new_tokens (on it or as an argument)")
         return budget if budget is not None else getattr(self.model.generation_config, "max_new_tokens", None)
+
+    def _default_length(self) -> int | None:
+        """Prompt + new tokens of a request given no budget where neither generation config sets
+        ``max_new_tokens``: the model's generation config's ``max_length`` (as ``generate()``
+        takes it: a checkpoint's setting, where a config passed to the call with ``max_length`` is
+        refused, :meth:`_default_budget`), or None."""
+        return getattr(self.model.generation_config, "max_length", None)
 
     def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs,
                            caller: str = "generate_batch"):

@@ -60,6 +60,7 @@ from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, Reque
 from .graphs import bucket_width
 from .models.prompt_graphs import PROMPT_GRAPH_ROWS, PROMPT_GRAPH_TOKENS
 from .prefix_cache import PrefixCache
+from .settings import as_budgets
 
 __all__ = ["ContinuousBatchingManager", "EXIT_JOIN_S", "WAIT_S", "WARMUP_NEW_TOKENS", "WARMUP_SEED", "shared_prefixes", "warmup_grid", "warmup_group_sizes"]
 
@@ -214,7 +215,9 @@ class ContinuousBatchingManager:
         run: decodes a pool until it has nothing left (the generator's loop, settings bound).
         rows: the pool's rows (``max_batch_size``). max_length: the most tokens of a request,
             prompt + budget. max_new_tokens: the budget of a request that gives none (None:
-            20 new tokens, or what its prompt leaves of ``max_length``).
+            ``default_length`` less its prompt if given, else 20 new tokens, or what its prompt
+            leaves of ``max_length``). default_length: see ``max_new_tokens`` (the model's
+            generation config's ``max_length``), or None.
         vocab_size, max_positions: what :func:`specdec.batching.check_requests` checks prompts against.
         device: the model's device (the loop thread makes it current on CUDA).
         max_batch_tokens: the most prompt tokens one admission's prefill forward runs (padding included).
@@ -243,7 +246,7 @@ class ContinuousBatchingManager:
                  vocab_size: int, max_positions: int | None, device, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  prefix_cache: PrefixCache | None = None,
                  claim: Callable[[str, Callable[[], None]], None] | None = None,
-                 prompt_counts: Callable[[], dict[str, int]] | None = None):
+                 prompt_counts: Callable[[], dict[str, int]] | None = None, default_length: int | None = None):
         self._run = run
         self._claim = claim
         self._prompt_counts = prompt_counts
@@ -253,6 +256,7 @@ class ContinuousBatchingManager:
         self.max_batch_size = rows
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
+        self._default_length = default_length
         self.max_batch_tokens = max_batch_tokens
         self.prefix_cache = prefix_cache
         self._vocab_size, self._max_positions, self._device = vocab_size, max_positions, torch.device(device)
@@ -543,8 +547,8 @@ class ContinuousBatchingManager:
             raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
         if request_id == "":
             raise ValueError("request_id must not be empty: give a name, or None for req_<n>")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
-                                           or not isinstance(max_new_tokens, numbers.Integral)):
+        budget = as_budgets(max_new_tokens)  # (a 0-d tensor or array: an int)
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)):
             raise TypeError(f"max_new_tokens of one request must be an int or None (add_requests takes one per "
                             f"prompt), got {type(max_new_tokens).__name__}")
         return self._add([input_ids], max_new_tokens, [request_id], streaming)[0]
@@ -569,7 +573,8 @@ class ContinuousBatchingManager:
                                    "start() it again to add requests") from self._error
             first = self._first_free_index(names)
             requests, failed = check_requests(inputs, budget, self._vocab_size, self._max_positions,
-                                              max_length=self.max_length, first_index=first, request_ids=names)
+                                              max_length=self.max_length, first_index=first, request_ids=names,
+                                              default_length=self._default_length)
             ids = [Request(first + i, (), 0, name).request_id for i, name in enumerate(names)]
             repeated = {i for i, n in Counter(ids).items() if n > 1}
             clash = sorted(repeated | {i for i in ids if self._in_use(i)})

@@ -60,15 +60,23 @@ _UNSUPPORTED = {
 }
 
 
-def _is_off(value, off) -> bool:
-    """Whether an unsupported setting's ``value`` leaves it off (``off``: its value meaning off):
-    None, ``off`` itself, and for a setting off at None also 0, 1.0, [] and False; a bool counts
-    as itself only where ``off`` is a bool or None (``num_beams=True`` is not 1)."""
+#: unsupported settings off at None whose 0 or 1.0 act (a token id; ``min_p=1.0`` keeps only the
+#: top token), each with the values besides None that leave it off
+_OFF_AT = {"forced_bos_token_id": (), "forced_eos_token_id": (), "min_p": (0,)}
+
+
+def _is_off(key: str, value, off) -> bool:
+    """Whether an unsupported setting ``key``'s ``value`` leaves it off (``off``: its value meaning
+    off): None, ``off`` itself, and for a setting off at None also 0, 1.0, [] and False (those of
+    :data:`_OFF_AT` only theirs); a bool counts as itself where ``off`` is a bool, else only False
+    where ``off`` is None or 0 (``num_beams=True`` is not 1)."""
     if value is None:
         return True
     if isinstance(value, bool) and not isinstance(off, bool):
-        return off is None and value is False
-    return value == off or (off is None and value in (0, 1.0, []))
+        return value is False and (off == 0 or off is None and 0 in _OFF_AT.get(key, (0,)))
+    if value == off:
+        return True
+    return off is None and value in _OFF_AT.get(key, (0, 1.0, []))
 
 
 #: the ``GenerationConfig`` settings ``generate()`` implements (for error messages and docs)
@@ -428,7 +436,7 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
             setattr(gc, key, val)
     for key, off in _UNSUPPORTED.items():
         val = getattr(gc, key, off)
-        if not _is_off(val, off):
+        if not _is_off(key, val, off):
             source = ("the call's arguments" if overrides.get(key) is not None
                       else "the generation_config passed" if generation_config is not None
                       and getattr(generation_config, key, off) == val

@@ -160,6 +160,8 @@ def test_failed_requests_and_bad_arguments():
         m.add_request(prompts[0], streaming="yes")
     with pytest.raises(TypeError, match="max_new_tokens of one request must be an int or None"):
         m.add_request(prompts[0], max_new_tokens=[3])
+    with pytest.raises(TypeError, match="max_new_tokens of one request must be an int or None"):
+        m.add_request(prompts[0], max_new_tokens=torch.tensor([3]))
     with pytest.raises(ValueError, match="request_id must not be empty"):
         m.add_request(prompts[0], request_id="")
     sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
@@ -435,7 +437,9 @@ def test_a_default_budget_that_does_not_fit_max_length():
 def test_generate_batch_default_budgets_as_generate():
     """With no max_new_tokens given, generate_batch budgets each request as generate() does: the
     max_new_tokens of the generation config passed, else of the model's (a config passed without
-    one inherits the model's), else 20 new tokens or what the prompt leaves of the context."""
+    one inherits the model's), else what the model's config's max_length leaves after the prompt
+    (a longer prompt fails alone), else 20 new tokens or what the prompt leaves of the context;
+    the manager takes a 0-d tensor as one request's budget."""
     from transformers import GenerationConfig
 
     model = copy.deepcopy(get_model(FAMILY))
@@ -444,8 +448,8 @@ def test_generate_batch_default_budgets_as_generate():
     context = model.config.max_position_embeddings
     prompts = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (6, context - 8)]
 
-    def lengths(**kw):
-        outs = sd.generate_batch(prompts, eos_token_id=None, **kw).values()
+    def lengths(inputs=prompts, **kw):
+        outs = sd.generate_batch(inputs, eos_token_id=None, **kw).values()
         assert all(o.status == RequestStatus.FINISHED for o in outs), [o.error for o in outs]
         return [len(o.generated_tokens) for o in outs]
 
@@ -454,9 +458,19 @@ def test_generate_batch_default_budgets_as_generate():
 
     assert lengths() == [alone(p) for p in prompts] == [20, 8]
     assert lengths(generation_config=GenerationConfig(max_new_tokens=5)) == [5, 5]
-    model.generation_config.max_new_tokens = 4
+    model.generation_config.max_length = 12  # (a checkpoint's length of prompt + new tokens)
+    assert [alone(prompts[0])] == lengths(inputs=prompts[:1]) == [6]
+    out = sd.generate_batch(prompts, eos_token_id=None)
+    assert out["req_1"].status == RequestStatus.FAILED and "generation_config.max_length=12" in out["req_1"].error
+    model.generation_config.max_new_tokens = 4  # (wins over max_length, as in generate())
     assert lengths() == lengths(generation_config=GenerationConfig(do_sample=False)) == [4, 4]
     assert [alone(p, generation_config=GenerationConfig(do_sample=False)) for p in prompts] == [4, 4]
+    m = sd.init_continuous_batching(max_length=16)
+    tensor_budget = m.add_request(prompts[0], max_new_tokens=torch.tensor(2))  # (a 0-d tensor: an int)
+    inherited = m.add_request(prompts[0])
+    with m:
+        outs = [m.get_result(r, timeout=60) for r in (tensor_budget, inherited)]
+    assert [len(o.generated_tokens) for o in outs] == [2, 4]
 
 
 def test_oversize_int_and_budget_errors():
