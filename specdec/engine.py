@@ -133,12 +133,13 @@ def shadow_proposals_enabled() -> bool:
 SHADOW_EVERY = 4
 
 #: the first shadow of a run of plain steps falls on its step of this index (0-based), the others
-#: every :data:`SHADOW_EVERY` after: not on step 0, whose extra time the costs take as the switch
-#: to plain steps, nor on a step right before one the costs sample (1, then one in
-#: :data:`~specdec.adaptive.PLAIN_STEPS_PER_OBSERVATION`): the host work a shadow leaves after its
-#: step's last lap (the update its observation launches) shows in the next step's window where
-#: the loop is bound by its launches (on an H100 it priced the zoo model's plain steps 0.1 ms
-#: high when the shadows fell on steps 0, 4, 8, ...)
+#: every :data:`SHADOW_EVERY` after. A step that makes a shadow and the step after it feed no cost
+#: (:meth:`~specdec.adaptive.SpeculationPolicy.unmeasured`): where the loop is bound by its
+#: launches, the host work a shadow leaves after its step's last lap (the update its observation
+#: launches) shows in the next step's window (on an H100 it priced the zoo model's plain steps
+#: 0.1 ms high when the shadows fell on steps 0, 4, 8, ... and the costs sampled steps 1, 9, ...).
+#: Not step 0, whose extra time the costs take as the switch to plain steps, nor 1, the run's
+#: first plain sample.
 SHADOW_OFFSET = 2
 
 
@@ -1719,6 +1720,7 @@ class SpeculativeGenerator:
 
         ready = None  # the next step's inputs, made before this step's sync (overlap)
         warmed = warmups_run()  # (programs' warm-ups and captures so far: a step that adds one is unmeasured)
+        shadowed_step = False  # (whether the last step made a shadow proposal)
         drawn = drafted_at = None  # (overlap) the random state before that proposal, and its lap's mark
         dropped = step_rs = None  # (pipelined) the random state before a step that ran past the call's end
         while True:
@@ -1753,7 +1755,8 @@ class SpeculativeGenerator:
             clock.lap("draft")
             logits, hidden = dec.forward(tokens, plain=K_step == 0)  # K = 0: a plain step (state updated in place)
             shadow_seen = None
-            if shadows is not None and shadows.due(K_step):  # (the text as this step started: appended below)
+            shadowed_step, after_shadow = shadows is not None and shadows.due(K_step), shadowed_step
+            if shadowed_step:  # (the text as this step started: appended below)
                 clock.lap("verify")
                 shadow_seen = shadows.make(rows.text, min(rows.text.shape[1], grown), rows.lengths, budget)
                 clock.lap("shadow")
@@ -1803,6 +1806,8 @@ class SpeculativeGenerator:
                 read = torch.cat(flags)
             if policy is not None and warmups_run() != warmed:  # (a graph captured or a program warmed up in this step)
                 warmed = warmups_run()
+                policy.unmeasured()
+            elif shadowed_step or after_shadow:  # (its time holds a shadow's host work: SHADOW_OFFSET)
                 policy.unmeasured()
             expected = live_rows = None
             ahead = policy is not None and policy.reads_ahead  # its values are on the host: choose before the sync

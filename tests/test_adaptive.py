@@ -2203,6 +2203,51 @@ def test_shadow_proposals_observe_the_drafts_a_step_would_have_accepted():
     assert n.tolist() == [1] * B and asked.tolist() == [E, E, E, E, 2, E] and ran.all()
 
 
+def test_shadow_steps_and_the_steps_after_them_feed_no_cost(monkeypatch):
+    """A step that makes a shadow proposal, and the step after it (where the host work the shadow
+    left after its last lap lands), are unmeasured (:meth:`SpeculationPolicy.unmeasured`): the
+    costs' samples of plain steps move past them. No shadow falls on a run's first plain step,
+    the switch's cost. On the zoo model's first prompt, whose greedy text starts repeating."""
+    from specdec import zoo
+    from specdec.engine import SHADOW_OFFSET, _ShadowProposals
+
+    assert SHADOW_OFFSET >= 1
+    events = []
+    due, unmeasured = _ShadowProposals.due, SpeculationPolicy.unmeasured
+    policies = []
+
+    def spy_due(self, K):
+        made = due(self, K)
+        events.append(("step", K, made))
+        return made
+
+    def spy_unmeasured(self):
+        policies.append(self)
+        events.append(("unmeasured",))
+        return unmeasured(self)
+
+    monkeypatch.setattr(_ShadowProposals, "due", spy_due)
+    monkeypatch.setattr(SpeculationPolicy, "unmeasured", spy_unmeasured)
+    monkeypatch.setenv("SPECDEC_SHADOW_PROPOSALS", "1")
+    model, tok = zoo.load("gdn-target")
+    enc = tok([zoo.prompts(limit=1)[0]["prompt"]], return_tensors="pt")
+    costs_ms = [0.265, 0.344, 0.377, 0.407, 0.367, 0.402, 0.417, 0.415, 0.419]  # (as the test below)
+    sd = specdec.wrap(model, drafter="ngram", num_speculative_tokens="auto", rollback="replay", decode_path="eager",
+                      max_speculative_tokens=8, cost_model=FixedCosts(lambda s, b, K: costs_ms[K] * 1e-3))
+    sd.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=96, do_sample=False)
+    steps, marked = [], set()
+    for e in events:
+        if e[0] == "step":
+            steps.append(e[1:])
+        else:
+            marked.add(len(steps) - 1)
+    shadows = [i for i, (K, made) in enumerate(steps) if made]
+    assert shadows and {i + d for i in shadows for d in (0, 1) if i + d < len(steps)} <= marked
+    assert not any(K == 0 and i > 0 and steps[i - 1][0] > 0 for i, (K, _) in enumerate(steps) if i in shadows)
+    ran = sd.last_stats.k_per_step  # (a step launched past the call's end is dropped)
+    assert [K for K, _ in steps][:len(ran)] == ran and len(steps) - len(ran) in (0, 1)
+
+
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_shadow_proposals_resume_speculation_when_the_text_starts_repeating(monkeypatch, path):
     """The zoo model's first prompt: its greedy text finds no n-gram match for its first ~35
