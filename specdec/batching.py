@@ -158,8 +158,9 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     Args:
         inputs: a list of prompts, each a list (or 1-D tensor or NumPy array) of int token ids.
         max_new_tokens: one int >= 0 for every request, or one per request (a list, or a 1-D
-            tensor or NumPy array), or None: ``default_length`` less each prompt's length if given
-            (a request whose prompt is longer fails), else each request's
+            tensor or NumPy array), or None: ``default_length`` (at most ``max_positions`` and
+            ``max_length``) less each prompt's length if given (a request whose prompt is longer
+            than ``default_length`` fails), else each request's
             :func:`~specdec.settings.default_budget` within ``max_positions`` and ``max_length``
             (20 new tokens, or what fits).
         vocab_size: ids must be in ``[0, vocab_size)``.
@@ -212,7 +213,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
                             f"holding {type(odd).__name__} {odd!r}")
         ids = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt))
         budget = (int(budgets[i]) if not defaulted else default_budget(len(ids), max_positions, max_length)
-                  if default_length is None else max(0, default_length - len(ids)))
+                  if default_length is None  # (the length, within the context and max_length)
+                  else max(0, min(n for n in (default_length, max_positions, max_length) if n is not None) - len(ids)))
         error = None
         if defaulted and default_length is not None and len(ids) > default_length:
             error = (f"prompt ({len(ids)} tokens) is longer than the model's generation_config.max_length="

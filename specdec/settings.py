@@ -61,8 +61,9 @@ _UNSUPPORTED = {
 
 
 #: unsupported settings off at None whose 0 or 1.0 act (a token id; ``min_p=1.0`` keeps only the
-#: top token), each with the values besides None that leave it off
-_OFF_AT = {"forced_bos_token_id": (), "forced_eos_token_id": (), "min_p": (0,)}
+#: top token; transformers guides at any ``guidance_scale`` but 1 and filters at any ``top_h``),
+#: each with the values besides None that leave it off
+_OFF_AT = {"forced_bos_token_id": (), "forced_eos_token_id": (), "min_p": (0,), "guidance_scale": (1,), "top_h": ()}
 
 
 def _is_off(key: str, value, off) -> bool:

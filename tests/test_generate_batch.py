@@ -395,6 +395,8 @@ def test_argument_errors():
         (dict(progress_bar="no"), TypeError, "progress_bar must be a bool"),
         (dict(forced_eos_token_id=0), ValueError, "forced_eos_token_id=0"),  # (a token id: 0 acts)
         (dict(min_p=1.0), ValueError, r"min_p=1.0"),
+        (dict(guidance_scale=0), ValueError, r"guidance_scale=0"),  # (transformers guides at any scale but 1)
+        (dict(top_h=1.0), ValueError, r"top_h=1.0"),
         (dict(inputs=[np.int64(5), np.int64(6)]), TypeError, "req_0: a prompt must be a list of int token ids"),
         (dict(inputs=[torch.tensor([[5, 6]])]), TypeError, "or a 1-D integer tensor or NumPy array.*got Tensor of 2 dims"),
         (dict(beams=2), ValueError, r"unsupported generate_batch\(\) argument\(s\): \['beams'\]; supported: "
@@ -408,7 +410,8 @@ def test_argument_errors():
         sd.generate_batch(ok, max_new_tokens=3, num_beams=2)
     assert not any(x in str(err.value) for x in ("repetition_penalty", "min_new_tokens", "max_time", "output_scores"))
     assert sd.generate_batch([]) == {}
-    for off in (dict(no_repeat_ngram_size=False), dict(min_p=0.0), dict(bad_words_ids=[])):  # (these leave it off)
+    for off in (dict(no_repeat_ngram_size=False), dict(min_p=0.0), dict(bad_words_ids=[]),
+                dict(guidance_scale=1.0)):  # (these leave it off)
         assert len(sd.generate_batch(ok, max_new_tokens=3, **off)["req_0"].generated_tokens) == 3, off
     # a generation_config's max_length is refused as the keyword is, where it sets the budget
     from transformers import GenerationConfig

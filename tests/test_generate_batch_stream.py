@@ -471,6 +471,12 @@ def test_generate_batch_default_budgets_as_generate():
     with m:
         outs = [m.get_result(r, timeout=60) for r in (tensor_budget, inherited)]
     assert [len(o.generated_tokens) for o in outs] == [2, 4]
+    model.generation_config.max_new_tokens, model.generation_config.max_length = None, 4 * context
+    assert lengths(inputs=prompts[:1]) == [context - 6]  # (a length beyond the context: what fits)
+    m = sd.init_continuous_batching(max_length=16)  # (beyond the manager's max_length: what fits it)
+    first = m.add_request(prompts[0])
+    with m:
+        assert len(m.get_result(first, timeout=60).generated_tokens) == 16 - 6
 
 
 def test_oversize_int_and_budget_errors():
