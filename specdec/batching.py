@@ -212,9 +212,12 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
                             f"holding {type(odd).__name__} {odd!r}")
         ids = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt))
-        budget = (int(budgets[i]) if not defaulted else default_budget(len(ids), max_positions, max_length)
-                  if default_length is None  # (the length, within the context and max_length)
-                  else max(0, min(n for n in (default_length, max_positions, max_length) if n is not None) - len(ids)))
+        if not defaulted:
+            budget = int(budgets[i])
+        elif default_length is None:
+            budget = default_budget(len(ids), max_positions, max_length)
+        else:  # (the length, within the context and max_length)
+            budget = default_budget(len(ids), default_length, max_positions, max_length, most=None)
         error = None
         if defaulted and default_length is not None and len(ids) > default_length:
             error = (f"prompt ({len(ids)} tokens) is longer than the model's generation_config.max_length="

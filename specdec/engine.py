@@ -1163,8 +1163,7 @@ class SpeculativeGenerator:
         self._check_batching()
         length = None
         if max_new_tokens is None:
-            max_new_tokens = self._default_budget(generation_config, "generate_batch()")
-            length = self._default_length() if max_new_tokens is None else None
+            max_new_tokens, length = self._default_budget(generation_config, "generate_batch()")
         requests, results = check_requests(inputs, max_new_tokens, self.adapter.vocab_size, context_length(self.model),
                                            default_length=length)
         for r in [r for r in requests if r.max_new_tokens == 0]:  # nothing to generate
@@ -1238,26 +1237,25 @@ class SpeculativeGenerator:
         self._check_batching()
         cache = _prefix_cache(prefix_caching, prefix_block_size, prefix_cache_bytes)
         max_batch_tokens = self.max_batch_tokens if max_batch_tokens is None else check_batch_tokens(max_batch_tokens)
-        given = max_new_tokens is not None
-        length = None
-        if not given:  # (None still: each request's default_budget, within max_length)
-            max_new_tokens = self._default_budget(generation_config, "init_continuous_batching()")
-            length = self._default_length() if max_new_tokens is None else None
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
-                                           or not isinstance(max_new_tokens, numbers.Integral)):
-            raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
-                            f"{type(max_new_tokens).__name__}")
-        if max_new_tokens is not None and (max_new_tokens < 0 or (given and max_new_tokens > max_length - 1)):
-            raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
-                             f"{max_length - 1}]: a request holds its prompt (at least one token) and its new tokens "
-                             f"in max_length; got {max_new_tokens}")
+        given, length = max_new_tokens is not None, None
+        if not given:  # (None still: each request's own, within max_length)
+            max_new_tokens, length = self._default_budget(generation_config, "init_continuous_batching()")
+        if max_new_tokens is not None:
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+                raise TypeError(f"max_new_tokens must be an int (the default budget of a request), got "
+                                f"{type(max_new_tokens).__name__}")
+            if max_new_tokens < 0 or (given and max_new_tokens > max_length - 1):
+                raise ValueError(f"max_new_tokens (the default budget of a request) must be in [0, max_length - 1 = "
+                                 f"{max_length - 1}]: a request holds its prompt (at least one token) and its new "
+                                 f"tokens in max_length; got {max_new_tokens}")
         settings = self._batching_settings(generation_config, int(max_length) - 1, eos_token_id, generate_kwargs,
                                            "init_continuous_batching")
-        if max_new_tokens is not None and max_new_tokens > max_length - 1:  # (inherited: a manager whose
-            warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "  # requests
-                        f"config's), does not fit max_length={max_length} with a prompt: every request added "  # all
-                        "without max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a "  # give
-                        "larger max_length")  # their own budget is fine)
+        # (inherited: a manager whose requests all give their own budget is fine)
+        if max_new_tokens is not None and max_new_tokens > max_length - 1:
+            warn_caller(f"the default budget of a request, max_new_tokens={max_new_tokens} (the generation "
+                        f"config's), does not fit max_length={max_length} with a prompt: every request added "
+                        "without max_new_tokens will fail; pass init_continuous_batching(max_new_tokens=...) or a "
+                        "larger max_length")
         plan = self._plan_pool(max_batch_size, memory_budget, int(max_length), None,
                                cache.max_bytes if cache is not None else 0)
         manager = ContinuousBatchingManager(functools.partial(self._run_pool, settings, plan), rows=plan.rows,
@@ -1273,12 +1271,14 @@ class SpeculativeGenerator:
         self._managers.add(manager)
         return manager
 
-    def _default_budget(self, generation_config, caller: str) -> int | None:
-        """A request's budget when none is given: the ``max_new_tokens`` of the generation config
-        passed, else of the model's (as ``resolve`` merges them), else None: each request's budget
-        from :meth:`_default_length`, else :func:`~specdec.settings.default_budget` (20 new
-        tokens, or what fits the context), as ``generate()`` (a generation_config of another type
-        is refused by ``resolve`` later).
+    def _default_budget(self, generation_config, caller: str) -> tuple[int | None, int | None]:
+        """``(budget, length)`` of a request given no budget, as ``generate()`` sets them: the
+        ``max_new_tokens`` of the generation config passed, else of the model's (as ``resolve``
+        merges them), and no length; else None and the model's generation config's
+        ``max_length`` (prompt + new tokens: a checkpoint's setting), or None and None: each
+        request's :func:`~specdec.settings.default_budget` (20 new tokens, or what fits). For
+        :func:`~specdec.batching.check_requests` (a generation_config of another type is refused
+        by ``resolve`` later).
 
         Raises: ValueError: a ``generation_config`` passed to the call sets ``max_length`` (not the
         default) and no ``max_new_tokens``: a budget of prompt + new tokens, which these calls do not
@@ -1292,14 +1292,9 @@ class SpeculativeGenerator:
                 raise ValueError(f"{caller} takes max_new_tokens (an int, or one per request), not max_length; the "
                                  f"generation_config passed sets max_length={length} and no max_new_tokens: set "
                                  "max_new_tokens (on it or as an argument)")
-        return budget if budget is not None else getattr(self.model.generation_config, "max_new_tokens", None)
-
-    def _default_length(self) -> int | None:
-        """Prompt + new tokens of a request given no budget where neither generation config sets
-        ``max_new_tokens``: the model's generation config's ``max_length`` (as ``generate()``
-        takes it: a checkpoint's setting, where a config passed to the call with ``max_length`` is
-        refused, :meth:`_default_budget`), or None."""
-        return getattr(self.model.generation_config, "max_length", None)
+        own = self.model.generation_config
+        budget = budget if budget is not None else getattr(own, "max_new_tokens", None)
+        return budget, None if budget is not None else getattr(own, "max_length", None)
 
     def _batching_settings(self, generation_config, max_new_tokens: int, eos_token_id, generate_kwargs,
                            caller: str = "generate_batch"):

@@ -21,63 +21,57 @@ from .verify import SamplingConfig
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationSettings", "SUPPORTED_SETTINGS", "context_length", "default_budget",
            "resolve"]
 
-# generation settings this engine does not implement: (attribute, value meaning "off")
+#: a setting off at None that a config may also hold empty or zeroed: these leave it off too
+_UNSET = (None, 0, 1.0, [], False)
+#: a setting that acts at any value but None (a token id; ``top_h``, a guidance scale but 1)
+_NONE = (None,)
+
+#: generation settings this engine does not implement: attribute -> the values that leave it off
+#: besides None (unset), its default first (a bool is only a bool: ``num_beams=True`` is not 1;
+#: :func:`_is_off`)
 _UNSUPPORTED = {
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "num_return_sequences": 1,
-    "penalty_alpha": None,
-    "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "force_words_ids": None,
-    "constraints": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "min_p": None,
-    "top_h": None,
-    "diversity_penalty": 0.0,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,
-    "guidance_scale": None,
-    "watermarking_config": None,
-    "stop_strings": None,
-    "token_healing": False,
-    "dola_layers": None,
-    "prefill_chunk_size": None,
-    "assistant_model": None,
-    "prompt_lookup_num_tokens": None,
-    "output_attentions": False,
-    "output_hidden_states": False,
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "num_return_sequences": (1,),
+    "penalty_alpha": _UNSET,
+    "encoder_repetition_penalty": (1.0,),
+    "encoder_no_repeat_ngram_size": (0, False),
+    "no_repeat_ngram_size": (0, False),
+    "bad_words_ids": _UNSET,
+    "force_words_ids": _UNSET,
+    "constraints": _UNSET,
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0, False),
+    "eta_cutoff": (0.0, False),
+    "min_p": (None, 0, False),  # (1.0 keeps the top token only)
+    "top_h": _NONE,
+    "diversity_penalty": (0.0, False),
+    "forced_bos_token_id": _NONE,
+    "forced_eos_token_id": _NONE,
+    "suppress_tokens": _UNSET,
+    "begin_suppress_tokens": _UNSET,
+    "sequence_bias": _UNSET,
+    "exponential_decay_length_penalty": _UNSET,
+    "renormalize_logits": (False, 0),
+    "remove_invalid_values": (False, 0),
+    "guidance_scale": (None, 1),  # (transformers guides at any other scale, 0 included)
+    "watermarking_config": _UNSET,
+    "stop_strings": _UNSET,
+    "token_healing": (False, 0),
+    "dola_layers": _UNSET,
+    "prefill_chunk_size": _UNSET,
+    "assistant_model": _UNSET,
+    "prompt_lookup_num_tokens": _UNSET,
+    "output_attentions": (False, 0),
+    "output_hidden_states": (False, 0),
 }
 
 
-#: unsupported settings off at None whose 0 or 1.0 act (a token id; ``min_p=1.0`` keeps only the
-#: top token; transformers guides at any ``guidance_scale`` but 1 and filters at any ``top_h``),
-#: each with the values besides None that leave it off
-_OFF_AT = {"forced_bos_token_id": (), "forced_eos_token_id": (), "min_p": (0,), "guidance_scale": (1,), "top_h": ()}
-
-
-def _is_off(key: str, value, off) -> bool:
-    """Whether an unsupported setting ``key``'s ``value`` leaves it off (``off``: its value meaning
-    off): None, ``off`` itself, and for a setting off at None also 0, 1.0, [] and False (those of
-    :data:`_OFF_AT` only theirs); a bool counts as itself where ``off`` is a bool, else only False
-    where ``off`` is None or 0 (``num_beams=True`` is not 1)."""
-    if value is None:
-        return True
-    if isinstance(value, bool) and not isinstance(off, bool):
-        return value is False and (off == 0 or off is None and 0 in _OFF_AT.get(key, (0,)))
-    if value == off:
-        return True
-    return off is None and value in _OFF_AT.get(key, (0, 1.0, []))
+def _is_off(value, offs: tuple) -> bool:
+    """Whether an unsupported setting's ``value`` leaves it off: None (unset: transformers'
+    default applies), or one of ``offs`` (:data:`_UNSUPPORTED`), a bool only where a bool is
+    listed."""
+    return value is None or any(isinstance(value, bool) == isinstance(o, bool) and value == o for o in offs)
 
 
 #: the ``GenerationConfig`` settings ``generate()`` implements (for error messages and docs)
@@ -181,12 +175,12 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 DEFAULT_MAX_NEW_TOKENS = 20
 
 
-def default_budget(prompt_width: int, *limits: int | None) -> int:
-    """:data:`DEFAULT_MAX_NEW_TOKENS`, shortened so that ``prompt_width`` + the new tokens fit
-    every limit on a request's length given (prompt + new tokens, e.g. the model's context;
-    None: no limit); at least 0."""
+def default_budget(prompt_width: int, *limits: int | None, most: int | None = DEFAULT_MAX_NEW_TOKENS) -> int:
+    """``most`` new tokens (default :data:`DEFAULT_MAX_NEW_TOKENS`; None: no bound of its own),
+    shortened so that ``prompt_width`` + the new tokens fit every limit on a request's length
+    given (prompt + new tokens, e.g. the model's context; None: no limit); at least 0."""
     room = [limit - prompt_width for limit in limits if limit is not None]
-    return max(0, min([DEFAULT_MAX_NEW_TOKENS, *room]))
+    return max(0, min(room + ([] if most is None else [most])))
 
 
 def context_length(model) -> int | None:
@@ -435,9 +429,9 @@ def resolve(model, vocab_size: int, device, input_ids, attention_mask=None, gene
     for key, val in overrides.items():
         if val is not None:
             setattr(gc, key, val)
-    for key, off in _UNSUPPORTED.items():
-        val = getattr(gc, key, off)
-        if not _is_off(key, val, off):
+    for key, offs in _UNSUPPORTED.items():
+        off, val = offs[0], getattr(gc, key, offs[0])
+        if not _is_off(val, offs):
             source = ("the call's arguments" if overrides.get(key) is not None
                       else "the generation_config passed" if generation_config is not None
                       and getattr(generation_config, key, off) == val
