@@ -53,6 +53,7 @@ from .drafters.base import (chain_drafts, check_draft_probs, check_proposal, che
 from .fusion import env_switch
 from .graphs import CapturedProgram, warmups_run
 from .models import adapter_for
+from .placement import on_device
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_cache_args
 from .rollback import STRATEGIES, InPlaceUpdate, RollbackStrategy, make_strategy
 from .serving import ContinuousBatchingManager
@@ -682,7 +683,8 @@ def _claims_generator(what: str):
     (:meth:`SpeculativeGenerator._check_free`, naming ``what``), then holds it for its thread
     until it returns, so another thread's call, or a manager's ``start()`` / ``warmup()``, is
     refused meanwhile (a generate() / generate_batch() on the same thread, e.g. nested, is not; a
-    manager's start() / warmup() there is)."""
+    manager's start() / warmup() there is). The call runs with the model's device current
+    (:func:`specdec.placement.on_device`)."""
 
     def wrap(method):
         @functools.wraps(method)
@@ -691,7 +693,8 @@ def _claims_generator(what: str):
                 self._check_free(what)
                 outer, self._caller = self._caller, threading.current_thread()
             try:
-                return method(self, *args, **kwargs)
+                with on_device(self.adapter.device):  # (its kernels and graphs on the model's device)
+                    return method(self, *args, **kwargs)
             finally:
                 self._caller = outer
 

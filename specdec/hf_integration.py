@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache
 from .cache import HybridCache
 from .models import adapter_for
 from .models.base import HybridAdapter
+from .placement import on_device
 from .rollback import make_strategy
 
 __all__ = ["enable_hf_speculation", "disable_hf_speculation", "SpeculativeCache"]
@@ -138,7 +139,8 @@ class SpeculativeCache(Cache):
         self.crop_stats["crops"] += 1
         self.crop_stats["kept_tokens"] += keep
         self.crop_stats["rolled_back_tokens"] += remove
-        self.hybrid.commit(torch.full((self.hybrid.batch,), keep, dtype=torch.long, device=self.hybrid.device))
+        with on_device(self.hybrid.device):
+            self.hybrid.commit(torch.full((self.hybrid.batch,), keep, dtype=torch.long, device=self.hybrid.device))
         self.open = 0
 
     def reset(self):
@@ -183,7 +185,12 @@ class SpeculativeCache(Cache):
     # --- forward --------------------------------------------------------------------------------
     def run(self, input_ids, attention_mask):
         """Logits ``[B, n, V]`` of the last ``n`` positions of this call (n = tokens stepped + 1 on
-        the first call, tokens stepped afterwards)."""
+        the first call, tokens stepped afterwards), computed with the model's device current
+        (:func:`specdec.placement.on_device`)."""
+        with on_device(self.adapter.device):
+            return self._run(input_ids, attention_mask)
+
+    def _run(self, input_ids, attention_mask):
         ad = self.adapter
         outs = []
         if self.hybrid is None:

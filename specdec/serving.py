@@ -43,7 +43,6 @@ Example::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import numbers
@@ -59,6 +58,7 @@ import torch
 from .batching import DEFAULT_MAX_BATCH_TOKENS, GenerationOutput, Request, RequestPool, RequestStatus, check_requests
 from .graphs import bucket_width
 from .models.prompt_graphs import PROMPT_GRAPH_ROWS, PROMPT_GRAPH_TOKENS
+from .placement import on_device
 from .prefix_cache import PrefixCache
 from .settings import as_budgets
 
@@ -457,7 +457,7 @@ class ContinuousBatchingManager:
             try:
                 before = None if self._prompt_counts is None else self._prompt_counts()
                 start = time.perf_counter()
-                with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                with on_device(self._device):
                     for _ in range(rounds):
                         for runs_of_pass in passes:
                             cache = (PrefixCache(self.prefix_cache.block_size,  # (within the pool's planned bytes)

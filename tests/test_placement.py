@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from helpers import MAX_NEW, hf_greedy, reference
+from markers import needs_cuda
 from tiny_models import EXTRA_FAMILIES, FAMILIES, VOCAB, get_model, make_model, ragged_prompts
 from transformers import AutoModelForCausalLM
 
@@ -507,3 +508,60 @@ def test_a_program_compiled_whole_compiles_once_over_blocks(monkeypatch):
                                   fuse=True)
     prog()
     assert seen == [False]
+
+
+def test_decoding_runs_with_the_models_device_current(monkeypatch):
+    """generate(), generate_batch() and HF's assisted generation on an enabled model run their
+    kernels inside on_device(the model's device): Triton launches, and torch captures CUDA
+    graphs, on the current device, not on their tensors' (a model on cuda:1 with cuda:0 current
+    would read another device's memory). on_device is torch.cuda.device for a CUDA device (built
+    without touching CUDA) and does nothing for the CPU."""
+    from specdec import engine, hf_integration, placement
+
+    cuda = placement.on_device(torch.device("cuda", 1))
+    assert isinstance(cuda, torch.cuda.device) and cuda.idx == 1
+    assert isinstance(placement.on_device("cpu"), contextlib.nullcontext)
+    entered = []
+
+    @contextlib.contextmanager
+    def record(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(engine, "on_device", record)
+    monkeypatch.setattr(hf_integration, "on_device", record)
+    ids, mask, eos, ref = reference("qwen3_5")
+    model = get_model("qwen3_5")
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+    assert entered == [torch.device("cpu")]
+    sd.generate_batch([[5, 6, 7]], max_new_tokens=2)
+    assert entered == [torch.device("cpu")] * 2
+    one, one_mask = ids[:1], mask[:1]  # (HF's assisted generation takes one row)
+    specdec.enable_hf_speculation(model)
+    try:
+        out = model.generate(one, attention_mask=one_mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                             prompt_lookup_num_tokens=2)
+    finally:
+        disable_hf_speculation(model)
+    assert torch.equal(out, hf_greedy(model, one, one_mask, max_new=4))
+    assert len(entered) > 2 and set(entered) == {torch.device("cpu")}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+@pytest.mark.parametrize("path", ["static", "cuda_graph"])
+def test_a_model_on_the_second_gpu_decodes_exactly(path):
+    """A model moved to cuda:1 while cuda:0 is current decodes exactly on both decode paths (its
+    Triton kernels and CUDA graphs on cuda:1), and cuda:0 stays current afterwards."""
+    ids, mask, eos, _ = reference("qwen3_5")
+    model = make_model("qwen3_5").to("cuda:1")
+    ids, mask = ids.to("cuda:1"), mask.to("cuda:1")
+    ref = hf_greedy(model, ids, mask, eos=eos)
+    torch.cuda.set_device(0)
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert torch.cuda.current_device() == 0
