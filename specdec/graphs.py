@@ -24,8 +24,8 @@ import torch
 
 from .fusion import fused, fusion_enabled
 
-__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker", "gc_paused",
-           "graph_safe_experts", "warmups_run"]
+__all__ = ["CaptureFailure", "CapturedProgram", "bucket_length", "bucket_width", "capture", "capture_blocker",
+           "capture_stream", "gc_paused", "graph_safe_experts", "warmups_run"]
 
 _WARMUPS = threading.local()  # .count: this thread's captures and CapturedProgram warm-ups
 
@@ -185,13 +185,29 @@ def capture(fn, *, model: torch.nn.Module | None, what: str, warmup: int = 2, wa
                         (warmup_fn or fn)()
                 torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with gc_paused(), torch.cuda.graph(graph, pool=pool):
+            with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(dev)):
                 out = fn()
     except Exception as err:  # noqa: BLE001 -- any failure (an op that syncs with the host, out of memory)
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(dev)
         raise CaptureFailure(what, err) from err
     return graph, out
+
+
+def capture_stream(index: int) -> torch.cuda.Stream:
+    """The stream :func:`capture` captures CUDA graphs of CUDA device ``index`` on: one per
+    device, made on first use. ``torch.cuda.graph`` without a stream captures on one stream of
+    the whole process, made on the device current at the process's first capture, so a model on
+    another device would be captured there."""
+    with _CAPTURE_LOCK:
+        stream = _CAPTURE_STREAMS.get(index)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+_CAPTURE_LOCK = threading.Lock()
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> capture_stream's
 
 
 @contextlib.contextmanager

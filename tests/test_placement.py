@@ -512,7 +512,7 @@ def test_a_program_compiled_whole_compiles_once_over_blocks(monkeypatch):
 
 def test_decoding_runs_with_the_models_device_current(monkeypatch):
     """generate(), generate_batch() and HF's assisted generation on an enabled model run their
-    kernels inside on_device(the model's device): Triton launches, and torch captures CUDA
+    forwards inside on_device(the model's device): Triton launches, and torch captures CUDA
     graphs, on the current device, not on their tensors' (a model on cuda:1 with cuda:0 current
     would read another device's memory). on_device is torch.cuda.device for a CUDA device (built
     without touching CUDA) and does nothing for the CPU."""
@@ -521,18 +521,27 @@ def test_decoding_runs_with_the_models_device_current(monkeypatch):
     cuda = placement.on_device(torch.device("cuda", 1))
     assert isinstance(cuda, torch.cuda.device) and cuda.idx == 1
     assert isinstance(placement.on_device("cpu"), contextlib.nullcontext)
-    entered = []
+    entered, inside, forwards = [], [], []
 
     @contextlib.contextmanager
     def record(device):
         entered.append(torch.device(device))
-        yield
+        inside.append(device)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def watch(adapter):  # each forward of the adapter records whether a device context is open
+        real = adapter.forward
+        monkeypatch.setattr(adapter, "forward", lambda *a, **k: (forwards.append(bool(inside)), real(*a, **k))[1])
 
     monkeypatch.setattr(engine, "on_device", record)
     monkeypatch.setattr(hf_integration, "on_device", record)
     ids, mask, eos, ref = reference("qwen3_5")
     model = get_model("qwen3_5")
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    watch(sd.adapter)
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
                                    pad_token_id=0), ref)
     assert entered == [torch.device("cpu")]
@@ -541,12 +550,14 @@ def test_decoding_runs_with_the_models_device_current(monkeypatch):
     one, one_mask = ids[:1], mask[:1]  # (HF's assisted generation takes one row)
     specdec.enable_hf_speculation(model)
     try:
+        watch(model._specdec_hf["adapter"])
         out = model.generate(one, attention_mask=one_mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                              prompt_lookup_num_tokens=2)
     finally:
         disable_hf_speculation(model)
     assert torch.equal(out, hf_greedy(model, one, one_mask, max_new=4))
     assert len(entered) > 2 and set(entered) == {torch.device("cpu")}
+    assert len(forwards) > 3 and all(forwards), forwards
 
 
 @pytest.mark.gpu
@@ -554,14 +565,18 @@ def test_decoding_runs_with_the_models_device_current(monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
 @pytest.mark.parametrize("path", ["static", "cuda_graph"])
 def test_a_model_on_the_second_gpu_decodes_exactly(path):
-    """A model moved to cuda:1 while cuda:0 is current decodes exactly on both decode paths (its
-    Triton kernels and CUDA graphs on cuda:1), and cuda:0 stays current afterwards."""
+    """A model moved to cuda:1 while cuda:0 is current decodes exactly on both decode paths, on the
+    path asked for (its Triton kernels and CUDA graphs on cuda:1), after a model on cuda:0 decoded
+    on the same path in the process (torch's own capture stream would stay on the device of the
+    process's first capture), and cuda:0 stays current afterwards."""
     ids, mask, eos, _ = reference("qwen3_5")
-    model = make_model("qwen3_5").to("cuda:1")
-    ids, mask = ids.to("cuda:1"), mask.to("cuda:1")
-    ref = hf_greedy(model, ids, mask, eos=eos)
     torch.cuda.set_device(0)
-    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
-    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-    assert torch.equal(out, ref)
-    assert torch.cuda.current_device() == 0
+    for dev in ("cuda:0", "cuda:1"):
+        model = make_model("qwen3_5").to(dev)
+        on = ids.to(dev), mask.to(dev)
+        ref = hf_greedy(model, *on, eos=eos)
+        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+        out = sd.generate(on[0], attention_mask=on[1], max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), dev
+        assert sd.last_stats.decode_path == path, (dev, sd.last_stats.capture_error)
+        assert torch.cuda.current_device() == 0
