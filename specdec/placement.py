@@ -16,7 +16,7 @@ loaded. This module gives what the adapters need to work under such hooks:
 * :func:`routed_forward`: replace a module's forward for a while, keeping its hook in front of it;
 * :func:`materialized`: the weights of a module and all its submodules loaded for a block of code;
 * :func:`on_device`: the model's CUDA device made the current one while specdec decodes (Triton
-  launches, and torch captures CUDA graphs, on the current device, not on their tensors');
+  launches on the current device, not on its tensors');
 * :func:`check_placement`: the layouts specdec decodes (every layer, each of its submodules
   included, computing on one device), with a clear error for the others, and
   :func:`offloads_weights`: whether weights are loaded per forward, which CUDA graphs cannot
@@ -39,9 +39,10 @@ __all__ = ["check_placement", "execution_device", "execution_devices", "material
 def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
     """A context in which ``device`` is torch's current CUDA device (``torch.cuda.device``), for a
     CUDA ``device``; for any other device, a context that does nothing. Triton launches a kernel
-    on the current device whatever device its tensors are on, and ``torch.cuda.graph`` captures
-    on the current device's stream: a model on ``cuda:1`` runs its kernels there only inside
-    this context (with ``cuda:0`` current they would read another device's memory)."""
+    on the current device whatever device its tensors are on, and specdec's captures
+    (:func:`specdec.graphs.capture`) and syncs take the current device: a model on ``cuda:1``
+    runs its kernels there only inside this context (with ``cuda:0`` current they would read
+    another device's memory)."""
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
