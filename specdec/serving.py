@@ -685,9 +685,8 @@ class ContinuousBatchingManager:
     def _loop(self, pool: _OpenPool) -> None:
         error, failure = None, None
         try:
-            if self._device.type == "cuda":
-                torch.cuda.set_device(self._device)
-            self._run(pool)
+            with on_device(self._device):
+                self._run(pool)
         except _HardStop:
             error = "stopped by stop(hard_stop=True) before it finished"
         except BaseException as err:  # (reaches the caller: FAILED results, then get_result raises)
