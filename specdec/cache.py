@@ -41,6 +41,7 @@ from .kernels import SSMOp, backend, conv1d_op
 from .kernels.conv1d import new_conv_window
 from .kernels.kv import write_kv
 from .kernels.slots import to_slots
+from .placement import on_device
 from .rollback import RollbackStrategy
 
 __all__ = ["HybridCache", "SSMLayerCache"]
@@ -90,6 +91,8 @@ class SSMLayerCache:
         op: the recurrence (``specdec.kernels.get_op``). strategy: the rollback strategy.
         batch, max_step_tokens: B and T_max (= num_speculative_tokens + 1).
         layer: layer index (for error messages).
+        device: the device the layer computes on, where its conv window and store live (None:
+            the cache's home device; :meth:`HybridCache.commit` hands it tensors there).
         state_indices: ``[batch]`` int64 state slot of each row on the layer's device (negative:
             a padding row), or None (row b is slot b). With it, the conv windows and the
             recurrent states are pools of ``num_slots`` slots (:class:`specdec.rollback.LayerStore`):
@@ -99,8 +102,9 @@ class SSMLayerCache:
     """
 
     def __init__(self, op: SSMOp, strategy: RollbackStrategy, batch: int, max_step_tokens: int, layer: int,
-                 state_indices: torch.Tensor | None = None):
+                 state_indices: torch.Tensor | None = None, device: torch.device | str | None = None):
         self.op = op
+        self.device = None if device is None else torch.device(device)
         self.conv_op = conv1d_op(backend_name=op.backend)
         self.strategy = strategy
         self.layer = layer
@@ -265,16 +269,27 @@ class HybridCache:
 
     Args:
         batch: B. max_len: KV columns (prompt + new tokens + T_max).
-        max_step_tokens: T_max. dtype, device: of the KV buffers.
+        max_step_tokens: T_max. dtype: of the KV buffers. device: the home device (the LM
+            head's), where ``seq_len``, ``pad``, masks and positions live and where
+            :meth:`commit` takes ``num_tokens``.
+        layer_devices: for a model whose decoder layers compute on several devices, each
+            layer's device (``[num_layers]``); None: every layer on ``device``. Each layer's KV
+            buffers, conv window and rollback store live on its device; ``seq_len`` has a copy
+            on every other device (:attr:`mirrors`), advanced by :meth:`commit` with one copy of
+            ``num_tokens`` per device.
 
     Attention modules of Hugging Face models call :meth:`update` as they would on their own
     ``Cache``; it writes the step's keys/values at each row's own columns and returns the
     buffers up to the last column any row needs.
+
+    Code that writes ``seq_len`` (assigns it or writes into it) outside this class calls
+    :meth:`refresh_mirrors` afterwards.
     """
 
     is_compileable = False
 
-    def __init__(self, batch: int, max_len: int, max_step_tokens: int, dtype, device, static: bool = False):
+    def __init__(self, batch: int, max_len: int, max_step_tokens: int, dtype, device, static: bool = False,
+                 layer_devices=None):
         self.batch = batch
         #: static mode (the CUDA-graph decode path): every forward reads all ``max_len`` KV columns
         #: (fixed shapes) and ``commit`` runs no host-side checks (no device-to-host sync)
@@ -288,6 +303,11 @@ class HybridCache:
         self.ssm: dict[int, SSMLayerCache] = {}
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
+        #: each layer's device where the layers spread over several devices, else None
+        self.layer_devices = None if layer_devices is None else tuple(map(torch.device, layer_devices))
+        #: ``seq_len`` on each device but the home one that a layer computes on (empty: one device)
+        self.mirrors: dict[torch.device, torch.Tensor] = {
+            dev: self.seq_len.to(dev) for dev in dict.fromkeys(self.layer_devices or ()) if dev != self.device}
         self.step_tokens = 0
         #: the draft tree of the cache's tree mode (:meth:`set_tree`), or None for chain steps
         self.tree = None
@@ -297,6 +317,32 @@ class HybridCache:
         self._fold_max: tuple = (None, 0)  # (the last set_fold_max, the SSM layers it was set on)
         self._flush_graphs = False
         self._flush_program: tuple | None = None  # (the flush_key tuple it was made for, its CapturedProgram)
+
+    def layer_device(self, layer_idx: int) -> torch.device | None:
+        """The device decoder layer ``layer_idx`` computes on where the layers spread over several
+        devices (``layer_devices``), else None (every layer on :attr:`device`)."""
+        return None if self.layer_devices is None else self.layer_devices[layer_idx]
+
+    def _ssm_by_device(self) -> dict[torch.device, list[SSMLayerCache]]:
+        """The SSM layers grouped by the device they compute on (home first)."""
+        groups: dict[torch.device, list[SSMLayerCache]] = {self.device: []}
+        for layer in self.ssm.values():
+            groups.setdefault(layer.device or self.device, []).append(layer)
+        return groups
+
+    def refresh_mirrors(self) -> None:
+        """Copy ``seq_len`` into its copy on every other device (:attr:`mirrors`), after a write
+        other than :meth:`commit`'s (a load, a row reset)."""
+        for dev, mirror in self.mirrors.items():
+            mirror.copy_(self.seq_len, non_blocking=dev.type == "cuda")
+
+    def _copies(self, t: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """``t`` (on the home device) on every device a layer computes on: ``{device: tensor}``,
+        one copy per other device (not blocking the host toward a CUDA device)."""
+        out = {self.device: t}
+        for dev in self.mirrors:
+            out[dev] = t.to(dev, non_blocking=dev.type == "cuda")
+        return out
 
     # --- attention KV ----------------------------------------------------------------------
     def _buffers(self, layer_idx: int, like: torch.Tensor):
@@ -317,7 +363,10 @@ class HybridCache:
         """HF ``Cache.update``: write ``[B, H, t, D]`` at each row's step columns; return buffers."""
         kbuf, vbuf = self._buffers(layer_idx, key_states)
         t = key_states.shape[2]
-        write_kv(kbuf, vbuf, key_states, value_states, self.seq_len, self.step_tokens, backend_name=self._kv_backend)
+        seq_len, kv_backend = self.seq_len, self._kv_backend
+        if self.mirrors and kbuf.device != self.device:  # (a layer on another device: its copy of seq_len)
+            seq_len, kv_backend = self.mirrors[kbuf.device], backend(kbuf.device)
+        write_kv(kbuf, vbuf, key_states, value_states, seq_len, self.step_tokens, backend_name=kv_backend)
         end = self.kv_end(t)
         return kbuf[:, :, :end], vbuf[:, :, :end]
 
@@ -490,7 +539,8 @@ class HybridCache:
     @staticmethod
     def _flush_device(layers) -> None:
         for layer in layers:
-            layer.strategy.flush_device(layer.store, layer.op, layer.params)
+            with on_device(layer.device):  # (None, a context doing nothing, unless the layers spread)
+                layer.strategy.flush_device(layer.store, layer.op, layer.params)
 
     def set_fold_max(self, n: int | None) -> None:
         """Promise that no row's rollback history holds more than ``n`` committed tokens when a
@@ -550,6 +600,9 @@ class HybridCache:
         """
         if self.tree is None:
             raise ValueError("commit_path is for tree steps (set_tree); a chain step commits with commit()")
+        if self.mirrors:
+            self._commit_path_spread(path, num_tokens)
+            return
         B, P = path.shape
         dev = path.device
         i = torch.arange(P, device=dev)[None, :]
@@ -564,6 +617,34 @@ class HybridCache:
                 view = buf.permute(0, 2, 1, 3)  # [B, L, H, D]
                 view[rows, dst_cols] = view[rows, src_cols]
         self.commit(num_tokens)
+
+    def _commit_path_spread(self, path: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """:meth:`commit_path` where the layers spread over several devices: ``path`` and
+        ``num_tokens`` copied once to every other device, each device's layers moved there with
+        that device current, then :meth:`_commit_spread` with the same copies."""
+        B, P = path.shape
+        num_tokens = num_tokens.to(device=self.device, dtype=torch.long)
+        if not self.static:
+            num_tokens = self._checked(num_tokens)
+        paths, nums = self._copies(path.to(self.device)), self._copies(num_tokens)
+        seq_lens = {self.device: self.seq_len, **self.mirrors}
+        kv_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for kbuf, vbuf in self.kv.values():
+            kv_by_device.setdefault(kbuf.device, []).extend((kbuf, vbuf))
+        ssm = self._ssm_by_device()
+        for dev in dict.fromkeys((*ssm, *kv_by_device)):
+            with on_device(dev):
+                i = torch.arange(P, device=dev)[None, :]
+                src = torch.where(i < nums[dev][:, None], paths[dev], i)  # identity past the kept tokens
+                for layer in ssm.get(dev, ()):
+                    layer.compact_path(src, nums[dev])
+                rows = torch.arange(B, device=dev)[:, None]
+                dst_cols = seq_lens[dev][:, None] + i
+                src_cols = seq_lens[dev][:, None] + src
+                for buf in kv_by_device.get(dev, ()):
+                    view = buf.permute(0, 2, 1, 3)  # [B, L, H, D]
+                    view[rows, dst_cols] = view[rows, src_cols]
+        self._commit_spread(num_tokens, nums)
 
     def set_step_tokens(self, t: int) -> None:
         """Set the host-side count of open-step tokens on the cache, every layer and store, without
@@ -586,6 +667,7 @@ class HybridCache:
             self.kv[idx][1].copy_(v)
         self.pad.copy_(other.pad)
         self.seq_len.copy_(other.seq_len)
+        self.refresh_mirrors()
 
         def copy_tree(dst: dict, src: dict):
             for key, val in src.items():
@@ -664,6 +746,9 @@ class HybridCache:
         if n == 0:
             return
         src_rows = source_rows.to(source.device)
+        if self.mirrors or source.mirrors:
+            self._reset_rows_spread(rows, source, src_rows)
+            return
         for idx, (k, v) in source.kv.items():
             self.kv[idx][0][rows] = k[src_rows].to(device=self.device, dtype=self.kv[idx][0].dtype)
             self.kv[idx][1][rows] = v[src_rows].to(device=self.device, dtype=self.kv[idx][1].dtype)
@@ -676,6 +761,36 @@ class HybridCache:
             if mine.has_recurrence:
                 state = layer.ssm_state()[src_rows]
                 mine.strategy.reset_rows(mine.store, mine.op, mine.params, rows, state)
+
+    def _reset_rows_spread(self, rows: torch.Tensor, source: HybridCache, src_rows: torch.Tensor) -> None:
+        """:meth:`reset_rows`' writes (arguments checked; ``rows`` on the home device, ``src_rows``
+        on ``source``'s) where either cache's layers spread over several devices: each buffer
+        indexed with a copy of the rows on its own device (one per device), each SSM layer's
+        strategy run with its device current, then the ``seq_len`` copies refreshed."""
+        mine_rows, their_rows = {rows.device: rows}, {src_rows.device: src_rows}
+
+        def on(index: dict, dev: torch.device) -> torch.Tensor:
+            if dev not in index:
+                index[dev] = next(iter(index.values())).to(dev)
+            return index[dev]
+
+        for idx, (k, v) in source.kv.items():
+            for buf, new in zip(self.kv[idx], (k, v)):
+                buf[on(mine_rows, buf.device)] = new[on(their_rows, new.device)].to(buf)
+        self.pad[rows] = source.pad[on(their_rows, source.device)].to(self.device)
+        self.seq_len[rows] = source.seq_len[on(their_rows, source.device)].to(self.device)
+        for idx, layer in source.ssm.items():
+            mine = self.ssm[idx]
+            dev = mine.device or self.device
+            with on_device(dev):
+                if layer.conv_window is not None:
+                    win = mine.conv_window
+                    win[on(mine_rows, win.device)] = layer.conv_window[on(their_rows, layer.conv_window.device)].to(win)
+                if mine.has_recurrence:
+                    state = layer.ssm_state()
+                    state = state[on(their_rows, state.device)].to(dev)
+                    mine.strategy.reset_rows(mine.store, mine.op, mine.params, on(mine_rows, dev), state)
+        self.refresh_mirrors()
 
     def load_rows(self, rows, length: int, pad: torch.Tensor, keys_values: dict[int, tuple[torch.Tensor, torch.Tensor]],
                   ssm_states: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, int]]) -> None:
@@ -728,6 +843,24 @@ class HybridCache:
         for idx, (conv_state, state, conv_width) in ssm_states.items():
             self.ssm[idx].check_load_rows(n, conv_state, state, conv_width)
         kv = [(buf, new) for idx, (k, v) in keys_values.items() for buf, new in zip(self.kv[idx], (k, v))]
+        if self.mirrors:  # (each device's buffers with rows there; each device's layers with it current)
+            index = {self.device: rows}
+            for dev in self.mirrors:
+                index[dev] = rows if isinstance(rows, slice) else rows.to(dev)
+            for buf, new in kv:
+                buf[index[buf.device], :, :length] = new.to(buf)
+                buf[index[buf.device], :, length:] = 0
+            for idx, (conv_state, state, _) in ssm_states.items():
+                layer = self.ssm[idx]
+                dev = layer.device or self.device
+                with on_device(dev):
+                    if conv_state is not None:
+                        _load_windows([layer], [conv_state.to(dev)], rows=index[dev])
+                    layer.reset_state_rows(index[dev], None if state is None else state.to(dev))
+            self.pad[rows] = pad.to(self.pad)
+            self.seq_len[rows] = length
+            self.refresh_mirrors()
+            return
         if isinstance(rows, slice) and kv:
             torch._foreach_copy_([buf[rows, :, :length] for buf, _ in kv], [new for _, new in kv])
             torch._foreach_zero_([buf[rows, :, length:] for buf, _ in kv])
@@ -775,20 +908,48 @@ class HybridCache:
         static decode path guarantees ``0 <= num_tokens <= step tokens`` and sizes ``max_len``
         for the whole generation.
         """
+        if self.mirrors:
+            self._commit_spread(num_tokens if self.static else self._checked(num_tokens))
+            return
         if self.static:
             for layer in self.ssm.values():
                 layer.commit(num_tokens)
             self.seq_len += num_tokens
             self.step_tokens = 0
             return
+        num_tokens = self._checked(num_tokens)
+        for layer in self.ssm.values():
+            layer.commit(num_tokens)
+        self.seq_len += num_tokens
+        self.step_tokens = 0
+        self._check_room()
+
+    def _checked(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """``num_tokens`` of an eager :meth:`commit` as int64 on the home device, checked."""
         if num_tokens.shape != (self.batch,):
             raise ValueError(f"num_tokens must have shape [{self.batch}], got {tuple(num_tokens.shape)}")
         num_tokens = num_tokens.to(device=self.device, dtype=torch.long)
         if bool(((num_tokens < 0) | (num_tokens > self.step_tokens)).any()):
             raise ValueError(f"num_tokens must be in [0, {self.step_tokens}], got {num_tokens.tolist()}")
-        for layer in self.ssm.values():
-            layer.commit(num_tokens)
-        self.seq_len += num_tokens
-        self.step_tokens = 0
+        return num_tokens
+
+    def _check_room(self) -> None:
         if int(self.seq_len.max()) + self.max_step_tokens > self.max_len:
             raise ValueError("KV cache is full: raise max_len (prompt + max_new_tokens + num_speculative_tokens + 1)")
+
+    def _commit_spread(self, num_tokens: torch.Tensor, copies: dict | None = None) -> None:
+        """:meth:`commit` where the layers spread over several devices: ``num_tokens`` (home,
+        int64, checked) copied once to every other device (``copies``: already copied), each SSM
+        layer committed with its device's copy and that device current, every ``seq_len`` copy
+        advanced by its own."""
+        num = self._copies(num_tokens) if copies is None else copies
+        for dev, layers in self._ssm_by_device().items():
+            with on_device(dev):
+                for layer in layers:
+                    layer.commit(num[dev])
+        self.seq_len += num_tokens
+        for dev, mirror in self.mirrors.items():
+            mirror += num[dev]
+        self.step_tokens = 0
+        if not self.static:
+            self._check_room()

@@ -16,33 +16,37 @@ loaded. This module gives what the adapters need to work under such hooks:
 * :func:`routed_forward`: replace a module's forward for a while, keeping its hook in front of it;
 * :func:`materialized`: the weights of a module and all its submodules loaded for a block of code;
 * :func:`on_device`: the model's CUDA device made the current one while specdec decodes (Triton
-  launches on the current device, not on its tensors');
-* :func:`check_placement`: the layouts specdec decodes (every layer, each of its submodules
-  included, computing on one device), with a clear error for the others, and
-  :func:`offloads_weights`: whether weights are loaded per forward, which CUDA graphs cannot
-  replay.
+  launches on the current device, not on its tensors'), and :func:`spread_layers`: each decoder
+  layer of a model spread over several devices given its inputs on its device, with it current;
+* :func:`check_placement`: the layouts specdec decodes (each decoder layer, its submodules
+  included, computing on one CUDA or CPU device; the layers may spread over several), as a
+  :class:`Placement`, with a clear error for the others, and :func:`offloads_weights`: whether
+  weights are loaded per forward, which CUDA graphs cannot replay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import types
 
 import torch
 
-__all__ = ["check_placement", "execution_device", "execution_devices", "materialized", "offloads_weights",
-           "on_device", "routed_forward", "unhooked"]
+__all__ = ["Placement", "check_placement", "execution_device", "execution_devices", "materialized", "offloads_weights",
+           "on_device", "routed_forward", "spread_layers", "unhooked"]
 
 
-def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
+def on_device(device: torch.device | str | None) -> contextlib.AbstractContextManager:
     """A context in which ``device`` is torch's current CUDA device (``torch.cuda.device``), for a
-    CUDA ``device``; for any other device, a context that does nothing. Triton launches a kernel
+    CUDA ``device``; for any other device, or None, a context that does nothing. Triton launches a kernel
     on the current device whatever device its tensors are on, and specdec's captures
     (:func:`specdec.graphs.capture`) and syncs take the current device: a model on ``cuda:1``
     runs its kernels there only inside this context (with ``cuda:0`` current they would read
     another device's memory)."""
+    if device is None:
+        return contextlib.nullcontext()
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -187,22 +191,111 @@ def materialized(module: torch.nn.Module, own: bool = False):
             hook.post_forward(mod, None)
 
 
-def check_placement(model: torch.nn.Module, layers, lm_head: torch.nn.Module) -> torch.device:
-    """The one device every decoder layer of ``layers`` (each of its submodules included) and
-    ``lm_head`` compute on (their weights may be offloaded to the CPU or disk by accelerate's
-    hooks).
+#: the device types a decoder layer may compute on
+LAYER_DEVICE_TYPES = ("cuda", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a model's decoder layers and LM head compute.
+
+    Attributes:
+        home: the LM head's execution device. The decode loop's bookkeeping (tokens, acceptance,
+            the cache's ``seq_len`` / ``pad``, masks, positions) lives here, and the adapter
+            returns logits and hidden states here.
+        layers: the execution device of each decoder layer, in order (each layer's KV cache,
+            conv window, recurrent state and rollback store live there).
+
+    Raises (at construction, when the layers and the head are on several devices):
+        ValueError: a device type other than those of :data:`LAYER_DEVICE_TYPES`, or a CUDA
+            device this process does not have.
+    """
+
+    home: torch.device
+    layers: tuple[torch.device, ...]
+
+    def __post_init__(self):
+        if not self.multi_device:
+            return
+        for dev in self.devices:
+            if dev.type not in LAYER_DEVICE_TYPES:
+                raise ValueError(f"a model whose decoder layers spread over several devices must compute on "
+                                 f"{' or '.join(LAYER_DEVICE_TYPES)} devices; this one has {self.layout()}")
+            if dev.type == "cuda" and (not torch.cuda.is_available() or dev.index is None
+                                       or dev.index >= torch.cuda.device_count()):
+                have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                raise ValueError(f"device {dev} is not available (this process sees {have} CUDA device"
+                                 f"{'' if have == 1 else 's'}); this model computes on {self.layout()}. Dispatch "
+                                 "it with a device_map naming devices this machine has")
+
+    @functools.cached_property
+    def devices(self) -> tuple[torch.device, ...]:
+        """Every device a layer or the LM head computes on: ``home`` first, then the others in
+        layer order."""
+        return tuple(dict.fromkeys((self.home, *self.layers)))
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether the layers and the LM head compute on more than one device."""
+        return len(self.devices) > 1
+
+    @property
+    def single_cuda(self) -> bool:
+        """Whether every layer and the LM head compute on one CUDA device (CUDA graphs can replay
+        the step)."""
+        return not self.multi_device and self.home.type == "cuda"
+
+    @property
+    def all_cuda(self) -> bool:
+        """Whether every layer and the LM head compute on CUDA devices."""
+        return all(dev.type == "cuda" for dev in self.devices)
+
+    def layout(self) -> str:
+        """The layout in words: each device and what computes there, e.g.
+        ``"cuda:0: layers 0-1, lm_head; cpu: layers 2-3"``."""
+        parts = []
+        for dev in self.devices:
+            idx = [i for i, d in enumerate(self.layers) if d == dev]
+            runs = []
+            for i in idx:
+                if runs and runs[-1][1] == i - 1:
+                    runs[-1][1] = i
+                else:
+                    runs.append([i, i])
+            what = [f"layers {', '.join(str(a) if a == b else f'{a}-{b}' for a, b in runs)}"] if runs else []
+            parts.append(f"{dev}: {', '.join(what + (['lm_head'] if dev == self.home else []))}")
+        return "; ".join(parts)
+
+
+def _normalized(dev: torch.device) -> torch.device:
+    """``dev`` with the index of the current CUDA device for a bare ``cuda`` (where there is one)."""
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def check_placement(model: torch.nn.Module, layers, lm_head: torch.nn.Module) -> Placement:
+    """Where each decoder layer of ``layers`` and ``lm_head`` compute (their weights may be
+    offloaded to the CPU or disk by accelerate's hooks), as a :class:`Placement`. Layers may
+    compute on different devices (``device_map`` spreading whole layers over GPUs, or a GPU and
+    the CPU); each one, its submodules included, computes on one.
 
     Raises:
-        ValueError: they compute on several devices (``device_map`` spreading the layers over
-            several GPUs, or over a GPU and the CPU, or a layer's submodules over several
-            devices), or a module has no weights anywhere but on ``meta`` and no hook to load
-            them; the message names the devices and their layers (``"3"``), or for a layer split
-            between devices its parts (``"3.mlp"``, see :func:`execution_devices`).
+        ValueError: a layer's submodules compute on several devices, or a module has no weights
+            anywhere but on ``meta`` and no hook to load them; the message names the devices and
+            their layers (``"3"``), or for a layer split between devices its parts (``"3.mlp"``,
+            see :func:`execution_devices`). A device :class:`Placement` refuses (another type
+            than CUDA or CPU, a CUDA device this process does not have) when the layers spread.
     """
     where: dict[torch.device | None, list[str]] = {}
+    found: list[torch.device | None] = []
+    split = False
 
     def add(module, label):
+        nonlocal split
         parts = execution_devices(module)
+        split = split or len(parts) > 1
+        found.append(next(iter(parts)) if len(parts) == 1 else None)
         for dev, names in parts.items():
             where.setdefault(dev, []).extend(
                 [label] if len(parts) == 1 else [f"{label}.{n}" if n else label for n in names])
@@ -210,13 +303,74 @@ def check_placement(model: torch.nn.Module, layers, lm_head: torch.nn.Module) ->
     for i, layer in enumerate(layers):
         add(layer, str(i))
     add(lm_head, "lm_head")
-    if len(where) > 1 or None in where:
+    if split or None in where:
         spread = "; ".join(f"{'no device (weights on meta, no hook)' if dev is None else dev}: layers "
                            f"{', '.join(names)}" for dev, names in where.items())
         raise ValueError(
-            f"specdec decodes a model whose decoder layers and LM head all compute on one device; this "
+            f"specdec decodes a model each of whose decoder layers, and its LM head, computes on one device; this "
             f"{type(model).__name__} computes on several ({spread}). Load it with a device_map that puts every "
             "layer, each of its submodules included, on one execution device (weights may be offloaded to 'cpu' "
-            "or 'disk': accelerate's hooks load them per forward), e.g. device_map='auto' with max_memory for one "
-            "GPU and the CPU")
-    return next(iter(where))
+            "or 'disk': accelerate's hooks load them per forward), e.g. device_map='auto', which places whole "
+            "decoder layers")
+    *per_layer, home = map(_normalized, found)
+    return Placement(home, tuple(per_layer))
+
+
+@contextlib.contextmanager
+def spread_layers(layers, placement: Placement):
+    """Within the block, calls of the decoder ``layers`` (``placement.layers[i]`` is layer i's
+    device) of a model spread over several devices get their inputs on their own device and run
+    with it current: a forward pre-hook on each layer copies every tensor argument on another
+    device (hidden states, the mask, ``position_embeddings``' cos / sin, position ids; inside
+    tuples, lists and dicts too) to the layer's device, once per device for the whole block
+    (the copies are kept until it ends, so the layers after the first of a device find them),
+    and makes a CUDA layer's device torch's current one (Triton launches there), a forward hook
+    making ``home``'s current again after it. accelerate's hooks, which run after these, then
+    find every input in place. Copies to a CUDA device do not block the host; copies to the CPU
+    do (the CPU computes on the host). The current CUDA device at entry is current again at the
+    end, also after an error. Does nothing for a placement on one device."""
+    if not placement.multi_device:
+        yield
+        return
+    home = placement.home
+    memo: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def moved(x, dev):
+        if isinstance(x, torch.Tensor):
+            if x.device == dev:
+                return x
+            hit = memo.get((id(x), dev))
+            if hit is None:  # (the source kept alongside: its id stays its own while the block lasts)
+                hit = memo[(id(x), dev)] = (x, x.to(dev, non_blocking=dev.type == "cuda"))
+            return hit[1]
+        if type(x) in (tuple, list):
+            return type(x)(moved(v, dev) for v in x)
+        if type(x) is dict:
+            return {k: moved(v, dev) for k, v in x.items()}
+        return x
+
+    def before(dev):
+        def hook(module, args, kwargs):
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            return moved(args, dev), moved(kwargs, dev)
+        return hook
+
+    def after(module, args, output):
+        torch.cuda.set_device(home)
+
+    handles = []
+    cuda = any(dev.type == "cuda" for dev in placement.devices)
+    current = torch.cuda.current_device() if cuda else None
+    try:
+        for layer, dev in zip(layers, placement.layers):
+            handles.append(layer.register_forward_pre_hook(before(dev), with_kwargs=True))
+            if dev.type == "cuda" and dev != home and home.type == "cuda":
+                handles.append(layer.register_forward_hook(after))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        memo.clear()
+        if cuda:
+            torch.cuda.set_device(current)

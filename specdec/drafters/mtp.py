@@ -911,6 +911,8 @@ class MTPDrafter(Drafter):
         t = tokens.shape[1]
         pos = cache.position_ids(t)
         x = self.embed(tokens)
+        if x.device != cache.device:  # (the target's embedding computes on another device than its LM head)
+            x = x.to(cache.device)
         out = self.layers(x, hidden.to(x.dtype), step, position_embeddings=self.position_embeddings(x, pos),
                           attention_mask=cache.attention_mask(t, self.adapter.dtype), position_ids=pos, cache=cache)
         cache.advance(t)
@@ -922,7 +924,10 @@ class MTPDrafter(Drafter):
         if self._rotary is None:
             return None
         pos = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
-        return self._rotary(x, pos)
+        cos, sin = self._rotary(x, pos)
+        if cos.device != x.device:  # (the target's rotary module computes on another device)
+            cos, sin = cos.to(x.device), sin.to(x.device)
+        return cos, sin
 
     def _chain(self, cache, text, lengths, hidden, num, K, pick, tree=None, chunk=None, start=0, last=None):
         """Catch up on the ``num [B]`` entries whose target hidden states are ``hidden [B, R, D]``

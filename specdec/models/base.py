@@ -26,7 +26,8 @@ from ..cache import HybridCache, SSMLayerCache
 from ..fusion import prompt_kernels_enabled
 from ..kernels import backend, get_op
 from ..kernels.mamba2.chunked import resolve_scan
-from ..placement import check_placement, materialized, offloads_weights, routed_forward
+from ..placement import (Placement, check_placement, execution_device, materialized, offloads_weights, on_device,
+                         routed_forward, spread_layers)
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
 from ..rollback import RollbackStrategy
@@ -127,14 +128,14 @@ def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
 
 def _stack_kv(new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list[tuple[int, str]], torch.Tensor]]:
     """The keys / values of ``new_kv`` (layer index -> ``(keys, values)``, ``[B, H_kv, t, D]``)
-    stacked, one tensor per group of them that share shape and dtype: ``(names, data)``, ``data
+    stacked, one tensor per group of them that share shape, dtype and device: ``(names, data)``, ``data
     [m, B, H_kv, t, D]`` holding ``names[i] = (layer index, "keys" or "values")`` at ``i``. So
     one slice of a group holds a block's columns of every layer (one copy per block, not per
     layer: :meth:`HybridAdapter._store_blocks`)."""
     groups: dict[tuple, list[tuple[int, str, torch.Tensor]]] = {}
     for idx, (k, v) in new_kv.items():
         for name, t in (("keys", k), ("values", v)):
-            groups.setdefault((tuple(t.shape), t.dtype), []).append((idx, name, t))
+            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append((idx, name, t))
     return [([(idx, name) for idx, name, _ in g], torch.stack([t for _, _, t in g])) for g in groups.values()]
 
 
@@ -338,13 +339,27 @@ class HybridAdapter:
     # --- shared machinery ------------------------------------------------------------------
     @property
     def device(self):
-        """The device the model computes on: its LM head's, or for a model dispatched by accelerate
-        (``device_map``: :mod:`specdec.placement`) the one execution device of every decoder layer
-        and the LM head.
+        """The home device: where the LM head computes (for a model dispatched by accelerate,
+        ``device_map``: :mod:`specdec.placement`, its execution device), where the decode loop's
+        bookkeeping lives and where :meth:`forward` returns logits and hidden states. The decoder
+        layers may compute on other devices (:attr:`placement`).
 
-        Raises: ValueError for a dispatched model whose layers compute on several devices."""
+        Raises: ValueError for a dispatched model :func:`~specdec.placement.check_placement` refuses."""
         placed = self._placement()
-        return self.lm_head.weight.device if placed is None else placed[0]
+        return self.lm_head.weight.device if placed is None else placed[0].home
+
+    @property
+    def placement(self) -> Placement:
+        """Where the decoder layers and the LM head compute (:class:`~specdec.placement.Placement`):
+        for a model dispatched by accelerate as its hooks say (checked once per device map), else
+        from each layer's first weight, read at each call (the model may have been moved).
+
+        Raises: ValueError as :attr:`device`, or for layers on several devices :class:`Placement` refuses."""
+        placed = self._placement()
+        if placed is not None:
+            return placed[0]
+        home = self.lm_head.weight.device
+        return Placement(home, tuple(next((p.device for p in layer.parameters()), home) for layer in self.body.layers))
 
     @property
     def offloads_weights(self) -> bool:
@@ -352,8 +367,8 @@ class HybridAdapter:
         placed = self._placement()
         return placed is not None and placed[1]
 
-    def _placement(self) -> tuple[torch.device, bool] | None:
-        """(device, offloads weights) of a model dispatched by accelerate (``hf_device_map``, or
+    def _placement(self) -> tuple[Placement, bool] | None:
+        """(placement, offloads weights) of a model dispatched by accelerate (``hf_device_map``, or
         hooks found when the adapter was made; checked once per device map), None for one that is
         not (it may still be moved: its device is read each time)."""
         device_map = getattr(self.model, "hf_device_map", None)
@@ -371,10 +386,19 @@ class HybridAdapter:
 
     def new_cache(self, batch: int, max_len: int, max_step_tokens: int, strategy: RollbackStrategy,
                   static: bool = False) -> HybridCache:
-        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device, static=static)
+        cache = self._new_hybrid_cache(batch, max_len, max_step_tokens, static)
         for idx, (_, op_name) in self.ssm_layers().items():
-            cache.ssm[idx] = SSMLayerCache(get_op(op_name, self.device), strategy, batch, max_step_tokens, idx)
+            dev = cache.layer_device(idx)
+            cache.ssm[idx] = SSMLayerCache(get_op(op_name, dev or cache.device), strategy, batch, max_step_tokens, idx,
+                                           device=dev)
         return cache
+
+    def _new_hybrid_cache(self, batch: int, max_len: int, max_step_tokens: int, static: bool) -> HybridCache:
+        """An empty :class:`HybridCache` on the home device, told each layer's device where the
+        layers spread over several (:attr:`placement`)."""
+        place = self.placement
+        return HybridCache(batch, max_len, max_step_tokens, self.dtype, place.home, static=static,
+                           layer_devices=place.layers if place.multi_device else None)
 
     @contextlib.contextmanager
     def _routed(self, forwards: dict):
@@ -415,13 +439,16 @@ class HybridAdapter:
         that serves it to ``mixer_forward`` against that layer, its input padding masked as HF
         masks it; with ``scan == "hf"`` every mixer keeps transformers' forward."""
         forwards = {}
+        spread = scan == "fla" and self.placement.multi_device
         for idx, (mixer, op_name) in self.ssm_layers().items():
             make = PROMPT_LAYERS.get(op_name)
-            if make is None or scan == "hf" or not make.serves(mixer, scan):
+            # (flash-linear-attention runs on CUDA only: a mixer computing elsewhere takes the torch scan)
+            mine = "torch" if spread and execution_device(mixer).type != "cuda" else scan
+            if make is None or scan == "hf" or not make.serves(mixer, mine):
                 continue
 
-            def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, **kw):
-                layer = _make(mod, cache_params, attention_mask, scan)
+            def fwd(mod, hidden_states, cache_params=None, attention_mask=None, _make=make, _scan=mine, **kw):
+                layer = _make(mod, cache_params, attention_mask, _scan)
                 return self.mixer_forward(mod, layer.mask_padding(hidden_states), layer)
 
             forwards[idx] = fwd
@@ -884,10 +911,15 @@ class HybridAdapter:
         W = max(a + n for a, n in zip(prefix, lengths))
         index, pad = _right_aligned(prefix, lengths, P, T, dev)
 
+        where = {dev: (index, pad)}  # (the gather's index and padding on each layer's device, copied once)
+
         def split(t, name):
             if t is None:
                 return (None,) * len(rows)
-            t = _gather_columns(t, index, pad, W) if name in ("keys", "values") else t
+            if name in ("keys", "values"):
+                if t.device not in where:
+                    where[t.device] = tuple(None if x is None else x.to(t.device) for x in (index, pad))
+                t = _gather_columns(t, *where[t.device], W)
             return t.split(1) if len(rows) > 1 else (t,)
 
         names = ("keys", "values", "conv_state", "recurrent_state")
@@ -911,12 +943,14 @@ class HybridAdapter:
         layers routed as ``scan`` says; on the Triton backend, unless ``scan`` is ``"hf"`` or
         :func:`~specdec.fusion.prompt_kernels_enabled` says not, the decoder's RMSNorms and MLP
         activations in one launch each, :func:`~specdec.models.common.prompt_kernels`); returns the final hidden states ``[B, t, D]``."""
-        use = scan != "hf" and backend(self.device) == "triton" and prompt_kernels_enabled()
+        place = self.placement
+        use = scan != "hf" and any(backend(dev) == "triton" for dev in place.devices) and prompt_kernels_enabled()
         routes = self._prompt_routes() if use else ([], [])
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
-              prompt_kernels(*routes)):
-            return self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
+              prompt_kernels(*routes), spread_layers(self.body.layers, place)):
+            hidden = self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
+        return hidden.to(place.home) if place.multi_device else hidden
 
     def _prompt_routes(self) -> tuple[list, list]:
         """``(norms, mlps)`` for :func:`~specdec.models.common.prompt_kernels`: the modules found at
@@ -993,9 +1027,11 @@ class HybridAdapter:
             return
         cache.pad = (L - mask.sum(-1)).to(cache.device)
         cache.seq_len = torch.full_like(cache.pad, L)
+        cache.refresh_mirrors()
         for idx, state in states.items():
             if idx in ssm:
-                cache.ssm[idx].load(state.conv_state, state.recurrent_state, self.conv_width(ssm[idx][0]))
+                with on_device(cache.ssm[idx].device):  # (None unless the layers spread)
+                    cache.ssm[idx].load(state.conv_state, state.recurrent_state, self.conv_width(ssm[idx][0]))
             if state.keys is not None:  # a sliding-window layer keeps only its last columns
                 cache.load_kv(idx, _left_pad(state.keys, L, 2), _left_pad(state.values, L, 2))
 
@@ -1006,8 +1042,12 @@ class HybridAdapter:
         t = input_ids.shape[1]
         # a growing cache reads one more KV column each step: no cuDNN attention (a plan per shape)
         backends = contextlib.nullcontext() if cache.static else sdpa_without_cudnn(self.device)
-        with self._patched(cache), grouped_step_attention_for(self._grouped_attention), backends:
+        spread = spread_layers(self.body.layers, self.placement) if cache.layer_devices is not None \
+            else contextlib.nullcontext()
+        with self._patched(cache), grouped_step_attention_for(self._grouped_attention), backends, spread:
             out = self._call_body(input_ids, self.step_attention_mask(cache, t), cache.position_ids(t), cache)
         cache.advance(t)
         hidden = out.last_hidden_state
+        if cache.layer_devices is not None:  # (the final norm may compute elsewhere)
+            hidden = hidden.to(cache.device)
         return self.logits(hidden), hidden

@@ -10,7 +10,7 @@ strategy store.
 from __future__ import annotations
 
 
-from ..cache import HybridCache, SSMLayerCache
+from ..cache import SSMLayerCache
 from ..kernels import get_op
 from .base import HybridAdapter, register
 
@@ -45,10 +45,11 @@ class Lfm2Adapter(HybridAdapter):
         return {"full_attention": mask, "conv": None}
 
     def new_cache(self, batch, max_len, max_step_tokens, strategy, static=False):
-        cache = HybridCache(batch, max_len, max_step_tokens, self.dtype, self.device, static=static)
-        backend = get_op("mamba2", self.device)  # only its conv backend is used
+        cache = self._new_hybrid_cache(batch, max_len, max_step_tokens, static)
         for idx in self.ssm_layers():
-            cache.ssm[idx] = ConvOnlyLayerCache(backend, strategy, batch, max_step_tokens, idx)
+            dev = cache.layer_device(idx)  # (the op only picks the conv backend)
+            cache.ssm[idx] = ConvOnlyLayerCache(get_op("mamba2", dev or cache.device), strategy, batch,
+                                                max_step_tokens, idx, device=dev)
         return cache
 
     def mixer_forward(self, mixer, hidden_states, layer):

@@ -166,6 +166,8 @@ class PromptGraphs:
             return "the family passes its body no per-layer-type mask dict"
         if ad.has_sliding_window():
             return "an attention layer keeps a sliding window (the prompt mask is the full causal one)"
+        if ad.placement.multi_device:
+            return "the decoder layers compute on several devices (one bucket's buffers live on one)"
         if _host_syncing_experts(ad.model):
             return "the model's experts implementation syncs with the host (and batched experts grow with tokens)"
         return None
