@@ -81,7 +81,8 @@ def wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens: int 
     sd = SpeculativeGenerator(model, drafter=drafter, rollback=rollback, num_speculative_tokens=num_speculative_tokens,
                               decode_path=decode_path, max_speculative_tokens=max_speculative_tokens,
                               cost_model=cost_model, policy=policy)
-    configure_cpu_threads(model, device=sd.adapter.device)  # (offloaded weights: on meta; it computes here)
+    place = sd.adapter.placement  # (offloaded weights: on meta; layers computing on the CPU: CPU threads matter)
+    configure_cpu_threads(model, device=next((d for d in place.devices if d.type == "cpu"), place.home))
     return sd
 
 

@@ -741,6 +741,10 @@ class SpeculativeGenerator:
             allows it, the eager path otherwise), ``"eager"``, ``"static"`` or ``"cuda_graph"``.
             A model whose weights accelerate loads for each forward (``device_map`` offloading to
             ``"cpu"`` or ``"disk"``: :mod:`specdec.placement`) runs eager or static, without graphs.
+            A model whose decoder layers compute on several devices (a ``device_map`` spreading
+            whole layers over GPUs, or a GPU and the CPU) runs without graphs too: ``"auto"`` takes
+            the static path when every layer and the LM head are on CUDA devices, else the eager
+            path; each layer's state lives on its device, the step's bookkeeping on the LM head's.
             The static path needs greedy or plain sampling without stopping criteria, repetition
             penalty, min length or returned scores; forcing it with those raises.
         max_speculative_tokens: with ``num_speculative_tokens="auto"``, the largest K a step may
@@ -769,8 +773,10 @@ class SpeculativeGenerator:
             ``max_speculative_tokens`` out of range, a drafter whose vocabulary differs from the
             target's or that reads another model's weights (:meth:`Drafter.check_target
             <specdec.drafters.Drafter.check_target>`), ``"auto"`` with a drafter that drafts a fixed tree, a model dispatched by
-            accelerate whose layers compute on several devices, ``decode_path="cuda_graph"`` for
-            one whose weights are offloaded.
+            accelerate in a layout :func:`specdec.placement.check_placement` refuses (a layer split
+            between devices, a device other than CUDA or CPU, a CUDA device the process lacks),
+            ``decode_path="cuda_graph"`` for one whose weights are offloaded or whose layers
+            compute on several devices.
     """
 
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
@@ -788,7 +794,7 @@ class SpeculativeGenerator:
         # where the next call with the same drafter starts (None: the policy's prior)
         self._learned_acceptance: torch.Tensor | None = None
         self.adapter = adapter_for(model)
-        self.adapter.device  # (a model dispatched by accelerate over several devices raises here, not at generate)
+        self.adapter.device  # (a dispatched model in a layout specdec refuses raises here, not at generate)
         self.model = model
         self._drafter: Drafter | None = None
         self._K: int | str = 0
@@ -921,7 +927,18 @@ class SpeculativeGenerator:
         if value == "cuda_graph" and self.adapter.device.type != "cuda":
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {self.adapter.device}; "
                              "use 'static' or 'eager'")
+        if value == "cuda_graph":
+            self._check_one_device()
         self._decode_path = value
+
+    def _check_one_device(self) -> None:
+        """Raise ValueError when the model's layers and LM head compute on several devices (CUDA
+        graphs capture one device's work)."""
+        place = self.adapter.placement
+        if place.multi_device:
+            raise ValueError(f"decode_path='cuda_graph' needs every decoder layer and the LM head on one CUDA device; "
+                             f"this model computes on several ({place.layout()}); use 'static' (every layer on "
+                             "CUDA), 'eager' or 'auto' (which picks between them)")
 
     @property
     def drafter(self) -> Drafter:
@@ -1517,7 +1534,7 @@ class SpeculativeGenerator:
                 s.streamer.end()
             return self._output(s, ids.clone(), None, 0)
         hook = StepHook.make(s, V)
-        path = self._pick_path(dev, hook)
+        path, path_reason = self._choose_path(dev, hook)
         if s.streamer is not None:  # after every check: HF streams the prompt first
             s.streamer.put(ids.cpu())  # (TextStreamer(skip_prompt=True) drops it)
         drafter = self.drafter if K > 0 else None  # K = 0: plain decoding, the drafter is not used
@@ -1915,6 +1932,7 @@ class SpeculativeGenerator:
             draft_s=times.get("draft", 0.0) + times.get("shadow", 0.0), verify_s=times.get("verify", 0.0),
             rollback_s=times.get("rollback", 0.0),
             prefill_s=times["prefill"], wall_s=times["wall"], decode_path=dec.path, capture_error=dec.capture_error,
+            path_reason=path_reason, devices=self.adapter.placement.layout(),
             draft_path=draft_path, draft_error=draft_error,
             k_histogram=k_histogram, k_per_step=k_per_step, rollback=strategy_label(strategy),
             rollback_reason=reason, calibration_s=times.get("calibration", 0.0),
@@ -2051,16 +2069,33 @@ class SpeculativeGenerator:
 
     def _pick_path(self, dev, hook) -> str:
         """``"eager"``, ``"static"`` or ``"cuda_graph"`` for this call (see ``decode_path``)."""
+        return self._choose_path(dev, hook)[0]
+
+    def _choose_path(self, dev, hook) -> tuple[str, str]:
+        """:meth:`_pick_path`'s path and why it was chosen (what :attr:`Stats.path_reason` says)."""
         blockers = hook.settings.per_token_features if hook is not None else []
         want = self.decode_path
         if want == "auto":  # (accelerate's per-forward weight loading cannot be replayed: see the setter)
-            return "eager" if blockers or dev.type != "cuda" or self.adapter.offloads_weights else "cuda_graph"
+            place = self.adapter.placement
+            if blockers:
+                return "eager", f"auto: {', '.join(blockers)} need the eager path"
+            if self.adapter.offloads_weights:
+                return "eager", "auto: accelerate loads offloaded weights for each forward (no CUDA graphs)"
+            if place.multi_device:  # (static: no host read of seq_len per attention layer, as eager's)
+                if place.all_cuda:
+                    return "static", "auto: layers on several CUDA devices: the static path, no CUDA graphs"
+                return "eager", "auto: layers on CUDA and the CPU: the eager path"
+            if dev.type != "cuda":
+                return "eager", f"auto: the model is on {dev}, not CUDA"
+            return "cuda_graph", "auto: the model is on one CUDA device"
         if want != "eager" and blockers:
             raise ValueError(f"decode_path={want!r} does not support {', '.join(blockers)}; use decode_path='eager' "
                              "or 'auto' (which picks the eager path for such calls)")
         if want == "cuda_graph" and dev.type != "cuda":
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
-        return want
+        if want == "cuda_graph":
+            self._check_one_device()
+        return want, f"decode_path={want!r} asked for"
 
     def _decoder(self, path: str, batch: int, needed_len: int, step_tokens: int, tree,
                  strategy: RollbackStrategy) -> Decoder:

@@ -26,6 +26,12 @@ class Stats:
         commit replayed as CUDA graphs).
         capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
         ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
+        path_reason: why the call took its decode path, e.g. ``"auto: layers on CUDA and the
+        CPU: the eager path"``, ``"decode_path='static' asked for"``; None for a call that decoded
+        nothing.
+        devices: where the decoder layers and the LM head computed
+        (:meth:`specdec.placement.Placement.layout`, e.g. ``"cuda:0: layers 0-1, lm_head; cpu:
+        layers 2-3"``); None for a call that decoded nothing.
         draft_path: how the drafter's last proposal ran, for a drafter with a program of its own (a
         draft model, MTP layers; :attr:`specdec.drafters.Drafter.last_path`) or one proposing
         inside the step programs (:meth:`specdec.drafters.Drafter.graph_safe`, e.g. the n-gram
@@ -89,6 +95,8 @@ class Stats:
     wall_s: float = 0.0
     decode_path: str = "eager"
     capture_error: str | None = None
+    path_reason: str | None = None
+    devices: str | None = None
     draft_path: str | None = None
     draft_error: str | None = None
     k_histogram: list = field(default_factory=list)

@@ -101,8 +101,9 @@ class DraftModelDrafter(Drafter):
         self.max_length = max_length
         if torch.device(device) != self.adapter.device:
             raise ValueError(
-                f"draft model is on {self.adapter.device} but the target is on {torch.device(device)}; "
-                "move it with draft_model.to(device)"
+                f"draft model is on {self.adapter.device} but the target's LM head computes on {torch.device(device)} "
+                "(where the decode loop's tokens live, whatever devices the target's layers use); move it with "
+                f"draft_model.to({str(torch.device(device))!r})"
             )
 
     def draft_probs(self):

@@ -98,7 +98,8 @@ def _lm_head_device(lm_head) -> torch.device:
     head module's execution device (:func:`specdec.placement.execution_device`), or the weight's
     device.
 
-    Raises: ValueError for a dispatched causal LM whose layers compute on several devices."""
+    Raises: ValueError for a dispatched causal LM whose layout
+    :func:`specdec.placement.check_placement` refuses."""
     family = getattr(getattr(lm_head, "config", None), "model_type", None)
     if isinstance(lm_head, torch.nn.Module) and family in ADAPTERS:
         return adapter_for(lm_head).device
@@ -266,7 +267,8 @@ class MedusaHeads(nn.Module):
         an offloaded LM head's weights are on ``meta`` and are loaded for the copy). ``kwargs``:
         ``shared_lm_head``, ``vocab_bias``, ``lm_head_rank``.
 
-        Raises: ValueError for a dispatched model whose layers compute on several devices."""
+        Raises: ValueError for a dispatched model whose layout
+        :func:`specdec.placement.check_placement` refuses."""
         w = _lm_head_weight(model)
         heads = cls(int(w.shape[1]), int(w.shape[0]), num_heads, num_layers, **kwargs).to(_lm_head_device(model))
         return heads.init_from_lm_head(model)
@@ -335,7 +337,7 @@ class MedusaHeads(nn.Module):
             FileNotFoundError: no config or weights in ``path``.
             ValueError: a config of another kind, weights that do not match it, a target
                 whose hidden size / vocabulary differs from the heads', or a target dispatched by
-                accelerate whose layers compute on several devices.
+                accelerate whose layout :func:`specdec.placement.check_placement` refuses.
         """
         from safetensors.torch import load_file
 
