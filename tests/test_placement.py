@@ -111,8 +111,8 @@ def test_offloaded_lm_head_and_draft_model(family, tmp_path_factory):
 
 def test_placement_queries_and_errors(tmp_path_factory):
     """The execution device comes from the hooks (the offloaded weights are on meta); graphs are
-    refused for offloaded weights; layers computing on several devices are refused at wrap with
-    the devices and their layers named; the model is left as it was."""
+    refused for offloaded weights; a layer computing on a CUDA device the machine does not have is
+    refused at wrap with the devices and their layers named; the model is left as it was."""
     model = dispatched("qwen3_5", tmp_path_factory)
     body = model.model
     assert execution_device(body.layers[0]) == torch.device("cpu")  # its weights: on meta
@@ -120,11 +120,13 @@ def test_placement_queries_and_errors(tmp_path_factory):
     with pytest.raises(ValueError, match="cannot replay a model whose weights accelerate loads"):
         specdec.wrap(model, decode_path="cuda_graph")
 
-    plain = get_model("nemotron_h")  # in memory: one layer given a hook with another execution device
+    plain = get_model("nemotron_h")  # in memory: one layer given a hook with a device this machine lacks
     layer = plain.model.layers[1]
-    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cuda", 1), io_same_device=True))
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cuda", missing), io_same_device=True))
     try:
-        with pytest.raises(ValueError, match=r"several \(cpu: layers 0, 2, .*lm_head; cuda:1: layers 1\)"):
+        with pytest.raises(ValueError, match=rf"device cuda:{missing} is not available .*computes on cpu: layers 0, "
+                                             rf"2-4, lm_head; cuda:{missing}: layers 1\. Dispatch it"):
             specdec.wrap(plain)
     finally:
         remove_hook_from_module(layer)

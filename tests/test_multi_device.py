@@ -1,0 +1,306 @@
+"""Models whose whole decoder layers compute on several devices (accelerate's ``device_map`` over
+a GPU and the CPU, or several GPUs): where specdec places each layer's state, which decode path
+it takes, and the errors for layouts it refuses (:class:`specdec.placement.Placement`).
+
+The CPU tests check the parts that need no second device; the ``gpu`` tests split tiny fp32
+models between cuda:0 and the CPU (``dispatch_model(..., main_device="cpu")``: "cpu" entries
+compute on the CPU, int entries on that GPU) and decode them exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import dispatch_model
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+from helpers import MAX_NEW, reference
+from markers import needs_cuda
+from tiny_models import get_model, make_model
+
+import specdec
+from specdec.adaptive import FixedCosts
+from specdec.cache import HybridCache
+from specdec.drafters import MedusaDrafter, MedusaHeads
+from specdec.models import adapter_for
+from specdec.models.base import _stack_kv
+from specdec.models.common import _kernel_input
+from specdec.placement import Placement, check_placement, spread_layers
+
+STRATEGIES = ("snapshot", "ring", "replay")
+SPLIT_FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
+
+
+# ------------------------------------------------------------------------------ CPU: placement
+
+
+def test_placement_of_one_device_and_its_layout():
+    """A model in memory: every layer and the LM head on the CPU, one device, named in its layout."""
+    model = get_model("qwen3_5")
+    place = adapter_for(model).placement
+    assert place == Placement(torch.device("cpu"), (torch.device("cpu"),) * 4)
+    assert place.devices == (torch.device("cpu"),) and not place.multi_device and not place.single_cuda
+    assert place.layout() == "cpu: layers 0-3, lm_head"
+    assert check_placement(model, model.model.layers, model.lm_head) == place
+
+
+def test_placement_refuses_devices_it_cannot_decode_on():
+    """Layers spread over several devices: a device type other than CUDA or CPU, and a CUDA device
+    the process does not have, are refused naming the layout; on one device nothing is checked
+    (the model runs where it is)."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    with pytest.raises(ValueError, match=r"must compute on cuda or cpu devices; this one has cpu: layers 0, "
+                                         r"lm_head; meta: layers 1"):
+        Placement(cpu, (cpu, meta))
+    missing = torch.device("cuda", torch.cuda.device_count() if torch.cuda.is_available() else 3)
+    with pytest.raises(ValueError, match=rf"device {missing} is not available \(this process sees \d+ CUDA device"):
+        Placement(cpu, (missing, cpu, cpu))
+    assert Placement(meta, (meta, meta)).devices == (meta,)
+
+
+def test_a_whole_layer_hooked_to_meta_is_refused_at_wrap():
+    """One whole decoder layer hooked to compute on ``meta``: a layout over two devices, one of
+    them not CUDA or CPU, refused at wrap; unhooked, the model decodes as before."""
+    model = get_model("nemotron_h")
+    layer = model.model.layers[2]
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("meta"), io_same_device=True))
+    try:
+        with pytest.raises(ValueError, match=r"cuda or cpu devices; this one has cpu: layers 0-1, 3-4, lm_head; "
+                                             r"meta: layers 2"):
+            specdec.wrap(model)
+    finally:
+        remove_hook_from_module(layer)
+    ids, mask, eos, ref = reference("nemotron_h")
+    out = specdec.wrap(model, rollback="replay").generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
+                                                          eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_spread_layers_does_nothing_on_one_device():
+    """On one device the layers get no hooks."""
+    model = get_model("qwen3_5")
+    layers = model.model.layers
+    with spread_layers(layers, adapter_for(model).placement):
+        assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
+
+
+def test_stack_kv_groups_by_device():
+    """Keys / values of like shape and dtype on two devices stack per device (one stack cannot
+    hold both)."""
+    k = torch.ones(2, 1, 3, 4)
+    kv = {0: (k, k * 2), 1: (k.to("meta"), k.to("meta")), 2: (k * 3, k * 4)}
+    groups = _stack_kv(kv)
+    assert [(names, data.device.type, data.shape[0]) for names, data in groups] == [
+        ([(0, "keys"), (0, "values"), (2, "keys"), (2, "values")], "cpu", 4),
+        ([(1, "keys"), (1, "values")], "meta", 2)]
+    assert torch.equal(groups[0][1][3], k * 4)
+
+
+def test_cache_on_its_home_device_only():
+    """A cache whose layers are all on its home device (told so or not) keeps no copies of
+    ``seq_len`` and commits as before."""
+    cache = HybridCache(2, 16, 3, torch.float32, "cpu")
+    assert cache.mirrors == {} and cache.layer_device(0) is None
+    cache = HybridCache(2, 16, 3, torch.float32, "cpu", layer_devices=["cpu"] * 3)
+    assert cache.mirrors == {} and cache.layer_device(1) == torch.device("cpu")
+    cache.seq_len = torch.tensor([4, 6])
+    cache.refresh_mirrors()
+    cache.advance(3)
+    cache.commit(torch.tensor([1, 3]))
+    assert cache.seq_len.tolist() == [5, 9] and cache.step_tokens == 0
+
+
+def test_cache_keeps_seq_len_on_every_layer_device():
+    """A cache told that a layer is on another device (``meta`` stands in for it) keeps ``seq_len``
+    there, refreshed on load and advanced by each commit (one copy of the accepted counts per
+    device)."""
+    cache = HybridCache(2, 16, 3, torch.float32, "cpu", layer_devices=["cpu", "meta", "meta"])
+    assert list(cache.mirrors) == [torch.device("meta")] and cache.layer_device(1) == torch.device("meta")
+    cache.seq_len = torch.tensor([4, 6])
+    cache.refresh_mirrors()
+    cache.advance(2)
+    cache.commit(torch.tensor([2, 1]))
+    assert cache.seq_len.tolist() == [6, 7]
+    assert cache.mirrors[torch.device("meta")].shape == (2,)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 0\]"):
+        cache.commit(torch.tensor([1, 0]))
+
+
+def test_prompt_kernels_keep_cpu_modules_on_their_forward(monkeypatch):
+    """A routed norm / MLP whose input is on a device the Triton backend does not serve (the CPU
+    layers of a model spread over CUDA and the CPU) keeps its own forward."""
+    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    w = torch.ones(4)
+    assert _kernel_input((torch.ones(2, 4),), {}, w) is None
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    x = torch.ones(2, 4)
+    assert _kernel_input((x,), {}, w) is x
+
+
+def test_stats_name_the_layout_and_why_the_path():
+    """A model on one device: Stats name its layout and why the decode path was taken."""
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(get_model("qwen3_5"), rollback="replay", num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+    st = sd.last_stats
+    assert (st.decode_path, st.path_reason, st.devices) == ("eager", "auto: the model is on cpu, not CUDA",
+                                                            "cpu: layers 0-3, lm_head")
+    sd.decode_path = "static"
+    sd.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    assert sd.last_stats.path_reason == "decode_path='static' asked for"
+
+
+# ------------------------------------------------------------------------------ GPU: cuda:0 + CPU
+
+
+def split_map(model, home) -> dict:
+    """Decoder layers alternately on cuda:0 (0, 2, ...) and the CPU (1, 3, ...); every other module
+    (embeddings, final norm, rotary, LM head) on ``home`` (0 or "cpu")."""
+    base = model.base_model_prefix
+    body = getattr(model, base)
+    dm = {f"{base}.{name}": home for name, _ in body.named_children() if name != "layers"}
+    dm.update({f"{base}.layers.{i}": 0 if i % 2 == 0 else "cpu" for i in range(len(body.layers))})
+    dm.update({name: home for name, _ in model.named_children() if name != base})
+    return dm
+
+
+_SPLIT: dict = {}
+
+
+def split_model(family: str, home):
+    """``family``'s tiny target (the weights of :func:`get_model`'s) dispatched by :func:`split_map`,
+    made once per (family, home)."""
+    key = (family, home)
+    if key not in _SPLIT:
+        model = copy.deepcopy(make_model(family)).eval()
+        _SPLIT[key] = dispatch_model(model, device_map=split_map(model, home), main_device="cpu")
+    return _SPLIT[key]
+
+
+def _home(home) -> torch.device:
+    return torch.device("cuda", 0) if home == 0 else torch.device("cpu")
+
+
+def _tensors(x):
+    """Every tensor in ``x`` (a tensor, or nested dicts / lists / tuples of them)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def check_cache_devices(sd, cache) -> None:
+    """Every KV buffer, conv window and rollback store tensor of ``cache`` on its layer's device, each
+    SSM layer's op on the backend of its device, ``seq_len`` on the home device."""
+    place = sd.adapter.placement
+    assert cache.device == place.home and cache.seq_len.device == place.home
+    for idx, bufs in cache.kv.items():
+        assert {b.device for b in bufs} == {place.layers[idx]}, idx
+    for idx, layer in cache.ssm.items():
+        dev = place.layers[idx]
+        assert layer.device == dev, idx
+        assert layer.op.backend == ("triton" if dev.type == "cuda" else "torch"), idx
+        found = list(_tensors(layer.store.tensors)) + ([layer.conv_window] if layer.conv_window is not None else [])
+        assert found and {t.device for t in found} == {dev}, idx
+
+
+def _generate(sd, home, **kw):
+    ids, mask, eos, ref = reference(kw.pop("family"))
+    dev = _home(home)
+    out = sd.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=MAX_NEW, eos_token_id=eos,
+                      pad_token_id=0, **kw)
+    return out.cpu(), ref
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_cuda_cpu_split_decodes_exactly(family, strategy, home):
+    """Layers alternately on cuda:0 and the CPU, the LM head on ``home``: every path decodes a
+    ragged batch (a row stopping at EOS) exactly as HF's greedy on the model in memory, auto takes
+    the eager path and says why, and each layer's state lives on its device."""
+    model = split_model(family, home)
+    place = adapter_for(model).placement
+    assert place.home == _home(home) and place.multi_device and not place.all_cuda
+    assert {d.type for d in place.layers} == {"cuda", "cpu"}
+    for path in ("auto", "eager", "static"):
+        sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=3, decode_path=path)
+        out, ref = _generate(sd, home, family=family)
+        assert torch.equal(out, ref), path
+        st = sd.last_stats
+        want = "eager" if path == "auto" else path
+        assert st.decode_path == want, (path, st.capture_error)
+        assert st.path_reason == ("auto: layers on CUDA and the CPU: the eager path" if path == "auto"
+                                  else f"decode_path={path!r} asked for")
+        assert st.devices == place.layout()
+        check_cache_devices(sd, sd.last_cache)
+        assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+def test_cuda_cpu_split_refuses_cuda_graphs(home):
+    """decode_path="cuda_graph" on a split model raises naming the layout, at wrap and when set."""
+    model = split_model("qwen3_5", home)
+    with pytest.raises(ValueError, match=r"needs every decoder layer and the LM head on one CUDA device; this model "
+                                         r"computes on several \(.*cuda:0: layers 0, 2.*cpu: layers 1, 3"):
+        specdec.wrap(model, decode_path="cuda_graph")
+    sd = specdec.wrap(model)
+    with pytest.raises(ValueError, match="needs every decoder layer and the LM head on one CUDA device"):
+        sd.decode_path = "cuda_graph"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+@pytest.mark.parametrize("K", [0, "auto"])
+def test_cuda_cpu_split_plain_and_chosen_k(home, K):
+    """Plain steps (K = 0: the in-place update) and K chosen per step on the split: exact."""
+    model = split_model("nemotron_h", home)
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=K, max_speculative_tokens=4,
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.1 * K))
+    out, ref = _generate(sd, home, family="nemotron_h")
+    assert torch.equal(out, ref)
+    check_cache_devices(sd, sd.last_cache)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cuda_cpu_split_medusa_tree(home, strategy):
+    """A Medusa draft tree on the split (path commits moved per device): exact."""
+    model = split_model("qwen3_5", home)
+    heads = MedusaHeads.from_target(model, num_heads=2)
+    sd = specdec.wrap(model, drafter=MedusaDrafter(heads, tree="default"), rollback=strategy, decode_path="eager")
+    out, ref = _generate(sd, home, family="qwen3_5")
+    assert torch.equal(out, ref)
+    check_cache_devices(sd, sd.last_cache)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_cuda_cpu_split_generate_batch(home, path):
+    """Continuous batching on the split (rows loaded in place per device as requests are admitted):
+    every request's tokens are those generate() gives it alone."""
+    family = "kimi_linear"
+    model = split_model(family, home)
+    dev = _home(home)
+    prompts = [[5, 9, 11, 5, 9], [7, 8, 9, 10, 11, 12, 7, 8], [20, 21, 20], [30, 31, 32, 33, 30, 31]]
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+    alone = [sd.generate(torch.tensor([p], device=dev), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
+             for p in prompts]
+    out = sd.generate_batch(prompts, max_new_tokens=8, max_batch_size=2)
+    got = [list(o.generated_tokens) for o in out.values()]
+    assert sorted(got) == sorted(alone)
+    assert sd.last_stats.decode_path == path
