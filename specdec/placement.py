@@ -322,9 +322,10 @@ def spread_layers(layers, placement: Placement):
     device) of a model spread over several devices get their inputs on their own device and run
     with it current: a forward pre-hook on each layer copies every tensor argument on another
     device (hidden states, the mask, ``position_embeddings``' cos / sin, position ids; inside
-    tuples, lists and dicts too) to the layer's device, once per device for the whole block
-    (the copies are kept until it ends, so the layers after the first of a device find them),
-    and makes a CUDA layer's device torch's current one (Triton launches there), a forward hook
+    tuples, lists and dicts too) to the layer's device, a keyword argument once per device for
+    the whole block (the copies are kept until it ends, so the layers after the first of a device
+    find them; a positional one, the hidden states the layer before returned, is copied each
+    time, not kept), and makes a CUDA layer's device torch's current one (Triton launches there), a forward hook
     making ``home``'s current again after it. accelerate's hooks, which run after these, then
     find every input in place. Copies to a CUDA device do not block the host; copies to the CPU
     do (the CPU computes on the host). The current CUDA device at entry is current again at the
@@ -335,25 +336,27 @@ def spread_layers(layers, placement: Placement):
     home = placement.home
     memo: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def moved(x, dev):
+    def moved(x, dev, keep: bool):
         if isinstance(x, torch.Tensor):
             if x.device == dev:
                 return x
+            if not keep:
+                return x.to(dev, non_blocking=dev.type == "cuda")
             hit = memo.get((id(x), dev))
             if hit is None:  # (the source kept alongside: its id stays its own while the block lasts)
                 hit = memo[(id(x), dev)] = (x, x.to(dev, non_blocking=dev.type == "cuda"))
             return hit[1]
         if type(x) in (tuple, list):
-            return type(x)(moved(v, dev) for v in x)
+            return type(x)(moved(v, dev, keep) for v in x)
         if type(x) is dict:
-            return {k: moved(v, dev) for k, v in x.items()}
+            return {k: moved(v, dev, keep) for k, v in x.items()}
         return x
 
     def before(dev):
         def hook(module, args, kwargs):
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            return moved(args, dev), moved(kwargs, dev)
+            return moved(args, dev, False), moved(kwargs, dev, True)
         return hook
 
     def after(module, args, output):

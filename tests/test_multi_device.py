@@ -84,6 +84,41 @@ def test_spread_layers_does_nothing_on_one_device():
         assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
 
 
+class _Recorder(torch.nn.Module):
+    """A layer that records what it was called with and returns its hidden states plus one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, hidden, mask=None, position_embeddings=None):
+        self.calls.append((hidden, mask, position_embeddings))
+        return hidden + 1
+
+
+def test_spread_layers_moves_keyword_inputs_once_per_device(monkeypatch):
+    """Layers on two devices (``meta`` stands in for the second; the device check is left out):
+    each layer gets every input on its own device; a keyword input is copied once per device for
+    the whole block (both ``meta`` layers get the same copy, tuples included), a positional one
+    each time; the hooks are gone afterwards."""
+    monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    place = Placement(cpu, (cpu, cpu, meta, meta))  # (nothing comes back from meta: it holds no data)
+    layers = torch.nn.ModuleList(_Recorder() for _ in range(4))
+    mask, cos_sin = torch.zeros(2, 3), (torch.ones(3), torch.ones(3))
+    with spread_layers(layers, place):
+        hidden = torch.zeros(2, 3)
+        for layer in layers:
+            hidden = layer(hidden, mask=mask, position_embeddings=cos_sin)
+    for layer, dev in zip(layers, place.layers):
+        (h, m, (c, s)), = layer.calls
+        assert {h.device, m.device, c.device, s.device} == {dev}
+    assert layers[0].calls[0][1] is mask and layers[1].calls[0][2][1] is cos_sin[1]
+    assert layers[2].calls[0][1] is layers[3].calls[0][1]
+    assert layers[2].calls[0][2][0] is layers[3].calls[0][2][0]
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
+
+
 def test_stack_kv_groups_by_device():
     """Keys / values of like shape and dtype on two devices stack per device (one stack cannot
     hold both)."""
