@@ -324,18 +324,51 @@ def test_cuda_cpu_split_medusa_tree(home, strategy):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("home", [0, "cpu"])
-@pytest.mark.parametrize("path", ["eager", "static"])
-def test_cuda_cpu_split_generate_batch(home, path):
-    """Continuous batching on the split (rows loaded in place per device as requests are admitted):
-    every request's tokens are those generate() gives it alone."""
+@pytest.mark.parametrize("path, prefix_caching", [("eager", False), ("static", False), ("eager", True)])
+def test_cuda_cpu_split_generate_batch(home, path, prefix_caching):
+    """Continuous batching on the split (rows loaded in place per device as requests are admitted;
+    with prefix caching, blocks of every layer's keys stored per device): every request's tokens
+    are those generate() gives it alone."""
     family = "kimi_linear"
     model = split_model(family, home)
     dev = _home(home)
-    prompts = [[5, 9, 11, 5, 9], [7, 8, 9, 10, 11, 12, 7, 8], [20, 21, 20], [30, 31, 32, 33, 30, 31]]
+    prompts = [[5, 9, 11, 5, 9, 11, 4], [7, 8, 9, 10, 11, 12, 7, 8], [5, 9, 11, 5, 20, 21, 20],
+               [30, 31, 32, 33, 30, 31]]
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
     alone = [sd.generate(torch.tensor([p], device=dev), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
              for p in prompts]
-    out = sd.generate_batch(prompts, max_new_tokens=8, max_batch_size=2)
-    got = [list(o.generated_tokens) for o in out.values()]
-    assert sorted(got) == sorted(alone)
+    out = sd.generate_batch(prompts, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
+                            prefix_block_size=2)
+    assert [o.generated_tokens for o in out.values()] == alone
     assert sd.last_stats.decode_path == path
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_gpu_split_decodes_exactly(strategy):
+    """Layers 0-1 on cuda:0, the others and the LM head on cuda:1 (the home device differs from
+    the embeddings'), cuda:0 current: auto takes the static path and says why; every path is
+    exact; cuda:0 is current afterwards."""
+    family = "qwen3_5"
+    model = copy.deepcopy(make_model(family)).eval()
+    n = len(model.model.layers)
+    dm = {f"model.{name}": 0 for name, _ in model.model.named_children() if name != "layers"}
+    dm.update({f"model.layers.{i}": 0 if i < n // 2 else 1 for i in range(n)})
+    dm["lm_head"] = 1
+    model = dispatch_model(model, device_map=dm, main_device="cpu")
+    torch.cuda.set_device(0)
+    ids, mask, eos, ref = reference(family)
+    for path in ("auto", "eager", "static"):
+        sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=3, decode_path=path)
+        out = sd.generate(ids.to("cuda:1"), attention_mask=mask.to("cuda:1"), max_new_tokens=MAX_NEW,
+                          eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out.cpu(), ref), path
+        st = sd.last_stats
+        assert st.decode_path == ("static" if path == "auto" else path)
+        if path == "auto":
+            assert st.path_reason == "auto: layers on several CUDA devices: the static path, no CUDA graphs"
+        assert st.devices == "cuda:1: layers 2-3, lm_head; cuda:0: layers 0-1"
+        check_cache_devices(sd, sd.last_cache)
+        assert torch.cuda.current_device() == 0

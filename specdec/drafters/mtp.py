@@ -900,6 +900,7 @@ class MTPDrafter(Drafter):
         Lp = mask.shape[1]
         cache.pad = (Lp - mask.sum(1)).to(cache.device)
         cache.seq_len = torch.zeros_like(cache.pad)
+        cache.refresh_mirrors()
         if Lp > 1:
             self._step(cache, input_ids[:, 1:].to(cache.device), hidden[:, :-1], 0)
             cache.commit(torch.full_like(cache.pad, Lp - 1))
