@@ -24,7 +24,6 @@ from specdec.cache import HybridCache
 from specdec.drafters import MedusaDrafter, MedusaHeads
 from specdec.models import adapter_for
 from specdec.models.base import _stack_kv
-from specdec.models.common import _kernel_input
 from specdec.placement import Placement, check_placement, spread_layers
 
 STRATEGIES = ("snapshot", "ring", "replay")
@@ -159,17 +158,6 @@ def test_cache_keeps_seq_len_on_every_layer_device():
     assert cache.mirrors[torch.device("meta")].shape == (2,)
     with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 0\]"):
         cache.commit(torch.tensor([1, 0]))
-
-
-def test_prompt_kernels_keep_cpu_modules_on_their_forward(monkeypatch):
-    """A routed norm / MLP whose input is on a device the Triton backend does not serve (the CPU
-    layers of a model spread over CUDA and the CPU) keeps its own forward."""
-    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
-    w = torch.ones(4)
-    assert _kernel_input((torch.ones(2, 4),), {}, w) is None
-    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
-    x = torch.ones(2, 4)
-    assert _kernel_input((x,), {}, w) is x
 
 
 def test_stats_name_the_layout_and_why_the_path():

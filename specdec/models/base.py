@@ -946,6 +946,9 @@ class HybridAdapter:
         place = self.placement
         use = scan != "hf" and any(backend(dev) == "triton" for dev in place.devices) and prompt_kernels_enabled()
         routes = self._prompt_routes() if use else ([], [])
+        if use and place.multi_device:  # (the kernels are Triton's: a module computing on the CPU keeps its forward)
+            routes = tuple([(mod, form) for mod, form in found if backend(execution_device(mod)) == "triton"]
+                           for found in routes)
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
               prompt_kernels(*routes), spread_layers(self.body.layers, place)):

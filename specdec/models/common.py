@@ -28,7 +28,6 @@ import inspect
 
 import torch
 
-from ..kernels import backend
 from ..kernels.gdn import L2NORM_EPS
 from ..kernels.linear import mlp_activation
 from ..kernels.protocol import FLOAT_DTYPES
@@ -82,12 +81,11 @@ def plain_norms(modules) -> list[tuple[torch.nn.Module, tuple[float, bool, bool]
 def _kernel_input(args, kwargs, weight: torch.Tensor) -> torch.Tensor | None:
     """The one positional input of a routed module's call when a prompt kernel takes it: a tensor
     in ``weight``'s dtype (one of :data:`~specdec.kernels.protocol.FLOAT_DTYPES`: fp64 keeps the
-    module's forward) and device, a device the Triton backend serves (:func:`~specdec.kernels.backend`:
-    a module of a model spread over CUDA and the CPU that computes on the CPU keeps its forward),
-    outside a ``torch.compile`` trace; else None (the module's own forward runs)."""
+    module's forward) and device, outside a ``torch.compile`` trace; else None (the module's own
+    forward runs)."""
     x = args[0] if len(args) == 1 and not kwargs else None
     if (not isinstance(x, torch.Tensor) or torch.compiler.is_compiling() or x.dtype not in FLOAT_DTYPES
-            or x.dtype != weight.dtype or x.device != weight.device or backend(x.device) != "triton"):
+            or x.dtype != weight.dtype or x.device != weight.device):
         return None
     return x
 
