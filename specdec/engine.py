@@ -920,6 +920,8 @@ class SpeculativeGenerator:
     def decode_path(self, value):
         if value not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {value!r}")
+        if value == "cuda_graph":
+            self._check_one_device()
         if value == "cuda_graph" and self.adapter.offloads_weights:
             raise ValueError("decode_path='cuda_graph' cannot replay a model whose weights accelerate loads for each "
                              "forward (offloaded to 'cpu' or 'disk' by its device_map): a graph would read the "
@@ -927,8 +929,6 @@ class SpeculativeGenerator:
         if value == "cuda_graph" and self.adapter.device.type != "cuda":
             raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {self.adapter.device}; "
                              "use 'static' or 'eager'")
-        if value == "cuda_graph":
-            self._check_one_device()
         self._decode_path = value
 
     def _check_one_device(self) -> None:
@@ -2091,10 +2091,10 @@ class SpeculativeGenerator:
         if want != "eager" and blockers:
             raise ValueError(f"decode_path={want!r} does not support {', '.join(blockers)}; use decode_path='eager' "
                              "or 'auto' (which picks the eager path for such calls)")
-        if want == "cuda_graph" and dev.type != "cuda":
-            raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
         if want == "cuda_graph":
             self._check_one_device()
+        if want == "cuda_graph" and dev.type != "cuda":
+            raise ValueError(f"decode_path='cuda_graph' needs a CUDA model, this one is on {dev}; use 'static' or 'eager'")
         return want, f"decode_path={want!r} asked for"
 
     def _decoder(self, path: str, batch: int, needed_len: int, step_tokens: int, tree,

@@ -160,6 +160,87 @@ def test_cache_keeps_seq_len_on_every_layer_device():
         cache.commit(torch.tensor([1, 0]))
 
 
+def _kv_caches(batch: int = 3, max_len: int = 16, step: int = 4):
+    """Two caches of one attention layer 0 on the CPU (the home device) holding the same keys /
+    values: one alone, one told of a layer 1 on ``meta`` (standing in for a second device; its
+    buffers hold no data, so only the CPU layer's values are compared)."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(batch, 1, max_len, 2, generator=g) for _ in range(2))
+    caches = []
+    for layer_devices in (None, ["cpu", "meta"]):
+        cache = HybridCache(batch, max_len, step, torch.float32, "cpu", layer_devices=layer_devices)
+        cache.kv[0] = (k.clone(), v.clone())
+        if layer_devices is not None:
+            cache.kv[1] = (k.to("meta"), v.to("meta"))
+        cache.pad = torch.tensor([2, 0, 1][:batch])
+        cache.seq_len = torch.tensor([5, 7, 6][:batch])
+        cache.refresh_mirrors()
+        caches.append(cache)
+    return caches
+
+
+def _same_home_state(alone: HybridCache, spread: HybridCache) -> None:
+    assert torch.equal(alone.seq_len, spread.seq_len) and torch.equal(alone.pad, spread.pad)
+    assert all(torch.equal(a, b) for a, b in zip(alone.kv[0], spread.kv[0]))
+    assert spread.mirrors[torch.device("meta")].shape == spread.seq_len.shape
+
+
+def test_spread_commit_path_moves_each_device_as_one_device_does():
+    """A tree step's path commit on a cache whose layers spread (path and counts copied per
+    device): the home layer's keys / values and ``seq_len`` end as on a cache on one device."""
+    from specdec.tree import TreeSpec
+
+    tree = TreeSpec([(0,), (1,), (0, 0)])
+    path = torch.tensor([[0, 2, 0], [0, 1, 3], [0, 1, 0]])
+    num = torch.tensor([2, 3, 1])
+    caches = _kv_caches()
+    for cache in caches:
+        cache.set_tree(tree)
+        cache.advance(tree.num_nodes)
+        cache.commit_path(path, num)
+    _same_home_state(*caches)
+    assert caches[1].seq_len.tolist() == [7, 10, 7] and caches[1].step_tokens == 0
+
+
+def test_spread_row_loads_and_resets_write_each_device_as_one_device_does():
+    """load_rows (slots side by side and not) and reset_rows on caches whose layers spread (rows
+    copied to each buffer's device): the home layer's keys / values, ``pad`` and ``seq_len`` end as
+    on caches on one device."""
+    caches = _kv_caches()
+    g = torch.Generator().manual_seed(1)
+    for rows in ([1], [2, 0]):
+        n = len(rows)
+        keys = torch.randn(n, 1, 5, 2, generator=g)
+        for cache in caches:
+            kv = {idx: (keys.to(k.device), keys.to(k.device) + 1) for idx, (k, _) in cache.kv.items()}
+            cache.load_rows(rows, 5, torch.tensor([1, 0][:n]), kv, {})
+        _same_home_state(*caches)
+    sources = _kv_caches(batch=2)
+    for cache, source in zip(caches, sources):
+        cache.reset_rows([2, 1], source, [0, 1])
+    _same_home_state(*caches)
+    assert caches[1].seq_len.tolist() == [5, 7, 5]
+
+
+def test_decode_path_choice_for_a_spread_model(monkeypatch):
+    """The path auto takes for layers on several devices, and why (a placement standing in for
+    one, the device check left out): eager with a CPU layer, static with every layer on CUDA;
+    decode_path="cuda_graph" raises naming the layout."""
+    monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
+    sd = specdec.wrap(get_model("qwen3_5"))
+    cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    for layers, want in (((cuda0, cpu, cuda0, cpu), ("eager", "auto: layers on CUDA and the CPU: the eager path")),
+                         ((cuda1, cuda1, cuda0, cuda0),
+                          ("static", "auto: layers on several CUDA devices: the static path, no CUDA graphs"))):
+        place = Placement(cuda0, layers)
+        monkeypatch.setattr(type(sd.adapter), "placement", property(lambda self, place=place: place))
+        assert sd._choose_path(cuda0, None) == want
+        with pytest.raises(ValueError, match=rf"needs every decoder layer and the LM head on one CUDA device; "
+                                             rf"this model computes on several \({place.layout()}\)"):
+            sd.decode_path = "cuda_graph"
+    assert place.layout() == "cuda:0: layers 2-3, lm_head; cuda:1: layers 0-1"
+
+
 def test_stats_name_the_layout_and_why_the_path():
     """A model on one device: Stats name its layout and why the decode path was taken."""
     ids, mask, eos, ref = reference("qwen3_5")
