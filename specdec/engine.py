@@ -1077,13 +1077,13 @@ class SpeculativeGenerator:
             warn_caller(f"prompt ({settings.input_ids.shape[1]} tokens, padding included) + max_new_tokens reach "
                         f"{reach} positions, beyond the model's context (config.max_position_embeddings={limit}): "
                         "tokens past it may be meaningless (generate_batch() refuses such a request)")
-            rows, free = settings.input_ids.shape[0], free_memory(self.adapter.device)
+            rows, free = settings.input_ids.shape[0], self._free_memory()
             need = rows * self._row_bytes(reach).total
             free = None if free is None else free + self._held_bytes()  # (the kept caches are replaced)
             if free is not None and need > free:
                 raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
                                  f"positions need {format_bytes(need)}, more than the {format_bytes(free)} free on "
-                                 f"{self.adapter.device}; ask for fewer new tokens")
+                                 f"{', '.join(map(str, self.adapter.placement.devices))}; ask for fewer new tokens")
         return self._decode(settings)
 
     @torch.no_grad()
@@ -1356,10 +1356,18 @@ class SpeculativeGenerator:
         per_row = functools.partial(self._row_bytes, span)
 
         def available():
-            free = free_memory(self.adapter.device)
+            free = self._free_memory()
             return None if free is None else free + self._held_bytes()
 
         return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available, reserved)
+
+    def _free_memory(self) -> int | None:
+        """Bytes free for new tensors (:func:`specdec.batching.free_memory`) on the device the
+        model computes on, or the least over them for a model whose layers spread over several
+        (the rows' bytes are checked against it whole: more than any one device holds), None
+        where unknown."""
+        frees = [free_memory(dev) for dev in self.adapter.placement.devices]
+        return None if None in frees else min(frees)
 
     def _row_bytes(self, span: int) -> SequenceBytes:
         """The bytes one pool row of ``span`` tokens needs under the generator's settings now: its
