@@ -2092,7 +2092,8 @@ class SpeculativeGenerator:
             if place.multi_device:  # (static: no host read of seq_len per attention layer, as eager's)
                 if place.all_cuda:
                     return "static", "auto: layers on several CUDA devices: the static path, no CUDA graphs"
-                return "eager", "auto: layers on CUDA and the CPU: the eager path"
+                return "eager", (f"auto: layers on several devices ({', '.join(map(str, place.devices))}), not all "
+                                 "CUDA: the eager path")
             if dev.type != "cuda":
                 return "eager", f"auto: the model is on {dev}, not CUDA"
             return "cuda_graph", "auto: the model is on one CUDA device"

@@ -28,6 +28,9 @@ from specdec.placement import Placement, check_placement, spread_layers
 
 STRATEGIES = ("snapshot", "ring", "replay")
 SPLIT_FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
+#: continuous batching's requests: prompts 0 and 2 share their first blocks (of 2 tokens)
+BATCH_PROMPTS = [[5, 9, 11, 5, 9, 11, 4], [7, 8, 9, 10, 11, 12, 7, 8], [5, 9, 11, 5, 20, 21, 20],
+                 [30, 31, 32, 33, 30, 31]]
 
 
 # ------------------------------------------------------------------------------ CPU: placement
@@ -229,7 +232,8 @@ def test_decode_path_choice_for_a_spread_model(monkeypatch):
     monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
     sd = specdec.wrap(get_model("qwen3_5"))
     cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
-    for layers, want in (((cuda0, cpu, cuda0, cpu), ("eager", "auto: layers on CUDA and the CPU: the eager path")),
+    for layers, want in (((cuda0, cpu, cuda0, cpu), ("eager", "auto: layers on several devices (cuda:0, cpu), not all CUDA: the eager "
+                                                        "path")),
                          ((cuda1, cuda1, cuda0, cuda0),
                           ("static", "auto: layers on several CUDA devices: the static path, no CUDA graphs"))):
         place = Placement(cuda0, layers)
@@ -253,6 +257,83 @@ def test_stats_name_the_layout_and_why_the_path():
     sd.decode_path = "static"
     sd.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
     assert sd.last_stats.path_reason == "decode_path='static' asked for"
+
+
+# ------------------------------------------------------------------------------ CPU: two names of the CPU
+
+
+def two_name_model(family: str):
+    """``family``'s tiny target (a fresh copy of :func:`get_model`'s weights) with its odd decoder
+    layers hooked to compute on ``cpu:0``, the rest on ``cpu``. torch tells the two device names
+    apart (``torch.device("cpu:0") != torch.device("cpu")``) while every tensor lands on the
+    CPU, so the model counts as spread over two devices and every per-device path runs (the
+    layers' hooks, the per-device copies of ``seq_len`` and of each commit's counts and path,
+    row loads and resets per device) on this machine."""
+    model = make_model(family)
+    for i, layer in enumerate(model.model.layers):
+        if i % 2:
+            add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cpu", 0), io_same_device=True))
+    return model
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_two_device_names_decode_exactly(family, strategy):
+    """Layers alternately on ``cpu`` and ``cpu:0`` (:func:`two_name_model`): eager (auto) and
+    static decode a ragged batch, a row stopping at EOS, exactly as HF's greedy; Stats name the
+    layout and why the path; the cache keeps ``seq_len`` on ``cpu:0`` too, in step with home's."""
+    model = two_name_model(family)
+    place = adapter_for(model).placement
+    assert place.multi_device and place.devices == (torch.device("cpu"), torch.device("cpu", 0))
+    ids, mask, eos, ref = reference(family)
+    for path in ("auto", "static"):
+        sd = specdec.wrap(model, drafter="ngram", rollback=strategy, num_speculative_tokens=3, decode_path=path)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), path
+        st = sd.last_stats
+        assert st.decode_path == ("eager" if path == "auto" else path)
+        assert st.devices == place.layout() and st.path_reason.startswith(
+            "auto: layers on several devices (cpu, cpu:0)" if path == "auto" else "decode_path=")
+        cache = sd.last_cache
+        assert torch.equal(cache.mirrors[torch.device("cpu", 0)], cache.seq_len)
+        assert {layer.device for layer in cache.ssm.values()} <= set(place.devices)
+
+
+@pytest.mark.parametrize("K", [0, "auto"])
+def test_two_device_names_plain_and_chosen_k(K):
+    """Plain steps (K = 0) and K chosen per step on a model spread over two device names: exact."""
+    model = two_name_model("nemotron_h")
+    ids, mask, eos, ref = reference("nemotron_h")
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=K, max_speculative_tokens=4,
+                      cost_model=FixedCosts(lambda strategy, batch, K: 1.0 + 0.1 * K))
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_device_names_medusa_tree(strategy):
+    """A Medusa draft tree on a model spread over two device names (path commits per device): exact."""
+    model = two_name_model("qwen3_5")
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter=MedusaDrafter(MedusaHeads.from_target(model, num_heads=2), tree="default"),
+                      rollback=strategy, decode_path="eager")
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+
+
+@pytest.mark.parametrize("path, prefix_caching", [("eager", False), ("static", False), ("eager", True)])
+def test_two_device_names_generate_batch(path, prefix_caching):
+    """Continuous batching on a model spread over two device names (rows loaded and reset per
+    device; with prefix caching, blocks stored per device): every request's tokens are those
+    generate() gives it alone."""
+    model = two_name_model("kimi_linear")
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+    alone = [sd.generate(torch.tensor([p]), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
+             for p in BATCH_PROMPTS]
+    out = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
+                            **({"prefix_block_size": 2} if prefix_caching else {}))
+    assert [o.generated_tokens for o in out.values()] == alone
+    assert sd.last_stats.decode_path == path
 
 
 # ------------------------------------------------------------------------------ GPU: cuda:0 + CPU
@@ -341,8 +422,8 @@ def test_cuda_cpu_split_decodes_exactly(family, strategy, home):
         st = sd.last_stats
         want = "eager" if path == "auto" else path
         assert st.decode_path == want, (path, st.capture_error)
-        assert st.path_reason == ("auto: layers on CUDA and the CPU: the eager path" if path == "auto"
-                                  else f"decode_path={path!r} asked for")
+        assert st.path_reason == (f"auto: layers on several devices ({', '.join(map(str, place.devices))}), not all "
+                                  "CUDA: the eager path" if path == "auto" else f"decode_path={path!r} asked for")
         assert st.devices == place.layout()
         check_cache_devices(sd, sd.last_cache)
         assert torch.cuda.current_device() == 0
@@ -401,13 +482,11 @@ def test_cuda_cpu_split_generate_batch(home, path, prefix_caching):
     family = "kimi_linear"
     model = split_model(family, home)
     dev = _home(home)
-    prompts = [[5, 9, 11, 5, 9, 11, 4], [7, 8, 9, 10, 11, 12, 7, 8], [5, 9, 11, 5, 20, 21, 20],
-               [30, 31, 32, 33, 30, 31]]
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
     alone = [sd.generate(torch.tensor([p], device=dev), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
-             for p in prompts]
-    out = sd.generate_batch(prompts, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
-                            prefix_block_size=2)
+             for p in BATCH_PROMPTS]
+    out = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
+                            **({"prefix_block_size": 2} if prefix_caching else {}))
     assert [o.generated_tokens for o in out.values()] == alone
     assert sd.last_stats.decode_path == path
 
