@@ -16,12 +16,12 @@ from accelerate import dispatch_model
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from helpers import MAX_NEW, reference
 from markers import needs_cuda
-from tiny_models import get_model, make_model
+from tiny_models import EXTRA_FAMILIES, get_model, make_model
 
 import specdec
 from specdec.adaptive import FixedCosts
 from specdec.cache import HybridCache
-from specdec.drafters import MedusaDrafter, MedusaHeads
+from specdec.drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads
 from specdec.models import adapter_for
 from specdec.models.base import _stack_kv
 from specdec.placement import Placement, check_placement, spread_layers
@@ -270,7 +270,7 @@ def two_name_model(family: str):
     layers' hooks, the per-device copies of ``seq_len`` and of each commit's counts and path,
     row loads and resets per device) on this machine."""
     model = make_model(family)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(adapter_for(model).body.layers):
         if i % 2:
             add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cpu", 0), io_same_device=True))
     return model
@@ -297,6 +297,30 @@ def test_two_device_names_decode_exactly(family, strategy):
         cache = sd.last_cache
         assert torch.equal(cache.mirrors[torch.device("cpu", 0)], cache.seq_len)
         assert {layer.device for layer in cache.ssm.values()} <= set(place.devices)
+
+
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
+def test_two_device_names_of_other_families(family):
+    """The other families (short convs, shared attention blocks, MoE, ...) spread over two device
+    names: exact on the eager and static paths."""
+    model = two_name_model(family)
+    ids, mask, eos, ref = reference(family)
+    for path in ("eager", "static"):
+        sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref), path
+
+
+def test_two_device_names_with_a_draft_model():
+    """A draft model (itself on the target's home device) drafting for a target spread over two
+    device names: exact."""
+    model = two_name_model("qwen3_5")
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter=DraftModelDrafter(get_model("qwen3_5", "perturbed")), rollback="replay",
+                      num_speculative_tokens=3)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+    assert sd.last_stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("K", [0, "auto"])
