@@ -9,6 +9,7 @@ compute on the CPU, int entries on that GPU) and decode them exactly."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -459,8 +460,11 @@ def test_cuda_cpu_split_decodes_exactly(family, strategy, home):
 def test_cuda_cpu_split_refuses_cuda_graphs(home):
     """decode_path="cuda_graph" on a split model raises naming the layout, at wrap and when set."""
     model = split_model("qwen3_5", home)
+    layout = adapter_for(model).placement.layout()
+    assert set(layout.split("; ")) == {f"cuda:0: layers 0, 2{', lm_head' if home == 0 else ''}",
+                                       f"cpu: layers 1, 3{', lm_head' if home == 'cpu' else ''}"}
     with pytest.raises(ValueError, match=r"needs every decoder layer and the LM head on one CUDA device; this model "
-                                         r"computes on several \(.*cuda:0: layers 0, 2.*cpu: layers 1, 3"):
+                                         rf"computes on several \({re.escape(layout)}\)"):
         specdec.wrap(model, decode_path="cuda_graph")
     sd = specdec.wrap(model)
     with pytest.raises(ValueError, match="needs every decoder layer and the LM head on one CUDA device"):
