@@ -40,8 +40,8 @@ __all__ = ["Placement", "check_placement", "execution_device", "execution_device
 
 def on_device(device: torch.device | str | None) -> contextlib.AbstractContextManager:
     """A context in which ``device`` is torch's current CUDA device (``torch.cuda.device``), for a
-    CUDA ``device``; for any other device, or None, a context that does nothing. Triton launches a kernel
-    on the current device whatever device its tensors are on, and specdec's captures
+    CUDA ``device``; for any other device, or None, a context that does nothing. Triton launches a
+    kernel on the current device whatever device its tensors are on, and specdec's captures
     (:func:`specdec.graphs.capture`) and syncs take the current device: a model on ``cuda:1``
     runs its kernels there only inside this context (with ``cuda:0`` current they would read
     another device's memory)."""
@@ -238,12 +238,6 @@ class Placement:
     def multi_device(self) -> bool:
         """Whether the layers and the LM head compute on more than one device."""
         return len(self.devices) > 1
-
-    @property
-    def single_cuda(self) -> bool:
-        """Whether every layer and the LM head compute on one CUDA device (CUDA graphs can replay
-        the step)."""
-        return not self.multi_device and self.home.type == "cuda"
 
     @property
     def all_cuda(self) -> bool:

@@ -42,7 +42,7 @@ def test_placement_of_one_device_and_its_layout():
     model = get_model("qwen3_5")
     place = adapter_for(model).placement
     assert place == Placement(torch.device("cpu"), (torch.device("cpu"),) * 4)
-    assert place.devices == (torch.device("cpu"),) and not place.multi_device and not place.single_cuda
+    assert place.devices == (torch.device("cpu"),) and not place.multi_device and not place.all_cuda
     assert place.layout() == "cpu: layers 0-3, lm_head"
     assert check_placement(model, model.model.layers, model.lm_head) == place
 
@@ -233,8 +233,8 @@ def test_decode_path_choice_for_a_spread_model(monkeypatch):
     monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
     sd = specdec.wrap(get_model("qwen3_5"))
     cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
-    for layers, want in (((cuda0, cpu, cuda0, cpu), ("eager", "auto: layers on several devices (cuda:0, cpu), not all CUDA: the eager "
-                                                        "path")),
+    mixed = "auto: layers on several devices (cuda:0, cpu), not all CUDA: the eager path"
+    for layers, want in (((cuda0, cpu, cuda0, cpu), ("eager", mixed)),
                          ((cuda1, cuda1, cuda0, cuda0),
                           ("static", "auto: layers on several CUDA devices: the static path, no CUDA graphs"))):
         place = Placement(cuda0, layers)
