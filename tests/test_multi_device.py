@@ -17,7 +17,7 @@ from accelerate import dispatch_model
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 from helpers import MAX_NEW, reference
 from markers import needs_cuda
-from tiny_models import EXTRA_FAMILIES, get_model, make_model
+from tiny_models import EXTRA_FAMILIES, get_model, make_model, ragged_prompts
 
 import specdec
 from specdec.adaptive import FixedCosts
@@ -322,6 +322,26 @@ def test_two_device_names_with_a_draft_model():
     assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
                                    pad_token_id=0), ref)
     assert sd.last_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_two_device_names_under_hf_prompt_lookup(family):
+    """HF's own generate(prompt_lookup_num_tokens=...) on an enabled model spread over two device
+    names (its speculative cache commits and rolls back per device): exact, lookups rolled back."""
+    from specdec.hf_integration import disable_hf_speculation
+
+    model = two_name_model(family)
+    ids, mask = ragged_prompts(batch=1)
+    kw = dict(attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    specdec.enable_hf_speculation(model, rollback="replay")
+    try:
+        out = model.generate(ids, return_dict_in_generate=True, prompt_lookup_num_tokens=3, **kw)
+    finally:
+        disable_hf_speculation(model)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert cache.crop_stats["rolled_back_tokens"] > 0
 
 
 @pytest.mark.parametrize("K", [0, "auto"])
