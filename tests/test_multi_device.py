@@ -344,6 +344,23 @@ def test_two_device_names_under_hf_prompt_lookup(family):
     assert cache.crop_stats["rolled_back_tokens"] > 0
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_two_device_names_with_mtp_layers(tmp_path, path):
+    """The target's MTP layers (random, next to the LM head) drafting for a target spread over two
+    device names: exact."""
+    from test_mtp import load, save_with_mtp
+
+    model = load("qwen3_5", save_with_mtp("qwen3_5", tmp_path))
+    ids, mask, eos, ref = reference("qwen3_5")
+    for i, layer in enumerate(model.model.layers):
+        if i % 2:
+            add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("cpu", 0), io_same_device=True))
+    sd = specdec.wrap(model, drafter="mtp", rollback="replay", num_speculative_tokens=2, decode_path=path)
+    assert torch.equal(sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                   pad_token_id=0), ref)
+    assert sd.last_stats.decode_path == path and sd.last_stats.draft_path == path
+
+
 @pytest.mark.parametrize("K", [0, "auto"])
 def test_two_device_names_plain_and_chosen_k(K):
     """Plain steps (K = 0) and K chosen per step on a model spread over two device names: exact."""
@@ -537,6 +554,27 @@ def test_cuda_cpu_split_generate_batch(home, path, prefix_caching):
                             **({"prefix_block_size": 2} if prefix_caching else {}))
     assert [o.generated_tokens for o in out.values()] == alone
     assert sd.last_stats.decode_path == path
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_cuda_cpu_split_with_mtp_layers(tmp_path, path):
+    """The target's MTP layers drafting on the split, with the input embeddings and rotary module on
+    cuda:0 and the LM head (so the MTP layers) on the CPU: the embeddings and cos / sin they
+    take cross devices; exact."""
+    from test_mtp import load, save_with_mtp
+
+    model = load("qwen3_5", save_with_mtp("qwen3_5", tmp_path))
+    dm = split_map(model, "cpu")
+    dm.update({"model.embed_tokens": 0, "model.rotary_emb": 0})
+    model = dispatch_model(model, device_map=dm, main_device="cpu")
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter="mtp", rollback="replay", num_speculative_tokens=2, decode_path=path)
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.cpu(), ref)
+    assert sd.last_stats.decode_path == path and sd.last_stats.draft_path == path
+    check_cache_devices(sd, sd.last_cache)
 
 
 @pytest.mark.gpu
