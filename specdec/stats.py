@@ -26,9 +26,9 @@ class Stats:
         commit replayed as CUDA graphs).
         capture_error: why CUDA graphs were asked for (``decode_path="auto"`` on CUDA, or
         ``"cuda_graph"``) but the steps ran without them: the capture's error; None otherwise.
-        path_reason: why the call took its decode path, e.g. ``"auto: layers on CUDA and the
-        CPU: the eager path"``, ``"decode_path='static' asked for"``; None for a call that decoded
-        nothing.
+        path_reason: why the call took its decode path, e.g. ``"auto: layers on several devices
+        (cuda:0, cpu), not all CUDA: the eager path"``, ``"decode_path='static' asked for"``; None
+        for a call that decoded nothing.
         devices: where the decoder layers and the LM head computed
         (:meth:`specdec.placement.Placement.layout`, e.g. ``"cuda:0: layers 0-1, lm_head; cpu:
         layers 2-3"``); None for a call that decoded nothing.
