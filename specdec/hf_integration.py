@@ -218,12 +218,15 @@ class SpeculativeCache(Cache):
 
 
 def _grow_steps(cache: HybridCache, T: int) -> None:
-    """Rebuild ``cache``'s SSM layer caches (no open step) for steps of up to ``T`` tokens."""
+    """Rebuild ``cache``'s SSM layer caches (no open step) for steps of up to ``T`` tokens, each on
+    its device with its row -> slot map."""
     if cache.step_tokens:
         raise RuntimeError("cannot grow the step room while a step is open")
     for idx, layer in list(cache.ssm.items()):
-        fresh = type(layer)(layer.op, layer.strategy, cache.batch, T, idx)
-        fresh.load(layer.conv_state(), layer.ssm_state(), layer.conv_width)
+        fresh = type(layer)(layer.op, layer.strategy, cache.batch, T, idx, state_indices=layer.state_indices,
+                            device=layer.device)
+        with on_device(layer.device):  # (the layer's own device where the layers spread; else None)
+            fresh.load(layer.conv_state(), layer.ssm_state(), layer.conv_width)
         fresh.params = layer.params
         cache.ssm[idx] = fresh
     cache.max_step_tokens = T

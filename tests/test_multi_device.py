@@ -344,6 +344,36 @@ def test_two_device_names_under_hf_prompt_lookup(family):
     assert cache.crop_stats["rolled_back_tokens"] > 0
 
 
+def test_two_device_names_keep_layer_devices_when_hf_steps_grow(monkeypatch):
+    """HF's prompt lookup on an enabled model spread over two device names, whose first lookups
+    find nothing (one-token steps) so that a later lookup grows the cache's step room: every SSM
+    layer rebuilt for the wider steps stays on its own device, and the output is exact."""
+    import specdec.hf_integration as hf
+
+    grown = []
+    grow = hf._grow_steps
+
+    def spy(cache, T):
+        grow(cache, T)
+        grown.append({idx: layer.device for idx, layer in cache.ssm.items()})
+
+    monkeypatch.setattr(hf, "_grow_steps", spy)
+    model = two_name_model("qwen3_5")
+    place = adapter_for(model).placement
+    ids = torch.tensor([[3, 17, 29, 41, 5, 8, 13, 21, 34, 55]])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    specdec.enable_hf_speculation(model, rollback="replay")
+    try:
+        out = model.generate(ids, return_dict_in_generate=True, prompt_lookup_num_tokens=3, **kw)
+    finally:
+        hf.disable_hf_speculation(model)
+    assert torch.equal(out.sequences, ref)
+    assert grown and all(devs == {idx: place.layers[idx] for idx in devs} for devs in grown)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert {idx: layer.device for idx, layer in cache.hybrid.ssm.items()} == grown[-1]
+
+
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_two_device_names_with_mtp_layers(tmp_path, path):
     """The target's MTP layers (random, next to the LM head) drafting for a target spread over two
@@ -554,6 +584,36 @@ def test_cuda_cpu_split_generate_batch(home, path, prefix_caching):
                             **({"prefix_block_size": 2} if prefix_caching else {}))
     assert [o.generated_tokens for o in out.values()] == alone
     assert sd.last_stats.decode_path == path
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("home", [0, "cpu"])
+def test_cuda_cpu_split_under_hf_prompt_lookup(home):
+    """HF's own generate(prompt_lookup_num_tokens=...) on an enabled split model, whose first
+    lookups find nothing so that the step room grows: exact as HF's greedy on the model in memory,
+    and every layer's state (the SSM layers rebuilt for the wider steps too) on its device."""
+    from types import SimpleNamespace
+
+    from specdec.hf_integration import disable_hf_speculation
+
+    family = "qwen3_5"
+    model = split_model(family, home)
+    ids = torch.tensor([[3, 17, 29, 41, 5, 8, 13, 21, 34, 55]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = get_model(family).generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    dev = _home(home)
+    specdec.enable_hf_speculation(model, rollback="replay")
+    try:
+        out = model.generate(ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), return_dict_in_generate=True,
+                             prompt_lookup_num_tokens=3, **kw)
+    finally:
+        disable_hf_speculation(model)
+    assert torch.equal(out.sequences.cpu(), ref)
+    cache = out.past_key_values if "past_key_values" in out else out.cache
+    assert cache.hybrid.max_step_tokens > 1
+    check_cache_devices(SimpleNamespace(adapter=adapter_for(model)), cache.hybrid)
+    assert torch.cuda.current_device() == 0
 
 
 @pytest.mark.gpu
