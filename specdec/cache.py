@@ -308,6 +308,8 @@ class HybridCache:
         #: ``seq_len`` on each device but the home one that a layer computes on (empty: one device)
         self.mirrors: dict[torch.device, torch.Tensor] = {
             dev: self.seq_len.to(dev) for dev in dict.fromkeys(self.layer_devices or ()) if dev != self.device}
+        #: the key / value writes' backend on each device of :attr:`mirrors`
+        self._kv_backends = {dev: backend(dev) for dev in self.mirrors}
         self.step_tokens = 0
         #: the draft tree of the cache's tree mode (:meth:`set_tree`), or None for chain steps
         self.tree = None
@@ -322,6 +324,14 @@ class HybridCache:
         """The device decoder layer ``layer_idx`` computes on where the layers spread over several
         devices (``layer_devices``), else None (every layer on :attr:`device`)."""
         return None if self.layer_devices is None else self.layer_devices[layer_idx]
+
+    def _kv_device(self, layer_idx: int) -> torch.device:
+        """The device whose copy of ``seq_len`` attention layer ``layer_idx``'s keys / values are
+        written with where the layers spread: its decoder layer's (an index past the decoder
+        layers: its buffers')."""
+        if self.layer_devices is not None and 0 <= layer_idx < len(self.layer_devices):
+            return self.layer_devices[layer_idx]
+        return self.kv[layer_idx][0].device
 
     def _ssm_by_device(self) -> dict[torch.device, list[SSMLayerCache]]:
         """The SSM layers grouped by the device they compute on (home first)."""
@@ -364,8 +374,10 @@ class HybridCache:
         kbuf, vbuf = self._buffers(layer_idx, key_states)
         t = key_states.shape[2]
         seq_len, kv_backend = self.seq_len, self._kv_backend
-        if self.mirrors and kbuf.device != self.device:  # (a layer on another device: its copy of seq_len)
-            seq_len, kv_backend = self.mirrors[kbuf.device], backend(kbuf.device)
+        if self.mirrors:
+            dev = self._kv_device(layer_idx)
+            if dev != self.device:  # (a layer on another device: its copy of seq_len)
+                seq_len, kv_backend = self.mirrors[dev], self._kv_backends[dev]
         write_kv(kbuf, vbuf, key_states, value_states, seq_len, self.step_tokens, backend_name=kv_backend)
         end = self.kv_end(t)
         return kbuf[:, :, :end], vbuf[:, :, :end]
@@ -629,8 +641,8 @@ class HybridCache:
         paths, nums = self._copies(path.to(self.device)), self._copies(num_tokens)
         seq_lens = {self.device: self.seq_len, **self.mirrors}
         kv_by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for kbuf, vbuf in self.kv.values():
-            kv_by_device.setdefault(kbuf.device, []).extend((kbuf, vbuf))
+        for idx, (kbuf, vbuf) in self.kv.items():
+            kv_by_device.setdefault(self._kv_device(idx), []).extend((kbuf, vbuf))
         ssm = self._ssm_by_device()
         for dev in dict.fromkeys((*ssm, *kv_by_device)):
             with on_device(dev):
@@ -847,9 +859,11 @@ class HybridCache:
             index = {self.device: rows}
             for dev in self.mirrors:
                 index[dev] = rows if isinstance(rows, slice) else rows.to(dev)
-            for buf, new in kv:
-                buf[index[buf.device], :, :length] = new.to(buf)
-                buf[index[buf.device], :, length:] = 0
+            for idx, (k, v) in keys_values.items():
+                at = index[self._kv_device(idx)]
+                for buf, new in zip(self.kv[idx], (k, v)):
+                    buf[at, :, :length] = new.to(buf)
+                    buf[at, :, length:] = 0
             for idx, (conv_state, state, _) in ssm_states.items():
                 layer = self.ssm[idx]
                 dev = layer.device or self.device

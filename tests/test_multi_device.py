@@ -428,6 +428,32 @@ def test_two_device_names_generate_batch(path, prefix_caching):
     assert sd.last_stats.decode_path == path
 
 
+def test_two_device_names_read_their_seq_len_copies(monkeypatch):
+    """The layers hooked to ``cpu:0`` read ``cpu:0``'s copy of ``seq_len`` (qwen3_5's attention
+    layer 3 is one): after generate() and continuous batching with prefix caching the copy equals
+    ``seq_len``, and with the copies never refreshed after a load (``refresh_mirrors`` a no-op)
+    that layer writes its keys / values at the wrong columns, so both outputs change."""
+    model = two_name_model("qwen3_5")
+    assert adapter_for(model).placement.layers[3] == torch.device("cpu", 0)
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path="eager")
+
+    def run():
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        copies = sd.last_cache.mirrors
+        assert list(copies) == [torch.device("cpu", 0)] and 3 in sd.last_cache.kv
+        same = torch.equal(copies[torch.device("cpu", 0)], sd.last_cache.seq_len)
+        batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2, prefix_caching=True,
+                                  prefix_block_size=2)
+        return out, [o.generated_tokens for o in batch.values()], same
+
+    out, batch, same = run()
+    assert torch.equal(out, ref) and same
+    monkeypatch.setattr(HybridCache, "refresh_mirrors", lambda self: None)
+    stale, stale_batch, _ = run()
+    assert not torch.equal(stale, ref) and stale_batch != batch
+
+
 # ------------------------------------------------------------------------------ GPU: cuda:0 + CPU
 
 
