@@ -244,6 +244,12 @@ class Placement:
         """Whether every layer and the LM head compute on CUDA devices."""
         return all(dev.type == "cuda" for dev in self.devices)
 
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """A CUDA device something computes on: ``home`` when it is one, else the first CUDA layer's;
+        None when nothing computes on CUDA."""
+        return next((dev for dev in self.devices if dev.type == "cuda"), None)
+
     def layout(self) -> str:
         """The layout in words: each device and what computes there, e.g.
         ``"cuda:0: layers 0-1, lm_head; cpu: layers 2-3"``."""

@@ -246,6 +246,27 @@ def test_decode_path_choice_for_a_spread_model(monkeypatch):
     assert place.layout() == "cuda:0: layers 2-3, lm_head; cuda:1: layers 0-1"
 
 
+def test_spread_model_with_cuda_layers_chooses_for_them(monkeypatch):
+    """The LM head on the CPU, layers alternately on cuda:0 and the CPU (a placement standing in
+    for one, the device check left out): the prompt scan and the attention backends are chosen for
+    cuda:0, and with flash-linear-attention's scan each mixer takes the scan of its layer's device
+    as the placement says (the CPU ones the torch scan)."""
+    import inspect
+
+    monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
+    adapter = adapter_for(get_model("qwen3_5"))
+    cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
+    place = Placement(cpu, (cuda0, cpu, cuda0, cpu))
+    assert place.cuda_device == cuda0 and Placement(cpu, (cpu, cpu)).cuda_device is None
+    monkeypatch.setattr(type(adapter), "placement", property(lambda self: place))
+    assert adapter._scan_device == cuda0
+    routed = {}
+    monkeypatch.setattr(adapter, "_routed", lambda forwards: routed.update(forwards))
+    adapter._prompt_patched("fla")
+    assert {idx: inspect.signature(fwd).parameters["_scan"].default for idx, fwd in routed.items()} == {
+        0: "fla", 1: "torch", 2: "fla"}
+
+
 def test_stats_name_the_layout_and_why_the_path():
     """A model on one device: Stats name its layout and why the decode path was taken."""
     ids, mask, eos, ref = reference("qwen3_5")

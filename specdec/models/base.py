@@ -367,6 +367,15 @@ class HybridAdapter:
         placed = self._placement()
         return placed is not None and placed[1]
 
+    @property
+    def _scan_device(self) -> torch.device:
+        """The device the prompt scan and the attention backends are chosen for: a CUDA device any
+        layer or the LM head computes on (:attr:`Placement.cuda_device`; with the LM head on the
+        CPU, CUDA layers still take flash-linear-attention's scan, its per-mixer fallback serving
+        the CPU ones, and attention without cuDNN), else the home device."""
+        place = self.placement
+        return (place.cuda_device or place.home) if place.multi_device else self.device
+
     def _placement(self) -> tuple[Placement, bool] | None:
         """(placement, offloads weights) of a model dispatched by accelerate (``hf_device_map``, or
         hooks found when the adapter was made; checked once per device map), None for one that is
@@ -439,11 +448,12 @@ class HybridAdapter:
         that serves it to ``mixer_forward`` against that layer, its input padding masked as HF
         masks it; with ``scan == "hf"`` every mixer keeps transformers' forward."""
         forwards = {}
-        spread = scan == "fla" and self.placement.multi_device
+        place = self.placement
+        spread = scan == "fla" and place.multi_device
         for idx, (mixer, op_name) in self.ssm_layers().items():
             make = PROMPT_LAYERS.get(op_name)
             # (flash-linear-attention runs on CUDA only: a mixer computing elsewhere takes the torch scan)
-            mine = "torch" if spread and execution_device(mixer).type != "cuda" else scan
+            mine = "torch" if spread and place.layers[idx].type != "cuda" else scan
             if make is None or scan == "hf" or not make.serves(mixer, mine):
                 continue
 
@@ -566,7 +576,7 @@ class HybridAdapter:
                 raise ValueError(f"prefill: {input_ids.shape[0]} prompts for {len(slots)} rows")
         if prompt_path not in PROMPT_PATHS:
             raise ValueError(f"prompt_path must be one of {PROMPT_PATHS}, got {prompt_path!r}")
-        scan = resolve_scan(scan, self.device, self.dtype)
+        scan = resolve_scan(scan, self._scan_device, self.dtype)
         mask = attention_mask.to(torch.long)
         max_tokens = self.max_prefill_tokens if max_tokens is None else max_tokens
         groups = prefill_groups(mask, max_tokens) if prefix_cache is None else None
@@ -679,7 +689,7 @@ class HybridAdapter:
             raise ValueError(f"prefill_chunked needs a non-empty 1-D prompt and chunk_tokens >= 1, got "
                              f"{tuple(tokens.shape)} and {chunk_tokens}")
         return self._prefill_chunks(tokens, cache, chunk_tokens, all_hidden_states,
-                                    resolve_scan(scan, self.device, self.dtype), prefix_cache)
+                                    resolve_scan(scan, self._scan_device, self.dtype), prefix_cache)
 
     @torch.no_grad()
     def _prefill_chunks(self, tokens: torch.Tensor, cache: HybridCache, chunk_tokens: int, all_hidden_states: bool,
@@ -950,7 +960,7 @@ class HybridAdapter:
             routes = tuple([(mod, form) for mod, form in found if backend(execution_device(mod)) == "triton"]
                            for found in routes)
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
-        with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self.device),
+        with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self._scan_device),
               prompt_kernels(*routes), spread_layers(self.body.layers, place)):
             hidden = self._call_body(input_ids, mask, position_ids, hf_cache).last_hidden_state
         return hidden.to(place.home) if place.multi_device else hidden
@@ -1044,7 +1054,8 @@ class HybridAdapter:
         ``cache``; returns ``(logits [B, t, V], hidden [B, t, D])``."""
         t = input_ids.shape[1]
         # a growing cache reads one more KV column each step: no cuDNN attention (a plan per shape)
-        backends = contextlib.nullcontext() if cache.static else sdpa_without_cudnn(self.device)
+        backends = contextlib.nullcontext() if cache.static else sdpa_without_cudnn(
+            self.device if cache.layer_devices is None else self._scan_device)
         spread = spread_layers(self.body.layers, self.placement) if cache.layer_devices is not None \
             else contextlib.nullcontext()
         with self._patched(cache), grouped_step_attention_for(self._grouped_attention), backends, spread:
