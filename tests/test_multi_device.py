@@ -449,6 +449,31 @@ def test_two_device_names_generate_batch(path, prefix_caching):
     assert sd.last_stats.decode_path == path
 
 
+def test_spread_prompt_kernels_route_only_modules_of_decoder_layers(monkeypatch):
+    """With the Triton backend (stood in for: the kernels themselves are not run), a model spread
+    over two device names routes only the norms and MLPs of its decoder layers (each runs with its
+    layer's device current), not the final norm; on one device the final norm is routed as before."""
+    import contextlib
+
+    import specdec.models.base as base
+
+    routed = []
+
+    def record(norms, mlps=()):
+        routed.append({id(mod) for mod, _ in (*norms, *mlps)})
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(base, "backend", lambda device=None: "triton")
+    monkeypatch.setattr(base, "prompt_kernels", record)
+    ids, mask, _, _ = reference("qwen3_5")
+    for model in (two_name_model("qwen3_5"), make_model("qwen3_5")):
+        specdec.wrap(model, drafter="ngram", rollback="replay").generate(ids, attention_mask=mask, max_new_tokens=2,
+                                                                         pad_token_id=0)
+        inside = {id(mod) for layer in model.model.layers for mod in layer.modules()}
+        assert routed[-1] and (routed[-1] - inside == set()) == adapter_for(model).placement.multi_device
+        assert (id(model.model.norm) in routed[-1]) != adapter_for(model).placement.multi_device
+
+
 def test_two_device_names_read_their_seq_len_copies(monkeypatch):
     """The layers hooked to ``cpu:0`` read ``cpu:0``'s copy of ``seq_len`` (qwen3_5's attention
     layer 3 is one): after generate() and continuous batching with prefix caching the copy equals

@@ -26,7 +26,7 @@ from ..cache import HybridCache, SSMLayerCache
 from ..fusion import prompt_kernels_enabled
 from ..kernels import backend, get_op
 from ..kernels.mamba2.chunked import resolve_scan
-from ..placement import (Placement, check_placement, execution_device, materialized, offloads_weights, on_device,
+from ..placement import (Placement, check_placement, materialized, offloads_weights, on_device,
                          routed_forward, spread_layers)
 from ..prefix_cache import LayerState, PrefixBlock, PrefixCache, PrefixEntry, PrefixMatch
 from ..quiet import quiet_transformers
@@ -956,9 +956,14 @@ class HybridAdapter:
         place = self.placement
         use = scan != "hf" and any(backend(dev) == "triton" for dev in place.devices) and prompt_kernels_enabled()
         routes = self._prompt_routes() if use else ([], [])
-        if use and place.multi_device:  # (the kernels are Triton's: a module computing on the CPU keeps its forward)
-            routes = tuple([(mod, form) for mod, form in found if backend(execution_device(mod)) == "triton"]
-                           for found in routes)
+        if use and place.multi_device:
+            # only modules of decoder layers computing where the Triton backend serves: their layer's
+            # device is current while they run (spread_layers), a module outside them (the final
+            # norm) may compute on another device than the current one, and a CPU module keeps its
+            # forward (the kernels are Triton's)
+            served = {id(mod) for layer, dev in zip(self.body.layers, place.layers) if backend(dev) == "triton"
+                      for mod in layer.modules()}
+            routes = tuple([(mod, form) for mod, form in found if id(mod) in served] for found in routes)
         # quiet: on CPU, no notes about GPU-only kernel packages; no cuDNN attention (a plan per prompt shape)
         with (quiet_transformers(self.device), self._prompt_patched(scan), sdpa_without_cudnn(self._scan_device),
               prompt_kernels(*routes), spread_layers(self.body.layers, place)):
