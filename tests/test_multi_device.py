@@ -15,7 +15,7 @@ import pytest
 import torch
 from accelerate import dispatch_model
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
-from helpers import MAX_NEW, reference
+from helpers import MAX_NEW, hf_greedy, reference
 from markers import needs_cuda
 from tiny_models import EXTRA_FAMILIES, get_model, make_model, ragged_prompts
 
@@ -32,6 +32,19 @@ SPLIT_FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
 #: continuous batching's requests: prompts 0 and 2 share their first blocks (of 2 tokens)
 BATCH_PROMPTS = [[5, 9, 11, 5, 9, 11, 4], [7, 8, 9, 10, 11, 12, 7, 8], [5, 9, 11, 5, 20, 21, 20],
                  [30, 31, 32, 33, 30, 31]]
+
+
+
+
+def hf_alone(family: str, prompts, max_new: int = 8) -> list[list[int]]:
+    """HF greedy's new tokens for each of ``prompts`` alone on ``family``'s tiny target in memory
+    (on one device): the reference of continuous batching on a spread copy of it."""
+    model = get_model(family)
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out.append(hf_greedy(model, ids, torch.ones_like(ids), max_new)[0, len(p):].tolist())
+    return out
 
 
 # ------------------------------------------------------------------------------ CPU: placement
@@ -437,12 +450,11 @@ def test_two_device_names_medusa_tree(strategy):
 @pytest.mark.parametrize("path, prefix_caching", [("eager", False), ("static", False), ("eager", True)])
 def test_two_device_names_generate_batch(path, prefix_caching):
     """Continuous batching on a model spread over two device names (rows loaded and reset per
-    device; with prefix caching, blocks stored per device): every request's tokens are those
-    generate() gives it alone."""
+    device; with prefix caching, blocks stored per device): every request's tokens are HF greedy's
+    on its prompt alone on the model in memory."""
     model = two_name_model("kimi_linear")
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
-    alone = [sd.generate(torch.tensor([p]), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
-             for p in BATCH_PROMPTS]
+    alone = hf_alone("kimi_linear", BATCH_PROMPTS)
     out = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
                             **({"prefix_block_size": 2} if prefix_caching else {}))
     assert [o.generated_tokens for o in out.values()] == alone
@@ -477,8 +489,9 @@ def test_spread_prompt_kernels_route_only_modules_of_decoder_layers(monkeypatch)
 def test_two_device_names_read_their_seq_len_copies(monkeypatch):
     """The layers hooked to ``cpu:0`` read ``cpu:0``'s copy of ``seq_len`` (qwen3_5's attention
     layer 3 is one): after generate() and continuous batching with prefix caching the copy equals
-    ``seq_len``, and with the copies never refreshed after a load (``refresh_mirrors`` a no-op)
-    that layer writes its keys / values at the wrong columns, so both outputs change."""
+    ``seq_len`` and both outputs are HF greedy's, and with the copies never refreshed after a load
+    (``refresh_mirrors`` a no-op) that layer writes its keys / values at the wrong columns, so both
+    outputs change."""
     model = two_name_model("qwen3_5")
     assert adapter_for(model).placement.layers[3] == torch.device("cpu", 0)
     ids, mask, eos, ref = reference("qwen3_5")
@@ -494,7 +507,7 @@ def test_two_device_names_read_their_seq_len_copies(monkeypatch):
         return out, [o.generated_tokens for o in batch.values()], same
 
     out, batch, same = run()
-    assert torch.equal(out, ref) and same
+    assert torch.equal(out, ref) and same and batch == hf_alone("qwen3_5", BATCH_PROMPTS)
     monkeypatch.setattr(HybridCache, "refresh_mirrors", lambda self: None)
     stale, stale_batch, _ = run()
     assert not torch.equal(stale, ref) and stale_batch != batch
@@ -645,13 +658,11 @@ def test_cuda_cpu_split_medusa_tree(home, strategy):
 def test_cuda_cpu_split_generate_batch(home, path, prefix_caching):
     """Continuous batching on the split (rows loaded in place per device as requests are admitted;
     with prefix caching, blocks of every layer's keys stored per device): every request's tokens
-    are those generate() gives it alone."""
+    are HF greedy's on its prompt alone on the model in memory."""
     family = "kimi_linear"
     model = split_model(family, home)
-    dev = _home(home)
     sd = specdec.wrap(model, drafter="ngram", rollback="replay", num_speculative_tokens=3, decode_path=path)
-    alone = [sd.generate(torch.tensor([p], device=dev), max_new_tokens=8, pad_token_id=0)[0, len(p):].tolist()
-             for p in BATCH_PROMPTS]
+    alone = hf_alone(family, BATCH_PROMPTS)
     out = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2, prefix_caching=prefix_caching,
                             **({"prefix_block_size": 2} if prefix_caching else {}))
     assert [o.generated_tokens for o in out.values()] == alone
