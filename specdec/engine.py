@@ -776,7 +776,8 @@ class SpeculativeGenerator:
             accelerate in a layout :func:`specdec.placement.check_placement` refuses (a layer split
             between devices, a device other than CUDA or CPU, a CUDA device the process lacks),
             ``decode_path="cuda_graph"`` for one whose weights are offloaded or whose layers
-            compute on several devices.
+            compute on several devices, ``SPECDEC_BACKEND=triton`` for one whose layers spread
+            over several devices, some on the CPU.
     """
 
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
@@ -795,6 +796,7 @@ class SpeculativeGenerator:
         self._learned_acceptance: torch.Tensor | None = None
         self.adapter = adapter_for(model)
         self.adapter.device  # (a dispatched model in a layout specdec refuses raises here, not at generate)
+        self.adapter.check_backend()  # (and a forced backend its layers' devices cannot run)
         self.model = model
         self._drafter: Drafter | None = None
         self._K: int | str = 0

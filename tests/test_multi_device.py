@@ -476,6 +476,7 @@ def test_spread_prompt_kernels_route_only_modules_of_decoder_layers(monkeypatch)
         return contextlib.nullcontext()
 
     monkeypatch.setattr(base, "backend", lambda device=None: "triton")
+    monkeypatch.setattr(base.HybridAdapter, "check_backend", lambda self: None)  # (the layers' devices: not run)
     monkeypatch.setattr(base, "prompt_kernels", record)
     ids, mask, _, _ = reference("qwen3_5")
     for model in (two_name_model("qwen3_5"), make_model("qwen3_5")):
@@ -484,6 +485,22 @@ def test_spread_prompt_kernels_route_only_modules_of_decoder_layers(monkeypatch)
         inside = {id(mod) for layer in model.model.layers for mod in layer.modules()}
         assert routed[-1] and (routed[-1] - inside == set()) == adapter_for(model).placement.multi_device
         assert (id(model.model.norm) in routed[-1]) != adapter_for(model).placement.multi_device
+
+
+def test_forced_triton_backend_with_cpu_layers_is_refused(monkeypatch):
+    """The Triton backend forced (stood in for) on a model whose layers spread, some on the CPU:
+    wrap and every new cache (HF's assisted generation makes its own) raise naming those layers;
+    on one device the backend is the caller's to choose."""
+    import specdec.models.base as base
+
+    model = two_name_model("qwen3_5")
+    monkeypatch.setattr(base, "backend", lambda device=None: "triton")
+    with pytest.raises(ValueError, match=r"SPECDEC_BACKEND=triton runs Triton kernels on every layer, but layers "
+                                         r"0, 1, 2, 3 of this model compute on the CPU \(cpu: layers 0, 2, lm_head"):
+        specdec.wrap(model)
+    with pytest.raises(ValueError, match="SPECDEC_BACKEND=triton"):
+        adapter_for(model).new_cache(1, 8, 2, specdec.rollback.make_strategy("replay"))
+    adapter_for(make_model("qwen3_5")).check_backend()
 
 
 def test_two_device_names_read_their_seq_len_copies(monkeypatch):

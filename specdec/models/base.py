@@ -367,6 +367,19 @@ class HybridAdapter:
         placed = self._placement()
         return placed is not None and placed[1]
 
+    def check_backend(self) -> None:
+        """Raise ValueError when the kernel backend (:func:`specdec.kernels.backend`) is Triton for
+        a decoder layer computing on the CPU of a model whose layers spread over several devices
+        (``SPECDEC_BACKEND=triton`` forced: its kernels launch on CUDA devices), naming those layers."""
+        place = self.placement
+        if not place.multi_device:
+            return
+        cpu = [str(i) for i, dev in enumerate(place.layers) if dev.type != "cuda" and backend(dev) == "triton"]
+        if cpu:
+            raise ValueError(f"SPECDEC_BACKEND=triton runs Triton kernels on every layer, but layers {', '.join(cpu)} "
+                             f"of this model compute on the CPU ({place.layout()}); unset SPECDEC_BACKEND (each "
+                             "layer then takes its device's backend) or set it to 'torch'")
+
     @property
     def _scan_device(self) -> torch.device:
         """The device the prompt scan and the attention backends are chosen for: a CUDA device any
@@ -406,6 +419,7 @@ class HybridAdapter:
         """An empty :class:`HybridCache` on the home device, told each layer's device where the
         layers spread over several (:attr:`placement`)."""
         place = self.placement
+        self.check_backend()
         return HybridCache(batch, max_len, max_step_tokens, self.dtype, place.home, static=static,
                            layer_devices=place.layers if place.multi_device else None)
 
