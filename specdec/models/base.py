@@ -546,6 +546,8 @@ class HybridAdapter:
         a bf16 / fp16 model on CUDA when installed, else ``"torch"``), ``"fla"``, ``"torch"``
         (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`; for GDN / KDA transformers'
         torch reference of the chunked delta rule) or ``"hf"`` (transformers' own mixer forward).
+        On a model whose layers spread over several devices, "on CUDA" means some layer on CUDA,
+        and a mixer computing on the CPU takes the torch scan where the others take fla's.
 
         Without ``prefix_cache``, a batch of more than ``max_tokens`` tokens (default
         :attr:`max_prefill_tokens`; rows x ``L``) runs in groups of rows of like lengths that fit
