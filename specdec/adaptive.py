@@ -856,12 +856,15 @@ def costs_for(model, device, dtype, weight: float = 0.2) -> MeasuredCosts:
     return costs
 
 
-def rollback_bytes(cache) -> int:
+def rollback_bytes(cache, device=None) -> int:
     """Bytes of every SSM layer's rollback store in ``cache`` (a :class:`~specdec.cache.HybridCache`):
-    the live or checkpoint state and whatever the strategy keeps to roll back."""
+    the live or checkpoint state and whatever the strategy keeps to roll back; with ``device``,
+    only the tensors on it."""
+    dev = None if device is None else torch.device(device)
+
     def size(x) -> int:
         if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
+            return x.numel() * x.element_size() if dev is None or x.device == dev else 0
         if isinstance(x, dict):
             return sum(size(v) for v in x.values())
         return 0

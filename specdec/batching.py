@@ -472,13 +472,15 @@ def free_memory(device) -> int | None:
     return None
 
 
-def cache_bytes(cache) -> int:
+def cache_bytes(cache, device=None) -> int:
     """Bytes of a :class:`~specdec.cache.HybridCache`'s buffers: attention KV, conv windows and the
-    rollback stores (:func:`specdec.adaptive.rollback_bytes`)."""
-    kv = sum(t.numel() * t.element_size() for pair in cache.kv.values() for t in pair)
+    rollback stores (:func:`specdec.adaptive.rollback_bytes`); with ``device``, only those on it
+    (a cache whose layers spread over several devices)."""
+    on = (lambda t: True) if device is None else (lambda t, dev=torch.device(device): t.device == dev)
+    kv = sum(t.numel() * t.element_size() for pair in cache.kv.values() for t in pair if on(t))
     conv = sum(layer.conv_window.numel() * layer.conv_window.element_size()
-               for layer in cache.ssm.values() if layer.conv_window is not None)
-    return kv + conv + rollback_bytes(cache)
+               for layer in cache.ssm.values() if layer.conv_window is not None and on(layer.conv_window))
+    return kv + conv + rollback_bytes(cache, device)
 
 
 def kv_columns(span: int, step_tokens: int) -> int:

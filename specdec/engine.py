@@ -1079,9 +1079,8 @@ class SpeculativeGenerator:
             warn_caller(f"prompt ({settings.input_ids.shape[1]} tokens, padding included) + max_new_tokens reach "
                         f"{reach} positions, beyond the model's context (config.max_position_embeddings={limit}): "
                         "tokens past it may be meaningless (generate_batch() refuses such a request)")
-            rows, free = settings.input_ids.shape[0], self._free_memory()
+            rows, free = settings.input_ids.shape[0], self._available_memory()
             need = rows * self._row_bytes(reach).total
-            free = None if free is None else free + self._held_bytes()  # (the kept caches are replaced)
             if free is not None and need > free:
                 raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
                                  f"positions need {format_bytes(need)}, more than the {format_bytes(free)} free on "
@@ -1357,19 +1356,23 @@ class SpeculativeGenerator:
         prefix cache's ``max_bytes``: it fills while the pool decodes) are left out of the budget."""
         per_row = functools.partial(self._row_bytes, span)
 
-        def available():
-            free = self._free_memory()
-            return None if free is None else free + self._held_bytes()
+        return plan_rows(max_batch_size, num_requests, per_row, memory_budget, self._available_memory, reserved)
 
-        return plan_rows(max_batch_size, num_requests, per_row, memory_budget, available, reserved)
-
-    def _free_memory(self) -> int | None:
-        """Bytes free for new tensors (:func:`specdec.batching.free_memory`) on the device the
-        model computes on, or the least over them for a model whose layers spread over several
-        (the rows' bytes are checked against it whole: more than any one device holds), None
-        where unknown."""
-        frees = [free_memory(dev) for dev in self.adapter.placement.devices]
-        return None if None in frees else min(frees)
+    def _available_memory(self) -> int | None:
+        """Bytes a call's caches may take: the device's free memory
+        (:func:`specdec.batching.free_memory`) plus what this generator's kept caches hold there
+        (the call frees or reuses them); for a model whose layers spread over several devices, the
+        least of that over them (the rows' bytes are checked against it whole: more than any one
+        device holds). None where a device's free memory is unknown."""
+        caches = {id(c): c for c in [self.last_cache, *(d.cache for d in self._static.values())] if c is not None}
+        place = self.adapter.placement
+        available = []
+        for dev in place.devices:
+            free = free_memory(dev)
+            if free is None:
+                return None
+            available.append(free + sum(cache_bytes(c, dev if place.multi_device else None) for c in caches.values()))
+        return min(available)
 
     def _row_bytes(self, span: int) -> SequenceBytes:
         """The bytes one pool row of ``span`` tokens needs under the generator's settings now: its
@@ -1399,11 +1402,6 @@ class SpeculativeGenerator:
                              f"{format_bytes(pool_bytes(plan.rows, now))} with an admission's: more than planned. "
                              "Restore those settings, or make a new manager with init_continuous_batching(), "
                              "which plans its rows for the settings then")
-
-    def _held_bytes(self) -> int:
-        """Bytes of the caches this generator keeps from its last call (its static buckets too)."""
-        caches = {id(c): c for c in [self.last_cache, *(d.cache for d in self._static.values())] if c is not None}
-        return sum(cache_bytes(c) for c in caches.values())
 
     @torch.no_grad()
     def _run_pool(self, s, plan: PoolPlan, pool: RequestPool) -> None:

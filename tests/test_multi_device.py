@@ -530,6 +530,27 @@ def test_two_device_names_read_their_seq_len_copies(monkeypatch):
     assert not torch.equal(stale, ref) and stale_batch != batch
 
 
+def test_memory_of_a_spread_model_is_each_devices_own(monkeypatch):
+    """The memory a spread model's call may take is, per device, its free memory plus what the
+    generator's kept caches hold on that device, the least over the devices: the bytes kept on
+    one device do not count as free on another (every stand-in tensor is on ``cpu``, so
+    ``cpu:0`` holds none of them)."""
+    from specdec import batching, engine
+
+    sd = specdec.wrap(two_name_model("qwen3_5"), drafter="ngram", rollback="replay", num_speculative_tokens=3)
+    ids, mask, eos, _ = reference("qwen3_5")
+    sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+    held = batching.cache_bytes(sd.last_cache)
+    assert held > 0 and batching.cache_bytes(sd.last_cache, "cpu") == held
+    assert batching.cache_bytes(sd.last_cache, torch.device("cpu", 0)) == 0
+    cpu, cpu0 = torch.device("cpu"), torch.device("cpu", 0)
+    for free, expected in (({cpu: 10, cpu0: 10**9}, 10 + held), ({cpu: 10**9, cpu0: 5}, 5)):
+        monkeypatch.setattr(engine, "free_memory", lambda dev, free=free: free[torch.device(dev)])
+        assert sd._available_memory() == expected
+    monkeypatch.setattr(engine, "free_memory", lambda dev: None if dev == cpu0 else 10)
+    assert sd._available_memory() is None
+
+
 # ------------------------------------------------------------------------------ GPU: cuda:0 + CPU
 
 
