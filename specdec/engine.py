@@ -777,7 +777,7 @@ class SpeculativeGenerator:
             between devices, a device other than CUDA or CPU, a CUDA device the process lacks),
             ``decode_path="cuda_graph"`` for one whose weights are offloaded or whose layers
             compute on several devices, ``SPECDEC_BACKEND=triton`` for one whose layers spread
-            over several devices, some on the CPU.
+            over several devices, some of them or its LM head on the CPU.
     """
 
     def __init__(self, model, drafter="ngram", rollback="replay", num_speculative_tokens: int | str = 4,
@@ -1083,8 +1083,11 @@ class SpeculativeGenerator:
             need = rows * self._row_bytes(reach).total
             if free is not None and need > free:
                 raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
-                                 f"positions need {format_bytes(need)}, more than the {format_bytes(free)} free on "
-                                 f"{', '.join(map(str, self.adapter.placement.devices))}; ask for fewer new tokens")
+                                 f"positions need {format_bytes(need)}, more than the {format_bytes(free)} available "
+                                 + (f"on {self.adapter.device}" if not self.adapter.placement.multi_device else
+                                    "on the device with the least of it among "
+                                    f"{', '.join(map(str, self.adapter.placement.devices))}")
+                                 + " (its free memory and this generator's caches there); ask for fewer new tokens")
         return self._decode(settings)
 
     @torch.no_grad()

@@ -34,8 +34,6 @@ BATCH_PROMPTS = [[5, 9, 11, 5, 9, 11, 4], [7, 8, 9, 10, 11, 12, 7, 8], [5, 9, 11
                  [30, 31, 32, 33, 30, 31]]
 
 
-
-
 def hf_alone(family: str, prompts, max_new: int = 8) -> list[list[int]]:
     """HF greedy's new tokens for each of ``prompts`` alone on ``family``'s tiny target in memory
     (on one device): the reference of continuous batching on a spread copy of it."""
@@ -485,6 +483,14 @@ def test_spread_prompt_kernels_route_only_modules_of_decoder_layers(monkeypatch)
         inside = {id(mod) for layer in model.model.layers for mod in layer.modules()}
         assert routed[-1] and (routed[-1] - inside == set()) == adapter_for(model).placement.multi_device
         assert (id(model.model.norm) in routed[-1]) != adapter_for(model).placement.multi_device
+    # the Triton backend on cpu:0 only: only the modules of the layers there are routed
+    monkeypatch.setattr(base, "backend", lambda device=None: "triton" if torch.device(device) == torch.device("cpu", 0)
+                        else "torch")
+    model = two_name_model("qwen3_5")
+    specdec.wrap(model, drafter="ngram", rollback="replay").generate(ids, attention_mask=mask, max_new_tokens=2,
+                                                                     pad_token_id=0)
+    odd = {id(mod) for i, layer in enumerate(model.model.layers) if i % 2 for mod in layer.modules()}
+    assert routed[-1] and routed[-1] <= odd
 
 
 def test_forced_triton_backend_with_cpu_layers_is_refused(monkeypatch):
@@ -495,8 +501,10 @@ def test_forced_triton_backend_with_cpu_layers_is_refused(monkeypatch):
 
     model = two_name_model("qwen3_5")
     monkeypatch.setattr(base, "backend", lambda device=None: "triton")
-    with pytest.raises(ValueError, match=r"SPECDEC_BACKEND=triton runs Triton kernels on every layer, but layers "
-                                         r"0, 1, 2, 3 of this model compute on the CPU \(cpu: layers 0, 2, lm_head"):
+    with pytest.raises(ValueError, match=r"SPECDEC_BACKEND=triton runs Triton kernels everywhere, but layer 0, "
+                                         r"layer 1, layer 2, layer 3, the LM head \(with the decode loop's bookkeeping "
+                                         r"and the drafters\) of this model compute on the CPU \(cpu: layers 0, 2, "
+                                         r"lm_head"):
         specdec.wrap(model)
     with pytest.raises(ValueError, match="SPECDEC_BACKEND=triton"):
         adapter_for(model).new_cache(1, 8, 2, specdec.rollback.make_strategy("replay"))

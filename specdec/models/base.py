@@ -369,16 +369,21 @@ class HybridAdapter:
 
     def check_backend(self) -> None:
         """Raise ValueError when the kernel backend (:func:`specdec.kernels.backend`) is Triton for
-        a decoder layer computing on the CPU of a model whose layers spread over several devices
-        (``SPECDEC_BACKEND=triton`` forced: its kernels launch on CUDA devices), naming those layers."""
+        a CPU device a decoder layer or the LM head of a model whose layers spread over several
+        devices computes on (``SPECDEC_BACKEND=triton`` forced), naming them: Triton's kernels
+        are compiled for GPUs, and on the CPU run only through its interpreter, which a process
+        that compiles them for CUDA cannot use."""
         place = self.placement
         if not place.multi_device:
             return
-        cpu = [str(i) for i, dev in enumerate(place.layers) if dev.type != "cuda" and backend(dev) == "triton"]
+        cpu = [f"layer {i}" for i, dev in enumerate(place.layers) if dev.type != "cuda" and backend(dev) == "triton"]
+        if place.home.type != "cuda" and backend(place.home) == "triton":
+            cpu.append("the LM head (with the decode loop's bookkeeping and the drafters)")
         if cpu:
-            raise ValueError(f"SPECDEC_BACKEND=triton runs Triton kernels on every layer, but layers {', '.join(cpu)} "
-                             f"of this model compute on the CPU ({place.layout()}); unset SPECDEC_BACKEND (each "
-                             "layer then takes its device's backend) or set it to 'torch'")
+            raise ValueError(f"SPECDEC_BACKEND=triton runs Triton kernels everywhere, but {', '.join(cpu)} of this "
+                             f"model compute on the CPU ({place.layout()}), where Triton's kernels run only through "
+                             "its interpreter, which a process compiling them for CUDA cannot use; unset "
+                             "SPECDEC_BACKEND (each device then takes its own backend) or set it to 'torch'")
 
     @property
     def _scan_device(self) -> torch.device:
@@ -546,7 +551,7 @@ class HybridAdapter:
         a bf16 / fp16 model on CUDA when installed, else ``"torch"``), ``"fla"``, ``"torch"``
         (:func:`specdec.kernels.mamba2.chunked.mamba2_chunk_scan`; for GDN / KDA transformers'
         torch reference of the chunked delta rule) or ``"hf"`` (transformers' own mixer forward).
-        On a model whose layers spread over several devices, "on CUDA" means some layer on CUDA,
+        On a model whose layers spread over several devices, "on CUDA" means some layer or the LM head on CUDA,
         and a mixer computing on the CPU takes the torch scan where the others take fla's.
 
         Without ``prefix_cache``, a batch of more than ``max_tokens`` tokens (default
