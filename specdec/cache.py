@@ -854,7 +854,6 @@ class HybridCache:
             raise ValueError(f"load_rows: pad of shape {tuple(pad.shape)} for {n} rows")
         for idx, (conv_state, state, conv_width) in ssm_states.items():
             self.ssm[idx].check_load_rows(n, conv_state, state, conv_width)
-        kv = [(buf, new) for idx, (k, v) in keys_values.items() for buf, new in zip(self.kv[idx], (k, v))]
         if self.mirrors:  # (each device's buffers with rows there; each device's layers with it current)
             index = {self.device: rows}
             for dev in self.mirrors:
@@ -875,6 +874,7 @@ class HybridCache:
             self.seq_len[rows] = length
             self.refresh_mirrors()
             return
+        kv = [(buf, new) for idx, (k, v) in keys_values.items() for buf, new in zip(self.kv[idx], (k, v))]
         if isinstance(rows, slice) and kv:
             torch._foreach_copy_([buf[rows, :, :length] for buf, _ in kv], [new for _, new in kv])
             torch._foreach_zero_([buf[rows, :, length:] for buf, _ in kv])
