@@ -260,8 +260,9 @@ def test_decode_path_choice_for_a_spread_model(monkeypatch):
 def test_spread_model_with_cuda_layers_chooses_for_them(monkeypatch):
     """The LM head on the CPU, layers alternately on cuda:0 and the CPU (a placement standing in
     for one, the device check left out): the prompt scan and the attention backends are chosen for
-    cuda:0, and with flash-linear-attention's scan each mixer takes the scan of its layer's device
-    as the placement says (the CPU ones the torch scan)."""
+    cuda:0 (what prefill resolves its scan for and a step forward its attention backends for: the
+    calls stopped there), and with flash-linear-attention's scan each mixer takes the scan of its
+    layer's device as the placement says (the CPU ones the torch scan)."""
     import inspect
 
     monkeypatch.setattr(Placement, "__post_init__", lambda self: None)
@@ -276,6 +277,26 @@ def test_spread_model_with_cuda_layers_chooses_for_them(monkeypatch):
     adapter._prompt_patched("fla")
     assert {idx: inspect.signature(fwd).parameters["_scan"].default for idx, fwd in routed.items()} == {
         0: "fla", 1: "torch", 2: "fla"}
+
+    # prefill resolves its scan, and a step forward picks its attention backends, for cuda:0
+    import specdec.models.base as base
+
+    class Seen(Exception):
+        pass
+
+    def record(*args):
+        raise Seen(torch.device(args[1] if len(args) > 1 else args[0]))
+
+    monkeypatch.setattr(base, "resolve_scan", record)
+    monkeypatch.setattr(base, "sdpa_without_cudnn", record)
+    ids, mask, _, _ = reference("qwen3_5")
+    with pytest.raises(Seen) as seen:
+        adapter.prefill(ids, mask, HybridCache(ids.shape[0], 32, 2, torch.float32, cpu))
+    assert seen.value.args[0] == cuda0
+    spread_cache = HybridCache(ids.shape[0], 32, 2, torch.float32, cpu, layer_devices=(cpu, cpu, cpu, cpu))
+    with pytest.raises(Seen) as seen:
+        adapter.forward(ids[:, :1], spread_cache)
+    assert seen.value.args[0] == cuda0
 
 
 def test_stats_name_the_layout_and_why_the_path():
