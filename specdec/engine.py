@@ -1083,11 +1083,12 @@ class SpeculativeGenerator:
             need = rows * self._row_bytes(reach).total
             if free is not None and need > free:
                 raise ValueError(f"max_new_tokens={settings.max_new_tokens}: the caches of {rows} rows of {reach} "
-                                 f"positions need {format_bytes(need)}, more than the {format_bytes(free)} available "
-                                 + (f"on {self.adapter.device}" if not self.adapter.placement.multi_device else
-                                    "on the device with the least of it among "
-                                    f"{', '.join(map(str, self.adapter.placement.devices))}")
-                                 + " (its free memory and this generator's caches there); ask for fewer new tokens")
+                                 f"positions need {format_bytes(need)}, more than the {format_bytes(free)} "
+                                 + (f"free on {self.adapter.device}" if not self.adapter.placement.multi_device else
+                                    "available on the device with the least of it among "
+                                    f"{', '.join(map(str, self.adapter.placement.devices))} (its free memory and "
+                                    "this generator's caches there)")
+                                 + "; ask for fewer new tokens")
         return self._decode(settings)
 
     @torch.no_grad()

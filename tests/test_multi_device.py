@@ -578,6 +578,11 @@ def test_memory_of_a_spread_model_is_each_devices_own(monkeypatch):
         assert sd._available_memory() == expected
     monkeypatch.setattr(engine, "free_memory", lambda dev: None if dev == cpu0 else 10)
     assert sd._available_memory() is None
+    monkeypatch.setattr(engine, "free_memory", lambda dev: 10)  # (cpu:0 holds none of the caches: 10 B there)
+    with pytest.warns(UserWarning, match="beyond the model's context"), pytest.raises(
+            ValueError, match=r"more than the 10 B available on the device with the least of it among "
+                              r"cpu, cpu:0 \(its free memory and this generator's caches there\); ask for fewer"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=10**9, pad_token_id=0)
 
 
 # ------------------------------------------------------------------------------ GPU: cuda:0 + CPU
