@@ -758,27 +758,8 @@ class HybridCache:
         if n == 0:
             return
         src_rows = source_rows.to(source.device)
-        if self.mirrors or source.mirrors:
-            self._reset_rows_spread(rows, source, src_rows)
-            return
-        for idx, (k, v) in source.kv.items():
-            self.kv[idx][0][rows] = k[src_rows].to(device=self.device, dtype=self.kv[idx][0].dtype)
-            self.kv[idx][1][rows] = v[src_rows].to(device=self.device, dtype=self.kv[idx][1].dtype)
-        self.pad[rows] = source.pad[src_rows].to(self.device)
-        self.seq_len[rows] = source.seq_len[src_rows].to(self.device)
-        for idx, layer in source.ssm.items():
-            mine = self.ssm[idx]
-            if layer.conv_window is not None:
-                mine.conv_window[rows] = layer.conv_window[src_rows].to(mine.conv_window)
-            if mine.has_recurrence:
-                state = layer.ssm_state()[src_rows]
-                mine.strategy.reset_rows(mine.store, mine.op, mine.params, rows, state)
-
-    def _reset_rows_spread(self, rows: torch.Tensor, source: HybridCache, src_rows: torch.Tensor) -> None:
-        """:meth:`reset_rows`' writes (arguments checked; ``rows`` on the home device, ``src_rows``
-        on ``source``'s) where either cache's layers spread over several devices: each buffer
-        indexed with a copy of the rows on its own device (one per device), each SSM layer's
-        strategy run with its device current, then the ``seq_len`` copies refreshed."""
+        # each buffer indexed with the rows on its own device (copied once per device where the
+        # layers spread), each SSM layer's strategy run with its device current
         mine_rows, their_rows = {rows.device: rows}, {src_rows.device: src_rows}
 
         def on(index: dict, dev: torch.device) -> torch.Tensor:
