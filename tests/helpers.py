@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -56,10 +57,36 @@ MAX_NEW = 16
 # ------------------------------------------------------------------------------ reference decoding
 
 
+@contextlib.contextmanager
+def hf_torch_rules(model):
+    """Within it, ``model``'s modeling module calls transformers' torch functions where, at import,
+    it bound a package's kernel in their place (``use_kernel_func_from_hub_with_fallback``: with
+    flash-linear-attention installed, its chunked and recurrent GDN / KDA rules, for every device);
+    nothing changes for a model whose parameters are all on CUDA. fla runs on CUDA tensors only,
+    so HF's own forward of a model with a layer on the CPU needs this wherever fla is installed."""
+    if all(p.device.type == "cuda" for p in model.parameters()):
+        yield
+        return
+    module = sys.modules[type(model).__module__]
+    bound = {name: inspect.unwrap(fn) for name, fn in vars(module).items()
+             if inspect.isfunction(fn) and "implementation" in fn.__code__.co_freevars}
+    saved = {name: getattr(module, name) for name in bound}
+    try:
+        for name, fn in bound.items():
+            setattr(module, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
 def hf_greedy(model, ids, mask, max_new=MAX_NEW, eos=None):
-    """HF greedy ``generate`` of ``ids [B, L]`` (left-padded, pad id 0): ``[B, L + max_new]``."""
+    """HF greedy ``generate`` of ``ids [B, L]`` (left-padded, pad id 0): ``[B, L + max_new]``; a
+    model with a layer on the CPU runs transformers' torch rules (:func:`hf_torch_rules`)."""
     kw = {"eos_token_id": eos} if eos is not None else {}
-    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0, **kw)
+    with hf_torch_rules(model):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                              **kw)
 
 
 _REF: dict = {}
