@@ -14,13 +14,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args, tmp_path, **extra_env):
+def _run(script, *args, tmp_path, code=0, **extra_env):
+    """``script``'s stdout lines; with a non-zero ``code`` (the exit status it must end with), its stderr's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra_env)
     env.pop("SPECDEC_BACKEND", None)
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, check=False)
-    assert res.returncode == 0, f"{script} exited {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
-    return res.stdout.splitlines()
+    assert res.returncode == code, f"{script} exited {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    return (res.stdout if code == 0 else res.stderr).splitlines()
 
 
 def _line(lines, prefix):
@@ -178,6 +179,18 @@ def test_profile_adaptive_cpu(tmp_path):
         assert set(parts) == {"outside the clock", "setup", "prefill", "first step", "median step", "last step",
                               "K switches", "switch steps over their K's median"}
         assert float(parts["prefill"]) > 0 and float(parts["median step"]) > 0 and float(parts["outside the clock"]) >= 0
+
+
+def test_profile_adaptive_ngram_on_shipped_prompts(tmp_path):
+    """benchmarks/profile_adaptive.py with the zoo model's n-gram drafter on a shipped prompt set:
+    the batch-1 output checked against plain decoding (no row parted); an acceptance that is
+    neither a number nor ``ngram`` is refused naming what is accepted."""
+    lines = _run("profile_adaptive.py", "gdn-target", "1", "ngram", "2", "--prompts", "128", "--new-tokens", "8",
+                 "--out", "p.txt", tmp_path=tmp_path)
+    head = _line(lines, "K=2 batch 1 acceptance ngram")
+    assert "; 0 rows parted from plain decoding)" in head and "K histogram [0, 0, " in head
+    bad = _run("profile_adaptive.py", "gdn-target", "1", "often", "2", tmp_path=tmp_path, code=2)
+    assert "acceptance must be a number in [0, 1] or ngram; got 'often'" in bad[-1]
 
 
 def test_profile_adaptive_call_segments():
