@@ -377,6 +377,41 @@ def test_two_device_names_with_a_draft_model():
     assert sd.last_stats.accepted_tokens > 0
 
 
+def draft_on(device, family="qwen3_5"):
+    """``family``'s perturbed tiny model (a fresh copy), its decoder layers and LM head hooked to
+    compute on ``device``: a draft model on a device of its own."""
+    draft = copy.deepcopy(get_model(family, "perturbed"))
+    for mod in (*draft.model.layers, draft.lm_head):
+        add_hook_to_module(mod, AlignDevicesHook(execution_device=torch.device(device), io_same_device=True))
+    return draft
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_a_draft_model_on_a_device_of_its_own(path):
+    """A draft model computing on ``cpu:0`` for a target on ``cpu`` (two device names: the
+    drafter takes the text to its device and hands the drafts back): exact on the eager and the
+    static proposal path, in ``generate()`` and in continuous batching (rows admitted into the
+    draft's cache on its device)."""
+    draft = DraftModelDrafter(draft_on("cpu:0"))
+    assert draft.adapter.device == torch.device("cpu", 0)
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(get_model("qwen3_5"), drafter=draft, rollback="replay", num_speculative_tokens=3,
+                      decode_path=path)
+    for _ in range(2):  # (the second: the static proposal programs' warm-up)
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, ref)
+    assert sd.last_stats.accepted_tokens > 0 and sd.last_stats.draft_path == path
+    batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
+    assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
+
+
+def test_a_draft_model_spread_over_devices_is_refused():
+    """A draft model whose layers compute on two devices: a ValueError naming its layout."""
+    with pytest.raises(ValueError, match=r"a draft model must compute on one device; this one is spread over "
+                                         r"several \(cpu: layers 0, 2, lm_head; cpu:0: layers 1, 3\)"):
+        DraftModelDrafter(two_name_model("qwen3_5"))
+
+
 @pytest.mark.parametrize("family", SPLIT_FAMILIES)
 def test_two_device_names_under_hf_prompt_lookup(family):
     """HF's own generate(prompt_lookup_num_tokens=...) on an enabled model spread over two device
@@ -790,6 +825,39 @@ def test_cuda_cpu_split_with_mtp_layers(tmp_path, path):
     assert torch.equal(out.cpu(), ref)
     assert sd.last_stats.decode_path == path and sd.last_stats.draft_path == path
     check_cache_devices(sd, sd.last_cache)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["eager", "static", "cuda_graph"])
+@pytest.mark.parametrize("target_on", ["cuda", "cpu"])
+def test_a_draft_model_on_the_other_device(target_on, path):
+    """The target on cuda:0 with its draft model on the CPU, or the target on the CPU with its draft
+    on cuda:0: exact (greedy and continuous batching; a CUDA target with a CPU draft also sampled,
+    the target's CUDA generator drawing the draft's tokens), the draft's cache on its device, the
+    draft's proposals captured where it is on CUDA (on the CPU, the static programs run eagerly)."""
+    if target_on == "cpu" and path == "cuda_graph":
+        pytest.skip("a CPU target has no CUDA-graph path")
+    draft_dev = "cpu" if target_on == "cuda" else "cuda"
+    target = copy.deepcopy(get_model("qwen3_5")).to(target_on)
+    drafter = DraftModelDrafter(copy.deepcopy(get_model("qwen3_5", "perturbed")).to(draft_dev))
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(target, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path=path)
+    for _ in range(3):  # (the second proposal programs' warm-up, the third their capture)
+        out = sd.generate(ids.to(target_on), attention_mask=mask.to(target_on), max_new_tokens=MAX_NEW,
+                          eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out.cpu(), ref)
+    st = sd.last_stats
+    assert st.accepted_tokens > 0 and st.decode_path == path
+    assert st.draft_path == ("static" if path == "cuda_graph" and draft_dev == "cpu" else path), st.capture_error
+    assert drafter.cache.seq_len.device.type == draft_dev
+    batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
+    assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
+    if target_on == "cuda" and path == "eager":
+        gen = torch.Generator("cuda").manual_seed(0)
+        out = sd.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=MAX_NEW, do_sample=True,
+                          pad_token_id=0, generator=gen)
+        assert out.shape[0] == ids.shape[0] and out.device.type == "cuda"
 
 
 @pytest.mark.gpu

@@ -25,6 +25,12 @@ captured as a CUDA graph at the third proposal (the second runs them eagerly as 
 :class:`specdec.graphs.CapturedProgram`) and replayed from then on, with the draft cache kept
 for the next ``generate()`` of the same shape bucket.
 
+The draft model may compute on another device than the target's LM head (a second GPU, the
+CPU, or a GPU beside a target on the CPU): its cache, programs and captures live on its own
+device, which is made current while it proposes (:func:`specdec.placement.on_device`); the text
+comes over once per proposal and the drafts (and their probabilities) go back to the LM head's
+device, two small copies a step. A draft model spread over several devices is refused.
+
 Continuous batching (:meth:`DraftModelDrafter.admit`): a row that takes a new request gets the
 new prompt prefilled into a fresh cache of the draft's shape; the next proposal, once the open
 step is committed (between the two programs on the static path, where no step is open), moves it
@@ -38,6 +44,7 @@ import torch
 
 from ..graphs import CapturedProgram, bucket_length
 from ..models import adapter_for
+from ..placement import on_device
 from ..rollback import make_strategy
 from ..verify import process_logits
 from .base import Drafter
@@ -49,17 +56,22 @@ class DraftModelDrafter(Drafter):
     """Draft with ``draft_model``, any supported HF causal LM sharing the target's vocabulary.
 
     Args:
-        draft_model: a loaded HF causal LM (on the target's device).
+        draft_model: a loaded HF causal LM, on one device: the target's LM head's, or another
+            (see the module's notes).
         rollback: the draft's own rollback strategy (name or instance; default "snapshot").
 
     Raises:
-        TypeError / ValueError: if the model is not a supported causal LM.
+        TypeError / ValueError: if the model is not a supported causal LM, or its layers and LM
+            head compute on several devices.
     """
 
     drafts_sequentially = True  # one draft-model forward per draft
 
     def __init__(self, draft_model, rollback="snapshot"):
         self.adapter = adapter_for(draft_model)
+        if self.adapter.placement.multi_device:
+            raise ValueError(f"a draft model must compute on one device; this one is spread over several "
+                             f"({self.adapter.placement.layout()}): place it whole, e.g. draft_model.to('cuda:1')")
         self.strategy = make_strategy(rollback)
         self.model = draft_model
         self._path = "eager"
@@ -89,6 +101,7 @@ class DraftModelDrafter(Drafter):
         self.sampling = None
         self.generator = None
         self.max_length = None
+        self.home = self.adapter.device
 
     @property
     def vocab_size(self):
@@ -99,12 +112,7 @@ class DraftModelDrafter(Drafter):
         self.sampling = sampling
         self.generator = generator
         self.max_length = max_length
-        if torch.device(device) != self.adapter.device:
-            raise ValueError(
-                f"draft model is on {self.adapter.device} but the target's LM head computes on {torch.device(device)} "
-                "(where the decode loop's tokens live, whatever devices the target's layers use); move it with "
-                f"draft_model.to({str(torch.device(device))!r})"
-            )
+        self.home = torch.device(device)  # the target's LM head's: where the proposals go
 
     def draft_probs(self):
         return self._probs
@@ -134,9 +142,12 @@ class DraftModelDrafter(Drafter):
             return
         c = self.cache
         fresh = self.adapter.new_cache(rows.numel(), c.max_len, c.max_step_tokens, self.strategy, static=c.static)
-        self.adapter.prefill(input_ids.to(self.adapter.device), attention_mask.to(self.adapter.device), fresh)
+        dev = self.adapter.device
+        rows = rows.to(dev)
+        with on_device(dev):
+            self.adapter.prefill(input_ids.to(dev), attention_mask.to(dev), fresh)
         self._admitted.append((rows, fresh))
-        self.consumed[rows] = attention_mask.sum(1).to(self.consumed.device)  # so the open step keeps none of theirs
+        self.consumed[rows] = attention_mask.sum(1).to(dev)  # so the open step keeps none of theirs
 
     def _reset_admitted(self) -> None:
         """Move the prompts :meth:`admit` prefilled into their rows (the step is closed)."""
@@ -149,7 +160,10 @@ class DraftModelDrafter(Drafter):
         if self.sampling is None:
             return logits.argmax(-1), None
         probs = process_logits(logits, self.sampling)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
+        gen = self.generator
+        if gen is not None and gen.device != probs.device:  # (the target's generator, on its LM head's device)
+            return torch.multinomial(probs.to(gen.device), 1, generator=gen)[:, 0].to(probs.device), probs
+        return torch.multinomial(probs, 1, generator=gen)[:, 0], probs
 
     def _prefill(self, input_ids, lengths, K):
         B = input_ids.shape[0]
@@ -206,6 +220,17 @@ class DraftModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, input_ids, lengths, num_speculative_tokens):
+        dev, home = self.adapter.device, self.home
+        if dev == home:
+            return self._propose(input_ids, lengths, num_speculative_tokens)
+        with on_device(dev):
+            drafts, counts = self._propose(input_ids.to(dev), lengths.to(dev), num_speculative_tokens)
+            if self._probs is not None:
+                self._probs = self._probs.to(home)
+            return drafts.to(home), counts.to(home)
+
+    def _propose(self, input_ids, lengths, num_speculative_tokens):
+        """:meth:`propose` on the draft model's device (``input_ids`` and ``lengths`` there)."""
         K = num_speculative_tokens
         if self._static_proposals:
             return self._propose_static(input_ids, lengths, K)
@@ -245,7 +270,7 @@ class DraftModelDrafter(Drafter):
         if self._calls == 0:
             if st is None or st.key != key:
                 st = self._static = _StaticDraft(key, B, K, width, dev)
-                graphs = self._path == "cuda_graph"
+                graphs = self._path == "cuda_graph" and dev.type == "cuda"  # (a draft on the CPU: static)
                 if K > 1:  # (a capture's host-side step counts are reset to the program's start on failure)
                     st.commit_open = CapturedProgram(lambda: self._commit_open(st), model=self.model,
                                                      what="the draft model's commit", graphs=graphs,
