@@ -405,6 +405,20 @@ def test_a_draft_model_on_a_device_of_its_own(path):
     assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
 
 
+def test_a_cpu_draft_beside_a_gpu_target_refuses_forced_triton(monkeypatch):
+    """SPECDEC_BACKEND=triton (stood in for) with a draft model on the CPU and the target's LM
+    head on a GPU: start() raises naming the draft's device and what to set instead."""
+    import specdec.drafters.draft_model as dm
+
+    monkeypatch.setattr(dm, "backend", lambda device=None: "triton")
+    drafter = DraftModelDrafter(get_model("qwen3_5", "perturbed"))
+    with pytest.raises(ValueError, match="SPECDEC_BACKEND=triton runs Triton kernels everywhere, but the draft model "
+                                         "computes on cpu, .* set it to 'torch'"):
+        drafter.start(target_vocab_size=drafter.vocab_size, batch_size=1, device=torch.device("cuda", 0))
+    drafter.start(target_vocab_size=drafter.vocab_size, batch_size=1, device=torch.device("cpu"))  # one device: no check
+    assert drafter.home == torch.device("cpu")
+
+
 def test_a_draft_model_spread_over_devices_is_refused():
     """A draft model whose layers compute on two devices: a ValueError naming its layout."""
     with pytest.raises(ValueError, match=r"a draft model must compute on one device; this one is spread over "
@@ -833,9 +847,9 @@ def test_cuda_cpu_split_with_mtp_layers(tmp_path, path):
 @pytest.mark.parametrize("target_on", ["cuda", "cpu"])
 def test_a_draft_model_on_the_other_device(target_on, path):
     """The target on cuda:0 with its draft model on the CPU, or the target on the CPU with its draft
-    on cuda:0: exact (greedy and continuous batching; a CUDA target with a CPU draft also sampled,
-    the target's CUDA generator drawing the draft's tokens), the draft's cache on its device, the
-    draft's proposals captured where it is on CUDA (on the CPU, the static programs run eagerly)."""
+    on cuda:0: exact (greedy and continuous batching; a CUDA target with a CPU draft also sampled
+    twice from one seed of the call's CUDA generator, which draws the draft's tokens too: the same
+    text), the draft's cache on its device; a CPU draft runs its static programs uncaptured."""
     if target_on == "cpu" and path == "cuda_graph":
         pytest.skip("a CPU target has no CUDA-graph path")
     draft_dev = "cpu" if target_on == "cuda" else "cuda"
@@ -849,15 +863,40 @@ def test_a_draft_model_on_the_other_device(target_on, path):
         assert torch.equal(out.cpu(), ref)
     st = sd.last_stats
     assert st.accepted_tokens > 0 and st.decode_path == path
-    assert st.draft_path == ("static" if path == "cuda_graph" and draft_dev == "cpu" else path), st.capture_error
+    assert st.draft_path == ("static" if path == "cuda_graph" and draft_dev == "cpu" else path), st.draft_error
     assert drafter.cache.seq_len.device.type == draft_dev
     batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
     assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
     if target_on == "cuda" and path == "eager":
-        gen = torch.Generator("cuda").manual_seed(0)
-        out = sd.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=MAX_NEW, do_sample=True,
-                          pad_token_id=0, generator=gen)
-        assert out.shape[0] == ids.shape[0] and out.device.type == "cuda"
+        sampled = [sd.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=MAX_NEW, do_sample=True,
+                               pad_token_id=0, generator=torch.Generator("cuda").manual_seed(0)) for _ in range(2)]
+        assert torch.equal(*sampled) and sampled[0].device.type == "cuda"  # (the CUDA generator drew every token)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+@pytest.mark.parametrize("path", ["static", "cuda_graph"])
+@pytest.mark.parametrize("target_gpu, draft_gpu", [(0, 1), (1, 0)])
+def test_a_draft_model_on_another_gpu(target_gpu, draft_gpu, path):
+    """The target on one GPU and its draft model on the other, cuda:0 current: exact (greedy and
+    continuous batching), the draft's proposal programs captured on its own device on the
+    CUDA-graph path, its cache there, cuda:0 current afterwards."""
+    torch.cuda.set_device(0)
+    target = copy.deepcopy(get_model("qwen3_5")).to(f"cuda:{target_gpu}")
+    drafter = DraftModelDrafter(copy.deepcopy(get_model("qwen3_5", "perturbed")).to(f"cuda:{draft_gpu}"))
+    ids, mask, eos, ref = reference("qwen3_5")
+    sd = specdec.wrap(target, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path=path)
+    for _ in range(3):  # (the second: the proposal programs' warm-up, the third their capture)
+        out = sd.generate(ids.to(f"cuda:{target_gpu}"), attention_mask=mask.to(f"cuda:{target_gpu}"),
+                          max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out.cpu(), ref)
+    st = sd.last_stats
+    assert st.accepted_tokens > 0 and st.decode_path == path and st.draft_path == path, st.draft_error
+    assert drafter.cache.seq_len.device == torch.device("cuda", draft_gpu)
+    batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
+    assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
+    assert torch.cuda.current_device() == 0
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..graphs import CapturedProgram, bucket_length
+from ..kernels import backend
 from ..models import adapter_for
 from ..placement import on_device
 from ..rollback import make_strategy
@@ -113,6 +114,12 @@ class DraftModelDrafter(Drafter):
         self.generator = generator
         self.max_length = max_length
         self.home = torch.device(device)  # the target's LM head's: where the proposals go
+        dev = self.adapter.device
+        if self.home.type == "cuda" and dev.type != "cuda" and backend(dev) == "triton":
+            raise ValueError(f"SPECDEC_BACKEND=triton runs Triton kernels everywhere, but the draft model computes on "
+                             f"{dev}, where Triton's kernels run only through its interpreter, which a process "
+                             "compiling them for CUDA cannot use; unset SPECDEC_BACKEND (each device then takes its "
+                             "own backend) or set it to 'torch'")
 
     def draft_probs(self):
         return self._probs
@@ -160,10 +167,12 @@ class DraftModelDrafter(Drafter):
         if self.sampling is None:
             return logits.argmax(-1), None
         probs = process_logits(logits, self.sampling)
-        gen = self.generator
-        if gen is not None and gen.device != probs.device:  # (the target's generator, on its LM head's device)
-            return torch.multinomial(probs.to(gen.device), 1, generator=gen)[:, 0].to(probs.device), probs
-        return torch.multinomial(probs, 1, generator=gen)[:, 0], probs
+        # drawn where the call's generator is, else on the LM head's device: generators the decode loop
+        # saves and restores (a dropped proposal's draws undone), the same as a draft on that device
+        where = self.generator.device if self.generator is not None else self.home
+        if where != probs.device:
+            return torch.multinomial(probs.to(where), 1, generator=self.generator)[:, 0].to(probs.device), probs
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
 
     def _prefill(self, input_ids, lengths, K):
         B = input_ids.shape[0]
@@ -265,7 +274,7 @@ class DraftModelDrafter(Drafter):
         B, W = input_ids.shape
         dev = input_ids.device
         width = bucket_length(max(self.max_length or 0, W))
-        key = (B, K, width, self._path)
+        key = (B, K, width, self._path, dev)  # (a draft model moved since: new buffers, new graphs)
         st = self._static
         if self._calls == 0:
             if st is None or st.key != key:
