@@ -841,33 +841,41 @@ def test_cuda_cpu_split_with_mtp_layers(tmp_path, path):
     check_cache_devices(sd, sd.last_cache)
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("path", ["eager", "static", "cuda_graph"])
-@pytest.mark.parametrize("target_on", ["cuda", "cpu"])
-def test_a_draft_model_on_the_other_device(target_on, path):
-    """The target on cuda:0 with its draft model on the CPU, or the target on the CPU with its draft
-    on cuda:0: exact (greedy and continuous batching; a CUDA target with a CPU draft also sampled
-    twice from one seed of the call's CUDA generator, which draws the draft's tokens too: the same
-    text), the draft's cache on its device; a CPU draft runs its static programs uncaptured."""
-    if target_on == "cpu" and path == "cuda_graph":
-        pytest.skip("a CPU target has no CUDA-graph path")
-    draft_dev = "cpu" if target_on == "cuda" else "cuda"
-    target = copy.deepcopy(get_model("qwen3_5")).to(target_on)
+def decodes_with_draft_on(target_dev: str, draft_dev: str, path: str, draft_path: str):
+    """A target on ``target_dev`` drafted for by a draft model on ``draft_dev`` on ``path``: exact
+    (three greedy calls: the draft's static programs run eagerly, warm up, then are captured where
+    the path captures; then continuous batching), the draft's proposals on ``draft_path``, its
+    cache on its device. Returns the generator."""
+    target = copy.deepcopy(get_model("qwen3_5")).to(target_dev)
     drafter = DraftModelDrafter(copy.deepcopy(get_model("qwen3_5", "perturbed")).to(draft_dev))
     ids, mask, eos, ref = reference("qwen3_5")
     sd = specdec.wrap(target, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path=path)
-    for _ in range(3):  # (the second proposal programs' warm-up, the third their capture)
-        out = sd.generate(ids.to(target_on), attention_mask=mask.to(target_on), max_new_tokens=MAX_NEW,
+    for _ in range(3):
+        out = sd.generate(ids.to(target_dev), attention_mask=mask.to(target_dev), max_new_tokens=MAX_NEW,
                           eos_token_id=eos, pad_token_id=0)
         assert torch.equal(out.cpu(), ref)
     st = sd.last_stats
-    assert st.accepted_tokens > 0 and st.decode_path == path
-    assert st.draft_path == ("static" if path == "cuda_graph" and draft_dev == "cpu" else path), st.draft_error
-    assert drafter.cache.seq_len.device.type == draft_dev
+    assert st.accepted_tokens > 0 and st.decode_path == path and st.draft_path == draft_path, st.draft_error
+    assert drafter.cache.seq_len.device == torch.device(draft_dev)
     batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
     assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
+    return sd
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("target_on, path", [("cuda", "eager"), ("cuda", "static"), ("cuda", "cuda_graph"),
+                                             ("cpu", "eager"), ("cpu", "static")])  # (a CPU target: no graphs)
+def test_a_draft_model_on_the_other_device(target_on, path):
+    """The target on cuda:0 with its draft model on the CPU, or the target on the CPU with its draft
+    on cuda:0 (:func:`decodes_with_draft_on`; a CPU draft runs its static programs uncaptured); a
+    CUDA target with a CPU draft also sampled twice from one seed of the call's CUDA generator,
+    which draws the draft's tokens too: the same text."""
+    draft_dev = "cpu" if target_on == "cuda" else "cuda:0"
+    target_dev = "cuda:0" if target_on == "cuda" else "cpu"
+    sd = decodes_with_draft_on(target_dev, draft_dev, path, "static" if path == "cuda_graph" else path)
     if target_on == "cuda" and path == "eager":
+        ids, mask, _, _ = reference("qwen3_5")
         sampled = [sd.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=MAX_NEW, do_sample=True,
                                pad_token_id=0, generator=torch.Generator("cuda").manual_seed(0)) for _ in range(2)]
         assert torch.equal(*sampled) and sampled[0].device.type == "cuda"  # (the CUDA generator drew every token)
@@ -879,23 +887,11 @@ def test_a_draft_model_on_the_other_device(target_on, path):
 @pytest.mark.parametrize("path", ["static", "cuda_graph"])
 @pytest.mark.parametrize("target_gpu, draft_gpu", [(0, 1), (1, 0)])
 def test_a_draft_model_on_another_gpu(target_gpu, draft_gpu, path):
-    """The target on one GPU and its draft model on the other, cuda:0 current: exact (greedy and
-    continuous batching), the draft's proposal programs captured on its own device on the
-    CUDA-graph path, its cache there, cuda:0 current afterwards."""
+    """The target on one GPU and its draft model on the other, cuda:0 current
+    (:func:`decodes_with_draft_on`: the draft's programs captured on its own device on the
+    CUDA-graph path), cuda:0 current afterwards."""
     torch.cuda.set_device(0)
-    target = copy.deepcopy(get_model("qwen3_5")).to(f"cuda:{target_gpu}")
-    drafter = DraftModelDrafter(copy.deepcopy(get_model("qwen3_5", "perturbed")).to(f"cuda:{draft_gpu}"))
-    ids, mask, eos, ref = reference("qwen3_5")
-    sd = specdec.wrap(target, drafter=drafter, rollback="replay", num_speculative_tokens=3, decode_path=path)
-    for _ in range(3):  # (the second: the proposal programs' warm-up, the third their capture)
-        out = sd.generate(ids.to(f"cuda:{target_gpu}"), attention_mask=mask.to(f"cuda:{target_gpu}"),
-                          max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-        assert torch.equal(out.cpu(), ref)
-    st = sd.last_stats
-    assert st.accepted_tokens > 0 and st.decode_path == path and st.draft_path == path, st.draft_error
-    assert drafter.cache.seq_len.device == torch.device("cuda", draft_gpu)
-    batch = sd.generate_batch(BATCH_PROMPTS, max_new_tokens=8, max_batch_size=2)
-    assert [o.generated_tokens for o in batch.values()] == hf_alone("qwen3_5", BATCH_PROMPTS)
+    decodes_with_draft_on(f"cuda:{target_gpu}", f"cuda:{draft_gpu}", path, path)
     assert torch.cuda.current_device() == 0
 
 
