@@ -30,8 +30,12 @@ mark and after its last), the clock's laps before the first step other than the 
 strategy's choice, the policy's setup: ``calibration``; the first proposal), the prefill, the first
 step, the median step, the last step (a step: the laps from one ``verify`` lap to the next), and the steps that
 changed K, their time over their K's median step summed (medians over the timed calls), to find
-time a call spends outside its steady steps. Writes the three reports per setting to ``--out``. The model is the app's (``load_app_model``: its dtype for the device, bf16
-on CUDA); on a CPU this is a smoke test.
+time a call spends outside its steady steps. A third line sums the call's steps by kind: the
+speculative steps, and the plain steps (K = 0) that made a shadow proposal, that came right after
+one, and the others; each kind's count, mean and total ms (the count and the total: medians over
+the timed calls), to find which steps hold the time the policy's measured costs do not show.
+Writes the three reports per setting to ``--out``. The model is the app's (``load_app_model``:
+its dtype for the device, bf16 on CUDA); on a CPU this is a smoke test.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ class _KeptClock(StepClock):
 
 _CLOCKS: list[StepClock] = []
 
+#: the kinds of step :func:`call_segments` sums apart
+KINDS = ("plain", "shadow", "after shadow", "speculative")
+
 
 def call_segments(clock: StepClock, wall_s: float, k_per_step: list[int] | None = None) -> dict[str, float]:
     """One call's time in ms: ``outside`` (host wall less the clock's first-to-last mark),
@@ -77,15 +84,21 @@ def call_segments(clock: StepClock, wall_s: float, k_per_step: list[int] | None 
     the clock's events must have completed. With ``k_per_step`` (the call's K of every step, as
     many as the clock's steps): ``switch_excess``, over the steps whose K differs from the step
     before's (``switches`` of them), their time less the median step at their K, summed: what
-    changing K costs beyond the steps themselves (a replay fold, another graph's first replay).
+    changing K costs beyond the steps themselves (a replay fold, another graph's first replay);
+    and per kind of step, ``"<kind> steps"`` (how many) and ``"<kind> ms"`` (their time summed):
+    ``speculative`` (K > 0), ``shadow`` (a plain step that made a shadow proposal), ``after
+    shadow`` (the plain step after one) and ``plain`` (the other plain steps); a kind that did
+    not occur is left out.
     A step's segment ends with the next step's proposal where that is made ahead, so a new K's
     first proposal falls in the step before the switch, not in ``switch_excess``."""
     laps = clock.laps()
-    starts = [i for i, (phase, _) in enumerate(laps) if phase == "verify"]
+    # (a step that makes a shadow proposal laps "verify" on both sides of its "shadow" lap)
+    starts = [i for i, (phase, _) in enumerate(laps) if phase == "verify" and (i == 0 or laps[i - 1][0] != "shadow")]
     if not starts:
         raise ValueError("the call ran no step")
     before = laps[:starts[0]]
-    steps = [sum(span for _, span in laps[a:b]) for a, b in zip(starts, starts[1:] + [len(laps)])]
+    bounds = list(zip(starts, starts[1:] + [len(laps)]))
+    steps = [sum(span for _, span in laps[a:b]) for a, b in bounds]
     out = {}
     if k_per_step is not None:
         if len(k_per_step) != len(steps):
@@ -94,6 +107,12 @@ def call_segments(clock: StepClock, wall_s: float, k_per_step: list[int] | None 
         switched = [i for i in range(1, len(steps)) if k_per_step[i] != k_per_step[i - 1]]
         out = {"switches": float(len(switched)),
                "switch_excess": 1e3 * sum(steps[i] - median_at[k_per_step[i]] for i in switched)}
+        shadowed = [any(phase == "shadow" for phase, _ in laps[a:b]) for a, b in bounds]
+        for i, (t, k) in enumerate(zip(steps, k_per_step)):
+            kind = ("speculative" if k else "shadow" if shadowed[i] else
+                    "after shadow" if i and shadowed[i - 1] else "plain")
+            out[f"{kind} steps"] = out.get(f"{kind} steps", 0.0) + 1
+            out[f"{kind} ms"] = out.get(f"{kind} ms", 0.0) + 1e3 * t
     return {**out, "outside": 1e3 * (wall_s - sum(span for _, span in laps)),
             "setup": 1e3 * sum(span for phase, span in before if phase != "prefill"),
             "prefill": 1e3 * sum(span for phase, span in before if phase == "prefill"),
@@ -175,10 +194,14 @@ def main(argv=None) -> int:
                 f"steps; {parted} rows parted from plain decoding), decode {decode:.3f} (draft {draft:.3f}, verify {verify:.3f}, commit {commit:.3f}, "
                 f"rest {rest:.3f}), K histogram {hist}; device time "
                 f"{device_ms / profiled_steps:.3f} ms a step ({profiled_steps} profiled steps)")
-        seg = {k: statistics.median(c[k] for c in segments) for k in segments[0]}
+        seg = {k: statistics.median(c.get(k, 0.0) for c in segments) for k in set().union(*segments)}
         head += ("\n   one call, ms: outside the clock {outside:.2f}, setup {setup:.2f}, prefill {prefill:.2f}, "
                  "first step {first:.3f}, median step {median:.3f}, last step {last:.3f}, "
                  "K switches {switches:.0f}, switch steps over their K's median {switch_excess:.2f}").format(**seg)
+        kinds = [kind for kind in KINDS if seg.get(f"{kind} steps")]
+        head += "\n   steps by kind, count x mean ms = ms: " + "; ".join(
+            f"{kind} {seg[kind + ' steps']:.0f} x {seg[kind + ' ms'] / seg[kind + ' steps']:.3f} = {seg[kind + ' ms']:.2f}"
+            for kind in kinds)
         print(head, flush=True)
         table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
         report += [f"== {head}", "-- cProfile, by own time", by_self.getvalue(), "-- cProfile, cumulative",

@@ -5,6 +5,7 @@ through Triton's interpreter. The experiments' own smoke tests are in tests/test
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -179,6 +180,14 @@ def test_profile_adaptive_cpu(tmp_path):
         assert set(parts) == {"outside the clock", "setup", "prefill", "first step", "median step", "last step",
                               "K switches", "switch steps over their K's median"}
         assert float(parts["prefill"]) > 0 and float(parts["median step"]) > 0 and float(parts["outside the clock"]) >= 0
+    kinds = [x.split("ms:", 1)[1] for x in lines if x.strip().startswith("steps by kind")]
+    assert len(kinds) == 2
+    for line in kinds:  # "kind n x mean = total" per kind; the fixed K = 1 call's 4 steps (8 tokens, 2 rows) at least
+        for part in line.split(";"):
+            name, n, mean, total = re.fullmatch(r"\s*([a-z ]+) (\d+) x ([\d.]+) = ([\d.]+)", part).groups()
+            assert name in ("plain", "shadow", "after shadow", "speculative") and int(n) > 0
+            assert float(total) == pytest.approx(int(n) * float(mean), rel=0.01, abs=0.01)
+    assert kinds[0].split(";")[0].strip().startswith("speculative ")
 
 
 def test_profile_adaptive_ngram_on_shipped_prompts(tmp_path):
@@ -220,6 +229,20 @@ def test_profile_adaptive_call_segments():
     assert call_segments(Laps(), wall_s=0.041, k_per_step=[2, 2, 2])["switches"] == 0
     with pytest.raises(ValueError, match="2 K values for the clock's 3 steps"):
         call_segments(Laps(), wall_s=0.041, k_per_step=[1, 1])
+    # by kind: with K = 0, 0, 0 the second step is plain; with K = 1, 0, 0 and a shadow proposal
+    # in the second step (its verify laps on both sides of it: one step), the third comes after it
+    by_kind = call_segments(Laps(), wall_s=0.041, k_per_step=[0, 0, 0])
+    assert (by_kind["plain steps"], by_kind["plain ms"]) == (3, pytest.approx(19.0))
+
+    class Shadowed:
+        def laps(self):
+            laps = Laps().laps()
+            return laps[:9] + [("shadow", 0.005), ("verify", 0.001)] + laps[9:]
+    by_kind = call_segments(Shadowed(), wall_s=0.047, k_per_step=[1, 0, 0])
+    assert by_kind["speculative steps"] == 1 and by_kind["speculative ms"] == pytest.approx(6.0)
+    assert by_kind["shadow steps"] == 1 and by_kind["shadow ms"] == pytest.approx(9.0)
+    assert by_kind["after shadow steps"] == 1 and by_kind["after shadow ms"] == pytest.approx(10.0)
+    assert "plain steps" not in by_kind and by_kind["median"] == pytest.approx(9.0)
     with pytest.raises(ValueError, match="ran no step"):
         call_segments(type("NoSteps", (), {"laps": lambda self: [("prefill", 0.01)]})(), wall_s=0.02)
 
