@@ -202,6 +202,22 @@ def test_profile_adaptive_ngram_on_shipped_prompts(tmp_path):
     assert "acceptance must be a number in [0, 1] or ngram; got 'often'" in bad[-1]
 
 
+def test_policy_host_cpu(tmp_path):
+    """benchmarks/policy_host.py times the policy's host calls of every step and counts the
+    steps per K (all of the timed ones); a high acceptance settles on a K > 0, a nil one on
+    plain steps but for probes; an acceptance outside [0, 1] is refused naming the range."""
+    for acceptance, speculates in (("0.9", True), ("0", False)):
+        line = _line(_run("policy_host.py", "--batch", "2", "--acceptance", acceptance, "--steps", "60",
+                          "--warmup", "20", tmp_path=tmp_path), "policy host time per step, batch 2")
+        medians = [float(m) for m in re.findall(r"([\d.]+) us median", line)]
+        assert len(medians) == 3 and all(m > 0 for m in medians)
+        hist = [int(h) for h in line.split("steps per K [")[1].rstrip("]").split(",")]
+        assert len(hist) == 9 and sum(hist) == 60
+        assert hist[0] == 0 if speculates else hist[0] >= 48  # (at acceptance 0: plain steps, and a probe now and then)
+    bad = _run("policy_host.py", "--acceptance", "1.5", tmp_path=tmp_path, code=2)
+    assert "--acceptance must be in [0, 1]; got 1.5" in bad[-1]
+
+
 def test_profile_adaptive_call_segments():
     """profile_adaptive.call_segments groups a call's laps into the time before its first step
     (the prefill apart) and its steps, each from one verify lap to the next (a proposal made
