@@ -806,6 +806,9 @@ def test_what_the_drafter_needs_is_checked():
     model = make_model("qwen3_5")
     with pytest.raises(ValueError, match="declares no MTP layers"):
         mtp_layers_for(model)
+    for bad in (0, -1, 1.5, True):  # a count asked for: the caller's argument named, not the config
+        with pytest.raises(ValueError, match=rf"the number of MTP layers must be an int >= 1, got {bad!r}"):
+            MTPDrafter.random(model, num_layers=bad)
     model.config.mtp_num_hidden_layers = 1
     with pytest.raises(ValueError, match="config._name_or_path is empty"):
         specdec.wrap(model, drafter="mtp")

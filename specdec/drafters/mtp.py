@@ -76,6 +76,7 @@ family's own initialisation, for timing a checkpoint shape that has no trained M
 from __future__ import annotations
 
 import copy
+import numbers
 import json
 import re
 from pathlib import Path
@@ -322,6 +323,9 @@ def mtp_layers_for(target, num_steps: int | None = None) -> MTPLayers:
         raise ValueError(f"no MTP layout is known for model_type {mt!r}; MTP drafting supports "
                          f"{', '.join(sorted(_FAMILIES))}")
     cls, _ = _FAMILIES[mt]
+    if num_steps is not None:
+        if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) or num_steps < 1:
+            raise ValueError(f"the number of MTP layers must be an int >= 1, got {num_steps!r}")
     n = int(getattr(config, cls.count_field, 0) or 0) if num_steps is None else int(num_steps)
     if n < 1:
         raise _NoLayerCount(f"{type(target).__name__}'s config declares no MTP layers ({cls.count_field}="
@@ -614,7 +618,7 @@ class MTPDrafter(Drafter):
         dev = adapter_for(target).device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(int(seed))
-            layers = mtp_layers_for(target, num_steps=int(num_layers))
+            layers = mtp_layers_for(target, num_steps=num_layers)
             layers.init_weights(target)
         return cls(target, layers, tree=tree, draft_vocab=draft_vocab, compile_proposal=compile_proposal)
 
