@@ -123,6 +123,16 @@ def test_kernel_rejects_bad_arguments():
 
 
 @needs_triton_interpreter
+@pytest.mark.parametrize("ngrams", [(True, 3), (1, 2.0), (0, 2), (3, 2)])
+def test_the_drafter_refuses_ngram_lengths_that_are_not_ints_in_order(ngrams):
+    """NGramDrafter takes two ints 1 <= min_ngram <= max_ngram; a bool, a float or an order
+    outside that is refused naming them."""
+    from specdec.drafters import NGramDrafter
+
+    with pytest.raises(ValueError, match=r"need integers 1 <= min_ngram <= max_ngram, got "):
+        NGramDrafter(*ngrams)
+
+
 def test_propose_takes_the_kernel_on_the_triton_backend(monkeypatch):
     """SPECDEC_BACKEND=triton: the kernel at every batch size (the searches that are not chosen
     must not run); torch backend on the CPU: the loop up to HOST_SEARCH_MAX_BATCH rows, then the

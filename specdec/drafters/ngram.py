@@ -90,8 +90,9 @@ class NGramDrafter(Drafter):
     stateless = True  # proposals read only the text
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
-        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
-            raise ValueError(f"need integers 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not (all(isinstance(n, int) and not isinstance(n, bool) for n in (min_ngram, max_ngram))
+                and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need integers 1 <= min_ngram <= max_ngram, got {min_ngram!r}, {max_ngram!r}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
