@@ -224,8 +224,8 @@ def _in_vocabulary(name: str, ids: tuple[int, ...], vocab_size: int, given: bool
     """The ids of the token setting ``name`` (``eos_token_id``, ``pad_token_id``) a step or an
     output can use: those in ``[0, vocab_size)``. An id outside it (``why``: what it would do
     wrong) given on the call (or in its ``generation_config``) is an error; inherited from the
-    model's ``generation_config`` it is dropped with a warning (``instead``: what is used then;
-    a model built from a larger config's defaults keeps such ids), also when a
+    model's ``generation_config`` it is dropped with a warning (``instead``: what is used then,
+    where no id is left; else the warning names the ids kept; a model built from a larger config's defaults keeps such ids), also when a
     ``generation_config`` passed on the call repeats them.
 
     Raises: ValueError for a given id outside the vocabulary."""
@@ -235,8 +235,10 @@ def _in_vocabulary(name: str, ids: tuple[int, ...], vocab_size: int, given: bool
     what = f"{name} {outside[0] if len(outside) == 1 else outside} lies outside the vocabulary [0, {vocab_size})"
     if given:
         raise ValueError(f"{what}: {why}; give ids in that range, or None ({instead})")
-    warn_caller(f"the model's generation_config {what}: {why}, so it is not used ({instead})")
-    return tuple(e for e in ids if 0 <= e < vocab_size)
+    kept = tuple(e for e in ids if 0 <= e < vocab_size)
+    after = f"the other {name} {list(kept)} still used" if kept else instead
+    warn_caller(f"the model's generation_config {what}: {why}, so it is not used ({after})")
+    return kept
 
 
 def _count(gc, name: str) -> int:

@@ -637,6 +637,25 @@ def test_an_inherited_pad_token_id_outside_the_vocabulary_is_dropped_with_a_warn
     assert int(out.max()) < VOCAB and bool((out[:, ids.shape[1]:] == eos[0]).any())
 
 
+def test_an_inherited_eos_list_drops_only_its_ids_outside_the_vocabulary(monkeypatch):
+    """Of the EOS ids the model's generation_config carries, one outside the vocabulary is dropped
+    with a warning that names the ids still used; those still stop rows. With none left, the
+    warning says that no EOS stops rows."""
+    sd = wrap()
+    ids, mask = ragged_prompts()
+    plain = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    eos = eos_ids(ids, plain)
+    monkeypatch.setattr(sd.model.generation_config, "eos_token_id", [eos[0], VOCAB + 3])
+    with pytest.warns(UserWarning, match=rf"eos_token_id {VOCAB + 3} lies outside .*not used \(the other "
+                                         rf"eos_token_id \[{eos[0]}\] still used\)"):
+        out = sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert torch.equal(out, sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, eos_token_id=eos[0]))
+    assert not torch.equal(out, plain)  # (row 0 stopped at its 3rd new token)
+    monkeypatch.setattr(sd.model.generation_config, "eos_token_id", [VOCAB + 3])
+    with pytest.warns(UserWarning, match=r"not used \(no EOS stops rows\)"):
+        sd.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+
+
 def test_beyond_the_models_context_warns(monkeypatch):
     """A prompt + budget beyond config.max_position_embeddings runs, as in HF's generate(), with a
     warning that says so; within it, none."""
