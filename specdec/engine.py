@@ -846,8 +846,12 @@ class SpeculativeGenerator:
     @property
     def _most_drafts(self) -> int:
         """The most drafts one step of a call asks for: ``max_speculative_tokens`` with
-        ``num_speculative_tokens="auto"``, else K."""
-        return self._max_K if self._K == AUTO else self._K
+        ``num_speculative_tokens="auto"``, else K; at most the drafter's
+        :attr:`~specdec.drafters.Drafter.max_drafts` (a chain of Medusa heads: one per head)."""
+        K = self._max_K if self._K == AUTO else self._K
+        d = self._drafter
+        cap = d.max_drafts if d is not None and d.tree is None else None
+        return K if cap is None else min(K, cap)
 
     @max_speculative_tokens.setter
     @_setting("setting max_speculative_tokens")

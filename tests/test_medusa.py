@@ -174,7 +174,7 @@ def test_greedy_exact_ragged_batch(tiny_heads, family, strategy):
     model, random_heads, fitted = tiny_heads[family]
     ids, mask = medusa_prompts()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    for heads, K in ((random_heads, 5), (fitted, 4), (fitted, 2)):  # K > heads: only num_heads drafts
+    for heads, K in ((random_heads, 5), (fitted, 4), (fitted, 2)):  # K > heads: num_heads drafts wide
         sd = specdec.wrap(model, drafter=MedusaDrafter(heads), rollback=strategy, num_speculative_tokens=K)
         out = sd.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0)
         assert torch.equal(out, ref), (family, strategy, K)
@@ -183,6 +183,33 @@ def test_greedy_exact_ragged_batch(tiny_heads, family, strategy):
         if heads is fitted:  # some steps accepted nothing, some a part, some every draft
             h = st.accept_histogram
             assert h[0] + sum(h[1:K]) > 0 and h[K] > 0 and sum(h[1:]) > h[0], (K, h)
+
+
+@pytest.mark.parametrize("K", [5, "auto"])
+def test_a_chain_steps_at_most_one_draft_per_head_wide(tiny_heads, K, monkeypatch):
+    """A chain of 3 heads asked for K = 5 (or "auto" up to max_speculative_tokens = 8): on the
+    static path every step's forward is at most 4 tokens wide (3 drafts and the last token), not
+    padded to K + 1; the histograms count 0..3; exact."""
+    from specdec.decoding import StaticDecoder
+
+    model, heads, _ = tiny_heads["qwen3_5"]
+    widths = []
+    forward = StaticDecoder.forward
+
+    def counted(self, tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(StaticDecoder, "forward", counted)
+    ids, mask = medusa_prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    drafter = MedusaDrafter(heads)
+    assert drafter.max_drafts == heads.num_heads == 3
+    sd = specdec.wrap(model, drafter=drafter, num_speculative_tokens=K, decode_path="static")
+    out = sd.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert widths and max(widths) == 4 if K == 5 else 1 <= min(widths) <= max(widths) <= 4, widths
+    assert len(sd.last_stats.accept_histogram) == len(sd.last_stats.k_histogram) == 4
 
 
 def test_sampling_keeps_the_target_distribution():

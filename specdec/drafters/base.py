@@ -38,6 +38,11 @@ class Drafter(abc.ABC):
     #: n-gram lookup, Medusa heads). ``num_speculative_tokens="auto"`` extrapolates the proposal
     #: time of a K not yet run from one measured K by it (proportional to K, or the same).
     drafts_sequentially: bool = False
+    #: the most drafts one chain proposal can hold (Medusa: one per head), or None: as many as
+    #: asked. The decode loop asks for at most this many: a larger ``num_speculative_tokens``
+    #: (or ``max_speculative_tokens`` under ``"auto"``) runs steps this wide, as an eager step
+    #: of the drafts proposed would, not padded to the K asked for
+    max_drafts: int | None = None
     #: how the last proposal ran, for a drafter with a program of its own (a draft model, MTP
     #: layers): ``"eager"``, ``"static"`` or ``"cuda_graph"``; None for one without (n-gram, Medusa)
     last_path: str | None = None

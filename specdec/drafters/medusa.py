@@ -384,7 +384,8 @@ class MedusaDrafter(Drafter):
 
     Chain (``tree=None``): draft j (1-based) is head j-1's top-1 (or a sample of its
     distribution when sampling; :meth:`draft_probs` exposes those distributions, so rejection
-    sampling stays lossless). With K > num_heads only num_heads drafts are proposed.
+    sampling stays lossless). At most ``num_heads`` drafts a step (:attr:`max_drafts`): with a
+larger K the steps run num_heads drafts wide.
 
     Tree (``tree=...``): node ``p`` of the tree (a path of top-k ranks, Medusa's format) holds
     head ``len(p)-1``'s rank-``p[-1]`` token; the target verifies the whole tree in one forward
@@ -438,6 +439,7 @@ class MedusaDrafter(Drafter):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val <= 1:
                 raise ValueError(f"{name} must be a number in (0, 1], got {val!r}")
         self.heads = heads.eval()
+        self.max_drafts = heads.num_heads  # (a chain: one draft per head)
         self.acceptance = acceptance
         self.posterior_threshold = float(posterior_threshold)
         self.posterior_alpha = float(posterior_alpha)
