@@ -259,6 +259,9 @@ def _check_input_ids(input_ids, vocab_size: int, device) -> torch.Tensor:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.is_meta:
+        raise ValueError("input_ids is on the meta device (a shape without values); give the token ids on the CPU "
+                         "or the model's device")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one prompt token")
     if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):

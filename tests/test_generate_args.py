@@ -609,6 +609,14 @@ def test_bad_values_raise(kwargs, error, pattern):
         wrap().generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
 
 
+def test_meta_input_ids_are_refused_by_name():
+    """input_ids on the meta device (a shape without values) are refused naming the argument and
+    what is accepted, not with a torch error from the first read of their values."""
+    ids, mask = ragged_prompts()
+    with pytest.raises(ValueError, match=r"input_ids is on the meta device .* on the CPU or the model's device"):
+        wrap().generate(ids.to("meta"), attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+
+
 @pytest.mark.parametrize("pad", [-5, VOCAB, 10**6])
 def test_a_pad_token_id_outside_the_vocabulary_raises(pad):
     """pad_token_id fills rows that stopped early in the output, where a tokenizer could not
