@@ -184,6 +184,9 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of prompts (lists of token ids), got {type(inputs).__name__}")
     max_new_tokens = as_budgets(max_new_tokens)  # a 1-D tensor / array: one budget per request (0-d: an int)
+    if not (max_new_tokens is None or isinstance(max_new_tokens, (list, tuple, numbers.Integral))):
+        raise TypeError(f"max_new_tokens must be None, one int or a list of ints (one per request, in input order), "
+                        f"got {type(max_new_tokens).__name__}")
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(inputs)
     defaulted = max_new_tokens is None
     if len(budgets) != len(inputs):

@@ -155,6 +155,16 @@ def test_generate_budget_per_row_of_a_wrong_type(given, error, match):
         sd.generate(ids, attention_mask=mask, max_new_tokens=given, pad_token_id=0)
 
 
+@pytest.mark.parametrize("given", [{"req_0": 3}, {3, 4}])
+def test_generate_batch_budgets_of_a_wrong_type(given):
+    """generate_batch's max_new_tokens of a type it does not take (a dict by request id, a set)
+    is refused as a whole, saying what it takes, before any request runs."""
+    sd = specdec.wrap(get_model(FAMILY), num_speculative_tokens=2)
+    with pytest.raises(TypeError, match=r"max_new_tokens must be None, one int or a list of ints \(one per request, "
+                                        rf"in input order\), got {type(given).__name__}"):
+        sd.generate_batch([[5, 6, 7], [8, 9]], max_new_tokens=given)
+
+
 @pytest.mark.parametrize("max_batch_tokens", [1, 12, 40, 16384])
 def test_admissions_take_the_oldest_and_leave_no_request_behind(max_batch_tokens):
     """Admissions of a pool whose requests of mixed prompt lengths and budgets come in random
