@@ -201,7 +201,9 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
             raise ValueError(f"max_new_tokens of {label} must be >= 0, got {b}")
     requests, failed = [], {}
     for i, prompt in enumerate(inputs):
+        given = type(prompt).__name__  # (an array's type, named in an error after it became a list)
         if is_array(prompt) and (prompt.ndim == 1 or isinstance(prompt, torch.Tensor) and prompt.ndim == 0):
+            given += f" of dtype {prompt.dtype}"
             prompt = prompt.reshape(-1).tolist()  # (a 0-d tensor: one token, as before; a NumPy scalar: refused)
         if not isinstance(prompt, (list, tuple)):
             dims = f" of {prompt.ndim} dims" if getattr(prompt, "ndim", None) is not None else ""
@@ -212,8 +214,8 @@ def check_requests(inputs, max_new_tokens, vocab_size: int, max_positions: int |
         bad = {k for k in kinds if not issubclass(k, numbers.Integral) or issubclass(k, bool)}
         if bad:
             odd = next(t for t in prompt if type(t) in bad)
-            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids, got a {type(prompt).__name__} "
-                            f"holding {type(odd).__name__} {odd!r}")
+            raise TypeError(f"{labels[i]}: a prompt must be a list of int token ids (or a 1-D integer tensor or NumPy "
+                            f"array), got a {given} holding {type(odd).__name__} {odd!r}")
         ids = tuple(prompt) if kinds <= {int} else tuple(map(int, prompt))
         if not defaulted:
             budget = int(budgets[i])

@@ -371,8 +371,10 @@ def test_argument_errors():
     cases = [
         (dict(inputs=torch.tensor([[5, 6]])), TypeError, "list of prompts"),
         (dict(inputs=[[5, "a"]]), TypeError, "req_0"),
-        (dict(inputs=[[5, 6], [5.0, 6.0]]), TypeError, "req_1: a prompt must be a list of int token ids, got a list "
-                                                       "holding float 5.0"),
+        (dict(inputs=[[5, 6], [5.0, 6.0]]), TypeError, r"req_1: a prompt must be a list of int token ids \(or a 1-D "
+                                                       r"integer tensor or NumPy array\), got a list holding float 5.0"),
+        (dict(inputs=[[5, 6], np.array([5.0, 6.0])]), TypeError, "req_1: .* got a ndarray of dtype float64 holding "
+                                                                 "float 5.0"),
         (dict(inputs=[[5, None]]), TypeError, "req_0: .* holding NoneType None"),
         (dict(prefix_caching=True, prefix_cache_bytes="lots"), ValueError, "prefix_cache_bytes 'lots'"),
         (dict(max_new_tokens=[3, 4]), ValueError, "one per request"),
