@@ -68,6 +68,19 @@ def test_help_of_a_recipe_lists_its_keys(recipe, keys):
     assert "\n  drafter=" not in text and "\n  experiment=" in text
 
 
+def test_version_names_specdec_and_its_hydra():
+    """``--version`` prints specdec's version (and the Hydra that runs it), not only Hydra's,
+    before any heavy import."""
+    import specdec
+
+    code = ("import sys; from specdec.experiments.cli import main; main(['--version']); "
+            "print('HEAVY', [m for m in ('torch', 'transformers', 'hydra') if m in sys.modules])")
+    res = _run(["-c", code])
+    assert res.returncode == 0, res.stderr
+    first, heavy = res.stdout.strip().splitlines()
+    assert re.fullmatch(rf"specdec-run {re.escape(specdec.__version__)} \(Hydra [\d.]+\)", first) and heavy == "HEAVY []"
+
+
 def test_python_m_specdec_help_exits_0():
     res = _run(["-m", "specdec", "--help"])
     assert res.returncode == 0 and res.stdout.startswith("usage: specdec-run") and not res.stderr

@@ -353,10 +353,20 @@ def _experiment_arg(args: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``specdec-run``): ``--help`` and override checks here, then the Hydra
-    app (:func:`specdec.experiments.app.run_app`). A usage error exits with status 2 and one line
+    """Console entry point (``specdec-run``): ``--version``, ``--help`` and override checks here,
+    then the Hydra app (:func:`specdec.experiments.app.run_app`). A usage error exits with status 2 and one line
     on stderr."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in args:  # (specdec's, with the Hydra that runs it; Hydra's own flag names only itself)
+        from importlib.metadata import PackageNotFoundError, version
+
+        from .. import __version__
+        try:
+            hydra = version("hydra-core")
+        except PackageNotFoundError:
+            hydra = "not installed"
+        print(f"specdec-run {__version__} (Hydra {hydra})")
+        return
     if any(a in _HELP for a in args):
         width = min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
         sys.stdout.write(help_text(_experiment_arg(args), width=max(60, width)))
