@@ -637,8 +637,9 @@ class ContinuousBatchingManager:
 
         Returns: the ``GenerationOutput`` (``FINISHED``, or ``FAILED`` with ``error``; a streaming
         request's partial result, ``DECODING``, while it decodes), or None:
-        after ``timeout``, or at once when no request is waiting or decoding (or the loop is not
-        running) and no result is ready.
+        after ``timeout``, or at once when no request is waiting or decoding and no result is
+        ready, or when the loop is not running (with a warning where requests wait for it:
+        added before ``start()`` or after the loop ended).
 
         Raises:
             KeyError: ``request_id`` names no request waiting, decoding or with a result to take.
@@ -658,7 +659,11 @@ class ContinuousBatchingManager:
                 if self._error is not None:
                     raise RuntimeError(f"the continuous batching loop failed: {type(self._error).__name__}: "
                                        f"{self._error}") from self._error
-                if not self._in_flight or not self.is_running():
+                if not self._in_flight:
+                    return None
+                if not self.is_running():  # (queued requests wait for start(): said, not left to a timeout)
+                    logger.warning(f"{len(self._in_flight)} request(s) wait, but the continuous batching loop is not "
+                                   "running: start() the manager to decode them")
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

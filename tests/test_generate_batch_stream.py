@@ -7,6 +7,7 @@ more rows under replay than under snapshot, as the layer arithmetic of the confi
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import threading
 import time
@@ -55,12 +56,16 @@ class Gate(TextOracle):
         return super().propose(input_ids, lengths, K)
 
 
-def test_requests_added_while_running():
+def test_requests_added_while_running(caplog):
     """Requests added before start and while the loop runs (after a result was taken) all equal
-    generate alone; iteration ends when every result was taken; stats cover every request."""
+    generate alone (before start, get_result returns None at once with a warning that they wait
+    for it); iteration ends when every result was taken; stats cover every request."""
     prompts, budgets, eos, expected, full = _reference(FAMILY)
     sd, m = _manager(TextOracle(full))
     first = m.add_requests(prompts[:3], max_new_tokens=budgets[:3])
+    with caplog.at_level(logging.WARNING, logger="specdec.serving"):
+        assert m.get_result(timeout=5) is None  # not started: at once, saying why
+    assert "3 request(s) wait, but the continuous batching loop is not running: start() the manager" in caplog.text
     with m:
         assert m.is_running() and _loop_threads()
         got = [m.get_result(timeout=60)]
