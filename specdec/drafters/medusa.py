@@ -385,7 +385,7 @@ class MedusaDrafter(Drafter):
     Chain (``tree=None``): draft j (1-based) is head j-1's top-1 (or a sample of its
     distribution when sampling; :meth:`draft_probs` exposes those distributions, so rejection
     sampling stays lossless). At most ``num_heads`` drafts a step (:attr:`max_drafts`): with a
-larger K the steps run num_heads drafts wide.
+    larger K the steps run num_heads drafts wide.
 
     Tree (``tree=...``): node ``p`` of the tree (a path of top-k ranks, Medusa's format) holds
     head ``len(p)-1``'s rank-``p[-1]`` token; the target verifies the whole tree in one forward

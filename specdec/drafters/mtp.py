@@ -76,8 +76,8 @@ family's own initialisation, for timing a checkpoint shape that has no trained M
 from __future__ import annotations
 
 import copy
-import numbers
 import json
+import numbers
 import re
 from pathlib import Path
 
